@@ -1,0 +1,135 @@
+"""The only module that imports torch.distributed: the control plane of save and load.
+
+Invariants:
+  * Control messages (plans, per-rank records, errors, the commit verdict) travel over a *gloo*
+    group, even when training uses NCCL: they are small Python objects, and gloo needs no device
+    memory and honours its timeout on CPU.
+  * Every collective is bounded by DISTCKPT_TIMEOUT_S; a dead or hung peer becomes a
+    :class:`PeerLostError` on the surviving ranks, never an endless wait.
+  * Errors are exchanged, not thrown across: every phase ends with an all-gather in which each rank
+    contributes either its result or its typed error, so all ranks take the same decision.
+  * Without an initialized process group, :func:`control_group` returns a one-rank group and save /
+    load run as plain single-process functions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import weakref
+from typing import Any
+
+from .config import get_config
+from .errors import DistCkptError, PeerLostError, RankFailureError
+
+__all__ = ["ControlGroup", "control_group", "is_distributed"]
+
+
+def is_distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+class ControlGroup:
+    """rank, world_size and the few collectives the protocol needs, over a gloo group."""
+
+    def __init__(self, pg: Any | None, rank: int, world_size: int) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+
+    def _wrap(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except DistCkptError:
+            raise
+        except Exception as exc:  # gloo reports a dead peer or a timeout as RuntimeError/DistError
+            raise PeerLostError(
+                f"{what} among {self.world_size} ranks failed: {type(exc).__name__}: {exc}",
+                rank=self.rank) from exc
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (a one-element list in a single process)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.world_size
+
+        def run():
+            dist.all_gather_object(out, obj, group=self.pg)
+            return out
+
+        return self._wrap("all_gather", run)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+
+        def run():
+            dist.broadcast_object_list(box, src=self._global(src), group=self.pg)
+            return box[0]
+
+        return self._wrap("broadcast", run)
+
+    def _global(self, group_rank: int) -> int:
+        import torch.distributed as dist
+        return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank
+
+    def exchange_outcome(self, error: BaseException | None, *, operation: str) -> None:
+        """All-gather every rank's error (or None); raise the same typed error on every rank when
+        any rank failed. In a single process the local error is re-raised unchanged."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        outcomes = self.all_gather(_portable(error))
+        failures = {r: e for r, e in enumerate(outcomes) if e is not None}
+        if failures:
+            raise RankFailureError(failures, operation=operation, rank=self.rank) from error
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """An error that will unpickle on the other ranks: typed errors as they are, anything else as
+    a DistCkptError carrying the original type name and message."""
+    if error is None or isinstance(error, DistCkptError):
+        return error
+    wrapped = DistCkptError(f"{type(error).__name__}: {error}")
+    wrapped.__cause__ = None
+    return wrapped
+
+
+_GROUPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_DEFAULT_KEY = object()
+_default_side_group: dict[Any, Any] = {}
+
+
+def control_group(process_group: Any | None = None) -> ControlGroup:
+    """The control group for ``process_group`` (default: the world), creating a gloo side group
+    once when that group's backend is not gloo. Must be called by every rank of the group (it may
+    run a collective the first time)."""
+    if not is_distributed():
+        return ControlGroup(None, 0, 1)
+    import torch.distributed as dist
+    pg = process_group if process_group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    # Always a side group of our own, even over a gloo world: it carries our bounded timeout
+    # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
+    key = pg
+    try:
+        side = _GROUPS.get(key)
+    except TypeError:  # not weak-referenceable
+        side = _default_side_group.get(id(key))
+    if side is None:
+        ranks = dist.get_process_group_ranks(pg)
+        side = dist.new_group(ranks=ranks, backend="gloo",
+                              timeout=datetime.timedelta(seconds=get_config().timeout_s))
+        try:
+            _GROUPS[key] = side
+        except TypeError:
+            _default_side_group[id(key)] = side
+    return ControlGroup(side, rank, world)

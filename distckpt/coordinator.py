@@ -1,0 +1,389 @@
+"""The commit protocol of a collective save. The one place where a checkpoint becomes visible.
+
+Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control group):
+
+  1. PLAN      each rank flattens its state dict and summarizes its items (fqn, dtype, global shape, local boxes, bytes);
+               G.all_gather. Every rank merges the summaries the same way, validates them
+               (same dtype/shape everywhere, boxes disjoint and covering) and assigns exactly one
+               writer to every box held by several ranks (replicated tensors, DTensor Replicate),
+               balancing bytes per rank (plan.assign_owners). Any rank's error -> all raise.
+  2. PREPARE   rank 0 refuses an existing committed checkpoint unless overwrite, reclaims tmp dirs
+               of earlier crashed saves of the same name, checks free space for the bytes all ranks
+               will write, creates ``.NAME.tmp-SAVEID/``; G.broadcast of the tmp dir or the error.
+  3. WRITE     each rank writes ``rankNNNNN.bin`` into the tmp dir through its O_DIRECT writer:
+               chunks at aligned offsets, crc32c per checksum block, fsync, close. G.all_gather of
+               (records, size) or the error.
+  4. COMMIT    rank 0, only if every rank succeeded: encodes MANIFEST (msgpack; magic, version,
+               crc), writes + fsyncs it inside the tmp dir, fsyncs the tmp dir, renames it to NAME
+               (RENAME_EXCHANGE when overwriting), fsyncs the parent, deletes a replaced old
+               checkpoint, runs ``after_commit`` (the manager's ``latest`` + rotation). On any
+               failure rank 0 deletes the tmp dir and nothing is committed. G.broadcast of the
+               verdict; every rank returns or raises the same typed error, only after that point.
+
+Invariants held (DESIGN.md): I1 a directory is loadable only once it has its final name, which it
+gets in one rename after every byte it names is durable; I2 nothing outside the tmp dir is touched
+before the commit, and an old checkpoint is replaced only by an atomic exchange; I3 every data file
+and MANIFEST is fsynced before the rename, the parent after it; I4 every failure is typed and
+reaches every rank through the gather/broadcast of each phase; I5 writers close their fds on every
+path; I6 tmp dirs of crashed saves are reclaimed at the next save of the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+import time
+import uuid
+from typing import Any, Callable
+
+import crc32c as _crc32c
+import msgpack
+
+from . import manifest as mf
+from ._dist import ControlGroup, _portable
+from .config import get_config
+from .errors import (CheckpointExistsError, DistCkptError, RankFailureError, StateDictMismatchError,
+                     UnsupportedValueError, from_os_error)
+from .flatten import ObjectItem, TensorItem, flatten, object_entry
+from .plan import Box, assign_owners, find_tiling_defect
+from .staging import dtype_name, host_bytes
+from .storage import local
+
+__all__ = ["SaveResult", "save_collective", "reclaim_tmp_dirs", "is_committed", "TMP_RE", "DATA_FILE"]
+
+log = logging.getLogger("distckpt")
+
+DATA_FILE = "rank{:05d}.bin"
+MANIFEST = "MANIFEST"
+# Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
+TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    """What a save did. ``bytes_per_rank[r]`` is the size of rank r's data file."""
+
+    path: str
+    world_size: int
+    rank: int
+    bytes_per_rank: list[int]
+    total_bytes: int
+    seconds: float
+    backend: str
+    backend_reason: str
+    save_id: str
+
+
+def is_committed(path: str) -> bool:
+    """True when ``path`` is a committed checkpoint directory (it has its MANIFEST and is not a
+    hidden tmp/del directory)."""
+    return (not TMP_RE.match(os.path.basename(os.path.normpath(path)))
+            and os.path.isfile(os.path.join(path, MANIFEST)))
+
+
+def reclaim_tmp_dirs(parent: str, name: str | None = None) -> list[str]:
+    """Delete leftover ``.NAME.tmp-*`` / ``.NAME.del-*`` directories in ``parent`` (all names when
+    ``name`` is None). Committed directories are never touched. Returns what was removed."""
+    removed = []
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return removed
+    except OSError as exc:
+        raise from_os_error(exc, path=parent, operation="list") from exc
+    for entry in entries:
+        m = TMP_RE.match(entry)
+        if m and (name is None or m.group("name") == name):
+            local.delete_tree(os.path.join(parent, entry))
+            removed.append(entry)
+    if removed:
+        log.info("distckpt: reclaimed %d leftover directories in %s: %s", len(removed), parent, removed)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1: plan
+
+
+def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int, allow_pickle: bool,
+               metadata: dict | None) -> dict:
+    if rank == 0 and metadata is not None:
+        try:
+            msgpack.packb(metadata, use_bin_type=True, strict_types=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UnsupportedValueError(f"metadata must be plain data (dict/list/str/int/float/bool/bytes/None): {exc}",
+                                        key="metadata") from None
+    tensors = {}
+    objects = {}
+    for fqn, item in items.items():
+        if isinstance(item, TensorItem):
+            size = item.dtype.itemsize
+            tensors[fqn] = (item.kind, dtype_name(item.dtype), item.shape,
+                            [(p.offsets, p.sizes, size * _volume(p.sizes)) for p in item.pieces])
+        elif rank == 0:
+            objects[fqn] = object_entry(fqn, item.value, allow_pickle=allow_pickle)
+    return {"tensors": tensors, "objects": objects, "tree": tree if rank == 0 else None,
+            "keys": sorted(items) if rank != 0 else None}
+
+
+def _volume(sizes) -> int:
+    v = 1
+    for s in sizes:
+        v *= s
+    return v
+
+
+@dataclasses.dataclass
+class _GlobalPlan:
+    tensors: dict[str, tuple[str, str, tuple]]  # fqn -> (kind, dtype, shape)
+    owners: dict[tuple, int]                      # (fqn, offsets, sizes) -> writer rank
+    bytes_per_rank: list[int]
+    objects: dict[str, tuple[str, Any]]
+    tree: dict
+
+
+def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
+    """Merge every rank's summary. Pure and deterministic: every rank computes the same plan."""
+    world = len(summaries)
+    base_keys = set(summaries[0]["tensors"]) | set(summaries[0]["objects"])
+    problems = []
+    for r in range(1, world):
+        keys = set(summaries[r]["keys"])
+        if keys != base_keys:
+            problems.append(f"rank {r} has keys {sorted(keys - base_keys)[:5]} that rank 0 lacks and lacks "
+                            f"{sorted(base_keys - keys)[:5]}")
+    meta: dict[str, tuple[str, str, tuple]] = {}
+    candidates: dict[tuple, list[tuple[int, int]]] = {}
+    for r, s in enumerate(summaries):
+        for fqn, (kind, dtype, shape, pieces) in s["tensors"].items():
+            shape = tuple(shape)
+            seen = meta.setdefault(fqn, (kind, dtype, shape))
+            if seen[1:] != (dtype, shape):
+                problems.append(f"{fqn!r} is {seen[1]}{list(seen[2])} on one rank and {dtype}{list(shape)} on rank {r}")
+                continue
+            for offsets, sizes, nbytes in pieces:
+                candidates.setdefault((fqn, tuple(offsets), tuple(sizes)), []).append((r, nbytes))
+    # Distinct boxes of one tensor must tile its global shape: disjoint and covering. Identical
+    # boxes on several ranks are replicas (one writer is chosen, so they count once here).
+    boxes_by_fqn: dict[str, list[Box]] = {}
+    for fqn, offsets, sizes in candidates:
+        boxes_by_fqn.setdefault(fqn, []).append(Box(offsets, sizes))
+    for fqn, (kind, dtype, shape) in meta.items():
+        boxes = boxes_by_fqn.get(fqn, [])
+        try:
+            defect = find_tiling_defect(boxes, Box.full(shape))
+        except ValueError as exc:
+            problems.append(f"pieces of {fqn!r} do not fit its shape {list(shape)}: {exc}")
+            continue
+        if defect is not None:
+            problems.append(f"the ranks' pieces of {fqn!r} (shape {list(shape)}) must cover it exactly once: "
+                            f"{defect.kind} at {defect.region}")
+    if problems:
+        raise StateDictMismatchError(
+            "the ranks' state dicts do not describe one consistent checkpoint: " + "; ".join(problems[:10]),
+            remedy="Every rank must pass the same keys; sharded tensors must tile their global shape.")
+    owners = assign_owners(candidates)
+    bytes_per_rank = [0] * world
+    for key, r in owners.items():
+        bytes_per_rank[r] += dict(candidates[key])[r]
+    return _GlobalPlan(meta, owners, bytes_per_rank, summaries[0]["objects"], summaries[0]["tree"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2: prepare (rank 0)
+
+
+def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: int) -> str:
+    parent, name = os.path.split(os.path.abspath(final_dir))
+    if not os.path.isdir(parent):
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, path=parent, operation="mkdir") from exc
+    if os.path.lexists(final_dir):
+        if not is_committed(final_dir):
+            if os.path.isdir(final_dir) and not os.listdir(final_dir):
+                os.rmdir(final_dir)  # an empty directory the user made for us
+            else:
+                raise CheckpointExistsError(
+                    f"{final_dir} exists and is not a distckpt checkpoint (no MANIFEST); refusing to replace it",
+                    path=final_dir, rank=rank, remedy="Choose another path or remove it yourself.")
+        elif not overwrite:
+            raise CheckpointExistsError(f"a committed checkpoint already exists at {final_dir}",
+                                        path=final_dir, rank=rank)
+    reclaim_tmp_dirs(parent, name)
+    if get_config().preflight:
+        from .preflight import check_save_space
+        check_save_space(parent, needed, rank=rank)
+    tmp_dir = os.path.join(parent, f".{name}.tmp-{save_id}")
+    local.make_dir(tmp_dir)
+    return tmp_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 3: write (every rank)
+
+
+def _write_rank_file(path: str, pieces: list[tuple[str, Any]], checksum_block: int):
+    """Write this rank's owned pieces into one data file. Returns (records, size, backend choice)."""
+    from .io import choose_backend, open_writer
+
+    choice = choose_backend(os.path.dirname(path))
+    records: list[tuple[str, mf.ChunkRecord]] = []
+    rank_index = int(os.path.basename(path)[4:9])
+    with open_writer(path, choice=choice, durable=True) as w:
+        align = w.alignment
+        for fqn, piece in pieces:
+            view, keep = host_bytes(piece.tensor)
+            offset = w.pad_to(align)
+            crcs = []
+            # crc then write each checksum block while it is hot in cache: one pass over memory.
+            for start in range(0, len(view), checksum_block):
+                block = view[start:start + checksum_block]
+                crcs.append(_crc32c.crc32c(block))
+                w.write(block)
+            del keep  # the writer copied the bytes into its staging buffers
+            records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
+                                                file=rank_index, offset=offset, nbytes=len(view),
+                                                crcs=tuple(crcs))))
+        size = w.close()
+    return records, size, choice
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol
+
+
+def save_collective(
+    group: ControlGroup,
+    *,
+    state_dict: Any,
+    final_dir: str,
+    overwrite: bool,
+    allow_pickle: bool,
+    metadata: dict | None,
+    after_commit: Callable[[], None] | None = None,
+) -> SaveResult:
+    """Run phases 1-4 (module docstring) on this rank. Returns only after the commit verdict.
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint is at ``final_dir`` and not ``overwrite``.
+        RankFailureError: (several ranks) some rank failed; ``failures`` holds each rank's error.
+        DistCkptError subclasses: (one rank) the typed error itself.
+        PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S.
+    """
+    cfg = get_config()
+    t0 = time.monotonic()
+    rank, world = group.rank, group.world_size
+
+    # 1. PLAN
+    summary, error, items = None, None, {}
+    try:
+        tree, items = flatten(state_dict, allow_pickle=allow_pickle)
+        summary = _summarize(items, tree, rank, allow_pickle, metadata)
+    except Exception as exc:
+        error = exc
+    gathered = group.all_gather((summary, _portable(error)))
+    _raise_failures(group, [e for _, e in gathered], error, "save")
+    plan = _merge_plan([s for s, _ in gathered])
+
+    # 2. PREPARE
+    save_id = uuid.uuid4().hex
+    prepared = None
+    if rank == 0:
+        try:
+            needed = sum(plan.bytes_per_rank) + 64 * 1024 * (len(plan.owners) + world) + (1 << 20)
+            prepared = (_prepare(final_dir, save_id, overwrite, needed, rank), None)
+        except Exception as exc:
+            prepared = (None, _portable(exc))
+    prepared = group.broadcast(prepared)
+    tmp_dir, prep_error = prepared
+    if prep_error is not None:
+        raise prep_error
+
+    # 3. WRITE
+    mine = []
+    for fqn, item in items.items():
+        if isinstance(item, TensorItem):
+            for piece in item.pieces:
+                if plan.owners.get((fqn, tuple(piece.offsets), tuple(piece.sizes))) == rank:
+                    mine.append((fqn, piece))
+    result, error = None, None
+    try:
+        records, size, choice = _write_rank_file(os.path.join(tmp_dir, DATA_FILE.format(rank)), mine,
+                                                 cfg.checksum_block)
+        result = (records, size, choice.name, choice.reason)
+    except Exception as exc:
+        error = exc
+    outcomes = group.all_gather((result, _portable(error)))
+
+    # 4. COMMIT
+    verdict = None
+    if rank == 0:
+        published = False
+        try:
+            if any(e is not None for _, e in outcomes):
+                local.delete_tree(tmp_dir)
+            else:
+                manifest = _build_manifest(plan, outcomes, save_id, world, cfg.checksum_block, metadata)
+                local.write_file_durable(os.path.join(tmp_dir, MANIFEST), mf.encode(manifest))
+                replaced = local.publish_dir(tmp_dir, final_dir, overwrite=overwrite)
+                published = True
+                if replaced is not None:
+                    local.delete_tree(replaced)
+                if after_commit is not None:
+                    after_commit()
+        except Exception as exc:
+            # Before the rename nothing is visible: drop the tmp dir. After it, the checkpoint is
+            # committed and durable; the error (e.g. rotation) is still reported to every rank.
+            verdict = _portable(exc)
+            if not published:
+                try:
+                    local.delete_tree(tmp_dir)
+                except DistCkptError as cleanup_exc:
+                    log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
+    _raise_failures(group, [e for _, e in outcomes], error, "save")
+    verdict = group.broadcast(verdict)
+    if verdict is not None:
+        raise verdict
+    mine_result = outcomes[rank][0]
+    return SaveResult(
+        path=os.path.abspath(final_dir), world_size=world, rank=rank,
+        bytes_per_rank=[o[0][1] for o in outcomes], total_bytes=sum(o[0][1] for o in outcomes),
+        seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id)
+
+
+def _raise_failures(group: ControlGroup, errors: list, local_error: BaseException | None, operation: str) -> None:
+    failures = {r: e for r, e in enumerate(errors) if e is not None}
+    if not failures:
+        return
+    if group.world_size == 1:
+        raise local_error if local_error is not None else failures[0]
+    raise RankFailureError(failures, operation=operation, rank=group.rank) from local_error
+
+
+def _build_manifest(plan: _GlobalPlan, outcomes, save_id: str, world: int, checksum_block: int,
+                    metadata: dict | None) -> "mf.Manifest":
+    chunks: dict[str, list] = {fqn: [] for fqn in plan.tensors}
+    files = []
+    for r, (result, _) in enumerate(outcomes):
+        records, size, backend, _reason = result
+        files.append(mf.FileEntry(name=DATA_FILE.format(r), size=size, rank=r))
+        for fqn, rec in records:
+            chunks[fqn].append(rec)
+    tensors = {
+        fqn: mf.TensorEntry(dtype=dtype, shape=tuple(shape), kind=kind,
+                            chunks=tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
+        for fqn, (kind, dtype, shape) in plan.tensors.items()
+    }
+    objects = {fqn: mf.ObjectEntry(kind=kind, value=value) for fqn, (kind, value) in plan.objects.items()}
+    from . import __version__
+    meta = {"distckpt_version": __version__, "io_backend": outcomes[0][0][2]}
+    if metadata:
+        meta["user"] = metadata
+    return mf.Manifest(format_version=mf.FORMAT_VERSION, save_id=save_id, world_size=world,
+                       created_unix=time.time(), checksum_algo="crc32c", checksum_block=checksum_block,
+                       files=tuple(files), tensors=tensors, objects=objects, tree=plan.tree, meta=meta)

@@ -1,0 +1,391 @@
+"""The distckpt exception hierarchy.
+
+Invariants:
+  * The root, :class:`DistCkptError`, derives from :class:`Exception` (never BaseException), so
+    ``except Exception`` in a training loop catches it.
+  * Leaves also derive from the builtin a caller would already catch: OS-level failures are
+    :class:`OSError` subclasses that keep ``errno`` (``except OSError`` keeps working), a checkpoint
+    that already exists is a :class:`FileExistsError`, and so on.
+  * Every instance carries ``path``, ``rank`` and ``remedy`` fields, states expected vs found in
+    its message, and survives pickling (errors travel between ranks over the control group).
+  * errno is mapped to a class in exactly one place: :func:`from_os_error`, called at the storage
+    boundary (distckpt.io, distckpt.storage).
+
+This module imports nothing from distckpt.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+from typing import Any, Mapping
+
+__all__ = [
+    "DistCkptError",
+    "StorageError",
+    "DiskFullError",
+    "FileTooLargeError",
+    "StoragePermissionError",
+    "TooManyOpenFilesError",
+    "StorageIOError",
+    "SharedMemoryError",
+    "DistributedEnvError",
+    "IOBackendUnavailableError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointIncompleteError",
+    "CheckpointCorruptError",
+    "ManifestCorruptError",
+    "ChecksumMismatchError",
+    "DataFileMissingError",
+    "DataFileTruncatedError",
+    "UnsupportedValueError",
+    "PickleNotAllowedError",
+    "StateDictMismatchError",
+    "ReshardError",
+    "RankFailureError",
+    "PeerLostError",
+    "ConfigError",
+    "from_os_error",
+    "format_bytes",
+]
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable decimal size, e.g. ``61.2 GB``; exact bytes below 1 kB."""
+    n = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    raise AssertionError("unreachable")
+
+
+def _env_rank() -> int | None:
+    value = os.environ.get("RANK")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _restore(cls: type, args: tuple, state: dict, os_fields: tuple | None) -> "DistCkptError":
+    obj = cls.__new__(cls, *args)
+    obj.args = args
+    obj.__dict__.update(state)
+    if os_fields is not None:
+        obj.errno, obj.strerror, obj.filename = os_fields
+    return obj
+
+
+class DistCkptError(Exception):
+    """Root of every error distckpt raises on purpose.
+
+    Attributes:
+        message: The full message (expected vs found).
+        path: The file or directory concerned, or None.
+        rank: The rank where the error happened (from ``RANK`` when not given), or None.
+        remedy: One sentence saying what to do about it.
+    """
+
+    default_remedy = "See docs/ERRORS.md for this error class."
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike | None = None,
+        rank: int | None = None,
+        remedy: str | None = None,
+        errno: int | None = None,
+        **details: Any,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = os.fspath(path) if path is not None else None
+        self.rank = rank if rank is not None else _env_rank()
+        self.remedy = remedy or self.default_remedy
+        self.details = dict(details)
+        for key, value in details.items():  # typed fields: e.key, e.free, e.needed ...
+            if not hasattr(type(self), key):
+                setattr(self, key, value)
+        if isinstance(self, OSError):
+            # OSError's own slots: keep errno so `except OSError as e: e.errno` keeps working.
+            self.errno = errno
+            self.strerror = os.strerror(errno) if errno is not None else None
+            self.filename = self.path
+        elif errno is not None:
+            self.details["errno"] = errno
+
+    def __str__(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.path is not None:
+            where.append(f"path {self.path}")
+        prefix = f"[{', '.join(where)}] " if where else ""
+        return f"{prefix}{self.message}. Remedy: {self.remedy}"
+
+    def __reduce__(self):
+        os_fields = (self.errno, self.strerror, self.filename) if isinstance(self, OSError) else None
+        return (_restore, (type(self), self.args, dict(self.__dict__), os_fields))
+
+
+# --------------------------------------------------------------------------------------------
+# Storage (OS-level) errors. All are OSError subclasses that keep errno.
+
+
+class StorageError(DistCkptError, OSError):
+    """An OS-level failure at the storage boundary that no narrower class describes."""
+
+    default_remedy = "Check the file system's health and the error number above."
+
+
+class DiskFullError(StorageError):
+    """ENOSPC or EDQUOT: the file system (or the user's quota) has no room left.
+
+    Extra fields: ``needed`` and ``free`` in bytes when known.
+    """
+
+    default_remedy = (
+        "Free space on that file system (delete old checkpoints or lower keep_last), "
+        "raise the quota, or save to a larger volume."
+    )
+
+
+class FileTooLargeError(StorageError):
+    """EFBIG: the file exceeds RLIMIT_FSIZE or the file system's maximum file size."""
+
+    default_remedy = "Raise the file-size limit (`ulimit -f unlimited`) or use a file system that allows larger files."
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """EACCES, EPERM or EROFS: the process may not create or write that file."""
+
+    default_remedy = (
+        "Make the checkpoint directory writable by this user (and the mount read-write), "
+        "or choose another directory."
+    )
+
+
+class TooManyOpenFilesError(StorageError):
+    """EMFILE or ENFILE: the per-process or system-wide fd table is full."""
+
+    default_remedy = "Raise the open-file limit (`ulimit -n 65536`) or close files the job keeps open."
+
+
+class StorageIOError(StorageError):
+    """EIO (at write, read or fsync). Never retried: after a failed fsync the page cache may
+    already have dropped the data, so the only safe answer is to fail the save."""
+
+    default_remedy = "The device reported an I/O error: check dmesg and the disk; the save was not committed."
+
+
+class SharedMemoryError(DistCkptError, OSError):
+    """/dev/shm is too small for what the job needs (NCCL's shared-memory transport, workers)."""
+
+    default_remedy = (
+        "Give the container more shared memory (docker --shm-size=8g, a larger /dev/shm mount) "
+        "or set NCCL_SHM_DISABLE=1."
+    )
+
+
+class IOBackendUnavailableError(DistCkptError, OSError):
+    """A forced io backend (DISTCKPT_IO_BACKEND) cannot run here: io_uring refused by the kernel
+    or a seccomp filter, or O_DIRECT refused by the file system."""
+
+    default_remedy = "Set DISTCKPT_IO_BACKEND=auto to let distckpt choose a backend that works here."
+
+
+# --------------------------------------------------------------------------------------------
+# Environment and configuration.
+
+
+class DistributedEnvError(DistCkptError, RuntimeError):
+    """The torchrun / NCCL / Gloo environment is missing or inconsistent.
+
+    Extra field: ``variable``, the environment variable at fault, when there is one.
+    """
+
+    default_remedy = "Launch with torchrun (or set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT consistently)."
+
+
+class ConfigError(DistCkptError, ValueError):
+    """A DISTCKPT_* variable or an option holds an invalid value."""
+
+    default_remedy = "Fix the value named above (see docs/CONFIG in README.md for allowed values)."
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint state on disk.
+
+
+class CheckpointExistsError(DistCkptError, FileExistsError):
+    """A committed checkpoint already exists at the path; distckpt never overwrites in place."""
+
+    default_remedy = "Pass overwrite=True to replace it atomically, or save to a new path."
+
+
+class CheckpointNotFoundError(DistCkptError, FileNotFoundError):
+    """No checkpoint (or no committed step) at the path."""
+
+    default_remedy = "Check the path; list committed steps with `distckpt ls ROOT`."
+
+
+class CheckpointIncompleteError(DistCkptError, FileNotFoundError):
+    """The directory is not a committed checkpoint: no MANIFEST, or a save's temporary directory."""
+
+    default_remedy = "Load a committed checkpoint instead; this one was never finished and is never loadable."
+
+
+class CheckpointCorruptError(DistCkptError, ValueError):
+    """The checkpoint's bytes do not match what its MANIFEST promises."""
+
+    default_remedy = "Restore from an older checkpoint (or a replica); this one is damaged."
+
+
+class ManifestCorruptError(CheckpointCorruptError):
+    """MANIFEST is damaged: bad magic, unknown version, checksum mismatch, or invalid values
+    (a file name that escapes the directory, offsets outside a file)."""
+
+
+class ChecksumMismatchError(CheckpointCorruptError):
+    """A data block's checksum differs from the MANIFEST's. Fields: ``file``, ``key``, ``offset``."""
+
+
+class DataFileMissingError(CheckpointCorruptError):
+    """A data file the MANIFEST lists does not exist."""
+
+
+class DataFileTruncatedError(CheckpointCorruptError):
+    """A data file is shorter than the MANIFEST says. Fields: ``expected``, ``found``."""
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts.
+
+
+class UnsupportedValueError(DistCkptError, TypeError):
+    """A state dict value distckpt cannot save without pickle. Field: ``key``."""
+
+    default_remedy = "Convert the value to a tensor or a plain int/float/bool/str/bytes/None, or pass allow_pickle=True."
+
+
+class PickleNotAllowedError(DistCkptError, TypeError):
+    """The checkpoint holds pickled objects and the caller did not opt in. Field: ``keys``."""
+
+    default_remedy = "Pass allow_pickle=True only if you trust where this checkpoint came from."
+
+
+class StateDictMismatchError(DistCkptError, KeyError):
+    """The caller's state dict and the checkpoint disagree. Every disagreement is listed at once.
+
+    Fields: ``missing`` (keys the caller wants that the checkpoint lacks), ``unexpected`` (keys in
+    the checkpoint the caller lacks), ``shape_mismatch`` and ``dtype_mismatch`` ({key: (saved, wanted)}).
+    """
+
+    default_remedy = "Pass strict=False to load what matches (the result lists what did not), or fix the model definition."
+
+    def __str__(self) -> str:  # KeyError would quote the message; keep it readable.
+        return DistCkptError.__str__(self)
+
+
+class ReshardError(DistCkptError, ValueError):
+    """A saved layout cannot be converted exactly onto the requested one."""
+
+    default_remedy = "Load onto a layout whose state can be reconstructed exactly (see docs for supported conversions)."
+
+
+# --------------------------------------------------------------------------------------------
+# Collective failures.
+
+
+class RankFailureError(DistCkptError, RuntimeError):
+    """One or more ranks failed during a collective save or load; raised on every rank.
+
+    Fields: ``failures``: {rank: the typed error that rank raised}. Nothing was committed.
+    """
+
+    default_remedy = "Fix the cause reported for each failed rank; the previous checkpoint is intact."
+
+    def __init__(self, failures: Mapping[int, BaseException], *, operation: str = "save", **kw: Any) -> None:
+        self.failures = dict(failures)
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(self.failures.items()))
+        message = f"{operation} failed on rank(s) {sorted(self.failures)}: {causes}"
+        super().__init__(message, **kw)
+
+
+class PeerLostError(DistCkptError, RuntimeError):
+    """A peer rank died or stopped answering during a collective (bounded by DISTCKPT_TIMEOUT_S)."""
+
+    default_remedy = "Check the other ranks' logs; restart the job from the newest committed checkpoint."
+
+
+# --------------------------------------------------------------------------------------------
+# errno mapping: the one place.
+
+_ERRNO_CLASS: dict[int, type[StorageError]] = {
+    _errno.ENOSPC: DiskFullError,
+    _errno.EDQUOT: DiskFullError,
+    _errno.EFBIG: FileTooLargeError,
+    _errno.EACCES: StoragePermissionError,
+    _errno.EPERM: StoragePermissionError,
+    _errno.EROFS: StoragePermissionError,
+    _errno.EMFILE: TooManyOpenFilesError,
+    _errno.ENFILE: TooManyOpenFilesError,
+    _errno.EIO: StorageIOError,
+}
+
+
+def _free_space(path: str) -> tuple[int, int] | None:
+    probe = path
+    while probe and not os.path.isdir(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        st = os.statvfs(probe or ".")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_favail
+
+
+def from_os_error(
+    exc: OSError,
+    *,
+    path: str | os.PathLike | None = None,
+    rank: int | None = None,
+    operation: str = "write",
+    needed: int | None = None,
+) -> DistCkptError:
+    """Translate an OSError raised at the storage boundary into the typed class for its errno.
+
+    Returns the error (the caller raises it ``from exc``). Errors that already are DistCkptError
+    are returned unchanged. The message names the operation, the path, and for ENOSPC/EDQUOT the
+    free bytes and inodes left on that file system.
+    """
+    if isinstance(exc, DistCkptError):
+        return exc
+    path = os.fspath(path) if path is not None else exc.filename
+    code = exc.errno
+    cls = _ERRNO_CLASS.get(code, StorageError)
+    reason = os.strerror(code) if code is not None else str(exc)
+    message = f"{operation} failed: [Errno {code}] {reason}"
+    details: dict[str, Any] = {"operation": operation}
+    if cls is DiskFullError and path is not None:
+        free = _free_space(os.fspath(path))
+        if free is not None:
+            details["free"], details["free_inodes"] = free
+            message += f"; {format_bytes(free[0])} and {free[1]} inodes free on that file system"
+        if needed is not None:
+            details["needed"] = needed
+            message += f", {format_bytes(needed)} needed"
+    if code == _errno.EROFS:
+        remedy = "The file system is mounted read-only: remount it read-write or save elsewhere."
+    elif code == _errno.EIO and operation == "fsync":
+        remedy = ("fsync reported an I/O error: the data may be lost from the page cache, so the save "
+                  "was failed, not retried; check dmesg and the disk.")
+    else:
+        remedy = None
+    return cls(message, path=path, rank=rank, remedy=remedy, errno=code, **details)

@@ -1,0 +1,205 @@
+"""State dicts <-> flat items with global boxes.
+
+A state dict is a tree of dict / list / tuple containers whose leaves are tensors (plain, DTensor,
+ShardedTensor) or plain values. :func:`flatten` turns it into
+
+  * ``tree``: the containers as plain msgpack-able data (so :func:`distckpt.read` can rebuild the
+    exact nesting, int dict keys and tuples included), leaves replaced by references, and
+  * ``items``: {fqn: TensorItem | ObjectItem}, where a TensorItem lists the *local pieces* this rank
+    holds, each with its box (offsets, sizes) in the tensor's global index space.
+
+The fqn of a leaf is its container path joined with "." (DCP's convention: ``model.layer.weight``,
+``optim.state.0.exp_avg``); two leaves with the same fqn are an error, never a silent overwrite.
+
+Global boxes are what make resharding possible: a plain tensor is one box covering itself; a DTensor
+holds the box its placements give this rank (torch computes it); a ShardedTensor (and TorchRec's
+DTensor over LocalShardsWrapper, whose placements are not trustworthy) holds one box per local shard,
+taken from the shard metadata itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any, Iterator
+
+import torch
+
+from .errors import UnsupportedValueError
+
+__all__ = ["Piece", "TensorItem", "ObjectItem", "flatten", "iter_leaves", "set_leaf", "object_entry"]
+
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+@dataclasses.dataclass
+class Piece:
+    """A local tensor holding the global box ``offsets``/``sizes`` of its item."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclasses.dataclass
+class TensorItem:
+    fqn: str
+    kind: str  # "tensor" | "dtensor" | "sharded_tensor"
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+    path: tuple
+
+
+@dataclasses.dataclass
+class ObjectItem:
+    fqn: str
+    value: Any
+    path: tuple
+
+
+def _dtensor_types():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None, None
+    try:
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    except ImportError:
+        LocalShardsWrapper = None
+    return DTensor, LocalShardsWrapper
+
+
+def _sharded_tensor_type():
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return None
+    return ShardedTensor
+
+
+def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
+    """Describe one tensor leaf by its global shape and the local pieces this rank holds."""
+    DTensor, LocalShardsWrapper = _dtensor_types()
+    ShardedTensor = _sharded_tensor_type()
+    if ShardedTensor is not None and isinstance(value, ShardedTensor):
+        pieces = [
+            Piece(tuple(int(o) for o in s.metadata.shard_offsets), tuple(int(n) for n in s.metadata.shard_sizes),
+                  s.tensor)
+            for s in value.local_shards()
+        ]
+        return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.size()), pieces, path)
+    if DTensor is not None and isinstance(value, DTensor):
+        local = value.to_local()
+        shape = tuple(value.shape)
+        if LocalShardsWrapper is not None and isinstance(local, LocalShardsWrapper):
+            # TorchRec layouts: the placements can be wrong (table-wise says Replicate); the local
+            # shard offsets are right, so they are the only thing trusted here.
+            pieces = [Piece(tuple(int(o) for o in off), tuple(t.shape), t)
+                      for off, t in zip(local.local_offsets(), local.local_shards())]
+            return TensorItem(fqn, "dtensor", value.dtype, shape, pieces, path)
+        from torch.distributed.tensor import Partial
+        if any(isinstance(p, Partial) for p in value.placements):
+            raise UnsupportedValueError(
+                f"DTensor {fqn!r} has a Partial placement (a pending reduction); its global value "
+                f"is not held by any rank", key=fqn,
+                remedy="Redistribute it to Shard or Replicate (dt.redistribute(...)) before saving.")
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        if value.device_mesh.get_coordinate() is None:  # this rank is not in the mesh
+            return TensorItem(fqn, "dtensor", value.dtype, shape, [], path)
+        local_shape, offsets = compute_local_shape_and_global_offset(shape, value.device_mesh, value.placements)
+        return TensorItem(fqn, "dtensor", value.dtype, shape,
+                          [Piece(tuple(offsets), tuple(local_shape), local)], path)
+    shape = tuple(value.shape)
+    return TensorItem(fqn, "tensor", value.dtype, shape, [Piece((0,) * len(shape), shape, value)], path)
+
+
+def object_entry(fqn: str, value: Any, *, allow_pickle: bool) -> tuple[str, Any]:
+    """(kind, plain value) for a non-tensor leaf. Raises UnsupportedValueError for a value that
+    needs pickle when ``allow_pickle`` is False."""
+    if value is None:
+        return "none", None
+    if isinstance(value, bool):
+        return "bool", value
+    if type(value) is int:
+        if -(2**63) <= value < 2**64:
+            return "int", value
+    elif type(value) is float:
+        return "float", value
+    elif type(value) is str:
+        return "str", value
+    elif type(value) is bytes:
+        return "bytes", value
+    if not allow_pickle:
+        raise UnsupportedValueError(
+            f"state dict value at {fqn!r} is a {type(value).__module__}.{type(value).__qualname__}, "
+            f"which distckpt stores only as a pickle", key=fqn)
+    return "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def iter_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Yield (path, leaf) for every leaf under ``obj`` in container order."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from iter_leaves(value, path + (key,))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from iter_leaves(value, path + (i,))
+    else:
+        yield path, obj
+
+
+def _fqn(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool = True,
+            root: tuple = ()) -> tuple[dict, dict[str, TensorItem | ObjectItem]]:
+    """Flatten ``state_dict`` into (tree, items). ``check_objects=False`` (for load, where the
+    caller's non-tensor values are only replaced) skips the saveability check of plain values.
+
+    Raises:
+        UnsupportedValueError: a leaf that is neither a tensor nor a plain value (unless
+            ``allow_pickle``), a dict key that is not str or int, or two leaves with the same fqn.
+    """
+    items: dict[str, TensorItem | ObjectItem] = {}
+
+    def walk(obj: Any, path: tuple) -> dict:
+        if isinstance(obj, dict):
+            entries = []
+            for key, value in obj.items():
+                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                    raise UnsupportedValueError(
+                        f"dict key {key!r} under {_fqn(path) or '<root>'!r} is a {type(key).__name__}; "
+                        f"only str and int keys are saved", key=_fqn(path))
+                entries.append([key, walk(value, path + (key,))])
+            return {"t": "dict", "k": entries}
+        if isinstance(obj, (list, tuple)):
+            children = [walk(v, path + (i,)) for i, v in enumerate(obj)]
+            return {"t": "tuple" if isinstance(obj, tuple) else "list", "v": children}
+        fqn = _fqn(path)
+        if fqn in items:
+            raise UnsupportedValueError(f"two state dict entries flatten to the same key {fqn!r}", key=fqn,
+                                        remedy="Rename one of them: keys are joined with '.'.")
+        if isinstance(obj, torch.Tensor):
+            items[fqn] = tensor_item(fqn, obj, path)
+        else:
+            if check_objects:
+                object_entry(fqn, obj, allow_pickle=allow_pickle)  # type check now, before any byte is written
+            items[fqn] = ObjectItem(fqn, obj, path)
+        return {"t": "ref", "fqn": fqn}
+
+    tree = walk(state_dict, root)
+    return tree, items
+
+
+def set_leaf(state_dict: Any, path: tuple, value: Any) -> bool:
+    """Replace the leaf at ``path`` in place. Returns False when a tuple on the way makes that
+    impossible (tuples are immutable)."""
+    container = state_dict
+    for key in path[:-1]:
+        container = container[key]
+    if isinstance(container, tuple):
+        return False
+    container[path[-1]] = value
+    return True

@@ -1,0 +1,408 @@
+"""Restore: load into the caller's tensors (resharding on the way), and read() for one process.
+
+How a load works on each rank:
+  1. rank 0 reads MANIFEST and broadcasts its bytes; every rank decodes and validates it
+     (magic, version, checksum, names inside the directory, offsets inside the files);
+  2. the caller's state dict is flattened into wanted boxes (a plain tensor wants its whole
+     box, a DTensor / ShardedTensor the boxes this rank holds) and compared with the manifest:
+     missing / unexpected keys and shape / dtype mismatches are collected all at once;
+  3. for every wanted box, the saved chunks that intersect it are found (plan.plan_reads) and only
+     the byte range covering each intersection is read (widened to whole checksum blocks when
+     verifying), through the O_DIRECT reader, several requests in flight per file;
+  4. each block read is checked against its crc32c before a byte reaches the caller's tensor;
+  5. every rank's outcome is exchanged, so all ranks return or all raise the same typed error.
+
+Loading never unpickles unless the caller passes ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import time
+from typing import Any, Iterable
+
+import crc32c as _crc32c
+import torch
+
+from . import manifest as mf
+from ._dist import ControlGroup, _portable, control_group
+from .coordinator import MANIFEST, TMP_RE
+from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
+                     ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
+                     PickleNotAllowedError, StateDictMismatchError, from_os_error)
+from .flatten import ObjectItem, TensorItem, flatten, set_leaf
+from .plan import Box, byte_range, expand_to_blocks, plan_reads
+from .staging import dtype_from_name, dtype_name, writable_bytes
+from .storage import local
+
+__all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
+
+MANIFEST_LIMIT = 1 << 30
+# Bytes of temporary buffers (for resharded or partial reads) in flight at once: bounds memory.
+_TEMP_BATCH = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """What a load did. With strict=False, ``missing``/``unexpected``/``mismatched`` say what was
+    not loaded. ``not_replaced`` lists non-tensor values inside tuples (immutable: left as they were)."""
+
+    path: str
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: dict[str, str]
+    not_replaced: list[str]
+    bytes_read: int
+    seconds: float
+    backend: str | None
+
+
+def load_manifest(path: str) -> "mf.Manifest":
+    """Read, decode and validate ``path``/MANIFEST.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        CheckpointIncompleteError: ``path`` is a save's tmp directory or has no MANIFEST.
+        ManifestCorruptError: MANIFEST is damaged or describes an impossible layout.
+    """
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
+    if TMP_RE.match(os.path.basename(path)):
+        raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        raise CheckpointIncompleteError(f"{path} has no MANIFEST: it is not a committed checkpoint", path=path)
+    data = local.read_file(mpath, limit=MANIFEST_LIMIT)
+    manifest = mf.decode(data, path=mpath)
+    mf.validate(manifest, path=mpath)
+    return manifest
+
+
+def read_manifest(path: str) -> dict:
+    """The checkpoint's manifest as plain data (dicts, lists, ints, strs)."""
+    return mf.to_plain(load_manifest(path))
+
+
+def _check_data_file(ckpt: str, entry: "mf.FileEntry") -> str:
+    fpath = os.path.join(ckpt, entry.name)
+    try:
+        size = os.stat(fpath).st_size
+    except FileNotFoundError:
+        raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
+    except OSError as exc:
+        raise from_os_error(exc, path=fpath, operation="stat") from exc
+    if size < entry.size:
+        raise DataFileTruncatedError(f"data file {entry.name} has {size} bytes, MANIFEST says {entry.size}",
+                                     path=fpath, expected=entry.size, found=size)
+    if size > entry.size:
+        raise CheckpointCorruptError(f"data file {entry.name} has {size} bytes, MANIFEST says {entry.size}",
+                                     path=fpath, expected=entry.size, found=size)
+    return fpath
+
+
+@dataclasses.dataclass
+class _Task:
+    fqn: str
+    chunk: Any            # mf.ChunkRecord
+    inter: Box            # global box to copy
+    dest: torch.Tensor    # the caller's tensor holding dest_box
+    dest_box: Box
+    itemsize: int
+    dtype: torch.dtype
+
+
+def _strides(sizes) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return strides[::-1]
+
+
+def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(d, o, s)
+    return t
+
+
+def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) -> tuple[int, str | None]:
+    """Read every task's bytes, verify them, copy them into place. Returns (bytes read, backend)."""
+    from .io import choose_backend, open_reader
+
+    if not tasks:
+        return 0, None
+    block = manifest.checksum_block
+    by_file: dict[int, list[_Task]] = {}
+    for t in tasks:
+        by_file.setdefault(t.chunk.file, []).append(t)
+    choice = choose_backend(ckpt)
+    total = 0
+    for file_index in sorted(by_file):
+        entry = manifest.files[file_index]
+        fpath = _check_data_file(ckpt, entry)
+        file_tasks = sorted(by_file[file_index], key=lambda t: (t.chunk.offset, t.inter.offsets))
+        with open_reader(fpath, choice=choice) as reader:
+            batch: list[tuple] = []
+            batch_bytes = 0
+            for t in file_tasks:
+                start, end = byte_range(Box(t.chunk.offsets, t.chunk.sizes), t.inter, t.itemsize)
+                lo, hi = expand_to_blocks(start, end, block, t.chunk.nbytes) if verify else (start, end)
+                direct = (tuple(t.inter.offsets) == tuple(t.chunk.offsets) and tuple(t.inter.sizes) == tuple(t.chunk.sizes)
+                          and tuple(t.dest_box.sizes) == tuple(t.inter.sizes) and t.dest.device.type == "cpu"
+                          and t.dest.is_contiguous() and lo == 0 and hi == t.chunk.nbytes)
+                buf = t.dest if direct else torch.empty(hi - lo, dtype=torch.uint8)
+                batch.append((t, start, end, lo, hi, buf, direct))
+                batch_bytes += 0 if direct else hi - lo
+                if batch_bytes >= _TEMP_BATCH:
+                    total += _run_batch(reader, fpath, batch, block, verify)
+                    batch, batch_bytes = [], 0
+            total += _run_batch(reader, fpath, batch, block, verify)
+    return total, choice.name
+
+
+def _run_batch(reader, fpath: str, batch: list[tuple], block: int, verify: bool) -> int:
+    if not batch:
+        return 0
+    requests = [(t.chunk.offset + lo, hi - lo, writable_bytes(buf))
+                for t, start, end, lo, hi, buf, direct in batch if hi > lo]
+    reader.read_into(requests)
+    nbytes = 0
+    with torch.no_grad():
+        for t, start, end, lo, hi, buf, direct in batch:
+            nbytes += hi - lo
+            view = writable_bytes(buf)
+            if verify:  # [lo, hi) was widened to whole checksum blocks (the last may be the chunk's tail)
+                for b in range(lo // block, -(-hi // block)):
+                    a = b * block - lo
+                    got = _crc32c.crc32c(view[a:min(a + block, hi - lo)])
+                    if got != t.chunk.crcs[b]:
+                        raise ChecksumMismatchError(
+                            f"checksum mismatch in {os.path.basename(fpath)} at byte {t.chunk.offset + b * block} "
+                            f"(block {b} of key {t.fqn!r}): expected {t.chunk.crcs[b]:#010x}, found {got:#010x}",
+                            path=fpath, file=os.path.basename(fpath), key=t.fqn, offset=t.chunk.offset + b * block)
+            if direct:
+                continue
+            flat = buf[start - lo:end - lo].view(t.dtype)
+            src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), 0)
+            rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
+            _narrow(t.dest, rel, t.inter.sizes).copy_(src)
+    return nbytes
+
+
+def _describe(entry) -> str:
+    if isinstance(entry, mf.TensorEntry):
+        return f"{entry.dtype}{list(entry.shape)}"
+    return f"object({entry.kind})"
+
+
+def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str):
+    missing, unexpected = [], []
+    shape_mm, dtype_mm, mismatched = {}, {}, {}
+    tasks: list[_Task] = []
+    objects: list[tuple[ObjectItem, Any]] = []
+    pickled = []
+    for fqn, item in items.items():
+        saved = manifest.tensors.get(fqn) or manifest.objects.get(fqn)
+        if saved is None:
+            missing.append(fqn)
+            continue
+        if isinstance(item, TensorItem):
+            if not isinstance(saved, mf.TensorEntry):
+                mismatched[fqn] = f"saved {_describe(saved)}, wanted tensor"
+                shape_mm[fqn] = (_describe(saved), f"tensor{list(item.shape)}")
+                continue
+            if tuple(saved.shape) != tuple(item.shape):
+                shape_mm[fqn] = (list(saved.shape), list(item.shape))
+                mismatched[fqn] = f"saved shape {list(saved.shape)}, wanted {list(item.shape)}"
+                continue
+            if saved.dtype != dtype_name(item.dtype):
+                dtype_mm[fqn] = (saved.dtype, dtype_name(item.dtype))
+                mismatched[fqn] = f"saved dtype {saved.dtype}, wanted {dtype_name(item.dtype)}"
+                continue
+            dtype = dtype_from_name(saved.dtype, path=path)
+            chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in saved.chunks]
+            for piece in item.pieces:
+                want = Box(tuple(piece.offsets), tuple(piece.sizes))
+                if want.volume == 0:
+                    continue
+                for rp in plan_reads(chunks, want, itemsize=dtype.itemsize):
+                    tasks.append(_Task(fqn, rp.payload, rp.box, piece.tensor, want, dtype.itemsize, dtype))
+        else:
+            if not isinstance(saved, mf.ObjectEntry):
+                mismatched[fqn] = f"saved {_describe(saved)}, wanted a plain value"
+                shape_mm[fqn] = (_describe(saved), "object")
+                continue
+            if saved.kind == "pickle":
+                pickled.append(fqn)
+            objects.append((item, saved))
+    for fqn in list(manifest.tensors) + list(manifest.objects):
+        if fqn not in items:
+            unexpected.append(fqn)
+    if strict and (missing or unexpected or mismatched):
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing from the checkpoint: {missing[:10]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} in the checkpoint but not in the state dict: {unexpected[:10]}")
+        if mismatched:
+            parts.append(f"{len(mismatched)} mismatched: " + "; ".join(f"{k}: {v}" for k, v in list(mismatched.items())[:10]))
+        raise StateDictMismatchError("state dict and checkpoint disagree: " + " | ".join(parts), path=path,
+                                     missing=missing, unexpected=unexpected, shape_mismatch=shape_mm,
+                                     dtype_mismatch=dtype_mm)
+    if pickled and not allow_pickle:
+        raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
+                                    path=path, keys=pickled)
+    return tasks, objects, missing, unexpected, mismatched
+
+
+def _object_value(entry) -> Any:
+    if entry.kind == "pickle":
+        return pickle.loads(entry.value)  # only reached with allow_pickle=True
+    return entry.value
+
+
+def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float) -> LoadResult:
+    _tree, items = flatten(state_dict, check_objects=False)
+    tasks, objects, missing, unexpected, mismatched = _plan_tasks(manifest, items, strict, allow_pickle, path)
+    nbytes, backend = _fill(path, manifest, tasks, verify)
+    not_replaced = []
+    for item, entry in objects:
+        if not set_leaf(state_dict, item.path, _object_value(entry)):
+            not_replaced.append(item.fqn)
+    return LoadResult(path=path, missing=missing, unexpected=unexpected, mismatched=mismatched,
+                      not_replaced=not_replaced, bytes_read=nbytes, seconds=time.monotonic() - t0, backend=backend)
+
+
+def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
+    if group.world_size == 1:
+        return load_manifest(path)
+    payload = None
+    if group.rank == 0:
+        try:
+            load_manifest(path)  # validate once where it is read; the others decode the same bytes
+            payload = (local.read_file(os.path.join(path, MANIFEST), limit=MANIFEST_LIMIT), None)
+        except Exception as exc:
+            payload = (None, _portable(exc))
+    data, error = group.broadcast(payload)
+    if error is not None:
+        raise error
+    manifest = mf.decode(data, path=os.path.join(path, MANIFEST))
+    mf.validate(manifest, path=os.path.join(path, MANIFEST))
+    return manifest
+
+
+def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
+         verify: bool = True, allow_pickle: bool = False) -> LoadResult:
+    """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
+
+    Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
+    the byte ranges its own (possibly differently sharded) tensors need.
+
+    Args:
+        state_dict: nested dict/list/tuple of pre-allocated tensors (any device; plain, DTensor,
+            ShardedTensor) and plain values.
+        path: a committed checkpoint directory.
+        strict: when True, any missing/unexpected key or shape/dtype mismatch raises before a
+            byte is read; when False, what matches is loaded and the result lists the rest.
+        verify: check the crc32c of every block read.
+        allow_pickle: allow unpickling values the checkpoint stored as pickles (only for trusted
+            checkpoints: unpickling runs code).
+
+    Raises:
+        CheckpointNotFoundError, CheckpointIncompleteError, ManifestCorruptError,
+        DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
+        StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
+        RankFailureError on every rank when several ranks take part and any of them failed.
+    """
+    t0 = time.monotonic()
+    path = os.path.abspath(os.fspath(path))
+    group = control_group(process_group)
+    result, error = None, None
+    try:
+        manifest = _manifest_collective(group, path)
+        result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0)
+    except Exception as exc:
+        error = exc
+    group.exchange_outcome(error, operation="load")
+    return result
+
+
+def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:
+    kind = node["t"]
+    if kind == "ref":
+        return values[node["fqn"]] if keep(node["fqn"]) else _SKIP
+    if kind == "dict":
+        out = {}
+        for key, child in node["k"]:
+            v = _rebuild(child, values, keep)
+            if v is not _SKIP:
+                out[key] = v
+        return out if out or not node["k"] else _SKIP
+    children = [_rebuild(c, values, keep) for c in node["v"]]
+    if any(c is _SKIP for c in children):
+        kept = [c for c in children if c is not _SKIP]
+        if not kept:
+            return _SKIP
+        children = kept
+    return tuple(children) if kind == "tuple" else children
+
+
+_SKIP = object()
+
+
+def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: bool = True,
+         allow_pickle: bool = False) -> dict:
+    """Materialize a checkpoint (or the given keys) as full tensors in this process, with the
+    original nesting. No process group is used or needed.
+
+    ``keys``: fqns; a key selects itself and everything under it (``"model"`` selects
+    ``"model.layer.weight"``). Raises the errors of :func:`load`, and KeyError-compatible
+    StateDictMismatchError for a key the checkpoint lacks.
+    """
+    path = os.path.abspath(os.fspath(path))
+    manifest = load_manifest(path)
+    all_keys = list(manifest.tensors) + list(manifest.objects)
+    if keys is None:
+        def keep(fqn):
+            return True
+    else:
+        wanted = list(keys)
+        unknown = [k for k in wanted if not any(f == k or f.startswith(k + ".") for f in all_keys)]
+        if unknown:
+            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
+                                         unexpected=[], shape_mismatch={}, dtype_mismatch={})
+
+        def keep(fqn):
+            return any(fqn == k or fqn.startswith(k + ".") for k in wanted)
+    values: dict[str, Any] = {}
+    tasks: list[_Task] = []
+    pickled = []
+    for fqn, entry in manifest.tensors.items():
+        if not keep(fqn):
+            continue
+        dtype = dtype_from_name(entry.dtype, path=path)
+        out = torch.empty(tuple(entry.shape), dtype=dtype)
+        values[fqn] = out
+        want = Box((0,) * len(entry.shape), tuple(entry.shape))
+        if want.volume == 0:
+            continue
+        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+        for rp in plan_reads(chunks, want, itemsize=dtype.itemsize):
+            tasks.append(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype))
+    for fqn, entry in manifest.objects.items():
+        if keep(fqn):
+            if entry.kind == "pickle":
+                pickled.append(fqn)
+            values[fqn] = entry
+    if pickled and not allow_pickle:
+        raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
+                                    path=path, keys=pickled)
+    _fill(path, manifest, tasks, verify)
+    for fqn in list(values):
+        if isinstance(values[fqn], mf.ObjectEntry):
+            values[fqn] = _object_value(values[fqn])
+    result = _rebuild(manifest.tree, values, keep)
+    return {} if result is _SKIP else result

@@ -1,0 +1,49 @@
+"""``distckpt.save``: the public entry point of a (collective) save. The protocol itself lives in
+:mod:`distckpt.coordinator`; this module validates arguments and flattens the state dict."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from ._dist import control_group
+from .coordinator import SaveResult, save_collective
+
+__all__ = ["save", "SaveResult"]
+
+
+def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
+         allow_pickle: bool = False, metadata: dict | None = None,
+         _after_commit: Callable[[], None] | None = None) -> SaveResult:
+    """Save ``state_dict`` as a checkpoint directory at ``path``, atomically.
+
+    Collective over ``process_group`` (default: the world) when torch.distributed is initialized:
+    every rank of the group must call it with its own shard of the state. Plain single-process
+    otherwise. Returns only after the checkpoint is committed and durable (every data file and
+    MANIFEST fsynced, the rename and the parent directory fsynced).
+
+    Args:
+        state_dict: nested dict/list/tuple of tensors (any dtype and device; plain tensors,
+            DTensor, ShardedTensor) and plain values (int, float, bool, str, bytes, None).
+            Plain tensors under the same key on several ranks are treated as replicas and
+            written once.
+        path: the checkpoint directory to create.
+        overwrite: replace an existing committed checkpoint at ``path`` by an atomic exchange
+            (a crash at any point leaves one complete checkpoint there). Default: refuse.
+        allow_pickle: store values of other types with pickle (loading them then needs
+            ``allow_pickle=True`` too).
+        metadata: plain data stored in the manifest (``meta["user"]``).
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint is at ``path`` and ``overwrite`` is False.
+        UnsupportedValueError: a value that needs pickle, without ``allow_pickle``.
+        StateDictMismatchError: ranks passed inconsistent keys, shapes or shards.
+        DiskFullError, FileTooLargeError, StoragePermissionError, TooManyOpenFilesError,
+        StorageIOError: the typed OS failures (single process), or
+        RankFailureError: on every rank when any rank of a collective save failed;
+        PeerLostError: a peer died or hung past DISTCKPT_TIMEOUT_S.
+        In every failure case nothing is committed and an earlier checkpoint is untouched.
+    """
+    return save_collective(control_group(process_group), state_dict=state_dict,
+                           final_dir=os.path.abspath(os.fspath(path)), overwrite=overwrite,
+                           allow_pickle=allow_pickle, metadata=metadata, after_commit=_after_commit)

@@ -1,0 +1,134 @@
+"""Local / POSIX file-system operations of the commit protocol.
+
+Every function here translates OSError into the typed classes of distckpt.errors (via
+``from_os_error``) and closes every fd it opens before returning or raising. Data files themselves
+go through distckpt.io (O_DIRECT writers); this module handles the small metadata files and the
+directory operations whose ordering makes a commit atomic and durable:
+
+  * :func:`write_file_durable`: write + fsync a small file (MANIFEST) under its final name inside a
+    not-yet-visible directory;
+  * :func:`replace_file_atomic`: tmp + fsync + rename + fsync(dir) for a pointer file (``latest``);
+  * :func:`publish_dir`: rename (or RENAME_EXCHANGE for an overwrite) a finished tmp directory to its
+    final name, then fsync the parent so the rename itself survives power loss;
+  * :func:`remove_dir`: rename aside first (so a half-deleted directory never looks committed), fsync
+    the parent, then delete.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+
+from ..errors import from_os_error
+from ..io import exchange_paths, fsync_path
+
+__all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir", "read_file",
+           "make_dir", "fsync_path"]
+
+
+def read_file(path: str, *, limit: int) -> bytes:
+    """The whole file, refusing to read more than ``limit`` bytes (a manifest is untrusted input)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="read") from exc
+    return data
+
+
+def make_dir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o755)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="mkdir") from exc
+
+
+def write_file_durable(path: str, data: bytes) -> None:
+    """Create ``path`` exclusively, write ``data``, fsync, close. The fd is closed on every path."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="open") from exc
+    try:
+        view = memoryview(data)
+        op = "write"
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            op = "fsync"
+            os.fsync(fd)
+        except OSError as exc:
+            raise from_os_error(exc, path=path, operation=op, needed=len(data)) from exc
+    finally:
+        os.close(fd)
+
+
+def replace_file_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new content, never a
+    torn one: write a tmp sibling, fsync it, rename over ``path``, fsync the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+    try:
+        write_file_durable(tmp, data)
+        try:
+            os.rename(tmp, path)
+        except OSError as exc:
+            raise from_os_error(exc, path=path, operation="rename") from exc
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_path(directory)
+
+
+def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
+    """Make ``tmp_dir`` visible as ``final_dir`` atomically and durably.
+
+    With ``overwrite`` and an existing ``final_dir``, the two are swapped with RENAME_EXCHANGE (one
+    atomic step: a crash leaves either the old or the new checkpoint under the name, never none) and
+    the old one's new location (``tmp_dir``) is returned for the caller to delete. Otherwise a plain
+    rename, which fails if ``final_dir`` appeared meanwhile. The parent is fsynced in both cases.
+    """
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    fsync_path(tmp_dir)  # the entries inside (data files, MANIFEST) before the name that exposes them
+    replaced = None
+    try:
+        if overwrite and os.path.lexists(final_dir):
+            exchange_paths(tmp_dir, final_dir)
+            replaced = tmp_dir
+        else:
+            os.rename(tmp_dir, final_dir)
+    except OSError as exc:
+        raise from_os_error(exc, path=final_dir, operation="rename") from exc
+    fsync_path(parent)
+    return replaced
+
+
+def remove_dir(path: str) -> None:
+    """Delete a directory tree so that it never looks half-present: rename it to a hidden
+    ``.NAME.del-UUID`` sibling, fsync the parent, then delete (reclaim finishes an interrupted one)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    doomed = os.path.join(parent, f".{name}.del-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="rename") from exc
+    fsync_path(parent)
+    delete_tree(doomed)
+
+
+def delete_tree(path: str) -> None:
+    """rm -rf ``path`` (already invisible to loaders); a vanished path is not an error."""
+    def onerror(func, p, exc_info):
+        exc = exc_info[1]
+        if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+            return
+        raise from_os_error(exc, path=p, operation="delete") from exc
+    shutil.rmtree(path, onerror=onerror)

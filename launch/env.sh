@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Creates the project's virtual environment (./.venv, or $DISTCKPT_VENV) once and installs distckpt
+# with dependencies pinned to versions that work together on CPU. Sourced by launch/demo.sh and
+# tests/run.sh; safe to run again (it re-installs only when this file or pyproject.toml changed).
+#
+# Pins (see docs/INSTALL.md): torch 2.13.0, torchrec 1.8.0 + fbgemm-gpu-cpu 1.8.0 (torchrec with
+# --no-deps: its fbgemm-gpu requirement is the CUDA build, which overwrites the CPU one),
+# deepspeed 0.19.8. A CUDA torch that the base interpreter already has is kept: the venv then sees
+# the system site-packages and no torch is installed over it.
+set -euo pipefail
+DISTCKPT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${DISTCKPT_VENV:-$DISTCKPT_ROOT/.venv}
+BASE_PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if "$BASE_PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1; then
+        echo "[distckpt env] keeping the base interpreter's CUDA torch (venv with system site-packages)"
+        "$BASE_PY" -m venv --system-site-packages "$VENV"
+    else
+        "$BASE_PY" -m venv "$VENV"
+    fi
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+stamp="$VENV/.distckpt-$(cat "$DISTCKPT_ROOT/launch/env.sh" "$DISTCKPT_ROOT/pyproject.toml" "$DISTCKPT_ROOT/setup.py" | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+    echo "[distckpt env] installing into $VENV"
+    "${PIP[@]}" "setuptools>=68" wheel
+    if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+        "${PIP[@]}" "torch==2.13.0"
+    fi
+    "${PIP[@]}" "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyre-extensions==0.0.32" \
+        "torchmetrics==1.0.3" "tqdm" "deepspeed==0.19.8" "fsspec==2026.9.0" "s3fs==2026.9.0" \
+        "msgpack==1.2.4" "crc32c==2.9.post0" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy"
+    "${PIP[@]}" --no-deps "torchrec==1.8.0"
+    # The C core is built here; a compile error stops the set-up (no pure-Python fallback).
+    "${PIP[@]}" --no-build-isolation -e "$DISTCKPT_ROOT"
+    "$PY" -c 'import distckpt._uring' || { echo "[distckpt env] the C extension did not build" >&2; exit 1; }
+    rm -f "$VENV"/.distckpt-*
+    touch "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
+# deepspeed looks for CUDA at import; on CPU machines it must be told.
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+fi

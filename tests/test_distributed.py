@@ -1,0 +1,221 @@
+"""Multi-rank save/load on real gloo groups: round trips, resharding, replicas, failures."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from .distributed import RankError, run_ranks
+
+LAYOUTS = ["plain", "shard0", "shard1", "sharded_tensor"]
+
+
+def _globals() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(7, 5, generator=g),                       # uneven over 2 and 3 ranks
+        "emb": torch.randn(64, 16, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(30, dtype=torch.int64).reshape(10, 3),
+        "big": torch.randn(1 << 18, 4, generator=g),                # 4 MiB: several checksum blocks
+    }
+
+
+def _make(layout: str, full: torch.Tensor, rank: int, world: int, fill_zero: bool):
+    src = torch.zeros_like(full) if fill_zero else full
+    if layout == "plain":
+        return src.clone()
+    if layout in ("shard0", "shard1"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        mesh = init_device_mesh("cpu", (world,))
+        return distribute_tensor(src.clone(), mesh, [Shard(int(layout[-1]))])
+    if layout == "sharded_tensor":
+        from torch.distributed._shard.sharded_tensor import Shard as STShard
+        from torch.distributed._shard.sharded_tensor import ShardMetadata, init_from_local_shards
+        rows = full.shape[0]
+        bounds = [rows * r // world for r in range(world + 1)]
+        lo, hi = bounds[rank], bounds[rank + 1]
+        local = src[lo:hi].clone()
+        md = ShardMetadata(shard_offsets=[lo] + [0] * (full.dim() - 1), shard_sizes=list(local.shape),
+                           placement=f"rank:{rank}/cpu")
+        return init_from_local_shards([STShard(tensor=local, metadata=md)], *full.shape)
+    raise AssertionError(layout)
+
+
+def _check(layout: str, value, full: torch.Tensor, key: str) -> None:
+    if layout == "plain":
+        got = value
+    elif layout.startswith("shard") and layout != "sharded_tensor":
+        got = value.full_tensor()
+    else:
+        for shard in value.local_shards():
+            off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            expect = full[off[0]:off[0] + size[0]]
+            assert torch.equal(shard.tensor, expect), key
+        return
+    assert got.dtype == full.dtype and torch.equal(got, full), key
+
+
+def _save_body(rank, world, path, layout):
+    import distckpt
+    sd = {"model": {k: _make(layout, v, rank, world, False) for k, v in _globals().items()},
+          "step": 11, "rep": torch.arange(100.0)}
+    res = distckpt.save(sd, path)
+    return res.bytes_per_rank
+
+
+def _load_body(rank, world, path, layout):
+    import distckpt
+
+    from .conftest import open_fds
+    before = open_fds()
+    sd = {"model": {k: _make(layout, v, rank, world, True) for k, v in _globals().items()},
+          "step": 0, "rep": torch.zeros(100)}
+    res = distckpt.load(sd, path)
+    for key, full in _globals().items():
+        _check(layout, sd["model"][key], full, key)
+    assert sd["step"] == 11 and torch.equal(sd["rep"], torch.arange(100.0))
+    leaked = {fd: t for fd, t in open_fds().items() if fd not in before and "ckpt" in t}
+    assert not leaked, leaked
+    return res.bytes_read
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_round_trip_dtensor(tmp_path, world):
+    path = str(tmp_path / "ckpt")
+    sizes = run_ranks(_save_body, world, path, "shard0")[0]
+    assert len(sizes) == world and all(s > 0 for s in sizes)
+    assert sorted(os.listdir(path)) == ["MANIFEST"] + [f"rank{r:05d}.bin" for r in range(world)]
+    run_ranks(_load_body, world, path, "shard0")
+
+
+@pytest.mark.parametrize("save_world,save_layout,load_world,load_layout", [
+    (2, "shard0", 1, "plain"),
+    (1, "plain", 2, "shard0"),
+    (2, "shard0", 3, "shard0"),
+    (2, "shard0", 2, "shard1"),
+    (3, "shard1", 2, "sharded_tensor"),
+    (2, "sharded_tensor", 3, "shard1"),
+    (2, "plain", 1, "sharded_tensor"),
+])
+def test_resharding(tmp_path, save_world, save_layout, load_world, load_layout):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_body, save_world, path, save_layout)
+    run_ranks(_load_body, load_world, path, load_layout)
+    import distckpt  # and the one-process reader agrees
+    full = distckpt.read(path)
+    for key, value in _globals().items():
+        assert torch.equal(full["model"][key], value)
+
+
+def _reshard_bytes_body(rank, world, path):
+    import distckpt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    t = distribute_tensor(torch.zeros(1 << 12, 1 << 8), mesh, [Shard(0)])
+    return distckpt.load({"t": t}, path).bytes_read
+
+
+def _save_one_big(rank, world, path):
+    import distckpt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange((1 << 12) * (1 << 8), dtype=torch.float32).reshape(1 << 12, 1 << 8)
+    distckpt.save({"t": distribute_tensor(full, mesh, [Shard(0)])}, path)
+
+
+def test_resharding_reads_only_needed_bytes(tmp_path):
+    """Save on 2 ranks, load on 3 along dim 0: the bytes read stay within 1.1x of the bytes needed."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_one_big, 2, path)
+    read = sum(run_ranks(_reshard_bytes_body, 3, path))
+    needed = (1 << 12) * (1 << 8) * 4
+    assert needed <= read <= 1.1 * needed, (read, needed)
+
+
+def _replica_body(rank, world, path):
+    import distckpt
+    sd = {f"r{i}": torch.full((1 << 16,), float(i)) for i in range(8)}  # the same on every rank
+    return distckpt.save(sd, path).bytes_per_rank
+
+
+def test_replicated_tensors_written_once_and_spread(tmp_path):
+    path = str(tmp_path / "ckpt")
+    sizes = run_ranks(_replica_body, 2, path)[0]
+    one = (1 << 16) * 4
+    assert sum(sizes) < 9 * one, "replicas must be written once, not once per rank"
+    assert abs(sizes[0] - sizes[1]) <= one + 8192, sizes
+    import distckpt
+    m = distckpt.read_manifest(path)
+    assert all(len(t["chunks"]) == 1 for t in m["tensors"].values())
+
+
+def _failing_body(rank, world, root):
+    import distckpt
+    import distckpt.coordinator as coord
+    from distckpt import errors
+
+    from .conftest import open_fds
+    mgr = distckpt.CheckpointManager(root)
+    mgr.save(1, {"x": torch.full((1 << 16,), float(rank))})
+    if rank == 1:
+        real = coord._write_rank_file
+
+        def broken(path, pieces, checksum_block):
+            real(path, pieces[:1], checksum_block)  # really write, then fail as a disk would
+            raise errors.StorageIOError("write failed: [Errno 5] injected", path=path, errno=5)
+        coord._write_rank_file = broken
+    before = open_fds()
+    t0 = time.monotonic()
+    try:
+        mgr.save(2, {"x": torch.full((1 << 16,), 10.0 + rank), "y": torch.ones(1 << 18)})
+    except errors.RankFailureError as exc:
+        elapsed = time.monotonic() - t0
+        assert set(exc.failures) == {1} and isinstance(exc.failures[1], errors.StorageIOError)
+        assert exc.failures[1].errno == 5 and exc.remedy
+        assert elapsed < 20, elapsed
+    else:
+        raise AssertionError("save must fail on every rank")
+    assert open_fds() == before
+    assert mgr.steps() == [1]
+    t = {"x": torch.empty(1 << 16)}
+    mgr.load(t)
+    assert torch.equal(t["x"], torch.full((1 << 16,), float(rank)))
+    return sorted(os.listdir(root))
+
+
+def test_one_rank_fails_everyone_raises_nothing_committed(tmp_path):
+    root = str(tmp_path / "root")
+    listings = run_ranks(_failing_body, 2, root, timeout=120)
+    assert listings[0] == ["latest", "step_00000001"], listings
+
+
+def _dying_body(rank, world, path):
+    import distckpt
+    import distckpt.coordinator as coord
+    from distckpt import errors
+    if rank == 1:
+        def die(*a, **k):
+            os._exit(3)  # a rank crashing mid-save, without a word
+        coord._write_rank_file = die
+    t0 = time.monotonic()
+    try:
+        distckpt.save({"x": torch.ones(1000)}, path)
+    except (errors.PeerLostError, errors.RankFailureError):
+        elapsed = time.monotonic() - t0
+        assert elapsed < 30, f"rank 0 waited {elapsed:.1f} s for a dead peer"
+        return elapsed
+    raise AssertionError("rank 0 must learn that rank 1 died")
+
+
+def test_dead_peer_is_reported_not_waited_for(tmp_path):
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(RankError) as ei:
+        run_ranks(_dying_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "15"}, timeout=90)
+    assert set(ei.value.errors) == {1}, "only the killed rank may be missing; rank 0 must return"
+    assert not os.path.exists(path)
