@@ -17,12 +17,7 @@ from .errors import DistCkptError  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
 from .restore import LoadResult, load, read, read_manifest  # noqa: E402
 from .save import SaveResult, save  # noqa: E402
-
-
-def preflight(*args, **kwargs):
-    """Run the pre-flight checks (see :func:`distckpt.preflight.preflight`)."""
-    from .preflight import preflight as _preflight
-    return _preflight(*args, **kwargs)
+from .preflight import preflight  # noqa: E402  (binds the function over the submodule's name)
 
 
 __all__ = [

@@ -12,6 +12,7 @@ Exit status: 0 on success, 1 when a check or verification failed, 2 on bad usage
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -63,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--allow-pickle", action="store_true")
     p.set_defaults(func=_cmd_verify)
-    from . import bench, preflight
-    preflight.add_parser(sub)
-    bench.add_parser(sub)
+    # importlib, not `from . import preflight`: the package attribute of that name is the function.
+    for module in ("distckpt.preflight", "distckpt.bench"):
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

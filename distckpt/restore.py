@@ -186,7 +186,8 @@ def _run_batch(reader, fpath: str, batch: list[tuple], block: int, verify: bool)
             if direct:
                 continue
             flat = buf[start - lo:end - lo].view(t.dtype)
-            src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), 0)
+            # as_strided's offset is absolute in the storage: keep the slice's own offset.
+            src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), flat.storage_offset())
             rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
             _narrow(t.dest, rel, t.inter.sizes).copy_(src)
     return nbytes

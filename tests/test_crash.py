@@ -56,6 +56,9 @@ def test_sigkill_at_random_moments(tmp_path):
     rng = random.Random(seed)
     root = str(tmp_path / "root")
     torch.set_num_threads(1)
+    # Warm up in the parent (imports, io backend probe) so a forked child saves within milliseconds.
+    distckpt.save(expected_state(1), tmp_path / "warm-up")
+    distckpt.read(tmp_path / "warm-up")
     ctx = mp.get_context("fork")
     acked = None   # newest step whose save() returned
     next_step = 1

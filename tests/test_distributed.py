@@ -111,13 +111,16 @@ def test_resharding(tmp_path, save_world, save_layout, load_world, load_layout):
         assert torch.equal(full["model"][key], value)
 
 
-def _reshard_bytes_body(rank, world, path):
+def _reshard_bytes_body(rank, world, path, verify):
     import distckpt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
     t = distribute_tensor(torch.zeros(1 << 12, 1 << 8), mesh, [Shard(0)])
-    return distckpt.load({"t": t}, path).bytes_read
+    nbytes = distckpt.load({"t": t}, path, verify=verify).bytes_read
+    full = torch.arange((1 << 12) * (1 << 8), dtype=torch.float32).reshape(1 << 12, 1 << 8)
+    assert torch.equal(t.full_tensor(), full)
+    return nbytes
 
 
 def _save_one_big(rank, world, path):
@@ -130,11 +133,16 @@ def _save_one_big(rank, world, path):
 
 
 def test_resharding_reads_only_needed_bytes(tmp_path):
-    """Save on 2 ranks, load on 3 along dim 0: the bytes read stay within 1.1x of the bytes needed."""
+    """Save on 2 ranks, load on 1 and on 3 along dim 0: only the needed byte ranges are read.
+
+    With verification each range is widened to whole checksum blocks (64 KiB here, set at save
+    time), which must stay within 1.1x of the bytes needed; without it the ranges are exact."""
     path = str(tmp_path / "ckpt")
-    run_ranks(_save_one_big, 2, path)
-    read = sum(run_ranks(_reshard_bytes_body, 3, path))
+    run_ranks(_save_one_big, 2, path, env={"DISTCKPT_CHECKSUM_BLOCK": str(64 << 10)})
     needed = (1 << 12) * (1 << 8) * 4
+    assert sum(run_ranks(_reshard_bytes_body, 1, path, True)) == needed
+    assert sum(run_ranks(_reshard_bytes_body, 3, path, False)) == needed
+    read = sum(run_ranks(_reshard_bytes_body, 3, path, True))
     assert needed <= read <= 1.1 * needed, (read, needed)
 
 
@@ -162,7 +170,7 @@ def _failing_body(rank, world, root):
 
     from .conftest import open_fds
     mgr = distckpt.CheckpointManager(root)
-    mgr.save(1, {"x": torch.full((1 << 16,), float(rank))})
+    mgr.save(1, {"x": torch.full((1 << 16,), 1.0)})
     if rank == 1:
         real = coord._write_rank_file
 
@@ -173,7 +181,7 @@ def _failing_body(rank, world, root):
     before = open_fds()
     t0 = time.monotonic()
     try:
-        mgr.save(2, {"x": torch.full((1 << 16,), 10.0 + rank), "y": torch.ones(1 << 18)})
+        mgr.save(2, {"x": torch.full((1 << 16,), 2.0), "y": torch.ones(1 << 18)})
     except errors.RankFailureError as exc:
         elapsed = time.monotonic() - t0
         assert set(exc.failures) == {1} and isinstance(exc.failures[1], errors.StorageIOError)
@@ -185,7 +193,7 @@ def _failing_body(rank, world, root):
     assert mgr.steps() == [1]
     t = {"x": torch.empty(1 << 16)}
     mgr.load(t)
-    assert torch.equal(t["x"], torch.full((1 << 16,), float(rank)))
+    assert torch.equal(t["x"], torch.full((1 << 16,), 1.0))
     return sorted(os.listdir(root))
 
 

@@ -125,7 +125,16 @@ def remove_dir(path: str) -> None:
 
 
 def delete_tree(path: str) -> None:
-    """rm -rf ``path`` (already invisible to loaders); a vanished path is not an error."""
+    """rm -rf ``path`` (already invisible to loaders): a directory tree or a single file (a crashed
+    ``latest`` replacement leaves a ``.latest.tmp-*`` file). A vanished path is not an error."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise from_os_error(exc, path=path, operation="delete") from exc
+        return
     def onerror(func, p, exc_info):
         exc = exc_info[1]
         if isinstance(exc, OSError) and exc.errno == errno.ENOENT:

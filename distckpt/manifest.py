@@ -1,0 +1,825 @@
+"""The MANIFEST file: dataclasses, byte encoding (format version 1), and validation.
+
+Byte layout (all integers little-endian; docs/FORMAT.md is the normative description)::
+
+    magic          8 bytes   b"DCKPTMF1"
+    format_version u32       1
+    flags          u32       0 (no flag is defined in version 1)
+    body_length    u64       number of body bytes that follow
+    body           msgpack   one map with str keys (use_bin_type; no ext types; never pickle)
+    checksum       u32       crc32c of every byte before it (header and body)
+
+Invariants:
+  * :func:`decode` returns only manifests that pass :func:`validate`; every way a MANIFEST can be
+    damaged or hostile raises :class:`~distckpt.errors.ManifestCorruptError` naming the path and
+    what was expected vs found. Nothing read from a MANIFEST is ever executed: msgpack runs no
+    object hooks from the data, ext types are refused, and sizes are bounded before allocation.
+  * A valid manifest can be read without escaping its directory: every data file name is a plain
+    ``rankNNNNN.bin`` basename, and every chunk's bytes lie inside its file's recorded size.
+  * The chunks of a tensor exactly tile its global shape (pairwise disjoint, union is the shape);
+    chunks with a zero-size dimension hold no elements and no bytes and are allowed; a tensor with
+    no elements may have no chunks at all.
+  * :func:`encode` is deterministic: the same Manifest gives the same bytes (tensors and objects are
+    written sorted by fqn; chunks, files, tree and meta keep their order), so golden files hold.
+  * This module reads files (:func:`read_manifest_bytes`) but never writes them: the commit
+    protocol in distckpt.coordinator owns every write, fsync and rename.
+
+No torch import: dtypes are names, with their item sizes in :data:`DTYPE_ITEMSIZE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import stat
+import struct
+from typing import Any, Mapping
+
+import crc32c as _crc32c
+import msgpack
+
+from .errors import CheckpointIncompleteError, ManifestCorruptError, from_os_error
+from .plan import Box, find_tiling_defect
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "SUPPORTED_VERSIONS",
+    "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
+    "DTYPE_ITEMSIZE",
+    "TENSOR_KINDS",
+    "OBJECT_KINDS",
+    "ChunkRecord",
+    "TensorEntry",
+    "ObjectEntry",
+    "FileEntry",
+    "Manifest",
+    "block_crcs",
+    "data_file_name",
+    "encode",
+    "decode",
+    "validate",
+    "to_plain",
+    "read_manifest_bytes",
+    "load_manifest",
+]
+
+MAGIC = b"DCKPTMF1"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST_NAME = "MANIFEST"
+
+_HEADER = struct.Struct("<8sIIQ")  # magic, format_version, flags, body_length
+_TRAILER = struct.Struct("<I")  # crc32c
+_OVERHEAD = _HEADER.size + _TRAILER.size  # 28 bytes around the body
+
+#: Upper bound on a MANIFEST body. A million chunks take roughly 100 MB, so 1 GiB only rejects
+#: garbage or hostile lengths, before anything of that size is allocated.
+MAX_MANIFEST_BYTES = 1 << 30
+#: Bounds that keep validation and consumers' recursion safe on hostile input.
+MAX_NDIM = 64
+MAX_DEPTH = 100
+
+_FILE_NAME_RE = re.compile(r"rank[0-9]{5}\.bin")  # ASCII digits only (\d would accept any Unicode digit)
+_U64 = 1 << 64
+_I64_MIN = -(1 << 63)
+
+#: Bytes per element for every dtype the format can hold, by torch's name without "torch.".
+#: Excluded on purpose: quantized dtypes (qint8, quint8, qint32, quint4x2, quint2x4), whose values
+#: need a scale and zero point the raw bytes lack, and the sub-byte shells int1..int7 and
+#: uint1..uint7, which have no storage of their own (libraries pack them into uint8 tensors).
+DTYPE_ITEMSIZE: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "bits16": 2,
+    "bits8": 1,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+}
+
+#: How a tensor was saved (informational: restore reshards from the chunks alone).
+TENSOR_KINDS = frozenset({"tensor", "dtensor", "sharded_tensor"})
+#: Object kinds and the Python type their value must have.
+OBJECT_KINDS: Mapping[str, type] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "bytes": bytes,
+    "none": type(None),
+    "pickle": bytes,
+}
+
+
+def data_file_name(rank: int) -> str:
+    """The data file name of ``rank``: ``rank00003.bin``."""
+    return f"rank{rank:05d}.bin"
+
+
+def block_crcs(data: Any, block: int) -> tuple[int, ...]:
+    """crc32c of each ``block``-byte block of ``data`` (any buffer), the last one partial.
+
+    This is the definition of :attr:`ChunkRecord.crcs`; empty data has no blocks.
+    """
+    mv = memoryview(data).cast("B")
+    return tuple(_crc32c.crc32c(mv[i : i + block]) for i in range(0, len(mv), block))
+
+
+def _canonical(value: Any, depth: int = 0) -> Any:
+    # Msgpack has one array type: store tuples as lists up front so a manifest compares equal to
+    # its own decoded bytes. Past MAX_DEPTH leave it alone; validate() reports the depth.
+    if depth > MAX_DEPTH:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {k: _canonical(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One saved box of a tensor, stored C-contiguous in a data file.
+
+    Attributes:
+        offsets: Global element offsets of the box.
+        sizes: Extent of the box along each dimension.
+        file: Index into :attr:`Manifest.files`.
+        offset: Byte offset of the chunk in that file.
+        nbytes: ``prod(sizes) * itemsize``.
+        crcs: crc32c of each ``checksum_block`` bytes of the chunk, the last one partial.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: int
+    offset: int
+    nbytes: int
+    crcs: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("offsets", "sizes", "crcs"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    @property
+    def box(self) -> Box:
+        """The chunk's elements as a :class:`~distckpt.plan.Box` (global coordinates)."""
+        return Box(self.offsets, self.sizes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor's global description and where its chunks are.
+
+    Attributes:
+        dtype: torch dtype name without ``torch.`` (a key of :data:`DTYPE_ITEMSIZE`).
+        shape: Global shape.
+        chunks: The saved boxes; they exactly tile ``shape``.
+        kind: How it was saved: one of :data:`TENSOR_KINDS` (informational).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+    kind: str = "tensor"
+
+    def __post_init__(self) -> None:
+        for name in ("shape", "chunks"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element. Raises KeyError for an unknown dtype (validate() rejects those)."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """A non-tensor leaf stored inline in the manifest.
+
+    Attributes:
+        kind: One of :data:`OBJECT_KINDS` (``pickle`` values are the pickled bytes; loading them
+            needs the caller's explicit opt-in).
+        value: The plain value, of the type :data:`OBJECT_KINDS` gives for ``kind``.
+    """
+
+    kind: str
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileEntry:
+    """A data file of the checkpoint.
+
+    Attributes:
+        name: Basename inside the checkpoint directory, ``rankNNNNN.bin``.
+        size: Its size in bytes (every chunk lies inside it).
+        rank: The rank that wrote it.
+    """
+
+    name: str
+    size: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything needed to load a checkpoint, and nothing that runs code.
+
+    Attributes:
+        format_version: Format version of the bytes (1).
+        save_id: Unique id of the save that wrote the checkpoint.
+        world_size: Number of ranks that saved it.
+        created_unix: Commit time, seconds since the epoch.
+        checksum_algo: ``"crc32c"``.
+        checksum_block: Bytes per checksummed block of a chunk.
+        files: The data files; chunks refer to them by index.
+        tensors: ``{flat fqn: TensorEntry}``.
+        objects: ``{flat fqn: ObjectEntry}``; fqns are disjoint from ``tensors``'.
+        tree: The original state dict's containers (see docs/FORMAT.md): nodes
+            ``{"t": "dict", "k": [[key, node], ...]}`` (keys str or int), ``{"t": "list", "v": [...]}``,
+            ``{"t": "tuple", "v": [...]}`` and leaves ``{"t": "ref", "fqn": str}``; every tensor
+            and object is referenced exactly once.
+        meta: Plain data: io backend, distckpt version, step, user metadata.
+    """
+
+    format_version: int
+    save_id: str
+    world_size: int
+    created_unix: float
+    checksum_algo: str
+    checksum_block: int
+    files: tuple[FileEntry, ...]
+    tensors: dict[str, TensorEntry]
+    objects: dict[str, ObjectEntry]
+    tree: Any
+    meta: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.files, list):
+            object.__setattr__(self, "files", tuple(self.files))
+        object.__setattr__(self, "tree", _canonical(self.tree))
+        object.__setattr__(self, "meta", _canonical(self.meta))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+
+
+def _corrupt(message: str, path: Any) -> ManifestCorruptError:
+    return ManifestCorruptError(f"MANIFEST {message}", path=path)
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass; msgpack keeps them apart, so must we.
+    return type(v) is int
+
+
+def _check_uint(v: Any, where: str, path: Any, *, lo: int = 0) -> int:
+    if not _is_int(v) or not lo <= v < _U64:
+        raise _corrupt(f"{where}: expected an integer in [{lo}, 2**64), found {v!r}", path)
+    return v
+
+
+def _check_int_tuple(v: Any, where: str, path: Any) -> tuple[int, ...]:
+    if not isinstance(v, tuple):
+        raise _corrupt(f"{where}: expected a sequence of integers, found {type(v).__name__}", path)
+    if len(v) > MAX_NDIM:
+        raise _corrupt(f"{where}: {len(v)} dimensions, at most {MAX_NDIM} are supported", path)
+    for x in v:
+        _check_uint(x, where, path)
+    return v
+
+
+def _check_plain(value: Any, where: str, path: Any) -> None:
+    """Plain data only: None, bool, int (64-bit), float, str, bytes, lists, str-keyed dicts."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _corrupt(f"{where}: nested deeper than {MAX_DEPTH} levels", path)
+        if v is None or isinstance(v, (bool, float, str, bytes)):
+            continue
+        if type(v) is int:
+            if not _I64_MIN <= v < _U64:
+                raise _corrupt(f"{where}: integer {v} does not fit in 64 bits", path)
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise _corrupt(f"{where}: dict key {k!r} is not a str", path)
+                stack.append((x, depth + 1))
+        else:
+            raise _corrupt(f"{where}: {type(v).__name__} is not plain data", path)
+
+
+def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[list]) -> None:
+    where = f"tensor {fqn!r}"
+    if not isinstance(t, TensorEntry):
+        raise _corrupt(f"{where}: expected a TensorEntry, found {type(t).__name__}", path)
+    # isinstance first: a hostile list or map here is unhashable and must not raise TypeError.
+    if not isinstance(t.dtype, str) or t.dtype not in DTYPE_ITEMSIZE:
+        raise _corrupt(
+            f"{where}: unknown dtype {t.dtype!r} (known: {', '.join(sorted(DTYPE_ITEMSIZE))})", path
+        )
+    if not isinstance(t.kind, str) or t.kind not in TENSOR_KINDS:
+        raise _corrupt(f"{where}: kind {t.kind!r} is not one of {sorted(TENSOR_KINDS)}", path)
+    shape = _check_int_tuple(t.shape, f"{where} shape", path)
+    if not isinstance(t.chunks, tuple):
+        raise _corrupt(f"{where}: chunks must be a sequence, found {type(t.chunks).__name__}", path)
+    itemsize = DTYPE_ITEMSIZE[t.dtype]
+    block = m.checksum_block
+    nd = len(shape)
+    boxes = []
+    for j, c in enumerate(t.chunks):
+        cw = f"{where} chunk {j}"
+        if not isinstance(c, ChunkRecord):
+            raise _corrupt(f"{cw}: expected a ChunkRecord, found {type(c).__name__}", path)
+        offsets = _check_int_tuple(c.offsets, f"{cw} offsets", path)
+        sizes = _check_int_tuple(c.sizes, f"{cw} sizes", path)
+        if len(offsets) != nd or len(sizes) != nd:
+            raise _corrupt(
+                f"{cw}: offsets {list(offsets)} and sizes {list(sizes)} must both have {nd} entries (shape {list(shape)})",
+                path,
+            )
+        for d in range(nd):
+            if offsets[d] + sizes[d] > shape[d]:
+                raise _corrupt(
+                    f"{cw}: box {Box(offsets, sizes)} lies outside the shape {list(shape)} on dimension {d}", path
+                )
+        fi = c.file
+        if not _is_int(fi) or not 0 <= fi < len(m.files):
+            raise _corrupt(f"{cw}: file index {fi!r} is out of range (the manifest lists {len(m.files)} files)", path)
+        off = _check_uint(c.offset, f"{cw} offset", path)
+        nbytes = _check_uint(c.nbytes, f"{cw} nbytes", path)
+        numel = math.prod(sizes)
+        if nbytes != numel * itemsize:
+            raise _corrupt(
+                f"{cw}: nbytes is {nbytes}, expected {numel * itemsize} ({numel} elements x {itemsize} bytes of {t.dtype})",
+                path,
+            )
+        f = m.files[fi]
+        if off + nbytes > f.size:
+            raise _corrupt(
+                f"{cw}: bytes [{off}, {off + nbytes}) lie beyond the end of {f.name} (size {f.size})", path
+            )
+        if not isinstance(c.crcs, tuple):
+            raise _corrupt(f"{cw}: crcs must be a sequence, found {type(c.crcs).__name__}", path)
+        want_crcs = -(-nbytes // block)
+        if len(c.crcs) != want_crcs:
+            raise _corrupt(
+                f"{cw}: {len(c.crcs)} checksums, expected {want_crcs} (ceil({nbytes} / checksum_block {block}))", path
+            )
+        for crc in c.crcs:
+            if not _is_int(crc) or not 0 <= crc < (1 << 32):
+                raise _corrupt(f"{cw}: checksum {crc!r} is not a 32-bit unsigned integer", path)
+        if nbytes:
+            file_spans[fi].append((off, off + nbytes, fqn, j))
+        boxes.append(Box(offsets, sizes))
+    defect = find_tiling_defect(boxes, Box.full(shape))
+    if defect is not None:
+        if defect.kind == "overlap":
+            a, b = defect.indices
+            raise _corrupt(
+                f"{where}: chunks {a} {boxes[a]} and {b} {boxes[b]} overlap (both hold {defect.region})", path
+            )
+        raise _corrupt(
+            f"{where}: chunks do not cover the shape {list(shape)}: no chunk holds region {defect.region}", path
+        )
+
+
+def _validate_tree(m: Manifest, path: Any) -> None:
+    seen: set[str] = set()
+    stack: list[tuple[Any, int, str]] = [(m.tree, 0, "tree")]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _corrupt(f"{where}: nested deeper than {MAX_DEPTH} levels", path)
+        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+            raise _corrupt(f"{where}: expected a node {{'t': ...}}, found {type(node).__name__}", path)
+        t = node["t"]
+        want = {"ref": {"t", "fqn"}, "dict": {"t", "k"}, "list": {"t", "v"}, "tuple": {"t", "v"}}.get(t)
+        if want is None:
+            raise _corrupt(f"{where}: unknown node type {t!r} (expected ref, dict, list or tuple)", path)
+        if set(node) != want:
+            raise _corrupt(f"{where}: a {t!r} node has keys {sorted(node)}, expected {sorted(want)}", path)
+        if t == "ref":
+            fqn = node["fqn"]
+            if not isinstance(fqn, str) or (fqn not in m.tensors and fqn not in m.objects):
+                raise _corrupt(f"{where}: refers to {fqn!r}, which is neither a tensor nor an object", path)
+            if fqn in seen:
+                raise _corrupt(f"{where}: {fqn!r} is referenced more than once", path)
+            seen.add(fqn)
+        elif t == "dict":
+            items = node["k"]
+            if not isinstance(items, list):
+                raise _corrupt(f"{where}: 'k' must be a list of [key, node] pairs", path)
+            keys = set()
+            for i, pair in enumerate(items):
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _corrupt(f"{where}.k[{i}]: expected a [key, node] pair", path)
+                key = pair[0]
+                if not (isinstance(key, str) or type(key) is int):
+                    raise _corrupt(f"{where}.k[{i}]: dict key {key!r} must be a str or an int", path)
+                # (type, value): the int 1 and the str "1" are different keys.
+                if (type(key), key) in keys:
+                    raise _corrupt(f"{where}.k[{i}]: duplicate dict key {key!r}", path)
+                keys.add((type(key), key))
+                stack.append((pair[1], depth + 1, f"{where}[{key!r}]"))
+        else:
+            items = node["v"]
+            if not isinstance(items, list):
+                raise _corrupt(f"{where}: 'v' must be a list of nodes", path)
+            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(items))
+    missing = [k for k in (*m.tensors, *m.objects) if k not in seen]
+    if missing:
+        raise _corrupt(f"tree: {len(missing)} entries are not referenced, e.g. {missing[:5]}", path)
+
+
+def validate(m: Manifest, *, path: Any = None) -> None:
+    """Check every promise the format makes about a manifest (see the module docstring).
+
+    Checks: header fields, file names (plain ``rankNNNNN.bin`` basenames, unique), chunk file
+    indices, offsets and sizes inside their files, chunks not overlapping inside a file,
+    ``nbytes == prod(sizes) * itemsize``, ``len(crcs) == ceil(nbytes / checksum_block)``, chunk
+    boxes inside the shape and exactly tiling it, known dtypes and kinds, object values of their
+    kind's type, plain ``meta``, and a tree that references every tensor and object exactly once.
+
+    Raises:
+        ManifestCorruptError: the first violation found, with ``path`` and expected vs found.
+    """
+    if m.format_version not in SUPPORTED_VERSIONS:
+        raise _corrupt(
+            f"format version {m.format_version!r} is not supported (supported: {list(SUPPORTED_VERSIONS)})", path
+        )
+    if not isinstance(m.save_id, str):
+        raise _corrupt(f"save_id: expected a str, found {type(m.save_id).__name__}", path)
+    _check_uint(m.world_size, "world_size", path, lo=1)
+    if type(m.created_unix) not in (int, float) or not math.isfinite(m.created_unix):
+        raise _corrupt(f"created_unix: expected a finite number, found {m.created_unix!r}", path)
+    if m.checksum_algo != "crc32c":
+        raise _corrupt(f"checksum_algo: expected 'crc32c', found {m.checksum_algo!r}", path)
+    _check_uint(m.checksum_block, "checksum_block", path, lo=1)
+    if not isinstance(m.files, tuple):
+        raise _corrupt(f"files: expected a sequence, found {type(m.files).__name__}", path)
+    names = set()
+    for i, f in enumerate(m.files):
+        if not isinstance(f, FileEntry):
+            raise _corrupt(f"files[{i}]: expected a FileEntry, found {type(f).__name__}", path)
+        # fullmatch on a fixed ASCII pattern rules out "/", "..", absolute paths and NUL at once.
+        if not isinstance(f.name, str) or not _FILE_NAME_RE.fullmatch(f.name):
+            raise _corrupt(
+                f"files[{i}]: name {f.name!r} is not a plain data file name 'rankNNNNN.bin' "
+                "(a path in a manifest must not leave the checkpoint directory)",
+                path,
+            )
+        if f.name in names:
+            raise _corrupt(f"files[{i}]: {f.name!r} is listed twice", path)
+        names.add(f.name)
+        _check_uint(f.size, f"files[{i}] ({f.name}) size", path)
+        if not _is_int(f.rank) or not 0 <= f.rank < m.world_size:
+            raise _corrupt(f"files[{i}] ({f.name}): rank {f.rank!r} is not in [0, world_size={m.world_size})", path)
+    if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
+        raise _corrupt("tensors and objects must be dicts", path)
+    file_spans: list[list] = [[] for _ in m.files]
+    for fqn, t in m.tensors.items():
+        if not isinstance(fqn, str):
+            raise _corrupt(f"tensors: key {fqn!r} is not a str", path)
+        _validate_tensor(fqn, t, m, path, file_spans)
+    for fi, spans in enumerate(file_spans):
+        spans.sort()
+        for (s0, e0, k0, j0), (s1, e1, k1, j1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise _corrupt(
+                    f"{m.files[fi].name}: bytes of tensor {k0!r} chunk {j0} [{s0}, {e0}) and tensor {k1!r} "
+                    f"chunk {j1} [{s1}, {e1}) overlap",
+                    path,
+                )
+    for fqn, o in m.objects.items():
+        where = f"object {fqn!r}"
+        if not isinstance(fqn, str):
+            raise _corrupt(f"objects: key {fqn!r} is not a str", path)
+        if fqn in m.tensors:
+            raise _corrupt(f"{where}: the fqn is also a tensor's", path)
+        if not isinstance(o, ObjectEntry):
+            raise _corrupt(f"{where}: expected an ObjectEntry, found {type(o).__name__}", path)
+        if not isinstance(o.kind, str) or o.kind not in OBJECT_KINDS:
+            raise _corrupt(f"{where}: kind {o.kind!r} is not one of {sorted(OBJECT_KINDS)}", path)
+        if type(o.value) is not OBJECT_KINDS[o.kind]:
+            raise _corrupt(
+                f"{where}: a {o.kind!r} object needs a {OBJECT_KINDS[o.kind].__name__} value, found {type(o.value).__name__}",
+                path,
+            )
+        _check_plain(o.value, where, path)
+    if not isinstance(m.meta, dict):
+        raise _corrupt(f"meta: expected a dict, found {type(m.meta).__name__}", path)
+    _check_plain(m.meta, "meta", path)
+    _validate_tree(m, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding.
+
+_BODY_KEYS = ("save_id", "world_size", "created_unix", "checksum_algo", "checksum_block", "files", "tensors", "objects", "tree", "meta")
+_FILE_KEYS = ("name", "size", "rank")
+_TENSOR_KEYS = ("dtype", "shape", "kind", "chunks")
+_CHUNK_KEYS = ("offsets", "sizes", "file", "offset", "nbytes", "crcs")
+_OBJECT_KEYS = ("kind", "value")
+
+
+def _to_body(m: Manifest) -> dict[str, Any]:
+    return {
+        "save_id": m.save_id,
+        "world_size": m.world_size,
+        # Always a float64 on disk, so an int timestamp and its float encode to the same bytes.
+        "created_unix": float(m.created_unix),
+        "checksum_algo": m.checksum_algo,
+        "checksum_block": m.checksum_block,
+        "files": [{"name": f.name, "size": f.size, "rank": f.rank} for f in m.files],
+        "tensors": {
+            fqn: {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "kind": t.kind,
+                "chunks": [
+                    {
+                        "offsets": list(c.offsets),
+                        "sizes": list(c.sizes),
+                        "file": c.file,
+                        "offset": c.offset,
+                        "nbytes": c.nbytes,
+                        "crcs": list(c.crcs),
+                    }
+                    for c in t.chunks
+                ],
+            }
+            for fqn, t in sorted(m.tensors.items())
+        },
+        "objects": {fqn: {"kind": o.kind, "value": o.value} for fqn, o in sorted(m.objects.items())},
+        "tree": _canonical(m.tree),
+        "meta": _canonical(m.meta),
+    }
+
+
+def encode(m: Manifest) -> bytes:
+    """The MANIFEST bytes of ``m`` (header, msgpack body, crc32c).
+
+    Raises:
+        ValueError: ``m`` fails :func:`validate` (a bug in the writer: an invalid manifest is
+            never written). The ManifestCorruptError is chained as the cause.
+    """
+    try:
+        validate(m)
+    except ManifestCorruptError as e:
+        raise ValueError(f"refusing to encode an invalid manifest: {e.message}") from e
+    body = msgpack.packb(_to_body(m), use_bin_type=True, strict_types=False, datetime=False)
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+    return head + _TRAILER.pack(_crc32c.crc32c(head))
+
+
+def to_plain(m: Manifest) -> dict[str, Any]:
+    """The manifest as plain data (dicts, lists, str, int, float, bool, bytes, None): the decoded
+    body plus ``format_version``. Backs ``distckpt.read_manifest(path)`` and the CLI."""
+    return {"format_version": m.format_version, **_to_body(m)}
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding.
+
+
+def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    # msgpack would keep the last of two equal keys silently; a manifest with two entries for
+    # one fqn is damaged, not something to guess about.
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate map key {k!r}")
+            seen.add(k)
+    return out
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not allowed in a MANIFEST")
+
+
+def _expect_map(v: Any, keys: tuple[str, ...], where: str, path: Any) -> dict:
+    if not isinstance(v, dict):
+        raise _corrupt(f"{where}: expected a map, found {type(v).__name__}", path)
+    if set(v) != set(keys):
+        missing = sorted(set(keys) - set(v))
+        extra = sorted(set(v) - set(keys), key=repr)
+        raise _corrupt(f"{where}: missing keys {missing}, unexpected keys {extra}", path)
+    return v
+
+
+def _expect_list(v: Any, where: str, path: Any) -> list:
+    if not isinstance(v, list):
+        raise _corrupt(f"{where}: expected an array, found {type(v).__name__}", path)
+    return v
+
+
+def _from_body(body: Any, version: int, path: Any) -> Manifest:
+    """Structure of the body -> dataclasses; value checks are left to validate()."""
+    _expect_map(body, _BODY_KEYS, "body", path)
+    files = []
+    for i, f in enumerate(_expect_list(body["files"], "files", path)):
+        _expect_map(f, _FILE_KEYS, f"files[{i}]", path)
+        files.append(FileEntry(f["name"], f["size"], f["rank"]))
+    tensors_raw = body["tensors"]
+    if not isinstance(tensors_raw, dict):
+        raise _corrupt(f"tensors: expected a map, found {type(tensors_raw).__name__}", path)
+    tensors = {}
+    for fqn, t in tensors_raw.items():
+        where = f"tensor {fqn!r}"
+        _expect_map(t, _TENSOR_KEYS, where, path)
+        chunks = []
+        for j, c in enumerate(_expect_list(t["chunks"], f"{where} chunks", path)):
+            cw = f"{where} chunk {j}"
+            _expect_map(c, _CHUNK_KEYS, cw, path)
+            chunks.append(
+                ChunkRecord(
+                    offsets=tuple(_expect_list(c["offsets"], f"{cw} offsets", path)),
+                    sizes=tuple(_expect_list(c["sizes"], f"{cw} sizes", path)),
+                    file=c["file"],
+                    offset=c["offset"],
+                    nbytes=c["nbytes"],
+                    crcs=tuple(_expect_list(c["crcs"], f"{cw} crcs", path)),
+                )
+            )
+        shape = tuple(_expect_list(t["shape"], f"{where} shape", path))
+        tensors[fqn] = TensorEntry(dtype=t["dtype"], shape=shape, chunks=tuple(chunks), kind=t["kind"])
+    objects_raw = body["objects"]
+    if not isinstance(objects_raw, dict):
+        raise _corrupt(f"objects: expected a map, found {type(objects_raw).__name__}", path)
+    objects = {}
+    for fqn, o in objects_raw.items():
+        _expect_map(o, _OBJECT_KEYS, f"object {fqn!r}", path)
+        objects[fqn] = ObjectEntry(o["kind"], o["value"])
+    return Manifest(
+        format_version=version,
+        save_id=body["save_id"],
+        world_size=body["world_size"],
+        created_unix=body["created_unix"],
+        checksum_algo=body["checksum_algo"],
+        checksum_block=body["checksum_block"],
+        files=tuple(files),
+        tensors=tensors,
+        objects=objects,
+        tree=body["tree"],
+        meta=body["meta"],
+    )
+
+
+def decode(data: bytes | bytearray | memoryview, *, path: Any = None) -> Manifest:
+    """Parse and validate MANIFEST bytes.
+
+    Args:
+        data: The whole file.
+        path: Where the bytes came from, for error messages.
+
+    Returns:
+        A Manifest that passes :func:`validate`.
+
+    Raises:
+        ManifestCorruptError: bad magic, unsupported version (the message says which was found
+            and which are supported), nonzero flags, a body length over the limit, truncated or
+            extra bytes, checksum mismatch, invalid msgpack, or any schema violation.
+    """
+    data = bytes(data)
+    n = len(data)
+    if n < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
+        raise _corrupt(f"bad magic: expected {MAGIC!r}, found {data[:len(MAGIC)]!r} (not a distckpt MANIFEST)", path)
+    if n < _OVERHEAD:
+        raise _corrupt(f"truncated: {n} bytes, shorter than the {_OVERHEAD}-byte header and checksum", path)
+    _, version, flags, body_length = _HEADER.unpack_from(data)
+    if version not in SUPPORTED_VERSIONS:
+        raise ManifestCorruptError(
+            f"MANIFEST format version {version} is not supported by this reader (supported: "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))})",
+            path=path,
+            remedy="Read it with the distckpt release that wrote it (or a newer one).",
+            found_version=version,
+        )
+    if flags != 0:
+        raise _corrupt(f"flags are 0x{flags:08x}, expected 0 (format version 1 defines no flags)", path)
+    if body_length > MAX_MANIFEST_BYTES:
+        raise _corrupt(f"body length {body_length} exceeds the limit of {MAX_MANIFEST_BYTES} bytes", path)
+    total = _OVERHEAD + body_length
+    if n < total:
+        raise _corrupt(f"truncated: the header declares a {body_length}-byte body ({total} bytes in all), found {n} bytes", path)
+    if n > total:
+        raise _corrupt(f"{n - total} unexpected bytes after the checksum (expected {total} bytes in all, found {n})", path)
+    (stored,) = _TRAILER.unpack_from(data, total - _TRAILER.size)
+    computed = _crc32c.crc32c(memoryview(data)[: total - _TRAILER.size])
+    if stored != computed:
+        raise _corrupt(f"checksum mismatch: stored crc32c 0x{stored:08x}, computed 0x{computed:08x}", path)
+    body_bytes = memoryview(data)[_HEADER.size : total - _TRAILER.size]
+    unpacker = msgpack.Unpacker(
+        None,
+        raw=False,
+        strict_map_key=True,  # map keys must be str (or bytes, which the schema then rejects)
+        use_list=True,
+        max_buffer_size=max(body_length, 1),  # also bounds every str/bin/array/map length
+        object_pairs_hook=_no_duplicate_keys,
+        ext_hook=_refuse_ext,
+        timestamp=0,  # a timestamp ext decodes to msgpack.Timestamp, which validation rejects
+    )
+    try:
+        unpacker.feed(body_bytes)
+        body = unpacker.unpack()
+        if unpacker.tell() != body_length:
+            raise ValueError(f"{body_length - unpacker.tell()} bytes after the body's single map")
+    except Exception as e:  # msgpack raises several unrelated types on garbage; all mean the same
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise _corrupt(f"body is not valid msgpack ({detail})", path) from e
+    m = _from_body(body, version, path)
+    validate(m, path=path)
+    return m
+
+
+def read_manifest_bytes(path: str | os.PathLike) -> bytes:
+    """Read a MANIFEST file whole, refusing anything larger than the format allows.
+
+    Raises:
+        CheckpointIncompleteError: the file does not exist (the directory was never committed).
+        ManifestCorruptError: it is not a regular file, or larger than the limit.
+        StorageError: (a subclass, via from_os_error) any other OS error while reading.
+    """
+    path = os.fspath(path)
+    limit = MAX_MANIFEST_BYTES + _OVERHEAD
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointIncompleteError(
+            f"no {MANIFEST_NAME} at {path}: this directory is not a committed checkpoint", path=path
+        ) from None
+    except OSError as e:
+        raise from_os_error(e, path=path, operation="open MANIFEST") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _corrupt("is not a regular file", path)
+        if st.st_size > limit:
+            raise _corrupt(f"is {st.st_size} bytes, larger than the {limit}-byte limit", path)
+        parts, got = [], 0
+        while got <= limit:  # read to EOF, but never more than the limit even if the file grows
+            part = os.read(fd, min(limit + 1 - got, 1 << 24))
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        if got > limit:
+            raise _corrupt(f"is larger than the {limit}-byte limit", path)
+        return b"".join(parts)
+    except OSError as e:
+        raise from_os_error(e, path=path, operation="read MANIFEST") from e
+    finally:
+        os.close(fd)
+
+
+def load_manifest(path: str | os.PathLike) -> Manifest:
+    """Read and decode a MANIFEST; ``path`` is the file or the checkpoint directory holding it.
+
+    Raises:
+        CheckpointIncompleteError: there is no MANIFEST.
+        ManifestCorruptError: see :func:`decode`.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, MANIFEST_NAME)
+    return decode(read_manifest_bytes(path), path=path)

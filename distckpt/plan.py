@@ -1,0 +1,473 @@
+"""Pure box math and write/read planning, shared by save, restore and the manifest validator.
+
+Everything here is plain Python on integers: no torch, no torch.distributed, no I/O. That keeps the
+math testable with property tests and lets every rank compute the same plan from the same inputs.
+
+Coordinates: a :class:`Box` is a half-open hyper-rectangle ``[offsets[d], offsets[d] + sizes[d])``
+in *global element* coordinates of one tensor. A saved *chunk* is a box whose elements are stored
+C-contiguous (row-major) in a data file; byte positions inside a chunk are therefore
+``flat_index * itemsize`` with the chunk's own row-major strides.
+
+Invariants:
+  * Boxes are immutable values (hashable, comparable); ``offsets`` and ``sizes`` are tuples of
+    non-negative ints of equal length. A zero-dimensional box (``()``, ``()``) has volume 1: it is
+    the single element of a scalar tensor.
+  * :func:`intersect` returns ``None`` rather than an empty box, so a returned box always holds at
+    least one element.
+  * :func:`plan_reads` returns pieces that exactly tile the wanted box (pairwise disjoint, union
+    equal to it) or raises :class:`~distckpt.errors.ReshardError`; it never returns a partial plan.
+  * :func:`assign_owners` is a pure function of its input's *content* (not of dict order), so every
+    rank computes the same owners from the same gathered candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Hashable, Iterable, Mapping, Sequence, TypeVar
+
+from .errors import ReshardError
+
+__all__ = [
+    "ALIGNMENT",
+    "Box",
+    "intersect",
+    "TilingDefect",
+    "find_tiling_defect",
+    "assign_owners",
+    "assign_offsets",
+    "byte_range",
+    "ReadPiece",
+    "plan_reads",
+    "expand_to_blocks",
+]
+
+#: Byte alignment of every chunk inside a data file: O_DIRECT needs offsets (and lengths) that are
+#: multiples of the logical block size, and 4096 covers every common device and file system.
+ALIGNMENT = 4096
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Box:
+    """A half-open hyper-rectangle of tensor elements: ``[offsets[d], offsets[d] + sizes[d])``.
+
+    Attributes:
+        offsets: Start index along each dimension (global element coordinates).
+        sizes: Extent along each dimension (may be 0: an empty box).
+
+    Raises:
+        ValueError: (at construction) lengths differ, or an entry is negative or not an int.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            # operator.index accepts numpy and torch integer scalars and refuses floats; the
+            # stored values are plain ints so boxes hash and compare the same on every rank.
+            offsets = tuple(operator.index(v) for v in self.offsets)
+            sizes = tuple(operator.index(v) for v in self.sizes)
+        except TypeError:
+            raise ValueError(f"Box offsets {self.offsets!r} / sizes {self.sizes!r} must be integers") from None
+        if len(offsets) != len(sizes):
+            raise ValueError(f"Box offsets {offsets} and sizes {sizes} have different lengths")
+        # bool is an int subclass; a True offset is a bug upstream, not a 1.
+        if any(v < 0 for v in offsets + sizes) or any(isinstance(v, bool) for v in (*self.offsets, *self.sizes)):
+            raise ValueError(f"Box offsets {offsets} / sizes {sizes} must be non-negative ints")
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "sizes", sizes)
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> "Box":
+        """The box covering a whole tensor of ``shape``."""
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        """Exclusive end index along each dimension."""
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    @property
+    def volume(self) -> int:
+        """Number of elements (1 for a zero-dimensional box)."""
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def contains(self, other: "Box") -> bool:
+        """True if every element of ``other`` lies in this box (an empty ``other`` needs only its
+        bounds inside). Boxes of different rank never contain each other."""
+        if self.ndim != other.ndim:
+            return False
+        return all(
+            so <= oo and oo + os_ <= so + ss
+            for so, ss, oo, os_ in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+
+    def relative_to(self, origin: "Box") -> "Box":
+        """This box in coordinates whose origin is ``origin``'s first element.
+
+        Raises:
+            ValueError: ``origin`` does not contain this box.
+        """
+        if not origin.contains(self):
+            raise ValueError(f"box {self} is not inside {origin}")
+        return Box(tuple(a - b for a, b in zip(self.offsets, origin.offsets)), self.sizes)
+
+    def __str__(self) -> str:
+        # Slice notation reads naturally in error messages: [0:4, 8:16].
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common elements of ``a`` and ``b``, or None when they share none.
+
+    Raises:
+        ValueError: the boxes have different ranks.
+    """
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect boxes of rank {a.ndim} and {b.ndim}: {a} and {b}")
+    offsets, sizes = [], []
+    for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offsets), tuple(sizes))
+
+
+# --------------------------------------------------------------------------------------------
+# Exact tiling check (used by the manifest validator and by plan_reads).
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TilingDefect:
+    """Why a set of boxes does not exactly tile a region.
+
+    Attributes:
+        kind: ``"overlap"`` (two boxes share elements) or ``"uncovered"`` (no box holds them).
+        region: Elements where the defect is, in the region's coordinates. For an overlap it is a
+            non-empty part of the two boxes' intersection; for a gap, a box no input box touches.
+        indices: The indices (into the input sequence) of the two overlapping boxes; ``()`` for a gap.
+    """
+
+    kind: str
+    region: Box
+    indices: tuple[int, ...]
+
+
+def find_tiling_defect(boxes: Sequence[Box], region: Box) -> TilingDefect | None:
+    """Check that ``boxes`` exactly tile ``region``: pairwise disjoint and their union is ``region``.
+
+    Empty boxes (volume 0) hold no elements and are ignored. The check sweeps dimension 0 into
+    slabs between consecutive box boundaries and recurses on the boxes active in each slab, so a
+    grid-like layout (DTensor meshes, row/column-wise shards, uneven splits) costs about
+    O(n log n) for n boxes; only pathological staircase layouts approach O(n^2).
+
+    Returns:
+        None when the tiling is exact, else the first :class:`TilingDefect` found.
+
+    Raises:
+        ValueError: a box has a different rank than ``region`` or lies outside it.
+    """
+    nd = region.ndim
+    live: list[int] = []
+    for i, b in enumerate(boxes):
+        if not region.contains(b):
+            raise ValueError(f"box {i} {b} is not inside the region {region}")
+        if b.volume:
+            live.append(i)
+    if region.volume == 0:
+        return None  # every box inside an empty region is empty too
+    if nd == 0:
+        # A scalar: exactly one box must hold its single element.
+        if not live:
+            return TilingDefect("uncovered", region, ())
+        if len(live) > 1:
+            return TilingDefect("overlap", region, (live[0], live[1]))
+        return None
+    return _tile(boxes, live, region, 0, ())
+
+
+def _tile(
+    boxes: Sequence[Box], idxs: list[int], region: Box, dim: int, prefix: tuple[tuple[int, int], ...]
+) -> TilingDefect | None:
+    """Tile check of ``region`` restricted to the slab ``prefix`` (fixed ranges of dims < dim)."""
+    lo = region.offsets[dim]
+    hi = lo + region.sizes[dim]
+    nd = region.ndim
+
+    def slab_box(rng: tuple[int, int]) -> Box:
+        # The defect region: the current slab, the given range on `dim`, the full region after it.
+        spans = prefix + (rng,) + tuple(
+            (region.offsets[d], region.offsets[d] + region.sizes[d]) for d in range(dim + 1, nd)
+        )
+        return Box(tuple(a for a, _ in spans), tuple(b - a for a, b in spans))
+
+    if dim == nd - 1:
+        ivs = sorted((boxes[i].offsets[dim], boxes[i].offsets[dim] + boxes[i].sizes[dim], i) for i in idxs)
+        pos, owner = lo, -1
+        for s, e, i in ivs:
+            if s < pos:
+                return TilingDefect("overlap", slab_box((s, min(e, pos))), (owner, i))
+            if s > pos:
+                return TilingDefect("uncovered", slab_box((pos, s)), ())
+            pos, owner = e, i
+        if pos < hi:
+            return TilingDefect("uncovered", slab_box((pos, hi)), ())
+        return None
+
+    starts: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {}
+    for i in idxs:
+        o, s = boxes[i].offsets[dim], boxes[i].sizes[dim]
+        starts.setdefault(o, []).append(i)
+        ends.setdefault(o + s, []).append(i)
+    bounds = sorted(set(starts) | set(ends) | {lo, hi})
+    active: dict[int, None] = {}  # insertion-ordered set: deterministic defect reports
+    for a, b in zip(bounds, bounds[1:]):
+        for i in ends.get(a, ()):
+            active.pop(i, None)
+        for i in starts.get(a, ()):
+            active[i] = None
+        if not active:
+            return TilingDefect("uncovered", slab_box((a, b)), ())
+        defect = _tile(boxes, list(active), region, dim + 1, prefix + ((a, b),))
+        if defect is not None:
+            return defect
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Write planning.
+
+
+def _stable_order_key(key: Hashable) -> str:
+    # Dict order can differ between ranks; repr of str/int/tuple keys cannot.
+    return repr(key)
+
+
+def assign_owners(candidates: Mapping[K, Sequence[tuple[int, int]]]) -> dict[K, int]:
+    """Pick exactly one writing rank per item so that bytes written per rank are balanced.
+
+    Items with one candidate (a rank's own shard) are fixed and count toward that rank's load
+    first. Items with several candidates (replicated tensors, DTensor ``Replicate``) are placed
+    greedily, largest first, on the candidate with the least load so far; ties go to the lower
+    rank. Items of equal size are taken in ``repr(key)`` order, so the result depends only on the
+    content of ``candidates``: every rank computes the same answer from the same gathered input.
+    For items replicated on every rank this is LPT scheduling: the largest load exceeds the
+    smallest by at most the largest item.
+
+    Args:
+        candidates: ``{key: [(rank, nbytes), ...]}``; keys should have a deterministic ``repr``
+            (str, int or tuples of them). A rank listed twice for one key counts once.
+
+    Returns:
+        ``{key: owner_rank}`` with every key of ``candidates``.
+
+    Raises:
+        ValueError: a key has no candidate, or a rank or byte count is negative or not an int.
+    """
+    load: dict[int, int] = {}
+    multi: list[tuple[int, str, Any, list[tuple[int, int]]]] = []
+    owners: dict[K, int] = {}
+    for key, cands in candidates.items():
+        cands = list(cands)
+        if not cands:
+            raise ValueError(f"item {key!r} has no candidate rank")
+        for rank, nbytes in cands:
+            if type(rank) is not int or rank < 0 or type(nbytes) is not int or nbytes < 0:
+                raise ValueError(f"item {key!r}: candidate ({rank!r}, {nbytes!r}) must be (rank >= 0, nbytes >= 0) ints")
+            load.setdefault(rank, 0)
+        if len({r for r, _ in cands}) == 1:
+            owners[key] = cands[0][0]
+            load[cands[0][0]] += cands[0][1]
+        else:
+            size = max(n for _, n in cands)
+            multi.append((-size, _stable_order_key(key), key, sorted(set(cands))))
+    multi.sort(key=lambda t: (t[0], t[1]))
+    for _, _, key, cands in multi:
+        rank, nbytes = min(cands, key=lambda c: (load[c[0]], c[0]))
+        owners[key] = rank
+        load[rank] += nbytes
+    # Preserve the caller's key order in the result (handy for logs); values are order-independent.
+    return {key: owners[key] for key in candidates}
+
+
+def assign_offsets(nbytes: Sequence[int], *, alignment: int = ALIGNMENT) -> tuple[list[int], int]:
+    """Lay chunks out back to back in one data file, each starting at a multiple of ``alignment``.
+
+    Args:
+        nbytes: Size of each chunk, in write order.
+        alignment: Start alignment (a power of two); O_DIRECT needs the device's logical block size.
+
+    Returns:
+        ``(offsets, end)``: each chunk's byte offset, and the end of the last chunk rounded up to
+        ``alignment`` (what an O_DIRECT writer writes; the file may be truncated to the exact end).
+
+    Raises:
+        ValueError: ``alignment`` is not a positive power of two, or a size is negative.
+    """
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
+    offsets, pos = [], 0
+    for n in nbytes:
+        if type(n) is not int or n < 0:
+            raise ValueError(f"chunk size must be a non-negative int, got {n!r}")
+        offsets.append(pos)
+        pos = -(-(pos + n) // alignment) * alignment
+    return offsets, pos
+
+
+# --------------------------------------------------------------------------------------------
+# Read planning.
+
+
+def _strides(sizes: Sequence[int]) -> list[int]:
+    strides, acc = [0] * len(sizes), 1
+    for d in range(len(sizes) - 1, -1, -1):
+        strides[d] = acc
+        acc *= sizes[d]
+    return strides
+
+
+def byte_range(chunk: Box, sub: Box, itemsize: int) -> tuple[int, int]:
+    """The smallest contiguous byte range ``[start, end)`` of the row-major ``chunk`` holding ``sub``.
+
+    ``start`` is the byte of ``sub``'s first element, ``end`` one past its last element. The range
+    holds exactly ``sub``'s bytes when ``sub`` is contiguous in the chunk (it spans the chunk on
+    every dimension after its first one of size > 1), else it also holds bytes to skip.
+
+    Args:
+        chunk: The saved chunk (global coordinates).
+        sub: A non-empty box inside ``chunk`` (global coordinates).
+        itemsize: Bytes per element.
+
+    Raises:
+        ValueError: ``sub`` is empty or not inside ``chunk``, or ``itemsize`` < 1.
+    """
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be >= 1, got {itemsize}")
+    if not chunk.contains(sub):
+        raise ValueError(f"box {sub} is not inside chunk {chunk}")
+    if sub.volume == 0:
+        raise ValueError(f"box {sub} is empty")
+    first = last = 0
+    for st, co, so, ss in zip(_strides(chunk.sizes), chunk.offsets, sub.offsets, sub.sizes):
+        rel = so - co
+        first += rel * st
+        last += (rel + ss - 1) * st
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _is_contiguous(chunk: Box, sub: Box) -> bool:
+    # Contiguous iff after the first dim where sub has size > 1, it spans the chunk entirely.
+    seen_multi = False
+    for cs, ss in zip(chunk.sizes, sub.sizes):
+        if seen_multi and ss != cs:
+            return False
+        if ss > 1:
+            seen_multi = True
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadPiece:
+    """One read: the part of a saved chunk that lands in the wanted box.
+
+    Attributes:
+        payload: What the caller attached to the chunk (e.g. its ChunkRecord), passed through.
+        chunk: The saved chunk's box (global coordinates).
+        box: The elements to copy: chunk ∩ want (global coordinates, never empty).
+        in_chunk: ``box`` relative to the chunk's first element (slice of the chunk's view).
+        in_want: ``box`` relative to the wanted box's first element (slice of the destination).
+        byte_range: ``(start, end)`` inside the chunk's bytes, from :func:`byte_range`.
+        contiguous: True when ``byte_range`` holds exactly the piece's bytes in order, so they can
+            be read straight into a contiguous destination; else read the range and slice.
+    """
+
+    payload: Any
+    chunk: Box
+    box: Box
+    in_chunk: Box
+    in_want: Box
+    byte_range: tuple[int, int]
+    contiguous: bool
+
+
+def plan_reads(chunks: Iterable[tuple[Box, Any]], want: Box, *, itemsize: int) -> list[ReadPiece]:
+    """Plan the reads that assemble ``want`` from saved chunks.
+
+    Args:
+        chunks: ``(chunk_box, payload)`` pairs; the saved chunks of one tensor, in any order.
+        want: The box the caller needs (global coordinates), e.g. a rank's local shard.
+        itemsize: Bytes per element of the tensor's dtype.
+
+    Returns:
+        One :class:`ReadPiece` per chunk that intersects ``want``, in input order; the pieces'
+        boxes exactly tile ``want`` (an empty ``want`` gives ``[]``).
+
+    Raises:
+        ReshardError: part of ``want`` is held by no chunk (the message names the region), or
+            two chunks hold the same elements of ``want``.
+        ValueError: a chunk's rank differs from ``want``'s.
+    """
+    pieces: list[ReadPiece] = []
+    for cbox, payload in chunks:
+        box = intersect(cbox, want)
+        if box is None:
+            continue
+        pieces.append(
+            ReadPiece(
+                payload=payload,
+                chunk=cbox,
+                box=box,
+                in_chunk=box.relative_to(cbox),
+                in_want=box.relative_to(want),
+                byte_range=byte_range(cbox, box, itemsize),
+                contiguous=_is_contiguous(cbox, box),
+            )
+        )
+    defect = find_tiling_defect([p.box for p in pieces], want)
+    if defect is not None:
+        if defect.kind == "uncovered":
+            raise ReshardError(
+                f"no saved chunk holds region {defect.region} of the wanted box {want} "
+                f"({len(pieces)} chunks intersect it)",
+                region=defect.region,
+            )
+        a, b = (pieces[i] for i in defect.indices)
+        raise ReshardError(
+            f"saved chunks {a.chunk} and {b.chunk} both hold region {defect.region} of the wanted box {want}",
+            region=defect.region,
+        )
+    return pieces
+
+
+def expand_to_blocks(start: int, end: int, block: int, limit: int) -> tuple[int, int]:
+    """Widen the byte range ``[start, end)`` of a chunk to whole checksum blocks.
+
+    Blocks start at multiples of ``block`` from the chunk's first byte; the last block of a chunk
+    is partial, so the end is capped at ``limit`` (the chunk's nbytes). Checksum ``k`` of the chunk
+    then covers ``[k * block, min((k + 1) * block, limit))`` and the widened range starts at block
+    ``start // block``.
+
+    Raises:
+        ValueError: not ``0 <= start <= end <= limit`` or ``block < 1``.
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    if not 0 <= start <= end <= limit:
+        raise ValueError(f"need 0 <= start <= end <= limit, got start={start}, end={end}, limit={limit}")
+    if start == end:
+        return start, end
+    return (start // block) * block, min(-(-end // block) * block, limit)

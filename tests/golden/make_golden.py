@@ -1,0 +1,211 @@
+"""Regenerate the MANIFEST golden file and the corrupt-file corpus.
+
+Usage (from the repository root)::
+
+    .venv/bin/python tests/golden/make_golden.py
+
+Writes ``tests/golden/manifest_v1.bin`` and ``tests/golden/corrupt/*.bin`` plus
+``tests/golden/corrupt/EXPECTED.json`` ({file name: a phrase its ManifestCorruptError message must
+contain}). The tests never run this script: they compare the stored bytes with what the code
+produces. Regenerating is only right when the format version changes (add ``manifest_v2.bin`` and
+keep the v1 file, so readers keep proving they reject or read it). If ``manifest_v1.bin`` changes
+while the version stays 1, the encoder broke the format.
+
+The corrupt corpus has two families: byte damage of the golden file (magic, version, flags,
+lengths, checksum), and well-formed files (valid header and crc32c) whose body breaks one schema
+rule, built by editing the golden body and re-wrapping it with :func:`wrap`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+import sys
+from typing import Any, Callable
+
+import crc32c
+import msgpack
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from distckpt.manifest import (  # noqa: E402
+    ChunkRecord,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    block_crcs,
+    encode,
+    to_plain,
+)
+
+CHECKSUM_BLOCK = 16  # tiny, so that chunks have several checksum blocks
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    # Deterministic chunk bytes: the checksums in the golden file are crc32c of these.
+    return bytes((seed * 31 + i * 7) & 0xFF for i in range(n))
+
+
+def golden_manifest() -> Manifest:
+    """The fixed manifest stored in manifest_v1.bin (two ranks, every kind of entry)."""
+    file_sizes = [4096, 4096]
+    chunks_spec = {
+        # fqn: (dtype, shape, kind, [(offsets, sizes, file, offset)])
+        "model.w": ("float32", (4, 6), "dtensor", [((0, 0), (2, 6), 0, 0), ((2, 0), (2, 6), 1, 0)]),
+        "model.b": ("bfloat16", (6,), "tensor", [((0,), (6,), 0, 512)]),
+        "step_t": ("int64", (), "tensor", [((), (), 1, 512)]),
+        "empty": ("float16", (0, 3), "tensor", []),
+        "opt.0.exp_avg": (
+            "float8_e4m3fn",
+            (2, 4),
+            "sharded_tensor",
+            [((0, 0), (2, 2), 0, 1024), ((0, 2), (2, 2), 1, 1024)],
+        ),
+        "cplx": ("complex64", (3,), "tensor", [((0,), (3,), 0, 1536)]),
+    }
+    itemsize = {"float32": 4, "bfloat16": 2, "int64": 8, "float16": 2, "float8_e4m3fn": 1, "complex64": 8}
+    tensors = {}
+    seed = 0
+    for fqn, (dtype, shape, kind, specs) in chunks_spec.items():
+        chunks = []
+        for offsets, sizes, file, offset in specs:
+            n = itemsize[dtype]
+            for s in sizes:
+                n *= s
+            seed += 1
+            chunks.append(ChunkRecord(offsets, sizes, file, offset, n, block_crcs(_pattern(n, seed), CHECKSUM_BLOCK)))
+        tensors[fqn] = TensorEntry(dtype, shape, tuple(chunks), kind)
+    objects = {
+        "step": ObjectEntry("int", 100),
+        "lr": ObjectEntry("float", 0.001),
+        "name": ObjectEntry("str", "golden run"),
+        "flag": ObjectEntry("bool", True),
+        "blob": ObjectEntry("bytes", b"\x00\x01\xff"),
+        "nothing": ObjectEntry("none", None),
+        "pickled": ObjectEntry("pickle", b"\x80\x04N."),  # pickle.dumps(None); never unpickled here
+    }
+    ref = lambda fqn: {"t": "ref", "fqn": fqn}  # noqa: E731
+    tree = {
+        "t": "dict",
+        "k": [
+            ["model", {"t": "dict", "k": [["w", ref("model.w")], ["b", ref("model.b")]]}],
+            ["optim", {"t": "dict", "k": [[0, {"t": "dict", "k": [["exp_avg", ref("opt.0.exp_avg")]]}]]}],
+            ["extra", {"t": "list", "v": [ref("step_t"), ref("empty"), {"t": "tuple", "v": [ref("cplx"), ref("blob")]}]}],
+            ["step", ref("step")],
+            ["lr", ref("lr")],
+            ["name", ref("name")],
+            ["flag", ref("flag")],
+            ["nothing", ref("nothing")],
+            ["pickled", ref("pickled")],
+        ],
+    }
+    return Manifest(
+        format_version=1,
+        save_id="golden-0001",
+        world_size=2,
+        created_unix=1700000000.5,
+        checksum_algo="crc32c",
+        checksum_block=CHECKSUM_BLOCK,
+        files=(FileEntry("rank00000.bin", file_sizes[0], 0), FileEntry("rank00001.bin", file_sizes[1], 1)),
+        tensors=tensors,
+        objects=objects,
+        tree=tree,
+        meta={"io_backend": "pwrite", "distckpt_version": "0.1.0", "step": 100, "user": {"note": "golden", "xs": [1, 2.5, None, True, b"x"]}},
+    )
+
+
+def wrap(body: bytes, *, version: int = 1, flags: int = 0, length: int | None = None) -> bytes:
+    """Header + body + crc32c, with a valid checksum over whatever header fields are given."""
+    head = b"DCKPTMF1" + struct.pack("<IIQ", version, flags, len(body) if length is None else length) + body
+    return head + struct.pack("<I", crc32c.crc32c(head))
+
+
+def _body() -> dict[str, Any]:
+    plain = to_plain(golden_manifest())
+    del plain["format_version"]  # lives in the header, not the body
+    return plain
+
+
+def _schema_case(edit: Callable[[dict], None]) -> bytes:
+    body = copy.deepcopy(_body())
+    edit(body)
+    return wrap(msgpack.packb(body, use_bin_type=True))
+
+
+def _flip_body_byte(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[40] ^= 0x01  # inside the body; the stored crc32c no longer matches
+    return bytes(b)
+
+
+def _set(path: list, value: Any) -> Callable[[dict], None]:
+    def edit(body: dict) -> None:
+        node = body
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+
+    return edit
+
+
+def _shrink_last_chunk(body: dict) -> None:
+    # Row 3 of model.w is left uncovered; nbytes and crcs stay consistent with the smaller box.
+    chunk = body["tensors"]["model.w"]["chunks"][1]
+    chunk["sizes"] = [1, 6]
+    chunk["nbytes"] = 24
+    chunk["crcs"] = chunk["crcs"][:2]
+
+
+def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
+    """{file name: (bytes, phrase the error message must contain)}."""
+    good = encode(golden_manifest())
+    body = good[24:-4]
+    w = ["tensors", "model.w", "chunks"]
+    return {
+        "bad_magic.bin": (b"DCKPTMF0" + good[8:], "bad magic"),
+        "empty.bin": (b"", "bad magic"),
+        "version2.bin": (wrap(body, version=2), "format version 2 is not supported by this reader (supported: 1)"),
+        "flags.bin": (wrap(body, flags=1), "flags are 0x00000001"),
+        "flipped_body_byte.bin": (_flip_body_byte(good), "checksum mismatch"),
+        "truncated.bin": (good[:-10], "truncated"),
+        "header_only.bin": (good[:20], "truncated"),
+        "extra_byte.bin": (good + b"\x00", "1 unexpected bytes after the checksum"),
+        "huge_length.bin": (wrap(body, length=1 << 62), "exceeds the limit"),
+        "not_msgpack.bin": (wrap(b"\xc1" + body[1:]), "not valid msgpack"),
+        "ext_type.bin": (wrap(b"\xd4\x05\x00"), "ext type 5 is not allowed"),
+        "path_traversal.bin": (_schema_case(_set(["files", 0, "name"], "../x")), "'../x' is not a plain data file name"),
+        "absolute_path.bin": (_schema_case(_set(["files", 0, "name"], "/etc/passwd")), "is not a plain data file name"),
+        "offset_beyond_file.bin": (_schema_case(_set(w + [0, "offset"], 4090)), "lie beyond the end of rank00000.bin"),
+        "overlapping_chunks.bin": (_schema_case(_set(w + [1, "offsets"], [1, 0])), "overlap"),
+        "non_covering_chunks.bin": (_schema_case(_shrink_last_chunk), "do not cover the shape"),
+        "nbytes_mismatch.bin": (_schema_case(_set(w + [0, "nbytes"], 47)), "nbytes is 47, expected 48"),
+        "crc_count_mismatch.bin": (_schema_case(_set(w + [0, "crcs"], [1])), "1 checksums, expected 3"),
+        "unknown_dtype.bin": (_schema_case(_set(["tensors", "model.w", "dtype"], "float13")), "unknown dtype 'float13'"),
+        "file_index_out_of_range.bin": (_schema_case(_set(w + [0, "file"], 7)), "file index 7 is out of range"),
+        "dangling_ref.bin": (_schema_case(_set(["tree", "k", 3, 1, "fqn"], "nope")), "refers to 'nope'"),
+        "missing_key.bin": (_schema_case(lambda b: b.pop("meta")), "missing keys ['meta']"),
+    }
+
+
+def main() -> None:
+    with open(os.path.join(HERE, "manifest_v1.bin"), "wb") as f:
+        f.write(encode(golden_manifest()))
+    out = os.path.join(HERE, "corrupt")
+    os.makedirs(out, exist_ok=True)
+    expected = {}
+    for name, (data, phrase) in sorted(corrupt_corpus().items()):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
+        expected[name] = phrase
+    with open(os.path.join(out, "EXPECTED.json"), "w") as f:
+        json.dump(expected, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"wrote manifest_v1.bin and {len(expected)} corrupt files under {HERE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Box math and planning: unit tests plus hypothesis properties checked against real bytes."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distckpt.errors import ReshardError
+from distckpt.plan import (
+    ALIGNMENT,
+    Box,
+    assign_offsets,
+    assign_owners,
+    byte_range,
+    expand_to_blocks,
+    find_tiling_defect,
+    intersect,
+    plan_reads,
+)
+
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ------------------------------------------------------------------------------------------
+# Strategies.
+
+shapes = st.lists(st.integers(1, 7), min_size=1, max_size=4).map(tuple)
+
+
+@st.composite
+def grid_partition(draw, shape):
+    """Chunks of a random grid split of ``shape`` (what DTensor / row- or column-wise sharding make)."""
+    ranges = []
+    for n in shape:
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
+        edges = [0, *cuts, n]
+        ranges.append(list(zip(edges, edges[1:])))
+    boxes = [Box((), ())]
+    for rng in ranges:
+        boxes = [Box(b.offsets + (lo,), b.sizes + (hi - lo,)) for b in boxes for lo, hi in rng]
+    return boxes
+
+
+@st.composite
+def kd_partition(draw, shape):
+    """A random recursive bisection: tilings that are not grids (staggered cuts)."""
+    boxes = [Box.full(shape)]
+    for _ in range(draw(st.integers(0, 8))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        b = boxes[i]
+        dims = [d for d in range(b.ndim) if b.sizes[d] > 1]
+        if not dims:
+            continue
+        d = draw(st.sampled_from(dims))
+        cut = draw(st.integers(1, b.sizes[d] - 1))
+        lo = Box(b.offsets, b.sizes[:d] + (cut,) + b.sizes[d + 1 :])
+        hi = Box(b.offsets[:d] + (b.offsets[d] + cut,) + b.offsets[d + 1 :], b.sizes[:d] + (b.sizes[d] - cut,) + b.sizes[d + 1 :])
+        boxes[i : i + 1] = [lo, hi]
+    return boxes
+
+
+@st.composite
+def sub_box(draw, shape, *, allow_empty=False):
+    offsets, sizes = [], []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        size = draw(st.integers(0 if allow_empty else 1, n - lo))
+        offsets.append(lo)
+        sizes.append(size)
+    return Box(tuple(offsets), tuple(sizes))
+
+
+@st.composite
+def layouts(draw):
+    shape = draw(shapes)
+    chunks = draw(st.one_of(grid_partition(shape), kd_partition(shape)))
+    draw(st.randoms()).shuffle(chunks)
+    want = draw(sub_box(shape))
+    dtype = draw(st.sampled_from([np.int8, np.int16, np.int32, np.float64, np.complex128]))
+    return shape, chunks, want, np.dtype(dtype)
+
+
+def _sl(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+# ------------------------------------------------------------------------------------------
+# Box.
+
+
+def test_box_basics():
+    b = Box((1, 2), (3, 4))
+    assert b.volume == 12 and b.ndim == 2 and b.ends == (4, 6)
+    assert str(b) == "[1:4, 2:6]"
+    assert Box((), ()).volume == 1
+    assert Box((0, 0), (0, 5)).volume == 0
+    assert b.contains(Box((2, 3), (1, 1))) and not b.contains(Box((0, 2), (2, 2)))
+    assert not b.contains(Box((1,), (1,)))
+    assert intersect(b, Box((3, 0), (5, 3))) == Box((3, 2), (1, 1))
+    assert intersect(b, Box((4, 2), (1, 1))) is None  # touching is not intersecting
+    assert Box([1], [2]) == Box((1,), (2,)) and hash(Box([1], [2])) == hash(Box((1,), (2,)))
+    assert Box((2, 3), (1, 1)).relative_to(b) == Box((1, 1), (1, 1))
+    for bad in [((0,), (1, 1)), ((-1,), (1,)), ((0,), (True,)), ((0.5,), (1,))]:
+        with pytest.raises(ValueError):
+            Box(*bad)
+    with pytest.raises(ValueError):
+        intersect(Box((0,), (1,)), Box((0, 0), (1, 1)))
+    with pytest.raises(ValueError):
+        Box((0,), (5,)).relative_to(Box((1,), (2,)))
+
+
+# ------------------------------------------------------------------------------------------
+# Tiling check.
+
+
+@PROPS
+@given(st.data())
+def test_partitions_tile_exactly(data):
+    shape = data.draw(shapes)
+    chunks = data.draw(st.one_of(grid_partition(shape), kd_partition(shape)))
+    assert find_tiling_defect(chunks, Box.full(shape)) is None
+    assert sum(c.volume for c in chunks) == Box.full(shape).volume
+
+
+@PROPS
+@given(st.data())
+def test_tiling_defects_are_real(data):
+    shape = data.draw(shapes)
+    chunks = data.draw(kd_partition(shape))
+    region = Box.full(shape)
+    if data.draw(st.booleans()) and len(chunks) > 1:
+        dropped = chunks.pop(data.draw(st.integers(0, len(chunks) - 1)))
+        defect = find_tiling_defect(chunks, region)
+        assert defect is not None and defect.kind == "uncovered"
+        assert defect.region.volume > 0 and dropped.contains(defect.region)
+        assert all(intersect(c, defect.region) is None for c in chunks)
+    else:
+        extra = data.draw(sub_box(shape))
+        chunks.append(extra)
+        defect = find_tiling_defect(chunks, region)
+        assert defect is not None and defect.kind == "overlap"
+        i, j = defect.indices
+        assert i != j and chunks[i].contains(defect.region) and chunks[j].contains(defect.region)
+
+
+def test_tiling_zero_dim_and_empty():
+    assert find_tiling_defect([Box((), ())], Box((), ())) is None
+    assert find_tiling_defect([], Box((), ())).kind == "uncovered"
+    assert find_tiling_defect([Box((), ()), Box((), ())], Box((), ())).indices == (0, 1)
+    assert find_tiling_defect([], Box((0, 0), (0, 3))) is None
+    assert find_tiling_defect([Box((0,), (4,)), Box((2,), (0,))], Box((0,), (4,))) is None
+    with pytest.raises(ValueError, match="not inside"):
+        find_tiling_defect([Box((0,), (5,))], Box((0,), (4,)))
+
+
+def test_tiling_is_fast_for_large_grids():
+    import time
+
+    rows, cols = 100, 100
+    boxes = [Box((r * 3, c * 2), (3, 2)) for r in range(rows) for c in range(cols)]
+    random.Random(0).shuffle(boxes)
+    t0 = time.perf_counter()
+    assert find_tiling_defect(boxes, Box.full((rows * 3, cols * 2))) is None
+    assert time.perf_counter() - t0 < 2.0
+
+
+# ------------------------------------------------------------------------------------------
+# plan_reads against real bytes.
+
+
+def _chunk_bytes(glob: np.ndarray, chunk: Box) -> bytes:
+    return np.ascontiguousarray(glob[_sl(chunk)]).tobytes()
+
+
+@PROPS
+@given(layouts())
+def test_plan_reads_reconstructs_want_from_byte_ranges(layout):
+    shape, chunks, want, dtype = layout
+    glob = (np.arange(int(np.prod(shape))) % 251 + 1).astype(dtype).reshape(shape)
+    stored = {i: _chunk_bytes(glob, c) for i, c in enumerate(chunks)}
+    pieces = plan_reads([(c, i) for i, c in enumerate(chunks)], want, itemsize=dtype.itemsize)
+
+    dest = np.zeros(want.sizes, dtype=dtype)
+    hits = np.zeros(want.sizes, dtype=np.int64)
+    for p in pieces:
+        chunk = chunks[p.payload]
+        assert p.chunk == chunk and chunk.contains(p.box) and want.contains(p.box)
+        assert p.in_chunk == p.box.relative_to(chunk) and p.in_want == p.box.relative_to(want)
+        start, end = p.byte_range
+        assert start % dtype.itemsize == 0 and end % dtype.itemsize == 0
+        # Only these bytes are "read"; every element of the piece must be inside them.
+        window = np.frombuffer(stored[p.payload][start:end], dtype=dtype)
+        coords = np.indices(p.in_chunk.sizes).reshape(len(shape), -1) + np.array(p.in_chunk.offsets)[:, None]
+        flat = np.ravel_multi_index(tuple(coords), chunk.sizes) - start // dtype.itemsize
+        assert flat.min() == 0 and flat.max() == len(window) - 1  # smallest covering range
+        values = window[flat].reshape(p.box.sizes)
+        if p.contiguous:
+            assert end - start == p.box.volume * dtype.itemsize
+            assert np.array_equal(window.reshape(p.box.sizes), values)
+        dest[_sl(p.in_want)] = values
+        hits[_sl(p.in_want)] += 1
+    assert (hits == 1).all()  # exact tiling: no gap, no overlap
+    assert np.array_equal(dest, glob[_sl(want)])
+
+
+@PROPS
+@given(layouts(), st.data())
+def test_plan_reads_names_uncovered_region(layout, data):
+    shape, chunks, want, dtype = layout
+    hit = [i for i, c in enumerate(chunks) if intersect(c, want) is not None]
+    dropped = chunks[data.draw(st.sampled_from(hit))]
+    rest = [c for c in chunks if c is not dropped]
+    with pytest.raises(ReshardError) as ei:
+        plan_reads([(c, None) for c in rest], want, itemsize=dtype.itemsize)
+    region = ei.value.region
+    assert want.contains(region) and dropped.contains(region)
+    assert all(intersect(c, region) is None for c in rest)
+    assert str(region) in str(ei.value)
+
+
+@PROPS
+@given(layouts())
+def test_plan_reads_rejects_duplicate_chunks(layout):
+    shape, chunks, want, dtype = layout
+    dup = next(c for c in chunks if intersect(c, want) is not None)
+    with pytest.raises(ReshardError, match="both hold"):
+        plan_reads([(c, None) for c in chunks + [dup]], want, itemsize=dtype.itemsize)
+
+
+def test_plan_reads_examples():
+    rows = [(Box((0, 0), (2, 4)), "a"), (Box((2, 0), (2, 4)), "b")]
+    pieces = plan_reads(rows, Box((1, 1), (2, 2)), itemsize=4)
+    assert [(p.payload, p.box, p.in_want, p.byte_range, p.contiguous) for p in pieces] == [
+        ("a", Box((1, 1), (1, 2)), Box((0, 0), (1, 2)), (20, 28), True),
+        ("b", Box((2, 1), (1, 2)), Box((1, 0), (1, 2)), (4, 12), True),
+    ]
+    assert plan_reads(rows, Box((0, 0), (0, 4)), itemsize=4) == []
+    (p,) = plan_reads([(Box((), ()), 7)], Box((), ()), itemsize=8)
+    assert p.byte_range == (0, 8) and p.contiguous
+    with pytest.raises(ReshardError, match=r"no saved chunk holds region \[4:5, 0:4\]"):
+        plan_reads(rows, Box((3, 0), (2, 4)), itemsize=4)
+
+
+# ------------------------------------------------------------------------------------------
+# byte_range and expand_to_blocks.
+
+
+def test_byte_range_examples():
+    chunk = Box((10, 0, 0), (4, 5, 6))
+    # Spans the trailing dims: exact.
+    assert byte_range(chunk, Box((11, 0, 0), (2, 5, 6)), 2) == (60 * 1, 60 * 3)
+    # A column: from its first to its last element.
+    assert byte_range(chunk, Box((10, 0, 3), (4, 5, 1)), 1) == (3, 3 * 30 + 4 * 6 + 3 + 1)
+    assert byte_range(chunk, chunk, 4) == (0, 120 * 4)
+    with pytest.raises(ValueError, match="not inside"):
+        byte_range(chunk, Box((0, 0, 0), (1, 1, 1)), 1)
+    with pytest.raises(ValueError, match="empty"):
+        byte_range(chunk, Box((10, 0, 0), (0, 1, 1)), 1)
+
+
+@given(st.integers(0, 10_000), st.integers(0, 10_000), st.sampled_from([1, 7, 16, 4096]), st.integers(0, 5000))
+@settings(max_examples=300, deadline=None)
+def test_expand_to_blocks(a, b, block, extra):
+    start, end = min(a, b), max(a, b)
+    limit = end + extra
+    s, e = expand_to_blocks(start, end, block, limit)
+    if start == end:
+        assert (s, e) == (start, end)
+        return
+    assert s <= start and end <= e <= limit
+    assert s % block == 0 and (e % block == 0 or e == limit)
+    assert start - s < block and (e - end < block)  # no whole block more than needed
+
+
+def test_expand_to_blocks_rejects_bad_input():
+    with pytest.raises(ValueError):
+        expand_to_blocks(5, 4, 16, 100)
+    with pytest.raises(ValueError):
+        expand_to_blocks(0, 101, 16, 100)
+    with pytest.raises(ValueError):
+        expand_to_blocks(0, 1, 0, 100)
+
+
+# ------------------------------------------------------------------------------------------
+# Write planning.
+
+keys = st.text(alphabet="abcdefgh.", min_size=1, max_size=6)
+
+
+@PROPS
+@given(st.integers(1, 8), st.dictionaries(keys, st.integers(0, 1000), min_size=1, max_size=40), st.randoms())
+def test_assign_owners_all_replicated_is_balanced_and_deterministic(world, sizes, rnd):
+    cands = {k: [(r, n) for r in range(world)] for k, n in sizes.items()}
+    owners = assign_owners(cands)
+    assert set(owners) == set(sizes) and all(0 <= r < world for r in owners.values())
+    load = [0] * world
+    for k, r in owners.items():
+        load[r] += sizes[k]
+    assert max(load) <= min(load) + max(sizes.values())
+    # Same content, different dict and candidate order: same answer on every rank.
+    items = list(cands.items())
+    rnd.shuffle(items)
+    shuffled = {k: rnd.sample(v, len(v)) for k, v in items}
+    assert assign_owners(shuffled) == owners
+
+
+@PROPS
+@given(st.integers(1, 6), st.data())
+def test_assign_owners_mixed(world, data):
+    cands = {}
+    for i in range(data.draw(st.integers(1, 30))):
+        ranks = data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world))
+        n = data.draw(st.integers(0, 500))
+        cands[("k", i)] = [(r, n) for r in sorted(ranks)]
+    owners = assign_owners(cands)
+    for k, r in owners.items():
+        assert r in {c for c, _ in cands[k]}
+        if len(cands[k]) == 1:
+            assert r == cands[k][0][0]
+
+
+def test_assign_owners_examples():
+    # Fixed shards count toward the load: rank 1 already holds 100 bytes, so both replicas go to 0
+    # until it catches up; ties go to the lower rank.
+    cands = {"s1": [(1, 100)], "r1": [(0, 60), (1, 60)], "r2": [(0, 30), (1, 30)], "r3": [(0, 10), (1, 10)]}
+    assert assign_owners(cands) == {"s1": 1, "r1": 0, "r2": 0, "r3": 0}
+    assert assign_owners({"a": [(0, 5), (1, 5)], "b": [(0, 5), (1, 5)]}) == {"a": 0, "b": 1}
+    with pytest.raises(ValueError, match="no candidate"):
+        assign_owners({"a": []})
+    with pytest.raises(ValueError):
+        assign_owners({"a": [(-1, 5)]})
+
+
+@given(st.lists(st.integers(0, 20_000), max_size=30), st.sampled_from([1, 512, ALIGNMENT]))
+@settings(max_examples=100, deadline=None)
+def test_assign_offsets(sizes, alignment):
+    offsets, end = assign_offsets(sizes, alignment=alignment)
+    assert len(offsets) == len(sizes) and end % alignment == 0
+    pos = 0
+    for off, n in zip(offsets, sizes):
+        assert off % alignment == 0 and off >= pos
+        assert off - pos < alignment  # no gap larger than the padding
+        pos = off + n
+    assert pos <= end < pos + alignment or (pos == end == 0)
+    with pytest.raises(ValueError):
+        assign_offsets([1], alignment=3)
