@@ -35,6 +35,7 @@ import errno
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -46,13 +47,13 @@ from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .config import get_config
 from .errors import (CheckpointExistsError, DistCkptError, RankFailureError, StateDictMismatchError,
-                     UnsupportedValueError, from_os_error)
+                     UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .plan import Box, assign_owners, find_tiling_defect
 from .staging import dtype_name, host_bytes
 from .storage import local
 
-__all__ = ["SaveResult", "save_collective", "reclaim_tmp_dirs", "is_committed", "TMP_RE", "DATA_FILE"]
+__all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs", "is_committed", "TMP_RE", "DATA_FILE"]
 
 log = logging.getLogger("distckpt")
 
@@ -227,6 +228,10 @@ def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: i
 # Phase 3: write (every rank)
 
 
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
 def _write_rank_file(path: str, pieces: list[tuple[str, Any]], checksum_block: int):
     """Write this rank's owned pieces into one data file. Returns (records, size, backend choice)."""
     from .io import choose_backend, open_writer
@@ -234,27 +239,66 @@ def _write_rank_file(path: str, pieces: list[tuple[str, Any]], checksum_block: i
     choice = choose_backend(os.path.dirname(path))
     records: list[tuple[str, mf.ChunkRecord]] = []
     rank_index = int(os.path.basename(path)[4:9])
-    with open_writer(path, choice=choice, durable=True) as w:
-        align = w.alignment
+    align = choice.alignment
+    # The final size is known from the plan: one fallocate up front (ext4 serializes O_DIRECT
+    # writes that extend a file) and an immediate DiskFullError if it cannot fit.
+    size_hint = sum(-(-_nbytes(p.tensor) // align) * align for _, p in pieces)
+    with open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
         for fqn, piece in pieces:
             view, keep = host_bytes(piece.tensor)
             offset = w.pad_to(align)
-            crcs = []
-            # crc then write each checksum block while it is hot in cache: one pass over memory.
-            for start in range(0, len(view), checksum_block):
-                block = view[start:start + checksum_block]
-                crcs.append(_crc32c.crc32c(block))
-                w.write(block)
-            del keep  # the writer copied the bytes into its staging buffers
+            crcs = tuple(_crc32c.crc32c(view[i:i + checksum_block]) for i in range(0, len(view), checksum_block))
+            # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
+            # straight from its memory (zero-copy); anything else through the aligned staging ring.
+            w.write(view)
+            del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
-                                                file=rank_index, offset=offset, nbytes=len(view),
-                                                crcs=tuple(crcs))))
+                                                file=rank_index, offset=offset, nbytes=len(view), crcs=crcs)))
         size = w.close()
     return records, size, choice
 
 
 # ---------------------------------------------------------------------------------------------
 # The protocol
+
+
+# One save at a time per process: a save issues collectives on the control group, and every rank
+# must issue them in the same order. An async save holds the gate from its PLAN until its verdict
+# (released by its background thread), so a later save, sync or async, waits for it.
+SAVE_GATE = threading.Lock()
+
+
+@dataclasses.dataclass
+class PlannedSave:
+    """Phase 1's outcome on this rank: the merged global plan and the pieces this rank writes
+    (``mine``: (fqn, Piece) in write order). Object values and the tree are already encoded in
+    ``plan`` (a snapshot); tensor bytes are read from ``Piece.tensor`` only in phase 3."""
+
+    plan: "_GlobalPlan"
+    mine: list
+    t0: float
+
+
+def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None) -> PlannedSave:
+    """Phase 1 (PLAN) on this rank. Collective; raises the same typed error on every rank."""
+    t0 = time.monotonic()
+    rank = group.rank
+    summary, error, items = None, None, {}
+    try:
+        tree, items = flatten(state_dict, allow_pickle=allow_pickle)
+        summary = _summarize(items, tree, rank, allow_pickle, metadata)
+    except Exception as exc:
+        error = exc
+    gathered = group.all_gather((summary, _portable(error)))
+    _raise_failures(group, [e for _, e in gathered], error, "save")
+    plan = _merge_plan([s for s, _ in gathered])
+    mine = []
+    for fqn, item in items.items():
+        if isinstance(item, TensorItem):
+            for piece in item.pieces:
+                if plan.owners.get((fqn, tuple(piece.offsets), tuple(piece.sizes))) == rank:
+                    mine.append((fqn, piece))
+    return PlannedSave(plan, mine, t0)
 
 
 def save_collective(
@@ -268,6 +312,7 @@ def save_collective(
     after_commit: Callable[[], None] | None = None,
 ) -> SaveResult:
     """Run phases 1-4 (module docstring) on this rank. Returns only after the commit verdict.
+    Waits first for an async save of this process still in flight (:data:`SAVE_GATE`).
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``final_dir`` and not ``overwrite``.
@@ -275,20 +320,24 @@ def save_collective(
         DistCkptError subclasses: (one rank) the typed error itself.
         PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S.
     """
-    cfg = get_config()
-    t0 = time.monotonic()
-    rank, world = group.rank, group.world_size
+    with SAVE_GATE:
+        planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata)
+        return finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
+                           after_commit=after_commit)
 
-    # 1. PLAN
-    summary, error, items = None, None, {}
-    try:
-        tree, items = flatten(state_dict, allow_pickle=allow_pickle)
-        summary = _summarize(items, tree, rank, allow_pickle, metadata)
-    except Exception as exc:
-        error = exc
-    gathered = group.all_gather((summary, _portable(error)))
-    _raise_failures(group, [e for _, e in gathered], error, "save")
-    plan = _merge_plan([s for s, _ in gathered])
+
+def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
+                metadata: dict | None, after_commit: Callable[[], None] | None = None,
+                local_error: BaseException | None = None) -> SaveResult:
+    """Phases 2-4 (PREPARE, WRITE, COMMIT) on this rank, after :func:`plan_save`. Collective.
+
+    ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
+    part in every collective and reports the error at WRITE, so all ranks abort together.
+    """
+    cfg = get_config()
+    t0 = planned.t0
+    rank, world = group.rank, group.world_size
+    plan, mine = planned.plan, planned.mine
 
     # 2. PREPARE
     save_id = uuid.uuid4().hex
@@ -302,22 +351,17 @@ def save_collective(
     prepared = group.broadcast(prepared)
     tmp_dir, prep_error = prepared
     if prep_error is not None:
-        raise prep_error
+        raise fill_rank(prep_error, 0)  # PREPARE runs on rank 0
 
     # 3. WRITE
-    mine = []
-    for fqn, item in items.items():
-        if isinstance(item, TensorItem):
-            for piece in item.pieces:
-                if plan.owners.get((fqn, tuple(piece.offsets), tuple(piece.sizes))) == rank:
-                    mine.append((fqn, piece))
-    result, error = None, None
-    try:
-        records, size, choice = _write_rank_file(os.path.join(tmp_dir, DATA_FILE.format(rank)), mine,
-                                                 cfg.checksum_block)
-        result = (records, size, choice.name, choice.reason)
-    except Exception as exc:
-        error = exc
+    result, error = None, local_error
+    if error is None:
+        try:
+            records, size, choice = _write_rank_file(os.path.join(tmp_dir, DATA_FILE.format(rank)), mine,
+                                                     cfg.checksum_block)
+            result = (records, size, choice.name, choice.reason)
+        except Exception as exc:
+            error = exc
     outcomes = group.all_gather((result, _portable(error)))
 
     # 4. COMMIT
@@ -326,7 +370,7 @@ def save_collective(
         published = False
         try:
             if any(e is not None for _, e in outcomes):
-                local.delete_tree(tmp_dir)
+                local.delete_tree(tmp_dir, names=_tmp_names(world))
             else:
                 manifest = _build_manifest(plan, outcomes, save_id, world, cfg.checksum_block, metadata)
                 local.write_file_durable(os.path.join(tmp_dir, MANIFEST), mf.encode(manifest))
@@ -342,13 +386,13 @@ def save_collective(
             verdict = _portable(exc)
             if not published:
                 try:
-                    local.delete_tree(tmp_dir)
+                    local.delete_tree(tmp_dir, names=_tmp_names(world))
                 except DistCkptError as cleanup_exc:
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
     _raise_failures(group, [e for _, e in outcomes], error, "save")
     verdict = group.broadcast(verdict)
     if verdict is not None:
-        raise verdict
+        raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
     mine_result = outcomes[rank][0]
     return SaveResult(
         path=os.path.abspath(final_dir), world_size=world, rank=rank,
@@ -356,12 +400,20 @@ def save_collective(
         seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id)
 
 
+def _tmp_names(world: int) -> list[str]:
+    """Everything a save puts in its tmp dir, so an abort can remove it without an fd (EMFILE)."""
+    return [MANIFEST] + [DATA_FILE.format(r) for r in range(world)]
+
+
 def _raise_failures(group: ControlGroup, errors: list, local_error: BaseException | None, operation: str) -> None:
-    failures = {r: e for r, e in enumerate(errors) if e is not None}
+    # errors[r] came from rank r (all_gather order). The io/storage layers that raised them do
+    # not know their rank (RANK is only set under torchrun): record it here, where it is known,
+    # so a single-process save reports rank 0 and failures[r].rank == r (DESIGN.md I4).
+    failures = {r: fill_rank(e, r) for r, e in enumerate(errors) if e is not None}
     if not failures:
         return
     if group.world_size == 1:
-        raise local_error if local_error is not None else failures[0]
+        raise fill_rank(local_error, 0) if local_error is not None else failures[0]
     raise RankFailureError(failures, operation=operation, rank=group.rank) from local_error
 
 
