@@ -47,6 +47,7 @@ __all__ = [
     "PeerLostError",
     "ConfigError",
     "from_os_error",
+    "fill_rank",
     "format_bytes",
 ]
 
@@ -319,6 +320,19 @@ class PeerLostError(DistCkptError, RuntimeError):
     """A peer rank died or stopped answering during a collective (bounded by DISTCKPT_TIMEOUT_S)."""
 
     default_remedy = "Check the other ranks' logs; restart the job from the newest committed checkpoint."
+
+
+def fill_rank(exc: BaseException, rank: int | None) -> BaseException:
+    """Record ``rank`` on a typed error that does not know its rank yet; returns ``exc``.
+
+    The storage layer (distckpt.io, distckpt.storage) raises without knowing which rank it runs
+    on; RANK is only in the environment under torchrun. The collective code that caught the error
+    knows its group rank, so it fills the field in before the error is raised or exchanged: a
+    single-process save reports rank 0 instead of None, and a rank of a sub-group its group rank.
+    """
+    if isinstance(exc, DistCkptError) and exc.rank is None and rank is not None:
+        exc.rank = rank
+    return exc
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import stat
 import time
 from typing import Any, Iterable
 
@@ -27,11 +28,12 @@ import crc32c as _crc32c
 import torch
 
 from . import manifest as mf
-from ._dist import ControlGroup, _portable, control_group
+from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
                      ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
-                     PickleNotAllowedError, StateDictMismatchError, from_os_error)
+                     DistCkptError, PickleNotAllowedError, StateDictMismatchError, fill_rank,
+                     from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, set_leaf
 from .plan import Box, byte_range, expand_to_blocks, plan_reads
 from .staging import dtype_from_name, dtype_name, writable_bytes
@@ -89,11 +91,22 @@ def read_manifest(path: str) -> dict:
 def _check_data_file(ckpt: str, entry: "mf.FileEntry") -> str:
     fpath = os.path.join(ckpt, entry.name)
     try:
-        size = os.stat(fpath).st_size
+        # lstat, not stat: a data file must be a regular file inside the checkpoint (I7). A
+        # symlink could point anywhere (an identical copy outside passes every checksum) and a
+        # directory or device is not data; refuse both before any open or read.
+        st = os.lstat(fpath)
     except FileNotFoundError:
         raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
     except OSError as exc:
         raise from_os_error(exc, path=fpath, operation="stat") from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file"
+        raise CheckpointCorruptError(
+            f"data file {entry.name} listed in MANIFEST must be a regular file inside the checkpoint, found {kind}",
+            path=fpath, expected="regular file", found=kind,
+            remedy="Restore the checkpoint's data files as plain files (copy with symlinks dereferenced), "
+                   "or load an older checkpoint.")
+    size = st.st_size
     if size < entry.size:
         raise DataFileTruncatedError(f"data file {entry.name} has {size} bytes, MANIFEST says {entry.size}",
                                      path=fpath, expected=entry.size, found=size)
@@ -326,7 +339,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         manifest = _manifest_collective(group, path)
         result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0)
     except Exception as exc:
-        error = exc
+        error = fill_rank(exc, group.rank)  # the io/storage layers do not know the rank
     group.exchange_outcome(error, operation="load")
     return result
 
@@ -364,6 +377,19 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
     StateDictMismatchError for a key the checkpoint lacks.
     """
     path = os.path.abspath(os.fspath(path))
+    try:
+        return _read(path, keys, verify, allow_pickle)
+    except DistCkptError as exc:
+        # read() runs in one process without a group: its rank is the process's rank, if any.
+        if is_distributed():
+            import torch.distributed as dist
+            fill_rank(exc, dist.get_rank())
+        else:
+            fill_rank(exc, 0)
+        raise
+
+
+def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:
     manifest = load_manifest(path)
     all_keys = list(manifest.tensors) + list(manifest.objects)
     if keys is None:

@@ -20,8 +20,9 @@ import errno
 import os
 import shutil
 import uuid
+from typing import Iterable
 
-from ..errors import from_os_error
+from ..errors import DistCkptError, from_os_error
 from ..io import exchange_paths, fsync_path
 
 __all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir", "read_file",
@@ -92,7 +93,9 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
     With ``overwrite`` and an existing ``final_dir``, the two are swapped with RENAME_EXCHANGE (one
     atomic step: a crash leaves either the old or the new checkpoint under the name, never none) and
     the old one's new location (``tmp_dir``) is returned for the caller to delete. Otherwise a plain
-    rename, which fails if ``final_dir`` appeared meanwhile. The parent is fsynced in both cases.
+    rename, which fails if ``final_dir`` appeared meanwhile. The parent is fsynced in both cases;
+    if that fsync fails, the rename (or exchange) is undone before the error is raised, so a
+    caller that reports the save as failed leaves nothing new visible.
     """
     parent = os.path.dirname(os.path.abspath(final_dir))
     fsync_path(tmp_dir)  # the entries inside (data files, MANIFEST) before the name that exposes them
@@ -105,7 +108,22 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
             os.rename(tmp_dir, final_dir)
     except OSError as exc:
         raise from_os_error(exc, path=final_dir, operation="rename") from exc
-    fsync_path(parent)
+    try:
+        fsync_path(parent)
+    except DistCkptError:
+        # The rename is visible but not durable, and the caller will report the save as failed:
+        # a failed save must commit nothing (I4), and a retry must not meet CheckpointExistsError.
+        # Undo it (the exchange again, or rename back to the hidden tmp name) so the caller's
+        # cleanup of ``tmp_dir`` removes the new checkpoint. Either state is complete (every file
+        # was fsynced before the rename), so a crash here still loads one whole checkpoint (I1).
+        try:
+            if replaced is not None:
+                exchange_paths(tmp_dir, final_dir)
+            else:
+                os.rename(final_dir, tmp_dir)
+        except (OSError, DistCkptError):
+            pass  # stays published (complete); the fsync error is still what the caller sees
+        raise
     return replaced
 
 
@@ -124,9 +142,30 @@ def remove_dir(path: str) -> None:
     delete_tree(doomed)
 
 
-def delete_tree(path: str) -> None:
+def delete_tree(path: str, *, names: Iterable[str] = ()) -> None:
     """rm -rf ``path`` (already invisible to loaders): a directory tree or a single file (a crashed
-    ``latest`` replacement leaves a ``.latest.tmp-*`` file). A vanished path is not an error."""
+    ``latest`` replacement leaves a ``.latest.tmp-*`` file). A vanished path is not an error.
+
+    ``names``: entries the caller knows ``path`` may hold (a save's data files and MANIFEST). They
+    are unlinked and the directory removed by name first, which needs no fd: a save aborted by
+    EMFILE (the fd table full) still removes its tmp dir, where rmtree, which opens every
+    directory it walks, would fail the same way and leave it behind. rmtree handles the rest.
+    """
+    if names and os.path.isdir(path) and not os.path.islink(path):
+        for name in names:
+            try:
+                os.unlink(os.path.join(path, name))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                break  # rmtree below reports it
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass  # entries we did not know of (or another error): rmtree below
     if not os.path.isdir(path) or os.path.islink(path):
         try:
             os.unlink(path)
