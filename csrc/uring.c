@@ -1000,7 +1000,7 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
     if (!e && use_uring)
         e = ring_setup(&r->ring, r->queue_depth);
     if (!e) {
-        fd = open(PyBytes_AS_STRING(path), O_RDONLY | O_DIRECT | O_CLOEXEC);
+        fd = open(PyBytes_AS_STRING(path), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
         if (fd < 0)
             e = errno;
         else

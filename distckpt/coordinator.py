@@ -59,6 +59,8 @@ log = logging.getLogger("distckpt")
 
 DATA_FILE = "rank{:05d}.bin"
 MANIFEST = "MANIFEST"
+# fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes.
+_FDS_PER_SAVE = 8
 # Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
 
@@ -279,12 +281,19 @@ class PlannedSave:
     t0: float
 
 
-def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None) -> PlannedSave:
+def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None,
+              path: str | None = None) -> PlannedSave:
     """Phase 1 (PLAN) on this rank. Collective; raises the same typed error on every rank."""
     t0 = time.monotonic()
     rank = group.rank
     summary, error, items = None, None, {}
     try:
+        if get_config().preflight:
+            # Cheap per-rank check before any byte is written: the writer, its ring, the reader
+            # probes and directory fsyncs need a handful of fds. (Free space is checked by rank 0
+            # in PREPARE with every rank's bytes; permissions by the tmp-dir mkdir there.)
+            from .preflight import check_fd_limit
+            check_fd_limit(_FDS_PER_SAVE, rank=rank, path=path)
         tree, items = flatten(state_dict, allow_pickle=allow_pickle)
         summary = _summarize(items, tree, rank, allow_pickle, metadata)
     except Exception as exc:
@@ -321,7 +330,8 @@ def save_collective(
         PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S.
     """
     with SAVE_GATE:
-        planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata)
+        planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
+                            path=final_dir)
         return finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
                            after_commit=after_commit)
 

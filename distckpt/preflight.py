@@ -1145,8 +1145,9 @@ def _open_fd_count() -> int:
         return 0
 
 
-def check_fd_limit(n_needed: int, *, rank: int | None = None) -> None:
+def check_fd_limit(n_needed: int, *, rank: int | None = None, path: str | None = None) -> None:
     """Raise unless ``n_needed`` more fds fit under RLIMIT_NOFILE next to the ones open now.
+    ``path`` (the checkpoint the fds are for) is carried by the error.
 
     Raises:
         TooManyOpenFilesError: errno EMFILE, fields ``needed``, ``open``, ``limit``, ``hard``.
@@ -1168,8 +1169,8 @@ def check_fd_limit(n_needed: int, *, rank: int | None = None) -> None:
     raise TooManyOpenFilesError(
         f"the save needs {n_needed} file descriptors but only {max(soft - n_open, 0)} are left "
         f"({n_open} open, RLIMIT_NOFILE soft limit {soft}, hard limit {hard_txt})",
-        rank=rank, errno=_errno.EMFILE, remedy=remedy, needed=n_needed, open=n_open, limit=soft,
-        hard=hard)
+        rank=rank, path=path, errno=_errno.EMFILE, remedy=remedy, needed=n_needed, open=n_open,
+        limit=soft, hard=hard)
 
 
 def fd_limit_check(n_needed: int, *, rank: int | None = None) -> CheckResult:

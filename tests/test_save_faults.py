@@ -499,7 +499,7 @@ soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 for backend in backends:
     fresh(DISTCKPT_IO_BACKEND=backend)
     distckpt.save(big_state(1 << 16), os.path.join(root, f"warm_{backend}"))  # lazy imports, caches
-    for reprobe, spare in [(r, s) for r in (True, False) for s in range(5)]:
+    for reprobe, spare in [(r, s) for r in (True, False) for s in range(10)]:
         if reprobe:
             fresh()  # forget the backend choice: the probe's opens are swept too
         path = os.path.join(root, f"step_{backend}_{int(reprobe)}{spare}")
@@ -523,7 +523,7 @@ emit(results)
 
 
 def test_emfile_sweep(tmp_path):
-    """RLIMIT_NOFILE leaves 0, 1, ... 4 spare fds, with the backend probed again or cached: every
+    """RLIMIT_NOFILE leaves 0, 1, ... 9 spare fds (pre-flight asks for 8), with the backend probed again or cached: every
     save either succeeds or raises TooManyOpenFilesError, wherever the open failed (listing the
     parent, the probe, the data file, the ring, MANIFEST, a directory fsync), and the aborted
     save's tmp dir is removed even though the fd table is still full."""
