@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._dist import control_group, is_distributed
 from .coordinator import SaveResult, is_committed, reclaim_tmp_dirs
@@ -28,6 +28,9 @@ from .errors import CheckpointNotFoundError, ConfigError
 from .restore import LoadResult, load
 from .save import save
 from .storage import local
+
+if TYPE_CHECKING:
+    from .async_save import AsyncSaveHandle
 
 __all__ = ["CheckpointManager"]
 
@@ -84,16 +87,28 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state_dict: Any, **kwargs: Any) -> SaveResult:
+    def save(self, step: int, state_dict: Any, *, blocking: bool = True,
+             **kwargs: Any) -> "SaveResult | AsyncSaveHandle":
         """Save ``state_dict`` as step ``step`` (collective), then point ``latest`` at it and rotate.
 
-        Keyword arguments go to :func:`distckpt.save`. Raises what it raises; rotation errors are
-        raised too, after the new step is committed.
+        Keyword arguments go to :func:`distckpt.save`. With ``blocking=False`` this is
+        :func:`distckpt.async_save`: it returns an :class:`~distckpt.async_save.AsyncSaveHandle` as
+        soon as the state is staged; ``latest`` and the rotation happen inside that save's commit,
+        in the background. Saves are serialized per process (a later save waits for an earlier one
+        still in flight), and rotation deletes only committed steps older than the newest
+        ``keep_last``, so it never touches a step that is still being written.
+
+        Raises what :func:`distckpt.save` raises (for ``blocking=False``: ``handle.result()`` does);
+        rotation errors are raised too, after the new step is committed.
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
-        return save(state_dict, self.path(step), process_group=self.process_group,
-                    _after_commit=lambda: self._after_commit(step), **kwargs)
+        after = lambda: self._after_commit(step)  # noqa: E731
+        if not blocking:
+            from .async_save import async_save
+            return async_save(state_dict, self.path(step), process_group=self.process_group,
+                              _after_commit=after, **kwargs)
+        return save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after, **kwargs)
 
     def _after_commit(self, step: int) -> None:
         local.replace_file_atomic(os.path.join(self.root, "latest"), (step_dirname(step) + "\n").encode())

@@ -63,7 +63,9 @@ def test_sigkill_at_random_moments(tmp_path):
     acked = None   # newest step whose save() returned
     next_step = 1
     phases_hit = set()
+    unrotated = 0
     for i in range(kills):
+        acked_before = acked
         r, w = os.pipe()
         child = ctx.Process(target=_saver, args=(root, next_step, w), daemon=True)
         child.start()
@@ -88,7 +90,12 @@ def test_sigkill_at_random_moments(tmp_path):
             phases_hit.add("committed-unacknowledged")
         for step in steps:  # every directory that looks committed loads, bit-exact
             assert _same(distckpt.read(mgr.path(step)), expected_state(step)), f"seed {seed} kill {i} step {step}"
-        assert len(steps) <= KEEP + 1
+        # Rotation runs after each commit; a kill between a commit and its rotation leaves one
+        # extra step, removed by the next save that completes. So the excess is bounded by the
+        # streak of such kills since the last acknowledged save.
+        base = 0 if acked != acked_before else unrotated  # a completed save rotated everything
+        unrotated = base + (1 if newest == in_flight else 0)
+        assert len(steps) <= KEEP + unrotated, (steps, unrotated)
         names = sorted(os.listdir(root))
         assert all(n.startswith("step_") or n == "latest" for n in names), f"seed {seed}: garbage left: {names}"
         if "latest" in names:

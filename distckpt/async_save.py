@@ -1,0 +1,363 @@
+"""``distckpt.async_save``: return once the state is staged; write and commit in the background.
+
+How an async save runs on each rank (the protocol itself is :mod:`distckpt.coordinator`'s):
+
+  1. caller thread: take the process-wide save gate (:data:`coordinator.SAVE_GATE`), so a second
+     save -- async or sync -- waits for this one, in call order;
+  2. caller thread: PLAN (flatten, all-gather of the summaries, owner assignment) on the control
+     group. Non-tensor values, the tree and the metadata are encoded / copied here;
+  3. caller thread: copy every piece *this rank will write* (replicas owned by another rank are not
+     copied) into one arena of aligned host memory from the :class:`StagingPool` (pinned when CUDA
+     is available; device tensors are copied with non_blocking DMA, then one synchronize). The call
+     returns the :class:`AsyncSaveHandle` here;
+  4. background thread (one per save, non-daemon): PREPARE, WRITE, COMMIT over the staged copies,
+     on a gloo group of its own (so the caller's later loads and collectives on the control group
+     cannot interleave with it), then release the arena and the gate.
+
+Invariants:
+  * Snapshot isolation: once :func:`async_save` returns, the bytes that will be saved are in
+    staging memory owned by the save; changing any tensor of the state dict (in place, any size)
+    does not change the checkpoint.
+  * Bounded staging: one arena per save in flight (at most one: saves are serialized), kept for
+    the next save when it fits (the same model gets the same layout, so the same memory), replaced
+    when it does not. Large pieces start at 4 KiB boundaries, so the O_DIRECT writer can write them
+    without another copy.
+  * Errors reach :meth:`AsyncSaveHandle.result` as the same typed errors a sync save raises (the
+    same exception objects); a failed save commits nothing.
+  * Nothing is left behind: once :meth:`~AsyncSaveHandle.done` is true the worker thread has ended
+    (``result()`` joins it) and every fd of the save is closed. At interpreter exit a save in
+    flight is finished (its thread is non-daemon, and an exit hook says it is waiting), never left
+    half-committed: the commit protocol makes a killed save invisible.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ._dist import ControlGroup, control_group
+from .config import get_config
+from .coordinator import SAVE_GATE, SaveResult, finish_save, plan_save
+
+__all__ = ["async_save", "AsyncSaveHandle", "StagingPool", "staging_pool"]
+
+log = logging.getLogger("distckpt")
+
+# Pieces of at least this many bytes start on a page boundary (O_DIRECT can write them in place);
+# smaller ones only on a cache line (the writer copies small writes into its staging anyway).
+_PAGE = 4096
+_BIG = 64 << 10
+_SMALL_ALIGN = 64
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class _Arena:
+    """One aligned host buffer; pieces are carved out of it at aligned offsets."""
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        self.pinned = pin
+        self._raw = torch.empty(capacity + _PAGE, dtype=torch.uint8, pin_memory=pin)
+        start = -self._raw.data_ptr() % _PAGE
+        self.buf = self._raw[start:start + capacity]
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        flat = self.buf[offset:offset + nbytes]
+        return flat.view(dtype).view(shape)
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, cursor = [], 0
+    for n in sizes:
+        cursor = _round_up(cursor, _PAGE if n >= _BIG else _SMALL_ALIGN)
+        offsets.append(cursor)
+        cursor += n
+    return offsets, _round_up(cursor, _PAGE)
+
+
+class StagingPool:
+    """Aligned host staging memory reused across async saves of one process.
+
+    Holds at most one idle arena. ``acquire(n)`` reuses it when it holds ``n`` bytes and is not more
+    than twice as large (so a shrinking state does not pin a stale peak forever); otherwise the idle
+    one is dropped first and a new one allocated, so memory never holds two arenas because of the
+    pool. Pinned (page-locked) when CUDA is available: device-to-host copies are then DMAs.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: _Arena | None = None
+        self.allocations = 0  # arenas allocated so far (tests / benchmarks: reuse is visible)
+
+    def acquire(self, nbytes: int, pin: bool) -> _Arena:
+        with self._lock:
+            arena, self._idle = self._idle, None
+        if arena is not None and arena.pinned == pin and nbytes <= arena.capacity <= 2 * nbytes + (1 << 20):
+            return arena
+        del arena  # free the old one before allocating the new one
+        self.allocations += 1
+        return _Arena(nbytes, pin)
+
+    def release(self, arena: _Arena | None) -> None:
+        if arena is None:
+            return
+        with self._lock:
+            if self._idle is None or self._idle.capacity < arena.capacity:
+                self._idle = arena
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle.capacity if self._idle is not None else 0
+
+    def clear(self) -> None:
+        """Free the idle arena (an arena in use is freed when its save finishes)."""
+        with self._lock:
+            self._idle = None
+
+
+_POOL = StagingPool()
+
+
+def staging_pool() -> StagingPool:
+    """The process-wide staging pool of async saves."""
+    return _POOL
+
+
+def _stage(mine: list, pool: StagingPool) -> tuple[_Arena | None, int]:
+    """Copy each owned piece into the arena and point the piece at its copy. Returns the arena and
+    the bytes staged."""
+    specs = []
+    for _fqn, piece in mine:
+        t = piece.tensor
+        specs.append(t.numel() * t.element_size())
+    offsets, capacity = _layout(specs)
+    if capacity == 0:
+        return None, 0
+    pin = torch.cuda.is_available()
+    arena = pool.acquire(capacity, pin)
+    devices = set()
+    cpu_dst, cpu_src = [], []
+    try:
+        for (_fqn, piece), off, nbytes in zip(mine, offsets, specs):
+            src = piece.tensor.detach()
+            dst = arena.view(off, nbytes, src.dtype, tuple(src.shape))
+            if src.device.type == "cpu":
+                if src.is_conj() or src.is_neg():
+                    dst.copy_(src)
+                else:
+                    cpu_dst.append(dst)
+                    cpu_src.append(src)
+            else:
+                # One DMA per tensor into pinned memory, all queued before a single wait.
+                dst.copy_(src, non_blocking=True)
+                devices.add(src.device)
+            piece.tensor = dst
+        if cpu_dst:
+            # One call for all CPU tensors: no Python loop per copy (thousands of small tensors).
+            torch._foreach_copy_(cpu_dst, cpu_src)
+        for dev in devices:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            elif hasattr(torch, dev.type) and hasattr(getattr(torch, dev.type), "synchronize"):
+                getattr(torch, dev.type).synchronize()
+    except BaseException:
+        pool.release(arena)
+        raise
+    return arena, sum(specs)
+
+
+class AsyncSaveHandle:
+    """The result of :func:`distckpt.async_save` (and ``CheckpointManager.save(..., blocking=False)``).
+
+    Attributes:
+        path: the checkpoint directory being saved.
+        staged_bytes: bytes this rank copied into staging memory.
+        blocked_seconds: how long the call blocked the caller (gate wait + plan + staging).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.staged_bytes = 0
+        self.blocked_seconds = 0.0
+        self._event = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """True once the save has committed or failed (its thread has no more work)."""
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """Wait for the save and return its :class:`SaveResult`.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (the save goes on).
+            The typed error of the save (the same classes :func:`distckpt.save` raises).
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} did not finish within {timeout} s")
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (None when it succeeded), after waiting like :meth:`result`."""
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            if not self._event.is_set():
+                raise
+            return self._error
+        except BaseException as exc:  # noqa: BLE001 - the save's own error
+            return exc
+        return None
+
+    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error is not None else "done")
+        return f"<AsyncSaveHandle {self.path} {state}>"
+
+
+# In-flight handles (weak: a finished save does not keep its handle alive).
+_INFLIGHT: "weakref.WeakSet[AsyncSaveHandle]" = weakref.WeakSet()
+_exit_hook_registered = False
+
+_BG_GROUPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_BG_GROUPS_BY_ID: dict[int, Any] = {}
+
+
+def _at_exit() -> None:
+    pending = [h for h in list(_INFLIGHT) if not h.done()]
+    for h in pending:
+        log.warning("distckpt: waiting for the async save to %s to finish before exiting", h.path)
+        h._event.wait()
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    # threading's exit hooks run before the interpreter joins non-daemon threads (and before
+    # atexit): the wait is explicit and logged. The non-daemon worker is the backstop.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_at_exit)
+        else:  # pragma: no cover - Python < 3.9
+            import atexit
+            atexit.register(_at_exit)
+        _exit_hook_registered = True
+    except RuntimeError:  # interpreter already shutting down
+        pass
+
+
+def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
+    """A gloo group of its own for the background phases (created once per process group; a
+    collective the first time, run by every rank in the caller's thread)."""
+    if fg.world_size == 1:
+        return fg
+    import datetime
+
+    import torch.distributed as dist
+    pg = process_group if process_group is not None else dist.group.WORLD
+    try:
+        side = _BG_GROUPS.get(pg)
+    except TypeError:
+        side = _BG_GROUPS_BY_ID.get(id(pg))
+    if side is None:
+        side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
+                              timeout=datetime.timedelta(seconds=get_config().timeout_s))
+        try:
+            _BG_GROUPS[pg] = side
+        except TypeError:
+            _BG_GROUPS_BY_ID[id(pg)] = side
+    return ControlGroup(side, fg.rank, fg.world_size)
+
+
+def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
+               allow_pickle: bool = False, metadata: dict | None = None,
+               _after_commit: Callable[[], None] | None = None) -> AsyncSaveHandle:
+    """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
+
+    Collective like :func:`distckpt.save` (every rank calls it, in the same order as its other
+    saves). Blocks the caller only for: waiting for this process's previous save still in flight,
+    the PLAN exchange, and one copy of the pieces this rank writes into reusable aligned staging
+    memory. After it returns the caller may change any tensor of ``state_dict`` in place: the
+    checkpoint holds the values at the time of the call.
+
+    Args: as :func:`distckpt.save`.
+
+    Returns:
+        An :class:`AsyncSaveHandle`: ``result(timeout=None)`` waits and returns the SaveResult or
+        raises the save's typed error; ``done()`` says whether it finished.
+
+    Raises:
+        Nothing for a failed save: every save error (CheckpointExistsError,
+        UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError,
+        PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises.
+        A KeyboardInterrupt during staging propagates (nothing is committed).
+    """
+    t_call = time.perf_counter()
+    final_dir = os.path.abspath(os.fspath(path))
+    handle = AsyncSaveHandle(final_dir)
+    _register_exit_hook()
+    SAVE_GATE.acquire()  # released by the worker thread, or below if no worker starts
+    started = False
+    try:
+        try:
+            fg = control_group(process_group)
+            bg = _background_group(process_group, fg)
+            metadata = copy.deepcopy(metadata)
+            planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata)
+        except Exception as exc:
+            handle._finish(None, exc)
+            handle.blocked_seconds = time.perf_counter() - t_call
+            return handle
+        arena, stage_error = None, None
+        try:
+            arena, handle.staged_bytes = _stage(planned.mine, _POOL)
+        except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
+            stage_error = exc
+
+        def work() -> None:
+            result, error = None, None
+            try:
+                result = finish_save(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
+                                     after_commit=_after_commit, local_error=stage_error)
+            except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
+                error = exc
+            finally:
+                planned.mine.clear()  # drop the views into the arena before it is reused
+                _POOL.release(arena)
+                SAVE_GATE.release()
+                handle._finish(result, error)
+
+        thread = threading.Thread(target=work, name=f"distckpt-async-save:{os.path.basename(final_dir)}",
+                                  daemon=False)
+        handle._thread = thread
+        _INFLIGHT.add(handle)
+        thread.start()
+        started = True
+    finally:
+        if not started:
+            SAVE_GATE.release()
+    handle.blocked_seconds = time.perf_counter() - t_call
+    return handle

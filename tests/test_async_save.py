@@ -1,0 +1,322 @@
+"""Async save (issue #6): snapshot isolation, ordering, typed errors, no leaks, exit with a save in
+flight, 2 real gloo ranks, and CheckpointManager.save(blocking=False) with rotation."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.async_save import AsyncSaveHandle, staging_pool
+from distckpt.coordinator import TMP_RE, is_committed
+from distckpt.errors import (CheckpointExistsError, DiskFullError, UnsupportedValueError)
+
+from .conftest import open_fds
+from .distributed import run_ranks
+from .faults import REPO_ROOT, mounts, run_python  # noqa: F401  (mounts: fixture)
+
+BIG = 40 << 20  # int32 elements: a 160 MiB tensor (TorchSnapshot does not isolate CPU tensors >= 128 MiB)
+
+
+def _state(big_elems: int = 1 << 20) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.arange(big_elems, dtype=torch.int32),
+        "w": torch.randn(64, 33, generator=g),
+        "bf": torch.randn(7, 9, generator=g).to(torch.bfloat16),
+        "t": torch.randn(16, 8, generator=g).t(),  # not contiguous
+        "small": [torch.full((3,), float(i)) for i in range(20)],
+        "step": 7,
+        "name": "run-a",
+    }
+
+
+def _expected(sd: dict) -> dict:
+    return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in sd.items()}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        elif isinstance(v, list):
+            assert all(torch.equal(a, b) for a, b in zip(got[k], v)), k
+        else:
+            assert got[k] == v, k
+
+
+def _mutate(sd: dict) -> None:
+    sd["big"].fill_(-1)
+    sd["w"].mul_(0)
+    sd["bf"].add_(1)
+    sd["t"].zero_()
+    for t in sd["small"]:
+        t.fill_(99.0)
+
+
+def _worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("distckpt-async-save")]
+
+
+# -------------------------------------------------------------------------------------------------
+# Single process
+
+
+def test_snapshot_isolation_large_cpu_tensor(tmp_path):
+    sd = _state(BIG)
+    want = _expected(sd)
+    h = distckpt.async_save(sd, tmp_path / "c")
+    assert isinstance(h, AsyncSaveHandle)
+    _mutate(sd)  # in place, at once, while the background thread writes
+    sd["step"] = 8  # replacing a plain value after the call does not change the checkpoint either
+    res = h.result(timeout=120)
+    assert h.done() and res.total_bytes >= BIG * 4
+    assert h.staged_bytes >= BIG * 4
+    _assert_same(distckpt.read(tmp_path / "c"), want)
+
+
+def test_second_async_save_waits_for_the_first_in_order(tmp_path):
+    sd = _state(8 << 20)
+    want1 = _expected(sd)
+    h1 = distckpt.async_save(sd, tmp_path / "one")
+    sd["big"].add_(5)
+    want2 = _expected(sd)
+    h2 = distckpt.async_save(sd, tmp_path / "two")
+    assert h1.done(), "the second save must not start before the first has finished"
+    sd["big"].add_(5)
+    # A sync save waits for the async one in flight too (collectives stay in call order).
+    res3 = distckpt.save(sd, tmp_path / "three")
+    assert h2.done()
+    want3 = _expected(sd)
+    assert h1.result().save_id != h2.result().save_id != res3.save_id
+    _assert_same(distckpt.read(tmp_path / "one"), want1)
+    _assert_same(distckpt.read(tmp_path / "two"), want2)
+    _assert_same(distckpt.read(tmp_path / "three"), want3)
+
+
+def test_staging_pool_is_reused_for_the_same_model(tmp_path):
+    sd = _state(4 << 20)
+    distckpt.async_save(sd, tmp_path / "a").result()
+    pool = staging_pool()
+    before = pool.allocations
+    idle = pool.idle_bytes()
+    assert idle >= 16 << 20
+    for name in ("b", "c"):
+        distckpt.async_save(sd, tmp_path / name).result()
+    assert pool.allocations == before and pool.idle_bytes() == idle
+
+
+def test_errors_are_the_typed_errors_of_a_sync_save(tmp_path):
+    sd = _state()
+    distckpt.save(sd, tmp_path / "c")
+    with pytest.raises(CheckpointExistsError) as sync_info:
+        distckpt.save(sd, tmp_path / "c")
+    h = distckpt.async_save(sd, tmp_path / "c")
+    with pytest.raises(CheckpointExistsError) as info:
+        h.result(timeout=60)
+    assert type(info.value) is type(sync_info.value) and info.value.path == str(tmp_path / "c")
+    assert isinstance(h.exception(), CheckpointExistsError)
+    # An error of the PLAN phase comes from result() too, not from the call.
+    h = distckpt.async_save({"x": object()}, tmp_path / "d")
+    with pytest.raises(UnsupportedValueError):
+        h.result(timeout=60)
+    assert not os.path.exists(tmp_path / "d")
+    # The gate was released on both failure paths: a later save runs.
+    distckpt.async_save(sd, tmp_path / "c", overwrite=True).result(timeout=60)
+
+
+@pytest.mark.parametrize("preflight", ["1", "0"])
+def test_disk_full_on_a_real_tmpfs(mounts, tmp_path, monkeypatch, preflight):
+    """ENOSPC: with pre-flight on, PREPARE refuses; with it off, the kernel's ENOSPC at write."""
+    from distckpt.config import get_config
+    monkeypatch.setenv("DISTCKPT_PREFLIGHT", preflight)
+    get_config.cache_clear()
+    mnt = mounts.tmpfs(tmp_path / "small", size="16m")
+    sd = {"x": torch.ones(8 << 20, dtype=torch.int32)}  # 32 MiB
+    fds = open_fds()
+    h = distckpt.async_save(sd, mnt / "c")
+    with pytest.raises(DiskFullError) as info:
+        h.result(timeout=60)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(mnt) == []  # nothing committed, the tmp dir removed
+    assert open_fds() == fds and _worker_threads() == []
+
+
+def test_no_thread_or_fd_left_behind(tmp_path):
+    sd = _state(4 << 20)
+    distckpt.save(sd, tmp_path / "warm")  # backend probe and imports happen once per process
+    fds = open_fds()
+    h = distckpt.async_save(sd, tmp_path / "ok")
+    h.result(timeout=60)
+    assert _worker_threads() == [] and open_fds() == fds
+    h = distckpt.async_save(sd, tmp_path / "ok")  # fails: exists
+    with pytest.raises(CheckpointExistsError):
+        h.result(timeout=60)
+    assert _worker_threads() == [] and open_fds() == fds
+    h = distckpt.async_save(sd, tmp_path / "p")
+    while not h.done():
+        time.sleep(0.01)
+    h.result()
+    assert _worker_threads() == [] and open_fds() == fds
+
+
+def test_result_timeout_does_not_cancel(tmp_path):
+    sd = {"x": torch.ones(64 << 20, dtype=torch.int32)}
+    h = distckpt.async_save(sd, tmp_path / "c")
+    try:
+        h.result(timeout=0.0001)
+    except TimeoutError:
+        pass
+    assert h.result(timeout=60).total_bytes >= 256 << 20
+
+
+_EXIT_CHILD = """
+import os, sys, torch, distckpt
+path = sys.argv[1] if len(sys.argv) > 1 else {path!r}
+sd = {{"a": torch.arange(64 << 20, dtype=torch.int32), "b": torch.ones(1000)}}
+h = distckpt.async_save(sd, path)
+sd["a"].zero_()
+emit({{"returned": True}})
+{how}
+"""
+
+
+def _check_all_or_nothing(path: str, expect_committed: bool | None) -> bool:
+    parent = os.path.dirname(path)
+    committed = is_committed(path)
+    if expect_committed is not None:
+        assert committed == expect_committed
+    if committed:
+        full = distckpt.read(path)  # every checksum verified
+        assert torch.equal(full["a"], torch.arange(64 << 20, dtype=torch.int32))
+        assert torch.equal(full["b"], torch.ones(1000))
+    else:
+        assert not os.path.exists(path)
+    if committed:  # a finished save leaves no tmp dir
+        assert not [e for e in os.listdir(parent) if TMP_RE.match(e)]
+    return committed
+
+
+@pytest.mark.parametrize("how", ["", "sys.exit(0)", "raise SystemExit(3)", "raise RuntimeError('boom')"])
+def test_exit_with_a_save_in_flight_finishes_it(tmp_path, how):
+    path = str(tmp_path / "c")
+    r = run_python(_EXIT_CHILD.format(path=path, how=how), timeout=120)
+    assert r.data == {"returned": True}
+    assert r.signal is None
+    _check_all_or_nothing(path, expect_committed=True)
+    if not how:
+        r.check()
+        assert "waiting for the async save" in r.stderr
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 0.8, 1.5])
+def test_killed_with_a_save_in_flight_is_all_or_nothing(tmp_path, delay):
+    """SIGKILL at some point of the background save: a complete checkpoint or none, and the next
+    save of the same name reclaims the leftovers."""
+    path = str(tmp_path / "c")
+    code = "from tests.faults import _PRELUDE; exec(_PRELUDE)\n" + _EXIT_CHILD.format(
+        path=path, how="import time; time.sleep(60)")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(REPO_ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "returned" in line, proc.stderr.read()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    committed = _check_all_or_nothing(path, expect_committed=None)
+    if not committed:
+        # The leftover tmp dir (if any) is never loadable and is reclaimed by the next save.
+        distckpt.save({"a": torch.arange(64 << 20, dtype=torch.int32), "b": torch.ones(1000)}, path)
+        _check_all_or_nothing(path, expect_committed=True)
+
+
+# -------------------------------------------------------------------------------------------------
+# CheckpointManager
+
+
+def test_manager_blocking_false_rotation(tmp_path):
+    mgr = distckpt.CheckpointManager(tmp_path, keep_last=2)
+    sd = _state(4 << 20)
+    handles, wants = [], {}
+    for step in range(5):
+        sd["big"].fill_(step)
+        sd["step"] = step
+        wants[step] = _expected(sd)
+        handles.append(mgr.save(step, sd, blocking=False))  # back to back, never waiting
+        sd["big"].fill_(-1)  # the training step after the save call
+    results = [h.result(timeout=120) for h in handles]
+    assert [os.path.basename(r.path) for r in results] == [f"step_{s:08d}" for s in range(5)]
+    assert mgr.steps() == [3, 4]
+    assert open(tmp_path / "latest").read() == "step_00000004\n"
+    for step in (3, 4):
+        _assert_same(distckpt.read(mgr.path(step)), wants[step])
+    assert not [e for e in os.listdir(tmp_path) if TMP_RE.match(e)]
+    # blocking=True (default) still returns a SaveResult
+    res = mgr.save(5, sd)
+    assert isinstance(res, distckpt.SaveResult) and mgr.steps() == [4, 5]
+
+
+# -------------------------------------------------------------------------------------------------
+# Two real gloo ranks
+
+
+def _two_rank_body(rank, world, tmp):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(8 << 20, dtype=torch.int32).reshape(1 << 12, -1)  # 32 MiB, sharded on dim 0
+    rep = torch.arange(1 << 20, dtype=torch.float32)                        # replicated: written once
+    sd = {"shard": distribute_tensor(full.clone(), mesh, [Shard(0)]), "rep": rep.clone(), "n": 1}
+    distckpt.save(sd, os.path.join(tmp, "first"))
+    h = distckpt.async_save(sd, os.path.join(tmp, "second"))
+    staged = h.staged_bytes
+    sd["shard"].to_local().fill_(-7)
+    sd["rep"].zero_()
+    # A load on the control group while the save runs in the background: the background phases use
+    # their own gloo group, so the two protocols cannot interleave their collectives.
+    back = {"shard": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "rep": torch.zeros_like(rep),
+            "n": 0}
+    distckpt.load(back, os.path.join(tmp, "first"))
+    assert torch.equal(back["shard"].full_tensor(), full) and torch.equal(back["rep"], rep)
+    res = h.result(timeout=120)
+    h2 = distckpt.async_save(sd, os.path.join(tmp, "second"))  # exists: same typed error on all ranks
+    try:
+        h2.result(timeout=120)
+        raise AssertionError("expected an error")
+    except distckpt.DistCkptError as exc:
+        err = type(exc).__name__
+    dist.barrier()
+    return {"staged": staged, "bytes_per_rank": res.bytes_per_rank, "err": err,
+            "threads": [t.name for t in _worker_threads()]}
+
+
+def test_two_ranks_async_save(tmp_path):
+    out = run_ranks(_two_rank_body, 2, str(tmp_path), timeout=240)
+    full = torch.arange(8 << 20, dtype=torch.int32).reshape(1 << 12, -1)
+    got = distckpt.read(tmp_path / "second")
+    assert torch.equal(got["shard"], full) and torch.equal(got["rep"], torch.arange(1 << 20, dtype=torch.float32))
+    assert got["n"] == 1
+    # Only owned pieces are staged: the 16 MiB shard on each rank, the 4 MiB replica on one rank.
+    assert sorted(o["staged"] for o in out) == [16 << 20, (16 << 20) + (4 << 20)]
+    assert all(o["threads"] == [] for o in out)
+    assert {o["err"] for o in out} <= {"RankFailureError", "CheckpointExistsError"}
