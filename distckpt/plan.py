@@ -65,6 +65,13 @@ class Box:
     sizes: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        offsets, sizes = self.offsets, self.sizes
+        # Fast path (the planner builds tens of thousands of boxes from plain ints): nothing to
+        # normalise. Anything else takes the checking path below.
+        if (type(offsets) is tuple and type(sizes) is tuple and len(offsets) == len(sizes)
+                and all(type(v) is int and v >= 0 for v in offsets)
+                and all(type(v) is int and v >= 0 for v in sizes)):
+            return
         try:
             # operator.index accepts numpy and torch integer scalars and refuses floats; the
             # stored values are plain ints so boxes hash and compare the same on every rank.
@@ -437,6 +444,8 @@ def plan_reads(chunks: Iterable[tuple[Box, Any]], want: Box, *, itemsize: int) -
                 contiguous=_is_contiguous(cbox, box),
             )
         )
+    if len(pieces) == 1 and pieces[0].box == want:
+        return pieces  # one chunk holds all of it (the same sharding as saved): nothing to tile
     defect = find_tiling_defect([p.box for p in pieces], want)
     if defect is not None:
         if defect.kind == "uncovered":

@@ -29,7 +29,7 @@ import torch
 
 from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
-from .coordinator import MANIFEST, TMP_RE
+from .coordinator import MANIFEST, TMP_RE, gc_paused
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
                      ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
                      DistCkptError, PickleNotAllowedError, StateDictMismatchError, fill_rank,
@@ -44,6 +44,10 @@ __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
 MANIFEST_LIMIT = 1 << 30
 # Bytes of temporary buffers (for resharded or partial reads) in flight at once: bounds memory.
 _TEMP_BATCH = 256 << 20
+# Ranges closer than _COALESCE_GAP in a file are read as one request of at most _COALESCE_MAX
+# bytes; whole chunks of at least _COALESCE_MAX go straight into the caller's tensor.
+_COALESCE_GAP = 64 << 10
+_COALESCE_MAX = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,19 @@ class LoadResult:
     backend: str | None
 
 
+def _manifest_bytes(path: str) -> bytes:
+    """The raw MANIFEST of the checkpoint directory ``path``, after checking that the directory is
+    a committed checkpoint (exists, is not a tmp dir, has a MANIFEST)."""
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
+    if TMP_RE.match(os.path.basename(path)):
+        raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        raise CheckpointIncompleteError(f"{path} has no MANIFEST: it is not a committed checkpoint", path=path)
+    return local.read_file(mpath, limit=MANIFEST_LIMIT)
+
+
 def load_manifest(path: str) -> "mf.Manifest":
     """Read, decode and validate ``path``/MANIFEST.
 
@@ -70,17 +87,8 @@ def load_manifest(path: str) -> "mf.Manifest":
         ManifestCorruptError: MANIFEST is damaged or describes an impossible layout.
     """
     path = os.path.abspath(path)
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
-    if TMP_RE.match(os.path.basename(path)):
-        raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isfile(mpath):
-        raise CheckpointIncompleteError(f"{path} has no MANIFEST: it is not a committed checkpoint", path=path)
-    data = local.read_file(mpath, limit=MANIFEST_LIMIT)
-    manifest = mf.decode(data, path=mpath)
-    mf.validate(manifest, path=mpath)
-    return manifest
+    # decode validates: magic, version, checksum, names inside the directory, offsets, tiling, tree
+    return mf.decode(_manifest_bytes(path), path=os.path.join(path, MANIFEST))
 
 
 def read_manifest(path: str) -> dict:
@@ -141,6 +149,44 @@ def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return t
 
 
+@dataclasses.dataclass
+class _Span:
+    """One read request: ``nbytes`` at ``file_offset`` into ``buf``. ``members`` are the tasks whose
+    byte ranges it holds, each as (task, start, end, lo, hi, offset of ``lo`` inside ``buf``)."""
+
+    file_offset: int
+    nbytes: int
+    buf: torch.Tensor | None
+    direct: bool
+    members: list[tuple]
+
+
+def _plan_spans(file_tasks: list[_Task], block: int, verify: bool) -> list[_Span]:
+    """Turn tasks into read requests. A whole chunk going to a whole contiguous CPU tensor is read
+    straight into it (no copy). Small ranges that lie close together in the file (packed small
+    tensors) are coalesced into one request: one O_DIRECT round trip instead of hundreds."""
+    spans: list[_Span] = []
+    for t in sorted(file_tasks, key=lambda t: (t.chunk.offset, t.inter.offsets)):
+        start, end = byte_range(Box(t.chunk.offsets, t.chunk.sizes), t.inter, t.itemsize)
+        lo, hi = expand_to_blocks(start, end, block, t.chunk.nbytes) if verify else (start, end)
+        if hi <= lo:
+            continue
+        whole = (t.inter == Box(t.chunk.offsets, t.chunk.sizes) and t.dest_box == t.inter and lo == 0
+                 and hi == t.chunk.nbytes and t.dest.device.type == "cpu" and t.dest.is_contiguous())
+        abs_lo, abs_hi = t.chunk.offset + lo, t.chunk.offset + hi
+        if whole and hi - lo >= _COALESCE_MAX:
+            spans.append(_Span(abs_lo, hi - lo, None, True, [(t, start, end, lo, hi, 0)]))
+            continue
+        last = spans[-1] if spans else None
+        if (last is not None and not last.direct and 0 <= abs_lo - (last.file_offset + last.nbytes) <= _COALESCE_GAP
+                and abs_hi - last.file_offset <= _COALESCE_MAX):
+            last.members.append((t, start, end, lo, hi, abs_lo - last.file_offset))
+            last.nbytes = abs_hi - last.file_offset
+        else:
+            spans.append(_Span(abs_lo, hi - lo, None, False, [(t, start, end, lo, hi, 0)]))
+    return spans
+
+
 def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) -> tuple[int, str | None]:
     """Read every task's bytes, verify them, copy them into place. Returns (bytes read, backend)."""
     from .io import choose_backend, open_reader
@@ -154,56 +200,52 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     choice = choose_backend(ckpt)
     total = 0
     for file_index in sorted(by_file):
-        entry = manifest.files[file_index]
-        fpath = _check_data_file(ckpt, entry)
-        file_tasks = sorted(by_file[file_index], key=lambda t: (t.chunk.offset, t.inter.offsets))
+        fpath = _check_data_file(ckpt, manifest.files[file_index])
         with open_reader(fpath, choice=choice) as reader:
-            batch: list[tuple] = []
-            batch_bytes = 0
-            for t in file_tasks:
-                start, end = byte_range(Box(t.chunk.offsets, t.chunk.sizes), t.inter, t.itemsize)
-                lo, hi = expand_to_blocks(start, end, block, t.chunk.nbytes) if verify else (start, end)
-                direct = (tuple(t.inter.offsets) == tuple(t.chunk.offsets) and tuple(t.inter.sizes) == tuple(t.chunk.sizes)
-                          and tuple(t.dest_box.sizes) == tuple(t.inter.sizes) and t.dest.device.type == "cpu"
-                          and t.dest.is_contiguous() and lo == 0 and hi == t.chunk.nbytes)
-                buf = t.dest if direct else torch.empty(hi - lo, dtype=torch.uint8)
-                batch.append((t, start, end, lo, hi, buf, direct))
-                batch_bytes += 0 if direct else hi - lo
-                if batch_bytes >= _TEMP_BATCH:
+            batch: list[_Span] = []
+            temp_bytes = 0
+            for span in _plan_spans(by_file[file_index], block, verify):
+                batch.append(span)
+                temp_bytes += 0 if span.direct else span.nbytes
+                if temp_bytes >= _TEMP_BATCH:  # bound the temporary memory in flight
                     total += _run_batch(reader, fpath, batch, block, verify)
-                    batch, batch_bytes = [], 0
+                    batch, temp_bytes = [], 0
             total += _run_batch(reader, fpath, batch, block, verify)
     return total, choice.name
 
 
-def _run_batch(reader, fpath: str, batch: list[tuple], block: int, verify: bool) -> int:
+def _run_batch(reader, fpath: str, batch: list[_Span], block: int, verify: bool) -> int:
     if not batch:
         return 0
-    requests = [(t.chunk.offset + lo, hi - lo, writable_bytes(buf))
-                for t, start, end, lo, hi, buf, direct in batch if hi > lo]
-    reader.read_into(requests)
-    nbytes = 0
+    for span in batch:
+        span.buf = span.members[0][0].dest if span.direct else torch.empty(span.nbytes, dtype=torch.uint8)
+    reader.read_into([(span.file_offset, span.nbytes, writable_bytes(span.buf)) for span in batch])
     with torch.no_grad():
-        for t, start, end, lo, hi, buf, direct in batch:
-            nbytes += hi - lo
-            view = writable_bytes(buf)
-            if verify:  # [lo, hi) was widened to whole checksum blocks (the last may be the chunk's tail)
-                for b in range(lo // block, -(-hi // block)):
-                    a = b * block - lo
-                    got = _crc32c.crc32c(view[a:min(a + block, hi - lo)])
-                    if got != t.chunk.crcs[b]:
-                        raise ChecksumMismatchError(
-                            f"checksum mismatch in {os.path.basename(fpath)} at byte {t.chunk.offset + b * block} "
-                            f"(block {b} of key {t.fqn!r}): expected {t.chunk.crcs[b]:#010x}, found {got:#010x}",
-                            path=fpath, file=os.path.basename(fpath), key=t.fqn, offset=t.chunk.offset + b * block)
-            if direct:
-                continue
-            flat = buf[start - lo:end - lo].view(t.dtype)
-            # as_strided's offset is absolute in the storage: keep the slice's own offset.
-            src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), flat.storage_offset())
-            rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
-            _narrow(t.dest, rel, t.inter.sizes).copy_(src)
-    return nbytes
+        for span in batch:
+            raw = span.buf.reshape(-1).view(torch.uint8) if span.direct else span.buf
+            for t, start, end, lo, hi, at in span.members:
+                data = raw[at:at + hi - lo]
+                if verify:  # [lo, hi) was widened to whole checksum blocks (the last may be the tail)
+                    _verify_blocks(fpath, t, writable_bytes(data), lo, hi, block)
+                if span.direct:
+                    continue
+                flat = data[start - lo:end - lo].view(t.dtype)
+                # as_strided's offset is absolute in the storage: keep the slice's own offset.
+                src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), flat.storage_offset())
+                rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
+                _narrow(t.dest, rel, t.inter.sizes).copy_(src)
+    return sum(span.nbytes for span in batch)
+
+
+def _verify_blocks(fpath: str, t: _Task, view: memoryview, lo: int, hi: int, block: int) -> None:
+    for b in range(lo // block, -(-hi // block)):
+        a = b * block - lo
+        got = _crc32c.crc32c(view[a:min(a + block, hi - lo)])
+        if got != t.chunk.crcs[b]:
+            raise ChecksumMismatchError(
+                f"checksum mismatch in {os.path.basename(fpath)} at byte {t.chunk.offset + b * block} "
+                f"(block {b} of key {t.fqn!r}): expected {t.chunk.crcs[b]:#010x}, found {got:#010x}",
+                path=fpath, file=os.path.basename(fpath), key=t.fqn, offset=t.chunk.offset + b * block)
 
 
 def _describe(entry) -> str:
@@ -291,21 +333,22 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
 
 
 def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
+    """Rank 0 reads MANIFEST once and broadcasts its bytes (or its typed error); every rank
+    decodes and validates them itself (a shared file system need not be hit N times)."""
     if group.world_size == 1:
         return load_manifest(path)
-    payload = None
+    payload, manifest = None, None
     if group.rank == 0:
         try:
-            load_manifest(path)  # validate once where it is read; the others decode the same bytes
-            payload = (local.read_file(os.path.join(path, MANIFEST), limit=MANIFEST_LIMIT), None)
+            data = _manifest_bytes(path)
+            manifest = mf.decode(data, path=os.path.join(path, MANIFEST))
+            payload = (data, None)
         except Exception as exc:
             payload = (None, _portable(exc))
     data, error = group.broadcast(payload)
     if error is not None:
         raise error
-    manifest = mf.decode(data, path=os.path.join(path, MANIFEST))
-    mf.validate(manifest, path=os.path.join(path, MANIFEST))
-    return manifest
+    return manifest if manifest is not None else mf.decode(data, path=os.path.join(path, MANIFEST))
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
@@ -336,8 +379,9 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     group = control_group(process_group)
     result, error = None, None
     try:
-        manifest = _manifest_collective(group, path)
-        result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0)
+        with gc_paused():
+            manifest = _manifest_collective(group, path)
+            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0)
     except Exception as exc:
         error = fill_rank(exc, group.rank)  # the io/storage layers do not know the rank
     group.exchange_outcome(error, operation="load")
