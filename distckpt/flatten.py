@@ -58,16 +58,12 @@ class ObjectItem:
     path: tuple
 
 
-def _dtensor_types():
+def _dtensor_type():
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
-        return None, None
-    try:
-        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-    except ImportError:
-        LocalShardsWrapper = None
-    return DTensor, LocalShardsWrapper
+        return None
+    return DTensor
 
 
 def _sharded_tensor_type():
@@ -80,7 +76,7 @@ def _sharded_tensor_type():
 
 def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
     """Describe one tensor leaf by its global shape and the local pieces this rank holds."""
-    DTensor, LocalShardsWrapper = _dtensor_types()
+    DTensor = _dtensor_type()
     ShardedTensor = _sharded_tensor_type()
     if ShardedTensor is not None and isinstance(value, ShardedTensor):
         pieces = [
@@ -92,7 +88,9 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
     if DTensor is not None and isinstance(value, DTensor):
         local = value.to_local()
         shape = tuple(value.shape)
-        if LocalShardsWrapper is not None and isinstance(local, LocalShardsWrapper):
+        # torch's LocalShardsWrapper and TorchRec's own class of the same shape (duck-typed, so
+        # the core never imports torchrec).
+        if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
             # TorchRec layouts: the placements can be wrong (table-wise says Replicate); the local
             # shard offsets are right, so they are the only thing trusted here.
             pieces = [Piece(tuple(int(o) for o in off), tuple(t.shape), t)

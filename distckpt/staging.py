@@ -49,6 +49,10 @@ def itemsize(dtype: torch.dtype) -> int:
 def _view_of(ptr: int, nbytes: int) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
+    if not ptr:
+        # A wrapper tensor subclass without storage of its own: touching address 0 would crash
+        # the process instead of raising.
+        raise ValueError("tensor has elements but no storage (data_ptr() == 0): a wrapper subclass?")
     # ctypes gives a buffer-protocol object over raw memory with no copy and no numpy dependency
     # (numpy cannot represent bfloat16 or float8 anyway).
     return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
