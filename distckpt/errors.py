@@ -214,7 +214,7 @@ class DistributedEnvError(DistCkptError, RuntimeError):
 class ConfigError(DistCkptError, ValueError):
     """A DISTCKPT_* variable or an option holds an invalid value."""
 
-    default_remedy = "Fix the value named above (see docs/CONFIG in README.md for allowed values)."
+    default_remedy = "Fix the value named above (allowed values: the Configuration section of README.md)."
 
 
 # --------------------------------------------------------------------------------------------
