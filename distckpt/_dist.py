@@ -15,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-import weakref
 from typing import Any
 
 from .config import get_config
@@ -103,15 +102,19 @@ def _portable(error: BaseException | None) -> BaseException | None:
     return wrapped
 
 
-_GROUPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_DEFAULT_KEY = object()
-_default_side_group: dict[Any, Any] = {}
+# (process group, channel) -> our gloo side group. Strong references: side groups live as long as
+# the job's groups; after destroy_process_group a new world is a new key.
+_SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 
 
-def control_group(process_group: Any | None = None) -> ControlGroup:
-    """The control group for ``process_group`` (default: the world), creating a gloo side group
-    once when that group's backend is not gloo. Must be called by every rank of the group (it may
-    run a collective the first time)."""
+def control_group(process_group: Any | None = None, *, channel: str = "control") -> ControlGroup:
+    """The control group for ``process_group`` (default: the world): a gloo side group of
+    distckpt's own, created once per (group, channel). Must be called by every rank of the group
+    (it runs a collective the first time).
+
+    ``channel`` separates independent streams of collectives: an async save's background phases
+    use their own ("background"), so they never interleave with a load or save issued meanwhile
+    by the caller's thread on the "control" channel."""
     if not is_distributed():
         return ControlGroup(None, 0, 1)
     import torch.distributed as dist
@@ -119,17 +122,9 @@ def control_group(process_group: Any | None = None) -> ControlGroup:
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     # Always a side group of our own, even over a gloo world: it carries our bounded timeout
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
-    key = pg
-    try:
-        side = _GROUPS.get(key)
-    except TypeError:  # not weak-referenceable
-        side = _default_side_group.get(id(key))
+    side = _SIDE_GROUPS.get((pg, channel))
     if side is None:
-        ranks = dist.get_process_group_ranks(pg)
-        side = dist.new_group(ranks=ranks, backend="gloo",
+        side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
                               timeout=datetime.timedelta(seconds=get_config().timeout_s))
-        try:
-            _GROUPS[key] = side
-        except TypeError:
-            _default_side_group[id(key)] = side
+        _SIDE_GROUPS[(pg, channel)] = side
     return ControlGroup(side, rank, world)

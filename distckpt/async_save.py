@@ -240,9 +240,6 @@ class AsyncSaveHandle:
 _INFLIGHT: "weakref.WeakSet[AsyncSaveHandle]" = weakref.WeakSet()
 _exit_hook_registered = False
 
-_BG_GROUPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_BG_GROUPS_BY_ID: dict[int, Any] = {}
-
 
 def _at_exit() -> None:
     pending = [h for h in list(_INFLIGHT) if not h.done()]
@@ -270,26 +267,11 @@ def _register_exit_hook() -> None:
 
 
 def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
-    """A gloo group of its own for the background phases (created once per process group; a
-    collective the first time, run by every rank in the caller's thread)."""
+    """The channel for the background phases (created once per process group; a collective the
+    first time, run by every rank in the caller's thread)."""
     if fg.world_size == 1:
         return fg
-    import datetime
-
-    import torch.distributed as dist
-    pg = process_group if process_group is not None else dist.group.WORLD
-    try:
-        side = _BG_GROUPS.get(pg)
-    except TypeError:
-        side = _BG_GROUPS_BY_ID.get(id(pg))
-    if side is None:
-        side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
-                              timeout=datetime.timedelta(seconds=get_config().timeout_s))
-        try:
-            _BG_GROUPS[pg] = side
-        except TypeError:
-            _BG_GROUPS_BY_ID[id(pg)] = side
-    return ControlGroup(side, fg.rank, fg.world_size)
+    return control_group(process_group, channel="background")
 
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,

@@ -17,6 +17,7 @@ Loading never unpickles unless the caller passes ``allow_pickle=True``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import pickle
@@ -42,8 +43,8 @@ from .storage import local
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
 
 MANIFEST_LIMIT = 1 << 30
-# Bytes of temporary buffers (for resharded or partial reads) in flight at once: bounds memory.
-_TEMP_BATCH = 256 << 20
+# Bytes per read batch: the unit of the read/verify pipeline (two batches in memory at most).
+_BATCH = 64 << 20
 # Ranges closer than _COALESCE_GAP in a file are read as one request of at most _COALESCE_MAX
 # bytes; whole chunks of at least _COALESCE_MAX go straight into the caller's tensor.
 _COALESCE_GAP = 64 << 10
@@ -187,8 +188,27 @@ def _plan_spans(file_tasks: list[_Task], block: int, verify: bool) -> list[_Span
     return spans
 
 
+def _batches(spans: list[_Span]) -> list[list[_Span]]:
+    """Group spans into batches of about _BATCH bytes: the unit of the read/verify pipeline."""
+    batches: list[list[_Span]] = [[]]
+    size = 0
+    for span in spans:
+        if size >= _BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(span)
+        size += span.nbytes
+    return [b for b in batches if b]
+
+
 def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) -> tuple[int, str | None]:
-    """Read every task's bytes, verify them, copy them into place. Returns (bytes read, backend)."""
+    """Read every task's bytes, verify them, copy them into place. Returns (bytes read, backend).
+
+    Pipelined per file: while batch k is verified and copied on this thread, batch k+1 is read on
+    a helper thread (the C reader releases the GIL), so checksums and copies overlap the disk. At
+    most two batches of temporary buffers exist at once; the helper thread is joined before this
+    returns or raises, and no read is in flight when a reader is closed.
+    """
     from .io import choose_backend, open_reader
 
     if not tasks:
@@ -199,27 +219,30 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
         by_file.setdefault(t.chunk.file, []).append(t)
     choice = choose_backend(ckpt)
     total = 0
-    for file_index in sorted(by_file):
-        fpath = _check_data_file(ckpt, manifest.files[file_index])
-        with open_reader(fpath, choice=choice) as reader:
-            batch: list[_Span] = []
-            temp_bytes = 0
-            for span in _plan_spans(by_file[file_index], block, verify):
-                batch.append(span)
-                temp_bytes += 0 if span.direct else span.nbytes
-                if temp_bytes >= _TEMP_BATCH:  # bound the temporary memory in flight
-                    total += _run_batch(reader, fpath, batch, block, verify)
-                    batch, temp_bytes = [], 0
-            total += _run_batch(reader, fpath, batch, block, verify)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-read") as pool:
+        for file_index in sorted(by_file):
+            fpath = _check_data_file(ckpt, manifest.files[file_index])
+            with open_reader(fpath, choice=choice) as reader:
+                batches = _batches(_plan_spans(by_file[file_index], block, verify))
+                pending = pool.submit(_read_batch, reader, batches[0]) if batches else None
+                try:
+                    for k, batch in enumerate(batches):
+                        pending.result()
+                        pending = pool.submit(_read_batch, reader, batches[k + 1]) if k + 1 < len(batches) else None
+                        total += _finish_batch(fpath, batch, block, verify)
+                finally:
+                    if pending is not None:  # an error above: let the read in flight land first
+                        concurrent.futures.wait([pending])
     return total, choice.name
 
 
-def _run_batch(reader, fpath: str, batch: list[_Span], block: int, verify: bool) -> int:
-    if not batch:
-        return 0
+def _read_batch(reader, batch: list[_Span]) -> None:
     for span in batch:
         span.buf = span.members[0][0].dest if span.direct else torch.empty(span.nbytes, dtype=torch.uint8)
     reader.read_into([(span.file_offset, span.nbytes, writable_bytes(span.buf)) for span in batch])
+
+
+def _finish_batch(fpath: str, batch: list[_Span], block: int, verify: bool) -> int:
     with torch.no_grad():
         for span in batch:
             raw = span.buf.reshape(-1).view(torch.uint8) if span.direct else span.buf
@@ -234,6 +257,7 @@ def _run_batch(reader, fpath: str, batch: list[_Span], block: int, verify: bool)
                 src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), flat.storage_offset())
                 rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
                 _narrow(t.dest, rel, t.inter.sizes).copy_(src)
+            span.buf = None  # release the temporary buffer now, not at the end of the file
     return sum(span.nbytes for span in batch)
 
 
