@@ -10,7 +10,6 @@ import torch
 
 from .distributed import RankError, run_ranks
 
-LAYOUTS = ["plain", "shard0", "shard1", "sharded_tensor"]
 
 
 def _globals() -> dict[str, torch.Tensor]:
@@ -27,11 +26,15 @@ def _make(layout: str, full: torch.Tensor, rank: int, world: int, fill_zero: boo
     src = torch.zeros_like(full) if fill_zero else full
     if layout == "plain":
         return src.clone()
-    if layout in ("shard0", "shard1"):
+    if layout in ("shard0", "shard1", "replicate", "mesh2d"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        if layout == "mesh2d":  # two mesh dims: replicated over the first, columns over the second
+            mesh = init_device_mesh("cpu", (1, world))
+            return distribute_tensor(src.clone(), mesh, [Replicate(), Shard(1)])
         mesh = init_device_mesh("cpu", (world,))
-        return distribute_tensor(src.clone(), mesh, [Shard(int(layout[-1]))])
+        placement = Replicate() if layout == "replicate" else Shard(int(layout[-1]))
+        return distribute_tensor(src.clone(), mesh, [placement])
     if layout == "sharded_tensor":
         from torch.distributed._shard.sharded_tensor import Shard as STShard
         from torch.distributed._shard.sharded_tensor import ShardMetadata, init_from_local_shards
@@ -48,7 +51,7 @@ def _make(layout: str, full: torch.Tensor, rank: int, world: int, fill_zero: boo
 def _check(layout: str, value, full: torch.Tensor, key: str) -> None:
     if layout == "plain":
         got = value
-    elif layout.startswith("shard") and layout != "sharded_tensor":
+    elif layout in ("shard0", "shard1", "replicate", "mesh2d"):
         got = value.full_tensor()
     else:
         for shard in value.local_shards():
@@ -100,6 +103,8 @@ def test_round_trip_dtensor(tmp_path, world):
     (3, "shard1", 2, "sharded_tensor"),
     (2, "sharded_tensor", 3, "shard1"),
     (2, "plain", 1, "sharded_tensor"),
+    (2, "replicate", 3, "mesh2d"),
+    (3, "mesh2d", 2, "replicate"),
 ])
 def test_resharding(tmp_path, save_world, save_layout, load_world, load_layout):
     path = str(tmp_path / "ckpt")
