@@ -42,7 +42,6 @@ from .storage import local
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
 
-MANIFEST_LIMIT = 1 << 30
 # Bytes per read batch: the unit of the read/verify pipeline (two batches in memory at most).
 _BATCH = 64 << 20
 # Ranges closer than _COALESCE_GAP in a file are read as one request of at most _COALESCE_MAX
@@ -66,17 +65,18 @@ class LoadResult:
     backend: str | None
 
 
-def _manifest_bytes(path: str) -> bytes:
-    """The raw MANIFEST of the checkpoint directory ``path``, after checking that the directory is
-    a committed checkpoint (exists, is not a tmp dir, has a MANIFEST)."""
+def _check_committed(path: str) -> None:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
     if TMP_RE.match(os.path.basename(path)):
         raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isfile(mpath):
-        raise CheckpointIncompleteError(f"{path} has no MANIFEST: it is not a committed checkpoint", path=path)
-    return local.read_file(mpath, limit=MANIFEST_LIMIT)
+
+
+def _manifest_bytes(path: str) -> bytes:
+    """The raw MANIFEST of the checkpoint directory ``path``, after checking that the directory is
+    a committed checkpoint (exists, is not a tmp dir, has a MANIFEST that is a regular file)."""
+    _check_committed(path)
+    return mf.read_manifest_bytes(os.path.join(path, MANIFEST))
 
 
 def load_manifest(path: str) -> "mf.Manifest":
@@ -88,8 +88,9 @@ def load_manifest(path: str) -> "mf.Manifest":
         ManifestCorruptError: MANIFEST is damaged or describes an impossible layout.
     """
     path = os.path.abspath(path)
+    _check_committed(path)
     # decode validates: magic, version, checksum, names inside the directory, offsets, tiling, tree
-    return mf.decode(_manifest_bytes(path), path=os.path.join(path, MANIFEST))
+    return mf.load_manifest(path)
 
 
 def read_manifest(path: str) -> dict:

@@ -25,18 +25,8 @@ from typing import Iterable
 from ..errors import DistCkptError, from_os_error
 from ..io import exchange_paths, fsync_path
 
-__all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir", "read_file",
+__all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir",
            "make_dir", "fsync_path"]
-
-
-def read_file(path: str, *, limit: int) -> bytes:
-    """The whole file, refusing to read more than ``limit`` bytes (a manifest is untrusted input)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise from_os_error(exc, path=path, operation="read") from exc
-    return data
 
 
 def make_dir(path: str) -> None:
