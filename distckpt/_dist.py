@@ -18,7 +18,7 @@ import datetime
 from typing import Any
 
 from .config import get_config
-from .errors import DistCkptError, PeerLostError, RankFailureError
+from .errors import DistCkptError, PeerLostError, RankFailureError, fill_rank
 
 __all__ = ["ControlGroup", "control_group", "is_distributed"]
 
@@ -81,15 +81,24 @@ class ControlGroup:
 
     def exchange_outcome(self, error: BaseException | None, *, operation: str) -> None:
         """All-gather every rank's error (or None); raise the same typed error on every rank when
-        any rank failed. In a single process the local error is re-raised unchanged."""
-        if self.world_size == 1:
-            if error is not None:
-                raise error
+        any rank failed (see :meth:`raise_failures`)."""
+        errors = [error] if self.world_size == 1 else self.all_gather(_portable(error))
+        self.raise_failures(errors, error, operation=operation)
+
+    def raise_failures(self, errors: list, local_error: BaseException | None, *, operation: str) -> None:
+        """Raise when any entry of ``errors`` (``errors[r]`` from rank r, as all-gathered) is set.
+
+        Several ranks: :class:`RankFailureError` with every rank's error, on every rank. One
+        rank: the error itself, unchanged. The io/storage layers that raised the errors do not
+        know their rank (RANK is only set under torchrun), so it is recorded here, where it is
+        known: ``failures[r].rank == r``, and a single-process error reports rank 0.
+        """
+        failures = {r: fill_rank(e, r) for r, e in enumerate(errors) if e is not None}
+        if not failures:
             return
-        outcomes = self.all_gather(_portable(error))
-        failures = {r: e for r, e in enumerate(outcomes) if e is not None}
-        if failures:
-            raise RankFailureError(failures, operation=operation, rank=self.rank) from error
+        if self.world_size == 1:
+            raise fill_rank(local_error, 0) if local_error is not None else failures[0]
+        raise RankFailureError(failures, operation=operation, rank=self.rank) from local_error
 
 
 def _portable(error: BaseException | None) -> BaseException | None:

@@ -45,6 +45,7 @@ import torch
 from ._dist import ControlGroup, control_group
 from .config import get_config
 from .coordinator import SAVE_GATE, SaveResult, finish_save, plan_save
+from .io.probe import ensure_sigxfsz_ignored
 
 __all__ = ["async_save", "AsyncSaveHandle", "StagingPool", "staging_pool"]
 
@@ -308,7 +309,10 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
             fg = control_group(process_group)
             bg = _background_group(process_group, fg)
             metadata = copy.deepcopy(metadata)
-            planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata)
+            # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
+            ensure_sigxfsz_ignored()
+            planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
+                                path=final_dir)
         except Exception as exc:
             handle._finish(None, exc)
             handle.blocked_seconds = time.perf_counter() - t_call

@@ -42,7 +42,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-import crc32c as _crc32c
 import msgpack
 
 from . import manifest as mf
@@ -55,12 +54,11 @@ from .plan import Box, assign_owners, find_tiling_defect
 from .staging import dtype_name, host_bytes
 from .storage import local
 
-__all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs", "is_committed", "TMP_RE", "DATA_FILE"]
+__all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs", "is_committed", "TMP_RE"]
 
 log = logging.getLogger("distckpt")
 
-DATA_FILE = "rank{:05d}.bin"
-MANIFEST = "MANIFEST"
+MANIFEST = mf.MANIFEST_NAME
 # fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes.
 _FDS_PER_SAVE = 8
 # Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
@@ -140,20 +138,12 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
     objects = {}
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
-            size = item.dtype.itemsize
             tensors[fqn] = (item.kind, dtype_name(item.dtype), item.shape,
-                            [(p.offsets, p.sizes, size * _volume(p.sizes)) for p in item.pieces])
+                            [(p.offsets, p.sizes, _nbytes(p.tensor)) for p in item.pieces])
         elif rank == 0:
             objects[fqn] = object_entry(fqn, item.value, allow_pickle=allow_pickle)
     return {"tensors": tensors, "objects": objects, "tree": tree if rank == 0 else None,
             "keys": sorted(items) if rank != 0 else None}
-
-
-def _volume(sizes) -> int:
-    v = 1
-    for s in sizes:
-        v *= s
-    return v
 
 
 @dataclasses.dataclass
@@ -225,9 +215,13 @@ def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: i
             raise from_os_error(exc, path=parent, operation="mkdir") from exc
     if os.path.lexists(final_dir):
         if not is_committed(final_dir):
-            if os.path.isdir(final_dir) and not os.listdir(final_dir):
-                os.rmdir(final_dir)  # an empty directory the user made for us
-            else:
+            try:
+                empty = os.path.isdir(final_dir) and not os.listdir(final_dir)
+                if empty:
+                    os.rmdir(final_dir)  # an empty directory the user made for us
+            except OSError as exc:
+                raise from_os_error(exc, path=final_dir, operation="replace empty directory") from exc
+            if not empty:
                 raise CheckpointExistsError(
                     f"{final_dir} exists and is not a distckpt checkpoint (no MANIFEST); refusing to replace it",
                     path=final_dir, rank=rank, remedy="Choose another path or remove it yourself.")
@@ -251,13 +245,12 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _write_rank_file(path: str, pieces: list[tuple[str, Any]], checksum_block: int):
+def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checksum_block: int):
     """Write this rank's owned pieces into one data file. Returns (records, size, backend choice)."""
     from .io import choose_backend, open_writer
 
     choice = choose_backend(os.path.dirname(path))
     records: list[tuple[str, mf.ChunkRecord]] = []
-    rank_index = int(os.path.basename(path)[4:9])
     align = choice.alignment
     # The final size is known from the plan: one fallocate up front (ext4 serializes O_DIRECT
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
@@ -266,13 +259,13 @@ def _write_rank_file(path: str, pieces: list[tuple[str, Any]], checksum_block: i
         for fqn, piece in pieces:
             view, keep = host_bytes(piece.tensor)
             offset = w.pad_to(align)
-            crcs = tuple(_crc32c.crc32c(view[i:i + checksum_block]) for i in range(0, len(view), checksum_block))
+            crcs = mf.block_crcs(view, checksum_block)
             # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
             # straight from its memory (zero-copy); anything else through the aligned staging ring.
             w.write(view)
             del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
-                                                file=rank_index, offset=offset, nbytes=len(view), crcs=crcs)))
+                                                file=rank, offset=offset, nbytes=len(view), crcs=crcs)))
         size = w.close()
     return records, size, choice
 
@@ -316,7 +309,7 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     except Exception as exc:
         error = exc
     gathered = group.all_gather((summary, _portable(error)))
-    _raise_failures(group, [e for _, e in gathered], error, "save")
+    group.raise_failures([e for _, e in gathered], error, operation="save")
     plan = _merge_plan([s for s, _ in gathered])
     mine = []
     for fqn, item in items.items():
@@ -374,7 +367,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
             needed = sum(plan.bytes_per_rank) + 64 * 1024 * (len(plan.owners) + world) + (1 << 20)
             prepared = (_prepare(final_dir, save_id, overwrite, needed, rank), None)
         except Exception as exc:
-            prepared = (None, _portable(exc))
+            prepared = (None, exc if world == 1 else _portable(exc))
     prepared = group.broadcast(prepared)
     tmp_dir, prep_error = prepared
     if prep_error is not None:
@@ -384,7 +377,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     result, error = None, local_error
     if error is None:
         try:
-            records, size, choice = _write_rank_file(os.path.join(tmp_dir, DATA_FILE.format(rank)), mine,
+            records, size, choice = _write_rank_file(os.path.join(tmp_dir, mf.data_file_name(rank)), rank, mine,
                                                      cfg.checksum_block)
             result = (records, size, choice.name, choice.reason)
         except Exception as exc:
@@ -404,19 +397,28 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
                 replaced = local.publish_dir(tmp_dir, final_dir, overwrite=overwrite)
                 published = True
                 if replaced is not None:
-                    local.delete_tree(replaced)
+                    # The old checkpoint now sits under the hidden tmp name: deleting it is
+                    # housekeeping (reclaim_tmp_dirs finishes it at the next save of this name),
+                    # so its failure must not turn a committed save into a reported failure.
+                    try:
+                        local.delete_tree(replaced)
+                    except DistCkptError as cleanup_exc:
+                        log.warning("distckpt: could not remove the replaced checkpoint %s: %s", replaced, cleanup_exc)
                 if after_commit is not None:
                     after_commit()
         except Exception as exc:
             # Before the rename nothing is visible: drop the tmp dir. After it, the checkpoint is
-            # committed and durable; the error (e.g. rotation) is still reported to every rank.
-            verdict = _portable(exc)
+            # committed and durable; the error (the manager's rotation) is still reported to every
+            # rank. A publish whose parent fsync failed and could not be undone stays visible
+            # (``published`` on the error) and its tmp name may hold the previous checkpoint.
+            verdict = exc if world == 1 else _portable(exc)
+            published = published or getattr(exc, "published", False)
             if not published:
                 try:
                     local.delete_tree(tmp_dir, names=_tmp_names(world))
                 except DistCkptError as cleanup_exc:
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
-    _raise_failures(group, [e for _, e in outcomes], error, "save")
+    group.raise_failures([e for _, e in outcomes], error, operation="save")
     verdict = group.broadcast(verdict)
     if verdict is not None:
         raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
@@ -429,19 +431,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
 
 def _tmp_names(world: int) -> list[str]:
     """Everything a save puts in its tmp dir, so an abort can remove it without an fd (EMFILE)."""
-    return [MANIFEST] + [DATA_FILE.format(r) for r in range(world)]
-
-
-def _raise_failures(group: ControlGroup, errors: list, local_error: BaseException | None, operation: str) -> None:
-    # errors[r] came from rank r (all_gather order). The io/storage layers that raised them do
-    # not know their rank (RANK is only set under torchrun): record it here, where it is known,
-    # so a single-process save reports rank 0 and failures[r].rank == r (DESIGN.md I4).
-    failures = {r: fill_rank(e, r) for r, e in enumerate(errors) if e is not None}
-    if not failures:
-        return
-    if group.world_size == 1:
-        raise fill_rank(local_error, 0) if local_error is not None else failures[0]
-    raise RankFailureError(failures, operation=operation, rank=group.rank) from local_error
+    return [MANIFEST] + [mf.data_file_name(r) for r in range(world)]
 
 
 def _build_manifest(plan: _GlobalPlan, outcomes, save_id: str, world: int, checksum_block: int,
@@ -450,7 +440,7 @@ def _build_manifest(plan: _GlobalPlan, outcomes, save_id: str, world: int, check
     files = []
     for r, (result, _) in enumerate(outcomes):
         records, size, backend, _reason = result
-        files.append(mf.FileEntry(name=DATA_FILE.format(r), size=size, rank=r))
+        files.append(mf.FileEntry(name=mf.data_file_name(r), size=size, rank=r))
         for fqn, rec in records:
             chunks[fqn].append(rec)
     tensors = {

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._dist import control_group, is_distributed
 from .coordinator import SaveResult, is_committed, reclaim_tmp_dirs
-from .errors import CheckpointNotFoundError, ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, from_os_error
 from .restore import LoadResult, load
 from .save import save
 from .storage import local
@@ -57,7 +57,10 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.process_group = process_group
         if self._rank() == 0:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as exc:
+                raise from_os_error(exc, path=self.root, operation="mkdir") from exc
             reclaim_tmp_dirs(self.root)
 
     def _rank(self) -> int:
@@ -75,6 +78,8 @@ class CheckpointManager:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise from_os_error(exc, path=self.root, operation="list") from exc
         out = []
         for name in names:
             m = _STEP_RE.match(name)

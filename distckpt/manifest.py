@@ -783,7 +783,9 @@ def read_manifest_bytes(path: str | os.PathLike) -> bytes:
     path = os.fspath(path)
     limit = MAX_MANIFEST_BYTES + _OVERHEAD
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted as MANIFEST must not block the open; the S_ISREG check
+        # below then refuses it (regular files ignore O_NONBLOCK).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"no {MANIFEST_NAME} at {path}: this directory is not a committed checkpoint", path=path

@@ -37,6 +37,7 @@ __all__ = [
     "assign_owners",
     "assign_offsets",
     "byte_range",
+    "row_major_strides",
     "ReadPiece",
     "plan_reads",
     "expand_to_blocks",
@@ -339,7 +340,8 @@ def assign_offsets(nbytes: Sequence[int], *, alignment: int = ALIGNMENT) -> tupl
 # Read planning.
 
 
-def _strides(sizes: Sequence[int]) -> list[int]:
+def row_major_strides(sizes: Sequence[int]) -> list[int]:
+    """Element strides of a C-contiguous array of ``sizes`` (how a chunk's bytes are laid out)."""
     strides, acc = [0] * len(sizes), 1
     for d in range(len(sizes) - 1, -1, -1):
         strides[d] = acc
@@ -369,7 +371,7 @@ def byte_range(chunk: Box, sub: Box, itemsize: int) -> tuple[int, int]:
     if sub.volume == 0:
         raise ValueError(f"box {sub} is empty")
     first = last = 0
-    for st, co, so, ss in zip(_strides(chunk.sizes), chunk.offsets, sub.offsets, sub.sizes):
+    for st, co, so, ss in zip(row_major_strides(chunk.sizes), chunk.offsets, sub.offsets, sub.sizes):
         rel = so - co
         first += rel * st
         last += (rel + ss - 1) * st

@@ -9,7 +9,11 @@ How a load works on each rank:
   3. for every wanted box, the saved chunks that intersect it are found (plan.plan_reads) and only
      the byte range covering each intersection is read (widened to whole checksum blocks when
      verifying), through the O_DIRECT reader, several requests in flight per file;
-  4. each block read is checked against its crc32c before a byte reaches the caller's tensor;
+  4. each block read is checked against its crc32c; bytes that need a copy (resharded pieces,
+     coalesced small tensors) are checked before they reach the caller's tensor, while a whole
+     chunk filling a whole contiguous CPU tensor is read straight into it (no extra copy of the
+     bulk of the data) and checked there. So a load that fails may leave the caller's tensors
+     partly overwritten; it never returns normally with unverified bytes;
   5. every rank's outcome is exchanged, so all ranks return or all raise the same typed error.
 
 Loading never unpickles unless the caller passes ``allow_pickle=True``.
@@ -36,7 +40,7 @@ from .errors import (CheckpointCorruptError, CheckpointIncompleteError, Checkpoi
                      DistCkptError, PickleNotAllowedError, StateDictMismatchError, fill_rank,
                      from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, set_leaf
-from .plan import Box, byte_range, expand_to_blocks, plan_reads
+from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
 from .staging import dtype_from_name, dtype_name, writable_bytes
 from .storage import local
 
@@ -135,14 +139,6 @@ class _Task:
     dest_box: Box
     itemsize: int
     dtype: torch.dtype
-
-
-def _strides(sizes) -> list[int]:
-    strides, acc = [], 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= s
-    return strides[::-1]
 
 
 def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
@@ -255,7 +251,7 @@ def _finish_batch(fpath: str, batch: list[_Span], block: int, verify: bool) -> i
                     continue
                 flat = data[start - lo:end - lo].view(t.dtype)
                 # as_strided's offset is absolute in the storage: keep the slice's own offset.
-                src = flat.as_strided(tuple(t.inter.sizes), _strides(t.chunk.sizes), flat.storage_offset())
+                src = flat.as_strided(tuple(t.inter.sizes), row_major_strides(t.chunk.sizes), flat.storage_offset())
                 rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
                 _narrow(t.dest, rel, t.inter.sizes).copy_(src)
             span.buf = None  # release the temporary buffer now, not at the end of the file
@@ -398,6 +394,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
         StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
         RankFailureError on every rank when several ranks take part and any of them failed.
+        After a failed load the state dict's tensors may be partly overwritten (large chunks are
+        read in place and verified there); only a normal return means they hold the checkpoint.
     """
     t0 = time.monotonic()
     path = os.path.abspath(os.fspath(path))
@@ -408,7 +406,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
             manifest = _manifest_collective(group, path)
             result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0)
     except Exception as exc:
-        error = fill_rank(exc, group.rank)  # the io/storage layers do not know the rank
+        error = exc  # its rank is recorded by raise_failures
     group.exchange_outcome(error, operation="load")
     return result
 

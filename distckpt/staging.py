@@ -6,8 +6,9 @@ Invariants:
     convert values, so a round trip is bit-exact (NaN payloads and -0.0 included).
   * The memoryview returned by :func:`host_bytes` stays valid only while the returned keep-alive
     object lives; callers hold it until the write that consumes the view has completed.
-  * Device tensors are copied to host exactly once (into pinned memory when CUDA is available, so the
-    device-to-host copy is a DMA and can overlap with the writes of earlier tensors).
+  * Device tensors are copied to host exactly once, into pinned memory when CUDA is available (a
+    DMA). A sync save copies one piece at a time, right before writing it; async_save stages every
+    piece up front with non-blocking copies into its own pinned arena.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from .errors import ManifestCorruptError
 
-__all__ = ["dtype_name", "dtype_from_name", "host_bytes", "writable_bytes", "itemsize"]
+__all__ = ["dtype_name", "dtype_from_name", "host_bytes", "writable_bytes"]
 
 _DTYPES: dict[str, torch.dtype] = {}
 for _name in dir(torch):
@@ -42,10 +43,6 @@ def dtype_from_name(name: str, *, path: str | None = None) -> torch.dtype:
         raise ManifestCorruptError(f"unknown dtype {name!r} in MANIFEST", path=path) from None
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _view_of(ptr: int, nbytes: int) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
@@ -58,19 +55,16 @@ def _view_of(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
 
 
-def host_bytes(tensor: torch.Tensor, *, pin: bool | None = None) -> tuple[memoryview, Any]:
+def host_bytes(tensor: torch.Tensor) -> tuple[memoryview, Any]:
     """A read-only byte view of ``tensor``'s elements in row-major order, on the host.
 
     Returns ``(view, keepalive)``: the view is valid while ``keepalive`` is referenced. A
     contiguous CPU tensor is viewed in place (zero copies); a non-contiguous one is made contiguous
-    (one copy); a device tensor is copied to host once, into pinned memory when ``pin`` (default:
-    CUDA available).
+    (one copy); a device tensor is copied to host once, into pinned memory when CUDA is available.
     """
     t = tensor.detach()
     if t.device.type != "cpu":
-        if pin is None:
-            pin = torch.cuda.is_available()
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=bool(pin))
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
         host.copy_(t, non_blocking=False)
         t = host
     elif not t.is_contiguous():

@@ -174,10 +174,8 @@ def test_no_thread_or_fd_left_behind(tmp_path):
 def test_result_timeout_does_not_cancel(tmp_path):
     sd = {"x": torch.ones(64 << 20, dtype=torch.int32)}
     h = distckpt.async_save(sd, tmp_path / "c")
-    try:
+    with pytest.raises(TimeoutError):  # 256 MiB cannot be written in 0.1 ms
         h.result(timeout=0.0001)
-    except TimeoutError:
-        pass
     assert h.result(timeout=60).total_bytes >= 256 << 20
 
 
@@ -319,4 +317,5 @@ def test_two_ranks_async_save(tmp_path):
     # Only owned pieces are staged: the 16 MiB shard on each rank, the 4 MiB replica on one rank.
     assert sorted(o["staged"] for o in out) == [16 << 20, (16 << 20) + (4 << 20)]
     assert all(o["threads"] == [] for o in out)
-    assert {o["err"] for o in out} <= {"RankFailureError", "CheckpointExistsError"}
+    # PREPARE's error is rank 0's, broadcast: every rank raises exactly it
+    assert {o["err"] for o in out} == {"CheckpointExistsError"}

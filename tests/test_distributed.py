@@ -179,8 +179,8 @@ def _failing_body(rank, world, root):
     if rank == 1:
         real = coord._write_rank_file
 
-        def broken(path, pieces, checksum_block):
-            real(path, pieces[:1], checksum_block)  # really write, then fail as a disk would
+        def broken(path, rank, pieces, checksum_block):
+            real(path, rank, pieces[:1], checksum_block)  # really write, then fail as a disk would
             raise errors.StorageIOError("write failed: [Errno 5] injected", path=path, errno=5)
         coord._write_rank_file = broken
     before = open_fds()

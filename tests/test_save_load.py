@@ -155,6 +155,31 @@ def test_flipped_byte_is_detected(tmp_path):
     distckpt.load({"y": torch.empty(100)}, tmp_path / "ck", strict=False)
 
 
+def test_flipped_byte_in_a_large_chunk_read_in_place(tmp_path):
+    """Chunks of >= 4 MiB are read straight into the caller's tensor: still verified, and the
+    load raises (the caller learns its tensors are not the checkpoint)."""
+    n = 3 << 20  # 12 MiB of float32: takes the in-place path
+    distckpt.save({"x": torch.randn(n)}, tmp_path / "ck")
+    chunk = distckpt.read_manifest(tmp_path / "ck")["tensors"]["x"]["chunks"][0]
+    flip_at = chunk["offset"] + 5 * (1 << 20) + 123  # inside checksum block 5
+    with open(tmp_path / "ck" / "rank00000.bin", "r+b") as f:
+        f.seek(flip_at)
+        b = f.read(1)
+        f.seek(flip_at)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(errors.ChecksumMismatchError) as ei:
+        distckpt.load({"x": torch.empty(n)}, tmp_path / "ck")
+    assert ei.value.key == "x" and ei.value.offset == chunk["offset"] + 5 * (1 << 20)
+
+
+def test_fifo_manifest_is_refused_not_waited_on(tmp_path):
+    distckpt.save({"x": torch.zeros(3)}, tmp_path / "ck")
+    os.unlink(tmp_path / "ck" / "MANIFEST")
+    os.mkfifo(tmp_path / "ck" / "MANIFEST")
+    with pytest.raises(errors.ManifestCorruptError):
+        distckpt.read(tmp_path / "ck")
+
+
 def test_truncated_missing_and_incomplete(tmp_path):
     distckpt.save({"x": torch.randn(5000)}, tmp_path / "ck")
     data = tmp_path / "ck" / "rank00000.bin"

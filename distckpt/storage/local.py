@@ -22,7 +22,7 @@ import shutil
 import uuid
 from typing import Iterable
 
-from ..errors import DistCkptError, from_os_error
+from ..errors import CheckpointExistsError, DistCkptError, from_os_error
 from ..io import exchange_paths, fsync_path
 
 __all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir",
@@ -82,8 +82,10 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
 
     With ``overwrite`` and an existing ``final_dir``, the two are swapped with RENAME_EXCHANGE (one
     atomic step: a crash leaves either the old or the new checkpoint under the name, never none) and
-    the old one's new location (``tmp_dir``) is returned for the caller to delete. Otherwise a plain
-    rename, which fails if ``final_dir`` appeared meanwhile. The parent is fsynced in both cases;
+    the old one's new location (``tmp_dir``) is returned for the caller to delete; a directory that
+    appeared at the name meanwhile and is not a checkpoint is refused (CheckpointExistsError).
+    Otherwise a plain rename, which fails if a non-empty ``final_dir`` appeared meanwhile (an empty
+    one is replaced, as rename(2) does). The parent is fsynced in both cases;
     if that fsync fails, the rename (or exchange) is undone before the error is raised, so a
     caller that reports the save as failed leaves nothing new visible.
     """
@@ -92,6 +94,12 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
     replaced = None
     try:
         if overwrite and os.path.lexists(final_dir):
+            # Checked again here, not only before the save began: a directory that appeared at the
+            # name meanwhile and is not a checkpoint must never be swapped out and deleted.
+            if not os.path.isfile(os.path.join(final_dir, "MANIFEST")):
+                raise CheckpointExistsError(
+                    f"{final_dir} appeared during the save and is not a distckpt checkpoint; refusing to replace it",
+                    path=final_dir, remedy="Choose another path or remove it yourself.")
             exchange_paths(tmp_dir, final_dir)
             replaced = tmp_dir
         else:
@@ -100,7 +108,7 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
         raise from_os_error(exc, path=final_dir, operation="rename") from exc
     try:
         fsync_path(parent)
-    except DistCkptError:
+    except DistCkptError as fsync_exc:
         # The rename is visible but not durable, and the caller will report the save as failed:
         # a failed save must commit nothing (I4), and a retry must not meet CheckpointExistsError.
         # Undo it (the exchange again, or rename back to the hidden tmp name) so the caller's
@@ -112,7 +120,9 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
             else:
                 os.rename(final_dir, tmp_dir)
         except (OSError, DistCkptError):
-            pass  # stays published (complete); the fsync error is still what the caller sees
+            # It stays published (complete). The caller must not clean up ``tmp_dir`` now: after
+            # an exchange that is the *previous* checkpoint (I2). The fsync error is still raised.
+            fsync_exc.published = True
         raise
     return replaced
 
