@@ -208,11 +208,7 @@ def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
 
 def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: int) -> str:
     parent, name = os.path.split(os.path.abspath(final_dir))
-    if not os.path.isdir(parent):
-        try:
-            os.makedirs(parent, exist_ok=True)
-        except OSError as exc:
-            raise from_os_error(exc, path=parent, operation="mkdir") from exc
+    local.make_dirs_durable(parent)
     if os.path.lexists(final_dir):
         if not is_committed(final_dir):
             try:

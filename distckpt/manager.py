@@ -57,10 +57,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.process_group = process_group
         if self._rank() == 0:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-            except OSError as exc:
-                raise from_os_error(exc, path=self.root, operation="mkdir") from exc
+            local.make_dirs_durable(self.root)
             reclaim_tmp_dirs(self.root)
 
     def _rank(self) -> int:

@@ -26,7 +26,28 @@ from ..errors import CheckpointExistsError, DistCkptError, from_os_error
 from ..io import exchange_paths, fsync_path
 
 __all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir",
-           "make_dir", "fsync_path"]
+           "make_dir", "make_dirs_durable", "fsync_path"]
+
+
+def make_dirs_durable(path: str) -> None:
+    """``mkdir -p path``, then fsync the parent of every directory it created, so that the new
+    directories themselves survive power loss (a checkpoint inside a directory whose own entry
+    was never synced could vanish with it)."""
+    path = os.path.abspath(path)
+    missing = []
+    probe = path
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="mkdir") from exc
+    for created in reversed(missing):
+        fsync_path(os.path.dirname(created))
 
 
 def make_dir(path: str) -> None:
