@@ -43,7 +43,6 @@ from typing import Any, Callable
 import torch
 
 from ._dist import ControlGroup, control_group
-from .config import get_config
 from .coordinator import SAVE_GATE, SaveResult, finish_save, plan_save
 from .io.probe import ensure_sigxfsz_ignored
 

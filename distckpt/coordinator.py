@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import errno
 import logging
 import os
 import re
@@ -47,10 +46,10 @@ import msgpack
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .config import get_config
-from .errors import (CheckpointExistsError, DistCkptError, RankFailureError, StateDictMismatchError,
+from .errors import (CheckpointExistsError, DistCkptError, StateDictMismatchError,
                      UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
-from .plan import Box, assign_owners, find_tiling_defect
+from .plan import Box, assign_offsets, assign_owners, find_tiling_defect
 from .staging import dtype_name, host_bytes
 from .storage import local
 
@@ -250,7 +249,7 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
     align = choice.alignment
     # The final size is known from the plan: one fallocate up front (ext4 serializes O_DIRECT
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
-    size_hint = sum(-(-_nbytes(p.tensor) // align) * align for _, p in pieces)
+    _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
     with open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
         for fqn, piece in pieces:
             view, keep = host_bytes(piece.tensor)

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from .errors import UnsupportedValueError
 
-__all__ = ["Piece", "TensorItem", "ObjectItem", "flatten", "iter_leaves", "set_leaf", "object_entry"]
+__all__ = ["Piece", "TensorItem", "ObjectItem", "flatten", "set_leaf", "object_entry"]
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
@@ -133,18 +133,6 @@ def object_entry(fqn: str, value: Any, *, allow_pickle: bool) -> tuple[str, Any]
             f"state dict value at {fqn!r} is a {type(value).__module__}.{type(value).__qualname__}, "
             f"which distckpt stores only as a pickle", key=fqn)
     return "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def iter_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """Yield (path, leaf) for every leaf under ``obj`` in container order."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from iter_leaves(value, path + (key,))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_leaves(value, path + (i,))
-    else:
-        yield path, obj
 
 
 def _fqn(path: tuple) -> str:

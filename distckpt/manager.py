@@ -22,7 +22,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from ._dist import control_group, is_distributed
+from ._dist import is_distributed
 from .coordinator import SaveResult, is_committed, reclaim_tmp_dirs
 from .errors import CheckpointNotFoundError, ConfigError, from_os_error
 from .restore import LoadResult, load

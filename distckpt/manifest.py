@@ -589,8 +589,8 @@ def _to_body(m: Manifest) -> dict[str, Any]:
             for fqn, t in sorted(m.tensors.items())
         },
         "objects": {fqn: {"kind": o.kind, "value": o.value} for fqn, o in sorted(m.objects.items())},
-        "tree": _canonical(m.tree),
-        "meta": _canonical(m.meta),
+        "tree": m.tree,  # canonical already: Manifest.__post_init__
+        "meta": m.meta,
     }
 
 

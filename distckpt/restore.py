@@ -42,7 +42,6 @@ from .errors import (CheckpointCorruptError, CheckpointIncompleteError, Checkpoi
 from .flatten import ObjectItem, TensorItem, flatten, set_leaf
 from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
 from .staging import dtype_from_name, dtype_name, writable_bytes
-from .storage import local
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
 

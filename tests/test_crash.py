@@ -13,7 +13,6 @@ import random
 import signal
 import time
 
-import pytest
 import torch
 
 KEEP = 3

@@ -76,6 +76,12 @@ class BackendChoice:
         """The file offset alignment callers should align chunk starts to."""
         return max(self.offset_align, MIN_ALIGNMENT)
 
+    def native_kwargs(self) -> dict:
+        """The arguments the C Writer and Reader share for this choice (uring or pwrite)."""
+        cfg = get_config()
+        return {"block_size": max(cfg.block_size, self.offset_align), "queue_depth": cfg.queue_depth,
+                "offset_align": self.offset_align, "mem_align": self.mem_align, "uring": self.name == "uring"}
+
 
 _lock = threading.Lock()
 _cache: dict[tuple[int, str], BackendChoice] = {}

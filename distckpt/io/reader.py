@@ -15,7 +15,6 @@ import os
 from typing import Iterable, Sequence
 
 from .. import _uring
-from ..config import get_config
 from ..errors import DataFileTruncatedError, from_os_error
 from .probe import BackendChoice, choose_backend
 
@@ -32,7 +31,6 @@ class Reader:
     """
 
     def __init__(self, path: str, choice: BackendChoice) -> None:
-        cfg = get_config()
         self.path = path
         self.backend = choice.name
         self._c = None
@@ -41,18 +39,11 @@ class Reader:
             if choice.name == "buffered":
                 # O_NOFOLLOW: a data file is a regular file inside its checkpoint (DESIGN.md I7);
                 # restore checks that with lstat first, and this closes the race after the check
-                # (a symlink swapped in fails with ELOOP). The C reader's open should match.
+                # (a symlink swapped in fails with ELOOP).
                 self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                 self.size = os.fstat(self._fd).st_size
             else:
-                self._c = _uring.Reader(
-                    path,
-                    block_size=max(cfg.block_size, choice.offset_align),
-                    queue_depth=cfg.queue_depth,
-                    offset_align=choice.offset_align,
-                    mem_align=choice.mem_align,
-                    uring=choice.name == "uring",
-                )
+                self._c = _uring.Reader(path, **choice.native_kwargs())  # opens O_NOFOLLOW too
                 self.size = self._c.size()
         except OSError as exc:
             self.close()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 
 from .. import _uring
-from ..config import get_config
 from ..errors import from_os_error
 from .probe import BackendChoice, choose_backend, ensure_sigxfsz_ignored
 
@@ -38,7 +37,6 @@ class Writer:
     """
 
     def __init__(self, path: str, choice: BackendChoice, durable: bool, size_hint: int | None = None) -> None:
-        cfg = get_config()
         self.path = path
         self.backend = choice.name
         self.alignment = choice.alignment
@@ -51,15 +49,11 @@ class Writer:
             if choice.name == "buffered":
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             else:
+                # Sources aligned to mem_align (and >= one block) are written straight from the
+                # caller's memory, no staging copy; write() still returns only when done.
                 self._c = _uring.Writer(
                     path,
-                    block_size=max(cfg.block_size, choice.offset_align),
-                    queue_depth=cfg.queue_depth,
-                    offset_align=choice.offset_align,
-                    # Sources aligned to this (and >= one block) are written straight from the
-                    # caller's memory, no staging copy; write() still returns only when done.
-                    mem_align=choice.mem_align,
-                    uring=choice.name == "uring",
+                    **choice.native_kwargs(),
                     # Registered staging: pages pinned once, not per request (~5-10% on the copy
                     # path at 2 GB/s). If RLIMIT_MEMLOCK refuses it the C writer uses plain
                     # writes (self.fixed_buffers says which ran); the backend is unchanged.
