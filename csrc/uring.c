@@ -626,6 +626,28 @@ static int writer_enter_append(WriterObject *w)
     return writer_enter(w);
 }
 
+/* The shared tail of Writer/Reader construction, run without the GIL: staging first, then the
+ * ring, the file last (so a failure leaves no file behind). Returns 0 or an errno; on failure
+ * the caller releases whatever was set up (its release function handles partial states). */
+static int io_setup(const char *path, int flags, size_t stage_sz, int use_uring, unsigned depth,
+                    char **stage, struct ring *ring, int *fdp)
+{
+    int fd;
+    *stage = stage_alloc(stage_sz);
+    if (!*stage)
+        return errno;
+    if (use_uring) {
+        int e = ring_setup(ring, depth);
+        if (e)
+            return e;
+    }
+    fd = open(path, flags, 0644);
+    if (fd < 0)
+        return errno;
+    *fdp = fd;
+    return 0;
+}
+
 static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"path", "block_size", "queue_depth", "offset_align", "uring",
@@ -634,7 +656,7 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
     Py_ssize_t block_size = 4 << 20, queue_depth = 8, offset_align = 4096;
     long long prealloc_max = (long long)PREALLOC_MAX;
     Py_ssize_t mem_align = 0;
-    int use_uring = 1, fixed = 0, e = 0, fd;
+    int use_uring = 1, fixed = 0, e = 0;
     long page = sysconf(_SC_PAGESIZE);
 
     if (w->path) { /* __init__ called twice: refuse rather than leak the first fd */
@@ -684,19 +706,8 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
         return -1;
     }
     Py_BEGIN_ALLOW_THREADS
-    /* Ring and staging first, the file last: a failure here leaves no file behind. */
-    w->stage = stage_alloc(w->stage_sz);
-    if (!w->stage)
-        e = errno;
-    if (!e && use_uring)
-        e = ring_setup(&w->ring, w->queue_depth);
-    if (!e) {
-        fd = open(PyBytes_AS_STRING(path), O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0644);
-        if (fd < 0)
-            e = errno;
-        else
-            w->fd = fd;
-    }
+    e = io_setup(PyBytes_AS_STRING(path), O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, w->stage_sz,
+                 use_uring, w->queue_depth, &w->stage, &w->ring, &w->fd);
     if (e)
         writer_release(w);
     Py_END_ALLOW_THREADS
@@ -967,7 +978,7 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
                              "uring", NULL};
     PyObject *path = NULL;
     Py_ssize_t block_size = 4 << 20, queue_depth = 8, offset_align = 4096, mem_align = 4096;
-    int use_uring = 1, e = 0, fd;
+    int use_uring = 1, e = 0;
     long page = sysconf(_SC_PAGESIZE);
 
     if (r->path) {
@@ -994,18 +1005,8 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
     r->stage_sz = r->queue_depth * r->block_size;
     r->closed = 0;
     Py_BEGIN_ALLOW_THREADS
-    r->stage = stage_alloc(r->stage_sz);
-    if (!r->stage)
-        e = errno;
-    if (!e && use_uring)
-        e = ring_setup(&r->ring, r->queue_depth);
-    if (!e) {
-        fd = open(PyBytes_AS_STRING(path), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW);
-        if (fd < 0)
-            e = errno;
-        else
-            r->fd = fd;
-    }
+    e = io_setup(PyBytes_AS_STRING(path), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW, r->stage_sz,
+                 use_uring, r->queue_depth, &r->stage, &r->ring, &r->fd);
     if (e)
         reader_release(r);
     Py_END_ALLOW_THREADS

@@ -25,7 +25,7 @@ PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
 stamp="$VENV/.distckpt-$(cat "$DISTCKPT_ROOT/launch/env.sh" "$DISTCKPT_ROOT/pyproject.toml" "$DISTCKPT_ROOT/setup.py" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
     echo "[distckpt env] installing into $VENV"
-    "${PIP[@]}" "setuptools>=68" wheel
+    "${PIP[@]}" "setuptools>=77" wheel
     if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
         "${PIP[@]}" "torch==2.13.0"
     fi
