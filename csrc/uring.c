@@ -36,6 +36,7 @@
 #include <linux/fs.h>
 #include <linux/io_uring.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
@@ -1151,7 +1152,9 @@ static PyObject *Reader_read_into(ReaderObject *r, PyObject *arg)
         if (PyObject_GetBuffer(buf, &views[i], PyBUF_WRITABLE) != 0)
             goto out;
         nviews = i + 1;
-        if ((unsigned long long)views[i].len != len) {
+        /* The buffer may be longer than nbytes: then a read whose length is not aligned (the
+         * tail of a file whose size is not) still goes straight into it, rounded up. */
+        if ((unsigned long long)views[i].len < len) {
             PyErr_Format(PyExc_ValueError, "request %zd: buffer has %zd bytes, nbytes is %llu", i,
                          views[i].len, len);
             goto out;
@@ -1162,7 +1165,7 @@ static PyObject *Reader_read_into(ReaderObject *r, PyObject *arg)
             uint64_t o = off;
             size_t left = (size_t)len;
             int direct = ((uintptr_t)dest % r->mem_align == 0) && (off % r->offset_align == 0) &&
-                         (len % r->offset_align == 0);
+                         (round_up((size_t)len, r->offset_align) <= (size_t)views[i].len);
             while (left) {
                 struct piece p;
                 if (np == cap) {
@@ -1181,7 +1184,9 @@ static PyObject *Reader_read_into(ReaderObject *r, PyObject *arg)
                 if (direct) {
                     p.off = o;
                     p.want = left < r->block_size ? left : r->block_size;
-                    p.len = (unsigned)p.want;
+                    /* Only the last piece can be unaligned; the buffer has room for it rounded up
+                     * (checked above), and a read that stops at EOF after `want` bytes is whole. */
+                    p.len = (unsigned)round_up(p.want, r->offset_align);
                     p.skip = 0;
                 } else {
                     uint64_t start = o / r->offset_align * r->offset_align;
@@ -1244,6 +1249,7 @@ static PyObject *Reader_close(ReaderObject *r, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *Reader_get_closed(ReaderObject *r, void *Py_UNUSED(c)) { return PyBool_FromLong(r->closed); }
+static PyObject *Reader_get_fileno(ReaderObject *r, void *Py_UNUSED(c)) { return PyLong_FromLong(r->fd); }
 
 static void Reader_dealloc(ReaderObject *r)
 {
@@ -1263,6 +1269,7 @@ static PyMethodDef Reader_methods[] = {
 
 static PyGetSetDef Reader_getset[] = {
     {"closed", (getter)Reader_get_closed, NULL, "True once close() ran.", NULL},
+    {"fileno", (getter)Reader_get_fileno, NULL, "The O_DIRECT file descriptor (-1 once closed).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1372,7 +1379,74 @@ static PyObject *mod_rename_exchange(PyObject *Py_UNUSED(m), PyObject *args)
     Py_RETURN_NONE;
 }
 
+#ifndef __NR_cachestat
+#define __NR_cachestat 451 /* the same number on every architecture (asm-generic and x86) */
+#endif
+
+struct dc_cachestat_range { uint64_t off, len; };
+struct dc_cachestat { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; };
+
+/* Pages of [off, off+len) of fd in the page cache: cachestat(2) (Linux 6.5), else mincore(2) on a
+ * PROT_READ mapping that is never touched (so no page is faulted in and no SIGBUS is possible).
+ * Returns 0 or a positive errno. */
+static int cached_pages(int fd, uint64_t off, uint64_t len, uint64_t *cached, uint64_t *total)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t start = off / (uint64_t)page * (uint64_t)page;
+    uint64_t end = round_up((size_t)(off + len), (size_t)page);
+    struct dc_cachestat_range range = {start, end - start};
+    struct dc_cachestat cs;
+    *total = (end - start) / (uint64_t)page;
+    *cached = 0;
+    if (!len)
+        return 0;
+    memset(&cs, 0, sizeof(cs));
+    if (syscall(__NR_cachestat, fd, &range, &cs, 0) == 0) {
+        *cached = cs.nr_cache;
+        return 0;
+    }
+    if (errno != ENOSYS && errno != EPERM)
+        return errno;
+    {
+        unsigned char *vec;
+        void *map = mmap(NULL, (size_t)(end - start), PROT_READ, MAP_SHARED, fd, (off_t)start);
+        int e = 0;
+        if (map == MAP_FAILED)
+            return errno;
+        vec = malloc((size_t)*total);
+        if (!vec)
+            e = ENOMEM;
+        else if (mincore(map, (size_t)(end - start), vec) != 0)
+            e = errno;
+        else
+            for (uint64_t i = 0; i < *total; i++)
+                *cached += vec[i] & 1;
+        free(vec);
+        munmap(map, (size_t)(end - start));
+        return e;
+    }
+}
+
+static PyObject *mod_cached_pages(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int fd, e;
+    unsigned long long off, len;
+    uint64_t cached = 0, total = 0;
+    if (!PyArg_ParseTuple(args, "iKK:cached_pages", &fd, &off, &len))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    e = cached_pages(fd, off, len, &cached, &total);
+    Py_END_ALLOW_THREADS
+    if (e)
+        return raise_errno_path(e, NULL);
+    return Py_BuildValue("(KK)", (unsigned long long)cached, (unsigned long long)total);
+}
+
 static PyMethodDef module_methods[] = {
+    {"cached_pages", mod_cached_pages, METH_VARARGS,
+     "cached_pages(fd, offset, length) -> (cached, total): how many of the pages holding bytes "
+     "[offset, offset+length) of fd are in the page cache (cachestat, else mincore on an untouched "
+     "mapping). Raises OSError."},
     {"probe_uring", mod_probe_uring, METH_NOARGS,
      "probe_uring() -> int: io_uring_setup + close; returns the feature bits. Raises OSError "
      "(EPERM under a seccomp filter or kernel.io_uring_disabled, ENOSYS without io_uring)."},

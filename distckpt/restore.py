@@ -8,12 +8,10 @@ How a load works on each rank:
      missing / unexpected keys and shape / dtype mismatches are collected all at once;
   3. for every wanted box, the saved chunks that intersect it are found (plan.plan_reads) and only
      the byte range covering each intersection is read (widened to whole checksum blocks when
-     verifying), through the O_DIRECT reader, several requests in flight per file;
-  4. each block read is checked against its crc32c; bytes that need a copy (resharded pieces,
-     coalesced small tensors) are checked before they reach the caller's tensor, while a whole
-     chunk filling a whole contiguous CPU tensor is read straight into it (no extra copy of the
-     bulk of the data) and checked there. So a load that fails may leave the caller's tensors
-     partly overwritten; it never returns normally with unverified bytes;
+     verifying), cached pages with buffered reads, the rest with O_DIRECT (distckpt.fill);
+  4. each block is checked against its crc32c in a bounded bounce buffer before any of its bytes
+     is copied into the caller's tensor: a load that fails never leaves a corrupt byte there,
+     and its error names the tensors already filled (completely or in part) with verified bytes;
   5. every rank's outcome is exchanged, so all ranks return or all raise the same typed error.
 
 Loading never unpickles unless the caller passes ``allow_pickle=True``.
@@ -21,7 +19,6 @@ Loading never unpickles unless the caller passes ``allow_pickle=True``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import pickle
@@ -29,29 +26,20 @@ import stat
 import time
 from typing import Any, Iterable
 
-import crc32c as _crc32c
 import torch
 
 from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
-                     ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
+                     DataFileMissingError, DataFileTruncatedError,
                      DistCkptError, PickleNotAllowedError, StateDictMismatchError, fill_rank,
                      from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, set_leaf
-from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
-from .staging import dtype_from_name, dtype_name, writable_bytes
+from .plan import Box, plan_reads
+from .staging import dtype_from_name, dtype_name
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
-
-# Bytes per read batch: the unit of the read/verify pipeline (two batches in memory at most).
-_BATCH = 64 << 20
-# Ranges closer than _COALESCE_GAP in a file are read as one request of at most _COALESCE_MAX
-# bytes; whole chunks of at least _COALESCE_MAX go straight into the caller's tensor.
-_COALESCE_GAP = 64 << 10
-_COALESCE_MAX = 4 << 20
-
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
@@ -146,126 +134,22 @@ def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return t
 
 
-@dataclasses.dataclass
-class _Span:
-    """One read request: ``nbytes`` at ``file_offset`` into ``buf``. ``members`` are the tasks whose
-    byte ranges it holds, each as (task, start, end, lo, hi, offset of ``lo`` inside ``buf``)."""
-
-    file_offset: int
-    nbytes: int
-    buf: torch.Tensor | None
-    direct: bool
-    members: list[tuple]
-
-
-def _plan_spans(file_tasks: list[_Task], block: int, verify: bool) -> list[_Span]:
-    """Turn tasks into read requests. A whole chunk going to a whole contiguous CPU tensor is read
-    straight into it (no copy). Small ranges that lie close together in the file (packed small
-    tensors) are coalesced into one request: one O_DIRECT round trip instead of hundreds."""
-    spans: list[_Span] = []
-    for t in sorted(file_tasks, key=lambda t: (t.chunk.offset, t.inter.offsets)):
-        start, end = byte_range(Box(t.chunk.offsets, t.chunk.sizes), t.inter, t.itemsize)
-        lo, hi = expand_to_blocks(start, end, block, t.chunk.nbytes) if verify else (start, end)
-        if hi <= lo:
-            continue
-        whole = (t.inter == Box(t.chunk.offsets, t.chunk.sizes) and t.dest_box == t.inter and lo == 0
-                 and hi == t.chunk.nbytes and t.dest.device.type == "cpu" and t.dest.is_contiguous())
-        abs_lo, abs_hi = t.chunk.offset + lo, t.chunk.offset + hi
-        if whole and hi - lo >= _COALESCE_MAX:
-            spans.append(_Span(abs_lo, hi - lo, None, True, [(t, start, end, lo, hi, 0)]))
-            continue
-        last = spans[-1] if spans else None
-        if (last is not None and not last.direct and 0 <= abs_lo - (last.file_offset + last.nbytes) <= _COALESCE_GAP
-                and abs_hi - last.file_offset <= _COALESCE_MAX):
-            last.members.append((t, start, end, lo, hi, abs_lo - last.file_offset))
-            last.nbytes = abs_hi - last.file_offset
-        else:
-            spans.append(_Span(abs_lo, hi - lo, None, False, [(t, start, end, lo, hi, 0)]))
-    return spans
-
-
-def _batches(spans: list[_Span]) -> list[list[_Span]]:
-    """Group spans into batches of about _BATCH bytes: the unit of the read/verify pipeline."""
-    batches: list[list[_Span]] = [[]]
-    size = 0
-    for span in spans:
-        if size >= _BATCH:
-            batches.append([])
-            size = 0
-        batches[-1].append(span)
-        size += span.nbytes
-    return [b for b in batches if b]
-
-
 def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) -> tuple[int, str | None]:
-    """Read every task's bytes, verify them, copy them into place. Returns (bytes read, backend).
-
-    Pipelined per file: while batch k is verified and copied on this thread, batch k+1 is read on
-    a helper thread (the C reader releases the GIL), so checksums and copies overlap the disk. At
-    most two batches of temporary buffers exist at once; the helper thread is joined before this
-    returns or raises, and no read is in flight when a reader is closed.
-    """
+    """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
+    bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
+    from .fill import _READ_PIECE, fill
     from .io import choose_backend, open_reader
 
     if not tasks:
         return 0, None
-    block = manifest.checksum_block
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
     choice = choose_backend(ckpt)
-    total = 0
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-read") as pool:
-        for file_index in sorted(by_file):
-            fpath = _check_data_file(ckpt, manifest.files[file_index])
-            with open_reader(fpath, choice=choice) as reader:
-                batches = _batches(_plan_spans(by_file[file_index], block, verify))
-                pending = pool.submit(_read_batch, reader, batches[0]) if batches else None
-                try:
-                    for k, batch in enumerate(batches):
-                        pending.result()
-                        pending = pool.submit(_read_batch, reader, batches[k + 1]) if k + 1 < len(batches) else None
-                        total += _finish_batch(fpath, batch, block, verify)
-                finally:
-                    if pending is not None:  # an error above: let the read in flight land first
-                        concurrent.futures.wait([pending])
-    return total, choice.name
-
-
-def _read_batch(reader, batch: list[_Span]) -> None:
-    for span in batch:
-        span.buf = span.members[0][0].dest if span.direct else torch.empty(span.nbytes, dtype=torch.uint8)
-    reader.read_into([(span.file_offset, span.nbytes, writable_bytes(span.buf)) for span in batch])
-
-
-def _finish_batch(fpath: str, batch: list[_Span], block: int, verify: bool) -> int:
-    with torch.no_grad():
-        for span in batch:
-            raw = span.buf.reshape(-1).view(torch.uint8) if span.direct else span.buf
-            for t, start, end, lo, hi, at in span.members:
-                data = raw[at:at + hi - lo]
-                if verify:  # [lo, hi) was widened to whole checksum blocks (the last may be the tail)
-                    _verify_blocks(fpath, t, writable_bytes(data), lo, hi, block)
-                if span.direct:
-                    continue
-                flat = data[start - lo:end - lo].view(t.dtype)
-                # as_strided's offset is absolute in the storage: keep the slice's own offset.
-                src = flat.as_strided(tuple(t.inter.sizes), row_major_strides(t.chunk.sizes), flat.storage_offset())
-                rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
-                _narrow(t.dest, rel, t.inter.sizes).copy_(src)
-            span.buf = None  # release the temporary buffer now, not at the end of the file
-    return sum(span.nbytes for span in batch)
-
-
-def _verify_blocks(fpath: str, t: _Task, view: memoryview, lo: int, hi: int, block: int) -> None:
-    for b in range(lo // block, -(-hi // block)):
-        a = b * block - lo
-        got = _crc32c.crc32c(view[a:min(a + block, hi - lo)])
-        if got != t.chunk.crcs[b]:
-            raise ChecksumMismatchError(
-                f"checksum mismatch in {os.path.basename(fpath)} at byte {t.chunk.offset + b * block} "
-                f"(block {b} of key {t.fqn!r}): expected {t.chunk.crcs[b]:#010x}, found {got:#010x}",
-                path=fpath, file=os.path.basename(fpath), key=t.fqn, offset=t.chunk.offset + b * block)
+    paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
+    stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=choice.offset_align,
+                 open_reader=lambda p: open_reader(p, choice=choice, block_size=_READ_PIECE))
+    return stats.bytes_read, choice.name
 
 
 def _describe(entry) -> str:
@@ -393,8 +277,10 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
         StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
         RankFailureError on every rank when several ranks take part and any of them failed.
-        After a failed load the state dict's tensors may be partly overwritten (large chunks are
-        read in place and verified there); only a normal return means they hold the checkpoint.
+        A failed load never leaves an unverified byte in the state dict's tensors: each byte is
+        either as it was or the checkpoint's; a ChecksumMismatchError (and a read error) lists the
+        keys already filled in ``filled`` (completely) and ``partly_filled``. Only a normal
+        return means every tensor holds the checkpoint.
     """
     t0 = time.monotonic()
     path = os.path.abspath(os.fspath(path))

@@ -4,13 +4,19 @@ Invariants:
   * Every request is checked against the file size before any I/O: a range past EOF raises
     :class:`DataFileTruncatedError` (``expected`` = end of the range, ``found`` = file size).
   * Reads run ``queue_depth`` in flight (io_uring) and go straight into the destination when its
-    address, offset and length are all aligned for O_DIRECT; otherwise through aligned staging.
+    address and offset are aligned for O_DIRECT and it has room for the length rounded up to the
+    alignment (a ``dest`` may be longer than ``nbytes``); otherwise through aligned staging.
+  * Page cache first: with an O_DIRECT backend, a request whose pages are all in the page cache
+    (cachestat, else mincore) is read with a buffered pread from a second fd on the same inode
+    (the disk is not touched again); the rest use O_DIRECT, which never fills the cache.
+    ``cached_bytes`` / ``direct_bytes`` count which way the bytes came.
   * Every OSError is translated by :func:`errors.from_os_error` (operation "open"/"read") after
     the reader closed its fds; after ``close()`` the reader holds no fd.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Iterable, Sequence
 
@@ -30,21 +36,32 @@ class Reader:
         size: The file size when it was opened.
     """
 
-    def __init__(self, path: str, choice: BackendChoice) -> None:
+    def __init__(self, path: str, choice: BackendChoice, *, block_size: int | None = None,
+                 use_cache: bool = True) -> None:
         self.path = path
         self.backend = choice.name
+        self.cached_bytes = 0
+        self.direct_bytes = 0
         self._c = None
         self._fd = -1
+        self._use_cache = use_cache and choice.name != "buffered"
         try:
-            if choice.name == "buffered":
-                # O_NOFOLLOW: a data file is a regular file inside its checkpoint (DESIGN.md I7);
-                # restore checks that with lstat first, and this closes the race after the check
-                # (a symlink swapped in fails with ELOOP).
-                self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                self.size = os.fstat(self._fd).st_size
-            else:
-                self._c = _uring.Reader(path, **choice.native_kwargs())  # opens O_NOFOLLOW too
-                self.size = self._c.size()
+            # O_NOFOLLOW: a data file is a regular file inside its checkpoint (DESIGN.md I7);
+            # restore checks that with lstat first, and this closes the race after the check
+            # (a symlink swapped in fails with ELOOP). The buffered fd is opened first: with an
+            # O_DIRECT backend it serves cached pages, and must be the same inode as the C
+            # reader's (checked below).
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            st = os.fstat(self._fd)
+            self.size = st.st_size
+            if choice.name != "buffered":
+                kwargs = choice.native_kwargs()
+                if block_size is not None:
+                    kwargs["block_size"] = max(block_size, choice.offset_align, os.sysconf("SC_PAGESIZE"))
+                self._c = _uring.Reader(path, **kwargs)  # opens O_NOFOLLOW too
+                other = os.fstat(self._c.fileno)
+                if (other.st_dev, other.st_ino) != (st.st_dev, st.st_ino):
+                    raise OSError(errno.ESTALE, "data file was replaced while it was being opened", path)
         except OSError as exc:
             self.close()
             raise from_os_error(exc, path=path, operation="open") from exc
@@ -70,7 +87,9 @@ class Reader:
 
         Args:
             requests: ``(file_offset, nbytes, dest)`` triples; ``dest`` is a writable, contiguous
-                buffer (bytearray, memoryview, ctypes array...) of exactly ``nbytes`` bytes.
+                buffer (bytearray, memoryview, ctypes array...) of at least ``nbytes`` bytes; the
+                bytes land in its first ``nbytes`` (a longer, aligned ``dest`` lets an unaligned
+                tail go straight in with O_DIRECT; what follows the tail is unspecified).
 
         Raises:
             DataFileTruncatedError: a range ends past EOF (checked before any I/O; the reader stays
@@ -90,10 +109,22 @@ class Reader:
                     path=self.path, expected=offset + nbytes, found=self.size,
                 )
         try:
+            direct = reqs
+            if self._use_cache:
+                direct = []
+                for req in reqs:
+                    cached, total = _uring.cached_pages(self._fd, req[0], req[1])
+                    if req[1] and cached == total:
+                        self._pread_into(*req)
+                        self.cached_bytes += req[1]
+                    else:
+                        direct.append(req)
             if self._c is not None:
-                self._c.read_into(reqs)
+                if direct:
+                    self._c.read_into(direct)
+                    self.direct_bytes += sum(n for _, n, _ in direct)
             else:
-                for offset, nbytes, dest in reqs:
+                for offset, nbytes, dest in direct:
                     self._pread_into(offset, nbytes, dest)
         except EOFError as exc:
             found = self._current_size()
@@ -108,8 +139,9 @@ class Reader:
 
     def _pread_into(self, offset: int, nbytes: int, dest) -> None:
         view = memoryview(dest).cast("B")
-        if view.nbytes != nbytes:
+        if view.nbytes < nbytes:
             raise ValueError(f"dest has {view.nbytes} bytes, nbytes is {nbytes}")
+        view = view[:nbytes]
         done = 0
         while done < nbytes:
             n = os.preadv(self._fd, [view[done:]], offset + done)
@@ -136,8 +168,13 @@ class Reader:
                 pass
 
 
-def open_reader(path: str | os.PathLike, *, choice: BackendChoice | None = None) -> Reader:
+def open_reader(path: str | os.PathLike, *, choice: BackendChoice | None = None, block_size: int | None = None,
+                use_cache: bool = True) -> Reader:
     """Open ``path`` for ranged reads with the backend chosen for its file system.
+
+    ``block_size``: the largest single O_DIRECT request (default DISTCKPT_BLOCK_SIZE); a request
+    is split into pieces of this size that run in parallel. ``use_cache=False``: never read
+    through the page cache, even where the pages are cached (benchmarks of cold reads).
 
     Raises:
         IOBackendUnavailableError: a forced backend cannot run here.
@@ -146,4 +183,4 @@ def open_reader(path: str | os.PathLike, *, choice: BackendChoice | None = None)
     path = os.fspath(path)
     if choice is None:
         choice = choose_backend(os.path.dirname(os.path.abspath(path)))
-    return Reader(path, choice)
+    return Reader(path, choice, block_size=block_size, use_cache=use_cache)
