@@ -8,7 +8,8 @@ allowed; nothing silently falls back to a default.
 | DISTCKPT_IO_BACKEND         | auto     | auto, uring, pwrite or buffered (see distckpt.io)          |
 | DISTCKPT_QUEUE_DEPTH        | 8        | writes/reads kept in flight per file                      |
 | DISTCKPT_BLOCK_SIZE         | 4194304  | bytes per aligned staging block (one I/O request)          |
-| DISTCKPT_CHECKSUM_BLOCK     | 1048576  | bytes per checksummed block inside a chunk                 |
+| DISTCKPT_CHECKSUM_BLOCK     | 1048576  | largest checksummed block; a save picks a smaller one (>= |
+|                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
 | DISTCKPT_PREFLIGHT          | 1        | 1: save() runs the cheap pre-flight checks; 0: skip them   |
 """

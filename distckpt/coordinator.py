@@ -49,7 +49,7 @@ from .config import get_config
 from .errors import (CheckpointExistsError, DistCkptError, StateDictMismatchError,
                      UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
-from .plan import Box, assign_offsets, assign_owners, find_tiling_defect
+from .plan import Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect
 from .staging import dtype_name, host_bytes
 from .storage import local
 
@@ -152,6 +152,7 @@ class _GlobalPlan:
     bytes_per_rank: list[int]
     objects: dict[str, tuple[str, Any]]
     tree: dict
+    checksum_block: int = 1 << 20
 
 
 def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
@@ -198,7 +199,11 @@ def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
     bytes_per_rank = [0] * world
     for key, r in owners.items():
         bytes_per_rank[r] += dict(candidates[key])[r]
-    return _GlobalPlan(meta, owners, bytes_per_rank, summaries[0]["objects"], summaries[0]["tree"])
+    # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
+    # small blocks, so a resharding load reads little more than it needs.
+    block = choose_checksum_block((dict(candidates[key])[r] for key, r in owners.items()),
+                                  get_config().checksum_block)
+    return _GlobalPlan(meta, owners, bytes_per_rank, summaries[0]["objects"], summaries[0]["tree"], block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +354,6 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
     part in every collective and reports the error at WRITE, so all ranks abort together.
     """
-    cfg = get_config()
     t0 = planned.t0
     rank, world = group.rank, group.world_size
     plan, mine = planned.plan, planned.mine
@@ -373,7 +377,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     if error is None:
         try:
             records, size, choice = _write_rank_file(os.path.join(tmp_dir, mf.data_file_name(rank)), rank, mine,
-                                                     cfg.checksum_block)
+                                                     plan.checksum_block)
             result = (records, size, choice.name, choice.reason)
         except Exception as exc:
             error = exc
@@ -387,7 +391,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
             if any(e is not None for _, e in outcomes):
                 local.delete_tree(tmp_dir, names=_tmp_names(world))
             else:
-                manifest = _build_manifest(plan, outcomes, save_id, world, cfg.checksum_block, metadata)
+                manifest = _build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata)
                 local.write_file_durable(os.path.join(tmp_dir, MANIFEST), mf.encode(manifest))
                 replaced = local.publish_dir(tmp_dir, final_dir, overwrite=overwrite)
                 published = True

@@ -482,3 +482,37 @@ def expand_to_blocks(start: int, end: int, block: int, limit: int) -> tuple[int,
     if start == end:
         return start, end
     return (start // block) * block, min(-(-end // block) * block, limit)
+
+
+# Smallest checksum block a save picks by itself: below this the per-block cost (one crc32c call
+# and 5 bytes of MANIFEST each) outgrows what it saves; O_DIRECT reads are 4 KiB-aligned anyway.
+MIN_CHECKSUM_BLOCK = 16 << 10
+# A save picks its block so that MANIFEST holds at most this many checksums (about 5 MiB).
+MAX_CHECKSUMS = 1 << 20
+
+
+def choose_checksum_block(chunk_nbytes: Iterable[int], largest: int) -> int:
+    """The checksum block for a checkpoint whose chunks have ``chunk_nbytes`` bytes.
+
+    A resharding load that cuts a chunk must read and verify whole blocks, so every cut wastes up
+    to one block on each side: a 1 MiB block doubled the bytes read for chunks under 1 MiB. This
+    picks the largest power of two ``B <= largest`` whose waste, if every chunk were cut once
+    (``sum(min(nbytes, 2 * B))``), stays within 4 % of the checkpoint's bytes; then at least
+    ``MIN_CHECKSUM_BLOCK`` and large enough for ``MAX_CHECKSUMS`` checksums in all. Deterministic:
+    every rank computes the same block from the same global plan.
+
+    Raises:
+        ValueError: ``largest`` is not a power of two >= 1.
+    """
+    if largest < 1 or largest & (largest - 1):
+        raise ValueError(f"largest must be a power of two, got {largest}")
+    sizes = [n for n in chunk_nbytes if n > 0]
+    total = sum(sizes)
+    floor = min(largest, MIN_CHECKSUM_BLOCK)
+    need = -(-total // MAX_CHECKSUMS)  # the block that keeps the checksum count bounded
+    block = largest
+    while block > floor and sum(min(n, 2 * block) for n in sizes) > total // 25:
+        block //= 2
+    while block < need and block < largest:
+        block *= 2
+    return block
