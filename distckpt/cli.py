@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true")
     p.set_defaults(func=_cmd_verify)
     # importlib, not `from . import preflight`: the package attribute of that name is the function.
-    for module in ("distckpt.preflight", "distckpt.bench"):
+    for module in ("distckpt.preflight", "distckpt.bench", "distckpt.convert"):
         importlib.import_module(module).add_parser(sub)
     return parser
 

@@ -508,3 +508,24 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
             values[fqn] = _object_value(values[fqn])
     result = _rebuild(manifest.tree, values, keep)
     return {} if result is _SKIP else result
+
+
+def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+             verify: bool = True) -> torch.Tensor:
+    """The box (``offsets``, ``sizes``) of tensor ``fqn`` of the checkpoint at ``path`` (whose
+    manifest :func:`load_manifest` returned), read into a new CPU tensor in this process.
+
+    Reads only the byte ranges the box needs (checked against their checksums when ``verify``);
+    the streaming conversions (distckpt.convert) read a tensor slice by slice through it.
+    Raises the read errors of :func:`load`.
+    """
+    entry = manifest.tensors[fqn]
+    dtype = dtype_from_name(entry.dtype, path=path)
+    want = Box(tuple(offsets), tuple(sizes))
+    out = torch.empty(tuple(sizes), dtype=dtype)
+    if want.volume:
+        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+        tasks = [_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize)]
+        _fill(path, manifest, tasks, verify)
+    return out
