@@ -124,22 +124,29 @@ class _Source:
         out = _rebuild(self.manifest.tree, values, lambda fqn: True)
         return {} if out is _SKIP else out
 
-    def key_paths(self) -> dict[str, tuple]:
-        """fqn -> the container keys leading to it (DCP's planner_data)."""
-        out: dict[str, tuple] = {}
+    def subtree(self, node) -> Any:
+        """The value of one node of the manifest tree, tensors read whole."""
+        from .restore import _rebuild
 
-        def walk(node, path):
-            if node["t"] == "ref":
-                out[node["fqn"]] = path
-            elif node["t"] == "dict":
-                for k, child in node["k"]:
-                    walk(child, path + (k,))
-            else:
-                for i, child in enumerate(node["v"]):
-                    walk(child, path + (i,))
+        if node["t"] == "ref":
+            fqn = node["fqn"]
+            if fqn in self.tensors:
+                t = self.tensors[fqn]
+                return self.read(fqn, (0,) * len(t.shape), tuple(t.shape))
+            return self.value(fqn)
+        refs: list[str] = []
 
-        walk(self.manifest.tree, ())
-        return out
+        def collect(n):
+            if n["t"] == "ref":
+                refs.append(n["fqn"])
+            for _k, c in n.get("k", []):
+                collect(c)
+            for c in n.get("v", []):
+                collect(c)
+
+        collect(node)
+        values = {fqn: self.subtree({"t": "ref", "fqn": fqn}) for fqn in refs}
+        return _rebuild(node, values, lambda fqn: True)
 
 
 def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
@@ -424,7 +431,9 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
                                                        TensorProperties)
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    paths = src.key_paths()
+    tensor_leaves, value_leaves = _dcp_leaves(src)
+    paths = {**{fqn: p for fqn, p in tensor_leaves}, **{fqn: p for fqn, p, _ in value_leaves}}
+    values = {fqn: node for fqn, _, node in value_leaves}
 
     class StreamingPlanner(DefaultSavePlanner):
         """Plans from the source's manifest instead of an in-memory state dict, and reads each
@@ -433,12 +442,13 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
         def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
             self.state_dict = {}
             self.is_coordinator = is_coordinator
-            self.mappings = {fqn: paths.get(fqn, (fqn,)) for fqn in [*src.tensors, *src.manifest.objects]}
+            self.mappings = paths
 
         def create_local_plan(self) -> SavePlan:
             items = []
             self._chunks: dict = {}
-            for fqn, t in src.tensors.items():
+            for fqn, _path in tensor_leaves:
+                t = src.tensors[fqn]
                 dtype = _dtype(t.dtype)
                 props = TensorProperties(dtype=dtype)
                 size = torch.Size(t.shape)
@@ -450,7 +460,7 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
                                            tensor_data=TensorWriteData(
                                                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
                                                properties=props, size=size)))
-            for fqn in src.manifest.objects:
+            for fqn in values:
                 items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
             self.plan = SavePlan(items, planner_data=self.mappings)
             return self.plan
@@ -459,7 +469,7 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
             fqn = write_item.index.fqn
             if write_item.type == WriteItemType.BYTE_IO:
                 buf = io.BytesIO()
-                torch.save(src.value(fqn), buf)
+                torch.save(src.subtree(values[fqn]), buf)
                 return buf
             offsets = tuple(write_item.index.offset)
             sizes = self._chunks[(fqn, offsets)]
@@ -470,6 +480,42 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
     writer = dcp.FileSystemWriter(dst, single_file_per_rank=True, sync_files=True, thread_count=1)
     dcp.save({}, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
     result["files"] = sorted(os.path.join(dst, f) for f in os.listdir(dst))
+
+
+def _dcp_leaves(src: _Source) -> tuple[list, list]:
+    """The entries DCP's own flattening (torch.distributed.checkpoint._traverse) makes of the
+    source's nesting, so ``dcp.load`` into the same structure finds every key: mappings are
+    walked, a list only when it holds a tensor or a mapping somewhere below, a tuple never (it is
+    one value, tensors inside it included). Returns ([(fqn, path)] of streamed tensors,
+    [(fqn, path, tree node)] of values written whole with torch.save)."""
+    tensors, values = [], []
+
+    def holds_tensor_or_map(node) -> bool:
+        if node["t"] == "ref":
+            return node["fqn"] in src.tensors
+        if node["t"] == "dict":
+            return True
+        return node["t"] == "list" and any(holds_tensor_or_map(c) for c in node["v"])
+
+    def walk(node, path):
+        fqn = ".".join(str(p) for p in path)
+        if node["t"] == "dict":
+            for k, child in node["k"]:
+                walk(child, path + (str(k),))
+        elif node["t"] == "list" and any(holds_tensor_or_map(c) for c in node["v"]):
+            for i, child in enumerate(node["v"]):
+                walk(child, path + (i,))
+        elif node["t"] == "ref" and node["fqn"] in src.tensors:
+            tensors.append((fqn, path))
+        else:
+            values.append((fqn, path, node))
+
+    tree = src.manifest.tree
+    if tree["t"] != "dict":
+        from .errors import UnsupportedValueError
+        raise UnsupportedValueError(f"the checkpoint's top level is a {tree['t']}; DCP needs a dict", path=src.path)
+    walk(tree, ())
+    return tensors, values
 
 
 # ---------------------------------------------------------------------------------------------
