@@ -337,8 +337,25 @@ def _to_torch(src: _Source, dst: str, slice_bytes: int, progress: _Progress, res
         record("archive/version", b"3\n")
         f.flush()
         os.fsync(f.fileno())
+    _check_weights_only(tmp, src.path)
     os.replace(tmp, dst)
     result["files"] = [dst]
+
+
+def _check_weights_only(path: str, src: str) -> None:
+    """Load the written file the way its users will: torch.load(weights_only=True), memory-mapped
+    so no tensor byte is read. A value that needs more (only possible with allow_pickle sources)
+    is a typed error, not a file that fails later."""
+    import torch
+
+    from .errors import UnsupportedValueError
+
+    try:
+        torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise UnsupportedValueError(
+            f"the export would not load with torch.load(weights_only=True): {str(exc).splitlines()[0]}",
+            path=src, remedy="Export without those values, or load the file with weights_only=False if you trust it.") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,8 +521,16 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
             self._last = t
             return t
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     writer = dcp.FileSystemWriter(dst, single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+    try:
+        dcp.save({}, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+    except CheckpointException as exc:  # a BaseException wrapping ours: raise the typed error itself
+        failures = [e for e, _tb in exc.failures.values()]
+        if failures and isinstance(failures[0], Exception):
+            raise failures[0] from None
+        raise
     result["files"] = sorted(os.path.join(dst, f) for f in os.listdir(dst))
 
 
@@ -642,6 +667,22 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
                                     remedy="Choose a new destination or remove the old one first.")
     _pin_mmap_threshold()
     source = _Source(src_s, allow_pickle=allow_pickle, verify=verify)
+    try:
+        return _convert(source, src_s, dst_s, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
+                        dtype=dtype, memory_limit=memory_limit, progress=progress)
+    except BaseException:
+        # DST did not exist: whatever is there now is this conversion's unfinished output.
+        import shutil
+        for leftover in (dst_s, dst_s + ".tmp"):
+            if os.path.isdir(leftover) and not os.path.islink(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif os.path.lexists(leftover):
+                os.unlink(leftover)
+        raise
+
+
+def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max_shard_size: int,
+             prefix: str | None, dtype: str | None, memory_limit: int, progress: bool | None) -> ConvertResult:
     slice_bytes = memory_limit // 4
     result: dict[str, Any] = {"files": [], "skipped": {}, "tensors": len(source.tensors)}
     total = _tensor_bytes(source, source.tensors)
@@ -658,9 +699,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             _to_distckpt(source, dst_s, slice_bytes, bar, result)
     finally:
         bar.close()
-    written = sum(os.path.getsize(f) for f in result["files"] if os.path.isfile(f))
+    written = sum(_size_of(f) for f in result["files"])
     return ConvertResult(src_s, dst_s, to, result["tensors"], written, result["files"], result["skipped"],
                          time.monotonic() - t0)
+
+
+def _size_of(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -668,9 +715,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
 
 
 def _cmd_convert(args) -> int:
-    res = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, prefix=args.prefix,
-                  dtype=args.dtype, memory_limit=args.memory_limit, allow_pickle=args.allow_pickle,
-                  progress=False if args.no_progress else None)
+    try:
+        res = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, prefix=args.prefix,
+                      dtype=args.dtype, memory_limit=args.memory_limit, allow_pickle=args.allow_pickle,
+                      progress=False if args.no_progress else None)
+    except ValueError as exc:
+        from .errors import DistCkptError
+        if isinstance(exc, DistCkptError):
+            raise
+        print(f"distckpt convert: {exc}", file=sys.stderr)
+        return 2
     from .errors import format_bytes
     print(f"{res.src} -> {res.dst} ({res.to}): {res.tensors} tensors, {format_bytes(res.bytes)} in "
           f"{len(res.files)} file(s), {res.seconds:.1f} s")

@@ -181,8 +181,39 @@ def test_cli_convert(src, tmp_path, capsys):
     _same(_state(), torch.load(dst, weights_only=True))
     with pytest.raises(SystemExit):  # bad usage: argparse exits 2
         main(["convert", src, str(tmp_path / "x"), "--to", "nope"])
-    with pytest.raises(ValueError):
-        main(["convert", src, str(tmp_path / "x"), "--to", "dcp", "--prefix", "model."])
+    assert main(["convert", src, str(tmp_path / "x"), "--to", "dcp", "--prefix", "model."]) == 2
+    assert "safetensors only" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
+
+
+def test_progress_bar_on_a_terminal(src, tmp_path, monkeypatch):
+    """stderr on a pseudo-terminal: tqdm draws its bar (and not when it is not a tty: test above)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    os.set_blocking(master, False)
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        convert(src, str(tmp_path / "p.pt"), to="torch")
+        tty.flush()
+        drawn = os.read(master, 1 << 16)
+    os.close(master)
+    assert b"100%" in drawn and b"-> torch" in drawn, drawn[-300:]
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    src = str(tmp_path / "src")
+    distckpt.save({"a": torch.ones(3), "b": torch.ones(1000)}, src)
+    data = os.path.join(src, "rank00000.bin")
+    os.truncate(data, os.path.getsize(data) - 100)  # "b" is cut short: found only once writing
+    from distckpt.errors import DataFileTruncatedError
+    for to, dst in (("safetensors", tmp_path / "st"), ("torch", tmp_path / "t.pt"), ("dcp", tmp_path / "d")):
+        with pytest.raises(DataFileTruncatedError):
+            convert(src, str(dst), to=to)
+        assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".tmp"), to
 
 
 def test_convert_module_has_no_heavy_top_level_import():
