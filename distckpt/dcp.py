@@ -4,8 +4,8 @@ A DCP checkpoint directory holds ``.metadata`` (a pickle of
 ``torch.distributed.checkpoint.metadata.Metadata``) and data files ``__<rank>_<n>.distcp``. For
 every tensor the metadata lists its chunks (global offsets and sizes) and, per chunk, a byte range
 of a data file; that range holds a ``torch.save`` archive of the chunk (a stored, uncompressed zip)
-or, with ``SerializationFormat.SAFETENSORS``, the raw bytes. Non-tensor values are byte ranges
-holding ``torch.save`` archives of the value.
+(``FileSystemWriter``'s default ``SerializationFormat.TORCH_SAVE``; its SAFETENSORS format is
+refused). Non-tensor values are byte ranges holding ``torch.save`` archives of the value.
 
 :func:`load_manifest` turns all of that into a :class:`distckpt.manifest.Manifest` whose chunks
 point at the raw tensor bytes inside the ``.distcp`` files, so ``distckpt.load`` / ``read`` reshard
@@ -386,10 +386,13 @@ def _chunk_data_offset(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[i
     the archive does not hold exactly that tensor."""
     itemsize = mf.DTYPE_ITEMSIZE[dtype]
     nbytes = math.prod(sizes) * itemsize
-    if st.length == nbytes:  # SerializationFormat.SAFETENSORS: the raw bytes themselves
-        return st.offset
     where = f"chunk of {fqn!r} at bytes [{st.offset}, {st.offset + st.length}) of {os.path.basename(fpath)}"
     try:
+        if st.length <= nbytes:
+            # No room for a torch.save archive: FileSystemWriter's SerializationFormat.SAFETENSORS,
+            # whose recorded offsets do not point at the bytes (it appends a safetensors blob at
+            # the end of the file). Reading them raw would return wrong values: refuse.
+            raise _Unsupported("a chunk stored without a torch.save archive (SerializationFormat.SAFETENSORS)")
         zf = zipfile.ZipFile(_Slice(fd, st.offset, st.length))
         infos = {i.filename: i for i in zf.infolist()}
         pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]

@@ -190,3 +190,18 @@ def test_truncated_dcp_data_file_is_typed(dcp_ckpt, tmp_path):
     os.truncate(f, os.path.getsize(f) // 2)
     with pytest.raises(DataFileTruncatedError):
         distckpt.read(path)
+
+
+def test_dcp_safetensors_serialization_is_refused_not_misread(tmp_path):
+    """FileSystemWriter(serialization_format=SAFETENSORS) records offsets that do not point at the
+    bytes: reading them raw would give wrong values, so it is a typed refusal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    from distckpt.errors import UnsupportedValueError
+
+    path = str(tmp_path / "st")
+    writer = dcp.FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save({"a": torch.arange(6.0)}, storage_writer=writer, no_dist=True)
+    with pytest.raises(UnsupportedValueError):
+        distckpt.read(path)
