@@ -246,7 +246,10 @@ def _copy(seg: _Segment, buf: torch.Tensor) -> None:
         if u.dest_u8 is not None:
             u.dest_u8[u.dest_off:u.dest_off + u.end - u.start].copy_(buf[x:x + u.end - u.start])
             continue
-        flat = buf[x:x + u.end - u.start].view(t.dtype)
+        flat = buf[x:x + u.end - u.start]
+        if x % t.itemsize:  # unaligned in the file (a DCP checkpoint packs chunks tight)
+            flat = flat.clone()
+        flat = flat.view(t.dtype)
         # as_strided's offset is absolute in the storage: keep the slice's own offset.
         src = flat.as_strided(tuple(u.box.sizes), row_major_strides(t.chunk.sizes), flat.storage_offset())
         dest = t.dest
