@@ -251,7 +251,9 @@ class ManifestCorruptError(CheckpointCorruptError):
 
 
 class ChecksumMismatchError(CheckpointCorruptError):
-    """A data block's checksum differs from the MANIFEST's. Fields: ``file``, ``key``, ``offset``."""
+    """A data block's checksum differs from the MANIFEST's. Fields: ``file``, ``key``, ``offset``;
+    raised by a load also ``filled`` / ``partly_filled`` (keys whose tensors received verified
+    bytes, completely / in part; no other byte of the state dict changed)."""
 
 
 class DataFileMissingError(CheckpointCorruptError):
