@@ -21,6 +21,7 @@ import torch
 import distckpt
 from distckpt.errors import ChecksumMismatchError
 
+from .conftest import open_fds
 from .distributed import run_ranks
 
 MiB = 1 << 20
@@ -57,8 +58,10 @@ def test_corrupt_block_never_reaches_the_callers_tensor(tmp_path):
     bad = 5 * MiB + 123  # a byte in the middle of "a", inside its 6th MiB
     _flip(path, "a", bad)
     dst = _sentinel_like(src)
+    before = open_fds()
     with pytest.raises(ChecksumMismatchError) as info:
         distckpt.load(dst, path)
+    assert open_fds() == before, "every reader of every worker is closed when the load raises"
     e = info.value
     assert e.key == "a"
     assert "already filled" in str(e) and isinstance(e.filled, list) and isinstance(e.partly_filled, list)
