@@ -31,7 +31,7 @@ import mmap
 import os
 import threading
 import traceback
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -39,7 +39,7 @@ import torch
 from .errors import ChecksumMismatchError, DistCkptError
 from .plan import Box, byte_range, expand_to_blocks, row_major_strides
 
-__all__ = ["fill", "FillStats", "SEGMENT", "WORKERS"]
+__all__ = ["fill", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE"]
 
 # One bounce buffer per worker; a segment is one read request of at most this many bytes. Four
 # 4 MiB segments keep up to ~16 MiB in flight, which reaches this kind of disk's O_DIRECT speed
@@ -50,7 +50,7 @@ WORKERS = 4
 # merged read already holds: fewer round trips for packed small tensors, <= 6.25 % extra bytes.
 MAX_GAP = 64 << 10
 # io_uring request size inside a segment: a segment's reads are split in four and run in parallel.
-_READ_PIECE = 1 << 20
+READ_PIECE = 1 << 20
 
 
 @dataclasses.dataclass
@@ -267,9 +267,9 @@ def _malloc_trim() -> None:
         pass
 
 
-def fill(paths: Sequence[str], by_file: dict[int, list[Any]], *, block: int, verify: bool,
+def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int, verify: bool,
          open_reader: Callable[[str], Any], align: int) -> FillStats:
-    """Read, verify and copy every task's bytes. ``paths[i]`` is data file ``i``; ``by_file`` maps
+    """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
     a file index to its tasks (restore's _Task: fqn, chunk, inter, dest, dest_box, itemsize,
     dtype); ``open_reader(path)`` opens a :class:`distckpt.io.Reader` (one per worker and file).
 

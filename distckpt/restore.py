@@ -140,7 +140,7 @@ def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
 def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) -> tuple[int, str | None]:
     """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
     bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
-    from .fill import _READ_PIECE, fill
+    from .fill import READ_PIECE, fill
     from .io import choose_backend, open_reader
 
     if not tasks:
@@ -152,7 +152,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     choice = choose_backend(ckpt)
     paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
     stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=choice.offset_align,
-                 open_reader=lambda p: open_reader(p, choice=choice, block_size=_READ_PIECE))
+                 open_reader=lambda p: open_reader(p, choice=choice, block_size=READ_PIECE))
     return stats.bytes_read, choice.name
 
 
