@@ -229,7 +229,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="1G", help="bytes per file, e.g. 1G, 256M (default 1G)")
     p.add_argument("--repeat", type=int, default=5, help="repetitions, median reported (default 5)")
     p.add_argument("--backends", default="uring,pwrite,buffered", help="comma-separated backends")
-    p.add_argument("--baseline", choices=("auto", "fio", "loop"), default="auto")
+    p.add_argument("--baseline", choices=("auto", "fio", "loop"), default="auto",
+                   help="raw O_DIRECT reference: fio, a plain O_DIRECT loop, or auto (fio when installed)")
     p.add_argument("--block-size", default=None, help="override DISTCKPT_BLOCK_SIZE, e.g. 8M")
     p.add_argument("--queue-depth", type=int, default=None, help="override DISTCKPT_QUEUE_DEPTH")
     p.add_argument("--no-size-hint", action="store_true",

@@ -1358,11 +1358,14 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="bytes the save writes to that file system, e.g. 60G (= 60 GiB; "
                         f"{_sizes.CONVENTION})")
     p.add_argument("--backend", default=None, help="torch.distributed backend: nccl, gloo, ...")
-    p.add_argument("--world-size", type=int, default=None)
-    p.add_argument("--local-world-size", type=int, default=None)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks the job will run (checked against the torchrun variables when set)")
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="ranks per node (sizes the /dev/shm and fd estimates)")
     p.add_argument("--shm-bytes", type=_size_arg, default=None, metavar="SIZE",
-                   help="extra /dev/shm the job needs (DataLoader workers)")
-    p.add_argument("--keep-last", type=int, default=None)
+                   help="extra /dev/shm the job needs (DataLoader workers), e.g. 2G")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="CheckpointManager keep_last: warn when the steady state will not fit")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_cli)
 
