@@ -114,7 +114,7 @@ def _describe_dir(path: str) -> Exception | None:
         return None
     if not names:
         return CheckpointNotFoundError(
-            f"{path} is an empty directory: no checkpoint was ever saved here", path=path, found="empty",
+            f"{path} is an empty directory: no checkpoint was ever saved here (or its files were deleted)", path=path, found="empty",
             remedy="Pass the directory that distckpt.save() wrote, or the step directory of a "
                    "CheckpointManager root (`distckpt ls ROOT` lists them).")
     children = _committed_children(path, names)
