@@ -84,7 +84,11 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
                   s.tensor)
             for s in value.local_shards()
         ]
-        return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.size()), pieces, path)
+        # shape and dtype from the metadata: value.dtype / value.size() go through ShardedTensor's
+        # deprecated __torch_function__ and warn on every call (a FutureWarning per tensor saved).
+        md = value.metadata()
+        return TensorItem(fqn, "sharded_tensor", md.tensor_properties.dtype, tuple(int(n) for n in md.size),
+                          pieces, path)
     if DTensor is not None and isinstance(value, DTensor):
         local = value.to_local()
         shape = tuple(value.shape)
