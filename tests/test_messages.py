@@ -137,3 +137,38 @@ def test_a_tensor_as_the_whole_state_dict(tmp_path):
 
 def test_locate_agrees_with_the_save_protocol():
     assert locate._TMP_RE.pattern == TMP_RE.pattern
+
+
+# --------------------------------------------------------------------------------------------
+# Warnings from distckpt's own lines (the TorchRec example printed one FutureWarning per
+# ShardedTensor access: shape and dtype went through ShardedTensor's deprecated __torch_function__).
+
+
+def _sharded_tensor_warnings(rank, world_size, path):
+    import warnings
+
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    from distckpt.integrations import torchrec as dtr
+
+    def st(values):
+        return init_from_local_shards([Shard(values, ShardMetadata([0, 0], [4, 2], "rank:0/cpu"))], [4, 2])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distckpt.save({"st": st(torch.arange(8.0).reshape(4, 2))}, path)
+        out = {"st": st(torch.zeros(4, 2))}
+        distckpt.load(out, path)
+        assert torch.equal(out["st"].local_shards()[0].tensor, torch.arange(8.0).reshape(4, 2))
+        value = st(torch.zeros(4, 2))
+        assert dtr._gshape(value) == (4, 2) and dtr._gdtype(value) == torch.float32
+    ours = os.path.dirname(distckpt.__file__)
+    return [f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught
+            if w.filename.startswith(ours)]
+
+
+def test_no_warnings_from_our_lines_with_sharded_tensors(tmp_path):
+    from .distributed import run_ranks
+
+    (ours,) = run_ranks(_sharded_tensor_warnings, 1, str(tmp_path / "ck"))
+    assert ours == []
