@@ -58,6 +58,9 @@ def _created(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_PLAIN_KINDS = ("int", "float", "bool", "str", "bytes", "none")
+
+
 def inspect_document(m, path: str) -> dict:
     """The ``distckpt inspect --json`` document for the Manifest ``m`` (docs/CLI.md has the schema).
 
@@ -74,8 +77,10 @@ def inspect_document(m, path: str) -> dict:
     for fqn, o in m.objects.items():
         if o.kind == "pickle":
             values[fqn] = {"kind": "pickle", "bytes": len(o.value)}
-        else:
+        elif o.kind in _PLAIN_KINDS:
             values[fqn] = {"kind": o.kind, "value": _plain_json(o.value)}
+        else:  # stored outside the manifest (a DCP checkpoint's values): not loaded to be shown
+            values[fqn] = {"kind": o.kind}
     meta = dict(m.meta)
     return {
         "json_format": JSON_FORMAT,
@@ -83,7 +88,7 @@ def inspect_document(m, path: str) -> dict:
         "format_version": m.format_version,
         "save_id": m.save_id,
         "created_unix": m.created_unix,
-        "created_utc": _created(m.created_unix),
+        "created_utc": _created(m.created_unix) if m.created_unix > 0 else None,  # None: not recorded (DCP)
         "distckpt_version": meta.pop("distckpt_version", None),
         "io_backend": meta.pop("io_backend", None),
         "world_size": m.world_size,
@@ -107,13 +112,16 @@ def _print_inspect(doc: dict) -> None:
     t = doc["totals"]
     ws = doc["world_size"]
     print(f"checkpoint  {doc['path']}")
-    print(f"created     {doc['created_utc'].replace('T', ' ').replace('Z', ' UTC')}")
+    created = doc["created_utc"].replace("T", " ").replace("Z", " UTC") if doc["created_utc"] else "not recorded"
+    print(f"created     {created}")
     writer = f"distckpt {doc['distckpt_version']}" if doc["distckpt_version"] else "distckpt (version not recorded)"
     backend = f", io backend {doc['io_backend']}" if doc["io_backend"] else ""
     print(f"written by  {writer}{backend}; format v{doc['format_version']}, save {doc['save_id']}")
     print(f"world size  {ws} rank{'s' if ws != 1 else ''}; {t['files']} data file{'s' if t['files'] != 1 else ''}, "
           f"{format_bytes(t['file_bytes'])}")
-    print(f"checksums   {doc['checksum']['algorithm']} per {format_bytes(doc['checksum']['block_bytes'])} block")
+    algo = doc["checksum"]["algorithm"]
+    print(f"checksums   {algo} per {format_bytes(doc['checksum']['block_bytes'])} block" if algo != "none" else
+          "checksums   none (the format has none)")
     print(f"contents    {t['tensors']} tensors ({t['elements']:,} elements, {format_bytes(t['tensor_bytes'])}), "
           f"{t['values']} values")
     if doc["values"]:
@@ -121,6 +129,8 @@ def _print_inspect(doc: dict) -> None:
         for fqn, v in doc["values"].items():
             if v["kind"] == "pickle":
                 shown = f"<pickled object, {v['bytes']} bytes, not unpickled>"
+            elif "value" not in v:
+                shown = f"<{v['kind']} value, not loaded>"
             elif v["kind"] == "bytes":
                 shown = f"<{v['value']['bytes']} bytes>"
             else:
@@ -145,6 +155,20 @@ def _cmd_inspect(args) -> int:
 
     path = os.path.abspath(args.path)
     check_checkpoint_dir(path)
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        from .dcp import is_dcp_checkpoint
+        if is_dcp_checkpoint(path):  # torch.distributed.checkpoint: its .metadata read as a manifest
+            from .restore import load_manifest
+            m = load_manifest(path)
+            if args.manifest:
+                raise DistCkptError("a torch.distributed.checkpoint has no MANIFEST to print", path=path,
+                                    remedy="Use --json for its contents.")
+            doc = inspect_document(m, path)
+            if args.json:
+                print(json.dumps(doc, indent=1))
+            else:
+                _print_inspect(doc)
+            return 0
     m = mf.load_manifest(path)
     if args.manifest:
         print(json.dumps(_plain_json(mf.to_plain(m)), indent=1))
@@ -160,6 +184,13 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
+    if os.path.isfile(os.path.join(args.path, ".metadata")):
+        from .dcp import is_dcp_checkpoint
+        if is_dcp_checkpoint(args.path):  # DCP writes no checksums: say what was checked, no more
+            from .restore import read
+            read(args.path)
+            print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
+            return 0
     from tqdm import tqdm
 
     from .verify import verify
@@ -251,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per read; memory use is about twice this (default 16M)")
     p.set_defaults(func=_cmd_verify)
     # importlib, not `from . import preflight`: the package attribute of that name is the function.
-    for module in ("distckpt.preflight", "distckpt.bench"):
+    for module in ("distckpt.preflight", "distckpt.bench", "distckpt.convert"):
         importlib.import_module(module).add_parser(sub)
     return parser
 
