@@ -18,7 +18,7 @@ from .errors import DistCkptError  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
 from .restore import LoadResult, load, read, read_manifest  # noqa: E402
 from .save import SaveResult, save  # noqa: E402
-from .async_save import AsyncSaveHandle, async_save  # noqa: E402
+from .async_save import AsyncSaveHandle, async_save, release_staging_memory  # noqa: E402
 from .preflight import preflight  # noqa: E402  (binds the function over the submodule's name)
 
 
@@ -30,6 +30,7 @@ __all__ = [
     "read",
     "read_manifest",
     "CheckpointManager",
+    "release_staging_memory",
     "SaveResult",
     "LoadResult",
     "DistCkptError",
