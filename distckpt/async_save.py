@@ -413,7 +413,12 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
             except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
                 error = exc
             finally:
-                planned.mine.clear()  # drop the views into the arena before it is reused
+                # Drop the views into the arena before it is reused or freed: the pieces may sit in
+                # reference cycles of the flattened state (freed only by a later gc pass), and a
+                # view would keep the whole arena's memory alive until then.
+                for _fqn, piece in planned.mine:
+                    piece.tensor = None
+                planned.mine.clear()
                 _POOL.release(arena)
                 SAVE_GATE.release()
                 handle._finish(result, error)
