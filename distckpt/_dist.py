@@ -121,8 +121,9 @@ def _portable(error: BaseException | None) -> BaseException | None:
 _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 
 
-# group name -> how many arrival checks this process has made on it (every rank counts alike).
-_ARRIVALS: dict[str, int] = {}
+# process group -> how many arrival checks this process has made on it (every rank counts alike;
+# a new world after destroy_process_group is a new key, with a new store).
+_ARRIVALS: dict[Any, int] = {}
 
 
 def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
@@ -144,8 +145,8 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
     except Exception as exc:  # private API moved: say so rather than silently skip the check
         raise PeerLostError(f"cannot reach the job's store for the arrival check of {operation}: "
                             f"{type(exc).__name__}: {exc}", rank=rank) from exc
-    seq = _ARRIVALS.get(name, 0) + 1
-    _ARRIVALS[name] = seq
+    seq = _ARRIVALS.get(pg, 0) + 1
+    _ARRIVALS[pg] = seq
     base = f"distckpt/arrive/{name}"
     done = f"{base}/{seq}/done"
     try:
