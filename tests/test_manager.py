@@ -404,3 +404,38 @@ def test_staging_pool_bound(tmp_path, monkeypatch):
     distckpt.async_save({"w": torch.ones(1 << 19)}, tmp_path / "c").result()  # 2 MiB arena: not kept
     assert staging_pool().idle_bytes() <= 1 << 20
     assert distckpt.release_staging_memory() <= 1 << 20 and staging_pool().idle_bytes() == 0
+
+
+def test_other_hosts_leftovers_are_left_alone(tmp_path):
+    # A crashed save whose lock record names another host: on a file system whose flock may be
+    # local to each host, a free lock there proves nothing, so it is reported, not deleted.
+    root = tmp_path / "root"
+    root.mkdir()
+    tmp = root / (".step_00000004.tmp-" + "ab" * 16)
+    tmp.mkdir()
+    (tmp / "rank00000.bin").write_bytes(b"x")
+    (root / ".step_00000004.lock").write_text(json.dumps(
+        {"host": "some-other-host", "pid": 1, "started_unix": 0, "save_id": "ab" * 16, "what": "x"}))
+    mgr = distckpt.CheckpointManager(root)
+    states = {lo.entry: lo.state for lo in mgr.describe().leftovers}
+    assert states[tmp.name] == "unknown" and states[".step_00000004.lock"] == "unknown"
+    assert mgr.reclaim() == [] and tmp.exists()
+    mgr.save(5, {"w": torch.ones(2)})  # a save in the same root leaves it alone too
+    assert tmp.exists()
+    assert sorted(mgr.reclaim(other_hosts=True)) == [".step_00000004.lock", tmp.name]
+    assert sorted(os.listdir(root)) == ["latest", "step_00000005"]
+
+
+def test_plain_save_of_a_path_being_saved_is_refused(tmp_path):
+    from distckpt.storage import savelock
+    held = savelock.acquire(str(tmp_path / ".ck.lock"), save_id="cd" * 16, what=str(tmp_path / "ck"))
+    try:
+        with pytest.raises(SaveInProgressError) as ei:
+            distckpt.save({"w": torch.ones(2)}, tmp_path / "ck")
+        assert ei.value.owner["pid"] == os.getpid()
+        assert sorted(os.listdir(tmp_path)) == [".ck.lock"]
+    finally:
+        held.release()
+    assert os.listdir(tmp_path) == []
+    distckpt.save({"w": torch.ones(2)}, tmp_path / "ck")
+    assert os.listdir(tmp_path) == ["ck"]
