@@ -148,11 +148,15 @@ def scan_leftovers(parent: str, *, other_hosts: bool = False) -> list[Leftover]:
     out = []
     for name, members in groups.items():
         own = savelock.probe(lock_file(parent, name), other_hosts=other_hosts)
+        if all(kind == "lock" for _, kind in members) and not (own.owner and "save_id" in own.owner):
+            continue  # a ".X.lock" of some other tool, not a save lock of ours: not ours to touch
         states = {own.state, root_state.state}
         state = "alive" if "alive" in states else "unknown" if "unknown" in states else "dead"
         holder = own if own.state == "alive" or root_state.state != "alive" else root_state
         owner = holder.owner or own.owner or root_state.owner
-        out += [Leftover(e, name, kind, os.path.join(parent, e), state, owner) for e, kind in members]
+        # A lock entry carries its own record (what reclaim must match before unlinking it).
+        out += [Leftover(e, name, kind, os.path.join(parent, e), state, own.owner if kind == "lock" else owner)
+                for e, kind in members]
     if ROOT_LOCK_NAME in entries:
         out.append(Leftover(ROOT_LOCK_NAME, "", "lock", os.path.join(parent, ROOT_LOCK_NAME),
                             root_state.state if root_state.state != "absent" else "dead", root_state.owner))
@@ -168,15 +172,21 @@ def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool 
     Returns the entries removed."""
     from .storage import savelock
     removed, kept = [], []
-    for lo in scan_leftovers(parent, other_hosts=other_hosts):
+    leftovers = scan_leftovers(parent, other_hosts=other_hosts)
+    with_dirs = {lo.name for lo in leftovers if lo.kind != "lock"}
+    for lo in leftovers:
         if name is not None and lo.name not in (name, ""):
             continue
         if lo.state != "dead":
             kept.append(lo)
             continue
         if lo.kind == "lock":
-            # Only a lock whose record is unchanged since the probe, under an exclusive lock.
-            if savelock.remove_if_dead(lo.path, lo.owner.get("save_id") if lo.owner else None):
+            # Only a lock of ours (an owner record; or an empty one, of a save that died while
+            # starting, beside its leftovers or at the root lock's name) whose record is unchanged
+            # since the probe, under an exclusive lock.
+            save_id = lo.owner.get("save_id") if lo.owner else None
+            ours = save_id is not None or (lo.owner is None and (lo.entry == ROOT_LOCK_NAME or lo.name in with_dirs))
+            if ours and savelock.remove_if_dead(lo.path, save_id):
                 removed.append(lo.entry)
         else:
             local.delete_tree(lo.path)

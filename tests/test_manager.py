@@ -439,3 +439,10 @@ def test_plain_save_of_a_path_being_saved_is_refused(tmp_path):
     assert os.listdir(tmp_path) == []
     distckpt.save({"w": torch.ones(2)}, tmp_path / "ck")
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_foreign_lock_files_are_not_touched(tmp_path):
+    (tmp_path / ".tool.lock").write_text("held by some other program")
+    assert distckpt.CheckpointManager(tmp_path).reclaim() == []
+    assert distckpt.CheckpointManager(tmp_path).describe().leftovers == []
+    assert (tmp_path / ".tool.lock").exists()
