@@ -80,6 +80,34 @@ def leftovers(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if LEFTOVER_RE.match(n))
 
 
+def name_pattern(name: str) -> str:
+    """A name with its ids and numbers blanked: ``.step_00000003.tmp-<uuid>`` -> ``.step_*.tmp-*``."""
+    return re.sub(r"[0-9a-f]{8,}|\d+", "*", name)
+
+
+def tree_fingerprint(root: str) -> str:
+    """What a crash left under ``root``, ids blanked: names, sizes and contents. Two states with
+    the same fingerprint give the same check result, so it is run once per fingerprint."""
+    import hashlib
+    import zlib
+    h = hashlib.sha1()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, root)
+        h.update(f"D{_UUID_RE.sub('*', rel)}\0".encode())
+        for name in sorted(filenames, key=lambda n: _UUID_RE.sub("*", n)):
+            with open(os.path.join(dirpath, name), "rb") as f:
+                data = f.read()
+            # A MANIFEST holds its save's id and time, different in every run: it is written in
+            # one write(), so its size tells its state (absent, empty, complete).
+            digest = 0 if name == "MANIFEST" else zlib.crc32(data)
+            h.update(f"F{_UUID_RE.sub('*', name)}\0{len(data)}\0{digest}\0".encode())
+    return h.hexdigest()
+
+
+_UUID_RE = re.compile(r"[0-9a-f]{32}")
+
+
 def _check_steps_load(root: str, steps: list[int], what: str) -> list[str]:
     import distckpt
     bad = []
@@ -97,7 +125,7 @@ def _check_steps_load(root: str, steps: list[int], what: str) -> list[str]:
 
 
 def check_after_crash(root: str, *, before: list[int], acked: int | None, in_flight: int | None,
-                      resume: bool = True) -> dict:
+                      resume: bool = True, usual_names: set[str] | None = None) -> dict:
     """Check ``root`` after a crash (nothing running on it). Returns ``{"violations": [...], ...}``.
 
     Args:
@@ -106,6 +134,9 @@ def check_after_crash(root: str, *, before: list[int], acked: int | None, in_fli
         in_flight: the step being saved when the crash came (None: nothing was in flight).
         resume: then restart as a job would: a fresh manager loads the newest step and saves the
             next one, which must reclaim the leftovers (I6).
+        usual_names: patterns (:func:`name_pattern`) of the hidden names a root keeps after
+            crash-free saves; any other hidden name still there after the next save is garbage
+            nothing will ever reclaim (I6).
 
     The result also says what the crash left: ``committed`` (steps), ``leftovers`` (hidden names),
     ``loaded`` (the step CheckpointManager.load restored), ``new_committed`` (in_flight committed).
@@ -178,6 +209,10 @@ def check_after_crash(root: str, *, before: list[int], acked: int | None, in_fli
     after = committed_steps(root)
     if leftovers(root):
         v.append(f"I6: leftovers not reclaimed by the next save: {leftovers(root)}")
+    if usual_names is not None:
+        odd = sorted(n for n in os.listdir(root) if n.startswith(".") and name_pattern(n) not in usual_names)
+        if odd:
+            v.append(f"I6: hidden names no crash-free save leaves, still there after the next save: {odd}")
     if not after or after[-1] != nxt:
         v.append(f"I6: after the next save the newest step is {after[-1] if after else None}, not {nxt}")
     if len(after) > KEEP:

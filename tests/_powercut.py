@@ -132,6 +132,8 @@ class PowerCutHarness:
             mgr.save(s, expected_state(s))
         for s in range(1, STEPS[-1] + 3):
             expected_state(s)
+        from tests._crash_state import name_pattern
+        self.usual_names = {name_pattern(n) for n in os.listdir(os.path.join(seed, "ckpt")) if n.startswith(".")}
         self.daemon = Daemon(os.path.join(workdir, "mnt"))
         self.daemon.send(cmd="seed", dir=seed, image="seed")
         self.daemon.expect("seeded")
@@ -205,7 +207,8 @@ class PowerCutHarness:
         from tests._crash_state import check_after_crash
         self.daemon.mount(image, tag="after")
         try:
-            out = check_after_crash(self.root, before=_before(in_flight), acked=acked, in_flight=in_flight)
+            out = check_after_crash(self.root, before=_before(in_flight), acked=acked, in_flight=in_flight,
+                                    usual_names=self.usual_names)
         except BaseException as exc:  # noqa: BLE001
             out = {"violations": [f"the check itself failed: {type(exc).__name__}: {exc}"]}
         finally:
