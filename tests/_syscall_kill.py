@@ -20,11 +20,12 @@ every lazy import and the backend probe, so a forked rank goes straight to the s
    The kernel delivers SIGKILL on entry to that call, so the call never runs and every earlier one
    did: the file system is left exactly as after the calls before it. The trace of the trial says
    which call was really hit ("landed"); with 2 ranks the survivor is left to finish (it must see
-   the peer vanish, within DISTCKPT_TIMEOUT_S) and its outcome recorded: a survivor rank 0 whose
-   save returned has acknowledged step 3, which must then be committed.
-3. After each kill, in a forked child: :func:`tests._crash_state.check_after_crash` (old or new,
-   bit-exact, no earlier step damaged, ``latest`` sane), then a fresh manager loads and saves the
-   next step, which must reclaim every leftover.
+   the peer vanish, within DISTCKPT_TIMEOUT_S) and its outcome recorded: a save() that returned on
+   any rank acknowledged step 3, which must then be committed.
+3. After each kill: :func:`tests._crash_state.check_after_crash` (old or new, bit-exact, no
+   earlier step damaged, ``latest`` sane), then a fresh manager loads and saves the next step,
+   which must reclaim every leftover. Kills that leave the same files (by
+   :func:`tests._crash_state.tree_fingerprint`) and the same acknowledgement are checked once.
 
 io_uring: data writes are submitted as SQEs, which strace cannot see; the system calls are
 ``io_uring_enter`` (submit one SQE, or wait for completions). A kill on entry to a submitting
@@ -39,8 +40,7 @@ file, the interleavings that matter for a data file written front to back.
 
 Run by tests/test_crash_syscalls.py; outside CI, ``python -m tests._syscall_kill --world 2
 --backend pwrite --victim 1 --full`` runs every call of the save instead of the CI selection
-(every call of the commit phase, every mutating call of the other phases, a stride of the rest).
-Prints a JSON summary on stdout.
+(:data:`FOCUS`). Prints a JSON summary on stdout.
 """
 
 from __future__ import annotations
@@ -161,16 +161,19 @@ def _free_port() -> int:
 
 
 def _attached(pid: int) -> bool:
+    """Whether every thread of ``pid`` has a tracer (threads that exit meanwhile do not count)."""
     try:
-        for t in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{t}/status") as f:
-                for line in f:
-                    if line.startswith("TracerPid:"):
-                        if int(line.split()[1]) == 0:
-                            return False
-                        break
-    except FileNotFoundError:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                tracer = next((int(line.split()[1]) for line in f if line.startswith("TracerPid:")), 0)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if tracer == 0:
+            return False
     return True
 
 
@@ -188,6 +191,9 @@ class AttachError(RuntimeError):
 
 
 class Harness:
+    """The fork server for one configuration: the template root, the count run, the trials.
+    The configuration (DISTCKPT_* variables, the backend) must be set before it is made."""
+
     def __init__(self, world: int, backend: str, victim: int, workdir: str, mutation: str | None = None) -> None:
         import torch
         torch.set_num_threads(1)
@@ -423,6 +429,9 @@ def run_backend(world: int, backend: str, victim: int, full: bool, workdir: str,
         "new_committed": sum(bool(r["new_committed"]) for r in results),
         "left_leftovers": sum(bool(r["leftovers"]) for r in results),
         "survivor_outcomes": dict(survivors),
+        # The step was committed, yet no rank's save() returned: the caller was told it failed.
+        "committed_but_reported_failed": sum(bool(r["new_committed"]) and "ok" not in r["survivors"].values()
+                                             for r in results if r["killed"]),
         "hung": [r["point"] for r in results if r["hung"]],
         "violations": [(r["point"], r["violations"]) for r in results if r["violations"]],
         # Kill points in the focus phases whose call could not be matched in the trial's trace
