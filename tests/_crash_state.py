@@ -98,9 +98,10 @@ def tree_fingerprint(root: str) -> str:
         for name in sorted(filenames, key=lambda n: _UUID_RE.sub("*", n)):
             with open(os.path.join(dirpath, name), "rb") as f:
                 data = f.read()
-            # A MANIFEST holds its save's id and time, different in every run: it is written in
-            # one write(), so its size tells its state (absent, empty, complete).
-            digest = 0 if name == "MANIFEST" else zlib.crc32(data)
+            # The check reads data files and ``latest``: their bytes count. A MANIFEST holds its
+            # save's id and time, a lock file its owner, different in every run; a MANIFEST is
+            # written in one write(), so its size tells its state (absent, empty, complete).
+            digest = zlib.crc32(data) if re.match(r"rank\d+\.bin$", name) or "latest" in name else 0
             h.update(f"F{_UUID_RE.sub('*', name)}\0{len(data)}\0{digest}\0".encode())
     return h.hexdigest()
 
