@@ -256,3 +256,40 @@ def apply_mutation(name: str | None) -> None:
         writer.Writer.__init__ = init
     else:
         raise ValueError(f"unknown mutation {name!r}")
+
+
+def check_overwrite_after_crash(path: str, *, old: int, new: int, acked: bool,
+                                usual_names: set[str] | None = None) -> dict:
+    """Check a checkpoint replaced in place (``save(..., overwrite=True)``) after a crash: ``path``
+    holds the old or the new step, complete and bit-exact, never nothing and never a mix (the
+    swap is one RENAME_EXCHANGE); the new one when its save returned; the next overwrite then
+    succeeds and leaves no leftover beside it (I1, I3, I6)."""
+    import distckpt
+    v: list[str] = []
+    parent = os.path.dirname(path)
+    try:
+        got = distckpt.read(path)
+    except Exception as exc:  # noqa: BLE001
+        return {"violations": [f"I1: {path} does not load after the crash: {type(exc).__name__}: {exc}"]}
+    which = new if same(got, expected_state(new)) else old if same(got, expected_state(old)) else None
+    if which is None:
+        v.append(f"I1: {path} loads but is neither step {old} nor step {new}, bit-exact (a mix?)")
+    elif acked and which != new:
+        v.append(f"I3: the overwrite returned, yet {path} holds the old step {old}")
+    out = {"violations": v, "new_committed": which == new, "leftovers": leftovers(parent)}
+    if v:
+        return out
+    try:
+        distckpt.save(expected_state(new + 1), path, overwrite=True)
+    except Exception as exc:  # noqa: BLE001
+        v.append(f"I6: the next overwrite failed: {type(exc).__name__}: {exc}")
+        return out
+    if not same(distckpt.read(path), expected_state(new + 1)):
+        v.append("I1: after the next overwrite the checkpoint is not that step")
+    if leftovers(parent):
+        v.append(f"I6: leftovers not reclaimed by the next save: {leftovers(parent)}")
+    if usual_names is not None:
+        odd = sorted(n for n in os.listdir(parent) if n.startswith(".") and name_pattern(n) not in usual_names)
+        if odd:
+            v.append(f"I6: hidden names no crash-free save leaves, still there after the next save: {odd}")
+    return out

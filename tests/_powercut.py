@@ -1,4 +1,5 @@
-"""Power cuts at every operation of two saves, on the FUSE file system of tests/_powercut_fs.py.
+"""Power cuts at every operation of two saves, on the FUSE file system of tests/_powercut_fs.py
+(or, ``--scenario overwrite``, of one ``save(..., overwrite=True)`` replacing a checkpoint in place).
 
 This process is a fork server (torch and distckpt imported once) and drives one daemon:
 
@@ -119,17 +120,21 @@ class Daemon:
 
 
 class PowerCutHarness:
-    def __init__(self, workdir: str, mutation: str | None = None) -> None:
+    def __init__(self, workdir: str, mutation: str | None = None, scenario: str = "manager") -> None:
         import torch
         torch.set_num_threads(1)
         import distckpt
         from tests._crash_state import KEEP, expected_state
         self.workdir = workdir
         self.mutation = mutation
+        self.scenario = scenario
         seed = os.path.join(workdir, "seed")
-        mgr = distckpt.CheckpointManager(os.path.join(seed, "ckpt"), keep_last=KEEP)
-        for s in (1, 2):
-            mgr.save(s, expected_state(s))
+        if scenario == "manager":
+            mgr = distckpt.CheckpointManager(os.path.join(seed, "ckpt"), keep_last=KEEP)
+            for s in (1, 2):
+                mgr.save(s, expected_state(s))
+        else:  # "overwrite": one checkpoint holding step 2, replaced in place by step 3
+            distckpt.save(expected_state(2), os.path.join(seed, "ckpt", "x"))
         for s in range(1, STEPS[-1] + 3):
             expected_state(s)
         from tests._crash_state import name_pattern
@@ -154,6 +159,10 @@ class PowerCutHarness:
             apply_mutation(self.mutation)
             logging.disable(logging.CRITICAL)  # after the cut every operation fails: expected noise
             reset_choices()  # probe the backend in every run, so every run does the same operations
+            if self.scenario == "overwrite":
+                res = distckpt.save(expected_state(3), os.path.join(self.root, "x"), overwrite=True)
+                os.write(ack_w, f"3 {res.backend}\n".encode())
+                return
             mgr = distckpt.CheckpointManager(self.root, keep_last=KEEP)
             for step in STEPS:
                 res = mgr.save(step, expected_state(step))
@@ -204,11 +213,15 @@ class PowerCutHarness:
         key = f"{fp}/{acked}/{in_flight}"
         if key in self.checked:
             return {**self.checked[key], "cached": True}
-        from tests._crash_state import check_after_crash
+        from tests._crash_state import check_after_crash, check_overwrite_after_crash
         self.daemon.mount(image, tag="after")
         try:
-            out = check_after_crash(self.root, before=_before(in_flight), acked=acked, in_flight=in_flight,
-                                    usual_names=self.usual_names)
+            if self.scenario == "overwrite":
+                out = check_overwrite_after_crash(os.path.join(self.root, "x"), old=2, new=3, acked=acked == 3,
+                                                  usual_names=self.usual_names)
+            else:
+                out = check_after_crash(self.root, before=_before(in_flight), acked=acked, in_flight=in_flight,
+                                        usual_names=self.usual_names)
         except BaseException as exc:  # noqa: BLE001
             out = {"violations": [f"the check itself failed: {type(exc).__name__}: {exc}"]}
         finally:
@@ -223,14 +236,17 @@ class PowerCutHarness:
         self.daemon.close()
 
 
-def run_campaign(workdir: str, *, last_only: bool = False, mutation: str | None = None) -> dict:
-    """Cut after every operation (``last_only``: only after the last one, i.e. once both saves
-    returned); ``mutation`` breaks the commit protocol in the saver (tests/_crash_state.py)."""
+def run_campaign(workdir: str, *, last_only: bool = False, mutation: str | None = None,
+                 scenario: str = "manager") -> dict:
+    """Cut after every operation (``last_only``: only after the last one, i.e. once every save
+    returned); ``mutation`` breaks the commit protocol in the saver (tests/_crash_state.py);
+    ``scenario``: "manager" (steps 3 and 4 through CheckpointManager) or "overwrite" (one
+    checkpoint replaced in place: ``save(..., overwrite=True)``, a RENAME_EXCHANGE)."""
     t0 = time.monotonic()
-    h = PowerCutHarness(workdir, mutation)
+    h = PowerCutHarness(workdir, mutation, scenario)
     try:
         count = h.run_saves(None, "count")
-        if count["acked"] != list(STEPS):
+        if count["acked"] != ([3] if scenario == "overwrite" else list(STEPS)):
             raise RuntimeError(f"the uncut run did not acknowledge {STEPS}: {count}")
         ops = count["ops"]
         kinds = collections.Counter(k for k, _ in ops)
@@ -239,7 +255,8 @@ def run_campaign(workdir: str, *, last_only: bool = False, mutation: str | None 
             run = h.run_saves(n, "cut")
             acked_steps = run["acked"]
             acked = acked_steps[-1] if acked_steps else 2
-            in_flight = acked + 1 if acked < STEPS[-1] else None
+            last = 3 if scenario == "overwrite" else STEPS[-1]
+            in_flight = acked + 1 if acked < last else None
             drift = [i for i, (a, b) in enumerate(zip(run["ops"], ops)) if a[0] != b[0]]
             at = ops[n] if n < len(ops) else ("end", "")
             for model, img in run["images"].items():
@@ -252,6 +269,7 @@ def run_campaign(workdir: str, *, last_only: bool = False, mutation: str | None 
             h.daemon.expect("dropped")
         per_model = collections.Counter(r["model"] for r in results if not r["cached"])
         return {
+            "scenario": scenario,
             "backend": h.backend,
             "ops_per_run": len(ops),
             "op_kinds": dict(kinds),
@@ -274,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("auto", "uring", "pwrite", "buffered"), default="uring")
     ap.add_argument("--workdir", help="default: a temporary directory, removed at the end")
     ap.add_argument("--last-only", action="store_true", help="one cut, after the last operation")
+    ap.add_argument("--scenario", choices=("manager", "overwrite"), default="manager")
     ap.add_argument("--mutation", help="break the commit protocol on purpose (see tests/_crash_state.py)")
     args = ap.parse_args(argv)
     os.environ.update(CRASH_ENV)
     os.environ["DISTCKPT_IO_BACKEND"] = args.backend
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="distckpt-powercut-"))
-        summary = run_campaign(workdir, last_only=args.last_only, mutation=args.mutation)
+        summary = run_campaign(workdir, last_only=args.last_only, mutation=args.mutation, scenario=args.scenario)
     json.dump(summary, sys.stdout, indent=1)
     print()
     return 0

@@ -1,4 +1,5 @@
-"""Power loss at every operation of two saves (I1, I2, I3, I6), on a FUSE file system that drops
+"""Power loss at every operation of two saves, and of an in-place overwrite (I1, I2, I3, I6), on a
+FUSE file system that drops
 everything no fsync covered (tests/_powercut_fs.py: the model, and where real ext4 is kinder;
 tests/_powercut.py: the cut points, the three images a restart may find, the checks).
 
@@ -58,6 +59,17 @@ def test_power_cut_after_every_operation(tmp_path, backend):
     # ...and each model produced images of its own that were checked.
     assert all(s["images_checked_per_model"].get(m, 0) > 0 for m in ("strict", "meta", "all"))
     assert 0 < s["cuts_with_new_step_committed"]
+
+
+def test_power_cut_during_an_overwrite(tmp_path):
+    # save(..., overwrite=True) swaps the new directory with the old one (RENAME_EXCHANGE, which
+    # the FUSE file system implements): the name always holds one whole checkpoint.
+    s = _run(tmp_path, "--scenario", "overwrite", "--backend", "pwrite", timeout=600)
+    print(json.dumps(s))
+    assert s["violations"] == []
+    assert s["drifted_runs"] == []
+    assert set(s["acked_at_cut"]) == {"2", "3"}
+    assert "rename" in s["op_kinds"] and s["cuts_with_new_step_committed"] > 0
 
 
 @pytest.mark.parametrize("mutation", ["no-data-fsync", "no-tmpdir-fsync"])
