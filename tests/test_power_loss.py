@@ -1,7 +1,7 @@
 """Power loss at every operation of two saves, and of an in-place overwrite (I1, I2, I3, I6), on a
-FUSE file system that drops
-everything no fsync covered (tests/_powercut_fs.py: the model, and where real ext4 is kinder;
-tests/_powercut.py: the cut points, the three images a restart may find, the checks).
+FUSE file system that drops everything no fsync covered (tests/_powercut_fs.py: the model, and
+where real ext4 is kinder; tests/_powercut.py: the cut points, the three images a restart may
+find, the checks).
 
 O_DIRECT works on FUSE here (the kernel passes O_DIRECT writes to the daemon uncached; ``auto``
 picks ``uring`` there). CI runs ``pwrite`` (the same O_DIRECT writes, one at a time: the daemon
