@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
