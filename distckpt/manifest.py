@@ -42,6 +42,7 @@ import msgpack
 
 from .errors import CheckpointIncompleteError, ManifestCorruptError, from_os_error
 from .plan import Box, find_tiling_defect
+from .values import check_node
 
 __all__ = [
     "MAGIC",
@@ -68,8 +69,8 @@ __all__ = [
 ]
 
 MAGIC = b"DCKPTMF1"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 MANIFEST_NAME = "MANIFEST"
 
 _HEADER = struct.Struct("<8sIIQ")  # magic, format_version, flags, body_length
@@ -132,7 +133,11 @@ OBJECT_KINDS: Mapping[str, type] = {
     "bytes": bytes,
     "none": type(None),
     "pickle": bytes,
+    # Format 2: a typed value node (distckpt.values), checked by values.check_node.
+    "value": object,
 }
+#: Object kinds a format-1 manifest may hold.
+_V1_OBJECT_KINDS = frozenset({"int", "float", "bool", "str", "bytes", "none", "pickle"})
 
 
 def data_file_name(rank: int) -> str:
@@ -538,7 +543,14 @@ def validate(m: Manifest, *, path: Any = None) -> None:
             raise _corrupt(f"{where}: expected an ObjectEntry, found {type(o).__name__}", path)
         if not isinstance(o.kind, str) or o.kind not in OBJECT_KINDS:
             raise _corrupt(f"{where}: kind {o.kind!r} is not one of {sorted(OBJECT_KINDS)}", path)
-        if type(o.value) is not OBJECT_KINDS[o.kind]:
+        if o.kind not in _V1_OBJECT_KINDS and m.format_version < 2:
+            raise _corrupt(f"{where}: kind {o.kind!r} needs format version 2, the manifest is version {m.format_version}",
+                           path)
+        if o.kind == "value":
+            problem = check_node(o.value, where)
+            if problem is not None:
+                raise _corrupt(problem, path)
+        elif type(o.value) is not OBJECT_KINDS[o.kind]:
             raise _corrupt(
                 f"{where}: a {o.kind!r} object needs a {OBJECT_KINDS[o.kind].__name__} value, found {type(o.value).__name__}",
                 path,
@@ -606,7 +618,7 @@ def encode(m: Manifest) -> bytes:
     except ManifestCorruptError as e:
         raise ValueError(f"refusing to encode an invalid manifest: {e.message}") from e
     body = msgpack.packb(_to_body(m), use_bin_type=True, strict_types=False, datetime=False)
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+    head = _HEADER.pack(MAGIC, m.format_version, 0, len(body)) + body
     return head + _TRAILER.pack(_crc32c.crc32c(head))
 
 
