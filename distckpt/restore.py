@@ -432,13 +432,6 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
             if isinstance(saved, mf.ObjectEntry) and saved.kind == "pickle":
                 pickled.append(fqn)
             objects.append((item, saved))
-    if dtype_mm:
-        raise StateDictMismatchError(
-            f"{len(dtype_mm)} tensor(s) saved in another dtype, and the conversion is not exact: "
-            + "; ".join(f"{k}: saved {a}, wanted {b}" for k, (a, b) in list(dtype_mm.items())[:10]),
-            path=path, missing=[], unexpected=[], shape_mismatch={}, dtype_mismatch=dtype_mm,
-            remedy="Pass cast='allow' to load to convert them (rounding to the wanted dtype, as DCP does), or "
-                   "build the state dict in the saved dtype.")
     uninitialized = []
     opt_prefixes = [".".join(str(k) for k in p) + ".state." if p else "state." for p in optimizer_paths]
     for fqn in list(manifest.tensors) + list(manifest.objects):
@@ -454,23 +447,35 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
               "cannot be resharded exactly from it", path=path, key=reshard[0],
             remedy="Save and load TorchRec models with distckpt.integrations.torchrec (dtr.state_dict / dtr.load), "
                    "which stores row-wise state in a plan-independent form, or keep the column split.")
-    if strict and (missing or mismatched or uninitialized):
+    if dtype_mm or (strict and (missing or mismatched or uninitialized)):
         parts = []
-        if missing:
+        if dtype_mm:
+            # Never skipped, whatever ``strict`` says: a tensor left at its initial values is silent loss.
+            parts.append(f"{len(dtype_mm)} tensor(s) saved in another dtype, and the conversion is not exact "
+                         f"(pass cast='allow' to convert them, rounding as DCP does): "
+                         + "; ".join(f"{k}: saved {a}, wanted {b}" for k, (a, b) in list(dtype_mm.items())[:10]))
+        if not strict:
+            missing_, mismatched_ = [], {}
+        else:
+            missing_, mismatched_ = missing, mismatched
+        if missing_:
             parts.append(f"{len(missing)} missing from the checkpoint: {missing[:10]}")
-        if mismatched:
+        if mismatched_:
             parts.append(f"{len(mismatched)} mismatched: " + "; ".join(f"{k}: {v}" for k, v in list(mismatched.items())[:10]))
-        if uninitialized:
+        if uninitialized and strict:
             parts.append(f"the checkpoint holds optimizer state {uninitialized[:10]} ({len(uninitialized)} keys) "
                          f"but the state dict's optimizer has no state yet, so it would not be loaded")
         remedy = None
-        if uninitialized:
+        if dtype_mm:
+            remedy = ("Pass cast='allow' to load to convert them (rounding to the wanted dtype, as DCP does), or "
+                      "build the state dict in the saved dtype.")
+        elif uninitialized:
             remedy = ("Build the optimizer's state dict with torch.distributed.checkpoint.state_dict."
                       "get_optimizer_state_dict(model, optim) (or get_state_dict), which initializes the state, "
                       "and apply it with set_optimizer_state_dict after the load; or run one optimizer step "
                       "with zero gradients before optim.state_dict(). strict=False loads without that state.")
         raise StateDictMismatchError("state dict and checkpoint disagree: " + " | ".join(parts), path=path,
-                                     missing=missing, unexpected=[], shape_mismatch=shape_mm,
+                                     missing=missing, unexpected=unexpected, shape_mismatch=shape_mm,
                                      dtype_mismatch=dtype_mm, remedy=remedy)
     if uninitialized:
         log.warning("distckpt: load of %s: optimizer state not loaded (the optimizer has no state yet): %s",
