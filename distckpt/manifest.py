@@ -1,10 +1,10 @@
-"""The MANIFEST file: dataclasses, byte encoding (format version 1), and validation.
+"""The MANIFEST file: dataclasses, byte encoding (format version 2; version 1 is read too), and validation.
 
 Byte layout (all integers little-endian; docs/FORMAT.md is the normative description)::
 
     magic          8 bytes   b"DCKPTMF1"
-    format_version u32       1
-    flags          u32       0 (no flag is defined in version 1)
+    format_version u32       1 or 2 (the manifest's own version)
+    flags          u32       0 (no flag is defined in versions 1 and 2)
     body_length    u64       number of body bytes that follow
     body           msgpack   one map with str keys (use_bin_type; no ext types; never pickle)
     checksum       u32       crc32c of every byte before it (header and body)
@@ -264,7 +264,7 @@ class Manifest:
     """Everything needed to load a checkpoint, and nothing that runs code.
 
     Attributes:
-        format_version: Format version of the bytes (1).
+        format_version: Format version of the bytes (1 or 2; 2 adds the ``value`` object kind).
         save_id: Unique id of the save that wrote the checkpoint.
         world_size: Number of ranks that saved it.
         created_unix: Commit time, seconds since the epoch.
