@@ -423,7 +423,8 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
             # in PREPARE with every rank's bytes; permissions by the tmp-dir mkdir there.)
             from .preflight import check_fd_limit
             check_fd_limit(_FDS_PER_SAVE, rank=rank, path=path)
-        tree, items = flatten(state_dict, allow_pickle=allow_pickle)
+        # check_objects=False: _summarize encodes (and so checks) every value right below.
+        tree, items = flatten(state_dict, allow_pickle=allow_pickle, check_objects=False)
         summary = _summarize(items, tree, rank, allow_pickle, metadata, checked)
     except Exception as exc:
         error = exc
