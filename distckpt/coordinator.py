@@ -164,6 +164,13 @@ def _tensor_digest(t) -> int:
         digest = _crc32c.crc32c(view)
         del keep
         return digest
+    return _device_digest(t)
+
+
+def _device_digest(t) -> int:
+    """The digest of a tensor computed where it lives (any device): a sum of its 32-bit words (or
+    bytes) weighted by their position modulo a prime, plus their plain sum; int64 arithmetic."""
+    import torch
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
     total = torch.zeros((), dtype=torch.int64, device=t.device)

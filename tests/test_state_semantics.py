@@ -286,6 +286,20 @@ def _ranks_body(rank, world, root):
     return out
 
 
+def test_device_digest_tells_replicas_apart():
+    # The digest used for tensors that are not on the CPU (no GPU here: run it on CPU tensors).
+    from distckpt.coordinator import _device_digest
+    a = torch.randn(1000, 3)
+    assert _device_digest(a) == _device_digest(a.clone())
+    b = a.clone()
+    b[500, 1] = torch.nextafter(b[500, 1], torch.tensor(1e9))  # one ulp
+    assert _device_digest(a) != _device_digest(b)
+    c = a.clone()
+    c[0, 0], c[0, 1] = a[0, 1], a[0, 0]  # swapped values: same plain sum, other weighted sum
+    assert _device_digest(a) != _device_digest(c)
+    assert _device_digest(torch.arange(7, dtype=torch.uint8)) != _device_digest(torch.arange(1, 8, dtype=torch.uint8))
+
+
 def test_key_union_replica_checks_and_single_process_saves(tmp_path):
     r0, r1 = run_ranks(_ranks_body, 2, str(tmp_path), timeout=240)
     assert "'rng.seed' differs between ranks (rank 0 vs rank 1)" in r0["diff_msg"]
