@@ -116,6 +116,11 @@ def object_entry(fqn: str, value: Any, *, allow_pickle: bool) -> tuple[str, Any]
     return encode_value(fqn, value, allow_pickle=allow_pickle)
 
 
+def _holds_dict(values: list, depth: int = 0) -> bool:
+    """DCP's test for walking a list (``_traverse._is_terminal``): a dict in it, or in a list in it."""
+    return depth < 100 and any(isinstance(v, dict) or (type(v) is list and _holds_dict(v, depth + 1)) for v in values)
+
+
 def _fqn(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
@@ -125,10 +130,12 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
     """Flatten ``state_dict`` into (tree, items). ``check_objects=False`` (for load, where the
     caller's non-tensor values are only replaced) skips the saveability check of plain values.
 
-    What is a leaf (DCP's rule, extended to tuples and sets): dicts are always walked; a list,
-    tuple (namedtuple, torch.Size) or set holding no tensor at any depth is *one* value, replaced
-    whole on load (``"buffer": []`` loads the saved ``[1, 2, 3]``); one holding tensors is walked
-    (a set holding tensors is refused: it has no order). A Stateful object (``state_dict()`` +
+    What is a leaf (DCP's rule, so that keys match DCP's): dicts are always walked; a list is
+    walked when it holds a dict (directly or through nested lists: ``param_groups``) or a tensor;
+    any other list, and a tuple (namedtuple, torch.Size) or set holding no tensor, is *one* value,
+    replaced whole on load (``"buffer": []`` loads the saved ``[1, 2, 3]``). Unlike DCP, which
+    pickles a tuple whole, a tuple holding tensors is walked so its tensors are sharded like any
+    other (a set holding tensors is refused: it has no order). A Stateful object (``state_dict()`` +
     ``load_state_dict()``, not a tensor or dict) is walked through its ``state_dict()``.
 
     Raises:
@@ -149,7 +156,7 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
             return {"t": "dict", "k": entries}
         if _is_stateful(obj):
             return walk(obj.state_dict(), path)
-        if isinstance(obj, (list, tuple)) and holds_tensor(obj):
+        if isinstance(obj, (list, tuple)) and (holds_tensor(obj) or (type(obj) is list and _holds_dict(obj))):
             children = [walk(v, path + (i,)) for i, v in enumerate(obj)]
             return {"t": "tuple" if isinstance(obj, tuple) else "list", "v": children}
         fqn = _fqn(path)
