@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import crc32c as _crc32c
 import torch
 
+from . import dcp
 from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
@@ -114,6 +115,8 @@ def load_manifest(path: str) -> "mf.Manifest":
     """
     path = os.path.abspath(path)
     _check_committed(path)
+    if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: read it directly
+        return dcp.load_manifest(path)
     # decode validates: magic, version, checksum, names inside the directory, offsets, tiling, tree
     return mf.load_manifest(path)
 
@@ -231,6 +234,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
 
     if not tasks:
         return 0, None
+    verify = verify and manifest.checksum_algo == "crc32c"  # a DCP checkpoint has no checksums
     block = manifest.checksum_block
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
@@ -270,7 +274,10 @@ def _finish_batch(fpath: str, batch: list[_Span], block: int, verify: bool) -> i
                     _verify_blocks(fpath, t, writable_bytes(data), lo, hi, block)
                 if span.direct:
                     continue
-                flat = data[start - lo:end - lo].view(t.dtype)
+                flat = data[start - lo:end - lo]
+                if flat.storage_offset() % t.itemsize:  # unaligned in the file (DCP packs chunks tight)
+                    flat = flat.clone()
+                flat = flat.view(t.dtype)
                 # as_strided's offset is absolute in the storage: keep the slice's own offset.
                 src = flat.as_strided(tuple(t.inter.sizes), row_major_strides(t.chunk.sizes), flat.storage_offset())
                 rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
@@ -492,6 +499,8 @@ def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None) 
         return _rebuild(entry[1], values, lambda f: True)
     if entry.kind == "pickle":
         return pickle.loads(entry.value)  # only reached with allow_pickle=True
+    if entry.kind == "dcp":  # a DCP value: torch.load(weights_only=True) or PickleNotAllowedError
+        return entry.value.load()
     return decode_value(entry.kind, entry.value, fqn=fqn, path=path)
 
 
@@ -539,7 +548,7 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
 def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
     """Rank 0 reads MANIFEST once and broadcasts its bytes (or its typed error); every rank
     decodes and validates them itself (a shared file system need not be hit N times)."""
-    if group.world_size == 1:
+    if group.world_size == 1 or dcp.is_dcp_checkpoint(path):  # DCP: every rank reads .metadata itself
         return load_manifest(path)
     payload, manifest = None, None
     if group.rank == 0:
@@ -696,3 +705,24 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
             values[fqn] = _object_value(values[fqn], manifest, fqn, path)
     result = _rebuild(manifest.tree, values, keep)
     return {} if result is _SKIP else result
+
+
+def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+             verify: bool = True) -> torch.Tensor:
+    """The box (``offsets``, ``sizes``) of tensor ``fqn`` of the checkpoint at ``path`` (whose
+    manifest :func:`load_manifest` returned), read into a new CPU tensor in this process.
+
+    Reads only the byte ranges the box needs (checked against their checksums when ``verify``);
+    the streaming conversions (distckpt.convert) read a tensor slice by slice through it.
+    Raises the read errors of :func:`load`.
+    """
+    entry = manifest.tensors[fqn]
+    dtype = dtype_from_name(entry.dtype, path=path)
+    want = Box(tuple(offsets), tuple(sizes))
+    out = torch.empty(tuple(sizes), dtype=dtype)
+    if want.volume:
+        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+        tasks = [_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize)]
+        _fill(path, manifest, tasks, verify)
+    return out

@@ -31,10 +31,9 @@ if [ ! -f "$stamp" ]; then
     fi
     "${PIP[@]}" "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyre-extensions==0.0.32" \
         "torchmetrics==1.0.3" "tqdm" "deepspeed==0.19.8" "fsspec==2026.9.0" "s3fs==2026.9.0" \
-        "msgpack==1.2.4" "crc32c==2.9.post0" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy"
+        "msgpack==1.2.4" "crc32c==2.9.post0" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy" \
+        "safetensors==0.8.0" "transformers==5.23.0"
     "${PIP[@]}" --no-deps "torchrec==1.8.0"
-    # Tests only: a small Hugging Face model (built from a config, no downloads) under FSDP2.
-    "${PIP[@]}" "transformers==5.23.0"
     # The C core is built here; a compile error stops the set-up (no pure-Python fallback).
     "${PIP[@]}" --no-build-isolation -e "$DISTCKPT_ROOT"
     "$PY" -c 'import distckpt._uring' || { echo "[distckpt env] the C extension did not build" >&2; exit 1; }
