@@ -57,8 +57,6 @@ _ST_DTYPES = {
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64"}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +74,11 @@ class ConvertResult:
 
 
 def parse_size(text: str) -> int:
-    """``"5GiB"``, ``"500MB"``, ``"1048576"`` -> bytes (ValueError otherwise)."""
-    s = text.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise ValueError(f"not a size: {text!r} (use e.g. 5GiB, 500MB, 1048576)")
-    return int(float(num) * _UNITS[unit])
+    """``"5GiB"``, ``"5G"``, ``"1048576"`` -> bytes: binary units, the package's one convention
+    (distckpt.sizes; decimal ``500MB`` is refused as ambiguous). ValueError otherwise."""
+    from .sizes import parse_size as _parse
+
+    return _parse(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,7 +735,7 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("src", help="a distckpt checkpoint or a torch.distributed.checkpoint directory")
     p.add_argument("dst", help="the new file (torch) or directory (dcp, safetensors, distckpt)")
-    p.add_argument("--to", required=True, choices=FORMATS)
+    p.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
     p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, metavar="SIZE",
                    help="safetensors: largest shard, e.g. 5GiB (default)")
     p.add_argument("--prefix", help="safetensors: keep keys starting with PREFIX, stripped (e.g. 'model.')")

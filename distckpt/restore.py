@@ -42,6 +42,7 @@ from .errors import (CheckpointCorruptError, CheckpointIncompleteError, Checkpoi
                      ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
                      ConfigError, DistCkptError, PickleNotAllowedError, ReshardError, StateDictMismatchError,
                      fill_rank, from_os_error)
+from .locate import check_checkpoint_dir
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
 from .values import decode_value
 from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
@@ -92,6 +93,7 @@ class LoadResult:
 
 
 def _check_committed(path: str) -> None:
+    check_checkpoint_dir(path)  # names what the path is when it is not a checkpoint
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
     if TMP_RE.match(os.path.basename(path)):
@@ -661,6 +663,19 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
         raise
 
 
+def _close_keys(unknown: list[str], fqns: list[str]) -> str:
+    """" (for 'modle' did you mean 'model'?)" for mistyped keys (any prefix of a saved fqn is a valid key)."""
+    import difflib
+
+    valid = {".".join(f.split(".")[:i]) for f in fqns for i in range(1, f.count(".") + 2)}
+    hints = []
+    for key in unknown[:5]:
+        close = difflib.get_close_matches(key, sorted(valid), n=2, cutoff=0.6)
+        if close:
+            hints.append(f"for {key!r} did you mean {' or '.join(map(repr, close))}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:
     manifest = load_manifest(path)
     all_keys = list(manifest.tensors) + list(manifest.objects)
@@ -671,8 +686,11 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
         wanted = list(keys)
         unknown = [k for k in wanted if not any(f == k or f.startswith(k + ".") for f in all_keys)]
         if unknown:
-            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
-                                         unexpected=[], shape_mismatch={}, dtype_mismatch={})
+            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}{_close_keys(unknown, all_keys)}",
+                                         path=path, missing=unknown, unexpected=[], shape_mismatch={},
+                                         dtype_mismatch={}, remedy="Pass keys the checkpoint has (a key "
+                                         "selects itself and every key under it); `distckpt inspect "
+                                         f"{path}` lists them, keys=None reads everything.")
 
         def keep(fqn):
             return any(fqn == k or fqn.startswith(k + ".") for k in wanted)

@@ -67,7 +67,9 @@ def test_slices_tile_row_major():
 
 
 def test_parse_size():
-    assert parse_size("5GiB") == 5 << 30 and parse_size("100KB") == 100_000 and parse_size("4096") == 4096
+    assert parse_size("5GiB") == 5 << 30 and parse_size("100K") == 100 << 10 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="ambiguous"):  # one convention: binary units (distckpt.sizes)
+        parse_size("100KB")
     with pytest.raises(ValueError):
         parse_size("5 parsecs")
 

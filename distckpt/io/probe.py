@@ -33,7 +33,7 @@ from .. import _uring
 from ..config import get_config
 from ..errors import IOBackendUnavailableError, from_os_error
 
-__all__ = ["BackendChoice", "choose_backend", "last_choices", "BACKEND_ORDER"]
+__all__ = ["BackendChoice", "choose_backend", "choose_read_backend", "last_choices", "BACKEND_ORDER"]
 
 log = logging.getLogger("distckpt.io")
 
@@ -325,3 +325,51 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None) 
     log.info("distckpt io backend for %s (requested %s): %s; %s", directory, requested, choice.name, choice.reason)
     return choice
 
+
+
+def choose_read_backend(sample: str | os.PathLike, *, backend: str | None = None) -> BackendChoice:
+    """Choose how to read existing files like ``sample`` without creating anything next to it.
+
+    For tools that must not write into a checkpoint (``distckpt verify``, a read-only mount):
+    the O_DIRECT alignment comes from statx on ``sample`` itself and the O_DIRECT probe reads one
+    byte of it through the real C reader. Not cached (one statx and one small read).
+
+    Raises:
+        IOBackendUnavailableError: a forced backend (``backend`` or DISTCKPT_IO_BACKEND) cannot read here.
+        StorageError subclass: ``sample`` cannot be opened or examined.
+    """
+    sample = os.path.abspath(os.fspath(sample))
+    directory = os.path.dirname(sample)
+    requested = backend or get_config().io_backend
+    if requested == "buffered":
+        return BackendChoice("buffered", "forced by DISTCKPT_IO_BACKEND=buffered", MIN_ALIGNMENT,
+                             MIN_ALIGNMENT, directory, "default")
+    try:
+        mem, off, source = _uring.statx_dioalign(sample)
+    except OSError as exc:
+        raise from_os_error(exc, path=sample, operation="probe") from exc
+    if mem == 0 or off == 0 or mem > os.sysconf("SC_PAGESIZE") or off > (1 << 20):
+        reason = f"no usable O_DIRECT alignment for {os.path.basename(sample)} (memory {mem}, offset {off})"
+        if requested != "auto":
+            raise _unavailable(requested, reason, directory, errno.EINVAL)
+        return BackendChoice("buffered", f"{reason}; using buffered reads", MIN_ALIGNMENT, MIN_ALIGNMENT,
+                             directory, source)
+    reason = None
+    if requested in ("auto", "uring"):
+        reason, code = _probe_uring()
+        if reason is None:
+            reason, code = _probe_direct_read(sample, True, mem, off)
+        if reason is None:
+            return BackendChoice("uring", f"O_DIRECT reads via io_uring (dio alignment {mem}/{off} from {source})",
+                                 mem, off, directory, source)
+        if requested == "uring":
+            raise _unavailable("uring", reason, directory, code)
+    direct_reason, code = _probe_direct_read(sample, False, mem, off)
+    if direct_reason is None:
+        prefix = f"io_uring unavailable: {reason}; " if reason else ""
+        return BackendChoice("pwrite", f"{prefix}synchronous O_DIRECT pread (dio alignment {mem}/{off})",
+                             mem, off, directory, source)
+    if requested == "pwrite":
+        raise _unavailable("pwrite", direct_reason, directory, code)
+    return BackendChoice("buffered", f"{direct_reason}; using buffered reads", MIN_ALIGNMENT, MIN_ALIGNMENT,
+                         directory, source)
