@@ -45,7 +45,7 @@ import msgpack
 from .errors import UnsupportedValueError
 
 __all__ = ["SCALAR_KINDS", "VALUE_KIND", "encode_value", "decode_value", "check_node", "holds_tensor",
-           "value_digest"]
+           "value_digest", "describe"]
 
 _I64_MIN, _U64 = -(1 << 63), 1 << 64
 #: Object kinds of format 1: the scalar itself is the stored value.
@@ -270,6 +270,44 @@ def _value(node: Any, fqn: str, path: Any) -> Any:
             return arr[0]
         return arr.reshape(node["s"]).copy()
     raise UnsupportedValueError(f"value at {fqn!r}: unknown value node {t!r}", key=fqn, path=path)
+
+
+def describe(node: Any, limit: int = 200) -> str:
+    """Python-like text of a value node for display (``distckpt inspect``), without importing any
+    class or module it names: ``(0.9, 0.95)``, ``Pair(lo=1, hi=2)``, ``torch.bfloat16``."""
+    def text(n: Any, depth: int) -> str:
+        if not isinstance(n, dict) or depth > 20:
+            return repr(n) if not isinstance(n, dict) else "..."
+        t = n["t"]
+        if t in ("list", "tuple", "set", "frozenset"):
+            parts = [text(v, depth + 1) for v in n["v"]]
+            if t == "list":
+                return "[" + ", ".join(parts) + "]"
+            if t == "tuple":
+                return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+            return f"{t}({{{', '.join(parts)}}})" if parts else f"{t}()"
+        if t == "dict":
+            return "{" + ", ".join(f"{text(k, depth + 1)}: {text(v, depth + 1)}" for k, v in n["k"]) + "}"
+        if t == "int":
+            return n["v"]
+        if t == "size":
+            return f"torch.Size({n['v']})"
+        if t == "dtype":
+            return f"torch.{n['v']}"
+        if t == "device":
+            return f"device({n['v']!r})"
+        name = str(n.get("c", "")).rpartition(":")[2]
+        if t == "namedtuple":
+            return f"{name}(" + ", ".join(f"{f}={text(v, depth + 1)}" for f, v in zip(n["f"], n["v"])) + ")"
+        if t == "enum":
+            return f"{name}.{n['v']}"
+        if t == "dataclass":
+            return f"{name}(" + ", ".join(f"{f}={text(v, depth + 1)}" for f, v in n["f"]) + ")"
+        if t == "numpy":
+            return f"numpy {n['d']}{'' if n['s'] is None else list(n['s'])} ({len(n['v'])} bytes)"
+        return f"<{t}>"
+    out = text(node, 0)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 def check_node(node: Any, where: str) -> str | None:
