@@ -285,7 +285,9 @@ def describe(node: Any, limit: int = 200) -> str:
                 return "[" + ", ".join(parts) + "]"
             if t == "tuple":
                 return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
-            return f"{t}({{{', '.join(parts)}}})" if parts else f"{t}()"
+            if not parts:
+                return f"{t}()"
+            return "{" + ", ".join(parts) + "}" if t == "set" else "frozenset({" + ", ".join(parts) + "})"
         if t == "dict":
             return "{" + ", ".join(f"{text(k, depth + 1)}: {text(v, depth + 1)}" for k, v in n["k"]) + "}"
         if t == "int":
