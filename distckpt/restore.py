@@ -213,7 +213,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
-    choice = choose_backend(ckpt)
+    choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     total = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-read") as pool:
         for file_index in sorted(by_file):
@@ -473,6 +473,12 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
     values: dict[str, Any] = {}
     tasks: list[_Task] = []
     pickled = []
+    # Before anything is allocated: every data file the selected tensors read from has the size
+    # its MANIFEST claims. A damaged or hostile MANIFEST that describes terabytes in a file of a
+    # few KiB must fail as the truncated file it is, not as an allocation of terabytes.
+    for fi in sorted({c.file for fqn, entry in manifest.tensors.items() if keep(fqn) for c in entry.chunks
+                      if c.nbytes}):
+        _check_data_file(path, manifest.files[fi])
     for fqn, entry in manifest.tensors.items():
         if not keep(fqn):
             continue
