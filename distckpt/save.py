@@ -42,9 +42,13 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         StorageIOError: the typed OS failures (single process), or
         RankFailureError: on every rank when any rank of a collective save failed;
         PeerLostError: a peer died or hung past DISTCKPT_TIMEOUT_S.
+        CommittedButPeerLostError: (a PeerLostError) the checkpoint at ``path`` was committed,
+            then a peer was lost before every rank heard so; ``committed`` is True.
         In every failure case nothing is committed and an earlier checkpoint is untouched, with
-        one exception: an error of ``_after_commit`` (CheckpointManager's ``latest`` update and
-        rotation) is raised after the new checkpoint was committed.
+        these exceptions, all raised after the commit point and saying so: an error of
+        ``_after_commit`` (CheckpointManager's ``latest`` update and rotation; it carries
+        ``committed = True``), CommittedButPeerLostError, and a PeerLostError with
+        ``committed = None`` on a rank that lost rank 0 during the commit and cannot tell.
     """
     return save_collective(control_group(process_group), state_dict=state_dict,
                            final_dir=os.path.abspath(os.fspath(path)), overwrite=overwrite,
