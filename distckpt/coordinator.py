@@ -424,13 +424,13 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
                 verdict.committed = True
                 committed = True
             published = published or getattr(exc, "published", False)
-        else:
-            committed = published
             if not published:
                 try:
                     local.delete_tree(tmp_dir, names=_tmp_names(world))
                 except DistCkptError as cleanup_exc:
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
+        else:
+            committed = published
     group.raise_failures([e for _, e in outcomes], error, operation="save")
     try:
         verdict = group.broadcast(verdict)

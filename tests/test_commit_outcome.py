@@ -149,3 +149,20 @@ def test_other_ranks_report_what_they_can_know(tmp_path, when):
         assert out["committed"] is None and out["path"] == path and len(out["save_id"]) == 32
         assert "cannot tell whether the checkpoint was committed" in out["message"]
         assert not os.path.exists(path)
+
+
+def test_after_commit_error_says_committed(tmp_path):
+    """The manager's ``latest`` / rotation step fails after the rename: the error is raised, and
+    carries ``committed = True``; the checkpoint loads."""
+    import distckpt
+    from distckpt import errors
+
+    def rotation_fails():
+        raise errors.StoragePermissionError("delete failed: [Errno 13] Permission denied", errno=13,
+                                            path=str(tmp_path / "old"))
+
+    path = str(tmp_path / "c")
+    with pytest.raises(errors.StoragePermissionError) as ei:
+        distckpt.save({"x": torch.ones(10)}, path, _after_commit=rotation_fails)
+    assert ei.value.committed is True
+    assert torch.equal(distckpt.read(path)["x"], torch.ones(10))

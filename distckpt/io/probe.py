@@ -231,7 +231,9 @@ def _probe_direct_read(sample: str, use_uring: bool, mem_align: int, offset_alig
         if exc.errno in _DIRECT_REFUSED:
             name = errno.errorcode.get(exc.errno, str(exc.errno))
             return f"an O_DIRECT read via {how} failed with {name} ({os.strerror(exc.errno)})", exc.errno
-        raise from_os_error(exc, path=sample, operation="probe") from exc
+        # A read of the checkpoint's own file, which the load would make next: EIO here is the
+        # load's read error, reported as such.
+        raise from_os_error(exc, path=sample, operation="read") from exc
     return None, None
 
 
