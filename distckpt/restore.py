@@ -415,6 +415,10 @@ def _object_value(entry) -> Any:
 def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float) -> LoadResult:
     _tree, items = flatten(state_dict, check_objects=False)
     tasks, objects, missing, unexpected, mismatched = _plan_tasks(manifest, items, strict, allow_pickle, path)
+    # Every data file this rank reads has its MANIFEST size before the first byte lands in the
+    # caller's tensors: a truncated or missing file fails the load with them untouched.
+    for fi in sorted({t.chunk.file for t in tasks}):
+        _check_data_file(path, manifest.files[fi])
     nbytes, backend = _fill(path, manifest, tasks, verify)
     not_replaced = []
     for item, entry in objects:

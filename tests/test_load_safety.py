@@ -91,6 +91,30 @@ def test_read_checks_file_sizes_before_allocating(tmp_path):
     assert ei.value.path == os.path.join(path, "rank00000.bin")
 
 
+def test_load_checks_every_file_before_filling(tmp_path):
+    """A checkpoint of two data files whose second is truncated: load() fails before it writes
+    one byte into the caller's tensors (it used to fill "w" from the first file, then fail)."""
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    import shutil
+    shutil.copyfile(os.path.join(path, "rank00000.bin"), os.path.join(path, "rank00001.bin"))
+
+    def two_files(body):  # "b" is read from the copy (same offset): a valid two-rank layout
+        body["world_size"] = 2
+        body["files"].append(dict(body["files"][0], name="rank00001.bin", rank=1))
+        body["tensors"]["b"]["chunks"][0]["file"] = 1
+
+    _rewrite_manifest(path, two_files)
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+    distckpt.load(into, path)  # the layout is valid
+    assert torch.equal(into["b"], torch.arange(10))
+    os.truncate(os.path.join(path, "rank00001.bin"), 100)
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+    with pytest.raises(E.DataFileTruncatedError):
+        distckpt.load(into, path)
+    assert not into["w"].any() and not into["b"].any()
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. MANIFEST symlinks
 
