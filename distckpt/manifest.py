@@ -16,6 +16,8 @@ Invariants:
     object hooks from the data, ext types are refused, and sizes are bounded before allocation.
   * A valid manifest can be read without escaping its directory: every data file name is a plain
     ``rankNNNNN.bin`` basename, and every chunk's bytes lie inside its file's recorded size.
+    Every size and offset fits int64 (what torch and the kernel take), and so does each tensor's
+    storage in bytes: a reader can allocate what a valid manifest describes without overflow.
   * The chunks of a tensor exactly tile its global shape (pairwise disjoint, union is the shape);
     chunks with a zero-size dimension hold no elements and no bytes and are allowed; a tensor with
     no elements may have no chunks at all.
@@ -490,7 +492,9 @@ def validate(m: Manifest, *, path: Any = None) -> None:
     indices, offsets and sizes inside their files, chunks not overlapping inside a file,
     ``nbytes == prod(sizes) * itemsize``, ``len(crcs) == ceil(nbytes / checksum_block)``, chunk
     boxes inside the shape and exactly tiling it, known dtypes and kinds, object values of their
-    kind's type, plain ``meta``, and a tree that references every tensor and object exactly once.
+    kind's type, plain ``meta``, a tree that references every tensor and object exactly once, and
+    int64 bounds: dimensions, chunk offsets/sizes/nbytes, file sizes, and each tensor's storage
+    (the product of its non-zero dimensions times the item size).
 
     Raises:
         ManifestCorruptError: the first violation found, with ``path`` and expected vs found.

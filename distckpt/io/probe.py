@@ -8,8 +8,8 @@ Backends, in order of preference:
   * ``buffered``: plain write() + fsync(); for file systems that refuse O_DIRECT.
 
 Invariants:
-  * The choice is made at most once per process per (file system, requested backend, read_only): the result
-    is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger, and listed by
+  * The choice is made at most once per process per (file system, requested backend, read or
+    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger, and listed by
     :func:`last_choices`. Every choice carries the reason it was made.
   * Probes run the real code path: for a save, the O_DIRECT probe writes one block through the same
     C writer (io_uring or pwrite) that the save will use, into a temporary file that is always
