@@ -24,19 +24,16 @@ import subprocess
 import sys
 import time
 
+from .sizes import parse_size as _parse_size
+
 __all__ = ["add_parser", "run_io_bench", "parse_size", "main"]
 
 ZERO_COPY = "uring (aligned src, zero-copy)"
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
 
 def parse_size(text: str) -> int:
-    """Parse ``1G``, ``512M``, ``4096`` (binary units) into bytes. Raises ValueError."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _UNITS and not t[-1:].isdigit() else ""
-    number = t[: len(t) - len(unit)]
-    value = int(float(number) * _UNITS[unit])
+    """Parse ``1G``, ``512M``, ``4096`` (binary units: distckpt.sizes) into bytes > 0. Raises ValueError."""
+    value = _parse_size(text)
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return value
@@ -232,7 +229,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="1G", help="bytes per file, e.g. 1G, 256M (default 1G)")
     p.add_argument("--repeat", type=int, default=5, help="repetitions, median reported (default 5)")
     p.add_argument("--backends", default="uring,pwrite,buffered", help="comma-separated backends")
-    p.add_argument("--baseline", choices=("auto", "fio", "loop"), default="auto")
+    p.add_argument("--baseline", choices=("auto", "fio", "loop"), default="auto",
+                   help="raw O_DIRECT reference: fio, a plain O_DIRECT loop, or auto (fio when installed)")
     p.add_argument("--block-size", default=None, help="override DISTCKPT_BLOCK_SIZE, e.g. 8M")
     p.add_argument("--queue-depth", type=int, default=None, help="override DISTCKPT_QUEUE_DEPTH")
     p.add_argument("--no-size-hint", action="store_true",

@@ -1,22 +1,34 @@
 """The ``distckpt`` command line (also ``python -m distckpt``).
 
     distckpt ls ROOT            committed steps under a CheckpointManager root
-    distckpt inspect PATH       a checkpoint's manifest summary (or --json for all of it)
-    distckpt verify PATH        read every byte and check every checksum
+    distckpt inspect PATH       what a checkpoint holds: values, tensors, sizes, who wrote it (--json)
+    distckpt verify PATH        read every byte and check every checksum, with bounded memory
     distckpt preflight PATH     the pre-flight checks (distckpt.preflight)
     distckpt bench DIR          I/O and save/load benchmarks (distckpt.bench)
 
 Exit status: 0 on success, 1 when a check or verification failed, 2 on bad usage.
+
+Parsing the command line imports neither torch nor the I/O core: this module and what it imports at
+start-up stay light, and each command imports what it needs when it runs (``--help`` and
+``--version`` answer at once). Output formats: docs/CLI.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
+import os
 import sys
 
-from .errors import DistCkptError, format_bytes
+from . import __version__
+from .errors import DistCkptError
+from .sizes import CONVENTION, format_bytes
+
+#: Version of the ``inspect --json`` and ``verify --json`` documents; bumped only when a field
+#: changes meaning or disappears (new fields may be added within a version).
+JSON_FORMAT = 1
 
 
 def _cmd_ls(args) -> int:
@@ -27,45 +39,250 @@ def _cmd_ls(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# inspect
+
+
+def _plain_json(value):
+    """JSON-able form of a MANIFEST value: bytes become {"hex": ...} (first 1 KiB) with their length."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": len(value), "hex": bytes(value[:1024]).hex()}
+    if isinstance(value, dict):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    return value
+
+
+def _created(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_PLAIN_KINDS = ("int", "float", "bool", "str", "bytes", "none")
+
+
+def inspect_document(m, path: str) -> dict:
+    """The ``distckpt inspect --json`` document for the Manifest ``m`` (docs/CLI.md has the schema).
+
+    Values are shown as they are stored; pickled values are never unpickled (only their size).
+    """
+    tensors, tensor_bytes, elements = {}, 0, 0
+    for fqn, t in m.tensors.items():
+        nbytes = t.numel * t.itemsize
+        tensors[fqn] = {"dtype": t.dtype, "shape": list(t.shape), "bytes": nbytes, "kind": t.kind,
+                        "chunks": len(t.chunks)}
+        tensor_bytes += nbytes
+        elements += t.numel
+    values = {}
+    for fqn, o in m.objects.items():
+        if o.kind == "pickle":
+            values[fqn] = {"kind": "pickle", "bytes": len(o.value)}
+        elif o.kind in _PLAIN_KINDS:
+            values[fqn] = {"kind": o.kind, "value": _plain_json(o.value)}
+        else:  # stored outside the manifest (a DCP checkpoint's values): not loaded to be shown
+            values[fqn] = {"kind": o.kind}
+    meta = dict(m.meta)
+    return {
+        "json_format": JSON_FORMAT,
+        "path": path,
+        "format_version": m.format_version,
+        "save_id": m.save_id,
+        "created_unix": m.created_unix,
+        "created_utc": _created(m.created_unix) if m.created_unix > 0 else None,  # None: not recorded (DCP)
+        "distckpt_version": meta.pop("distckpt_version", None),
+        "io_backend": meta.pop("io_backend", None),
+        "world_size": m.world_size,
+        "checksum": {"algorithm": m.checksum_algo, "block_bytes": m.checksum_block},
+        "files": [{"name": f.name, "bytes": f.size, "rank": f.rank} for f in m.files],
+        "totals": {"files": len(m.files), "file_bytes": sum(f.size for f in m.files),
+                   "tensors": len(tensors), "tensor_bytes": tensor_bytes, "elements": elements,
+                   "values": len(values)},
+        "tensors": tensors,
+        "values": values,
+        "meta": _plain_json(meta),
+    }
+
+
+def _short(value, width: int = 70) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _print_inspect(doc: dict) -> None:
+    t = doc["totals"]
+    ws = doc["world_size"]
+    print(f"checkpoint  {doc['path']}")
+    created = doc["created_utc"].replace("T", " ").replace("Z", " UTC") if doc["created_utc"] else "not recorded"
+    print(f"created     {created}")
+    writer = f"distckpt {doc['distckpt_version']}" if doc["distckpt_version"] else "distckpt (version not recorded)"
+    backend = f", io backend {doc['io_backend']}" if doc["io_backend"] else ""
+    print(f"written by  {writer}{backend}; format v{doc['format_version']}, save {doc['save_id']}")
+    print(f"world size  {ws} rank{'s' if ws != 1 else ''}; {t['files']} data file{'s' if t['files'] != 1 else ''}, "
+          f"{format_bytes(t['file_bytes'])}")
+    algo = doc["checksum"]["algorithm"]
+    print(f"checksums   {algo} per {format_bytes(doc['checksum']['block_bytes'])} block" if algo != "none" else
+          "checksums   none (the format has none)")
+    print(f"contents    {t['tensors']} tensors ({t['elements']:,} elements, {format_bytes(t['tensor_bytes'])}), "
+          f"{t['values']} values")
+    if doc["values"]:
+        print("\nvalues")
+        for fqn, v in doc["values"].items():
+            if v["kind"] == "pickle":
+                shown = f"<pickled object, {v['bytes']} bytes, not unpickled>"
+            elif "value" not in v:
+                shown = f"<{v['kind']} value, not loaded>"
+            elif v["kind"] == "bytes":
+                shown = f"<{v['value']['bytes']} bytes>"
+            else:
+                shown = _short(v["value"])
+            print(f"  {fqn}: {shown}")
+    if doc["tensors"]:
+        print("\ntensors")
+        rows = [(fqn, e["dtype"], str(e["shape"]), format_bytes(e["bytes"]), str(e["chunks"]))
+                for fqn, e in doc["tensors"].items()]
+        head = ("key", "dtype", "shape", "bytes", "chunks")
+        widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
+        print("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+        for r in rows:
+            print("  " + "  ".join((c.rjust(w) if i >= 3 else c.ljust(w)) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    if doc["meta"]:
+        print(f"\nmetadata    {_short(doc['meta'], 200)}")
+
+
 def _cmd_inspect(args) -> int:
-    from .restore import read_manifest
-    m = read_manifest(args.path)
-    if args.json:
-        print(json.dumps(m, indent=1, default=lambda b: b.hex() if isinstance(b, bytes) else str(b)))
-        return 0
-    total = sum(f["size"] for f in m["files"])
-    print(f"format v{m['format_version']}  save {m['save_id']}  world_size {m['world_size']}  "
-          f"{len(m['files'])} files, {format_bytes(total)}")
-    for fqn, t in m["tensors"].items():
-        print(f"  {fqn}: {t['dtype']}{list(t['shape'])} in {len(t['chunks'])} chunk(s)")
-    for fqn, o in m["objects"].items():
-        print(f"  {fqn}: {o['kind']}")
+    from . import manifest as mf
+    from .locate import check_checkpoint_dir
+
+    path = os.path.abspath(args.path)
+    check_checkpoint_dir(path)
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        from .dcp import is_dcp_checkpoint
+        if is_dcp_checkpoint(path):  # torch.distributed.checkpoint: its .metadata read as a manifest
+            from .restore import load_manifest
+            m = load_manifest(path)
+            if args.manifest:
+                raise DistCkptError("a torch.distributed.checkpoint has no MANIFEST to print", path=path,
+                                    remedy="Use --json for its contents.")
+            doc = inspect_document(m, path)
+            if args.json:
+                print(json.dumps(doc, indent=1))
+            else:
+                _print_inspect(doc)
+            return 0
+    m = mf.load_manifest(path)
+    if args.manifest:
+        print(json.dumps(_plain_json(mf.to_plain(m)), indent=1))
+    elif args.json:
+        print(json.dumps(inspect_document(m, path), indent=1))
+    else:
+        _print_inspect(inspect_document(m, path))
     return 0
+
+
+# --------------------------------------------------------------------------------------------
+# verify
 
 
 def _cmd_verify(args) -> int:
-    from .restore import read
-    read(args.path, allow_pickle=False if not args.allow_pickle else True)
-    print(f"{args.path}: every checksum matches")
-    return 0
+    if os.path.isfile(os.path.join(args.path, ".metadata")):
+        from .dcp import is_dcp_checkpoint
+        if is_dcp_checkpoint(args.path):  # DCP writes no checksums: say what was checked, no more
+            from .restore import read
+            read(args.path)
+            print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
+            return 0
+    from tqdm import tqdm
+
+    from .verify import verify
+
+    bar = None
+
+    def start(report) -> None:
+        nonlocal bar
+        if not args.json:
+            print(f"verifying {report.path}: {report.files} data file(s), {format_bytes(report.bytes_expected)}, "
+                  f"{report.blocks_expected} crc32c blocks of {format_bytes(report.checksum_block)}, "
+                  f"io backend {report.backend}", file=sys.stderr)
+        # disable=None: tqdm draws only on a terminal; pipes and CI logs get no bar.
+        bar = tqdm(total=report.bytes_expected, unit="B", unit_scale=True, unit_divisor=1024,
+                   file=sys.stderr, disable=True if args.no_progress or args.json else None,
+                   desc="verify")
+
+    try:
+        report = verify(args.path, progress=lambda n: bar.update(n), on_start=start,
+                        window=args.window)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+        return 0 if report.ok else 1
+    for problem in report.file_problems:
+        print(f"BAD FILE   {problem}")
+    for bad in report.bad_blocks:
+        print(f"BAD BLOCK  {bad}")
+    rate = f"{format_bytes(report.bytes_per_second)}/s"
+    summary = (f"{format_bytes(report.bytes_read)} read in {report.seconds:.2f} s ({rate}), "
+               f"{report.blocks_checked} of {report.blocks_expected} blocks checked")
+    if report.ok:
+        print(f"{report.path}: OK, every checksum matches; {summary}")
+        return 0
+    files = sorted({b.file for b in report.bad_blocks} | {p.file for p in report.file_problems})
+    print(f"{report.path}: DAMAGED: {len(report.bad_blocks)} bad block(s), {len(report.file_problems)} "
+          f"file problem(s) in {', '.join(files)}; {summary}")
+    return 1
+
+
+def _window_arg(text: str) -> int:
+    from .sizes import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 4096 or value % 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a multiple of 4 KiB")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distckpt", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="distckpt", description="distckpt: distributed sharded checkpoints for PyTorch.",
+        epilog=f"Exit status: 0 success, 1 a check or verification failed, 2 bad usage. "
+               f"Sizes use {CONVENTION}: 60G = 60 GiB. Run `distckpt COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"distckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("ls", help="list committed steps under a root")
     p.add_argument("root")
     p.set_defaults(func=_cmd_ls)
-    p = sub.add_parser("inspect", help="show a checkpoint's manifest")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("inspect", help="what a checkpoint holds: values, tensors, sizes, who wrote it",
+                       description="Print a checkpoint's contents from its MANIFEST (no data file is read, "
+                                   "nothing is unpickled).")
+    p.add_argument("path", help="checkpoint directory (a step directory of a CheckpointManager root)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--json", action="store_true",
+                     help=f"print a JSON document for scripts (json_format {JSON_FORMAT}, see docs/CLI.md)")
+    how.add_argument("--manifest", action="store_true",
+                     help="print the whole MANIFEST as JSON, every chunk and checksum included")
     p.set_defaults(func=_cmd_inspect)
-    p = sub.add_parser("verify", help="read everything and check every checksum")
-    p.add_argument("path")
-    p.add_argument("--allow-pickle", action="store_true")
+    p = sub.add_parser("verify", help="read every byte and check every checksum (bounded memory)",
+                       description="Stream every data file and check each crc32c block against the MANIFEST. "
+                                   "Every bad block is reported; exit status 1 if any. Never unpickles, "
+                                   "never writes into the checkpoint.")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--json", action="store_true",
+                   help=f"print the report as JSON (json_format {JSON_FORMAT}, see docs/CLI.md)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is shown only when stderr is a terminal anyway)")
+    p.add_argument("--window", type=_window_arg, default=16 << 20, metavar="SIZE",
+                   help="bytes per read; memory use is about twice this (default 16M)")
     p.set_defaults(func=_cmd_verify)
     # importlib, not `from . import preflight`: the package attribute of that name is the function.
-    for module in ("distckpt.preflight", "distckpt.bench"):
+    for module in ("distckpt.preflight", "distckpt.bench", "distckpt.convert"):
         importlib.import_module(module).add_parser(sub)
     return parser
 
@@ -76,4 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except DistCkptError as exc:
         print(f"distckpt: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("distckpt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `distckpt inspect ... | head`: the reader left; say nothing more and do not let Python's
+        # exit flush raise again on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

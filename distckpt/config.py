@@ -1,14 +1,18 @@
 """Every DISTCKPT_* environment variable, read once into a frozen dataclass.
 
 A bad value raises :class:`distckpt.errors.ConfigError` naming the variable, the value and what is
-allowed; nothing silently falls back to a default.
+allowed; nothing silently falls back to a default. Sizes take binary units (distckpt.sizes):
+``DISTCKPT_BLOCK_SIZE=8M`` is 8 MiB; a plain byte count works too.
+
+A DISTCKPT_* variable that distckpt does not know (a typo such as DISTCKPT_IO_BAKCEND) is warned
+about once per process, naming the closest known variable: a silently ignored setting is a bug.
 
 | variable                    | default  | meaning                                                   |
 |-----------------------------|----------|-----------------------------------------------------------|
 | DISTCKPT_IO_BACKEND         | auto     | auto, uring, pwrite or buffered (see distckpt.io)          |
 | DISTCKPT_QUEUE_DEPTH        | 8        | writes/reads kept in flight per file                      |
-| DISTCKPT_BLOCK_SIZE         | 4194304  | bytes per aligned staging block (one I/O request)          |
-| DISTCKPT_CHECKSUM_BLOCK     | 1048576  | bytes per checksummed block inside a chunk                 |
+| DISTCKPT_BLOCK_SIZE         | 4M       | bytes per aligned staging block (one I/O request)          |
+| DISTCKPT_CHECKSUM_BLOCK     | 1M       | bytes per checksummed block inside a chunk                 |
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
 | DISTCKPT_PREFLIGHT          | 1        | 1: save() runs the cheap pre-flight checks; 0: skip them   |
 """
@@ -16,14 +20,28 @@ allowed; nothing silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
+import threading
+import warnings
 
 from .errors import ConfigError
+from .sizes import CONVENTION, format_bytes, parse_size
 
-__all__ = ["Config", "get_config", "BACKENDS"]
+__all__ = ["Config", "get_config", "BACKENDS", "KNOWN_VARIABLES"]
 
 BACKENDS = ("auto", "uring", "pwrite", "buffered")
+
+#: Every DISTCKPT_* name distckpt or its scripts read. A variable is added here together with the
+#: code that reads it; anything else with the prefix is reported as a probable typo.
+KNOWN_VARIABLES = (
+    # the library (this module)
+    "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
+    "DISTCKPT_TIMEOUT_S", "DISTCKPT_PREFLIGHT",
+    # launch/env.sh (where the venv goes) and the crash tests
+    "DISTCKPT_VENV", "DISTCKPT_ROOT", "DISTCKPT_CRASH_SEED", "DISTCKPT_CRASH_KILLS",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +68,49 @@ def _int(env: dict, name: str, default: int, *, lo: int, hi: int, power_of_two: 
     return value
 
 
+def _size(env: dict, name: str, default: int, *, lo: int, hi: int) -> int:
+    """A size variable: ``4M``, ``4MiB`` or ``4194304`` (binary units), a power of two in [lo, hi]."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = parse_size(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r}: {exc}", variable=name) from None
+    if not lo <= value <= hi or value & (value - 1):
+        raise ConfigError(f"{name}={raw!r} ({value} bytes) must be a power of two between "
+                          f"{format_bytes(lo)} and {format_bytes(hi)} ({CONVENTION})", variable=name)
+    return value
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_unknown_variables(env: dict | None = None) -> list[str]:
+    """Warn (once per process and name) about DISTCKPT_* variables no code reads.
+
+    Returns the unknown names found this time (warned or not). The warning names the closest
+    known variable (difflib), so a typo like DISTCKPT_BLOCKSIZE points at DISTCKPT_BLOCK_SIZE.
+    """
+    env = os.environ if env is None else env
+    unknown = sorted(k for k in env if k.startswith("DISTCKPT_") and k not in KNOWN_VARIABLES)
+    for name in unknown:
+        with _warned_lock:
+            if name in _warned:
+                continue
+            _warned.add(name)
+        close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(KNOWN_VARIABLES[:6])}"
+        warnings.warn(f"{name} is set but distckpt does not read it ({hint}); it has no effect",
+                      UserWarning, stacklevel=3)
+    return unknown
+
+
 def load_config(env: dict | None = None) -> Config:
     """Parse a Config from ``env`` (default: os.environ). Raises ConfigError on a bad value."""
     env = dict(os.environ if env is None else env)
+    warn_unknown_variables(env)
     backend = env.get("DISTCKPT_IO_BACKEND", "auto") or "auto"
     if backend not in BACKENDS:
         raise ConfigError(
@@ -72,8 +130,8 @@ def load_config(env: dict | None = None) -> Config:
     return Config(
         io_backend=backend,
         queue_depth=_int(env, "DISTCKPT_QUEUE_DEPTH", 8, lo=1, hi=256),
-        block_size=_int(env, "DISTCKPT_BLOCK_SIZE", 4 << 20, lo=64 << 10, hi=256 << 20, power_of_two=True),
-        checksum_block=_int(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30, power_of_two=True),
+        block_size=_size(env, "DISTCKPT_BLOCK_SIZE", 4 << 20, lo=64 << 10, hi=256 << 20),
+        checksum_block=_size(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30),
         timeout_s=timeout,
         preflight=preflight_raw == "1",
     )

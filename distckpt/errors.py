@@ -11,7 +11,7 @@ Invariants:
   * errno is mapped to a class in exactly one place: :func:`from_os_error`, called at the storage
     boundary (distckpt.io, distckpt.storage).
 
-This module imports nothing from distckpt.
+This module imports nothing from distckpt but the leaf distckpt.sizes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import errno as _errno
 import os
 from typing import Any, Mapping
+
+from .sizes import format_bytes  # a leaf module: binary units, the one size convention
 
 __all__ = [
     "DistCkptError",
@@ -52,16 +54,6 @@ __all__ = [
     "fill_rank",
     "format_bytes",
 ]
-
-
-def format_bytes(n: int | float) -> str:
-    """Human-readable decimal size, e.g. ``61.2 GB``; exact bytes below 1 kB."""
-    n = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    raise AssertionError("unreachable")
 
 
 def _env_rank() -> int | None:
@@ -391,6 +383,39 @@ _ERRNO_CLASS: dict[int, type[StorageError]] = {
 }
 
 
+# errnos that mean "this path cannot be used", not "the storage is unhealthy": for any operation,
+# and for operations that create something (where ENOENT/EEXIST are about the path, while for a read
+# a missing file is another story, told by the caller).
+_PATH_ERRNOS_ANY_OP = {_errno.ENOTDIR, _errno.ENAMETOOLONG}
+_PATH_ERRNOS_CREATE = {_errno.EEXIST, _errno.ENOENT, _errno.EISDIR}
+_CREATE_OPS = {"mkdir", "probe", "create probe file"}
+
+
+def _path_problem(code: int, path: str, message: str) -> tuple[str, str]:
+    """(message, remedy) naming the part of ``path`` that makes ``code`` happen."""
+    probe = path
+    while probe and not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the deepest part of the path that exists
+    if code == _errno.ENOTDIR:
+        blocker = probe if os.path.lexists(probe) and not os.path.isdir(probe) else None
+        if blocker is None:  # stat could not tell: name the parent
+            blocker = os.path.dirname(path)
+        return (f"{message}: {blocker} is a file, not a directory, so nothing can exist under it",
+                f"Choose a path whose every parent is a directory (or move the file {blocker} away).")
+    if code == _errno.EEXIST:
+        kind = "a file" if os.path.isfile(path) else "a symlink" if os.path.islink(path) else "something"
+        return (f"{message}: {path} already exists and is {kind}, not a directory",
+                f"Choose another path, or remove {path} if it is not needed.")
+    if code == _errno.ENOENT:
+        what = "it" if probe == path else os.path.relpath(path, probe)
+        return (f"{message}: {probe} exists but {what} cannot be created there",
+                "Check the path: a pseudo file system such as /proc or /sys refuses new files, and a "
+                "directory removed meanwhile loses them; save to a directory on a real file system.")
+    if code == _errno.ENAMETOOLONG:
+        return message, "Shorten the path (each name must be at most 255 bytes, the whole path 4096)."
+    return message, f"{path} is a directory where a file was expected: choose another path."
+
+
 def _free_space(path: str) -> tuple[int, int] | None:
     probe = path
     while probe and not os.path.isdir(probe):
@@ -437,6 +462,10 @@ def from_os_error(
             message += f", {format_bytes(needed)} needed"
     if code == _errno.EROFS:
         remedy = "The file system is mounted read-only: remount it read-write or save elsewhere."
+    elif path is not None and (code in _PATH_ERRNOS_ANY_OP
+                               or (code in _PATH_ERRNOS_CREATE and operation in _CREATE_OPS)):
+        # The path is at fault, not the file system: say which part of it.
+        message, remedy = _path_problem(code, os.fspath(path), message)
     elif code == _errno.EIO and operation == "fsync":
         remedy = ("fsync reported an I/O error: the data may be lost from the page cache, so the save "
                   "was failed, not retried; check dmesg and the disk.")

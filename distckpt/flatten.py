@@ -84,7 +84,11 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
                   s.tensor)
             for s in value.local_shards()
         ]
-        return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.size()), pieces, path)
+        # shape and dtype from the metadata: value.dtype / value.size() go through ShardedTensor's
+        # deprecated __torch_function__ and warn on every call (a FutureWarning per tensor saved).
+        md = value.metadata()
+        return TensorItem(fqn, "sharded_tensor", md.tensor_properties.dtype, tuple(int(n) for n in md.size),
+                          pieces, path)
     if DTensor is not None and isinstance(value, DTensor):
         local = value.to_local()
         shape = tuple(value.shape)
@@ -146,8 +150,16 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
 
     Raises:
         UnsupportedValueError: a leaf that is neither a tensor nor a plain value (unless
-            ``allow_pickle``), a dict key that is not str or int, or two leaves with the same fqn.
+            ``allow_pickle``), a dict key that is not str or int, two leaves with the same fqn, or
+            a whole state dict that is a single tensor or plain value.
     """
+    if root == () and (isinstance(state_dict, torch.Tensor) or isinstance(state_dict, _PLAIN)):
+        # Its fqn would be "" and a later load would report the whole checkpoint as missing [''].
+        kind = "a torch.Tensor" if isinstance(state_dict, torch.Tensor) else f"a {type(state_dict).__name__}"
+        raise UnsupportedValueError(
+            f"the state dict is {kind}, not a dict (or list/tuple) of values; entries are found by key",
+            key="", remedy="Wrap it in a dict, the same way for save and load: "
+                           "distckpt.save({'weight': t}, path), distckpt.load({'weight': t}, path).")
     items: dict[str, TensorItem | ObjectItem] = {}
 
     def walk(obj: Any, path: tuple) -> dict:

@@ -58,12 +58,14 @@ import traceback
 import uuid
 from typing import Any, Callable, Iterable, Mapping
 
+from . import sizes as _sizes
 from .errors import (
     DiskFullError,
     DistCkptError,
     DistributedEnvError,
     IOBackendUnavailableError,
     SharedMemoryError,
+    StorageError,
     TooManyOpenFilesError,
     format_bytes,
     from_os_error,
@@ -884,6 +886,8 @@ def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | 
     """
     path = os.fspath(path)
     mount, st, _ = _fs_summary(path)
+    if mount.fstype in PSEUDO_FILE_SYSTEMS:
+        raise _pseudo_fs_error(path, mount, rank)
     free = st.f_bavail * st.f_frsize
     no_inodes = st.f_files > 0 and st.f_favail == 0
     if free >= needed_bytes and not no_inodes:
@@ -895,6 +899,23 @@ def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | 
     raise DiskFullError(short, path=path, rank=rank, errno=_errno.ENOSPC, needed=needed_bytes,
                         free=free, free_inodes=st.f_favail, mount_point=mount.mount_point,
                         fstype=mount.fstype, remedy=_disk_remedy(mount, needed_bytes - free))
+
+
+#: Kernel interfaces that look like directories but cannot hold files: their zero free bytes are
+#: not a full disk, so saving there is reported as the wrong place, never as DiskFullError.
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "devpts",
+    "pstore", "bpf", "mqueue", "fusectl", "binfmt_misc", "efivarfs", "selinuxfs", "nsfs", "autofs",
+    "rpc_pipefs", "nfsd",
+})
+
+
+def _pseudo_fs_error(path: str, mount: MountInfo, rank: int | None) -> StorageError:
+    return StorageError(
+        f"{path} is on {mount.mount_point} ({mount.fstype}), a kernel pseudo file system that cannot "
+        "hold a checkpoint", path=path, rank=rank, mount_point=mount.mount_point, fstype=mount.fstype,
+        remedy="Save to a directory on a real file system (ext4, xfs, a network file system, or tmpfs "
+               "for tests).")
 
 
 def _disk_remedy(mount: MountInfo, short_by: int) -> str:
@@ -927,6 +948,8 @@ def disk_check(path: str | os.PathLike, expected_bytes: int | None = None, *,
     where = f"{mount.mount_point} ({mount.fstype})"
     errors: list[DistCkptError] = []
     warnings: list[str] = []
+    if mount.fstype in PSEUDO_FILE_SYSTEMS:
+        return _finish("disk", [_pseudo_fs_error(path, mount, rank)], warnings, "", details)
     n_files = n_files or 5
     if st.f_files > 0 and st.f_favail < n_files:  # f_files == 0: no inode limit (btrfs, some FUSE)
         errors.append(DiskFullError(
@@ -1318,26 +1341,8 @@ def preflight(
 # ------------------------------------------------------------------------------------------------
 # CLI
 
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-}
-
-
-def parse_size(text: str) -> int:
-    """Parse a size: plain bytes, K/M/G/T or KiB/MiB/GiB/TiB (powers of 1024, as docker and dd),
-    kB/MB/GB/TB (powers of 1000, as format_bytes prints).
-
-    Raises:
-        ValueError: the text is not a size.
-    """
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 10G, 512MiB, 61.2GB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+# One size convention for the whole package (distckpt.sizes): 60G = 60 GiB.
+parse_size = _sizes.parse_size
 
 
 def _size_arg(text: str) -> int:
@@ -1350,13 +1355,17 @@ def _size_arg(text: str) -> int:
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint directory (need not exist yet)")
     p.add_argument("--expected-bytes", type=_size_arg, default=None, metavar="SIZE",
-                   help="bytes the save writes to that file system, e.g. 10G, 61.2GB")
+                   help="bytes the save writes to that file system, e.g. 60G (= 60 GiB; "
+                        f"{_sizes.CONVENTION})")
     p.add_argument("--backend", default=None, help="torch.distributed backend: nccl, gloo, ...")
-    p.add_argument("--world-size", type=int, default=None)
-    p.add_argument("--local-world-size", type=int, default=None)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks the job will run (checked against the torchrun variables when set)")
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="ranks per node (sizes the /dev/shm and fd estimates)")
     p.add_argument("--shm-bytes", type=_size_arg, default=None, metavar="SIZE",
-                   help="extra /dev/shm the job needs (DataLoader workers)")
-    p.add_argument("--keep-last", type=int, default=None)
+                   help="extra /dev/shm the job needs (DataLoader workers), e.g. 2G")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="CheckpointManager keep_last: warn when the steady state will not fit")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_cli)
 

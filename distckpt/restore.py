@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import crc32c as _crc32c
 import torch
 
+from . import dcp
 from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
@@ -40,6 +41,7 @@ from .errors import (CheckpointCorruptError, CheckpointIncompleteError, Checkpoi
                      CheckpointRemovedError, ChecksumMismatchError, DataFileMissingError,
                      DataFileTruncatedError, DistCkptError, PickleNotAllowedError, StateDictMismatchError,
                      StorageError, fill_rank, from_os_error)
+from .locate import check_checkpoint_dir
 from .flatten import ObjectItem, TensorItem, flatten, set_leaf
 from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
 from .staging import dtype_from_name, dtype_name, writable_bytes
@@ -70,6 +72,7 @@ class LoadResult:
 
 
 def _check_committed(path: str) -> None:
+    check_checkpoint_dir(path)  # names what the path is when it is not a checkpoint
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
     if TMP_RE.match(os.path.basename(path)):
@@ -164,6 +167,8 @@ def load_manifest(path: str) -> "mf.Manifest":
     """
     path = os.path.abspath(path)
     _check_committed(path)
+    if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: read it directly
+        return dcp.load_manifest(path)
     # decode validates: magic, version, checksum, names inside the directory, offsets, tiling, tree
     return mf.load_manifest(path)
 
@@ -281,6 +286,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
 
     if not tasks:
         return 0, None
+    verify = verify and manifest.checksum_algo == "crc32c"  # a DCP checkpoint has no checksums
     block = manifest.checksum_block
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
@@ -320,7 +326,10 @@ def _finish_batch(fpath: str, batch: list[_Span], block: int, verify: bool) -> i
                     _verify_blocks(fpath, t, writable_bytes(data), lo, hi, block)
                 if span.direct:
                     continue
-                flat = data[start - lo:end - lo].view(t.dtype)
+                flat = data[start - lo:end - lo]
+                if flat.storage_offset() % t.itemsize:  # unaligned in the file (DCP packs chunks tight)
+                    flat = flat.clone()
+                flat = flat.view(t.dtype)
                 # as_strided's offset is absolute in the storage: keep the slice's own offset.
                 src = flat.as_strided(tuple(t.inter.sizes), row_major_strides(t.chunk.sizes), flat.storage_offset())
                 rel = [o - d for o, d in zip(t.inter.offsets, t.dest_box.offsets)]
@@ -409,6 +418,8 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str):
 def _object_value(entry) -> Any:
     if entry.kind == "pickle":
         return pickle.loads(entry.value)  # only reached with allow_pickle=True
+    if entry.kind == "dcp":  # a DCP value: torch.load(weights_only=True) or PickleNotAllowedError
+        return entry.value.load()
     return entry.value
 
 
@@ -431,7 +442,7 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
 def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
     """Rank 0 reads MANIFEST once and broadcasts its bytes (or its typed error); every rank
     decodes and validates them itself (a shared file system need not be hit N times)."""
-    if group.world_size == 1:
+    if group.world_size == 1 or dcp.is_dcp_checkpoint(path):  # DCP: every rank reads .metadata itself
         return load_manifest(path)
     payload, manifest = None, None
     if group.rank == 0:
@@ -548,6 +559,19 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
         raise
 
 
+def _close_keys(unknown: list[str], fqns: list[str]) -> str:
+    """" (for 'modle' did you mean 'model'?)" for mistyped keys (any prefix of a saved fqn is a valid key)."""
+    import difflib
+
+    valid = {".".join(f.split(".")[:i]) for f in fqns for i in range(1, f.count(".") + 2)}
+    hints = []
+    for key in unknown[:5]:
+        close = difflib.get_close_matches(key, sorted(valid), n=2, cutoff=0.6)
+        if close:
+            hints.append(f"for {key!r} did you mean {' or '.join(map(repr, close))}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
 def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:
     manifest = load_manifest(path)
     all_keys = list(manifest.tensors) + list(manifest.objects)
@@ -558,8 +582,11 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
         wanted = list(keys)
         unknown = [k for k in wanted if not any(f == k or f.startswith(k + ".") for f in all_keys)]
         if unknown:
-            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
-                                         unexpected=[], shape_mismatch={}, dtype_mismatch={})
+            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}{_close_keys(unknown, all_keys)}",
+                                         path=path, missing=unknown, unexpected=[], shape_mismatch={},
+                                         dtype_mismatch={}, remedy="Pass keys the checkpoint has (a key "
+                                         "selects itself and every key under it); `distckpt inspect "
+                                         f"{path}` lists them, keys=None reads everything.")
 
         def keep(fqn):
             return any(fqn == k or fqn.startswith(k + ".") for k in wanted)
@@ -598,3 +625,24 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
             values[fqn] = _object_value(values[fqn])
     result = _rebuild(manifest.tree, values, keep)
     return {} if result is _SKIP else result
+
+
+def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+             verify: bool = True) -> torch.Tensor:
+    """The box (``offsets``, ``sizes``) of tensor ``fqn`` of the checkpoint at ``path`` (whose
+    manifest :func:`load_manifest` returned), read into a new CPU tensor in this process.
+
+    Reads only the byte ranges the box needs (checked against their checksums when ``verify``);
+    the streaming conversions (distckpt.convert) read a tensor slice by slice through it.
+    Raises the read errors of :func:`load`.
+    """
+    entry = manifest.tensors[fqn]
+    dtype = dtype_from_name(entry.dtype, path=path)
+    want = Box(tuple(offsets), tuple(sizes))
+    out = torch.empty(tuple(sizes), dtype=dtype)
+    if want.volume:
+        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+        tasks = [_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize)]
+        _fill(path, manifest, tasks, verify)
+    return out

@@ -44,16 +44,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from distckpt.sizes import parse_size  # noqa: E402  (binary units: 1G = 1 GiB, as everywhere)
+
 ROW_ELEMS = 4096  # columns of the large tensors (float32: 16 KiB per row)
 N_BIG = 8
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
 
 
 # -------------------------------------------------------------------------------------------------

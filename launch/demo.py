@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 2 launch/demo.py save    --root /tmp/ckpt
     torchrun --standalone --nproc-per-node 1 launch/demo.py restore --root /tmp/ckpt
 
-``save`` trains a small MLP whose weights are DTensors sharded on dim 0 over all ranks (Adam, so
-the optimizer state is sharded too) and saves model + optimizer + step through a
+``save`` trains a small MLP whose weights are DTensors sharded over all ranks, tensor-parallel
+(dim 0 or 1 by layer; Adam, so the optimizer state is sharded too) and saves model + optimizer + step through a
 CheckpointManager every step, keeping the last 2. It also writes ``expected.pt`` (the full tensors,
 gathered, for the check only). ``restore`` builds the model on its own world size, restores the
 newest step through the manager (resharding on the way) and checks every tensor bit for bit.
@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import distckpt
 
@@ -31,10 +32,12 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 
 
 def shard_model(model: torch.nn.Module, mesh) -> None:
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
-            module.register_parameter(name, torch.nn.Parameter(sharded))
+    """Tensor parallelism as torch lays it out: column-wise, row-wise, column-wise. Weights and
+    biases are DTensors sharded on dim 0 or 1 (or replicated), and the gradients come back in the
+    parameters' own layout, so the optimizer step needs no redistribution (no all-to-all, which
+    gloo lacks: torch would fall back and warn)."""
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                     "4": ColwiseParallel(output_layouts=Replicate())})
 
 
 def state(model, optim, step: int) -> dict:

@@ -12,7 +12,21 @@ DISTCKPT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${DISTCKPT_VENV:-$DISTCKPT_ROOT/.venv}
 BASE_PY=${PYTHON:-python3}
 
+STEPS=6
+step() {  # step N "what": one line per stage of the install, so a long install shows where it is
+    echo "[distckpt env] ($1/$STEPS) $2"
+}
+pip_install() {
+    # pip's own warnings and errors stay visible, with one exception: a pip configuration that
+    # names an index location missing on this machine makes pip print "WARNING: Location ... is
+    # ignored" once per package looked up (hundreds of lines); those lines alone are dropped.
+    # pipefail keeps pip's exit status (grep's own status is ignored).
+    "$PY" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+        | { grep -v -E "^WARNING: Location '[^']*' is ignored: " || true; }
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
+    step 1 "creating the virtual environment $VENV"
     if "$BASE_PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1; then
         echo "[distckpt env] keeping the base interpreter's CUDA torch (venv with system site-packages)"
         "$BASE_PY" -m venv --system-site-packages "$VENV"
@@ -21,23 +35,32 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
 stamp="$VENV/.distckpt-$(cat "$DISTCKPT_ROOT/launch/env.sh" "$DISTCKPT_ROOT/pyproject.toml" "$DISTCKPT_ROOT/setup.py" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-    echo "[distckpt env] installing into $VENV"
-    "${PIP[@]}" "setuptools>=77" wheel
+    started=$SECONDS
+    echo "[distckpt env] installing into $VENV (pins and reasons: docs/INSTALL.md)"
+    step 2 "build tools: setuptools>=77, wheel"
+    pip_install "setuptools>=77" wheel
     if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
-        "${PIP[@]}" "torch==2.13.0"
+        step 3 "torch 2.13.0 (the largest download)"
+        pip_install "torch==2.13.0"
+    else
+        step 3 "torch: keeping $("$PY" -c 'import torch; print(torch.__version__)')"
     fi
-    "${PIP[@]}" "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyre-extensions==0.0.32" \
-        "torchmetrics==1.0.3" "tqdm" "deepspeed==0.19.8" "fsspec==2026.9.0" "s3fs==2026.9.0" \
-        "msgpack==1.2.4" "crc32c==2.9.post0" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy"
-    "${PIP[@]}" --no-deps "torchrec==1.8.0"
+    step 4 "libraries: fbgemm-gpu-cpu 1.8.0, tensordict, deepspeed 0.19.8, fsspec, msgpack, crc32c, tqdm, safetensors, transformers; test tools"
+    pip_install "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyre-extensions==0.0.32" \
+        "torchmetrics==1.0.3" "tqdm==4.70.1" "deepspeed==0.19.8" "fsspec==2026.9.0" "s3fs==2026.9.0" \
+        "msgpack==1.2.4" "crc32c==2.9.post0" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy" \
+        "safetensors==0.8.0" "transformers==5.23.0"
+    step 5 "torchrec 1.8.0 (--no-deps: its fbgemm-gpu requirement is the CUDA build)"
+    pip_install --no-deps "torchrec==1.8.0"
     # The C core is built here; a compile error stops the set-up (no pure-Python fallback).
-    "${PIP[@]}" --no-build-isolation -e "$DISTCKPT_ROOT"
+    step 6 "distckpt itself (editable install; compiles the C core distckpt._uring)"
+    pip_install --no-build-isolation -e "$DISTCKPT_ROOT"
     "$PY" -c 'import distckpt._uring' || { echo "[distckpt env] the C extension did not build" >&2; exit 1; }
     rm -f "$VENV"/.distckpt-*
     touch "$stamp"
+    echo "[distckpt env] done in $((SECONDS - started)) s"
 fi
 export PATH="$VENV/bin:$PATH"
 # deepspeed looks for CUDA at import; on CPU machines it must be told.

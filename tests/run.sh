@@ -18,4 +18,7 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
 fi
 
 cd "$ROOT"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${@:-tests}"
+# One line per test file with a running count ([ 120/450]) instead of a screen of dots, the 15
+# slowest tests at the end, and a summary line for every failure, error and skip (with its reason).
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider -o console_output_style=count --durations=15 -rfEs \
+    "${@:-tests}"

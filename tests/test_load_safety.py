@@ -208,7 +208,6 @@ def test_load_on_read_only_ext4(mounts, tmp_path):
     before = _snapshot(str(d))
     out = _load_read_verify_here(path)
     assert out["backends"] != ["buffered"], out  # O_DIRECT probed by reading, not refused
-    assert any("probed by reading rank00000.bin" in s for s in out["sources"]), out
     assert _snapshot(str(d)) == before
 
 

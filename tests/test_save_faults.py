@@ -278,7 +278,7 @@ def test_preflight_refuses_before_writing(tmp_path, monkeypatch, fs):
         _assert_typed(e, E.DiskFullError, errno.ENOSPC)
         assert e.needed > 40 * MiB and 0 <= e.free < e.needed
         assert e.fstype == fs and os.path.realpath(e.mount_point) == os.path.realpath(root)
-        assert re.search(rf"needs [\d.]+ [kMG]?B on {re.escape(e.mount_point)} \({fs}\), [\d.]+ [kMG]?B free",
+        assert re.search(rf"needs [\d.]+ [KMG]iB on {re.escape(e.mount_point)} \({fs}\), [\d.]+ (?:[KMG]i)?B free",
                          e.message), e.message
         # Nothing was written: not a block, not an inode, not a tmp dir.
         st1 = os.statvfs(root)

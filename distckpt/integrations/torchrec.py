@@ -112,8 +112,21 @@ def _pieces(value: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
     return [((0,) * value.dim(), tuple(value.shape), value)]
 
 
+def _sharded_md(value: torch.Tensor):
+    """A ShardedTensor's metadata, or None. Its shape and dtype are read from there: ``.size()`` and
+    ``.dtype`` go through ShardedTensor's deprecated ``__torch_function__``, one FutureWarning each."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    return value.metadata() if isinstance(value, ShardedTensor) else None
+
+
 def _gshape(value: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(s) for s in (value.size() if callable(getattr(value, "size", None)) else value.shape))
+    md = _sharded_md(value)
+    return tuple(int(s) for s in (md.size if md is not None else value.shape))
+
+
+def _gdtype(value: torch.Tensor) -> torch.dtype:
+    md = _sharded_md(value)
+    return md.tensor_properties.dtype if md is not None else value.dtype
 
 
 @dataclasses.dataclass
@@ -307,9 +320,9 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
                     shape = _gshape(value)
                     pieces = _pieces(value)
                     if shape == (table.rows, table.dim):
-                        ent = _Entry("elementwise", shape, value.dtype, pieces)
+                        ent = _Entry("elementwise", shape, _gdtype(value), pieces)
                     elif len(shape) == 1 and shape[0] == table.rows * (len(table.cols) - 1 if not table.row_split else 1):
-                        ent = _Entry("rowwise", (len(table.cols) - 1, table.rows), value.dtype,
+                        ent = _Entry("rowwise", (len(table.cols) - 1, table.rows), _gdtype(value),
                                      _rowwise_pieces(table, pieces, fused=True))
                     else:
                         raise UnsupportedValueError(f"fused optimizer state {skey!r} of {fqn!r} has global shape "
@@ -348,9 +361,9 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
                     elif table is not None and table.sharding != "data_parallel":
                         layout, pieces = _dense_table_pieces(table, p, value, name)
                         shape = (table.rows, table.dim) if layout == "elementwise" else (len(table.cols) - 1, table.rows)
-                        ent = _Entry(layout, shape, value.dtype, pieces)
+                        ent = _Entry(layout, shape, _gdtype(value), pieces)
                     elif table is not None and value.dim() == 1 and value.shape[0] == table.rows:
-                        ent = _Entry("rowwise", (1, table.rows), value.dtype,
+                        ent = _Entry("rowwise", (1, table.rows), _gdtype(value),
                                      [((0, 0), (1, table.rows), value.reshape(1, table.rows))])
                     elif table is not None and tuple(value.shape) == (table.rows, table.dim):
                         ent = _Entry("elementwise", tuple(value.shape), value.dtype, [((0, 0), tuple(value.shape), value)])
@@ -363,7 +376,7 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
     # class (torchrec.distributed.shards_wrapper.LocalShardsWrapper), and would fall back to the
     # (wrong) placements. Describe those values by their local shard offsets here instead.
     from torch.distributed.tensor import DTensor
-    dt_model = {k: _Entry("weight", _gshape(v), v.dtype, _pieces(v))
+    dt_model = {k: _Entry("weight", _gshape(v), _gdtype(v), _pieces(v))
                 for k, v in model_sd.items() if isinstance(v, DTensor)}
 
     # Every rank must describe the same keys: gather the description and take the union.

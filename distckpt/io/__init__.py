@@ -5,7 +5,8 @@ Public surface (the rest of distckpt uses only these names):
     file system (io_uring -> O_DIRECT pwrite -> buffered+fsync), chosen once per process per file
     system, logged with its reason on the ``distckpt.io`` logger; never a silent fallback.
   * :func:`open_writer` -> :class:`Writer`: append-only, aligned-staging O_DIRECT writer.
-  * :func:`open_reader` -> :class:`Reader`: ranged reads, many in flight.
+  * :func:`open_reader` -> :class:`Reader`: ranged reads, many in flight;
+    :func:`choose_read_backend` picks a backend for existing files without writing a probe file.
   * :func:`exchange_paths`, :func:`fsync_path`: atomic directory swap and durability of names.
 
 Invariants shared by all of them: every OSError leaves as the typed class from
@@ -15,7 +16,7 @@ itself, until its close()).
 """
 
 from .paths import exchange_paths, fsync_path
-from .probe import BACKEND_ORDER, BackendChoice, choose_backend, last_choices, reset_choices
+from .probe import BACKEND_ORDER, BackendChoice, choose_backend, choose_read_backend, last_choices, reset_choices
 from .reader import Reader, open_reader
 from .writer import Writer, open_writer
 
@@ -23,6 +24,7 @@ __all__ = [
     "BACKEND_ORDER",
     "BackendChoice",
     "choose_backend",
+    "choose_read_backend",
     "last_choices",
     "reset_choices",
     "open_writer",

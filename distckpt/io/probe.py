@@ -9,8 +9,8 @@ Backends, in order of preference:
 
 Invariants:
   * The choice is made at most once per process per (file system, requested backend, read or
-    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger, and listed by
-    :func:`last_choices`. Every choice carries the reason it was made.
+    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger,
+    and listed by :func:`last_choices`. Every choice carries the reason it was made.
   * Probes run the real code path: for a save, the O_DIRECT probe writes one block through the same
     C writer (io_uring or pwrite) that the save will use, into a temporary file that is always
     removed. For a load (``read_only=True``) nothing is written, ever: a committed checkpoint may
@@ -37,7 +37,7 @@ from .. import _uring
 from ..config import get_config
 from ..errors import IOBackendUnavailableError, from_os_error
 
-__all__ = ["BackendChoice", "choose_backend", "last_choices", "BACKEND_ORDER"]
+__all__ = ["BackendChoice", "choose_backend", "choose_read_backend", "last_choices", "BACKEND_ORDER"]
 
 log = logging.getLogger("distckpt.io")
 
@@ -155,24 +155,14 @@ def _probe_uring() -> tuple[str | None, int | None]:
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-def _probe_alignment(directory: str, read_only: bool = False) -> tuple[int, int, str, str | None]:
+def _probe_alignment(directory: str) -> tuple[int, int, str, str | None]:
     """DIO alignment for regular files in ``directory`` (ext4 reports it only for regular files).
 
-    Returns (mem_align, offset_align, source, sample): ``sample`` is None when the probe created
-    a file there; with ``read_only`` (a load), or for a directory this process may only read, it
-    is an existing regular file that was statx()ed instead, and the O_DIRECT probe then reads that
-    file rather than writing a new one.
+    Returns (mem_align, offset_align, source, sample): ``sample`` is None when the probe could
+    create a file there; for a directory this process may only read (a committed checkpoint on a
+    read-only mount, restore as another user) it is an existing regular file that was statx()ed
+    instead, and the O_DIRECT probe then reads that file rather than writing a new one.
     """
-    if read_only:
-        sample = _sample_file(directory)
-        if sample is None:
-            raise from_os_error(FileNotFoundError(errno.ENOENT, "no regular file to probe", directory),
-                                path=directory, operation="probe")
-        try:
-            mem, off, source = _uring.statx_dioalign(sample)
-        except OSError as exc:
-            raise from_os_error(exc, path=sample, operation="probe") from exc
-        return mem, off, source, sample
     path = os.path.join(directory, f".distckpt-align-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -266,7 +256,13 @@ def _decide(directory: str, requested: str, read_only: bool = False) -> BackendC
     if requested == "buffered":
         return BackendChoice("buffered", "forced by DISTCKPT_IO_BACKEND=buffered", MIN_ALIGNMENT,
                              MIN_ALIGNMENT, directory, "default")
-    mem, off, source, sample = _probe_alignment(directory, read_only)
+    if read_only:  # a load: never create anything; probe by reading a file already there
+        sample = _sample_file(directory)
+        if sample is None:
+            raise from_os_error(FileNotFoundError(errno.ENOENT, "no regular file to probe by reading", directory),
+                                path=directory, operation="probe")
+        return choose_read_backend(sample, backend=requested)
+    mem, off, source, sample = _probe_alignment(directory)
 
     def probe_direct(use_uring: bool) -> tuple[str | None, int | None]:
         if sample is not None:  # read-only here: probe the read path on an existing file
@@ -274,8 +270,7 @@ def _decide(directory: str, requested: str, read_only: bool = False) -> BackendC
         return _probe_direct(directory, use_uring, off)
 
     if sample is not None:
-        why = "for reading" if read_only else "read-only directory"
-        source += f", {why}: probed by reading {os.path.basename(sample)}"
+        source += f", read-only directory: probed by reading {os.path.basename(sample)}"
     page = os.sysconf("SC_PAGESIZE")
     direct_reason = None
     if mem == 0 or off == 0:
@@ -321,7 +316,8 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None,
         backend: "auto", "uring", "pwrite" or "buffered"; default ``get_config().io_backend``
             (DISTCKPT_IO_BACKEND).
         read_only: Choose for reading the files already in ``directory`` (a load): nothing is
-            created, written or removed there; the probe statx()es and reads an existing file.
+            created, written or removed there; :func:`choose_read_backend` on one of its files
+            (a non-empty data file when there is one), cached per file system like the rest.
 
     Returns:
         The cached or new :class:`BackendChoice`; a new choice is logged at INFO with its reason.
@@ -352,3 +348,53 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None,
     log.info("distckpt io backend for %s (requested %s): %s; %s", directory, requested, choice.name, choice.reason)
     return choice
 
+
+
+def choose_read_backend(sample: str | os.PathLike, *, backend: str | None = None) -> BackendChoice:
+    """Choose how to read existing files like ``sample`` without creating anything next to it.
+
+    For tools that must not write into a checkpoint (``distckpt verify``, a read-only mount):
+    the O_DIRECT alignment comes from statx on ``sample`` itself and the O_DIRECT probe reads one
+    byte of it through the real C reader. Not cached (one statx and one small read).
+
+    Raises:
+        IOBackendUnavailableError: a forced backend (``backend`` or DISTCKPT_IO_BACKEND) cannot read here.
+        StorageError subclass: ``sample`` cannot be opened or examined.
+    """
+    sample = os.path.abspath(os.fspath(sample))
+    directory = os.path.dirname(sample)
+    requested = backend or get_config().io_backend
+    if requested not in ("auto",) + BACKEND_ORDER:
+        raise ValueError(f"backend must be auto, uring, pwrite or buffered, not {requested!r}")
+    if requested == "buffered":
+        return BackendChoice("buffered", "forced by DISTCKPT_IO_BACKEND=buffered", MIN_ALIGNMENT,
+                             MIN_ALIGNMENT, directory, "default")
+    try:
+        mem, off, source = _uring.statx_dioalign(sample)
+    except OSError as exc:
+        raise from_os_error(exc, path=sample, operation="probe") from exc
+    if mem == 0 or off == 0 or mem > os.sysconf("SC_PAGESIZE") or off > (1 << 20):
+        reason = f"no usable O_DIRECT alignment for {os.path.basename(sample)} (memory {mem}, offset {off})"
+        if requested != "auto":
+            raise _unavailable(requested, reason, directory, errno.EINVAL)
+        return BackendChoice("buffered", f"{reason}; using buffered reads", MIN_ALIGNMENT, MIN_ALIGNMENT,
+                             directory, source)
+    reason = None
+    if requested in ("auto", "uring"):
+        reason, code = _probe_uring()
+        if reason is None:
+            reason, code = _probe_direct_read(sample, True, mem, off)
+        if reason is None:
+            return BackendChoice("uring", f"O_DIRECT reads via io_uring (dio alignment {mem}/{off} from {source})",
+                                 mem, off, directory, source)
+        if requested == "uring":
+            raise _unavailable("uring", reason, directory, code)
+    direct_reason, code = _probe_direct_read(sample, False, mem, off)
+    if direct_reason is None:
+        prefix = f"io_uring unavailable: {reason}; " if reason else ""
+        return BackendChoice("pwrite", f"{prefix}synchronous O_DIRECT pread (dio alignment {mem}/{off})",
+                             mem, off, directory, source)
+    if requested == "pwrite":
+        raise _unavailable("pwrite", direct_reason, directory, code)
+    return BackendChoice("buffered", f"{direct_reason}; using buffered reads", MIN_ALIGNMENT, MIN_ALIGNMENT,
+                         directory, source)

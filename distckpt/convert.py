@@ -1,0 +1,747 @@
+"""Conversions between checkpoint formats, streaming tensor by tensor with bounded memory.
+
+    distckpt convert SRC DST --to dcp|torch|safetensors|distckpt
+
+SRC is a distckpt checkpoint or a torch.distributed.checkpoint (DCP) directory (read through the
+same reader as :func:`distckpt.load`, see :mod:`distckpt.dcp`). Targets:
+
+  * ``dcp``: a DCP directory written by torch's own ``FileSystemWriter`` through ``dcp.save``
+    (``torch.distributed.checkpoint.load`` reads it); a tensor larger than the slice size is
+    written as several row chunks (DCP reshards on load).
+  * ``torch``: one ``torch.save``-format file with the original nesting, loadable with
+    ``torch.load(path, weights_only=True)`` (and ``mmap=True``: records are 64-byte aligned, as
+    torch writes them). It is written record by record with :mod:`zipfile`, each tensor's bytes
+    streamed in slices, because ``torch.save`` itself needs every tensor in memory at once.
+  * ``safetensors``: Hugging Face safetensors shards of at most ``max_shard_size`` bytes and
+    ``model.safetensors.index.json`` (one ``model.safetensors`` when it fits one shard), as
+    ``save_pretrained`` lays them out; ``prefix`` keeps the keys that start with it and strips it,
+    ``dtype`` casts floating-point tensors. The header is written first and the data streamed in
+    slices (the safetensors library's ``save_file`` needs the whole shard in memory); every shard
+    is then checked by opening it with the safetensors library.
+  * ``distckpt``: a distckpt checkpoint written by :func:`distckpt.save`. Each tensor is
+    assembled in a memory-mapped temporary file next to DST (so anonymous memory stays bounded;
+    the data lives in the page cache, which the kernel writes back and reclaims), then saved.
+
+Memory: tensors are read in C-contiguous slices of at most ``memory_limit // 4`` bytes (a slice,
+the reader's buffers for it, and a cast copy fit in the limit), so peak memory above the
+interpreter's baseline stays under ``memory_limit`` whatever the checkpoint's size
+(docs/BENCHMARKS.md has the measurement). Values that a target cannot hold (non-tensor values in
+safetensors) are listed by name in :attr:`ConvertResult.skipped`, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import pickle
+import struct
+import sys
+import time
+from typing import Any, Iterator
+
+__all__ = ["convert", "ConvertResult", "FORMATS", "add_parser"]
+
+FORMATS = ("dcp", "torch", "safetensors", "distckpt")
+DEFAULT_MEMORY_LIMIT = 1 << 30
+DEFAULT_SHARD_SIZE = 5 << 30
+
+# safetensors dtype names (the format's spec) for the torch dtypes it can hold.
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
+    "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "complex64": "C64",
+}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp64": "float64", "double": "float64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion wrote. ``skipped``: keys the target format cannot hold (with why)."""
+
+    src: str
+    dst: str
+    to: str
+    tensors: int
+    bytes: int
+    files: list[str]
+    skipped: dict[str, str]
+    seconds: float
+
+
+def parse_size(text: str) -> int:
+    """``"5GiB"``, ``"5G"``, ``"1048576"`` -> bytes: binary units, the package's one convention
+    (distckpt.sizes; decimal ``500MB`` is refused as ambiguous). ValueError otherwise."""
+    from .sizes import parse_size as _parse
+
+    return _parse(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# The source: any checkpoint distckpt reads.
+
+
+class _Source:
+    def __init__(self, path: str, *, allow_pickle: bool, verify: bool):
+        from .restore import load_manifest
+
+        self.path = os.path.abspath(path)
+        self.manifest = load_manifest(self.path)
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+
+    @property
+    def tensors(self):
+        return self.manifest.tensors
+
+    def value(self, fqn: str) -> Any:
+        from .errors import PickleNotAllowedError
+        from .restore import _object_value
+
+        entry = self.manifest.objects[fqn]
+        if entry.kind == "pickle" and not self.allow_pickle:
+            raise PickleNotAllowedError(f"the checkpoint stores {fqn!r} as a pickle", path=self.path, keys=[fqn])
+        return _object_value(entry)
+
+    def read(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
+        from .restore import read_box
+        return read_box(self.path, self.manifest, fqn, offsets, sizes, verify=self.verify)
+
+    def nested(self, leaf) -> Any:
+        """The original nesting with every tensor replaced by ``leaf(fqn)`` and values decoded."""
+        from .restore import _SKIP, _rebuild
+
+        values = {fqn: leaf(fqn) for fqn in self.tensors}
+        values.update({fqn: self.value(fqn) for fqn in self.manifest.objects})
+        out = _rebuild(self.manifest.tree, values, lambda fqn: True)
+        return {} if out is _SKIP else out
+
+    def subtree(self, node) -> Any:
+        """The value of one node of the manifest tree, tensors read whole."""
+        from .restore import _rebuild
+
+        if node["t"] == "ref":
+            fqn = node["fqn"]
+            if fqn in self.tensors:
+                t = self.tensors[fqn]
+                return self.read(fqn, (0,) * len(t.shape), tuple(t.shape))
+            return self.value(fqn)
+        refs: list[str] = []
+
+        def collect(n):
+            if n["t"] == "ref":
+                refs.append(n["fqn"])
+            for _k, c in n.get("k", []):
+                collect(c)
+            for c in n.get("v", []):
+                collect(c)
+
+        collect(node)
+        values = {fqn: self.subtree({"t": "ref", "fqn": fqn}) for fqn in refs}
+        return _rebuild(node, values, lambda fqn: True)
+
+
+def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
+    """Boxes (offsets, sizes) that cover ``shape`` in row-major order, each C-contiguous inside
+    the tensor (leading dims fixed, one dim ranged, trailing dims whole) and at most ``max_bytes``
+    (or one element, if an element is larger)."""
+    if math.prod(shape) == 0:
+        return
+    if not shape:
+        yield (), ()
+        return
+
+    def rec(prefix: tuple, d: int):
+        inner = math.prod(shape[d + 1:]) * itemsize
+        if inner <= max_bytes or d == len(shape) - 1:
+            step = max(1, max_bytes // max(inner, 1))
+            for start in range(0, shape[d], step):
+                n = min(step, shape[d] - start)
+                yield prefix + (start,) + (0,) * (len(shape) - d - 1), (1,) * len(prefix) + (n,) + shape[d + 1:]
+        else:
+            for i in range(shape[d]):
+                yield from rec(prefix + (i,), d + 1)
+
+    yield from rec((), 0)
+
+
+class _Progress:
+    """A tqdm bar over bytes on a terminal (stderr is a tty), nothing otherwise."""
+
+    def __init__(self, total: int, desc: str, enabled: bool | None):
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _tensor_bytes(src: _Source, fqns) -> int:
+    from . import manifest as mf
+    return sum(math.prod(src.tensors[f].shape) * mf.DTYPE_ITEMSIZE[src.tensors[f].dtype] for f in fqns)
+
+
+def _pin_mmap_threshold() -> None:
+    """Keep glibc's mmap threshold at its default (128 KiB) for the rest of the process.
+
+    glibc raises the threshold to the size of any large block that is freed, so after the first
+    slice every later one comes from the heap, whose freed memory is not given back: measured,
+    a DCP export with a 64 MiB limit grew by 131 MiB instead of 51 MiB. With the threshold
+    pinned, each slice is its own mapping and goes back to the kernel when freed. No-op off glibc.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    M_MMAP_THRESHOLD = -3
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def _dtype(name: str):
+    from .staging import dtype_from_name
+    return dtype_from_name(name)
+
+
+def _bytes_of(t) -> memoryview:
+    from .staging import host_bytes
+    view, keep = host_bytes(t)
+    return view, keep
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.save format, streamed.
+
+
+class _TensorRef:
+    """Stands for one tensor in the pickled structure of a ``--to torch`` export."""
+
+    def __init__(self, fqn: str, key: str, dtype_name: str, shape: tuple):
+        self.fqn, self.key, self.dtype_name, self.shape = fqn, key, dtype_name, shape
+
+
+class _StorageRef:
+    def __init__(self, ref: _TensorRef):
+        self.ref = ref
+
+
+# torch.save's names for the storages of these dtypes (torch.storage._dtype_to_storage_type_map);
+# other dtypes are written as UntypedStorage + _rebuild_tensor_v3, as torch.save does.
+_LEGACY_STORAGE = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage",
+    "complex128": "ComplexDoubleStorage", "complex64": "ComplexFloatStorage",
+}
+
+
+def _torch_pickle(obj: Any) -> bytes:
+    """data.pkl of a torch.save archive holding ``obj`` (protocol 2, as torch.save writes it)."""
+    import collections
+
+    import torch
+    from torch._utils import _rebuild_tensor_v2, _rebuild_tensor_v3
+
+    from .plan import row_major_strides
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, _StorageRef):
+                r = o.ref
+                numel = math.prod(r.shape)
+                if r.dtype_name in _LEGACY_STORAGE:
+                    return ("storage", getattr(torch, _LEGACY_STORAGE[r.dtype_name]), r.key, "cpu", numel)
+                return ("storage", torch.storage.UntypedStorage, r.key, "cpu", numel * _dtype(r.dtype_name).itemsize)
+            return None
+
+        def reducer_override(self, o):
+            if isinstance(o, _TensorRef):
+                args = (_StorageRef(o), 0, torch.Size(o.shape), tuple(row_major_strides(o.shape)), False,
+                        collections.OrderedDict())
+                if o.dtype_name in _LEGACY_STORAGE:
+                    return _rebuild_tensor_v2, args
+                return _rebuild_tensor_v3, args + (_dtype(o.dtype_name),)
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def _aligned_info(zf, name: str, size: int):
+    """A ZipInfo whose data will start on a 64-byte boundary (torch's alignment, which
+    torch.load(mmap=True) relies on): the local header's extra field is padded."""
+    import zipfile
+
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # the rule ZipFile.open(mode="w") applies
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    start = zf.fp.tell() + 30 + len(name.encode()) + (20 if zip64 else 0)
+    pad = (-(start + 4)) % 64
+    info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB": torch's padding field id
+    return info, zip64
+
+
+def _to_torch(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict) -> None:
+    import zipfile
+
+    refs: list[_TensorRef] = []
+
+    def leaf(fqn):
+        t = src.tensors[fqn]
+        refs.append(_TensorRef(fqn, str(len(refs)), t.dtype, tuple(t.shape)))
+        return refs[-1]
+
+    obj = src.nested(leaf)
+    tmp = dst + ".tmp"
+    with open(tmp, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        def record(name: str, data: bytes) -> None:
+            info, zip64 = _aligned_info(zf, name, len(data))
+            with zf.open(info, "w", force_zip64=zip64) as out:
+                out.write(data)
+
+        record("archive/data.pkl", _torch_pickle(obj))
+        record("archive/.format_version", b"1")
+        record("archive/.storage_alignment", b"64")
+        record("archive/byteorder", b"little")
+        for r in refs:
+            dtype = _dtype(r.dtype_name)
+            info, zip64 = _aligned_info(zf, f"archive/data/{r.key}", math.prod(r.shape) * dtype.itemsize)
+            with zf.open(info, "w", force_zip64=zip64) as out:
+                for offsets, sizes in _slices(r.shape, dtype.itemsize, slice_bytes):
+                    piece = src.read(r.fqn, offsets, sizes)
+                    view, keep = _bytes_of(piece)
+                    out.write(view)
+                    progress.update(len(view))
+                    del view, keep, piece
+        record("archive/version", b"3\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _check_weights_only(tmp, src.path)
+    os.replace(tmp, dst)
+    result["files"] = [dst]
+
+
+def _check_weights_only(path: str, src: str) -> None:
+    """Load the written file the way its users will: torch.load(weights_only=True), memory-mapped
+    so no tensor byte is read. A value that needs more (only possible with allow_pickle sources)
+    is a typed error, not a file that fails later."""
+    import torch
+
+    from .errors import UnsupportedValueError
+
+    try:
+        torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise UnsupportedValueError(
+            f"the export would not load with torch.load(weights_only=True): {str(exc).splitlines()[0]}",
+            path=src, remedy="Export without those values, or load the file with weights_only=False if you trust it.") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face safetensors shards.
+
+
+def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict, *,
+                    max_shard_size: int, prefix: str | None, cast: str | None) -> None:
+    from .errors import UnsupportedValueError
+
+    names: list[tuple[str, str]] = []  # (output name, fqn)
+    for fqn in src.tensors:
+        if prefix is not None and not fqn.startswith(prefix):
+            result["skipped"][fqn] = f"outside the prefix {prefix!r}"
+            continue
+        names.append((fqn[len(prefix):] if prefix else fqn, fqn))
+    for fqn in src.manifest.objects:
+        result["skipped"][fqn] = "not a tensor (safetensors holds tensors only)"
+    if not names:
+        raise UnsupportedValueError(f"no tensor of {src.path} matches the prefix {prefix!r}", path=src.path)
+
+    def out_dtype(t) -> str:
+        d = t.dtype
+        if cast is not None and _dtype(d).is_floating_point:
+            d = cast
+        if d not in _ST_DTYPES:
+            raise UnsupportedValueError(f"safetensors cannot hold dtype {d}", path=src.path)
+        return d
+
+    from . import manifest as mf
+    specs = []
+    for name, fqn in names:
+        t = src.tensors[fqn]
+        d = out_dtype(t)
+        specs.append((name, fqn, d, tuple(t.shape), math.prod(t.shape) * mf.DTYPE_ITEMSIZE[d]))
+    # Shards in checkpoint order, each closed before it would pass the cap (a tensor larger than
+    # the cap gets a shard of its own, as save_pretrained does).
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec[4] > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec[4]
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    os.makedirs(dst, exist_ok=True)
+    weight_map = {}
+    for fname, shard in zip(files, shards):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for name, _fqn, d, shape, nbytes in shard:
+            header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            off += nbytes
+            weight_map[name] = fname
+        hdr = json.dumps(header, separators=(",", ":")).encode()
+        hdr += b" " * ((-len(hdr)) % 8)  # the spec allows trailing spaces; 8-byte aligned data
+        path = os.path.join(dst, fname)
+        with open(path + ".tmp", "wb") as f:
+            f.write(struct.pack("<Q", len(hdr)) + hdr)
+            for _name, fqn, d, shape, _nb in shard:
+                t = src.tensors[fqn]
+                target = _dtype(d)
+                for offsets, sizes in _slices(shape, _dtype(t.dtype).itemsize, slice_bytes):
+                    piece = src.read(fqn, offsets, sizes)
+                    if piece.dtype != target:
+                        piece = piece.to(target)
+                    view, keep = _bytes_of(piece)
+                    f.write(view)
+                    progress.update(len(view))
+                    del view, keep, piece
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        _check_shard(path, shard)
+    if n > 1:
+        index = {"metadata": {"total_size": sum(s[4] for s in specs)}, "weight_map": weight_map}
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        files = files + ["model.safetensors.index.json"]
+    result["files"] = [os.path.join(dst, f) for f in files]
+    result["tensors"] = len(specs)
+
+
+def _check_shard(path: str, shard: list) -> None:
+    """Open the written shard with the safetensors library: names, dtypes and shapes as meant."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        if keys != {s[0] for s in shard}:
+            raise AssertionError(f"{path}: safetensors sees keys {sorted(keys)[:5]}...")
+        for name, _fqn, _d, shape, _nb in shard:
+            if tuple(f.get_slice(name).get_shape()) != shape:
+                raise AssertionError(f"{path}: {name} has the wrong shape")
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP, through torch's own writer.
+
+
+def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    tensor_leaves, value_leaves = _dcp_leaves(src)
+    paths = {**{fqn: p for fqn, p in tensor_leaves}, **{fqn: p for fqn, p, _ in value_leaves}}
+    values = {fqn: node for fqn, _, node in value_leaves}
+
+    class StreamingPlanner(DefaultSavePlanner):
+        """Plans from the source's manifest instead of an in-memory state dict, and reads each
+        chunk only when torch's writer asks for it (resolve_data), so one chunk is in memory."""
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+            self.state_dict = {}
+            self._last = None
+            self.is_coordinator = is_coordinator
+            self.mappings = paths
+
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            self._chunks: dict = {}
+            for fqn, _path in tensor_leaves:
+                t = src.tensors[fqn]
+                dtype = _dtype(t.dtype)
+                props = TensorProperties(dtype=dtype)
+                size = torch.Size(t.shape)
+                boxes = list(_slices(tuple(t.shape), dtype.itemsize, slice_bytes)) or [((0,) * len(t.shape), tuple(t.shape))]
+                for offsets, sizes in boxes:
+                    idx = MetadataIndex(fqn, torch.Size(offsets))
+                    self._chunks[(fqn, tuple(offsets))] = sizes
+                    items.append(WriteItem(index=idx, type=WriteItemType.SHARD if len(boxes) > 1 else WriteItemType.TENSOR,
+                                           tensor_data=TensorWriteData(
+                                               chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                                               properties=props, size=size)))
+            for fqn in values:
+                items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+            self.plan = SavePlan(items, planner_data=self.mappings)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            fqn = write_item.index.fqn
+            if write_item.type == WriteItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(src.subtree(values[fqn]), buf)
+                return buf
+            # torch's FileSystemWriter keeps the last chunk of every fqn it wrote until the file
+            # is closed (its tensor_dict, used only for its safetensors format), which would hold
+            # a whole model; the writer is done with the previous chunk when it asks for the next
+            # one (one thread, a serial loader), so its memory is released here.
+            if self._last is not None:
+                self._last.untyped_storage().resize_(0)
+            offsets = tuple(write_item.index.offset)
+            sizes = self._chunks[(fqn, offsets)]
+            t = src.read(fqn, offsets, sizes)
+            progress.update(t.numel() * t.element_size())
+            self._last = t
+            return t
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    writer = dcp.FileSystemWriter(dst, single_file_per_rank=True, sync_files=True, thread_count=1)
+    try:
+        dcp.save({}, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+    except CheckpointException as exc:  # a BaseException wrapping ours: raise the typed error itself
+        failures = [e for e, _tb in exc.failures.values()]
+        if failures and isinstance(failures[0], Exception):
+            raise failures[0] from None
+        raise
+    result["files"] = sorted(os.path.join(dst, f) for f in os.listdir(dst))
+
+
+def _dcp_leaves(src: _Source) -> tuple[list, list]:
+    """The entries DCP's own flattening (torch.distributed.checkpoint._traverse) makes of the
+    source's nesting, so ``dcp.load`` into the same structure finds every key: mappings are
+    walked, a list only when it holds a tensor or a mapping somewhere below, a tuple never (it is
+    one value, tensors inside it included). Returns ([(fqn, path)] of streamed tensors,
+    [(fqn, path, tree node)] of values written whole with torch.save)."""
+    tensors, values = [], []
+
+    def holds_tensor_or_map(node) -> bool:
+        if node["t"] == "ref":
+            return node["fqn"] in src.tensors
+        if node["t"] == "dict":
+            return True
+        return node["t"] == "list" and any(holds_tensor_or_map(c) for c in node["v"])
+
+    def walk(node, path):
+        fqn = ".".join(str(p) for p in path)
+        if node["t"] == "dict":
+            for k, child in node["k"]:
+                walk(child, path + (str(k),))
+        elif node["t"] == "list" and any(holds_tensor_or_map(c) for c in node["v"]):
+            for i, child in enumerate(node["v"]):
+                walk(child, path + (i,))
+        elif node["t"] == "ref" and node["fqn"] in src.tensors:
+            tensors.append((fqn, path))
+        else:
+            values.append((fqn, path, node))
+
+    tree = src.manifest.tree
+    if tree["t"] != "dict":
+        from .errors import UnsupportedValueError
+        raise UnsupportedValueError(f"the checkpoint's top level is a {tree['t']}; DCP needs a dict", path=src.path)
+    walk(tree, ())
+    return tensors, values
+
+
+# ---------------------------------------------------------------------------------------------
+# distckpt, through distckpt.save.
+
+
+def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict) -> None:
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from .save import save
+
+    fd, tmp = tempfile.mkstemp(prefix=".distckpt-convert-", dir=os.path.dirname(os.path.abspath(dst)))
+    try:
+        # each tensor at a 64-byte aligned offset, so every dtype can view its bytes
+        total = sum(-(-math.prod(t.shape) * _dtype(t.dtype).itemsize // 64) * 64 for t in src.tensors.values())
+        os.ftruncate(fd, max(total, 1))
+        mm = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(max(total, 1),))
+        os.unlink(tmp)  # the mapping keeps the pages; nothing is left behind on a crash
+        tmp = None
+        flat = torch.from_numpy(mm)
+        tensors, at = {}, 0
+        for fqn, t in src.tensors.items():
+            dtype = _dtype(t.dtype)
+            nbytes = math.prod(t.shape) * dtype.itemsize
+            dest = flat[at:at + nbytes].view(dtype).view(tuple(t.shape)) if nbytes else torch.empty(tuple(t.shape), dtype=dtype)
+            at += -(-nbytes // 64) * 64
+            row = dest.reshape(-1) if nbytes else None
+            for offsets, sizes in _slices(tuple(t.shape), dtype.itemsize, slice_bytes):
+                piece = src.read(fqn, offsets, sizes)
+                start = sum(o * s for o, s in zip(offsets, _strides(t.shape)))
+                row[start:start + piece.numel()].copy_(piece.reshape(-1))
+                progress.update(piece.numel() * dtype.itemsize)
+                del piece
+            tensors[fqn] = dest
+        state = src.nested(lambda fqn: tensors[fqn])
+        save(state, dst, allow_pickle=src.allow_pickle)
+        del flat, tensors, state, mm
+    finally:
+        os.close(fd)
+        if tmp is not None:
+            os.unlink(tmp)
+    result["files"] = [dst]
+
+
+def _strides(shape) -> list[int]:
+    from .plan import row_major_strides
+    return row_major_strides(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point.
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shard_size: int = DEFAULT_SHARD_SIZE,
+            prefix: str | None = None, dtype: str | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+            allow_pickle: bool = False, verify: bool = True, progress: bool | None = None) -> ConvertResult:
+    """Convert the checkpoint at ``src`` (distckpt or DCP) into format ``to`` at ``dst``.
+
+    Args:
+        to: ``"dcp"``, ``"torch"`` (one file), ``"safetensors"`` (a directory), ``"distckpt"``.
+        max_shard_size: safetensors only: the cap on one shard's tensor bytes.
+        prefix: safetensors only: keep the keys starting with it, without it (``"model."``).
+        dtype: safetensors only: cast floating-point tensors to it (``"bf16"``, ``"float16"``...).
+        memory_limit: bytes of working memory (tensors are streamed in slices of a quarter of it).
+        allow_pickle: allow values the source stores as pickles.
+        verify: check the source's checksums (a DCP source has none).
+        progress: a tqdm bar on stderr; None: only when stderr is a terminal.
+
+    Side effect: glibc's mmap threshold is pinned at its default 128 KiB for the rest of the
+    process (see :func:`_pin_mmap_threshold`): without it freed slices stay in the heap and the
+    memory bound does not hold.
+
+    Raises:
+        CheckpointExistsError: ``dst`` exists. The errors of :func:`distckpt.read` for the source;
+        UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
+        non-tensor value torch.load(weights_only=True) would refuse); ValueError for bad options.
+    """
+    from .errors import CheckpointExistsError
+
+    t0 = time.monotonic()
+    if to not in FORMATS:
+        raise ValueError(f"unknown target format {to!r} (one of {', '.join(FORMATS)})")
+    if (prefix is not None or dtype is not None) and to != "safetensors":
+        raise ValueError("prefix and dtype apply to --to safetensors only")
+    if dtype is not None:
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
+        if not _dtype(dtype).is_floating_point:
+            raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
+    if memory_limit < 1 << 20:
+        raise ValueError("memory_limit must be at least 1 MiB")
+    src_s, dst_s = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if os.path.lexists(dst_s):
+        raise CheckpointExistsError(f"{dst_s} already exists", path=dst_s,
+                                    remedy="Choose a new destination or remove the old one first.")
+    _pin_mmap_threshold()
+    source = _Source(src_s, allow_pickle=allow_pickle, verify=verify)
+    try:
+        return _convert(source, src_s, dst_s, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
+                        dtype=dtype, memory_limit=memory_limit, progress=progress)
+    except BaseException:
+        # DST did not exist: whatever is there now is this conversion's unfinished output.
+        import shutil
+        for leftover in (dst_s, dst_s + ".tmp"):
+            if os.path.isdir(leftover) and not os.path.islink(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif os.path.lexists(leftover):
+                os.unlink(leftover)
+        raise
+
+
+def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max_shard_size: int,
+             prefix: str | None, dtype: str | None, memory_limit: int, progress: bool | None) -> ConvertResult:
+    slice_bytes = memory_limit // 4
+    result: dict[str, Any] = {"files": [], "skipped": {}, "tensors": len(source.tensors)}
+    total = _tensor_bytes(source, source.tensors)
+    bar = _Progress(total, f"{os.path.basename(src_s)} -> {to}", progress)
+    try:
+        if to == "torch":
+            _to_torch(source, dst_s, slice_bytes, bar, result)
+        elif to == "safetensors":
+            _to_safetensors(source, dst_s, slice_bytes, bar, result, max_shard_size=max_shard_size,
+                            prefix=prefix, cast=dtype)
+        elif to == "dcp":
+            _to_dcp(source, dst_s, slice_bytes, bar, result)
+        else:
+            _to_distckpt(source, dst_s, slice_bytes, bar, result)
+    finally:
+        bar.close()
+    written = sum(_size_of(f) for f in result["files"])
+    return ConvertResult(src_s, dst_s, to, result["tensors"], written, result["files"], result["skipped"],
+                         time.monotonic() - t0)
+
+
+def _size_of(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line (no torch import here: `distckpt --help` stays fast).
+
+
+def _cmd_convert(args) -> int:
+    try:
+        res = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, prefix=args.prefix,
+                      dtype=args.dtype, memory_limit=args.memory_limit, allow_pickle=args.allow_pickle,
+                      progress=False if args.no_progress else None)
+    except ValueError as exc:
+        from .errors import DistCkptError
+        if isinstance(exc, DistCkptError):
+            raise
+        print(f"distckpt convert: {exc}", file=sys.stderr)
+        return 2
+    from .errors import format_bytes
+    print(f"{res.src} -> {res.dst} ({res.to}): {res.tensors} tensors, {format_bytes(res.bytes)} in "
+          f"{len(res.files)} file(s), {res.seconds:.1f} s")
+    for key, why in res.skipped.items():
+        print(f"  not written: {key} ({why})")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Register ``distckpt convert`` on the CLI's subparsers."""
+    p = sub.add_parser("convert", help="convert a distckpt or DCP checkpoint to dcp, torch, safetensors or distckpt",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("src", help="a distckpt checkpoint or a torch.distributed.checkpoint directory")
+    p.add_argument("dst", help="the new file (torch) or directory (dcp, safetensors, distckpt)")
+    p.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
+    p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, metavar="SIZE",
+                   help="safetensors: largest shard, e.g. 5GiB (default)")
+    p.add_argument("--prefix", help="safetensors: keep keys starting with PREFIX, stripped (e.g. 'model.')")
+    p.add_argument("--dtype", help="safetensors: cast floating-point tensors (bf16, fp16, fp32)")
+    p.add_argument("--memory-limit", type=parse_size, default=DEFAULT_MEMORY_LIMIT, metavar="SIZE",
+                   help="working memory for the conversion (default 1GiB)")
+    p.add_argument("--allow-pickle", action="store_true", help="allow values the source stores as pickles")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    p.set_defaults(func=_cmd_convert)

@@ -1,0 +1,273 @@
+"""Verify a checkpoint on disk: every byte of every data file against the MANIFEST's checksums.
+
+Promises:
+  * Bounded memory, whatever the checkpoint's size: each data file is streamed in windows of
+    ``window`` bytes with one window read ahead (two in memory at most), and a checksum block is
+    hashed incrementally across windows (crc32c is streamable), so neither a file nor a block is
+    ever held whole. Nothing else grows with the data: the manifest is the only other allocation.
+  * Every problem is reported, not only the first: each bad block (file, byte offset, key,
+    expected and found crc32c), each missing, truncated, oversized or non-regular data file. A
+    damaged file does not stop the others from being checked.
+  * Read-only: the checkpoint is opened for reading only (no probe file is created next to it:
+    distckpt.io.choose_read_backend), nothing is unpickled (objects live inside the MANIFEST,
+    whose own checksum is checked when it is decoded), and torch is not imported.
+  * With the O_DIRECT backends the bytes come from the device, not from the page cache: a block
+    that rotted on disk is caught even when a clean copy of it is still cached.
+
+Raises only for what makes checking impossible (no checkpoint there, a damaged MANIFEST, an I/O
+error); damage to data files is the report's content (:attr:`VerifyReport.ok`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import stat
+import time
+from typing import Callable, Iterator
+
+import crc32c as _crc32c
+
+from . import manifest as mf
+from .errors import DataFileTruncatedError, from_os_error
+from .locate import check_checkpoint_dir
+
+__all__ = ["BadBlock", "FileProblem", "VerifyReport", "verify", "DEFAULT_WINDOW"]
+
+#: Bytes read per request. Two windows are in memory at once (one being checked, one being read).
+DEFAULT_WINDOW = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BadBlock:
+    """A checksum block whose bytes do not match the MANIFEST.
+
+    Attributes:
+        file: Data file name (``rank00000.bin``).
+        offset: Byte offset of the block in that file.
+        length: Block length in bytes.
+        key: The tensor (fqn) the block belongs to.
+        block: Index of the block inside its chunk.
+        expected: crc32c recorded in the MANIFEST.
+        found: crc32c of the bytes on disk, or None when they could not be read (past the end).
+    """
+
+    file: str
+    offset: int
+    length: int
+    key: str
+    block: int
+    expected: int
+    found: int | None
+
+    def __str__(self) -> str:
+        found = "missing (past the end of the file)" if self.found is None else f"found {self.found:#010x}"
+        return (f"{self.file} at byte {self.offset} ({self.length} bytes, block {self.block} of key "
+                f"{self.key!r}): expected crc32c {self.expected:#010x}, {found}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileProblem:
+    """A data file that is missing, not a regular file, or of the wrong size."""
+
+    file: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.problem}"
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`. ``ok`` is True when every block matched and every file is sound."""
+
+    path: str
+    files: int
+    bytes_expected: int
+    bytes_read: int = 0
+    blocks_checked: int = 0
+    blocks_expected: int = 0
+    bad_blocks: list[BadBlock] = dataclasses.field(default_factory=list)
+    file_problems: list[FileProblem] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    backend: str | None = None
+    checksum_block: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_blocks and not self.file_problems
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Plain data for ``distckpt verify --json`` (documented in docs/CLI.md)."""
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "files": self.files,
+            "bytes_expected": self.bytes_expected,
+            "bytes_read": self.bytes_read,
+            "blocks_expected": self.blocks_expected,
+            "blocks_checked": self.blocks_checked,
+            "checksum_block": self.checksum_block,
+            "seconds": round(self.seconds, 6),
+            "bytes_per_second": round(self.bytes_per_second),
+            "backend": self.backend,
+            "bad_blocks": [dataclasses.asdict(b) for b in self.bad_blocks],
+            "file_problems": [dataclasses.asdict(p) for p in self.file_problems],
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    start: int
+    length: int
+    crc: int
+    key: str
+    index: int
+
+
+def _blocks_of_file(manifest: "mf.Manifest", file_index: int) -> list[tuple[int, str, "mf.ChunkRecord"]]:
+    chunks = [(c.offset, fqn, c) for fqn, t in manifest.tensors.items() for c in t.chunks
+              if c.file == file_index and c.nbytes > 0]
+    chunks.sort(key=lambda x: x[0])
+    return chunks
+
+
+def _iter_blocks(chunks: list, block: int) -> Iterator[_Block]:
+    for offset, fqn, c in chunks:
+        for i, crc in enumerate(c.crcs):
+            start = i * block
+            yield _Block(offset + start, min(block, c.nbytes - start), crc, fqn, i)
+
+
+def _open_file(ckpt: str, entry: "mf.FileEntry", report: VerifyReport) -> tuple[str, int] | None:
+    """(path, bytes to read) for a data file, or None (problem recorded) when it cannot be read at all."""
+    fpath = os.path.join(ckpt, entry.name)
+    try:
+        st = os.lstat(fpath)  # lstat: a data file must be a regular file inside the checkpoint (I7)
+    except FileNotFoundError:
+        report.file_problems.append(FileProblem(entry.name, "missing (listed in MANIFEST)"))
+        return None
+    except OSError as exc:
+        raise from_os_error(exc, path=fpath, operation="stat") from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        report.file_problems.append(FileProblem(entry.name, f"is {kind}; a data file must be a regular file"))
+        return None
+    if st.st_size < entry.size:
+        report.file_problems.append(FileProblem(entry.name, f"truncated: {st.st_size} bytes, MANIFEST says {entry.size}"))
+    elif st.st_size > entry.size:
+        report.file_problems.append(FileProblem(entry.name, f"{st.st_size} bytes, MANIFEST says {entry.size} "
+                                                            f"({st.st_size - entry.size} bytes appended)"))
+    return fpath, min(st.st_size, entry.size)
+
+
+def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, choice,
+                report: VerifyReport, progress: Callable[[int], None] | None,
+                pool: concurrent.futures.Executor) -> None:
+    from .io import open_reader
+
+    blocks = _iter_blocks(chunks, block)
+    cur = next(blocks, None)
+    running = 0
+    # Page-aligned buffers (anonymous mmap), so O_DIRECT reads land in them without a copy.
+    buffers = [mmap.mmap(-1, window), mmap.mmap(-1, window)] if size else []
+    try:
+        with open_reader(fpath, choice=choice) as reader:
+            def read(k: int) -> tuple[int, int, memoryview]:
+                start = k * window
+                n = min(window, size - start)
+                view = memoryview(buffers[k % 2])[:n]
+                reader.read_into([(start, n, view)])
+                return start, n, view
+
+            n_windows = -(-size // window)
+            pending = pool.submit(read, 0) if n_windows else None
+            try:
+                for k in range(n_windows):
+                    start, n, view = pending.result()
+                    pending = pool.submit(read, k + 1) if k + 1 < n_windows else None
+                    end = start + n
+                    while cur is not None and cur.start < end:
+                        a, b = max(cur.start, start), min(cur.start + cur.length, end)
+                        if b > a:
+                            running = _crc32c.crc32c(view[a - start:b - start], running)
+                        if cur.start + cur.length > end:
+                            break  # the block continues in the next window
+                        report.blocks_checked += 1
+                        if running != cur.crc:
+                            report.bad_blocks.append(BadBlock(name, cur.start, cur.length, cur.key, cur.index,
+                                                              cur.crc, running))
+                        cur, running = next(blocks, None), 0
+                    view.release()
+                    report.bytes_read += n
+                    if progress is not None:
+                        progress(n)
+            finally:
+                if pending is not None:  # an error above: let the read in flight land first
+                    concurrent.futures.wait([pending])
+    finally:
+        for buf in buffers:
+            try:
+                buf.close()
+            except BufferError:  # a view is still alive after an error: the GC unmaps it later
+                pass
+    # Blocks that lie (partly) past the end of a truncated file: reported, never skipped.
+    while cur is not None:
+        report.blocks_checked += 1
+        report.bad_blocks.append(BadBlock(name, cur.start, cur.length, cur.key, cur.index, cur.crc, None))
+        cur = next(blocks, None)
+
+
+def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
+           progress: Callable[[int], None] | None = None,
+           on_start: Callable[[VerifyReport], None] | None = None) -> VerifyReport:
+    """Read every data file of the checkpoint at ``path`` and check every checksum block.
+
+    Args:
+        path: A committed checkpoint directory.
+        window: Bytes per read (a multiple of 1 MiB is best); memory use is about 2 x ``window``.
+        progress: Called with the number of bytes just checked (e.g. a tqdm bar's ``update``).
+        on_start: Called once with the (empty) report after the MANIFEST was read, before any data
+            (``files``, ``bytes_expected``, ``blocks_expected`` and ``backend`` are filled in).
+
+    Returns:
+        A :class:`VerifyReport` listing every bad block and file problem (``report.ok``).
+
+    Raises:
+        CheckpointNotFoundError, CheckpointIncompleteError: ``path`` is not a committed checkpoint.
+        ManifestCorruptError: the MANIFEST is damaged (nothing else can be checked then).
+        StorageError subclass: an I/O error while reading (EIO...).
+    """
+    if window < 4096 or window % 4096:
+        raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")
+    from .io import choose_read_backend
+
+    t0 = time.monotonic()
+    path = os.path.abspath(os.fspath(path))
+    check_checkpoint_dir(path)
+    manifest = mf.load_manifest(path)
+    report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
+                          checksum_block=manifest.checksum_block,
+                          blocks_expected=sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks))
+    opened = [(i, entry, _open_file(path, entry, report)) for i, entry in enumerate(manifest.files)]
+    readable = [(i, entry, found) for i, entry, found in opened if found is not None]
+    choice = choose_read_backend(readable[0][2][0]) if readable else None
+    report.backend = choice.name if choice is not None else None
+    if on_start is not None:
+        on_start(report)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-verify") as pool:
+        for i, entry, (fpath, size) in readable:
+            chunks = _blocks_of_file(manifest, i)
+            try:
+                _check_file(fpath, entry.name, size, chunks, manifest.checksum_block, window, choice,
+                            report, progress, pool)
+            except DataFileTruncatedError as exc:  # shrank while being read
+                report.file_problems.append(FileProblem(entry.name, f"changed while being verified: {exc.message}"))
+    report.seconds = time.monotonic() - t0
+    return report

@@ -1,0 +1,301 @@
+"""distckpt.convert: to DCP (read back by dcp.load), torch.save format (torch.load weights_only),
+Hugging Face safetensors (transformers from_pretrained), DCP -> distckpt; bounded memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.convert import _slices, convert, parse_size
+from distckpt.errors import CheckpointExistsError
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "model": {"w": torch.randn(33, 17, generator=g), "h": torch.randn(9, 5, generator=g).to(torch.bfloat16),
+                  "ids": torch.randint(0, 1000, (13,), generator=g), "s": torch.tensor(1.5),
+                  "f8": torch.randn(6, 4, generator=g).to(torch.float8_e4m3fn)},
+        "optim": {"step": 12, "groups": [{"lr": 0.01, "name": "a"}, {"lr": 0.02, "name": "b"}]},
+        "pair": (torch.arange(4), 3),
+    }
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.contiguous().view(torch.uint8) if a.dim() else a.view(1).view(torch.uint8),
+                           b.contiguous().view(torch.uint8) if b.dim() else b.view(1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("src") / "ckpt")
+    distckpt.save(_state(), path)
+    return path
+
+
+def test_slices_tile_row_major():
+    for shape in [(33, 17), (5,), (), (3, 4, 5), (2, 0, 3), (1, 1000)]:
+        covered = torch.zeros(shape, dtype=torch.int32)
+        flat_order = []
+        for offsets, sizes in _slices(shape, 4, 40):
+            assert all(o + s <= n for o, s, n in zip(offsets, sizes, shape))
+            assert max(1, torch.Size(sizes).numel()) * 4 <= max(40, 4)
+            idx = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            covered[idx] += 1
+            flat_order.append(sum(o * st for o, st in zip(offsets, torch.empty(shape).stride())))
+        assert bool((covered == 1).all())
+        assert flat_order == sorted(flat_order)
+
+
+def test_parse_size():
+    assert parse_size("5GiB") == 5 << 30 and parse_size("100K") == 100 << 10 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="ambiguous"):  # one convention: binary units (distckpt.sizes)
+        parse_size("100KB")
+    with pytest.raises(ValueError):
+        parse_size("5 parsecs")
+
+
+def test_to_torch_loads_with_weights_only(src, tmp_path):
+    dst = str(tmp_path / "model.pt")
+    res = convert(src, dst, to="torch", memory_limit=1 << 20)
+    assert res.files == [dst] and not res.skipped
+    _same(_state(), torch.load(dst, weights_only=True))
+    _same(_state()["model"], torch.load(dst, weights_only=True, mmap=True)["model"])  # 64-byte aligned records
+    with pytest.raises(CheckpointExistsError):
+        convert(src, dst, to="torch")
+
+
+def test_to_dcp_loads_with_dcp_load(src, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dst = str(tmp_path / "dcp")
+    # a 1 MiB limit slices into 256 KiB pieces; 4 KiB forces "w" (2244 bytes) into one chunk per
+    # 60 rows... use a tiny limit through the internal slice size to get several chunks
+    convert(src, dst, to="dcp", memory_limit=1 << 20)
+    want = _state()
+    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+              "optim": {"step": 0, "groups": [{"lr": 0.0, "name": ""}, {"lr": 0.0, "name": ""}]},
+              "pair": (torch.zeros(4, dtype=torch.int64), 0)}
+    dcp.load(target, checkpoint_id=dst, no_dist=True)
+    _same(want["model"], target["model"])
+    assert target["optim"] == want["optim"]
+    # and distckpt reads its own export back
+    _same(want, distckpt.read(dst))
+
+
+def test_to_dcp_splits_large_tensors_into_chunks(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    import distckpt.convert as cv
+
+    src = str(tmp_path / "src")
+    big = torch.randn(300, 1000)  # 1.2 MB, more than a quarter of a 1 MiB limit
+    distckpt.save({"big": big}, src)
+    dst = str(tmp_path / "dcp")
+    cv.convert(src, dst, to="dcp", memory_limit=1 << 20)
+    md = dcp.FileSystemReader(dst).read_metadata()
+    assert len(md.state_dict_metadata["big"].chunks) == 5  # 65 rows (260 kB) each
+    out = {"big": torch.zeros(300, 1000)}
+    dcp.load(out, checkpoint_id=dst, no_dist=True)
+    assert torch.equal(out["big"], big)
+
+
+def test_dcp_to_distckpt(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: v for k, v in _state()["model"].items()}, "step": 5}
+    src = str(tmp_path / "dcp")
+    dcp.save(state, checkpoint_id=src, no_dist=True)
+    dst = str(tmp_path / "dc")
+    convert(src, dst, to="distckpt", memory_limit=1 << 20)
+    assert os.path.exists(os.path.join(dst, "MANIFEST"))
+    _same(state, distckpt.read(dst))
+    assert distckpt.read_manifest(dst)["checksum_algo"] == "crc32c"
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def test_to_safetensors_from_pretrained_bit_exact(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny_llama()
+    src = str(tmp_path / "ckpt")
+    distckpt.save({"model": model.state_dict(), "step": 3}, src)
+    dst = str(tmp_path / "hf")
+    res = convert(src, dst, to="safetensors", prefix="model.", max_shard_size=20_000, memory_limit=1 << 20)
+    assert res.skipped == {"step": "not a tensor (safetensors holds tensors only)"}
+    index = json.load(open(os.path.join(dst, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    for s in shards:  # the cap holds unless one tensor alone is larger
+        from safetensors import safe_open
+        with safe_open(os.path.join(dst, s), framework="pt") as f:
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+        assert sum(sizes) <= 20_000 or len(sizes) == 1
+    assert set(index["weight_map"]) == set(model.state_dict())
+    model.config.save_pretrained(dst)
+    loaded = AutoModelForCausalLM.from_pretrained(dst)
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(want) == set(got)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+    bf = str(tmp_path / "hf_bf16")
+    convert(src, bf, to="safetensors", prefix="model.", dtype="bf16")
+    from safetensors.torch import load_file
+    got = load_file(os.path.join(bf, "model.safetensors"))
+    for k, v in want.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
+
+
+def test_cli_convert(src, tmp_path, capsys):
+    from distckpt.cli import main
+
+    dst = str(tmp_path / "cli.pt")
+    assert main(["convert", src, dst, "--to", "torch", "--memory-limit", "16MiB"]) == 0
+    out, err = capsys.readouterr()
+    assert "tensors" in out and err == ""  # no progress bar when stderr is not a terminal
+    _same(_state(), torch.load(dst, weights_only=True))
+    with pytest.raises(SystemExit):  # bad usage: argparse exits 2
+        main(["convert", src, str(tmp_path / "x"), "--to", "nope"])
+    assert main(["convert", src, str(tmp_path / "x"), "--to", "dcp", "--prefix", "model."]) == 2
+    assert "safetensors only" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
+
+
+def test_progress_bar_on_a_terminal(src, tmp_path, monkeypatch):
+    """stderr on a pseudo-terminal: tqdm draws its bar (and not when it is not a tty: test above)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    os.set_blocking(master, False)
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        convert(src, str(tmp_path / "p.pt"), to="torch")
+        tty.flush()
+        drawn = os.read(master, 1 << 16)
+    os.close(master)
+    assert b"100%" in drawn and b"-> torch" in drawn, drawn[-300:]
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    src = str(tmp_path / "src")
+    distckpt.save({"a": torch.ones(3), "b": torch.ones(1000)}, src)
+    data = os.path.join(src, "rank00000.bin")
+    os.truncate(data, os.path.getsize(data) - 100)  # "b" is cut short: found only once writing
+    from distckpt.errors import DataFileTruncatedError
+    for to, dst in (("safetensors", tmp_path / "st"), ("torch", tmp_path / "t.pt"), ("dcp", tmp_path / "d")):
+        with pytest.raises(DataFileTruncatedError):
+            convert(src, str(dst), to=to)
+        assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".tmp"), to
+
+
+def test_convert_module_has_no_heavy_top_level_import():
+    """cli.py imports distckpt.convert for its add_parser: torch, numpy, safetensors and tqdm are
+    imported inside the functions that need them, never at module level."""
+    import ast
+
+    import distckpt.convert as cv
+    tree = ast.parse(open(cv.__file__).read())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not any(x.split(".")[0] in ("torch", "numpy", "safetensors", "tqdm") for x in names), names
+
+
+_RSS_SCRIPT = textwrap.dedent("""
+    import json, os, sys, threading, time, torch
+    import torch.distributed.checkpoint, safetensors  # imports are baseline, not conversion memory
+    import distckpt
+    from distckpt.convert import convert
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    src, out, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    report = {}
+    for to in ("safetensors", "torch", "dcp", "distckpt"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        base = status("VmRSS")
+        anon = [status("RssAnon")]
+        done = threading.Event()
+
+        def sample():  # RssAnon has no high-water mark of its own
+            while not done.wait(0.02):
+                anon.append(status("RssAnon"))
+
+        th = threading.Thread(target=sample)
+        th.start()
+        convert(src, os.path.join(out, to), to=to, memory_limit=limit, progress=False)
+        done.set()
+        th.join()
+        report[to] = {"base": base, "peak": status("VmHWM"), "anon_grew": max(anon) - anon[0]}
+    print(json.dumps(report))
+""")
+
+_MAKE_SCRIPT = textwrap.dedent("""
+    import sys, torch, distckpt
+    # 256 MiB: one 128 MiB tensor (twice the 64 MiB bound: it must be sliced) and four of 32 MiB
+    state = {"big": torch.arange(32 << 20, dtype=torch.float32)}
+    for i in range(4):
+        state[f"layer{i}"] = torch.full((8, 1 << 20), float(i))
+    distckpt.save(state, sys.argv[1])
+""")
+
+
+def test_peak_memory_stays_under_the_bound(tmp_path):
+    """A 256 MiB checkpoint converted with a 64 MiB limit: peak RSS above the baseline (after
+    imports) stays under the limit for the exports (safetensors, torch, dcp); for --to distckpt,
+    whose tensors sit in a memory-mapped temporary file (page cache, counted as RssFile), the
+    anonymous memory does."""
+    import shutil
+
+    src, out = str(tmp_path / "big"), str(tmp_path / "out")
+    os.makedirs(out)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    limit = 64 << 20
+    try:
+        subprocess.run([sys.executable, "-c", _MAKE_SCRIPT, src], check=True, env=env, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, out, str(limit)], capture_output=True,
+                              text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        for to, r in report.items():
+            grew = r["peak"] - r["base"]
+            print(f"{to}: peak RSS grew {grew >> 20} MiB, RssAnon grew {r['anon_grew'] >> 20} MiB (limit {limit >> 20} MiB)")
+            assert r["anon_grew"] < limit, (to, r)
+            if to != "distckpt":
+                assert grew < limit, (to, r)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""distckpt reads torch.distributed.checkpoint (DCP) checkpoints written by torch itself.
+
+The checkpoint is written by real ``dcp.save`` on 2 gloo ranks (a Shard(0) DTensor with uneven
+shards, plain tensors of several dtypes, non-tensor values) and read back through distckpt.read
+and distckpt.load at 1 and 3 ranks, bit-exact. Hostile ``.metadata`` files are refused without
+running what they name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.errors import CheckpointCorruptError, PickleNotAllowedError
+
+from .distributed import run_ranks
+
+
+def _expected() -> dict:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "w": torch.randn(11, 6, generator=g),                      # sharded 6/5 over 2 ranks
+        "emb": torch.randn(7, 3, generator=g).to(torch.bfloat16),  # sharded, bf16
+        "b": torch.arange(5, dtype=torch.int64) * 3,
+        "scale": torch.tensor(2.5, dtype=torch.float64),          # 0-d
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def _dcp_save_body(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    e = _expected()
+    sd = {
+        "model": {"w": distribute_tensor(e["w"], mesh, [Shard(0)]),
+                  "emb": distribute_tensor(e["emb"], mesh, [Shard(0)]),
+                  "b": e["b"], "scale": e["scale"], "empty": e["empty"]},
+        "step": 42, "lr": 3e-4, "name": "run7", "sched": {"last_epoch": 9, "gamma": 0.5},
+    }
+    dcp.save(sd, checkpoint_id=path)
+
+
+@pytest.fixture(scope="module")
+def dcp_ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    run_ranks(_dcp_save_body, 2, path)
+    assert os.path.exists(os.path.join(path, ".metadata"))
+    return path
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+
+
+def test_read_dcp_bit_exact(dcp_ckpt):
+    got = distckpt.read(dcp_ckpt)
+    e = _expected()
+    assert set(got["model"]) == set(e)
+    for k, t in e.items():
+        assert _bits_equal(got["model"][k], t), k
+    assert got["step"] == 42 and got["lr"] == 3e-4 and got["name"] == "run7"
+    assert got["sched"] == {"last_epoch": 9, "gamma": 0.5}
+    only = distckpt.read(dcp_ckpt, keys=["model.w"])
+    assert list(only) == ["model"] and list(only["model"]) == ["w"] and torch.equal(only["model"]["w"], e["w"])
+    m = distckpt.read_manifest(dcp_ckpt)
+    assert m["checksum_algo"] == "none" and m["meta"]["format"] == "torch.distributed.checkpoint"
+
+
+def _state_for_load(dtensor_mesh=None):
+    e = _expected()
+    model = {k: torch.full_like(t, 7) if t.numel() else torch.empty_like(t) for k, t in e.items()}
+    if dtensor_mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        model["w"] = distribute_tensor(torch.zeros_like(e["w"]), dtensor_mesh, [Shard(0)])
+        model["emb"] = distribute_tensor(torch.zeros_like(e["emb"]), dtensor_mesh, [Shard(1)])
+    return {"model": model, "step": 0, "lr": 0.0, "name": "", "sched": {"last_epoch": 0, "gamma": 0.0}}
+
+
+def _check_loaded(sd) -> None:
+    e = _expected()
+    for k, t in e.items():
+        v = sd["model"][k]
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        assert _bits_equal(v, t), k
+    assert (sd["step"], sd["lr"], sd["name"], sd["sched"]) == (42, 3e-4, "run7", {"last_epoch": 9, "gamma": 0.5})
+
+
+def test_load_dcp_one_process(dcp_ckpt):
+    sd = _state_for_load()
+    res = distckpt.load(sd, dcp_ckpt)
+    assert not res.missing and not res.unexpected
+    _check_loaded(sd)
+
+
+def _load_three_body(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = _state_for_load(mesh)
+    distckpt.load(sd, path)  # 2 -> 3 ranks; "emb" resharded from Shard(0) to Shard(1)
+    _check_loaded(sd)
+    return True
+
+
+def test_load_dcp_three_ranks_resharded(dcp_ckpt):
+    assert run_ranks(_load_three_body, 3, dcp_ckpt) == [True] * 3
+
+
+# -- hostile or unsupported content ----------------------------------------------------------------
+
+
+class _Boom:
+    """Pickles as a call of os.system: if unpickled, it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _copy_ckpt(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_metadata_with_disallowed_global_is_refused_unexecuted(dcp_ckpt, tmp_path):
+    path = _copy_ckpt(dcp_ckpt, str(tmp_path / "evil"))
+    marker = tmp_path / "pwned"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump({"state_dict_metadata": _Boom(str(marker))}, f)
+    with pytest.raises(PickleNotAllowedError) as ei:
+        distckpt.read(path)
+    assert "os.system" in str(ei.value) or "posix.system" in str(ei.value)
+    assert not marker.exists()
+    with pytest.raises(PickleNotAllowedError):
+        distckpt.load({"step": 0}, path, strict=False)
+    assert not marker.exists()
+
+
+def test_metadata_cannot_patch_allowed_types(dcp_ckpt, tmp_path):
+    """BUILD on an allowed *type* (an attempt to set its attributes) fails; the real torch class
+    is untouched either way."""
+    import pickletools
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = _copy_ckpt(dcp_ckpt, str(tmp_path / "patch"))
+    # GLOBAL Metadata; (None, {"__init__": 1}) BUILD -> setattr(Metadata, "__init__", 1) if allowed
+    data = (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x08\x00\x00\x00__init__K\x01s"
+            b"\x86b.")
+    assert list(pickletools.genops(data))  # a well-formed pickle
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(data)
+    with pytest.raises(CheckpointCorruptError):
+        distckpt.read(path)
+    assert callable(Metadata.__init__)
+
+
+@dataclasses.dataclass
+class CustomState:  # not on torch's weights_only allow-list
+    x: int
+
+
+def test_value_outside_weights_only_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "custom")
+    dcp.save({"t": torch.ones(2), "custom": CustomState(3)}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(PickleNotAllowedError) as ei:
+        distckpt.read(path)
+    assert ei.value.keys == ["custom"]
+    got = distckpt.read(path, keys=["t"])  # other keys still read
+    assert torch.equal(got["t"], torch.ones(2))
+
+
+def test_truncated_dcp_data_file_is_typed(dcp_ckpt, tmp_path):
+    from distckpt.errors import DataFileTruncatedError
+    path = _copy_ckpt(dcp_ckpt, str(tmp_path / "trunc"))
+    f = os.path.join(path, "__1_0.distcp")
+    os.truncate(f, os.path.getsize(f) // 2)
+    with pytest.raises(DataFileTruncatedError):
+        distckpt.read(path)
+
+
+def test_dcp_safetensors_serialization_is_refused_not_misread(tmp_path):
+    """FileSystemWriter(serialization_format=SAFETENSORS) records offsets that do not point at the
+    bytes: reading them raw would give wrong values, so it is a typed refusal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    from distckpt.errors import UnsupportedValueError
+
+    path = str(tmp_path / "st")
+    writer = dcp.FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save({"a": torch.arange(6.0)}, storage_writer=writer, no_dist=True)
+    with pytest.raises(UnsupportedValueError):
+        distckpt.read(path)
