@@ -165,18 +165,19 @@ import torch, distckpt
 from distckpt import io as dio
 from distckpt.cli import main
 path = PATH
-dio.reset_choices()
+dio.reset_choices()  # every step probes afresh: the probe is what used to write
 g = torch.Generator().manual_seed(3)
 want = {"w": torch.randn(256, 64, generator=g), "b": torch.arange(10), "empty": torch.empty(0, 3), "step": 5}
 got = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
 distckpt.load(got, path)
 assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["step"] == 5
+backends = [c.name for c in dio.last_choices()]
 dio.reset_choices()
 assert torch.equal(distckpt.read(path)["w"], want["w"])
+backends += [c.name for c in dio.last_choices()]
 dio.reset_choices()
 assert main(["verify", path]) == 0
-emit({"backends": sorted({c.name for c in dio.last_choices()}),
-      "sources": sorted({c.align_source for c in dio.last_choices()})})
+emit({"backends": backends})
 """
 
 
@@ -207,7 +208,7 @@ def test_load_on_read_only_ext4(mounts, tmp_path):
     assert r.returncode == 0, r.stderr
     before = _snapshot(str(d))
     out = _load_read_verify_here(path)
-    assert out["backends"] != ["buffered"], out  # O_DIRECT probed by reading, not refused
+    assert len(out["backends"]) == 2 and "buffered" not in out["backends"], out  # O_DIRECT, probed by reading
     assert _snapshot(str(d)) == before
 
 
