@@ -29,6 +29,7 @@ _LAZY = {
     "load": ".restore", "read": ".restore", "read_manifest": ".restore", "LoadResult": ".restore",
     "CheckpointManager": ".manager",
     "async_save": ".async_save", "AsyncSaveHandle": ".async_save",
+    "release_staging_memory": ".async_save",
 }
 
 
@@ -80,6 +81,7 @@ __all__ = [
     "read",
     "read_manifest",
     "CheckpointManager",
+    "release_staging_memory",
     "SaveResult",
     "LoadResult",
     "DistCkptError",

@@ -8,6 +8,11 @@ Invariants:
     :class:`PeerLostError` on the surviving ranks, never an endless wait.
   * Errors are exchanged, not thrown across: every phase ends with an all-gather in which each rank
     contributes either its result or its typed error, so all ranks take the same decision.
+  * Before the first collective of a save or load, every rank checks in through the job's store
+    (:func:`check_arrival`), bounded by DISTCKPT_ARRIVAL_TIMEOUT_S: a call made on some ranks only
+    (``save()`` on rank 0 only) raises :class:`RanksMissingError` naming the missing ranks within
+    that bound, instead of a raw torch error after DISTCKPT_TIMEOUT_S. Any torch error of group
+    creation is typed too (PeerLostError).
   * Without an initialized process group, :func:`control_group` returns a one-rank group and save /
     load run as plain single-process functions.
 """
@@ -18,9 +23,9 @@ import datetime
 from typing import Any
 
 from .config import get_config
-from .errors import DistCkptError, PeerLostError, RankFailureError, fill_rank
+from .errors import DistCkptError, PeerLostError, RankFailureError, RanksMissingError, fill_rank
 
-__all__ = ["ControlGroup", "control_group", "is_distributed"]
+__all__ = ["ControlGroup", "control_group", "is_distributed", "check_arrival"]
 
 
 def is_distributed() -> bool:
@@ -116,7 +121,71 @@ def _portable(error: BaseException | None) -> BaseException | None:
 _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 
 
-def control_group(process_group: Any | None = None, *, channel: str = "control") -> ControlGroup:
+# process group -> how many arrival checks this process has made on it (every rank counts alike;
+# a new world after destroy_process_group is a new key, with a new store).
+_ARRIVALS: dict[Any, int] = {}
+
+
+def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
+    """Wait until every rank of ``pg`` has entered this same call (its n-th arrival check on
+    ``pg``), at most DISTCKPT_ARRIVAL_TIMEOUT_S. Uses the job's key-value store (a few small keys
+    per call; the previous call's keys are deleted), not a collective, so a missing rank costs
+    only this bound.
+
+    Raises:
+        RanksMissingError: on every rank that arrived, naming the group ranks that did not.
+        PeerLostError: the store itself failed (its host, rank 0's, died).
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    timeout = get_config().arrival_timeout_s
+    try:
+        store = c10d._get_default_store()
+        name = c10d._get_process_group_name(pg)
+    except Exception as exc:  # private API moved: say so rather than silently skip the check
+        raise PeerLostError(f"cannot reach the job's store for the arrival check of {operation}: "
+                            f"{type(exc).__name__}: {exc}", rank=rank) from exc
+    seq = _ARRIVALS.get(pg, 0) + 1
+    _ARRIVALS[pg] = seq
+    base = f"distckpt/arrive/{name}"
+    done = f"{base}/{seq}/done"
+    try:
+        store.set(f"{base}/last/{rank}", str(seq))
+        if store.add(f"{base}/{seq}/n", 1) == world:
+            verdict = store.compare_set(done, "", "ok")
+        else:
+            try:
+                store.wait([done], datetime.timedelta(seconds=timeout))
+            except Exception:  # timed out: give up for everyone, unless the last rank just came
+                store.compare_set(done, "", "aborted")
+            verdict = store.get(done)
+        if verdict != b"ok":
+            missing = []
+            for r in range(world):
+                key = f"{base}/last/{r}"
+                if not store.check([key]) or int(store.get(key)) < seq:
+                    missing.append(r)
+            global_missing = [dist.get_global_rank(pg, r) if pg is not dist.group.WORLD else r for r in missing]
+            raise RanksMissingError(
+                f"{operation} was called on this rank but group rank(s) {missing} (global rank(s) "
+                f"{global_missing}) of the {world}-rank group did not call it within "
+                f"DISTCKPT_ARRIVAL_TIMEOUT_S={timeout:g} s: every rank of the group must call {operation}, "
+                f"in the same order", rank=rank, missing=missing, operation=operation)
+        if rank == 0 and seq > 1:  # everyone has passed the previous check: drop its keys
+            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done"):
+                try:
+                    store.delete_key(key)
+                except Exception:  # noqa: BLE001 - housekeeping only
+                    pass
+    except DistCkptError:
+        raise
+    except Exception as exc:
+        raise PeerLostError(f"the arrival check of {operation} among {world} ranks failed: "
+                            f"{type(exc).__name__}: {exc}", rank=rank) from exc
+
+
+def control_group(process_group: Any | None = None, *, channel: str = "control",
+                  operation: str = "save()/load()") -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of
     distckpt's own, created once per (group, channel). Must be called by every rank of the group
     (it runs a collective the first time).
@@ -129,11 +198,19 @@ def control_group(process_group: Any | None = None, *, channel: str = "control")
     import torch.distributed as dist
     pg = process_group if process_group is not None else dist.group.WORLD
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    if channel == "control" and world > 1:
+        check_arrival(pg, rank, world, operation)
     # Always a side group of our own, even over a gloo world: it carries our bounded timeout
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
     side = _SIDE_GROUPS.get((pg, channel))
     if side is None:
-        side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
-                              timeout=datetime.timedelta(seconds=get_config().timeout_s))
+        try:
+            side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
+                                  timeout=datetime.timedelta(seconds=get_config().timeout_s))
+        except Exception as exc:  # DistStoreError / DistBackendError: a peer missing or dead
+            raise PeerLostError(
+                f"creating distckpt's gloo control group among {world} ranks for {operation} failed: "
+                f"{type(exc).__name__}: {exc}", rank=rank,
+                remedy="Every rank of the group must call it; check the other ranks' logs.") from exc
         _SIDE_GROUPS[(pg, channel)] = side
     return ControlGroup(side, rank, world)

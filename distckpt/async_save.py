@@ -24,6 +24,13 @@ Invariants:
     without another copy.
   * Errors reach :meth:`AsyncSaveHandle.result` as the same typed errors a sync save raises (the
     same exception objects); a failed save commits nothing.
+  * A failure is never silent: an async save that fails while nobody waits on its handle (no
+    ``result()`` / ``exception()`` returned its error) is raised -- the same exception object, its
+    original class -- at this process's next ``save`` / ``async_save`` / CheckpointManager call
+    (:func:`raise_background_failure`), and logged as an error at interpreter exit if still unseen.
+  * Bounded, releasable staging: DISTCKPT_STAGING_POOL_BYTES caps the idle arena the pool keeps
+    between saves (0: keep none); :func:`release_staging_memory` (and ``CheckpointManager.close()``)
+    frees it now.
   * Nothing is left behind: once :meth:`~AsyncSaveHandle.done` is true the worker thread has ended
     (``result()`` joins it) and every fd of the save is closed. At interpreter exit a save in
     flight is finished (its thread is non-daemon, and an exit hook says it is waiting), never left
@@ -43,10 +50,12 @@ from typing import Any, Callable
 import torch
 
 from ._dist import ControlGroup, control_group
+from .config import get_config
 from .coordinator import SAVE_GATE, SaveResult, finish_save, plan_save
 from .io.probe import ensure_sigxfsz_ignored
 
-__all__ = ["async_save", "AsyncSaveHandle", "StagingPool", "staging_pool"]
+__all__ = ["async_save", "AsyncSaveHandle", "StagingPool", "staging_pool", "release_staging_memory",
+           "raise_background_failure", "wait_for_saves"]
 
 log = logging.getLogger("distckpt")
 
@@ -109,8 +118,13 @@ class StagingPool:
         return _Arena(nbytes, pin)
 
     def release(self, arena: _Arena | None) -> None:
+        """Take ``arena`` back after its save. It is kept for the next save only if no larger one
+        is idle and it is within DISTCKPT_STAGING_POOL_BYTES (when set); otherwise it is freed."""
         if arena is None:
             return
+        bound = get_config().staging_pool_bytes
+        if bound is not None and arena.capacity > bound:
+            return  # freed when the caller drops its reference
         with self._lock:
             if self._idle is None or self._idle.capacity < arena.capacity:
                 self._idle = arena
@@ -119,10 +133,11 @@ class StagingPool:
         with self._lock:
             return self._idle.capacity if self._idle is not None else 0
 
-    def clear(self) -> None:
-        """Free the idle arena (an arena in use is freed when its save finishes)."""
+    def clear(self) -> int:
+        """Free the idle arena (an arena in use is freed when its save finishes). Returns its bytes."""
         with self._lock:
-            self._idle = None
+            arena, self._idle = self._idle, None
+        return arena.capacity if arena is not None else 0
 
 
 _POOL = StagingPool()
@@ -131,6 +146,14 @@ _POOL = StagingPool()
 def staging_pool() -> StagingPool:
     """The process-wide staging pool of async saves."""
     return _POOL
+
+
+def release_staging_memory() -> int:
+    """Give back the host memory async saves keep for reuse (the idle staging arena of this
+    process), now. An async save still in flight keeps its arena until it finishes (then it is
+    kept again, within DISTCKPT_STAGING_POOL_BYTES, unless released once more). Returns the bytes
+    freed. The next async save allocates a new arena (one copy of its state's size)."""
+    return _POOL.clear()
 
 
 def _stage(mine: list, pool: StagingPool) -> tuple[_Arena | None, int]:
@@ -193,6 +216,7 @@ class AsyncSaveHandle:
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._observed = False  # result()/exception() handed its outcome to someone
 
     def done(self) -> bool:
         """True once the save has committed or failed (its thread has no more work)."""
@@ -210,6 +234,7 @@ class AsyncSaveHandle:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        self._mark_observed()
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -227,8 +252,18 @@ class AsyncSaveHandle:
             return exc
         return None
 
+    def _mark_observed(self) -> None:
+        with _FAILED_LOCK:
+            self._observed = True
+            if self in _UNSEEN_FAILURES:
+                _UNSEEN_FAILURES.remove(self)
+
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
+        if error is not None:
+            with _FAILED_LOCK:
+                if not self._observed:
+                    _UNSEEN_FAILURES.append(self)
         self._event.set()
 
     def __repr__(self) -> str:
@@ -239,6 +274,43 @@ class AsyncSaveHandle:
 # In-flight handles (weak: a finished save does not keep its handle alive).
 _INFLIGHT: "weakref.WeakSet[AsyncSaveHandle]" = weakref.WeakSet()
 _exit_hook_registered = False
+# Failed saves whose error nobody has taken yet (strong references: the caller may have dropped
+# the handle; the error must still surface).
+_UNSEEN_FAILURES: list[AsyncSaveHandle] = []
+_FAILED_LOCK = threading.Lock()
+
+
+def wait_for_saves() -> None:
+    """Wait until no async save of this process is in flight (they finish, committed or failed)."""
+    for h in list(_INFLIGHT):
+        h._event.wait()
+
+
+def raise_background_failure() -> None:
+    """Raise the error of an async save of this process that failed with nobody waiting on its
+    handle: the same exception object (its original class), with a note saying where it came
+    from. Every such failure is reported once (the oldest is raised; the others are named in its
+    note). Does nothing when there is none; does not wait for saves in flight.
+
+    Called by ``save``, ``async_save`` and the CheckpointManager's calls, so a background failure
+    reaches the training loop at its next checkpoint call at the latest."""
+    with _FAILED_LOCK:
+        failed = list(_UNSEEN_FAILURES)
+        _UNSEEN_FAILURES.clear()
+        for h in failed:
+            h._observed = True
+    if not failed:
+        return
+    first = failed[0]
+    exc = first._error
+    note = (f"distckpt: the async save to {first.path} failed in the background and nobody took its error "
+            f"from the handle (result()/exception()); raised at this process's next checkpoint call")
+    if len(failed) > 1:
+        note += "; later failed async saves: " + ", ".join(f"{h.path} ({type(h._error).__name__})" for h in failed[1:])
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    log.error(note)
+    raise exc
 
 
 def _at_exit() -> None:
@@ -246,6 +318,13 @@ def _at_exit() -> None:
     for h in pending:
         log.warning("distckpt: waiting for the async save to %s to finish before exiting", h.path)
         h._event.wait()
+    with _FAILED_LOCK:
+        failed = list(_UNSEEN_FAILURES)
+        _UNSEEN_FAILURES.clear()
+    for h in failed:
+        log.error("distckpt: the async save to %s FAILED and its error was never retrieved (nobody called "
+                  "result() on its handle, and no later checkpoint call raised it): %s: %s",
+                  h.path, type(h._error).__name__, h._error)
 
 
 def _register_exit_hook() -> None:
@@ -276,7 +355,7 @@ def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
                allow_pickle: bool = False, metadata: dict | None = None,
-               _after_commit: Callable[[], None] | None = None) -> AsyncSaveHandle:
+               _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> AsyncSaveHandle:
     """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
 
     Collective like :func:`distckpt.save` (every rank calls it, in the same order as its other
@@ -296,6 +375,9 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError,
         PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises.
         A KeyboardInterrupt during staging propagates (nothing is committed).
+        The error of an *earlier* async save that failed with nobody waiting on its handle is
+        raised here (its own class; see :func:`raise_background_failure`) and this save is not
+        started.
     """
     t_call = time.perf_counter()
     final_dir = os.path.abspath(os.fspath(path))
@@ -304,8 +386,9 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     SAVE_GATE.acquire()  # released by the worker thread, or below if no worker starts
     started = False
     try:
+        raise_background_failure()  # the previous save has finished: the gate is ours
         try:
-            fg = control_group(process_group)
+            fg = control_group(process_group, operation="async_save()")
             bg = _background_group(process_group, fg)
             metadata = copy.deepcopy(metadata)
             # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
@@ -326,11 +409,16 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
             result, error = None, None
             try:
                 result = finish_save(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                                     after_commit=_after_commit, local_error=stage_error)
+                                     after_commit=_after_commit, local_error=stage_error, lock_path=_lock_path)
             except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
                 error = exc
             finally:
-                planned.mine.clear()  # drop the views into the arena before it is reused
+                # Drop the views into the arena before it is reused or freed: the pieces may sit in
+                # reference cycles of the flattened state (freed only by a later gc pass), and a
+                # view would keep the whole arena's memory alive until then.
+                for _fqn, piece in planned.mine:
+                    piece.tensor = None
+                planned.mine.clear()
                 _POOL.release(arena)
                 SAVE_GATE.release()
                 handle._finish(result, error)

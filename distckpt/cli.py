@@ -32,10 +32,49 @@ JSON_FORMAT = 1
 
 
 def _cmd_ls(args) -> int:
-    from .manager import CheckpointManager, step_dirname
-    mgr = CheckpointManager(args.root)
-    for step in mgr.steps():
-        print(step_dirname(step))
+    """Print :func:`distckpt.manager.list_root` (the library builds the listing; this only formats
+    it). Never writes: no directory is created, nothing is reclaimed."""
+    import time
+    from .errors import CheckpointNotFoundError
+    from .manager import list_root
+    try:
+        listing = list_root(args.root)
+    except CheckpointNotFoundError as exc:
+        print(f"distckpt ls: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(listing.to_dict(), indent=1, sort_keys=True))
+        return 0
+
+    def when(t):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else "-"
+
+    rows = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "LATEST", "STATUS")]
+    for e in listing.entries:
+        rows.append((str(e.step) if e.step is not None else e.name,
+                     format_bytes(e.size_bytes) if e.size_bytes is not None else "-", when(e.created_unix),
+                     str(e.ranks) if e.ranks is not None else "-", "latest" if e.is_latest else "",
+                     e.status if e.problem is None else f"{e.status}: {e.problem}"))
+    print(f"{listing.path} ({'checkpoint' if listing.kind == 'checkpoint' else 'checkpoint root'})")
+    if len(rows) == 1:
+        print("  no checkpoints")
+    else:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    if listing.pointer_problem:
+        print(f"  note: {listing.pointer_problem}")
+    saves = [lo for lo in listing.leftovers if lo.kind != "lock" or lo.name == ""]
+    if saves:
+        print("saves in flight or left by crashed saves:")
+        for lo in saves:
+            o = lo.owner or {}
+            who = (f"host {o.get('host', '?')} pid {o.get('pid', '?')}, started {when(o.get('started_unix'))}"
+                   if o else "owner unknown")
+            what = {"tmp": "save in progress", "del": "deletion", "lock": "save lock"}[lo.kind]
+            verdict = {"alive": "ALIVE (in flight)", "dead": "dead (reclaimable)",
+                       "unknown": "unknown (another host's; left alone)"}[lo.state]
+            print(f"  {lo.entry}  {what}  {who}  {verdict}")
     return 0
 
 
@@ -256,8 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                f"Sizes use {CONVENTION}: 60G = 60 GiB. Run `distckpt COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"distckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("ls", help="list committed steps under a root")
-    p.add_argument("root")
+    p = sub.add_parser("ls", help="list the checkpoints under a root (or one checkpoint): step, size, date, "
+                       "ranks, latest, broken entries, saves in flight; never writes")
+    p.add_argument("root", help="a CheckpointManager root, a directory of checkpoints, or one checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON (for scripts)")
     p.set_defaults(func=_cmd_ls)
     p = sub.add_parser("inspect", help="what a checkpoint holds: values, tensors, sizes, who wrote it",
                        description="Print a checkpoint's contents from its MANIFEST (no data file is read, "

@@ -15,6 +15,10 @@ about once per process, naming the closest known variable: a silently ignored se
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | bytes per checksummed block inside a chunk                 |
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
 | DISTCKPT_PREFLIGHT          | 1        | 1: save() runs the cheap pre-flight checks; 0: skip them   |
+| DISTCKPT_ARRIVAL_TIMEOUT_S  | 60       | how long the ranks that called save/load wait for the rest |
+|                             |          | before RanksMissingError (a call made on some ranks only)  |
+| DISTCKPT_STAGING_POOL_BYTES | (none)   | largest idle async staging arena kept for reuse; 0: free   |
+|                             |          | every arena when its save ends (none: keep one, any size)  |
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class Config:
     checksum_block: int = 1 << 20
     timeout_s: float = 300.0
     preflight: bool = True
+    arrival_timeout_s: float = 60.0
+    staging_pool_bytes: int | None = None
 
 
 def _int(env: dict, name: str, default: int, *, lo: int, hi: int, power_of_two: bool = False) -> int:
@@ -127,6 +133,17 @@ def load_config(env: dict | None = None) -> Config:
         raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout_raw!r} is not a number", variable="DISTCKPT_TIMEOUT_S") from None
     if not 1 <= timeout <= 86400:
         raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout} must be between 1 and 86400", variable="DISTCKPT_TIMEOUT_S")
+    arrival_raw = env.get("DISTCKPT_ARRIVAL_TIMEOUT_S", "") or "60"
+    try:
+        arrival = float(arrival_raw)
+    except ValueError:
+        raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival_raw!r} is not a number",
+                          variable="DISTCKPT_ARRIVAL_TIMEOUT_S") from None
+    if not 0.1 <= arrival <= 86400:
+        raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival} must be between 0.1 and 86400",
+                          variable="DISTCKPT_ARRIVAL_TIMEOUT_S")
+    pool_raw = env.get("DISTCKPT_STAGING_POOL_BYTES", "")
+    pool = None if pool_raw == "" else _int(env, "DISTCKPT_STAGING_POOL_BYTES", 0, lo=0, hi=1 << 50)
     return Config(
         io_backend=backend,
         queue_depth=_int(env, "DISTCKPT_QUEUE_DEPTH", 8, lo=1, hi=256),
@@ -134,6 +151,8 @@ def load_config(env: dict | None = None) -> Config:
         checksum_block=_size(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30),
         timeout_s=timeout,
         preflight=preflight_raw == "1",
+        arrival_timeout_s=arrival,
+        staging_pool_bytes=pool,
     )
 
 

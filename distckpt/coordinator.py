@@ -7,8 +7,9 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                (same dtype/shape everywhere, boxes disjoint and covering) and assigns exactly one
                writer to every box held by several ranks (replicated tensors, DTensor Replicate),
                balancing bytes per rank (plan.assign_owners). Any rank's error -> all raise.
-  2. PREPARE   rank 0 refuses an existing committed checkpoint unless overwrite, reclaims tmp dirs
-               of earlier crashed saves of the same name, checks free space for the bytes all ranks
+  2. PREPARE   rank 0 reclaims tmp dirs of earlier dead saves of the same name, takes the save
+               lock (SaveInProgressError when another live save holds it), refuses an existing
+               committed checkpoint unless overwrite, checks free space for the bytes all ranks
                will write, creates ``.NAME.tmp-SAVEID/``; G.broadcast of the tmp dir or the error.
   3. WRITE     each rank writes ``rankNNNNN.bin`` into the tmp dir through its O_DIRECT writer:
                chunks at aligned offsets, crc32c per checksum block, fsync, close. G.all_gather of
@@ -28,7 +29,9 @@ gets in one rename after every byte it names is durable; I2 nothing outside the 
 before the commit, and an old checkpoint is replaced only by an atomic exchange; I3 every data file
 and MANIFEST is fsynced before the rename, the parent after it; I4 every failure is typed and
 reaches every rank through the gather/broadcast of each phase; I5 writers close their fds on every
-path; I6 tmp dirs of crashed saves are reclaimed at the next save of the same name.
+path; I6 tmp dirs of crashed saves are reclaimed at the next save of the same name, and only of dead saves:
+rank 0 holds a save lock (:mod:`distckpt.storage.savelock`) from PREPARE until its tmp dir is gone
+or published, and reclaim skips every leftover whose lock is held (by any process).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import gc
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -56,15 +60,21 @@ from .plan import Box, assign_offsets, assign_owners, find_tiling_defect
 from .staging import dtype_name, host_bytes
 from .storage import local
 
-__all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs", "is_committed", "TMP_RE"]
+__all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs",
+           "scan_leftovers", "Leftover", "is_committed", "TMP_RE", "LOCK_RE", "ROOT_LOCK_NAME", "lock_file"]
 
 log = logging.getLogger("distckpt")
 
 MANIFEST = mf.MANIFEST_NAME
-# fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes.
-_FDS_PER_SAVE = 8
+# fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes,
+# and rank 0's save lock (held for the whole save).
+_FDS_PER_SAVE = 9
 # Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
+# ".NAME.lock": the liveness lock of a save of NAME in flight (storage.savelock); ROOT_LOCK_NAME:
+# the one lock of a CheckpointManager root, held by whichever manager save is in flight there.
+LOCK_RE = re.compile(r"^\.(?P<name>.+)\.lock$")
+ROOT_LOCK_NAME = ".distckpt.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,23 +99,110 @@ def is_committed(path: str) -> bool:
             and os.path.isfile(os.path.join(path, MANIFEST)))
 
 
-def reclaim_tmp_dirs(parent: str, name: str | None = None) -> list[str]:
-    """Delete leftover ``.NAME.tmp-*`` / ``.NAME.del-*`` directories in ``parent`` (all names when
-    ``name`` is None). Committed directories are never touched. Returns what was removed."""
-    removed = []
+def lock_file(parent: str, name: str) -> str:
+    """The liveness lock of a save of ``parent/name`` (see :mod:`distckpt.storage.savelock`)."""
+    return os.path.join(parent, f".{name}.lock")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+    """A hidden entry of ``parent`` that belongs to a save or deletion, and whether its owner lives.
+
+    ``kind``: ``tmp`` (a save's directory, or a ``latest`` replacement file), ``del`` (a directory
+    being deleted) or ``lock`` (a save lock). ``state``: ``alive`` (its save holds its lock now: never
+    touched), ``dead`` (reclaimable), ``unknown`` (owned by another host, or no flock here: left alone).
+    ``owner``: the lock's owner record (host, pid, started_unix, save_id, what) when there is one."""
+
+    entry: str
+    name: str
+    kind: str
+    path: str
+    state: str
+    owner: dict | None
+
+
+def scan_leftovers(parent: str, *, other_hosts: bool = False) -> list[Leftover]:
+    """Every tmp/del/lock entry in ``parent`` with the liveness of its owner. Never writes.
+
+    A leftover of ``NAME`` is alive when ``.NAME.lock`` or the root lock (``ROOT_LOCK_NAME``: a
+    manager's save, its rotation and its ``latest`` update) is held; dead when both are free (or
+    absent) and were last held on this host; unknown otherwise. The directory is listed *before*
+    the locks are probed: a save creates its tmp dir only after taking its lock and releases the
+    lock only after the tmp dir is gone, so a listed entry whose locks are free is never live."""
+    from .storage import savelock
     try:
         entries = os.listdir(parent)
     except FileNotFoundError:
-        return removed
+        return []
     except OSError as exc:
         raise from_os_error(exc, path=parent, operation="list") from exc
-    for entry in entries:
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for entry in sorted(entries):
         m = TMP_RE.match(entry)
-        if m and (name is None or m.group("name") == name):
-            local.delete_tree(os.path.join(parent, entry))
-            removed.append(entry)
+        if m:
+            groups.setdefault(m.group("name"), []).append((entry, m.group("what")))
+            continue
+        m = LOCK_RE.match(entry)
+        if m and entry != ROOT_LOCK_NAME:
+            groups.setdefault(m.group("name"), []).append((entry, "lock"))
+    if not groups and ROOT_LOCK_NAME not in entries:
+        return []
+    root_state = savelock.probe(os.path.join(parent, ROOT_LOCK_NAME), other_hosts=other_hosts)
+    out = []
+    for name, members in groups.items():
+        own = savelock.probe(lock_file(parent, name), other_hosts=other_hosts)
+        if all(kind == "lock" for _, kind in members) and not (own.owner and "save_id" in own.owner):
+            continue  # a ".X.lock" of some other tool, not a save lock of ours: not ours to touch
+        states = {own.state, root_state.state}
+        state = "alive" if "alive" in states else "unknown" if "unknown" in states else "dead"
+        holder = own if own.state == "alive" or root_state.state != "alive" else root_state
+        owner = holder.owner or own.owner or root_state.owner
+        # A lock entry carries its own record (what reclaim must match before unlinking it).
+        out += [Leftover(e, name, kind, os.path.join(parent, e), state, own.owner if kind == "lock" else owner)
+                for e, kind in members]
+    if ROOT_LOCK_NAME in entries:
+        out.append(Leftover(ROOT_LOCK_NAME, "", "lock", os.path.join(parent, ROOT_LOCK_NAME),
+                            root_state.state if root_state.state != "absent" else "dead", root_state.owner))
+    return out
+
+
+def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool = False) -> list[str]:
+    """Delete the leftovers of *dead* saves and deletions in ``parent`` (``.NAME.tmp-*`` /
+    ``.NAME.del-*`` and stale ``.NAME.lock`` files; all names when ``name`` is None). A leftover
+    whose save is alive (its lock is held, by any process) is never touched; one whose liveness
+    cannot be decided (another host's, see :mod:`distckpt.storage.savelock`) is left alone and
+    logged as a warning unless ``other_hosts``. Committed directories are never touched.
+    Returns the entries removed."""
+    from .storage import savelock
+    removed, kept = [], []
+    leftovers = scan_leftovers(parent, other_hosts=other_hosts)
+    with_dirs = {lo.name for lo in leftovers if lo.kind != "lock"}
+    for lo in leftovers:
+        if name is not None and lo.name not in (name, ""):
+            continue
+        if lo.state != "dead":
+            kept.append(lo)
+            continue
+        if lo.kind == "lock":
+            # Only a lock of ours (an owner record; or an empty one, of a save that died while
+            # starting, beside its leftovers or at the root lock's name) whose record is unchanged
+            # since the probe, under an exclusive lock.
+            save_id = lo.owner.get("save_id") if lo.owner else None
+            ours = save_id is not None or (lo.owner is None and (lo.entry == ROOT_LOCK_NAME or lo.name in with_dirs))
+            if ours and savelock.remove_if_dead(lo.path, save_id):
+                removed.append(lo.entry)
+        else:
+            local.delete_tree(lo.path)
+            removed.append(lo.entry)
     if removed:
-        log.info("distckpt: reclaimed %d leftover directories in %s: %s", len(removed), parent, removed)
+        log.info("distckpt: reclaimed %d leftovers of dead saves in %s: %s", len(removed), parent, removed)
+    unknown = [lo for lo in kept if lo.state == "unknown"]
+    if unknown:
+        log.warning("distckpt: left %d leftovers in %s alone: their save's liveness cannot be decided from "
+                    "host %s (owners: %s). If those saves are dead, remove them with "
+                    "CheckpointManager(ROOT).reclaim(other_hosts=True) or by hand.", len(unknown), parent,
+                    socket.gethostname(), sorted({f"{(lo.owner or {}).get('host', '?')}:{(lo.owner or {}).get('pid', '?')}"
+                                                   for lo in unknown}))
     return removed
 
 
@@ -208,9 +305,27 @@ def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
 # Phase 2: prepare (rank 0)
 
 
-def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: int) -> str:
+def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: int,
+             lock_path: str | None = None) -> tuple[str, Any]:
+    """Reclaim dead leftovers of this name, take the save lock, check the target and the space,
+    create the tmp dir. Returns (tmp dir, the held lock); on error the lock is released."""
+    from .storage import savelock
+    from .preflight import refuse_pseudo_fs
     parent, name = os.path.split(os.path.abspath(final_dir))
+    refuse_pseudo_fs(parent, rank=rank)
     local.make_dirs_durable(parent)
+    # Reclaim before locking: while we hold our own lock every leftover of the name looks alive.
+    reclaim_tmp_dirs(parent, name)
+    lock = savelock.acquire(lock_path or lock_file(parent, name), save_id=save_id, what=final_dir)
+    try:
+        return _prepare_locked(final_dir, parent, name, save_id, overwrite, needed, rank), lock
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _prepare_locked(final_dir: str, parent: str, name: str, save_id: str, overwrite: bool, needed: int,
+                    rank: int) -> str:
     if os.path.lexists(final_dir):
         if not is_committed(final_dir):
             try:
@@ -226,7 +341,6 @@ def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: i
         elif not overwrite:
             raise CheckpointExistsError(f"a committed checkpoint already exists at {final_dir}",
                                         path=final_dir, rank=rank)
-    reclaim_tmp_dirs(parent, name)
     if get_config().preflight:
         from .preflight import check_save_space
         check_save_space(parent, needed, rank=rank)
@@ -327,6 +441,7 @@ def save_collective(
     allow_pickle: bool,
     metadata: dict | None,
     after_commit: Callable[[], None] | None = None,
+    lock_path: str | None = None,
 ) -> SaveResult:
     """Run phases 1-4 (module docstring) on this rank. Returns only after the commit verdict.
     Waits first for an async save of this process still in flight (:data:`SAVE_GATE`).
@@ -343,12 +458,12 @@ def save_collective(
         planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
                             path=final_dir)
         return finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                           after_commit=after_commit)
+                           after_commit=after_commit, lock_path=lock_path)
 
 
 def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
                 metadata: dict | None, after_commit: Callable[[], None] | None = None,
-                local_error: BaseException | None = None) -> SaveResult:
+                local_error: BaseException | None = None, lock_path: str | None = None) -> SaveResult:
     """Phases 2-4 (PREPARE, WRITE, COMMIT) on this rank, after :func:`plan_save`. Collective.
 
     ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
@@ -360,7 +475,23 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     verdict is broadcast gives CommittedButPeerLostError on rank 0 (``committed``, ``path``,
     ``lost_ranks``) and on any other rank that finds this save's MANIFEST at ``final_dir``; a rank
     that cannot tell raises PeerLostError with ``committed = None`` and the ``save_id`` to look for.
+
+    ``lock_path``: the save lock rank 0 holds from PREPARE to the end (default ``.NAME.lock``
+    beside the checkpoint; a CheckpointManager passes its root lock). It is released (unlinked,
+    fd closed) on every path, after the tmp dir is gone or published.
     """
+    held: list = []
+    try:
+        return _finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
+                            after_commit=after_commit, local_error=local_error, lock_path=lock_path, held=held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
+                 metadata: dict | None, after_commit: Callable[[], None] | None,
+                 local_error: BaseException | None, lock_path: str | None, held: list) -> SaveResult:
     cfg = get_config()
     t0 = planned.t0
     rank, world = group.rank, group.world_size
@@ -372,7 +503,9 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     if rank == 0:
         try:
             needed = sum(plan.bytes_per_rank) + 64 * 1024 * (len(plan.owners) + world) + (1 << 20)
-            prepared = (_prepare(final_dir, save_id, overwrite, needed, rank), None)
+            tmp, lock = _prepare(final_dir, save_id, overwrite, needed, rank, lock_path)
+            held.append(lock)
+            prepared = (tmp, None)
         except Exception as exc:
             prepared = (None, exc if world == 1 else _portable(exc))
     prepared = group.broadcast(prepared)

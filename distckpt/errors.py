@@ -34,6 +34,7 @@ __all__ = [
     "DistributedEnvError",
     "IOBackendUnavailableError",
     "CheckpointExistsError",
+    "SaveInProgressError",
     "CheckpointNotFoundError",
     "CheckpointRemovedError",
     "CheckpointIncompleteError",
@@ -49,6 +50,7 @@ __all__ = [
     "RankFailureError",
     "PeerLostError",
     "CommittedButPeerLostError",
+    "RanksMissingError",
     "ConfigError",
     "from_os_error",
     "fill_rank",
@@ -221,6 +223,16 @@ class CheckpointExistsError(DistCkptError, FileExistsError):
     default_remedy = "Pass overwrite=True to replace it atomically, or save to a new path."
 
 
+class SaveInProgressError(CheckpointExistsError):
+    """Another live save holds the lock of this checkpoint (or of this CheckpointManager root):
+    two saves of one path, or two managers saving into one root at once. Nothing was written.
+
+    Fields: ``owner``: the other save's owner record (host, pid, started_unix, save_id, what)."""
+
+    default_remedy = ("Only one job may save into a checkpoint root at a time: give each job its own root, "
+                      "or wait for the other save to finish (`distckpt ls ROOT` shows it).")
+
+
 class CheckpointNotFoundError(DistCkptError, FileNotFoundError):
     """No checkpoint (or no committed step) at the path."""
 
@@ -352,6 +364,16 @@ class CommittedButPeerLostError(PeerLostError):
 
     default_remedy = ("The checkpoint at the path above is committed: restart the job from it (check the lost "
                       "rank's logs for why it died).")
+
+
+class RanksMissingError(PeerLostError):
+    """Some ranks of the group did not enter the same distckpt collective within
+    DISTCKPT_ARRIVAL_TIMEOUT_S (e.g. ``save()`` called on rank 0 only).
+
+    Fields: ``missing``: the group ranks that did not arrive; ``operation``: what was called."""
+
+    default_remedy = ("Every rank of the process group must call it (each with its own shard); to save from "
+                      "one process inside a job, pass no_dist=True (a single-process save).")
 
 
 def fill_rank(exc: BaseException, rank: int | None) -> BaseException:

@@ -3,28 +3,48 @@
 Layout (docs/FORMAT.md)::
 
     ROOT/step_00000100/       a committed checkpoint (has MANIFEST)
-    ROOT/.step_00000200.tmp-… a save in progress or crashed: never loadable, reclaimed
+    ROOT/.step_00000200.tmp-… a save in progress or crashed: never loadable; reclaimed once dead
+    ROOT/.distckpt.lock       held by the manager save in flight (owner host/pid/start/save id)
     ROOT/latest               "step_00000100\\n", replaced by tmp + rename + directory fsync
 
 Invariants:
-  * The newest committed step is the largest ``step_N`` directory with a MANIFEST; ``latest`` is a
-    convenience pointer for tools, written after the commit, and never trusted over the directories.
+  * ``latest`` is what ``load()`` loads: the newest committed step *by commit order* (the
+    MANIFEST's commit time, then the step number), which is the step the last completed save
+    committed. The ``latest`` file is written right after each commit and names the same step;
+    after a crash between a commit and that write it lags, and the newer commit wins (it is
+    complete and durable: I1 allows the previous or the new checkpoint). After a rollback (load
+    step 200 of 100/200/300, save 250) the newest commit is 250, never 300.
+  * Saving step S makes every committed step numbered above S an *abandoned branch* (the run
+    rolled back). Default: they are deleted right after S is committed, each deletion logged as a
+    warning with the reason; ``keep_abandoned=True`` keeps them (never rotated, never loaded by
+    default; a later save of one of their numbers then raises CheckpointExistsError). A save whose
+    number collides with a step of the abandoned branch of a rollback this manager loaded
+    replaces it atomically (logged), unless keep_abandoned.
   * Rotation runs on rank 0 inside the commit (after the new checkpoint is durable, before any rank
-    returns), deletes only committed steps older than the newest ``keep_last``, and renames each
-    one aside before deleting it so a half-deleted step never looks committed. Deleted files are
-    closed (no fd of ours stays open), so their blocks are freed at once.
-  * Starting a manager reclaims tmp/del leftovers of crashed saves and deletions (rank 0 only).
+    returns), deletes only committed steps of the current branch older than the newest
+    ``keep_last``, never the step just saved and never the step this manager's ``load()`` resumed
+    from at the first save after it; each step is renamed aside before it is deleted, so a
+    half-deleted step never looks committed. Deleted files are closed, so their blocks are freed.
+  * One manager save at a time per root, across processes and jobs: the save holds
+    ``ROOT/.distckpt.lock`` (storage.savelock) from PREPARE to the end of its rotation; a second
+    one gets SaveInProgressError and writes nothing.
+  * Constructing a manager, ``steps()``, ``latest_step()`` and ``describe()`` never write. Leftovers
+    of dead saves are reclaimed by saves (rank 0, before taking the lock) and by :meth:`reclaim`;
+    leftovers of live saves (their lock held, by any process) are never touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any
 
 from ._dist import is_distributed
-from .coordinator import SaveResult, is_committed, reclaim_tmp_dirs
-from .errors import CheckpointNotFoundError, ConfigError, from_os_error
+from .coordinator import (MANIFEST, ROOT_LOCK_NAME, Leftover, SaveResult, is_committed, reclaim_tmp_dirs,
+                          scan_leftovers)
+from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, from_os_error
 from .restore import LoadResult, load
 from .save import save
 from .storage import local
@@ -32,7 +52,9 @@ from .storage import local
 if TYPE_CHECKING:
     from .async_save import AsyncSaveHandle
 
-__all__ = ["CheckpointManager"]
+log = logging.getLogger("distckpt")
+
+__all__ = ["CheckpointManager", "list_root", "RootListing", "StepInfo", "Leftover"]
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -41,24 +63,163 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """One checkpoint directory found by :func:`list_root`.
+
+    ``status``: ``committed`` (MANIFEST decodes) or ``broken`` (a ``step_N`` directory without
+    MANIFEST, or a MANIFEST that does not decode: ``problem`` says which). ``step`` is None for a
+    checkpoint directory not named ``step_N``. ``size_bytes``: data files + MANIFEST, from the
+    manifest. ``ranks``: the world size that saved it."""
+
+    name: str
+    path: str
+    step: int | None
+    status: str
+    problem: str | None = None
+    size_bytes: int | None = None
+    created_unix: float | None = None
+    ranks: int | None = None
+    save_id: str | None = None
+    is_latest: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RootListing:
+    """What :func:`list_root` found. ``kind``: ``root`` (a directory of checkpoints) or
+    ``checkpoint`` (``path`` is one checkpoint directory: ``entries`` holds just it).
+    ``latest``: the step ``CheckpointManager.load()`` would load (newest by commit order);
+    ``latest_pointer``: what the ``latest`` file says (None when absent), ``pointer_problem``: why
+    it disagrees with ``latest`` or cannot be read. ``leftovers``: saves in flight or crashed and
+    deletions (:class:`~distckpt.coordinator.Leftover`, with owner and liveness)."""
+
+    path: str
+    kind: str
+    entries: list[StepInfo]
+    latest: int | None
+    latest_pointer: str | None
+    pointer_problem: str | None
+    leftovers: list[Leftover]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _step_info(path: str, name: str) -> StepInfo:
+    from . import manifest as mf
+    m = _STEP_RE.match(name)
+    step = int(m.group(1)) if m else None
+    try:
+        man = mf.load_manifest(path)
+        size = sum(f.size for f in man.files) + os.path.getsize(os.path.join(path, MANIFEST))
+    except DistCkptError as exc:
+        problem = "no MANIFEST: never committed (or its MANIFEST was deleted)" \
+            if not os.path.lexists(os.path.join(path, MANIFEST)) else f"{type(exc).__name__}: {exc.message}"
+        return StepInfo(name, path, step, "broken", problem)
+    except OSError as exc:
+        return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc}")
+    return StepInfo(name, path, step, "committed", None, size, man.created_unix, man.world_size, man.save_id)
+
+
+def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
+    committed = [i for i in infos if i.status == "committed" and i.step is not None]
+    return max(committed, key=lambda i: (i.created_unix, i.step), default=None)
+
+
+def _read_pointer(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest"), "rb") as f:
+            return f.read(4096).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise from_os_error(exc, path=os.path.join(root, "latest"), operation="read") from exc
+
+
+def list_root(path: str | os.PathLike, *, other_hosts: bool = False) -> RootListing:
+    """Describe a CheckpointManager root (or any directory of checkpoints, or one checkpoint
+    directory) without writing anything: committed steps with size, date and world size, which
+    one is latest, broken entries, and saves in flight or crashed with their owner and liveness.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or is not a directory.
+        StorageError subclasses: it cannot be listed (permissions, I/O).
+    """
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        what = "does not exist" if not os.path.lexists(root) else "is not a directory"
+        raise CheckpointNotFoundError(f"{root} {what}", path=root,
+                                      remedy="Check the path: pass a CheckpointManager root or a checkpoint directory.")
+    if os.path.lexists(os.path.join(root, MANIFEST)):
+        info = _step_info(root, os.path.basename(root))
+        return RootListing(root, "checkpoint", [dataclasses.replace(info, is_latest=False)], None, None, None, [])
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as exc:
+        raise from_os_error(exc, path=root, operation="list") from exc
+    infos = []
+    for name in names:
+        full = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(full) or os.path.islink(full):
+            continue
+        if _STEP_RE.match(name) or os.path.lexists(os.path.join(full, MANIFEST)):
+            infos.append(_step_info(full, name))
+    newest = _newest_by_commit(infos)
+    latest = newest.step if newest is not None else None
+    pointer = _read_pointer(root)
+    problem = None
+    if pointer is not None and (newest is None or pointer != newest.name):
+        target = next((i for i in infos if i.name == pointer), None)
+        if target is None:
+            problem = f"the latest file names {pointer!r}, which does not exist"
+        elif target.status != "committed":
+            problem = f"the latest file names {pointer!r}, which is broken"
+        else:
+            problem = (f"the latest file names {pointer!r} but {newest.name} was committed after it "
+                       "(a crash between that commit and the pointer update): load() loads "
+                       f"{newest.name}")
+    infos = [dataclasses.replace(i, is_latest=(newest is not None and i.name == newest.name)) for i in infos]
+    infos.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
+    return RootListing(root, "root", infos, latest, pointer, problem, scan_leftovers(root, other_hosts=other_hosts))
+
+
 class CheckpointManager:
     """Save numbered checkpoints under ``root`` and keep the newest ``keep_last`` of them.
 
+    ``latest`` and ``load()`` (no step) are the newest step by commit order: the one the last
+    completed save committed (also after a rollback: load 200 of 100/200/300 and save 250, and
+    250 is what load() gives and what ``latest`` names). Saving step S treats committed steps
+    numbered above S as an abandoned branch: deleted right after S commits, each deletion logged
+    as a warning with its reason (``keep_abandoned=True`` keeps them). The step ``load()`` resumed
+    from is never rotated away by the first save after it. One manager save at a time per root
+    (across processes: SaveInProgressError for the second). Leftovers of dead saves are reclaimed by
+    saves and :meth:`reclaim`; nothing here ever deletes a save in flight. See docs/FORMAT.md.
+
+    Constructing a manager writes nothing (the root is created by the first save).
+    Use it as a context manager (or call :meth:`close`) to wait for its async saves, surface their
+    errors and give back the async staging memory.
+
     Args:
-        root: directory holding the steps (created if missing).
-        keep_last: how many committed steps to keep (None: all).
+        root: directory holding the steps (created by the first save if missing).
+        keep_last: how many committed steps of the current branch to keep (None: all).
+        keep_abandoned: keep steps numbered above a newly saved step instead of deleting them.
         process_group: the group save/load run over (default: the world).
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, process_group: Any = None) -> None:
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_abandoned: bool = False,
+                 process_group: Any = None) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last={keep_last!r} must be a positive int or None")
         self.root = os.path.abspath(os.fspath(root))
+        # Read-only check (no directory is created here): a root under /proc or /sys is the
+        # wrong place, said now rather than at the first save hours into the run.
+        from .preflight import refuse_pseudo_fs
+        refuse_pseudo_fs(self.root)
         self.keep_last = keep_last
+        self.keep_abandoned = bool(keep_abandoned)
         self.process_group = process_group
-        if self._rank() == 0:
-            local.make_dirs_durable(self.root)
-            reclaim_tmp_dirs(self.root)
+        self._resumed_from: int | None = None  # set by load(); protected at the first save after it
+        self._handles: list = []
 
     def _rank(self) -> int:
         if not is_distributed():
@@ -70,7 +231,7 @@ class CheckpointManager:
         return os.path.join(self.root, step_dirname(step))
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending by number. Never writes."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -85,9 +246,28 @@ class CheckpointManager:
         return sorted(out)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The step ``load()`` loads: the newest committed step by commit order (MANIFEST commit
+        time, then number), or None. A step whose MANIFEST does not decode is skipped with a
+        warning naming it. Never writes."""
+        infos = []
+        for step in self.steps():
+            info = _step_info(self.path(step), step_dirname(step))
+            if info.status != "committed":
+                log.warning("distckpt: %s looks committed but its MANIFEST is damaged (%s); not a candidate "
+                            "for latest", info.path, info.problem)
+            infos.append(info)
+        newest = _newest_by_commit(infos)
+        return newest.step if newest is not None else None
+
+    def describe(self, *, other_hosts: bool = False) -> RootListing:
+        """:func:`list_root` of this root (what ``distckpt ls ROOT`` prints). Never writes."""
+        return list_root(self.root, other_hosts=other_hosts)
+
+    def reclaim(self, *, other_hosts: bool = False) -> list[str]:
+        """Delete the leftovers of dead saves under the root (never of a live one, whichever
+        process runs it). ``other_hosts=True`` also trusts free locks of other hosts (only on a
+        file system whose flock is coherent across hosts). Returns the entries removed."""
+        return reclaim_tmp_dirs(self.root, other_hosts=other_hosts)
 
     def save(self, step: int, state_dict: Any, *, blocking: bool = True,
              **kwargs: Any) -> "SaveResult | AsyncSaveHandle":
@@ -95,40 +275,103 @@ class CheckpointManager:
 
         Keyword arguments go to :func:`distckpt.save`. With ``blocking=False`` this is
         :func:`distckpt.async_save`: it returns an :class:`~distckpt.async_save.AsyncSaveHandle` as
-        soon as the state is staged; ``latest`` and the rotation happen inside that save's commit,
-        in the background. Saves are serialized per process (a later save waits for an earlier one
-        still in flight), and rotation deletes only committed steps older than the newest
-        ``keep_last``, so it never touches a step that is still being written.
+        soon as the state is staged; ``latest``, the abandoned-branch policy and the rotation happen
+        inside that save's commit, in the background. Saves are serialized per process (a later
+        save waits for an earlier one still in flight) and per root across processes (the root
+        lock), and rotation deletes only committed steps, so it never touches a step being written.
 
-        Raises what :func:`distckpt.save` raises (for ``blocking=False``: ``handle.result()`` does);
-        rotation errors are raised too, after the new step is committed.
+        Raises what :func:`distckpt.save` raises (for ``blocking=False``: ``handle.result()`` does),
+        including SaveInProgressError when another manager is saving into this root, and first the
+        error of an earlier async save of this process that nobody waited for. Rotation errors are
+        raised too, after the new step is committed.
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
-        after = lambda: self._after_commit(step)  # noqa: E731
+        from .async_save import raise_background_failure
+        raise_background_failure()
+        if self._rank() == 0 and os.path.isdir(self.root):
+            reclaim_tmp_dirs(self.root)  # dead leftovers of any step; before our lock is taken
+        if (self._resumed_from is not None and step > self._resumed_from and not self.keep_abandoned
+                and not kwargs.get("overwrite") and is_committed(self.path(step))):
+            log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
+                        "step %d and saves step %d again); pass keep_abandoned=True to refuse instead",
+                        self.path(step), self._resumed_from, step)
+            kwargs["overwrite"] = True
+        protect = self._resumed_from
+        after = lambda: self._after_commit(step, protect)  # noqa: E731
+        lock = os.path.join(self.root, ROOT_LOCK_NAME)
         if not blocking:
             from .async_save import async_save
-            return async_save(state_dict, self.path(step), process_group=self.process_group,
-                              _after_commit=after, **kwargs)
-        return save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after, **kwargs)
+            h = async_save(state_dict, self.path(step), process_group=self.process_group,
+                           _after_commit=after, _lock_path=lock, **kwargs)
+            self._handles = [x for x in self._handles if not x.done()] + [h]
+            return h
+        return save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
+                    _lock_path=lock, **kwargs)
 
-    def _after_commit(self, step: int) -> None:
+    def _after_commit(self, step: int, protect: int | None) -> None:
+        # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         local.replace_file_atomic(os.path.join(self.root, "latest"), (step_dirname(step) + "\n").encode())
+        steps = self.steps()
+        above = [s for s in steps if s > step]
+        if above and self.keep_abandoned:
+            log.warning("distckpt: keeping %s under %s: numbered above the step just saved (%d), they are an "
+                        "abandoned branch (keep_abandoned=True): never rotated, not loaded by default",
+                        [step_dirname(s) for s in above], self.root, step)
+        for old in ([] if self.keep_abandoned else above):
+            log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
+                        "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
+                        "steps)", self.path(old), step, step_dirname(old))
+            local.remove_dir(self.path(old))
+        self._resumed_from = None  # the protection of the resumed-from step lasts one save
         if self.keep_last is None:
             return
-        steps = self.steps()
-        # Keep the newest keep_last steps; the one just committed is always among them.
-        doomed = [s for s in steps[:-self.keep_last] if s != step]
+        branch = [s for s in steps if s <= step]
+        # Keep the newest keep_last steps; the one just committed is always among them, and the
+        # step the job resumed from survives the first save after the resume.
+        doomed = [s for s in branch[:-self.keep_last] if s not in (step, protect)]
         for old in doomed:
             local.remove_dir(self.path(old))
 
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
-        """Load step ``step`` (default: the newest committed) into ``state_dict`` (collective).
+        """Load step ``step`` (default: :meth:`latest_step`, the newest by commit order) into
+        ``state_dict`` (collective). The step loaded is remembered: the first save after it never
+        rotates it away, and steps numbered above a later save are the abandoned branch.
 
         Raises CheckpointNotFoundError when there is no committed step, plus what
-        :func:`distckpt.load` raises."""
+        :func:`distckpt.load` raises, and first the error of an earlier async save of this process
+        that nobody waited for."""
+        from .async_save import raise_background_failure
+        raise_background_failure()
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
-        return load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
+        result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
+        self._resumed_from = step
+        return result
+
+    def close(self) -> None:
+        """Wait for this manager's async saves, raise the error of any that failed unseen (its
+        own class), and free the async staging memory of this process
+        (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable."""
+        from .async_save import raise_background_failure, release_staging_memory
+        handles, self._handles = self._handles, []
+        try:
+            for h in handles:
+                h._event.wait()
+            raise_background_failure()
+        finally:
+            release_staging_memory()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the error in flight; still wait and free the memory
+            try:
+                self.close()
+            except Exception as close_exc:  # noqa: BLE001
+                log.error("distckpt: while closing the CheckpointManager after %s: %s", exc_type.__name__, close_exc)

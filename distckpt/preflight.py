@@ -910,6 +910,17 @@ PSEUDO_FILE_SYSTEMS = frozenset({
 })
 
 
+def refuse_pseudo_fs(path: str | os.PathLike, *, rank: int | None = None) -> None:
+    """Raise StorageError when ``path`` lies on a kernel pseudo file system (/proc, /sys, ...).
+
+    save() calls it before anything else touches the target directory (the save lock, the tmp
+    dir), so saving there is reported as the wrong place instead of as whatever the first file
+    operation there fails with."""
+    mount = find_mount(_existing_dir(os.fspath(path)))
+    if mount.fstype in PSEUDO_FILE_SYSTEMS:
+        raise _pseudo_fs_error(os.fspath(path), mount, rank)
+
+
 def _pseudo_fs_error(path: str, mount: MountInfo, rank: int | None) -> StorageError:
     return StorageError(
         f"{path} is on {mount.mount_point} ({mount.fstype}), a kernel pseudo file system that cannot "

@@ -14,7 +14,7 @@ __all__ = ["save", "SaveResult"]
 
 def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          allow_pickle: bool = False, metadata: dict | None = None,
-         _after_commit: Callable[[], None] | None = None) -> SaveResult:
+         _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> SaveResult:
     """Save ``state_dict`` as a checkpoint directory at ``path``, atomically.
 
     Collective over ``process_group`` (default: the world) when torch.distributed is initialized:
@@ -41,15 +41,24 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         DiskFullError, FileTooLargeError, StoragePermissionError, TooManyOpenFilesError,
         StorageIOError: the typed OS failures (single process), or
         RankFailureError: on every rank when any rank of a collective save failed;
-        PeerLostError: a peer died or hung past DISTCKPT_TIMEOUT_S.
+        PeerLostError: a peer died or hung past DISTCKPT_TIMEOUT_S;
+        RanksMissingError (a PeerLostError): some ranks of the group did not call save() within
+        DISTCKPT_ARRIVAL_TIMEOUT_S (every rank must call it);
         CommittedButPeerLostError: (a PeerLostError) the checkpoint at ``path`` was committed,
             then a peer was lost before every rank heard so; ``committed`` is True.
+        SaveInProgressError (a CheckpointExistsError): another live save of ``path`` holds its lock.
+        The error of an earlier async save of this process that failed with nobody waiting on its
+        handle is raised first (its own class) and this save is not started.
         In every failure case nothing is committed and an earlier checkpoint is untouched, with
         these exceptions, all raised after the commit point and saying so: an error of
         ``_after_commit`` (CheckpointManager's ``latest`` update and rotation; it carries
         ``committed = True``), CommittedButPeerLostError, and a PeerLostError with
         ``committed = None`` on a rank that lost rank 0 during the commit and cannot tell.
     """
-    return save_collective(control_group(process_group), state_dict=state_dict,
+    from .async_save import raise_background_failure, wait_for_saves
+    wait_for_saves()  # an async save still in flight may yet fail: its error comes first
+    raise_background_failure()
+    return save_collective(control_group(process_group, operation="save()"), state_dict=state_dict,
                            final_dir=os.path.abspath(os.fspath(path)), overwrite=overwrite,
-                           allow_pickle=allow_pickle, metadata=metadata, after_commit=_after_commit)
+                           allow_pickle=allow_pickle, metadata=metadata, after_commit=_after_commit,
+                           lock_path=_lock_path)

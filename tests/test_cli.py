@@ -69,7 +69,7 @@ def _all_actions(parser: argparse.ArgumentParser, prefix: str = ""):
 
 def test_every_argument_has_help():
     missing = [f"{where}{a.dest}" for where, a in _all_actions(cli.build_parser())
-               if not a.help and not where.startswith("ls ")]  # ls: its own rework (CheckpointManager listing)
+               if not a.help]
     assert missing == []
 
 

@@ -334,9 +334,10 @@ def test_space_vanishes_after_preflight_manager_save(tmp_path, monkeypatch, fs):
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("free_inodes", [0, 1, 2])
+@pytest.mark.parametrize("free_inodes", [0, 1, 2, 3])
 def test_inode_exhaustion(tmp_path, monkeypatch, free_inodes):
-    """0 free: mkdir of the tmp dir fails; 1: the data file fails; 2: the MANIFEST fails (the
+    """0 free: the save lock file fails; 1: mkdir of the tmp dir fails; 2: the data file fails;
+    3: the MANIFEST fails (the
     backend choice is cached from the first save, so no probe file). Pre-flight off so the real
     creation is what fails."""
     _reset(monkeypatch, DISTCKPT_PREFLIGHT="0")
@@ -358,7 +359,8 @@ def test_inode_exhaustion(tmp_path, monkeypatch, free_inodes):
         _assert_typed(ei.value, E.DiskFullError, errno.ENOSPC)
         assert ei.value.free_inodes == 0, ei.value.details
         failed_at = os.path.basename(ei.value.path)
-        expect = {0: r"\.step_2\.tmp-[0-9a-f]{32}", 1: "rank00000\\.bin", 2: "MANIFEST"}[free_inodes]
+        expect = {0: r"\.step_2\.lock", 1: r"\.step_2\.tmp-[0-9a-f]{32}", 2: "rank00000\\.bin",
+                  3: "MANIFEST"}[free_inodes]
         assert re.fullmatch(expect, failed_at), (failed_at, ei.value.details)
         _assert_nothing_committed(root, allowed=("step_1", "lost+found", "fillers"))
         assert os.statvfs(root).f_favail == free_inodes  # the tmp dir's inodes came back

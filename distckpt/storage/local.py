@@ -126,6 +126,12 @@ def publish_dir(tmp_dir: str, final_dir: str, *, overwrite: bool) -> str | None:
         else:
             os.rename(tmp_dir, final_dir)
     except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and not overwrite:
+            # Another save of the same path committed first (e.g. two hosts whose flock is not
+            # coherent): it won; this one commits nothing and its tmp dir is removed by the caller.
+            raise CheckpointExistsError(
+                f"another save committed {final_dir} while this one was writing; this save was not committed",
+                path=final_dir) from exc
         raise from_os_error(exc, path=final_dir, operation="rename") from exc
     try:
         fsync_path(parent)

@@ -1,0 +1,448 @@
+"""CheckpointManager beside a running job (issue 9): listing and reclaiming never touch a live save,
+`latest` is what load() loads after a rollback, lost async failures surface, a save called on some
+ranks only fails fast and typed, concurrent saves into one root have exactly one winner, `distckpt ls`
+describes a root without writing, and the async staging memory can be given back (issue 14).
+
+Saves "in flight" are real processes stopped with SIGSTOP while their tmp directory exists: the
+lock they hold is then exactly what a slow save holds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.coordinator import TMP_RE
+from distckpt.errors import CheckpointExistsError, RanksMissingError, SaveInProgressError
+
+from .distributed import run_ranks
+
+PY = sys.executable
+
+SAVER = r"""
+import json, os, sys, torch, distckpt
+root, step, mib, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+state = {"w": torch.full(((mib << 20) // 4,), float(step)), "step": step}
+try:
+    if mode == "manager":
+        distckpt.CheckpointManager(root).save(step, state)
+    else:
+        distckpt.save(state, os.path.join(root, f"step_{step:08d}"))
+    print(json.dumps({"ok": True}))
+except Exception as e:
+    print(json.dumps({"ok": False, "type": type(e).__name__, "msg": str(e)}))
+"""
+
+
+def _tmp_dirs(root: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(root) if TMP_RE.match(n) and ".tmp-" in n]
+    except FileNotFoundError:
+        return []
+
+
+@contextlib.contextmanager
+def stopped_mid_save(root: str, step: int, *, mode: str = "manager", mib: int = 48):
+    """A child process saving ``step``, SIGSTOPped while its tmp dir exists. Yields (proc, tmp
+    name); on exit the child is continued and its JSON outcome is stored in ``proc.outcome``."""
+    for _attempt in range(6):
+        proc = subprocess.Popen([PY, "-c", SAVER, root, str(step), str(mib), mode], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        caught = None
+        while proc.poll() is None:
+            tmp = _tmp_dirs(root)
+            if tmp:
+                os.kill(proc.pid, signal.SIGSTOP)
+                if _tmp_dirs(root):  # still mid-save once stopped
+                    caught = tmp[0]
+                    break
+                os.kill(proc.pid, signal.SIGCONT)
+                break
+            time.sleep(0.001)
+        if caught is None:  # finished before we caught it: remove it and try a bigger save
+            proc.communicate(timeout=120)
+            for name in os.listdir(root):
+                if name == f"step_{step:08d}":
+                    import shutil
+                    shutil.rmtree(os.path.join(root, name))
+            mib *= 2
+            continue
+        try:
+            yield proc, caught
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+            out, err = proc.communicate(timeout=180)
+            proc.outcome = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"ok": False, "err": err}
+        return
+    raise AssertionError("could not stop a saver mid-save")
+
+
+def _snapshot(root: str) -> dict:
+    """Names and metadata of everything directly under root (a write would change it)."""
+    out = {"root": os.stat(root).st_mtime_ns}
+    for name in os.listdir(root):
+        st = os.lstat(os.path.join(root, name))
+        out[name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def _ls(capsys, *args: str) -> tuple[int, str, str]:
+    from distckpt.cli import main
+    capsys.readouterr()
+    rc = main(["ls", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# Another process (a monitoring script): a manager's read calls, reclaim, `distckpt ls` and --json.
+PROBE = r"""
+import contextlib, io, json, sys, distckpt
+from distckpt.cli import main
+m = distckpt.CheckpointManager(sys.argv[1])
+res = {"steps": m.steps(), "latest": m.latest_step(), "reclaimed": m.reclaim()}
+for key, argv in (("table", ["ls", sys.argv[1]]), ("json", ["ls", "--json", sys.argv[1]])):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        res[key + "_rc"] = main(argv)
+    res[key] = buf.getvalue()
+print(json.dumps(res))
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+# 1 + 6: listing and reclaiming from other processes leave a live save alone; `distckpt ls`
+
+
+def test_listing_and_reclaim_from_other_processes_leave_a_live_save_alone(tmp_path):
+    root = str(tmp_path / "root")
+    distckpt.CheckpointManager(root).save(1, {"w": torch.ones(10), "step": 1})
+    os.mkdir(os.path.join(root, "step_00000009"))  # broken: never committed
+    with stopped_mid_save(root, 2) as (saver, tmp):
+        before = _snapshot(root)
+        probe = subprocess.run([PY, "-c", PROBE, root], capture_output=True, text=True, timeout=120)
+        assert probe.returncode == 0, probe.stderr
+        seen = json.loads(probe.stdout.strip().splitlines()[-1])
+        assert _snapshot(root) == before, "listing or reclaiming wrote into the root"
+    assert saver.outcome["ok"], saver.outcome
+    assert distckpt.read(os.path.join(root, "step_00000002"))["step"] == 2
+    assert not _tmp_dirs(root)
+
+    # What the other process saw while the save was stopped.
+    assert (seen["steps"], seen["latest"], seen["reclaimed"]) == ([1], 1, [])
+    assert seen["table_rc"] == 0 and seen["json_rc"] == 0
+    assert "ALIVE" in seen["table"] and str(saver.pid) in seen["table"] and tmp in seen["table"]
+    assert "no MANIFEST" in seen["table"]
+    listing = json.loads(seen["json"])
+    by_name = {e["name"]: e for e in listing["entries"]}
+    assert by_name["step_00000001"]["status"] == "committed" and by_name["step_00000001"]["is_latest"]
+    assert by_name["step_00000001"]["ranks"] == 1 and by_name["step_00000001"]["size_bytes"] > 40
+    assert by_name["step_00000009"]["status"] == "broken"
+    live = [lo for lo in listing["leftovers"] if lo["entry"] == tmp]
+    assert live and live[0]["state"] == "alive" and live[0]["owner"]["pid"] == saver.pid
+
+
+def test_ls_paths(tmp_path, capsys):
+    missing = tmp_path / "no" / "such"
+    rc, _out, err = _ls(capsys, str(missing))
+    assert rc == 2 and "does not exist" in err
+    assert not (tmp_path / "no").exists(), "ls created a directory"
+    root = tmp_path / "r"
+    mgr = distckpt.CheckpointManager(root)
+    assert not root.exists(), "constructing a manager created its root"
+    mgr.save(3, {"w": torch.ones(4)})
+    with open(root / "step_00000004", "w"):  # a stray file: not a checkpoint, not listed
+        pass
+    os.makedirs(root / "step_00000005")
+    with open(root / "step_00000005" / "MANIFEST", "wb") as f:
+        f.write(b"garbage")
+    rc, out, _err = _ls(capsys, str(root / "step_00000003"))
+    assert rc == 0 and "(checkpoint)" in out and "committed" in out
+    listing = json.loads(_ls(capsys, "--json", str(root))[1])
+    assert [(e["step"], e["status"]) for e in listing["entries"]] == [(3, "committed"), (5, "broken")]
+    assert "ManifestCorruptError" in listing["entries"][1]["problem"]
+    assert listing["latest"] == 3 and listing["latest_pointer"] == "step_00000003"
+
+
+def test_dead_saves_are_still_reclaimed(tmp_path):
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    with stopped_mid_save(root, 7) as (saver, tmp):
+        os.kill(saver.pid, signal.SIGKILL)
+        saver.wait()
+        listing = distckpt.CheckpointManager(root).describe()
+        assert {lo.entry: lo.state for lo in listing.leftovers}[tmp] == "dead"
+        removed = distckpt.CheckpointManager(root).reclaim()
+        assert tmp in removed and ".distckpt.lock" in removed
+        assert os.listdir(root) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 5: concurrent saves into one root
+
+
+def test_two_managers_saving_at_once_one_wins(tmp_path):
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    with stopped_mid_save(root, 5) as (saver, _tmp):
+        before = _snapshot(root)
+        other = distckpt.CheckpointManager(root)
+        for step in (5, 6):
+            with pytest.raises(SaveInProgressError) as ei:
+                other.save(step, {"w": torch.zeros(8)})
+            assert str(saver.pid) in str(ei.value) and isinstance(ei.value, CheckpointExistsError)
+        assert _snapshot(root) == before, "the losing save left something behind"
+    assert saver.outcome["ok"], saver.outcome
+    assert distckpt.CheckpointManager(root).steps() == [5]
+
+
+def test_same_step_from_two_jobs_exactly_one_commits(tmp_path):
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    mine = {"w": torch.full((1000,), -1.0), "step": -1}
+    with stopped_mid_save(root, 5) as (saver, tmp):
+        # Another job saves the same step with a plain save (its own lock): it commits first.
+        distckpt.save(mine, os.path.join(root, "step_00000005"))
+        assert tmp in os.listdir(root), "the second job touched the first one's save in flight"
+    assert not saver.outcome["ok"] and saver.outcome["type"] == "CheckpointExistsError", saver.outcome
+    got = distckpt.read(os.path.join(root, "step_00000005"))
+    assert got["step"] == -1 and torch.equal(got["w"], mine["w"]), "not the winner's checkpoint"
+    assert sorted(os.listdir(root)) == ["step_00000005"], "the loser's leftovers were not removed"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2: rollback then resume
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((16,), float(step)), "step": step}
+
+
+def test_rollback_then_resume(tmp_path, caplog):
+    root = tmp_path / "root"
+    first = distckpt.CheckpointManager(root)
+    for step in (100, 200, 300):
+        first.save(step, _state(step))
+    mgr = distckpt.CheckpointManager(root, keep_last=2)
+    got = _state(0)
+    mgr.load(got, step=200)
+    assert got["step"] == 200
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        mgr.save(250, _state(250))
+    assert mgr.steps() == [200, 250]
+    assert "step_00000300" in caplog.text and "abandoned branch" in caplog.text
+    assert (root / "latest").read_text() == "step_00000250\n"
+    assert mgr.latest_step() == 250
+    fresh = distckpt.CheckpointManager(root, keep_last=2)
+    got = _state(0)
+    fresh.load(got)
+    assert got["step"] == 250
+
+
+def test_rollback_keep_abandoned_and_resumed_step_protected(tmp_path):
+    root = tmp_path / "root"
+    first = distckpt.CheckpointManager(root)
+    for step in (100, 200, 300):
+        first.save(step, _state(step))
+    mgr = distckpt.CheckpointManager(root, keep_last=1, keep_abandoned=True)
+    mgr.load(_state(0), step=200)
+    mgr.save(250, _state(250))
+    # keep_last=1, but the step the job resumed from survives the first save after the resume;
+    # the abandoned 300 is kept (and never loaded by default).
+    assert mgr.steps() == [200, 250, 300]
+    got = _state(0)
+    distckpt.CheckpointManager(root).load(got)
+    assert got["step"] == 250
+    mgr.save(260, _state(260))
+    assert mgr.steps() == [260, 300]
+    with pytest.raises(CheckpointExistsError):
+        mgr.save(300, _state(300))  # keep_abandoned: refuse, never overwrite silently
+
+
+def test_stale_latest_pointer_after_crash_window(tmp_path):
+    # A crash between the commit of 250 and the pointer update leaves `latest` at the abandoned
+    # 300 (the job had rolled back to 200): the newest commit, 250, is what load() gives.
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root)
+    for step in (100, 200, 300):
+        mgr.save(step, _state(step))
+    distckpt.save(_state(250), root / "step_00000250")  # committed, pointer not updated
+    assert (root / "latest").read_text() == "step_00000300\n"
+    assert mgr.latest_step() == 250
+    got = _state(0)
+    mgr.load(got)
+    assert got["step"] == 250
+    listing = mgr.describe()
+    assert listing.latest == 250 and "committed after it" in listing.pointer_problem
+
+
+# ------------------------------------------------------------------------------------------------
+# 3: a failed async save with nobody waiting surfaces
+
+
+def _doomed_async_save(tmp_path):
+    target = tmp_path / "taken"
+    target.mkdir(exist_ok=True)
+    (target / "not-a-checkpoint").write_text("x")  # PREPARE refuses it, in the background
+    h = distckpt.async_save({"w": torch.ones(4)}, target)
+    h._event.wait()
+    return h
+
+
+def test_async_failure_raises_at_next_call(tmp_path):
+    h = _doomed_async_save(tmp_path)
+    err = h._error
+    assert isinstance(err, CheckpointExistsError)
+    del h
+    with pytest.raises(CheckpointExistsError) as ei:
+        distckpt.save({"w": torch.ones(4)}, tmp_path / "next")
+    assert ei.value is err and "failed in the background" in "".join(getattr(err, "__notes__", []))
+    assert not (tmp_path / "next").exists(), "the next save ran although an earlier one failed unseen"
+    distckpt.save({"w": torch.ones(4)}, tmp_path / "next")  # reported once; then saves go on
+
+    mgr = distckpt.CheckpointManager(tmp_path / "root")
+    _doomed_async_save(tmp_path)
+    with pytest.raises(CheckpointExistsError):
+        mgr.save(1, {"w": torch.ones(4)}, blocking=False)
+    # A handle whose result() was taken is not raised again.
+    h = _doomed_async_save(tmp_path)
+    assert isinstance(h.exception(), CheckpointExistsError)
+    assert mgr.save(1, {"w": torch.ones(4)}).path == mgr.path(1)
+
+
+def test_async_failure_logged_at_exit(tmp_path):
+    script = (
+        "import sys, torch, distckpt, pathlib\n"
+        "t = pathlib.Path(sys.argv[1]); t.mkdir(); (t / 'x').write_text('x')\n"
+        "distckpt.async_save({'w': torch.ones(4)}, t)\n")
+    r = subprocess.run([PY, "-c", script, str(tmp_path / "taken")], capture_output=True, text=True, timeout=120)
+    assert "FAILED" in r.stderr and "CheckpointExistsError" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# 4: save() on some ranks only
+
+
+def _save_on_rank0_only(rank, world_size, root):
+    import torch.distributed as dist
+    out = None
+    if rank == 0:
+        try:
+            distckpt.save({"w": torch.ones(4)}, os.path.join(root, "only0"))
+        except Exception as exc:  # noqa: BLE001
+            out = (type(exc).__name__, getattr(exc, "missing", None), str(exc))
+    dist.barrier()  # rank 1 stays in the job until rank 0 has its answer
+    return out
+
+
+def test_save_on_one_rank_only_fails_fast_and_typed(tmp_path):
+    # DISTCKPT_TIMEOUT_S bounds the old behaviour (a raw DistStoreError after it) for this test.
+    env = {"DISTCKPT_ARRIVAL_TIMEOUT_S": "2", "DISTCKPT_TIMEOUT_S": "30"}
+    res = run_ranks(_save_on_rank0_only, 2, str(tmp_path), env=env, timeout=120)
+    name, missing, text = res[0]
+    assert name == RanksMissingError.__name__ and missing == [1], res[0]
+    assert "every rank of the group must call save()" in text and "no_dist=True" in text
+    assert not os.path.exists(tmp_path / "only0")
+
+
+# ------------------------------------------------------------------------------------------------
+# 7 (issue 14): the async staging pool is bounded and can be given back
+
+
+RSS_PROBE = r"""
+import json, sys, torch, distckpt
+from distckpt.async_save import staging_pool
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) * 1024
+state = {"w": torch.randn(32 << 20)}  # 128 MiB
+with distckpt.CheckpointManager(sys.argv[1]) as mgr:
+    mgr.save(1, state, blocking=False).result()
+    held, idle = rss(), staging_pool().idle_bytes()
+after_close = rss()
+mgr.save(2, state, blocking=False).result()
+before_release = rss()
+freed = distckpt.release_staging_memory()
+print(json.dumps({"held": held, "idle": idle, "after_close": after_close, "before_release": before_release,
+                  "freed": freed, "after_release": rss(), "nbytes": state["w"].nbytes}))
+"""
+
+
+def test_staging_memory_released(tmp_path):
+    r = subprocess.run([PY, "-c", RSS_PROBE, str(tmp_path / "root")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    n = m["nbytes"]
+    assert m["idle"] >= n and m["freed"] >= n
+    assert m["held"] - m["after_close"] >= 0.9 * n, m          # CheckpointManager.close()
+    assert m["before_release"] - m["after_release"] >= 0.9 * n, m  # release_staging_memory()
+    import shutil
+    shutil.rmtree(tmp_path / "root")
+
+
+def test_staging_pool_bound(tmp_path, monkeypatch):
+    from distckpt.async_save import staging_pool
+    distckpt.release_staging_memory()
+    monkeypatch.setenv("DISTCKPT_STAGING_POOL_BYTES", "0")
+    distckpt.async_save({"w": torch.ones(1 << 16)}, tmp_path / "a").result()
+    assert staging_pool().idle_bytes() == 0
+    monkeypatch.setenv("DISTCKPT_STAGING_POOL_BYTES", str(1 << 20))
+    from distckpt.config import get_config
+    get_config.cache_clear()
+    distckpt.async_save({"w": torch.ones(1 << 16)}, tmp_path / "b").result()
+    assert 0 < staging_pool().idle_bytes() <= 1 << 20
+    distckpt.async_save({"w": torch.ones(1 << 19)}, tmp_path / "c").result()  # 2 MiB arena: not kept
+    assert staging_pool().idle_bytes() <= 1 << 20
+    assert distckpt.release_staging_memory() <= 1 << 20 and staging_pool().idle_bytes() == 0
+
+
+def test_other_hosts_leftovers_are_left_alone(tmp_path):
+    # A crashed save whose lock record names another host: on a file system whose flock may be
+    # local to each host, a free lock there proves nothing, so it is reported, not deleted.
+    root = tmp_path / "root"
+    root.mkdir()
+    tmp = root / (".step_00000004.tmp-" + "ab" * 16)
+    tmp.mkdir()
+    (tmp / "rank00000.bin").write_bytes(b"x")
+    (root / ".step_00000004.lock").write_text(json.dumps(
+        {"host": "some-other-host", "pid": 1, "started_unix": 0, "save_id": "ab" * 16, "what": "x"}))
+    mgr = distckpt.CheckpointManager(root)
+    states = {lo.entry: lo.state for lo in mgr.describe().leftovers}
+    assert states[tmp.name] == "unknown" and states[".step_00000004.lock"] == "unknown"
+    assert mgr.reclaim() == [] and tmp.exists()
+    mgr.save(5, {"w": torch.ones(2)})  # a save in the same root leaves it alone too
+    assert tmp.exists()
+    assert sorted(mgr.reclaim(other_hosts=True)) == [".step_00000004.lock", tmp.name]
+    assert sorted(os.listdir(root)) == ["latest", "step_00000005"]
+
+
+def test_plain_save_of_a_path_being_saved_is_refused(tmp_path):
+    from distckpt.storage import savelock
+    held = savelock.acquire(str(tmp_path / ".ck.lock"), save_id="cd" * 16, what=str(tmp_path / "ck"))
+    try:
+        with pytest.raises(SaveInProgressError) as ei:
+            distckpt.save({"w": torch.ones(2)}, tmp_path / "ck")
+        assert ei.value.owner["pid"] == os.getpid()
+        assert sorted(os.listdir(tmp_path)) == [".ck.lock"]
+    finally:
+        held.release()
+    assert os.listdir(tmp_path) == []
+    distckpt.save({"w": torch.ones(2)}, tmp_path / "ck")
+    assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_foreign_lock_files_are_not_touched(tmp_path):
+    (tmp_path / ".tool.lock").write_text("held by some other program")
+    assert distckpt.CheckpointManager(tmp_path).reclaim() == []
+    assert distckpt.CheckpointManager(tmp_path).describe().leftovers == []
+    assert (tmp_path / ".tool.lock").exists()
