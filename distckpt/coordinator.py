@@ -22,6 +22,9 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                checkpoint, runs ``after_commit`` (the manager's ``latest`` + rotation). On any
                failure rank 0 deletes the tmp dir and nothing is committed. G.broadcast of the
                verdict; every rank returns or raises the same typed error, only after that point.
+               The rename is the commit point: an error after it (``after_commit``'s, or a peer
+               lost during the verdict broadcast) says so: ``committed = True`` on the error, and
+               a lost peer is a CommittedButPeerLostError (a PeerLostError) naming the path.
 
 Invariants held (DESIGN.md): I1 a directory is loadable only once it has its final name, which it
 gets in one rename after every byte it names is durable; I2 nothing outside the tmp dir is touched
@@ -52,8 +55,8 @@ import msgpack
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .config import get_config
-from .errors import (CheckpointExistsError, DistCkptError, StateDictMismatchError,
-                     UnsupportedValueError, fill_rank, from_os_error)
+from .errors import (CheckpointExistsError, CommittedButPeerLostError, DistCkptError, PeerLostError,
+                     StateDictMismatchError, UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
 from .plan import Box, assign_offsets, assign_owners, find_tiling_defect
@@ -580,7 +583,9 @@ def save_collective(
         CheckpointExistsError: a committed checkpoint is at ``final_dir`` and not ``overwrite``.
         RankFailureError: (several ranks) some rank failed; ``failures`` holds each rank's error.
         DistCkptError subclasses: (one rank) the typed error itself.
-        PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S.
+        PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S; before the commit
+            point nothing is committed. CommittedButPeerLostError (a subclass): the checkpoint
+            at ``final_dir`` is committed, then a peer was lost (see :func:`finish_save`).
     """
     with SAVE_GATE, gc_paused():
         planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
@@ -596,6 +601,14 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
 
     ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
     part in every collective and reports the error at WRITE, so all ranks abort together.
+
+    Raises what :func:`save_collective` raises. Every error raised before rank 0's rename means
+    nothing was committed. After it, the outcome says it: an ``after_commit`` error (the manager's
+    ``latest`` / rotation) is raised on every rank with ``committed = True``; a peer lost while the
+    verdict is broadcast gives CommittedButPeerLostError on rank 0 (``committed``, ``path``,
+    ``lost_ranks``) and on any other rank that finds this save's MANIFEST at ``final_dir``; a rank
+    that cannot tell raises PeerLostError with ``committed = None`` and the ``save_id`` to look for.
+
     ``lock_path``: the save lock rank 0 holds from PREPARE to the end (default ``.NAME.lock``
     beside the checkpoint; a CheckpointManager passes its root lock). It is released (unlinked,
     fd closed) on every path, after the tmp dir is gone or published.
@@ -646,6 +659,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
 
     # 4. COMMIT
     verdict = None
+    committed = False  # rank 0: the rename happened (the commit point); every error after it says so
     if rank == 0:
         published = False
         try:
@@ -672,14 +686,22 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             # rank. A publish whose parent fsync failed and could not be undone stays visible
             # (``published`` on the error) and its tmp name may hold the previous checkpoint.
             verdict = exc if world == 1 else _portable(exc)
+            if published:  # after_commit failed: the checkpoint is committed all the same
+                verdict.committed = True
+                committed = True
             published = published or getattr(exc, "published", False)
             if not published:
                 try:
                     local.delete_tree(tmp_dir, names=_tmp_names(world))
                 except DistCkptError as cleanup_exc:
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
+        else:
+            committed = published
     group.raise_failures([e for _, e in outcomes], error, operation="save")
-    verdict = group.broadcast(verdict)
+    try:
+        verdict = group.broadcast(verdict)
+    except PeerLostError as lost:
+        raise _lost_at_verdict(lost, rank, world, final_dir, tmp_dir, committed, verdict) from lost
     if verdict is not None:
         raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
     mine_result = outcomes[rank][0]
@@ -687,6 +709,40 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         path=os.path.abspath(final_dir), world_size=world, rank=rank,
         bytes_per_rank=[o[0][1] for o in outcomes], total_bytes=sum(o[0][1] for o in outcomes),
         seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id)
+
+
+def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str, tmp_dir: str,
+                     committed: bool, after_error: BaseException | None) -> PeerLostError:
+    """The truthful error for a peer lost while the COMMIT verdict was broadcast.
+
+    Rank 0 knows whether it renamed the tmp dir. Another rank does not: it looks for this save's
+    MANIFEST (rank 0's save id is the tmp dir's suffix) at ``final_dir`` on the shared file system;
+    finding it proves the commit, not finding it proves nothing (rank 0 may be slow, not dead).
+    """
+    others = [r for r in range(world) if r != rank]
+    who = f"rank {others[0]} was" if len(others) == 1 else f"one or more of ranks {others} were"
+    if rank == 0:
+        if not committed:
+            return lost  # the commit did not happen: "nothing committed" is the truth
+        also = f"; after the commit: {type(after_error).__name__}: {after_error}" if after_error is not None else ""
+        return CommittedButPeerLostError(
+            f"the checkpoint at {final_dir} is committed (complete and durable), but {who} lost "
+            f"before hearing the verdict ({lost.message}){also}",
+            path=final_dir, rank=rank, committed=True, lost_ranks=others, after_commit_error=after_error)
+    save_id = os.path.basename(tmp_dir).rsplit("tmp-", 1)[-1]
+    try:
+        found = mf.load_manifest(final_dir).save_id == save_id
+    except Exception:  # noqa: BLE001 - absent or unreadable: the commit is not proven
+        found = False
+    if found:
+        return CommittedButPeerLostError(
+            f"the checkpoint at {final_dir} is committed (its MANIFEST carries this save's id {save_id}), but "
+            f"{who} lost before this rank heard the verdict ({lost.message})",
+            path=final_dir, rank=rank, committed=True, lost_ranks=others, after_commit_error=None)
+    return PeerLostError(
+        f"{lost.message}; lost while rank 0 committed {final_dir}: this rank cannot tell whether the "
+        f"checkpoint was committed (if it was, its MANIFEST carries save_id {save_id})",
+        path=final_dir, rank=rank, committed=None, save_id=save_id)
 
 
 def _tmp_names(world: int) -> list[str]:

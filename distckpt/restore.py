@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import logging
 import os
 import pickle
@@ -39,9 +40,9 @@ from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
-                     ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
-                     ConfigError, DistCkptError, PickleNotAllowedError, ReshardError, StateDictMismatchError,
-                     fill_rank, from_os_error)
+                     CheckpointRemovedError, ChecksumMismatchError, ConfigError, DataFileMissingError,
+                     DataFileTruncatedError, DistCkptError, PickleNotAllowedError, ReshardError,
+                     StateDictMismatchError, StorageError, fill_rank, from_os_error)
 from .locate import check_checkpoint_dir
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
 from .values import decode_value
@@ -98,6 +99,77 @@ def _check_committed(path: str) -> None:
         raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
     if TMP_RE.match(os.path.basename(path)):
         raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
+
+
+def _dir_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the checkpoint directory, or None when nothing is at ``path``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _removed_while_reading(path: str, identity: tuple[int, int] | None,
+                           exc: BaseException | None) -> BaseException | None:
+    """``exc``, or a CheckpointRemovedError when ``exc`` is what a step vanishing mid-load looks like
+    (``exc`` None: a load that succeeded, failed only if another directory took the name).
+
+    A rotation (or an overwrite, or a deletion) renames the directory away and deletes it; a load
+    that read MANIFEST before that and opens a data file after it meets a missing file (or a
+    missing MANIFEST, or another directory's files under the same name). That is not damage, and
+    "restore from an older checkpoint" is the wrong remedy: the directory is checked again and the
+    error says what happened. ``identity`` is the directory's (st_dev, st_ino) when the load began.
+    """
+    suspect = exc is None or isinstance(exc, (CheckpointIncompleteError, CheckpointCorruptError)) or (
+        isinstance(exc, StorageError) and exc.errno == errno.ENOENT)
+    if not suspect or isinstance(exc, CheckpointNotFoundError):
+        return exc
+    now = _dir_identity(path)
+    if now is not None and (identity is None or now == identity):
+        return exc  # still the same directory: the error (or success) stands as it is
+    if exc is None and now is None:
+        return None  # read in full, then removed: every byte came from the one checkpoint
+    parent, name = os.path.split(path)
+    renamed_to = None
+    if identity is not None:
+        try:
+            with os.scandir(parent) as it:
+                for entry in it:
+                    m = TMP_RE.match(entry.name)
+                    if m and m.group("name") == name:
+                        st = entry.stat(follow_symlinks=False)
+                        if (st.st_dev, st.st_ino) == identity:
+                            renamed_to = entry.path
+                            break
+        except OSError:
+            pass
+    if now is not None:
+        how = "another directory now has its name (it was overwritten, or rotated away and saved again)"
+    elif renamed_to is not None:
+        how = f"it was renamed to {os.path.basename(renamed_to)} to be deleted (rotation by a manager's keep_last, or an overwrite)"
+    else:
+        how = "the directory no longer exists (rotated away or deleted)"
+    if exc is None:  # every read succeeded, but not necessarily all from one checkpoint
+        failed = ("its files may have been read partly from the one that replaced it, so the load is "
+                  "failed rather than mixing two checkpoints")
+    else:
+        failed = f"the read failed with {type(exc).__name__}: {getattr(exc, 'message', exc)}"
+    removed = CheckpointRemovedError(
+        f"the checkpoint at {path} was removed while it was being read: {how}; {failed}",
+        path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
+    removed.__cause__ = exc
+    return removed
+
+
+def _check_unmoved(path: str, identity: tuple[int, int] | None) -> None:
+    """After a load or read that succeeded: the directory it began with still has its name. Data
+    files are opened by path, one after another; if another checkpoint took the name meanwhile
+    (an overwrite, or rotation and a new save of that name), some of them may be the new one's,
+    which checksums catch unless the bytes agree or ``verify=False``: fail instead."""
+    error = _removed_while_reading(path, identity, None)
+    if error is not None:
+        raise error
 
 
 def _manifest_bytes(path: str) -> bytes:
@@ -241,7 +313,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
-    choice = choose_backend(ckpt)
+    choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     total = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-read") as pool:
         for file_index in sorted(by_file):
@@ -522,6 +594,10 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
             manifest, items, strict, allow_pickle, path, cast, _optimizer_paths(state_dict))
         # Decoded before any byte is read: a class that cannot be rebuilt fails the load early.
         values = [(item, _object_value(entry, manifest, item.fqn, path)) for item, entry in objects]
+        # Every data file this rank reads has its MANIFEST size before the first byte lands in the
+        # caller's tensors: a truncated or missing file fails the load with them untouched.
+        for fi in sorted({t.chunk.file for t in tasks}):
+            _check_data_file(path, manifest.files[fi])
         nbytes, backend = _fill(path, manifest, tasks, verify)
         with torch.no_grad():
             for tmp, dest in casts:
@@ -596,7 +672,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
 
     Raises:
         CheckpointNotFoundError, CheckpointIncompleteError, ManifestCorruptError,
-        DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
+        CheckpointRemovedError (a CheckpointNotFoundError: the step was rotated away, overwritten
+        or deleted while this load read it), DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
         StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
         RankFailureError on every rank when several ranks take part and any of them failed.
         After a failed load the state dict's tensors may be partly overwritten (large chunks are
@@ -608,12 +685,14 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
     result, error = None, None
+    identity = _dir_identity(path)
     try:
         with gc_paused():
             manifest = _manifest_collective(group, path)
             result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast)
+            _check_unmoved(path, identity)
     except Exception as exc:
-        error = exc  # its rank is recorded by raise_failures
+        error = _removed_while_reading(path, identity, exc)  # its rank is recorded by raise_failures
     group.exchange_outcome(error, operation="load")
     return result
 
@@ -648,11 +727,25 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
 
     ``keys``: fqns; a key selects itself and everything under it (``"model"`` selects
     ``"model.layer.weight"``). Raises the errors of :func:`load`, and KeyError-compatible
-    StateDictMismatchError for a key the checkpoint lacks.
+    StateDictMismatchError for a key the checkpoint lacks. Every size in the MANIFEST is
+    validated (int64 bounds) and every data file read from is checked against the size the
+    MANIFEST gives before any tensor is allocated: a damaged or hostile MANIFEST raises
+    ManifestCorruptError / DataFileTruncatedError, never an allocation of its claimed size.
     """
     path = os.path.abspath(os.fspath(path))
+    identity = _dir_identity(path)
     try:
-        return _read(path, keys, verify, allow_pickle)
+        try:
+            out = _read(path, keys, verify, allow_pickle)
+            _check_unmoved(path, identity)
+            return out
+        except CheckpointRemovedError:
+            raise
+        except DistCkptError as exc:
+            removed = _removed_while_reading(path, identity, exc)
+            if removed is not exc:
+                raise removed from exc
+            raise
     except DistCkptError as exc:
         # read() runs in one process without a group: its rank is the process's rank, if any.
         if is_distributed():
@@ -697,6 +790,12 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
     values: dict[str, Any] = {}
     tasks: list[_Task] = []
     pickled = []
+    # Before anything is allocated: every data file the selected tensors read from has the size
+    # its MANIFEST claims. A damaged or hostile MANIFEST that describes terabytes in a file of a
+    # few KiB must fail as the truncated file it is, not as an allocation of terabytes.
+    for fi in sorted({c.file for fqn, entry in manifest.tensors.items() if keep(fqn) for c in entry.chunks
+                      if c.nbytes}):
+        _check_data_file(path, manifest.files[fi])
     for fqn, entry in manifest.tensors.items():
         if not keep(fqn):
             continue

@@ -61,12 +61,16 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         PeerLostError: a peer died or hung past DISTCKPT_TIMEOUT_S;
         RanksMissingError (a PeerLostError): some ranks of the group did not call save() within
         DISTCKPT_ARRIVAL_TIMEOUT_S (every rank must call it);
+        CommittedButPeerLostError: (a PeerLostError) the checkpoint at ``path`` was committed,
+            then a peer was lost before every rank heard so; ``committed`` is True.
         SaveInProgressError (a CheckpointExistsError): another live save of ``path`` holds its lock.
         The error of an earlier async save of this process that failed with nobody waiting on its
         handle is raised first (its own class) and this save is not started.
         In every failure case nothing is committed and an earlier checkpoint is untouched, with
-        one exception: an error of ``_after_commit`` (CheckpointManager's ``latest`` update and
-        rotation) is raised after the new checkpoint was committed.
+        these exceptions, all raised after the commit point and saying so: an error of
+        ``_after_commit`` (CheckpointManager's ``latest`` update and rotation; it carries
+        ``committed = True``), CommittedButPeerLostError, and a PeerLostError with
+        ``committed = None`` on a rank that lost rank 0 during the commit and cannot tell.
     """
     from .async_save import raise_background_failure, wait_for_saves
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite. Creates ./.venv and installs everything on first use (launch/env.sh),
 # plus the system tools the fault-injection tests need (e2fsprogs for loop ext4 images, util-linux for
-# mount/unshare, strace, libcap2-bin for capsh) when they are missing.
+# mount/unshare, strace, libcap2-bin for capsh, fuse3 for the power-cut file system) when they are missing.
 # Usage: bash tests/run.sh [pytest args...]
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -9,7 +9,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/launch/env.sh"
 
 missing=()
-for tool in mkfs.ext4:e2fsprogs unshare:util-linux losetup:mount strace:strace capsh:libcap2-bin; do
+for tool in mkfs.ext4:e2fsprogs unshare:util-linux losetup:mount strace:strace capsh:libcap2-bin fusermount3:fuse3; do
     command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
 done
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -228,6 +228,16 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
         "file_index_out_of_range.bin": (_schema_case(_set(w + [0, "file"], 7)), "file index 7 is out of range"),
         "dangling_ref.bin": (_schema_case(_set(["tree", "k", 3, 1, "fqn"], "nope")), "refers to 'nope'"),
         "missing_key.bin": (_schema_case(lambda b: b.pop("meta")), "missing keys ['meta']"),
+        # Sizes torch cannot hold (int64): an empty tensor whose dimensions overflow, one whose
+        # non-zero dimensions overflow the storage size, a file size that is no off_t.
+        "dim_overflow.bin": (_schema_case(_set(["tensors", "empty", "shape"], [2**63, 2**63, 0])),
+                             "expected an integer in [0, 2**63), found 9223372036854775808"),
+        "dim_u64_max.bin": (_schema_case(_set(["tensors", "empty", "shape"], [2**64 - 1, 0])),
+                            "expected an integer in [0, 2**63), found 18446744073709551615"),
+        "storage_overflow.bin": (_schema_case(_set(["tensors", "empty", "shape"], [2**40, 2**40, 0, 2**40])),
+                                 "is too large: the product of its non-zero dimensions is 2658455991569831745807614120560689152 bytes"),
+        "file_size_overflow.bin": (_schema_case(_set(["files", 0, "size"], 2**63)),
+                                   "size: expected an integer in [0, 2**63)"),
     }
 
 
