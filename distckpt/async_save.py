@@ -354,7 +354,8 @@ def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
 
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
-               allow_pickle: bool = False, metadata: dict | None = None,
+               allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
+               no_dist: bool = False,
                _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> AsyncSaveHandle:
     """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
 
@@ -388,13 +389,13 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     try:
         raise_background_failure()  # the previous save has finished: the gate is ours
         try:
-            fg = control_group(process_group, operation="async_save()")
+            fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()")
             bg = _background_group(process_group, fg)
             metadata = copy.deepcopy(metadata)
             # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
             ensure_sigxfsz_ignored()
             planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
-                                path=final_dir)
+                                path=final_dir, replicated=replicated)
         except Exception as exc:
             handle._finish(None, exc)
             handle.blocked_seconds = time.perf_counter() - t_call

@@ -25,6 +25,7 @@ import sys
 from . import __version__
 from .errors import DistCkptError
 from .sizes import CONVENTION, format_bytes
+from .values import VALUE_KIND, describe
 
 #: Version of the ``inspect --json`` and ``verify --json`` documents; bumped only when a field
 #: changes meaning or disappears (new fields may be added within a version).
@@ -118,6 +119,8 @@ def inspect_document(m, path: str) -> dict:
             values[fqn] = {"kind": "pickle", "bytes": len(o.value)}
         elif o.kind in _PLAIN_KINDS:
             values[fqn] = {"kind": o.kind, "value": _plain_json(o.value)}
+        elif o.kind == VALUE_KIND:  # a typed value node: shown as text, no class is imported
+            values[fqn] = {"kind": o.kind, "value": _plain_json(o.value), "text": describe(o.value)}
         else:  # stored outside the manifest (a DCP checkpoint's values): not loaded to be shown
             values[fqn] = {"kind": o.kind}
     meta = dict(m.meta)
@@ -172,6 +175,8 @@ def _print_inspect(doc: dict) -> None:
                 shown = f"<{v['kind']} value, not loaded>"
             elif v["kind"] == "bytes":
                 shown = f"<{v['value']['bytes']} bytes>"
+            elif "text" in v:
+                shown = v["text"]
             else:
                 shown = _short(v["value"])
             print(f"  {fqn}: {shown}")

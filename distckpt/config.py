@@ -16,7 +16,7 @@ about once per process, naming the closest known variable: a silently ignored se
 |                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
 | DISTCKPT_PREFLIGHT          | 1        | 1: save() runs the cheap pre-flight checks; 0: skip them   |
-| DISTCKPT_ARRIVAL_TIMEOUT_S  | 60       | how long the ranks that called save/load wait for the rest |
+| DISTCKPT_ARRIVAL_TIMEOUT_S  | 60       | how long the ranks that called save/load wait for the rest (0: no check) |
 |                             |          | before RanksMissingError (a call made on some ranks only)  |
 | DISTCKPT_STAGING_POOL_BYTES | (none)   | largest idle async staging arena kept for reuse; 0: free   |
 |                             |          | every arena when its save ends (none: keep one, any size)  |
@@ -140,8 +140,8 @@ def load_config(env: dict | None = None) -> Config:
     except ValueError:
         raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival_raw!r} is not a number",
                           variable="DISTCKPT_ARRIVAL_TIMEOUT_S") from None
-    if not 0.1 <= arrival <= 86400:
-        raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival} must be between 0.1 and 86400",
+    if arrival != 0 and not 0.1 <= arrival <= 86400:
+        raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival} must be 0 (no arrival check) or between 0.1 and 86400",
                           variable="DISTCKPT_ARRIVAL_TIMEOUT_S")
     pool_raw = env.get("DISTCKPT_STAGING_POOL_BYTES", "")
     pool = None if pool_raw == "" else _int(env, "DISTCKPT_STAGING_POOL_BYTES", 0, lo=0, hi=1 << 50)

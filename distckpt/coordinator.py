@@ -2,9 +2,11 @@
 
 Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control group):
 
-  1. PLAN      each rank flattens its state dict and summarizes its items (fqn, dtype, global shape, local boxes, bytes);
-               G.all_gather. Every rank merges the summaries the same way, validates them
-               (same dtype/shape everywhere, boxes disjoint and covering) and assigns exactly one
+  1. PLAN      each rank flattens its state dict and summarizes its items (fqn, dtype, global shape, local boxes, bytes;
+               its encoded non-tensor values; a digest of each plain tensor); G.all_gather. Every rank
+               merges the summaries the same way: the key set is the union over ranks, a key held by
+               several ranks must hold one value there (save's ``replicated`` option), dtype/shape
+               agree everywhere, boxes are disjoint and covering; then it assigns exactly one
                writer to every box held by several ranks (replicated tensors, DTensor Replicate),
                balancing bytes per rank (plan.assign_owners). Any rank's error -> all raise.
   2. PREPARE   rank 0 reclaims tmp dirs of earlier dead saves of the same name, takes the save
@@ -20,6 +22,9 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                checkpoint, runs ``after_commit`` (the manager's ``latest`` + rotation). On any
                failure rank 0 deletes the tmp dir and nothing is committed. G.broadcast of the
                verdict; every rank returns or raises the same typed error, only after that point.
+               The rename is the commit point: an error after it (``after_commit``'s, or a peer
+               lost during the verdict broadcast) says so: ``committed = True`` on the error, and
+               a lost peer is a CommittedButPeerLostError (a PeerLostError) naming the path.
 
 Invariants held (DESIGN.md): I1 a directory is loadable only once it has its final name, which it
 gets in one rename after every byte it names is durable; I2 nothing outside the tmp dir is touched
@@ -50,9 +55,10 @@ import msgpack
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .config import get_config
-from .errors import (CheckpointExistsError, DistCkptError, StateDictMismatchError,
-                     UnsupportedValueError, fill_rank, from_os_error)
+from .errors import (CheckpointExistsError, CommittedButPeerLostError, DistCkptError, PeerLostError,
+                     StateDictMismatchError, UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
+from .values import value_digest
 from .plan import Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect
 from .staging import dtype_name, host_bytes
 from .storage import local
@@ -222,8 +228,62 @@ def gc_paused():
 # Phase 1: plan
 
 
+def check_replicated_option(replicated: Any) -> Callable[[str], bool]:
+    """The ``replicated=`` option of save as a predicate "is this fqn checked across ranks".
+
+    ``"check"`` (default): every key held by several ranks must hold the same value there (non-tensor
+    values compared by their encoded bytes, plain tensors by a crc32c digest); ``"rank0"``: the lowest
+    rank holding a key wins, as DCP does, and nothing is compared; a collection of fqns: those keys
+    (and everything under them, ``"rng"`` covers ``"rng.cpu"``) are rank-0-wins, the rest checked.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    if replicated == "check":
+        return lambda fqn: True
+    if replicated == "rank0":
+        return lambda fqn: False
+    if isinstance(replicated, (set, frozenset, list, tuple)) and all(isinstance(k, str) for k in replicated):
+        keys = tuple(replicated)
+        return lambda fqn: not any(fqn == k or fqn.startswith(k + ".") for k in keys)
+    from .errors import ConfigError
+    raise ConfigError(f"replicated={replicated!r}: expected 'check', 'rank0' or a collection of keys",
+                      remedy="Pass replicated='check' (default), 'rank0', or a set of fqns that are rank-0-wins.")
+
+
+def _tensor_digest(t) -> int:
+    """A digest of a tensor's bytes, to tell a real replica from a tensor that only shares a key.
+    CPU: crc32c of the bytes. Other devices: a position-weighted sum computed on the device (no
+    copy of the whole tensor to the host), in 16M-element slices to bound its temporary memory."""
+    import torch
+    if t.numel() == 0:
+        return 0
+    if t.device.type == "cpu":
+        import crc32c as _crc32c
+        view, keep = host_bytes(t)
+        digest = _crc32c.crc32c(view)
+        del keep
+        return digest
+    return _device_digest(t)
+
+
+def _device_digest(t) -> int:
+    """The digest of a tensor computed where it lives (any device): a sum of its 32-bit words (or
+    bytes) weighted by their position modulo a prime, plus their plain sum; int64 arithmetic."""
+    import torch
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    step = 1 << 24
+    for start in range(0, words.numel(), step):
+        w = words[start:start + step].to(torch.int64)
+        idx = torch.arange(start, start + w.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
+        total += (w * idx).sum() + w.sum() * 7919
+    return int(total.item())
+
+
 def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int, allow_pickle: bool,
-               metadata: dict | None) -> dict:
+               metadata: dict | None, checked: Callable[[str], bool] = lambda fqn: True) -> dict:
     if rank == 0 and metadata is not None:
         try:
             msgpack.packb(metadata, use_bin_type=True, strict_types=True)
@@ -232,14 +292,20 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
                                         key="metadata") from None
     tensors = {}
     objects = {}
+    digests = {}
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
             tensors[fqn] = (item.kind, dtype_name(item.dtype), item.shape,
                             [(p.offsets, p.sizes, _nbytes(p.tensor)) for p in item.pieces])
-        elif rank == 0:
+            # Plain tensors are the only ones whose replication is an assumption (DTensor
+            # Replicate is a replica by construction; sharded pieces are disjoint).
+            if item.kind == "tensor" and checked(fqn):
+                digests[fqn] = _tensor_digest(item.pieces[0].tensor)
+        else:
+            # Every rank encodes its own values: a key may exist on some ranks only (per-rank
+            # dataloader state), and values under a shared key are compared in _merge_plan.
             objects[fqn] = object_entry(fqn, item.value, allow_pickle=allow_pickle)
-    return {"tensors": tensors, "objects": objects, "tree": tree if rank == 0 else None,
-            "keys": sorted(items) if rank != 0 else None}
+    return {"tensors": tensors, "objects": objects, "tree": tree, "digests": digests}
 
 
 @dataclasses.dataclass
@@ -252,16 +318,56 @@ class _GlobalPlan:
     checksum_block: int = 1 << 20
 
 
-def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
-    """Merge every rank's summary. Pure and deterministic: every rank computes the same plan."""
+def _merge_trees(trees: list[dict], problems: list[str]) -> dict:
+    """The union of the ranks' container trees: dict keys are united (a key held by some ranks
+    only is kept), lists and tuples must agree in length. Identical trees are merged once."""
+    distinct: dict[bytes, dict] = {}
+    for tree in trees:
+        distinct.setdefault(msgpack.packb(tree, use_bin_type=True), tree)
+    it = iter(distinct.values())
+    merged = next(it)
+
+    def merge(a: dict, b: dict, where: str) -> dict:
+        if a["t"] != b["t"]:
+            problems.append(f"{where or '<root>'!r} is a {a['t']} on one rank and a {b['t']} on another")
+            return a
+        if a["t"] == "ref":
+            return a
+        if a["t"] == "dict":
+            index = {(type(k), k): i for i, (k, _) in enumerate(a["k"])}
+            out = [list(p) for p in a["k"]]
+            for k, child in b["k"]:
+                i = index.get((type(k), k))
+                if i is None:
+                    out.append([k, child])
+                else:
+                    out[i][1] = merge(out[i][1], child, f"{where}.{k}".lstrip("."))
+            return {"t": "dict", "k": out}
+        if len(a["v"]) != len(b["v"]):
+            problems.append(f"the {a['t']} at {where or '<root>'!r} has {len(a['v'])} entries on one rank and "
+                            f"{len(b['v'])} on another")
+            return a
+        return {"t": a["t"], "v": [merge(x, y, f"{where}.{i}".lstrip("."))
+                                   for i, (x, y) in enumerate(zip(a["v"], b["v"]))]}
+
+    for tree in it:
+        merged = merge(merged, tree, "")
+    return merged
+
+
+def _ranks_text(groups: dict[Any, list[int]]) -> str:
+    return " vs ".join(f"ranks {rs}" if len(rs) > 1 else f"rank {rs[0]}" for rs in groups.values())
+
+
+def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda fqn: True) -> _GlobalPlan:
+    """Merge every rank's summary. Pure and deterministic: every rank computes the same plan.
+
+    The checkpoint's key set is the union of the ranks' keys (as in DCP). A key held by several
+    ranks must mean one value: non-tensor values must encode to the same bytes, plain tensors must
+    have the same digest (when the ``replicated`` option checks that key; ranks not checking send
+    no digest), else StateDictMismatchError naming the key and which ranks hold which value."""
     world = len(summaries)
-    base_keys = set(summaries[0]["tensors"]) | set(summaries[0]["objects"])
     problems = []
-    for r in range(1, world):
-        keys = set(summaries[r]["keys"])
-        if keys != base_keys:
-            problems.append(f"rank {r} has keys {sorted(keys - base_keys)[:5]} that rank 0 lacks and lacks "
-                            f"{sorted(base_keys - keys)[:5]}")
     meta: dict[str, tuple[str, str, tuple]] = {}
     candidates: dict[tuple, list[tuple[int, int]]] = {}
     for r, s in enumerate(summaries):
@@ -273,6 +379,27 @@ def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
                 continue
             for offsets, sizes, nbytes in pieces:
                 candidates.setdefault((fqn, tuple(offsets), tuple(sizes)), []).append((r, nbytes))
+    # Plain tensors under one key on several ranks are written once: they must be real replicas.
+    digests: dict[str, dict[int, list[int]]] = {}
+    for r, s in enumerate(summaries):
+        for fqn, d in s["digests"].items():
+            digests.setdefault(fqn, {}).setdefault(d, []).append(r)
+    for fqn, groups in sorted(digests.items()):
+        if len(groups) > 1:
+            problems.append(f"plain tensor {fqn!r} differs between ranks ({_ranks_text(groups)}), so it is not a "
+                            f"replica")
+    objects: dict[str, tuple[str, Any]] = {}
+    values: dict[str, dict[bytes, list[int]]] = {}
+    for r, s in enumerate(summaries):
+        for fqn, (kind, value) in s["objects"].items():
+            if fqn in meta:
+                problems.append(f"{fqn!r} is a tensor on some ranks and a {kind} value on rank {r}")
+                continue
+            objects.setdefault(fqn, (kind, value))  # the lowest rank holding the key
+            values.setdefault(fqn, {}).setdefault(value_digest(kind, value), []).append(r)
+    for fqn, groups in sorted(values.items()):
+        if len(groups) > 1 and checked(fqn):
+            problems.append(f"value {fqn!r} differs between ranks ({_ranks_text(groups)})")
     # Distinct boxes of one tensor must tile its global shape: disjoint and covering. Identical
     # boxes on several ranks are replicas (one writer is chosen, so they count once here).
     boxes_by_fqn: dict[str, list[Box]] = {}
@@ -288,10 +415,16 @@ def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
         if defect is not None:
             problems.append(f"the ranks' pieces of {fqn!r} (shape {list(shape)}) must cover it exactly once: "
                             f"{defect.kind} at {defect.region}")
+    tree = _merge_trees([s["tree"] for s in summaries], problems)
     if problems:
+        differ = any("differs between ranks" in p for p in problems)
         raise StateDictMismatchError(
             "the ranks' state dicts do not describe one consistent checkpoint: " + "; ".join(problems[:10]),
-            remedy="Every rank must pass the same keys; sharded tensors must tile their global shape.")
+            remedy=("A value that is legitimately different per rank needs a per-rank key (e.g. "
+                    "f'rng.rank_{rank}'); to keep the lowest rank's value as DCP does, pass "
+                    "replicated='rank0' or replicated={'key', ...} to save." if differ else
+                    "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
+                    "that holds it, with one dtype and shape."))
     owners = assign_owners(candidates)
     bytes_per_rank = [0] * world
     for key, r in owners.items():
@@ -300,7 +433,7 @@ def _merge_plan(summaries: list[dict]) -> _GlobalPlan:
     # small blocks, so a resharding load reads little more than it needs.
     block = choose_checksum_block((dict(candidates[key])[r] for key, r in owners.items()),
                                   get_config().checksum_block)
-    return _GlobalPlan(meta, owners, bytes_per_rank, summaries[0]["objects"], summaries[0]["tree"], block)
+    return _GlobalPlan(meta, owners, bytes_per_rank, objects, tree, block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,25 +539,27 @@ class PlannedSave:
 
 
 def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None,
-              path: str | None = None) -> PlannedSave:
+              path: str | None = None, replicated: Any = "check") -> PlannedSave:
     """Phase 1 (PLAN) on this rank. Collective; raises the same typed error on every rank."""
     t0 = time.monotonic()
     rank = group.rank
-    summary, error, items = None, None, {}
+    summary, error, items, checked = None, None, {}, None
     try:
+        checked = check_replicated_option(replicated)
         if get_config().preflight:
             # Cheap per-rank check before any byte is written: the writer, its ring, the reader
             # probes and directory fsyncs need a handful of fds. (Free space is checked by rank 0
             # in PREPARE with every rank's bytes; permissions by the tmp-dir mkdir there.)
             from .preflight import check_fd_limit
             check_fd_limit(_FDS_PER_SAVE, rank=rank, path=path)
-        tree, items = flatten(state_dict, allow_pickle=allow_pickle)
-        summary = _summarize(items, tree, rank, allow_pickle, metadata)
+        # check_objects=False: _summarize encodes (and so checks) every value right below.
+        tree, items = flatten(state_dict, allow_pickle=allow_pickle, check_objects=False)
+        summary = _summarize(items, tree, rank, allow_pickle, metadata, checked)
     except Exception as exc:
         error = exc
     gathered = group.all_gather((summary, _portable(error)))
     group.raise_failures([e for _, e in gathered], error, operation="save")
-    plan = _merge_plan([s for s, _ in gathered])
+    plan = _merge_plan([s for s, _ in gathered], checked)
     mine = []
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
@@ -443,6 +578,7 @@ def save_collective(
     allow_pickle: bool,
     metadata: dict | None,
     after_commit: Callable[[], None] | None = None,
+    replicated: Any = "check",
     lock_path: str | None = None,
 ) -> SaveResult:
     """Run phases 1-4 (module docstring) on this rank. Returns only after the commit verdict.
@@ -452,11 +588,13 @@ def save_collective(
         CheckpointExistsError: a committed checkpoint is at ``final_dir`` and not ``overwrite``.
         RankFailureError: (several ranks) some rank failed; ``failures`` holds each rank's error.
         DistCkptError subclasses: (one rank) the typed error itself.
-        PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S.
+        PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S; before the commit
+            point nothing is committed. CommittedButPeerLostError (a subclass): the checkpoint
+            at ``final_dir`` is committed, then a peer was lost (see :func:`finish_save`).
     """
     with SAVE_GATE, gc_paused():
         planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
-                            path=final_dir)
+                            path=final_dir, replicated=replicated)
         return finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
                            after_commit=after_commit, lock_path=lock_path)
 
@@ -468,6 +606,14 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
 
     ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
     part in every collective and reports the error at WRITE, so all ranks abort together.
+
+    Raises what :func:`save_collective` raises. Every error raised before rank 0's rename means
+    nothing was committed. After it, the outcome says it: an ``after_commit`` error (the manager's
+    ``latest`` / rotation) is raised on every rank with ``committed = True``; a peer lost while the
+    verdict is broadcast gives CommittedButPeerLostError on rank 0 (``committed``, ``path``,
+    ``lost_ranks``) and on any other rank that finds this save's MANIFEST at ``final_dir``; a rank
+    that cannot tell raises PeerLostError with ``committed = None`` and the ``save_id`` to look for.
+
     ``lock_path``: the save lock rank 0 holds from PREPARE to the end (default ``.NAME.lock``
     beside the checkpoint; a CheckpointManager passes its root lock). It is released (unlinked,
     fd closed) on every path, after the tmp dir is gone or published.
@@ -517,6 +663,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
 
     # 4. COMMIT
     verdict = None
+    committed = False  # rank 0: the rename happened (the commit point); every error after it says so
     if rank == 0:
         published = False
         try:
@@ -543,14 +690,22 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             # rank. A publish whose parent fsync failed and could not be undone stays visible
             # (``published`` on the error) and its tmp name may hold the previous checkpoint.
             verdict = exc if world == 1 else _portable(exc)
+            if published:  # after_commit failed: the checkpoint is committed all the same
+                verdict.committed = True
+                committed = True
             published = published or getattr(exc, "published", False)
             if not published:
                 try:
                     local.delete_tree(tmp_dir, names=_tmp_names(world))
                 except DistCkptError as cleanup_exc:
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
+        else:
+            committed = published
     group.raise_failures([e for _, e in outcomes], error, operation="save")
-    verdict = group.broadcast(verdict)
+    try:
+        verdict = group.broadcast(verdict)
+    except PeerLostError as lost:
+        raise _lost_at_verdict(lost, rank, world, final_dir, tmp_dir, committed, verdict) from lost
     if verdict is not None:
         raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
     mine_result = outcomes[rank][0]
@@ -558,6 +713,40 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         path=os.path.abspath(final_dir), world_size=world, rank=rank,
         bytes_per_rank=[o[0][1] for o in outcomes], total_bytes=sum(o[0][1] for o in outcomes),
         seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id)
+
+
+def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str, tmp_dir: str,
+                     committed: bool, after_error: BaseException | None) -> PeerLostError:
+    """The truthful error for a peer lost while the COMMIT verdict was broadcast.
+
+    Rank 0 knows whether it renamed the tmp dir. Another rank does not: it looks for this save's
+    MANIFEST (rank 0's save id is the tmp dir's suffix) at ``final_dir`` on the shared file system;
+    finding it proves the commit, not finding it proves nothing (rank 0 may be slow, not dead).
+    """
+    others = [r for r in range(world) if r != rank]
+    who = f"rank {others[0]} was" if len(others) == 1 else f"one or more of ranks {others} were"
+    if rank == 0:
+        if not committed:
+            return lost  # the commit did not happen: "nothing committed" is the truth
+        also = f"; after the commit: {type(after_error).__name__}: {after_error}" if after_error is not None else ""
+        return CommittedButPeerLostError(
+            f"the checkpoint at {final_dir} is committed (complete and durable), but {who} lost "
+            f"before hearing the verdict ({lost.message}){also}",
+            path=final_dir, rank=rank, committed=True, lost_ranks=others, after_commit_error=after_error)
+    save_id = os.path.basename(tmp_dir).rsplit("tmp-", 1)[-1]
+    try:
+        found = mf.load_manifest(final_dir).save_id == save_id
+    except Exception:  # noqa: BLE001 - absent or unreadable: the commit is not proven
+        found = False
+    if found:
+        return CommittedButPeerLostError(
+            f"the checkpoint at {final_dir} is committed (its MANIFEST carries this save's id {save_id}), but "
+            f"{who} lost before this rank heard the verdict ({lost.message})",
+            path=final_dir, rank=rank, committed=True, lost_ranks=others, after_commit_error=None)
+    return PeerLostError(
+        f"{lost.message}; lost while rank 0 committed {final_dir}: this rank cannot tell whether the "
+        f"checkpoint was committed (if it was, its MANIFEST carries save_id {save_id})",
+        path=final_dir, rank=rank, committed=None, save_id=save_id)
 
 
 def _tmp_names(world: int) -> list[str]:

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointExistsError",
     "SaveInProgressError",
     "CheckpointNotFoundError",
+    "CheckpointRemovedError",
     "CheckpointIncompleteError",
     "CheckpointCorruptError",
     "ManifestCorruptError",
@@ -48,6 +49,7 @@ __all__ = [
     "ReshardError",
     "RankFailureError",
     "PeerLostError",
+    "CommittedButPeerLostError",
     "RanksMissingError",
     "ConfigError",
     "from_os_error",
@@ -237,6 +239,22 @@ class CheckpointNotFoundError(DistCkptError, FileNotFoundError):
     default_remedy = "Check the path; list committed steps with `distckpt ls ROOT`."
 
 
+class CheckpointRemovedError(CheckpointNotFoundError):
+    """The checkpoint was removed (or replaced) while it was being read: rotation (a manager's
+    ``keep_last``), an overwrite, or a deletion got to it between reading its MANIFEST and opening
+    its data files. It was not damaged; it is gone.
+
+    Fields: ``renamed_to`` (the hidden ``.NAME.del-*`` / ``.NAME.tmp-*`` name it was moved to on
+    its way out, when it was still there to be seen, else None), ``replaced`` (True when another
+    directory now has its name).
+    """
+
+    default_remedy = (
+        "Load a newer step (CheckpointManager.latest_step()); to read a step while saves go on, keep "
+        "it out of rotation (a larger keep_last) and do not overwrite or delete a step being read."
+    )
+
+
 class CheckpointIncompleteError(DistCkptError, FileNotFoundError):
     """The directory is not a committed checkpoint: no MANIFEST, or a save's temporary directory."""
 
@@ -323,9 +341,31 @@ class RankFailureError(DistCkptError, RuntimeError):
 
 
 class PeerLostError(DistCkptError, RuntimeError):
-    """A peer rank died or stopped answering during a collective (bounded by DISTCKPT_TIMEOUT_S)."""
+    """A peer rank died or stopped answering during a collective (bounded by DISTCKPT_TIMEOUT_S).
+
+    Raised by a save before its commit point, nothing was committed. Lost while the commit verdict
+    was being sent (the last step of a save), the checkpoint may be committed: rank 0 then raises
+    :class:`CommittedButPeerLostError`, and so does another rank that finds the commit on the
+    shared file system; a plain PeerLostError at that point has ``committed = None`` (this rank
+    cannot tell) and ``save_id`` (the save whose MANIFEST would be at ``path`` if it committed).
+    """
 
     default_remedy = "Check the other ranks' logs; restart the job from the newest committed checkpoint."
+
+
+class CommittedButPeerLostError(PeerLostError):
+    """A save committed its checkpoint, then a peer was lost before every rank heard the verdict.
+
+    The checkpoint at ``path`` is complete and durable (and the manager's ``latest`` and rotation
+    ran); what failed is the job, not the save. Fields: ``committed`` (always True), ``path``,
+    ``lost_ranks`` (the rank(s) that stopped answering, when they can be told apart: the other rank
+    of a two-rank job, or rank 0 as seen by the others; else every rank that may be the one),
+    ``after_commit_error`` (an error of the manager's ``latest`` update / rotation, or None).
+    A subclass of PeerLostError, so handlers of a lost peer still catch it.
+    """
+
+    default_remedy = ("The checkpoint at the path above is committed: restart the job from it (check the lost "
+                      "rank's logs for why it died).")
 
 
 class RanksMissingError(PeerLostError):

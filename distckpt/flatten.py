@@ -20,14 +20,14 @@ taken from the shard metadata itself.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from typing import Any
 
 import torch
 
 from .errors import UnsupportedValueError
+from .values import _is_stateful, _is_namedtuple, encode_value, holds_tensor
 
-__all__ = ["Piece", "TensorItem", "ObjectItem", "flatten", "set_leaf", "object_entry"]
+__all__ = ["Piece", "TensorItem", "ObjectItem", "flatten", "set_leaf", "object_entry", "expand_statefuls"]
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
@@ -117,26 +117,14 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
 
 
 def object_entry(fqn: str, value: Any, *, allow_pickle: bool) -> tuple[str, Any]:
-    """(kind, plain value) for a non-tensor leaf. Raises UnsupportedValueError for a value that
-    needs pickle when ``allow_pickle`` is False."""
-    if value is None:
-        return "none", None
-    if isinstance(value, bool):
-        return "bool", value
-    if type(value) is int:
-        if -(2**63) <= value < 2**64:
-            return "int", value
-    elif type(value) is float:
-        return "float", value
-    elif type(value) is str:
-        return "str", value
-    elif type(value) is bytes:
-        return "bytes", value
-    if not allow_pickle:
-        raise UnsupportedValueError(
-            f"state dict value at {fqn!r} is a {type(value).__module__}.{type(value).__qualname__}, "
-            f"which distckpt stores only as a pickle", key=fqn)
-    return "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    """(kind, stored value) for a non-tensor leaf (see :mod:`distckpt.values`). Raises
+    UnsupportedValueError for a value that needs pickle when ``allow_pickle`` is False."""
+    return encode_value(fqn, value, allow_pickle=allow_pickle)
+
+
+def _holds_dict(values: list, depth: int = 0) -> bool:
+    """DCP's test for walking a list (``_traverse._is_terminal``): a dict in it, or in a list in it."""
+    return depth < 100 and any(isinstance(v, dict) or (type(v) is list and _holds_dict(v, depth + 1)) for v in values)
 
 
 def _fqn(path: tuple) -> str:
@@ -147,6 +135,14 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
             root: tuple = ()) -> tuple[dict, dict[str, TensorItem | ObjectItem]]:
     """Flatten ``state_dict`` into (tree, items). ``check_objects=False`` (for load, where the
     caller's non-tensor values are only replaced) skips the saveability check of plain values.
+
+    What is a leaf (DCP's rule, so that keys match DCP's): dicts are always walked; a list is
+    walked when it holds a dict (directly or through nested lists: ``param_groups``) or a tensor;
+    any other list, and a tuple (namedtuple, torch.Size) or set holding no tensor, is *one* value,
+    replaced whole on load (``"buffer": []`` loads the saved ``[1, 2, 3]``). Unlike DCP, which
+    pickles a tuple whole, a tuple holding tensors is walked so its tensors are sharded like any
+    other (a set holding tensors is refused: it has no order). A Stateful object (``state_dict()`` +
+    ``load_state_dict()``, not a tensor or dict) is walked through its ``state_dict()``.
 
     Raises:
         UnsupportedValueError: a leaf that is neither a tensor nor a plain value (unless
@@ -172,7 +168,9 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
                         f"only str and int keys are saved", key=_fqn(path))
                 entries.append([key, walk(value, path + (key,))])
             return {"t": "dict", "k": entries}
-        if isinstance(obj, (list, tuple)):
+        if _is_stateful(obj):
+            return walk(obj.state_dict(), path)
+        if isinstance(obj, (list, tuple)) and (holds_tensor(obj) or (type(obj) is list and _holds_dict(obj))):
             children = [walk(v, path + (i,)) for i, v in enumerate(obj)]
             return {"t": "tuple" if isinstance(obj, tuple) else "list", "v": children}
         fqn = _fqn(path)
@@ -181,6 +179,9 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
                                         remedy="Rename one of them: keys are joined with '.'.")
         if isinstance(obj, torch.Tensor):
             items[fqn] = tensor_item(fqn, obj, path)
+        elif isinstance(obj, (set, frozenset)) and holds_tensor(obj):
+            raise UnsupportedValueError(f"the set at {fqn!r} holds tensors; a set has no order to save them in",
+                                        key=fqn, remedy="Use a list or a dict instead of the set.")
         else:
             if check_objects:
                 object_entry(fqn, obj, allow_pickle=allow_pickle)  # type check now, before any byte is written
@@ -192,12 +193,61 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
 
 
 def set_leaf(state_dict: Any, path: tuple, value: Any) -> bool:
-    """Replace the leaf at ``path`` in place. Returns False when a tuple on the way makes that
-    impossible (tuples are immutable)."""
-    container = state_dict
-    for key in path[:-1]:
-        container = container[key]
-    if isinstance(container, tuple):
+    """Replace the leaf at ``path`` in place. A tuple on the way (immutable) is rebuilt with the
+    new element, with its own type (namedtuple, torch.Size), and put back into its parent.
+    Returns False only when the root itself is a tuple that would have to change."""
+    if not path:
         return False
-    container[path[-1]] = value
-    return True
+    chain = [state_dict]
+    for key in path[:-1]:
+        chain.append(chain[-1][key])
+    for depth in range(len(path) - 1, -1, -1):
+        container, key = chain[depth], path[depth]
+        if not isinstance(container, tuple):
+            container[key] = value
+            return True
+        items = list(container)
+        items[key] = value
+        value = tuple.__new__(type(container), items) if _is_namedtuple(container) else type(container)(items)
+    return False
+
+
+def expand_statefuls(state_dict: Any) -> list[tuple[Any, Any, Any]]:
+    """For load: replace every Stateful object reachable through dicts and lists by its
+    ``state_dict()``, in place. Returns [(container, key, stateful)], for :func:`restore_statefuls`.
+
+    Raises:
+        UnsupportedValueError: a Stateful inside a tuple (it cannot be swapped in place).
+    """
+    found: list[tuple[Any, Any, Any]] = []
+
+    def walk(obj: Any, where: str) -> None:
+        if isinstance(obj, (dict, list)):
+            pairs = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
+            for key, value in pairs:
+                if _is_stateful(value):
+                    sd = value.state_dict()
+                    obj[key] = sd
+                    found.append((obj, key, value))
+                else:
+                    walk(value, f"{where}.{key}")
+        elif isinstance(obj, tuple):
+            for i, value in enumerate(obj):
+                if _is_stateful(value):
+                    raise UnsupportedValueError(f"a Stateful object sits inside a tuple at {where}.{i}",
+                                                key=f"{where}.{i}".lstrip("."),
+                                                remedy="Put it in a dict or a list.")
+                walk(value, f"{where}.{i}")
+
+    walk(state_dict, "")
+    return found
+
+
+def restore_statefuls(found: list[tuple[Any, Any, Any]], *, load: bool) -> None:
+    """Put the Stateful objects back where :func:`expand_statefuls` found them; with ``load``,
+    first hand each its (now filled) state dict through ``load_state_dict``."""
+    for container, key, obj in found:
+        sd = container[key]
+        container[key] = obj
+        if load:
+            obj.load_state_dict(sd)

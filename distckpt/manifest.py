@@ -1,10 +1,10 @@
-"""The MANIFEST file: dataclasses, byte encoding (format version 1), and validation.
+"""The MANIFEST file: dataclasses, byte encoding (format version 2; version 1 is read too), and validation.
 
 Byte layout (all integers little-endian; docs/FORMAT.md is the normative description)::
 
     magic          8 bytes   b"DCKPTMF1"
-    format_version u32       1
-    flags          u32       0 (no flag is defined in version 1)
+    format_version u32       1 or 2 (the manifest's own version)
+    flags          u32       0 (no flag is defined in versions 1 and 2)
     body_length    u64       number of body bytes that follow
     body           msgpack   one map with str keys (use_bin_type; no ext types; never pickle)
     checksum       u32       crc32c of every byte before it (header and body)
@@ -16,6 +16,8 @@ Invariants:
     object hooks from the data, ext types are refused, and sizes are bounded before allocation.
   * A valid manifest can be read without escaping its directory: every data file name is a plain
     ``rankNNNNN.bin`` basename, and every chunk's bytes lie inside its file's recorded size.
+    Every size and offset fits int64 (what torch and the kernel take), and so does each tensor's
+    storage in bytes: a reader can allocate what a valid manifest describes without overflow.
   * The chunks of a tensor exactly tile its global shape (pairwise disjoint, union is the shape);
     chunks with a zero-size dimension hold no elements and no bytes and are allowed; a tensor with
     no elements may have no chunks at all.
@@ -30,6 +32,7 @@ No torch import: dtypes are names, with their item sizes in :data:`DTYPE_ITEMSIZ
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -42,6 +45,7 @@ import msgpack
 
 from .errors import CheckpointIncompleteError, ManifestCorruptError, from_os_error
 from .plan import Box, find_tiling_defect
+from .values import check_node
 
 __all__ = [
     "MAGIC",
@@ -68,8 +72,8 @@ __all__ = [
 ]
 
 MAGIC = b"DCKPTMF1"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
 MANIFEST_NAME = "MANIFEST"
 
 _HEADER = struct.Struct("<8sIIQ")  # magic, format_version, flags, body_length
@@ -86,6 +90,9 @@ MAX_DEPTH = 100
 _FILE_NAME_RE = re.compile(r"rank[0-9]{5}\.bin")  # ASCII digits only (\d would accept any Unicode digit)
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
+#: Sizes, offsets and byte counts a reader hands to torch and to the kernel are int64 / off_t:
+#: every one must fit, or torch raises untyped errors (or tries to allocate absurd sizes).
+_I64_LIMIT = 1 << 63
 
 #: Bytes per element for every dtype the format can hold, by torch's name without "torch.".
 #: Excluded on purpose: quantized dtypes (qint8, quint8, qint32, quint4x2, quint2x4), whose values
@@ -132,7 +139,11 @@ OBJECT_KINDS: Mapping[str, type] = {
     "bytes": bytes,
     "none": type(None),
     "pickle": bytes,
+    # Format 2: a typed value node (distckpt.values), checked by values.check_node.
+    "value": object,
 }
+#: Object kinds a format-1 manifest may hold.
+_V1_OBJECT_KINDS = frozenset({"int", "float", "bool", "str", "bytes", "none", "pickle"})
 
 
 def data_file_name(rank: int) -> str:
@@ -259,7 +270,7 @@ class Manifest:
     """Everything needed to load a checkpoint, and nothing that runs code.
 
     Attributes:
-        format_version: Format version of the bytes (1).
+        format_version: Format version of the bytes (1 or 2; 2 adds the ``value`` object kind).
         save_id: Unique id of the save that wrote the checkpoint.
         world_size: Number of ranks that saved it.
         created_unix: Commit time, seconds since the epoch.
@@ -307,9 +318,10 @@ def _is_int(v: Any) -> bool:
     return type(v) is int
 
 
-def _check_uint(v: Any, where: str, path: Any, *, lo: int = 0) -> int:
-    if not _is_int(v) or not lo <= v < _U64:
-        raise _corrupt(f"{where}: expected an integer in [{lo}, 2**64), found {v!r}", path)
+def _check_uint(v: Any, where: str, path: Any, *, lo: int = 0, hi: int = _U64) -> int:
+    if not _is_int(v) or not lo <= v < hi:
+        bound = "2**63" if hi == _I64_LIMIT else "2**64" if hi == _U64 else str(hi)
+        raise _corrupt(f"{where}: expected an integer in [{lo}, {bound}), found {v!r}", path)
     return v
 
 
@@ -319,7 +331,7 @@ def _check_int_tuple(v: Any, where: str, path: Any) -> tuple[int, ...]:
     if len(v) > MAX_NDIM:
         raise _corrupt(f"{where}: {len(v)} dimensions, at most {MAX_NDIM} are supported", path)
     for x in v:
-        _check_uint(x, where, path)
+        _check_uint(x, where, path, hi=_I64_LIMIT)  # torch sizes and offsets are int64
     return v
 
 
@@ -361,6 +373,15 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
     if not isinstance(t.chunks, tuple):
         raise _corrupt(f"{where}: chunks must be a sequence, found {type(t.chunks).__name__}", path)
     itemsize = DTYPE_ITEMSIZE[t.dtype]
+    # torch computes a contiguous tensor's strides and storage size from the product of its
+    # non-zero dimensions (a zero dimension does not stop [2**40, 2**40, 0, 2**40] from
+    # overflowing): that product in bytes must fit int64, or no reader can even allocate it.
+    extent = math.prod(max(s, 1) for s in shape) * itemsize
+    if extent >= _I64_LIMIT:
+        raise _corrupt(
+            f"{where}: shape {list(shape)} of {t.dtype} is too large: the product of its non-zero "
+            f"dimensions is {extent} bytes, more than a tensor can address (2**63 - 1)", path
+        )
     block = m.checksum_block
     nd = len(shape)
     boxes = []
@@ -383,8 +404,8 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         fi = c.file
         if not _is_int(fi) or not 0 <= fi < len(m.files):
             raise _corrupt(f"{cw}: file index {fi!r} is out of range (the manifest lists {len(m.files)} files)", path)
-        off = _check_uint(c.offset, f"{cw} offset", path)
-        nbytes = _check_uint(c.nbytes, f"{cw} nbytes", path)
+        off = _check_uint(c.offset, f"{cw} offset", path, hi=_I64_LIMIT)
+        nbytes = _check_uint(c.nbytes, f"{cw} nbytes", path, hi=_I64_LIMIT)
         numel = math.prod(sizes)
         if nbytes != numel * itemsize:
             raise _corrupt(
@@ -476,7 +497,9 @@ def validate(m: Manifest, *, path: Any = None) -> None:
     indices, offsets and sizes inside their files, chunks not overlapping inside a file,
     ``nbytes == prod(sizes) * itemsize``, ``len(crcs) == ceil(nbytes / checksum_block)``, chunk
     boxes inside the shape and exactly tiling it, known dtypes and kinds, object values of their
-    kind's type, plain ``meta``, and a tree that references every tensor and object exactly once.
+    kind's type, plain ``meta``, a tree that references every tensor and object exactly once, and
+    int64 bounds: dimensions, chunk offsets/sizes/nbytes, file sizes, and each tensor's storage
+    (the product of its non-zero dimensions times the item size).
 
     Raises:
         ManifestCorruptError: the first violation found, with ``path`` and expected vs found.
@@ -509,7 +532,7 @@ def validate(m: Manifest, *, path: Any = None) -> None:
         if f.name in names:
             raise _corrupt(f"files[{i}]: {f.name!r} is listed twice", path)
         names.add(f.name)
-        _check_uint(f.size, f"files[{i}] ({f.name}) size", path)
+        _check_uint(f.size, f"files[{i}] ({f.name}) size", path, hi=_I64_LIMIT)  # an off_t
         if not _is_int(f.rank) or not 0 <= f.rank < m.world_size:
             raise _corrupt(f"files[{i}] ({f.name}): rank {f.rank!r} is not in [0, world_size={m.world_size})", path)
     if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
@@ -538,7 +561,14 @@ def validate(m: Manifest, *, path: Any = None) -> None:
             raise _corrupt(f"{where}: expected an ObjectEntry, found {type(o).__name__}", path)
         if not isinstance(o.kind, str) or o.kind not in OBJECT_KINDS:
             raise _corrupt(f"{where}: kind {o.kind!r} is not one of {sorted(OBJECT_KINDS)}", path)
-        if type(o.value) is not OBJECT_KINDS[o.kind]:
+        if o.kind not in _V1_OBJECT_KINDS and m.format_version < 2:
+            raise _corrupt(f"{where}: kind {o.kind!r} needs format version 2, the manifest is version {m.format_version}",
+                           path)
+        if o.kind == "value":
+            problem = check_node(o.value, where)
+            if problem is not None:
+                raise _corrupt(problem, path)
+        elif type(o.value) is not OBJECT_KINDS[o.kind]:
             raise _corrupt(
                 f"{where}: a {o.kind!r} object needs a {OBJECT_KINDS[o.kind].__name__} value, found {type(o.value).__name__}",
                 path,
@@ -606,7 +636,7 @@ def encode(m: Manifest) -> bytes:
     except ManifestCorruptError as e:
         raise ValueError(f"refusing to encode an invalid manifest: {e.message}") from e
     body = msgpack.packb(_to_body(m), use_bin_type=True, strict_types=False, datetime=False)
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+    head = _HEADER.pack(MAGIC, m.format_version, 0, len(body)) + body
     return head + _TRAILER.pack(_crc32c.crc32c(head))
 
 
@@ -723,7 +753,10 @@ def decode(data: bytes | bytearray | memoryview, *, path: Any = None) -> Manifes
     data = bytes(data)
     n = len(data)
     if n < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
-        raise _corrupt(f"bad magic: expected {MAGIC!r}, found {data[:len(MAGIC)]!r} (not a distckpt MANIFEST)", path)
+        # The bytes found are not quoted: a file that is not a MANIFEST may hold anything (secrets
+        # included), and an error message ends up in logs.
+        raise _corrupt(f"bad magic: expected {MAGIC!r}, found a {n}-byte file that does not start with it "
+                       "(not a distckpt MANIFEST)", path)
     if n < _OVERHEAD:
         raise _corrupt(f"truncated: {n} bytes, shorter than the {_OVERHEAD}-byte header and checksum", path)
     _, version, flags, body_length = _HEADER.unpack_from(data)
@@ -777,20 +810,25 @@ def read_manifest_bytes(path: str | os.PathLike) -> bytes:
 
     Raises:
         CheckpointIncompleteError: the file does not exist (the directory was never committed).
-        ManifestCorruptError: it is not a regular file, or larger than the limit.
+        ManifestCorruptError: it is not a regular file (a symlink, which is never followed, a
+            FIFO, a directory), or larger than the limit.
         StorageError: (a subclass, via from_os_error) any other OS error while reading.
     """
     path = os.fspath(path)
     limit = MAX_MANIFEST_BYTES + _OVERHEAD
     try:
         # O_NONBLOCK: a FIFO planted as MANIFEST must not block the open; the S_ISREG check
-        # below then refuses it (regular files ignore O_NONBLOCK).
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        # below then refuses it (regular files ignore O_NONBLOCK). O_NOFOLLOW: a symlink named
+        # MANIFEST could point anywhere; loading never opens a file outside the checkpoint (I7).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise CheckpointIncompleteError(
             f"no {MANIFEST_NAME} at {path}: this directory is not a committed checkpoint", path=path
         ) from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _corrupt("is a symbolic link, not a regular file inside the checkpoint directory "
+                           "(it is not followed: it could point anywhere)", path) from None
         raise from_os_error(e, path=path, operation="open MANIFEST") from e
     try:
         st = os.fstat(fd)

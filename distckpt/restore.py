@@ -20,8 +20,11 @@ Loading never unpickles unless the caller passes ``allow_pickle=True``.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
 import pickle
+import re
 import stat
 import time
 from typing import Any, Iterable
@@ -33,20 +36,38 @@ from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
-                     DataFileMissingError, DataFileTruncatedError,
-                     DistCkptError, PickleNotAllowedError, StateDictMismatchError, fill_rank,
-                     from_os_error)
+                     CheckpointRemovedError, ConfigError, DataFileMissingError,
+                     DataFileTruncatedError, DistCkptError, PickleNotAllowedError, ReshardError,
+                     StateDictMismatchError, StorageError, fill_rank, from_os_error)
 from .locate import check_checkpoint_dir
-from .flatten import ObjectItem, TensorItem, flatten, set_leaf
+from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
+from .values import decode_value
 from .plan import Box, plan_reads
 from .staging import dtype_from_name, dtype_name
 
-__all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest"]
+__all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "EXACT_CASTS"]
+
+log = logging.getLogger("distckpt")
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
-    """What a load did. With strict=False, ``missing``/``unexpected``/``mismatched`` say what was
-    not loaded. ``not_replaced`` lists non-tensor values inside tuples (immutable: left as they were)."""
+    """What a load did.
+
+    A load reads exactly the keys the caller's state dict names (DCP's meaning of ``strict``).
+
+    Attributes:
+        missing: keys of the state dict the checkpoint lacks (an error under strict=True; with
+            strict=False they keep their current values).
+        unexpected: keys the checkpoint holds that the state dict does not name: not read, never
+            an error (a model-only load of a full checkpoint is normal).
+        mismatched: {key: why} for keys whose saved shape or kind does not fit (an error under
+            strict=True; left untouched with strict=False).
+        not_replaced: non-tensor values that could not be put in place (only when the state dict's
+            root itself is a tuple; tuples inside it are rebuilt and replaced).
+        uninitialized: optimizer state in the checkpoint for an optimizer whose state dict has no
+            state yet (an error under strict=True; with strict=False, these keys were not loaded).
+        cast: {key: "saved->loaded dtype"} for tensors converted on load (see ``cast=``).
+    """
 
     path: str
     missing: list[str]
@@ -56,6 +77,8 @@ class LoadResult:
     bytes_read: int
     seconds: float
     backend: str | None
+    uninitialized: list[str] = dataclasses.field(default_factory=list)
+    cast: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _check_committed(path: str) -> None:
@@ -64,6 +87,77 @@ def _check_committed(path: str) -> None:
         raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
     if TMP_RE.match(os.path.basename(path)):
         raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
+
+
+def _dir_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the checkpoint directory, or None when nothing is at ``path``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _removed_while_reading(path: str, identity: tuple[int, int] | None,
+                           exc: BaseException | None) -> BaseException | None:
+    """``exc``, or a CheckpointRemovedError when ``exc`` is what a step vanishing mid-load looks like
+    (``exc`` None: a load that succeeded, failed only if another directory took the name).
+
+    A rotation (or an overwrite, or a deletion) renames the directory away and deletes it; a load
+    that read MANIFEST before that and opens a data file after it meets a missing file (or a
+    missing MANIFEST, or another directory's files under the same name). That is not damage, and
+    "restore from an older checkpoint" is the wrong remedy: the directory is checked again and the
+    error says what happened. ``identity`` is the directory's (st_dev, st_ino) when the load began.
+    """
+    suspect = exc is None or isinstance(exc, (CheckpointIncompleteError, CheckpointCorruptError)) or (
+        isinstance(exc, StorageError) and exc.errno == errno.ENOENT)
+    if not suspect or isinstance(exc, CheckpointNotFoundError):
+        return exc
+    now = _dir_identity(path)
+    if now is not None and (identity is None or now == identity):
+        return exc  # still the same directory: the error (or success) stands as it is
+    if exc is None and now is None:
+        return None  # read in full, then removed: every byte came from the one checkpoint
+    parent, name = os.path.split(path)
+    renamed_to = None
+    if identity is not None:
+        try:
+            with os.scandir(parent) as it:
+                for entry in it:
+                    m = TMP_RE.match(entry.name)
+                    if m and m.group("name") == name:
+                        st = entry.stat(follow_symlinks=False)
+                        if (st.st_dev, st.st_ino) == identity:
+                            renamed_to = entry.path
+                            break
+        except OSError:
+            pass
+    if now is not None:
+        how = "another directory now has its name (it was overwritten, or rotated away and saved again)"
+    elif renamed_to is not None:
+        how = f"it was renamed to {os.path.basename(renamed_to)} to be deleted (rotation by a manager's keep_last, or an overwrite)"
+    else:
+        how = "the directory no longer exists (rotated away or deleted)"
+    if exc is None:  # every read succeeded, but not necessarily all from one checkpoint
+        failed = ("its files may have been read partly from the one that replaced it, so the load is "
+                  "failed rather than mixing two checkpoints")
+    else:
+        failed = f"the read failed with {type(exc).__name__}: {getattr(exc, 'message', exc)}"
+    removed = CheckpointRemovedError(
+        f"the checkpoint at {path} was removed while it was being read: {how}; {failed}",
+        path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
+    removed.__cause__ = exc
+    return removed
+
+
+def _check_unmoved(path: str, identity: tuple[int, int] | None) -> None:
+    """After a load or read that succeeded: the directory it began with still has its name. Data
+    files are opened by path, one after another; if another checkpoint took the name meanwhile
+    (an overwrite, or rotation and a new save of that name), some of them may be the new one's,
+    which checksums catch unless the bytes agree or ``verify=False``: fail instead."""
+    error = _removed_while_reading(path, identity, None)
+    if error is not None:
+        raise error
 
 
 def _manifest_bytes(path: str) -> bytes:
@@ -151,7 +245,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
-    choice = choose_backend(ckpt)
+    choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
     stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=choice.offset_align,
                  open_reader=lambda p: open_reader(p, choice=choice, block_size=READ_PIECE))
@@ -164,14 +258,98 @@ def _describe(entry) -> str:
     return f"object({entry.kind})"
 
 
-def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str):
+#: Saved dtype -> dtypes that hold every one of its values exactly: load converts these without
+#: being asked (``cast="exact"``, the default). Anything else needs ``cast="allow"``.
+EXACT_CASTS: dict[str, frozenset[str]] = {
+    "float16": frozenset({"float32", "float64"}),
+    "bfloat16": frozenset({"float32", "float64"}),
+    "float32": frozenset({"float64"}),
+    "float8_e4m3fn": frozenset({"float16", "bfloat16", "float32", "float64"}),
+    "float8_e5m2": frozenset({"float16", "bfloat16", "float32", "float64"}),
+    "complex64": frozenset({"complex128"}),
+    "bool": frozenset({"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}),
+    "uint8": frozenset({"int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
+                        "float32", "float64"}),
+    "int8": frozenset({"int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}),
+    "int16": frozenset({"int32", "int64", "float32", "float64"}),
+    "uint16": frozenset({"int32", "int64", "uint32", "uint64", "float32", "float64"}),
+    "int32": frozenset({"int64", "float64"}),
+    "uint32": frozenset({"int64", "uint64", "float64"}),
+}
+
+# TorchRec's raw fused-optimizer state of row-wise optimizers is 1-D, [rows * column blocks]: its
+# global shape depends on the sharding plan, so no plan-independent box math can reshard it.
+_TORCHREC_ROWWISE = re.compile(r"(^|\.)momentum\d*$")
+
+
+def _optimizer_paths(state_dict: Any, path: tuple = (), depth: int = 0) -> list[tuple]:
+    """Paths of dicts shaped like an optimizer state dict ({"state": {}, "param_groups": ...})
+    whose ``state`` is still empty: an optimizer that has not stepped yet."""
+    out = []
+    if isinstance(state_dict, dict) and depth < 100:
+        if isinstance(state_dict.get("state"), dict) and not state_dict["state"] and "param_groups" in state_dict:
+            out.append(path)
+        for k, v in state_dict.items():
+            out.extend(_optimizer_paths(v, path + (k,), depth + 1))
+    elif isinstance(state_dict, list) and depth < 100:
+        for i, v in enumerate(state_dict):
+            out.extend(_optimizer_paths(v, path + (i,), depth + 1))
+    return out
+
+
+def _subtree_node(tree: dict, path: tuple) -> dict | None:
+    """The manifest tree node at ``path`` (dict keys by type and value, list/tuple by index)."""
+    node = tree
+    for key in path:
+        if node["t"] == "dict":
+            node = next((child for k, child in node["k"] if type(k) is type(key) and k == key), None)
+        elif node["t"] in ("list", "tuple") and type(key) is int and 0 <= key < len(node["v"]):
+            node = node["v"][key]
+        else:
+            return None
+        if node is None:
+            return None
+    return node
+
+
+def _refs(node: dict) -> list[str]:
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n["t"] == "ref":
+            out.append(n["fqn"])
+        elif n["t"] == "dict":
+            stack.extend(child for _, child in n["k"])
+        else:
+            stack.extend(n["v"])
+    return out
+
+
+def _container_entry(manifest, item: ObjectItem):
+    """A value the checkpoint stored element by element (format 1 saved lists and tuples of plain
+    values that way) asked for as one value: a pseudo entry that rebuilds it, or None."""
+    node = _subtree_node(manifest.tree, item.path)
+    if node is None or node["t"] == "ref":
+        return None
+    if not all(r in manifest.objects for r in _refs(node)):
+        return None
+    return ("container", node)
+
+
+def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, cast: str = "exact",
+                optimizer_paths: list[tuple] = ()):
     missing, unexpected = [], []
     shape_mm, dtype_mm, mismatched = {}, {}, {}
     tasks: list[_Task] = []
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer in the saved dtype, caller's tensor)
+    cast_names: dict[str, str] = {}
     objects: list[tuple[ObjectItem, Any]] = []
     pickled = []
+    reshard = []
     for fqn, item in items.items():
         saved = manifest.tensors.get(fqn) or manifest.objects.get(fqn)
+        if saved is None and isinstance(item, ObjectItem):
+            saved = _container_entry(manifest, item)
         if saved is None:
             missing.append(fqn)
             continue
@@ -183,65 +361,147 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str):
             if tuple(saved.shape) != tuple(item.shape):
                 shape_mm[fqn] = (list(saved.shape), list(item.shape))
                 mismatched[fqn] = f"saved shape {list(saved.shape)}, wanted {list(item.shape)}"
+                if (_TORCHREC_ROWWISE.search(fqn) and len(saved.shape) == 1 and len(item.shape) == 1
+                        and "tensor" not in (saved.kind, item.kind)):
+                    reshard.append(fqn)
                 continue
-            if saved.dtype != dtype_name(item.dtype):
-                dtype_mm[fqn] = (saved.dtype, dtype_name(item.dtype))
-                mismatched[fqn] = f"saved dtype {saved.dtype}, wanted {dtype_name(item.dtype)}"
-                continue
+            want_dtype = dtype_name(item.dtype)
+            if saved.dtype != want_dtype:
+                if not (cast == "allow" or want_dtype in EXACT_CASTS.get(saved.dtype, ())):
+                    # Never skipped, whatever ``strict`` says: a tensor left at its initial
+                    # values is silent loss.
+                    dtype_mm[fqn] = (saved.dtype, want_dtype)
+                    continue
+                cast_names[fqn] = f"{saved.dtype}->{want_dtype}"
             dtype = dtype_from_name(saved.dtype, path=path)
             chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in saved.chunks]
             for piece in item.pieces:
                 want = Box(tuple(piece.offsets), tuple(piece.sizes))
                 if want.volume == 0:
                     continue
+                dest = piece.tensor
+                if dtype != item.dtype:
+                    # Read into a buffer of the saved dtype; converted after the verified read.
+                    dest = torch.empty(tuple(piece.sizes), dtype=dtype)
+                    casts.append((dest, piece.tensor))
                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize):
-                    tasks.append(_Task(fqn, rp.payload, rp.box, piece.tensor, want, dtype.itemsize, dtype))
+                    tasks.append(_Task(fqn, rp.payload, rp.box, dest, want, dtype.itemsize, dtype))
         else:
-            if not isinstance(saved, mf.ObjectEntry):
+            if isinstance(saved, mf.TensorEntry):
                 mismatched[fqn] = f"saved {_describe(saved)}, wanted a plain value"
                 shape_mm[fqn] = (_describe(saved), "object")
                 continue
-            if saved.kind == "pickle":
+            if isinstance(saved, mf.ObjectEntry) and saved.kind == "pickle":
                 pickled.append(fqn)
             objects.append((item, saved))
+    uninitialized = []
+    opt_prefixes = [".".join(str(k) for k in p) + ".state." if p else "state." for p in optimizer_paths]
     for fqn in list(manifest.tensors) + list(manifest.objects):
         if fqn not in items:
             unexpected.append(fqn)
-    if strict and (missing or unexpected or mismatched):
+            if any(fqn.startswith(pre) for pre in opt_prefixes):
+                uninitialized.append(fqn)
+    if reshard and strict:
+        raise ReshardError(
+            f"{len(reshard)} row-wise optimizer state tensor(s) changed size with the sharding plan: "
+            + "; ".join(f"{k}: {mismatched[k]}" for k in reshard[:10])
+            + ". TorchRec's raw form stores one value per row per column block, so a changed column split "
+              "cannot be resharded exactly from it", path=path, key=reshard[0],
+            remedy="Save and load TorchRec models with distckpt.integrations.torchrec (dtr.state_dict / dtr.load), "
+                   "which stores row-wise state in a plan-independent form, or keep the column split.")
+    if dtype_mm or (strict and (missing or mismatched or uninitialized)):
         parts = []
-        if missing:
+        if dtype_mm:
+            # Never skipped, whatever ``strict`` says: a tensor left at its initial values is silent loss.
+            parts.append(f"{len(dtype_mm)} tensor(s) saved in another dtype, and the conversion is not exact "
+                         f"(pass cast='allow' to convert them, rounding as DCP does): "
+                         + "; ".join(f"{k}: saved {a}, wanted {b}" for k, (a, b) in list(dtype_mm.items())[:10]))
+        if not strict:
+            missing_, mismatched_ = [], {}
+        else:
+            missing_, mismatched_ = missing, mismatched
+        if missing_:
             parts.append(f"{len(missing)} missing from the checkpoint: {missing[:10]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} in the checkpoint but not in the state dict: {unexpected[:10]}")
-        if mismatched:
+        if mismatched_:
             parts.append(f"{len(mismatched)} mismatched: " + "; ".join(f"{k}: {v}" for k, v in list(mismatched.items())[:10]))
+        if uninitialized and strict:
+            parts.append(f"the checkpoint holds optimizer state {uninitialized[:10]} ({len(uninitialized)} keys) "
+                         f"but the state dict's optimizer has no state yet, so it would not be loaded")
+        remedy = None
+        if dtype_mm:
+            remedy = ("Pass cast='allow' to load to convert them (rounding to the wanted dtype, as DCP does), or "
+                      "build the state dict in the saved dtype.")
+        elif uninitialized:
+            remedy = ("Build the optimizer's state dict with torch.distributed.checkpoint.state_dict."
+                      "get_optimizer_state_dict(model, optim) (or get_state_dict), which initializes the state, "
+                      "and apply it with set_optimizer_state_dict after the load; or run one optimizer step "
+                      "with zero gradients before optim.state_dict(). strict=False loads without that state.")
         raise StateDictMismatchError("state dict and checkpoint disagree: " + " | ".join(parts), path=path,
                                      missing=missing, unexpected=unexpected, shape_mismatch=shape_mm,
-                                     dtype_mismatch=dtype_mm)
+                                     dtype_mismatch=dtype_mm, remedy=remedy)
+    if uninitialized:
+        log.warning("distckpt: load of %s: optimizer state not loaded (the optimizer has no state yet): %s",
+                    path, uninitialized[:20])
     if pickled and not allow_pickle:
         raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
                                     path=path, keys=pickled)
-    return tasks, objects, missing, unexpected, mismatched
+    return tasks, objects, missing, unexpected, mismatched, casts, cast_names, uninitialized
 
 
-def _object_value(entry) -> Any:
+def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None) -> Any:
+    if isinstance(entry, tuple) and entry[0] == "container":  # see _container_entry
+        values = {r: _object_value(manifest.objects[r], manifest, r, path) for r in _refs(entry[1])}
+        return _rebuild(entry[1], values, lambda f: True)
     if entry.kind == "pickle":
         return pickle.loads(entry.value)  # only reached with allow_pickle=True
     if entry.kind == "dcp":  # a DCP value: torch.load(weights_only=True) or PickleNotAllowedError
         return entry.value.load()
-    return entry.value
+    return decode_value(entry.kind, entry.value, fqn=fqn, path=path)
 
 
-def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float) -> LoadResult:
-    _tree, items = flatten(state_dict, check_objects=False)
-    tasks, objects, missing, unexpected, mismatched = _plan_tasks(manifest, items, strict, allow_pickle, path)
-    nbytes, backend = _fill(path, manifest, tasks, verify)
-    not_replaced = []
-    for item, entry in objects:
-        if not set_leaf(state_dict, item.path, _object_value(entry)):
-            not_replaced.append(item.fqn)
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # e.g. numpy arrays compare elementwise
+        return False
+
+
+def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float,
+                cast: str = "exact") -> LoadResult:
+    statefuls = expand_statefuls(state_dict)
+    try:
+        _tree, items = flatten(state_dict, check_objects=False)
+        tasks, objects, missing, unexpected, mismatched, casts, cast_names, uninitialized = _plan_tasks(
+            manifest, items, strict, allow_pickle, path, cast, _optimizer_paths(state_dict))
+        # Decoded before any byte is read: a class that cannot be rebuilt fails the load early.
+        values = [(item, _object_value(entry, manifest, item.fqn, path)) for item, entry in objects]
+        # Every data file this rank reads has its MANIFEST size before the first byte lands in the
+        # caller's tensors: a truncated or missing file fails the load with them untouched.
+        for fi in sorted({t.chunk.file for t in tasks}):
+            _check_data_file(path, manifest.files[fi])
+        nbytes, backend = _fill(path, manifest, tasks, verify)
+        with torch.no_grad():
+            for tmp, dest in casts:
+                dest.copy_(tmp)
+        not_replaced = []
+        for item, value in values:
+            if _same(item.value, value):
+                continue
+            if not set_leaf(state_dict, item.path, value):
+                not_replaced.append(item.fqn)
+        if not_replaced and strict:
+            raise StateDictMismatchError(
+                f"{len(not_replaced)} value(s) differ from the checkpoint but sit in a tuple at the root of the "
+                f"state dict, which cannot be replaced in place: {not_replaced[:10]}", path=path, missing=[],
+                unexpected=[], shape_mismatch={}, dtype_mismatch={},
+                remedy="Pass a dict (or a list) as the state dict's root.")
+    except BaseException:
+        restore_statefuls(statefuls, load=False)
+        raise
+    restore_statefuls(statefuls, load=True)
     return LoadResult(path=path, missing=missing, unexpected=unexpected, mismatched=mismatched,
-                      not_replaced=not_replaced, bytes_read=nbytes, seconds=time.monotonic() - t0, backend=backend)
+                      not_replaced=not_replaced, bytes_read=nbytes, seconds=time.monotonic() - t0, backend=backend,
+                      uninitialized=uninitialized, cast=cast_names)
 
 
 def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
@@ -264,7 +524,7 @@ def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
-         verify: bool = True, allow_pickle: bool = False) -> LoadResult:
+         verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -274,15 +534,27 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         state_dict: nested dict/list/tuple of pre-allocated tensors (any device; plain, DTensor,
             ShardedTensor) and plain values.
         path: a committed checkpoint directory.
-        strict: when True, any missing/unexpected key or shape/dtype mismatch raises before a
-            byte is read; when False, what matches is loaded and the result lists the rest.
+        strict: when True, a key of the state dict the checkpoint lacks, a shape mismatch, or
+            saved optimizer state for an optimizer without state yet raises before a byte is read;
+            when False, what matches is loaded and the result lists the rest. Keys the checkpoint
+            holds beyond the state dict's are never read and never an error (as in DCP).
         verify: check the crc32c of every block read.
+        cast: a tensor saved in another dtype is converted when the conversion is exact
+            (``"exact"``, the default: bf16 -> fp32, int32 -> int64, ...; see EXACT_CASTS);
+            ``"allow"`` converts any dtype, rounding as ``Tensor.copy_`` does (DCP's behaviour). A
+            dtype that may not be converted always raises, whatever ``strict`` says.
+        no_dist: load in this process alone, with no collective, even inside a distributed job
+            (DCP's ``no_dist``).
+        Stateful values (objects with ``state_dict()``/``load_state_dict()``: modules, optimizers,
+        dataloaders, as in DCP) are loaded into their ``state_dict()`` and handed back through
+        ``load_state_dict()``; non-tensor values are replaced (in tuples too, which are rebuilt).
         allow_pickle: allow unpickling values the checkpoint stored as pickles (only for trusted
             checkpoints: unpickling runs code).
 
     Raises:
         CheckpointNotFoundError, CheckpointIncompleteError, ManifestCorruptError,
-        DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
+        CheckpointRemovedError (a CheckpointNotFoundError: the step was rotated away, overwritten
+        or deleted while this load read it), DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
         StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
         RankFailureError on every rank when several ranks take part and any of them failed.
         A failed load never leaves an unverified byte in the state dict's tensors: each byte is
@@ -292,14 +564,18 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     """
     t0 = time.monotonic()
     path = os.path.abspath(os.fspath(path))
-    group = control_group(process_group)
+    if cast not in ("exact", "allow"):
+        raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
+    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
     result, error = None, None
+    identity = _dir_identity(path)
     try:
         with gc_paused():
             manifest = _manifest_collective(group, path)
-            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0)
+            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast)
+            _check_unmoved(path, identity)
     except Exception as exc:
-        error = exc  # its rank is recorded by raise_failures
+        error = _removed_while_reading(path, identity, exc)  # its rank is recorded by raise_failures
     group.exchange_outcome(error, operation="load")
     return result
 
@@ -334,11 +610,25 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
 
     ``keys``: fqns; a key selects itself and everything under it (``"model"`` selects
     ``"model.layer.weight"``). Raises the errors of :func:`load`, and KeyError-compatible
-    StateDictMismatchError for a key the checkpoint lacks.
+    StateDictMismatchError for a key the checkpoint lacks. Every size in the MANIFEST is
+    validated (int64 bounds) and every data file read from is checked against the size the
+    MANIFEST gives before any tensor is allocated: a damaged or hostile MANIFEST raises
+    ManifestCorruptError / DataFileTruncatedError, never an allocation of its claimed size.
     """
     path = os.path.abspath(os.fspath(path))
+    identity = _dir_identity(path)
     try:
-        return _read(path, keys, verify, allow_pickle)
+        try:
+            out = _read(path, keys, verify, allow_pickle)
+            _check_unmoved(path, identity)
+            return out
+        except CheckpointRemovedError:
+            raise
+        except DistCkptError as exc:
+            removed = _removed_while_reading(path, identity, exc)
+            if removed is not exc:
+                raise removed from exc
+            raise
     except DistCkptError as exc:
         # read() runs in one process without a group: its rank is the process's rank, if any.
         if is_distributed():
@@ -383,6 +673,12 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
     values: dict[str, Any] = {}
     tasks: list[_Task] = []
     pickled = []
+    # Before anything is allocated: every data file the selected tensors read from has the size
+    # its MANIFEST claims. A damaged or hostile MANIFEST that describes terabytes in a file of a
+    # few KiB must fail as the truncated file it is, not as an allocation of terabytes.
+    for fi in sorted({c.file for fqn, entry in manifest.tensors.items() if keep(fqn) for c in entry.chunks
+                      if c.nbytes}):
+        _check_data_file(path, manifest.files[fi])
     for fqn, entry in manifest.tensors.items():
         if not keep(fqn):
             continue
@@ -406,7 +702,7 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
     _fill(path, manifest, tasks, verify)
     for fqn in list(values):
         if isinstance(values[fqn], mf.ObjectEntry):
-            values[fqn] = _object_value(values[fqn])
+            values[fqn] = _object_value(values[fqn], manifest, fqn, path)
     result = _rebuild(manifest.tree, values, keep)
     return {} if result is _SKIP else result
 

@@ -144,7 +144,8 @@ def main() -> None:
             log.flush()
         done = step + 1
         if done % args.every == 0 or done == args.steps:
-            mgr.save(done, dtr.state_dict(dmp, optimizers=[dense], extra={"step": done}))
+            sd = dtr.state_dict(dmp, optimizers=[dense], extra={"step": done})
+            mgr.save(done, sd, replicated=dtr.rank0_keys(sd))  # per-rank dense ``step`` counters
         if args.crash_at_step is not None and done == args.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
     if log:

@@ -96,11 +96,11 @@ def test_inspect_shows_values_versions_and_sizes(tmp_path):
     out = proc.stdout
     values = out.split("\nvalues\n")[1].split("\n\n")[0] + "\n"
     assert "  step: 7\n" in values and "  name: 'run-a'\n" in values and "  lr: 0.25\n" in values
-    assert "  cfg.0: 1\n" in values and "int" not in values
+    assert "  cfg: (1, 2)\n" in values and "int" not in values  # a tuple of plain values is one value
     assert f"distckpt {distckpt.__version__}" in out and "world size  1 rank" in out
     assert "created     20" in out and "UTC" in out
     assert "float32   [100, 10]" in out and "3.9 KiB" in out and "bfloat16" in out
-    assert "2 tensors (1,003 elements, 3.9 KiB), 5 values" in out
+    assert "2 tensors (1,003 elements, 3.9 KiB), 4 values" in out
 
     doc = json.loads(_run("-m", "distckpt", "inspect", "--json", str(ck)).stdout)
     assert doc["json_format"] == 1 and doc["world_size"] == 1 and doc["distckpt_version"] == distckpt.__version__
@@ -108,7 +108,7 @@ def test_inspect_shows_values_versions_and_sizes(tmp_path):
     assert doc["values"]["name"] == {"kind": "str", "value": "run-a"}
     assert doc["tensors"]["model.w"] == {"dtype": "float32", "shape": [100, 10], "bytes": 4000, "kind": "tensor",
                                          "chunks": 1}
-    assert doc["totals"]["tensors"] == 2 and doc["totals"]["tensor_bytes"] == 4006 and doc["totals"]["values"] == 5
+    assert doc["totals"]["tensors"] == 2 and doc["totals"]["tensor_bytes"] == 4006 and doc["totals"]["values"] == 4
     assert doc["totals"]["file_bytes"] == sum(f["bytes"] for f in doc["files"]) > 4006
     assert doc["meta"] == {"user": {"owner": "team"}}
     assert abs(doc["created_unix"] - os.stat(ck / "MANIFEST").st_mtime) < 60

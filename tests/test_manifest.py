@@ -118,6 +118,23 @@ def test_golden_decodes_back_equal():
     assert m.tensors["empty"].chunks == ()
 
 
+def test_golden_v2_encodes_to_stored_bytes_and_decodes_back():
+    with open(os.path.join(GOLDEN, "manifest_v2.bin"), "rb") as f:
+        stored = f.read()
+    assert encode(gen.golden_manifest_v2()) == stored
+    m = decode(stored)
+    assert m == gen.golden_manifest_v2() and m.format_version == 2
+    assert struct.unpack_from("<8sI", stored) == (MAGIC, 2)
+    assert m.objects["v.betas"] == ObjectEntry("value", {"t": "tuple", "v": [0.9, 0.95]})
+
+
+def test_golden_v1_still_loads_with_format_2_reader():
+    # Old checkpoints stay loadable: the v1 bytes decode unchanged under the v2 reader.
+    with open(os.path.join(GOLDEN, "manifest_v1.bin"), "rb") as f:
+        m = decode(f.read())
+    assert m.format_version == 1 and m == gen.golden_manifest()
+
+
 def test_golden_header_layout():
     data = encode(gen.golden_manifest())
     magic, version, flags, length = struct.unpack_from("<8sIIQ", data)
@@ -150,7 +167,7 @@ def test_corrupt_corpus_is_complete_and_matches_generator():
         with open(os.path.join(GOLDEN, "corrupt", name), "rb") as f:
             assert f.read() == data, f"{name} differs from make_golden.py: regenerate only on a version bump"
         assert _expected_corpus()[name] == phrase
-    required = {"bad_magic", "version2", "flipped_body_byte", "truncated", "extra_byte", "path_traversal",
+    required = {"bad_magic", "version3", "value_kind_in_v1", "flipped_body_byte", "truncated", "extra_byte", "path_traversal",
                 "offset_beyond_file", "overlapping_chunks", "non_covering_chunks", "nbytes_mismatch",
                 "unknown_dtype", "huge_length"}
     assert {n[:-4] for n in stored} >= required

@@ -495,11 +495,23 @@ def state_dict(model: torch.nn.Module, *, optimizers: Sequence[Any] = (), extra:
     return _build_sd(canon, extra, process_group)
 
 
+def rank0_keys(sd: dict) -> set[str]:
+    """The keys of ``sd`` (from :func:`state_dict`) whose value may differ between ranks and is
+    kept from the lowest rank: the scalar optimizer state (torch Adagrad's ``step``), which each
+    rank advances only for the shard it steps and which only feeds ``lr_decay`` (a dense target
+    keeps its own; :func:`load` raises ReshardError when lr_decay != 0). Pass it as
+    ``distckpt.save(sd, path, replicated=rank0_keys(sd))``; every other key stays checked."""
+    return {f"optim.{fqn}.{name}" for fqn, st in sd["optim"].items() for name, t in st.items()
+            if type(t) is torch.Tensor and t.numel() == 1 and t.dim() <= 1}
+
+
 def save(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequence[Any] = (),
          extra: dict | None = None, process_group: Any = None, **kwargs: Any):
-    """``distckpt.save(state_dict(model, ...), path, **kwargs)``: collective; returns SaveResult."""
+    """``distckpt.save(state_dict(model, ...), path, replicated=rank0_keys(sd), **kwargs)``:
+    collective; returns SaveResult."""
     from ..save import save as _save
     sd = state_dict(model, optimizers=optimizers, extra=extra, process_group=process_group)
+    kwargs.setdefault("replicated", rank0_keys(sd))
     return _save(sd, path, process_group=process_group, **kwargs)
 
 

@@ -8,11 +8,15 @@ Backends, in order of preference:
   * ``buffered``: plain write() + fsync(); for file systems that refuse O_DIRECT.
 
 Invariants:
-  * The choice is made at most once per process per (file system, requested backend): the result
-    is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger, and listed by
-    :func:`last_choices`. Every choice carries the reason it was made.
-  * Probes run the real code path: the O_DIRECT probe writes one block through the same C writer
-    (io_uring or pwrite) that a save will use, into a temporary file that is always removed.
+  * The choice is made at most once per process per (file system, requested backend, read or
+    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger,
+    and listed by :func:`last_choices`. Every choice carries the reason it was made.
+  * Probes run the real code path: for a save, the O_DIRECT probe writes one block through the same
+    C writer (io_uring or pwrite) that the save will use, into a temporary file that is always
+    removed. For a load (``read_only=True``) nothing is written, ever: a committed checkpoint may
+    sit on a read-only mount or belong to another user, and a load killed mid-probe must not leave
+    a file behind in it. The alignment comes from statx(STATX_DIOALIGN) on a data file already
+    there, and O_DIRECT is tried by reading that file through the same C reader the load uses.
   * No silent fallback: a backend forced with ``DISTCKPT_IO_BACKEND`` (or ``backend=``) that cannot
     run raises :class:`IOBackendUnavailableError`; only ``auto`` moves down the list, and says why.
   * A probe failure that is not about the backend (EACCES, ENOSPC, EMFILE...) is not hidden as a
@@ -84,7 +88,7 @@ class BackendChoice:
 
 
 _lock = threading.Lock()
-_cache: dict[tuple[int, str], BackendChoice] = {}
+_cache: dict[tuple[int, str, bool], BackendChoice] = {}
 _history: list[BackendChoice] = []
 _sigxfsz_done = False
 
@@ -185,14 +189,21 @@ def _probe_alignment(directory: str) -> tuple[int, int, str, str | None]:
 
 
 def _sample_file(directory: str) -> str | None:
+    """A regular file (never a symlink) in ``directory`` to probe by reading: a non-empty data file
+    when there is one (what a load reads; a tiny file may be stored inline, without O_DIRECT),
+    else any regular file (the MANIFEST)."""
+    fallback = None
     try:
         with os.scandir(directory) as it:
             for entry in it:
-                if entry.is_file(follow_symlinks=False):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.name.endswith(".bin") and entry.stat(follow_symlinks=False).st_size > 0:
                     return entry.path
+                fallback = fallback or entry.path
     except OSError:
-        return None
-    return None
+        return fallback
+    return fallback
 
 
 def _probe_direct_read(sample: str, use_uring: bool, mem_align: int, offset_align: int) -> tuple[str | None, int | None]:
@@ -210,7 +221,9 @@ def _probe_direct_read(sample: str, use_uring: bool, mem_align: int, offset_alig
         if exc.errno in _DIRECT_REFUSED:
             name = errno.errorcode.get(exc.errno, str(exc.errno))
             return f"an O_DIRECT read via {how} failed with {name} ({os.strerror(exc.errno)})", exc.errno
-        raise from_os_error(exc, path=sample, operation="probe") from exc
+        # A read of the checkpoint's own file, which the load would make next: EIO here is the
+        # load's read error, reported as such.
+        raise from_os_error(exc, path=sample, operation="read") from exc
     return None, None
 
 
@@ -239,10 +252,16 @@ def _probe_direct(directory: str, use_uring: bool, offset_align: int) -> tuple[s
     return None, None
 
 
-def _decide(directory: str, requested: str) -> BackendChoice:
+def _decide(directory: str, requested: str, read_only: bool = False) -> BackendChoice:
     if requested == "buffered":
         return BackendChoice("buffered", "forced by DISTCKPT_IO_BACKEND=buffered", MIN_ALIGNMENT,
                              MIN_ALIGNMENT, directory, "default")
+    if read_only:  # a load: never create anything; probe by reading a file already there
+        sample = _sample_file(directory)
+        if sample is None:
+            raise from_os_error(FileNotFoundError(errno.ENOENT, "no regular file to probe by reading", directory),
+                                path=directory, operation="probe")
+        return choose_read_backend(sample, backend=requested)
     mem, off, source, sample = _probe_alignment(directory)
 
     def probe_direct(use_uring: bool) -> tuple[str | None, int | None]:
@@ -287,14 +306,18 @@ def _decide(directory: str, requested: str) -> BackendChoice:
                          MIN_ALIGNMENT, MIN_ALIGNMENT, directory, source)
 
 
-def choose_backend(directory: str | os.PathLike, *, backend: str | None = None) -> BackendChoice:
+def choose_backend(directory: str | os.PathLike, *, backend: str | None = None,
+                   read_only: bool = False) -> BackendChoice:
     """Choose (once per process per file system) the backend for files in ``directory``.
 
     Args:
-        directory: An existing, writable directory on the target file system. The probe creates
-            and removes small temporary files there.
+        directory: An existing directory on the target file system. Without ``read_only`` it must
+            be writable: the probe creates and removes small temporary files there.
         backend: "auto", "uring", "pwrite" or "buffered"; default ``get_config().io_backend``
             (DISTCKPT_IO_BACKEND).
+        read_only: Choose for reading the files already in ``directory`` (a load): nothing is
+            created, written or removed there; :func:`choose_read_backend` on one of its files
+            (a non-empty data file when there is one), cached per file system like the rest.
 
     Returns:
         The cached or new :class:`BackendChoice`; a new choice is logged at INFO with its reason.
@@ -302,7 +325,7 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None) 
     Raises:
         IOBackendUnavailableError: a forced backend cannot run on this kernel / file system.
         StorageError (a subclass per errno): the directory cannot be probed at all (missing,
-            not writable, full, fd table full).
+            not writable, full, fd table full; with ``read_only``, no regular file in it: ENOENT).
     """
     directory = os.path.abspath(os.fspath(directory))
     requested = backend or get_config().io_backend
@@ -313,13 +336,13 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None) 
         dev = os.stat(directory).st_dev
     except OSError as exc:
         raise from_os_error(exc, path=directory, operation="stat") from exc
-    key = (dev, requested)
+    key = (dev, requested, read_only)
     with _lock:
         cached = _cache.get(key)
         if cached is not None:
             return cached
         # Probing under the lock: two threads saving at once must not both probe (and log).
-        choice = _decide(directory, requested)
+        choice = _decide(directory, requested, read_only)
         _cache[key] = choice
         _history.append(choice)
     log.info("distckpt io backend for %s (requested %s): %s; %s", directory, requested, choice.name, choice.reason)
@@ -341,6 +364,8 @@ def choose_read_backend(sample: str | os.PathLike, *, backend: str | None = None
     sample = os.path.abspath(os.fspath(sample))
     directory = os.path.dirname(sample)
     requested = backend or get_config().io_backend
+    if requested not in ("auto",) + BACKEND_ORDER:
+        raise ValueError(f"backend must be auto, uring, pwrite or buffered, not {requested!r}")
     if requested == "buffered":
         return BackendChoice("buffered", "forced by DISTCKPT_IO_BACKEND=buffered", MIN_ALIGNMENT,
                              MIN_ALIGNMENT, directory, "default")

@@ -182,5 +182,5 @@ def open_reader(path: str | os.PathLike, *, choice: BackendChoice | None = None,
     """
     path = os.fspath(path)
     if choice is None:
-        choice = choose_backend(os.path.dirname(os.path.abspath(path)))
+        choice = choose_backend(os.path.dirname(os.path.abspath(path)), read_only=True)  # reading writes nothing
     return Reader(path, choice, block_size=block_size, use_cache=use_cache)

@@ -4,7 +4,8 @@ Usage (from the repository root)::
 
     .venv/bin/python tests/golden/make_golden.py
 
-Writes ``tests/golden/manifest_v1.bin`` and ``tests/golden/corrupt/*.bin`` plus
+Writes ``tests/golden/manifest_v1.bin``, ``tests/golden/manifest_v2.bin`` (format 2: the typed value
+nodes of object kind ``value``) and ``tests/golden/corrupt/*.bin`` plus
 ``tests/golden/corrupt/EXPECTED.json`` ({file name: a phrase its ManifestCorruptError message must
 contain}). The tests never run this script: they compare the stored bytes with what the code
 produces. Regenerating is only right when the format version changes (add ``manifest_v2.bin`` and
@@ -118,6 +119,34 @@ def golden_manifest() -> Manifest:
     )
 
 
+def golden_manifest_v2() -> Manifest:
+    """manifest_v2.bin: the v1 golden manifest as format 2, plus one object of kind ``value`` per
+    value node type (distckpt/values.py)."""
+    m = golden_manifest()
+    values = {
+        "v.betas": {"t": "tuple", "v": [0.9, 0.95]},
+        "v.buffer": {"t": "list", "v": [1, 2, {"t": "dict", "k": [[0, "a"], [{"t": "tuple", "v": [1, 2]}, None]]}]},
+        "v.set": {"t": "set", "v": [1, 2]},
+        "v.frozenset": {"t": "frozenset", "v": ["a"]},
+        "v.bigint": {"t": "int", "v": "1180591620717411303424"},
+        "v.size": {"t": "size", "v": [2, 3]},
+        "v.dtype": {"t": "dtype", "v": "bfloat16"},
+        "v.device": {"t": "device", "v": "cpu"},
+        "v.namedtuple": {"t": "namedtuple", "c": "collections:OrderedDict", "f": ["a"], "v": [1]},
+        "v.enum": {"t": "enum", "c": "enum:Enum", "v": "X"},
+        "v.dataclass": {"t": "dataclass", "c": "mod:DC", "f": [["x", 1]]},
+        "v.numpy": {"t": "numpy", "d": "<f4", "s": None, "v": b"\x00\x00\xc0?"},
+        "v.ndarray": {"t": "numpy", "d": "<i8", "s": [2], "v": bytes(16)},
+    }
+    objects = dict(m.objects)
+    objects.update({k: ObjectEntry("value", v) for k, v in values.items()})
+    tree = copy.deepcopy(m.tree)
+    tree["k"].append(["v", {"t": "dict", "k": [[k[2:], {"t": "ref", "fqn": k}] for k in values]}])
+    return Manifest(format_version=2, save_id="golden-0002", world_size=m.world_size, created_unix=m.created_unix,
+                    checksum_algo=m.checksum_algo, checksum_block=m.checksum_block, files=m.files,
+                    tensors=m.tensors, objects=objects, tree=tree, meta=m.meta)
+
+
 def wrap(body: bytes, *, version: int = 1, flags: int = 0, length: int | None = None) -> bytes:
     """Header + body + crc32c, with a valid checksum over whatever header fields are given."""
     head = b"DCKPTMF1" + struct.pack("<IIQ", version, flags, len(body) if length is None else length) + body
@@ -134,6 +163,13 @@ def _schema_case(edit: Callable[[dict], None]) -> bytes:
     body = copy.deepcopy(_body())
     edit(body)
     return wrap(msgpack.packb(body, use_bin_type=True))
+
+
+def _v2_case(edit: Callable[[dict], None]) -> bytes:
+    plain = to_plain(golden_manifest_v2())
+    del plain["format_version"]
+    edit(plain)
+    return wrap(msgpack.packb(plain, use_bin_type=True), version=2)
 
 
 def _flip_body_byte(data: bytes) -> bytes:
@@ -168,7 +204,11 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
     return {
         "bad_magic.bin": (b"DCKPTMF0" + good[8:], "bad magic"),
         "empty.bin": (b"", "bad magic"),
-        "version2.bin": (wrap(body, version=2), "format version 2 is not supported by this reader (supported: 1)"),
+        "version3.bin": (wrap(body, version=3), "format version 3 is not supported by this reader (supported: 1, 2)"),
+        "value_kind_in_v1.bin": (_schema_case(_set(["objects", "name"], {"kind": "value", "value": "x"})),
+                                 "kind 'value' needs format version 2"),
+        "bad_value_node.bin": (_v2_case(_set(["objects", "v.size", "value", "v"], ["x"])),
+                               "a 'size' value node needs a list of non-negative ints"),
         "flags.bin": (wrap(body, flags=1), "flags are 0x00000001"),
         "flipped_body_byte.bin": (_flip_body_byte(good), "checksum mismatch"),
         "truncated.bin": (good[:-10], "truncated"),
@@ -188,12 +228,24 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
         "file_index_out_of_range.bin": (_schema_case(_set(w + [0, "file"], 7)), "file index 7 is out of range"),
         "dangling_ref.bin": (_schema_case(_set(["tree", "k", 3, 1, "fqn"], "nope")), "refers to 'nope'"),
         "missing_key.bin": (_schema_case(lambda b: b.pop("meta")), "missing keys ['meta']"),
+        # Sizes torch cannot hold (int64): an empty tensor whose dimensions overflow, one whose
+        # non-zero dimensions overflow the storage size, a file size that is no off_t.
+        "dim_overflow.bin": (_schema_case(_set(["tensors", "empty", "shape"], [2**63, 2**63, 0])),
+                             "expected an integer in [0, 2**63), found 9223372036854775808"),
+        "dim_u64_max.bin": (_schema_case(_set(["tensors", "empty", "shape"], [2**64 - 1, 0])),
+                            "expected an integer in [0, 2**63), found 18446744073709551615"),
+        "storage_overflow.bin": (_schema_case(_set(["tensors", "empty", "shape"], [2**40, 2**40, 0, 2**40])),
+                                 "is too large: the product of its non-zero dimensions is 2658455991569831745807614120560689152 bytes"),
+        "file_size_overflow.bin": (_schema_case(_set(["files", 0, "size"], 2**63)),
+                                   "size: expected an integer in [0, 2**63)"),
     }
 
 
 def main() -> None:
     with open(os.path.join(HERE, "manifest_v1.bin"), "wb") as f:
         f.write(encode(golden_manifest()))
+    with open(os.path.join(HERE, "manifest_v2.bin"), "wb") as f:
+        f.write(encode(golden_manifest_v2()))
     out = os.path.join(HERE, "corrupt")
     os.makedirs(out, exist_ok=True)
     expected = {}
@@ -204,7 +256,7 @@ def main() -> None:
     with open(os.path.join(out, "EXPECTED.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
         f.write("\n")
-    print(f"wrote manifest_v1.bin and {len(expected)} corrupt files under {HERE}")
+    print(f"wrote manifest_v1.bin, manifest_v2.bin and {len(expected)} corrupt files under {HERE}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,370 @@
+"""Non-tensor values <-> typed plain data stored in the MANIFEST, without pickle.
+
+A state dict's non-tensor leaves (step counters, hyper-parameters, RNG seeds, dataloader
+positions, optimizer ``param_groups``) are stored inline in the manifest as msgpack. Plain scalars
+keep the format-1 object kinds (``int``, ``float``, ``bool``, ``str``, ``bytes``, ``none``); any
+other value that distckpt can rebuild exactly is stored as kind ``value``: a *value node*, plain
+msgpack data in which every container is a map with a type tag ``"t"``:
+
+    {"t": "list" | "tuple" | "set" | "frozenset", "v": [node, ...]}
+    {"t": "dict", "k": [[node, node], ...]}                   keys are nodes too (int, str, tuple...)
+    {"t": "int", "v": "<decimal>"}                            an int outside 64 bits
+    {"t": "size", "v": [int, ...]}                            torch.Size
+    {"t": "dtype", "v": "bfloat16"}                           torch.dtype (name without "torch.")
+    {"t": "device", "v": "cuda:0"}                            torch.device
+    {"t": "namedtuple", "c": "mod:Qual", "f": [name, ...], "v": [node, ...]}
+    {"t": "enum", "c": "mod:Qual", "v": "MEMBER_NAME"}
+    {"t": "dataclass", "c": "mod:Qual", "f": [[name, node], ...]}
+    {"t": "numpy", "d": "<f4", "s": [int, ...] | None, "v": bytes}   numpy scalar (s None) or array
+
+Scalars (None, bool, 64-bit int, float, str, bytes) are themselves. Set elements are written in
+the order of their encoded bytes, so equal sets encode to equal bytes on every rank (Python's
+string hashing differs per process); other containers keep their order.
+
+Invariants:
+  * Encoding never pickles; a value this module cannot rebuild exactly raises
+    :class:`UnsupportedValueError` naming its fqn and type (unless the caller allows pickle).
+  * Decoding never runs code from the checkpoint: classes named by ``"c"`` are imported by their
+    module path and used only if they really are a namedtuple / Enum / dataclass type; instances
+    are rebuilt without calling the class's ``__init__``/``__new__`` (``tuple.__new__``,
+    ``Enum[name]``, ``object.__new__`` + field assignment). numpy dtypes are numeric only.
+  * :func:`check_node` validates a node's shape without importing torch, numpy or any class, so
+    :mod:`distckpt.manifest` can reject damaged nodes on decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import pickle
+from typing import Any
+
+import msgpack
+
+from .errors import UnsupportedValueError
+
+__all__ = ["SCALAR_KINDS", "VALUE_KIND", "encode_value", "decode_value", "check_node", "holds_tensor",
+           "value_digest", "describe"]
+
+_I64_MIN, _U64 = -(1 << 63), 1 << 64
+#: Object kinds of format 1: the scalar itself is the stored value.
+SCALAR_KINDS = ("none", "bool", "int", "float", "str", "bytes")
+#: The object kind of a value node (format 2).
+VALUE_KIND = "value"
+#: Node tags and the keys each node has.
+NODE_KEYS = {
+    "list": {"t", "v"}, "tuple": {"t", "v"}, "set": {"t", "v"}, "frozenset": {"t", "v"},
+    "dict": {"t", "k"}, "int": {"t", "v"}, "size": {"t", "v"}, "dtype": {"t", "v"}, "device": {"t", "v"},
+    "namedtuple": {"t", "c", "f", "v"}, "enum": {"t", "c", "v"}, "dataclass": {"t", "c", "f"},
+    "numpy": {"t", "d", "s", "v"},
+}
+_MAX_DEPTH = 100
+
+
+class _NeedsPickle(Exception):
+    """Raised inside :func:`_node` for a value no node can describe (message: where and what)."""
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
+
+
+def holds_tensor(value: Any, _depth: int = 0) -> bool:
+    """True when a list/tuple/set/dict ``value`` holds a torch.Tensor or a Stateful at any depth
+    (such containers stay containers in the state dict tree; the others are one value)."""
+    import torch
+    if isinstance(value, torch.Tensor) or _is_stateful(value):
+        return True
+    if _depth > _MAX_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return any(holds_tensor(v, _depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_tensor(v, _depth + 1) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(holds_tensor(getattr(value, f.name, None), _depth + 1) for f in dataclasses.fields(value))
+    return False
+
+
+def _is_stateful(value: Any) -> bool:
+    # torch.distributed.checkpoint.stateful.Stateful is a runtime-checkable Protocol with exactly
+    # these two methods; duck-typed so this module needs no torch.distributed.
+    import torch
+    return (not isinstance(value, (torch.Tensor, dict, type))
+            and callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)))
+
+
+def _node(value: Any, where: str, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise _NeedsPickle(f"{where}: nested deeper than {_MAX_DEPTH} levels")
+    t = type(value)
+    if value is None or t in (bool, float, str, bytes):
+        return value
+    if t is int:
+        return value if _I64_MIN <= value < _U64 else {"t": "int", "v": str(value)}
+    import torch
+    if t is torch.Size:
+        return {"t": "size", "v": [int(x) for x in value]}
+    if t is torch.dtype:
+        return {"t": "dtype", "v": str(value).removeprefix("torch.")}
+    if t is torch.device:
+        return {"t": "device", "v": str(value)}
+    if isinstance(value, enum.Enum):
+        return {"t": "enum", "c": _qualname(t), "v": value.name}
+    if t in (list, tuple):
+        return {"t": t.__name__, "v": [_node(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]}
+    if _is_namedtuple(value):
+        return {"t": "namedtuple", "c": _qualname(t), "f": list(t._fields),
+                "v": [_node(v, f"{where}.{f}", depth + 1) for f, v in zip(t._fields, value)]}
+    if t in (set, frozenset):
+        items = [_node(v, f"{where}{{}}", depth + 1) for v in value]
+        items.sort(key=lambda n: msgpack.packb(n, use_bin_type=True))
+        return {"t": t.__name__, "v": items}
+    if t is dict:
+        return {"t": "dict", "k": [[_node(k, f"{where} key", depth + 1), _node(v, f"{where}[{k!r}]", depth + 1)]
+                                   for k, v in value.items()]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"t": "dataclass", "c": _qualname(t),
+                "f": [[f.name, _node(getattr(value, f.name), f"{where}.{f.name}", depth + 1)]
+                      for f in dataclasses.fields(value)]}
+    if t.__module__ == "numpy":
+        import numpy as np
+        if isinstance(value, (np.generic, np.ndarray)) and value.dtype.kind in "biufc":
+            arr = np.asarray(value)
+            le = arr.dtype.newbyteorder("<") if arr.dtype.byteorder not in "|" else arr.dtype
+            return {"t": "numpy", "d": le.str, "s": None if isinstance(value, np.generic) else list(arr.shape),
+                    "v": np.ascontiguousarray(arr, dtype=le).tobytes()}
+    raise _NeedsPickle(f"{where} is a {t.__module__}.{t.__qualname__}")
+
+
+def encode_value(fqn: str, value: Any, *, allow_pickle: bool) -> tuple[str, Any]:
+    """(kind, stored value) for the non-tensor leaf ``value`` at ``fqn``.
+
+    Raises:
+        UnsupportedValueError: ``value`` (or something inside it, named in the message) can only be
+            stored as a pickle and ``allow_pickle`` is False.
+    """
+    if value is None:
+        return "none", None
+    t = type(value)
+    if t is bool:
+        return "bool", value
+    if t is int and _I64_MIN <= value < _U64:
+        return "int", value
+    if t in (float, str, bytes):
+        return t.__name__, value
+    try:
+        return VALUE_KIND, _node(value, fqn, 0)
+    except _NeedsPickle as exc:
+        if not allow_pickle:
+            raise UnsupportedValueError(
+                f"state dict value at {fqn!r} cannot be stored without pickle: {exc}", key=fqn,
+                remedy="Store it as a tensor or as plain values (int/float/bool/str/bytes/None, list/tuple/"
+                       "dict/set, torch.dtype/device/Size, Enum, dataclass, namedtuple, numpy), give it "
+                       "state_dict()/load_state_dict(), or pass allow_pickle=True.") from None
+    return "pickle", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def value_digest(kind: str, stored: Any) -> bytes:
+    """Canonical bytes of an encoded value: equal values encode equal bytes on every rank."""
+    return msgpack.packb([kind, stored], use_bin_type=True)
+
+
+def _resolve(name: str, want: str, fqn: str, path: Any) -> type:
+    """The class ``module:qualname``, imported by path; refused unless it is a ``want`` type."""
+    module, _, qual = name.partition(":")
+    err = None
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # ImportError, AttributeError, or an error raised by the import
+        obj, err = None, f"{type(exc).__name__}: {exc}"
+    ok = isinstance(obj, type) and {
+        "namedtuple": lambda c: issubclass(c, tuple) and isinstance(getattr(c, "_fields", None), tuple),
+        "enum": lambda c: issubclass(c, enum.Enum),
+        "dataclass": lambda c: dataclasses.is_dataclass(c),
+    }[want](obj)
+    if not ok:
+        found = err or f"it is {obj!r}, not a {want} class"
+        raise UnsupportedValueError(
+            f"value at {fqn!r} was saved as a {want} of class {name}, which cannot be rebuilt here: {found}",
+            key=fqn, path=path,
+            remedy=f"Make {module} importable (with the same class) in this process, or read the value "
+                   f"with distckpt.read_manifest(path) as plain data.")
+    return obj
+
+
+def decode_value(kind: str, stored: Any, *, fqn: str = "", path: Any = None) -> Any:
+    """The Python value of a (kind, stored) object entry, for every kind but ``pickle``.
+
+    Raises:
+        UnsupportedValueError: a namedtuple / Enum / dataclass class that cannot be imported or is
+            not of that sort, an Enum member or dataclass field it lacks.
+    """
+    if kind != VALUE_KIND:
+        return stored
+    return _value(stored, fqn, path)
+
+
+def _value(node: Any, fqn: str, path: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    t = node["t"]
+    if t in ("list", "tuple", "set", "frozenset"):
+        items = [_value(v, fqn, path) for v in node["v"]]
+        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[t](items)
+    if t == "dict":
+        return {_value(k, fqn, path): _value(v, fqn, path) for k, v in node["k"]}
+    if t == "int":
+        return int(node["v"])
+    import torch
+    if t == "size":
+        return torch.Size(node["v"])
+    if t == "dtype":
+        from .staging import dtype_from_name
+        return dtype_from_name(node["v"], path=path)
+    if t == "device":
+        return torch.device(node["v"])
+    if t == "namedtuple":
+        cls = _resolve(node["c"], "namedtuple", fqn, path)
+        if list(cls._fields) != list(node["f"]):
+            raise UnsupportedValueError(
+                f"value at {fqn!r}: namedtuple {node['c']} now has fields {list(cls._fields)}, the checkpoint "
+                f"has {node['f']}", key=fqn, path=path,
+                remedy="Load with the class definition the checkpoint was saved with.")
+        return tuple.__new__(cls, [_value(v, fqn, path) for v in node["v"]])
+    if t == "enum":
+        cls = _resolve(node["c"], "enum", fqn, path)
+        try:
+            return cls[node["v"]]
+        except KeyError:
+            raise UnsupportedValueError(f"value at {fqn!r}: enum {node['c']} has no member {node['v']!r}",
+                                        key=fqn, path=path) from None
+    if t == "dataclass":
+        cls = _resolve(node["c"], "dataclass", fqn, path)
+        names = {f.name for f in dataclasses.fields(cls)}
+        saved = [name for name, _ in node["f"]]
+        if set(saved) != names:
+            raise UnsupportedValueError(
+                f"value at {fqn!r}: dataclass {node['c']} has fields {sorted(names)}, the checkpoint has "
+                f"{sorted(saved)}", key=fqn, path=path,
+                remedy="Load with the class definition the checkpoint was saved with.")
+        obj = object.__new__(cls)
+        for name, v in node["f"]:
+            object.__setattr__(obj, name, _value(v, fqn, path))  # works for frozen dataclasses too
+        return obj
+    if t == "numpy":
+        import numpy as np
+        dt = np.dtype(node["d"])
+        if dt.kind not in "biufc":
+            raise UnsupportedValueError(f"value at {fqn!r}: numpy dtype {node['d']!r} is not numeric",
+                                        key=fqn, path=path)
+        arr = np.frombuffer(node["v"], dtype=dt)
+        if node["s"] is None:
+            return arr[0]
+        return arr.reshape(node["s"]).copy()
+    raise UnsupportedValueError(f"value at {fqn!r}: unknown value node {t!r}", key=fqn, path=path)
+
+
+def describe(node: Any, limit: int = 200) -> str:
+    """Python-like text of a value node for display (``distckpt inspect``), without importing any
+    class or module it names: ``(0.9, 0.95)``, ``Pair(lo=1, hi=2)``, ``torch.bfloat16``."""
+    def text(n: Any, depth: int) -> str:
+        if not isinstance(n, dict) or depth > 20:
+            return repr(n) if not isinstance(n, dict) else "..."
+        t = n["t"]
+        if t in ("list", "tuple", "set", "frozenset"):
+            parts = [text(v, depth + 1) for v in n["v"]]
+            if t == "list":
+                return "[" + ", ".join(parts) + "]"
+            if t == "tuple":
+                return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+            if not parts:
+                return f"{t}()"
+            return "{" + ", ".join(parts) + "}" if t == "set" else "frozenset({" + ", ".join(parts) + "})"
+        if t == "dict":
+            return "{" + ", ".join(f"{text(k, depth + 1)}: {text(v, depth + 1)}" for k, v in n["k"]) + "}"
+        if t == "int":
+            return n["v"]
+        if t == "size":
+            return f"torch.Size({n['v']})"
+        if t == "dtype":
+            return f"torch.{n['v']}"
+        if t == "device":
+            return f"device({n['v']!r})"
+        name = str(n.get("c", "")).rpartition(":")[2]
+        if t == "namedtuple":
+            return f"{name}(" + ", ".join(f"{f}={text(v, depth + 1)}" for f, v in zip(n["f"], n["v"])) + ")"
+        if t == "enum":
+            return f"{name}.{n['v']}"
+        if t == "dataclass":
+            return f"{name}(" + ", ".join(f"{f}={text(v, depth + 1)}" for f, v in n["f"]) + ")"
+        if t == "numpy":
+            return f"numpy {n['d']}{'' if n['s'] is None else list(n['s'])} ({len(n['v'])} bytes)"
+        return f"<{t}>"
+    out = text(node, 0)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def check_node(node: Any, where: str) -> str | None:
+    """Why ``node`` is not a well-formed value node (structure only), or None when it is."""
+    stack = [(node, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"{where}: value nested deeper than {_MAX_DEPTH} levels"
+        if n is None or isinstance(n, (bool, float, str, bytes)):
+            continue
+        if type(n) is int:
+            if not _I64_MIN <= n < _U64:
+                return f"{where}: integer {n} does not fit in 64 bits"
+            continue
+        if not isinstance(n, dict) or not isinstance(n.get("t"), str):
+            return f"{where}: expected a value node {{'t': ...}}, found {type(n).__name__}"
+        t = n["t"]
+        keys = NODE_KEYS.get(t)
+        if keys is None:
+            return f"{where}: unknown value node type {t!r} (known: {sorted(NODE_KEYS)})"
+        if set(n) != keys:
+            return f"{where}: a {t!r} value node has keys {sorted(n)}, expected {sorted(keys)}"
+        v = n.get("v")
+        if t in ("list", "tuple", "set", "frozenset", "namedtuple"):
+            if not isinstance(v, list):
+                return f"{where}: a {t!r} value node needs a list 'v'"
+            stack.extend((x, depth + 1) for x in v)
+        if t == "dict":
+            if not isinstance(n["k"], list) or not all(isinstance(p, list) and len(p) == 2 for p in n["k"]):
+                return f"{where}: a 'dict' value node needs 'k': a list of [key, value] pairs"
+            stack.extend((x, depth + 1) for p in n["k"] for x in p)
+        if t in ("int", "dtype", "device", "enum") and not isinstance(v, str):
+            return f"{where}: a {t!r} value node needs a str 'v'"
+        if t == "int":
+            try:
+                int(v)
+            except ValueError:
+                return f"{where}: {v!r} is not a decimal integer"
+        if t == "size" and not (isinstance(v, list) and all(type(x) is int and 0 <= x < _U64 for x in v)):
+            return f"{where}: a 'size' value node needs a list of non-negative ints"
+        if t in ("namedtuple", "enum", "dataclass") and not (isinstance(n["c"], str) and ":" in n["c"]):
+            return f"{where}: a {t!r} value node needs a class name 'module:qualname'"
+        if t == "namedtuple" and not (isinstance(n["f"], list) and all(isinstance(x, str) for x in n["f"])
+                                      and len(n["f"]) == len(v)):
+            return f"{where}: a 'namedtuple' value node needs one str field name per value"
+        if t == "dataclass":
+            if not isinstance(n["f"], list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                       for p in n["f"]):
+                return f"{where}: a 'dataclass' value node needs 'f': a list of [name, value] pairs"
+            stack.extend((p[1], depth + 1) for p in n["f"])
+        if t == "numpy":
+            if not isinstance(n["d"], str) or not isinstance(v, bytes):
+                return f"{where}: a 'numpy' value node needs a str dtype 'd' and bytes 'v'"
+            s = n["s"]
+            if s is not None and not (isinstance(s, list) and all(type(x) is int and 0 <= x < _U64 for x in s)):
+                return f"{where}: a 'numpy' value node needs a shape 's' of non-negative ints or nil"
+    return None

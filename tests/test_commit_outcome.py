@@ -1,0 +1,168 @@
+"""A collective save whose peer dies after the commit point must say that it committed.
+
+Rank 1 is killed (os._exit, no word to anyone) right after its WRITE all-gather contribution: rank 0
+has every record, commits step 2 and rotates step 1 away, and only then loses rank 1 when it
+broadcasts the verdict. The truthful outcome is CommittedButPeerLostError (a PeerLostError, so
+existing handlers still catch it) with ``committed`` and ``path``; never a plain "save failed".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from .distributed import RankError, run_ranks
+
+
+def _wait_dead(pid: int, timeout: float = 30.0) -> None:
+    """Until ``pid`` has exited (a zombie counts: its sockets are closed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"rank 1 (pid {pid}) did not die")
+
+
+def _body(rank, world, root):
+    import distckpt
+    from distckpt import errors
+    from distckpt._dist import ControlGroup
+
+    mgr = distckpt.CheckpointManager(root, keep_last=1)
+    state = {"x": torch.full((1000,), 7.0), "y": torch.arange(10)}  # replicas: one writer each
+    mgr.save(1, state)
+    pidfile = os.path.join(root, "..", "rank1.pid")
+    if rank == 1:
+        with open(pidfile, "w") as f:
+            f.write(str(os.getpid()))
+        calls = []
+        real = ControlGroup.all_gather
+
+        def all_gather(self, obj):
+            out = real(self, obj)
+            calls.append(1)
+            if len(calls) == 2:  # PLAN, then WRITE: rank 1's records are on rank 0 now
+                os._exit(3)
+            return out
+
+        ControlGroup.all_gather = all_gather
+    else:
+        real_broadcast = ControlGroup.broadcast
+        seen = []
+
+        def broadcast(self, obj, src=0):
+            seen.append(1)
+            if len(seen) == 2:  # PREPARE, then the COMMIT verdict: let rank 1 be gone for sure
+                with open(pidfile) as f:
+                    _wait_dead(int(f.read()))
+            return real_broadcast(self, obj, src)
+
+        ControlGroup.broadcast = broadcast
+    try:
+        mgr.save(2, state)
+        out = {"type": None}
+    except errors.PeerLostError as exc:
+        out = {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
+               "committed": getattr(exc, "committed", None), "path": exc.path,
+               "lost_ranks": getattr(exc, "lost_ranks", None), "message": str(exc)}
+    out["steps"] = mgr.steps()
+    with open(os.path.join(root, "..", "rank0.json"), "w") as f:  # run_ranks drops rank 0's result
+        json.dump(out, f)                                          # when rank 1 dies
+    return out
+
+
+def test_peer_lost_after_commit_is_reported_as_committed(tmp_path):
+    root = str(tmp_path / "root")
+    with pytest.raises(RankError) as ei:
+        run_ranks(_body, 2, root, env={"DISTCKPT_TIMEOUT_S": "20"}, timeout=120)
+    assert set(ei.value.errors) == {1}, ei.value  # only the killed rank is missing
+    with open(tmp_path / "rank0.json") as f:
+        out = json.load(f)
+    assert out["steps"] == [2], out  # committed, and step 1 rotated away
+    assert out["type"] == "CommittedButPeerLostError", out
+    assert "PeerLostError" in out["mro"]
+    assert out["committed"] is True and out["path"] == os.path.join(root, "step_00000002")
+    assert out["lost_ranks"] == [1], out
+    assert "is committed" in out["message"] and "rank 1" in out["message"], out["message"]
+    # The checkpoint it reports as committed loads, complete.
+    import distckpt
+    got = distckpt.read(out["path"])
+    assert torch.equal(got["x"], torch.full((1000,), 7.0)) and torch.equal(got["y"], torch.arange(10))
+
+
+def _rank0_dies_body(rank, world, root, when):
+    import distckpt
+    from distckpt import errors
+    from distckpt.storage import local
+
+    path = os.path.join(root, "ckpt")
+    if rank == 0:
+        real_publish = local.publish_dir
+
+        def publish_dir(tmp_dir, final_dir, *, overwrite):
+            if when == "before_rename":
+                os._exit(3)  # MANIFEST is written in the tmp dir, the rename never happens
+            out = real_publish(tmp_dir, final_dir, overwrite=overwrite)
+            os._exit(3)      # renamed and fsynced: committed, and nobody hears the verdict
+            return out
+
+        local.publish_dir = publish_dir
+    try:
+        distckpt.save({"x": torch.full((1000,), 7.0)}, path)
+        out = {"type": None}
+    except errors.PeerLostError as exc:
+        out = {"type": type(exc).__name__, "committed": getattr(exc, "committed", "unset"),
+               "path": exc.path, "lost_ranks": getattr(exc, "lost_ranks", None),
+               "save_id": getattr(exc, "save_id", None), "message": str(exc)}
+    with open(os.path.join(root, "rank1.json"), "w") as f:
+        json.dump(out, f)
+    return out
+
+
+@pytest.mark.parametrize("when", ["after_rename", "before_rename"])
+def test_other_ranks_report_what_they_can_know(tmp_path, when):
+    """Rank 0 dies right after (or right before) the rename: rank 1 finds this save's MANIFEST on
+    the shared file system and says committed, or says it cannot tell; never "nothing committed"."""
+    root = str(tmp_path)
+    with pytest.raises(RankError) as ei:
+        run_ranks(_rank0_dies_body, 2, root, when, env={"DISTCKPT_TIMEOUT_S": "20"}, timeout=120)
+    assert set(ei.value.errors) == {0}, ei.value
+    with open(tmp_path / "rank1.json") as f:
+        out = json.load(f)
+    path = os.path.join(root, "ckpt")
+    if when == "after_rename":
+        assert out["type"] == "CommittedButPeerLostError", out
+        assert out["committed"] is True and out["path"] == path and out["lost_ranks"] == [0]
+        import distckpt
+        assert torch.equal(distckpt.read(path)["x"], torch.full((1000,), 7.0))
+    else:
+        assert out["type"] == "PeerLostError", out
+        assert out["committed"] is None and out["path"] == path and len(out["save_id"]) == 32
+        assert "cannot tell whether the checkpoint was committed" in out["message"]
+        assert not os.path.exists(path)
+
+
+def test_after_commit_error_says_committed(tmp_path):
+    """The manager's ``latest`` / rotation step fails after the rename: the error is raised, and
+    carries ``committed = True``; the checkpoint loads."""
+    import distckpt
+    from distckpt import errors
+
+    def rotation_fails():
+        raise errors.StoragePermissionError("delete failed: [Errno 13] Permission denied", errno=13,
+                                            path=str(tmp_path / "old"))
+
+    path = str(tmp_path / "c")
+    with pytest.raises(errors.StoragePermissionError) as ei:
+        distckpt.save({"x": torch.ones(10)}, path, _after_commit=rotation_fails)
+    assert ei.value.committed is True
+    assert torch.equal(distckpt.read(path)["x"], torch.ones(10))

@@ -1,0 +1,356 @@
+"""Loading hostile, read-only and vanishing checkpoints: typed errors, no writes, no surprises.
+
+* sizes torch cannot hold, and sizes the files do not have, are rejected before anything is
+  allocated (ManifestCorruptError / DataFileTruncatedError, never TypeError / RuntimeError);
+* a MANIFEST that is a symlink is not followed, and no message quotes a non-manifest's bytes;
+* load / read / verify write nothing into the checkpoint (names, sizes and mtimes unchanged) and
+  work on a read-only ext4, a read-only bind mount and without write permission;
+* a step removed by rotation (or replaced by an overwrite) while it is read is reported as
+  removed (CheckpointRemovedError), not as damage.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import threading
+
+import crc32c
+import msgpack
+import pytest
+import torch
+
+import distckpt
+from distckpt import errors as E
+from distckpt import io as dio
+from distckpt import manifest as mf
+from distckpt import restore
+
+from .faults import mounts, require_root, run_python  # noqa: F401  (mounts is a fixture)
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.arange(10), "empty": torch.empty(0, 3),
+            "step": 5}
+
+
+def _rewrite_manifest(path: str, edit) -> None:
+    """Replace path/MANIFEST with a well-formed one (valid header and crc32c) whose body ``edit``
+    changed: what a hostile or damaged writer could produce, past every byte-level check."""
+    body = mf.to_plain(mf.load_manifest(path))
+    del body["format_version"]
+    body = copy.deepcopy(body)
+    edit(body)
+    raw = msgpack.packb(body, use_bin_type=True)
+    head = mf._HEADER.pack(mf.MAGIC, 1, 0, len(raw)) + raw
+    with open(os.path.join(path, "MANIFEST"), "wb") as f:
+        f.write(head + crc32c.crc32c(head).to_bytes(4, "little"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Sizes
+
+
+@pytest.mark.parametrize("shape,phrase", [
+    ([2**63, 2**63, 0], "expected an integer in [0, 2**63)"),
+    ([2**64 - 1, 0], "expected an integer in [0, 2**63)"),
+    ([2**40, 2**40, 0, 2**40], "more than a tensor can address"),
+])
+def test_read_rejects_shapes_torch_cannot_hold(tmp_path, shape, phrase):
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    _rewrite_manifest(path, lambda b: b["tensors"]["empty"].update(shape=shape))
+    for call in (lambda: distckpt.read(path), lambda: distckpt.load({"empty": torch.empty(0, 3)}, path)):
+        with pytest.raises(E.ManifestCorruptError) as ei:
+            call()
+        assert phrase in ei.value.message and ei.value.path == os.path.join(path, "MANIFEST")
+
+
+def test_read_checks_file_sizes_before_allocating(tmp_path):
+    """A MANIFEST claiming a 4 TiB tensor in a file of a few KiB: the truncated file is reported,
+    nothing of the claimed size is allocated (torch would raise "can't allocate memory")."""
+    path = str(tmp_path / "c")
+    distckpt.save({"x": torch.arange(100, dtype=torch.float32)}, path)
+    real_size = os.path.getsize(os.path.join(path, "rank00000.bin"))
+    n = 1 << 40  # float32 elements: 4 TiB
+
+    def claim(body):
+        body["files"][0]["size"] = 1 << 62
+        body["checksum_block"] = 1 << 30  # keeps the crc list short: 4096 entries
+        t = body["tensors"]["x"]
+        t["shape"] = [n]
+        c = t["chunks"][0]
+        c.update(sizes=[n], nbytes=4 * n, crcs=[0] * -(-4 * n // body["checksum_block"]))
+
+    _rewrite_manifest(path, claim)
+    with pytest.raises(E.DataFileTruncatedError) as ei:
+        distckpt.read(path)
+    assert ei.value.expected == 1 << 62 and ei.value.found == real_size
+    assert ei.value.path == os.path.join(path, "rank00000.bin")
+
+
+def test_load_checks_every_file_before_filling(tmp_path):
+    """A checkpoint of two data files whose second is truncated: load() fails before it writes
+    one byte into the caller's tensors (it used to fill "w" from the first file, then fail)."""
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    import shutil
+    shutil.copyfile(os.path.join(path, "rank00000.bin"), os.path.join(path, "rank00001.bin"))
+
+    def two_files(body):  # "b" is read from the copy (same offset): a valid two-rank layout
+        body["world_size"] = 2
+        body["files"].append(dict(body["files"][0], name="rank00001.bin", rank=1))
+        body["tensors"]["b"]["chunks"][0]["file"] = 1
+
+    _rewrite_manifest(path, two_files)
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+    distckpt.load(into, path)  # the layout is valid
+    assert torch.equal(into["b"], torch.arange(10))
+    os.truncate(os.path.join(path, "rank00001.bin"), 100)
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+    with pytest.raises(E.DataFileTruncatedError):
+        distckpt.load(into, path)
+    assert not into["w"].any() and not into["b"].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. MANIFEST symlinks
+
+
+def test_manifest_symlink_is_not_followed(tmp_path):
+    secret = tmp_path / "outside.txt"
+    secret.write_text("root:x:0:0:SECRET-CONTENT\n")
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    os.unlink(os.path.join(path, "MANIFEST"))
+    os.symlink(secret, os.path.join(path, "MANIFEST"))
+    before = os.stat(secret).st_atime_ns
+    for call in (lambda: distckpt.read(path), lambda: distckpt.load(_state(), path),
+                 lambda: distckpt.read_manifest(path)):
+        with pytest.raises(E.ManifestCorruptError) as ei:
+            call()
+        assert "symbolic link" in ei.value.message
+        assert "root:x" not in str(ei.value) and "SECRET" not in str(ei.value)
+    assert os.stat(secret).st_atime_ns == before
+
+
+def test_bad_magic_does_not_quote_the_file(tmp_path):
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    with open(os.path.join(path, "MANIFEST"), "wb") as f:
+        f.write(b"root:x:0:0:SECRET-CONTENT\n")
+    with pytest.raises(E.ManifestCorruptError) as ei:
+        distckpt.read(path)
+    assert "bad magic" in ei.value.message and "root:x" not in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. A load writes nothing
+
+
+def _snapshot(root: str) -> dict:
+    """Every name under ``root`` (root included) with its type, size, mtime and ctime."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for p in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+_LOAD_READ_VERIFY = """
+import torch, distckpt
+from distckpt import io as dio
+from distckpt.cli import main
+path = PATH
+dio.reset_choices()  # every step probes afresh: the probe is what used to write
+g = torch.Generator().manual_seed(3)
+want = {"w": torch.randn(256, 64, generator=g), "b": torch.arange(10), "empty": torch.empty(0, 3), "step": 5}
+got = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+distckpt.load(got, path)
+assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["step"] == 5
+backends = [c.name for c in dio.last_choices()]
+dio.reset_choices()
+assert torch.equal(distckpt.read(path)["w"], want["w"])
+backends += [c.name for c in dio.last_choices()]
+dio.reset_choices()
+assert main(["verify", path]) == 0
+emit({"backends": backends})
+"""
+
+
+def _load_read_verify_here(path: str) -> dict:
+    scope = {"PATH": path, "emit": lambda obj: scope.__setitem__("emitted", obj)}
+    exec(_LOAD_READ_VERIFY, scope)
+    return scope["emitted"]
+
+
+def test_load_read_verify_write_nothing(tmp_path):
+    """Directory listings, sizes and mtimes/ctimes of the checkpoint and its parent are unchanged
+    after load, read and verify, each with a fresh backend probe (the probe used to create and
+    delete .distckpt-align-* / .distckpt-probe-* files inside the checkpoint)."""
+    root = str(tmp_path / "root")
+    mgr = distckpt.CheckpointManager(root)
+    mgr.save(1, _state())
+    before = _snapshot(root)
+    _load_read_verify_here(mgr.path(1))
+    assert _snapshot(root) == before
+
+
+@pytest.mark.root
+def test_load_on_read_only_ext4(mounts, tmp_path):
+    d = mounts.ext4(tmp_path / "e", size="32m")
+    path = os.path.join(d, "c")
+    distckpt.save(_state(), path)
+    r = subprocess.run(["mount", "-o", "remount,ro", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    before = _snapshot(str(d))
+    out = _load_read_verify_here(path)
+    assert len(out["backends"]) == 2 and "buffered" not in out["backends"], out  # O_DIRECT, probed by reading
+    assert _snapshot(str(d)) == before
+
+
+@pytest.mark.root
+def test_load_on_read_only_bind_mount(tmp_path):
+    require_root("a bind mount")
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    dst.mkdir()
+    distckpt.save(_state(), str(src / "c"))
+    subprocess.run(["mount", "--bind", str(src), str(dst)], check=True, capture_output=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(dst)], check=True, capture_output=True)
+        with pytest.raises(OSError):  # really read-only
+            open(dst / "c" / "x", "wb")
+        before = _snapshot(str(src))
+        _load_read_verify_here(str(dst / "c"))
+        assert _snapshot(str(src)) == before
+    finally:
+        subprocess.run(["umount", "-l", str(dst)], capture_output=True)
+
+
+@pytest.mark.root
+def test_load_without_write_permission(tmp_path):
+    """Root without CAP_DAC_OVERRIDE, on a checkpoint whose directory is mode 0555."""
+    path = tmp_path / "c"
+    distckpt.save(_state(), str(path))
+    for p in path.iterdir():
+        p.chmod(0o444)
+    path.chmod(0o555)
+    before = _snapshot(str(tmp_path))
+    really = f"""
+try:
+    open({str(path / 'x')!r}, "wb")
+    raise AssertionError("the checkpoint is writable: the test proves nothing")
+except PermissionError:
+    pass
+"""
+    try:
+        res = run_python(really + _LOAD_READ_VERIFY.replace("PATH", repr(str(path))),
+                         drop_caps=("cap_dac_override",), timeout=120).check()
+        after = _snapshot(str(tmp_path))
+    finally:
+        path.chmod(0o755)
+    assert res.data["backends"], res.stdout
+    assert after == before
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. A step removed while it is read
+
+
+def _race(monkeypatch, stage: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the next load or read at ``stage`` until the test has rotated or overwritten the step:
+    "manifest" (directory checked, MANIFEST not yet opened) or "data" (MANIFEST read, no data
+    file opened yet). Returns (reached, done): the reader sets ``reached`` and waits for ``done``.
+    Only the order is forced; the rotation, the files and the errors are real."""
+    name = {"manifest": "_check_committed", "data": "_check_data_file"}[stage]
+    real = getattr(restore, name)
+    reached, done = threading.Event(), threading.Event()
+
+    def hold(*args):
+        out = real(*args) if stage == "manifest" else None
+        if not reached.is_set():
+            reached.set()
+            assert done.wait(60)
+        return out if stage == "manifest" else real(*args)
+
+    monkeypatch.setattr(restore, name, hold)
+    return reached, done
+
+
+@pytest.mark.parametrize("stage", ["manifest", "data"])
+@pytest.mark.parametrize("api", ["read", "load"])
+def test_read_racing_rotation_is_reported_as_removed(tmp_path, monkeypatch, stage, api):
+    mgr = distckpt.CheckpointManager(str(tmp_path / "root"), keep_last=1)
+    mgr.save(1, _state())
+    reached, done = _race(monkeypatch, stage)
+    outcome = {}
+
+    def reader():
+        try:
+            if api == "read":
+                distckpt.read(mgr.path(1))
+            else:
+                distckpt.load(_state(), mgr.path(1))
+            outcome["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        assert reached.wait(60)
+        mgr.save(2, _state())  # commits step 2, then rotates step 1 away
+        assert mgr.steps() == [2]
+    finally:
+        done.set()
+        t.join(60)
+    exc = outcome["error"]
+    assert isinstance(exc, E.CheckpointRemovedError), repr(exc)
+    assert isinstance(exc, E.CheckpointNotFoundError) and exc.path == mgr.path(1)
+    assert "was removed while it was being read" in exc.message and "damaged" not in str(exc)
+    assert "keep_last" in exc.remedy and exc.replaced is False
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_read_racing_overwrite_is_reported_as_replaced(tmp_path, monkeypatch, verify):
+    """An overwrite swaps another checkpoint in under the name between MANIFEST and data: the
+    data files now open are the new one's. With the same layout the sizes agree and, without
+    verification, nothing else would notice: the load fails instead of mixing the two."""
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    reached, done = _race(monkeypatch, "data")
+    outcome = {}
+
+    def reader():
+        try:
+            distckpt.read(path, verify=verify)
+            outcome["error"] = None
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        assert reached.wait(60)
+        other = _state()
+        other["w"] = other["w"] + 1
+        distckpt.save(other, path, overwrite=True)
+    finally:
+        done.set()
+        t.join(60)
+    exc = outcome["error"]
+    assert isinstance(exc, E.CheckpointRemovedError), repr(exc)
+    assert exc.replaced is True and "another directory now has its name" in exc.message
+
+
+def test_missing_data_file_in_place_is_still_damage(tmp_path):
+    """The directory is still there, unchanged: a missing data file is damage, as before."""
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    os.unlink(os.path.join(path, "rank00000.bin"))
+    with pytest.raises(E.DataFileMissingError) as ei:
+        distckpt.read(path)
+    assert not isinstance(ei.value, E.CheckpointRemovedError)

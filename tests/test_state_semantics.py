@@ -1,0 +1,314 @@
+"""State-dict semantics a DCP user relies on (issue 10 item 1 and 3): key union over ranks, replica
+checks, DCP's strict, casts, typed values without pickle, tuples, Stateful, optimizers without
+state, single-process saves inside a job. Real gloo ranks where ranks matter."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import distckpt
+from distckpt import errors
+from distckpt import manifest as mf
+from tests.distributed import run_ranks
+
+Pair = collections.namedtuple("Pair", "lo hi")
+
+
+class Mode(enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sched:
+    warmup: int
+    decay: float
+    milestones: tuple
+
+
+class Loader:
+    """A Stateful (state_dict / load_state_dict), like torchtitan's dataloader wrapper."""
+
+    def __init__(self, pos=0):
+        self.pos = pos
+        self.loaded = None
+
+    def state_dict(self):
+        return {"pos": self.pos, "order": torch.arange(4) + self.pos}
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+        self.pos = sd["pos"]
+
+
+def _kinds(path):
+    return {fqn: o.kind for fqn, o in mf.load_manifest(str(path)).objects.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# Values: typed, without pickle, replaced even inside tuples.
+
+
+def test_typed_values_round_trip_without_pickle(tmp_path):
+    sd = {"dtype": torch.bfloat16, "device": torch.device("cpu"), "mode": Mode.EVAL,
+          "sched": Sched(10, 0.5, (1, 2)), "seen": {3, 1, 2}, "tags": frozenset({"a", "b"}),
+          "np_f": np.float32(1.5), "np_i": np.int64(-7), "np_arr": np.arange(3, dtype=np.int16),
+          "size": torch.Size([2, 3]), "pair": Pair(1, 2.5), "betas": (0.9, 0.95), "big": 2 ** 70,
+          "nested": [{"k": (1, "x")}, None]}
+    distckpt.save(sd, tmp_path / "ck")
+    assert "pickle" not in _kinds(tmp_path / "ck").values()
+    got = distckpt.read(tmp_path / "ck")
+    for k, v in sd.items():
+        assert type(got[k]) is type(v), k
+        if isinstance(v, np.ndarray):
+            assert v.dtype == got[k].dtype and (v == got[k]).all()
+        else:
+            assert got[k] == v, k
+    # load(): replaced in the caller's state dict, types included
+    target = {k: None for k in sd}
+    distckpt.load(target, tmp_path / "ck")
+    assert target["pair"] == Pair(1, 2.5) and type(target["pair"]) is Pair
+    assert target["mode"] is Mode.EVAL and target["sched"] == sd["sched"]
+
+
+def test_value_needing_pickle_is_a_typed_error_naming_it(tmp_path):
+    with pytest.raises(errors.UnsupportedValueError) as ei:
+        distckpt.save({"cfg": {"hook": [1, object()]}}, tmp_path / "ck")
+    assert "cfg.hook" in str(ei.value) and "builtins.object" in str(ei.value)
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_unimportable_namedtuple_is_a_typed_error_on_load(tmp_path):
+    local = collections.namedtuple("Local", "a")  # qualname has no importable path
+    distckpt.save({"x": local(1), "t": torch.ones(1)}, tmp_path / "ck")
+    with pytest.raises(errors.UnsupportedValueError) as ei:
+        distckpt.read(tmp_path / "ck")
+    assert "'x'" in str(ei.value) and "namedtuple" in str(ei.value)
+    t = torch.zeros(1)
+    with pytest.raises(errors.UnsupportedValueError):
+        distckpt.load({"x": None, "t": t}, tmp_path / "ck")
+    assert t.item() == 0  # refused before any byte was read
+
+
+def test_class_that_is_not_the_saved_sort_is_refused(tmp_path):
+    distckpt.save({"m": Mode.TRAIN}, tmp_path / "ck")
+    m = mf.load_manifest(str(tmp_path / "ck"))
+    from distckpt.values import decode_value
+    node = dict(m.objects["m"].value, c="os:system")  # a function, not an Enum class
+    with pytest.raises(errors.UnsupportedValueError, match="not a enum class"):
+        decode_value("value", node, fqn="m")
+
+
+def test_adamw_betas_in_tuple_are_restored(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    distckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    model2 = torch.nn.Linear(4, 2)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=5e-4, betas=(0.9, 0.999))
+    model2(torch.randn(3, 4)).sum().backward()
+    opt2.step()  # state exists now, with other values
+    state = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    res = distckpt.load(state, tmp_path / "ck")
+    assert res.not_replaced == []
+    opt2.load_state_dict(state["optim"])
+    g = opt2.param_groups[0]
+    assert g["betas"] == (0.9, 0.95) and type(g["betas"]) is tuple and g["lr"] == 1e-3 and g["weight_decay"] == 0.1
+    for p, q in zip(opt.state.values(), opt2.state.values()):
+        for k in p:
+            assert torch.equal(p[k], q[k]), k
+
+
+def test_container_without_tensors_is_one_value(tmp_path):
+    distckpt.save({"buffer": [1, 2, 3], "hist": (4, 5), "w": [torch.ones(2), 7]}, tmp_path / "ck")
+    target = {"buffer": [], "hist": (), "w": [torch.zeros(2), 0]}
+    res = distckpt.load(target, tmp_path / "ck")
+    assert target["buffer"] == [1, 2, 3] and target["hist"] == (4, 5)
+    assert target["w"][1] == 7 and torch.equal(target["w"][0], torch.ones(2)) and res.missing == []
+
+
+def test_format1_lists_stored_element_by_element_load_as_one_value(tmp_path):
+    # Format 1 wrote a list of plain values as one object per element; it still loads whole.
+    ck = tmp_path / "old"
+    ck.mkdir()
+    m = mf.Manifest(format_version=1, save_id="old", world_size=1, created_unix=1.0, checksum_algo="crc32c",
+                    checksum_block=1 << 20, files=(), tensors={},
+                    objects={"buffer.0": mf.ObjectEntry("int", 1), "buffer.1": mf.ObjectEntry("int", 2),
+                             "t.0": mf.ObjectEntry("str", "a")},
+                    tree={"t": "dict", "k": [["buffer", {"t": "list", "v": [{"t": "ref", "fqn": "buffer.0"},
+                                                                            {"t": "ref", "fqn": "buffer.1"}]}],
+                                             ["t", {"t": "tuple", "v": [{"t": "ref", "fqn": "t.0"}]}]]},
+                    meta={})
+    (ck / "MANIFEST").write_bytes(mf.encode(m))
+    target = {"buffer": [], "t": ()}
+    distckpt.load(target, ck)
+    assert target == {"buffer": [1, 2], "t": ("a",)}
+
+
+# ------------------------------------------------------------------------------------------
+# strict means "everything I asked for is there"; casts.
+
+
+def test_strict_reads_only_what_is_asked(tmp_path):
+    distckpt.save({"model": {"w": torch.ones(3)}, "optim": {"m": torch.ones(3)}, "step": 4}, tmp_path / "ck")
+    target = {"model": {"w": torch.zeros(3)}}
+    res = distckpt.load(target, tmp_path / "ck")  # strict=True: a model-only load of a full checkpoint
+    assert torch.equal(target["model"]["w"], torch.ones(3)) and sorted(res.unexpected) == ["optim.m", "step"]
+    with pytest.raises(errors.StateDictMismatchError) as ei:
+        distckpt.load({"model": {"w": torch.zeros(3), "b": torch.zeros(1)}}, tmp_path / "ck")
+    assert ei.value.missing == ["model.b"]
+
+
+def test_exact_cast_is_automatic_narrowing_needs_opt_in(tmp_path):
+    w = torch.randn(64, dtype=torch.float32)
+    distckpt.save({"bf": w.bfloat16(), "fp": w, "i": torch.arange(5, dtype=torch.int32)}, tmp_path / "ck")
+    target = {"bf": torch.zeros(64), "i": torch.zeros(5, dtype=torch.int64)}
+    res = distckpt.load(target, tmp_path / "ck")
+    assert torch.equal(target["bf"], w.bfloat16().float()) and torch.equal(target["i"], torch.arange(5))
+    assert res.cast == {"bf": "bfloat16->float32", "i": "int32->int64"}
+    for strict in (True, False):  # never silently left at its initial value
+        low = torch.zeros(64, dtype=torch.bfloat16)
+        with pytest.raises(errors.StateDictMismatchError, match="cast='allow'") as ei:
+            distckpt.load({"fp": low}, tmp_path / "ck", strict=strict)
+        assert ei.value.dtype_mismatch == {"fp": ("float32", "bfloat16")}
+    low = torch.zeros(64, dtype=torch.bfloat16)
+    distckpt.load({"fp": low}, tmp_path / "ck", cast="allow")
+    assert torch.equal(low, w.bfloat16())
+
+
+# ------------------------------------------------------------------------------------------
+# Stateful objects and optimizers without state.
+
+
+def test_stateful_saved_and_restored_through_its_methods(tmp_path):
+    distckpt.save({"loader": Loader(5), "step": 1}, tmp_path / "ck")
+    assert distckpt.read(tmp_path / "ck")["loader"]["pos"] == 5
+    target = Loader(0)
+    state = {"loader": target, "step": 0}
+    distckpt.load(state, tmp_path / "ck")
+    assert state["loader"] is target and target.pos == 5 and state["step"] == 1
+    assert torch.equal(target.loaded["order"], torch.arange(4) + 5)
+
+
+def _adam_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    distckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    return model, opt
+
+
+def test_raw_optimizer_without_state_says_how_to_fix(tmp_path):
+    _adam_checkpoint(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with pytest.raises(errors.StateDictMismatchError) as ei:
+        distckpt.load(state, tmp_path / "ck")
+    assert "get_optimizer_state_dict" in ei.value.remedy and "optim.state.0.exp_avg" in str(ei.value)
+    res = distckpt.load(state, tmp_path / "ck", strict=False)
+    assert "optim.state.0.exp_avg_sq" in res.uninitialized and len(res.uninitialized) == 12
+
+
+def test_optimizer_state_through_torch_get_state_dict_is_initialized_and_loaded(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, opt = _adam_checkpoint(tmp_path)
+    msd, osd = get_state_dict(model, opt)
+    distckpt.save({"model": msd, "optim": osd}, tmp_path / "ck2")
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    msd2, osd2 = get_state_dict(model2, opt2)  # initializes the (empty) optimizer state
+    state = {"model": msd2, "optim": osd2}
+    distckpt.load(state, tmp_path / "ck2")
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert opt2.param_groups[0]["lr"] == 0.01
+    for p, q in zip(opt.state.values(), opt2.state.values()):
+        for k in p:
+            assert torch.equal(p[k], q[k]), k
+
+
+# ------------------------------------------------------------------------------------------
+# Several ranks: key union, replica checks, single-process saves inside the job.
+
+
+def _ranks_body(rank, world, root):
+    import torch.distributed as dist
+    out = {}
+    # Per-rank keys (torchtitan's dataloader.dp_rank_<r>) and a tensor held by rank 1 only.
+    sd = {"model": {"w": torch.arange(4.0)}, "step": 7, f"dataloader.dp_rank_{rank}": {"pos": 10 + rank},
+          "rng": {"seed": 100 + rank}}
+    if rank == 1:
+        sd["owner_only"] = torch.full((3,), 5.0)
+    with pytest.raises(errors.DistCkptError) as ei:  # rng differs per rank: detected, not rank 0's
+        distckpt.save(sd, f"{root}/diff")
+    out["diff_msg"] = str(ei.value)
+    distckpt.save(sd, f"{root}/ok", replicated={"rng"})
+    got = distckpt.read(f"{root}/ok")
+    out["keys"] = sorted(got)
+    out["dl"] = [got["dataloader.dp_rank_0"]["pos"], got["dataloader.dp_rank_1"]["pos"]]
+    out["rng"] = got["rng"]["seed"]
+    out["owner_only"] = got["owner_only"].tolist()
+    # Every rank may ask for every per-rank key (a load asks only for what its state dict names).
+    target = {f"dataloader.dp_rank_{r}": {"pos": 0} for r in range(world)}
+    distckpt.load(target, f"{root}/ok")
+    out["loaded_dl"] = [target[f"dataloader.dp_rank_{r}"]["pos"] for r in range(world)]
+    # A plain tensor that is not a real replica is detected.
+    with pytest.raises(errors.DistCkptError) as ei:
+        distckpt.save({"rng_state": torch.tensor([rank, 1])}, f"{root}/tensor_diff")
+    out["tensor_msg"] = str(ei.value)
+    distckpt.save({"rng_state": torch.tensor([rank, 1])}, f"{root}/rank0", replicated="rank0")
+    out["rank0"] = distckpt.read(f"{root}/rank0")["rng_state"].tolist()
+    # One rank saves alone inside the running job: no collective (rank 1 is not calling save).
+    if rank == 0:
+        t0 = time.monotonic()
+        res = distckpt.save({"seed": torch.ones(2), "note": "export"}, f"{root}/solo", no_dist=True)
+        out["solo"] = (res.world_size, time.monotonic() - t0)
+        back = {"seed": torch.zeros(2), "note": ""}
+        distckpt.load(back, f"{root}/solo", no_dist=True)
+        out["solo_back"] = (back["seed"].tolist(), back["note"])
+        distckpt.async_save({"x": torch.ones(1)}, f"{root}/solo_async", no_dist=True).result()
+    dist.barrier()
+    # A process group of one rank: also no collective, no side group over the world.
+    groups = [dist.new_group([r]) for r in range(world)]
+    res = distckpt.save({"r": torch.tensor([rank])}, f"{root}/own{rank}", process_group=groups[rank])
+    out["own"] = (res.world_size, distckpt.read(f"{root}/own{rank}")["r"].tolist())
+    return out
+
+
+def test_device_digest_tells_replicas_apart():
+    # The digest used for tensors that are not on the CPU (no GPU here: run it on CPU tensors).
+    from distckpt.coordinator import _device_digest
+    a = torch.randn(1000, 3)
+    assert _device_digest(a) == _device_digest(a.clone())
+    b = a.clone()
+    b[500, 1] = torch.nextafter(b[500, 1], torch.tensor(1e9))  # one ulp
+    assert _device_digest(a) != _device_digest(b)
+    c = a.clone()
+    c[0, 0], c[0, 1] = a[0, 1], a[0, 0]  # swapped values: same plain sum, other weighted sum
+    assert _device_digest(a) != _device_digest(c)
+    assert _device_digest(torch.arange(7, dtype=torch.uint8)) != _device_digest(torch.arange(1, 8, dtype=torch.uint8))
+
+
+def test_key_union_replica_checks_and_single_process_saves(tmp_path):
+    r0, r1 = run_ranks(_ranks_body, 2, str(tmp_path), timeout=240)
+    assert "'rng.seed' differs between ranks (rank 0 vs rank 1)" in r0["diff_msg"]
+    assert "replicated='rank0'" in r0["diff_msg"]
+    assert r0["keys"] == ["dataloader.dp_rank_0", "dataloader.dp_rank_1", "model", "owner_only", "rng", "step"]
+    assert r0["dl"] == [10, 11] and r0["rng"] == 100 and r0["owner_only"] == [5.0, 5.0, 5.0]
+    assert r0["loaded_dl"] == r1["loaded_dl"] == [10, 11]
+    assert "'rng_state' differs between ranks (rank 0 vs rank 1)" in r1["tensor_msg"]
+    assert r0["rank0"] == [0, 1]
+    assert r0["solo"][0] == 1 and r0["solo_back"] == ([1.0, 1.0], "export")
+    assert r0["own"] == (1, [0]) and r1["own"] == (1, [1])
+    assert not os.path.exists(tmp_path / "diff") and not os.path.exists(tmp_path / "tensor_diff")
