@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from bench import _barrier, drop_caches, make_state, parse_size, rm, spawn, state_bytes  # noqa: E402
+from bench import _barrier, _rchar, drop_caches, make_state, parse_size, rm, spawn, state_bytes  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -43,14 +43,6 @@ def _status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
-
-
-def _rchar() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _mesh(world):
