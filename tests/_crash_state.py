@@ -208,12 +208,7 @@ def check_after_crash(root: str, *, before: list[int], acked: int | None, in_fli
         v.append(f"I6: the next save (step {nxt}) after the crash failed: {type(exc).__name__}: {exc}")
         return out
     after = committed_steps(root)
-    if leftovers(root):
-        v.append(f"I6: leftovers not reclaimed by the next save: {leftovers(root)}")
-    if usual_names is not None:
-        odd = sorted(n for n in os.listdir(root) if n.startswith(".") and name_pattern(n) not in usual_names)
-        if odd:
-            v.append(f"I6: hidden names no crash-free save leaves, still there after the next save: {odd}")
+    _check_reclaimed(v, root, usual_names)
     if not after or after[-1] != nxt:
         v.append(f"I6: after the next save the newest step is {after[-1] if after else None}, not {nxt}")
     if len(after) > KEEP:
@@ -286,10 +281,16 @@ def check_overwrite_after_crash(path: str, *, old: int, new: int, acked: bool,
         return out
     if not same(distckpt.read(path), expected_state(new + 1)):
         v.append("I1: after the next overwrite the checkpoint is not that step")
-    if leftovers(parent):
-        v.append(f"I6: leftovers not reclaimed by the next save: {leftovers(parent)}")
+    _check_reclaimed(v, parent, usual_names)
+    return out
+
+
+def _check_reclaimed(v: list, directory: str, usual_names) -> None:
+    """I6 after the next save: no tmp/del leftover, and (when ``usual_names`` is known) no hidden
+    name that a crash-free save never leaves behind."""
+    if leftovers(directory):
+        v.append(f"I6: leftovers not reclaimed by the next save: {leftovers(directory)}")
     if usual_names is not None:
-        odd = sorted(n for n in os.listdir(parent) if n.startswith(".") and name_pattern(n) not in usual_names)
+        odd = sorted(n for n in os.listdir(directory) if n.startswith(".") and name_pattern(n) not in usual_names)
         if odd:
             v.append(f"I6: hidden names no crash-free save leaves, still there after the next save: {odd}")
-    return out
