@@ -204,7 +204,7 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
         return ControlGroup(None, 0, 1)
     # DISTCKPT_ARRIVAL_TIMEOUT_S=0 turns the check off: a missing rank is then reported by the
     # first collective, after DISTCKPT_TIMEOUT_S.
-    if channel == "control" and world > 1 and get_config().arrival_timeout_s > 0:
+    if channel == "control" and get_config().arrival_timeout_s > 0:
         check_arrival(pg, rank, world, operation)
     # Always a side group of our own, even over a gloo world: it carries our bounded timeout
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).

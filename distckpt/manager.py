@@ -14,8 +14,9 @@ Invariants:
     after a crash between a commit and that write it lags, and the newer commit wins (it is
     complete and durable: I1 allows the previous or the new checkpoint). After a rollback (load
     step 200 of 100/200/300, save 250) the newest commit is 250, never 300.
-  * Saving step S makes every committed step numbered above S an *abandoned branch* (the run
-    rolled back). Default: they are deleted right after S is committed, each deletion logged as a
+  * Saving step S after this manager's load() of an older step makes every committed step
+    numbered above S an *abandoned branch* (the run rolled back); without such a load they are
+    kept, with a warning. Default: they are deleted right after S is committed, each deletion logged as a
     warning with the reason; ``keep_abandoned=True`` keeps them (never rotated, never loaded by
     default; a later save of one of their numbers then raises CheckpointExistsError). A save whose
     number collides with a step of the abandoned branch of a rollback this manager loaded
@@ -188,8 +189,9 @@ class CheckpointManager:
 
     ``latest`` and ``load()`` (no step) are the newest step by commit order: the one the last
     completed save committed (also after a rollback: load 200 of 100/200/300 and save 250, and
-    250 is what load() gives and what ``latest`` names). Saving step S treats committed steps
-    numbered above S as an abandoned branch: deleted right after S commits, each deletion logged
+    250 is what load() gives and what ``latest`` names). Saving step S after a load() of an older step
+    treats committed steps numbered above S as an abandoned branch (without such a load they are
+    kept, with a warning): deleted right after S commits, each deletion logged
     as a warning with its reason (``keep_abandoned=True`` keeps them). The step ``load()`` resumed
     from is never rotated away by the first save after it. One manager save at a time per root
     (across processes: SaveInProgressError for the second). Leftovers of dead saves are reclaimed by
@@ -306,19 +308,32 @@ class CheckpointManager:
                            _after_commit=after, _lock_path=lock, **kwargs)
             self._handles = [x for x in self._handles if not x.done()] + [h]
             return h
-        return save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
-                    _lock_path=lock, **kwargs)
+        result = save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
+                      _lock_path=lock, **kwargs)
+        self._resumed_from = None  # on every rank (the commit hook resets it on rank 0 only)
+        return result
 
     def _after_commit(self, step: int, protect: int | None) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         local.replace_file_atomic(os.path.join(self.root, "latest"), (step_dirname(step) + "\n").encode())
         steps = self.steps()
         above = [s for s in steps if s > step]
-        if above and self.keep_abandoned:
+        if above and protect is None:
+            # Steps above this one are an abandoned branch only after a rollback through this
+            # manager's load(); otherwise (a fresh job, another manager, a plain load) nothing
+            # says they are abandoned, and deleting them could destroy the newest work: keep them.
+            log.warning("distckpt: keeping %s under %s: numbered above the step just saved (%d), but this "
+                        "manager did not resume from an older step, so they are not treated as an abandoned "
+                        "branch; `latest` and load() now name step %d (newest by commit order)",
+                        [step_dirname(s) for s in above], self.root, step, step)
+            above_doomed: list[int] = []
+        else:
+            above_doomed = [] if self.keep_abandoned else above
+        if above and protect is not None and self.keep_abandoned:
             log.warning("distckpt: keeping %s under %s: numbered above the step just saved (%d), they are an "
                         "abandoned branch (keep_abandoned=True): never rotated, not loaded by default",
                         [step_dirname(s) for s in above], self.root, step)
-        for old in ([] if self.keep_abandoned else above):
+        for old in above_doomed:
             log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
                         "steps)", self.path(old), step, step_dirname(old))

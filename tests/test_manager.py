@@ -248,6 +248,22 @@ def test_rollback_then_resume(tmp_path, caplog):
     assert got["step"] == 250
 
 
+def test_lower_step_without_a_rollback_deletes_nothing_newer(tmp_path, caplog):
+    """Only a rollback through this manager's load() makes higher steps an abandoned branch: a
+    fresh job (or a plain load) that saves a lower step must not delete newer checkpoints."""
+    root = tmp_path / "root"
+    first = distckpt.CheckpointManager(root)
+    for step in (100, 200, 300):
+        first.save(step, _state(step))
+    fresh = distckpt.CheckpointManager(root, keep_last=2)
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        fresh.save(0, _state(0))
+    assert fresh.steps() == [0, 100, 200, 300]
+    assert "step_00000300" in caplog.text and "not treated as an abandoned branch" in caplog.text
+    assert fresh.latest_step() == 0  # newest by commit order, as `latest` says
+    assert (root / "latest").read_text() == "step_00000000\n"
+
+
 def test_rollback_keep_abandoned_and_resumed_step_protected(tmp_path):
     root = tmp_path / "root"
     first = distckpt.CheckpointManager(root)
