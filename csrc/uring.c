@@ -5,10 +5,10 @@
  * protocol and nothing else. It uses the io_uring system calls directly (<linux/io_uring.h> only,
  * no liburing), so building it needs gcc and the Python headers and nothing more.
  *
- * Invariants (what distckpt.io and the tests rely on):
+ * Invariants (what distckpt.storage.posix and the tests rely on):
  *   - Every failure of a system call surfaces as OSError carrying errno and the file name; nothing
  *     here prints, aborts, or kills the process. A short read that ends before the requested bytes
- *     raises EOFError (distckpt.io turns it into DataFileTruncatedError).
+ *     raises EOFError (distckpt.storage.posix turns it into DataFileTruncatedError).
  *   - The GIL is released around every copy, submit and wait. The caller's buffer stays exported
  *     (Py_buffer held) for the whole call, and every copy out of it finishes before the call
  *     returns, so no caller memory is referenced after a method returns.
@@ -24,7 +24,7 @@
  *
  * SIGXFSZ: a write past RLIMIT_FSIZE makes the kernel send SIGXFSZ, whose default action kills the
  * process. This module does NOT touch signal dispositions (that is process-global policy); CPython
- * itself ignores SIGXFSZ at start-up, and distckpt.io re-asserts SIG_IGN on first use when an
+ * itself ignores SIGXFSZ at start-up, and distckpt.storage.posix re-asserts SIG_IGN on first use when an
  * embedding application left it at SIG_DFL, so the write fails with EFBIG and surfaces as OSError.
  */
 #define _GNU_SOURCE

@@ -52,7 +52,7 @@ import torch
 from ._dist import ControlGroup, control_group
 from .config import get_config
 from .coordinator import SAVE_GATE, SaveResult, finish_save, plan_save
-from .io.probe import ensure_sigxfsz_ignored
+from .storage.posix.probe import ensure_sigxfsz_ignored
 
 __all__ = ["async_save", "AsyncSaveHandle", "StagingPool", "staging_pool", "release_staging_memory",
            "raise_background_failure", "wait_for_saves"]

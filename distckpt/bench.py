@@ -1,6 +1,6 @@
 """Benchmarks: ``distckpt bench DIR`` (also ``python -m distckpt.bench DIR``).
 
-The I/O benchmark writes the same number of bytes through every distckpt.io backend, in the same
+The I/O benchmark writes the same number of bytes through every distckpt.storage.posix backend, in the same
 directory and the same run, and compares each with the raw O_DIRECT sequential-write baseline of
 this device: fio (io_uring, O_DIRECT, 4 MiB blocks, iodepth 8, end_fsync) when installed, else the
 project's own plain O_DIRECT pwrite loop. Timings include open, every write, the fsync and close:
@@ -74,7 +74,7 @@ def _sources(size_bytes: int) -> tuple[memoryview, memoryview]:
 
 
 def _write_backend(directory: str, name: str, size_bytes: int, src: memoryview, size_hint: int | None) -> float:
-    from . import io as dio
+    from .storage import posix as dio
 
     choice = dio.choose_backend(directory, backend=name)
     path = os.path.join(directory, f".bench-{name}-{os.getpid()}.bin")
@@ -146,7 +146,7 @@ def run_io_bench(
         directory: Existing directory on the file system to measure (files are removed after).
         size_bytes: Bytes per file (default 1 GiB).
         repeat: Repetitions per backend; the median is reported.
-        backends: Which distckpt.io backends to run.
+        backends: Which distckpt.storage.posix backends to run.
         baseline: "fio", "loop" or "auto" (fio when installed).
         block_size, queue_depth: Override DISTCKPT_BLOCK_SIZE / DISTCKPT_QUEUE_DEPTH for the run.
         size_hint: Pass the file size to open_writer (one fallocate up front, as a save does);

@@ -9,7 +9,7 @@ about once per process, naming the closest known variable: a silently ignored se
 
 | variable                    | default  | meaning                                                   |
 |-----------------------------|----------|-----------------------------------------------------------|
-| DISTCKPT_IO_BACKEND         | auto     | auto, uring, pwrite or buffered (see distckpt.io)          |
+| DISTCKPT_IO_BACKEND         | auto     | auto, uring, pwrite or buffered (see distckpt.storage.posix)          |
 | DISTCKPT_QUEUE_DEPTH        | 8        | writes/reads kept in flight per file                      |
 | DISTCKPT_BLOCK_SIZE         | 4M       | bytes per aligned staging block (one I/O request)          |
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | largest checksummed block; a save picks a smaller one (>= |

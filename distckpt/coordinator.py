@@ -32,7 +32,7 @@ before the commit, and an old checkpoint is replaced only by an atomic exchange;
 and MANIFEST is fsynced before the rename, the parent after it; I4 every failure is typed and
 reaches every rank through the gather/broadcast of each phase; I5 writers close their fds on every
 path; I6 tmp dirs of crashed saves are reclaimed at the next save of the same name, and only of dead saves:
-rank 0 holds a save lock (:mod:`distckpt.storage.savelock`) from PREPARE until its tmp dir is gone
+rank 0 holds a save lock (:mod:`distckpt.storage.posix.savelock`) from PREPARE until its tmp dir is gone
 or published, and reclaim skips every leftover whose lock is held (by any process).
 """
 
@@ -61,7 +61,7 @@ from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
 from .plan import Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect
 from .staging import dtype_name, host_bytes
-from .storage import local
+from .storage.posix import commit as local
 
 __all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs",
            "scan_leftovers", "Leftover", "is_committed", "TMP_RE", "LOCK_RE", "ROOT_LOCK_NAME", "lock_file"]
@@ -103,7 +103,7 @@ def is_committed(path: str) -> bool:
 
 
 def lock_file(parent: str, name: str) -> str:
-    """The liveness lock of a save of ``parent/name`` (see :mod:`distckpt.storage.savelock`)."""
+    """The liveness lock of a save of ``parent/name`` (see :mod:`distckpt.storage.posix.savelock`)."""
     return os.path.join(parent, f".{name}.lock")
 
 
@@ -132,7 +132,7 @@ def scan_leftovers(parent: str, *, other_hosts: bool = False) -> list[Leftover]:
     absent) and were last held on this host; unknown otherwise. The directory is listed *before*
     the locks are probed: a save creates its tmp dir only after taking its lock and releases the
     lock only after the tmp dir is gone, so a listed entry whose locks are free is never live."""
-    from .storage import savelock
+    from .storage.posix import savelock
     try:
         entries = os.listdir(parent)
     except FileNotFoundError:
@@ -173,10 +173,10 @@ def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool 
     """Delete the leftovers of *dead* saves and deletions in ``parent`` (``.NAME.tmp-*`` /
     ``.NAME.del-*`` and stale ``.NAME.lock`` files; all names when ``name`` is None). A leftover
     whose save is alive (its lock is held, by any process) is never touched; one whose liveness
-    cannot be decided (another host's, see :mod:`distckpt.storage.savelock`) is left alone and
+    cannot be decided (another host's, see :mod:`distckpt.storage.posix.savelock`) is left alone and
     logged as a warning unless ``other_hosts``. Committed directories are never touched.
     Returns the entries removed."""
-    from .storage import savelock
+    from .storage.posix import savelock
     removed, kept = [], []
     leftovers = scan_leftovers(parent, other_hosts=other_hosts)
     with_dirs = {lo.name for lo in leftovers if lo.kind != "lock"}
@@ -444,7 +444,7 @@ def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: i
              lock_path: str | None = None) -> tuple[str, Any]:
     """Reclaim dead leftovers of this name, take the save lock, check the target and the space,
     create the tmp dir. Returns (tmp dir, the held lock); on error the lock is released."""
-    from .storage import savelock
+    from .storage.posix import savelock
     from .preflight import refuse_pseudo_fs
     parent, name = os.path.split(os.path.abspath(final_dir))
     refuse_pseudo_fs(parent, rank=rank)
@@ -494,7 +494,7 @@ def _nbytes(t) -> int:
 
 def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checksum_block: int):
     """Write this rank's owned pieces into one data file. Returns (records, size, backend choice)."""
-    from .io import choose_backend, open_writer
+    from .storage.posix import choose_backend, open_writer
 
     choice = choose_backend(os.path.dirname(path))
     records: list[tuple[str, mf.ChunkRecord]] = []

@@ -9,7 +9,7 @@ Invariants:
   * Every instance carries ``path``, ``rank`` and ``remedy`` fields, states expected vs found in
     its message, and survives pickling (errors travel between ranks over the control group).
   * errno is mapped to a class in exactly one place: :func:`from_os_error`, called at the storage
-    boundary (distckpt.io, distckpt.storage).
+    boundary (distckpt.storage.posix).
 
 This module imports nothing from distckpt but the leaf distckpt.sizes.
 """
@@ -381,7 +381,7 @@ class RanksMissingError(PeerLostError):
 def fill_rank(exc: BaseException, rank: int | None) -> BaseException:
     """Record ``rank`` on a typed error that does not know its rank yet; returns ``exc``.
 
-    The storage layer (distckpt.io, distckpt.storage) raises without knowing which rank it runs
+    The storage layer (distckpt.storage.posix) raises without knowing which rank it runs
     on; RANK is only in the environment under torchrun. The collective code that caught the error
     knows its group rank, so it fills the field in before the error is raised or exchanged: a
     single-process save reports rank 0 instead of None, and a rank of a sub-group its group rank.

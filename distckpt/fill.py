@@ -14,7 +14,7 @@ What it promises (restore.load / restore.read rely on it):
     merged into one read only when the gap between them is small against the bytes the read holds
     (at most 1/16 of them, and at most ``MAX_GAP``). ``bytes_read`` counts the file bytes the read
     calls asked for, gaps included.
-  * Page cache aware: each read goes through :meth:`distckpt.io.Reader.read_into`, which reads
+  * Page cache aware: each read goes through :meth:`distckpt.storage.posix.Reader.read_into`, which reads
     byte ranges whose pages are all cached with a buffered pread and the rest with O_DIRECT.
   * Overlap: ``WORKERS`` threads each read, verify and copy one segment at a time; the reads
     (io_uring / preadv), crc32c on blocks >= 32 KiB and torch's copies release the GIL, so the
@@ -271,7 +271,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
          open_reader: Callable[[str], Any], align: int) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
     a file index to its tasks (restore's _Task: fqn, chunk, inter, dest, dest_box, itemsize,
-    dtype); ``open_reader(path)`` opens a :class:`distckpt.io.Reader` (one per worker and file).
+    dtype); ``open_reader(path)`` opens a :class:`distckpt.storage.posix.Reader` (one per worker and file).
 
     Raises:
         ChecksumMismatchError: a block differs from its checksum; nothing of the segment holding it

@@ -48,7 +48,7 @@ from .coordinator import (MANIFEST, ROOT_LOCK_NAME, Leftover, SaveResult, is_com
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, from_os_error
 from .restore import LoadResult, load
 from .save import save
-from .storage import local
+from .storage.posix import commit as local
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaveHandle

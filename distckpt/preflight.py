@@ -26,7 +26,7 @@ deleted_open_files     space held on that file system by deleted-but-open files 
 writable               a probe file can be created, written, fsynced and removed.
                        -> StoragePermissionError / DiskFullError (via errors.from_os_error)
 fd_limit               RLIMIT_NOFILE leaves room for the fds a save opens. -> TooManyOpenFilesError
-io_backend             which distckpt.io backend (io_uring / O_DIRECT / buffered) will run and why.
+io_backend             which distckpt.storage.posix backend (io_uring / O_DIRECT / buffered) will run and why.
                        -> IOBackendUnavailableError
 memlock                RLIMIT_MEMLOCK when pinned memory will be used (warning).
 =====================  ==========================================================================
@@ -1221,14 +1221,14 @@ def fd_limit_check(n_needed: int, *, rank: int | None = None) -> CheckResult:
 
 
 def io_backend_check(path: str | os.PathLike) -> CheckResult:
-    """Report which distckpt.io backend (io_uring, O_DIRECT pwrite, buffered) will run and why.
+    """Report which distckpt.storage.posix backend (io_uring, O_DIRECT pwrite, buffered) will run and why.
 
-    distckpt.io is imported here, lazily: when it cannot be imported the result is a warning
+    distckpt.storage.posix is imported here, lazily: when it cannot be imported the result is a warning
     "unknown (io module not available yet)". A forced backend that cannot run here is an error
     carrying its IOBackendUnavailableError.
     """
     try:
-        from distckpt.io import choose_backend
+        from distckpt.storage.posix import choose_backend
     except ImportError as exc:
         return CheckResult("io_backend", WARNING, "unknown (io module not available yet)",
                            {"import_error": str(exc)})

@@ -237,7 +237,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
     bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
     from .fill import READ_PIECE, fill
-    from .io import choose_backend, open_reader
+    from .storage.posix import choose_backend, open_reader
 
     if not tasks:
         return 0, None

@@ -9,7 +9,7 @@ Promises:
     expected and found crc32c), each missing, truncated, oversized or non-regular data file. A
     damaged file does not stop the others from being checked.
   * Read-only: the checkpoint is opened for reading only (no probe file is created next to it:
-    distckpt.io.choose_read_backend), nothing is unpickled (objects live inside the MANIFEST,
+    distckpt.storage.posix.choose_read_backend), nothing is unpickled (objects live inside the MANIFEST,
     whose own checksum is checked when it is decoded), and torch is not imported.
   * With the O_DIRECT backends the bytes come from the device, not from the page cache: a block
     that rotted on disk is caught even when a clean copy of it is still cached.
@@ -170,7 +170,7 @@ def _open_file(ckpt: str, entry: "mf.FileEntry", report: VerifyReport) -> tuple[
 def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, choice,
                 report: VerifyReport, progress: Callable[[int], None] | None,
                 pool: concurrent.futures.Executor) -> None:
-    from .io import open_reader
+    from .storage.posix import open_reader
 
     blocks = _iter_blocks(chunks, block)
     cur = next(blocks, None)
@@ -246,7 +246,7 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     """
     if window < 4096 or window % 4096:
         raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")
-    from .io import choose_read_backend
+    from .storage.posix import choose_read_backend
 
     t0 = time.monotonic()
     path = os.path.abspath(os.fspath(path))

@@ -237,8 +237,8 @@ def _copy_publish(tmp_dir: str, final_dir: str, *, overwrite: bool) -> None:
 def apply_mutation(name: str | None) -> None:
     if not name:
         return
-    from distckpt.io import writer
-    from distckpt.storage import local
+    from distckpt.storage.posix import writer
+    from distckpt.storage.posix import commit as local
     if name == "copy-publish":
         local.publish_dir = _copy_publish
     elif name == "no-tmpdir-fsync":

@@ -153,7 +153,7 @@ class PowerCutHarness:
             import logging
 
             import distckpt
-            from distckpt.io import reset_choices
+            from distckpt.storage.posix import reset_choices
             from tests._crash_state import KEEP, apply_mutation, expected_state
             apply_mutation(self.mutation)
             logging.disable(logging.CRITICAL)  # after the cut every operation fails: expected noise

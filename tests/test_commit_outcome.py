@@ -102,7 +102,7 @@ def test_peer_lost_after_commit_is_reported_as_committed(tmp_path):
 def _rank0_dies_body(rank, world, root, when):
     import distckpt
     from distckpt import errors
-    from distckpt.storage import local
+    from distckpt.storage.posix import commit as local
 
     path = os.path.join(root, "ckpt")
     if rank == 0:

@@ -1,4 +1,4 @@
-"""distckpt.io error paths on real file systems and real limits: every failure is typed, keeps
+"""distckpt.storage.posix error paths on real file systems and real limits: every failure is typed, keeps
 errno, and leaves the fd table exactly as it was. Backend choice with io_uring really refused."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from distckpt import errors as E
-from distckpt import io as dio
+from distckpt.storage import posix as dio
 
 from . import _seccomp
 from ._io_helpers import BACKENDS, mount, need_root_and, run_child, umount
@@ -83,9 +83,9 @@ def test_enospc_loop_ext4(small_ext4, backend, aligned, monkeypatch):
 _EFBIG_CHILD = """
 import errno, os, resource, signal, sys
 if {reset_sigxfsz!r}:
-    # An embedding application left SIGXFSZ at its default (kill): distckpt.io must ignore it.
+    # An embedding application left SIGXFSZ at its default (kill): distckpt.storage.posix must ignore it.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-from distckpt import errors as E, io as dio
+from distckpt import errors as E; from distckpt.storage import posix as dio
 from tests.conftest import open_fds
 d = {directory!r}
 choice = dio.choose_backend(d, backend={backend!r})
@@ -115,7 +115,7 @@ def test_efbig_rlimit_fsize_in_child(tmp_path, backend, reset_sigxfsz):
 
 _EMFILE_CHILD = """
 import errno, os, resource
-from distckpt import errors as E, io as dio
+from distckpt import errors as E; from distckpt.storage import posix as dio
 from tests.conftest import open_fds
 d = {directory!r}
 choice = dio.choose_backend(d, backend={backend!r})
@@ -153,7 +153,7 @@ def test_emfile_rlimit_nofile_in_child(tmp_path, backend):
 _SECCOMP_CHILD = """
 import errno, os
 from tests import _seccomp
-from distckpt import _uring, errors as E, io as dio
+from distckpt import _uring, errors as E; from distckpt.storage import posix as dio
 _seccomp.deny_io_uring_setup()
 try:
     _uring.probe_uring()
@@ -233,7 +233,7 @@ def test_choice_and_reads_on_read_only_mount(small_ext4):
 def test_auto_uses_buffered_when_fs_has_no_o_direct(tmp_path, monkeypatch):
     """statx reporting DIO alignment 0/0 is the kernel saying "no O_DIRECT here": auto moves to
     buffered and says why; forcing an O_DIRECT backend raises instead of falling back."""
-    from distckpt.io import probe
+    from distckpt.storage.posix import probe
 
     monkeypatch.setattr(probe._uring, "statx_dioalign", lambda path: (0, 0, "statx"))
     dio.reset_choices()

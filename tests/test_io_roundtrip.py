@@ -1,4 +1,4 @@
-"""distckpt.io on a real ext4 file system: byte-exact round trips for every backend, O_DIRECT
+"""distckpt.storage.posix on a real ext4 file system: byte-exact round trips for every backend, O_DIRECT
 alignment really enforced, ranged reads, strict fd lifecycle, path primitives."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from distckpt import _uring
 from distckpt import errors as E
-from distckpt import io as dio
+from distckpt.storage import posix as dio
 
 from ._io_helpers import BACKENDS
 from .conftest import open_fds
@@ -260,7 +260,7 @@ def test_reader_missing_file(choice, ext4_dir):
 
 def test_choice_cached_logged_and_reported(ext4_dir, caplog):
     dio.reset_choices()
-    with caplog.at_level(logging.INFO, logger="distckpt.io"):
+    with caplog.at_level(logging.INFO, logger="distckpt.storage.posix"):
         a = dio.choose_backend(ext4_dir, backend="auto")
         b = dio.choose_backend(ext4_dir, backend="auto")
     assert a is b and a.name == "uring"

@@ -219,7 +219,7 @@ def test_resharding_load_reads_at_most_1_1x_what_it_needs(tmp_path):
 
 
 def test_cached_pages_are_read_without_o_direct(tmp_path):
-    from distckpt.io import choose_backend, open_reader
+    from distckpt.storage.posix import choose_backend, open_reader
     path = str(tmp_path / "ckpt")
     distckpt.save({"t": torch.rand(1 << 20)}, path)  # 4 MiB, written with O_DIRECT: not cached
     fpath = os.path.join(path, distckpt.read_manifest(path)["files"][0]["name"])

@@ -23,7 +23,7 @@ import torch
 
 import distckpt
 from distckpt import errors as E
-from distckpt import io as dio
+from distckpt.storage import posix as dio
 from distckpt import manifest as mf
 from distckpt import restore
 
@@ -162,7 +162,7 @@ def _snapshot(root: str) -> dict:
 
 _LOAD_READ_VERIFY = """
 import torch, distckpt
-from distckpt import io as dio
+from distckpt.storage import posix as dio
 from distckpt.cli import main
 path = PATH
 dio.reset_choices()  # every step probes afresh: the probe is what used to write

@@ -443,7 +443,7 @@ def test_other_hosts_leftovers_are_left_alone(tmp_path):
 
 
 def test_plain_save_of_a_path_being_saved_is_refused(tmp_path):
-    from distckpt.storage import savelock
+    from distckpt.storage.posix import savelock
     held = savelock.acquire(str(tmp_path / ".ck.lock"), save_id="cd" * 16, what=str(tmp_path / "ck"))
     try:
         with pytest.raises(SaveInProgressError) as ei:

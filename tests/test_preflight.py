@@ -530,15 +530,15 @@ def test_write_probe_leaves_no_file_and_no_fd(tmp_path):
 
 
 def test_io_backend_reported_and_forced_failure(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "distckpt.io", None)  # import fails -> warning, no crash
+    monkeypatch.setitem(sys.modules, "distckpt.storage.posix", None)  # import fails -> warning, no crash
     r = pf.io_backend_check(tmp_path)
     assert (r.status, r.message) == ("warning", "unknown (io module not available yet)")
 
-    fake = types.ModuleType("distckpt.io")
+    fake = types.ModuleType("distckpt.storage.posix")
     choice = types.SimpleNamespace(name="pwrite", reason="O_DIRECT works, io_uring disabled",
                                    mem_align=4096, offset_align=512, directory=str(tmp_path))
     fake.choose_backend = lambda d: choice
-    monkeypatch.setitem(sys.modules, "distckpt.io", fake)
+    monkeypatch.setitem(sys.modules, "distckpt.storage.posix", fake)
     r = pf.io_backend_check(tmp_path / "not-yet")
     assert r.status == "ok" and "pwrite: O_DIRECT works" in r.message and r.details["offset_align"] == 512
 
@@ -554,7 +554,7 @@ def test_io_backend_reported_and_forced_failure(monkeypatch, tmp_path):
 def test_io_backend_with_the_real_module(tmp_path):
     r = pf.io_backend_check(tmp_path)
     try:
-        importlib.import_module("distckpt.io").choose_backend  # noqa: B018
+        importlib.import_module("distckpt.storage.posix").choose_backend  # noqa: B018
     except (ImportError, AttributeError):
         assert r.status == "warning"
     else:

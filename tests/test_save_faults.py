@@ -32,7 +32,7 @@ import torch
 import distckpt
 from distckpt import errors as E
 from distckpt.coordinator import TMP_RE
-from distckpt.io import reset_choices
+from distckpt.storage.posix import reset_choices
 
 from . import _seccomp
 from .conftest import open_fds
@@ -143,7 +143,7 @@ def _save_prev(root: str) -> None:
 _CHILD_COMMON = """
 import os, sys, signal
 import torch, distckpt
-from distckpt.io import reset_choices
+from distckpt.storage.posix import reset_choices
 from distckpt.config import get_config
 from tests.conftest import open_fds
 
@@ -411,7 +411,7 @@ def fails_at(k):
 results = []
 for i, (backend, k) in enumerate(cases):
     fresh(DISTCKPT_IO_BACKEND=backend)
-    distckpt.io.choose_backend(root)   # probe now, not inside the counted save
+    distckpt.storage.posix.choose_backend(root)   # probe now, not inside the counted save
     fails_at(k)
     out = attempt(os.path.join(root, f"step_{i + 2}"), big_state(3 << 20), reset=False)
     out["case"] = [backend, k]

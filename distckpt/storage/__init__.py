@@ -1,2 +1,5 @@
-"""Storage back ends. ``local`` is the POSIX fast path (rename-based commit); an fsspec back end for
-object stores (no rename: MANIFEST written last is the commit marker) plugs in beside it."""
+"""Storage back ends.
+
+``posix`` is the local fast path: data files through per-rank O_DIRECT io_uring writers, and a
+commit made of directory operations (tmp dir, fsync, rename; see :mod:`distckpt.storage.posix.commit`).
+"""

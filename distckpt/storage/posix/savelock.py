@@ -38,7 +38,7 @@ import os
 import socket
 import time
 
-from ..errors import SaveInProgressError, from_os_error
+from ...errors import SaveInProgressError, from_os_error
 
 __all__ = ["SaveLock", "LockState", "acquire", "probe", "remove_if_dead", "this_host"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from .. import _uring
-from ..errors import from_os_error
+from ... import _uring
+from ...errors import from_os_error
 
 __all__ = ["exchange_paths", "fsync_path"]
 

@@ -9,7 +9,7 @@ Backends, in order of preference:
 
 Invariants:
   * The choice is made at most once per process per (file system, requested backend, read or
-    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.io`` logger,
+    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.storage.posix`` logger,
     and listed by :func:`last_choices`. Every choice carries the reason it was made.
   * Probes run the real code path: for a save, the O_DIRECT probe writes one block through the same
     C writer (io_uring or pwrite) that the save will use, into a temporary file that is always
@@ -33,13 +33,13 @@ import signal
 import threading
 import uuid
 
-from .. import _uring
-from ..config import get_config
-from ..errors import IOBackendUnavailableError, from_os_error
+from ... import _uring
+from ...config import get_config
+from ...errors import IOBackendUnavailableError, from_os_error
 
 __all__ = ["BackendChoice", "choose_backend", "choose_read_backend", "last_choices", "BACKEND_ORDER"]
 
-log = logging.getLogger("distckpt.io")
+log = logging.getLogger(__name__.rsplit(".", 1)[0])  # "distckpt.storage.posix"
 
 BACKEND_ORDER = ("uring", "pwrite", "buffered")
 

@@ -2,7 +2,7 @@
 
 Every function here translates OSError into the typed classes of distckpt.errors (via
 ``from_os_error``) and closes every fd it opens before returning or raising. Data files themselves
-go through distckpt.io (O_DIRECT writers); this module handles the small metadata files and the
+go through distckpt.storage.posix (O_DIRECT writers); this module handles the small metadata files and the
 directory operations whose ordering makes a commit atomic and durable:
 
   * :func:`write_file_durable`: write + fsync a small file (MANIFEST) under its final name inside a
@@ -22,8 +22,8 @@ import shutil
 import uuid
 from typing import Iterable
 
-from ..errors import CheckpointExistsError, DistCkptError, from_os_error
-from ..io import exchange_paths, fsync_path
+from ...errors import CheckpointExistsError, DistCkptError, from_os_error
+from .paths import exchange_paths, fsync_path
 
 __all__ = ["write_file_durable", "replace_file_atomic", "publish_dir", "remove_dir",
            "make_dir", "make_dirs_durable", "fsync_path"]

@@ -1,9 +1,9 @@
-"""distckpt.io: the storage backends every data file goes through.
+"""distckpt.storage.posix: the storage backends every data file goes through.
 
 Public surface (the rest of distckpt uses only these names):
   * :func:`choose_backend` / :class:`BackendChoice` / :func:`last_choices`: which backend runs on a
     file system (io_uring -> O_DIRECT pwrite -> buffered+fsync), chosen once per process per file
-    system, logged with its reason on the ``distckpt.io`` logger; never a silent fallback.
+    system, logged with its reason on the ``distckpt.storage.posix`` logger; never a silent fallback.
   * :func:`open_writer` -> :class:`Writer`: append-only, aligned-staging O_DIRECT writer.
   * :func:`open_reader` -> :class:`Reader`: ranged reads, many in flight;
     :func:`choose_read_backend` picks a backend for existing files without writing a probe file.

@@ -20,8 +20,8 @@ import errno
 import os
 from typing import Iterable, Sequence
 
-from .. import _uring
-from ..errors import DataFileTruncatedError, from_os_error
+from ... import _uring
+from ...errors import DataFileTruncatedError, from_os_error
 from .probe import BackendChoice, choose_backend
 
 __all__ = ["Reader", "open_reader"]

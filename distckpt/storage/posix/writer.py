@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 
-from .. import _uring
-from ..errors import from_os_error
+from ... import _uring
+from ...errors import from_os_error
 from .probe import BackendChoice, choose_backend, ensure_sigxfsz_ignored
 
 __all__ = ["Writer", "open_writer"]
