@@ -6,8 +6,9 @@ Invariants:
     memory and honours its timeout on CPU.
   * Every collective is bounded by DISTCKPT_TIMEOUT_S; a dead or hung peer becomes a
     :class:`PeerLostError` on the surviving ranks, never an endless wait.
-  * Errors are exchanged, not thrown across: every phase ends with an all-gather in which each rank
-    contributes either its result or its typed error, so all ranks take the same decision.
+  * Errors are exchanged, not thrown across: every phase ends with an exchange (an all-gather, or a
+    gather to rank 0 answered by a scatter or broadcast) in which each rank contributes either its
+    result or its typed error, so all ranks take the same decision.
   * Before the first collective of a save or load, every rank checks in through the job's store
     (:func:`check_arrival`), bounded by DISTCKPT_ARRIVAL_TIMEOUT_S: a call made on some ranks only
     (``save()`` on rank 0 only) raises :class:`RanksMissingError` naming the missing ranks within
@@ -79,6 +80,37 @@ class ControlGroup:
             return box[0]
 
         return self._wrap("broadcast", run)
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank ``dst``; ``None`` on the other ranks.
+
+        Unlike :meth:`all_gather`, a rank receives nothing: what a non-coordinator rank moves
+        does not grow with the number of ranks."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+
+        def run():
+            dist.gather_object(obj, out, dst=self._global(dst), group=self.pg)
+            return out
+
+        return self._wrap("gather", run)
+
+    def scatter(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """``objs[r]`` (given on rank ``src``, ``None`` elsewhere) delivered to rank r: each rank
+        receives only its own element."""
+        if self.world_size == 1:
+            return objs[0]
+        import torch.distributed as dist
+        box: list[Any] = [None]
+
+        def run():
+            dist.scatter_object_list(box, objs if self.rank == src else None, src=self._global(src),
+                                     group=self.pg)
+            return box[0]
+
+        return self._wrap("scatter", run)
 
     def _global(self, group_rank: int) -> int:
         import torch.distributed as dist

@@ -93,6 +93,8 @@ class SaveResult:
     backend: str
     backend_reason: str
     save_id: str
+    plan_cached: bool = False   # PLAN reused the previous save's plan (same layout on every rank)
+    plan_seconds: float = 0.0   # PLAN's wall time on this rank (included in ``seconds``)
 
 
 def is_committed(path: str) -> bool:
@@ -359,15 +361,27 @@ def _ranks_text(groups: dict[Any, list[int]]) -> str:
     return " vs ".join(f"ranks {rs}" if len(rs) > 1 else f"rank {rs[0]}" for rs in groups.values())
 
 
-def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda fqn: True) -> _GlobalPlan:
-    """Merge every rank's summary. Pure and deterministic: every rank computes the same plan.
+@dataclasses.dataclass
+class _Layout:
+    """The part of a plan that depends only on the ranks' tensor layouts and container trees (what
+    a training loop keeps constant from one save to the next), so a save with the same layouts on
+    every rank can reuse it (see :func:`plan_save`). ``early``/``late`` are the problems found,
+    in the order _merge_plan reports them around the value checks."""
 
-    The checkpoint's key set is the union of the ranks' keys (as in DCP). A key held by several
-    ranks must mean one value: non-tensor values must encode to the same bytes, plain tensors must
-    have the same digest (when the ``replicated`` option checks that key; ranks not checking send
-    no digest), else StateDictMismatchError naming the key and which ranks hold which value."""
+    tensors: dict[str, tuple[str, str, tuple]]
+    owners: dict[tuple, int]
+    bytes_per_rank: list[int]
+    tree: dict
+    checksum_block: int
+    early: list[str]
+    late: list[str]
+
+
+def _merge_layout(summaries: list[dict]) -> _Layout:
+    """Merge the ranks' tensor layouts: one dtype and shape per key, boxes that tile each tensor,
+    one writer per distinct box (balancing bytes), the union of the container trees."""
     world = len(summaries)
-    problems = []
+    early: list[str] = []
     meta: dict[str, tuple[str, str, tuple]] = {}
     candidates: dict[tuple, list[tuple[int, int]]] = {}
     for r, s in enumerate(summaries):
@@ -375,10 +389,55 @@ def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda f
             shape = tuple(shape)
             seen = meta.setdefault(fqn, (kind, dtype, shape))
             if seen[1:] != (dtype, shape):
-                problems.append(f"{fqn!r} is {seen[1]}{list(seen[2])} on one rank and {dtype}{list(shape)} on rank {r}")
+                early.append(f"{fqn!r} is {seen[1]}{list(seen[2])} on one rank and {dtype}{list(shape)} on rank {r}")
                 continue
             for offsets, sizes, nbytes in pieces:
                 candidates.setdefault((fqn, tuple(offsets), tuple(sizes)), []).append((r, nbytes))
+    # Distinct boxes of one tensor must tile its global shape: disjoint and covering. Identical
+    # boxes on several ranks are replicas (one writer is chosen, so they count once here).
+    late: list[str] = []
+    boxes_by_fqn: dict[str, list[Box]] = {}
+    for fqn, offsets, sizes in candidates:
+        boxes_by_fqn.setdefault(fqn, []).append(Box(offsets, sizes))
+    for fqn, (kind, dtype, shape) in meta.items():
+        boxes = boxes_by_fqn.get(fqn, [])
+        try:
+            defect = find_tiling_defect(boxes, Box.full(shape))
+        except ValueError as exc:
+            late.append(f"pieces of {fqn!r} do not fit its shape {list(shape)}: {exc}")
+            continue
+        if defect is not None:
+            late.append(f"the ranks' pieces of {fqn!r} (shape {list(shape)}) must cover it exactly once: "
+                        f"{defect.kind} at {defect.region}")
+    tree = _merge_trees([s["tree"] for s in summaries], late)
+    if early or late:
+        return _Layout(meta, {}, [0] * world, tree, 0, early, late)
+    owners = assign_owners(candidates)
+    bytes_per_rank = [0] * world
+    for key, r in owners.items():
+        bytes_per_rank[r] += dict(candidates[key])[r]
+    # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
+    # small blocks, so a resharding load reads little more than it needs.
+    block = choose_checksum_block((dict(candidates[key])[r] for key, r in owners.items()),
+                                  get_config().checksum_block)
+    return _Layout(meta, owners, bytes_per_rank, tree, block, early, late)
+
+
+def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda fqn: True,
+                layout: _Layout | None = None) -> _GlobalPlan:
+    """Merge every rank's summary. Pure and deterministic.
+
+    The checkpoint's key set is the union of the ranks' keys (as in DCP). A key held by several
+    ranks must mean one value: non-tensor values must encode to the same bytes, plain tensors must
+    have the same digest (when the ``replicated`` option checks that key; ranks not checking send
+    no digest), else StateDictMismatchError naming the key and which ranks hold which value.
+
+    ``layout``: a :class:`_Layout` merged earlier from these same tensor layouts and trees (a
+    cached plan); only the values (objects, digests) are merged and checked again."""
+    if layout is None:
+        layout = _merge_layout(summaries)
+    meta = layout.tensors
+    problems = list(layout.early)
     # Plain tensors under one key on several ranks are written once: they must be real replicas.
     digests: dict[str, dict[int, list[int]]] = {}
     for r, s in enumerate(summaries):
@@ -400,22 +459,7 @@ def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda f
     for fqn, groups in sorted(values.items()):
         if len(groups) > 1 and checked(fqn):
             problems.append(f"value {fqn!r} differs between ranks ({_ranks_text(groups)})")
-    # Distinct boxes of one tensor must tile its global shape: disjoint and covering. Identical
-    # boxes on several ranks are replicas (one writer is chosen, so they count once here).
-    boxes_by_fqn: dict[str, list[Box]] = {}
-    for fqn, offsets, sizes in candidates:
-        boxes_by_fqn.setdefault(fqn, []).append(Box(offsets, sizes))
-    for fqn, (kind, dtype, shape) in meta.items():
-        boxes = boxes_by_fqn.get(fqn, [])
-        try:
-            defect = find_tiling_defect(boxes, Box.full(shape))
-        except ValueError as exc:
-            problems.append(f"pieces of {fqn!r} do not fit its shape {list(shape)}: {exc}")
-            continue
-        if defect is not None:
-            problems.append(f"the ranks' pieces of {fqn!r} (shape {list(shape)}) must cover it exactly once: "
-                            f"{defect.kind} at {defect.region}")
-    tree = _merge_trees([s["tree"] for s in summaries], problems)
+    problems += layout.late
     if problems:
         differ = any("differs between ranks" in p for p in problems)
         raise StateDictMismatchError(
@@ -425,15 +469,7 @@ def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda f
                     "replicated='rank0' or replicated={'key', ...} to save." if differ else
                     "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
                     "that holds it, with one dtype and shape."))
-    owners = assign_owners(candidates)
-    bytes_per_rank = [0] * world
-    for key, r in owners.items():
-        bytes_per_rank[r] += dict(candidates[key])[r]
-    # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
-    # small blocks, so a resharding load reads little more than it needs.
-    block = choose_checksum_block((dict(candidates[key])[r] for key, r in owners.items()),
-                                  get_config().checksum_block)
-    return _GlobalPlan(meta, owners, bytes_per_rank, objects, tree, block)
+    return _GlobalPlan(meta, layout.owners, layout.bytes_per_rank, objects, layout.tree, layout.checksum_block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,17 +569,110 @@ class PlannedSave:
     (``mine``: (fqn, Piece) in write order). Object values and the tree are already encoded in
     ``plan`` (a snapshot); tensor bytes are read from ``Piece.tensor`` only in phase 3."""
 
-    plan: "_GlobalPlan"
+    plan: "_GlobalPlan"   # the whole plan on rank 0; on other ranks only its checksum_block
     mine: list
     t0: float
+    plan_cached: bool = False   # the plan cache was hit (see plan_save)
+    plan_seconds: float = 0.0   # PLAN's wall time on this rank
+
+
+@dataclasses.dataclass
+class _PlanCache:
+    """What a rank remembers of the last plan it took part in on one control group.
+
+    Every rank: the plan's id, its own layout key and which of its pieces it writes. Rank 0 also:
+    every rank's layout key and layout (tensors + tree) and the merged :class:`_Layout`."""
+
+    plan_id: str
+    key: bytes
+    bits: bytes
+    keys: list[bytes] | None = None
+    layouts: list[dict] | None = None
+    layout: _Layout | None = None
+
+
+# control group (its gloo side group; None for one process) -> _PlanCache. One entry per group:
+# a save with another layout replaces it. Strong references, like _dist's side groups.
+_PLAN_CACHE: dict[Any, _PlanCache] = {}
+
+
+def _layout_key(summary: dict) -> bytes:
+    """A fingerprint of what the cacheable part of a plan depends on: the tensors' keys, kinds,
+    dtypes, shapes and local boxes, and the container tree. Equal layouts give equal keys; a
+    different layout gives a different key (blake2b, 128 bits)."""
+    import hashlib
+    import pickle
+    return hashlib.blake2b(pickle.dumps((summary["tensors"], summary["tree"]), protocol=4), digest_size=16).digest()
+
+
+def _owned_bits(summary: dict, owners: dict[tuple, int], rank: int) -> bytes:
+    """One bit per piece of ``summary`` (in its order): 1 where ``rank`` writes that piece."""
+    flags = [owners.get((fqn, tuple(o), tuple(sz))) == rank
+             for fqn, (_k, _d, _s, pieces) in summary["tensors"].items() for o, sz, _n in pieces]
+    out = bytearray((len(flags) + 7) // 8)
+    for i, f in enumerate(flags):
+        if f:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def _coordinate_plan(group: ControlGroup, gathered: list,
+                     checked: Callable[[str], bool]) -> tuple[list, _GlobalPlan | None]:
+    """Rank 0's part of PLAN: merge (or reuse) the plan from the gathered messages. Returns each
+    rank's reply and the whole plan (None on failure). Never raises: a failure is the reply."""
+    world = group.world_size
+    errors = [m[-1] for m in gathered]
+    if any(e is not None for e in errors):
+        return [("fail", errors)] * world, None
+    cache = _PLAN_CACHE.get(group.pg)
+    layouts, keys, sent_full = [], [], []
+    for r, msg in enumerate(gathered):
+        if msg[0] == "layout":
+            summary, key = msg[1], msg[2]
+            layouts.append({"tensors": summary["tensors"], "tree": summary["tree"]})
+            sent_full.append(True)
+        else:
+            _, key, plan_id, _values, _ = msg
+            if cache is None or cache.plan_id != plan_id or cache.keys[r] != key:
+                # This rank's memory of the last plan is not rank 0's (a collective of that plan
+                # failed midway): everyone sends its full layout again, once.
+                return [("resend",)] * world, None
+            layouts.append(cache.layouts[r])
+            sent_full.append(False)
+        keys.append(key)
+    summaries = [dict(layouts[r], objects=(m[1] if m[0] == "layout" else m[3])["objects"],
+                      digests=(m[1] if m[0] == "layout" else m[3])["digests"]) for r, m in enumerate(gathered)]
+    reuse = cache is not None and cache.keys == keys
+    try:
+        plan = _merge_plan(summaries, checked, cache.layout if reuse else None)
+    except Exception as exc:  # StateDictMismatchError: the same error on every rank
+        return [("error", _portable(exc))] * world, None
+    if reuse:
+        bits = [None if not full else _owned_bits(layouts[r], plan.owners, r) for r, full in enumerate(sent_full)]
+        plan_id = cache.plan_id
+    else:
+        bits = [_owned_bits(layouts[r], plan.owners, r) for r in range(world)]
+        plan_id = uuid.uuid4().hex
+        layout = _Layout(plan.tensors, plan.owners, plan.bytes_per_rank, plan.tree, plan.checksum_block, [], [])
+        _PLAN_CACHE[group.pg] = _PlanCache(plan_id, keys[0], bits[0], keys, layouts, layout)
+    return [("ok", plan_id, bits[r], plan.checksum_block, reuse) for r in range(world)], plan
 
 
 def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None,
               path: str | None = None, replicated: Any = "check") -> PlannedSave:
-    """Phase 1 (PLAN) on this rank. Collective; raises the same typed error on every rank."""
+    """Phase 1 (PLAN) on this rank. Collective; raises the same typed error on every rank.
+
+    Control plane (what scales with ranks): each rank sends its summary to rank 0 only (a gather),
+    rank 0 merges once and sends each rank only which of its own pieces it writes (a scatter of a
+    bitmap), so what a rank other than 0 sends and receives does not grow with the number of ranks.
+    Plan cache: a rank whose layout (tensor keys, dtypes, shapes, boxes, container tree) equals its
+    layout at the last plan on this group sends only a fingerprint and its values; when every rank
+    did, rank 0 skips the layout merge and every rank reuses its bitmap. Values (non-tensor
+    objects, replica digests) are merged and checked at every save. Any difference, or any doubt
+    (a collective of the last plan failed midway), gives a full plan, never a stale one."""
     t0 = time.monotonic()
     rank = group.rank
-    summary, error, items, checked = None, None, {}, None
+    summary, error, items, checked, key = None, None, {}, None, None
     try:
         checked = check_replicated_option(replicated)
         if get_config().preflight:
@@ -555,18 +684,43 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
         # check_objects=False: _summarize encodes (and so checks) every value right below.
         tree, items = flatten(state_dict, allow_pickle=allow_pickle, check_objects=False)
         summary = _summarize(items, tree, rank, allow_pickle, metadata, checked)
+        key = _layout_key(summary)
     except Exception as exc:
         error = exc
-    gathered = group.all_gather((summary, _portable(error)))
-    group.raise_failures([e for _, e in gathered], error, operation="save")
-    plan = _merge_plan([s for s, _ in gathered], checked)
+    mine_cache = _PLAN_CACHE.get(group.pg)
+    if summary is not None and mine_cache is not None and mine_cache.key == key:
+        msg = ("same", key, mine_cache.plan_id, {"objects": summary["objects"], "digests": summary["digests"]},
+               None)
+    else:
+        msg = ("layout", summary, key, _portable(error))
+    for _round in range(2):
+        gathered = group.gather(msg)
+        replies, plan = _coordinate_plan(group, gathered, checked) if rank == 0 else (None, None)
+        reply = group.scatter(replies)
+        if reply[0] != "resend":
+            break
+        msg = ("layout", summary, key, None)
+    if reply[0] == "fail":
+        group.raise_failures(reply[1], error, operation="save")
+    if reply[0] == "error":
+        raise reply[1]
+    _, plan_id, bits, checksum_block, cached = reply
+    if bits is None:  # rank 0 reused the plan and this rank's bitmap is the one it kept
+        bits = mine_cache.bits
+    if rank != 0:
+        _PLAN_CACHE[group.pg] = _PlanCache(plan_id, key, bits)
+        plan = _GlobalPlan({}, {}, [], {}, {}, checksum_block)  # rank 0 alone holds the whole plan
+    else:  # rank 0 keeps the whole plan: PREPARE and the MANIFEST need it
+        _PLAN_CACHE[group.pg].bits = bits
     mine = []
+    i = 0
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
             for piece in item.pieces:
-                if plan.owners.get((fqn, tuple(piece.offsets), tuple(piece.sizes))) == rank:
+                if bits[i >> 3] >> (i & 7) & 1:
                     mine.append((fqn, piece))
-    return PlannedSave(plan, mine, t0)
+                i += 1
+    return PlannedSave(plan, mine, t0, plan_cached=cached, plan_seconds=time.monotonic() - t0)
 
 
 def save_collective(
@@ -712,7 +866,8 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     return SaveResult(
         path=os.path.abspath(final_dir), world_size=world, rank=rank,
         bytes_per_rank=[o[0][1] for o in outcomes], total_bytes=sum(o[0][1] for o in outcomes),
-        seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id)
+        seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id,
+        plan_cached=planned.plan_cached, plan_seconds=planned.plan_seconds)
 
 
 def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str, tmp_dir: str,

@@ -1,0 +1,211 @@
+"""Control-plane cost of a save at 1 to 4,096 ranks, simulated in one process (issue: scale).
+
+What it runs is distckpt's own code, not a model of it: every rank's PLAN message is built in the
+exact format ``coordinator.plan_save`` sends (``_summarize``'s summary and its layout fingerprint),
+rank 0's planning is ``coordinator._coordinate_plan`` (the merge and every rank's reply), run once
+cold and once as the next save with unchanged layouts (the plan cache), and the MANIFEST is built
+with ``coordinator._build_manifest`` and encoded with ``manifest.encode`` from synthetic WRITE
+records (one ChunkRecord per owned piece, one crc per checksum block). No collective runs: the
+bytes on the wire are the pickled messages that gloo's gather/scatter_object would carry.
+
+Per configuration it reports, in a fresh subprocess (so peak RSS is this configuration's alone):
+  * ``send/rank``  bytes one rank sends at PLAN (its summary; the largest over ranks);
+  * ``recv/rank``  bytes a rank other than 0 receives at PLAN (its reply: which pieces it writes);
+  * ``rank0 recv`` bytes rank 0 receives (every summary);
+  * ``plan s``     rank 0's CPU seconds to merge and build the replies (the other ranks do none);
+  * ``cached s``   the same for the next save with unchanged layouts (plan cache hit);
+  * ``manifest s`` CPU seconds to build + encode the MANIFEST (rank 0 only);
+  * ``MANIFEST``   its encoded size;
+  * ``peak RSS``   the process's peak RSS minus its RSS before the summaries were built (all
+                   ranks' summaries live in this one process, so this is rank 0's, plus the others').
+
+Layouts (per rank ``T`` tensors of the model, all floating point):
+  * ``fsdp``     every tensor sharded on dim 0 across all ranks (FSDP2 fully_shard);
+  * ``tp_fsdp``  every tensor sharded 2-D: dim 0 across ``W/8`` FSDP groups, dim 1 across 8 TP ranks;
+  * ``torchrec`` ``T`` tables row-wise sharded across all ranks, plus 50 replicated dense tensors.
+
+Configurations whose merge would take longer than ``--budget`` seconds (estimated from the pieces
+and checksum blocks and the highest per-unit rate measured so far) are skipped and printed as
+estimates, marked ``~``; nothing estimated is presented as measured.
+
+Usage: python launch/bench_scale.py [--ranks 1,8,64,512,4096] [--tensors 200,5000,20000]
+                                    [--layouts fsdp,tp_fsdp,torchrec] [--budget 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _pieces(layout: str, world: int, tensors: int, rank: int):
+    """(fqn, shape, [(offsets, sizes)]) of one rank: the same global tensors on every rank."""
+    rows, cols = 4096, 1024
+    if layout == "fsdp":
+        step = -(-rows // world)
+        for i in range(tensors):
+            lo = min(rank * step, rows)
+            n = max(0, min(step, rows - lo))
+            yield f"layers.{i}.weight", (rows, cols), [((lo, 0), (n, cols))]
+    elif layout == "tp_fsdp":
+        tp = min(8, world)
+        dp = world // tp
+        r_dp, r_tp = divmod(rank, tp)
+        rstep, cstep = -(-rows // dp), -(-cols // tp)
+        for i in range(tensors):
+            lo, clo = min(r_dp * rstep, rows), min(r_tp * cstep, cols)
+            yield (f"layers.{i}.weight", (rows, cols),
+                   [((lo, clo), (max(0, min(rstep, rows - lo)), max(0, min(cstep, cols - clo))))])
+    elif layout == "torchrec":
+        trows, dim = 1 << 24, 128
+        step = -(-trows // world)
+        for i in range(tensors):
+            lo = min(rank * step, trows)
+            yield f"sparse.ebc.tables.t{i}.weight", (trows, dim), [((lo, 0), (max(0, min(step, trows - lo)), dim))]
+        for i in range(50):
+            yield f"dense.{i}.weight", (512, 512), [((0, 0), (512, 512))]
+    else:
+        raise ValueError(layout)
+
+
+def _summary(layout: str, world: int, tensors: int, rank: int) -> dict:
+    """A rank's PLAN summary in coordinator._summarize's format (no objects, no digests: the
+    replicated dense tensors of the TorchRec layout are DTensor-like replicas)."""
+    out = {}
+    for fqn, shape, boxes in _pieces(layout, world, tensors, rank):
+        out[fqn] = ("dtensor", "float32", shape, [(list(o), list(s), 4 * s[0] * s[1]) for o, s in boxes])
+    # A flat state dict's container tree, as flatten() builds it.
+    tree = {"t": "dict", "k": [[fqn, {"t": "ref", "fqn": fqn}] for fqn in out]}
+    return {"tensors": out, "objects": {}, "tree": tree, "digests": {}}
+
+
+class _Group:
+    """The attributes of a ControlGroup that rank 0's planning reads (no collective is run)."""
+
+    def __init__(self, world: int) -> None:
+        self.pg, self.rank, self.world_size = object(), 0, world
+
+
+def run_one(layout: str, world: int, tensors: int) -> dict:
+    """One configuration, in this process. Returns the figures as a dict."""
+    sys.path.insert(0, ROOT)
+    from distckpt import coordinator as co
+    from distckpt import manifest as mf
+
+    rss0 = _rss_kib()
+    summaries = [_summary(layout, world, tensors, r) for r in range(world)]
+    keys = [co._layout_key(s) for s in summaries]
+    msgs = [("layout", s, k, None) for s, k in zip(summaries, keys)]
+    # Bytes on the wire as gloo's gather/scatter_object carry them (pickled).
+    sent = [len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in msgs]
+    group = _Group(world)
+    t0 = time.process_time()
+    replies, plan = co._coordinate_plan(group, msgs, lambda fqn: True)
+    plan_s = time.process_time() - t0
+    assert replies[0][0] == "ok", replies[0]
+    recv = [len(pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)) for r in replies]
+    # The next save with the same layouts: every rank sends its fingerprint and values only.
+    cache = co._PLAN_CACHE[group.pg]
+    same = [("same", k, cache.plan_id, {"objects": s["objects"], "digests": s["digests"]}, None)
+            for s, k in zip(summaries, keys)]
+    t0 = time.process_time()
+    replies2, _ = co._coordinate_plan(group, same, lambda fqn: True)
+    cached_s = time.process_time() - t0
+    assert replies2[0][0] == "ok" and replies2[0][4] is True, replies2[0]
+    sent_cached = max(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in same)
+    # WRITE outcomes as _write_rank_file reports them: one record per owned piece.
+    per_rank: list[list] = [[] for _ in range(world)]
+    offsets = [0] * world
+    for (fqn, off, sizes), r in sorted(plan.owners.items(), key=lambda kv: (kv[1], kv[0][0], kv[0][1])):
+        nbytes = 4
+        for s in sizes:
+            nbytes *= s
+        nblocks = max(1, -(-nbytes // plan.checksum_block))
+        per_rank[r].append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offsets[r],
+                                                nbytes=nbytes, crcs=tuple(range(nblocks)))))
+        offsets[r] += -(-nbytes // 4096) * 4096
+    outcomes = [((per_rank[r], offsets[r], "uring", "simulated"), None) for r in range(world)]
+    t0 = time.process_time()
+    manifest = co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)
+    body = mf.encode(manifest)
+    manifest_s = time.process_time() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"layout": layout, "ranks": world, "tensors": tensors, "pieces": sum(len(p) for p in per_rank),
+            "send_per_rank": max(sent), "recv_per_rank": max(recv[1:] or recv), "coord_recv": sum(sent),
+            "merge_s": plan_s, "cached_s": cached_s, "send_cached": sent_cached,
+            "manifest_s": manifest_s, "manifest_bytes": len(body), "peak_rss_mib": (peak - rss0) / 1024}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _work_units(layout: str, world: int, tensors: int) -> int:
+    """What the control plane's cost grows with: one unit per piece plus one per checksum block
+    (about one crc per MiB of data; the TorchRec layout's tables are 8 GiB each)."""
+    pieces = tensors * world + (50 if layout == "torchrec" else 0)
+    data_mib = tensors * (8192 if layout == "torchrec" else 16)
+    return pieces + data_mib
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="1,8,64,512,4096")
+    ap.add_argument("--tensors", default="200,5000,20000")
+    ap.add_argument("--layouts", default="fsdp,tp_fsdp,torchrec")
+    ap.add_argument("--budget", type=float, default=60.0, help="skip (extrapolate) configurations whose "
+                    "merge is estimated to take longer than this many seconds")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        layout, world, tensors = args.one.split(",")
+        print(json.dumps(run_one(layout, int(world), int(tensors))))
+        return 0
+    print(f"{'layout':9} {'ranks':>5} {'tensors':>7} {'pieces':>10} {'send/rank':>10} {'recv/rank':>10} "
+          f"{'rank0 recv':>10} {'plan s':>7} {'cached s':>8} {'manifest s':>10} {'MANIFEST':>10} {'peak RSS':>10}")
+    for layout in args.layouts.split(","):
+        rate = None  # seconds of merge + manifest per work unit, the highest measured so far
+        for tensors in (int(t) for t in args.tensors.split(",")):
+            for world in (int(w) for w in args.ranks.split(",")):
+                pieces = tensors * world + (50 if layout == "torchrec" else 0)
+                units = _work_units(layout, world, tensors)
+                if rate is not None and rate * units > args.budget:
+                    print(f"{layout:9} {world:>5} {tensors:>7} {pieces:>10} {'':>10} {'':>10} {'':>10} "
+                          f"~{rate * units:>6.0f}   (plan + manifest estimated from the measured rate, not run)")
+                    continue
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one",
+                                      f"{layout},{world},{tensors}"], capture_output=True, text=True)
+                if out.returncode != 0:
+                    print(f"{layout:9} {world:>5} {tensors:>7} failed: {out.stderr.strip()[-300:]}")
+                    continue
+                r = json.loads(out.stdout)
+                rate = max(rate or 0.0, (r["merge_s"] + r["manifest_s"]) / units)
+                print(f"{layout:9} {world:>5} {tensors:>7} {r['pieces']:>10} {_fmt_bytes(r['send_per_rank']):>10} "
+                      f"{_fmt_bytes(r['recv_per_rank']):>10} {_fmt_bytes(r['coord_recv']):>10} {r['merge_s']:>7.2f} "
+                      f"{r['cached_s'] * 1000:>6.2f}ms {r['manifest_s']:>10.2f} "
+                      f"{_fmt_bytes(r['manifest_bytes']):>10} {r['peak_rss_mib']:>7.0f} MiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

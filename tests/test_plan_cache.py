@@ -1,0 +1,90 @@
+"""PLAN at scale: summaries gathered to rank 0 only, each rank told only which of its pieces it
+writes, and a plan cache that is reused only when every rank's layout is unchanged (real gloo
+ranks). The cost figures themselves come from launch/bench_scale.py, not from timed tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+
+def _state(rank: int, world: int, step: int, rows: int = 12):
+    """A sharded weight (row-sharded: rank r holds rows [r*k, (r+1)*k)), a replicated bias and
+    a step value that is the same on every rank."""
+    from torch.distributed.tensor import DeviceMesh, Shard, Replicate, distribute_tensor
+    mesh = DeviceMesh("cpu", list(range(world)))
+    torch.manual_seed(step)
+    full = torch.randn(rows, 4)
+    bias = torch.randn(4)
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(bias, mesh, [Replicate()]),
+            "step": step}, full, bias
+
+
+def _body(rank, world, root):
+    import distckpt
+    from distckpt import coordinator, errors
+    out = []
+    for step in range(3):  # same layout every time: the first plans, the next two reuse
+        sd, full, bias = _state(rank, world, step)
+        res = distckpt.save(sd, f"{root}/s{step}")
+        out.append(res.plan_cached)
+        back = distckpt.read(f"{root}/s{step}")
+        assert torch.equal(back["w"], full) and torch.equal(back["b"], bias) and back["step"] == step
+    # Values that differ between ranks are caught although the layout (and so the plan) is cached:
+    # a non-tensor value, and a plain (replicated) tensor's content.
+    sd, _, _ = _state(rank, world, 3)
+    sd["step"] = rank
+    with pytest.raises(errors.StateDictMismatchError, match="'step' differs"):
+        distckpt.save(sd, f"{root}/bad")
+    sd, _, _ = _state(rank, world, 3)
+    sd["plain"] = torch.full((2,), float(rank))
+    distckpt.save(dict(sd, plain=torch.zeros(2)), f"{root}/plain_ok")
+    with pytest.raises(errors.StateDictMismatchError, match="'plain' differs"):
+        distckpt.save(sd, f"{root}/plain_bad")
+    # One rank's layout changes (a new key): a full plan on every rank, never the stale one.
+    sd, full, bias = _state(rank, world, 4)
+    sd["extra"] = torch.arange(3.0)
+    res = distckpt.save(sd, f"{root}/s4")
+    out.append(res.plan_cached)
+    assert torch.equal(distckpt.read(f"{root}/s4")["extra"], torch.arange(3.0))
+    # Back to the first layout: it differs from the last plan's (the cache holds one plan), so it plans.
+    sd, full, bias = _state(rank, world, 5)
+    res = distckpt.save(sd, f"{root}/s5")
+    out.append(res.plan_cached)
+    # Caches out of step: rank 1 forgets its plan (it then sends its full layout; rank 0 reuses the
+    # merged plan and sends rank 1 its bitmap); then rank 0 forgets (rank 1 says "same" for a plan
+    # rank 0 no longer holds: everyone sends its layout again, once).
+    for who, step in ((1, 6), (0, 7)):
+        if rank == who:
+            coordinator._PLAN_CACHE.clear()
+        sd, full, bias = _state(rank, world, step)
+        res = distckpt.save(sd, f"{root}/s{step}")
+        out.append(res.plan_cached)
+        back = distckpt.read(f"{root}/s{step}")
+        assert torch.equal(back["w"], full) and torch.equal(back["b"], bias) and back["step"] == step
+    return out
+
+
+def test_plan_is_cached_only_while_every_layout_is_unchanged(tmp_path):
+    r0, r1 = run_ranks(_body, 2, str(tmp_path))
+    assert r0 == r1
+    # s0 plans, s1/s2 reuse (plain_ok plans a layout with 'plain', plain_bad reuses it and fails
+    # its value check); s4 (new key) plans; s5 (key removed again) plans; s6 reuses (rank 1
+    # sent its layout, which equals the cached one); s7 plans after the resend.
+    assert r0 == [False, True, True, False, False, True, False]
+
+
+def test_single_process_saves_use_the_cache_too(tmp_path):
+    import distckpt
+    sd = {"w": torch.arange(6.0), "meta": {"lr": 0.1}}
+    assert distckpt.save(sd, tmp_path / "a").plan_cached is False
+    sd["w"] += 1
+    sd["meta"]["lr"] = 0.2
+    res = distckpt.save(sd, tmp_path / "b")
+    assert res.plan_cached is True
+    back = distckpt.read(tmp_path / "b")
+    assert torch.equal(back["w"], sd["w"]) and back["meta"] == {"lr": 0.2}
+    sd["w2"] = torch.zeros(2)
+    assert distckpt.save(sd, tmp_path / "c").plan_cached is False
