@@ -3,12 +3,15 @@
 Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control group):
 
   1. PLAN      each rank flattens its state dict and summarizes its items (fqn, dtype, global shape, local boxes, bytes;
-               its encoded non-tensor values; a digest of each plain tensor); G.all_gather. Every rank
-               merges the summaries the same way: the key set is the union over ranks, a key held by
-               several ranks must hold one value there (save's ``replicated`` option), dtype/shape
-               agree everywhere, boxes are disjoint and covering; then it assigns exactly one
-               writer to every box held by several ranks (replicated tensors, DTensor Replicate),
-               balancing bytes per rank (plan.assign_owners). Any rank's error -> all raise.
+               its encoded non-tensor values; a digest of each plain tensor) and sends it to rank 0
+               only (G.gather). Rank 0 merges the summaries: the key set is the union over ranks, a
+               key held by several ranks must hold one value there (save's ``replicated`` option),
+               dtype/shape agree everywhere, boxes are disjoint and covering; then it assigns exactly
+               one writer to every box held by several ranks (replicated tensors, DTensor Replicate),
+               balancing bytes per rank (plan.assign_owners), and sends each rank only a bitmap of
+               its own pieces to write, or the error (G.scatter). Any rank's error -> all raise.
+               Plan cache: when every rank's layout is unchanged since the last plan on this group,
+               ranks send a fingerprint and their values only, and the merged layout is reused.
   2. PREPARE   rank 0 reclaims tmp dirs of earlier dead saves of the same name, takes the save
                lock (SaveInProgressError when another live save holds it), refuses an existing
                committed checkpoint unless overwrite, checks free space for the bytes all ranks

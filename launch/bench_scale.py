@@ -28,8 +28,13 @@ Configurations whose merge would take longer than ``--budget`` seconds (estimate
 and checksum blocks and the highest per-unit rate measured so far) are skipped and printed as
 estimates, marked ``~``; nothing estimated is presented as measured.
 
+With ``--real N`` it also runs N real gloo ranks under torchrun (each an FSDP-like state dict of
+``--real-tensors`` row-sharded DTensors, saved three times with unchanged layouts) and prints rank
+0's PLAN time cold and cached, and the PLAN bytes each rank sent and received (pickled, as gloo
+carries them), to check the simulation's figures against real ones.
+
 Usage: python launch/bench_scale.py [--ranks 1,8,64,512,4096] [--tensors 200,5000,20000]
-                                    [--layouts fsdp,tp_fsdp,torchrec] [--budget 60]
+                                    [--layouts fsdp,tp_fsdp,torchrec] [--budget 60] [--real 16]
 """
 
 from __future__ import annotations
@@ -152,6 +157,79 @@ def run_one(layout: str, world: int, tensors: int) -> dict:
             "manifest_s": manifest_s, "manifest_bytes": len(body), "peak_rss_mib": (peak - rss0) / 1024}
 
 
+def real_worker(tensors: int, out: str) -> None:
+    """One rank of the real run (under torchrun, gloo): an FSDP-like state dict of ``tensors``
+    row-sharded DTensors, saved three times with unchanged layouts. Rank 0 writes the figures."""
+    sys.path.insert(0, ROOT)
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    import distckpt
+    from distckpt import _dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh("cpu", list(range(world)))
+    sd = {f"layers.{i}.weight": distribute_tensor(torch.zeros(world * 4, 16), mesh, [Shard(0)])
+          for i in range(tensors)}
+    sizes = {"gather": 0, "scatter": 0}
+    real_gather, real_scatter = _dist.ControlGroup.gather, _dist.ControlGroup.scatter
+
+    def gather(self, obj, dst=0):  # bytes this rank sends at PLAN
+        sizes["gather"] += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        return real_gather(self, obj, dst)
+
+    def scatter(self, objs, src=0):  # bytes this rank receives at PLAN
+        got = real_scatter(self, objs, src)
+        sizes["scatter"] += len(pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL))
+        return got
+
+    _dist.ControlGroup.gather, _dist.ControlGroup.scatter = gather, scatter
+    root = tempfile.mkdtemp(prefix="distckpt-scale-") if rank == 0 else None
+    box = [root]
+    dist.broadcast_object_list(box)
+    rows = []
+    for i in range(3):
+        sizes.update(gather=0, scatter=0)
+        res = distckpt.save(sd, os.path.join(box[0], f"s{i}"))
+        rows.append({"plan_s": res.plan_seconds, "cached": res.plan_cached, "save_s": res.seconds,
+                     "sent": sizes["gather"], "recv": sizes["scatter"]})
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(everyone, f)
+        shutil.rmtree(box[0], ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_real(world: int, tensors: int) -> None:
+    """Launch ``world`` real gloo ranks with torchrun and print what they measured."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "real.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               os.path.abspath(__file__), "--real-worker", f"{tensors},{out}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            ranks = json.load(f)
+    print(f"real run: {world} gloo ranks x {tensors} row-sharded tensors (3 saves, same layout)")
+    print(f"{'save':>4} {'cached':>6} {'rank0 plan s':>12} {'max plan s':>10} {'save s':>7} "
+          f"{'sent/rank':>10} {'recv/rank':>10} {'rank0 recv':>10}")
+    for i in range(3):
+        others = [r[i] for r in ranks[1:]] or [ranks[0][i]]
+        print(f"{i:>4} {str(ranks[0][i]['cached']):>6} {ranks[0][i]['plan_s']:>12.3f} "
+              f"{max(r[i]['plan_s'] for r in ranks):>10.3f} {ranks[0][i]['save_s']:>7.3f} "
+              f"{_fmt_bytes(max(o['sent'] for o in others)):>10} {_fmt_bytes(max(o['recv'] for o in others)):>10} "
+              f"{_fmt_bytes(sum(r[i]['sent'] for r in ranks)):>10}")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -175,8 +253,16 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="fsdp,tp_fsdp,torchrec")
     ap.add_argument("--budget", type=float, default=60.0, help="skip (extrapolate) configurations whose "
                     "merge is estimated to take longer than this many seconds")
+    ap.add_argument("--real", type=int, default=0, help="also run this many real gloo ranks under torchrun "
+                    "(each saves --real-tensors row-sharded DTensors three times) and print their figures")
+    ap.add_argument("--real-tensors", type=int, default=200)
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--real-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.real_worker:
+        tensors, out = args.real_worker.split(",", 1)
+        real_worker(int(tensors), out)
+        return 0
     if args.one:
         layout, world, tensors = args.one.split(",")
         print(json.dumps(run_one(layout, int(world), int(tensors))))
@@ -204,6 +290,8 @@ def main(argv=None) -> int:
                       f"{_fmt_bytes(r['recv_per_rank']):>10} {_fmt_bytes(r['coord_recv']):>10} {r['merge_s']:>7.2f} "
                       f"{r['cached_s'] * 1000:>6.2f}ms {r['manifest_s']:>10.2f} "
                       f"{_fmt_bytes(r['manifest_bytes']):>10} {r['peak_rss_mib']:>7.0f} MiB", flush=True)
+    if args.real:
+        run_real(args.real, args.real_tensors)
     return 0
 
 
