@@ -17,8 +17,8 @@
  *   - close() is idempotent and releases everything the object owns (file fd, ring fd, ring
  *     mappings, staging memory). After close() the object holds no fd.
  *   - Staging buffers are mmap()ed (page aligned, so aligned for any DIO memory alignment up to the
- *     page size) and owned by the object; they are block_size bytes each, block_size being a
- *     multiple of the file system's DIO offset alignment.
+ *     page size) and owned by the object; a writer's are stage_block bytes each (a reader's
+ *     block_size), a multiple of the file system's DIO offset alignment.
  *   - One object is not safe for concurrent use from several threads; a second call while one is
  *     running with the GIL released raises RuntimeError instead of corrupting state.
  *
@@ -279,11 +279,12 @@ typedef struct {
     int want_fixed;          /* fixed_buffers=True: register at the first full staging block */
     int prealloc;            /* fallocate ahead still enabled */
     struct ring ring;
-    size_t block_size;
+    size_t block_size;       /* largest zero-copy request; sources >= it may skip staging */
+    size_t stage_block;      /* bytes per staging block (one staged request), <= block_size */
     unsigned queue_depth;
-    unsigned nblocks;
+    unsigned nblocks;        /* staging blocks: up to nblocks - 1 staged writes in flight */
     size_t offset_align;
-    char *stage;             /* nblocks * block_size, page aligned */
+    char *stage;             /* nblocks * stage_block, page aligned */
     size_t stage_sz;
     unsigned char *inflight; /* per block: a write from it is in flight */
     uint64_t *blk_off;       /* per block: file offset of its in-flight write */
@@ -341,7 +342,7 @@ static void writer_reap(WriterObject *w)
         } else if ((unsigned)res < w->blk_len[b] && !w->err) {
             /* Short write (the device filled up mid-request): finish it synchronously so the
              * true errno (ENOSPC, EFBIG...) is reported rather than a silent hole. */
-            int e = pwrite_all(w->fd, w->stage + (size_t)b * w->block_size + res,
+            int e = pwrite_all(w->fd, w->stage + (size_t)b * w->stage_block + res,
                                w->blk_len[b] - (unsigned)res, w->blk_off[b] + (uint64_t)res);
             if (e)
                 w->err = e;
@@ -402,8 +403,8 @@ static void writer_register(WriterObject *w)
     if (!iov)
         return;
     for (unsigned i = 0; i < w->nblocks; i++) {
-        iov[i].iov_base = w->stage + (size_t)i * w->block_size;
-        iov[i].iov_len = w->block_size;
+        iov[i].iov_base = w->stage + (size_t)i * w->stage_block;
+        iov[i].iov_len = w->stage_block;
     }
     w->fixed = sys_io_uring_register(w->ring.fd, IORING_REGISTER_BUFFERS, iov, w->nblocks) == 0;
     PyMem_RawFree(iov);
@@ -412,11 +413,11 @@ static void writer_register(WriterObject *w)
 /* Write block b (len bytes, a multiple of offset_align) at file offset off. */
 static int writer_submit(WriterObject *w, unsigned b, unsigned len, uint64_t off)
 {
-    char *buf = w->stage + (size_t)b * w->block_size;
+    char *buf = w->stage + (size_t)b * w->stage_block;
     int e;
     if (!w->use_uring)
         return pwrite_all(w->fd, buf, len, off);
-    if (w->want_fixed && len == w->block_size) {
+    if (w->want_fixed && len == w->stage_block) {
         if (w->ninflight == 0)
             writer_register(w);
         else
@@ -424,7 +425,7 @@ static int writer_submit(WriterObject *w, unsigned b, unsigned len, uint64_t off
     }
     /* Keep the preallocated region a full queue ahead of the writes (full blocks only: a small
      * file, whose only write is its tail, is not worth a fallocate). */
-    if (len == w->block_size)
+    if (len == w->stage_block)
         writer_prealloc(w, off + (uint64_t)w->block_size * (w->queue_depth + 1));
     w->blk_off[b] = off;
     w->blk_len[b] = len;
@@ -517,8 +518,8 @@ static int writer_append(WriterObject *w, const char *src, size_t n)
         n -= done;
     }
     while (n) {
-        size_t room = w->block_size - w->fill, c = n < room ? n : room;
-        char *dst = w->stage + (size_t)w->cur * w->block_size + w->fill;
+        size_t room = w->stage_block - w->fill, c = n < room ? n : room;
+        char *dst = w->stage + (size_t)w->cur * w->stage_block + w->fill;
         if (w->err)
             return w->err;
         if (src) {
@@ -530,13 +531,13 @@ static int writer_append(WriterObject *w, const char *src, size_t n)
         w->fill += c;
         w->pos += c;
         n -= c;
-        if (w->fill == w->block_size) {
-            int e = writer_submit(w, w->cur, (unsigned)w->block_size, w->blk_start);
+        if (w->fill == w->stage_block) {
+            int e = writer_submit(w, w->cur, (unsigned)w->stage_block, w->blk_start);
             if (e) {
                 w->err = e;
                 return e;
             }
-            w->blk_start += w->block_size;
+            w->blk_start += w->stage_block;
             w->fill = 0;
             w->cur = (w->cur + 1) % w->nblocks;
             /* The next block may still be in flight from nblocks writes ago. */
@@ -652,9 +653,10 @@ static int io_setup(const char *path, int flags, size_t stage_sz, int use_uring,
 static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"path", "block_size", "queue_depth", "offset_align", "uring",
-                             "fixed_buffers", "prealloc_max", "mem_align", NULL};
+                             "fixed_buffers", "prealloc_max", "mem_align", "stage_block", "stage_blocks", NULL};
     PyObject *path = NULL;
     Py_ssize_t block_size = 4 << 20, queue_depth = 8, offset_align = 4096;
+    Py_ssize_t stage_block = 0, stage_blocks = 0; /* 0: block_size, queue_depth + 1 */
     long long prealloc_max = (long long)PREALLOC_MAX;
     Py_ssize_t mem_align = 0;
     int use_uring = 1, fixed = 0, e = 0;
@@ -664,9 +666,9 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "Writer already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnppLn:Writer", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnppLnnn:Writer", kwlist, PyUnicode_FSConverter,
                                      &path, &block_size, &queue_depth, &offset_align, &use_uring,
-                                     &fixed, &prealloc_max, &mem_align))
+                                     &fixed, &prealloc_max, &mem_align, &stage_block, &stage_blocks))
         return -1;
     w->path = path; /* owned; bytes */
     if (offset_align <= 0 || !is_pow2((size_t)offset_align) || block_size <= 0 ||
@@ -679,14 +681,28 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
                         "0 or a power of two");
         return -1;
     }
+    if (stage_block == 0)
+        stage_block = block_size;
+    if (stage_blocks == 0)
+        stage_blocks = queue_depth + 1;
+    if (stage_block < 0 || !is_pow2((size_t)stage_block) || stage_block < page || stage_block < offset_align ||
+        stage_block > block_size || stage_blocks < 2 || stage_blocks > queue_depth + 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "stage_block must be a power of two >= page size and >= offset_align, <= block_size; "
+                        "stage_blocks between 2 and queue_depth + 1");
+        return -1;
+    }
     w->block_size = (size_t)block_size;
+    w->stage_block = (size_t)stage_block;
     w->offset_align = (size_t)offset_align;
     w->mem_align = (size_t)mem_align;
     w->use_uring = use_uring;
     w->queue_depth = use_uring ? (unsigned)queue_depth : 1;
-    /* queue_depth blocks in flight plus the one being filled. */
-    w->nblocks = use_uring ? w->queue_depth + 1 : 1;
-    w->stage_sz = w->nblocks * w->block_size;
+    /* stage_blocks - 1 staged writes in flight plus the block being filled (pwrite: one). The
+     * staging ring is the writer's whole memory cost; it is sized apart from the zero-copy
+     * request size, so small staging does not shrink the large direct writes. */
+    w->nblocks = use_uring ? (unsigned)stage_blocks : 1;
+    w->stage_sz = w->nblocks * w->stage_block;
     /* prealloc_max=0 disables preallocation. */
     w->prealloc = use_uring && prealloc_max > 0;
     w->prealloc_max = prealloc_max > 0 ? (uint64_t)prealloc_max : 0;
@@ -807,7 +823,7 @@ static PyObject *Writer_flush(WriterObject *w, PyObject *Py_UNUSED(ignored))
     e = w->err;
     if (!e && w->fill) {
         size_t padded = round_up(w->fill, w->offset_align);
-        memset(w->stage + (size_t)w->cur * w->block_size + w->fill, 0, padded - w->fill);
+        memset(w->stage + (size_t)w->cur * w->stage_block + w->fill, 0, padded - w->fill);
         e = writer_submit(w, w->cur, (unsigned)padded, w->blk_start);
         if (!e) {
             /* The tail is in flight; flushed=1 forbids further appends. */
@@ -903,10 +919,12 @@ static PyTypeObject WriterType = {
     .tp_basicsize = sizeof(WriterObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Writer(path, block_size=4 MiB, queue_depth=8, offset_align=4096, uring=True, "
-              "fixed_buffers=False, prealloc_max=256 MiB, mem_align=0)\n\n"
+              "fixed_buffers=False, prealloc_max=256 MiB, mem_align=0, stage_block=block_size, "
+              "stage_blocks=queue_depth+1)\n\n"
               "Streaming O_DIRECT writer. Creates path with O_WRONLY|O_CREAT|O_EXCL|O_DIRECT|O_CLOEXEC, "
-              "copies appended bytes into aligned staging blocks and writes full blocks with io_uring "
-              "(queue_depth in flight) or, with uring=False, with synchronous pwrite. Sources "
+              "copies appended bytes into a ring of stage_blocks aligned staging blocks of stage_block "
+              "bytes (its whole memory) and writes full ones with io_uring (stage_blocks - 1 in flight) "
+              "or, with uring=False, with synchronous pwrite. Sources "
               "aligned to mem_align (non-zero) of at least one block are written from the caller's "
               "memory directly, all complete before write() returns. prealloc_max=0 disables "
               "fallocate-ahead. Methods: write, zeros, reserve, tell, flush, fsync, close.",

@@ -356,7 +356,9 @@ def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
                allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
                no_dist: bool = False,
-               _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> AsyncSaveHandle:
+               _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None,
+               _on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None,
+               ) -> AsyncSaveHandle:
     """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
 
     Collective like :func:`distckpt.save` (every rank calls it, in the same order as its other
@@ -365,7 +367,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     memory. After it returns the caller may change any tensor of ``state_dict`` in place: the
     checkpoint holds the values at the time of the call.
 
-    Args: as :func:`distckpt.save`.
+    Args: as :func:`distckpt.save`. (``_on_outcome(result, error)``, private: called on this rank's
+    save thread with the outcome, before the handle reports done; the CheckpointManager's hook.)
 
     Returns:
         An :class:`AsyncSaveHandle`: ``result(timeout=None)`` waits and returns the SaveResult or
@@ -422,6 +425,11 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
                 planned.mine.clear()
                 _POOL.release(arena)
                 SAVE_GATE.release()
+                if _on_outcome is not None:
+                    try:
+                        _on_outcome(result, error)
+                    except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the outcome
+                        log.error("distckpt: after the async save to %s: %s: %s", final_dir, type(exc).__name__, exc)
                 handle._finish(result, error)
 
         thread = threading.Thread(target=work, name=f"distckpt-async-save:{os.path.basename(final_dir)}",

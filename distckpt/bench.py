@@ -61,6 +61,32 @@ def _tuned(block_size: int | None, queue_depth: int | None):
         get_config.cache_clear()
 
 
+@contextlib.contextmanager
+def _ring(ring: tuple[int, int] | None):
+    """Run with DISTCKPT_STAGE_BLOCK / DISTCKPT_STAGE_BLOCKS overridden (a writer's staging ring)."""
+    from .config import get_config
+
+    if ring is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS")}
+    os.environ["DISTCKPT_STAGE_BLOCK"], os.environ["DISTCKPT_STAGE_BLOCKS"] = str(ring[0]), str(ring[1])
+    get_config.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        get_config.cache_clear()
+
+
+def _ring_label(block: int, count: int) -> str:
+    return f"uring staged, ring {count} x {block >> 10} KiB"
+
+
 def _sources(size_bytes: int) -> tuple[memoryview, memoryview]:
     """(unaligned, page-aligned) views of the same incompressible bytes, at most 64 MiB.
 
@@ -138,6 +164,7 @@ def run_io_bench(
     block_size: int | None = None,
     queue_depth: int | None = None,
     size_hint: bool = True,
+    rings: tuple[tuple[int, int], ...] = (),
     out=sys.stdout,
 ) -> dict:
     """Write ``size_bytes`` through each backend ``repeat`` times and print one comparison table.
@@ -151,6 +178,9 @@ def run_io_bench(
         block_size, queue_depth: Override DISTCKPT_BLOCK_SIZE / DISTCKPT_QUEUE_DEPTH for the run.
         size_hint: Pass the file size to open_writer (one fallocate up front, as a save does);
             False measures the step-wise preallocation used when the size is unknown.
+        rings: extra staged uring rows, one per (stage block bytes, block count): the same
+            unaligned source through that staging ring (DISTCKPT_STAGE_BLOCK / _BLOCKS), to
+            compare ring sizes in one run.
 
     Returns:
         {"rows": {name: {"median_mbps", "min_mbps", "max_mbps", "ratio", "seconds": [...]}},
@@ -170,30 +200,34 @@ def run_io_bench(
         times[b] = []
         if b == "uring":
             times[ZERO_COPY] = []
+    for ring in rings:
+        times[_ring_label(*ring)] = []
     times[base_name] = []
     base_cmd = ""
     with _tuned(block_size, queue_depth) as cfg:
         runs = []
         for b in backends:
-            runs.append((b, src))
+            runs.append((b, src, None))
             if b == "uring":
-                runs.append((ZERO_COPY, src_aligned))
-        runs.append((base_name, None))
+                runs.append((ZERO_COPY, src_aligned, None))
+        runs += [(_ring_label(*ring), src, ring) for ring in rings]
+        runs.append((base_name, None, None))
         for rep in range(repeat):
             # Rotate the order every repetition: each measurement sits once in every position, so
             # what the previous one left behind (writeback, freed extents) hits all alike.
             k = rep % len(runs)
-            for name, source in runs[k:] + runs[:k]:
+            for name, source, ring in runs[k:] + runs[:k]:
                 if name == base_name:
                     if use_fio:
                         t, base_cmd = _baseline_fio(directory, size_bytes, cfg.block_size, cfg.queue_depth)
                     else:
                         t, base_cmd = _baseline_loop(directory, size_bytes, cfg.block_size)
                 else:
-                    backend = "uring" if name == ZERO_COPY else name
-                    t = _write_backend(directory, backend, size_bytes, source, hint)
+                    backend = "uring" if name == ZERO_COPY or ring is not None else name
+                    with _ring(ring):
+                        t = _write_backend(directory, backend, size_bytes, source, hint)
                 times[name].append(t)
-        bs, qd = cfg.block_size, cfg.queue_depth
+        bs, qd, sb, sn = cfg.block_size, cfg.queue_depth, cfg.stage_block, cfg.stage_blocks
     rows = {}
     base_med = statistics.median(size_bytes / t / 1e6 for t in times[base_name])
     for name, ts in times.items():
@@ -202,7 +236,7 @@ def run_io_bench(
         rows[name] = {"median_mbps": med, "min_mbps": min(mbps), "max_mbps": max(mbps),
                       "ratio": med / base_med, "seconds": ts}
     print(f"distckpt io bench: {size_bytes / (1 << 30):.2f} GiB per file in {directory}, "
-          f"block {bs >> 10} KiB, queue depth {qd}, size hint {'on' if size_hint else 'off'}, "
+          f"block {bs >> 10} KiB, queue depth {qd}, staging ring {sn} x {sb >> 10} KiB, size hint {'on' if size_hint else 'off'}, "
           f"{repeat} repetitions (median)", file=out)
     print(f"| {'backend':<31} | {'median MB/s':>11} | {'min':>7} | {'max':>7} | {'vs baseline':>11} |", file=out)
     print(f"|{'-' * 33}|{'-' * 12}:|{'-' * 8}:|{'-' * 8}:|{'-' * 12}:|", file=out)
@@ -216,11 +250,19 @@ def run_io_bench(
     return {"rows": rows, "baseline": base_name, "baseline_command": base_cmd, "size_bytes": size_bytes}
 
 
+def _parse_ring(text: str) -> tuple[int, int]:
+    block, _, count = text.partition("x")
+    if not count:
+        raise argparse.ArgumentTypeError(f"--ring {text!r}: expected BLOCKxCOUNT, e.g. 4Mx9")
+    return parse_size(block), int(count)
+
+
 def _cmd_bench(args) -> int:
     run_io_bench(args.directory, parse_size(args.size), repeat=args.repeat,
                  backends=tuple(args.backends.split(",")), baseline=args.baseline,
                  block_size=parse_size(args.block_size) if args.block_size else None,
-                 queue_depth=args.queue_depth, size_hint=not args.no_size_hint)
+                 queue_depth=args.queue_depth, size_hint=not args.no_size_hint,
+                 rings=tuple(_parse_ring(r) for r in args.ring))
     return 0
 
 
@@ -235,6 +277,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-depth", type=int, default=None, help="override DISTCKPT_QUEUE_DEPTH")
     p.add_argument("--no-size-hint", action="store_true",
                    help="do not tell the writer the file size (step-wise preallocation)")
+    p.add_argument("--ring", action="append", default=[], metavar="BLOCKxCOUNT",
+                   help="also time the staged uring path with this staging ring, e.g. 4Mx9 (repeatable)")
     p.set_defaults(func=_cmd_bench)
 
 

@@ -11,7 +11,11 @@ about once per process, naming the closest known variable: a silently ignored se
 |-----------------------------|----------|-----------------------------------------------------------|
 | DISTCKPT_IO_BACKEND         | auto     | auto, uring, pwrite or buffered (see distckpt.storage.posix)          |
 | DISTCKPT_QUEUE_DEPTH        | 8        | writes/reads kept in flight per file                      |
-| DISTCKPT_BLOCK_SIZE         | 4M       | bytes per aligned staging block (one I/O request)          |
+| DISTCKPT_BLOCK_SIZE         | 4M       | bytes per O_DIRECT request (reads; zero-copy writes)       |
+| DISTCKPT_STAGE_BLOCK        | 2M       | bytes per block of a writer's staging ring (one staged     |
+|                             |          | write); at most DISTCKPT_BLOCK_SIZE                        |
+| DISTCKPT_STAGE_BLOCKS       | 4        | blocks in a writer's staging ring (2 .. QUEUE_DEPTH + 1);  |
+|                             |          | the ring (here 8 MiB) is all the memory a save adds        |
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | largest checksummed block; a save picks a smaller one (>= |
 |                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
@@ -43,7 +47,8 @@ BACKENDS = ("auto", "uring", "pwrite", "buffered")
 KNOWN_VARIABLES = (
     # the library (this module)
     "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
-    "DISTCKPT_TIMEOUT_S", "DISTCKPT_PREFLIGHT",
+    "DISTCKPT_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
+    "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS",
     # launch/env.sh (where the venv goes) and the crash tests
     "DISTCKPT_VENV", "DISTCKPT_ROOT", "DISTCKPT_CRASH_SEED", "DISTCKPT_CRASH_KILLS",
 )
@@ -54,6 +59,8 @@ class Config:
     io_backend: str = "auto"
     queue_depth: int = 8
     block_size: int = 4 << 20
+    stage_block: int = 2 << 20
+    stage_blocks: int = 4
     checksum_block: int = 1 << 20
     timeout_s: float = 300.0
     preflight: bool = True
@@ -145,10 +152,17 @@ def load_config(env: dict | None = None) -> Config:
                           variable="DISTCKPT_ARRIVAL_TIMEOUT_S")
     pool_raw = env.get("DISTCKPT_STAGING_POOL_BYTES", "")
     pool = None if pool_raw == "" else _int(env, "DISTCKPT_STAGING_POOL_BYTES", 0, lo=0, hi=1 << 50)
+    queue_depth = _int(env, "DISTCKPT_QUEUE_DEPTH", 8, lo=1, hi=256)
+    block_size = _size(env, "DISTCKPT_BLOCK_SIZE", 4 << 20, lo=64 << 10, hi=256 << 20)
+    # Defaults follow a smaller DISTCKPT_BLOCK_SIZE / QUEUE_DEPTH; explicit values must fit them.
+    stage_block = _size(env, "DISTCKPT_STAGE_BLOCK", min(2 << 20, block_size), lo=64 << 10, hi=block_size)
+    stage_blocks = _int(env, "DISTCKPT_STAGE_BLOCKS", min(4, queue_depth + 1), lo=2, hi=queue_depth + 1)
     return Config(
         io_backend=backend,
-        queue_depth=_int(env, "DISTCKPT_QUEUE_DEPTH", 8, lo=1, hi=256),
-        block_size=_size(env, "DISTCKPT_BLOCK_SIZE", 4 << 20, lo=64 << 10, hi=256 << 20),
+        queue_depth=queue_depth,
+        block_size=block_size,
+        stage_block=stage_block,
+        stage_blocks=stage_blocks,
         checksum_block=_size(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30),
         timeout_s=timeout,
         preflight=preflight_raw == "1",

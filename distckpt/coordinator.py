@@ -770,6 +770,9 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     verdict is broadcast gives CommittedButPeerLostError on rank 0 (``committed``, ``path``,
     ``lost_ranks``) and on any other rank that finds this save's MANIFEST at ``final_dir``; a rank
     that cannot tell raises PeerLostError with ``committed = None`` and the ``save_id`` to look for.
+    Rank 0 raises a plain PeerLostError only with ``committed = False`` (nothing was renamed), or
+    with ``committed = None`` when the rename happened but its parent fsync failed and could not be
+    undone (visible, durability unknown; ``after_commit_error`` holds the fsync error).
 
     ``lock_path``: the save lock rank 0 holds from PREPARE to the end (default ``.NAME.lock``
     beside the checkpoint; a CheckpointManager passes its root lock). It is released (unlinked,
@@ -884,7 +887,19 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
     others = [r for r in range(world) if r != rank]
     who = f"rank {others[0]} was" if len(others) == 1 else f"one or more of ranks {others} were"
     if rank == 0:
+        if not committed and getattr(after_error, "published", False):
+            # The rename happened but the parent's fsync failed and could not be undone: the
+            # checkpoint is visible, its durability unknown. Neither "committed" nor "nothing
+            # committed" is the truth; say which error made it so.
+            return PeerLostError(
+                f"{lost.message}; {who} lost after {final_dir} was published but its commit failed "
+                f"({type(after_error).__name__}: {after_error}): it is visible and may not survive a power "
+                f"loss", path=final_dir, rank=rank, committed=None, lost_ranks=others, after_commit_error=after_error)
         if not committed:
+            if after_error is not None:  # the commit failed, then the peer was lost: say both
+                lost.add_note(f"distckpt: nothing was committed at {final_dir}: {type(after_error).__name__}: "
+                              f"{after_error}")
+            lost.committed = False
             return lost  # the commit did not happen: "nothing committed" is the truth
         also = f"; after the commit: {type(after_error).__name__}: {after_error}" if after_error is not None else ""
         return CommittedButPeerLostError(

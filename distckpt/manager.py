@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ._dist import is_distributed
@@ -220,8 +221,14 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_abandoned = bool(keep_abandoned)
         self.process_group = process_group
-        self._resumed_from: int | None = None  # set by load(); protected at the first save after it
-        self._handles: list = []
+        # The step load() resumed from: protected from rotation at the first save committed after
+        # the load, and the reference of the abandoned-branch policy. Cleared by _settle on every
+        # rank once a save started after that load is known to be committed. The generation
+        # counts loads, so a save that commits in the background after a newer load() does not
+        # clear that newer load's protection. Guarded by _lock (async saves settle on their thread).
+        self._lock = threading.Lock()
+        self._resumed_from: int | None = None
+        self._resume_gen = 0
 
     def _rank(self) -> int:
         if not is_distributed():
@@ -250,16 +257,42 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The step ``load()`` loads: the newest committed step by commit order (MANIFEST commit
         time, then number), or None. A step whose MANIFEST does not decode is skipped with a
-        warning naming it. Never writes."""
-        infos = []
+        warning naming it. Never writes.
+
+        Cost: one directory listing, the first 4 KiB of each step's MANIFEST (its commit time, for
+        the order) and a full decode (checksum and validation) of the newest candidates only, newest
+        first, until one is valid: usually one. The ``latest`` file cannot replace the listing: it
+        lags after a crash between a commit and its update, so it is not consulted here."""
+        from . import manifest as mf
+        timed, untimed = [], []
         for step in self.steps():
-            info = _step_info(self.path(step), step_dirname(step))
+            t = mf.peek_commit_time(self.path(step))
+            (untimed if t is None else timed).append((t, step))
+        # A MANIFEST whose first bytes do not tell its time: decode it whole now (damaged, usually).
+        infos = {}
+        for _, step in untimed:
+            info = infos[step] = self._checked_info(step)
+            if info.status == "committed":
+                timed.append((info.created_unix, step))
+        for t, step in sorted(timed, reverse=True):
+            info = infos.get(step) or self._checked_info(step)
             if info.status != "committed":
-                log.warning("distckpt: %s looks committed but its MANIFEST is damaged (%s); not a candidate "
-                            "for latest", info.path, info.problem)
-            infos.append(info)
-        newest = _newest_by_commit(infos)
-        return newest.step if newest is not None else None
+                continue
+            if info.created_unix == t:
+                return step
+            # Its MANIFEST was replaced between the peek and the decode (an overwrite): the order
+            # is stale, so decode every candidate (rare).
+            every = [infos.get(s) or self._checked_info(s) for _, s in timed]
+            newest = _newest_by_commit([i for i in every if i.status == "committed"])
+            return newest.step if newest is not None else None
+        return None
+
+    def _checked_info(self, step: int) -> StepInfo:
+        info = _step_info(self.path(step), step_dirname(step))
+        if info.status != "committed":
+            log.warning("distckpt: %s looks committed but its MANIFEST is damaged (%s); not a candidate "
+                        "for latest", info.path, info.problem)
+        return info
 
     def describe(self, *, other_hosts: bool = False) -> RootListing:
         """:func:`list_root` of this root (what ``distckpt ls ROOT`` prints). Never writes."""
@@ -299,19 +332,37 @@ class CheckpointManager:
                         "step %d and saves step %d again); pass keep_abandoned=True to refuse instead",
                         self.path(step), self._resumed_from, step)
             kwargs["overwrite"] = True
-        protect = self._resumed_from
+        with self._lock:
+            protect, gen = self._resumed_from, self._resume_gen
         after = lambda: self._after_commit(step, protect)  # noqa: E731
         lock = os.path.join(self.root, ROOT_LOCK_NAME)
         if not blocking:
             from .async_save import async_save
-            h = async_save(state_dict, self.path(step), process_group=self.process_group,
-                           _after_commit=after, _lock_path=lock, **kwargs)
-            self._handles = [x for x in self._handles if not x.done()] + [h]
-            return h
-        result = save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
-                      _lock_path=lock, **kwargs)
-        self._resumed_from = None  # on every rank (the commit hook resets it on rank 0 only)
+            # Settled on every rank by the save's own thread, before its handle reports done.
+            return async_save(state_dict, self.path(step), process_group=self.process_group,
+                              _after_commit=after, _lock_path=lock,
+                              _on_outcome=lambda result, error: self._settle(gen, result, error), **kwargs)
+        try:
+            result = save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
+                          _lock_path=lock, **kwargs)
+        except BaseException as exc:
+            self._settle(gen, None, exc)
+            raise
+        self._settle(gen, result, None)
         return result
+
+    def _settle(self, gen: int, result: "SaveResult | None", error: BaseException | None) -> None:
+        """Every rank, once a save's outcome is known: a committed save (it returned, or its error
+        says ``committed = True``: CommittedButPeerLostError, a failed ``latest`` update or
+        rotation) ends the protection of the step load() resumed from, unless a newer load()
+        happened since the save started (``gen``). An uncommitted save, or one whose outcome this
+        rank cannot tell (``committed = None``), keeps the protection for the next save."""
+        committed = result is not None or (error is not None and getattr(error, "committed", None) is True)
+        if not committed:
+            return
+        with self._lock:
+            if self._resume_gen == gen:
+                self._resumed_from = None
 
     def _after_commit(self, step: int, protect: int | None) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
@@ -338,7 +389,7 @@ class CheckpointManager:
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
                         "steps)", self.path(old), step, step_dirname(old))
             local.remove_dir(self.path(old))
-        self._resumed_from = None  # the protection of the resumed-from step lasts one save
+        # The protection of the resumed-from step lasts one save: _settle ends it on every rank.
         if self.keep_last is None:
             return
         branch = [s for s in steps if s <= step]
@@ -363,18 +414,19 @@ class CheckpointManager:
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
-        self._resumed_from = step
+        with self._lock:
+            self._resumed_from = step
+            self._resume_gen += 1
         return result
 
     def close(self) -> None:
-        """Wait for this manager's async saves, raise the error of any that failed unseen (its
-        own class), and free the async staging memory of this process
+        """Wait for the async saves of this process still in flight (this manager's among them;
+        saves are serialized per process, and the staging memory is the process's), raise the
+        error of any that failed unseen (its own class), and free the async staging memory
         (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable."""
-        from .async_save import raise_background_failure, release_staging_memory
-        handles, self._handles = self._handles, []
+        from .async_save import raise_background_failure, release_staging_memory, wait_for_saves
         try:
-            for h in handles:
-                h._event.wait()
+            wait_for_saves()  # the one registry of saves in flight (distckpt.async_save)
             raise_background_failure()
         finally:
             release_staging_memory()

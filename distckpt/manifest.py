@@ -69,6 +69,7 @@ __all__ = [
     "to_plain",
     "read_manifest_bytes",
     "load_manifest",
+    "peek_commit_time",
 ]
 
 MAGIC = b"DCKPTMF1"
@@ -863,3 +864,48 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     if os.path.isdir(path):
         path = os.path.join(path, MANIFEST_NAME)
     return decode(read_manifest_bytes(path), path=path)
+
+
+def peek_commit_time(path: str | os.PathLike, *, prefix: int = 4096) -> float | None:
+    """The commit time (``created_unix``) a MANIFEST claims, read from its first ``prefix``
+    bytes only: no checksum check, no validation. For ordering candidates cheaply (the
+    CheckpointManager's ``latest_step``); a caller must still :func:`load_manifest` the one it
+    picks. ``path`` is the file or the checkpoint directory. Returns None when the prefix does not
+    tell (absent, not a regular file, a symlink, bad header, the key not within the prefix):
+    then only a full decode can. Never raises for a damaged file; never follows a symlink."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, MANIFEST_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.pread(fd, prefix, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) < _HEADER.size:
+        return None
+    magic, version, flags, body_length = _HEADER.unpack_from(data)
+    if magic != MAGIC or version not in SUPPORTED_VERSIONS or flags != 0 or body_length > MAX_MANIFEST_BYTES:
+        return None
+    body = data[_HEADER.size : _HEADER.size + body_length]
+    unpacker = msgpack.Unpacker(None, raw=False, strict_map_key=True, max_buffer_size=max(len(body), 1),
+                                ext_hook=_refuse_ext, timestamp=0)
+    unpacker.feed(body)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "created_unix":
+                value = unpacker.unpack()
+                if type(value) in (int, float) and math.isfinite(value):
+                    return float(value)
+                return None
+            unpacker.skip()
+    except Exception:  # noqa: BLE001 - out of data or garbage: the prefix does not tell
+        return None
+    return None

@@ -306,5 +306,20 @@ def test_unknown_variable_is_warned_once_with_the_closest_name(monkeypatch):
     assert len(messages) == 1 and "DISTCKPT_IO_BAKCEND" in messages[0] and "DISTCKPT_IO_BACKEND" in messages[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config.load_config({"DISTCKPT_QUEUE_DEPTH": "4", "DISTCKPT_VENV": "/x"})
+        config.load_config({"DISTCKPT_QUEUE_DEPTH": "4", "DISTCKPT_VENV": "/x", "DISTCKPT_STAGING_POOL_BYTES": "0",
+                            "DISTCKPT_ARRIVAL_TIMEOUT_S": "5", "DISTCKPT_STAGE_BLOCK": "1M",
+                            "DISTCKPT_STAGE_BLOCKS": "3"})
     assert caught == []
+
+
+def test_staging_ring_config():
+    """The writer's staging ring is its own setting (default 4 x 2 MiB), bounded by the request size
+    and the queue depth; its defaults follow smaller ones."""
+    cfg = config.load_config({})
+    assert (cfg.stage_block, cfg.stage_blocks, cfg.block_size) == (2 << 20, 4, 4 << 20)
+    small = config.load_config({"DISTCKPT_BLOCK_SIZE": "1M", "DISTCKPT_QUEUE_DEPTH": "2"})
+    assert (small.stage_block, small.stage_blocks) == (1 << 20, 3)
+    for env in ({"DISTCKPT_STAGE_BLOCK": "8M"}, {"DISTCKPT_STAGE_BLOCK": "3M"}, {"DISTCKPT_STAGE_BLOCKS": "1"},
+                {"DISTCKPT_STAGE_BLOCKS": "10"}):
+        with pytest.raises(distckpt.errors.ConfigError):
+            config.load_config(env)

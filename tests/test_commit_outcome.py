@@ -166,3 +166,128 @@ def test_after_commit_error_says_committed(tmp_path):
         distckpt.save({"x": torch.ones(10)}, path, _after_commit=rotation_fails)
     assert ei.value.committed is True
     assert torch.equal(distckpt.read(path)["x"], torch.ones(10))
+
+
+def _resume_body(rank, world, root):
+    """The manager's resumed-from protection ends on every rank, and only when a save started
+    after the load commits (async saves settle on their own thread; a newer load survives)."""
+    import threading
+
+    import distckpt
+    from distckpt import errors
+
+    mgr = distckpt.CheckpointManager(root, keep_last=2)
+    seen = {}
+    mgr.save(1, {"x": torch.ones(4)})
+    mgr.save(2, {"x": torch.ones(4)})
+    mgr.load({"x": torch.empty(4)}, step=1)
+    seen["after_load"] = mgr._resumed_from
+    # 1. An async save completes: every rank ends the protection (before: rank 0 only, in its hook).
+    mgr.save(3, {"x": torch.ones(4)}, blocking=False).result()
+    seen["after_async"] = mgr._resumed_from
+    # 2. A load while an async save is in flight: rank 0's commit waits until that load is done;
+    #    the save that started before the load must not end the newer load's protection.
+    gate = threading.Event()
+    real_after = mgr._after_commit
+
+    def slow_after(step, protect):
+        assert gate.wait(60), "the load never finished"
+        real_after(step, protect)
+
+    mgr._after_commit = slow_after
+    h = mgr.save(4, {"x": torch.ones(4)}, blocking=False)
+    mgr.load({"x": torch.empty(4)}, step=2)
+    gate.set()
+    h.result()
+    seen["load_during_async"] = mgr._resumed_from
+    # 3. A blocking save whose hook fails after the commit (committed = True on every rank).
+    def failing_after(step, protect):
+        real_after(step, protect)
+        raise errors.StoragePermissionError("rotation failed: [Errno 13] Permission denied", errno=13, path=root)
+
+    mgr._after_commit = failing_after
+    try:
+        mgr.save(5, {"x": torch.ones(4)})
+        seen["committed_error"] = "no error"
+    except errors.DistCkptError as exc:
+        seen["committed_error"] = [type(exc).__name__, getattr(exc, "committed", None), mgr._resumed_from]
+    # 4. An uncommitted save keeps the protection.
+    mgr._after_commit = real_after
+    mgr.load({"x": torch.empty(4)}, step=5)
+    try:
+        mgr.save(6, {"x": object()})  # not saveable without allow_pickle: fails in PLAN
+    except errors.DistCkptError as exc:
+        seen["failed_save"] = [type(exc).__name__, mgr._resumed_from]
+    mgr.close()
+    return seen
+
+
+def test_manager_resume_protection_settles_on_every_rank(tmp_path):
+    results = run_ranks(_resume_body, 2, str(tmp_path / "root"), timeout=180)
+    for rank, seen in enumerate(results):
+        assert seen["after_load"] == 1, (rank, seen)
+        assert seen["after_async"] is None, (rank, seen)
+        assert seen["load_during_async"] == 2, (rank, seen)
+        assert seen["committed_error"][1] is True and seen["committed_error"][2] is None, (rank, seen)
+        assert seen["failed_save"][1] == 5, (rank, seen)
+
+
+def _published_unsynced_body(rank, world, root):
+    import distckpt
+    from distckpt import errors
+    from distckpt._dist import ControlGroup
+    from distckpt.storage.posix import commit as local
+
+    path = os.path.join(root, "ckpt")
+    pidfile = os.path.join(root, "rank1.pid")
+    if rank == 1:
+        with open(pidfile, "w") as f:
+            f.write(str(os.getpid()))
+        real = ControlGroup.all_gather
+        calls = []
+
+        def all_gather(self, obj):
+            out = real(self, obj)
+            calls.append(1)
+            if len(calls) == 2:  # PLAN, WRITE: rank 0 has the records
+                os._exit(3)
+            return out
+
+        ControlGroup.all_gather = all_gather
+    else:
+        real_publish = local.publish_dir
+
+        def publish_dir(tmp_dir, final_dir, *, overwrite):
+            real_publish(tmp_dir, final_dir, overwrite=overwrite)
+            with open(pidfile) as f:
+                _wait_dead(int(f.read()))
+            # What publish_dir raises when the parent's fsync fails and the rename cannot be undone.
+            exc = errors.StorageIOError("fsync of the parent failed: [Errno 5] Input/output error", errno=5,
+                                        path=root)
+            exc.published = True
+            raise exc
+
+        local.publish_dir = publish_dir
+    try:
+        distckpt.save({"x": torch.full((1000,), 7.0)}, path)
+        out = {"type": None}
+    except errors.PeerLostError as exc:
+        after = getattr(exc, "after_commit_error", None)
+        out = {"type": type(exc).__name__, "committed": getattr(exc, "committed", "unset"),
+               "after": type(after).__name__ if after is not None else None, "message": str(exc)}
+    with open(os.path.join(root, "rank0.json"), "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def test_peer_lost_after_unsynced_publish_says_so(tmp_path):
+    """The rename happened but the parent's fsync failed (the checkpoint is visible, maybe not
+    durable), then the peer is lost: neither "committed" nor "nothing committed"."""
+    root = str(tmp_path)
+    with pytest.raises(RankError) as ei:
+        run_ranks(_published_unsynced_body, 2, root, env={"DISTCKPT_TIMEOUT_S": "20"}, timeout=120)
+    assert set(ei.value.errors) == {1}, ei.value
+    with open(tmp_path / "rank0.json") as f:
+        out = json.load(f)
+    assert out["type"] == "PeerLostError" and out["committed"] is None, out
+    assert out["after"] == "StorageIOError" and "published" in out["message"], out

@@ -321,3 +321,35 @@ def test_size_hint_exact_under_over(choice, ext4_dir, hint_delta):
         w.write(data)
     assert os.path.getsize(path) == len(data)
     assert open(path, "rb").read() == data
+
+
+@pytest.mark.parametrize("ring", [(4096, 2), (16 << 10, 3), (64 << 10, 9)])
+def test_staging_ring_smaller_than_requests(ext4_dir, ring):
+    """The staging ring (stage_block x stage_blocks) is sized apart from the zero-copy request size:
+    a small ring still writes every byte in place, staged and zero-copy writes interleaved."""
+    stage_block, stage_blocks = ring
+    src = mmap.mmap(-1, 9 * SMALL_BLOCK)
+    src.write(_payload(9 * SMALL_BLOCK, stage_block))
+    head = _payload(3 * stage_block + 123, 7)
+    path = os.path.join(ext4_dir, "ring.bin")
+    w = _uring.Writer(path, block_size=SMALL_BLOCK, queue_depth=8, offset_align=4096, mem_align=512,
+                      fixed_buffers=True, stage_block=stage_block, stage_blocks=stage_blocks)
+    w.write(head)                                      # staged, several ring turns
+    w.write(memoryview(src)[: 4 * SMALL_BLOCK])         # aligned source, unaligned position: staged
+    w.zeros(-w.tell() % 4096)
+    w.write(memoryview(src)[: 9 * SMALL_BLOCK])         # aligned both: zero-copy requests of SMALL_BLOCK
+    w.write(memoryview(bytearray(b"x" + head))[1:])     # staged again
+    size = w.flush()
+    w.close()
+    data = bytes(src)
+    expect = head + data[: 4 * SMALL_BLOCK]
+    expect += bytes(-len(expect) % 4096) + data + head
+    assert size == len(expect) and open(path, "rb").read() == expect
+
+
+def test_staging_ring_arguments_are_checked(ext4_dir):
+    for kw in ({"stage_block": 3 << 12}, {"stage_block": 2 * SMALL_BLOCK}, {"stage_blocks": 1},
+               {"stage_blocks": 10}):
+        with pytest.raises(ValueError, match="stage_block"):
+            _uring.Writer(os.path.join(ext4_dir, "x.bin"), block_size=SMALL_BLOCK, queue_depth=8, **kw)
+        assert not os.path.exists(os.path.join(ext4_dir, "x.bin"))

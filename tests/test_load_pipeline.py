@@ -171,6 +171,27 @@ def test_load_memory_is_bounded_and_released(big_ckpt, world):
         assert held <= 2 * MiB, f"rank {rank}/{world}: {held / MiB:.1f} MiB still held after load returned"
 
 
+def _save_memory_body(rank, world, root):
+    sd = {f"big.{i}": torch.full((BIG_ROWS, COLS), float(i)) for i in range(N_BIG)}
+    sd.update({f"small.{i}": torch.full((COLS // 4,), float(i)) for i in range(N_SMALL)})
+    distckpt.save(sd, os.path.join(root, "warm"))  # imports, backend probe, first thread stacks
+    shutil.rmtree(os.path.join(root, "warm"))
+    _trim()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5\n")  # VmHWM := VmRSS
+    before = _status("VmRSS")
+    distckpt.save(sd, os.path.join(root, "ckpt"))
+    return _status("VmHWM") - before
+
+
+def test_save_memory_is_bounded(tmp_path):
+    """A sync save adds at most 16 MiB of RSS (issue 14): the writer's staging ring (default
+    4 x 2 MiB) is the only buffer; large aligned tensors are written from their own memory."""
+    (added,) = run_ranks(_save_memory_body, 1, str(tmp_path))
+    assert added <= 16 * MiB, f"a save added {added / MiB:.1f} MiB of RSS at its peak"
+    shutil.rmtree(tmp_path / "ckpt")
+
+
 # ------------------------------------------------------------------------------------------------
 # Bytes read by a resharding load
 

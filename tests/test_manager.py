@@ -462,3 +462,51 @@ def test_foreign_lock_files_are_not_touched(tmp_path):
     assert distckpt.CheckpointManager(tmp_path).reclaim() == []
     assert distckpt.CheckpointManager(tmp_path).describe().leftovers == []
     assert (tmp_path / ".tool.lock").exists()
+
+
+def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatch, caplog):
+    """latest_step() orders the steps by the commit time in each MANIFEST's first bytes and fully
+    decodes (checksum + validation) only from the newest down to the first valid one; it never
+    returns a step that is not committed (no MANIFEST, damaged MANIFEST, tmp dir)."""
+    from distckpt import manifest as mf
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root)
+    for step in (100, 300, 200):  # commit order differs from number order: newest commit is 200
+        mgr.save(step, _state(step))
+    decodes = []
+    real_decode = mf.decode
+    monkeypatch.setattr(mf, "decode", lambda data, path=None: decodes.append(path) or real_decode(data, path=path))
+    assert mgr.latest_step() == 200
+    assert len(decodes) == 1 and "step_00000200" in decodes[0], decodes
+    # Newest MANIFEST damaged after its first 4 KiB (the peek cannot see it): skipped, next newest.
+    man = root / "step_00000200" / "MANIFEST"
+    data = bytearray(man.read_bytes())
+    data[-1] ^= 0xFF  # its checksum no longer matches
+    man.write_bytes(bytes(data))
+    decodes.clear()
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        assert mgr.latest_step() == 300
+    assert "step_00000200" in caplog.text and "damaged" in caplog.text
+    assert [os.path.basename(os.path.dirname(p)) for p in decodes] == ["step_00000200", "step_00000300"]
+    # A MANIFEST whose header is garbage (the peek cannot tell its time), a step dir without one,
+    # a save's tmp dir with a newer valid MANIFEST: none of them is ever returned.
+    (root / "step_00000300" / "MANIFEST").write_bytes(b"garbage")
+    (root / "step_00000900").mkdir()
+    tmp = root / ".step_00000950.tmp-0123456789abcdef0123456789abcdef"
+    tmp.mkdir()
+    (tmp / "MANIFEST").write_bytes((root / "step_00000100" / "MANIFEST").read_bytes())
+    assert mgr.latest_step() == 100
+    (root / "step_00000100" / "MANIFEST").unlink()
+    assert mgr.latest_step() is None
+    with pytest.raises(distckpt.errors.CheckpointNotFoundError):
+        mgr.load(_state(0))
+
+
+def test_peek_commit_time_matches_the_decoded_manifest(tmp_path):
+    from distckpt import manifest as mf
+    distckpt.save({"w": torch.ones(3), "objs": {str(i): i for i in range(500)}}, tmp_path / "c",
+                  metadata={"note": "x" * 10000})
+    assert mf.peek_commit_time(tmp_path / "c") == mf.load_manifest(tmp_path / "c").created_unix
+    assert mf.peek_commit_time(tmp_path / "missing") is None
+    os.symlink(tmp_path / "c" / "MANIFEST", tmp_path / "link")
+    assert mf.peek_commit_time(tmp_path / "link") is None  # never follows a symlink

@@ -87,7 +87,12 @@ class SaveLock:
         except OSError as exc:  # the lock is dropped by close() anyway; a stale file is reclaimable
             log.warning("distckpt: could not remove the save lock %s: %s", self.path, exc)
         finally:
-            os.close(fd)
+            # Released after the outcome of a save is known (it may be committed): an error here
+            # must not replace that outcome. The fd is gone whatever close() reports.
+            try:
+                os.close(fd)
+            except OSError as exc:
+                log.warning("distckpt: closing the save lock %s: %s", self.path, exc)
 
 
 def _same_file(fd: int, path: str) -> bool:

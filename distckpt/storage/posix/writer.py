@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 from ... import _uring
+from ...config import get_config
 from ...errors import from_os_error
 from .probe import BackendChoice, choose_backend, ensure_sigxfsz_ignored
 
@@ -51,9 +52,16 @@ class Writer:
             else:
                 # Sources aligned to mem_align (and >= one block) are written straight from the
                 # caller's memory, no staging copy; write() still returns only when done.
+                native = choice.native_kwargs()
+                cfg = get_config()
                 self._c = _uring.Writer(
                     path,
-                    **choice.native_kwargs(),
+                    **native,
+                    # The staging ring, apart from the request size of zero-copy writes: it is
+                    # the memory a save adds (DISTCKPT_STAGE_BLOCK x DISTCKPT_STAGE_BLOCKS).
+                    stage_block=max(min(cfg.stage_block, native["block_size"]), choice.offset_align,
+                                    os.sysconf("SC_PAGESIZE")),
+                    stage_blocks=min(cfg.stage_blocks, native["queue_depth"] + 1),
                     # Registered staging: pages pinned once, not per request (~5-10% on the copy
                     # path at 2 GB/s). If RLIMIT_MEMLOCK refuses it the C writer uses plain
                     # writes (self.fixed_buffers says which ran); the backend is unchanged.
