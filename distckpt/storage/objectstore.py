@@ -314,19 +314,41 @@ class ObjectStore(Store):
 
     # -- deletion and reclaim ---------------------------------------------------------------------
 
+    def objects(self, prefix: str) -> list[str]:
+        """Keys (relative to ``prefix/``) of every object under ``prefix/``: one flat listing, no
+        directory emulation (a server such as SeaweedFS keeps empty "directories" around)."""
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        out, token = [], None
+        while True:
+            kw = {"ContinuationToken": token} if token else {}
+            try:
+                page = self._call("list", prefix, self.fs.call_s3, "list_objects_v2", Bucket=bucket, Prefix=key, **kw)
+            except FileNotFoundError:
+                return out
+            out += [o["Key"][len(key):] for o in page.get("Contents") or [] if not o["Key"].endswith("/")]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return out
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix/`` and abort the incomplete multipart uploads there."""
         self.abort_uploads(prefix)
-        key = self._key(prefix)
-        try:
-            keys = self._call("list", prefix, self.fs.find, key)
-        except FileNotFoundError:
-            keys = []
-        if keys:
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        rel = self.objects(prefix)
+        for i in range(0, len(rel), 1000):
+            batch = [{"Key": key + r} for r in rel[i:i + 1000]]
+            self._call("delete", prefix, self.fs.call_s3, "delete_objects", Bucket=bucket,
+                       Delete={"Objects": batch, "Quiet": True})
+        # Directory markers some servers keep (SeaweedFS), deepest first; absent keys are no-ops.
+        dirs = {key + r.rsplit("/", 1)[0] + "/" for r in rel if "/" in r} | {key}
+        for d in sorted(dirs, key=len, reverse=True):
             try:
-                self._call("delete", prefix, self.fs.rm, keys)
-            except FileNotFoundError:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=d)
+            except Exception:  # noqa: BLE001 - cosmetic: an empty "directory" holds no data
                 pass
+        self.fs.invalidate_cache(self._key(prefix))
 
     def abort_uploads(self, prefix: str) -> list[str]:
         bucket, key, _ = self.fs.split_path(self._key(prefix))
@@ -355,11 +377,7 @@ class ObjectStore(Store):
     def leftovers(self, final: str, root_lock: str | None = None) -> list[tuple[str, str]]:
         """(prefix URL, state) of every save-id prefix under ``final`` that MANIFEST does not
         name: ``alive`` (a live lease names it) or ``dead``. Never writes."""
-        try:
-            entries = self._call("list", final, self.fs.ls, self._key(final), detail=True)
-        except FileNotFoundError:
-            return []
-        prefixes = [e["name"] for e in entries if e.get("type") == "directory"]
+        prefixes = {r.split("/", 1)[0] for r in self.objects(final) if "/" in r}
         uploads = []
         bucket, key, _ = self.fs.split_path(self._key(final))
         try:
@@ -367,7 +385,7 @@ class ObjectStore(Store):
             uploads = [u["Key"] for u in listing.get("Uploads") or []]
         except Exception:  # noqa: BLE001 - not S3: no multipart listing
             pass
-        ids = {_basename(p) for p in prefixes}
+        ids = set(prefixes)
         ids |= {u[len(key.rstrip("/")) + 1:].split("/", 1)[0] for u in uploads if "/" in u[len(key.rstrip("/")) + 1:]}
         ids = {i for i in ids if len(i) == _SAVE_ID_LEN and all(c in "0123456789abcdef" for c in i)}
         if not ids:
@@ -453,6 +471,12 @@ class _RangeReader:
             dest[:nbytes] = data
 
     def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_RangeReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
         pass
 
 
