@@ -33,6 +33,13 @@ __all__ = [
     "SharedMemoryError",
     "DistributedEnvError",
     "IOBackendUnavailableError",
+    "ObjectStoreError",
+    "BucketNotFoundError",
+    "ObjectNotFoundError",
+    "ObjectStoreAccessError",
+    "EndpointUnreachableError",
+    "ThrottledError",
+    "QuotaExceededError",
     "CheckpointExistsError",
     "SaveInProgressError",
     "CheckpointNotFoundError",
@@ -192,6 +199,74 @@ class IOBackendUnavailableError(DistCkptError, OSError):
     or a seccomp filter, or O_DIRECT refused by the file system."""
 
     default_remedy = "Set DISTCKPT_IO_BACKEND=auto to let distckpt choose a backend that works here."
+
+
+# --------------------------------------------------------------------------------------------
+# Object stores (S3 and the other fsspec stores). Translated from botocore / aiobotocore / s3fs
+# exceptions in one place: distckpt.storage.objerrors.translate. ``path`` is the object's URL.
+
+
+class ObjectStoreError(StorageError):
+    """A request to an object store failed and no narrower class describes it (a server-side
+    InternalError, a malformed response, an unknown error code).
+
+    Fields: ``url`` (the object or prefix), ``operation`` (what distckpt was doing, e.g.
+    ``upload part``), ``code`` (the store's error code, e.g. ``InternalError``, or the client
+    exception's name), ``status`` (the HTTP status, or None without a response), ``endpoint``.
+    """
+
+    default_remedy = "Check the object store's health and the error code above; the save was not committed."
+
+
+class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The bucket in the URL does not exist (NoSuchBucket) on the endpoint that was asked."""
+
+    default_remedy = ("Create the bucket (distckpt never creates one), or fix the bucket name or the endpoint "
+                      "(AWS_ENDPOINT_URL / storage_options client_kwargs endpoint_url).")
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """An object that was expected is not in the bucket (NoSuchKey / 404 outside a checkpoint's
+    own files, which raise DataFileMissingError or CheckpointNotFoundError)."""
+
+    default_remedy = "Check the URL; list what is there with `distckpt ls` on its parent prefix."
+
+
+class ObjectStoreAccessError(ObjectStoreError, PermissionError):
+    """The store refused the request (403: AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch,
+    ExpiredToken, RequestTimeTooSkewed) or no credentials could be found at all.
+
+    Field ``code`` tells which: a wrong key or secret (``InvalidAccessKeyId`` /
+    ``SignatureDoesNotMatch``), missing credentials (``NoCredentialsError``), or valid credentials
+    without the permission (``AccessDenied``)."""
+
+    default_remedy = ("Check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                      "storage_options key/secret) and that they may read, write, list and delete in this "
+                      "bucket; a skewed clock also fails signatures.")
+
+
+class EndpointUnreachableError(ObjectStoreError, ConnectionError):
+    """No answer from the endpoint: connection refused or reset, a DNS failure, or a connect /
+    read timeout, after the client's own retries."""
+
+    default_remedy = ("Check that the endpoint URL is right and the server is up and reachable from this node "
+                      "(AWS_ENDPOINT_URL / storage_options client_kwargs endpoint_url; proxies, firewalls).")
+
+
+class ThrottledError(ObjectStoreError):
+    """The store kept answering "slow down" (SlowDown, 503, 429, Throttling...) through every retry
+    of distckpt's bounded exponential backoff. Fields: ``attempts``, ``waited_s``."""
+
+    default_remedy = ("The store is rate-limiting this job: spread the keys over more prefixes, run fewer "
+                      "requests at once, or ask the store's operator for a higher request rate.")
+
+
+class QuotaExceededError(ObjectStoreError, DiskFullError):
+    """The store refused a write because a quota or its capacity is exhausted (QuotaExceeded,
+    XMinioStorageFull, HTTP 507 Insufficient Storage). Also a DiskFullError."""
+
+    default_remedy = ("Free space in the bucket (delete old checkpoints or lower keep_last), raise the bucket's "
+                      "quota, or save to another bucket.")
 
 
 # --------------------------------------------------------------------------------------------

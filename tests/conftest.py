@@ -20,3 +20,77 @@ def open_fds() -> dict[int, str]:
         except OSError:
             pass
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# A real S3 server (SeaweedFS, tests/s3server.py): one per session, a fresh bucket per test.
+
+
+class S3Bucket:
+    """One empty bucket on the session's server: ``name``, ``url`` (``s3://NAME``),
+    ``storage_options`` (read-write keys), ``server`` (the :class:`tests.s3server.S3Server`),
+    ``fs`` (an s3fs filesystem on it) and ``env`` (AWS_* variables for clients without options)."""
+
+    def __init__(self, server, name):
+        self.server, self.name = server, name
+        self.url = f"s3://{name}"
+        self.storage_options = server.storage_options()
+        self.env = server.env()
+        self.fs = server.filesystem()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Every object key under ``prefix`` (relative to the bucket), sorted; fresh listing."""
+        self.fs.invalidate_cache()
+        base = f"{self.name}/{prefix}".rstrip("/")
+        return sorted(k[len(self.name) + 1:] for k in self.fs.find(base))
+
+    def multipart_uploads(self) -> list[dict]:
+        """The bucket's unfinished multipart uploads (Key, UploadId)."""
+        return self.fs.call_s3("list_multipart_uploads", Bucket=self.name).get("Uploads", [])
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The session's SeaweedFS server (started on first use, stopped at the end)."""
+    from tests.s3server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket on the session server, emptied and deleted after the test."""
+    name = s3_server.create_bucket()
+    yield S3Bucket(s3_server, name)
+    if s3_server.proc is not None:
+        s3_server.remove_bucket(name)
+
+
+@pytest.fixture
+def s3_private_server(tmp_path_factory):
+    """A server of this test's own (with one bucket), for tests that stop or kill it mid-way;
+    stopped (by PID) afterwards whatever happened. Yields an S3Bucket on it."""
+    from tests.s3server import S3Server
+
+    server = S3Server().start()
+    try:
+        yield S3Bucket(server, server.create_bucket())
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_ignore_conditional(monkeypatch):
+    """Run the test as if the server did not honour conditional creates (If-None-Match: *):
+    this process's S3 clients stop sending the header, and so do child processes (torchrun ranks)
+    started with the environment this fixture sets (a sitecustomize on PYTHONPATH). Undone at
+    teardown."""
+    from tests.s3server import ignore_conditional_writes, ignore_conditional_writes_env, restore_conditional_writes
+
+    ignore_conditional_writes()
+    for name, value in ignore_conditional_writes_env().items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
+    yield
+    restore_conditional_writes()
