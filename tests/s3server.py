@@ -232,6 +232,20 @@ class S3Server:
             cwd=self.workdir)
         return out.stdout + out.stderr
 
+    def throttle(self, *, writes: int = 1, reads: int | None = None) -> None:
+        """Make the server refuse requests beyond ``writes`` (and ``reads``) in flight at once with
+        503 ErrTooManyRequest (SeaweedFS's circuit breaker): real throttling."""
+        actions, values = ["Write"], [str(writes)]
+        if reads is not None:
+            actions.append("Read")
+            values.append(str(reads))
+        self.shell(f"s3.circuitBreaker -global -type Count -actions {','.join(actions)} "
+                   f"-values {','.join(values)} -apply")
+
+    def unthrottle(self) -> None:
+        """Remove the limits set by :meth:`throttle`."""
+        self.shell("s3.circuitBreaker -global -delete -apply")
+
     def kill(self) -> None:
         """SIGKILL the server at once (an abrupt loss of the endpoint); keeps its data."""
         if self.proc is not None and self.proc.poll() is None:
