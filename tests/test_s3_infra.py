@@ -270,3 +270,95 @@ def test_quota(s3_bucket):
         err = translate(exc, url="s3://bucket/k", operation="write", rank=2)
         assert isinstance(err, errors.QuotaExceededError) and isinstance(err, errors.DiskFullError)
         assert "quota" in err.remedy and "rank 2" in str(err)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pre-flight of an object store (distckpt.storage.objcheck through distckpt.preflight)
+
+
+def _object_checks(report):
+    return {r.name: r for r in report.checks if r.name.startswith("object_")}
+
+
+def test_preflight_object_store_ok_and_probe_removed(s3_bucket):
+    from distckpt.preflight import preflight
+
+    url = f"{s3_bucket.url}/run7/step_00000100"
+    report = preflight(url, storage_options=s3_bucket.storage_options, env={})
+    checks = _object_checks(report)
+    assert set(checks) == {"object_credentials", "object_endpoint", "object_bucket", "object_writable"}
+    assert all(c.ok for c in checks.values()), str(report)
+    assert report.ok, str(report)
+    assert "disk" not in {r.name for r in report.checks}  # no local file-system checks for a URL
+    assert checks["object_writable"].details["conditional"] is True
+    assert "explicit" in checks["object_credentials"].message
+    assert s3_bucket.keys() == [], "the probe object was left behind"
+
+
+def test_preflight_object_store_without_conditional_creates(s3_bucket, s3_ignore_conditional):
+    from distckpt.preflight import preflight
+
+    report = preflight(f"{s3_bucket.url}/run7", storage_options=s3_bucket.storage_options, env={})
+    writable = _object_checks(report)["object_writable"]
+    assert writable.ok and writable.details["conditional"] is False
+    assert "DISTCKPT_OBJECT_CONDITIONAL=0" in writable.message
+    assert s3_bucket.keys() == []
+
+
+def test_preflight_object_store_failures_typed(s3_bucket, monkeypatch, tmp_path):
+    from distckpt.preflight import preflight
+    from distckpt.storage.objcheck import check_object_store
+    from tests.s3server import _free_ports
+
+    server, url = s3_bucket.server, f"{s3_bucket.url}/run7"
+
+    def failing(check, cls, **options):
+        report = preflight(url if "url" not in options else options.pop("url"), storage_options=options, env={})
+        assert not report.ok
+        result = _object_checks(report)[check]
+        assert result.status == "error" and isinstance(result.error, cls), str(report)
+        with pytest.raises(cls) as info:
+            report.raise_first()
+        assert "Remedy:" in str(info.value)
+        return result.error
+
+    err = failing("object_bucket", errors.ObjectStoreAccessError, **server.storage_options(secret="wrong"))
+    assert err.code == "SignatureDoesNotMatch"
+    err = failing("object_writable", errors.ObjectStoreAccessError, **server.storage_options(read_only=True))
+    assert err.code == "AccessDenied"
+    err = failing("object_bucket", errors.BucketNotFoundError, url="s3://no-such-bucket-distckpt/run7",
+                  **server.storage_options())
+    assert err.bucket == "no-such-bucket-distckpt"
+    dead = f"http://127.0.0.1:{_free_ports(1)[0]}"
+    t0 = time.monotonic()
+    err = failing("object_endpoint", errors.EndpointUnreachableError,
+                  **server.storage_options(client_kwargs={"endpoint_url": dead, "region_name": "us-east-1"}))
+    assert dead in str(err) and time.monotonic() - t0 < 15
+    assert s3_bucket.keys() == []
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(errors.ObjectStoreAccessError, match="no credentials") as info:
+        check_object_store(url, storage_options={"client_kwargs": {"endpoint_url": server.endpoint}}, rank=5)
+    assert info.value.code == "NoCredentialsError" and info.value.rank == 5
+
+
+def test_preflight_cli_on_s3_url(s3_bucket):
+    """`distckpt preflight s3://...` with the standard AWS variables: exit 0 and the object rows;
+    a read-only key: exit 1 naming the refusal."""
+    url = f"{s3_bucket.url}/run7"
+    env = {**os.environ, **s3_bucket.server.env()}
+    out = subprocess.run([sys.executable, "-m", "distckpt", "preflight", url, "--json"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    import json
+    checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    assert checks["object_writable"]["status"] == "ok" and checks["object_bucket"]["status"] == "ok"
+    env = {**os.environ, **s3_bucket.server.env(read_only=True)}
+    out = subprocess.run([sys.executable, "-m", "distckpt", "preflight", url], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "object_writable" in out.stdout and "Access Denied" in out.stdout, out.stdout
+    assert s3_bucket.keys() == []
