@@ -355,7 +355,7 @@ def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
                allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
-               no_dist: bool = False,
+               no_dist: bool = False, storage_options: dict | None = None,
                _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> AsyncSaveHandle:
     """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
 
@@ -381,7 +381,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         started.
     """
     t_call = time.perf_counter()
-    final_dir = os.path.abspath(os.fspath(path))
+    from .storage import normalize_path
+    final_dir = normalize_path(path)
     handle = AsyncSaveHandle(final_dir)
     _register_exit_hook()
     SAVE_GATE.acquire()  # released by the worker thread, or below if no worker starts
@@ -410,7 +411,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
             result, error = None, None
             try:
                 result = finish_save(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                                     after_commit=_after_commit, local_error=stage_error, lock_path=_lock_path)
+                                     after_commit=_after_commit, local_error=stage_error, lock_path=_lock_path,
+                                     storage_options=storage_options)
             except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
                 error = exc
             finally:

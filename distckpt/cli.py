@@ -197,7 +197,18 @@ def _cmd_inspect(args) -> int:
     from . import manifest as mf
     from .locate import check_checkpoint_dir
 
-    path = os.path.abspath(args.path)
+    from .storage import is_url, normalize_path
+    path = normalize_path(args.path)
+    if is_url(path):  # an object store: credentials and endpoint from the AWS_* variables
+        from .restore import load_manifest
+        m = load_manifest(path)
+        if args.manifest:
+            print(json.dumps(_plain_json(mf.to_plain(m)), indent=1))
+        elif args.json:
+            print(json.dumps(inspect_document(m, path), indent=1))
+        else:
+            _print_inspect(inspect_document(m, path))
+        return 0
     check_checkpoint_dir(path)
     if os.path.isfile(os.path.join(path, ".metadata")):
         from .dcp import is_dcp_checkpoint
@@ -228,7 +239,8 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    if os.path.isfile(os.path.join(args.path, ".metadata")):
+    from .storage import is_url
+    if not is_url(args.path) and os.path.isfile(os.path.join(args.path, ".metadata")):
         from .dcp import is_dcp_checkpoint
         if is_dcp_checkpoint(args.path):  # DCP writes no checksums: say what was checked, no more
             from .restore import read

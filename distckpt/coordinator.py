@@ -61,7 +61,9 @@ from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
 from .plan import Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect
 from .staging import dtype_name, host_bytes
+from .storage import Store, is_url, open_store
 from .storage.posix import commit as local
+from .storage.posix.store import PosixStore  # noqa: F401 - imported now, not during a save
 
 __all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs",
            "scan_leftovers", "Leftover", "is_committed", "TMP_RE", "LOCK_RE", "ROOT_LOCK_NAME", "lock_file"]
@@ -580,6 +582,7 @@ def save_collective(
     after_commit: Callable[[], None] | None = None,
     replicated: Any = "check",
     lock_path: str | None = None,
+    storage_options: dict | None = None,
 ) -> SaveResult:
     """Run phases 1-4 (module docstring) on this rank. Returns only after the commit verdict.
     Waits first for an async save of this process still in flight (:data:`SAVE_GATE`).
@@ -596,12 +599,13 @@ def save_collective(
         planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
                             path=final_dir, replicated=replicated)
         return finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                           after_commit=after_commit, lock_path=lock_path)
+                           after_commit=after_commit, lock_path=lock_path, storage_options=storage_options)
 
 
 def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
                 metadata: dict | None, after_commit: Callable[[], None] | None = None,
-                local_error: BaseException | None = None, lock_path: str | None = None) -> SaveResult:
+                local_error: BaseException | None = None, lock_path: str | None = None,
+                storage_options: dict | None = None) -> SaveResult:
     """Phases 2-4 (PREPARE, WRITE, COMMIT) on this rank, after :func:`plan_save`. Collective.
 
     ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
@@ -616,12 +620,18 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
 
     ``lock_path``: the save lock rank 0 holds from PREPARE to the end (default ``.NAME.lock``
     beside the checkpoint; a CheckpointManager passes its root lock). It is released (unlinked,
-    fd closed) on every path, after the tmp dir is gone or published.
+    fd closed) on every path, after the tmp dir is gone or published. On an object store the
+    lock is the save's lease object (:mod:`distckpt.storage.objectstore`), and the tmp dir is the
+    save's data prefix.
+
+    ``storage_options``: for an fsspec URL ``final_dir``, passed to fsspec (:func:`distckpt.storage.open_store`).
     """
     held: list = []
+    store = open_store(final_dir, storage_options)
     try:
         return _finish_save(group, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                            after_commit=after_commit, local_error=local_error, lock_path=lock_path, held=held)
+                            after_commit=after_commit, local_error=local_error, lock_path=lock_path, held=held,
+                            store=store)
     finally:
         for lock in held:
             lock.release()
@@ -629,7 +639,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
 
 def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
                  metadata: dict | None, after_commit: Callable[[], None] | None,
-                 local_error: BaseException | None, lock_path: str | None, held: list) -> SaveResult:
+                 local_error: BaseException | None, lock_path: str | None, held: list, store: Store) -> SaveResult:
     t0 = planned.t0
     rank, world = group.rank, group.world_size
     plan, mine = planned.plan, planned.mine
@@ -640,7 +650,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     if rank == 0:
         try:
             needed = sum(plan.bytes_per_rank) + 64 * 1024 * (len(plan.owners) + world) + (1 << 20)
-            tmp, lock = _prepare(final_dir, save_id, overwrite, needed, rank, lock_path)
+            tmp, lock = store.prepare(final_dir, save_id, overwrite, needed, rank, lock_path)
             held.append(lock)
             prepared = (tmp, None)
         except Exception as exc:
@@ -654,9 +664,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     result, error = None, local_error
     if error is None:
         try:
-            records, size, choice = _write_rank_file(os.path.join(tmp_dir, mf.data_file_name(rank)), rank, mine,
-                                                     plan.checksum_block)
-            result = (records, size, choice.name, choice.reason)
+            result = store.write_rank(tmp_dir, rank, mine, plan.checksum_block)  # (records, size, backend, reason)
         except Exception as exc:
             error = exc
     outcomes = group.all_gather((result, _portable(error)))
@@ -668,18 +676,17 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         published = False
         try:
             if any(e is not None for _, e in outcomes):
-                local.delete_tree(tmp_dir, names=_tmp_names(world))
+                store.abort(tmp_dir, world)
             else:
                 manifest = _build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata)
-                local.write_file_durable(os.path.join(tmp_dir, MANIFEST), mf.encode(manifest))
-                replaced = local.publish_dir(tmp_dir, final_dir, overwrite=overwrite)
+                replaced = store.publish(tmp_dir, final_dir, mf.encode(manifest), overwrite)  # the commit point
                 published = True
                 if replaced is not None:
                     # The old checkpoint now sits under the hidden tmp name: deleting it is
                     # housekeeping (reclaim_tmp_dirs finishes it at the next save of this name),
                     # so its failure must not turn a committed save into a reported failure.
                     try:
-                        local.delete_tree(replaced)
+                        store.discard(replaced)
                     except DistCkptError as cleanup_exc:
                         log.warning("distckpt: could not remove the replaced checkpoint %s: %s", replaced, cleanup_exc)
                 if after_commit is not None:
@@ -696,7 +703,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             published = published or getattr(exc, "published", False)
             if not published:
                 try:
-                    local.delete_tree(tmp_dir, names=_tmp_names(world))
+                    store.abort(tmp_dir, world)
                 except DistCkptError as cleanup_exc:
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
         else:
@@ -705,18 +712,18 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     try:
         verdict = group.broadcast(verdict)
     except PeerLostError as lost:
-        raise _lost_at_verdict(lost, rank, world, final_dir, tmp_dir, committed, verdict) from lost
+        raise _lost_at_verdict(lost, rank, world, final_dir, tmp_dir, committed, verdict, store) from lost
     if verdict is not None:
         raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
     mine_result = outcomes[rank][0]
     return SaveResult(
-        path=os.path.abspath(final_dir), world_size=world, rank=rank,
+        path=final_dir if is_url(final_dir) else os.path.abspath(final_dir), world_size=world, rank=rank,
         bytes_per_rank=[o[0][1] for o in outcomes], total_bytes=sum(o[0][1] for o in outcomes),
         seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id)
 
 
 def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str, tmp_dir: str,
-                     committed: bool, after_error: BaseException | None) -> PeerLostError:
+                     committed: bool, after_error: BaseException | None, store: Store) -> PeerLostError:
     """The truthful error for a peer lost while the COMMIT verdict was broadcast.
 
     Rank 0 knows whether it renamed the tmp dir. Another rank does not: it looks for this save's
@@ -733,9 +740,9 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
             f"the checkpoint at {final_dir} is committed (complete and durable), but {who} lost "
             f"before hearing the verdict ({lost.message}){also}",
             path=final_dir, rank=rank, committed=True, lost_ranks=others, after_commit_error=after_error)
-    save_id = os.path.basename(tmp_dir).rsplit("tmp-", 1)[-1]
+    save_id = store.save_id_of_area(tmp_dir)
     try:
-        found = mf.load_manifest(final_dir).save_id == save_id
+        found = store.committed_save_id(final_dir) == save_id
     except Exception:  # noqa: BLE001 - absent or unreadable: the commit is not proven
         found = False
     if found:
@@ -747,11 +754,6 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
         f"{lost.message}; lost while rank 0 committed {final_dir}: this rank cannot tell whether the "
         f"checkpoint was committed (if it was, its MANIFEST carries save_id {save_id})",
         path=final_dir, rank=rank, committed=None, save_id=save_id)
-
-
-def _tmp_names(world: int) -> list[str]:
-    """Everything a save puts in its tmp dir, so an abort can remove it without an fd (EMFILE)."""
-    return [MANIFEST] + [mf.data_file_name(r) for r in range(world)]
 
 
 def _build_manifest(plan: _GlobalPlan, outcomes, save_id: str, world: int, checksum_block: int,

@@ -48,6 +48,7 @@ from .coordinator import (MANIFEST, ROOT_LOCK_NAME, Leftover, SaveResult, is_com
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, from_os_error
 from .restore import LoadResult, load
 from .save import save
+from .storage import is_url, join, normalize_path, open_store
 from .storage.posix import commit as local
 
 if TYPE_CHECKING:
@@ -106,10 +107,18 @@ class RootListing:
         return dataclasses.asdict(self)
 
 
-def _step_info(path: str, name: str) -> StepInfo:
+def _step_info(path: str, name: str, store: Any = None) -> StepInfo:
     from . import manifest as mf
     m = _STEP_RE.match(name)
     step = int(m.group(1)) if m else None
+    if store is not None:  # an object store: one GET of MANIFEST
+        try:
+            data = store.manifest_bytes(path)
+            man = mf.decode(data, path=join(path, MANIFEST))
+        except DistCkptError as exc:
+            return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc.message}")
+        return StepInfo(name, path, step, "committed", None, sum(f.size for f in man.files) + len(data),
+                        man.created_unix, man.world_size, man.save_id)
     try:
         man = mf.load_manifest(path)
         size = sum(f.size for f in man.files) + os.path.getsize(os.path.join(path, MANIFEST))
@@ -137,7 +146,47 @@ def _read_pointer(root: str) -> str | None:
         raise from_os_error(exc, path=os.path.join(root, "latest"), operation="read") from exc
 
 
-def list_root(path: str | os.PathLike, *, other_hosts: bool = False) -> RootListing:
+def _list_root_store(root: str, storage_options: dict | None) -> RootListing:
+    """:func:`list_root` of an object-store root (or checkpoint). Never writes."""
+    store = open_store(root, storage_options)
+    if store.is_committed(root):
+        info = _step_info(root, root.rsplit("/", 1)[-1], store)
+        return RootListing(root, "checkpoint", [info], None, None, None, [])
+    names = store.list_children(root)
+    if not names:
+        raise CheckpointNotFoundError(f"nothing at {root}", path=root,
+                                      remedy="Check the URL: pass a CheckpointManager root or a checkpoint.")
+    # A name is a checkpoint when it has MANIFEST, or a broken one when it holds objects (an
+    # empty "directory" a server keeps after a deletion is nothing).
+    names = [n for n in names if store.is_committed(join(root, n)) or (_STEP_RE.match(n) and store.objects(join(root, n)))]
+    infos = [_step_info(join(root, n), n, store) for n in names]
+    leftovers = []
+    for n in names:
+        for prefix, state in store.leftovers(join(root, n), root_lock=join(root, ROOT_LOCK_NAME)):
+            leftovers.append(Leftover(f"{n}/{prefix.rsplit('/', 1)[-1]}", n, "tmp", prefix, state, None))
+    return _listing(root, infos, store.read_pointer(join(root, "latest")), leftovers)
+
+
+def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: list) -> RootListing:
+    newest = _newest_by_commit(infos)
+    latest = newest.step if newest is not None else None
+    problem = None
+    if pointer is not None and (newest is None or pointer != newest.name):
+        target = next((i for i in infos if i.name == pointer), None)
+        if target is None:
+            problem = f"the latest file names {pointer!r}, which does not exist"
+        elif target.status != "committed":
+            problem = f"the latest file names {pointer!r}, which is broken"
+        else:
+            problem = (f"the latest file names {pointer!r} but {newest.name} was committed after it "
+                       "(a crash between that commit and the pointer update): load() loads "
+                       f"{newest.name}")
+    infos = [dataclasses.replace(i, is_latest=(newest is not None and i.name == newest.name)) for i in infos]
+    infos.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
+    return RootListing(root, "root", infos, latest, pointer, problem, leftovers)
+
+
+def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_options: dict | None = None) -> RootListing:
     """Describe a CheckpointManager root (or any directory of checkpoints, or one checkpoint
     directory) without writing anything: committed steps with size, date and world size, which
     one is latest, broken entries, and saves in flight or crashed with their owner and liveness.
@@ -146,7 +195,9 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False) -> RootList
         CheckpointNotFoundError: ``path`` does not exist or is not a directory.
         StorageError subclasses: it cannot be listed (permissions, I/O).
     """
-    root = os.path.abspath(os.fspath(path))
+    root = normalize_path(path)
+    if is_url(root):
+        return _list_root_store(root, storage_options)
     if not os.path.isdir(root):
         what = "does not exist" if not os.path.lexists(root) else "is not a directory"
         raise CheckpointNotFoundError(f"{root} {what}", path=root,
@@ -165,23 +216,7 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False) -> RootList
             continue
         if _STEP_RE.match(name) or os.path.lexists(os.path.join(full, MANIFEST)):
             infos.append(_step_info(full, name))
-    newest = _newest_by_commit(infos)
-    latest = newest.step if newest is not None else None
-    pointer = _read_pointer(root)
-    problem = None
-    if pointer is not None and (newest is None or pointer != newest.name):
-        target = next((i for i in infos if i.name == pointer), None)
-        if target is None:
-            problem = f"the latest file names {pointer!r}, which does not exist"
-        elif target.status != "committed":
-            problem = f"the latest file names {pointer!r}, which is broken"
-        else:
-            problem = (f"the latest file names {pointer!r} but {newest.name} was committed after it "
-                       "(a crash between that commit and the pointer update): load() loads "
-                       f"{newest.name}")
-    infos = [dataclasses.replace(i, is_latest=(newest is not None and i.name == newest.name)) for i in infos]
-    infos.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
-    return RootListing(root, "root", infos, latest, pointer, problem, scan_leftovers(root, other_hosts=other_hosts))
+    return _listing(root, infos, _read_pointer(root), scan_leftovers(root, other_hosts=other_hosts))
 
 
 class CheckpointManager:
@@ -206,17 +241,23 @@ class CheckpointManager:
         keep_last: how many committed steps of the current branch to keep (None: all).
         keep_abandoned: keep steps numbered above a newly saved step instead of deleting them.
         process_group: the group save/load run over (default: the world).
+        storage_options: for an fsspec URL root (``s3://bucket/run7``), the fsspec options (as
+            :func:`distckpt.save`); every save and load of this manager passes them on.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_abandoned: bool = False,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, storage_options: dict | None = None) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last={keep_last!r} must be a positive int or None")
-        self.root = os.path.abspath(os.fspath(root))
-        # Read-only check (no directory is created here): a root under /proc or /sys is the
-        # wrong place, said now rather than at the first save hours into the run.
-        from .preflight import refuse_pseudo_fs
-        refuse_pseudo_fs(self.root)
+        self.root = normalize_path(root)
+        self.storage_options = storage_options
+        # An object store (None: a local directory): its listing, ``latest`` and deletions.
+        self._store = open_store(self.root, storage_options) if is_url(self.root) else None
+        if self._store is None:
+            # Read-only check (no directory is created here): a root under /proc or /sys is the
+            # wrong place, said now rather than at the first save hours into the run.
+            from .preflight import refuse_pseudo_fs
+            refuse_pseudo_fs(self.root)
         self.keep_last = keep_last
         self.keep_abandoned = bool(keep_abandoned)
         self.process_group = process_group
@@ -230,10 +271,22 @@ class CheckpointManager:
         return dist.get_rank(self.process_group) if self.process_group is not None else dist.get_rank()
 
     def path(self, step: int) -> str:
-        return os.path.join(self.root, step_dirname(step))
+        return join(self.root, step_dirname(step))
+
+    def _committed(self, path: str) -> bool:
+        return self._store.is_committed(path) if self._store is not None else is_committed(path)
+
+    def _remove(self, path: str) -> None:
+        if self._store is not None:
+            self._store.remove_checkpoint(path)  # MANIFEST first: never a MANIFEST without its data
+        else:
+            local.remove_dir(path)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending by number. Never writes."""
+        if self._store is not None:
+            return sorted(int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root))
+                          if m and self._store.is_committed(self.path(int(m.group(1)))))
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -253,7 +306,7 @@ class CheckpointManager:
         warning naming it. Never writes."""
         infos = []
         for step in self.steps():
-            info = _step_info(self.path(step), step_dirname(step))
+            info = _step_info(self.path(step), step_dirname(step), self._store)
             if info.status != "committed":
                 log.warning("distckpt: %s looks committed but its MANIFEST is damaged (%s); not a candidate "
                             "for latest", info.path, info.problem)
@@ -263,12 +316,15 @@ class CheckpointManager:
 
     def describe(self, *, other_hosts: bool = False) -> RootListing:
         """:func:`list_root` of this root (what ``distckpt ls ROOT`` prints). Never writes."""
-        return list_root(self.root, other_hosts=other_hosts)
+        return list_root(self.root, other_hosts=other_hosts, storage_options=self.storage_options)
 
     def reclaim(self, *, other_hosts: bool = False) -> list[str]:
         """Delete the leftovers of dead saves under the root (never of a live one, whichever
         process runs it). ``other_hosts=True`` also trusts free locks of other hosts (only on a
-        file system whose flock is coherent across hosts). Returns the entries removed."""
+        file system whose flock is coherent across hosts). Returns the entries removed. On an object
+        store a save's leftovers are dead when no live lease names them (``other_hosts`` is moot)."""
+        if self._store is not None:
+            return self._store.reclaim(self.root)
         return reclaim_tmp_dirs(self.root, other_hosts=other_hosts)
 
     def save(self, step: int, state_dict: Any, *, blocking: bool = True,
@@ -291,17 +347,21 @@ class CheckpointManager:
             raise ConfigError(f"step={step!r} must be a non-negative int")
         from .async_save import raise_background_failure
         raise_background_failure()
-        if self._rank() == 0 and os.path.isdir(self.root):
+        if self._store is not None:
+            kwargs["storage_options"] = self.storage_options
+            if self._rank() == 0:
+                self._store.reclaim(self.root)  # dead leftovers of any step (never those of a live lease)
+        elif self._rank() == 0 and os.path.isdir(self.root):
             reclaim_tmp_dirs(self.root)  # dead leftovers of any step; before our lock is taken
         if (self._resumed_from is not None and step > self._resumed_from and not self.keep_abandoned
-                and not kwargs.get("overwrite") and is_committed(self.path(step))):
+                and not kwargs.get("overwrite") and self._committed(self.path(step))):
             log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
                         "step %d and saves step %d again); pass keep_abandoned=True to refuse instead",
                         self.path(step), self._resumed_from, step)
             kwargs["overwrite"] = True
         protect = self._resumed_from
         after = lambda: self._after_commit(step, protect)  # noqa: E731
-        lock = os.path.join(self.root, ROOT_LOCK_NAME)
+        lock = join(self.root, ROOT_LOCK_NAME)
         if not blocking:
             from .async_save import async_save
             h = async_save(state_dict, self.path(step), process_group=self.process_group,
@@ -315,7 +375,11 @@ class CheckpointManager:
 
     def _after_commit(self, step: int, protect: int | None) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
-        local.replace_file_atomic(os.path.join(self.root, "latest"), (step_dirname(step) + "\n").encode())
+        pointer = (step_dirname(step) + "\n").encode()
+        if self._store is not None:
+            self._store.replace_pointer(join(self.root, "latest"), pointer)  # one PUT: atomic
+        else:
+            local.replace_file_atomic(os.path.join(self.root, "latest"), pointer)
         steps = self.steps()
         above = [s for s in steps if s > step]
         if above and protect is None:
@@ -337,7 +401,7 @@ class CheckpointManager:
             log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
                         "steps)", self.path(old), step, step_dirname(old))
-            local.remove_dir(self.path(old))
+            self._remove(self.path(old))
         self._resumed_from = None  # the protection of the resumed-from step lasts one save
         if self.keep_last is None:
             return
@@ -346,7 +410,7 @@ class CheckpointManager:
         # step the job resumed from survives the first save after the resume.
         doomed = [s for s in branch[:-self.keep_last] if s not in (step, protect)]
         for old in doomed:
-            local.remove_dir(self.path(old))
+            self._remove(self.path(old))
 
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
         """Load step ``step`` (default: :meth:`latest_step`, the newest by commit order) into
@@ -362,6 +426,8 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
+        if self._store is not None:
+            kwargs["storage_options"] = self.storage_options
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
         self._resumed_from = step
         return result

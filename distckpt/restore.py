@@ -44,6 +44,7 @@ from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_
 from .values import decode_value
 from .plan import Box, plan_reads
 from .staging import dtype_from_name, dtype_name
+from .storage import Store, is_url, join, normalize_path, open_store
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "EXACT_CASTS"]
 
@@ -167,15 +168,18 @@ def _manifest_bytes(path: str) -> bytes:
     return mf.read_manifest_bytes(os.path.join(path, MANIFEST))
 
 
-def load_manifest(path: str) -> "mf.Manifest":
-    """Read, decode and validate ``path``/MANIFEST.
+def load_manifest(path: str, storage_options: dict | None = None) -> "mf.Manifest":
+    """Read, decode and validate ``path``/MANIFEST (``path`` local or an fsspec URL, see
+    :func:`distckpt.save` for ``storage_options``).
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist.
         CheckpointIncompleteError: ``path`` is a save's tmp directory or has no MANIFEST.
         ManifestCorruptError: MANIFEST is damaged or describes an impossible layout.
     """
-    path = os.path.abspath(path)
+    path = normalize_path(path)
+    if is_url(path):
+        return mf.decode(open_store(path, storage_options).manifest_bytes(path), path=join(path, MANIFEST))
     _check_committed(path)
     if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: read it directly
         return dcp.load_manifest(path)
@@ -183,9 +187,9 @@ def load_manifest(path: str) -> "mf.Manifest":
     return mf.load_manifest(path)
 
 
-def read_manifest(path: str) -> dict:
+def read_manifest(path: str, storage_options: dict | None = None) -> dict:
     """The checkpoint's manifest as plain data (dicts, lists, ints, strs)."""
-    return mf.to_plain(load_manifest(path))
+    return mf.to_plain(load_manifest(path, storage_options))
 
 
 def _check_data_file(ckpt: str, entry: "mf.FileEntry") -> str:
@@ -233,7 +237,18 @@ def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return t
 
 
-def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) -> tuple[int, str | None]:
+def _check_files(ckpt: str, manifest: "mf.Manifest", indexes, store: Store | None) -> None:
+    """Every data file in ``indexes`` exists with its MANIFEST size (before any byte is read)."""
+    indexes = sorted(indexes)
+    if store is not None:
+        store.data_readers(ckpt, manifest, indexes)
+        return
+    for fi in indexes:
+        _check_data_file(ckpt, manifest.files[fi])
+
+
+def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool,
+          store: Store | None = None) -> tuple[int, str | None]:
     """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
     bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
     from .fill import READ_PIECE, fill
@@ -245,6 +260,10 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool) 
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
+    if store is not None:  # an object store: ranged GETs, several in flight (fill's workers)
+        paths, open_obj, align, backend = store.data_readers(ckpt, manifest, sorted(by_file))
+        stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align, open_reader=open_obj)
+        return stats.bytes_read, backend
     choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
     stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=choice.offset_align,
@@ -467,7 +486,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float,
-                cast: str = "exact") -> LoadResult:
+                cast: str = "exact", store: Store | None = None) -> LoadResult:
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
@@ -477,9 +496,8 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
         values = [(item, _object_value(entry, manifest, item.fqn, path)) for item, entry in objects]
         # Every data file this rank reads has its MANIFEST size before the first byte lands in the
         # caller's tensors: a truncated or missing file fails the load with them untouched.
-        for fi in sorted({t.chunk.file for t in tasks}):
-            _check_data_file(path, manifest.files[fi])
-        nbytes, backend = _fill(path, manifest, tasks, verify)
+        _check_files(path, manifest, {t.chunk.file for t in tasks}, store)
+        nbytes, backend = _fill(path, manifest, tasks, verify, store)
         with torch.no_grad():
             for tmp, dest in casts:
                 dest.copy_(tmp)
@@ -504,15 +522,15 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
                       uninitialized=uninitialized, cast=cast_names)
 
 
-def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
+def _manifest_collective(group: ControlGroup, path: str, store: Store | None = None) -> "mf.Manifest":
     """Rank 0 reads MANIFEST once and broadcasts its bytes (or its typed error); every rank
     decodes and validates them itself (a shared file system need not be hit N times)."""
-    if group.world_size == 1 or dcp.is_dcp_checkpoint(path):  # DCP: every rank reads .metadata itself
+    if store is None and (group.world_size == 1 or dcp.is_dcp_checkpoint(path)):  # DCP: every rank reads .metadata itself
         return load_manifest(path)
     payload, manifest = None, None
     if group.rank == 0:
         try:
-            data = _manifest_bytes(path)
+            data = store.manifest_bytes(path) if store is not None else _manifest_bytes(path)
             manifest = mf.decode(data, path=os.path.join(path, MANIFEST))
             payload = (data, None)
         except Exception as exc:
@@ -524,7 +542,8 @@ def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
-         verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False) -> LoadResult:
+         verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False,
+         storage_options: dict | None = None) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -533,7 +552,9 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     Args:
         state_dict: nested dict/list/tuple of pre-allocated tensors (any device; plain, DTensor,
             ShardedTensor) and plain values.
-        path: a committed checkpoint directory.
+        path: a committed checkpoint directory, local or an fsspec URL (``s3://...``; each rank
+            then reads its byte ranges with ranged GETs).
+        storage_options: for an fsspec URL, the fsspec options (as :func:`distckpt.save`).
         strict: when True, a key of the state dict the checkpoint lacks, a shape mismatch, or
             saved optimizer state for an optimizer without state yet raises before a byte is read;
             when False, what matches is loaded and the result lists the rest. Keys the checkpoint
@@ -563,19 +584,25 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         return means every tensor holds the checkpoint.
     """
     t0 = time.monotonic()
-    path = os.path.abspath(os.fspath(path))
+    path = normalize_path(path)
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
     result, error = None, None
-    identity = _dir_identity(path)
+    store, identity = None, None
     try:
+        if is_url(path):
+            store = open_store(path, storage_options)
+        else:
+            identity = _dir_identity(path)
         with gc_paused():
-            manifest = _manifest_collective(group, path)
-            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast)
-            _check_unmoved(path, identity)
+            manifest = _manifest_collective(group, path, store)
+            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store)
+            if store is None:
+                _check_unmoved(path, identity)
     except Exception as exc:
-        error = _removed_while_reading(path, identity, exc)  # its rank is recorded by raise_failures
+        # its rank is recorded by raise_failures
+        error = _removed_while_reading(path, identity, exc) if store is None else _replaced_on_store(store, path, exc)
     group.exchange_outcome(error, operation="load")
     return result
 
@@ -604,7 +631,7 @@ _SKIP = object()
 
 
 def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: bool = True,
-         allow_pickle: bool = False) -> dict:
+         allow_pickle: bool = False, storage_options: dict | None = None) -> dict:
     """Materialize a checkpoint (or the given keys) as full tensors in this process, with the
     original nesting. No process group is used or needed.
 
@@ -614,8 +641,15 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
     validated (int64 bounds) and every data file read from is checked against the size the
     MANIFEST gives before any tensor is allocated: a damaged or hostile MANIFEST raises
     ManifestCorruptError / DataFileTruncatedError, never an allocation of its claimed size.
+    ``path`` may be an fsspec URL (``storage_options`` as :func:`distckpt.save`).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = normalize_path(path)
+    if is_url(path):
+        store = open_store(path, storage_options)
+        try:
+            return _read(path, keys, verify, allow_pickle, store)
+        except DistCkptError as exc:
+            raise _replaced_on_store(store, path, exc) from None
     identity = _dir_identity(path)
     try:
         try:
@@ -652,8 +686,27 @@ def _close_keys(unknown: list[str], fqns: list[str]) -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:
-    manifest = load_manifest(path)
+def _replaced_on_store(store: Store, path: str, exc: BaseException) -> BaseException:
+    """A data object missing on an object store because the checkpoint was overwritten or
+    deleted while it was read: CheckpointRemovedError, as on a local file system."""
+    if not isinstance(exc, DataFileMissingError):
+        return exc
+    try:
+        now = store.committed_save_id(path)
+    except Exception:  # noqa: BLE001 - the original error says enough
+        return exc
+    seen = os.path.basename(os.path.dirname(exc.path or ""))
+    if now == seen:
+        return exc  # the same save's object is missing: damage, not a replacement
+    err = CheckpointRemovedError(
+        f"{path} was {'replaced by another save' if now else 'deleted'} while it was read ({exc.message})",
+        path=path, renamed_to=None, replaced=now is not None)
+    err.__cause__ = exc
+    return err
+
+
+def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool, store: Store | None = None) -> dict:
+    manifest = load_manifest(path) if store is None else mf.decode(store.manifest_bytes(path), path=join(path, MANIFEST))
     all_keys = list(manifest.tensors) + list(manifest.objects)
     if keys is None:
         def keep(fqn):
@@ -676,9 +729,8 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
     # Before anything is allocated: every data file the selected tensors read from has the size
     # its MANIFEST claims. A damaged or hostile MANIFEST that describes terabytes in a file of a
     # few KiB must fail as the truncated file it is, not as an allocation of terabytes.
-    for fi in sorted({c.file for fqn, entry in manifest.tensors.items() if keep(fqn) for c in entry.chunks
-                      if c.nbytes}):
-        _check_data_file(path, manifest.files[fi])
+    _check_files(path, manifest, {c.file for fqn, entry in manifest.tensors.items() if keep(fqn)
+                                  for c in entry.chunks if c.nbytes}, store)
     for fqn, entry in manifest.tensors.items():
         if not keep(fqn):
             continue
@@ -699,7 +751,7 @@ def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: boo
     if pickled and not allow_pickle:
         raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
                                     path=path, keys=pickled)
-    _fill(path, manifest, tasks, verify)
+    _fill(path, manifest, tasks, verify, store)
     for fqn in list(values):
         if isinstance(values[fqn], mf.ObjectEntry):
             values[fqn] = _object_value(values[fqn], manifest, fqn, path)

@@ -8,14 +8,15 @@ from typing import Any, Callable
 
 from ._dist import ControlGroup, control_group
 from .coordinator import SaveResult, save_collective
+from .storage import normalize_path
 
 __all__ = ["save", "SaveResult"]
 
 
 def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
-         no_dist: bool = False, _after_commit: Callable[[], None] | None = None,
-         _lock_path: str | None = None) -> SaveResult:
+         no_dist: bool = False, storage_options: dict | None = None,
+         _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> SaveResult:
     """Save ``state_dict`` as a checkpoint directory at ``path``, atomically.
 
     Collective over ``process_group`` (default: the world) when torch.distributed is initialized:
@@ -37,7 +38,9 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
             namedtuples, sets, dicts of them, torch.Size/dtype/device, Enum members, dataclasses,
             numpy scalars and arrays. Plain tensors under the same key on several ranks are
             replicas and written once.
-        path: the checkpoint directory to create.
+        path: the checkpoint directory to create: a local path (``file://`` URLs too), or an
+            fsspec URL such as ``s3://bucket/run7/step_100`` (docs/FORMAT.md, "Object stores": data
+            objects uploaded in parallel, MANIFEST written last with a conditional create).
         overwrite: replace an existing committed checkpoint at ``path`` by an atomic exchange
             (a crash at any point leaves one complete checkpoint there). Default: refuse.
         allow_pickle: store values of other types with pickle (loading them then needs
@@ -49,6 +52,9 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
             under them) are rank-0-wins, every other key is checked.
         no_dist: save from this process alone, with no collective, even inside a distributed job
             (DCP's ``no_dist``); ``process_group`` is then ignored.
+        storage_options: for an fsspec URL, the options fsspec passes to its file system (s3fs:
+            ``key``, ``secret``, ``endpoint_url``, ``client_kwargs``, ...). Without them s3fs reads
+            AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``path`` and ``overwrite`` is False.
@@ -77,6 +83,6 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     raise_background_failure()
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="save()")
     return save_collective(group, state_dict=state_dict,
-                           final_dir=os.path.abspath(os.fspath(path)), overwrite=overwrite,
+                           final_dir=normalize_path(path), overwrite=overwrite,
                            allow_pickle=allow_pickle, metadata=metadata, after_commit=_after_commit,
-                           lock_path=_lock_path, replicated=replicated)
+                           lock_path=_lock_path, replicated=replicated, storage_options=storage_options)

@@ -167,18 +167,16 @@ def _open_file(ckpt: str, entry: "mf.FileEntry", report: VerifyReport) -> tuple[
     return fpath, min(st.st_size, entry.size)
 
 
-def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, choice,
+def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, opener,
                 report: VerifyReport, progress: Callable[[int], None] | None,
                 pool: concurrent.futures.Executor) -> None:
-    from .storage.posix import open_reader
-
     blocks = _iter_blocks(chunks, block)
     cur = next(blocks, None)
     running = 0
     # Page-aligned buffers (anonymous mmap), so O_DIRECT reads land in them without a copy.
     buffers = [mmap.mmap(-1, window), mmap.mmap(-1, window)] if size else []
     try:
-        with open_reader(fpath, choice=choice) as reader:
+        with opener(fpath) as reader:
             def read(k: int) -> tuple[int, int, memoryview]:
                 start = k * window
                 n = min(window, size - start)
@@ -224,13 +222,35 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
         cur = next(blocks, None)
 
 
+def _open_object(store, ckpt: str, manifest, i: int, report: VerifyReport) -> tuple[str, int] | None:
+    """:func:`_open_file` for a data object of an object store (one HEAD)."""
+    entry = manifest.files[i]
+    url = store.data_url(ckpt, manifest, i)
+    try:
+        size = store.fs.info(store._key(url))["size"]
+    except FileNotFoundError:
+        report.file_problems.append(FileProblem(entry.name, "missing (listed in MANIFEST)"))
+        return None
+    except Exception as exc:  # noqa: BLE001 - typed
+        from .storage.objectstore import translate_error
+        raise translate_error(exc, url, None, "head") from exc
+    if size < entry.size:
+        report.file_problems.append(FileProblem(entry.name, f"truncated: {size} bytes, MANIFEST says {entry.size}"))
+    elif size > entry.size:
+        report.file_problems.append(FileProblem(entry.name, f"{size} bytes, MANIFEST says {entry.size} "
+                                                            f"({size - entry.size} bytes appended)"))
+    return url, min(size, entry.size)
+
+
 def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
            progress: Callable[[int], None] | None = None,
-           on_start: Callable[[VerifyReport], None] | None = None) -> VerifyReport:
+           on_start: Callable[[VerifyReport], None] | None = None,
+           storage_options: dict | None = None) -> VerifyReport:
     """Read every data file of the checkpoint at ``path`` and check every checksum block.
 
     Args:
-        path: A committed checkpoint directory.
+        path: A committed checkpoint directory, or an fsspec URL of one (``storage_options`` as
+            :func:`distckpt.save`; its data objects are read with ranged GETs).
         window: Bytes per read (a multiple of 1 MiB is best); memory use is about 2 x ``window``.
         progress: Called with the number of bytes just checked (e.g. a tqdm bar's ``update``).
         on_start: Called once with the (empty) report after the MANIFEST was read, before any data
@@ -246,26 +266,40 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     """
     if window < 4096 or window % 4096:
         raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")
-    from .storage.posix import choose_read_backend
+    from .storage import is_url, join, normalize_path, open_store
+    from .storage.posix import choose_read_backend, open_reader
 
     t0 = time.monotonic()
-    path = os.path.abspath(os.fspath(path))
-    check_checkpoint_dir(path)
-    manifest = mf.load_manifest(path)
+    path = normalize_path(path)
+    if is_url(path):
+        from .storage.objectstore import _RangeReader
+        store = open_store(path, storage_options)
+        manifest = mf.decode(store.manifest_bytes(path), path=join(path, mf.MANIFEST_NAME))
+    else:
+        check_checkpoint_dir(path)
+        manifest = mf.load_manifest(path)
     report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
                           checksum_block=manifest.checksum_block,
                           blocks_expected=sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks))
-    opened = [(i, entry, _open_file(path, entry, report)) for i, entry in enumerate(manifest.files)]
+    if is_url(path):
+        opened = [(i, entry, _open_object(store, path, manifest, i, report)) for i, entry in enumerate(manifest.files)]
+        sizes = {found[0]: found[1] for _, _, found in opened if found is not None}
+        report.backend = f"fsspec:{store.protocol}"
+        opener = lambda u: _RangeReader(store, u, sizes[u])  # noqa: E731
+    else:
+        opened = [(i, entry, _open_file(path, entry, report)) for i, entry in enumerate(manifest.files)]
     readable = [(i, entry, found) for i, entry, found in opened if found is not None]
-    choice = choose_read_backend(readable[0][2][0]) if readable else None
-    report.backend = choice.name if choice is not None else None
+    if not is_url(path):
+        choice = choose_read_backend(readable[0][2][0]) if readable else None
+        report.backend = choice.name if choice is not None else None
+        opener = lambda p: open_reader(p, choice=choice)  # noqa: E731
     if on_start is not None:
         on_start(report)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-verify") as pool:
         for i, entry, (fpath, size) in readable:
             chunks = _blocks_of_file(manifest, i)
             try:
-                _check_file(fpath, entry.name, size, chunks, manifest.checksum_block, window, choice,
+                _check_file(fpath, entry.name, size, chunks, manifest.checksum_block, window, opener,
                             report, progress, pool)
             except DataFileTruncatedError as exc:  # shrank while being read
                 report.file_problems.append(FileProblem(entry.name, f"changed while being verified: {exc.message}"))

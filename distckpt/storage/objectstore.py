@@ -1,0 +1,670 @@
+"""ObjectStore: the :class:`distckpt.storage.Store` of fsspec object stores (S3 through s3fs).
+
+An object store has no rename and no flock, so the commit is built from what it does have:
+atomic single-object PUTs, conditional creates (``If-None-Match: *``) and multipart uploads that
+are invisible until completed. Layout of a checkpoint ``C`` (docs/FORMAT.md, "Object stores")::
+
+    C/MANIFEST                    the commit marker and index; names its save id
+    C/<save-id>/rank00000.bin     data objects of the save whose MANIFEST names <save-id>
+    C/.lock                       lease of a plain save of C in flight (a manager uses ROOT/.distckpt.lock)
+    ROOT/latest                   "step_00000100\\n", one PUT after the MANIFEST
+
+Protocol and the promises it keeps:
+  * PREPARE (rank 0): take the lease (a conditional create of the lock object holding host, pid,
+    save id and a renewal time a heartbeat thread refreshes every ``lease_s / 4``; a lock whose
+    renewal is older than ``lease_s`` belongs to a dead save and is broken), reclaim dead
+    leftovers of C, refuse a committed C unless overwrite. The save area is ``C/<save-id>``.
+  * WRITE (every rank): ``C/<save-id>/rankNNNNN.bin`` by a multipart upload (several parts in
+    flight from a bounded pool of part buffers; a shard smaller than one part is one PUT). An
+    object is visible only once its upload completes, so a crashed rank leaves at most an
+    incomplete upload (aborted by the next reclaim) and never a short object.
+  * COMMIT (rank 0): MANIFEST is written last, with a conditional create: the save that loses a
+    race gets CheckpointExistsError and its data is deleted. An overwrite replaces MANIFEST in
+    one PUT (readers see the old MANIFEST and its complete old data, or the new one and its
+    complete new data: the two saves' data live under different save-id prefixes), then deletes
+    the old save's prefix. A server that does not honour conditional creates
+    (``DISTCKPT_OBJECT_CONDITIONAL=0``) gets a HEAD check before the PUT and a read-back after it
+    (the MANIFEST must carry this save's id), so a lost race is still detected.
+  * Reclaim (the next save of C, a manager's save and ``reclaim()``): a ``C/<id>/`` prefix is
+    deleted, and incomplete multipart uploads under it aborted, only when MANIFEST does not name
+    ``<id>`` and no live lease (C/.lock or the root's) names it; so a save in flight is never touched.
+  * Reads: ranged GETs of exactly the bytes the load plan asks for (:mod:`distckpt.fill` runs
+    several in flight, coalesces neighbours across small gaps and verifies every checksum block).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from .. import manifest as mf
+from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
+                      DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
+                      StorageError, StoragePermissionError)
+from ..plan import ALIGNMENT, assign_offsets
+from . import Store, join
+
+__all__ = ["ObjectStore", "Lease", "translate_error"]
+
+log = logging.getLogger("distckpt")
+
+LOCK_NAME = ".lock"
+ROOT_LOCK_NAME = ".distckpt.lock"
+_MIN_PART = 5 << 20          # S3's smallest part but the last
+_MAX_PARTS = 10000           # S3's most parts per upload
+_SAVE_ID_LEN = 32
+
+
+def _env_float(name: str, default: float, lo: float, hi: float) -> float:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number", variable=name) from None
+    if not lo <= v <= hi:
+        raise ConfigError(f"{name}={v} must be between {lo} and {hi}", variable=name)
+    return v
+
+
+def settings() -> dict:
+    """The object-store knobs (environment, read at each save):
+
+    DISTCKPT_OBJECT_PART_SIZE (bytes, default 16 MiB; raised so a shard needs at most 10000 parts),
+    DISTCKPT_OBJECT_PARTS_IN_FLIGHT (default 4: upload parts in flight per rank, which with one
+    being filled bounds a rank's upload memory to 5 parts), DISTCKPT_OBJECT_LEASE_S (default 30: a
+    save lease not renewed for this long is dead), DISTCKPT_OBJECT_CONDITIONAL (1: MANIFEST by
+    conditional create, default; 0: HEAD + PUT + read-back, for servers without If-None-Match)."""
+    cond = os.environ.get("DISTCKPT_OBJECT_CONDITIONAL", "1") or "1"
+    if cond not in ("0", "1"):
+        raise ConfigError(f"DISTCKPT_OBJECT_CONDITIONAL={cond!r} must be 0 or 1", variable="DISTCKPT_OBJECT_CONDITIONAL")
+    return {
+        "part_size": int(_env_float("DISTCKPT_OBJECT_PART_SIZE", 16 << 20, _MIN_PART, 5 << 30)),
+        "in_flight": int(_env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
+        "lease_s": _env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
+        "conditional": cond == "1",
+    }
+
+
+def translate_error(exc: BaseException, url: str, rank: int | None, operation: str) -> BaseException:
+    """A typed DistCkptError for an exception of the object-store client (``exc`` itself when it
+    already is one). Uses :func:`distckpt.storage.objerrors.translate` when present."""
+    if isinstance(exc, DistCkptError):
+        return exc
+    try:
+        from .objerrors import translate  # the full mapping (throttling, quota, endpoint, bucket)
+    except ImportError:
+        translate = None
+    if translate is not None:
+        return translate(exc, url, rank, operation)
+    text = f"{operation} {url}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, PermissionError):
+        return StoragePermissionError(text, path=url, rank=rank,
+                                      remedy="Check the credentials (AWS_ACCESS_KEY_ID / storage_options) and the "
+                                             "bucket policy.")
+    return StorageError(text, path=url, rank=rank,
+                        remedy="Check the object store endpoint (AWS_ENDPOINT_URL / storage_options) and its health.")
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    text = str(exc)
+    return "PreconditionFailed" in text or "pre-condition" in text.lower() or "412" in text
+
+
+class ObjectStore(Store):
+    """The object-store back end over one fsspec file system (see the module docstring)."""
+
+    kind = "object"
+
+    def __init__(self, fs: Any, protocol: str) -> None:
+        self.fs = fs
+        self.protocol = protocol
+
+    @classmethod
+    def for_url(cls, url: str, storage_options: Mapping[str, Any] | None) -> "ObjectStore":
+        import fsspec
+        options = {"use_listings_cache": False}  # several processes write: never trust a cached listing
+        options.update(storage_options or {})
+        protocol = url.split("://", 1)[0]
+        try:
+            fs, _ = fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise ConfigError(f"cannot open {url} with fsspec (storage_options={sorted(options)}): {exc}",
+                              path=url, remedy="Install the fsspec back end of that scheme (s3fs for s3://) and "
+                                               "pass options it knows.") from exc
+        return cls(fs, protocol)
+
+    # -- names ------------------------------------------------------------------------------
+
+    def _key(self, url: str) -> str:
+        return self.fs._strip_protocol(url)
+
+    def _url(self, key: str) -> str:
+        return f"{self.protocol}://{key}"
+
+    def _call(self, operation: str, url: str, fn: Callable, *args, rank: int | None = None, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated into the typed classes
+            raise translate_error(exc, url, rank, operation) from exc
+
+    def _exists(self, url: str) -> bool:
+        return bool(self._call("head", url, self.fs.exists, self._key(url)))
+
+    def _read_small(self, url: str, limit: int) -> bytes | None:
+        """The whole object at ``url`` (None when absent), refusing one above ``limit`` bytes."""
+        try:
+            info = self._call("head", url, self.fs.info, self._key(url))
+            if info.get("type") == "directory":
+                return None
+            if info["size"] > limit:
+                raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
+                                              path=url, expected=f"<= {limit}", found=info["size"])
+            return self._call("get", url, self.fs.cat_file, self._key(url))
+        except FileNotFoundError:
+            return None
+
+    # -- read side ------------------------------------------------------------------------------
+
+    def is_committed(self, path: str) -> bool:
+        return self._exists(join(path, mf.MANIFEST_NAME))
+
+    def manifest_bytes(self, path: str) -> bytes:
+        """The raw MANIFEST of the checkpoint at ``path``.
+
+        Raises:
+            CheckpointNotFoundError: nothing at ``path``.
+            CheckpointIncompleteError: objects under ``path`` but no MANIFEST (never committed).
+        """
+        data = self._read_small(join(path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
+        if data is not None:
+            return data
+        if self._call("list", path, self.fs.ls, self._key(path), detail=False) if self._exists(path) else False:
+            raise CheckpointIncompleteError(
+                f"{path} holds objects but no MANIFEST: a save in progress, or one that crashed; never loadable",
+                path=path)
+        raise CheckpointNotFoundError(f"no checkpoint at {path} (no {mf.MANIFEST_NAME})", path=path)
+
+    def data_url(self, path: str, manifest: "mf.Manifest", index: int) -> str:
+        return join(path, manifest.save_id, manifest.files[index].name)
+
+    def data_readers(self, path: str, manifest: "mf.Manifest", file_indexes: list[int]):
+        """(urls, open_reader, align, backend) for :func:`distckpt.fill.fill`; every data object
+        is checked against the size MANIFEST gives first (one HEAD each).
+
+        Raises:
+            DataFileMissingError, DataFileTruncatedError, CheckpointCorruptError (too long).
+        """
+        urls, sizes = {}, {}
+        for i in file_indexes:
+            url = self.data_url(path, manifest, i)
+            entry = manifest.files[i]
+            try:
+                size = self._call("head", url, self.fs.info, self._key(url))["size"]
+            except FileNotFoundError:
+                raise DataFileMissingError(f"data object {manifest.save_id}/{entry.name} listed in MANIFEST is "
+                                           f"missing", path=url) from None
+            if size < entry.size:
+                raise DataFileTruncatedError(f"data object {entry.name} has {size} bytes, MANIFEST says {entry.size}",
+                                             path=url, expected=entry.size, found=size)
+            if size > entry.size:
+                raise CheckpointCorruptError(f"data object {entry.name} has {size} bytes, MANIFEST says "
+                                                f"{entry.size}", path=url, expected=entry.size, found=size)
+            urls[i], sizes[url] = url, size
+        return urls, (lambda u: _RangeReader(self, u, sizes[u])), 1, f"fsspec:{self.protocol}"
+
+    # -- save side ------------------------------------------------------------------------------
+
+    def prepare(self, final: str, save_id: str, overwrite: bool, needed: int, rank: int,
+                lock_path: str | None) -> tuple[str, Any]:
+        lock_url = lock_path or join(final, LOCK_NAME)
+        lease = Lease.acquire(self, lock_url, save_id=save_id, what=final, rank=rank)
+        try:
+            self.reclaim_checkpoint(final, root_lock=join(_parent(final), ROOT_LOCK_NAME))
+            if self.is_committed(final) and not overwrite:
+                raise CheckpointExistsError(f"a committed checkpoint already exists at {final}", path=final, rank=rank)
+            return join(final, save_id), lease
+        except BaseException:
+            lease.release()
+            raise
+
+    def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
+        from ..staging import host_bytes
+        url = join(area, mf.data_file_name(rank))
+        nbytes = [p.tensor.numel() * p.tensor.element_size() for _, p in pieces]
+        offsets, total = assign_offsets(nbytes, alignment=ALIGNMENT)
+        cfg = settings()
+        part = max(cfg["part_size"], -(-total // _MAX_PARTS))
+        up = _Upload(self, url, part_size=part, in_flight=cfg["in_flight"], total=total, rank=rank)
+        records = []
+        try:
+            for (fqn, piece), off, n in zip(pieces, offsets, nbytes):
+                up.pad_to(off)
+                view, keep = host_bytes(piece.tensor)
+                crcs = mf.block_crcs(view, checksum_block)
+                up.write(view)
+                del keep
+                records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
+                                                    file=rank, offset=off, nbytes=n, crcs=crcs)))
+            up.pad_to(total)
+            size = up.finish()
+        except BaseException:
+            up.abort()
+            raise
+        return records, size, f"fsspec:{self.protocol}", (
+            f"object store: multipart upload, {part >> 20} MiB parts, {cfg['in_flight']} in flight")
+
+    def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
+        """Write MANIFEST (the commit point). Returns the replaced save's data prefix, or None.
+
+        Raises:
+            CheckpointExistsError: another save committed ``final`` first (its MANIFEST is kept).
+        """
+        url = join(final, mf.MANIFEST_NAME)
+        save_id = _basename(area)
+        old = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
+        old_id = None
+        if old is not None:
+            if not overwrite:
+                raise CheckpointExistsError(f"another save committed {final} while this one was writing",
+                                            path=final, remedy="Save to another path, or pass overwrite=True.")
+            old_id = mf.decode(old, path=url).save_id
+        conditional = settings()["conditional"]
+        try:
+            if old is None and conditional:
+                self.fs.pipe_file(self._key(url), manifest, mode="create")
+            else:
+                self.fs.pipe_file(self._key(url), manifest)
+        except Exception as exc:  # noqa: BLE001
+            if _is_precondition_failed(exc):
+                raise CheckpointExistsError(
+                    f"another save committed {final} first (the conditional create of its MANIFEST lost the race)",
+                    path=final, remedy="Save to another path, or pass overwrite=True.") from exc
+            raise translate_error(exc, url, 0, "put MANIFEST") from exc
+        if not conditional or old is not None:
+            # Read back: the MANIFEST now there must be this save's. Without a conditional create
+            # (or when two overwrites race) the last PUT wins; the loser learns it here.
+            back = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
+            if back is None or mf.decode(back, path=url).save_id != save_id:
+                raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
+                                            f"save id)", path=final, remedy="Save to another path.")
+        return join(final, old_id) if old_id and old_id != save_id else None
+
+    def discard(self, replaced: str) -> None:
+        self.delete_prefix(replaced)
+
+    def abort(self, area: str, world: int) -> None:
+        self.delete_prefix(area)
+
+    def committed_save_id(self, final: str) -> str | None:
+        data = self._read_small(join(final, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
+        return None if data is None else mf.decode(data).save_id
+
+    def save_id_of_area(self, area: str) -> str:
+        return _basename(area)
+
+    # -- deletion and reclaim ---------------------------------------------------------------------
+
+    def objects(self, prefix: str) -> list[str]:
+        """Keys (relative to ``prefix/``) of every object under ``prefix/``: one flat listing, no
+        directory emulation (a server such as SeaweedFS keeps empty "directories" around)."""
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        out, token = [], None
+        while True:
+            kw = {"ContinuationToken": token} if token else {}
+            try:
+                page = self._call("list", prefix, self.fs.call_s3, "list_objects_v2", Bucket=bucket, Prefix=key, **kw)
+            except FileNotFoundError:
+                return out
+            out += [o["Key"][len(key):] for o in page.get("Contents") or [] if not o["Key"].endswith("/")]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return out
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix/`` and abort the incomplete multipart uploads there."""
+        self.abort_uploads(prefix)
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        rel = self.objects(prefix)
+        for i in range(0, len(rel), 1000):
+            batch = [{"Key": key + r} for r in rel[i:i + 1000]]
+            self._call("delete", prefix, self.fs.call_s3, "delete_objects", Bucket=bucket,
+                       Delete={"Objects": batch, "Quiet": True})
+        # Directory markers some servers keep (SeaweedFS), deepest first; absent keys are no-ops.
+        dirs = {key + r.rsplit("/", 1)[0] + "/" for r in rel if "/" in r} | {key}
+        for d in sorted(dirs, key=len, reverse=True):
+            try:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=d)
+            except Exception:  # noqa: BLE001 - cosmetic: an empty "directory" holds no data
+                pass
+        self.fs.invalidate_cache(self._key(prefix))
+
+    def abort_uploads(self, prefix: str) -> list[str]:
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        out = []
+        try:
+            listing = self._call("list uploads", prefix, self.fs.call_s3, "list_multipart_uploads", Bucket=bucket,
+                                 Prefix=key.rstrip("/") + "/")
+        except (FileNotFoundError, AttributeError):
+            return out
+        for up in listing.get("Uploads") or []:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                out.append(up["Key"])
+            except Exception as exc:  # noqa: BLE001 - best effort; the next reclaim retries
+                log.warning("distckpt: could not abort the multipart upload of %s: %s", up["Key"], exc)
+        return out
+
+    def _live_ids(self, lock_urls: list[str]) -> set[str]:
+        ids = set()
+        for url in lock_urls:
+            rec = Lease.read(self, url)
+            if rec is not None and Lease.is_live(rec):
+                ids.add(rec.get("save_id"))
+        return ids
+
+    def leftovers(self, final: str, root_lock: str | None = None) -> list[tuple[str, str]]:
+        """(prefix URL, state) of every save-id prefix under ``final`` that MANIFEST does not
+        name: ``alive`` (a live lease names it) or ``dead``. Never writes."""
+        prefixes = {r.split("/", 1)[0] for r in self.objects(final) if "/" in r}
+        uploads = []
+        bucket, key, _ = self.fs.split_path(self._key(final))
+        try:
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
+            uploads = [u["Key"] for u in listing.get("Uploads") or []]
+        except Exception:  # noqa: BLE001 - not S3: no multipart listing
+            pass
+        ids = set(prefixes)
+        ids |= {u[len(key.rstrip("/")) + 1:].split("/", 1)[0] for u in uploads if "/" in u[len(key.rstrip("/")) + 1:]}
+        ids = {i for i in ids if len(i) == _SAVE_ID_LEN and all(c in "0123456789abcdef" for c in i)}
+        if not ids:
+            return []
+        # Locks are read after the listing, MANIFEST after the locks: a save creates its lease
+        # before its first object and publishes MANIFEST before it drops the lease, so an id
+        # listed above is named by one of the two if its save is alive or committed.
+        live = self._live_ids([join(final, LOCK_NAME)] + ([root_lock] if root_lock else []))
+        committed = self.committed_save_id(final)
+        return [(join(final, i), "alive" if i in live else "dead") for i in sorted(ids) if i != committed]
+
+    def reclaim_checkpoint(self, final: str, root_lock: str | None = None) -> list[str]:
+        removed = []
+        for prefix, state in self.leftovers(final, root_lock):
+            if state == "dead":
+                self.delete_prefix(prefix)
+                removed.append(prefix)
+        if removed:
+            log.info("distckpt: reclaimed %d leftovers of dead saves under %s: %s", len(removed), final, removed)
+        return removed
+
+    def list_children(self, root: str) -> list[str]:
+        """Names of the 'directories' directly under ``root`` (no MANIFEST check)."""
+        try:
+            entries = self._call("list", root, self.fs.ls, self._key(root), detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
+
+    def reclaim(self, root: str) -> list[str]:
+        """Reclaim dead leftovers under every child of ``root`` (a manager root)."""
+        removed = []
+        for name in self.list_children(root):
+            removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
+        return removed
+
+    def replace_pointer(self, url: str, data: bytes) -> None:
+        self._call("put", url, self.fs.pipe_file, self._key(url), data)
+
+    def read_pointer(self, url: str) -> str | None:
+        data = self._read_small(url, 4096)
+        return None if data is None else data.decode("utf-8", "replace").strip()
+
+    def remove_checkpoint(self, path: str) -> None:
+        """Delete a committed checkpoint: MANIFEST first (it stops being a checkpoint in that one
+        DELETE), then its data; a crash in between leaves a prefix the next reclaim removes."""
+        url = join(path, mf.MANIFEST_NAME)
+        try:
+            self._call("delete", url, self.fs.rm_file, self._key(url))
+        except FileNotFoundError:
+            pass
+        self.delete_prefix(path)
+
+
+def _basename(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _parent(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[0]
+
+
+class _RangeReader:
+    """What :func:`distckpt.fill.fill` needs of a reader: ``size`` and ``read_into`` (one ranged
+    GET per request); nothing to close."""
+
+    def __init__(self, store: ObjectStore, url: str, size: int) -> None:
+        self.store, self.url, self.size = store, url, size
+        self.key = store._key(url)
+
+    def read_into(self, requests) -> None:
+        for offset, nbytes, dest in requests:
+            try:
+                data = self.store._call("get", self.url, self.store.fs.cat_file, self.key, start=offset,
+                                        end=offset + nbytes)
+            except FileNotFoundError:
+                raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
+                                           path=self.url) from None
+            if len(data) < nbytes:
+                raise DataFileTruncatedError(f"data object {_basename(self.url)}: {len(data)} bytes at offset "
+                                             f"{offset}, expected {nbytes}", path=self.url, expected=nbytes,
+                                             found=len(data))
+            dest[:nbytes] = data
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_RangeReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+class _Upload:
+    """One object written by a multipart upload, parts filled in this thread from a pool of
+    ``in_flight + 1`` buffers while up to ``in_flight`` of them upload on fsspec's event loop.
+    An object smaller than one part is one PUT. Invisible until :meth:`finish`; :meth:`abort`
+    cancels it (the object never appears)."""
+
+    def __init__(self, store: ObjectStore, url: str, *, part_size: int, in_flight: int, total: int,
+                 rank: int) -> None:
+        self.store, self.url, self.rank = store, url, rank
+        self.fs = store.fs
+        self.bucket, self.key, _ = self.fs.split_path(store._key(url))
+        self.part_size = part_size
+        self.in_flight = in_flight
+        self.multipart = total > part_size
+        self.pool = [bytearray(min(part_size, max(total, 1)))]
+        self.buf = self.pool.pop()
+        self.fill = 0
+        self.written = 0
+        self.upload_id: str | None = None
+        self.pending: list[tuple[int, concurrent.futures.Future, bytearray]] = []
+        self.parts: list[dict] = []
+
+    def _submit(self, coro_fn, *args, **kwargs) -> concurrent.futures.Future:
+        import asyncio
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args, **kwargs), self.fs.loop)
+
+    def _reap(self, block_until: int) -> None:
+        """Collect finished parts; wait while more than ``block_until`` are in flight."""
+        while self.pending and (len(self.pending) > block_until or self.pending[0][1].done()):
+            number, fut, buf = self.pending.pop(0)
+            try:
+                out = fut.result()
+            except Exception as exc:  # noqa: BLE001
+                raise translate_error(exc, self.url, self.rank, f"upload part {number}") from exc
+            self.parts.append({"PartNumber": number, "ETag": out["ETag"]})
+            self.pool.append(buf)
+
+    def _flush_part(self) -> None:
+        if self.upload_id is None:
+            try:
+                self.upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+            except Exception as exc:  # noqa: BLE001
+                raise translate_error(exc, self.url, self.rank, "create multipart upload") from exc
+        number = len(self.parts) + len(self.pending) + 1
+        body = memoryview(self.buf)[:self.fill]
+        fut = self._submit(self.fs._call_s3, "upload_part", Bucket=self.bucket, Key=self.key, PartNumber=number,
+                           UploadId=self.upload_id, Body=bytes(body) if self.fill < len(self.buf) else self.buf)
+        self.pending.append((number, fut, self.buf))
+        self._reap(self.in_flight - 1)
+        self.buf = self.pool.pop() if self.pool else bytearray(self.part_size)
+        self.fill = 0
+
+    def write(self, view) -> None:
+        view = memoryview(view).cast("B")
+        while view.nbytes:
+            n = min(len(self.buf) - self.fill, view.nbytes)
+            self.buf[self.fill:self.fill + n] = view[:n]
+            self.fill += n
+            self.written += n
+            view = view[n:]
+            if self.fill == len(self.buf) and self.multipart:
+                self._flush_part()
+
+    def pad_to(self, offset: int) -> None:
+        if offset > self.written:
+            self.write(bytes(offset - self.written))
+
+    def finish(self) -> int:
+        if not self.multipart:
+            try:
+                self.fs.pipe_file(self.store._key(self.url), bytes(memoryview(self.buf)[:self.fill]))
+            except Exception as exc:  # noqa: BLE001
+                raise translate_error(exc, self.url, self.rank, "put") from exc
+            return self.written
+        if self.fill:
+            self._flush_part()
+        self._reap(0)
+        try:
+            self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+                            MultipartUpload={"Parts": sorted(self.parts, key=lambda p: p["PartNumber"])})
+        except Exception as exc:  # noqa: BLE001
+            raise translate_error(exc, self.url, self.rank, "complete multipart upload") from exc
+        self.upload_id = None
+        return self.written
+
+    def abort(self) -> None:
+        for _, fut, _ in self.pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - the upload is aborted anyway
+                pass
+        self.pending.clear()
+        if self.upload_id is not None:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+            except Exception as exc:  # noqa: BLE001 - the next reclaim aborts it
+                log.warning("distckpt: could not abort the upload of %s: %s", self.url, exc)
+            self.upload_id = None
+
+
+class Lease:
+    """The liveness lock of a save on an object store (flock does not exist there): an object
+    holding {host, pid, save_id, what, started_unix, renewed_unix, lease_s}, created with a
+    conditional create and renewed by a heartbeat thread every ``lease_s / 4`` until released.
+    A lease whose renewal is older than ``lease_s`` is dead: its save crashed (or hangs)."""
+
+    def __init__(self, store: ObjectStore, url: str, record: dict) -> None:
+        self.store, self.url, self.record = store, url, record
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="distckpt-lease", daemon=True)
+
+    @staticmethod
+    def read(store: ObjectStore, url: str) -> dict | None:
+        data = store._read_small(url, 1 << 16)
+        if data is None:
+            return None
+        try:
+            rec = json.loads(data)
+            return rec if isinstance(rec, dict) else {}
+        except ValueError:
+            return {}
+
+    @staticmethod
+    def is_live(rec: dict, now: float | None = None) -> bool:
+        try:
+            return (now or time.time()) - float(rec["renewed_unix"]) < float(rec["lease_s"])
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    @classmethod
+    def acquire(cls, store: ObjectStore, url: str, *, save_id: str, what: str, rank: int) -> "Lease":
+        """Take the lease at ``url``, breaking a dead one.
+
+        Raises:
+            SaveInProgressError: a live lease of another save is there.
+        """
+        lease_s = settings()["lease_s"]
+        now = time.time()
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id, "what": what,
+                  "started_unix": now, "renewed_unix": now, "lease_s": lease_s}
+        for _attempt in range(3):
+            try:
+                if settings()["conditional"]:
+                    store.fs.pipe_file(store._key(url), json.dumps(record).encode(), mode="create")
+                else:
+                    if store._exists(url):
+                        raise FileExistsError(url)
+                    store.fs.pipe_file(store._key(url), json.dumps(record).encode())
+                lease = cls(store, url, record)
+                lease._thread.start()
+                return lease
+            except Exception as exc:  # noqa: BLE001
+                if not (isinstance(exc, FileExistsError) or _is_precondition_failed(exc)):
+                    raise translate_error(exc, url, rank, "create lease") from exc
+            other = cls.read(store, url)
+            if other is not None and cls.is_live(other):
+                raise SaveInProgressError(
+                    f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
+                    f"{other.get('host')} pid {other.get('pid')}, renewed {time.time() - other['renewed_unix']:.0f} s ago)",
+                    path=what, rank=rank, owner=other)
+            log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
+            try:
+                store.fs.rm_file(store._key(url))
+            except FileNotFoundError:
+                pass
+        raise SaveInProgressError(f"could not take the save lease {url}: another save keeps taking it", path=what,
+                                  rank=rank, owner=None)
+
+    def _beat(self) -> None:
+        period = self.record["lease_s"] / 4
+        while not self._stop.wait(period):
+            self.record["renewed_unix"] = time.time()
+            try:
+                self.store.fs.pipe_file(self.store._key(self.url), json.dumps(self.record).encode())
+            except Exception as exc:  # noqa: BLE001 - a missed beat; the lease lasts 4 periods
+                log.warning("distckpt: could not renew the save lease %s: %s", self.url, exc)
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours. Never raises."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        try:
+            rec = Lease.read(self.store, self.url)
+            if rec is not None and rec.get("save_id") == self.record["save_id"]:
+                self.store.fs.rm_file(self.store._key(self.url))
+        except Exception as exc:  # noqa: BLE001 - it expires on its own
+            log.warning("distckpt: could not remove the save lease %s: %s", self.url, exc)
