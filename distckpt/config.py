@@ -20,6 +20,13 @@ about once per process, naming the closest known variable: a silently ignored se
 |                             |          | before RanksMissingError (a call made on some ranks only)  |
 | DISTCKPT_STAGING_POOL_BYTES | (none)   | largest idle async staging arena kept for reuse; 0: free   |
 |                             |          | every arena when its save ends (none: keep one, any size)  |
+
+Object stores (read by distckpt.storage.objectstore at each save):
+
+| DISTCKPT_OBJECT_PART_SIZE       | 16M | multipart upload part size (>= 5 MiB; raised so a shard needs <= 10000 parts) |
+| DISTCKPT_OBJECT_PARTS_IN_FLIGHT | 4   | parts uploading at once per rank (memory: one more part being filled)         |
+| DISTCKPT_OBJECT_LEASE_S         | 30  | a save lease not renewed for this long belongs to a dead save                 |
+| DISTCKPT_OBJECT_CONDITIONAL     | 1   | 1: MANIFEST by conditional create (If-None-Match: *); 0: HEAD + PUT + read-back |
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ KNOWN_VARIABLES = (
     # the library (this module)
     "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
     "DISTCKPT_TIMEOUT_S", "DISTCKPT_PREFLIGHT",
+    # object stores (distckpt.storage.objectstore.settings)
+    "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
+    "DISTCKPT_OBJECT_CONDITIONAL",
     # launch/env.sh (where the venv goes) and the crash tests
     "DISTCKPT_VENV", "DISTCKPT_ROOT", "DISTCKPT_CRASH_SEED", "DISTCKPT_CRASH_KILLS",
 )

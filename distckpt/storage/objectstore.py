@@ -46,9 +46,10 @@ from typing import Any, Callable, Mapping
 from .. import manifest as mf
 from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
-                      StorageError, StoragePermissionError)
+                      )
 from ..plan import ALIGNMENT, assign_offsets
 from . import Store, join
+from .objerrors import acall_with_retry, call_with_retry, client_config, translate
 
 __all__ = ["ObjectStore", "Lease", "translate_error"]
 
@@ -74,6 +75,19 @@ def _env_float(name: str, default: float, lo: float, hi: float) -> float:
     return v
 
 
+def _part_size() -> int:
+    from ..sizes import parse_size
+    raw = os.environ.get("DISTCKPT_OBJECT_PART_SIZE", "") or "16M"
+    try:
+        v = parse_size(raw)
+    except ValueError as exc:
+        raise ConfigError(f"DISTCKPT_OBJECT_PART_SIZE={raw!r}: {exc}", variable="DISTCKPT_OBJECT_PART_SIZE") from None
+    if not _MIN_PART <= v <= 5 << 30:
+        raise ConfigError(f"DISTCKPT_OBJECT_PART_SIZE={raw!r} must be between 5 MiB and 5 GiB (S3's part sizes)",
+                          variable="DISTCKPT_OBJECT_PART_SIZE")
+    return v
+
+
 def settings() -> dict:
     """The object-store knobs (environment, read at each save):
 
@@ -86,36 +100,18 @@ def settings() -> dict:
     if cond not in ("0", "1"):
         raise ConfigError(f"DISTCKPT_OBJECT_CONDITIONAL={cond!r} must be 0 or 1", variable="DISTCKPT_OBJECT_CONDITIONAL")
     return {
-        "part_size": int(_env_float("DISTCKPT_OBJECT_PART_SIZE", 16 << 20, _MIN_PART, 5 << 30)),
+        "part_size": _part_size(),
         "in_flight": int(_env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
         "lease_s": _env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
         "conditional": cond == "1",
     }
 
 
-def translate_error(exc: BaseException, url: str, rank: int | None, operation: str) -> BaseException:
+def translate_error(exc: BaseException, url: str, rank: int | None, operation: str,
+                    endpoint: str | None = None, conditional: bool = False) -> BaseException:
     """A typed DistCkptError for an exception of the object-store client (``exc`` itself when it
-    already is one). Uses :func:`distckpt.storage.objerrors.translate` when present."""
-    if isinstance(exc, DistCkptError):
-        return exc
-    try:
-        from .objerrors import translate  # the full mapping (throttling, quota, endpoint, bucket)
-    except ImportError:
-        translate = None
-    if translate is not None:
-        return translate(exc, url, rank, operation)
-    text = f"{operation} {url}: {type(exc).__name__}: {exc}"
-    if isinstance(exc, PermissionError):
-        return StoragePermissionError(text, path=url, rank=rank,
-                                      remedy="Check the credentials (AWS_ACCESS_KEY_ID / storage_options) and the "
-                                             "bucket policy.")
-    return StorageError(text, path=url, rank=rank,
-                        remedy="Check the object store endpoint (AWS_ENDPOINT_URL / storage_options) and its health.")
-
-
-def _is_precondition_failed(exc: BaseException) -> bool:
-    text = str(exc)
-    return "PreconditionFailed" in text or "pre-condition" in text.lower() or "412" in text
+    already is one): :func:`distckpt.storage.objerrors.translate`."""
+    return translate(exc, url=url, rank=rank, operation=operation, endpoint=endpoint, conditional=conditional)
 
 
 class ObjectStore(Store):
@@ -126,13 +122,19 @@ class ObjectStore(Store):
     def __init__(self, fs: Any, protocol: str) -> None:
         self.fs = fs
         self.protocol = protocol
+        kwargs = getattr(fs, "client_kwargs", None) or {}
+        self.endpoint = kwargs.get("endpoint_url") or getattr(fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
 
     @classmethod
     def for_url(cls, url: str, storage_options: Mapping[str, Any] | None) -> "ObjectStore":
         import fsspec
-        options = {"use_listings_cache": False}  # several processes write: never trust a cached listing
+        # Several processes write: never trust a cached listing. Bounded connect/read timeouts and
+        # botocore's standard retries, so a dead endpoint is a typed error, not a hang.
+        options: dict[str, Any] = {"use_listings_cache": False}
         options.update(storage_options or {})
-        protocol = url.split("://", 1)[0]
+        if protocol_of(url) == "s3":
+            options["config_kwargs"] = {**client_config(), **dict(options.get("config_kwargs") or {})}
+        protocol = protocol_of(url)
         try:
             fs, _ = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError, TypeError) as exc:
@@ -150,12 +152,16 @@ class ObjectStore(Store):
         return f"{self.protocol}://{key}"
 
     def _call(self, operation: str, url: str, fn: Callable, *args, rank: int | None = None, **kwargs):
+        """``fn(*args, **kwargs)`` with throttles retried (bounded) and failures typed. A plain
+        "no such key" stays a FileNotFoundError for the caller to give its meaning (a missing
+        MANIFEST, a missing data object); a missing bucket is BucketNotFoundError."""
         try:
-            return fn(*args, **kwargs)
-        except FileNotFoundError:
+            return call_with_retry(lambda: fn(*args, **kwargs), url=url, operation=operation, rank=rank,
+                                   endpoint=self.endpoint)
+        except DistCkptError as exc:
+            if isinstance(exc, FileNotFoundError) and type(exc).__name__ == "ObjectNotFoundError":
+                raise FileNotFoundError(url) from exc
             raise
-        except Exception as exc:  # noqa: BLE001 - translated into the typed classes
-            raise translate_error(exc, url, rank, operation) from exc
 
     def _exists(self, url: str) -> bool:
         return bool(self._call("head", url, self.fs.exists, self._key(url)))
@@ -278,19 +284,18 @@ class ObjectStore(Store):
                 raise CheckpointExistsError(f"another save committed {final} while this one was writing",
                                             path=final, remedy="Save to another path, or pass overwrite=True.")
             old_id = mf.decode(old, path=url).save_id
-        conditional = settings()["conditional"]
+        conditional = settings()["conditional"] and old is None
         try:
-            if old is None and conditional:
-                self.fs.pipe_file(self._key(url), manifest, mode="create")
-            else:
-                self.fs.pipe_file(self._key(url), manifest)
-        except Exception as exc:  # noqa: BLE001
-            if _is_precondition_failed(exc):
-                raise CheckpointExistsError(
-                    f"another save committed {final} first (the conditional create of its MANIFEST lost the race)",
-                    path=final, remedy="Save to another path, or pass overwrite=True.") from exc
-            raise translate_error(exc, url, 0, "put MANIFEST") from exc
-        if not conditional or old is not None:
+            call_with_retry(lambda: self.fs.pipe_file(self._key(url), manifest,
+                                                      mode="create" if conditional else "overwrite"),
+                            url=url, operation="write MANIFEST", rank=0, endpoint=self.endpoint,
+                            conditional=conditional)
+        except CheckpointExistsError:
+            # The create lost, or a retried create found the object its own first try wrote
+            # (the answer was lost): only the save id in the MANIFEST there can tell.
+            if self.committed_save_id(final) != save_id:
+                raise
+        if not conditional:
             # Read back: the MANIFEST now there must be this save's. Without a conditional create
             # (or when two overwrites race) the last PUT wins; the loser learns it here.
             back = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
@@ -440,6 +445,10 @@ class ObjectStore(Store):
         self.delete_prefix(path)
 
 
+def protocol_of(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
 def _basename(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1]
 
@@ -512,21 +521,23 @@ class _Upload:
             number, fut, buf = self.pending.pop(0)
             try:
                 out = fut.result()
-            except Exception as exc:  # noqa: BLE001
-                raise translate_error(exc, self.url, self.rank, f"upload part {number}") from exc
+            except Exception as exc:  # noqa: BLE001 - typed by acall_with_retry; anything else here
+                raise translate_error(exc, self.url, self.rank, f"upload part {number}", self.store.endpoint) from exc
             self.parts.append({"PartNumber": number, "ETag": out["ETag"]})
             self.pool.append(buf)
 
     def _flush_part(self) -> None:
         if self.upload_id is None:
-            try:
-                self.upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
-            except Exception as exc:  # noqa: BLE001
-                raise translate_error(exc, self.url, self.rank, "create multipart upload") from exc
+            self.upload_id = self.store._call("create multipart upload", self.url, self.fs.call_s3,
+                                              "create_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                              rank=self.rank)["UploadId"]
         number = len(self.parts) + len(self.pending) + 1
         body = memoryview(self.buf)[:self.fill]
-        fut = self._submit(self.fs._call_s3, "upload_part", Bucket=self.bucket, Key=self.key, PartNumber=number,
-                           UploadId=self.upload_id, Body=bytes(body) if self.fill < len(self.buf) else self.buf)
+        data = bytes(body) if self.fill < len(self.buf) else self.buf
+        call = lambda: self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key,  # noqa: E731
+                                        PartNumber=number, UploadId=self.upload_id, Body=data)
+        fut = self._submit(acall_with_retry, call, url=self.url, operation=f"upload part {number}", rank=self.rank,
+                           endpoint=self.store.endpoint)
         self.pending.append((number, fut, self.buf))
         self._reap(self.in_flight - 1)
         self.buf = self.pool.pop() if self.pool else bytearray(self.part_size)
@@ -549,19 +560,15 @@ class _Upload:
 
     def finish(self) -> int:
         if not self.multipart:
-            try:
-                self.fs.pipe_file(self.store._key(self.url), bytes(memoryview(self.buf)[:self.fill]))
-            except Exception as exc:  # noqa: BLE001
-                raise translate_error(exc, self.url, self.rank, "put") from exc
+            self.store._call("put", self.url, self.fs.pipe_file, self.store._key(self.url),
+                             bytes(memoryview(self.buf)[:self.fill]), rank=self.rank)
             return self.written
         if self.fill:
             self._flush_part()
         self._reap(0)
-        try:
-            self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-                            MultipartUpload={"Parts": sorted(self.parts, key=lambda p: p["PartNumber"])})
-        except Exception as exc:  # noqa: BLE001
-            raise translate_error(exc, self.url, self.rank, "complete multipart upload") from exc
+        self.store._call("complete multipart upload", self.url, self.fs.call_s3, "complete_multipart_upload",
+                         Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, rank=self.rank,
+                         MultipartUpload={"Parts": sorted(self.parts, key=lambda p: p["PartNumber"])})
         self.upload_id = None
         return self.written
 
@@ -632,8 +639,9 @@ class Lease:
                 lease._thread.start()
                 return lease
             except Exception as exc:  # noqa: BLE001
-                if not (isinstance(exc, FileExistsError) or _is_precondition_failed(exc)):
-                    raise translate_error(exc, url, rank, "create lease") from exc
+                typed = translate_error(exc, url, rank, "create the save lease", store.endpoint, conditional=True)
+                if not isinstance(typed, CheckpointExistsError):
+                    raise typed from exc
             other = cls.read(store, url)
             if other is not None and cls.is_live(other):
                 raise SaveInProgressError(
