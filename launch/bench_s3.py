@@ -108,7 +108,9 @@ def run_speed(server, bucket: str, size: int, n: int, repeat: int) -> dict:
                                                              chunk_size=part, max_concurrency=in_flight)))
     for r in range(repeat):
         base = f"{bucket}/r{r}"
-        rec("load raw s3fs", _timed(lambda: fs.cat_file(f"{base}/raw.bin")))
+        got = {}
+        rec("load raw s3fs", _timed(lambda: got.update(s3fs=fs.cat_file(f"{base}/raw.bin"))))
+        assert got.pop("s3fs") == blob, "raw s3fs read other bytes"
         out = {k: torch.empty_like(v) for k, v in sd.items()}
         rec("load distckpt", _timed(lambda: distckpt.load(out, f"s3://{base}/distckpt", storage_options=opts)))
         assert all(torch.equal(out[k], sd[k]) for k in sd), "distckpt load is not bit-exact"
@@ -116,7 +118,8 @@ def run_speed(server, bucket: str, size: int, n: int, repeat: int) -> dict:
         rec("load DCP", _timed(lambda: dcp.load(out, storage_reader=FsspecReader(f"s3://{base}/dcp", **opts))))
         assert all(torch.equal(out[k], sd[k]) for k in sd), "DCP load is not bit-exact"
         if ob:
-            rec("load raw obstore", _timed(lambda: ob[0].get(ob[1], f"r{r}/obstore.bin").bytes()))
+            rec("load raw obstore", _timed(lambda: got.update(ob=ob[0].get(ob[1], f"r{r}/obstore.bin").bytes())))
+            assert bytes(got.pop("ob")) == blob, "raw obstore read other bytes"
         fs.rm(f"{base}", recursive=True)
     return {"bytes": nbytes, "times": times, "part": part, "in_flight": in_flight, "obstore": bool(ob)}
 

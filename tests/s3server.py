@@ -197,7 +197,7 @@ class S3Server:
         except OSError:
             return "(no log)"
 
-    def stop(self, *, remove: bool | None = None, term_timeout_s: float = 10.0) -> None:
+    def stop(self, *, remove: bool | None = None, term_timeout_s: float = 5.0) -> None:
         """Stop the process by its PID: SIGTERM, then SIGKILL after ``term_timeout_s``.
 
         Safe to call twice and in the middle of a test. ``remove`` (default: when the work

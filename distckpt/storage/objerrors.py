@@ -282,7 +282,7 @@ def translate(
             common["code"] = type(conn).__name__
             err = _errno_in_chain(exc) or (_errno.ETIMEDOUT if "imeout" in type(conn).__name__ else _errno.EHOSTUNREACH)
             return EndpointUnreachableError(
-                f"{operation} {url} failed: the object store endpoint{where or ''} did not answer: "
+                f"{operation} {url} failed: the object store endpoint{' ' + endpoint if endpoint else ''} did not answer: "
                 f"{type(conn).__name__}: {conn}", errno=err, **common)
     return ObjectStoreError(f"{operation} {url} failed: {said or f'{type(exc).__name__}: {exc}'}{where}",
                             errno=getattr(exc, "errno", None) or _errno.EIO, **common)
