@@ -58,7 +58,7 @@ import torch
 from ...errors import ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces
 
-__all__ = ["save", "load", "ZeroLoadResult", "FORMAT", "summary"]
+__all__ = ["save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
 
 FORMAT = "distckpt.deepspeed/1"
 _META = "deepspeed"
@@ -356,13 +356,6 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
         "lr_scheduler": sched_state,
     }
-
-
-def summary(meta: dict) -> str:
-    """One line for ``distckpt inspect``: stage, data-parallel size, dtypes."""
-    return (f"ZeRO stage {meta.get('stage')}, saved at data-parallel size {meta.get('dp_size')}, "
-            f"model {meta.get('model_dtype')}, fp32 masters, optimizer {meta.get('optimizer')}, "
-            f"{meta.get('params') if isinstance(meta.get('params'), int) else len(meta.get('params') or [])} parameters")
 
 
 def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
