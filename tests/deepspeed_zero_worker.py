@@ -183,6 +183,44 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
             cfg["bf16"] = {"enabled": True}
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    elif case == "client_adamw":
+        # not an error: a client torch.optim.AdamW (its step is a 0-d tensor), saved and loaded
+        # into a fresh engine, every state tensor and hyper-parameter back exactly
+        def make(seed):
+            torch.manual_seed(seed)
+            model = Net()
+            cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+                   "zero_allow_untested_optimizer": True}
+            if dtype == "bf16":
+                cfg["bf16"] = {"enabled": True}
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+            return deepspeed.initialize(model=model, config=cfg, optimizer=opt)[0]
+        engine = make(0)
+        train(engine, 2, 0)
+        path = os.path.join(out, "adamw")
+        dds.save(engine, path)
+        fresh = make(5)
+        dds.load(fresh, path)
+        a, b = engine.optimizer.optimizer, fresh.optimizer.optimizer
+        same = len(a.state) == len(b.state) > 0
+        for (ka, sa), (kb, sb) in zip(a.state.items(), b.state.items()):
+            same = same and torch.equal(ka, kb) and sorted(sa) == sorted(sb)
+            same = same and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+        same = same and a.param_groups[0]["betas"] == b.param_groups[0]["betas"] == (0.8, 0.95)
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
+        return
+    elif case in ("stage2", "stage3_allowed"):
+        # not an error: stage 1 -> 2 (one layout) always, stage 1 -> 3 when asked for; exact
+        engine = engine_for(2 if case == "stage2" else 3, dtype, seed=1)
+        dds.load(engine, ckpt, allow_stage_change=case == "stage3_allowed")
+        got = gather(engine)
+        ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)["ref"]
+        same = all(torch.equal(got[n][k], e[k]) for n, e in ref.items() for k in ("fp32", "exp_avg", "exp_avg_sq"))
+        same = same and all(got[n]["step"] == e["step"] for n, e in ref.items())
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
+        return
     elif case == "not_deepspeed":
         engine = engine_for(stage, dtype, seed=1)
         ckpt = os.path.join(out, "plain")
@@ -201,11 +239,12 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
 
 def main() -> None:
     """argv: MODE ROOT CONFIG... where CONFIG is STAGE:DTYPE (checkpoint ROOT/s<STAGE><DTYPE>/ckpt,
-    outputs in ROOT/s<STAGE><DTYPE>/); MODE "error:CASE[,CASE]" runs the ReshardError cases."""
+    outputs in ROOT/s<STAGE><DTYPE>/); MODE "error:CASE[,CASE]" runs those cases (a config
+    STAGE:DTYPE:CASES runs its own)."""
     mode, root, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
     deepspeed.init_distributed(dist_backend="gloo")
     for cfg in configs:
-        stage_s, dtype = cfg.split(":")
+        stage_s, dtype, *own_cases = cfg.split(":")
         stage = int(stage_s)
         base = os.path.join(root, f"s{stage}{dtype}")
         ckpt, out = os.path.join(base, "ckpt"), os.path.join(base, "out")
@@ -214,7 +253,7 @@ def main() -> None:
         elif mode == "load":
             _load(stage, dtype, ckpt, out)
         elif mode.startswith("error:"):
-            for case in mode.split(":", 1)[1].split(","):
+            for case in (own_cases[0] if own_cases else mode.split(":", 1)[1]).split(","):
                 _expect_error(stage, dtype, ckpt, out, case)
         else:
             raise SystemExit(f"unknown mode {mode}")
