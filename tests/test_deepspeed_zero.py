@@ -158,7 +158,7 @@ def test_flat_range_boxes_cover_exactly_in_order():
     st = hypothesis.strategies
 
     @hypothesis.given(st.lists(st.integers(1, 5), min_size=0, max_size=4), st.data())
-    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.settings(max_examples=150, deadline=None)
     def check(shape, data):
         n = 1
         for d in shape:

@@ -351,24 +351,11 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
         "params": [[name, list(shape)] for name, shape in lay.shapes.items()],
         "state_keys": flat_keys,
         "scalar_keys": scalar_keys,
-        "scalar_kinds": _scalar_kinds(lay, scalar_keys),
         "param_groups": groups,
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
         "lr_scheduler": sched_state,
     }
-
-
-def _scalar_kinds(lay: _Layout, scalar_keys: list[str]) -> dict[str, str]:
-    """{key: "int" | "float" | a tensor dtype name} of the scalar state (FusedAdam's step is an
-    int, torch.optim.Adam's a 0-d float32 tensor), so that a load can make room of the right kind."""
-    out = {}
-    for owner in lay.owners:
-        for k in scalar_keys:
-            v = lay.base.state[owner.key][k]
-            out[k] = str(v.dtype).replace("torch.", "") if torch.is_tensor(v) else type(v).__name__
-        break
-    return out
 
 
 def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
@@ -535,6 +522,17 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
                            "ZeRO stage (pass allow_stage_change=True to change only the stage).")
 
 
+def _scalar_slot(path: str, name: str, key: str) -> Any:
+    """Where a fresh optimizer receives saved scalar state ``key``: a tensor of the saved dtype and
+    shape when it was saved as a tensor (torch Adam's ``step``), else a plain value."""
+    from ...restore import load_manifest
+    from ...staging import dtype_from_name
+    entry = load_manifest(path).tensors.get(f"optim.{name}.{key}")
+    if entry is None:
+        return 0
+    return torch.zeros(tuple(entry.shape), dtype=dtype_from_name(entry.dtype, path=path))
+
+
 def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
     """Give every owner the saved state keys (an optimizer that has not stepped has none yet)."""
     flat_keys, scalar_keys = meta["state_keys"], meta["scalar_keys"]
@@ -545,9 +543,7 @@ def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
             for k in flat_keys:
                 st[k] = torch.zeros_like(owner.key, dtype=torch.float32)
             for k in scalar_keys:
-                kind = meta.get("scalar_kinds", {}).get(k, "int")
-                # room of the saved kind; the value itself is set after the load
-                st[k] = 0 if kind == "int" else 0.0 if kind == "float" else torch.zeros((), dtype=getattr(torch, kind))
+                st[k] = _scalar_slot(path, owner.names[0], k)  # replaced below by the loaded value
         return
     if (have_flat, have_scalar) != (flat_keys, scalar_keys):
         raise ReshardError(f"optimizer state keys differ: saved {flat_keys + scalar_keys}, now {have_flat + have_scalar}",
