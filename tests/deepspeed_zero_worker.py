@@ -52,6 +52,7 @@ class Net(nn.Module):
 
 
 def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3):
+    dtype, persist = dtype.split("+")[0], dtype.endswith("+persist")
     torch.manual_seed(seed)
     model = Net(widths)
     cfg = {
@@ -60,7 +61,8 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
         "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": lr,
                                                      "warmup_num_steps": 10}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+        # "+persist": ZeRO-3's default persistence threshold, so small params (biases) stay whole
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000 if persist else 0,
                               "reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16},
         "steps_per_print": 1 << 30,
     }
@@ -150,10 +152,9 @@ def _load(stage: int, dtype: str, ckpt: str, out: str) -> None:
                 bad.append(f"{name}.{k}")
     # the module's (bf16 or fp32) weights were rebuilt from the masters
     mism = []
-    if stage < 3:
-        dtype_ = next(p for p in engine.module.parameters()).dtype
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         for name, p in engine.module.named_parameters():
-            if not torch.equal(p.detach(), ref["ref"][name]["fp32"].to(dtype_)):
+            if not torch.equal(p.detach(), ref["ref"][name]["fp32"].to(p.dtype)):
                 mism.append(name)
     cont = train(engine, 2, 3)
     doc = {"rank": rank, "world": world, "bytes_read": ld.result.bytes_read,

@@ -1,8 +1,8 @@
 """Reshardable DeepSpeed ZeRO checkpoints (distckpt.integrations.deepspeed.save/load), real DeepSpeed.
 
-One save launch (2 ranks, torchrun, gloo, DS_ACCELERATOR=cpu) trains and saves five engines
+One save launch (2 ranks, torchrun, gloo, DS_ACCELERATOR=cpu) trains and saves six engines
 (stage 0 fp32 and bf16, stage 1 fp32, stage 2 bf16, stage 3 bf16 with every parameter
-partitioned); three load launches restore all of them at 1, 2 and 3 ranks and compare every fp32
+partitioned, stage 3 fp32 with the small parameters persistent); three load launches restore all of them at 1, 2 and 3 ranks and compare every fp32
 master weight and Adam state (exp_avg, exp_avg_sq, step), gathered with DeepSpeed's own API, with
 the saved ones; one more launch checks the typed ReshardError cases. Worker: deepspeed_zero_worker.py.
 """
@@ -27,8 +27,9 @@ pytest.importorskip("deepspeed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "deepspeed_zero_worker.py")
-CONFIGS = ["0:fp32", "0:bf16", "1:fp32", "2:bf16", "3:bf16"]
-PARTITIONED = ["1:fp32", "2:bf16", "3:bf16"]
+# "+persist": ZeRO-3 keeps parameters under 1000 elements whole (the biases), the rest partitioned
+CONFIGS = ["0:fp32", "0:bf16", "1:fp32", "2:bf16", "3:bf16", "3:fp32+persist"]
+PARTITIONED = ["1:fp32", "2:bf16", "3:bf16", "3:fp32+persist"]
 
 
 def _torchrun(n: int, *args: str, timeout: int = 600) -> None:

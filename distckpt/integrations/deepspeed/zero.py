@@ -216,10 +216,13 @@ def _layout_zero3(engine, opt, names) -> _Layout:
             for g, flat16 in enumerate(opt.fp16_partitioned_groups_flat):
                 for part, q in zip(opt.fp16_partitioned_groups[g], opt.unflatten(flat16, opt.fp16_partitioned_groups[g])):
                     part.data = q.data
+        # Persistent (small, never partitioned) parameters hold full copies: drop them and
+        # re-gather from the partitions just written (DeepSpeed's load_state_dict, then its
+        # checkpoint_event_epilogue, which also invalidates ZeRO++ secondary partitions).
         persistent = opt.persistent_parameters
         if persistent:
             persistent[0].partition(persistent)
-            persistent[0].all_gather(persistent)
+        opt.checkpoint_event_epilogue()
 
     dtype = opt.fp16_partitioned_groups_flat[0].dtype if opt.fp16_partitioned_groups_flat else torch.float32
     return _Layout(3, "zero3", rank, size, opt.optimizer, owners, shapes, False, dtype, refresh)
@@ -281,7 +284,7 @@ def _flat_keys(lay: _Layout, state: dict, owner: _Owner) -> tuple[list[str], lis
     """(state keys shaped like the master, scalar state keys) of one owner's optimizer state."""
     flat, scalar = [], []
     for k, v in state.items():
-        if torch.is_tensor(v) and v.numel() == owner.flat.numel() and v.numel() > 1:
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape == owner.key.shape:
             flat.append(k)
         elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (int, float)) and not isinstance(v, bool):
             scalar.append(k)
