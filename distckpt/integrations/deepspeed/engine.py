@@ -1,0 +1,406 @@
+"""distckpt as DeepSpeed's checkpoint engine: one line after ``deepspeed.initialize``.
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=cfg, ...)
+    distckpt.integrations.deepspeed.install(engine, keep_last=3)
+    engine.save_checkpoint(save_dir, tag, client_state={...})     # unchanged user code
+    engine.load_checkpoint(save_dir)                               # unchanged user code
+
+What changes (DeepSpeed 0.19.8; the seam is ``engine.checkpoint_engine``, DeepSpeed's own
+pluggable writer, plus the engine's ``save_checkpoint`` / ``load_checkpoint`` wrapped on the
+instance, for what that seam does not reach: the ``latest`` pointer and the file lookup on load):
+
+  * Everything DeepSpeed would write for a tag (``mp_rank_00_model_states.pt``, one
+    ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank, ZeRO-3's per-rank
+    model states) becomes ONE distckpt checkpoint ``save_dir/tag``, committed atomically by rank 0
+    once every rank has written its own data file. Each DeepSpeed "file" is the subtree
+    ``files.<name without .pt>``: its tensors in the data files, its plain values (ints, strings,
+    ``ds_config``, torch.Size, ZeroStageEnum, ``fragment_address`` dataclasses) in the MANIFEST.
+    No torch.save, no pickle, on save or load.
+  * DeepSpeed's loss scalers (``LossScaler``, ``DynamicLossScaler``: plain objects, not data) are
+    the only non-data objects in its state. They are stored as ``{"__deepspeed_object__": NAME,
+    "state": vars(obj)}`` and rebuilt on load from an allow-list of exactly those two classes
+    (:data:`REBUILDABLE`), never by importing a name found in the checkpoint. Any other object in
+    the state (in ``client_state`` too) is an UnsupportedValueError at save, on every rank.
+  * ``save_dir/latest`` (the tag as text, the format DeepSpeed reads) is replaced by
+    tmp + fsync + rename + directory fsync, inside the commit, before any rank returns; DeepSpeed
+    writes it in place with open().
+  * ``keep_last``: after each commit, rank 0 deletes the oldest checkpoints of this integration in
+    ``save_dir`` (by commit order) beyond the newest ``keep_last``; never the one just saved, never
+    the one ``latest`` names. Deleted files are closed, so the space is free at once. Other
+    directories in ``save_dir`` are never touched.
+  * DeepSpeed's ``zero_to_fp32.py`` / ``zero_to_torch.py`` copies into ``save_dir`` are skipped:
+    they read torch.save files. ``distckpt.read`` reads the checkpoint instead.
+
+Load: ``engine.load_checkpoint(dir, tag)`` runs DeepSpeed's own load logic unchanged; the files it
+asks for are served from the checkpoint (each rank reads only the subtrees it asks for: the model
+states and its own ZeRO partition). Options DeepSpeed offers that this engine does not serve
+(``load_module_only``, ``custom_load_fn``, ``load_optimizer_states=False``, universal checkpoints,
+MoE, pipeline parallelism, NVMe offload, node-local storage) raise ConfigError up front: never a
+half-served load. A checkpoint saved at another data-parallel size raises ReshardError (DeepSpeed
+itself cannot repartition a ZeRO optimizer).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+from ... import manifest as mf
+from ...coordinator import ROOT_LOCK_NAME, is_committed, reclaim_tmp_dirs
+from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError
+from ...restore import load_manifest, read
+from ...save import SaveResult, save
+from ...storage.posix import commit as local
+
+__all__ = ["install", "DistckptCheckpointEngine", "REBUILDABLE", "FORMAT"]
+
+log = logging.getLogger("distckpt")
+
+#: ``meta["user"]["deepspeed"]["format"]`` of checkpoints written through :func:`install`.
+FORMAT = 1
+#: The only non-data DeepSpeed objects a checkpoint may hold, rebuilt from their plain attributes.
+REBUILDABLE = {"LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler}
+_OBJ = "__deepspeed_object__"
+_FILES = "files"
+# A tag becomes a directory name beside `latest` and distckpt's hidden tmp/lock entries.
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's state <-> plain data.
+
+
+def _encode(value: Any) -> Any:
+    """DeepSpeed's state dict as distckpt stores it: loss scalers as allow-listed plain records,
+    OrderedDicts as dicts. Everything else is left as it is: what distckpt cannot store without
+    pickle then fails the (collective) save with UnsupportedValueError on every rank."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_encode(v) for v in value)
+    for name, cls in REBUILDABLE.items():
+        if type(value) is cls:
+            return {_OBJ: name, "state": _encode(dict(vars(value)))}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if _OBJ in value and set(value) == {_OBJ, "state"}:
+            cls = REBUILDABLE.get(value[_OBJ])
+            if cls is None:
+                raise ConfigError(f"the checkpoint holds a DeepSpeed object {value[_OBJ]!r}, not one of "
+                                  f"{sorted(REBUILDABLE)}", remedy="Load it with the distckpt version that saved it.")
+            obj = cls.__new__(cls)  # no __init__: its attributes are the saved ones, nothing else
+            obj.__dict__.update(_decode(value["state"]))
+            return obj
+        return {k: _decode(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_decode(v) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint engine.
+
+
+class DistckptCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's CheckpointEngine interface over one distckpt checkpoint per tag.
+
+    Save: ``create`` starts a tag, each ``save(state_dict, path)`` records the state under its file
+    name (nothing written yet), ``commit`` writes them all as one collective :func:`distckpt.save`
+    (every rank its own files), then ``latest`` and rotation run inside the commit on rank 0.
+    Load: only between :meth:`begin_load` and :meth:`end_load` (the wrapped ``load_checkpoint``):
+    ``load(path)`` reads the subtree of that file name.
+    """
+
+    def __init__(self, *, keep_last: int | None):
+        super().__init__(None)
+        self.name = "DistckptCheckpointEngine"
+        self.keep_last = keep_last
+        self.save_latest = True
+        self.last_result: SaveResult | None = None
+        self._info: CheckpointCommitInfo | None = None
+        self._files: dict[str, Any] = {}
+        self._extra_meta: dict[str, Any] = {}
+        self._load_path: str | None = None
+        self._load_names: list[str] = []
+        self.model_states_name: str | None = None
+
+    # -- save ------------------------------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self._info = info
+        self._files = {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # DeepSpeed asks for save_dir (rank 0) and save_dir/tag (every rank). The tag directory is
+        # distckpt's to create, atomically, at the commit; an empty one made here would be what a
+        # crash leaves behind.
+        if self._info is not None and os.path.abspath(path) == self._tag_dir():
+            return
+        local.make_dirs_durable(path)
+
+    def _tag_dir(self) -> str:
+        return os.path.abspath(os.path.join(self._info.save_dir, str(self._info.tag)))
+
+    def _name(self, path: str, tag_dir: str) -> str:
+        path = os.path.abspath(path)
+        if os.path.dirname(path) != tag_dir or not path.endswith(".pt"):
+            raise ConfigError(f"DeepSpeed asked to write {path}, outside the checkpoint {tag_dir} or not a .pt "
+                              "file: a DeepSpeed feature this engine does not serve",
+                              path=path, remedy="Save without distckpt's engine installed for this feature.")
+        return os.path.basename(path)[:-3]
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._info is None:
+            raise ConfigError("DeepSpeed called save() outside save_checkpoint()", path=path)
+        self._files[self._name(path, self._tag_dir())] = state_dict
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Write every file recorded since ``create`` as one checkpoint (collective; every rank).
+
+        Raises what :func:`distckpt.save` raises, on every rank; then nothing new is visible,
+        ``latest`` is unchanged and earlier tags are intact."""
+        files, self._files = self._files, {}
+        self._info = None
+        save_dir = os.path.abspath(info.save_dir)
+        final = os.path.join(save_dir, str(info.tag))
+        save_latest = self.save_latest  # the user's save_latest (DeepSpeed's own write is off)
+        if _rank() == 0 and os.path.isdir(save_dir):
+            reclaim_tmp_dirs(save_dir)  # leftovers of crashed saves (dead ones only)
+        meta = {"deepspeed": {"format": FORMAT, "tag": str(info.tag), **self._extra_meta}}
+        self.last_result = save({_FILES: {name: _encode(sd) for name, sd in files.items()}}, final,
+                                overwrite=True, metadata=meta,
+                                _after_commit=lambda: self._after_commit(save_dir, str(info.tag), save_latest),
+                                _lock_path=os.path.join(save_dir, ROOT_LOCK_NAME))
+        return True
+
+    def _after_commit(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
+        if save_latest:
+            local.replace_file_atomic(os.path.join(save_dir, "latest"), tag.encode())
+        if self.keep_last is None:
+            return
+        pointed = read_latest(save_dir)
+        ours = sorted(_our_checkpoints(save_dir), key=lambda e: (e[1], e[0]))
+        doomed = [name for name, _ in ours[:max(0, len(ours) - self.keep_last)] if name not in (tag, pointed)]
+        for name in doomed:
+            local.remove_dir(os.path.join(save_dir, name))
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+    def preserves_storage_sharing(self) -> bool:
+        # Only the bytes of each tensor (view) are written: no need for DeepSpeed to clone views
+        # out of flat buffers first, as it does for torch.save.
+        return False
+
+    # -- load ------------------------------------------------------------------------------
+    def begin_load(self, path: str, names: list[str]) -> None:
+        self._load_path, self._load_names = path, names
+
+    def end_load(self) -> None:
+        self._load_path, self._load_names = None, []
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state DeepSpeed saved as ``path``, on CPU (every caller in DeepSpeed 0.19.8 maps to
+        CPU). Raises StateDictMismatchError when the checkpoint has no such file."""
+        if self._load_path is None:
+            raise ConfigError(f"DeepSpeed asked to read {path} outside load_checkpoint() through distckpt's engine",
+                              path=path, remedy="Call engine.load_checkpoint(); other DeepSpeed loaders read "
+                              "torch.save files.")
+        if os.path.abspath(path) == self._load_path:  # see install()._get_all_ckpt_names
+            name = self.model_states_name
+        else:
+            name = self._name(path, self._load_path)
+        return _decode(read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name])
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers on save_dir.
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag ``save_dir/latest`` names, or None when there is no such file."""
+    try:
+        with open(os.path.join(save_dir, "latest"), "rb") as f:
+            return f.read(4096).decode("utf-8").strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _ds_meta(manifest: "mf.Manifest") -> dict | None:
+    user = manifest.meta.get("user")
+    ds = user.get("deepspeed") if isinstance(user, dict) else None
+    return ds if isinstance(ds, dict) and "format" in ds else None
+
+
+def _our_checkpoints(save_dir: str) -> list[tuple[str, float]]:
+    """(tag, commit time) of every committed checkpoint of this integration in ``save_dir``."""
+    out = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if not is_committed(path) or os.path.islink(path):
+            continue
+        try:
+            manifest = load_manifest(path)
+        except DistCkptError:
+            continue  # not ours to judge, never ours to delete
+        if _ds_meta(manifest) is not None:
+            out.append((name, manifest.created_unix))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# install()
+
+
+def _unsupported_engine_features(engine: Any) -> list[str]:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    found = []
+    if isinstance(engine, PipelineEngine):
+        found.append("pipeline parallelism (PipelineEngine)")
+    if getattr(engine, "has_moe_layers", False):
+        found.append("MoE layers")
+    if engine.zero_nvme_offload_optimizer():
+        found.append("ZeRO NVMe optimizer offload")
+    if engine.load_universal_checkpoint():
+        found.append("universal checkpoint loading (checkpoint.load_universal)")
+    if engine.use_node_local_storage():
+        found.append("checkpoint.use_node_local_storage")
+    if getattr(engine, "mp_world_size", 1) != 1 or getattr(engine, "mpu", None) is not None:
+        found.append("model (tensor) parallelism through an mpu")
+    return found
+
+
+def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointEngine:
+    """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through distckpt.
+
+    Call on every rank after ``deepspeed.initialize``. The user's calls stay as they are; see the
+    module docstring for what a checkpoint then is. Returns the installed checkpoint engine
+    (``last_result`` holds the SaveResult of the latest save).
+
+    Args:
+        engine: the DeepSpeedEngine ``deepspeed.initialize`` returned.
+        keep_last: keep the newest ``keep_last`` checkpoints of this integration in a save
+            directory, deleting older ones right after each commit. None keeps all.
+
+    Raises:
+        ConfigError: ``keep_last`` is not a positive int, or the engine uses a DeepSpeed feature
+            this engine does not serve (pipeline or model parallelism, MoE, NVMe optimizer offload,
+            universal checkpoints, node-local storage).
+    """
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ConfigError(f"keep_last={keep_last!r}: expected a positive int or None")
+    unsupported = _unsupported_engine_features(engine)
+    if unsupported:
+        raise ConfigError(f"distckpt's DeepSpeed engine does not serve: {', '.join(unsupported)}",
+                          remedy="Use DeepSpeed's own checkpoint engine for this job (do not call install()).")
+    ce = DistckptCheckpointEngine(keep_last=keep_last)
+    engine.checkpoint_engine = ce
+    engine._copy_recovery_script = lambda save_path: None  # they read torch.save files: see docstring
+
+    cls = type(engine)
+    orig_save = functools.partial(cls.save_checkpoint, engine)
+    orig_load = functools.partial(cls.load_checkpoint, engine)
+    orig_names = functools.partial(cls._get_all_ckpt_names, engine)
+
+    @functools.wraps(cls.save_checkpoint)
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's default
+                        exclude_frozen_parameters=False):
+        tag_s = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        if not _TAG_RE.match(tag_s) or tag_s == "latest":
+            raise ConfigError(f"checkpoint tag {tag_s!r}: expected a plain directory name (letters, digits, "
+                              "'_', '-', '.', '+', '='; not 'latest'; not starting with '.')")
+        ce._extra_meta = {"dp_world_size": int(engine.seq_dp_world_size),
+                          "zero_stage": int(engine.zero_optimization_stage()),
+                          "bf16": bool(engine.bfloat16_enabled())}
+        ce.save_latest = bool(save_latest)
+        try:
+            # save_latest=False: DeepSpeed would write `latest` in place after our commit; the
+            # commit writes it atomically instead (ce.save_latest).
+            return orig_save(save_dir, tag_s, client_state=client_state, save_latest=False,
+                             exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            ce.save_latest = True
+            ce._files, ce._info = {}, None
+
+    @functools.wraps(cls.load_checkpoint)
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        refused = [f"{k}={v!r}" for k, v, ok in (("load_module_only", load_module_only, False),
+                                                  ("custom_load_fn", custom_load_fn, None),
+                                                  ("load_optimizer_states", load_optimizer_states, True))
+                   if v != ok]
+        if refused:
+            raise ConfigError(f"load_checkpoint({', '.join(refused)}) is not served by distckpt's DeepSpeed engine",
+                              remedy="Load the whole state (the defaults), or read single values with distckpt.read().")
+        load_dir = os.path.abspath(os.fspath(load_dir))
+        if tag is None:
+            tag = read_latest(load_dir)
+            if tag is None:
+                # DeepSpeed's contract: no `latest` means no checkpoint yet (a fresh start).
+                log.warning("distckpt: no %s: nothing to load", os.path.join(load_dir, "latest"))
+                return None, None
+        path = os.path.join(load_dir, str(tag))
+        if not is_committed(path):
+            raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
+        manifest = load_manifest(path)
+        ds = _ds_meta(manifest)
+        if ds is None:
+            raise CheckpointNotFoundError(
+                f"{path} is a distckpt checkpoint but was not written through "
+                "distckpt.integrations.deepspeed.install()", path=path,
+                remedy="Load it with distckpt.load / distckpt.integrations.deepspeed.load instead.")
+        names = sorted({fqn.split(".", 2)[1] for fqn in (*manifest.tensors, *manifest.objects)
+                        if fqn.startswith(_FILES + ".")})
+        here = int(engine.seq_dp_world_size)
+        if ds.get("zero_stage", 0) > 0 and ds.get("dp_world_size") != here:
+            raise ReshardError(f"{path} was saved at data-parallel size {ds.get('dp_world_size')}, this job "
+                               f"runs at {here}: its ZeRO partitions do not match", path=path,
+                               remedy="Resume at the saved data-parallel size.")
+        ce.begin_load(path, names)
+        try:
+            return orig_load(load_dir, tag, load_module_strict=load_module_strict,
+                             load_optimizer_states=load_optimizer_states,
+                             load_lr_scheduler_states=load_lr_scheduler_states)
+        finally:
+            ce.end_load()
+
+    def _get_all_ckpt_names(checkpoints_path, tag):
+        # DeepSpeed globs the tag directory for this rank's model-states file and asserts that the
+        # path exists. Here the file is a subtree of the checkpoint: the path handed back is the
+        # checkpoint directory (it exists; load_checkpoint returns it as the loaded path) and the
+        # engine maps it to the one name the same pattern matches.
+        if ce._load_path is None:
+            return orig_names(checkpoints_path, tag)
+        import fnmatch
+        pattern = os.path.basename(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*"))[:-3]
+        found = [n for n in ce._load_names if fnmatch.fnmatchcase(n, pattern)]
+        if len(found) != 1:
+            raise StateDictMismatchError(
+                f"{ce._load_path} holds {found or 'no'} DeepSpeed model states matching {pattern!r} "
+                f"(rank {_rank()}); expected exactly one", path=ce._load_path, missing=[pattern],
+                unexpected=found, shape_mismatch={}, dtype_mismatch={},
+                remedy="Resume with the ZeRO stage and data-parallel size the checkpoint was saved with.")
+        ce.model_states_name = found[0]
+        return [ce._load_path]
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    engine._get_all_ckpt_names = _get_all_ckpt_names
+    return ce
