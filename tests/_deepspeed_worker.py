@@ -94,8 +94,12 @@ def _state(engine) -> dict:
     base = engine.optimizer
     while hasattr(base, "optimizer"):  # ZeRO / bf16 wrappers hold the torch optimizer that steps
         base = base.optimizer
-    for g, group in enumerate(base.param_groups):
-        for i, p in enumerate(group["params"]):
+    groups = [group["params"] for group in base.param_groups]
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
+        # ZeRO-3 takes its fp32 partitions out of the torch optimizer's param_groups between steps
+        groups = [[flat] for flat in engine.optimizer.fp32_partitioned_groups_flat]
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
             out[f"master.{g}.{i}"] = p.detach().clone()
             for k, v in base.state.get(p, {}).items():
                 out[f"optim.{g}.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -130,11 +134,11 @@ def train(out: str, cfg: str) -> None:
     dsd.install(engine, keep_last=2)
     before = [_step(engine, s) for s in range(1, STEPS_BEFORE + 1)]
     ckpt = os.path.join(out, f"ckpt_{cfg}")
-    engine.save_checkpoint(ckpt, "s3", client_state={"epoch": 7, "note": "s3", "sizes": (1, 2),
-                                                     "rng": torch.get_rng_state()})
+    rng = torch.get_rng_state()
+    engine.save_checkpoint(ckpt, "s3", client_state={"epoch": 7, "note": "s3", "sizes": (1, 2), "rng": rng})
     saved = _state(engine)
     after = [_step(engine, s) for s in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]
-    _dump(out, f"train:{cfg}", {"before": before, "after": after, "saved": saved, "final": _state(engine),
+    _dump(out, f"train:{cfg}", {"before": before, "after": after, "saved": saved, "final": _state(engine), "rng": rng,
                                 "files": sorted(os.listdir(ckpt)), "tag_files": sorted(os.listdir(os.path.join(ckpt, "s3")))})
 
 
