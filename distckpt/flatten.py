@@ -27,7 +27,8 @@ import torch
 from .errors import UnsupportedValueError
 from .values import _is_stateful, _is_namedtuple, encode_value, holds_tensor
 
-__all__ = ["Piece", "TensorItem", "ObjectItem", "flatten", "set_leaf", "object_entry", "expand_statefuls"]
+__all__ = ["Piece", "TensorItem", "ObjectItem", "LocalPieces", "flat_range_boxes", "flatten", "set_leaf",
+           "object_entry", "expand_statefuls"]
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
@@ -41,10 +42,84 @@ class Piece:
     tensor: torch.Tensor
 
 
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes (offsets, sizes) whose elements are exactly the row-major flat elements [start, stop)
+    of a tensor of ``shape``, in flat order.
+
+    Each box is itself contiguous in row-major order (fixed leading indices, one range, then whole
+    trailing dimensions), so box ``k`` is ``flat[a_k:b_k].view(sizes_k)`` with the a_k increasing:
+    at most ``2 * ndim - 1`` boxes. This is what turns "elements [start, stop) of a flattened
+    parameter" (a ZeRO partition) into global boxes of the parameter's real shape.
+    """
+    if not 0 <= start <= stop <= _numel(shape):
+        raise ValueError(f"flat range [{start}, {stop}) outside a tensor of shape {list(shape)}")
+    if start == stop:
+        return []
+    if len(shape) == 0:
+        return [((), ())]
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = _numel(shape[1:])
+    rest = tuple(shape[1:])
+    r0, c0 = divmod(start, inner)
+    r1, c1 = divmod(stop, inner)
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    if c0:  # a partial first row
+        end = stop - r0 * inner if r1 == r0 else inner
+        out += [((r0,) + off, (1,) + sz) for off, sz in flat_range_boxes(rest, c0, end)]
+        if r1 == r0:
+            return out
+        r0 += 1
+    if r1 > r0:  # whole rows
+        out.append(((r0,) + (0,) * len(rest), (r1 - r0,) + rest))
+    if c1:  # a partial last row
+        out += [((r1,) + off, (1,) + sz) for off, sz in flat_range_boxes(rest, 0, c1)]
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+@dataclasses.dataclass
+class LocalPieces:
+    """A state-dict leaf: this rank holds these pieces (global boxes) of a global tensor.
+
+    For layouts torch has no tensor type for, such as a ZeRO partition that holds a flat range of
+    a parameter: the pieces of all ranks together must tile ``shape`` exactly once (the save
+    checks it). On load each piece is filled in place, so pieces that are views of a larger
+    buffer (a flat optimizer partition) fill that buffer.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+
+    @classmethod
+    def from_flat(cls, shape: tuple[int, ...], dtype: torch.dtype,
+                  ranges: list[tuple[int, torch.Tensor]]) -> "LocalPieces":
+        """Pieces for flat ranges: each ``(start, t)`` says that the 1-D tensor ``t`` holds the
+        row-major flat elements ``[start, start + t.numel())`` of the global tensor."""
+        shape = tuple(int(d) for d in shape)
+        pieces = []
+        for start, flat in ranges:
+            if flat.dim() != 1:
+                raise ValueError(f"a flat range must be a 1-D tensor, got shape {list(flat.shape)}")
+            at = 0
+            for offsets, sizes in flat_range_boxes(shape, start, start + flat.numel()):
+                n = _numel(sizes)
+                pieces.append(Piece(offsets, sizes, flat.narrow(0, at, n).view(sizes)))
+                at += n
+        return cls(shape, dtype, pieces)
+
+
 @dataclasses.dataclass
 class TensorItem:
     fqn: str
-    kind: str  # "tensor" | "dtensor" | "sharded_tensor"
+    kind: str  # "tensor" | "dtensor" | "sharded_tensor" (ShardedTensor and LocalPieces)
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: list[Piece]
@@ -76,6 +151,9 @@ def _sharded_tensor_type():
 
 def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
     """Describe one tensor leaf by its global shape and the local pieces this rank holds."""
+    if isinstance(value, LocalPieces):
+        # Explicit disjoint pieces, exactly like a ShardedTensor's local shards.
+        return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.shape), list(value.pieces), path)
     DTensor = _dtensor_type()
     ShardedTensor = _sharded_tensor_type()
     if ShardedTensor is not None and isinstance(value, ShardedTensor):
@@ -177,7 +255,7 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
         if fqn in items:
             raise UnsupportedValueError(f"two state dict entries flatten to the same key {fqn!r}", key=fqn,
                                         remedy="Rename one of them: keys are joined with '.'.")
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, (torch.Tensor, LocalPieces)):
             items[fqn] = tensor_item(fqn, obj, path)
         elif isinstance(obj, (set, frozenset)) and holds_tensor(obj):
             raise UnsupportedValueError(f"the set at {fqn!r} holds tensors; a set has no order to save them in",

@@ -1,24 +1,26 @@
-"""DeepSpeed integration. Import it explicitly; the core of distckpt never imports it or deepspeed.
+"""DeepSpeed: distckpt as DeepSpeed's checkpoint engine, and reshardable ZeRO checkpoints.
 
-    import distckpt.integrations.deepspeed as dsd
-    engine, *_ = deepspeed.initialize(...)
-    dsd.install(engine, keep_last=3)        # engine.save_checkpoint / load_checkpoint go through distckpt
+Import explicitly (``from distckpt.integrations import deepspeed as dds``); ``import distckpt``
+never imports deepspeed.
 
-:func:`install` lives in :mod:`.engine` (the drop-in checkpoint engine). Submodules import
-deepspeed when first used, not when this package is imported.
+    dds.install(engine, keep_last=3)      # one line: engine.save_checkpoint/load_checkpoint go through distckpt
+    dds.save(engine, "/ckpt/step_100", client_state={"epoch": 3})   # collective, any ZeRO stage
+    out = dds.load(engine, "/ckpt/step_100")                        # at any data-parallel size
+    fp32 = distckpt.read("/ckpt/step_100", keys=["model"])["model"]  # consolidated, one process
+
+:func:`install` (module :mod:`.engine`, which imports deepspeed) is imported on first use.
 """
 
 import importlib as _importlib
 
-_LAZY = {"install": ".engine"}
+from .zero import FORMAT, ZeroLoadResult, load, save, state_dict
 
-__all__ = sorted(_LAZY)
+__all__ = ["install", "save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+    if name == "install":  # imports deepspeed: only when asked for
+        value = _importlib.import_module(".engine", __name__).install
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

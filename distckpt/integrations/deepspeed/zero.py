@@ -1,0 +1,659 @@
+"""Reshardable DeepSpeed ZeRO checkpoints: saved at data-parallel size N, loaded at size M, online.
+
+DeepSpeed's own ZeRO checkpoint is one pickle per rank holding that rank's *flat* partition of
+each parameter group, so it loads only at the same data-parallel size (or after the offline
+universal-checkpoint conversion). Here every parameter is stored as a *global* tensor of its real
+shape, and each rank contributes the element range its partition holds as boxes
+(:class:`distckpt.flatten.LocalPieces`); a load builds the same pieces for the *new* partitions and
+lets :func:`distckpt.load` read only the byte ranges each rank needs. No rank ever gathers a
+parameter, no conversion step runs.
+
+What is stored (keys of the checkpoint)::
+
+    model.<param name>            fp32 master weights, full parameter shape (what zero_to_fp32.py
+                                  gives); module buffers as they are (replicated)
+    optim.<param name>.<state>    every optimizer state tensor shaped like the master partition
+                                  (Adam exp_avg, exp_avg_sq, ...), full parameter shape, fp32
+    optim.<param name>.<scalar>   per-parameter scalar state (Adam step), one value per parameter
+    deepspeed                     JSON: format, stage, dp size, dtypes, parameter order and shapes,
+                                  optimizer class and param-group hyper-parameters, engine counters,
+                                  lr-scheduler state
+    client                        the caller's ``client_state`` (typed values, no pickle)
+
+so ``distckpt.read(path, keys=["model"])["model"]`` is the consolidated fp32 state dict, on one
+process, and ``distckpt inspect`` shows a ``deepspeed`` line from the manifest's metadata.
+
+Partition layouts this reads (DeepSpeed 0.19.8, read from its sources):
+  * ZeRO 1/2 (``DeepSpeedZeroOptimizer``): per param group a flat buffer of the group's params in
+    ``round_robin_bit16_groups`` order at ``round_robin_bit16_offsets`` (alignment padding between
+    params and at the end); rank r owns flat elements ``[r*ps, (r+1)*ps)`` with
+    ``ps = partition_size[g]``; its fp32 master is ``single_partition_of_fp32_groups[g]`` and the
+    inner optimizer's state is keyed by that tensor. After a load ``update_lp_params()`` copies the
+    masters into the bit16 partitions and all-gathers them (what a step does).
+  * ZeRO 3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter is partitioned on its own: rank r
+    holds elements ``[r*pn, (r+1)*pn)`` (``pn = param.partition_numel()``, the last rank padded);
+    sub-group g's fp32 master ``fp32_partitioned_groups_flat[g]`` is the concatenation of its
+    params' padded partitions. After a load the masters are copied into the module partitions and
+    persistent (unpartitioned) params re-gathered, as DeepSpeed's own load does.
+  * Stage 0, fp32: the inner optimizer directly over the module parameters (every rank holds
+    everything; a save splits each tensor so every rank writes a part).
+  * Stage 0, bf16/fp16 (``FP16_Optimizer``): per group one unpadded flat fp32 master
+    (``fp32_groups_flat``), replicated.
+
+Where a load cannot be exact it raises :class:`distckpt.errors.ReshardError` before any byte is
+read: another parameter set or shapes, another optimizer class or state keys, another ZeRO stage
+(unless ``allow_stage_change=True``), a different number of param groups, or parameters of one
+flat group whose saved scalar state (step) differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+from ...errors import ReshardError, UnsupportedValueError
+from ...flatten import LocalPieces
+
+__all__ = ["save", "load", "ZeroLoadResult", "FORMAT", "summary"]
+
+FORMAT = "distckpt.deepspeed/1"
+_META = "deepspeed"
+
+
+# ------------------------------------------------------------------------------------------------
+# Partition layouts
+
+
+@dataclasses.dataclass
+class _Segment:
+    """Elements [lo, hi) of parameter ``name`` sit at ``at`` in the owner's flat master."""
+
+    name: str
+    lo: int
+    hi: int
+    at: int
+
+
+@dataclasses.dataclass
+class _Owner:
+    """One tensor the inner optimizer steps (a flat fp32 master partition, or a stage-0 param)."""
+
+    group: int                 # index into the inner optimizer's param_groups
+    key: torch.Tensor          # the optimizer.state key
+    flat: torch.Tensor         # 1-D view of the master
+    names: list[str]           # every parameter laid out in it (with or without local elements)
+    segments: list[_Segment]   # the elements this rank holds
+
+
+@dataclasses.dataclass
+class _Layout:
+    stage: int
+    kind: str                  # "stage0" | "fp16_optimizer" | "zero12" | "zero3"
+    dp_rank: int
+    dp_size: int
+    base: Any                  # the inner torch optimizer (state, param_groups)
+    owners: list[_Owner]
+    shapes: dict[str, tuple[int, ...]]   # every trainable parameter, in layout order
+    replicated: bool           # every rank holds every element (stage 0)
+    model_dtype: torch.dtype
+    refresh: Any               # callable: push loaded masters into the module's weights
+
+
+def _rank_size(group) -> tuple[int, int]:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _check_world(dp_size: int) -> None:
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if dp_size != world:
+        raise UnsupportedValueError(
+            f"the ZeRO data-parallel group has {dp_size} ranks but the job has {world}: only pure data "
+            f"parallelism (one ZeRO group spanning the world) is supported", key=_META,
+            remedy="Save model/pipeline-parallel DeepSpeed jobs with DeepSpeed's own checkpoints for now.")
+
+
+def _names(engine) -> dict[int, str]:
+    return {id(p): n for n, p in engine.module.named_parameters()}
+
+
+def _name_of(names: dict[int, str], p) -> str:
+    try:
+        return names[id(p)]
+    except KeyError:
+        raise UnsupportedValueError("an optimized parameter is not a parameter of engine.module", key=_META,
+                                    remedy="Pass the model's own parameters to deepspeed.initialize.") from None
+
+
+def _layout(engine) -> _Layout:
+    """This rank's view of the engine's optimizer partitions."""
+    opt = engine.optimizer
+    if opt is None:
+        raise UnsupportedValueError("the DeepSpeed engine has no optimizer", key=_META,
+                                    remedy="Save the module with distckpt.save({'model': engine.module.state_dict()}, path).")
+    stage = int(engine.zero_optimization_stage())
+    names = _names(engine)
+    cls = type(opt).__name__
+    if getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False) \
+            or getattr(opt, "offload_param", False):
+        raise UnsupportedValueError(f"ZeRO offload ({cls}) is not supported", key=_META,
+                                    remedy="Disable offload_optimizer / offload_param.")
+    if cls == "DeepSpeedZeroOptimizer":
+        return _layout_zero12(engine, opt, stage, names)
+    if cls == "DeepSpeedZeroOptimizer_Stage3":
+        return _layout_zero3(engine, opt, names)
+    if cls == "FP16_Optimizer" and stage == 0:
+        return _layout_fp16(engine, opt, names)
+    if stage == 0 and isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer"):
+        return _layout_stage0(engine, opt, names)
+    raise UnsupportedValueError(f"DeepSpeed optimizer wrapper {cls} (ZeRO stage {stage}) is not supported",
+                                key=_META, remedy="Use ZeRO stage 0-3 without offload, in fp32 or bf16.")
+
+
+def _layout_zero12(engine, opt, stage: int, names) -> _Layout:
+    owners, shapes = [], {}
+    rank, size = _rank_size(opt.real_dp_process_group[0])
+    _check_world(size)
+    for g, params in enumerate(opt.round_robin_bit16_groups):
+        ps = int(opt.partition_size[g])
+        start = rank * ps
+        flat = opt.single_partition_of_fp32_groups[g]
+        segs, gnames = [], []
+        for p, meta, off in zip(params, opt.round_robin_bit16_meta[g], opt.round_robin_bit16_offsets[g]):
+            name = _name_of(names, p)
+            shapes[name] = tuple(meta.shape)
+            gnames.append(name)
+            lo, hi = max(off, start), min(off + meta.numel(), start + ps)
+            if lo < hi:
+                segs.append(_Segment(name, lo - off, hi - off, lo - start))
+        owners.append(_Owner(g, flat, flat.view(-1), gnames, segs))
+    def refresh():
+        opt.update_lp_params()  # masters -> bit16 partitions, all-gathered (what a step does)
+        if opt.optimizer.state:
+            # DeepSpeed links each param's optimizer-state fragments (safe_get_full_optimizer_state,
+            # universal checkpoints) once, lazily: relink to the state tensors as they are now.
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+    dtype = opt.bit16_groups_flat[0].dtype if opt.bit16_groups_flat else torch.float32
+    return _Layout(stage, "zero12", rank, size, opt.optimizer, owners, shapes, False, dtype, refresh)
+
+
+def _layout_zero3(engine, opt, names) -> _Layout:
+    owners, shapes = [], {}
+    rank, size = _rank_size(opt.dp_process_group)
+    _check_world(size)
+    for g, params in enumerate(opt.fp16_groups):
+        flat = opt.fp32_partitioned_groups_flat[g]
+        segs, gnames, at = [], [], 0
+        for p in params:
+            name = _name_of(names, p)
+            numel, pn = int(p.ds_numel), int(p.partition_numel())
+            shapes[name] = tuple(p.ds_shape)
+            gnames.append(name)
+            lo, hi = rank * pn, min((rank + 1) * pn, numel)
+            if lo < hi:
+                segs.append(_Segment(name, lo, hi, at))
+            at += pn
+        if at != flat.numel():
+            raise UnsupportedValueError(f"ZeRO-3 sub-group {g}: {flat.numel()} master elements, {at} expected",
+                                        key=_META)
+        owners.append(_Owner(int(opt.sub_group_to_group_id.get(g, 0)), flat, flat.view(-1), gnames, segs))
+
+    def refresh():
+        # DeepSpeed's own _rigid_load_state_dict, minus the file reading.
+        with torch.no_grad():
+            for g, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+                if fp32.numel() > 0:
+                    opt.fp16_partitioned_groups_flat[g].data.copy_(fp32.data)
+            for g, flat16 in enumerate(opt.fp16_partitioned_groups_flat):
+                for part, q in zip(opt.fp16_partitioned_groups[g], opt.unflatten(flat16, opt.fp16_partitioned_groups[g])):
+                    part.data = q.data
+        persistent = opt.persistent_parameters
+        if persistent:
+            persistent[0].partition(persistent)
+            persistent[0].all_gather(persistent)
+
+    dtype = opt.fp16_partitioned_groups_flat[0].dtype if opt.fp16_partitioned_groups_flat else torch.float32
+    return _Layout(3, "zero3", rank, size, opt.optimizer, owners, shapes, False, dtype, refresh)
+
+
+def _layout_fp16(engine, opt, names) -> _Layout:
+    from torch._utils import _unflatten_dense_tensors
+    owners, shapes = [], {}
+    rank, size = _rank_size(None)
+    for g, params in enumerate(opt.fp16_groups):
+        flat = opt.fp32_groups_flat[g]
+        segs, gnames, at = [], [], 0
+        for p in params:
+            name = _name_of(names, p)
+            shapes[name] = tuple(p.shape)
+            gnames.append(name)
+            if p.numel():
+                segs.append(_Segment(name, 0, p.numel(), at))
+            at += p.numel()
+        owners.append(_Owner(g, flat, flat.view(-1), gnames, segs))
+
+    def refresh():
+        with torch.no_grad():
+            for g, params in enumerate(opt.fp16_groups):
+                for p, q in zip(params, _unflatten_dense_tensors(opt.fp32_groups_flat[g], params)):
+                    p.data.copy_(q.data)
+
+    dtype = opt.fp16_groups[0][0].dtype if opt.fp16_groups and opt.fp16_groups[0] else torch.float32
+    return _Layout(0, "fp16_optimizer", rank, size, opt.optimizer, owners, shapes, True, dtype, refresh)
+
+
+def _layout_stage0(engine, opt, names) -> _Layout:
+    owners, shapes = [], {}
+    rank, size = _rank_size(None)
+    dtype = torch.float32
+    for g, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            name = _name_of(names, p)
+            if p.dtype != torch.float32:
+                raise UnsupportedValueError(f"stage-0 parameter {name} is {p.dtype}, with no fp32 master", key=name,
+                                            remedy="Enable bf16/fp16 in the DeepSpeed config (fp32 masters) or train in fp32.")
+            shapes[name] = tuple(p.shape)
+            owners.append(_Owner(g, p, p.data.view(-1), [name], [_Segment(name, 0, p.numel(), 0)] if p.numel() else []))
+    return _Layout(0, "stage0", rank, size, opt, owners, shapes, True, dtype, lambda: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout -> state dict of LocalPieces
+
+
+def _split(seg: _Segment, rank: int, size: int) -> _Segment | None:
+    """The part of a replicated segment this rank writes (so every rank writes 1/size of it)."""
+    n = seg.hi - seg.lo
+    a, b = seg.lo + n * rank // size, seg.lo + n * (rank + 1) // size
+    return _Segment(seg.name, a, b, seg.at + a - seg.lo) if a < b else None
+
+
+def _flat_keys(lay: _Layout, state: dict, owner: _Owner) -> tuple[list[str], list[str]]:
+    """(state keys shaped like the master, scalar state keys) of one owner's optimizer state."""
+    flat, scalar = [], []
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.numel() == owner.flat.numel() and v.numel() > 1:
+            flat.append(k)
+        elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (int, float)) and not isinstance(v, bool):
+            scalar.append(k)
+        else:
+            raise UnsupportedValueError(f"optimizer state {k!r} of {type(lay.base).__name__} is neither shaped like "
+                                        f"the master weights nor a scalar", key=f"optim.{owner.names[0]}.{k}")
+    return sorted(flat), sorted(scalar)
+
+
+def _pieces_for(lay: _Layout, *, writing: bool) -> dict[str, list[tuple[_Owner, _Segment]]]:
+    """{param name: [(owner, segment)]} of the elements this rank writes (``writing``) or needs."""
+    out: dict[str, list] = {name: [] for name in lay.shapes}
+    for owner in lay.owners:
+        for seg in owner.segments:
+            if writing and lay.replicated:
+                seg = _split(seg, lay.dp_rank, lay.dp_size)
+                if seg is None:
+                    continue
+            out[seg.name].append((owner, seg))
+    return out
+
+
+def _leaf(shape, dtype, parts, tensor_of) -> LocalPieces:
+    return LocalPieces.from_flat(shape, dtype, [(seg.lo, tensor_of(owner).narrow(0, seg.at, seg.hi - seg.lo))
+                                               for owner, seg in parts])
+
+
+def _hyper(value: Any) -> Any:
+    """A param-group hyper-parameter as JSON (tuples as lists; tensors as Python numbers)."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_hyper(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
+    groups = []
+    for group in lay.base.param_groups:
+        hp = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            try:
+                hp[k] = _hyper(v)
+            except TypeError:
+                pass  # not a hyper-parameter a restart needs (DeepSpeed bookkeeping objects)
+        groups.append(hp)
+    sched = getattr(engine, "lr_scheduler", None)
+    sched_state = None
+    if sched is not None and hasattr(sched, "state_dict"):
+        try:
+            sched_state = json.loads(json.dumps(sched.state_dict()))
+        except (TypeError, ValueError):
+            raise UnsupportedValueError(f"the lr scheduler {type(sched).__name__}'s state is not plain data",
+                                        key=_META) from None
+    return {
+        "format": FORMAT,
+        "stage": lay.stage,
+        "layout": lay.kind,
+        "dp_size": lay.dp_size,
+        "model_dtype": str(lay.model_dtype).replace("torch.", ""),
+        "master_dtype": "float32",
+        "optimizer": type(lay.base).__name__,
+        "params": [[name, list(shape)] for name, shape in lay.shapes.items()],
+        "state_keys": flat_keys,
+        "scalar_keys": scalar_keys,
+        "param_groups": groups,
+        "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+                   "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
+        "lr_scheduler": sched_state,
+    }
+
+
+def summary(meta: dict) -> str:
+    """One line for ``distckpt inspect``: stage, data-parallel size, dtypes."""
+    return (f"ZeRO stage {meta.get('stage')}, saved at data-parallel size {meta.get('dp_size')}, "
+            f"model {meta.get('model_dtype')}, fp32 masters, optimizer {meta.get('optimizer')}, "
+            f"{meta.get('params') if isinstance(meta.get('params'), int) else len(meta.get('params') or [])} parameters")
+
+
+def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
+    """The optimizer's state keys, the same for every owner (an empty state before the first step)."""
+    seen = None
+    for owner in lay.owners:
+        state = lay.base.state.get(owner.key, {})
+        keys = _flat_keys(lay, state, owner)
+        if seen is None:
+            seen = keys
+        elif keys != seen:
+            raise UnsupportedValueError(f"optimizer state keys differ between parameter groups: {seen} and {keys}",
+                                        key=_META)
+    return seen or ([], [])
+
+
+def _module_buffers(engine) -> dict[str, torch.Tensor]:
+    sd_keys = set(engine.module.state_dict().keys()) if engine.zero_optimization_stage() < 3 else None
+    out = {}
+    for name, buf in engine.module.named_buffers():
+        if sd_keys is None or name in sd_keys:
+            out[name] = buf
+    return out
+
+
+def _frozen(engine, lay: _Layout) -> list[str]:
+    return [n for n, p in engine.module.named_parameters() if n not in lay.shapes]
+
+
+def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
+    """(state dict for :func:`distckpt.save`, plain ``deepspeed`` metadata) of this rank's ZeRO state.
+
+    The state dict's tensors are views of the engine's own buffers (nothing is copied).
+    Collective only in what :func:`distckpt.save` does with it.
+    """
+    lay = _layout(engine)
+    frozen = _frozen(engine, lay)
+    if frozen:
+        raise UnsupportedValueError(f"{len(frozen)} frozen parameter(s) (requires_grad=False): {frozen[:5]}",
+                                    key=f"model.{frozen[0]}", remedy="Make every parameter trainable, or save "
+                                    "frozen ones separately (distckpt.save on engine.module's tensors).")
+    flat_keys, scalar_keys = _state_keys(lay)
+    parts = _pieces_for(lay, writing=True)
+    owner_of = {name: owner for owner in lay.owners for name in owner.names}
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for name, shape in lay.shapes.items():
+        model[name] = _leaf(shape, torch.float32, parts[name], lambda o: o.flat)
+        entry = {}
+        for k in flat_keys:
+            entry[k] = _leaf(shape, torch.float32, parts[name], lambda o, k=k: lay.base.state[o.key][k].view(-1))
+        for k in scalar_keys:
+            v = lay.base.state[owner_of[name].key][k]
+            entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+        optim[name] = entry
+    for name, buf in _module_buffers(engine).items():
+        model[name] = buf
+    meta = _meta(engine, lay, flat_keys, scalar_keys)
+    sd = {"model": model, "optim": optim, _META: json.dumps(meta, sort_keys=True)}
+    if client_state is not None:
+        sd["client"] = client_state
+    return sd, meta
+
+
+def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite: bool = False,
+         metadata: dict | None = None):
+    """Save the engine's fp32 master weights, optimizer state and counters to ``path``, reshardable.
+
+    Collective: every rank of the job calls it. Every rank writes only the elements its ZeRO
+    partition holds (stage 0: a 1/N slice of each replicated tensor); rank 0 commits atomically
+    (:func:`distckpt.save`'s protocol and guarantees).
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0-3, fp32 or bf16, no offload, one
+            data-parallel group spanning the job).
+        path: the checkpoint directory to create.
+        client_state: plain values saved under ``client`` (as ``engine.save_checkpoint``'s).
+        overwrite, metadata: as :func:`distckpt.save` (``metadata["deepspeed"]`` is set here).
+
+    Returns:
+        :class:`distckpt.SaveResult`.
+
+    Raises:
+        UnsupportedValueError: an engine layout this cannot describe (offload, model/pipeline
+            parallel groups, frozen parameters, an optimizer state that is neither per element nor
+            scalar). The errors of :func:`distckpt.save`.
+    """
+    from ... import save as _save
+    sd, meta = state_dict(engine, client_state=client_state)
+    md = dict(metadata or {})
+    md["deepspeed"] = {"format": FORMAT, "stage": meta["stage"], "dp_size": meta["dp_size"],
+                       "model_dtype": meta["model_dtype"], "optimizer": meta["optimizer"],
+                       "params": len(meta["params"])}
+    return _save(sd, path, overwrite=overwrite, metadata=md)
+
+
+# ------------------------------------------------------------------------------------------------
+# Load
+
+
+@dataclasses.dataclass
+class ZeroLoadResult:
+    """What :func:`load` did: ``result`` is the :class:`distckpt.LoadResult` (``bytes_read`` is
+    what this rank read), ``client_state`` the saved ``client_state`` (or None), ``saved_dp_size``
+    and ``saved_stage`` the saving job's."""
+
+    result: Any
+    client_state: Any
+    saved_dp_size: int
+    saved_stage: int
+
+
+def _saved_meta(path: str) -> dict:
+    from ...restore import read
+    try:
+        raw = read(path, keys=[_META])[_META]
+    except KeyError:
+        raw = None
+    except Exception as exc:
+        from ...errors import StateDictMismatchError
+        if isinstance(exc, StateDictMismatchError):
+            raw = None
+        else:
+            raise
+    if not isinstance(raw, str):
+        raise ReshardError("the checkpoint is not a distckpt DeepSpeed ZeRO checkpoint (no 'deepspeed' entry)",
+                           path=path, key=_META, remedy="Load it with distckpt.load/read, or save with "
+                           "distckpt.integrations.deepspeed.save.")
+    meta = json.loads(raw)
+    if meta.get("format") != FORMAT:
+        raise ReshardError(f"checkpoint format {meta.get('format')!r}, this reads {FORMAT!r}", path=path, key=_META)
+    return meta
+
+
+def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) -> None:
+    """Raise ReshardError for every way the target differs from the saved job such that the load
+    would not be exact."""
+    saved = {name: tuple(shape) for name, shape in meta["params"]}
+    problems = []
+    missing = [n for n in lay.shapes if n not in saved]
+    extra = [n for n in saved if n not in lay.shapes]
+    reshaped = [f"{n}: saved {list(saved[n])}, now {list(s)}" for n, s in lay.shapes.items()
+                if n in saved and saved[n] != s]
+    if missing:
+        problems.append(f"{len(missing)} parameter(s) not in the checkpoint: {missing[:5]}")
+    if extra:
+        problems.append(f"{len(extra)} saved parameter(s) the model does not have: {extra[:5]}")
+    if reshaped:
+        problems.append(f"{len(reshaped)} parameter(s) changed shape: {reshaped[:5]}")
+    if meta["optimizer"] != type(lay.base).__name__:
+        problems.append(f"saved optimizer {meta['optimizer']}, now {type(lay.base).__name__} (its state "
+                        f"does not carry over exactly)")
+    if len(meta["param_groups"]) != len(lay.base.param_groups):
+        problems.append(f"saved {len(meta['param_groups'])} optimizer param group(s), now {len(lay.base.param_groups)}")
+    stages = {meta["stage"], lay.stage}
+    if len(stages) > 1 and stages != {1, 2} and not allow_stage_change:
+        problems.append(f"saved at ZeRO stage {meta['stage']}, loading at stage {lay.stage} (stages 1 and 2 share one "
+                        f"layout; any other change must be asked for: the per-parameter values carry over exactly, "
+                        f"but the stages count optimizer steps differently, e.g. stage 0 with bf16 takes one "
+                        f"warm-up step at start)")
+    if problems:
+        raise ReshardError("DeepSpeed checkpoint cannot be loaded exactly onto this engine: " + "; ".join(problems),
+                           path=path, key=_META, remedy="Build the engine with the saved model, optimizer and "
+                           "ZeRO stage (pass allow_stage_change=True to change only the stage).")
+
+
+def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
+    """Give every owner the saved state keys (an optimizer that has not stepped has none yet)."""
+    flat_keys, scalar_keys = meta["state_keys"], meta["scalar_keys"]
+    have_flat, have_scalar = _state_keys(lay)
+    if not have_flat and not have_scalar:
+        for owner in lay.owners:
+            st = lay.base.state[owner.key]
+            for k in flat_keys:
+                st[k] = torch.zeros_like(owner.key, dtype=torch.float32)
+            for k in scalar_keys:
+                st[k] = 0  # replaced below by the loaded value (its saved type)
+        return
+    if (have_flat, have_scalar) != (flat_keys, scalar_keys):
+        raise ReshardError(f"optimizer state keys differ: saved {flat_keys + scalar_keys}, now {have_flat + have_scalar}",
+                           path=path, key=_META, remedy="Use the saved optimizer (class and options such as amsgrad).")
+
+
+def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True, allow_stage_change: bool = False,
+         verify: bool = True) -> ZeroLoadResult:
+    """Load a checkpoint written by :func:`save` into ``engine``, at any data-parallel size.
+
+    Collective: every rank calls it. Each rank reads only the byte ranges its own partition needs
+    (stage 0: everything, it is replicated), then the module weights are rebuilt from the fp32
+    masters the way a DeepSpeed step does. The fp32 masters and optimizer state are bit-identical
+    to the saved ones; the engine's step counters, param-group hyper-parameters (lr, betas, ...)
+    and lr-scheduler state are restored.
+
+    Raises:
+        ReshardError: the checkpoint is not such a checkpoint, or cannot be loaded exactly onto
+            this engine (other parameters or shapes, other optimizer class or state keys, another
+            number of param groups, another ZeRO stage without ``allow_stage_change``, scalar state
+            such as Adam's step that differs between parameters that now share one flat group).
+            Raised on every rank before any byte is read.
+        UnsupportedValueError: as :func:`save`. The errors of :func:`distckpt.load`.
+    """
+    from ...restore import load as _load
+    path = os.path.abspath(os.fspath(path))
+    meta = _saved_meta(path)
+    lay = _layout(engine)
+    _reconcile(path, meta, lay, allow_stage_change)
+    if load_optimizer_states:
+        _ensure_state(lay, meta, path)
+    parts = _pieces_for(lay, writing=False)
+    owner_of = {name: owner for owner in lay.owners for name in owner.names}
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for name, shape in lay.shapes.items():
+        model[name] = _leaf(shape, torch.float32, parts[name], lambda o: o.flat)
+        if not load_optimizer_states:
+            continue
+        entry: dict[str, Any] = {}
+        for k in meta["state_keys"]:
+            entry[k] = _leaf(shape, torch.float32, parts[name], lambda o, k=k: lay.base.state[o.key][k].view(-1))
+        for k in meta["scalar_keys"]:
+            entry[k] = _placeholder(lay.base.state[owner_of[name].key].get(k))
+        optim[name] = entry
+        scalars[name] = entry
+    for name, buf in _module_buffers(engine).items():
+        model[name] = buf
+    sd: dict[str, Any] = {"model": model}
+    if load_optimizer_states:
+        sd["optim"] = optim
+    with torch.no_grad():
+        res = _load(sd, path, verify=verify)
+    if load_optimizer_states:
+        _set_scalars(lay, meta, sd["optim"], path)
+        _set_groups(lay, meta)
+        engine.global_steps = meta["engine"]["global_steps"]
+        engine.global_samples = meta["engine"]["global_samples"]
+        engine.skipped_steps = meta["engine"]["skipped_steps"]
+        sched = getattr(engine, "lr_scheduler", None)
+        if load_lr_scheduler_states and sched is not None and meta.get("lr_scheduler") is not None:
+            sched.load_state_dict(meta["lr_scheduler"])
+    lay.refresh()
+    client = None
+    if _has_key(path, "client"):
+        from ...restore import read
+        client = read(path, keys=["client"])["client"]
+    return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
+
+
+def _has_key(path: str, key: str) -> bool:
+    from ...restore import load_manifest
+    m = load_manifest(path)
+    return any(f == key or f.startswith(key + ".") for f in list(m.tensors) + list(m.objects))
+
+
+def _placeholder(current: Any) -> Any:
+    """Where a scalar state value is loaded: a fresh tensor (so that parameters sharing one owner
+    do not overwrite each other's value), or the value itself (replaced by the load)."""
+    if torch.is_tensor(current):
+        return torch.empty_like(current)
+    return current
+
+
+def _set_scalars(lay: _Layout, meta: dict, optim: dict, path: str) -> None:
+    for owner in lay.owners:
+        st = lay.base.state[owner.key]
+        for k in meta["scalar_keys"]:
+            values = {name: optim[name][k] for name in owner.names}
+            distinct = {(v.item() if torch.is_tensor(v) else v) for v in values.values()}
+            if len(distinct) > 1:
+                raise ReshardError(f"optimizer state {k!r} differs between parameters that share one flat "
+                                   f"optimizer group here: {dict(list(values.items())[:5])}", path=path,
+                                   key=f"optim.{owner.names[0]}.{k}",
+                                   remedy="Load with the saved ZeRO stage and param groups.")
+            if values:
+                v = next(iter(values.values()))
+                if torch.is_tensor(st.get(k)) and torch.is_tensor(v):
+                    st[k].copy_(v)
+                else:
+                    st[k] = v
+
+
+def _set_groups(lay: _Layout, meta: dict) -> None:
+    for group, saved in zip(lay.base.param_groups, meta["param_groups"]):
+        for k, v in saved.items():
+            if k not in group:
+                continue
+            cur = group[k]
+            if isinstance(cur, tuple):
+                v = tuple(v)
+            elif torch.is_tensor(cur):
+                cur.fill_(v)
+                continue
+            group[k] = v
