@@ -58,12 +58,14 @@ from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, Resha
 from ...restore import load_manifest, read
 from ...save import SaveResult, save
 from ...storage.posix import commit as local
+from ...values import holds_tensor
+from . import zero
 
 __all__ = ["install", "DistckptCheckpointEngine", "REBUILDABLE", "FORMAT"]
 
 log = logging.getLogger("distckpt")
 
-#: ``meta["user"]["deepspeed"]["format"]`` of checkpoints written through :func:`install`.
+#: ``meta["user"]["deepspeed"]["engine"]`` of checkpoints written through :func:`install`.
 FORMAT = 1
 #: The only non-data DeepSpeed objects a checkpoint may hold, rebuilt from their plain attributes.
 REBUILDABLE = {"LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler}
@@ -123,8 +125,9 @@ class DistckptCheckpointEngine(CheckpointEngine):
     ``load(path)`` reads the subtree of that file name.
     """
 
-    def __init__(self, *, keep_last: int | None):
+    def __init__(self, engine: Any, *, keep_last: int | None):
         super().__init__(None)
+        self.engine = engine
         self.name = "DistckptCheckpointEngine"
         self.keep_last = keep_last
         self.save_latest = True
@@ -135,6 +138,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self._load_path: str | None = None
         self._load_names: list[str] = []
         self.model_states_name: str | None = None
+        self.load_meta: dict = {}
 
     # -- save ------------------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -177,12 +181,35 @@ class DistckptCheckpointEngine(CheckpointEngine):
         save_latest = self.save_latest  # the user's save_latest (DeepSpeed's own write is off)
         if _rank() == 0 and os.path.isdir(save_dir):
             reclaim_tmp_dirs(save_dir)  # leftovers of crashed saves (dead ones only)
-        meta = {"deepspeed": {"format": FORMAT, "tag": str(info.tag), **self._extra_meta}}
-        self.last_result = save({_FILES: {name: _encode(sd) for name, sd in files.items()}}, final,
-                                overwrite=True, metadata=meta,
+        state, meta = self._state(files)
+        meta.update(engine=FORMAT, tag=str(info.tag), **self._extra_meta)
+        self.last_result = save(state, final,
+                                overwrite=True, metadata={"deepspeed": meta},
                                 _after_commit=lambda: self._after_commit(save_dir, str(info.tag), save_latest),
                                 _lock_path=os.path.join(save_dir, ROOT_LOCK_NAME))
         return True
+
+    def _state(self, files: dict[str, Any]) -> tuple[dict, dict]:
+        """The checkpoint's state dict and its ``deepspeed`` metadata.
+
+        ZeRO stages 1-3: the fp32 master weights and optimizer state go in the reshardable form of
+        :mod:`.zero` (``model.*``, ``optim.*``, ``deepspeed``: global tensors, each rank writing its
+        partition), and DeepSpeed's own ``*_optim_states`` files keep only their plain values
+        (loss scaler, overflow, clip_grad, ...): their flat partitions would be the same bytes a
+        second time. Stage 0 holds nothing partitioned: DeepSpeed's files as they are.
+        """
+        if int(self.engine.zero_optimization_stage()) == 0:
+            return {_FILES: {name: _encode(sd) for name, sd in files.items()}}, {}
+        zsd, zmeta = zero.state_dict(self.engine)
+        out = {}
+        for name, sd in files.items():
+            if name.endswith("_optim_states"):
+                osd = sd["optimizer_state_dict"]
+                sd = {**sd, "optimizer_state_dict": {k: v for k, v in osd.items() if not holds_tensor(v)}}
+            out[name] = _encode(sd)
+        meta = {"format": zero.FORMAT, "stage": zmeta["stage"], "dp_size": zmeta["dp_size"],
+                "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"])}
+        return {_FILES: out, **zsd}, meta
 
     def _after_commit(self, save_dir: str, tag: str, save_latest: bool) -> None:
         # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
@@ -205,8 +232,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
         return False
 
     # -- load ------------------------------------------------------------------------------
-    def begin_load(self, path: str, names: list[str]) -> None:
-        self._load_path, self._load_names = path, names
+    def begin_load(self, path: str, names: list[str], meta: dict) -> None:
+        self._load_path, self._load_names, self.load_meta = path, names, meta
 
     def end_load(self) -> None:
         self._load_path, self._load_names = None, []
@@ -246,7 +273,7 @@ def read_latest(save_dir: str) -> str | None:
 def _ds_meta(manifest: "mf.Manifest") -> dict | None:
     user = manifest.meta.get("user")
     ds = user.get("deepspeed") if isinstance(user, dict) else None
-    return ds if isinstance(ds, dict) and "format" in ds else None
+    return ds if isinstance(ds, dict) and ds.get("engine") == FORMAT else None
 
 
 def _our_checkpoints(save_dir: str) -> list[tuple[str, float]]:
@@ -310,7 +337,7 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
     if unsupported:
         raise ConfigError(f"distckpt's DeepSpeed engine does not serve: {', '.join(unsupported)}",
                           remedy="Use DeepSpeed's own checkpoint engine for this job (do not call install()).")
-    ce = DistckptCheckpointEngine(keep_last=keep_last)
+    ce = DistckptCheckpointEngine(engine, keep_last=keep_last)
     engine.checkpoint_engine = ce
     engine._copy_recovery_script = lambda save_path: None  # they read torch.save files: see docstring
 
@@ -318,6 +345,7 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
     orig_save = functools.partial(cls.save_checkpoint, engine)
     orig_load = functools.partial(cls.load_checkpoint, engine)
     orig_names = functools.partial(cls._get_all_ckpt_names, engine)
+    orig_load_zero = functools.partial(cls._load_zero_checkpoint, engine)
 
     @functools.wraps(cls.save_checkpoint)
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's default
@@ -368,12 +396,12 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                 remedy="Load it with distckpt.load / distckpt.integrations.deepspeed.load instead.")
         names = sorted({fqn.split(".", 2)[1] for fqn in (*manifest.tensors, *manifest.objects)
                         if fqn.startswith(_FILES + ".")})
-        here = int(engine.seq_dp_world_size)
-        if ds.get("zero_stage", 0) > 0 and ds.get("dp_world_size") != here:
-            raise ReshardError(f"{path} was saved at data-parallel size {ds.get('dp_world_size')}, this job "
-                               f"runs at {here}: its ZeRO partitions do not match", path=path,
-                               remedy="Resume at the saved data-parallel size.")
-        ce.begin_load(path, names)
+        if ds.get("zero_stage", 0) != int(engine.zero_optimization_stage()):
+            raise ReshardError(f"{path} was saved at ZeRO stage {ds.get('zero_stage')}, this engine runs stage "
+                               f"{engine.zero_optimization_stage()}", path=path,
+                               remedy="Resume with the saved ZeRO stage, or load with "
+                               "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
+        ce.begin_load(path, names, ds)
         try:
             return orig_load(load_dir, tag, load_module_strict=load_module_strict,
                              load_optimizer_states=load_optimizer_states,
@@ -391,6 +419,13 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         import fnmatch
         pattern = os.path.basename(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*"))[:-3]
         found = [n for n in ce._load_names if fnmatch.fnmatchcase(n, pattern)]
+        if not found and ce.load_meta.get("dp_world_size") != int(engine.seq_dp_world_size):
+            # ZeRO-3 at another data-parallel size: a rank without a model-states file of its own
+            # takes rank 0's (its module entries are empty placeholders on every rank; the weights
+            # come from the reshardable ZeRO state).
+            pattern = os.path.basename(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*",
+                                                             pp_placeholder="0"))[:-3]
+            found = [n for n in ce._load_names if fnmatch.fnmatchcase(n, pattern)]
         if len(found) != 1:
             raise StateDictMismatchError(
                 f"{ce._load_path} holds {found or 'no'} DeepSpeed model states matching {pattern!r} "
@@ -400,7 +435,29 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         ce.model_states_name = found[0]
         return [ce._load_path]
 
+    def _load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+        # DeepSpeed's ZeRO load reads every rank's flat partitions and refuses another
+        # data-parallel size. Here: the reshardable state (each rank reads its new partition's
+        # byte ranges), then the optimizer's plain values from the saved *_optim_states entry.
+        if ce._load_path is None:
+            return orig_load_zero(load_dir, tag, load_optimizer_states=load_optimizer_states)
+        # the lr scheduler and step counters came with the model states (DeepSpeed's own load)
+        zero.load(engine, ce._load_path, load_lr_scheduler_states=False)
+        mine = os.path.basename(engine._get_zero_ckpt_name(load_dir, tag))[:-3]
+        name = mine if mine in ce._load_names else os.path.basename(engine._get_rank_zero_ckpt_name(
+            load_dir, tag, engine.checkpoint_mp_rank, 0, engine.bfloat16_enabled()))[:-3]
+        plain = ce.load(os.path.join(ce._load_path, name + ".pt"))["optimizer_state_dict"]
+        opt = engine.optimizer
+        if hasattr(opt, "_load_global_state"):  # ZeRO 1/2: DeepSpeed's own restore of these values
+            opt._load_global_state(plain)
+        else:  # ZeRO 3 (_rigid_load_state_dict's first lines)
+            for key in ("loss_scaler", "dynamic_loss_scale", "overflow"):
+                if key in plain:
+                    setattr(opt, key, plain[key])
+        return True
+
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
     engine._get_all_ckpt_names = _get_all_ckpt_names
+    engine._load_zero_checkpoint = _load_zero_checkpoint
     return ce

@@ -529,6 +529,17 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
                            "ZeRO stage (pass allow_stage_change=True to change only the stage).")
 
 
+def _scalar_slot(path: str, name: str, key: str) -> Any:
+    """Where a fresh optimizer receives saved scalar state ``key``: a tensor of the saved dtype and
+    shape when it was saved as a tensor (torch Adam's ``step``), else a plain value."""
+    from ...restore import load_manifest
+    from ...staging import dtype_from_name
+    entry = load_manifest(path).tensors.get(f"optim.{name}.{key}")
+    if entry is None:
+        return 0
+    return torch.zeros(tuple(entry.shape), dtype=dtype_from_name(entry.dtype, path=path))
+
+
 def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
     """Give every owner the saved state keys (an optimizer that has not stepped has none yet)."""
     flat_keys, scalar_keys = meta["state_keys"], meta["scalar_keys"]
@@ -539,7 +550,7 @@ def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
             for k in flat_keys:
                 st[k] = torch.zeros_like(owner.key, dtype=torch.float32)
             for k in scalar_keys:
-                st[k] = 0  # replaced below by the loaded value (its saved type)
+                st[k] = _scalar_slot(path, owner.names[0], k)  # replaced below by the loaded value
         return
     if (have_flat, have_scalar) != (flat_keys, scalar_keys):
         raise ReshardError(f"optimizer state keys differ: saved {flat_keys + scalar_keys}, now {have_flat + have_scalar}",
