@@ -139,6 +139,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self._load_names: list[str] = []
         self.model_states_name: str | None = None
         self.load_meta: dict = {}
+        self._masters: set[str] = set()
 
     # -- save ------------------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -201,14 +202,21 @@ class DistckptCheckpointEngine(CheckpointEngine):
         if int(self.engine.zero_optimization_stage()) == 0:
             return {_FILES: {name: _encode(sd) for name, sd in files.items()}}, {}
         zsd, zmeta = zero.state_dict(self.engine)
+        stage = int(zmeta["stage"])
+        trained = {name for name, _ in zmeta["params"]}
         out = {}
         for name, sd in files.items():
             if name.endswith("_optim_states"):
                 osd = sd["optimizer_state_dict"]
                 sd = {**sd, "optimizer_state_dict": {k: v for k, v in osd.items() if not holds_tensor(v)}}
+            elif name.endswith("_model_states") and stage in (1, 2) and isinstance(sd.get("module"), dict):
+                # ZeRO 1/2 module weights are the fp32 masters cast to the model dtype (DeepSpeed
+                # copies them so after every step): stored once, as the masters (model.*).
+                sd = {**sd, "module": {k: v for k, v in sd["module"].items() if k not in trained}}
             out[name] = _encode(sd)
-        meta = {"format": zero.FORMAT, "stage": zmeta["stage"], "dp_size": zmeta["dp_size"],
-                "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"])}
+        meta = {"format": zero.FORMAT, "stage": stage, "dp_size": zmeta["dp_size"],
+                "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
+                "module_from_masters": stage in (1, 2)}
         return {_FILES: out, **zsd}, meta
 
     def _after_commit(self, save_dir: str, tag: str, save_latest: bool) -> None:
@@ -232,8 +240,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
         return False
 
     # -- load ------------------------------------------------------------------------------
-    def begin_load(self, path: str, names: list[str], meta: dict) -> None:
-        self._load_path, self._load_names, self.load_meta = path, names, meta
+    def begin_load(self, path: str, names: list[str], meta: dict, masters: set[str]) -> None:
+        self._load_path, self._load_names, self.load_meta, self._masters = path, names, meta, masters
 
     def end_load(self) -> None:
         self._load_path, self._load_names = None, []
@@ -249,7 +257,18 @@ class DistckptCheckpointEngine(CheckpointEngine):
             name = self.model_states_name
         else:
             name = self._name(path, self._load_path)
-        return _decode(read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name])
+        sd = _decode(read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name])
+        if name.endswith("_model_states") and self.load_meta.get("module_from_masters"):
+            # The weights were stored once, as fp32 masters (see _state). DeepSpeed's module load
+            # gets the module's own tensors for them (a no-op copy); the ZeRO load that follows
+            # sets them from the loaded masters, as a step does. A weight without a saved master
+            # is not filled here: DeepSpeed's strict module load reports it.
+            current = self.engine.module.state_dict()
+            module = sd.setdefault("module", {})
+            for key in current:
+                if key not in module and key in self._masters:
+                    module[key] = current[key]
+        return sd
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,7 +420,8 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                                f"{engine.zero_optimization_stage()}", path=path,
                                remedy="Resume with the saved ZeRO stage, or load with "
                                "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
-        ce.begin_load(path, names, ds)
+        masters = {fqn.split(".", 1)[1] for fqn in manifest.tensors if fqn.startswith("model.")}
+        ce.begin_load(path, names, ds, masters)
         try:
             return orig_load(load_dir, tag, load_module_strict=load_module_strict,
                              load_optimizer_states=load_optimizer_states,
