@@ -199,11 +199,27 @@ def enospc(out: str) -> None:
                                                           (getattr(error, "failures", None) or {}).values()})}
     listing = sorted(os.listdir(root))
     torch.distributed.barrier()
+    # Refusals, each a typed error on every rank, nothing written: an object without a plain
+    # form in client_state (only rank 0 writes the model states), a tag that is not a plain name.
+    refused = {}
+    for what, call in (("object", lambda: engine.save_checkpoint(root, "obj", client_state={"x": object()})),
+                       ("tag", lambda: engine.save_checkpoint(root, "../evil"))):
+        try:
+            call()
+            refused[what] = None
+        except Exception as exc:  # noqa: BLE001 - the test checks its class
+            refused[what] = [c.__name__ for c in type(exc).__mro__]
     # Restore into a fresh engine: the previous tag is what `latest` still names, bit-exact.
     engine2 = _engine("2-fp32")
     dsd.install(engine2)
+    try:
+        engine2.load_checkpoint(root, load_module_only=True)
+        refused["load_module_only"] = None
+    except Exception as exc:  # noqa: BLE001 - the test checks its class
+        refused["load_module_only"] = [c.__name__ for c in type(exc).__mro__]
     path, _ = engine2.load_checkpoint(root)
     _dump(out, "enospc", {"error": err, "listing": listing, "latest": open(os.path.join(root, "latest")).read(),
+                          "refused": refused, "listing_after": sorted(os.listdir(root)),
                           "loaded_path": path, "good": good, "reloaded": _state(engine2),
                           "new_fds": json.dumps({fd: t for fd, t in fds_after.items() if fd not in fds_before})})
 

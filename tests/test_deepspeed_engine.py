@@ -129,6 +129,10 @@ def test_enospc_mid_save_is_typed_on_every_rank_and_keeps_the_previous_tag(runs)
         assert r["loaded_path"].endswith("/good")
         _assert_same(r["good"], r["reloaded"], f"rank {rank}: previous tag after ENOSPC")
         assert r["new_fds"] == "{}", r["new_fds"]
+        refused = r["refused"]
+        assert "UnsupportedValueError" in refused["object"] or "RankFailureError" in refused["object"], refused
+        assert "ConfigError" in refused["tag"] and "ConfigError" in refused["load_module_only"], refused
+        assert not any(n in ("obj", "evil") for n in r["listing_after"]), r["listing_after"]
 
 
 def test_rank_killed_mid_save_leaves_the_previous_tag_loadable(runs):

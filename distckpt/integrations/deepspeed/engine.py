@@ -6,16 +6,27 @@
     engine.load_checkpoint(save_dir)                               # unchanged user code
 
 What changes (DeepSpeed 0.19.8; the seam is ``engine.checkpoint_engine``, DeepSpeed's own
-pluggable writer, plus the engine's ``save_checkpoint`` / ``load_checkpoint`` wrapped on the
-instance, for what that seam does not reach: the ``latest`` pointer and the file lookup on load):
+pluggable writer, plus a few engine methods replaced on the instance for what that seam does not
+reach: ``save_checkpoint`` / ``load_checkpoint`` (the ``latest`` pointer, refused options), the
+model-states file lookup (a glob on disk) and the ZeRO optimizer load):
 
   * Everything DeepSpeed would write for a tag (``mp_rank_00_model_states.pt``, one
     ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank, ZeRO-3's per-rank
     model states) becomes ONE distckpt checkpoint ``save_dir/tag``, committed atomically by rank 0
     once every rank has written its own data file. Each DeepSpeed "file" is the subtree
     ``files.<name without .pt>``: its tensors in the data files, its plain values (ints, strings,
-    ``ds_config``, torch.Size, ZeroStageEnum, ``fragment_address`` dataclasses) in the MANIFEST.
-    No torch.save, no pickle, on save or load.
+    ``ds_config``, ``client_state``, torch.Size, ZeroStageEnum, ``fragment_address`` dataclasses)
+    in the MANIFEST. No torch.save and no pickle, on save or load.
+  * ZeRO stages 1-3: the fp32 master weights and every optimizer state are stored once, in the
+    reshardable form of :mod:`.zero` (``model.<param>``, ``optim.<param>.<state>``: global tensors,
+    each rank writing the element ranges of its partition; ``deepspeed``: its layout as JSON).
+    DeepSpeed's ``*_optim_states`` entries keep only their plain values (loss scaler, overflow,
+    clip_grad, ...), and with ZeRO 1/2 the module weights in ``*_model_states`` are not stored a
+    second time: they are the masters cast to the model dtype (DeepSpeed copies them so after
+    every step) and are set from the loaded masters. So ``distckpt.read(path, keys=["model"])``
+    is the consolidated fp32 model, and a load at another data-parallel size reshards (each rank
+    reads the byte ranges of its new partition). Stage 0 stores DeepSpeed's files as they are
+    (nothing is partitioned: they load at any data-parallel size).
   * DeepSpeed's loss scalers (``LossScaler``, ``DynamicLossScaler``: plain objects, not data) are
     the only non-data objects in its state. They are stored as ``{"__deepspeed_object__": NAME,
     "state": vars(obj)}`` and rebuilt on load from an allow-list of exactly those two classes
@@ -28,16 +39,19 @@ instance, for what that seam does not reach: the ``latest`` pointer and the file
     ``save_dir`` (by commit order) beyond the newest ``keep_last``; never the one just saved, never
     the one ``latest`` names. Deleted files are closed, so the space is free at once. Other
     directories in ``save_dir`` are never touched.
+  * A failed save (ENOSPC, a lost rank, an unsupported value) raises the same typed error on every
+    rank; nothing new is visible, ``latest`` and earlier tags are unchanged.
   * DeepSpeed's ``zero_to_fp32.py`` / ``zero_to_torch.py`` copies into ``save_dir`` are skipped:
-    they read torch.save files. ``distckpt.read`` reads the checkpoint instead.
+    they read torch.save files.
 
-Load: ``engine.load_checkpoint(dir, tag)`` runs DeepSpeed's own load logic unchanged; the files it
-asks for are served from the checkpoint (each rank reads only the subtrees it asks for: the model
-states and its own ZeRO partition). Options DeepSpeed offers that this engine does not serve
+Load: ``engine.load_checkpoint(dir, tag)`` runs DeepSpeed's own load logic; the files it asks for
+are served from the checkpoint (each rank reads only the subtrees it asks for), and its ZeRO
+optimizer load is replaced by :func:`.zero.load` (any data-parallel size) plus DeepSpeed's own
+restore of the optimizer's plain values. Options DeepSpeed offers that this engine does not serve
 (``load_module_only``, ``custom_load_fn``, ``load_optimizer_states=False``, universal checkpoints,
-MoE, pipeline parallelism, NVMe offload, node-local storage) raise ConfigError up front: never a
-half-served load. A checkpoint saved at another data-parallel size raises ReshardError (DeepSpeed
-itself cannot repartition a ZeRO optimizer).
+MoE, pipeline or model parallelism, NVMe offload, node-local storage) raise ConfigError up front:
+never a half-served load. Another ZeRO stage than the saved one raises ReshardError (the
+standalone :func:`.zero.load` has ``allow_stage_change``).
 """
 
 from __future__ import annotations
