@@ -1,0 +1,497 @@
+"""distckpt as DeepSpeed's checkpoint engine: one line after ``deepspeed.initialize``.
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, config=cfg, ...)
+    distckpt.integrations.deepspeed.install(engine, keep_last=3)
+    engine.save_checkpoint(save_dir, tag, client_state={...})     # unchanged user code
+    engine.load_checkpoint(save_dir)                               # unchanged user code
+
+What changes (DeepSpeed 0.19.8; the seam is ``engine.checkpoint_engine``, DeepSpeed's own
+pluggable writer, plus a few engine methods replaced on the instance for what that seam does not
+reach: ``save_checkpoint`` / ``load_checkpoint`` (the ``latest`` pointer, refused options), the
+model-states file lookup (a glob on disk) and the ZeRO optimizer load):
+
+  * Everything DeepSpeed would write for a tag (``mp_rank_00_model_states.pt``, one
+    ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank, ZeRO-3's per-rank
+    model states) becomes ONE distckpt checkpoint ``save_dir/tag``, committed atomically by rank 0
+    once every rank has written its own data file. Each DeepSpeed "file" is the subtree
+    ``files.<name without .pt>``: its tensors in the data files, its plain values (ints, strings,
+    ``ds_config``, ``client_state``, torch.Size, ZeroStageEnum, ``fragment_address`` dataclasses)
+    in the MANIFEST. No torch.save and no pickle, on save or load.
+  * ZeRO stages 1-3: the fp32 master weights and every optimizer state are stored once, in the
+    reshardable form of :mod:`.zero` (``model.<param>``, ``optim.<param>.<state>``: global tensors,
+    each rank writing the element ranges of its partition; ``deepspeed``: its layout as JSON).
+    DeepSpeed's ``*_optim_states`` entries keep only their plain values (loss scaler, overflow,
+    clip_grad, ...), and with ZeRO 1/2 the module weights in ``*_model_states`` are not stored a
+    second time: they are the masters cast to the model dtype (DeepSpeed copies them so after
+    every step) and are set from the loaded masters. So ``distckpt.read(path, keys=["model"])``
+    is the consolidated fp32 model, and a load at another data-parallel size reshards (each rank
+    reads the byte ranges of its new partition). Stage 0 stores DeepSpeed's files as they are
+    (nothing is partitioned: they load at any data-parallel size).
+  * DeepSpeed's loss scalers (``LossScaler``, ``DynamicLossScaler``: plain objects, not data) are
+    the only non-data objects in its state. They are stored as ``{"__deepspeed_object__": NAME,
+    "state": vars(obj)}`` and rebuilt on load from an allow-list of exactly those two classes
+    (:data:`REBUILDABLE`), never by importing a name found in the checkpoint. Any other object in
+    the state (in ``client_state`` too) is an UnsupportedValueError at save, on every rank.
+  * ``save_dir/latest`` (the tag as text, the format DeepSpeed reads) is replaced by
+    tmp + fsync + rename + directory fsync, inside the commit, before any rank returns; DeepSpeed
+    writes it in place with open().
+  * ``keep_last``: after each commit, rank 0 deletes the oldest checkpoints of this integration in
+    ``save_dir`` (by commit order) beyond the newest ``keep_last``; never the one just saved, never
+    the one ``latest`` names. Deleted files are closed, so the space is free at once. Other
+    directories in ``save_dir`` are never touched.
+  * A failed save (ENOSPC, a lost rank, an unsupported value) raises the same typed error on every
+    rank; nothing new is visible, ``latest`` and earlier tags are unchanged.
+  * DeepSpeed's ``zero_to_fp32.py`` / ``zero_to_torch.py`` copies into ``save_dir`` are skipped:
+    they read torch.save files.
+
+Load: ``engine.load_checkpoint(dir, tag)`` runs DeepSpeed's own load logic; the files it asks for
+are served from the checkpoint (each rank reads only the subtrees it asks for), and its ZeRO
+optimizer load is replaced by :func:`.zero.load` (any data-parallel size) plus DeepSpeed's own
+restore of the optimizer's plain values. Options DeepSpeed offers that this engine does not serve
+(``load_module_only``, ``custom_load_fn``, ``load_optimizer_states=False``, universal checkpoints,
+MoE, pipeline or model parallelism, NVMe offload, node-local storage) raise ConfigError up front:
+never a half-served load. Another ZeRO stage than the saved one raises ReshardError (the
+standalone :func:`.zero.load` has ``allow_stage_change``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+from ... import manifest as mf
+from ...coordinator import ROOT_LOCK_NAME, is_committed, reclaim_tmp_dirs
+from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError
+from ...restore import load_manifest, read
+from ...save import SaveResult, save
+from ...storage.posix import commit as local
+from ...values import holds_tensor
+from . import zero
+
+__all__ = ["install", "DistckptCheckpointEngine", "REBUILDABLE", "FORMAT"]
+
+log = logging.getLogger("distckpt")
+
+#: ``meta["user"]["deepspeed"]["engine"]`` of checkpoints written through :func:`install`.
+FORMAT = 1
+#: The only non-data DeepSpeed objects a checkpoint may hold, rebuilt from their plain attributes.
+REBUILDABLE = {"LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler}
+_OBJ = "__deepspeed_object__"
+_FILES = "files"
+# A tag becomes a directory name beside `latest` and distckpt's hidden tmp/lock entries.
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's state <-> plain data.
+
+
+def _encode(value: Any) -> Any:
+    """DeepSpeed's state dict as distckpt stores it: loss scalers as allow-listed plain records,
+    OrderedDicts as dicts. Everything else is left as it is: what distckpt cannot store without
+    pickle then fails the (collective) save with UnsupportedValueError on every rank."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_encode(v) for v in value)
+    for name, cls in REBUILDABLE.items():
+        if type(value) is cls:
+            return {_OBJ: name, "state": _encode(dict(vars(value)))}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if _OBJ in value and set(value) == {_OBJ, "state"}:
+            cls = REBUILDABLE.get(value[_OBJ])
+            if cls is None:
+                raise ConfigError(f"the checkpoint holds a DeepSpeed object {value[_OBJ]!r}, not one of "
+                                  f"{sorted(REBUILDABLE)}", remedy="Load it with the distckpt version that saved it.")
+            obj = cls.__new__(cls)  # no __init__: its attributes are the saved ones, nothing else
+            obj.__dict__.update(_decode(value["state"]))
+            return obj
+        return {k: _decode(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_decode(v) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint engine.
+
+
+class DistckptCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's CheckpointEngine interface over one distckpt checkpoint per tag.
+
+    Save: ``create`` starts a tag, each ``save(state_dict, path)`` records the state under its file
+    name (nothing written yet), ``commit`` writes them all as one collective :func:`distckpt.save`
+    (every rank its own files), then ``latest`` and rotation run inside the commit on rank 0.
+    Load: only between :meth:`begin_load` and :meth:`end_load` (the wrapped ``load_checkpoint``):
+    ``load(path)`` reads the subtree of that file name.
+    """
+
+    def __init__(self, engine: Any, *, keep_last: int | None):
+        super().__init__(None)
+        self.engine = engine
+        self.name = "DistckptCheckpointEngine"
+        self.keep_last = keep_last
+        self.save_latest = True
+        self.last_result: SaveResult | None = None
+        self._info: CheckpointCommitInfo | None = None
+        self._files: dict[str, Any] = {}
+        self._extra_meta: dict[str, Any] = {}
+        self._load_path: str | None = None
+        self._load_names: list[str] = []
+        self.model_states_name: str | None = None
+        self.load_meta: dict = {}
+        self._masters: set[str] = set()
+
+    # -- save ------------------------------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self._info = info
+        self._files = {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # DeepSpeed asks for save_dir (rank 0) and save_dir/tag (every rank). The tag directory is
+        # distckpt's to create, atomically, at the commit; an empty one made here would be what a
+        # crash leaves behind.
+        if self._info is not None and os.path.abspath(path) == self._tag_dir():
+            return
+        local.make_dirs_durable(path)
+
+    def _tag_dir(self) -> str:
+        return os.path.abspath(os.path.join(self._info.save_dir, str(self._info.tag)))
+
+    def _name(self, path: str, tag_dir: str) -> str:
+        path = os.path.abspath(path)
+        if os.path.dirname(path) != tag_dir or not path.endswith(".pt"):
+            raise ConfigError(f"DeepSpeed asked to write {path}, outside the checkpoint {tag_dir} or not a .pt "
+                              "file: a DeepSpeed feature this engine does not serve",
+                              path=path, remedy="Save without distckpt's engine installed for this feature.")
+        return os.path.basename(path)[:-3]
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._info is None:
+            raise ConfigError("DeepSpeed called save() outside save_checkpoint()", path=path)
+        self._files[self._name(path, self._tag_dir())] = state_dict
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Write every file recorded since ``create`` as one checkpoint (collective; every rank).
+
+        Raises what :func:`distckpt.save` raises, on every rank; then nothing new is visible,
+        ``latest`` is unchanged and earlier tags are intact."""
+        files, self._files = self._files, {}
+        self._info = None
+        save_dir = os.path.abspath(info.save_dir)
+        final = os.path.join(save_dir, str(info.tag))
+        save_latest = self.save_latest  # the user's save_latest (DeepSpeed's own write is off)
+        if _rank() == 0 and os.path.isdir(save_dir):
+            reclaim_tmp_dirs(save_dir)  # leftovers of crashed saves (dead ones only)
+        state, meta = self._state(files)
+        meta.update(engine=FORMAT, tag=str(info.tag), **self._extra_meta)
+        self.last_result = save(state, final,
+                                overwrite=True, metadata={"deepspeed": meta},
+                                _after_commit=lambda: self._after_commit(save_dir, str(info.tag), save_latest),
+                                _lock_path=os.path.join(save_dir, ROOT_LOCK_NAME))
+        return True
+
+    def _state(self, files: dict[str, Any]) -> tuple[dict, dict]:
+        """The checkpoint's state dict and its ``deepspeed`` metadata.
+
+        ZeRO stages 1-3: the fp32 master weights and optimizer state go in the reshardable form of
+        :mod:`.zero` (``model.*``, ``optim.*``, ``deepspeed``: global tensors, each rank writing its
+        partition), and DeepSpeed's own ``*_optim_states`` files keep only their plain values
+        (loss scaler, overflow, clip_grad, ...): their flat partitions would be the same bytes a
+        second time. Stage 0 holds nothing partitioned: DeepSpeed's files as they are.
+        """
+        if int(self.engine.zero_optimization_stage()) == 0:
+            return {_FILES: {name: _encode(sd) for name, sd in files.items()}}, {}
+        zsd, zmeta = zero.state_dict(self.engine)
+        stage = int(zmeta["stage"])
+        trained = {name for name, _ in zmeta["params"]}
+        out = {}
+        for name, sd in files.items():
+            if name.endswith("_optim_states"):
+                osd = sd["optimizer_state_dict"]
+                sd = {**sd, "optimizer_state_dict": {k: v for k, v in osd.items() if not holds_tensor(v)}}
+            elif name.endswith("_model_states") and stage in (1, 2) and isinstance(sd.get("module"), dict):
+                # ZeRO 1/2 module weights are the fp32 masters cast to the model dtype (DeepSpeed
+                # copies them so after every step): stored once, as the masters (model.*).
+                sd = {**sd, "module": {k: v for k, v in sd["module"].items() if k not in trained}}
+            out[name] = _encode(sd)
+        meta = {"format": zero.FORMAT, "stage": stage, "dp_size": zmeta["dp_size"],
+                "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
+                "module_from_masters": stage in (1, 2)}
+        return {_FILES: out, **zsd}, meta
+
+    def _after_commit(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
+        if save_latest:
+            local.replace_file_atomic(os.path.join(save_dir, "latest"), tag.encode())
+        if self.keep_last is None:
+            return
+        pointed = read_latest(save_dir)
+        ours = sorted(_our_checkpoints(save_dir), key=lambda e: (e[1], e[0]))
+        doomed = [name for name, _ in ours[:max(0, len(ours) - self.keep_last)] if name not in (tag, pointed)]
+        for name in doomed:
+            local.remove_dir(os.path.join(save_dir, name))
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return dp_rank == 0
+
+    def preserves_storage_sharing(self) -> bool:
+        # Only the bytes of each tensor (view) are written: no need for DeepSpeed to clone views
+        # out of flat buffers first, as it does for torch.save.
+        return False
+
+    # -- load ------------------------------------------------------------------------------
+    def begin_load(self, path: str, names: list[str], meta: dict, masters: set[str]) -> None:
+        self._load_path, self._load_names, self.load_meta, self._masters = path, names, meta, masters
+
+    def end_load(self) -> None:
+        self._load_path, self._load_names = None, []
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state DeepSpeed saved as ``path``, on CPU (every caller in DeepSpeed 0.19.8 maps to
+        CPU). Raises StateDictMismatchError when the checkpoint has no such file."""
+        if self._load_path is None:
+            raise ConfigError(f"DeepSpeed asked to read {path} outside load_checkpoint() through distckpt's engine",
+                              path=path, remedy="Call engine.load_checkpoint(); other DeepSpeed loaders read "
+                              "torch.save files.")
+        if os.path.abspath(path) == self._load_path:  # see install()._get_all_ckpt_names
+            name = self.model_states_name
+        else:
+            name = self._name(path, self._load_path)
+        sd = _decode(read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name])
+        if name.endswith("_model_states") and self.load_meta.get("module_from_masters"):
+            # The weights were stored once, as fp32 masters (see _state). DeepSpeed's module load
+            # gets the module's own tensors for them (a no-op copy); the ZeRO load that follows
+            # sets them from the loaded masters, as a step does. A weight without a saved master
+            # is not filled here: DeepSpeed's strict module load reports it.
+            current = self.engine.module.state_dict()
+            module = sd.setdefault("module", {})
+            for key in current:
+                if key not in module and key in self._masters:
+                    module[key] = current[key]
+        return sd
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers on save_dir.
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag ``save_dir/latest`` names, or None when there is no such file."""
+    try:
+        with open(os.path.join(save_dir, "latest"), "rb") as f:
+            return f.read(4096).decode("utf-8").strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _ds_meta(manifest: "mf.Manifest") -> dict | None:
+    user = manifest.meta.get("user")
+    ds = user.get("deepspeed") if isinstance(user, dict) else None
+    return ds if isinstance(ds, dict) and ds.get("engine") == FORMAT else None
+
+
+def _our_checkpoints(save_dir: str) -> list[tuple[str, float]]:
+    """(tag, commit time) of every committed checkpoint of this integration in ``save_dir``."""
+    out = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if not is_committed(path) or os.path.islink(path):
+            continue
+        try:
+            manifest = load_manifest(path)
+        except DistCkptError:
+            continue  # not ours to judge, never ours to delete
+        if _ds_meta(manifest) is not None:
+            out.append((name, manifest.created_unix))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# install()
+
+
+def _unsupported_engine_features(engine: Any) -> list[str]:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    found = []
+    if isinstance(engine, PipelineEngine):
+        found.append("pipeline parallelism (PipelineEngine)")
+    if getattr(engine, "has_moe_layers", False):
+        found.append("MoE layers")
+    if engine.zero_nvme_offload_optimizer():
+        found.append("ZeRO NVMe optimizer offload")
+    if engine.load_universal_checkpoint():
+        found.append("universal checkpoint loading (checkpoint.load_universal)")
+    if engine.use_node_local_storage():
+        found.append("checkpoint.use_node_local_storage")
+    if getattr(engine, "mp_world_size", 1) != 1 or getattr(engine, "mpu", None) is not None:
+        found.append("model (tensor) parallelism through an mpu")
+    return found
+
+
+def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointEngine:
+    """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through distckpt.
+
+    Call on every rank after ``deepspeed.initialize``. The user's calls stay as they are; see the
+    module docstring for what a checkpoint then is. Returns the installed checkpoint engine
+    (``last_result`` holds the SaveResult of the latest save).
+
+    Args:
+        engine: the DeepSpeedEngine ``deepspeed.initialize`` returned.
+        keep_last: keep the newest ``keep_last`` checkpoints of this integration in a save
+            directory, deleting older ones right after each commit. None keeps all.
+
+    Raises:
+        ConfigError: ``keep_last`` is not a positive int, or the engine uses a DeepSpeed feature
+            this engine does not serve (pipeline or model parallelism, MoE, NVMe optimizer offload,
+            universal checkpoints, node-local storage).
+    """
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ConfigError(f"keep_last={keep_last!r}: expected a positive int or None")
+    unsupported = _unsupported_engine_features(engine)
+    if unsupported:
+        raise ConfigError(f"distckpt's DeepSpeed engine does not serve: {', '.join(unsupported)}",
+                          remedy="Use DeepSpeed's own checkpoint engine for this job (do not call install()).")
+    ce = DistckptCheckpointEngine(engine, keep_last=keep_last)
+    engine.checkpoint_engine = ce
+    engine._copy_recovery_script = lambda save_path: None  # they read torch.save files: see docstring
+
+    cls = type(engine)
+    orig_save = functools.partial(cls.save_checkpoint, engine)
+    orig_load = functools.partial(cls.load_checkpoint, engine)
+    orig_names = functools.partial(cls._get_all_ckpt_names, engine)
+    orig_load_zero = functools.partial(cls._load_zero_checkpoint, engine)
+
+    @functools.wraps(cls.save_checkpoint)
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's default
+                        exclude_frozen_parameters=False):
+        tag_s = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        if not _TAG_RE.match(tag_s) or tag_s == "latest":
+            raise ConfigError(f"checkpoint tag {tag_s!r}: expected a plain directory name (letters, digits, "
+                              "'_', '-', '.', '+', '='; not 'latest'; not starting with '.')")
+        ce._extra_meta = {"dp_world_size": int(engine.seq_dp_world_size),
+                          "zero_stage": int(engine.zero_optimization_stage()),
+                          "bf16": bool(engine.bfloat16_enabled())}
+        ce.save_latest = bool(save_latest)
+        try:
+            # save_latest=False: DeepSpeed would write `latest` in place after our commit; the
+            # commit writes it atomically instead (ce.save_latest).
+            return orig_save(save_dir, tag_s, client_state=client_state, save_latest=False,
+                             exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            ce.save_latest = True
+            ce._files, ce._info = {}, None
+
+    @functools.wraps(cls.load_checkpoint)
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        refused = [f"{k}={v!r}" for k, v, ok in (("load_module_only", load_module_only, False),
+                                                  ("custom_load_fn", custom_load_fn, None),
+                                                  ("load_optimizer_states", load_optimizer_states, True))
+                   if v != ok]
+        if refused:
+            raise ConfigError(f"load_checkpoint({', '.join(refused)}) is not served by distckpt's DeepSpeed engine",
+                              remedy="Load the whole state (the defaults), or read single values with distckpt.read().")
+        load_dir = os.path.abspath(os.fspath(load_dir))
+        if tag is None:
+            tag = read_latest(load_dir)
+            if tag is None:
+                # DeepSpeed's contract: no `latest` means no checkpoint yet (a fresh start).
+                log.warning("distckpt: no %s: nothing to load", os.path.join(load_dir, "latest"))
+                return None, None
+        path = os.path.join(load_dir, str(tag))
+        if not is_committed(path):
+            raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
+        manifest = load_manifest(path)
+        ds = _ds_meta(manifest)
+        if ds is None:
+            raise CheckpointNotFoundError(
+                f"{path} is a distckpt checkpoint but was not written through "
+                "distckpt.integrations.deepspeed.install()", path=path,
+                remedy="Load it with distckpt.load / distckpt.integrations.deepspeed.load instead.")
+        names = sorted({fqn.split(".", 2)[1] for fqn in (*manifest.tensors, *manifest.objects)
+                        if fqn.startswith(_FILES + ".")})
+        if ds.get("zero_stage", 0) != int(engine.zero_optimization_stage()):
+            raise ReshardError(f"{path} was saved at ZeRO stage {ds.get('zero_stage')}, this engine runs stage "
+                               f"{engine.zero_optimization_stage()}", path=path,
+                               remedy="Resume with the saved ZeRO stage, or load with "
+                               "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
+        masters = {fqn.split(".", 1)[1] for fqn in manifest.tensors if fqn.startswith("model.")}
+        ce.begin_load(path, names, ds, masters)
+        try:
+            return orig_load(load_dir, tag, load_module_strict=load_module_strict,
+                             load_optimizer_states=load_optimizer_states,
+                             load_lr_scheduler_states=load_lr_scheduler_states)
+        finally:
+            ce.end_load()
+
+    def _get_all_ckpt_names(checkpoints_path, tag):
+        # DeepSpeed globs the tag directory for this rank's model-states file and asserts that the
+        # path exists. Here the file is a subtree of the checkpoint: the path handed back is the
+        # checkpoint directory (it exists; load_checkpoint returns it as the loaded path) and the
+        # engine maps it to the one name the same pattern matches.
+        if ce._load_path is None:
+            return orig_names(checkpoints_path, tag)
+        import fnmatch
+        pattern = os.path.basename(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*"))[:-3]
+        found = [n for n in ce._load_names if fnmatch.fnmatchcase(n, pattern)]
+        if not found and ce.load_meta.get("dp_world_size") != int(engine.seq_dp_world_size):
+            # ZeRO-3 at another data-parallel size: a rank without a model-states file of its own
+            # takes rank 0's (its module entries are empty placeholders on every rank; the weights
+            # come from the reshardable ZeRO state).
+            pattern = os.path.basename(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*",
+                                                             pp_placeholder="0"))[:-3]
+            found = [n for n in ce._load_names if fnmatch.fnmatchcase(n, pattern)]
+        if len(found) != 1:
+            raise StateDictMismatchError(
+                f"{ce._load_path} holds {found or 'no'} DeepSpeed model states matching {pattern!r} "
+                f"(rank {_rank()}); expected exactly one", path=ce._load_path, missing=[pattern],
+                unexpected=found, shape_mismatch={}, dtype_mismatch={},
+                remedy="Resume with the ZeRO stage and data-parallel size the checkpoint was saved with.")
+        ce.model_states_name = found[0]
+        return [ce._load_path]
+
+    def _load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+        # DeepSpeed's ZeRO load reads every rank's flat partitions and refuses another
+        # data-parallel size. Here: the reshardable state (each rank reads its new partition's
+        # byte ranges), then the optimizer's plain values from the saved *_optim_states entry.
+        if ce._load_path is None:
+            return orig_load_zero(load_dir, tag, load_optimizer_states=load_optimizer_states)
+        # the lr scheduler and step counters came with the model states (DeepSpeed's own load)
+        zero.load(engine, ce._load_path, load_lr_scheduler_states=False)
+        mine = os.path.basename(engine._get_zero_ckpt_name(load_dir, tag))[:-3]
+        name = mine if mine in ce._load_names else os.path.basename(engine._get_rank_zero_ckpt_name(
+            load_dir, tag, engine.checkpoint_mp_rank, 0, engine.bfloat16_enabled()))[:-3]
+        plain = ce.load(os.path.join(ce._load_path, name + ".pt"))["optimizer_state_dict"]
+        opt = engine.optimizer
+        if hasattr(opt, "_load_global_state"):  # ZeRO 1/2: DeepSpeed's own restore of these values
+            opt._load_global_state(plain)
+        else:  # ZeRO 3 (_rigid_load_state_dict's first lines)
+            for key in ("loss_scaler", "dynamic_loss_scale", "overflow"):
+                if key in plain:
+                    setattr(opt, key, plain[key])
+        return True
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    engine._get_all_ckpt_names = _get_all_ckpt_names
+    engine._load_zero_checkpoint = _load_zero_checkpoint
+    return ce

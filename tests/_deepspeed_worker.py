@@ -1,0 +1,300 @@
+"""torchrun worker of tests/test_deepspeed_engine.py: real DeepSpeed on CPU (gloo), distckpt installed
+as its checkpoint engine. One launch runs several phases (each a fresh deepspeed.initialize) so the
+test pays DeepSpeed's import and start-up a few times, not once per check.
+
+    torchrun --nproc_per_node N tests/_deepspeed_worker.py OUT PHASE [PHASE ...]
+
+Phases (results go to OUT/<phase>.rank<R>.pt, read back with torch.load(weights_only=True)):
+    train:<cfg>      train 3 steps, save tag "s3" through the engine, train 2 more: losses + state
+    resume:<cfg>     new processes: load "s3" (through `latest`), train the same 2 steps
+    rotate           200 saves with keep_last=3 into OUT_ROTATE (a tmpfs): fds and disk use
+    enospc           save "good", then a save that does not fit into OUT_ENOSPC (a small tmpfs)
+    kill             save "good", then rank 1 is SIGKILLed inside the next save (after its data
+                     file is written, before the commit): the launch dies there
+    afterkill        load `latest` of the kill directory: must be "good", bit-exact
+    reshard:<cfg>    load "s3" of train:<cfg> at this launch's world size
+<cfg> is "<zero stage>-<fp32|bf16>".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = torch.nn.Linear(64, 96)
+            self.norm = torch.nn.LayerNorm(96)
+            self.l2 = torch.nn.Linear(96, 80)
+            self.l3 = torch.nn.Linear(80, 8)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.int64))  # a persistent buffer
+
+        def forward(self, x):
+            self.calls += 1
+            return self.l3(torch.relu(self.l2(self.norm(torch.relu(self.l1(x))))))
+
+    return Net()
+
+
+def _engine(cfg: str, *, extra: dict | None = None):
+    import deepspeed
+    stage, precision = cfg.split("-")
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                      "warmup_num_steps": 10}},
+        "zero_optimization": {"stage": int(stage), "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": 4096, "allgather_bucket_size": 4096},
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 10 ** 9,
+        **(extra or {}),
+    }
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _step(engine, step: int) -> float:
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 64, generator=g)
+    y = torch.randn(4, 8, generator=g)
+    if engine.bfloat16_enabled():
+        x, y = x.bfloat16(), y.bfloat16()
+    loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _state(engine) -> dict:
+    """Every parameter (full), this rank's fp32 master partitions and Adam state as the base
+    optimizer holds them, buffers, the lr and the step counters. Collective (ZeRO-3 gathers)."""
+    import deepspeed
+    out = {"lr": float(engine.get_lr()[0]), "global_steps": engine.global_steps,
+           "global_samples": engine.global_samples}
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
+        for n, p in params:
+            out[f"param.{n}"] = p.detach().clone()
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):  # ZeRO / bf16 wrappers hold the torch optimizer that steps
+        base = base.optimizer
+    groups = [group["params"] for group in base.param_groups]
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
+        # ZeRO-3 takes its fp32 partitions out of the torch optimizer's param_groups between steps
+        groups = [[flat] for flat in engine.optimizer.fp32_partitioned_groups_flat]
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
+            out[f"master.{g}.{i}"] = p.detach().clone()
+            for k, v in base.state.get(p, {}).items():
+                out[f"optim.{g}.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    for n, b in engine.module.named_buffers():
+        out[f"buffer.{n}"] = b.detach().clone()
+    return out
+
+
+def _dump(out_dir: str, phase: str, data: dict) -> None:
+    rank = torch.distributed.get_rank()
+    torch.save(data, os.path.join(out_dir, f"{phase.replace(':', '_')}.rank{rank}.pt"))
+
+
+def _open_fds() -> dict[int, str]:
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return fds
+
+
+def _used(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def train(out: str, cfg: str) -> None:
+    import distckpt.integrations.deepspeed as dsd
+    engine = _engine(cfg)
+    dsd.install(engine, keep_last=2)
+    before = [_step(engine, s) for s in range(1, STEPS_BEFORE + 1)]
+    ckpt = os.path.join(out, f"ckpt_{cfg}")
+    rng = torch.get_rng_state()
+    engine.save_checkpoint(ckpt, "s3", client_state={"epoch": 7, "note": "s3", "sizes": (1, 2), "rng": rng})
+    saved = _state(engine)
+    after = [_step(engine, s) for s in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]
+    _dump(out, f"train:{cfg}", {"before": before, "after": after, "saved": saved, "final": _state(engine), "rng": rng,
+                                "files": sorted(os.listdir(ckpt)), "tag_files": sorted(os.listdir(os.path.join(ckpt, "s3")))})
+
+
+def resume(out: str, cfg: str) -> None:
+    import distckpt.integrations.deepspeed as dsd
+    engine = _engine(cfg)
+    dsd.install(engine)
+    path, client = engine.load_checkpoint(os.path.join(out, f"ckpt_{cfg}"))
+    loaded = _state(engine)
+    after = [_step(engine, s) for s in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]
+    client = {k: v for k, v in client.items() if k in ("epoch", "note", "sizes", "rng")}
+    _dump(out, f"resume:{cfg}", {"path": path, "client": client, "loaded": loaded, "after": after,
+                                 "final": _state(engine)})
+
+
+def rotate(out: str) -> None:
+    import distckpt.integrations.deepspeed as dsd
+    root = os.environ["OUT_ROTATE"]
+    engine = _engine("1-fp32")
+    dsd.install(engine, keep_last=3)
+    _step(engine, 1)
+    before = _open_fds()
+    plateau, grew = None, []
+    for i in range(1, 201):
+        engine.save_checkpoint(root, f"t{i:03d}", client_state={"i": i})
+        if i == 3:
+            plateau = _used(root)
+        elif i > 3 and _used(root) > plateau + (64 << 10):
+            grew.append((i, _used(root) - plateau))
+    fds = _open_fds()
+    leaked = {fd: t for fd, t in fds.items() if fd not in before and t.startswith(root)}
+    deleted = [t for t in fds.values() if t.endswith("(deleted)")]
+    torch.distributed.barrier()
+    _dump(out, "rotate", {"listing": sorted(os.listdir(root)), "latest": open(os.path.join(root, "latest")).read(),
+                          "grew": grew, "leaked": json.dumps(leaked), "deleted": deleted, "plateau": plateau})
+
+
+def enospc(out: str) -> None:
+    import distckpt.integrations.deepspeed as dsd
+    root = os.environ["OUT_ENOSPC"]
+    engine = _engine("2-fp32")
+    dsd.install(engine)
+    _step(engine, 1)
+    engine.save_checkpoint(root, "good")
+    good = _state(engine)
+    ballast = torch.zeros(int(os.environ["BALLAST_ELEMS"]))  # makes the next save larger than the tmpfs
+    _step(engine, 2)
+    error = None
+    fds_before = _open_fds()
+    try:
+        engine.save_checkpoint(root, "big", client_state={"ballast": ballast})
+    except Exception as exc:  # noqa: BLE001 - the test checks its class
+        error = exc
+    fds_after = _open_fds()
+    err = None if error is None else {"cls": type(error).__name__, "mro": [c.__name__ for c in type(error).__mro__],
+                                      "msg": str(error)[:2000],
+                                      "failures": sorted({type(f).__name__ for f in
+                                                          (getattr(error, "failures", None) or {}).values()})}
+    listing = sorted(os.listdir(root))
+    torch.distributed.barrier()
+    # Refusals, each a typed error on every rank, nothing written: an object without a plain
+    # form in client_state (only rank 0 writes the model states), a tag that is not a plain name.
+    refused = {}
+    for what, call in (("object", lambda: engine.save_checkpoint(root, "obj", client_state={"x": object()})),
+                       ("tag", lambda: engine.save_checkpoint(root, "../evil"))):
+        try:
+            call()
+            refused[what] = None
+        except Exception as exc:  # noqa: BLE001 - the test checks its class
+            refused[what] = [c.__name__ for c in type(exc).__mro__]
+    # Restore into a fresh engine: the previous tag is what `latest` still names, bit-exact.
+    engine2 = _engine("2-fp32")
+    dsd.install(engine2)
+    try:
+        engine2.load_checkpoint(root, load_module_only=True)
+        refused["load_module_only"] = None
+    except Exception as exc:  # noqa: BLE001 - the test checks its class
+        refused["load_module_only"] = [c.__name__ for c in type(exc).__mro__]
+    path, _ = engine2.load_checkpoint(root)
+    _dump(out, "enospc", {"error": err, "listing": listing, "latest": open(os.path.join(root, "latest")).read(),
+                          "refused": refused, "listing_after": sorted(os.listdir(root)),
+                          "loaded_path": path, "good": good, "reloaded": _state(engine2),
+                          "new_fds": json.dumps({fd: t for fd, t in fds_after.items() if fd not in fds_before})})
+
+
+def kill(out: str) -> None:
+    import distckpt.coordinator as coordinator
+    import distckpt.integrations.deepspeed as dsd
+    root = os.path.join(out, "ckpt_kill")
+    engine = _engine("2-bf16")
+    dsd.install(engine)
+    _step(engine, 1)
+    engine.save_checkpoint(root, "good")
+    _dump(out, "kill", {"good": _state(engine)})
+    _step(engine, 2)
+    if torch.distributed.get_rank() == 1:
+        write = coordinator._write_rank_file
+
+        def write_then_die(*args, **kwargs):
+            result = write(*args, **kwargs)  # this rank's data file is complete in the tmp dir
+            os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        coordinator._write_rank_file = write_then_die
+    engine.save_checkpoint(root, "doomed")
+    raise AssertionError("unreachable: rank 1 was killed inside the save")
+
+
+def afterkill(out: str) -> None:
+    import distckpt.integrations.deepspeed as dsd
+    root = os.path.join(out, "ckpt_kill")
+    engine = _engine("2-bf16")
+    dsd.install(engine)
+    path, _ = engine.load_checkpoint(root)
+    _dump(out, "afterkill", {"path": path, "listing": sorted(os.listdir(root)), "loaded": _state(engine)})
+
+
+def reshard(out: str, cfg: str) -> None:
+    import distckpt
+    import distckpt.integrations.deepspeed as dsd
+    engine = _engine(cfg)
+    dsd.install(engine)
+    ckpt = os.path.join(out, f"ckpt_{cfg}", "s3")
+    engine.load_checkpoint(os.path.dirname(ckpt), "s3")
+    loaded = {k: v for k, v in _state(engine).items() if not k.startswith(("master.", "optim."))}
+    # The fp32 masters and Adam state now partitioned over this launch's ranks, written again in
+    # the reshardable form and read back whole: bit-identical to what the 2-rank job saved.
+    again = os.path.join(out, f"resaved_{cfg}_{torch.distributed.get_world_size()}")
+    dsd.save(engine, again)
+    differ = None
+    if torch.distributed.get_rank() == 0:
+        a = distckpt.read(ckpt, keys=["model", "optim"])
+        b = distckpt.read(again, keys=["model", "optim"])
+        flat_a = {f"{top}.{n}.{k}": v for top in ("model", "optim") for n, e in a[top].items()
+                  for k, v in (e.items() if isinstance(e, dict) else [("", e)])}
+        flat_b = {f"{top}.{n}.{k}": v for top in ("model", "optim") for n, e in b[top].items()
+                  for k, v in (e.items() if isinstance(e, dict) else [("", e)])}
+        differ = sorted(k for k in flat_a.keys() | flat_b.keys()
+                        if k not in flat_a or k not in flat_b or not torch.equal(torch.as_tensor(flat_a[k]),
+                                                                                 torch.as_tensor(flat_b[k])))
+        differ = {"keys": len(flat_a), "differ": differ}
+    after = [_step(engine, s) for s in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]
+    _dump(out, f"reshard:{cfg}", {"loaded": loaded, "after": after, "compare": differ})
+
+
+def main() -> None:
+    import deepspeed
+    out, phases = sys.argv[1], sys.argv[2:]
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    for phase in phases:
+        name, _, arg = phase.partition(":")
+        fn = globals()[name]
+        fn(out, arg) if arg else fn(out)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
