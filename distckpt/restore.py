@@ -524,7 +524,8 @@ def _manifest_collective(group: ControlGroup, path: str) -> "mf.Manifest":
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
-         verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False) -> LoadResult:
+         verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False,
+         _follow_chain: bool = True) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -533,7 +534,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     Args:
         state_dict: nested dict/list/tuple of pre-allocated tensors (any device; plain, DTensor,
             ShardedTensor) and plain values.
-        path: a committed checkpoint directory.
+        path: a committed checkpoint directory. A delta of an incremental chain
+            (distckpt.incremental) is composed with its base and earlier deltas.
         strict: when True, a key of the state dict the checkpoint lacks, a shape mismatch, or
             saved optimizer state for an optimizer without state yet raises before a byte is read;
             when False, what matches is loaded and the result lists the rest. Keys the checkpoint
@@ -567,17 +569,29 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
-    result, error = None, None
+    result, error, delta = None, None, False
     identity = _dir_identity(path)
     try:
         with gc_paused():
             manifest = _manifest_collective(group, path)
-            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast)
-            _check_unmoved(path, identity)
+            delta = _follow_chain and _is_delta(manifest)
+            if not delta:
+                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast)
+                _check_unmoved(path, identity)
     except Exception as exc:
         error = _removed_while_reading(path, identity, exc)  # its rank is recorded by raise_failures
     group.exchange_outcome(error, operation="load")
+    if delta:  # an incremental link: base + deltas (distckpt.incremental)
+        from .incremental import load_chain
+        return load_chain(state_dict, path, process_group=process_group, no_dist=no_dist, verify=verify,
+                          strict=strict, allow_pickle=allow_pickle, cast=cast)
     return result
+
+
+def _is_delta(manifest: "mf.Manifest") -> bool:
+    user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
+    info = user.get("distckpt.chain") if isinstance(user, dict) else None
+    return isinstance(info, dict) and info.get("kind") == "delta"
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:
@@ -652,8 +666,12 @@ def _close_keys(unknown: list[str], fqns: list[str]) -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:
+def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool, *,
+          follow_chain: bool = True) -> dict:
     manifest = load_manifest(path)
+    if follow_chain and _is_delta(manifest):  # an incremental link: base + deltas composed
+        from .incremental import read_chain
+        return read_chain(path, keys, verify, allow_pickle)
     all_keys = list(manifest.tensors) + list(manifest.objects)
     if keys is None:
         def keep(fqn):

@@ -1,0 +1,686 @@
+"""Incremental checkpoints of row-sharded tensors (embedding tables and their optimizer state).
+
+A *chain* is a full checkpoint (the *base*) followed by *deltas*; each delta holds, for every
+tracked tensor, only the rows whose bytes changed since the previous link (its *parent*), and in
+full everything else of the state dict (dense parameters, scalars, ...). Every link is a normal
+atomic distckpt checkpoint; its chain position sits in the manifest's user metadata under
+``"distckpt.chain"`` (docs/INCREMENTAL.md)::
+
+    saver = IncrementalSaver(IncrementalPolicy(rows={"model.emb.weight": 0}, full_every=8))
+    saver.save(state_dict, "/ckpt/step_00000100")     # collective; full or delta, as the policy says
+    distckpt.load(state_dict, "/ckpt/step_00000150")  # composes base + deltas, any plan / world size
+
+Change tracking: per row, a 64-bit digest of the row's bytes (computed vectorised in torch, in
+blocks of rows) is kept from the last save and compared with the current one. It is exact where it
+matters: a change confined to one 32-bit word of a row always changes the digest (every step of
+the per-word mixing is a bijection), and any other change escapes with probability about 2^-64.
+It depends on nothing but the bytes: optimizer-only updates, rows written by hand, and updates from
+any code path are all seen, which tracking the ids of looked-up rows cannot promise.
+
+Invariants:
+  * A delta names its parent by directory name and save id; a link whose parent is missing,
+    replaced (another save id), damaged or of another chain raises :class:`ChainBrokenError`
+    before a byte of the chain is read. Nothing is ever composed from a partial chain.
+  * The saver's digests advance only when a save committed: a failed or crashed save leaves
+    them (and the chain on disk) at the previous link, so the next delta is relative to a link
+    that exists.
+  * All ranks take the same full/delta decision (one all-gather of the per-rank counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
+                     DistCkptError)
+
+log = logging.getLogger("distckpt")
+
+__all__ = ["IncrementalPolicy", "IncrementalSaver", "ChainLink", "chain_of", "chain_info", "dependencies",
+           "verify_chain", "row_digests", "META_KEY"]
+
+META_KEY = "distckpt.chain"
+FORMAT = "distckpt.chain/1"
+_DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
+
+
+# ------------------------------------------------------------------------------------------------
+# Row digests
+
+_MASK32 = 0xFFFFFFFF
+_Q = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: odd, so multiplying by it is a bijection
+_MULTS: dict[int, torch.Tensor] = {}
+_BLOCK_ELEMS = 1 << 22   # int64 temporaries per block: 32 MiB
+
+
+def _multipliers(width: int) -> torch.Tensor:
+    m = _MULTS.get(width)
+    if m is None:
+        g = torch.Generator().manual_seed(0x5EED)
+        m = torch.randint(-(1 << 62), 1 << 62, (width,), generator=g, dtype=torch.int64) * 2 + 1  # odd
+        _MULTS[width] = m
+    return m
+
+
+def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
+    """A 64-bit digest (int64) of the bytes of every slice ``t.select(row_dim, i)``.
+
+    Rows are hashed as 32-bit words (16- or 8-bit when the row's size is not a multiple of 4):
+    word j of value w becomes ((w + 1) * P_j) mixed by x ^ (x >>> 32) and * Q, all mod 2^64, and
+    the words' results are summed. Each step is injective, so a change confined to one word always
+    changes the digest. Bit-exact: -0.0 and 0.0, NaN payloads differ. Memory: blocks of rows,
+    about 32 MiB of temporaries whatever the tensor's size.
+    """
+    x = t.detach().movedim(row_dim, 0) if t.dim() else t.detach().reshape(1)
+    n = x.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    row_bytes = x[0].numel() * x.element_size()
+    if row_bytes == 0:
+        return torch.zeros(n, dtype=torch.int64)
+    word, mask = (torch.int32, _MASK32) if row_bytes % 4 == 0 else \
+        (torch.int16, 0xFFFF) if row_bytes % 2 == 0 else (torch.uint8, 0xFF)
+    width = row_bytes // torch.empty(0, dtype=word).element_size()
+    mult = _multipliers(width)
+    step = max(1, _BLOCK_ELEMS // width)
+    out = torch.empty(n, dtype=torch.int64)
+    for a in range(0, n, step):
+        blk = x[a:a + step].to("cpu").contiguous().reshape(-1).view(torch.uint8).view(word)
+        h = blk.reshape(-1, width).to(torch.int64).bitwise_and_(mask).add_(1).mul_(mult)
+        h.bitwise_xor_(h.bitwise_right_shift(32).bitwise_and_(_MASK32)).mul_(_Q)
+        out[a:a + step] = h.sum(dim=1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class IncrementalPolicy:
+    """When a save is a delta and which tensors are tracked.
+
+    Args:
+        rows: the tracked tensors, ``{fqn: row dimension}`` (fqns as in the checkpoint,
+            ``"model.emb.weight"``), or a callable taking the state dict and returning that
+            (``distckpt.integrations.torchrec.incremental_rows`` for a TorchRec state dict). None:
+            every ShardedTensor / DTensor leaf, row dimension 0. Tracked leaves must sit in dicts.
+        full_every: at most this many links per chain: a full checkpoint at least every
+            ``full_every`` saves (1: every save is full).
+        max_delta_fraction: a save whose changed rows exceed this fraction of the tracked bytes
+            is written full instead (a delta would cost about as much and lengthen the chain).
+        max_chain_fraction: a save is written full once the chain's deltas would hold more than
+            this fraction of the tracked bytes. A restore reads the base plus every delta, so this
+            bounds its cost to about (1 + max_chain_fraction) times a full checkpoint's.
+    """
+
+    rows: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
+    full_every: int = 8
+    max_delta_fraction: float = 0.3
+    max_chain_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ConfigError(f"full_every={self.full_every!r} must be a positive int")
+        for name in ("max_delta_fraction", "max_chain_fraction"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v >= 0:
+                raise ConfigError(f"{name}={v!r} must be a number >= 0")
+
+
+# ------------------------------------------------------------------------------------------------
+# Chains on disk
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainLink:
+    """One committed link: its path, manifest and chain metadata (``meta``: the manifest's
+    ``"distckpt.chain"`` entry)."""
+
+    path: str
+    manifest: Any
+    meta: dict
+
+    @property
+    def kind(self) -> str:
+        return self.meta["kind"]
+
+    @property
+    def tracked(self) -> dict[str, int]:
+        return {f: int(d) for f, d in self.meta["tracked"]}
+
+
+def chain_info(manifest: Any) -> dict | None:
+    """The chain metadata of a manifest (None for a checkpoint that is no chain link)."""
+    user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
+    info = user.get(META_KEY) if isinstance(user, dict) else None
+    return info if isinstance(info, dict) else None
+
+
+def _is_delta(manifest: Any) -> bool:
+    info = chain_info(manifest)
+    return info is not None and info.get("kind") == "delta"
+
+
+def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> ChainBrokenError:
+    err = ChainBrokenError(f"incremental chain broken at {link}: {reason}", path=link, link=link, reason=reason)
+    if cause is not None:
+        err.__cause__ = cause
+    return err
+
+
+def chain_of(path: str | os.PathLike) -> list[ChainLink]:
+    """The links a checkpoint needs, newest (``path`` itself) first, base last.
+
+    A checkpoint that is no chain link, or a full link, is a chain of one. Reads only MANIFESTs.
+
+    Raises:
+        ChainBrokenError: a link is missing, not committed, does not decode, was replaced by
+            another save (save id differs from what its child recorded), belongs to another chain,
+            or the chain does not end in a full link.
+        The errors of reading ``path``'s own MANIFEST (CheckpointNotFoundError, ...).
+    """
+    from .restore import load_manifest
+    path = os.path.abspath(os.fspath(path))
+    m = load_manifest(path)
+    info = chain_info(m)
+    links = [ChainLink(path, m, info or {"kind": "full", "tracked": [], "seq": 0})]
+    seen = {path}
+    while links[-1].kind == "delta":
+        child = links[-1]
+        meta = child.meta
+        parent = meta.get("parent")
+        if not isinstance(parent, str) or not parent or "/" in parent or parent in (".", ".."):
+            raise _broken(child.path, f"it names no valid parent ({parent!r})")
+        ppath = os.path.join(os.path.dirname(child.path), parent)
+        if ppath in seen:
+            raise _broken(child.path, f"its parent {parent} is already in the chain (a cycle)")
+        seen.add(ppath)
+        try:
+            pm = load_manifest(ppath)
+        except (CheckpointNotFoundError, CheckpointCorruptError, DistCkptError) as exc:
+            raise _broken(ppath, f"the parent of {os.path.basename(child.path)} cannot be read "
+                                 f"({type(exc).__name__}: {getattr(exc, 'message', exc)})", cause=exc) from exc
+        pinfo = chain_info(pm)
+        if pm.save_id != meta.get("parent_save_id"):
+            raise _broken(ppath, f"it is not the checkpoint {os.path.basename(child.path)} was saved against "
+                                 f"(save id {pm.save_id}, expected {meta.get('parent_save_id')}): it was replaced")
+        if pinfo is None or pinfo.get("chain") != meta.get("chain"):
+            raise _broken(ppath, f"it belongs to another chain than {os.path.basename(child.path)}")
+        if pinfo.get("seq") != meta.get("seq", 0) - 1 or pinfo.get("tracked") != meta.get("tracked"):
+            raise _broken(ppath, "its position or tracked tensors do not match its child's")
+        links.append(ChainLink(ppath, pm, pinfo))
+    if links[-1].kind != "full":
+        raise _broken(links[-1].path, f"the chain ends in a {links[-1].kind!r} link, not a full checkpoint")
+    return links
+
+
+def dependencies(path: str | os.PathLike) -> list[str]:
+    """Directory names of the links ``path`` depends on (its ancestors), best effort: stops at the
+    first link that cannot be read (it never raises; used by rotation to decide what to keep)."""
+    from .restore import load_manifest
+    path = os.path.abspath(os.fspath(path))
+    out: list[str] = []
+    try:
+        info = chain_info(load_manifest(path))
+        while info is not None and info.get("kind") == "delta" and isinstance(info.get("parent"), str):
+            parent = info["parent"]
+            if parent in out or "/" in parent:
+                break
+            out.append(parent)
+            info = chain_info(load_manifest(os.path.join(os.path.dirname(path), parent)))
+    except Exception:  # noqa: BLE001 - a broken link ends the walk; load reports it, not rotation
+        pass
+    return out
+
+
+def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:
+    """Check the chain's structure (:func:`chain_of`) and every link's data (distckpt.verify).
+
+    Returns [(link path, VerifyReport)], newest first. Raises ChainBrokenError for a structural
+    break (a missing or replaced link); damaged data is reported in the links' reports."""
+    from .verify import verify
+    return [(link.path, verify(link.path, **verify_kwargs)) for link in chain_of(path)]
+
+
+# ------------------------------------------------------------------------------------------------
+# State-dict plumbing (tracked leaves live in dicts)
+
+
+def _resolve_rows(rows: Any, state_dict: Any, items: dict) -> dict[str, int]:
+    from .flatten import TensorItem
+    if callable(rows):
+        rows = rows(state_dict)
+    if rows is None:
+        rows = {f: 0 for f, it in items.items() if isinstance(it, TensorItem) and it.kind != "tensor" and it.shape}
+    out = {}
+    for fqn, d in dict(rows).items():
+        it = items.get(fqn)
+        if not isinstance(it, TensorItem):
+            raise ConfigError(f"incremental rows: {fqn!r} is not a tensor of the state dict")
+        if not isinstance(d, int) or not 0 <= d < len(it.shape):
+            raise ConfigError(f"incremental rows: row dimension {d!r} of {fqn!r} (shape {list(it.shape)})")
+        if not all(isinstance(k, str) for k in it.path):
+            raise ConfigError(f"incremental rows: {fqn!r} must be reachable through dicts with str keys")
+        out[fqn] = d
+    return out
+
+
+def _without(tree: dict, paths: list[tuple]) -> dict:
+    """A copy of ``tree`` without the leaves at ``paths`` (only the dicts on those paths copied)."""
+    heads: dict[Any, list[tuple]] = {}
+    for p in paths:
+        heads.setdefault(p[0], []).append(p[1:])
+    out = dict(tree)
+    for k, rests in heads.items():
+        if any(not r for r in rests):
+            out.pop(k, None)
+        elif isinstance(tree.get(k), dict):
+            out[k] = _without(tree[k], rests)
+    return out
+
+
+def _write_back(orig: dict, copy: dict, paths: list[tuple]) -> None:
+    """Put the values a load replaced in the copy made by :func:`_without` back into ``orig``
+    (tensors were filled in place; plain values were replaced in the copy's dicts)."""
+    heads: dict[Any, list[tuple]] = {}
+    for p in paths:
+        heads.setdefault(p[0], []).append(p[1:])
+    for k, v in copy.items():
+        rests = heads.get(k)
+        if rests and isinstance(v, dict) and isinstance(orig.get(k), dict) and all(rests):
+            _write_back(orig[k], v, rests)
+        elif orig.get(k) is not v:
+            orig[k] = v
+
+
+def _only(tree: dict, paths: list[tuple]) -> dict:
+    """The leaves at ``paths`` of ``tree`` in dicts of the same nesting."""
+    out: dict = {}
+    for p in paths:
+        node, dst = tree, out
+        for k in p[:-1]:
+            node = node[k]
+            dst = dst.setdefault(k, {})
+        dst[p[-1]] = node[p[-1]]
+    return out
+
+
+def _piece_key(fqn: str, offsets: tuple, sizes: tuple) -> tuple:
+    return (fqn, tuple(offsets), tuple(sizes))
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+
+
+class IncrementalSaver:
+    """Saves a chain: full checkpoints and deltas against the previous link, per the policy.
+
+    One saver per job (it holds the digests of the last committed link: 8 bytes per tracked row
+    on this rank). After a restart, :meth:`resume` with the state just loaded continues the chain
+    of the loaded checkpoint; without it the first save is full.
+    """
+
+    def __init__(self, policy: IncrementalPolicy | None = None) -> None:
+        self.policy = policy or IncrementalPolicy()
+        self._digests: dict[tuple, torch.Tensor] = {}
+        self._link: dict | None = None   # chain metadata + path + save_id of the last committed link
+        self.last_kind: str | None = None
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def _local(self, state_dict: Any, group: Any):
+        from .flatten import flatten
+        _tree, items = flatten(state_dict, check_objects=False)
+        rows = _resolve_rows(self.policy.rows, state_dict, items)
+        if _DELTA_ROOT in (state_dict if isinstance(state_dict, dict) else {}):
+            raise ConfigError(f"an incremental state dict may not use the root key {_DELTA_ROOT!r}")
+        if not isinstance(state_dict, dict):
+            raise ConfigError("an incremental save needs a dict as the state dict's root")
+        pieces = []   # (fqn, j, piece index, Piece, digests)
+        for j, fqn in enumerate(sorted(rows)):
+            it, d = items[fqn], rows[fqn]
+            if it.kind == "tensor" and group.rank != 0:
+                continue  # a plain tensor is a replica: the lowest rank writes it
+            for i, p in enumerate(it.pieces):
+                pieces.append((fqn, j, i, p, row_digests(p.tensor, d) if it.shape else row_digests(p.tensor)))
+        return items, rows, pieces
+
+    def resume(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None) -> None:
+        """Continue the chain of the checkpoint at ``path`` whose state ``state_dict`` now holds
+        (right after loading it): the next save may be a delta against it. Collective."""
+        from ._dist import control_group
+        group = control_group(process_group, operation="IncrementalSaver.resume()")
+        path = os.path.abspath(os.fspath(path))
+        links = chain_of(path)
+        _items, rows, pieces = self._local(state_dict, group)
+        meta = links[0].meta
+        if meta.get("chain") is None or sorted(rows) != [f for f, _d in meta.get("tracked", [])] \
+                or any(rows[f] != d for f, d in meta.get("tracked", [])):
+            self._digests, self._link = {}, None   # not a chain of these tensors: next save is full
+            return
+        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
+        self._link = dict(meta, path=path, save_id=links[0].manifest.save_id)
+
+    # -- the save ----------------------------------------------------------------------------------
+
+    def save(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
+             metadata: dict | None = None, force_full: bool = False, **save_kwargs: Any):
+        """Save ``state_dict`` at ``path`` as the next link of the chain (collective).
+
+        A delta when the policy allows (and the previous link is still committed, unreplaced, in
+        the same directory), else a full checkpoint. ``save_kwargs`` go to :func:`distckpt.save`.
+        Returns its SaveResult; ``self.last_kind`` is ``"full"`` or ``"delta"``.
+
+        Raises what :func:`distckpt.save` raises, and ConfigError for a bad ``rows`` policy.
+        After a failure the chain and this saver stay at the previous link.
+        """
+        from ._dist import control_group
+        from .restore import load_manifest
+        from .save import save
+        path = os.path.abspath(os.fspath(path))
+        group = control_group(process_group, operation="IncrementalSaver.save()")
+        items, rows, pieces = self._local(state_dict, group)
+        tracked = [[f, rows[f]] for f in sorted(rows)]
+        changed_bytes = total_bytes = changed_rows = total_rows = 0
+        unknown = False
+        selections = []
+        for fqn, j, i, p, dg in pieces:
+            d = rows[fqn]
+            prev = self._digests.get(_piece_key(fqn, p.offsets, p.sizes))
+            if prev is None or prev.shape != dg.shape:
+                unknown = True
+                sel = torch.arange(dg.numel())
+            else:
+                sel = torch.nonzero(dg != prev).reshape(-1)
+            n = dg.numel()
+            row_bytes = (p.tensor.numel() // max(n, 1)) * p.tensor.element_size() if p.tensor.dim() else \
+                p.tensor.element_size()
+            changed_rows += sel.numel()
+            total_rows += n
+            changed_bytes += sel.numel() * row_bytes
+            total_bytes += n * row_bytes
+            selections.append(sel)
+        link = self._link
+        parent_ok = False
+        if link is not None and group.rank == 0 and os.path.dirname(link["path"]) == os.path.dirname(path):
+            try:
+                parent_ok = load_manifest(link["path"]).save_id == link["save_id"]
+            except DistCkptError:
+                parent_ok = False
+        stats = group.all_gather((changed_bytes, total_bytes, changed_rows, total_rows, unknown, parent_ok))
+        c_bytes, t_bytes = sum(s[0] for s in stats), sum(s[1] for s in stats)
+        pol = self.policy
+        why = None
+        if force_full:
+            why = "asked"
+        elif link is None:
+            why = "no previous link"
+        elif not stats[0][5]:
+            why = f"the previous link {link['path']} is gone, replaced or in another directory"
+        elif any(s[4] for s in stats):
+            why = "tracked tensors or their sharding changed since the previous link"
+        elif link.get("tracked") != tracked:
+            why = "the tracked tensors changed"
+        elif link["seq"] + 1 >= pol.full_every:
+            why = f"full_every={pol.full_every}"
+        elif c_bytes > pol.max_delta_fraction * t_bytes:
+            why = f"{c_bytes} changed bytes > max_delta_fraction={pol.max_delta_fraction} of {t_bytes}"
+        elif link.get("chain_bytes", 0) + c_bytes > pol.max_chain_fraction * t_bytes:
+            why = f"the chain's deltas would exceed max_chain_fraction={pol.max_chain_fraction}"
+        name = os.path.basename(path)
+        if why is None:
+            info = {"format": FORMAT, "kind": "delta", "chain": link["chain"], "seq": link["seq"] + 1,
+                    "base": link["base"], "parent": os.path.basename(link["path"]),
+                    "parent_save_id": link["save_id"], "tracked": tracked,
+                    "chain_bytes": link.get("chain_bytes", 0) + c_bytes, "link_bytes": c_bytes,
+                    "tracked_bytes": t_bytes, "rows_written": sum(s[2] for s in stats),
+                    "rows_total": sum(s[3] for s in stats)}
+            records: dict[str, dict] = {}
+            for (fqn, j, i, p, _dg), sel in zip(pieces, selections):
+                if sel.numel() == 0:
+                    continue
+                d = rows[fqn] if p.tensor.dim() else 0
+                t = p.tensor if p.tensor.dim() else p.tensor.reshape(1)
+                vals = t.detach().index_select(d, sel.to(t.device)).movedim(d, 0).contiguous()
+                box = torch.tensor([list(p.offsets), list(p.sizes)], dtype=torch.int64).reshape(2, -1)
+                ids = sel + (p.offsets[d] if p.offsets else 0)
+                records.setdefault(str(j), {})[f"r{group.rank}p{i}"] = {"box": box, "ids": ids, "rows": vals}
+            to_save = _without(state_dict, [items[f].path for f in rows])
+            to_save[_DELTA_ROOT] = records
+        else:
+            info = {"format": FORMAT, "kind": "full", "chain": uuid.uuid4().hex, "seq": 0, "base": name,
+                    "parent": None, "parent_save_id": None, "tracked": tracked, "chain_bytes": 0,
+                    "link_bytes": t_bytes, "tracked_bytes": t_bytes, "rows_written": sum(s[3] for s in stats),
+                    "rows_total": sum(s[3] for s in stats), "why": why}
+            info = group.broadcast(info)   # one chain id for every rank
+            to_save = state_dict
+        meta = dict(metadata or {})
+        meta[META_KEY] = info
+        try:
+            result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
+        except DistCkptError as exc:
+            if getattr(exc, "committed", False) is True:   # committed, then an after-commit step failed
+                self._advance(info, path, pieces)
+            raise
+        self._advance(info, path, pieces)
+        return result
+
+    def _advance(self, info: dict, path: str, pieces: list) -> None:
+        from .restore import load_manifest
+        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
+        self._link = dict(info, path=path, save_id=load_manifest(path).save_id)
+        self.last_kind = info["kind"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Composing a chain on load
+
+
+@dataclasses.dataclass
+class _Target:
+    offsets: tuple
+    sizes: tuple
+    tensor: torch.Tensor
+
+
+def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
+    """{piece name: {"box"|"ids"|"rows": fqn}} of tracked tensor number ``j`` in a delta link."""
+    prefix = f"{_DELTA_ROOT}.{j}."
+    out: dict[str, dict[str, str]] = {}
+    for fqn in link.manifest.tensors:
+        if fqn.startswith(prefix):
+            piece, _, what = fqn[len(prefix):].rpartition(".")
+            out.setdefault(piece, {})[what] = fqn
+    for piece, parts in out.items():
+        if set(parts) != {"box", "ids", "rows"}:
+            raise _broken(link.path, f"delta record {prefix}{piece} lacks {sorted({'box', 'ids', 'rows'} - set(parts))}")
+    return out
+
+
+def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
+                  verify: bool) -> int:
+    """Write the rows of ``deltas`` (oldest first) into ``targets``; each (row, column range) is
+    taken from the newest link holding it. Returns the bytes read."""
+    from .restore import read_box
+    nread = 0
+    order = sorted(tracked)
+    for fqn, tlist in targets.items():
+        d = tracked[fqn]
+        j = order.index(fqn)
+        # Pass 1: every saved piece's box and ids (small), intersected with each target piece.
+        entries = []   # (link index, target, piece fqns, saved box, region, lo, hi, local rows)
+        for li, link in enumerate(deltas):
+            for _name, parts in sorted(_delta_pieces(link, j).items()):
+                try:
+                    box = read_box(link.path, link.manifest, parts["box"], (0, 0),
+                                   tuple(link.manifest.tensors[parts["box"]].shape), verify=verify)
+                    ids = read_box(link.path, link.manifest, parts["ids"], (0,),
+                                   tuple(link.manifest.tensors[parts["ids"]].shape), verify=verify)
+                except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                    raise _broken(link.path, f"its delta record cannot be read ({type(exc).__name__})",
+                                  cause=exc) from exc
+                nread += box.numel() * 8 + ids.numel() * 8
+                soff, ssz = [int(v) for v in box[0]], [int(v) for v in box[1]]
+                for t in tlist:
+                    if len(soff) != len(t.offsets):
+                        raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims for a tensor of "
+                                                 f"{len(t.offsets)}")
+                    region = []
+                    for k in range(len(soff)):
+                        if k == d:
+                            continue
+                        a = max(soff[k], t.offsets[k])
+                        b = min(soff[k] + ssz[k], t.offsets[k] + t.sizes[k])
+                        if b <= a:
+                            break
+                        region.append((k, a, b))
+                    else:
+                        r0 = t.offsets[d] if t.offsets else 0
+                        n = t.sizes[d] if t.sizes else 1
+                        lo = int(torch.searchsorted(ids, r0))
+                        hi = int(torch.searchsorted(ids, r0 + n))
+                        if hi > lo:
+                            entries.append((li, t, parts, soff, tuple(region), lo, hi, ids[lo:hi] - r0))
+        # Pass 2: the newest link holding each (row, region); a region contains another when it
+        # covers it in every non-row dimension.
+        last: dict[tuple, torch.Tensor] = {}
+        for li, t, _parts, _soff, region, _lo, _hi, rows in entries:
+            key = (id(t), region)
+            if key not in last:
+                last[key] = torch.full((t.sizes[d] if t.sizes else 1,), -1, dtype=torch.int64)
+            last[key][rows] = li
+        for li, t, parts, soff, region, lo, hi, rows in entries:
+            newest = torch.full((rows.numel(),), -1, dtype=torch.int64)
+            for (tid, reg), arr in last.items():
+                if tid == id(t) and all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(region, reg)):
+                    newest = torch.maximum(newest, arr[rows])
+            keep = torch.nonzero(newest == li).reshape(-1)
+            if keep.numel() == 0:
+                continue
+            first, lastk = int(keep[0]), int(keep[-1])
+            link = deltas[li]
+            rentry = link.manifest.tensors[parts["rows"]]
+            offs, szs = [lo + first], [lastk - first + 1]
+            dims = [k for k in range(len(soff)) if k != d]
+            for (k, a, b) in region:
+                offs.append(a - soff[k])
+                szs.append(b - a)
+            if len(rentry.shape) != len(offs):
+                raise _broken(link.path, f"{fqn}: delta rows of shape {list(rentry.shape)} do not match their box")
+            try:
+                chunk = read_box(link.path, link.manifest, parts["rows"], tuple(offs), tuple(szs), verify=verify)
+            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                raise _broken(link.path, f"its delta rows of {fqn} cannot be read ({type(exc).__name__})",
+                              cause=exc) from exc
+            nread += chunk.numel() * chunk.element_size()
+            tv = t.tensor if t.tensor.dim() else t.tensor.reshape(1)
+            tv = tv.movedim(d, 0)
+            for pos, (k, a, b) in enumerate(region):
+                tv = tv.narrow(pos + 1, a - t.offsets[k], b - a)
+            del dims
+            sel = keep - first
+            with torch.no_grad():
+                tv[rows[keep].to(tv.device)] = chunk[sel].to(device=tv.device, dtype=tv.dtype)
+    return nread
+
+
+def _targets(items: dict, tracked: dict[str, int]) -> dict[str, list[_Target]]:
+    return {f: [_Target(tuple(p.offsets), tuple(p.sizes), p.tensor) for p in items[f].pieces]
+            for f in tracked if f in items and hasattr(items[f], "pieces")}
+
+
+def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist: bool = False,
+               verify: bool = True, **load_kwargs: Any):
+    """:func:`distckpt.load` of a delta link: the tracked tensors from the chain's base plus every
+    delta, everything else from ``path`` itself. Called by distckpt.load; collective.
+
+    Raises ChainBrokenError (the chain's structure before anything is read; a damaged link's data
+    as found), and what distckpt.load raises."""
+    import time
+
+    from ._dist import ControlGroup, control_group
+    from .flatten import flatten
+    from .restore import load
+    t0 = time.monotonic()
+    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
+    links, error = None, None
+    try:
+        links = chain_of(path)
+    except Exception as exc:  # noqa: BLE001 - every rank raises the same way, below
+        error = exc
+    group.exchange_outcome(error, operation="load")
+    tracked = links[0].tracked
+    if not isinstance(state_dict, dict):
+        raise ConfigError("loading an incremental checkpoint needs a dict as the state dict's root")
+    _tree, items = flatten(state_dict, check_objects=False)
+    present = {f: items[f].path for f in tracked if f in items and all(isinstance(k, str) for k in items[f].path)}
+    kw = dict(process_group=process_group, no_dist=no_dist, verify=verify, _follow_chain=False, **load_kwargs)
+    base = links[-1]
+    try:
+        r_base = load(_only(state_dict, list(present.values())), base.path, **kw) if present else None
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        raise _broken(base.path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
+    rest = _without(state_dict, list(present.values()))
+    result = load(rest, path, **kw)
+    _write_back(state_dict, rest, list(present.values()))
+    error, nread = None, 0
+    try:
+        nread = _apply_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in present}),
+                              tracked, verify)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    group.exchange_outcome(error, operation="load")
+    return dataclasses.replace(result, bytes_read=result.bytes_read + (r_base.bytes_read if r_base else 0) + nread,
+                               seconds=time.monotonic() - t0)
+
+
+def read_chain(path: str, keys: Any, verify: bool, allow_pickle: bool) -> dict:
+    """:func:`distckpt.read` of a delta link: full tensors, base + deltas composed."""
+    from .restore import _read
+    links = chain_of(path)
+    tracked = links[0].tracked
+    newest = links[0].manifest
+    saved_rest = [f for f in list(newest.tensors) + list(newest.objects) if not f.startswith(_DELTA_ROOT + ".")]
+
+    def picks(fqn: str, wanted: list[str]) -> bool:
+        return any(fqn == k or fqn.startswith(k + ".") for k in wanted)
+    if keys is None:
+        want_tracked, rest_keys = sorted(tracked), None
+    else:
+        wanted = list(keys)
+        want_tracked = [f for f in sorted(tracked) if picks(f, wanted)]
+        rest_keys = [k for k in wanted if any(picks(f, [k]) for f in saved_rest)]
+        unknown = [k for k in wanted if k not in rest_keys and not any(picks(f, [k]) for f in tracked)]
+        if unknown:
+            from .errors import StateDictMismatchError
+            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
+                                         unexpected=[], shape_mismatch={}, dtype_mismatch={})
+    out = _read(path, rest_keys, verify, allow_pickle, follow_chain=False) if rest_keys is None or rest_keys else {}
+    out.pop(_DELTA_ROOT, None)
+    if want_tracked:
+        try:
+            base = _read(links[-1].path, want_tracked, verify, allow_pickle)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            raise _broken(links[-1].path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
+        from .flatten import flatten
+        _tree, items = flatten(base, check_objects=False)
+        _apply_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in want_tracked}),
+                      tracked, verify)
+        _merge(out, base)
+    return out
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
