@@ -56,7 +56,7 @@ _DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoin
 _MASK32 = 0xFFFFFFFF
 _Q = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: odd, so multiplying by it is a bijection
 _MULTS: dict[int, torch.Tensor] = {}
-_BLOCK_ELEMS = 1 << 22   # int64 temporaries per block: 32 MiB
+_BLOCK_ELEMS = 1 << 16   # int64 temporaries per block: 512 KiB (cache-sized)
 
 
 def _multipliers(width: int) -> torch.Tensor:
@@ -71,28 +71,32 @@ def _multipliers(width: int) -> torch.Tensor:
 def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
     """A 64-bit digest (int64) of the bytes of every slice ``t.select(row_dim, i)``.
 
-    Rows are hashed as 32-bit words (16- or 8-bit when the row's size is not a multiple of 4):
-    word j of value w becomes ((w + 1) * P_j) mixed by x ^ (x >>> 32) and * Q, all mod 2^64, and
-    the words' results are summed. Each step is injective, so a change confined to one word always
-    changes the digest. Bit-exact: -0.0 and 0.0, NaN payloads differ. Memory: blocks of rows,
-    about 32 MiB of temporaries whatever the tensor's size.
+    A row is read as words of 64 bits (32, 16 or 8 when its size is not a multiple of 8): word j
+    of value w becomes x = w * P_j, then x ^ (x >>> 32), then * Q (P_j, Q odd; all mod 2^64), and
+    a row's digest is the sum of its words'. Each step is a bijection, so a change confined to one
+    word always changes the digest; other changes escape with probability about 2^-64. Bit-exact:
+    -0.0 and 0.0, NaN payloads differ. Memory: blocks of rows, a few hundred KiB of temporaries
+    whatever the tensor's size (small blocks stay in cache: 2-3x faster than large ones).
     """
-    x = t.detach().movedim(row_dim, 0) if t.dim() else t.detach().reshape(1)
+    x = t.detach().movedim(row_dim, 0)
     n = x.shape[0]
     if n == 0:
         return torch.zeros(0, dtype=torch.int64)
     row_bytes = x[0].numel() * x.element_size()
     if row_bytes == 0:
         return torch.zeros(n, dtype=torch.int64)
-    word, mask = (torch.int32, _MASK32) if row_bytes % 4 == 0 else \
-        (torch.int16, 0xFFFF) if row_bytes % 2 == 0 else (torch.uint8, 0xFF)
+    word, mask = next((w, m) for w, m in ((torch.int64, None), (torch.int32, _MASK32), (torch.int16, 0xFFFF),
+                                          (torch.uint8, 0xFF)) if row_bytes % torch.empty(0, dtype=w).element_size() == 0)
     width = row_bytes // torch.empty(0, dtype=word).element_size()
     mult = _multipliers(width)
     step = max(1, _BLOCK_ELEMS // width)
     out = torch.empty(n, dtype=torch.int64)
     for a in range(0, n, step):
-        blk = x[a:a + step].to("cpu").contiguous().reshape(-1).view(torch.uint8).view(word)
-        h = blk.reshape(-1, width).to(torch.int64).bitwise_and_(mask).add_(1).mul_(mult)
+        blk = x[a:a + step].to("cpu").contiguous().reshape(-1).view(torch.uint8).view(word).reshape(-1, width)
+        if mask is None:
+            h = blk * mult
+        else:
+            h = blk.to(torch.int64).bitwise_and_(mask).mul_(mult)
         h.bitwise_xor_(h.bitwise_right_shift(32).bitwise_and_(_MASK32)).mul_(_Q)
         out[a:a + step] = h.sum(dim=1)
     return out
@@ -350,7 +354,7 @@ class IncrementalSaver:
             if it.kind == "tensor" and group.rank != 0:
                 continue  # a plain tensor is a replica: the lowest rank writes it
             for i, p in enumerate(it.pieces):
-                pieces.append((fqn, j, i, p, row_digests(p.tensor, d) if it.shape else row_digests(p.tensor)))
+                pieces.append((fqn, j, i, p, row_digests(p.tensor, d)))
         return items, rows, pieces
 
     def resume(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None) -> None:
@@ -401,8 +405,7 @@ class IncrementalSaver:
             else:
                 sel = torch.nonzero(dg != prev).reshape(-1)
             n = dg.numel()
-            row_bytes = (p.tensor.numel() // max(n, 1)) * p.tensor.element_size() if p.tensor.dim() else \
-                p.tensor.element_size()
+            row_bytes = (p.tensor.numel() // max(n, 1)) * p.tensor.element_size()
             changed_rows += sel.numel()
             total_rows += n
             changed_bytes += sel.numel() * row_bytes
@@ -447,11 +450,13 @@ class IncrementalSaver:
             for (fqn, j, i, p, _dg), sel in zip(pieces, selections):
                 if sel.numel() == 0:
                     continue
-                d = rows[fqn] if p.tensor.dim() else 0
-                t = p.tensor if p.tensor.dim() else p.tensor.reshape(1)
+                d = rows[fqn]
+                t = p.tensor
                 vals = t.detach().index_select(d, sel.to(t.device)).movedim(d, 0).contiguous()
                 box = torch.tensor([list(p.offsets), list(p.sizes)], dtype=torch.int64).reshape(2, -1)
-                ids = sel + (p.offsets[d] if p.offsets else 0)
+                ids = sel + p.offsets[d]
+                if ids.numel() and int(ids[-1]) < 2**31:  # 4 bytes a row instead of 8
+                    ids = ids.to(torch.int32)
                 records.setdefault(str(j), {})[f"r{group.rank}p{i}"] = {"box": box, "ids": ids, "rows": vals}
             to_save = _without(state_dict, [items[f].path for f in rows])
             to_save[_DELTA_ROOT] = records
@@ -508,87 +513,93 @@ def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
 def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
                   verify: bool) -> int:
     """Write the rows of ``deltas`` (oldest first) into ``targets``; each (row, column range) is
-    taken from the newest link holding it. Returns the bytes read."""
-    from .restore import read_box
+    read from the newest link holding it only (older copies are skipped, not read, unless they
+    sit between newer rows of the same record). Returns the bytes read."""
+    from .restore import read_boxes
     nread = 0
     order = sorted(tracked)
-    for fqn, tlist in targets.items():
-        d = tracked[fqn]
-        j = order.index(fqn)
-        # Pass 1: every saved piece's box and ids (small), intersected with each target piece.
-        entries = []   # (link index, target, piece fqns, saved box, region, lo, hi, local rows)
-        for li, link in enumerate(deltas):
-            for _name, parts in sorted(_delta_pieces(link, j).items()):
-                try:
-                    box = read_box(link.path, link.manifest, parts["box"], (0, 0),
-                                   tuple(link.manifest.tensors[parts["box"]].shape), verify=verify)
-                    ids = read_box(link.path, link.manifest, parts["ids"], (0,),
-                                   tuple(link.manifest.tensors[parts["ids"]].shape), verify=verify)
-                except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-                    raise _broken(link.path, f"its delta record cannot be read ({type(exc).__name__})",
-                                  cause=exc) from exc
-                nread += box.numel() * 8 + ids.numel() * 8
-                soff, ssz = [int(v) for v in box[0]], [int(v) for v in box[1]]
-                for t in tlist:
-                    if len(soff) != len(t.offsets):
-                        raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims for a tensor of "
-                                                 f"{len(t.offsets)}")
-                    region = []
-                    for k in range(len(soff)):
-                        if k == d:
-                            continue
-                        a = max(soff[k], t.offsets[k])
-                        b = min(soff[k] + ssz[k], t.offsets[k] + t.sizes[k])
-                        if b <= a:
-                            break
-                        region.append((k, a, b))
-                    else:
-                        r0 = t.offsets[d] if t.offsets else 0
-                        n = t.sizes[d] if t.sizes else 1
-                        lo = int(torch.searchsorted(ids, r0))
-                        hi = int(torch.searchsorted(ids, r0 + n))
-                        if hi > lo:
-                            entries.append((li, t, parts, soff, tuple(region), lo, hi, ids[lo:hi] - r0))
-        # Pass 2: the newest link holding each (row, region); a region contains another when it
-        # covers it in every non-row dimension.
-        last: dict[tuple, torch.Tensor] = {}
-        for li, t, _parts, _soff, region, _lo, _hi, rows in entries:
-            key = (id(t), region)
-            if key not in last:
-                last[key] = torch.full((t.sizes[d] if t.sizes else 1,), -1, dtype=torch.int64)
-            last[key][rows] = li
-        for li, t, parts, soff, region, lo, hi, rows in entries:
-            newest = torch.full((rows.numel(),), -1, dtype=torch.int64)
-            for (tid, reg), arr in last.items():
-                if tid == id(t) and all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(region, reg)):
-                    newest = torch.maximum(newest, arr[rows])
-            keep = torch.nonzero(newest == li).reshape(-1)
-            if keep.numel() == 0:
-                continue
-            first, lastk = int(keep[0]), int(keep[-1])
-            link = deltas[li]
-            rentry = link.manifest.tensors[parts["rows"]]
-            offs, szs = [lo + first], [lastk - first + 1]
-            dims = [k for k in range(len(soff)) if k != d]
-            for (k, a, b) in region:
-                offs.append(a - soff[k])
+
+    def read(link: ChainLink, requests: list, what: str) -> list[torch.Tensor]:
+        try:
+            return read_boxes(link.path, link.manifest, requests, verify=verify)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            raise _broken(link.path, f"its {what} cannot be read ({type(exc).__name__}: "
+                                     f"{getattr(exc, 'message', exc)})", cause=exc) from exc
+
+    # Pass 1: every saved piece's box and ids (8 + 4 bytes per row), one read per link.
+    entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, hi, target rows)
+    for li, link in enumerate(deltas):
+        pieces = [(fqn, parts) for fqn in targets for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items())]
+        reqs = []
+        for _fqn, parts in pieces:
+            for what in ("box", "ids"):
+                reqs.append((parts[what], (0,) * len(link.manifest.tensors[parts[what]].shape),
+                             tuple(link.manifest.tensors[parts[what]].shape)))
+        got = read(link, reqs, "delta records")
+        for k, (fqn, parts) in enumerate(pieces):
+            box, ids = got[2 * k], got[2 * k + 1].to(torch.int64)
+            nread += box.numel() * box.element_size() + ids.numel() * got[2 * k + 1].element_size()
+            d = tracked[fqn]
+            soff, ssz = [int(v) for v in box[0]], [int(v) for v in box[1]]
+            for t in targets[fqn]:
+                if len(soff) != len(t.offsets):
+                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims for a tensor of "
+                                             f"{len(t.offsets)}")
+                region = []
+                for k2 in range(len(soff)):
+                    if k2 == d:
+                        continue
+                    lo2 = max(soff[k2], t.offsets[k2])
+                    hi2 = min(soff[k2] + ssz[k2], t.offsets[k2] + t.sizes[k2])
+                    if hi2 <= lo2:
+                        break
+                    region.append((k2, lo2, hi2))
+                else:
+                    r0, n = t.offsets[d], t.sizes[d]
+                    lo = int(torch.searchsorted(ids, r0))
+                    hi = int(torch.searchsorted(ids, r0 + n))
+                    if hi > lo:
+                        entries.append((li, fqn, t, parts, soff, tuple(region), lo, hi, ids[lo:hi] - r0))
+    # Pass 2: the newest link holding each (row, region) of a target; a region covers another
+    # when it contains it in every non-row dimension.
+    last: dict[tuple, torch.Tensor] = {}
+    for li, fqn, t, _parts, _soff, region, _lo, _hi, rows in entries:
+        key = (id(t), region)
+        if key not in last:
+            last[key] = torch.full((t.sizes[tracked[fqn]],), -1, dtype=torch.int64)
+        last[key][rows] = li
+    plans: list[list] = [[] for _ in deltas]
+    for li, fqn, t, parts, soff, region, lo, hi, rows in entries:
+        newest = None
+        for (tid, reg), arr in last.items():
+            if tid == id(t) and all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(region, reg)):
+                newest = arr[rows] if newest is None else torch.maximum(newest, arr[rows])
+        keep = torch.nonzero(newest == li).reshape(-1)
+        if keep.numel():
+            plans[li].append((fqn, t, parts, soff, region, lo, rows, keep))
+    # Pass 3: per link, oldest first, one read of every needed row span, then the scatter.
+    for li, plan in enumerate(plans):
+        if not plan:
+            continue
+        link = deltas[li]
+        reqs = []
+        for fqn, t, parts, soff, region, lo, rows, keep in plan:
+            offs, szs = [lo + int(keep[0])], [int(keep[-1]) - int(keep[0]) + 1]
+            for (k2, a, b) in region:
+                offs.append(a - soff[k2])
                 szs.append(b - a)
-            if len(rentry.shape) != len(offs):
-                raise _broken(link.path, f"{fqn}: delta rows of shape {list(rentry.shape)} do not match their box")
-            try:
-                chunk = read_box(link.path, link.manifest, parts["rows"], tuple(offs), tuple(szs), verify=verify)
-            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-                raise _broken(link.path, f"its delta rows of {fqn} cannot be read ({type(exc).__name__})",
-                              cause=exc) from exc
-            nread += chunk.numel() * chunk.element_size()
-            tv = t.tensor if t.tensor.dim() else t.tensor.reshape(1)
-            tv = tv.movedim(d, 0)
-            for pos, (k, a, b) in enumerate(region):
-                tv = tv.narrow(pos + 1, a - t.offsets[k], b - a)
-            del dims
-            sel = keep - first
-            with torch.no_grad():
-                tv[rows[keep].to(tv.device)] = chunk[sel].to(device=tv.device, dtype=tv.dtype)
+            if len(link.manifest.tensors[parts["rows"]].shape) != len(offs):
+                raise _broken(link.path, f"{fqn}: delta rows do not match their box")
+            reqs.append((parts["rows"], tuple(offs), tuple(szs)))
+        chunks = read(link, reqs, "delta rows")
+        with torch.no_grad():
+            for (fqn, t, parts, soff, region, lo, rows, keep), chunk in zip(plan, chunks):
+                nread += chunk.numel() * chunk.element_size()
+                d = tracked[fqn]
+                tv = t.tensor.movedim(d, 0)
+                for pos, (k2, a, b) in enumerate(region):
+                    tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
+                tv[rows[keep].to(tv.device)] = chunk[keep - keep[0]].to(device=tv.device, dtype=tv.dtype)
     return nread
 
 

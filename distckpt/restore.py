@@ -734,13 +734,24 @@ def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, .
     the streaming conversions (distckpt.convert) read a tensor slice by slice through it.
     Raises the read errors of :func:`load`.
     """
-    entry = manifest.tensors[fqn]
-    dtype = dtype_from_name(entry.dtype, path=path)
-    want = Box(tuple(offsets), tuple(sizes))
-    out = torch.empty(tuple(sizes), dtype=dtype)
-    if want.volume:
-        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
-        tasks = [_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
-                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize)]
+    return read_boxes(path, manifest, [(fqn, offsets, sizes)], verify=verify)[0]
+
+
+def read_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tuple, tuple]], *,
+               verify: bool = True) -> list[torch.Tensor]:
+    """:func:`read_box` for several (fqn, offsets, sizes) at once, in one pass over the files
+    (incremental chains read many small records per link this way)."""
+    tasks, outs = [], []
+    for fqn, offsets, sizes in requests:
+        entry = manifest.tensors[fqn]
+        dtype = dtype_from_name(entry.dtype, path=path)
+        want = Box(tuple(offsets), tuple(sizes))
+        out = torch.empty(tuple(sizes), dtype=dtype)
+        outs.append(out)
+        if want.volume:
+            chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+            tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                         for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
+    if tasks:
         _fill(path, manifest, tasks, verify)
-    return out
+    return outs
