@@ -241,8 +241,8 @@ def _cmd_verify(args) -> int:
             read(args.path)
             print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
             return 0
-    from .incremental import chain_info, chain_of
-    from .restore import load_manifest
+    from .chain import chain_info, chain_of
+    from .manifest import load_manifest
     try:
         info = chain_info(load_manifest(args.path))
     except DistCkptError:  # verify() itself says what is wrong with it

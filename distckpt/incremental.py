@@ -37,16 +37,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
-                     DistCkptError)
+from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies, verify_chain
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
 
 log = logging.getLogger("distckpt")
 
 __all__ = ["IncrementalPolicy", "IncrementalSaver", "ChainLink", "chain_of", "chain_info", "dependencies",
            "verify_chain", "row_digests", "META_KEY"]
 
-META_KEY = "distckpt.chain"
-FORMAT = "distckpt.chain/1"
 _DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 
 
@@ -120,14 +118,15 @@ class IncrementalPolicy:
         max_delta_fraction: a save whose changed rows exceed this fraction of the tracked bytes
             is written full instead (a delta would cost about as much and lengthen the chain).
         max_chain_fraction: a save is written full once the chain's deltas would hold more than
-            this fraction of the tracked bytes. A restore reads the base plus every delta, so this
-            bounds its cost to about (1 + max_chain_fraction) times a full checkpoint's.
+            this fraction of the tracked bytes. A restore reads the base plus every delta and
+            scatters the deltas' rows, so this bounds its cost: measured 1.1-1.5x a full
+            checkpoint's restore at 0.25 (docs/BENCHMARKS.md).
     """
 
     rows: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
     full_every: int = 8
     max_delta_fraction: float = 0.3
-    max_chain_fraction: float = 0.5
+    max_chain_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.full_every, int) or self.full_every < 1:
@@ -136,121 +135,6 @@ class IncrementalPolicy:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v >= 0:
                 raise ConfigError(f"{name}={v!r} must be a number >= 0")
-
-
-# ------------------------------------------------------------------------------------------------
-# Chains on disk
-
-
-@dataclasses.dataclass(frozen=True)
-class ChainLink:
-    """One committed link: its path, manifest and chain metadata (``meta``: the manifest's
-    ``"distckpt.chain"`` entry)."""
-
-    path: str
-    manifest: Any
-    meta: dict
-
-    @property
-    def kind(self) -> str:
-        return self.meta["kind"]
-
-    @property
-    def tracked(self) -> dict[str, int]:
-        return {f: int(d) for f, d in self.meta["tracked"]}
-
-
-def chain_info(manifest: Any) -> dict | None:
-    """The chain metadata of a manifest (None for a checkpoint that is no chain link)."""
-    user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
-    info = user.get(META_KEY) if isinstance(user, dict) else None
-    return info if isinstance(info, dict) else None
-
-
-def _is_delta(manifest: Any) -> bool:
-    info = chain_info(manifest)
-    return info is not None and info.get("kind") == "delta"
-
-
-def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> ChainBrokenError:
-    err = ChainBrokenError(f"incremental chain broken at {link}: {reason}", path=link, link=link, reason=reason)
-    if cause is not None:
-        err.__cause__ = cause
-    return err
-
-
-def chain_of(path: str | os.PathLike) -> list[ChainLink]:
-    """The links a checkpoint needs, newest (``path`` itself) first, base last.
-
-    A checkpoint that is no chain link, or a full link, is a chain of one. Reads only MANIFESTs.
-
-    Raises:
-        ChainBrokenError: a link is missing, not committed, does not decode, was replaced by
-            another save (save id differs from what its child recorded), belongs to another chain,
-            or the chain does not end in a full link.
-        The errors of reading ``path``'s own MANIFEST (CheckpointNotFoundError, ...).
-    """
-    from .restore import load_manifest
-    path = os.path.abspath(os.fspath(path))
-    m = load_manifest(path)
-    info = chain_info(m)
-    links = [ChainLink(path, m, info or {"kind": "full", "tracked": [], "seq": 0})]
-    seen = {path}
-    while links[-1].kind == "delta":
-        child = links[-1]
-        meta = child.meta
-        parent = meta.get("parent")
-        if not isinstance(parent, str) or not parent or "/" in parent or parent in (".", ".."):
-            raise _broken(child.path, f"it names no valid parent ({parent!r})")
-        ppath = os.path.join(os.path.dirname(child.path), parent)
-        if ppath in seen:
-            raise _broken(child.path, f"its parent {parent} is already in the chain (a cycle)")
-        seen.add(ppath)
-        try:
-            pm = load_manifest(ppath)
-        except (CheckpointNotFoundError, CheckpointCorruptError, DistCkptError) as exc:
-            raise _broken(ppath, f"the parent of {os.path.basename(child.path)} cannot be read "
-                                 f"({type(exc).__name__}: {getattr(exc, 'message', exc)})", cause=exc) from exc
-        pinfo = chain_info(pm)
-        if pm.save_id != meta.get("parent_save_id"):
-            raise _broken(ppath, f"it is not the checkpoint {os.path.basename(child.path)} was saved against "
-                                 f"(save id {pm.save_id}, expected {meta.get('parent_save_id')}): it was replaced")
-        if pinfo is None or pinfo.get("chain") != meta.get("chain"):
-            raise _broken(ppath, f"it belongs to another chain than {os.path.basename(child.path)}")
-        if pinfo.get("seq") != meta.get("seq", 0) - 1 or pinfo.get("tracked") != meta.get("tracked"):
-            raise _broken(ppath, "its position or tracked tensors do not match its child's")
-        links.append(ChainLink(ppath, pm, pinfo))
-    if links[-1].kind != "full":
-        raise _broken(links[-1].path, f"the chain ends in a {links[-1].kind!r} link, not a full checkpoint")
-    return links
-
-
-def dependencies(path: str | os.PathLike) -> list[str]:
-    """Directory names of the links ``path`` depends on (its ancestors), best effort: stops at the
-    first link that cannot be read (it never raises; used by rotation to decide what to keep)."""
-    from .restore import load_manifest
-    path = os.path.abspath(os.fspath(path))
-    out: list[str] = []
-    try:
-        info = chain_info(load_manifest(path))
-        while info is not None and info.get("kind") == "delta" and isinstance(info.get("parent"), str):
-            parent = info["parent"]
-            if parent in out or "/" in parent:
-                break
-            out.append(parent)
-            info = chain_info(load_manifest(os.path.join(os.path.dirname(path), parent)))
-    except Exception:  # noqa: BLE001 - a broken link ends the walk; load reports it, not rotation
-        pass
-    return out
-
-
-def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:
-    """Check the chain's structure (:func:`chain_of`) and every link's data (distckpt.verify).
-
-    Returns [(link path, VerifyReport)], newest first. Raises ChainBrokenError for a structural
-    break (a missing or replaced link); damaged data is reported in the links' reports."""
-    from .verify import verify
-    return [(link.path, verify(link.path, **verify_kwargs)) for link in chain_of(path)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,7 +337,7 @@ class IncrementalSaver:
                 d = rows[fqn]
                 t = p.tensor
                 vals = t.detach().index_select(d, sel.to(t.device)).movedim(d, 0).contiguous()
-                box = torch.tensor([list(p.offsets), list(p.sizes)], dtype=torch.int64).reshape(2, -1)
+                box = [[int(v) for v in p.offsets], [int(v) for v in p.sizes]]   # a value: in the MANIFEST
                 ids = sel + p.offsets[d]
                 if ids.numel() and int(ids[-1]) < 2**31:  # 4 bytes a row instead of 8
                     ids = ids.to(torch.int32)
@@ -496,11 +380,21 @@ class _Target:
     tensor: torch.Tensor
 
 
+def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
+    """The (offsets, sizes) a delta record's piece covers, checked to be plain ints."""
+    from .restore import _object_value
+    box = _object_value(link.manifest.objects[fqn], link.manifest, fqn, link.path)
+    if (not isinstance(box, list) or len(box) != 2 or len(box[0]) != len(box[1])
+            or not all(isinstance(v, int) and v >= 0 for v in box[0] + box[1])):
+        raise _broken(link.path, f"delta record {fqn} is not a box: {box!r}")
+    return box[0], box[1]
+
+
 def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
     """{piece name: {"box"|"ids"|"rows": fqn}} of tracked tensor number ``j`` in a delta link."""
     prefix = f"{_DELTA_ROOT}.{j}."
     out: dict[str, dict[str, str]] = {}
-    for fqn in link.manifest.tensors:
+    for fqn in list(link.manifest.tensors) + list(link.manifest.objects):
         if fqn.startswith(prefix):
             piece, _, what = fqn[len(prefix):].rpartition(".")
             out.setdefault(piece, {})[what] = fqn
@@ -526,21 +420,26 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
             raise _broken(link.path, f"its {what} cannot be read ({type(exc).__name__}: "
                                      f"{getattr(exc, 'message', exc)})", cause=exc) from exc
 
-    # Pass 1: every saved piece's box and ids (8 + 4 bytes per row), one read per link.
+    # Pass 1: the ids (4 bytes a row) of every saved piece that overlaps a target piece of this
+    # rank (the pieces' boxes are values in the MANIFEST), one read per link.
     entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, hi, target rows)
     for li, link in enumerate(deltas):
-        pieces = [(fqn, parts) for fqn in targets for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items())]
-        reqs = []
-        for _fqn, parts in pieces:
-            for what in ("box", "ids"):
-                reqs.append((parts[what], (0,) * len(link.manifest.tensors[parts[what]].shape),
-                             tuple(link.manifest.tensors[parts[what]].shape)))
-        got = read(link, reqs, "delta records")
-        for k, (fqn, parts) in enumerate(pieces):
-            box, ids = got[2 * k], got[2 * k + 1].to(torch.int64)
-            nread += box.numel() * box.element_size() + ids.numel() * got[2 * k + 1].element_size()
+        pieces = []
+        for fqn in targets:
+            for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items()):
+                soff, ssz = _box_value(link, parts["box"])
+                if any(len(soff) == len(t.offsets) and all(
+                        max(a, b) < min(a + m, b + n) for a, m, b, n in zip(soff, ssz, t.offsets, t.sizes))
+                       for t in targets[fqn]):
+                    pieces.append((fqn, parts, soff, ssz))
+                elif any(len(soff) != len(t.offsets) for t in targets[fqn]):
+                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
+        got = read(link, [(parts["ids"], (0,), tuple(link.manifest.tensors[parts["ids"]].shape))
+                          for _f, parts, _o, _s in pieces], "delta row ids")
+        for (fqn, parts, soff, ssz), ids in zip(pieces, got):
+            nread += ids.numel() * ids.element_size()
+            ids = ids.to(torch.int64)
             d = tracked[fqn]
-            soff, ssz = [int(v) for v in box[0]], [int(v) for v in box[1]]
             for t in targets[fqn]:
                 if len(soff) != len(t.offsets):
                     raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims for a tensor of "
@@ -599,7 +498,11 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
                 tv = t.tensor.movedim(d, 0)
                 for pos, (k2, a, b) in enumerate(region):
                     tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
-                tv[rows[keep].to(tv.device)] = chunk[keep - keep[0]].to(device=tv.device, dtype=tv.dtype)
+                if keep.numel() == rows.numel():   # nothing superseded: no gather
+                    idx, src = rows, chunk
+                else:
+                    idx, src = rows.index_select(0, keep), chunk.index_select(0, keep - keep[0])
+                tv.index_copy_(0, idx.to(tv.device), src.to(device=tv.device, dtype=tv.dtype))
     return nread
 
 

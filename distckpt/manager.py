@@ -124,7 +124,7 @@ def _step_info(path: str, name: str) -> StepInfo:
         return StepInfo(name, path, step, "broken", problem)
     except OSError as exc:
         return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc}")
-    from .incremental import chain_info
+    from .chain import chain_info
     info = chain_info(man)
     chain = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
                                                                 "link_bytes", "tracked_bytes")}
@@ -384,7 +384,7 @@ class CheckpointManager:
 
     def _dependencies(self, kept) -> set[str]:
         """Directory names of every chain link the steps ``kept`` depend on."""
-        from .incremental import dependencies
+        from .chain import dependencies
         out: set[str] = set()
         for s in kept:
             out.update(dependencies(self.path(s)))

@@ -589,9 +589,9 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
 
 
 def _is_delta(manifest: "mf.Manifest") -> bool:
-    user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
-    info = user.get("distckpt.chain") if isinstance(user, dict) else None
-    return isinstance(info, dict) and info.get("kind") == "delta"
+    from .chain import chain_info
+    info = chain_info(manifest)
+    return info is not None and info.get("kind") == "delta"
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:

@@ -1,19 +1,22 @@
 """Benchmark: incremental (delta) vs full checkpoints of TorchRec tables, 2 ranks, one run.
 
     torchrun --standalone --nproc-per-node 2 launch/bench_incremental.py --dir /var/tmp/bench_incr \
-        --rows 250000 --dim 64 --tables 4 --deltas 3
+        --rows 250000 --dim 64 --tables 4 --rounds 7 [--force-deltas]
 
 Model: launch/bench_torchrec.py's (``--tables`` tables of rows x dim float32, fused
 EXACT_ROWWISE_ADAGRAD, sharded column-wise / table-wise / row-wise / table-wise over 2 ranks).
-For each touched fraction (1 %, 5 %, 20 %): a full incremental base, then ``--deltas`` rounds of
+For each touched fraction (1 %, 5 %, 20 %): a full incremental base, then ``--rounds`` rounds of
 (one training step whose batch looks up a random ``fraction`` of every table's rows, exactly once
-each: the fused optimizer updates those rows' weights and momentum; a delta save; a plain full
-save of the same state for comparison). Then a restore of the chain (base + every delta) and of the
-plain full checkpoint of the same step, into the same model. Reported per fraction (medians over
-the rounds): bytes written by a delta and by a full save, the changed rows' own bytes (weights +
-momentum of the rows whose bytes changed), the ratio delta / changed, save seconds of each, and
-restore seconds of the chain vs the full checkpoint. Rank 0 prints one JSON line per fraction.
-The page cache is left as it is (warm reads for both restores).
+each: the fused optimizer updates those rows' weights and momentum; an incremental save under the
+default policy, which writes a delta or, when the chain is long enough, a full checkpoint; a plain
+full save of the same state for comparison). Then a restore of the longest chain of the run (its
+base plus every delta) and of the plain full checkpoint of the same step, into the same model,
+alternated twice (the faster of each kept). Reported per fraction (medians over the delta rounds):
+bytes written by a delta and by a full save, the changed rows' own bytes (weights + momentum of the
+rows whose bytes changed), delta / changed, save seconds of each, the links' kinds, and restore
+seconds of the chain vs the full checkpoint. Rank 0 prints one JSON line per fraction, after one
+line with the cost of the row digests alone. The page cache is left as it is (warm reads for both
+restores).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=250000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--tables", type=int, default=4)
-    ap.add_argument("--deltas", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7, help="train + save rounds after the first full save")
+    ap.add_argument("--force-deltas", action="store_true", help="every round a delta, whatever the policy says")
     ap.add_argument("--fractions", default="0.01,0.05,0.2")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -91,32 +95,37 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
         dist.barrier()
-        policy = IncrementalPolicy(rows=dtr.incremental_rows, full_every=args.deltas + 1, max_delta_fraction=1.0,
-                                   max_chain_fraction=float(args.deltas))
+        # The default policy (full_every=8, max_delta_fraction=0.3, max_chain_fraction=0.25), or
+        # --force-deltas: every round a delta (long chains, to see restore cost grow with them).
+        policy = (IncrementalPolicy(rows=dtr.incremental_rows, full_every=args.rounds + 1, max_delta_fraction=1.0,
+                                    max_chain_fraction=float(args.rounds))
+                  if args.force_deltas else IncrementalPolicy(rows=dtr.incremental_rows))
         saver = IncrementalSaver(policy)
         sd = dtr.state_dict(dmp)
         _s, res = timed(lambda: saver.save(sd, os.path.join(root, "link0")))
         assert saver.last_kind == "full"
         rec = {"delta_bytes": [], "full_bytes": [], "changed_bytes": [], "delta_s": [], "full_s": [],
-               "changed_rows": [], "rows_total": 0}
-        for k in range(1, args.deltas + 1):
+               "changed_rows": [], "rows_total": 0, "kinds": []}
+        for k in range(1, args.rounds + 1):
             touch(dmp, args.tables, args.rows, fraction, 1000 * fi + k, rank, world)
             sd = dtr.state_dict(dmp)
             ds, dres = timed(lambda: saver.save(sd, os.path.join(root, f"link{k}")))
-            assert saver.last_kind == "delta", saver.last_kind
             link = saver._link
+            rec["kinds"].append(f"{saver.last_kind}:{link['seq']}")
             fs, fres = timed(lambda: distckpt.save(sd, os.path.join(root, f"full{k}")))
-            rec["delta_bytes"].append(dres.total_bytes)
             rec["full_bytes"].append(fres.total_bytes)
-            rec["changed_bytes"].append(link["link_bytes"])
-            rec["changed_rows"].append(link["rows_written"])
-            rec["rows_total"] = link["rows_total"]
-            rec["delta_s"].append(ds)
             rec["full_s"].append(fs)
-            if k < args.deltas and rank == 0:
-                shutil.rmtree(os.path.join(root, f"full{k}"))
+            if saver.last_kind == "delta":
+                rec["delta_bytes"].append(dres.total_bytes)
+                rec["changed_bytes"].append(link["link_bytes"])
+                rec["changed_rows"].append(link["rows_written"])
+                rec["rows_total"] = link["rows_total"]
+                rec["delta_s"].append(ds)
             dist.barrier()
-        last = args.deltas
+        # Restore the longest chain of the run (the newest link of the highest position) and the
+        # plain full checkpoint of the same step.
+        seqs = [int(x.split(":")[1]) for x in rec["kinds"]]
+        last = max(range(1, args.rounds + 1), key=lambda k: (seqs[k - 1], k))
         chain_s, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"link{last}")))
         full_load_s, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"full{last}")))
         chain_s2, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"link{last}")))
@@ -132,7 +141,8 @@ def main() -> None:
                 "full_MiB": round(med(rec["full_bytes"]) / 2**20, 2),
                 "full_over_delta_bytes": round(med(rec["full_bytes"]) / med(rec["delta_bytes"]), 2),
                 "delta_save_s": round(med(rec["delta_s"]), 3), "full_save_s": round(med(rec["full_s"]), 3),
-                "chain_links": last + 1,
+                "delta_over_full_save_s": round(med(rec["delta_s"]) / med(rec["full_s"]), 3),
+                "kinds": rec["kinds"], "chain_links": seqs[last - 1] + 1,
                 "restore_chain_s": round(min(chain_s, chain_s2), 3),
                 "restore_full_s": round(min(full_load_s, full_load_s2), 3),
                 "restore_chain_over_full": round(min(chain_s, chain_s2) / min(full_load_s, full_load_s2), 3),
