@@ -39,6 +39,7 @@ import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies, verify_chain
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
+from .staging import dtype_from_name
 
 log = logging.getLogger("distckpt")
 
@@ -380,6 +381,26 @@ class _Target:
     tensor: torch.Tensor
 
 
+class _ScatterRows:
+    """A read destination (see distckpt.restore.fill_boxes) whose dim-0 index i is row ``idx[i]``
+    of ``target``: the fill narrows it to each unit's box and copies the unit in with one
+    ``index_copy_``."""
+
+    def __init__(self, target: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> None:
+        self.target, self.idx, self.dtype = target, idx, dtype
+
+    def is_contiguous(self) -> bool:
+        return False   # never a flat byte run: the fill takes the narrow/copy_ path
+
+    def narrow(self, dim: int, start: int, length: int) -> "_ScatterRows":
+        if dim == 0:
+            return _ScatterRows(self.target, self.idx.narrow(0, start, length), self.dtype)
+        return _ScatterRows(self.target.narrow(dim, start, length), self.idx, self.dtype)
+
+    def copy_(self, src: torch.Tensor) -> None:
+        self.target.index_copy_(0, self.idx, src.to(dtype=self.target.dtype, device=self.target.device))
+
+
 def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
     """The (offsets, sizes) a delta record's piece covers, checked to be plain ints."""
     from .restore import _object_value
@@ -476,33 +497,36 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
         keep = torch.nonzero(newest == li).reshape(-1)
         if keep.numel():
             plans[li].append((fqn, t, parts, soff, region, lo, rows, keep))
-    # Pass 3: per link, oldest first, one read of every needed row span, then the scatter.
+    # Pass 3: per link, oldest first, one read of the row spans holding newest copies, scattered
+    # from the read buffers straight into the targets (no copy of the rows in between: fresh
+    # memory is slow to touch). Older rows inside a span are written too and then overwritten by
+    # the newer links, which come later.
+    from .restore import fill_boxes
     for li, plan in enumerate(plans):
         if not plan:
             continue
         link = deltas[li]
         reqs = []
         for fqn, t, parts, soff, region, lo, rows, keep in plan:
-            offs, szs = [lo + int(keep[0])], [int(keep[-1]) - int(keep[0]) + 1]
+            first, lastk = int(keep[0]), int(keep[-1])
+            offs, szs = [lo + first], [lastk - first + 1]
             for (k2, a, b) in region:
                 offs.append(a - soff[k2])
                 szs.append(b - a)
             if len(link.manifest.tensors[parts["rows"]].shape) != len(offs):
                 raise _broken(link.path, f"{fqn}: delta rows do not match their box")
-            reqs.append((parts["rows"], tuple(offs), tuple(szs)))
-        chunks = read(link, reqs, "delta rows")
-        with torch.no_grad():
-            for (fqn, t, parts, soff, region, lo, rows, keep), chunk in zip(plan, chunks):
-                nread += chunk.numel() * chunk.element_size()
-                d = tracked[fqn]
-                tv = t.tensor.movedim(d, 0)
-                for pos, (k2, a, b) in enumerate(region):
-                    tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
-                if keep.numel() == rows.numel():   # nothing superseded: no gather
-                    idx, src = rows, chunk
-                else:
-                    idx, src = rows.index_select(0, keep), chunk.index_select(0, keep - keep[0])
-                tv.index_copy_(0, idx.to(tv.device), src.to(device=tv.device, dtype=tv.dtype))
+            tv = t.tensor.movedim(tracked[fqn], 0)
+            for pos, (k2, a, b) in enumerate(region):
+                tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
+            dtype = dtype_from_name(link.manifest.tensors[parts["rows"]].dtype, path=link.path)
+            reqs.append((parts["rows"], tuple(offs), tuple(szs),
+                         _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype)))
+            nread += szs[0] * (tv[0].numel() if tv.shape[0] else 0) * dtype.itemsize
+        try:
+            fill_boxes(link.path, link.manifest, reqs, verify=verify)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            raise _broken(link.path, f"its delta rows cannot be read ({type(exc).__name__}: "
+                                     f"{getattr(exc, 'message', exc)})", cause=exc) from exc
     return nread
 
 

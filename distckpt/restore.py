@@ -741,17 +741,26 @@ def read_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tup
                verify: bool = True) -> list[torch.Tensor]:
     """:func:`read_box` for several (fqn, offsets, sizes) at once, in one pass over the files
     (incremental chains read many small records per link this way)."""
-    tasks, outs = [], []
-    for fqn, offsets, sizes in requests:
+    outs = [torch.empty(tuple(sizes), dtype=dtype_from_name(manifest.tensors[fqn].dtype, path=path))
+            for fqn, _offsets, sizes in requests]
+    fill_boxes(path, manifest, [(f, o, s, out) for (f, o, s), out in zip(requests, outs)], verify=verify)
+    return outs
+
+
+def fill_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tuple, tuple, Any]], *,
+               verify: bool = True) -> None:
+    """Read the boxes (fqn, offsets, sizes) into the given destinations, in one pass over the
+    files. A destination is a tensor of the box's shape, or an object with the tensor methods the
+    fill uses on a destination (``dtype``, ``is_contiguous()``, ``narrow()``, ``copy_()``):
+    distckpt.incremental scatters delta rows straight from the read buffers into a table that way."""
+    tasks = []
+    for fqn, offsets, sizes, out in requests:
         entry = manifest.tensors[fqn]
         dtype = dtype_from_name(entry.dtype, path=path)
         want = Box(tuple(offsets), tuple(sizes))
-        out = torch.empty(tuple(sizes), dtype=dtype)
-        outs.append(out)
         if want.volume:
             chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
             tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
                          for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
     if tasks:
         _fill(path, manifest, tasks, verify)
-    return outs
