@@ -50,11 +50,17 @@ def _cmd_ls(args) -> int:
     def when(t):
         return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else "-"
 
-    rows = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "LATEST", "STATUS")]
+    def chain(e):  # an incremental chain's link: "full", or "delta 2 <- step_00000150"
+        c = e.chain
+        if not c:
+            return "-"
+        return "full" if c.get("kind") == "full" else f"delta {c.get('seq')} <- {c.get('parent')}"
+
+    rows = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "CHAIN", "LATEST", "STATUS")]
     for e in listing.entries:
         rows.append((str(e.step) if e.step is not None else e.name,
                      format_bytes(e.size_bytes) if e.size_bytes is not None else "-", when(e.created_unix),
-                     str(e.ranks) if e.ranks is not None else "-", "latest" if e.is_latest else "",
+                     str(e.ranks) if e.ranks is not None else "-", chain(e), "latest" if e.is_latest else "",
                      e.status if e.problem is None else f"{e.status}: {e.problem}"))
     print(f"{listing.path} ({'checkpoint' if listing.kind == 'checkpoint' else 'checkpoint root'})")
     if len(rows) == 1:
@@ -261,6 +267,37 @@ def _cmd_verify(args) -> int:
             read(args.path)
             print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
             return 0
+    from .chain import chain_info, chain_of
+    from .manifest import load_manifest
+    try:
+        info = chain_info(load_manifest(args.path))
+    except DistCkptError:  # verify() itself says what is wrong with it
+        info = None
+    if info is None or info.get("kind") != "delta":
+        return _verify_one(args, args.path)
+    # A delta of an incremental chain: the chain's structure (ChainBrokenError, exit 1, when a
+    # link is missing or replaced), then every link's data, newest first.
+    links = [link.path for link in chain_of(args.path)]
+    if not args.json:
+        print(f"{args.path}: a delta of an incremental chain of {len(links)} link(s): "
+              f"{' <- '.join(os.path.basename(p) for p in links)}", file=sys.stderr)
+    docs, rcs = [], []
+    for link in links:
+        rc, doc = _verify_one(args, link, collect=True)
+        rcs.append(rc)
+        docs.append(doc)
+    if args.json:
+        print(json.dumps({"chain": links, "links": docs, "ok": not any(rcs)}, indent=1))
+    elif not any(rcs):
+        print(f"{args.path}: chain OK: {len(links)} link(s), every checksum matches")
+    else:
+        print(f"{args.path}: chain DAMAGED: {', '.join(os.path.basename(p) for p, rc in zip(links, rcs) if rc)}")
+    return 1 if any(rcs) else 0
+
+
+def _verify_one(args, path: str, *, collect: bool = False):
+    """Verify one checkpoint and print its report; returns the exit status (and, with
+    ``collect``, the report as a dict instead of printing it as JSON)."""
     from tqdm import tqdm
 
     from .verify import verify
@@ -279,14 +316,21 @@ def _cmd_verify(args) -> int:
                    desc="verify")
 
     try:
-        report = verify(args.path, progress=lambda n: bar.update(n), on_start=start,
+        report = verify(path, progress=lambda n: bar.update(n), on_start=start,
                         window=args.window)
     finally:
         if bar is not None:
             bar.close()
+    if collect and args.json:
+        return (0 if report.ok else 1), report.to_dict()
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
         return 0 if report.ok else 1
+    rc = _print_report(report)
+    return (rc, None) if collect else rc
+
+
+def _print_report(report) -> int:
     for problem in report.file_problems:
         print(f"BAD FILE   {problem}")
     for bad in report.bad_blocks:

@@ -50,6 +50,7 @@ __all__ = [
     "ChecksumMismatchError",
     "DataFileMissingError",
     "DataFileTruncatedError",
+    "ChainBrokenError",
     "UnsupportedValueError",
     "PickleNotAllowedError",
     "StateDictMismatchError",
@@ -363,6 +364,19 @@ class DataFileTruncatedError(CheckpointCorruptError):
 
 # --------------------------------------------------------------------------------------------
 # State dicts.
+
+
+class ChainBrokenError(CheckpointCorruptError):
+    """An incremental checkpoint's chain (docs/INCREMENTAL.md) cannot be composed: a link it
+    depends on is missing, not committed, replaced by another save, damaged, or names a different
+    chain. Raised before any byte of the chain is read when the chain's structure is wrong, and
+    instead of a partial restore when a link's data turns out damaged.
+
+    Fields: ``link`` (the path of the link at fault), ``reason`` (what is wrong with it).
+    """
+
+    default_remedy = ("Load an older full checkpoint or another step whose chain is complete "
+                      "(`distckpt ls ROOT` shows each step's chain, `distckpt verify PATH` checks one).")
 
 
 class UnsupportedValueError(DistCkptError, TypeError):

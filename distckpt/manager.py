@@ -26,6 +26,8 @@ Invariants:
     ``keep_last``, never the step just saved and never the step this manager's ``load()`` resumed
     from at the first save after it; each step is renamed aside before it is deleted, so a
     half-deleted step never looks committed. Deleted files are closed, so their blocks are freed.
+  * Rotation never deletes a step that a kept step depends on (an earlier link of its incremental
+    chain, distckpt.incremental); such a step goes at the first rotation after nothing kept needs it.
   * One manager save at a time per root, across processes and jobs: the save holds
     ``ROOT/.distckpt.lock`` (storage.savelock) from PREPARE to the end of its rotation; a second
     one gets SaveInProgressError and writes nothing.
@@ -73,7 +75,9 @@ class StepInfo:
     ``status``: ``committed`` (MANIFEST decodes) or ``broken`` (a ``step_N`` directory without
     MANIFEST, or a MANIFEST that does not decode: ``problem`` says which). ``step`` is None for a
     checkpoint directory not named ``step_N``. ``size_bytes``: data files + MANIFEST, from the
-    manifest. ``ranks``: the world size that saved it."""
+    manifest. ``ranks``: the world size that saved it. ``chain``: for a link of an incremental
+    chain (distckpt.incremental), ``{"kind": "full"|"delta", "seq", "parent", "base", "chain",
+    "link_bytes", "tracked_bytes"}`` (the parent and base by directory name), else None."""
 
     name: str
     path: str
@@ -85,6 +89,7 @@ class StepInfo:
     ranks: int | None = None
     save_id: str | None = None
     is_latest: bool = False
+    chain: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +134,12 @@ def _step_info(path: str, name: str, store: Any = None) -> StepInfo:
         return StepInfo(name, path, step, "broken", problem)
     except OSError as exc:
         return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc}")
-    return StepInfo(name, path, step, "committed", None, size, man.created_unix, man.world_size, man.save_id)
+    from .chain import chain_info
+    info = chain_info(man)
+    chain = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
+                                                                "link_bytes", "tracked_bytes")}
+    return StepInfo(name, path, step, "committed", None, size, man.created_unix, man.world_size, man.save_id,
+                    chain=chain)
 
 
 def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
@@ -244,10 +254,14 @@ class CheckpointManager:
         process_group: the group save/load run over (default: the world).
         storage_options: for an fsspec URL root (``s3://bucket/run7``), the fsspec options (as
             :func:`distckpt.save`); every save and load of this manager passes them on.
+        incremental: an :class:`~distckpt.incremental.IncrementalPolicy`: saves write only the
+            rows of the tracked tensors that changed since the previous step (a chain of deltas
+            on a full step, docs/INCREMENTAL.md); blocking saves to a local root only. Rotation
+            never deletes a step that a kept step depends on, with or without this option.
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_abandoned: bool = False,
-                 process_group: Any = None, storage_options: dict | None = None) -> None:
+                 process_group: Any = None, storage_options: dict | None = None, incremental: Any = None) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last={keep_last!r} must be a positive int or None")
         self.root = normalize_path(root)
@@ -270,6 +284,15 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._resumed_from: int | None = None
         self._resume_gen = 0
+        self._saver = None
+        if incremental is not None and self._store is not None:
+            raise ConfigError(f"incremental=: incremental chains are written to local roots only, not to "
+                              f"{self.root} (an object store)")
+        if incremental is not None:
+            from .incremental import IncrementalPolicy, IncrementalSaver
+            if not isinstance(incremental, IncrementalPolicy):
+                raise ConfigError(f"incremental={incremental!r}: expected a distckpt.incremental.IncrementalPolicy")
+            self._saver = IncrementalSaver(incremental)
 
     def _rank(self) -> int:
         if not is_distributed():
@@ -397,6 +420,18 @@ class CheckpointManager:
             protect, gen = self._resumed_from, self._resume_gen
         after = lambda: self._after_commit(step, protect)  # noqa: E731
         lock = join(self.root, ROOT_LOCK_NAME)
+        if self._saver is not None:
+            if not blocking:
+                raise ConfigError("incremental saves are blocking: pass blocking=True (or a manager without "
+                                  "incremental=) for async saves")
+            try:
+                result = self._saver.save(state_dict, self.path(step), process_group=self.process_group,
+                                          _after_commit=after, _lock_path=lock, **kwargs)
+            except BaseException as exc:
+                self._settle(gen, None, exc)
+                raise
+            self._settle(gen, result, None)
+            return result
         if not blocking:
             from .async_save import async_save
             # Settled on every rank by the save's own thread, before its handle reports done.
@@ -449,6 +484,10 @@ class CheckpointManager:
             log.warning("distckpt: keeping %s under %s: numbered above the step just saved (%d), they are an "
                         "abandoned branch (keep_abandoned=True): never rotated, not loaded by default",
                         [step_dirname(s) for s in above], self.root, step)
+        # Steps a surviving step depends on (the links of its incremental chain) are never deleted:
+        # their space is freed by the first rotation after no kept step needs them.
+        needed = self._dependencies(s for s in steps if s not in above_doomed)
+        above_doomed = [s for s in above_doomed if step_dirname(s) not in needed]
         for old in above_doomed:
             log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
@@ -461,8 +500,20 @@ class CheckpointManager:
         # Keep the newest keep_last steps; the one just committed is always among them, and the
         # step the job resumed from survives the first save after the resume.
         doomed = [s for s in branch[:-self.keep_last] if s not in (step, protect)]
+        needed = self._dependencies(s for s in steps if s not in doomed and s not in above_doomed)
+        doomed = [s for s in doomed if step_dirname(s) not in needed]
         for old in doomed:
             self._remove(self.path(old))
+
+    def _dependencies(self, kept) -> set[str]:
+        """Directory names of every chain link the steps ``kept`` depend on."""
+        from .chain import dependencies
+        out: set[str] = set()
+        if self._store is not None:  # no chains on object stores (incremental= is refused there)
+            return out
+        for s in kept:
+            out.update(dependencies(self.path(s)))
+        return out
 
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
         """Load step ``step`` (default: :meth:`latest_step`, the newest by commit order) into
@@ -481,6 +532,8 @@ class CheckpointManager:
         if self._store is not None:
             kwargs["storage_options"] = self.storage_options
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
+        if self._saver is not None:  # the next save may be a delta against the step just loaded
+            self._saver.resume(state_dict, self.path(step), process_group=self.process_group)
         with self._lock:
             self._resumed_from = step
             self._resume_gen += 1

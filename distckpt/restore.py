@@ -543,7 +543,7 @@ def _manifest_collective(group: ControlGroup, path: str, store: Store | None = N
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
          verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False,
-         storage_options: dict | None = None) -> LoadResult:
+         storage_options: dict | None = None, _follow_chain: bool = True) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -553,7 +553,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         state_dict: nested dict/list/tuple of pre-allocated tensors (any device; plain, DTensor,
             ShardedTensor) and plain values.
         path: a committed checkpoint directory, local or an fsspec URL (``s3://...``; each rank
-            then reads its byte ranges with ranged GETs).
+            then reads its byte ranges with ranged GETs). A delta of an incremental chain
+            (distckpt.incremental) is composed with its base and earlier deltas.
         storage_options: for an fsspec URL, the fsspec options (as :func:`distckpt.save`).
         strict: when True, a key of the state dict the checkpoint lacks, a shape mismatch, or
             saved optimizer state for an optimizer without state yet raises before a byte is read;
@@ -588,7 +589,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
-    result, error = None, None
+    result, error, delta = None, None, False
     store, identity = None, None
     try:
         if is_url(path):
@@ -597,14 +598,28 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
             identity = _dir_identity(path)
         with gc_paused():
             manifest = _manifest_collective(group, path, store)
-            result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store)
-            if store is None:
+            delta = _follow_chain and _is_delta(manifest)
+            if delta and store is not None:
+                raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "
+                                  f"directories only")
+            if not delta:
+                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store)
                 _check_unmoved(path, identity)
     except Exception as exc:
         # its rank is recorded by raise_failures
         error = _removed_while_reading(path, identity, exc) if store is None else _replaced_on_store(store, path, exc)
     group.exchange_outcome(error, operation="load")
+    if delta:  # an incremental link: base + deltas (distckpt.incremental)
+        from .incremental import load_chain
+        return load_chain(state_dict, path, process_group=process_group, no_dist=no_dist, verify=verify,
+                          strict=strict, allow_pickle=allow_pickle, cast=cast)
     return result
+
+
+def _is_delta(manifest: "mf.Manifest") -> bool:
+    from .chain import chain_info
+    info = chain_info(manifest)
+    return info is not None and info.get("kind") == "delta"
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:
@@ -705,8 +720,15 @@ def _replaced_on_store(store: Store, path: str, exc: BaseException) -> BaseExcep
     return err
 
 
-def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool, store: Store | None = None) -> dict:
+def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool, store: Store | None = None, *,
+          follow_chain: bool = True) -> dict:
     manifest = load_manifest(path) if store is None else mf.decode(store.manifest_bytes(path), path=join(path, MANIFEST))
+    if follow_chain and _is_delta(manifest):  # an incremental link: base + deltas composed
+        if store is not None:
+            raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "
+                              f"directories only")
+        from .incremental import read_chain
+        return read_chain(path, keys, verify, allow_pickle)
     all_keys = list(manifest.tensors) + list(manifest.objects)
     if keys is None:
         def keep(fqn):
@@ -768,13 +790,33 @@ def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, .
     the streaming conversions (distckpt.convert) read a tensor slice by slice through it.
     Raises the read errors of :func:`load`.
     """
-    entry = manifest.tensors[fqn]
-    dtype = dtype_from_name(entry.dtype, path=path)
-    want = Box(tuple(offsets), tuple(sizes))
-    out = torch.empty(tuple(sizes), dtype=dtype)
-    if want.volume:
-        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
-        tasks = [_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
-                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize)]
+    return read_boxes(path, manifest, [(fqn, offsets, sizes)], verify=verify)[0]
+
+
+def read_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tuple, tuple]], *,
+               verify: bool = True) -> list[torch.Tensor]:
+    """:func:`read_box` for several (fqn, offsets, sizes) at once, in one pass over the files
+    (incremental chains read many small records per link this way)."""
+    outs = [torch.empty(tuple(sizes), dtype=dtype_from_name(manifest.tensors[fqn].dtype, path=path))
+            for fqn, _offsets, sizes in requests]
+    fill_boxes(path, manifest, [(f, o, s, out) for (f, o, s), out in zip(requests, outs)], verify=verify)
+    return outs
+
+
+def fill_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tuple, tuple, Any]], *,
+               verify: bool = True) -> None:
+    """Read the boxes (fqn, offsets, sizes) into the given destinations, in one pass over the
+    files. A destination is a tensor of the box's shape, or an object with the tensor methods the
+    fill uses on a destination (``dtype``, ``is_contiguous()``, ``narrow()``, ``copy_()``):
+    distckpt.incremental scatters delta rows straight from the read buffers into a table that way."""
+    tasks = []
+    for fqn, offsets, sizes, out in requests:
+        entry = manifest.tensors[fqn]
+        dtype = dtype_from_name(entry.dtype, path=path)
+        want = Box(tuple(offsets), tuple(sizes))
+        if want.volume:
+            chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+            tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                         for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
+    if tasks:
         _fill(path, manifest, tasks, verify)
-    return out

@@ -78,7 +78,7 @@ import torch
 
 from ..errors import ReshardError, UnsupportedValueError
 
-__all__ = ["state_dict", "save", "load", "read_tables", "hand_plan", "FORMAT"]
+__all__ = ["state_dict", "save", "load", "read_tables", "hand_plan", "incremental_rows", "FORMAT"]
 
 FORMAT = "distckpt.torchrec/1"
 _META = "torchrec_meta"
@@ -503,6 +503,26 @@ def rank0_keys(sd: dict) -> set[str]:
     ``distckpt.save(sd, path, replicated=rank0_keys(sd))``; every other key stays checked."""
     return {f"optim.{fqn}.{name}" for fqn, st in sd["optim"].items() for name, t in st.items()
             if type(t) is torch.Tensor and t.numel() == 1 and t.dim() <= 1}
+
+
+def incremental_rows(sd: dict) -> dict[str, int]:
+    """The tensors of ``sd`` (from :func:`state_dict`) an incremental save tracks by rows, as
+    ``{fqn: row dimension}``: every embedding table's weight (rows on dim 0) and the table's
+    optimizer state, elementwise ([rows, dim], dim 0: EXACT_ADAGRAD momentum1, torch Adagrad
+    ``sum``) or rowwise ([k, rows], dim 1: EXACT_ROWWISE_ADAGRAD momentum1), so a changed row is
+    written with its optimizer state in the same link. Use it as the policy's ``rows``::
+
+        IncrementalPolicy(rows=dtr.incremental_rows, full_every=8)
+    """
+    meta = json.loads(sd[_META])
+    out = {f"model.{fqn}": 0 for fqn in meta["tables"]}
+    for fqn, om in meta["optim"].items():
+        if fqn not in meta["tables"]:
+            continue
+        for name, st in om["states"].items():
+            if st["layout"] in ("elementwise", "rowwise") and name in sd["optim"].get(fqn, {}):
+                out[f"optim.{fqn}.{name}"] = 0 if st["layout"] == "elementwise" else 1
+    return out
 
 
 def save(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequence[Any] = (),

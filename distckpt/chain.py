@@ -1,0 +1,138 @@
+"""Incremental chains on disk: which checkpoints a delta needs, and whether they are all there.
+
+A link of a chain is a normal committed checkpoint whose MANIFEST carries, in its user metadata
+under ``"distckpt.chain"`` (docs/INCREMENTAL.md)::
+
+    {"format": "distckpt.chain/1", "kind": "full" | "delta", "chain": id, "seq": n,
+     "base": dir name, "parent": dir name | None, "parent_save_id": str | None,
+     "tracked": [[fqn, row dim], ...], "link_bytes", "chain_bytes", "tracked_bytes", ...}
+
+A delta names its parent (a sibling directory) and the parent's save id; the chain ends in a full
+link (seq 0). This module only reads MANIFESTs and imports no torch (``distckpt verify`` and
+``distckpt ls`` use it); saving and composing chains is distckpt.incremental.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from .errors import ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, DistCkptError
+from .manifest import load_manifest
+
+__all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "verify_chain", "META_KEY", "FORMAT"]
+
+META_KEY = "distckpt.chain"
+FORMAT = "distckpt.chain/1"
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainLink:
+    """One committed link: its path, manifest and chain metadata (``meta``: the manifest's
+    ``"distckpt.chain"`` entry)."""
+
+    path: str
+    manifest: Any
+    meta: dict
+
+    @property
+    def kind(self) -> str:
+        return self.meta["kind"]
+
+    @property
+    def tracked(self) -> dict[str, int]:
+        return {f: int(d) for f, d in self.meta["tracked"]}
+
+
+def chain_info(manifest: Any) -> dict | None:
+    """The chain metadata of a manifest (None for a checkpoint that is no chain link)."""
+    user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
+    info = user.get(META_KEY) if isinstance(user, dict) else None
+    return info if isinstance(info, dict) else None
+
+
+def _is_delta(manifest: Any) -> bool:
+    info = chain_info(manifest)
+    return info is not None and info.get("kind") == "delta"
+
+
+def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> ChainBrokenError:
+    err = ChainBrokenError(f"incremental chain broken at {link}: {reason}", path=link, link=link, reason=reason)
+    if cause is not None:
+        err.__cause__ = cause
+    return err
+
+
+def chain_of(path: str | os.PathLike) -> list[ChainLink]:
+    """The links a checkpoint needs, newest (``path`` itself) first, base last.
+
+    A checkpoint that is no chain link, or a full link, is a chain of one. Reads only MANIFESTs.
+
+    Raises:
+        ChainBrokenError: a link is missing, not committed, does not decode, was replaced by
+            another save (save id differs from what its child recorded), belongs to another chain,
+            or the chain does not end in a full link.
+        The errors of reading ``path``'s own MANIFEST (CheckpointNotFoundError, ...).
+    """
+    path = os.path.abspath(os.fspath(path))
+    m = load_manifest(path)
+    info = chain_info(m)
+    links = [ChainLink(path, m, info or {"kind": "full", "tracked": [], "seq": 0})]
+    seen = {path}
+    while links[-1].kind == "delta":
+        child = links[-1]
+        meta = child.meta
+        parent = meta.get("parent")
+        if not isinstance(parent, str) or not parent or "/" in parent or parent in (".", ".."):
+            raise _broken(child.path, f"it names no valid parent ({parent!r})")
+        ppath = os.path.join(os.path.dirname(child.path), parent)
+        if ppath in seen:
+            raise _broken(child.path, f"its parent {parent} is already in the chain (a cycle)")
+        seen.add(ppath)
+        try:
+            pm = load_manifest(ppath)
+        except (CheckpointNotFoundError, CheckpointCorruptError, DistCkptError) as exc:
+            raise _broken(ppath, f"the parent of {os.path.basename(child.path)} cannot be read "
+                                 f"({type(exc).__name__}: {getattr(exc, 'message', exc)})", cause=exc) from exc
+        pinfo = chain_info(pm)
+        if pm.save_id != meta.get("parent_save_id"):
+            raise _broken(ppath, f"it is not the checkpoint {os.path.basename(child.path)} was saved against "
+                                 f"(save id {pm.save_id}, expected {meta.get('parent_save_id')}): it was replaced")
+        if pinfo is None or pinfo.get("chain") != meta.get("chain"):
+            raise _broken(ppath, f"it belongs to another chain than {os.path.basename(child.path)}")
+        if pinfo.get("seq") != meta.get("seq", 0) - 1 or pinfo.get("tracked") != meta.get("tracked"):
+            raise _broken(ppath, "its position or tracked tensors do not match its child's")
+        links.append(ChainLink(ppath, pm, pinfo))
+    if links[-1].kind != "full":
+        raise _broken(links[-1].path, f"the chain ends in a {links[-1].kind!r} link, not a full checkpoint")
+    return links
+
+
+def dependencies(path: str | os.PathLike) -> list[str]:
+    """Directory names of the links ``path`` depends on (its ancestors), best effort: stops at the
+    first link that cannot be read (it never raises; used by rotation to decide what to keep)."""
+    path = os.path.abspath(os.fspath(path))
+    out: list[str] = []
+    try:
+        info = chain_info(load_manifest(path))
+        while info is not None and info.get("kind") == "delta" and isinstance(info.get("parent"), str):
+            parent = info["parent"]
+            if parent in out or "/" in parent:
+                break
+            out.append(parent)
+            info = chain_info(load_manifest(os.path.join(os.path.dirname(path), parent)))
+    except Exception:  # noqa: BLE001 - a broken link ends the walk; load reports it, not rotation
+        pass
+    return out
+
+
+def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:
+    """Check the chain's structure (:func:`chain_of`) and every link's data (distckpt.verify).
+
+    Returns [(link path, VerifyReport)], newest first. Raises ChainBrokenError for a structural
+    break (a missing or replaced link); damaged data is reported in the links' reports."""
+    from .verify import verify
+    return [(link.path, verify(link.path, **verify_kwargs)) for link in chain_of(path)]

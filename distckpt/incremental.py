@@ -1,0 +1,624 @@
+"""Incremental checkpoints of row-sharded tensors (embedding tables and their optimizer state).
+
+A *chain* is a full checkpoint (the *base*) followed by *deltas*; each delta holds, for every
+tracked tensor, only the rows whose bytes changed since the previous link (its *parent*), and in
+full everything else of the state dict (dense parameters, scalars, ...). Every link is a normal
+atomic distckpt checkpoint; its chain position sits in the manifest's user metadata under
+``"distckpt.chain"`` (docs/INCREMENTAL.md)::
+
+    saver = IncrementalSaver(IncrementalPolicy(rows={"model.emb.weight": 0}, full_every=8))
+    saver.save(state_dict, "/ckpt/step_00000100")     # collective; full or delta, as the policy says
+    distckpt.load(state_dict, "/ckpt/step_00000150")  # composes base + deltas, any plan / world size
+
+Change tracking: per row, a 64-bit digest of the row's bytes (computed vectorised in torch, in
+blocks of rows) is kept from the last save and compared with the current one. It is exact where it
+matters: a change confined to one 32-bit word of a row always changes the digest (every step of
+the per-word mixing is a bijection), and any other change escapes with probability about 2^-64.
+It depends on nothing but the bytes: optimizer-only updates, rows written by hand, and updates from
+any code path are all seen, which tracking the ids of looked-up rows cannot promise.
+
+Invariants:
+  * A delta names its parent by directory name and save id; a link whose parent is missing,
+    replaced (another save id), damaged or of another chain raises :class:`ChainBrokenError`
+    before a byte of the chain is read. Nothing is ever composed from a partial chain.
+  * The saver's digests advance only when a save committed: a failed or crashed save leaves
+    them (and the chain on disk) at the previous link, so the next delta is relative to a link
+    that exists.
+  * All ranks take the same full/delta decision (one all-gather of the per-rank counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies, verify_chain
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
+from .staging import dtype_from_name
+
+log = logging.getLogger("distckpt")
+
+__all__ = ["IncrementalPolicy", "IncrementalSaver", "ChainLink", "chain_of", "chain_info", "dependencies",
+           "verify_chain", "row_digests", "META_KEY"]
+
+_DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
+
+
+# ------------------------------------------------------------------------------------------------
+# Row digests
+
+_MASK32 = 0xFFFFFFFF
+_Q = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: odd, so multiplying by it is a bijection
+_MULTS: dict[int, torch.Tensor] = {}
+_BLOCK_ELEMS = 1 << 16   # int64 temporaries per block: 512 KiB (cache-sized)
+
+
+def _multipliers(width: int) -> torch.Tensor:
+    m = _MULTS.get(width)
+    if m is None:
+        g = torch.Generator().manual_seed(0x5EED)
+        m = torch.randint(-(1 << 62), 1 << 62, (width,), generator=g, dtype=torch.int64) * 2 + 1  # odd
+        _MULTS[width] = m
+    return m
+
+
+def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
+    """A 64-bit digest (int64) of the bytes of every slice ``t.select(row_dim, i)``.
+
+    A row is read as words of 64 bits (32, 16 or 8 when its size is not a multiple of 8): word j
+    of value w becomes x = w * P_j, then x ^ (x >>> 32), then * Q (P_j, Q odd; all mod 2^64), and
+    a row's digest is the sum of its words'. Each step is a bijection, so a change confined to one
+    word always changes the digest; other changes escape with probability about 2^-64. Bit-exact:
+    -0.0 and 0.0, NaN payloads differ. Memory: blocks of rows, a few hundred KiB of temporaries
+    whatever the tensor's size (small blocks stay in cache: 2-3x faster than large ones).
+    """
+    x = t.detach().movedim(row_dim, 0)
+    n = x.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    row_bytes = x[0].numel() * x.element_size()
+    if row_bytes == 0:
+        return torch.zeros(n, dtype=torch.int64)
+    word, mask = next((w, m) for w, m in ((torch.int64, None), (torch.int32, _MASK32), (torch.int16, 0xFFFF),
+                                          (torch.uint8, 0xFF)) if row_bytes % torch.empty(0, dtype=w).element_size() == 0)
+    width = row_bytes // torch.empty(0, dtype=word).element_size()
+    mult = _multipliers(width)
+    step = max(1, _BLOCK_ELEMS // width)
+    out = torch.empty(n, dtype=torch.int64)
+    for a in range(0, n, step):
+        blk = x[a:a + step].to("cpu").contiguous().reshape(-1).view(torch.uint8).view(word).reshape(-1, width)
+        if mask is None:
+            h = blk * mult
+        else:
+            h = blk.to(torch.int64).bitwise_and_(mask).mul_(mult)
+        h.bitwise_xor_(h.bitwise_right_shift(32).bitwise_and_(_MASK32)).mul_(_Q)
+        out[a:a + step] = h.sum(dim=1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class IncrementalPolicy:
+    """When a save is a delta and which tensors are tracked.
+
+    Args:
+        rows: the tracked tensors, ``{fqn: row dimension}`` (fqns as in the checkpoint,
+            ``"model.emb.weight"``), or a callable taking the state dict and returning that
+            (``distckpt.integrations.torchrec.incremental_rows`` for a TorchRec state dict). None:
+            every ShardedTensor / DTensor leaf, row dimension 0. Tracked leaves must sit in dicts.
+        full_every: at most this many links per chain: a full checkpoint at least every
+            ``full_every`` saves (1: every save is full).
+        max_delta_fraction: a save whose changed rows exceed this fraction of the tracked bytes
+            is written full instead (a delta would cost about as much and lengthen the chain).
+        max_chain_fraction: a save is written full once the chain's deltas would hold more than
+            this fraction of the tracked bytes. A restore reads the base plus every delta and
+            scatters the deltas' rows, so this bounds its cost: measured 1.1-1.5x a full
+            checkpoint's restore at 0.25 (docs/BENCHMARKS.md).
+    """
+
+    rows: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
+    full_every: int = 8
+    max_delta_fraction: float = 0.3
+    max_chain_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.full_every, int) or self.full_every < 1:
+            raise ConfigError(f"full_every={self.full_every!r} must be a positive int")
+        for name in ("max_delta_fraction", "max_chain_fraction"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v >= 0:
+                raise ConfigError(f"{name}={v!r} must be a number >= 0")
+
+
+# ------------------------------------------------------------------------------------------------
+# State-dict plumbing (tracked leaves live in dicts)
+
+
+def _resolve_rows(rows: Any, state_dict: Any, items: dict) -> dict[str, int]:
+    from .flatten import TensorItem
+    if callable(rows):
+        rows = rows(state_dict)
+    if rows is None:
+        rows = {f: 0 for f, it in items.items() if isinstance(it, TensorItem) and it.kind != "tensor" and it.shape}
+    out = {}
+    for fqn, d in dict(rows).items():
+        it = items.get(fqn)
+        if not isinstance(it, TensorItem):
+            raise ConfigError(f"incremental rows: {fqn!r} is not a tensor of the state dict")
+        if not isinstance(d, int) or not 0 <= d < len(it.shape):
+            raise ConfigError(f"incremental rows: row dimension {d!r} of {fqn!r} (shape {list(it.shape)})")
+        if not all(isinstance(k, str) for k in it.path):
+            raise ConfigError(f"incremental rows: {fqn!r} must be reachable through dicts with str keys")
+        out[fqn] = d
+    return out
+
+
+def _without(tree: dict, paths: list[tuple]) -> dict:
+    """A copy of ``tree`` without the leaves at ``paths`` (only the dicts on those paths copied)."""
+    heads: dict[Any, list[tuple]] = {}
+    for p in paths:
+        heads.setdefault(p[0], []).append(p[1:])
+    out = dict(tree)
+    for k, rests in heads.items():
+        if any(not r for r in rests):
+            out.pop(k, None)
+        elif isinstance(tree.get(k), dict):
+            out[k] = _without(tree[k], rests)
+    return out
+
+
+def _write_back(orig: dict, copy: dict, paths: list[tuple]) -> None:
+    """Put the values a load replaced in the copy made by :func:`_without` back into ``orig``
+    (tensors were filled in place; plain values were replaced in the copy's dicts)."""
+    heads: dict[Any, list[tuple]] = {}
+    for p in paths:
+        heads.setdefault(p[0], []).append(p[1:])
+    for k, v in copy.items():
+        rests = heads.get(k)
+        if rests and isinstance(v, dict) and isinstance(orig.get(k), dict) and all(rests):
+            _write_back(orig[k], v, rests)
+        elif orig.get(k) is not v:
+            orig[k] = v
+
+
+def _only(tree: dict, paths: list[tuple]) -> dict:
+    """The leaves at ``paths`` of ``tree`` in dicts of the same nesting."""
+    out: dict = {}
+    for p in paths:
+        node, dst = tree, out
+        for k in p[:-1]:
+            node = node[k]
+            dst = dst.setdefault(k, {})
+        dst[p[-1]] = node[p[-1]]
+    return out
+
+
+def _piece_key(fqn: str, offsets: tuple, sizes: tuple) -> tuple:
+    return (fqn, tuple(offsets), tuple(sizes))
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+
+
+class IncrementalSaver:
+    """Saves a chain: full checkpoints and deltas against the previous link, per the policy.
+
+    One saver per job (it holds the digests of the last committed link: 8 bytes per tracked row
+    on this rank). After a restart, :meth:`resume` with the state just loaded continues the chain
+    of the loaded checkpoint; without it the first save is full.
+    """
+
+    def __init__(self, policy: IncrementalPolicy | None = None) -> None:
+        self.policy = policy or IncrementalPolicy()
+        self._digests: dict[tuple, torch.Tensor] = {}
+        self._link: dict | None = None   # chain metadata + path + save_id of the last committed link
+        self.last_kind: str | None = None
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def _local(self, state_dict: Any, group: Any):
+        from .flatten import flatten
+        _tree, items = flatten(state_dict, check_objects=False)
+        rows = _resolve_rows(self.policy.rows, state_dict, items)
+        if _DELTA_ROOT in (state_dict if isinstance(state_dict, dict) else {}):
+            raise ConfigError(f"an incremental state dict may not use the root key {_DELTA_ROOT!r}")
+        if not isinstance(state_dict, dict):
+            raise ConfigError("an incremental save needs a dict as the state dict's root")
+        pieces = []   # (fqn, j, piece index, Piece, digests)
+        for j, fqn in enumerate(sorted(rows)):
+            it, d = items[fqn], rows[fqn]
+            if it.kind == "tensor" and group.rank != 0:
+                continue  # a plain tensor is a replica: the lowest rank writes it
+            for i, p in enumerate(it.pieces):
+                pieces.append((fqn, j, i, p, row_digests(p.tensor, d)))
+        return items, rows, pieces
+
+    def resume(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None) -> None:
+        """Continue the chain of the checkpoint at ``path`` whose state ``state_dict`` now holds
+        (right after loading it): the next save may be a delta against it. Collective."""
+        from ._dist import control_group
+        group = control_group(process_group, operation="IncrementalSaver.resume()")
+        path = os.path.abspath(os.fspath(path))
+        links = chain_of(path)
+        _items, rows, pieces = self._local(state_dict, group)
+        meta = links[0].meta
+        if meta.get("chain") is None or sorted(rows) != [f for f, _d in meta.get("tracked", [])] \
+                or any(rows[f] != d for f, d in meta.get("tracked", [])):
+            self._digests, self._link = {}, None   # not a chain of these tensors: next save is full
+            return
+        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
+        self._link = dict(meta, path=path, save_id=links[0].manifest.save_id)
+
+    # -- the save ----------------------------------------------------------------------------------
+
+    def save(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
+             metadata: dict | None = None, force_full: bool = False, **save_kwargs: Any):
+        """Save ``state_dict`` at ``path`` as the next link of the chain (collective).
+
+        A delta when the policy allows (and the previous link is still committed, unreplaced, in
+        the same directory), else a full checkpoint. ``save_kwargs`` go to :func:`distckpt.save`.
+        Returns its SaveResult; ``self.last_kind`` is ``"full"`` or ``"delta"``.
+
+        Raises what :func:`distckpt.save` raises, and ConfigError for a bad ``rows`` policy.
+        After a failure the chain and this saver stay at the previous link.
+        """
+        from ._dist import control_group
+        from .restore import load_manifest
+        from .save import save
+        path = os.path.abspath(os.fspath(path))
+        group = control_group(process_group, operation="IncrementalSaver.save()")
+        items, rows, pieces = self._local(state_dict, group)
+        tracked = [[f, rows[f]] for f in sorted(rows)]
+        changed_bytes = total_bytes = changed_rows = total_rows = 0
+        unknown = False
+        selections = []
+        for fqn, j, i, p, dg in pieces:
+            d = rows[fqn]
+            prev = self._digests.get(_piece_key(fqn, p.offsets, p.sizes))
+            if prev is None or prev.shape != dg.shape:
+                unknown = True
+                sel = torch.arange(dg.numel())
+            else:
+                sel = torch.nonzero(dg != prev).reshape(-1)
+            n = dg.numel()
+            row_bytes = (p.tensor.numel() // max(n, 1)) * p.tensor.element_size()
+            changed_rows += sel.numel()
+            total_rows += n
+            changed_bytes += sel.numel() * row_bytes
+            total_bytes += n * row_bytes
+            selections.append(sel)
+        link = self._link
+        parent_ok = False
+        if link is not None and group.rank == 0 and os.path.dirname(link["path"]) == os.path.dirname(path):
+            try:
+                parent_ok = load_manifest(link["path"]).save_id == link["save_id"]
+            except DistCkptError:
+                parent_ok = False
+        stats = group.all_gather((changed_bytes, total_bytes, changed_rows, total_rows, unknown, parent_ok))
+        c_bytes, t_bytes = sum(s[0] for s in stats), sum(s[1] for s in stats)
+        pol = self.policy
+        why = None
+        if force_full:
+            why = "asked"
+        elif link is None:
+            why = "no previous link"
+        elif not stats[0][5]:
+            why = f"the previous link {link['path']} is gone, replaced or in another directory"
+        elif any(s[4] for s in stats):
+            why = "tracked tensors or their sharding changed since the previous link"
+        elif link.get("tracked") != tracked:
+            why = "the tracked tensors changed"
+        elif link["seq"] + 1 >= pol.full_every:
+            why = f"full_every={pol.full_every}"
+        elif c_bytes > pol.max_delta_fraction * t_bytes:
+            why = f"{c_bytes} changed bytes > max_delta_fraction={pol.max_delta_fraction} of {t_bytes}"
+        elif link.get("chain_bytes", 0) + c_bytes > pol.max_chain_fraction * t_bytes:
+            why = f"the chain's deltas would exceed max_chain_fraction={pol.max_chain_fraction}"
+        name = os.path.basename(path)
+        if why is None:
+            info = {"format": FORMAT, "kind": "delta", "chain": link["chain"], "seq": link["seq"] + 1,
+                    "base": link["base"], "parent": os.path.basename(link["path"]),
+                    "parent_save_id": link["save_id"], "tracked": tracked,
+                    "chain_bytes": link.get("chain_bytes", 0) + c_bytes, "link_bytes": c_bytes,
+                    "tracked_bytes": t_bytes, "rows_written": sum(s[2] for s in stats),
+                    "rows_total": sum(s[3] for s in stats)}
+            records: dict[str, dict] = {}
+            for (fqn, j, i, p, _dg), sel in zip(pieces, selections):
+                if sel.numel() == 0:
+                    continue
+                d = rows[fqn]
+                t = p.tensor
+                vals = t.detach().index_select(d, sel.to(t.device)).movedim(d, 0).contiguous()
+                box = [[int(v) for v in p.offsets], [int(v) for v in p.sizes]]   # a value: in the MANIFEST
+                ids = sel + p.offsets[d]
+                if ids.numel() and int(ids[-1]) < 2**31:  # 4 bytes a row instead of 8
+                    ids = ids.to(torch.int32)
+                records.setdefault(str(j), {})[f"r{group.rank}p{i}"] = {"box": box, "ids": ids, "rows": vals}
+            to_save = _without(state_dict, [items[f].path for f in rows])
+            to_save[_DELTA_ROOT] = records
+        else:
+            info = {"format": FORMAT, "kind": "full", "chain": uuid.uuid4().hex, "seq": 0, "base": name,
+                    "parent": None, "parent_save_id": None, "tracked": tracked, "chain_bytes": 0,
+                    "link_bytes": t_bytes, "tracked_bytes": t_bytes, "rows_written": sum(s[3] for s in stats),
+                    "rows_total": sum(s[3] for s in stats), "why": why}
+            info = group.broadcast(info)   # one chain id for every rank
+            to_save = state_dict
+        meta = dict(metadata or {})
+        meta[META_KEY] = info
+        try:
+            result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
+        except DistCkptError as exc:
+            if getattr(exc, "committed", False) is True:   # committed, then an after-commit step failed
+                self._advance(info, path, pieces)
+            raise
+        self._advance(info, path, pieces)
+        return result
+
+    def _advance(self, info: dict, path: str, pieces: list) -> None:
+        from .restore import load_manifest
+        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
+        self._link = dict(info, path=path, save_id=load_manifest(path).save_id)
+        self.last_kind = info["kind"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Composing a chain on load
+
+
+@dataclasses.dataclass
+class _Target:
+    offsets: tuple
+    sizes: tuple
+    tensor: torch.Tensor
+
+
+class _ScatterRows:
+    """A read destination (see distckpt.restore.fill_boxes) whose dim-0 index i is row ``idx[i]``
+    of ``target``: the fill narrows it to each unit's box and copies the unit in with one
+    ``index_copy_``."""
+
+    def __init__(self, target: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> None:
+        self.target, self.idx, self.dtype = target, idx, dtype
+
+    def is_contiguous(self) -> bool:
+        return False   # never a flat byte run: the fill takes the narrow/copy_ path
+
+    def narrow(self, dim: int, start: int, length: int) -> "_ScatterRows":
+        if dim == 0:
+            return _ScatterRows(self.target, self.idx.narrow(0, start, length), self.dtype)
+        return _ScatterRows(self.target.narrow(dim, start, length), self.idx, self.dtype)
+
+    def copy_(self, src: torch.Tensor) -> None:
+        self.target.index_copy_(0, self.idx, src.to(dtype=self.target.dtype, device=self.target.device))
+
+
+def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
+    """The (offsets, sizes) a delta record's piece covers, checked to be plain ints."""
+    from .restore import _object_value
+    box = _object_value(link.manifest.objects[fqn], link.manifest, fqn, link.path)
+    if (not isinstance(box, list) or len(box) != 2 or len(box[0]) != len(box[1])
+            or not all(isinstance(v, int) and v >= 0 for v in box[0] + box[1])):
+        raise _broken(link.path, f"delta record {fqn} is not a box: {box!r}")
+    return box[0], box[1]
+
+
+def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
+    """{piece name: {"box"|"ids"|"rows": fqn}} of tracked tensor number ``j`` in a delta link."""
+    prefix = f"{_DELTA_ROOT}.{j}."
+    out: dict[str, dict[str, str]] = {}
+    for fqn in list(link.manifest.tensors) + list(link.manifest.objects):
+        if fqn.startswith(prefix):
+            piece, _, what = fqn[len(prefix):].rpartition(".")
+            out.setdefault(piece, {})[what] = fqn
+    for piece, parts in out.items():
+        if set(parts) != {"box", "ids", "rows"}:
+            raise _broken(link.path, f"delta record {prefix}{piece} lacks {sorted({'box', 'ids', 'rows'} - set(parts))}")
+    return out
+
+
+def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
+                  verify: bool) -> int:
+    """Write the rows of ``deltas`` (oldest first) into ``targets``; each (row, column range) is
+    read from the newest link holding it only (older copies are skipped, not read, unless they
+    sit between newer rows of the same record). Returns the bytes read."""
+    from .restore import read_boxes
+    nread = 0
+    order = sorted(tracked)
+
+    def read(link: ChainLink, requests: list, what: str) -> list[torch.Tensor]:
+        try:
+            return read_boxes(link.path, link.manifest, requests, verify=verify)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            raise _broken(link.path, f"its {what} cannot be read ({type(exc).__name__}: "
+                                     f"{getattr(exc, 'message', exc)})", cause=exc) from exc
+
+    # Pass 1: the ids (4 bytes a row) of every saved piece that overlaps a target piece of this
+    # rank (the pieces' boxes are values in the MANIFEST), one read per link.
+    entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, hi, target rows)
+    for li, link in enumerate(deltas):
+        pieces = []
+        for fqn in targets:
+            for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items()):
+                soff, ssz = _box_value(link, parts["box"])
+                if any(len(soff) == len(t.offsets) and all(
+                        max(a, b) < min(a + m, b + n) for a, m, b, n in zip(soff, ssz, t.offsets, t.sizes))
+                       for t in targets[fqn]):
+                    pieces.append((fqn, parts, soff, ssz))
+                elif any(len(soff) != len(t.offsets) for t in targets[fqn]):
+                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
+        got = read(link, [(parts["ids"], (0,), tuple(link.manifest.tensors[parts["ids"]].shape))
+                          for _f, parts, _o, _s in pieces], "delta row ids")
+        for (fqn, parts, soff, ssz), ids in zip(pieces, got):
+            nread += ids.numel() * ids.element_size()
+            ids = ids.to(torch.int64)
+            d = tracked[fqn]
+            for t in targets[fqn]:
+                if len(soff) != len(t.offsets):
+                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims for a tensor of "
+                                             f"{len(t.offsets)}")
+                region = []
+                for k2 in range(len(soff)):
+                    if k2 == d:
+                        continue
+                    lo2 = max(soff[k2], t.offsets[k2])
+                    hi2 = min(soff[k2] + ssz[k2], t.offsets[k2] + t.sizes[k2])
+                    if hi2 <= lo2:
+                        break
+                    region.append((k2, lo2, hi2))
+                else:
+                    r0, n = t.offsets[d], t.sizes[d]
+                    lo = int(torch.searchsorted(ids, r0))
+                    hi = int(torch.searchsorted(ids, r0 + n))
+                    if hi > lo:
+                        entries.append((li, fqn, t, parts, soff, tuple(region), lo, hi, ids[lo:hi] - r0))
+    # Pass 2: the newest link holding each (row, region) of a target; a region covers another
+    # when it contains it in every non-row dimension.
+    last: dict[tuple, torch.Tensor] = {}
+    for li, fqn, t, _parts, _soff, region, _lo, _hi, rows in entries:
+        key = (id(t), region)
+        if key not in last:
+            last[key] = torch.full((t.sizes[tracked[fqn]],), -1, dtype=torch.int64)
+        last[key][rows] = li
+    plans: list[list] = [[] for _ in deltas]
+    for li, fqn, t, parts, soff, region, lo, hi, rows in entries:
+        newest = None
+        for (tid, reg), arr in last.items():
+            if tid == id(t) and all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(region, reg)):
+                newest = arr[rows] if newest is None else torch.maximum(newest, arr[rows])
+        keep = torch.nonzero(newest == li).reshape(-1)
+        if keep.numel():
+            plans[li].append((fqn, t, parts, soff, region, lo, rows, keep))
+    # Pass 3: per link, oldest first, one read of the row spans holding newest copies, scattered
+    # from the read buffers straight into the targets (no copy of the rows in between: fresh
+    # memory is slow to touch). Older rows inside a span are written too and then overwritten by
+    # the newer links, which come later.
+    from .restore import fill_boxes
+    for li, plan in enumerate(plans):
+        if not plan:
+            continue
+        link = deltas[li]
+        reqs = []
+        for fqn, t, parts, soff, region, lo, rows, keep in plan:
+            first, lastk = int(keep[0]), int(keep[-1])
+            offs, szs = [lo + first], [lastk - first + 1]
+            for (k2, a, b) in region:
+                offs.append(a - soff[k2])
+                szs.append(b - a)
+            if len(link.manifest.tensors[parts["rows"]].shape) != len(offs):
+                raise _broken(link.path, f"{fqn}: delta rows do not match their box")
+            tv = t.tensor.movedim(tracked[fqn], 0)
+            for pos, (k2, a, b) in enumerate(region):
+                tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
+            dtype = dtype_from_name(link.manifest.tensors[parts["rows"]].dtype, path=link.path)
+            reqs.append((parts["rows"], tuple(offs), tuple(szs),
+                         _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype)))
+            nread += szs[0] * (tv[0].numel() if tv.shape[0] else 0) * dtype.itemsize
+        try:
+            fill_boxes(link.path, link.manifest, reqs, verify=verify)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            raise _broken(link.path, f"its delta rows cannot be read ({type(exc).__name__}: "
+                                     f"{getattr(exc, 'message', exc)})", cause=exc) from exc
+    return nread
+
+
+def _targets(items: dict, tracked: dict[str, int]) -> dict[str, list[_Target]]:
+    return {f: [_Target(tuple(p.offsets), tuple(p.sizes), p.tensor) for p in items[f].pieces]
+            for f in tracked if f in items and hasattr(items[f], "pieces")}
+
+
+def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist: bool = False,
+               verify: bool = True, **load_kwargs: Any):
+    """:func:`distckpt.load` of a delta link: the tracked tensors from the chain's base plus every
+    delta, everything else from ``path`` itself. Called by distckpt.load; collective.
+
+    Raises ChainBrokenError (the chain's structure before anything is read; a damaged link's data
+    as found), and what distckpt.load raises."""
+    import time
+
+    from ._dist import ControlGroup, control_group
+    from .flatten import flatten
+    from .restore import load
+    t0 = time.monotonic()
+    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
+    links, error = None, None
+    try:
+        links = chain_of(path)
+    except Exception as exc:  # noqa: BLE001 - every rank raises the same way, below
+        error = exc
+    group.exchange_outcome(error, operation="load")
+    tracked = links[0].tracked
+    if not isinstance(state_dict, dict):
+        raise ConfigError("loading an incremental checkpoint needs a dict as the state dict's root")
+    _tree, items = flatten(state_dict, check_objects=False)
+    present = {f: items[f].path for f in tracked if f in items and all(isinstance(k, str) for k in items[f].path)}
+    kw = dict(process_group=process_group, no_dist=no_dist, verify=verify, _follow_chain=False, **load_kwargs)
+    base = links[-1]
+    try:
+        r_base = load(_only(state_dict, list(present.values())), base.path, **kw) if present else None
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        raise _broken(base.path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
+    rest = _without(state_dict, list(present.values()))
+    result = load(rest, path, **kw)
+    _write_back(state_dict, rest, list(present.values()))
+    error, nread = None, 0
+    try:
+        nread = _apply_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in present}),
+                              tracked, verify)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    group.exchange_outcome(error, operation="load")
+    return dataclasses.replace(result, bytes_read=result.bytes_read + (r_base.bytes_read if r_base else 0) + nread,
+                               seconds=time.monotonic() - t0)
+
+
+def read_chain(path: str, keys: Any, verify: bool, allow_pickle: bool) -> dict:
+    """:func:`distckpt.read` of a delta link: full tensors, base + deltas composed."""
+    from .restore import _read
+    links = chain_of(path)
+    tracked = links[0].tracked
+    newest = links[0].manifest
+    saved_rest = [f for f in list(newest.tensors) + list(newest.objects) if not f.startswith(_DELTA_ROOT + ".")]
+
+    def picks(fqn: str, wanted: list[str]) -> bool:
+        return any(fqn == k or fqn.startswith(k + ".") for k in wanted)
+    if keys is None:
+        want_tracked, rest_keys = sorted(tracked), None
+    else:
+        wanted = list(keys)
+        want_tracked = [f for f in sorted(tracked) if picks(f, wanted)]
+        rest_keys = [k for k in wanted if any(picks(f, [k]) for f in saved_rest)]
+        unknown = [k for k in wanted if k not in rest_keys and not any(picks(f, [k]) for f in tracked)]
+        if unknown:
+            from .errors import StateDictMismatchError
+            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
+                                         unexpected=[], shape_mismatch={}, dtype_mismatch={})
+    out = _read(path, rest_keys, verify, allow_pickle, follow_chain=False) if rest_keys is None or rest_keys else {}
+    out.pop(_DELTA_ROOT, None)
+    if want_tracked:
+        try:
+            base = _read(links[-1].path, want_tracked, verify, allow_pickle)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            raise _broken(links[-1].path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
+        from .flatten import flatten
+        _tree, items = flatten(base, check_objects=False)
+        _apply_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in want_tracked}),
+                      tracked, verify)
+        _merge(out, base)
+    return out
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v

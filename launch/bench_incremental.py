@@ -1,0 +1,157 @@
+"""Benchmark: incremental (delta) vs full checkpoints of TorchRec tables, 2 ranks, one run.
+
+    torchrun --standalone --nproc-per-node 2 launch/bench_incremental.py --dir /var/tmp/bench_incr \
+        --rows 250000 --dim 64 --tables 4 --rounds 7 [--force-deltas]
+
+Model: launch/bench_torchrec.py's (``--tables`` tables of rows x dim float32, fused
+EXACT_ROWWISE_ADAGRAD, sharded column-wise / table-wise / row-wise / table-wise over 2 ranks).
+For each touched fraction (1 %, 5 %, 20 %): a full incremental base, then ``--rounds`` rounds of
+(one training step whose batch looks up a random ``fraction`` of every table's rows, exactly once
+each: the fused optimizer updates those rows' weights and momentum; an incremental save under the
+default policy, which writes a delta or, when the chain is long enough, a full checkpoint; a plain
+full save of the same state for comparison). Then a restore of the longest chain of the run (its
+base plus every delta) and of the plain full checkpoint of the same step, into the same model,
+alternated twice (the faster of each kept). Reported per fraction (medians over the delta rounds):
+bytes written by a delta and by a full save, the changed rows' own bytes (weights + momentum of the
+rows whose bytes changed), delta / changed, save seconds of each, the links' kinds, and restore
+seconds of the chain vs the full checkpoint. Rank 0 prints one JSON line per fraction, after one
+line with the cost of the row digests alone. The page cache is left as it is (warm reads for both
+restores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import distckpt  # noqa: E402
+from distckpt.incremental import IncrementalPolicy, IncrementalSaver, row_digests  # noqa: E402
+from distckpt.integrations import torchrec as dtr  # noqa: E402
+from launch.bench_torchrec import build  # noqa: E402
+
+
+def timed(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - t0, out
+
+
+def touch(dmp, tables: int, rows: int, fraction: float, seed: int, rank: int, world: int) -> None:
+    """One training step looking up a random ``fraction`` of each table's rows once each."""
+    from torchrec import KeyedJaggedTensor
+    g = torch.Generator().manual_seed(seed)
+    n = int(rows * fraction)
+    ids = [torch.randperm(rows, generator=g)[:n] for _ in range(tables)]
+    per = n // world
+    vals = torch.cat([t[rank * per:(rank + 1) * per] for t in ids])
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(tables)], values=vals,
+                                              lengths=torch.ones(per * tables, dtype=torch.int64))
+    dmp(kjt).values().sum().backward()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--rows", type=int, default=250000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--tables", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=7, help="train + save rounds after the first full save")
+    ap.add_argument("--force-deltas", action="store_true", help="every round a delta, whatever the policy says")
+    ap.add_argument("--fractions", default="0.01,0.05,0.2")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dmp = build(rank, world, args.tables, args.rows, args.dim)
+    sd = dtr.state_dict(dmp)
+    # Digest cost alone: every local tracked row of this rank, hashed once.
+    rows_of = dtr.incremental_rows(sd)
+    from distckpt.flatten import flatten
+    _t, items = flatten(sd, check_objects=False)
+    t0 = time.perf_counter()
+    nbytes = 0
+    for fqn, d in rows_of.items():
+        for p in items[fqn].pieces:
+            row_digests(p.tensor, d)
+            nbytes += p.tensor.numel() * p.tensor.element_size()
+    digest_s = time.perf_counter() - t0
+    if rank == 0:
+        print(json.dumps({"digest_seconds_rank0": round(digest_s, 3), "digest_bytes_rank0": nbytes,
+                          "digest_GiB_per_s": round(nbytes / digest_s / 2**30, 3)}), flush=True)
+    for fi, fraction in enumerate(float(x) for x in args.fractions.split(",")):
+        root = os.path.join(args.dir, f"f{fraction}")
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root)
+        dist.barrier()
+        # The default policy (full_every=8, max_delta_fraction=0.3, max_chain_fraction=0.25), or
+        # --force-deltas: every round a delta (long chains, to see restore cost grow with them).
+        policy = (IncrementalPolicy(rows=dtr.incremental_rows, full_every=args.rounds + 1, max_delta_fraction=1.0,
+                                    max_chain_fraction=float(args.rounds))
+                  if args.force_deltas else IncrementalPolicy(rows=dtr.incremental_rows))
+        saver = IncrementalSaver(policy)
+        sd = dtr.state_dict(dmp)
+        _s, res = timed(lambda: saver.save(sd, os.path.join(root, "link0")))
+        assert saver.last_kind == "full"
+        rec = {"delta_bytes": [], "full_bytes": [], "changed_bytes": [], "delta_s": [], "full_s": [],
+               "changed_rows": [], "rows_total": 0, "kinds": []}
+        for k in range(1, args.rounds + 1):
+            touch(dmp, args.tables, args.rows, fraction, 1000 * fi + k, rank, world)
+            sd = dtr.state_dict(dmp)
+            ds, dres = timed(lambda: saver.save(sd, os.path.join(root, f"link{k}")))
+            link = saver._link
+            rec["kinds"].append(f"{saver.last_kind}:{link['seq']}")
+            fs, fres = timed(lambda: distckpt.save(sd, os.path.join(root, f"full{k}")))
+            rec["full_bytes"].append(fres.total_bytes)
+            rec["full_s"].append(fs)
+            if saver.last_kind == "delta":
+                rec["delta_bytes"].append(dres.total_bytes)
+                rec["changed_bytes"].append(link["link_bytes"])
+                rec["changed_rows"].append(link["rows_written"])
+                rec["rows_total"] = link["rows_total"]
+                rec["delta_s"].append(ds)
+            dist.barrier()
+        # Restore the longest chain of the run (the newest link of the highest position) and the
+        # plain full checkpoint of the same step.
+        seqs = [int(x.split(":")[1]) for x in rec["kinds"]]
+        last = max(range(1, args.rounds + 1), key=lambda k: (seqs[k - 1], k))
+        chain_s, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"link{last}")))
+        full_load_s, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"full{last}")))
+        chain_s2, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"link{last}")))
+        full_load_s2, _ = timed(lambda: dtr.load(dmp, os.path.join(root, f"full{last}")))
+        med = statistics.median
+        if rank == 0:
+            out = {
+                "fraction": fraction, "rows": args.rows, "dim": args.dim, "tables": args.tables, "world": world,
+                "rows_changed_frac": round(med(rec["changed_rows"]) / rec["rows_total"], 4),
+                "delta_MiB": round(med(rec["delta_bytes"]) / 2**20, 2),
+                "changed_rows_MiB": round(med(rec["changed_bytes"]) / 2**20, 2),
+                "delta_over_changed": round(med(rec["delta_bytes"]) / med(rec["changed_bytes"]), 3),
+                "full_MiB": round(med(rec["full_bytes"]) / 2**20, 2),
+                "full_over_delta_bytes": round(med(rec["full_bytes"]) / med(rec["delta_bytes"]), 2),
+                "delta_save_s": round(med(rec["delta_s"]), 3), "full_save_s": round(med(rec["full_s"]), 3),
+                "delta_over_full_save_s": round(med(rec["delta_s"]) / med(rec["full_s"]), 3),
+                "kinds": rec["kinds"], "chain_links": seqs[last - 1] + 1,
+                "restore_chain_s": round(min(chain_s, chain_s2), 3),
+                "restore_full_s": round(min(full_load_s, full_load_s2), 3),
+                "restore_chain_over_full": round(min(chain_s, chain_s2) / min(full_load_s, full_load_s2), 3),
+            }
+            print(json.dumps(out), flush=True)
+            shutil.rmtree(root)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""Incremental checkpoints (distckpt.incremental, docs/INCREMENTAL.md).
+
+The TorchRec part is a DLRM-style model (launch/dlrm_train.py's: four tables, two of them
+EXACT_ROWWISE_ADAGRAD, one EXACT_ADAGRAD, one data-parallel with a dense torch Adagrad; column-wise,
+table-wise, row-wise and data-parallel on 2 ranks) trained on a Zipf-distributed id stream. One
+2-rank launch trains, saves through a CheckpointManager with an incremental policy every K steps
+(full and delta links), writes a plain full checkpoint of the same step as the reference, and is
+SIGKILLed on both ranks in the middle of the next save. Then: restore the chain at 2 ranks on
+another plan and at 1 rank, re-save the restored state as a plain full checkpoint, and compare
+it with the reference bit for bit (tables and optimizer state); after the 2-rank restore the job
+trains on and saves a delta against the restored step, which must compose exactly too.
+
+The rest runs in this process: exactness of the row digests, chains of plain tensors (rotation
+keeps what kept steps need, ChainBrokenError for a missing / replaced / damaged link, a crash
+between links), `distckpt verify` of a chain and the CHAIN column of `distckpt ls`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.cli import main as cli
+from distckpt.errors import ChainBrokenError
+from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of, row_digests
+from tests.distributed import RankError, run_ranks
+
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = 2            # save every K steps
+STEPS = 14       # the last acknowledged save; the save of STEPS + K is killed
+PLAN2 = {"t0": "column_wise:0,1", "t1": "table_wise:1", "t2": "row_wise", "t3": "data_parallel"}
+# Restore plan on 2 ranks: t0 keeps its two column blocks (its per-row state needs them), the rest moves.
+REPLAN2 = {"t0": "column_wise:1,0", "t1": "row_wise", "t2": "table_wise:0", "t3": "data_parallel"}
+PLAN1 = {"t0": "column_wise:0,0", "t1": "table_wise:0", "t2": "row_wise", "t3": "data_parallel"}
+
+
+def _dlrm():
+    spec = importlib.util.spec_from_file_location("dlrm_train", os.path.join(ROOT_DIR, "launch", "dlrm_train.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _zipf_batch(dlrm, step: int, rank: int, world: int):
+    """This rank's slice of global batch ``step``: ids drawn from a Zipf(1.1) law over each table's
+    rows (hot rows spread over the table by a fixed permutation)."""
+    from torchrec import KeyedJaggedTensor
+    g = torch.Generator().manual_seed(777 + step)
+    n = dlrm.GLOBAL_BATCH
+    dense_x = torch.randn(n, dlrm.DENSE_IN, generator=g)
+    labels = (torch.rand(n, generator=g) < 0.3).float()
+    per = n // world
+    vals, lens = [], []
+    for i, (rows, _d, _o) in enumerate(dlrm.TABLES.values()):
+        p = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 1.1
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(i))
+        lengths = torch.randint(1, 4, (n,), generator=g)
+        ids = perm[torch.multinomial(p, int(lengths.sum()), replacement=True, generator=g)]
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        vals.append(ids[offs[rank * per]:offs[(rank + 1) * per]])
+        lens.append(lengths[rank * per:(rank + 1) * per])
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{t}" for t in dlrm.TABLES], values=torch.cat(vals),
+                                              lengths=torch.cat(lens))
+    return dense_x[rank * per:(rank + 1) * per], kjt, labels[rank * per:(rank + 1) * per]
+
+
+def _train(dlrm, dmp, dense, step, rank, world):
+    dense_x, kjt, labels = _zipf_batch(dlrm, step, rank, world)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(dense_x, kjt), labels, reduction="sum")
+    (loss * world / dlrm.GLOBAL_BATCH).backward()
+    dense.step()
+    dense.zero_grad()
+
+
+def _policy():
+    from distckpt.integrations import torchrec as dtr
+    # Every fourth save full; the fractions are loose so that this short run makes deltas.
+    return IncrementalPolicy(rows=dtr.incremental_rows, full_every=4, max_delta_fraction=0.9,
+                             max_chain_fraction=5.0)
+
+
+def _train_and_crash(rank, world, root):
+    from distckpt.integrations import torchrec as dtr
+    dlrm = _dlrm()
+    dmp, dense = dlrm.build(rank, world, PLAN2)
+    mgr = distckpt.CheckpointManager(os.path.join(root, "ckpt"), keep_last=2, incremental=_policy())
+    kinds = {}
+    for step in range(STEPS + K):
+        _train(dlrm, dmp, dense, step, rank, world)
+        done = step + 1
+        if done % K:
+            continue
+        sd = dtr.state_dict(dmp, optimizers=[dense], extra={"step": done})
+        if done == STEPS + K:  # crash: both ranks SIGKILLed after writing their data, before MANIFEST
+            marker = os.path.join(root, "killed")
+            if rank == 0:
+                import distckpt.coordinator as co
+
+                def die(*a, **k):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                co._build_manifest = die
+            else:
+                def watch():
+                    while not os.path.exists(marker):
+                        time.sleep(0.01)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                threading.Thread(target=watch, daemon=True).start()
+            mgr.save(done, sd, replicated=dtr.rank0_keys(sd))
+            raise AssertionError("the save should have been killed")
+        mgr.save(done, sd, replicated=dtr.rank0_keys(sd))
+        kinds[done] = mgr._saver.last_kind
+        if done == STEPS:  # the reference: a plain full checkpoint of the same state
+            dtr.save(dmp, os.path.join(root, "ref"), optimizers=[dense], extra={"step": done})
+        if rank == 0:
+            with open(os.path.join(root, "kinds.json"), "w") as f:
+                json.dump({"kinds": kinds, "steps": mgr.steps()}, f)
+
+
+def _restore(rank, world, root, plan, tag, train_on):
+    from distckpt.integrations import torchrec as dtr
+    dlrm = _dlrm()
+    dmp, dense = dlrm.build(rank, world, plan)
+    mgr = distckpt.CheckpointManager(os.path.join(root, "ckpt"), keep_last=2, incremental=_policy())
+    step = mgr.latest_step()
+    extra = {"step": 0}
+    dtr.load(dmp, mgr.path(step), optimizers=[dense], extra=extra)
+    assert extra["step"] == step == STEPS
+    dtr.save(dmp, os.path.join(root, f"re_{tag}"), optimizers=[dense], extra=extra)
+    if not train_on:
+        return None
+    # Continue the chain of the restored step: the next save is a delta against it.
+    mgr._saver.resume(dtr.state_dict(dmp, optimizers=[dense], extra=extra), mgr.path(step))
+    for s in range(STEPS, STEPS + K):
+        _train(dlrm, dmp, dense, s, rank, world)
+    sd = dtr.state_dict(dmp, optimizers=[dense], extra={"step": STEPS + K})
+    mgr.save(STEPS + K, sd, replicated=dtr.rank0_keys(sd))
+    dtr.save(dmp, os.path.join(root, "ref_after"), optimizers=[dense], extra={"step": STEPS + K})
+    return mgr._saver.last_kind
+
+
+def _same_tables(a_path, b_path):
+    from distckpt.integrations import torchrec as dtr
+    a, b = dtr.read_tables(a_path), dtr.read_tables(b_path)
+    assert set(a["model"]) == set(b["model"]) and set(a["optim"]) == set(b["optim"])
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), f"model {k} differs"
+    for p, st in a["optim"].items():
+        assert set(st) == set(b["optim"][p])
+        for name, v in st.items():
+            assert torch.equal(v, b["optim"][p][name]), f"optim {p}.{name} differs"
+    assert a["extra"] == b["extra"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="needs torchrec")
+def test_torchrec_chain_crash_restore(tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(RankError) as ei:
+        run_ranks(_train_and_crash, 2, root, timeout=300)
+    assert all("exited with code -9" in tb for _e, tb in ei.value.errors.values()), ei.value
+    with open(os.path.join(root, "kinds.json")) as f:
+        record = json.load(f)
+    kinds = {int(k): v for k, v in record["kinds"].items()}
+    # full_every=4: full, delta, delta, delta, full, delta, delta
+    assert kinds == {2: "full", 4: "delta", 6: "delta", 8: "delta", 10: "full", 12: "delta", 14: "delta"}, kinds
+    ckpt = os.path.join(root, "ckpt")
+    # keep_last=2 keeps 12 and 14; 14 needs 12 and 10 (its base); 2..8 were freed.
+    assert record["steps"] == [10, 12, 14]
+    assert [os.path.basename(link.path) for link in chain_of(os.path.join(ckpt, "step_00000014"))] == [
+        "step_00000014", "step_00000012", "step_00000010"]
+    assert any(n.startswith(".step_00000016.tmp-") for n in os.listdir(ckpt)), os.listdir(ckpt)
+    # The chain composes in one process (distckpt.read) to the reference, bit for bit.
+    _same_tables(os.path.join(ckpt, "step_00000014"), os.path.join(root, "ref"))
+    # A delta holds the changed rows only: smaller than the full link.
+    sizes = {e.step: e.size_bytes for e in distckpt.CheckpointManager(ckpt).describe().entries}
+    assert sizes[12] < sizes[10] and sizes[14] < sizes[10], sizes
+
+    # Restore at 2 ranks on another plan, train on, save a delta against the restored step.
+    kinds_after = run_ranks(_restore, 2, root, REPLAN2, "two", True, timeout=300)
+    _same_tables(os.path.join(root, "re_two"), os.path.join(root, "ref"))
+    assert kinds_after == ["delta", "delta"]
+    _same_tables(os.path.join(ckpt, "step_00000016"), os.path.join(root, "ref_after"))
+    assert not any(".tmp-" in n for n in os.listdir(ckpt))  # the killed save's leftover was reclaimed
+
+    # Restore the original chain's step 14 at 1 rank: remove step 16 so that 14 is latest again.
+    shutil.rmtree(os.path.join(ckpt, "step_00000016"))
+    run_ranks(_restore, 1, root, PLAN1, "one", False, timeout=300)
+    _same_tables(os.path.join(root, "re_one"), os.path.join(root, "ref"))
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process checks on plain tensors
+
+
+def test_digests_see_every_single_word_change():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(64, 7, generator=g)
+    base = row_digests(t)
+    for r in range(0, 64, 5):
+        for c in range(7):
+            u = t.clone()
+            u.view(torch.int32)[r, c] ^= 1 << (r + c) % 32   # one bit of one word
+            d = row_digests(u)
+            assert d[r] != base[r]
+            assert torch.equal(torch.cat([d[:r], d[r + 1:]]), torch.cat([base[:r], base[r + 1:]]))
+    z = torch.zeros(3, 4)
+    z2 = z.clone()
+    z2[1, 2] = -0.0
+    assert (row_digests(z) != row_digests(z2)).tolist() == [False, True, False]   # bitwise
+    odd = torch.arange(30, dtype=torch.uint8).reshape(10, 3)                      # 3-byte rows
+    odd2 = odd.clone()
+    odd2[4, 1] += 1
+    assert (row_digests(odd) != row_digests(odd2)).nonzero().reshape(-1).tolist() == [4]
+    col = torch.randn(2, 50, generator=g)            # rows along dim 1 (the rowwise layout)
+    col2 = col.clone()
+    col2[1, 17] += 1
+    assert (row_digests(col, 1) != row_digests(col2, 1)).nonzero().reshape(-1).tolist() == [17]
+
+
+def _state(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"emb": torch.randn(4000, 16, generator=g), "lin": torch.randn(3, 3, generator=g)},
+            "optim": {"mom": torch.rand(2, 4000, generator=g)}, "step": 0}
+
+
+ROWS = {"model.emb": 0, "optim.mom": 1}
+
+
+def _touch(sd, step):
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, 4000, (12,), generator=g)
+    sd["model"]["emb"][idx] += 1.0
+    sd["optim"]["mom"][:, idx[:4]] += 0.5
+    sd["model"]["lin"] += 1.0
+    sd["step"] = step
+
+
+def _expect(path, snap):
+    got = distckpt.read(path)
+    assert torch.equal(got["model"]["emb"], snap["model"]["emb"])
+    assert torch.equal(got["optim"]["mom"], snap["optim"]["mom"])
+    assert torch.equal(got["model"]["lin"], snap["model"]["lin"]) and got["step"] == snap["step"]
+    target = _state(99)
+    distckpt.load(target, path)
+    assert torch.equal(target["model"]["emb"], snap["model"]["emb"])
+    assert torch.equal(target["optim"]["mom"], snap["optim"]["mom"]) and target["step"] == snap["step"]
+
+
+def _snap(sd):
+    return {"model": {k: v.clone() for k, v in sd["model"].items()}, "optim": {"mom": sd["optim"]["mom"].clone()},
+            "step": sd["step"]}
+
+
+def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
+    root = str(tmp_path / "run")
+    sd = _state(0)
+    pol = IncrementalPolicy(rows=ROWS, full_every=4, max_delta_fraction=0.5, max_chain_fraction=2.0)
+    mgr = distckpt.CheckpointManager(root, keep_last=2, incremental=pol)
+    snaps, kept = {}, []
+    for step in range(1, 10):
+        _touch(sd, step)
+        mgr.save(step, sd)
+        snaps[step] = _snap(sd)
+        kept.append(mgr.steps())
+    # full at 1, 5, 9; 2-4 and 6-8 deltas. keep_last=2 never drops a link a kept step needs.
+    assert [mgr.describe().entries[-1].chain["kind"]] == ["full"]
+    assert kept[3] == [1, 2, 3, 4]          # step 4 needs 3, 2, 1
+    assert kept[4] == [1, 2, 3, 4, 5]       # 4 is kept and still needs 1-3
+    assert kept[5] == [5, 6]                # 6 needs only 5: 1-4 freed at once
+    assert kept[8] == [5, 6, 7, 8, 9]     # 8 is kept and needs 5-7
+    for step in mgr.steps():
+        _expect(mgr.path(step), snaps[step])
+    # A delta holds the changed rows (12 of 4000, 4 of them with new momentum) and the dense part.
+    sizes = {e.step: e.size_bytes for e in mgr.describe().entries}
+    capsys.readouterr()
+    assert cli(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "CHAIN" in out and "full" in out and "delta 3 <- step_00000007" in out, out
+    assert sizes[9] > 2 * sizes[8]
+    assert cli(["verify", mgr.path(8), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "chain OK: 4 link(s)" in out, out
+    # Resume in a new manager (a restarted job): the next save is a delta against the step loaded.
+    mgr2 = distckpt.CheckpointManager(root, keep_last=2, incremental=pol)
+    target = _state(5)
+    mgr2.load(target)
+    _touch(target, 10)
+    mgr2.save(10, target)
+    assert mgr2._saver.last_kind == "delta"
+    _expect(mgr2.path(10), _snap(target))
+
+
+def test_chain_broken(tmp_path, capsys):
+    root = str(tmp_path)
+    sd = _state(1)
+    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, full_every=10, max_chain_fraction=5.0,
+                                               max_delta_fraction=0.9))
+    snaps = {}
+    for k in range(4):
+        _touch(sd, k)
+        saver.save(sd, os.path.join(root, f"c{k}"))
+        snaps[k] = _snap(sd)
+    assert [os.path.basename(link.path) for link in chain_of(os.path.join(root, "c3"))] == ["c3", "c2", "c1", "c0"]
+    # A crash in the middle of the next save: a dead tmp dir, nothing committed; the chain still loads.
+    _touch(sd, 4)
+    import distckpt.coordinator as co
+    real = co._build_manifest
+
+    def boom(*a, **k):
+        raise OSError(5, "simulated crash before the commit")
+    co._build_manifest = boom
+    try:
+        with pytest.raises(Exception):
+            saver.save(sd, os.path.join(root, "c4"))
+    finally:
+        co._build_manifest = real
+    assert not os.path.exists(os.path.join(root, "c4"))
+    _expect(os.path.join(root, "c3"), snaps[3])
+    saver.save(sd, os.path.join(root, "c4"))           # still a delta against c3
+    assert saver.last_kind == "delta"
+    _expect(os.path.join(root, "c4"), _snap(sd))
+
+    # A damaged delta (one byte of its data file flipped): ChainBrokenError on load and read.
+    data = os.path.join(root, "c2", "rank00000.bin")
+    raw = bytearray(open(data, "rb").read())
+    for i in range(0, len(raw), 512):
+        raw[i] ^= 0xFF
+    shutil.copytree(os.path.join(root, "c2"), os.path.join(root, "c2.bak"))
+    with open(data, "r+b") as f:
+        f.write(raw)
+    with pytest.raises(ChainBrokenError) as ei:
+        distckpt.read(os.path.join(root, "c3"))
+    assert ei.value.link.endswith("c2")
+    target = _state(7)
+    with pytest.raises(ChainBrokenError):
+        distckpt.load(target, os.path.join(root, "c3"))
+    capsys.readouterr()
+    assert cli(["verify", os.path.join(root, "c3"), "--no-progress"]) == 1
+    assert "chain DAMAGED: c2" in capsys.readouterr().out
+    shutil.rmtree(os.path.join(root, "c2"))
+    os.rename(os.path.join(root, "c2.bak"), os.path.join(root, "c2"))
+    _expect(os.path.join(root, "c3"), snaps[3])
+
+    # A missing link: ChainBrokenError before anything is read (the target stays untouched).
+    os.rename(os.path.join(root, "c1"), os.path.join(root, "c1.away"))
+    target = _state(7)
+    before = target["model"]["emb"].clone()
+    with pytest.raises(ChainBrokenError) as ei:
+        distckpt.load(target, os.path.join(root, "c3"))
+    assert ei.value.link.endswith("c1") and torch.equal(target["model"]["emb"], before)
+    assert cli(["verify", os.path.join(root, "c3")]) == 1
+    os.rename(os.path.join(root, "c1.away"), os.path.join(root, "c1"))
+
+    # A replaced link (another save under the same name): ChainBrokenError naming it.
+    shutil.rmtree(os.path.join(root, "c0"))
+    distckpt.save(_state(3), os.path.join(root, "c0"))
+    with pytest.raises(ChainBrokenError) as ei:
+        distckpt.read(os.path.join(root, "c2"))
+    assert ei.value.link.endswith("c0") and "replaced" in ei.value.reason
+    # A saver whose previous link was replaced writes a full checkpoint, not a delta against it.
+    shutil.rmtree(os.path.join(root, "c4"))
+    distckpt.save(_state(4), os.path.join(root, "c4"))
+    _touch(sd, 5)
+    saver.save(sd, os.path.join(root, "c5"))
+    assert saver.last_kind == "full"
+    _expect(os.path.join(root, "c5"), _snap(sd))
