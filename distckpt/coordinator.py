@@ -17,14 +17,15 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                committed checkpoint unless overwrite, checks free space for the bytes all ranks
                will write, creates ``.NAME.tmp-SAVEID/``; G.broadcast of the tmp dir or the error.
   3. WRITE     each rank writes ``rankNNNNN.bin`` into the tmp dir through its O_DIRECT writer:
-               chunks at aligned offsets, crc32c per checksum block, fsync, close. G.all_gather of
-               (records, size) or the error.
+               chunks at aligned offsets, crc32c per checksum block, fsync, close. G.gather to
+               rank 0 of (records, size) or the error.
   4. COMMIT    rank 0, only if every rank succeeded: encodes MANIFEST (msgpack; magic, version,
                crc), writes + fsyncs it inside the tmp dir, fsyncs the tmp dir, renames it to NAME
                (RENAME_EXCHANGE when overwriting), fsyncs the parent, deletes a replaced old
                checkpoint, runs ``after_commit`` (the manager's ``latest`` + rotation). On any
                failure rank 0 deletes the tmp dir and nothing is committed. G.broadcast of the
-               verdict; every rank returns or raises the same typed error, only after that point.
+               verdict (every rank's WRITE error, or the COMMIT error, or the data file sizes);
+               every rank returns or raises the same typed error, only after that point.
                The rename is the commit point: an error after it (``after_commit``'s, or a peer
                lost during the verdict broadcast) says so: ``committed = True`` on the error, and
                a lost peer is a CommittedButPeerLostError (a PeerLostError) naming the path.
@@ -827,15 +828,20 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             result = store.write_rank(tmp_dir, rank, mine, plan.checksum_block)  # (records, size, backend, reason)
         except Exception as exc:
             error = exc
-    outcomes = group.all_gather((result, _portable(error)))
+    # Rank 0 alone needs every rank's records (for the MANIFEST): a gather, not an all-gather, so
+    # what a rank other than 0 receives does not grow with the number of ranks.
+    outcomes = group.gather((result, _portable(error)))
 
     # 4. COMMIT
     verdict = None
+    failures = None  # rank 0: every rank's WRITE error (or None), when any rank failed
+    sizes = None     # rank 0: every rank's data file size
     committed = False  # rank 0: the rename happened (the commit point); every error after it says so
     if rank == 0:
         published = False
         try:
             if any(e is not None for _, e in outcomes):
+                failures = [e for _, e in outcomes]
                 store.abort(tmp_dir, world)
             else:
                 manifest = _build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata)
@@ -868,18 +874,25 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
                     log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
         else:
             committed = published
-    group.raise_failures([e for _, e in outcomes], error, operation="save")
+        if failures is None and verdict is None:
+            sizes = [o[0][1] for o in outcomes]
+    # The verdict: the WRITE failures (every rank raises the same RankFailureError), or the
+    # COMMIT's error, or the data file sizes of a committed save.
     try:
-        verdict = group.broadcast(verdict)
+        failures, verdict, sizes = group.broadcast((failures, verdict, sizes))
     except PeerLostError as lost:
+        if error is not None:  # this rank's own WRITE failed: nothing can have been committed
+            lost.committed = False
+            raise lost from error
         raise _lost_at_verdict(lost, rank, world, final_dir, tmp_dir, committed, verdict, store) from lost
+    if failures is not None:
+        group.raise_failures(failures, error, operation="save")
     if verdict is not None:
         raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
-    mine_result = outcomes[rank][0]
     return SaveResult(
         path=final_dir if is_url(final_dir) else os.path.abspath(final_dir), world_size=world, rank=rank,
-        bytes_per_rank=[o[0][1] for o in outcomes], total_bytes=sum(o[0][1] for o in outcomes),
-        seconds=time.monotonic() - t0, backend=mine_result[2], backend_reason=mine_result[3], save_id=save_id,
+        bytes_per_rank=sizes, total_bytes=sum(sizes),
+        seconds=time.monotonic() - t0, backend=result[2], backend_reason=result[3], save_id=save_id,
         plan_cached=planned.plan_cached, plan_seconds=planned.plan_seconds)
 
 

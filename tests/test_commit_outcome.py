@@ -1,6 +1,6 @@
 """A collective save whose peer dies after the commit point must say that it committed.
 
-Rank 1 is killed (os._exit, no word to anyone) right after its WRITE all-gather contribution: rank 0
+Rank 1 is killed (os._exit, no word to anyone) right after its WRITE report reached rank 0: rank 0
 has every record, commits step 2 and rotates step 1 away, and only then loses rank 1 when it
 broadcasts the verdict. The truthful outcome is CommittedButPeerLostError (a PeerLostError, so
 existing handlers still catch it) with ``committed`` and ``path``; never a plain "save failed".
@@ -32,6 +32,22 @@ def _wait_dead(pid: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"rank 1 (pid {pid}) did not die")
 
 
+def _die_after_write_report() -> None:
+    """Make this rank exit (os._exit, no word to anyone) right after it has sent its WRITE report
+    (records and file size) to rank 0. PLAN's messages are tagged "layout"/"same"; WRITE's is the
+    untagged (result, error) pair."""
+    from distckpt._dist import ControlGroup
+    real = ControlGroup.gather
+
+    def gather(self, obj, dst=0):
+        out = real(self, obj, dst)
+        if obj[0] not in ("layout", "same"):
+            os._exit(3)
+        return out
+
+    ControlGroup.gather = gather
+
+
 def _body(rank, world, root):
     import distckpt
     from distckpt import errors
@@ -44,17 +60,7 @@ def _body(rank, world, root):
     if rank == 1:
         with open(pidfile, "w") as f:
             f.write(str(os.getpid()))
-        calls = []
-        real = ControlGroup.all_gather
-
-        def all_gather(self, obj):
-            out = real(self, obj)
-            calls.append(1)
-            if len(calls) == 1:  # WRITE (PLAN is a gather + scatter): rank 1's records are on rank 0 now
-                os._exit(3)
-            return out
-
-        ControlGroup.all_gather = all_gather
+        _die_after_write_report()  # rank 1's records are on rank 0 now
     else:
         real_broadcast = ControlGroup.broadcast
         seen = []
@@ -235,7 +241,6 @@ def test_manager_resume_protection_settles_on_every_rank(tmp_path):
 def _published_unsynced_body(rank, world, root):
     import distckpt
     from distckpt import errors
-    from distckpt._dist import ControlGroup
     from distckpt.storage.posix import commit as local
 
     path = os.path.join(root, "ckpt")
@@ -243,17 +248,7 @@ def _published_unsynced_body(rank, world, root):
     if rank == 1:
         with open(pidfile, "w") as f:
             f.write(str(os.getpid()))
-        real = ControlGroup.all_gather
-        calls = []
-
-        def all_gather(self, obj):
-            out = real(self, obj)
-            calls.append(1)
-            if len(calls) == 2:  # PLAN, WRITE: rank 0 has the records
-                os._exit(3)
-            return out
-
-        ControlGroup.all_gather = all_gather
+        _die_after_write_report()  # rank 0 has the records
     else:
         real_publish = local.publish_dir
 
