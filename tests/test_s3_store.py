@@ -164,18 +164,24 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
     store = open_store(url, opts)
     winner = {"w": torch.full((4000,), 1.0)}
     real_pipe = store.fs.pipe_file
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+
+    def other_job(overwrite: bool) -> None:
+        # Another job (its own process, its own lease: a manager's root lock) saves the same path.
+        code = ("import sys, torch, distckpt; distckpt.save({'w': torch.full((4000,), 1.0)}, sys.argv[1], "
+                "storage_options=eval(sys.argv[2]), overwrite=sys.argv[3] == '1', _lock_path=sys.argv[4])")
+        subprocess.run([sys.executable, "-c", code, url, repr(opts), "1" if overwrite else "0",
+                        s3_bucket.url + "/race/.distckpt.lock"], env=env, check=True, timeout=120)
 
     def racing_pipe(path, data, *args, **kwargs):
         # The other save's MANIFEST lands right before (server) or right after (readback) ours.
         if path.endswith("/MANIFEST") and not racing_pipe.done:
             racing_pipe.done = True
-            # The other save holds another lease (a manager's root lock), as two jobs would.
-            other = dict(storage_options=opts, _lock_path=s3_bucket.url + "/race/.distckpt.lock")
             if conditional == "server":
-                distckpt.save(winner, url, **other)
+                other_job(overwrite=False)
                 return real_pipe(path, data, *args, **kwargs)
             out = real_pipe(path, data, *args, **kwargs)
-            distckpt.save(winner, url, overwrite=True, **other)
+            other_job(overwrite=True)
             return out
         return real_pipe(path, data, *args, **kwargs)
 
@@ -210,7 +216,7 @@ def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
 
 
 def _killed_body(rank, world, url, options, marker):
-    sd = {"w": torch.full((ROWS, COLS), float(rank + 1))}
+    sd = {f"w{rank}": torch.full((ROWS, COLS), float(rank + 1))}  # per-rank keys: 8 MiB each
     if rank == 1:
         from distckpt.storage import objectstore
 
@@ -222,7 +228,7 @@ def _killed_body(rank, world, url, options, marker):
 
         objectstore._Upload._flush_part = flush_then_die
     try:
-        distckpt.save({"w": sd["w"]}, url, storage_options=options, overwrite=True)
+        distckpt.save(sd, url, storage_options=options, overwrite=True)
     except Exception as exc:  # rank 0: the peer is gone; nothing may be committed
         with open(marker, "w") as f:
             f.write(type(exc).__name__)
