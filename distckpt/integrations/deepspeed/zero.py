@@ -160,7 +160,9 @@ def _layout(engine) -> _Layout:
 def _layout_zero12(engine, opt, stage: int, names) -> _Layout:
     owners, shapes = [], {}
     rank, size = _rank_size(opt.real_dp_process_group[0])
-    _check_world(size)
+    for g in range(len(opt.round_robin_bit16_groups)):
+        # every group partitioned over the whole job (an MoE expert group is not)
+        _check_world(_rank_size(opt.real_dp_process_group[g])[1])
     for g, params in enumerate(opt.round_robin_bit16_groups):
         ps = int(opt.partition_size[g])
         start = rank * ps
