@@ -42,8 +42,9 @@ Partition layouts this reads (DeepSpeed 0.19.8, read from its sources):
 
 Where a load cannot be exact it raises :class:`distckpt.errors.ReshardError` before any byte is
 read: another parameter set or shapes, another optimizer class or state keys, another ZeRO stage
-(unless ``allow_stage_change=True``), a different number of param groups, or parameters of one
-flat group whose saved scalar state (step) differs.
+(1 <-> 2 share one layout; others need ``allow_stage_change=True``), a different number of param
+groups, another loss-scaler class, or parameters of one flat group whose saved scalar state (step)
+differs. The loss scaler's counters (fp16 dynamic scale) are saved and restored.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class _Layout:
     replicated: bool           # every rank holds every element (stage 0)
     model_dtype: torch.dtype
     refresh: Any               # callable: push loaded masters into the module's weights
+    wrapper: Any = None        # engine.optimizer (DeepSpeed's wrapper: loss scaler, partitions)
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -134,6 +136,12 @@ def _name_of(names: dict[int, str], p) -> str:
 
 def _layout(engine) -> _Layout:
     """This rank's view of the engine's optimizer partitions."""
+    lay = _layout_of(engine)
+    lay.wrapper = engine.optimizer
+    return lay
+
+
+def _layout_of(engine) -> _Layout:
     opt = engine.optimizer
     if opt is None:
         raise UnsupportedValueError("the DeepSpeed engine has no optimizer", key=_META,
@@ -360,7 +368,26 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
         "lr_scheduler": sched_state,
+        "loss_scaler": _scaler_state(engine.optimizer),
     }
+
+
+def _scaler_state(opt) -> dict | None:
+    """The loss scaler's plain attributes (fp16's dynamic scale, its iteration and hysteresis
+    counters; a constant 1.0 for fp32/bf16), so a load does not silently reset them."""
+    scaler = getattr(opt, "loss_scaler", None)
+    if scaler is None:
+        return None
+    state = {k: v for k, v in vars(scaler).items() if v is None or isinstance(v, (bool, int, float, str))}
+    return {"class": type(scaler).__name__, "state": state}
+
+
+def _set_scaler(opt, saved: dict | None, path: str) -> None:
+    scaler = getattr(opt, "loss_scaler", None)
+    if saved is None or scaler is None:
+        return
+    for k, v in saved["state"].items():
+        setattr(scaler, k, v)
 
 
 def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
@@ -515,6 +542,10 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
                         f"does not carry over exactly)")
     if len(meta["param_groups"]) != len(lay.base.param_groups):
         problems.append(f"saved {len(meta['param_groups'])} optimizer param group(s), now {len(lay.base.param_groups)}")
+    saved_scaler = (meta.get("loss_scaler") or {}).get("class")
+    scaler = getattr(lay.wrapper, "loss_scaler", None)
+    if saved_scaler and scaler is not None and saved_scaler != type(scaler).__name__:
+        problems.append(f"saved loss scaler {saved_scaler}, now {type(scaler).__name__} (another precision setting)")
     stages = {meta["stage"], lay.stage}
     if len(stages) > 1 and stages != {1, 2} and not allow_stage_change:
         problems.append(f"saved at ZeRO stage {meta['stage']}, loading at stage {lay.stage} (stages 1 and 2 share one "
@@ -607,6 +638,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     if load_optimizer_states:
         _set_scalars(lay, meta, sd["optim"], path)
         _set_groups(lay, meta)
+        _set_scaler(engine.optimizer, meta.get("loss_scaler"), path)
         engine.global_steps = meta["engine"]["global_steps"]
         engine.global_samples = meta["engine"]["global_samples"]
         engine.skipped_steps = meta["engine"]["skipped_steps"]
