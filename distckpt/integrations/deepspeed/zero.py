@@ -11,7 +11,8 @@ parameter, no conversion step runs.
 What is stored (keys of the checkpoint)::
 
     model.<param name>            fp32 master weights, full parameter shape (what zero_to_fp32.py
-                                  gives); module buffers as they are (replicated)
+                                  gives); frozen (requires_grad=False) parameters and module
+                                  buffers in the module's dtype
     optim.<param name>.<state>    every optimizer state tensor shaped like the master partition
                                   (Adam exp_avg, exp_avg_sq, ...), full parameter shape, fp32
     optim.<param name>.<scalar>   per-parameter scalar state (Adam step), one value per parameter
@@ -271,6 +272,8 @@ def _layout_stage0(engine, opt, names) -> _Layout:
     for g, group in enumerate(opt.param_groups):
         for p in group["params"]:
             name = _name_of(names, p)
+            if not p.requires_grad:
+                continue  # never stepped: saved with the frozen parameters (_frozen)
             if p.dtype != torch.float32:
                 raise UnsupportedValueError(f"stage-0 parameter {name} is {p.dtype}, with no fp32 master", key=name,
                                             remedy="Enable bf16/fp16 in the DeepSpeed config (fp32 masters) or train in fp32.")
@@ -413,8 +416,27 @@ def _module_buffers(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _frozen(engine, lay: _Layout) -> list[str]:
-    return [n for n, p in engine.module.named_parameters() if n not in lay.shapes]
+def _frozen(engine, lay: _Layout) -> dict[str, Any]:
+    """{name: leaf} of the parameters no optimizer steps (requires_grad=False: a frozen base model
+    under LoRA), in the module's own dtype (as zero_to_fp32.py gives them). Stage 0-2 hold them
+    whole on every rank (a replicated plain tensor, written once); stage 3 partitions them like
+    every other parameter (``ds_tensor``: elements [r*pn, (r+1)*pn) on rank r)."""
+    out: dict[str, Any] = {}
+    for name, p in engine.module.named_parameters():
+        if name in lay.shapes:
+            continue
+        if not hasattr(p, "ds_tensor"):
+            out[name] = p.data
+            continue
+        numel, pn = int(p.ds_numel), int(p.ds_tensor.ds_numel)
+        lo, hi = lay.dp_rank * pn, min((lay.dp_rank + 1) * pn, numel)
+        ranges = [(lo, p.ds_tensor.data.view(-1).narrow(0, 0, hi - lo))] if lo < hi else []
+        out[name] = LocalPieces.from_flat(tuple(p.ds_shape), p.ds_tensor.dtype, ranges)
+    return out
+
+
+def _leaf_shape(leaf: Any) -> list[int]:
+    return list(leaf.shape)
 
 
 def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
@@ -425,10 +447,6 @@ def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
     """
     lay = _layout(engine)
     frozen = _frozen(engine, lay)
-    if frozen:
-        raise UnsupportedValueError(f"{len(frozen)} frozen parameter(s) (requires_grad=False): {frozen[:5]}",
-                                    key=f"model.{frozen[0]}", remedy="Make every parameter trainable, or save "
-                                    "frozen ones separately (distckpt.save on engine.module's tensors).")
     flat_keys, scalar_keys = _state_keys(lay)
     parts = _pieces_for(lay, writing=True)
     owner_of = {name: owner for owner in lay.owners for name in owner.names}
@@ -443,9 +461,11 @@ def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
             v = lay.base.state[owner_of[name].key][k]
             entry[k] = v.detach().clone() if torch.is_tensor(v) else v
         optim[name] = entry
+    model.update(frozen)
     for name, buf in _module_buffers(engine).items():
         model[name] = buf
     meta = _meta(engine, lay, flat_keys, scalar_keys)
+    meta["frozen"] = [[name, _leaf_shape(leaf)] for name, leaf in frozen.items()]
     sd = {"model": model, "optim": optim, _META: json.dumps(meta, sort_keys=True)}
     if client_state is not None:
         sd["client"] = client_state
@@ -472,7 +492,7 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
 
     Raises:
         UnsupportedValueError: an engine layout this cannot describe (offload, model/pipeline
-            parallel groups, frozen parameters, an optimizer state that is neither per element nor
+            parallel groups, an optimizer state that is neither per element nor
             scalar). The errors of :func:`distckpt.save`.
     """
     from ... import save as _save
@@ -522,7 +542,7 @@ def _saved_meta(path: str) -> dict:
     return meta
 
 
-def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) -> None:
+def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, frozen_now: dict | None = None) -> None:
     """Raise ReshardError for every way the target differs from the saved job such that the load
     would not be exact."""
     saved = {name: tuple(shape) for name, shape in meta["params"]}
@@ -531,6 +551,12 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
     extra = [n for n in saved if n not in lay.shapes]
     reshaped = [f"{n}: saved {list(saved[n])}, now {list(s)}" for n, s in lay.shapes.items()
                 if n in saved and saved[n] != s]
+    saved_frozen = {name: tuple(shape) for name, shape in meta.get("frozen", [])}
+    frozen = {name: tuple(leaf.shape) for name, leaf in (frozen_now or {}).items()}
+    if saved_frozen != frozen:
+        problems.append(f"frozen (requires_grad=False) parameters differ: saved {sorted(saved_frozen)[:5]}, "
+                        f"now {sorted(frozen)[:5]}" if set(saved_frozen) != set(frozen) else
+                        f"frozen parameters changed shape: saved {saved_frozen}, now {frozen}")
     if missing:
         problems.append(f"{len(missing)} parameter(s) not in the checkpoint: {missing[:5]}")
     if extra:
@@ -609,7 +635,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     path = os.path.abspath(os.fspath(path))
     meta = _saved_meta(path)
     lay = _layout(engine)
-    _reconcile(path, meta, lay, allow_stage_change)
+    _reconcile(path, meta, lay, allow_stage_change, _frozen(engine, lay))
     if load_optimizer_states:
         _ensure_state(lay, meta, path)
     parts = _pieces_for(lay, writing=False)
@@ -628,6 +654,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
             entry[k] = _placeholder(lay.base.state[owner_of[name].key].get(k))
         optim[name] = entry
         scalars[name] = entry
+    model.update(_frozen(engine, lay))
     for name, buf in _module_buffers(engine).items():
         model[name] = buf
     sd: dict[str, Any] = {"model": model}
