@@ -51,6 +51,7 @@ differs. The loss scaler's counters (fp16 dynamic scale) are saved and restored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -584,12 +585,24 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, fr
                            "ZeRO stage (pass allow_stage_change=True to change only the stage).")
 
 
+def _saved_tensors(path: str) -> dict:
+    """The checkpoint's tensor entries, decoded once per load (a stage-0 engine asks once per
+    parameter), keyed on the MANIFEST's identity so a checkpoint replaced in place is re-read."""
+    st = os.stat(os.path.join(path, "MANIFEST"))
+    return _saved_tensors_of(path, (st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=1)
+def _saved_tensors_of(path: str, identity: tuple) -> dict:
+    from ...restore import load_manifest
+    return load_manifest(path).tensors
+
+
 def _scalar_slot(path: str, name: str, key: str) -> Any:
     """Where a fresh optimizer receives saved scalar state ``key``: a tensor of the saved dtype and
     shape when it was saved as a tensor (torch Adam's ``step``), else a plain value."""
-    from ...restore import load_manifest
     from ...staging import dtype_from_name
-    entry = load_manifest(path).tensors.get(f"optim.{name}.{key}")
+    entry = _saved_tensors(path).get(f"optim.{name}.{key}")
     if entry is None:
         return 0
     return torch.zeros(tuple(entry.shape), dtype=dtype_from_name(entry.dtype, path=path))
@@ -637,7 +650,10 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     lay = _layout(engine)
     _reconcile(path, meta, lay, allow_stage_change, _frozen(engine, lay))
     if load_optimizer_states:
-        _ensure_state(lay, meta, path)
+        try:
+            _ensure_state(lay, meta, path)
+        finally:
+            _saved_tensors_of.cache_clear()  # keep no manifest after the load
     parts = _pieces_for(lay, writing=False)
     owner_of = {name: owner for owner in lay.owners for name in owner.names}
     model: dict[str, Any] = {}
