@@ -51,7 +51,8 @@ class Net(nn.Module):
         return x * self.scale.to(x.dtype)
 
 
-def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3):
+def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3,
+               two_groups: bool = False):
     dtype, persist, frozen = dtype.split("+")[0], dtype.endswith("+persist"), dtype.endswith("+frozen")
     torch.manual_seed(seed)
     model = Net(widths)
@@ -70,7 +71,11 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    params = model.parameters()
+    if two_groups:  # biases without weight decay: two optimizer param groups
+        params = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+                  {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
@@ -183,6 +188,8 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 301, 11))
     elif case == "params":
         engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 300, 11, 3))
+    elif case == "groups":
+        engine = engine_for(stage, dtype, seed=1, two_groups=True)
     elif case == "stage":
         engine = engine_for(3 if stage != 3 else 1, dtype, seed=1)
     elif case == "optimizer":

@@ -127,19 +127,20 @@ def test_inspect_shows_deepspeed_line(saved):
 
 
 def test_reshard_errors_are_typed(saved):
-    """Another parameter shape or set, another ZeRO stage, another optimizer, a checkpoint that is
-    not a DeepSpeed one: ReshardError on every rank, before the engine is touched. And what does
+    """Another parameter shape or set, other optimizer param groups, another ZeRO stage, another
+    optimizer, a checkpoint that is not a DeepSpeed one: ReshardError on every rank, before the engine is touched. And what does
     load: stage 1 -> 2, stage 1 -> 3 with allow_stage_change, a client torch.optim.AdamW, a
     rollback into engines that trained on (stage 1 and 3: state filled in place)."""
     out = os.path.join(_dir(saved, "1:fp32"), "out")
     distckpt.save({"x": torch.ones(3)}, os.path.join(out, "plain"), no_dist=True)
-    cases = ["shape", "params", "stage", "optimizer", "not_deepspeed"]
+    cases = ["shape", "params", "groups", "stage", "optimizer", "not_deepspeed"]
     out2 = os.path.join(saved, "s2fp32", "out")
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
               "2:fp32:client_adamw", "3:bf16+frozen:rollback")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
-              "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed"}
+              "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed",
+              "groups": "saved 1 optimizer param group(s), now 2"}
     for rank in (0, 1):
         # a client torch.optim.AdamW (0-d tensor step) round-trips exactly
         assert json.load(open(os.path.join(out2, f"err_client_adamw_rank{rank}.json")))["same"]

@@ -369,6 +369,7 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
         "state_keys": flat_keys,
         "scalar_keys": scalar_keys,
         "param_groups": groups,
+        "group_of": {name: owner.group for owner in lay.owners for name in owner.names},
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
         "lr_scheduler": sched_state,
@@ -569,6 +570,12 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, fr
                         f"does not carry over exactly)")
     if len(meta["param_groups"]) != len(lay.base.param_groups):
         problems.append(f"saved {len(meta['param_groups'])} optimizer param group(s), now {len(lay.base.param_groups)}")
+    else:
+        # hyper-parameters are restored group by group: each parameter must sit in the same group
+        now = {name: owner.group for owner in lay.owners for name in owner.names}
+        moved = [f"{n}: group {g} -> {now[n]}" for n, g in meta.get("group_of", {}).items() if n in now and now[n] != g]
+        if moved:
+            problems.append(f"{len(moved)} parameter(s) in another optimizer param group: {moved[:5]}")
     saved_scaler = (meta.get("loss_scaler") or {}).get("class")
     scaler = getattr(lay.wrapper, "loss_scaler", None)
     if saved_scaler and scaler is not None and saved_scaler != type(scaler).__name__:
