@@ -51,10 +51,13 @@ class Net(nn.Module):
         return x * self.scale.to(x.dtype)
 
 
-def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3):
-    dtype, persist = dtype.split("+")[0], dtype.endswith("+persist")
+def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3,
+               two_groups: bool = False):
+    dtype, persist, frozen = dtype.split("+")[0], dtype.endswith("+persist"), dtype.endswith("+frozen")
     torch.manual_seed(seed)
     model = Net(widths)
+    if frozen:  # "+frozen": the first weight is not trained (a frozen base model, as under LoRA)
+        model.layers[0].weight.requires_grad_(False)
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
@@ -68,7 +71,11 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    params = model.parameters()
+    if two_groups:  # biases without weight decay: two optimizer param groups
+        params = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+                  {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
@@ -103,7 +110,13 @@ def gather(engine) -> dict:
             for i, p in enumerate(params):
                 out[names[id(p)]] = {k: v[i].detach().clone() for k, v in views.items()} | {"step": int(st["step"])}
         return out
+    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in frozen], enabled=stage == 3 and bool(frozen)):
+        for n, p in frozen:
+            out[n] = {"frozen": p.detach().clone()}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
         if stage == 0:
             st = opt.state[p]
             out[name] = {"fp32": p.detach().clone(), "exp_avg": st["exp_avg"].clone(),
@@ -117,7 +130,8 @@ def gather(engine) -> dict:
     steps = {int(st["step"]) for st in opt.optimizer.state.values()} if stage else None
     if steps is not None:
         for e in out.values():
-            e["step"] = sorted(steps)
+            if "frozen" not in e:
+                e["step"] = sorted(steps)
     return out
 
 
@@ -154,7 +168,8 @@ def _load(stage: int, dtype: str, ckpt: str, out: str) -> None:
     mism = []
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         for name, p in engine.module.named_parameters():
-            if not torch.equal(p.detach(), ref["ref"][name]["fp32"].to(p.dtype)):
+            want = ref["ref"][name].get("fp32", ref["ref"][name].get("frozen"))
+            if not torch.equal(p.detach(), want.to(p.dtype)):
                 mism.append(name)
     cont = train(engine, 2, 3)
     doc = {"rank": rank, "world": world, "bytes_read": ld.result.bytes_read,
@@ -173,6 +188,8 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 301, 11))
     elif case == "params":
         engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 300, 11, 3))
+    elif case == "groups":
+        engine = engine_for(stage, dtype, seed=1, two_groups=True)
     elif case == "stage":
         engine = engine_for(3 if stage != 3 else 1, dtype, seed=1)
     elif case == "optimizer":
@@ -211,14 +228,17 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return
-    elif case in ("stage2", "stage3_allowed"):
-        # not an error: stage 1 -> 2 (one layout) always, stage 1 -> 3 when asked for; exact
-        engine = engine_for(2 if case == "stage2" else 3, dtype, seed=1)
+    elif case in ("stage2", "stage3_allowed", "rollback"):
+        # not an error: stage 1 -> 2 (one layout) always, stage 1 -> 3 when asked for; a rollback
+        # into an engine that has trained (its optimizer state exists and is filled in place)
+        engine = engine_for({"stage2": 2, "stage3_allowed": 3}.get(case, stage), dtype, seed=1)
+        if case == "rollback":
+            train(engine, 4, 10)
         dds.load(engine, ckpt, allow_stage_change=case == "stage3_allowed")
         got = gather(engine)
         ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)["ref"]
-        same = all(torch.equal(got[n][k], e[k]) for n, e in ref.items() for k in ("fp32", "exp_avg", "exp_avg_sq"))
-        same = same and all(got[n]["step"] == e["step"] for n, e in ref.items())
+        same = all(torch.equal(got[n][k], v) if torch.is_tensor(v) else got[n][k] == v
+                   for n, e in ref.items() for k, v in e.items())
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return

@@ -2,7 +2,8 @@
 
 One save launch (2 ranks, torchrun, gloo, DS_ACCELERATOR=cpu) trains and saves six engines
 (stage 0 fp32 and bf16, stage 1 fp32, stage 2 bf16, stage 3 bf16 with every parameter
-partitioned, stage 3 fp32 with the small parameters persistent); three load launches restore all of them at 1, 2 and 3 ranks and compare every fp32
+partitioned, stage 3 fp32 with the small parameters persistent; three of them with a frozen
+weight); three load launches restore all of them at 1, 2 and 3 ranks and compare every fp32
 master weight and Adam state (exp_avg, exp_avg_sq, step), gathered with DeepSpeed's own API, with
 the saved ones; one more launch checks the typed ReshardError cases. Worker: deepspeed_zero_worker.py.
 """
@@ -27,9 +28,10 @@ pytest.importorskip("deepspeed")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "deepspeed_zero_worker.py")
-# "+persist": ZeRO-3 keeps parameters under 1000 elements whole (the biases), the rest partitioned
-CONFIGS = ["0:fp32", "0:bf16", "1:fp32", "2:bf16", "3:bf16", "3:fp32+persist"]
-PARTITIONED = ["1:fp32", "2:bf16", "3:bf16", "3:fp32+persist"]
+# "+persist": ZeRO-3 keeps parameters under 1000 elements whole (the biases), the rest partitioned;
+# "+frozen": the first (largest) weight has requires_grad=False
+CONFIGS = ["0:fp32+frozen", "0:bf16", "1:fp32", "2:bf16+frozen", "3:bf16+frozen", "3:fp32+persist"]
+PARTITIONED = ["1:fp32", "2:bf16+frozen", "3:bf16+frozen", "3:fp32+persist"]
 
 
 def _torchrun(n: int, *args: str, timeout: int = 600) -> None:
@@ -78,7 +80,8 @@ def test_reshard_load_is_exact(saved, world):
         docs = _docs(saved, cfg, world)
         for d in docs:
             assert d["bad"] == [], (cfg, world, d["bad"][:10])
-            assert d["compared"] == 4 * 6  # 6 parameters x (fp32, exp_avg, exp_avg_sq, step)
+            # 6 parameters x (fp32, exp_avg, exp_avg_sq, step), or 5 of them and a frozen one
+            assert d["compared"] == (4 * 5 + 1 if "frozen" in cfg else 4 * 6), cfg
             assert d["module_mismatch"] == [], (cfg, d["module_mismatch"])
             assert d["client"] == {"epoch": 7, "note": "x"}
             assert d["saved_dp"] == 2 and d["global_steps"] == 5 and d["finite"]
@@ -117,31 +120,35 @@ def test_inspect_shows_deepspeed_line(saved):
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["inspect", os.path.join(_dir(saved, "3:bf16"), "ckpt")])
+        rc = main(["inspect", os.path.join(_dir(saved, "3:bf16+frozen"), "ckpt")])
     assert rc in (0, None)
     line = [ln for ln in buf.getvalue().splitlines() if ln.startswith("deepspeed")]
     assert line and "ZeRO stage 3" in line[0] and "data-parallel size 2" in line[0] and "bfloat16" in line[0], buf.getvalue()
 
 
 def test_reshard_errors_are_typed(saved):
-    """Another parameter shape or set, another ZeRO stage, another optimizer, a checkpoint that is
-    not a DeepSpeed one: ReshardError on every rank, before the engine is touched. And what does
-    load: stage 1 -> 2, stage 1 -> 3 with allow_stage_change, a client torch.optim.AdamW."""
+    """Another parameter shape or set, other optimizer param groups, another ZeRO stage, another
+    optimizer, a checkpoint that is not a DeepSpeed one: ReshardError on every rank, before the engine is touched. And what does
+    load: stage 1 -> 2, stage 1 -> 3 with allow_stage_change, a client torch.optim.AdamW, a
+    rollback into engines that trained on (stage 1 and 3: state filled in place)."""
     out = os.path.join(_dir(saved, "1:fp32"), "out")
     distckpt.save({"x": torch.ones(3)}, os.path.join(out, "plain"), no_dist=True)
-    cases = ["shape", "params", "stage", "optimizer", "not_deepspeed"]
+    cases = ["shape", "params", "groups", "stage", "optimizer", "not_deepspeed"]
     out2 = os.path.join(saved, "s2fp32", "out")
     os.makedirs(out2)
-    _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed"]), saved, "1:fp32",
-              "2:fp32:client_adamw")
+    _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
+              "2:fp32:client_adamw", "3:bf16+frozen:rollback")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
-              "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed"}
+              "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed",
+              "groups": "saved 1 optimizer param group(s), now 2"}
     for rank in (0, 1):
         # a client torch.optim.AdamW (0-d tensor step) round-trips exactly
         assert json.load(open(os.path.join(out2, f"err_client_adamw_rank{rank}.json")))["same"]
         # stage 1 -> 2 loads (one layout); stage 1 -> 3 when asked for; both exact
-        for case in ("stage2", "stage3_allowed"):
+        for case in ("stage2", "stage3_allowed", "rollback"):
             assert json.load(open(os.path.join(out, f"err_{case}_rank{rank}.json")))["same"], case
+        # an engine that trained on, loading the older checkpoint: state filled in place, exact
+        assert json.load(open(os.path.join(_dir(saved, "3:bf16+frozen"), "out", f"err_rollback_rank{rank}.json")))["same"]
     for case in cases:
         for rank in (0, 1):
             d = json.load(open(os.path.join(out, f"err_{case}_rank{rank}.json")))

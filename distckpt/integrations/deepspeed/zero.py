@@ -11,7 +11,8 @@ parameter, no conversion step runs.
 What is stored (keys of the checkpoint)::
 
     model.<param name>            fp32 master weights, full parameter shape (what zero_to_fp32.py
-                                  gives); module buffers as they are (replicated)
+                                  gives); frozen (requires_grad=False) parameters and module
+                                  buffers in the module's dtype
     optim.<param name>.<state>    every optimizer state tensor shaped like the master partition
                                   (Adam exp_avg, exp_avg_sq, ...), full parameter shape, fp32
     optim.<param name>.<scalar>   per-parameter scalar state (Adam step), one value per parameter
@@ -42,13 +43,15 @@ Partition layouts this reads (DeepSpeed 0.19.8, read from its sources):
 
 Where a load cannot be exact it raises :class:`distckpt.errors.ReshardError` before any byte is
 read: another parameter set or shapes, another optimizer class or state keys, another ZeRO stage
-(unless ``allow_stage_change=True``), a different number of param groups, or parameters of one
-flat group whose saved scalar state (step) differs.
+(1 <-> 2 share one layout; others need ``allow_stage_change=True``), a different number of param
+groups, another loss-scaler class, or parameters of one flat group whose saved scalar state (step)
+differs. The loss scaler's counters (fp16 dynamic scale) are saved and restored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -101,6 +104,7 @@ class _Layout:
     replicated: bool           # every rank holds every element (stage 0)
     model_dtype: torch.dtype
     refresh: Any               # callable: push loaded masters into the module's weights
+    wrapper: Any = None        # engine.optimizer (DeepSpeed's wrapper: loss scaler, partitions)
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -134,6 +138,12 @@ def _name_of(names: dict[int, str], p) -> str:
 
 def _layout(engine) -> _Layout:
     """This rank's view of the engine's optimizer partitions."""
+    lay = _layout_of(engine)
+    lay.wrapper = engine.optimizer
+    return lay
+
+
+def _layout_of(engine) -> _Layout:
     opt = engine.optimizer
     if opt is None:
         raise UnsupportedValueError("the DeepSpeed engine has no optimizer", key=_META,
@@ -160,7 +170,9 @@ def _layout(engine) -> _Layout:
 def _layout_zero12(engine, opt, stage: int, names) -> _Layout:
     owners, shapes = [], {}
     rank, size = _rank_size(opt.real_dp_process_group[0])
-    _check_world(size)
+    for g in range(len(opt.round_robin_bit16_groups)):
+        # every group partitioned over the whole job (an MoE expert group is not)
+        _check_world(_rank_size(opt.real_dp_process_group[g])[1])
     for g, params in enumerate(opt.round_robin_bit16_groups):
         ps = int(opt.partition_size[g])
         start = rank * ps
@@ -261,6 +273,8 @@ def _layout_stage0(engine, opt, names) -> _Layout:
     for g, group in enumerate(opt.param_groups):
         for p in group["params"]:
             name = _name_of(names, p)
+            if not p.requires_grad:
+                continue  # never stepped: saved with the frozen parameters (_frozen)
             if p.dtype != torch.float32:
                 raise UnsupportedValueError(f"stage-0 parameter {name} is {p.dtype}, with no fp32 master", key=name,
                                             remedy="Enable bf16/fp16 in the DeepSpeed config (fp32 masters) or train in fp32.")
@@ -355,10 +369,30 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
         "state_keys": flat_keys,
         "scalar_keys": scalar_keys,
         "param_groups": groups,
+        "group_of": {name: owner.group for owner in lay.owners for name in owner.names},
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
         "lr_scheduler": sched_state,
+        "loss_scaler": _scaler_state(engine.optimizer),
     }
+
+
+def _scaler_state(opt) -> dict | None:
+    """The loss scaler's plain attributes (fp16's dynamic scale, its iteration and hysteresis
+    counters; a constant 1.0 for fp32/bf16), so a load does not silently reset them."""
+    scaler = getattr(opt, "loss_scaler", None)
+    if scaler is None:
+        return None
+    state = {k: v for k, v in vars(scaler).items() if v is None or isinstance(v, (bool, int, float, str))}
+    return {"class": type(scaler).__name__, "state": state}
+
+
+def _set_scaler(opt, saved: dict | None, path: str) -> None:
+    scaler = getattr(opt, "loss_scaler", None)
+    if saved is None or scaler is None:
+        return
+    for k, v in saved["state"].items():
+        setattr(scaler, k, v)
 
 
 def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
@@ -384,8 +418,27 @@ def _module_buffers(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _frozen(engine, lay: _Layout) -> list[str]:
-    return [n for n, p in engine.module.named_parameters() if n not in lay.shapes]
+def _frozen(engine, lay: _Layout) -> dict[str, Any]:
+    """{name: leaf} of the parameters no optimizer steps (requires_grad=False: a frozen base model
+    under LoRA), in the module's own dtype (as zero_to_fp32.py gives them). Stage 0-2 hold them
+    whole on every rank (a replicated plain tensor, written once); stage 3 partitions them like
+    every other parameter (``ds_tensor``: elements [r*pn, (r+1)*pn) on rank r)."""
+    out: dict[str, Any] = {}
+    for name, p in engine.module.named_parameters():
+        if name in lay.shapes:
+            continue
+        if not hasattr(p, "ds_tensor"):
+            out[name] = p.data
+            continue
+        numel, pn = int(p.ds_numel), int(p.ds_tensor.ds_numel)
+        lo, hi = lay.dp_rank * pn, min((lay.dp_rank + 1) * pn, numel)
+        ranges = [(lo, p.ds_tensor.data.view(-1).narrow(0, 0, hi - lo))] if lo < hi else []
+        out[name] = LocalPieces.from_flat(tuple(p.ds_shape), p.ds_tensor.dtype, ranges)
+    return out
+
+
+def _leaf_shape(leaf: Any) -> list[int]:
+    return list(leaf.shape)
 
 
 def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
@@ -396,10 +449,6 @@ def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
     """
     lay = _layout(engine)
     frozen = _frozen(engine, lay)
-    if frozen:
-        raise UnsupportedValueError(f"{len(frozen)} frozen parameter(s) (requires_grad=False): {frozen[:5]}",
-                                    key=f"model.{frozen[0]}", remedy="Make every parameter trainable, or save "
-                                    "frozen ones separately (distckpt.save on engine.module's tensors).")
     flat_keys, scalar_keys = _state_keys(lay)
     parts = _pieces_for(lay, writing=True)
     owner_of = {name: owner for owner in lay.owners for name in owner.names}
@@ -414,9 +463,11 @@ def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
             v = lay.base.state[owner_of[name].key][k]
             entry[k] = v.detach().clone() if torch.is_tensor(v) else v
         optim[name] = entry
+    model.update(frozen)
     for name, buf in _module_buffers(engine).items():
         model[name] = buf
     meta = _meta(engine, lay, flat_keys, scalar_keys)
+    meta["frozen"] = [[name, _leaf_shape(leaf)] for name, leaf in frozen.items()]
     sd = {"model": model, "optim": optim, _META: json.dumps(meta, sort_keys=True)}
     if client_state is not None:
         sd["client"] = client_state
@@ -443,7 +494,7 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
 
     Raises:
         UnsupportedValueError: an engine layout this cannot describe (offload, model/pipeline
-            parallel groups, frozen parameters, an optimizer state that is neither per element nor
+            parallel groups, an optimizer state that is neither per element nor
             scalar). The errors of :func:`distckpt.save`.
     """
     from ... import save as _save
@@ -493,7 +544,7 @@ def _saved_meta(path: str) -> dict:
     return meta
 
 
-def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) -> None:
+def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, frozen_now: dict | None = None) -> None:
     """Raise ReshardError for every way the target differs from the saved job such that the load
     would not be exact."""
     saved = {name: tuple(shape) for name, shape in meta["params"]}
@@ -502,6 +553,12 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
     extra = [n for n in saved if n not in lay.shapes]
     reshaped = [f"{n}: saved {list(saved[n])}, now {list(s)}" for n, s in lay.shapes.items()
                 if n in saved and saved[n] != s]
+    saved_frozen = {name: tuple(shape) for name, shape in meta.get("frozen", [])}
+    frozen = {name: tuple(leaf.shape) for name, leaf in (frozen_now or {}).items()}
+    if saved_frozen != frozen:
+        problems.append(f"frozen (requires_grad=False) parameters differ: saved {sorted(saved_frozen)[:5]}, "
+                        f"now {sorted(frozen)[:5]}" if set(saved_frozen) != set(frozen) else
+                        f"frozen parameters changed shape: saved {saved_frozen}, now {frozen}")
     if missing:
         problems.append(f"{len(missing)} parameter(s) not in the checkpoint: {missing[:5]}")
     if extra:
@@ -513,6 +570,16 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
                         f"does not carry over exactly)")
     if len(meta["param_groups"]) != len(lay.base.param_groups):
         problems.append(f"saved {len(meta['param_groups'])} optimizer param group(s), now {len(lay.base.param_groups)}")
+    else:
+        # hyper-parameters are restored group by group: each parameter must sit in the same group
+        now = {name: owner.group for owner in lay.owners for name in owner.names}
+        moved = [f"{n}: group {g} -> {now[n]}" for n, g in meta.get("group_of", {}).items() if n in now and now[n] != g]
+        if moved:
+            problems.append(f"{len(moved)} parameter(s) in another optimizer param group: {moved[:5]}")
+    saved_scaler = (meta.get("loss_scaler") or {}).get("class")
+    scaler = getattr(lay.wrapper, "loss_scaler", None)
+    if saved_scaler and scaler is not None and saved_scaler != type(scaler).__name__:
+        problems.append(f"saved loss scaler {saved_scaler}, now {type(scaler).__name__} (another precision setting)")
     stages = {meta["stage"], lay.stage}
     if len(stages) > 1 and stages != {1, 2} and not allow_stage_change:
         problems.append(f"saved at ZeRO stage {meta['stage']}, loading at stage {lay.stage} (stages 1 and 2 share one "
@@ -525,12 +592,24 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool) ->
                            "ZeRO stage (pass allow_stage_change=True to change only the stage).")
 
 
+def _saved_tensors(path: str) -> dict:
+    """The checkpoint's tensor entries, decoded once per load (a stage-0 engine asks once per
+    parameter), keyed on the MANIFEST's identity so a checkpoint replaced in place is re-read."""
+    st = os.stat(os.path.join(path, "MANIFEST"))
+    return _saved_tensors_of(path, (st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=1)
+def _saved_tensors_of(path: str, identity: tuple) -> dict:
+    from ...restore import load_manifest
+    return load_manifest(path).tensors
+
+
 def _scalar_slot(path: str, name: str, key: str) -> Any:
     """Where a fresh optimizer receives saved scalar state ``key``: a tensor of the saved dtype and
     shape when it was saved as a tensor (torch Adam's ``step``), else a plain value."""
-    from ...restore import load_manifest
     from ...staging import dtype_from_name
-    entry = load_manifest(path).tensors.get(f"optim.{name}.{key}")
+    entry = _saved_tensors(path).get(f"optim.{name}.{key}")
     if entry is None:
         return 0
     return torch.zeros(tuple(entry.shape), dtype=dtype_from_name(entry.dtype, path=path))
@@ -576,9 +655,12 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     path = os.path.abspath(os.fspath(path))
     meta = _saved_meta(path)
     lay = _layout(engine)
-    _reconcile(path, meta, lay, allow_stage_change)
+    _reconcile(path, meta, lay, allow_stage_change, _frozen(engine, lay))
     if load_optimizer_states:
-        _ensure_state(lay, meta, path)
+        try:
+            _ensure_state(lay, meta, path)
+        finally:
+            _saved_tensors_of.cache_clear()  # keep no manifest after the load
     parts = _pieces_for(lay, writing=False)
     owner_of = {name: owner for owner in lay.owners for name in owner.names}
     model: dict[str, Any] = {}
@@ -595,6 +677,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
             entry[k] = _placeholder(lay.base.state[owner_of[name].key].get(k))
         optim[name] = entry
         scalars[name] = entry
+    model.update(_frozen(engine, lay))
     for name, buf in _module_buffers(engine).items():
         model[name] = buf
     sd: dict[str, Any] = {"model": model}
@@ -605,6 +688,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     if load_optimizer_states:
         _set_scalars(lay, meta, sd["optim"], path)
         _set_groups(lay, meta)
+        _set_scaler(engine.optimizer, meta.get("loss_scaler"), path)
         engine.global_steps = meta["engine"]["global_steps"]
         engine.global_samples = meta["engine"]["global_samples"]
         engine.skipped_steps = meta["engine"]["skipped_steps"]
