@@ -150,6 +150,17 @@ def _short(value, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _deepspeed_line(meta: dict) -> str | None:
+    """The summary of a DeepSpeed ZeRO checkpoint (distckpt.integrations.deepspeed.save), from the
+    manifest's metadata alone (the command line never imports deepspeed)."""
+    ds = (meta.get("user") or {}).get("deepspeed") if isinstance(meta.get("user"), dict) else None
+    if not isinstance(ds, dict) or "stage" not in ds:
+        return None
+    return (f"ZeRO stage {ds.get('stage')}, saved at data-parallel size {ds.get('dp_size')}, model "
+            f"{ds.get('model_dtype')} with fp32 master weights, {ds.get('params')} parameters, optimizer "
+            f"{ds.get('optimizer')}; loads at any data-parallel size (distckpt.integrations.deepspeed.load)")
+
+
 def _print_inspect(doc: dict) -> None:
     t = doc["totals"]
     ws = doc["world_size"]
@@ -166,6 +177,9 @@ def _print_inspect(doc: dict) -> None:
           "checksums   none (the format has none)")
     print(f"contents    {t['tensors']} tensors ({t['elements']:,} elements, {format_bytes(t['tensor_bytes'])}), "
           f"{t['values']} values")
+    ds = _deepspeed_line(doc["meta"])
+    if ds:
+        print(f"deepspeed   {ds}")
     if doc["values"]:
         print("\nvalues")
         for fqn, v in doc["values"].items():

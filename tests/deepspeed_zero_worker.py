@@ -1,21 +1,26 @@
 """torchrun worker for tests/test_deepspeed_zero.py: real DeepSpeed engines on CPU (gloo).
 
-    torchrun --nproc_per_node N tests/deepspeed_zero_worker.py save STAGE DTYPE CKPT OUT
-    torchrun --nproc_per_node M tests/deepspeed_zero_worker.py load STAGE DTYPE CKPT OUT [EXPECT]
+    torchrun --nproc_per_node N tests/deepspeed_zero_worker.py save ROOT 1:fp32 3:bf16 ...
+    torchrun --nproc_per_node M tests/deepspeed_zero_worker.py load ROOT 1:fp32 3:bf16 ...
+    torchrun --nproc_per_node M tests/deepspeed_zero_worker.py error:shape,stage ROOT 1:fp32
 
-``save``: train 3 steps, save with distckpt.integrations.deepspeed.save (and with DeepSpeed's own
-engine.save_checkpoint under OUT/ds, for zero_to_fp32), then write the reference: every
+Each config STAGE:DTYPE uses ROOT/s<STAGE><DTYPE>/ckpt and .../out (OUT). ``save``: train 3 steps,
+save with distckpt.integrations.deepspeed.save (and with DeepSpeed's own engine.save_checkpoint
+under OUT/ds, for zero_to_fp32), train 2 more (the uninterrupted run), then write the reference: every
 parameter's full fp32 master and Adam state gathered with DeepSpeed's own API
 (safe_get_full_fp32_param / safe_get_full_optimizer_state; stage 0 reads its replicated tensors
 directly) to OUT/ref.pt. ``load``: build the engine from a different seed, load, gather the same
 way, compare bit for bit with OUT/ref.pt, train 2 more steps; every rank writes
-OUT/load_M_rank<r>.json (bytes read, comparisons, losses). ``reshard_error``: expect a typed
-ReshardError for the case named by EXPECT and write its class and message.
+OUT/load_M_rank<r>.json (bytes read, comparisons, losses). ``error:CASES``: load onto an engine
+that differs (parameter shapes or set, ZeRO stage, optimizer, a checkpoint that is not a DeepSpeed
+one) and write OUT/err_<case>_rank<r>.json: the error class, its message, and whether the
+engine's weights were left untouched.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -47,6 +52,7 @@ class Net(nn.Module):
 
 
 def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3):
+    dtype, persist = dtype.split("+")[0], dtype.endswith("+persist")
     torch.manual_seed(seed)
     model = Net(widths)
     cfg = {
@@ -55,7 +61,8 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
         "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": lr,
                                                      "warmup_num_steps": 10}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+        # "+persist": ZeRO-3's default persistence threshold, so small params (biases) stay whole
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000 if persist else 0,
                               "reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16},
         "steps_per_print": 1 << 30,
     }
@@ -114,64 +121,144 @@ def gather(engine) -> dict:
     return out
 
 
-def main() -> None:
-    mode, stage, dtype, ckpt, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if mode == "save":
-        engine = engine_for(stage, dtype, seed=0)
-        losses = train(engine, 3, 0)
-        res = dds.save(engine, ckpt, client_state={"epoch": 7, "note": "x"})
-        engine.save_checkpoint(os.path.join(out, "ds"), tag="t")
-        ref = gather(engine)
-        cont = train(engine, 2, 3)  # the run that never stopped
-        if rank == 0:
-            torch.save({"ref": ref, "losses": losses, "cont": cont, "bytes": res.total_bytes}, os.path.join(out, "ref.pt"))
-        dist.barrier()
-    elif mode == "load":
-        engine = engine_for(stage, dtype, seed=123)
-        ld = dds.load(engine, ckpt)
-        got = gather(engine)
-        ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)
-        bad = []
-        for name, entry in ref["ref"].items():
-            for k, v in entry.items():
-                g = got[name][k]
-                same = (g == v) if not torch.is_tensor(v) else (g.dtype == v.dtype and g.shape == v.shape
-                                                                and torch.equal(g, v))
-                if not same:
-                    bad.append(f"{name}.{k}")
-        # the module's (bf16 or fp32) weights were rebuilt from the masters
-        dtype_ = next(p for p in engine.module.parameters()).dtype
-        mism = []
-        if stage < 3:
-            for name, p in engine.module.named_parameters():
-                if not torch.equal(p.detach(), ref["ref"][name]["fp32"].to(dtype_)):
-                    mism.append(name)
-        cont = train(engine, 2, 3)
-        doc = {"rank": rank, "world": world, "bytes_read": ld.result.bytes_read,
-               "ckpt_bytes": sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".bin")),
-               "bad": bad, "module_mismatch": mism, "cont": cont, "ref_cont": ref["cont"],
-               "client": ld.client_state, "saved_dp": ld.saved_dp_size, "global_steps": engine.global_steps,
-               "lr": engine.optimizer.param_groups[0]["lr"] if stage else engine.optimizer.param_groups[0]["lr"]}
-        with open(os.path.join(out, f"load_{world}_rank{rank}.json"), "w") as f:
-            json.dump(doc, f)
-    elif mode == "reshard_error":
-        expect = sys.argv[6]
-        if expect == "shape":
-            engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 301, 11))
-        elif expect == "stage":
-            engine = engine_for(3 if stage != 3 else 1, dtype, seed=1)
-        else:
-            raise SystemExit(f"unknown case {expect}")
-        try:
-            dds.load(engine, ckpt)
-            doc = {"raised": None}
-        except DistCkptError as exc:
-            doc = {"raised": type(exc).__name__, "message": str(exc)}
-        with open(os.path.join(out, f"err_{expect}_rank{rank}.json"), "w") as f:
-            json.dump(doc, f)
+def _save(stage: int, dtype: str, ckpt: str, out: str) -> None:
+    rank = dist.get_rank()
+    engine = engine_for(stage, dtype, seed=0)
+    losses = train(engine, 3, 0)
+    res = dds.save(engine, ckpt, client_state={"epoch": 7, "note": "x"})
+    engine.save_checkpoint(os.path.join(out, "ds"), tag="t")
+    ref = gather(engine)
+    cont = train(engine, 2, 3)  # the run that never stopped
+    conts = [None] * dist.get_world_size()
+    dist.all_gather_object(conts, cont)
+    if rank == 0:
+        torch.save({"ref": ref, "losses": losses, "cont": conts, "bytes": res.total_bytes}, os.path.join(out, "ref.pt"))
     dist.barrier()
+
+
+def _load(stage: int, dtype: str, ckpt: str, out: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = engine_for(stage, dtype, seed=123)
+    ld = dds.load(engine, ckpt)
+    got = gather(engine)
+    ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)
+    bad = []
+    for name, entry in ref["ref"].items():
+        for k, v in entry.items():
+            g = got[name][k]
+            same = (g == v) if not torch.is_tensor(v) else (g.dtype == v.dtype and g.shape == v.shape
+                                                            and torch.equal(g, v))
+            if not same:
+                bad.append(f"{name}.{k}")
+    # the module's (bf16 or fp32) weights were rebuilt from the masters
+    mism = []
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        for name, p in engine.module.named_parameters():
+            if not torch.equal(p.detach(), ref["ref"][name]["fp32"].to(p.dtype)):
+                mism.append(name)
+    cont = train(engine, 2, 3)
+    doc = {"rank": rank, "world": world, "bytes_read": ld.result.bytes_read,
+           "ckpt_bytes": sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".bin")),
+           "bad": bad, "compared": sum(len(e) for e in ref["ref"].values()), "module_mismatch": mism, "cont": cont,
+           "ref_cont": ref["cont"][rank] if rank < len(ref["cont"]) else None, "client": ld.client_state,
+           "saved_dp": ld.saved_dp_size, "global_steps": engine.global_steps,
+           "lr": engine.optimizer.param_groups[0]["lr"], "finite": all(map(math.isfinite, cont))}
+    with open(os.path.join(out, f"load_{world}_rank{rank}.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> None:
+    """Load the checkpoint onto an engine that differs in ``case``; record what was raised."""
+    if case == "shape":
+        engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 301, 11))
+    elif case == "params":
+        engine = engine_for(stage, dtype, seed=1, widths=(256, 512, 300, 11, 3))
+    elif case == "stage":
+        engine = engine_for(3 if stage != 3 else 1, dtype, seed=1)
+    elif case == "optimizer":
+        torch.manual_seed(1)
+        model = Net()
+        cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+               "zero_allow_untested_optimizer": True}
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    elif case == "client_adamw":
+        # not an error: a client torch.optim.AdamW (its step is a 0-d tensor), saved and loaded
+        # into a fresh engine, every state tensor and hyper-parameter back exactly
+        def make(seed):
+            torch.manual_seed(seed)
+            model = Net()
+            cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+                   "zero_allow_untested_optimizer": True}
+            if dtype == "bf16":
+                cfg["bf16"] = {"enabled": True}
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+            return deepspeed.initialize(model=model, config=cfg, optimizer=opt)[0]
+        engine = make(0)
+        train(engine, 2, 0)
+        path = os.path.join(out, "adamw")
+        dds.save(engine, path)
+        fresh = make(5)
+        dds.load(fresh, path)
+        a, b = engine.optimizer.optimizer, fresh.optimizer.optimizer
+        same = len(a.state) == len(b.state) > 0
+        for (ka, sa), (kb, sb) in zip(a.state.items(), b.state.items()):
+            same = same and torch.equal(ka, kb) and sorted(sa) == sorted(sb)
+            same = same and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+        same = same and a.param_groups[0]["betas"] == b.param_groups[0]["betas"] == (0.8, 0.95)
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
+        return
+    elif case in ("stage2", "stage3_allowed"):
+        # not an error: stage 1 -> 2 (one layout) always, stage 1 -> 3 when asked for; exact
+        engine = engine_for(2 if case == "stage2" else 3, dtype, seed=1)
+        dds.load(engine, ckpt, allow_stage_change=case == "stage3_allowed")
+        got = gather(engine)
+        ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)["ref"]
+        same = all(torch.equal(got[n][k], e[k]) for n, e in ref.items() for k in ("fp32", "exp_avg", "exp_avg_sq"))
+        same = same and all(got[n]["step"] == e["step"] for n, e in ref.items())
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
+        return
+    elif case == "not_deepspeed":
+        engine = engine_for(stage, dtype, seed=1)
+        ckpt = os.path.join(out, "plain")
+    else:
+        raise SystemExit(f"unknown case {case}")
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        dds.load(engine, ckpt)
+        doc = {"raised": None}
+    except DistCkptError as exc:
+        doc = {"raised": type(exc).__name__, "message": str(exc)}
+    doc["untouched"] = all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
+    with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def main() -> None:
+    """argv: MODE ROOT CONFIG... where CONFIG is STAGE:DTYPE (checkpoint ROOT/s<STAGE><DTYPE>/ckpt,
+    outputs in ROOT/s<STAGE><DTYPE>/); MODE "error:CASE[,CASE]" runs those cases (a config
+    STAGE:DTYPE:CASES runs its own)."""
+    mode, root, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    deepspeed.init_distributed(dist_backend="gloo")
+    for cfg in configs:
+        stage_s, dtype, *own_cases = cfg.split(":")
+        stage = int(stage_s)
+        base = os.path.join(root, f"s{stage}{dtype}")
+        ckpt, out = os.path.join(base, "ckpt"), os.path.join(base, "out")
+        if mode == "save":
+            _save(stage, dtype, ckpt, out)
+        elif mode == "load":
+            _load(stage, dtype, ckpt, out)
+        elif mode.startswith("error:"):
+            for case in (own_cases[0] if own_cases else mode.split(":", 1)[1]).split(","):
+                _expect_error(stage, dtype, ckpt, out, case)
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -58,7 +58,7 @@ import torch
 from ...errors import ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces
 
-__all__ = ["save", "load", "ZeroLoadResult", "FORMAT", "summary"]
+__all__ = ["save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
 
 FORMAT = "distckpt.deepspeed/1"
 _META = "deepspeed"
@@ -160,7 +160,9 @@ def _layout(engine) -> _Layout:
 def _layout_zero12(engine, opt, stage: int, names) -> _Layout:
     owners, shapes = [], {}
     rank, size = _rank_size(opt.real_dp_process_group[0])
-    _check_world(size)
+    for g in range(len(opt.round_robin_bit16_groups)):
+        # every group partitioned over the whole job (an MoE expert group is not)
+        _check_world(_rank_size(opt.real_dp_process_group[g])[1])
     for g, params in enumerate(opt.round_robin_bit16_groups):
         ps = int(opt.partition_size[g])
         start = rank * ps
@@ -216,10 +218,13 @@ def _layout_zero3(engine, opt, names) -> _Layout:
             for g, flat16 in enumerate(opt.fp16_partitioned_groups_flat):
                 for part, q in zip(opt.fp16_partitioned_groups[g], opt.unflatten(flat16, opt.fp16_partitioned_groups[g])):
                     part.data = q.data
+        # Persistent (small, never partitioned) parameters hold full copies: drop them and
+        # re-gather from the partitions just written (DeepSpeed's load_state_dict, then its
+        # checkpoint_event_epilogue, which also invalidates ZeRO++ secondary partitions).
         persistent = opt.persistent_parameters
         if persistent:
             persistent[0].partition(persistent)
-            persistent[0].all_gather(persistent)
+        opt.checkpoint_event_epilogue()
 
     dtype = opt.fp16_partitioned_groups_flat[0].dtype if opt.fp16_partitioned_groups_flat else torch.float32
     return _Layout(3, "zero3", rank, size, opt.optimizer, owners, shapes, False, dtype, refresh)
@@ -281,7 +286,7 @@ def _flat_keys(lay: _Layout, state: dict, owner: _Owner) -> tuple[list[str], lis
     """(state keys shaped like the master, scalar state keys) of one owner's optimizer state."""
     flat, scalar = [], []
     for k, v in state.items():
-        if torch.is_tensor(v) and v.numel() == owner.flat.numel() and v.numel() > 1:
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape == owner.key.shape:
             flat.append(k)
         elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (int, float)) and not isinstance(v, bool):
             scalar.append(k)
@@ -356,13 +361,6 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
         "lr_scheduler": sched_state,
     }
-
-
-def summary(meta: dict) -> str:
-    """One line for ``distckpt inspect``: stage, data-parallel size, dtypes."""
-    return (f"ZeRO stage {meta.get('stage')}, saved at data-parallel size {meta.get('dp_size')}, "
-            f"model {meta.get('model_dtype')}, fp32 masters, optimizer {meta.get('optimizer')}, "
-            f"{meta.get('params') if isinstance(meta.get('params'), int) else len(meta.get('params') or [])} parameters")
 
 
 def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
