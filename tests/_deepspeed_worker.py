@@ -207,8 +207,9 @@ def enospc(out: str) -> None:
         try:
             call()
             refused[what] = None
-        except Exception as exc:  # noqa: BLE001 - the test checks its class
-            refused[what] = [c.__name__ for c in type(exc).__mro__]
+        except Exception as exc:  # noqa: BLE001 - the test checks its class (and each rank's)
+            refused[what] = [c.__name__ for c in type(exc).__mro__] + sorted(
+                {type(f).__name__ for f in (getattr(exc, "failures", None) or {}).values()})
     # Restore into a fresh engine: the previous tag is what `latest` still names, bit-exact.
     engine2 = _engine("2-fp32")
     dsd.install(engine2)

@@ -15,6 +15,7 @@ paid three times:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -26,7 +27,8 @@ import torch
 from .distributed import free_port
 from .faults import require_root, tmpfs_mount
 
-pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # only the torchrun children import it
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 WORKER = os.path.join(os.path.dirname(__file__), "_deepspeed_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +132,7 @@ def test_enospc_mid_save_is_typed_on_every_rank_and_keeps_the_previous_tag(runs)
         _assert_same(r["good"], r["reloaded"], f"rank {rank}: previous tag after ENOSPC")
         assert r["new_fds"] == "{}", r["new_fds"]
         refused = r["refused"]
-        assert "UnsupportedValueError" in refused["object"] or "RankFailureError" in refused["object"], refused
+        assert "UnsupportedValueError" in refused["object"], refused
         assert "ConfigError" in refused["tag"] and "ConfigError" in refused["load_module_only"], refused
         assert not any(n in ("obj", "evil") for n in r["listing_after"]), r["listing_after"]
 
