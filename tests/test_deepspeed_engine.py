@@ -158,3 +158,13 @@ def test_load_at_another_data_parallel_size(runs):
             assert all(map(math.isfinite, r["after"])), r["after"]
         cmp = _load(runs, f"reshard:{cfg}", 0)["compare"]
         assert cmp["keys"] > 0 and cmp["differ"] == [], cmp
+
+
+def test_importing_the_integration_does_not_import_deepspeed():
+    """`install` imports deepspeed when first asked for; `import distckpt` and the integration
+    package alone never do (a monitoring script or the CLI pays nothing for it)."""
+    code = ("import sys, distckpt, distckpt.integrations.deepspeed as d; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; "
+            "d.install; assert 'deepspeed' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu",
+                   "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}, timeout=300)
