@@ -100,6 +100,7 @@ def test_resume_is_identical_to_the_uninterrupted_run(runs, cfg):
         _assert_same(train["final"], resume["final"], f"{cfg} rank {rank}: state after 2 more steps")
         client = resume["client"]
         assert (client["epoch"], client["note"], client["sizes"]) == (7, "s3", (1, 2))
+        assert resume["new_fds"] == "{}", resume["new_fds"]  # no fd into the checkpoint left open
         assert torch.equal(client["rng"], train["rng"])
         # the comparisons above covered the fp32 master weights and the Adam moments of this rank
         assert any(k.startswith("master.") for k in train["saved"]), sorted(train["saved"])
@@ -142,6 +143,7 @@ def test_rank_killed_mid_save_leaves_the_previous_tag_loadable(runs):
         r = _load(runs, "afterkill", rank)
         assert r["path"] == os.path.join(runs, "ckpt_kill", "good")
         assert "doomed" not in r["listing"], r["listing"]
+        assert r["listing_after_save"] == ["again", "good", "latest"], r["listing_after_save"]
         _assert_same(_load(runs, "kill", rank)["good"], r["loaded"], f"rank {rank}: tag saved before the kill")
 
 
