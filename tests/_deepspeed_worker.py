@@ -146,11 +146,14 @@ def resume(out: str, cfg: str) -> None:
     import distckpt.integrations.deepspeed as dsd
     engine = _engine(cfg)
     dsd.install(engine)
+    fds = _open_fds()
     path, client = engine.load_checkpoint(os.path.join(out, f"ckpt_{cfg}"))
+    new_fds = {fd: t for fd, t in _open_fds().items() if fd not in fds and "ckpt_" in t}
     loaded = _state(engine)
     after = [_step(engine, s) for s in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]
     client = {k: v for k, v in client.items() if k in ("epoch", "note", "sizes", "rng")}
     _dump(out, f"resume:{cfg}", {"path": path, "client": client, "loaded": loaded, "after": after,
+                                 "new_fds": json.dumps(new_fds),
                                  "final": _state(engine)})
 
 
@@ -207,8 +210,9 @@ def enospc(out: str) -> None:
         try:
             call()
             refused[what] = None
-        except Exception as exc:  # noqa: BLE001 - the test checks its class
-            refused[what] = [c.__name__ for c in type(exc).__mro__]
+        except Exception as exc:  # noqa: BLE001 - the test checks its class (and each rank's)
+            refused[what] = [c.__name__ for c in type(exc).__mro__] + sorted(
+                {type(f).__name__ for f in (getattr(exc, "failures", None) or {}).values()})
     # Restore into a fresh engine: the previous tag is what `latest` still names, bit-exact.
     engine2 = _engine("2-fp32")
     dsd.install(engine2)
@@ -252,7 +256,12 @@ def afterkill(out: str) -> None:
     engine = _engine("2-bf16")
     dsd.install(engine)
     path, _ = engine.load_checkpoint(root)
-    _dump(out, "afterkill", {"path": path, "listing": sorted(os.listdir(root)), "loaded": _state(engine)})
+    listing = sorted(os.listdir(root))
+    loaded = _state(engine)
+    torch.distributed.barrier()
+    engine.save_checkpoint(root, "again")  # reclaims the killed save's leftover (its owner is dead)
+    _dump(out, "afterkill", {"path": path, "listing": listing, "loaded": loaded,
+                             "listing_after_save": sorted(os.listdir(root))})
 
 
 def reshard(out: str, cfg: str) -> None:

@@ -15,6 +15,7 @@ paid three times:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -26,7 +27,8 @@ import torch
 from .distributed import free_port
 from .faults import require_root, tmpfs_mount
 
-pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # only the torchrun children import it
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 WORKER = os.path.join(os.path.dirname(__file__), "_deepspeed_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,6 +100,7 @@ def test_resume_is_identical_to_the_uninterrupted_run(runs, cfg):
         _assert_same(train["final"], resume["final"], f"{cfg} rank {rank}: state after 2 more steps")
         client = resume["client"]
         assert (client["epoch"], client["note"], client["sizes"]) == (7, "s3", (1, 2))
+        assert resume["new_fds"] == "{}", resume["new_fds"]  # no fd into the checkpoint left open
         assert torch.equal(client["rng"], train["rng"])
         # the comparisons above covered the fp32 master weights and the Adam moments of this rank
         assert any(k.startswith("master.") for k in train["saved"]), sorted(train["saved"])
@@ -130,7 +133,7 @@ def test_enospc_mid_save_is_typed_on_every_rank_and_keeps_the_previous_tag(runs)
         _assert_same(r["good"], r["reloaded"], f"rank {rank}: previous tag after ENOSPC")
         assert r["new_fds"] == "{}", r["new_fds"]
         refused = r["refused"]
-        assert "UnsupportedValueError" in refused["object"] or "RankFailureError" in refused["object"], refused
+        assert "UnsupportedValueError" in refused["object"], refused
         assert "ConfigError" in refused["tag"] and "ConfigError" in refused["load_module_only"], refused
         assert not any(n in ("obj", "evil") for n in r["listing_after"]), r["listing_after"]
 
@@ -140,6 +143,7 @@ def test_rank_killed_mid_save_leaves_the_previous_tag_loadable(runs):
         r = _load(runs, "afterkill", rank)
         assert r["path"] == os.path.join(runs, "ckpt_kill", "good")
         assert "doomed" not in r["listing"], r["listing"]
+        assert r["listing_after_save"] == ["again", "good", "latest"], r["listing_after_save"]
         _assert_same(_load(runs, "kill", rank)["good"], r["loaded"], f"rank {rank}: tag saved before the kill")
 
 
@@ -156,3 +160,13 @@ def test_load_at_another_data_parallel_size(runs):
             assert all(map(math.isfinite, r["after"])), r["after"]
         cmp = _load(runs, f"reshard:{cfg}", 0)["compare"]
         assert cmp["keys"] > 0 and cmp["differ"] == [], cmp
+
+
+def test_importing_the_integration_does_not_import_deepspeed():
+    """`install` imports deepspeed when first asked for; `import distckpt` and the integration
+    package alone never do (a monitoring script or the CLI pays nothing for it)."""
+    code = ("import sys, distckpt, distckpt.integrations.deepspeed as d; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; "
+            "d.install; assert 'deepspeed' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu",
+                   "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}, timeout=300)

@@ -68,7 +68,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 from ... import manifest as mf
 from ...coordinator import ROOT_LOCK_NAME, is_committed, reclaim_tmp_dirs
-from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError
+from ...errors import (CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError,
+                       from_os_error)
 from ...restore import load_manifest, read
 from ...save import SaveResult, save
 from ...storage.posix import commit as local
@@ -296,11 +297,15 @@ def _rank() -> int:
 
 def read_latest(save_dir: str) -> str | None:
     """The tag ``save_dir/latest`` names, or None when there is no such file."""
+    path = os.path.join(save_dir, "latest")
     try:
-        with open(os.path.join(save_dir, "latest"), "rb") as f:
-            return f.read(4096).decode("utf-8").strip() or None
+        with open(path, "rb") as f:
+            # a name that does not decode is not a tag here: the load then names it as not found
+            return f.read(4096).decode("utf-8", "replace").strip() or None
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="read") from exc
 
 
 def _ds_meta(manifest: "mf.Manifest") -> dict | None:
