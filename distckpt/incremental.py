@@ -272,7 +272,7 @@ class IncrementalSaver:
         After a failure the chain and this saver stay at the previous link.
         """
         from ._dist import control_group
-        from .restore import load_manifest
+        from .manifest import load_manifest
         from .save import save
         path = os.path.abspath(os.fspath(path))
         group = control_group(process_group, operation="IncrementalSaver.save()")
@@ -364,9 +364,15 @@ class IncrementalSaver:
         return result
 
     def _advance(self, info: dict, path: str, pieces: list) -> None:
-        from .restore import load_manifest
+        """The save committed: the next delta is relative to it."""
+        from .manifest import load_manifest
+        try:
+            save_id = load_manifest(path).save_id
+        except DistCkptError:  # committed, then lost (rotated, deleted): the next save is full
+            self._digests, self._link, self.last_kind = {}, None, info["kind"]
+            return
         self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
-        self._link = dict(info, path=path, save_id=load_manifest(path).save_id)
+        self._link = dict(info, path=path, save_id=save_id)
         self.last_kind = info["kind"]
 
 
