@@ -433,9 +433,10 @@ def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
 
 def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
                   verify: bool) -> int:
-    """Write the rows of ``deltas`` (oldest first) into ``targets``; each (row, column range) is
-    read from the newest link holding it only (older copies are skipped, not read, unless they
-    sit between newer rows of the same record). Returns the bytes read."""
+    """Write the rows of ``deltas`` (oldest first) into ``targets``, in place. Each link is read
+    only for the row spans that hold the newest copy of some (row, column range) of a target;
+    older copies inside such a span are written and then overwritten by the newer link. Raises
+    ChainBrokenError when a link's records are malformed or cannot be read. Returns the bytes read."""
     from .restore import read_boxes
     nread = 0
     order = sorted(tracked)
