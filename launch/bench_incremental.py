@@ -11,8 +11,8 @@ each: the fused optimizer updates those rows' weights and momentum; an increment
 default policy, which writes a delta or, when the chain is long enough, a full checkpoint; a plain
 full save of the same state for comparison). Then a restore of the longest chain of the run (its
 base plus every delta) and of the plain full checkpoint of the same step, into the same model,
-alternated ``--restores`` times (the fastest of each, and the ratio of the medians). Reported per fraction (medians over the delta rounds):
-bytes written by a delta and by a full save, the changed rows' own bytes (weights + momentum of the
+alternated ``--restores`` times (the fastest of each, and the ratio of the medians). Reported per
+fraction (medians over the delta rounds): bytes written by a delta and by a full save, the changed rows' own bytes (weights + momentum of the
 rows whose bytes changed), delta / changed, save seconds of each, the links' kinds, and restore
 seconds of the chain vs the full checkpoint. Rank 0 prints one JSON line per fraction, after one
 line with the cost of the row digests alone. The page cache is left as it is (warm reads for both
