@@ -84,9 +84,11 @@ def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
     row_bytes = x[0].numel() * x.element_size()
     if row_bytes == 0:
         return torch.zeros(n, dtype=torch.int64)
-    word, mask = next((w, m) for w, m in ((torch.int64, None), (torch.int32, _MASK32), (torch.int16, 0xFFFF),
-                                          (torch.uint8, 0xFF)) if row_bytes % torch.empty(0, dtype=w).element_size() == 0)
-    width = row_bytes // torch.empty(0, dtype=word).element_size()
+    # The widest word that divides the row: 64-bit words halve the work of 32-bit ones.
+    word, mask, size = next((w, m, z) for w, m, z in ((torch.int64, None, 8), (torch.int32, _MASK32, 4),
+                                                      (torch.int16, 0xFFFF, 2), (torch.uint8, 0xFF, 1))
+                            if row_bytes % z == 0)
+    width = row_bytes // size
     mult = _multipliers(width)
     step = max(1, _BLOCK_ELEMS // width)
     out = torch.empty(n, dtype=torch.int64)
@@ -272,7 +274,7 @@ class IncrementalSaver:
         After a failure the chain and this saver stay at the previous link.
         """
         from ._dist import control_group
-        from .restore import load_manifest
+        from .manifest import load_manifest
         from .save import save
         path = os.path.abspath(os.fspath(path))
         group = control_group(process_group, operation="IncrementalSaver.save()")
@@ -364,9 +366,15 @@ class IncrementalSaver:
         return result
 
     def _advance(self, info: dict, path: str, pieces: list) -> None:
-        from .restore import load_manifest
+        """The save committed: the next delta is relative to it."""
+        from .manifest import load_manifest
+        try:
+            save_id = load_manifest(path).save_id
+        except DistCkptError:  # committed, then lost (rotated, deleted): the next save is full
+            self._digests, self._link, self.last_kind = {}, None, info["kind"]
+            return
         self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
-        self._link = dict(info, path=path, save_id=load_manifest(path).save_id)
+        self._link = dict(info, path=path, save_id=save_id)
         self.last_kind = info["kind"]
 
 
@@ -421,29 +429,36 @@ def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
             out.setdefault(piece, {})[what] = fqn
     for piece, parts in out.items():
         if set(parts) != {"box", "ids", "rows"}:
-            raise _broken(link.path, f"delta record {prefix}{piece} lacks {sorted({'box', 'ids', 'rows'} - set(parts))}")
+            missing = sorted({"box", "ids", "rows"} - set(parts))
+            raise _broken(link.path, f"delta record {prefix}{piece} lacks {missing}")
     return out
+
+
+def _read_links(reads: list, verify: bool, what: str) -> None:
+    """restore.fill_boxes_of; a damaged or missing data file is a ChainBrokenError naming its link."""
+    from .restore import fill_boxes_of
+    try:
+        fill_boxes_of(reads, verify=verify)
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        where = os.fspath(exc.path or "")
+        link = next((p for p, _m, _r in reads if where == p or where.startswith(p + os.sep)), reads[0][0])
+        raise _broken(link, f"its {what} cannot be read ({type(exc).__name__}: "
+                            f"{getattr(exc, 'message', exc)})", cause=exc) from exc
 
 
 def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
                   verify: bool) -> int:
-    """Write the rows of ``deltas`` (oldest first) into ``targets``; each (row, column range) is
-    read from the newest link holding it only (older copies are skipped, not read, unless they
-    sit between newer rows of the same record). Returns the bytes read."""
-    from .restore import read_boxes
+    """Write the rows of ``deltas`` (oldest first) into ``targets``, in place. Each link is read
+    only for the row spans that hold the newest copy of some (row, column range) of a target;
+    older copies inside such a span are written and then overwritten by the newer link. Raises
+    ChainBrokenError when a link's records are malformed or cannot be read. Returns the bytes read."""
     nread = 0
     order = sorted(tracked)
 
-    def read(link: ChainLink, requests: list, what: str) -> list[torch.Tensor]:
-        try:
-            return read_boxes(link.path, link.manifest, requests, verify=verify)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            raise _broken(link.path, f"its {what} cannot be read ({type(exc).__name__}: "
-                                     f"{getattr(exc, 'message', exc)})", cause=exc) from exc
-
     # Pass 1: the ids (4 bytes a row) of every saved piece that overlaps a target piece of this
-    # rank (the pieces' boxes are values in the MANIFEST), one read per link.
+    # rank (the pieces' boxes are values in the MANIFEST), one read for every link at once.
     entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, hi, target rows)
+    wanted = []
     for li, link in enumerate(deltas):
         pieces = []
         for fqn in targets:
@@ -455,8 +470,14 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
                     pieces.append((fqn, parts, soff, ssz))
                 elif any(len(soff) != len(t.offsets) for t in targets[fqn]):
                     raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
-        got = read(link, [(parts["ids"], (0,), tuple(link.manifest.tensors[parts["ids"]].shape))
-                          for _f, parts, _o, _s in pieces], "delta row ids")
+        wanted.append(pieces)
+    ids_of = [[torch.empty(tuple(link.manifest.tensors[parts["ids"]].shape),
+                           dtype=dtype_from_name(link.manifest.tensors[parts["ids"]].dtype, path=link.path))
+               for _f, parts, _o, _s in pieces] for link, pieces in zip(deltas, wanted)]
+    _read_links([(link.path, link.manifest, [(parts["ids"], (0,), tuple(out.shape), out)
+                                             for (_f, parts, _o, _s), out in zip(pieces, outs)])
+                 for link, pieces, outs in zip(deltas, wanted, ids_of)], verify, "delta row ids")
+    for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
             nread += ids.numel() * ids.element_size()
             ids = ids.to(torch.int64)
@@ -501,7 +522,6 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
     # from the read buffers straight into the targets (no copy of the rows in between: fresh
     # memory is slow to touch). Older rows inside a span are written too and then overwritten by
     # the newer links, which come later.
-    from .restore import fill_boxes
     for li, plan in enumerate(plans):
         if not plan:
             continue
@@ -522,11 +542,7 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
             reqs.append((parts["rows"], tuple(offs), tuple(szs),
                          _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype)))
             nread += szs[0] * (tv[0].numel() if tv.shape[0] else 0) * dtype.itemsize
-        try:
-            fill_boxes(link.path, link.manifest, reqs, verify=verify)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            raise _broken(link.path, f"its delta rows cannot be read ({type(exc).__name__}: "
-                                     f"{getattr(exc, 'message', exc)})", cause=exc) from exc
+        _read_links([(link.path, link.manifest, reqs)], verify, "delta rows")
     return nread
 
 

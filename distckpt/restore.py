@@ -809,14 +809,43 @@ def fill_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tup
     files. A destination is a tensor of the box's shape, or an object with the tensor methods the
     fill uses on a destination (``dtype``, ``is_contiguous()``, ``narrow()``, ``copy_()``):
     distckpt.incremental scatters delta rows straight from the read buffers into a table that way."""
-    tasks = []
-    for fqn, offsets, sizes, out in requests:
-        entry = manifest.tensors[fqn]
-        dtype = dtype_from_name(entry.dtype, path=path)
-        want = Box(tuple(offsets), tuple(sizes))
-        if want.volume:
-            chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
-            tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
-                         for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
-    if tasks:
-        _fill(path, manifest, tasks, verify)
+    fill_boxes_of([(path, manifest, requests)], verify=verify)
+
+
+def fill_boxes_of(checkpoints: list[tuple[str, "mf.Manifest", list[tuple[str, tuple, tuple, Any]]]], *,
+                  verify: bool = True) -> None:
+    """:func:`fill_boxes` for several checkpoints (path, manifest, requests) in one read pass
+    (one per checksum block size): the read pipeline's fixed costs are paid once, not per
+    checkpoint. Raises the read errors of :func:`load`; their ``path`` names the data file."""
+    from .fill import READ_PIECE, fill
+    from .storage.posix import choose_backend, open_reader
+
+    groups: dict[int, tuple[dict, dict]] = {}   # checksum block -> (paths, by_file)
+    choices: dict[str, Any] = {}
+    for ci, (path, manifest, requests) in enumerate(checkpoints):
+        tasks = []
+        for fqn, offsets, sizes, out in requests:
+            entry = manifest.tensors[fqn]
+            dtype = dtype_from_name(entry.dtype, path=path)
+            want = Box(tuple(offsets), tuple(sizes))
+            if want.volume:
+                chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+                tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                             for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
+        if not tasks:
+            continue
+        if manifest.checksum_algo != "crc32c":  # a DCP checkpoint: no checksums, its own pass
+            _fill(path, manifest, tasks, verify)
+            continue
+        choice = choose_backend(path, read_only=True)
+        paths, by_file = groups.setdefault(manifest.checksum_block, ({}, {}))
+        for t in tasks:
+            key = (ci << 32) | t.chunk.file    # file keys unique across the checkpoints
+            if key not in paths:
+                paths[key] = _check_data_file(path, manifest.files[t.chunk.file])
+                choices[paths[key]] = choice
+            by_file.setdefault(key, []).append(t)
+    for block, (paths, by_file) in groups.items():
+        align = max(choices[p].offset_align for p in paths.values())
+        fill(paths, by_file, block=block, verify=verify, align=align,
+             open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE))

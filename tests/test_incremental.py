@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import distckpt
+import distckpt.errors
 from distckpt.cli import main as cli
 from distckpt.errors import ChainBrokenError
 from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of, row_digests
@@ -289,6 +290,8 @@ def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
     assert cli(["verify", mgr.path(8), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "chain OK: 4 link(s)" in out, out
+    with pytest.raises(distckpt.errors.ConfigError):
+        mgr.save(11, sd, blocking=False)             # incremental saves are blocking
     # Resume in a new manager (a restarted job): the next save is a delta against the step loaded.
     mgr2 = distckpt.CheckpointManager(root, keep_last=2, incremental=pol)
     target = _state(5)
