@@ -645,10 +645,11 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
 
     Raises:
         ReshardError: the checkpoint is not such a checkpoint, or cannot be loaded exactly onto
-            this engine (other parameters or shapes, other optimizer class or state keys, another
-            number of param groups, another ZeRO stage without ``allow_stage_change``, scalar state
-            such as Adam's step that differs between parameters that now share one flat group).
-            Raised on every rank before any byte is read.
+            this engine (other parameters or shapes, frozen parameters, optimizer class or state
+            keys, another number of param groups or a parameter in another group, another loss
+            scaler, another ZeRO stage without ``allow_stage_change`` (1 <-> 2 always loads),
+            scalar state such as Adam's step that differs between parameters that now share one
+            flat group). Raised on every rank before the engine changes.
         UnsupportedValueError: as :func:`save`. The errors of :func:`distckpt.load`.
     """
     from ...restore import load as _load
