@@ -645,10 +645,11 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
 
     Raises:
         ReshardError: the checkpoint is not such a checkpoint, or cannot be loaded exactly onto
-            this engine (other parameters or shapes, other optimizer class or state keys, another
-            number of param groups, another ZeRO stage without ``allow_stage_change``, scalar state
-            such as Adam's step that differs between parameters that now share one flat group).
-            Raised on every rank before any byte is read.
+            this engine (other parameters or shapes, frozen parameters, optimizer class or state
+            keys, another number of param groups or a parameter in another group, another loss
+            scaler, another ZeRO stage without ``allow_stage_change`` (1 <-> 2 always loads),
+            scalar state such as Adam's step that differs between parameters that now share one
+            flat group). Raised on every rank before the engine changes.
         UnsupportedValueError: as :func:`save`. The errors of :func:`distckpt.load`.
     """
     from ...restore import load as _load
@@ -657,26 +658,20 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     lay = _layout(engine)
     _reconcile(path, meta, lay, allow_stage_change, _frozen(engine, lay))
     if load_optimizer_states:
+        # scalar state (step) first: checked before anything in the engine changes
+        scalars = _owner_scalars(lay, meta, path)
         try:
             _ensure_state(lay, meta, path)
         finally:
             _saved_tensors_of.cache_clear()  # keep no manifest after the load
     parts = _pieces_for(lay, writing=False)
-    owner_of = {name: owner for owner in lay.owners for name in owner.names}
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
-    scalars: dict[str, dict[str, Any]] = {}
     for name, shape in lay.shapes.items():
         model[name] = _leaf(shape, torch.float32, parts[name], lambda o: o.flat)
-        if not load_optimizer_states:
-            continue
-        entry: dict[str, Any] = {}
-        for k in meta["state_keys"]:
-            entry[k] = _leaf(shape, torch.float32, parts[name], lambda o, k=k: lay.base.state[o.key][k].view(-1))
-        for k in meta["scalar_keys"]:
-            entry[k] = _placeholder(lay.base.state[owner_of[name].key].get(k))
-        optim[name] = entry
-        scalars[name] = entry
+        if load_optimizer_states:
+            optim[name] = {k: _leaf(shape, torch.float32, parts[name],
+                                    lambda o, k=k: lay.base.state[o.key][k].view(-1)) for k in meta["state_keys"]}
     model.update(_frozen(engine, lay))
     for name, buf in _module_buffers(engine).items():
         model[name] = buf
@@ -686,7 +681,13 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     with torch.no_grad():
         res = _load(sd, path, verify=verify)
     if load_optimizer_states:
-        _set_scalars(lay, meta, sd["optim"], path)
+        for owner, values in scalars:
+            st = lay.base.state[owner.key]
+            for k, v in values.items():
+                if torch.is_tensor(st.get(k)) and torch.is_tensor(v):
+                    st[k].copy_(v)
+                else:
+                    st[k] = v
         _set_groups(lay, meta)
         _set_scaler(engine.optimizer, meta.get("loss_scaler"), path)
         engine.global_steps = meta["engine"]["global_steps"]
@@ -709,31 +710,33 @@ def _has_key(path: str, key: str) -> bool:
     return any(f == key or f.startswith(key + ".") for f in list(m.tensors) + list(m.objects))
 
 
-def _placeholder(current: Any) -> Any:
-    """Where a scalar state value is loaded: a fresh tensor (so that parameters sharing one owner
-    do not overwrite each other's value), or the value itself (replaced by the load)."""
-    if torch.is_tensor(current):
-        return torch.empty_like(current)
-    return current
+def _owner_scalars(lay: _Layout, meta: dict, path: str) -> list[tuple[_Owner, dict[str, Any]]]:
+    """[(owner, {key: saved value})]: the saved per-parameter scalar state (Adam's step) of each
+    owner's parameters, which must agree where they now share one flat group.
 
-
-def _set_scalars(lay: _Layout, meta: dict, optim: dict, path: str) -> None:
+    Raises:
+        ReshardError: parameters of one owner saved different values.
+    """
+    from ...restore import read
+    keys = meta["scalar_keys"]
+    if not keys:
+        return [(owner, {}) for owner in lay.owners]
+    saved = read(path, keys=[f"optim.{name}.{k}" for name in lay.shapes for k in keys])["optim"]
+    out = []
     for owner in lay.owners:
-        st = lay.base.state[owner.key]
-        for k in meta["scalar_keys"]:
-            values = {name: optim[name][k] for name in owner.names}
-            distinct = {(v.item() if torch.is_tensor(v) else v) for v in values.values()}
+        values = {}
+        for k in keys:
+            per_param = {name: saved[name][k] for name in owner.names}
+            distinct = {(v.item() if torch.is_tensor(v) else v) for v in per_param.values()}
             if len(distinct) > 1:
                 raise ReshardError(f"optimizer state {k!r} differs between parameters that share one flat "
-                                   f"optimizer group here: {dict(list(values.items())[:5])}", path=path,
+                                   f"optimizer group here: {dict(list(per_param.items())[:5])}", path=path,
                                    key=f"optim.{owner.names[0]}.{k}",
                                    remedy="Load with the saved ZeRO stage and param groups.")
-            if values:
-                v = next(iter(values.values()))
-                if torch.is_tensor(st.get(k)) and torch.is_tensor(v):
-                    st[k].copy_(v)
-                else:
-                    st[k] = v
+            if per_param:
+                values[k] = next(iter(per_param.values()))
+        out.append((owner, values))
+    return out
 
 
 def _set_groups(lay: _Layout, meta: dict) -> None:
