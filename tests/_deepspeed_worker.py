@@ -221,6 +221,14 @@ def enospc(out: str) -> None:
         refused["load_module_only"] = None
     except Exception as exc:  # noqa: BLE001 - the test checks its class
         refused["load_module_only"] = [c.__name__ for c in type(exc).__mro__]
+    # A rank whose checks fail alone (here rank 1 asks for a tag that does not exist) must not
+    # leave the others inside DeepSpeed's collectives: every rank raises, typed, at once.
+    try:
+        engine2.load_checkpoint(root, "good" if torch.distributed.get_rank() == 0 else "missing")
+        refused["one_rank_missing"] = None
+    except Exception as exc:  # noqa: BLE001 - the test checks its class (and each rank's)
+        refused["one_rank_missing"] = [c.__name__ for c in type(exc).__mro__] + sorted(
+            {type(f).__name__ for f in (getattr(exc, "failures", None) or {}).values()})
     path, _ = engine2.load_checkpoint(root)
     _dump(out, "enospc", {"error": err, "listing": listing, "latest": open(os.path.join(root, "latest")).read(),
                           "refused": refused, "listing_after": sorted(os.listdir(root)),

@@ -67,6 +67,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 from ... import manifest as mf
+from ..._dist import _portable, control_group
 from ...coordinator import ROOT_LOCK_NAME, is_committed, reclaim_tmp_dirs
 from ...errors import (CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError,
                        from_os_error)
@@ -352,6 +353,39 @@ def _unsupported_engine_features(engine: Any) -> list[str]:
     return found
 
 
+def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
+    """What load_checkpoint(load_dir, tag) will read, checked: (tag, path, file names, DeepSpeed
+    meta, master names), or None when ``tag`` is None and there is no ``latest`` (nothing saved).
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint there, or one not written by install().
+        ReshardError: saved at another ZeRO stage.
+    """
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None
+    path = os.path.join(load_dir, str(tag))
+    if not is_committed(path):
+        raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
+    manifest = load_manifest(path)
+    ds = _ds_meta(manifest)
+    if ds is None:
+        raise CheckpointNotFoundError(
+            f"{path} is a distckpt checkpoint but was not written through "
+            "distckpt.integrations.deepspeed.install()", path=path,
+            remedy="Load it with distckpt.load / distckpt.integrations.deepspeed.load instead.")
+    names = sorted({fqn.split(".", 2)[1] for fqn in (*manifest.tensors, *manifest.objects)
+                    if fqn.startswith(_FILES + ".")})
+    if ds.get("zero_stage", 0) != int(engine.zero_optimization_stage()):
+        raise ReshardError(f"{path} was saved at ZeRO stage {ds.get('zero_stage')}, this engine runs stage "
+                           f"{engine.zero_optimization_stage()}", path=path,
+                           remedy="Resume with the saved ZeRO stage, or load with "
+                           "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
+    masters = {fqn.split(".", 1)[1] for fqn in manifest.tensors if fqn.startswith("model.")}
+    return tag, path, names, ds, masters
+
+
 def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointEngine:
     """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through distckpt.
 
@@ -415,31 +449,28 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         if refused:
             raise ConfigError(f"load_checkpoint({', '.join(refused)}) is not served by distckpt's DeepSpeed engine",
                               remedy="Load the whole state (the defaults), or read single values with distckpt.read().")
-        load_dir = os.path.abspath(os.fspath(load_dir))
-        if tag is None:
-            tag = read_latest(load_dir)
-            if tag is None:
-                # DeepSpeed's contract: no `latest` means no checkpoint yet (a fresh start).
-                log.warning("distckpt: no %s: nothing to load", os.path.join(load_dir, "latest"))
-                return None, None
-        path = os.path.join(load_dir, str(tag))
-        if not is_committed(path):
-            raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
-        manifest = load_manifest(path)
-        ds = _ds_meta(manifest)
-        if ds is None:
+        # Every check that can fail on one rank alone runs before DeepSpeed's own load, and the
+        # ranks exchange their outcome: past this point DeepSpeed's collectives (with its own,
+        # 30-minute timeout) would leave the other ranks waiting for a rank that already raised.
+        planned, error = None, None
+        try:
+            planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag)
+        except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
+            error = exc
+        group = control_group(operation="load_checkpoint()")
+        outcomes = group.all_gather((_portable(error), planned is None)) if group.world_size > 1 \
+            else [(error, planned is None)]
+        group.raise_failures([e for e, _ in outcomes], error, operation="load_checkpoint")
+        if len({nothing for _, nothing in outcomes}) > 1:  # `latest` seen by some ranks only
             raise CheckpointNotFoundError(
-                f"{path} is a distckpt checkpoint but was not written through "
-                "distckpt.integrations.deepspeed.install()", path=path,
-                remedy="Load it with distckpt.load / distckpt.integrations.deepspeed.load instead.")
-        names = sorted({fqn.split(".", 2)[1] for fqn in (*manifest.tensors, *manifest.objects)
-                        if fqn.startswith(_FILES + ".")})
-        if ds.get("zero_stage", 0) != int(engine.zero_optimization_stage()):
-            raise ReshardError(f"{path} was saved at ZeRO stage {ds.get('zero_stage')}, this engine runs stage "
-                               f"{engine.zero_optimization_stage()}", path=path,
-                               remedy="Resume with the saved ZeRO stage, or load with "
-                               "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
-        masters = {fqn.split(".", 1)[1] for fqn in manifest.tensors if fqn.startswith("model.")}
+                f"{os.path.join(load_dir, 'latest')} exists for rank(s) "
+                f"{[r for r, (_, nothing) in enumerate(outcomes) if not nothing]} only", path=load_dir,
+                remedy="Every rank must see the same save directory (a shared file system).")
+        if planned is None:
+            # DeepSpeed's contract: no `latest` means no checkpoint yet (a fresh start).
+            log.warning("distckpt: no %s: nothing to load", os.path.join(load_dir, "latest"))
+            return None, None
+        tag, path, names, ds, masters = planned
         ce.begin_load(path, names, ds, masters)
         try:
             return orig_load(load_dir, tag, load_module_strict=load_module_strict,
