@@ -63,7 +63,8 @@ from .errors import (CheckpointExistsError, CommittedButPeerLostError, DistCkptE
                      StateDictMismatchError, UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
-from .plan import Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect
+from .plan import (Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect,
+                   is_row_tiling)
 from .staging import dtype_name, host_bytes
 from .storage import Store, is_url, open_store
 from .storage.posix import commit as local
@@ -402,13 +403,15 @@ def _merge_layout(summaries: list[dict]) -> _Layout:
     # Distinct boxes of one tensor must tile its global shape: disjoint and covering. Identical
     # boxes on several ranks are replicas (one writer is chosen, so they count once here).
     late: list[str] = []
-    boxes_by_fqn: dict[str, list[Box]] = {}
+    pieces_by_fqn: dict[str, list[tuple]] = {}
     for fqn, offsets, sizes in candidates:
-        boxes_by_fqn.setdefault(fqn, []).append(Box(offsets, sizes))
+        pieces_by_fqn.setdefault(fqn, []).append((offsets, sizes))
     for fqn, (kind, dtype, shape) in meta.items():
-        boxes = boxes_by_fqn.get(fqn, [])
+        pieces = pieces_by_fqn.get(fqn, [])
+        if is_row_tiling(pieces, shape):  # the common case, proven without Box objects
+            continue
         try:
-            defect = find_tiling_defect(boxes, Box.full(shape))
+            defect = find_tiling_defect([Box(o, s) for o, s in pieces], Box.full(shape))
         except ValueError as exc:
             late.append(f"pieces of {fqn!r} do not fit its shape {list(shape)}: {exc}")
             continue
@@ -421,11 +424,10 @@ def _merge_layout(summaries: list[dict]) -> _Layout:
     owners = assign_owners(candidates)
     bytes_per_rank = [0] * world
     for key, r in owners.items():
-        bytes_per_rank[r] += dict(candidates[key])[r]
+        bytes_per_rank[r] += candidates[key][0][1]  # one box, one dtype: every holder's bytes are equal
     # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
     # small blocks, so a resharding load reads little more than it needs.
-    block = choose_checksum_block((dict(candidates[key])[r] for key, r in owners.items()),
-                                  get_config().checksum_block)
+    block = choose_checksum_block((candidates[key][0][1] for key in owners), get_config().checksum_block)
     return _Layout(meta, owners, bytes_per_rank, tree, block, early, late)
 
 

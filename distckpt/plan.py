@@ -34,6 +34,7 @@ __all__ = [
     "intersect",
     "TilingDefect",
     "find_tiling_defect",
+    "is_row_tiling",
     "assign_owners",
     "assign_offsets",
     "byte_range",
@@ -204,6 +205,35 @@ def find_tiling_defect(boxes: Sequence[Box], region: Box) -> TilingDefect | None
             return TilingDefect("overlap", region, (live[0], live[1]))
         return None
     return _tile(boxes, live, region, 0, ())
+
+
+def is_row_tiling(pieces: Sequence[tuple[Sequence[int], Sequence[int]]], shape: Sequence[int]) -> bool:
+    """True when ``pieces`` ((offsets, sizes) pairs) provably tile ``shape`` exactly because they
+    are row slabs: every piece spans the whole extent of every dimension after the first, and the
+    pieces' ranges on dimension 0 are non-empty, disjoint and cover ``[0, shape[0])``. The layout
+    FSDP, row-wise TorchRec tables and most ZeRO partitions produce, checked in O(n log n) on plain
+    tuples (no :class:`Box` objects), which is what keeps a many-rank merge cheap.
+
+    False means "not proven", not "defective": the caller then runs :func:`find_tiling_defect`,
+    which names the defect (or finds none: a grid, a column split, empty pieces...)."""
+    nd = len(shape)
+    if nd == 0 or not pieces:
+        return False
+    rest = tuple(shape[1:])
+    spans = []
+    for offsets, sizes in pieces:
+        if len(offsets) != nd or len(sizes) != nd or tuple(sizes[1:]) != rest or any(offsets[1:]):
+            return False
+        if sizes[0] <= 0:
+            return False
+        spans.append((offsets[0], sizes[0]))
+    spans.sort()
+    pos = 0
+    for start, size in spans:
+        if start != pos:
+            return False
+        pos += size
+    return pos == shape[0] and all(isinstance(v, int) and v >= 0 for v in rest)
 
 
 def _tile(

@@ -19,6 +19,7 @@ from distckpt.plan import (
     expand_to_blocks,
     find_tiling_defect,
     intersect,
+    is_row_tiling,
     plan_reads,
 )
 
@@ -144,6 +145,23 @@ def test_tiling_defects_are_real(data):
         assert defect is not None and defect.kind == "overlap"
         i, j = defect.indices
         assert i != j and chunks[i].contains(defect.region) and chunks[j].contains(defect.region)
+
+
+@PROPS
+@given(st.data())
+def test_row_tiling_fast_path_never_accepts_a_defect(data):
+    """is_row_tiling may only say True where the full check finds no defect; on row slabs it
+    must say True (that is the case it exists for)."""
+    shape = data.draw(shapes)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, shape[0] - 1)), max_size=4)))) if shape[0] > 1 else []
+    bounds = [0, *[c for c in cuts if c < shape[0]], shape[0]]
+    rows = [((a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:]) for a, b in zip(bounds, bounds[1:])]
+    assert is_row_tiling(rows, shape)
+    pieces = data.draw(st.one_of(st.just(rows), kd_partition(shape).map(lambda cs: [(c.offsets, c.sizes) for c in cs])))
+    if data.draw(st.booleans()) and len(pieces) > 1:  # a defect: one piece dropped, or one added
+        pieces = pieces[:-1] if data.draw(st.booleans()) else pieces + [pieces[0]]
+    if is_row_tiling(pieces, shape):
+        assert find_tiling_defect([Box(o, s) for o, s in pieces], Box.full(shape)) is None
 
 
 def test_tiling_zero_dim_and_empty():
