@@ -39,8 +39,10 @@ ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K = 2            # save every K steps
 STEPS = 14       # the last acknowledged save; the save of STEPS + K is killed
 PLAN2 = {"t0": "column_wise:0,1", "t1": "table_wise:1", "t2": "row_wise", "t3": "data_parallel"}
-# Restore plan on 2 ranks: t0 keeps its two column blocks (its per-row state needs them), the rest moves.
-REPLAN2 = {"t0": "column_wise:1,0", "t1": "row_wise", "t2": "table_wise:0", "t3": "data_parallel"}
+# Restore plan on 2 ranks: t0 keeps its two column blocks (its per-row state needs them), the rest
+# moves; t1 (elementwise state) is split by columns, so the chain saved after the restore mixes
+# links with whole-width and half-width pieces of t1 (composed link by link, oldest first).
+REPLAN2 = {"t0": "column_wise:1,0", "t1": "column_wise:0,1", "t2": "table_wise:0", "t3": "data_parallel"}
 PLAN1 = {"t0": "column_wise:0,0", "t1": "table_wise:0", "t2": "row_wise", "t3": "data_parallel"}
 
 
