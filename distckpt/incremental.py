@@ -122,8 +122,8 @@ class IncrementalPolicy:
             is written full instead (a delta would cost about as much and lengthen the chain).
         max_chain_fraction: a save is written full once the chain's deltas would hold more than
             this fraction of the tracked bytes. A restore reads the base plus every delta and
-            scatters the deltas' rows, so this bounds its cost: measured 1.1-1.5x a full
-            checkpoint's restore at 0.25 (docs/BENCHMARKS.md).
+            scatters the deltas' rows, so this bounds its cost (measured 1.5-2.0x a full
+            checkpoint's restore at 0.25 on a loaded 2-core VM: docs/BENCHMARKS.md).
     """
 
     rows: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
@@ -394,19 +394,25 @@ class _ScatterRows:
     of ``target``: the fill narrows it to each unit's box and copies the unit in with one
     ``index_copy_``."""
 
-    def __init__(self, target: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> None:
-        self.target, self.idx, self.dtype = target, idx, dtype
+    def __init__(self, target: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype,
+                 mask: torch.Tensor | None = None) -> None:
+        self.target, self.idx, self.dtype, self.mask = target, idx, dtype, mask   # mask: rows to write
 
     def is_contiguous(self) -> bool:
         return False   # never a flat byte run: the fill takes the narrow/copy_ path
 
     def narrow(self, dim: int, start: int, length: int) -> "_ScatterRows":
         if dim == 0:
-            return _ScatterRows(self.target, self.idx.narrow(0, start, length), self.dtype)
-        return _ScatterRows(self.target.narrow(dim, start, length), self.idx, self.dtype)
+            mask = self.mask.narrow(0, start, length) if self.mask is not None else None
+            return _ScatterRows(self.target, self.idx.narrow(0, start, length), self.dtype, mask)
+        return _ScatterRows(self.target.narrow(dim, start, length), self.idx, self.dtype, self.mask)
 
     def copy_(self, src: torch.Tensor) -> None:
-        self.target.index_copy_(0, self.idx, src.to(dtype=self.target.dtype, device=self.target.device))
+        idx = self.idx
+        if self.mask is not None and not bool(self.mask.all()):
+            idx, src = idx[self.mask], src[self.mask.to(src.device)]
+        if idx.numel():
+            self.target.index_copy_(0, idx, src.to(dtype=self.target.dtype, device=self.target.device))
 
 
 def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
@@ -507,7 +513,8 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
     for li, fqn, t, _parts, _soff, region, _lo, _hi, rows in entries:
         key = (id(t), region)
         if key not in last:
-            last[key] = torch.full((t.sizes[tracked[fqn]],), -1, dtype=torch.int64)
+            last[key] = torch.full((t.sizes[tracked[fqn]],), -1, dtype=torch.int16 if len(deltas) < 2**15
+                                   else torch.int64)
         last[key][rows] = li
     plans: list[list] = [[] for _ in deltas]
     for li, fqn, t, parts, soff, region, lo, hi, rows in entries:
@@ -518,10 +525,18 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
         keep = torch.nonzero(newest == li).reshape(-1)
         if keep.numel():
             plans[li].append((fqn, t, parts, soff, region, lo, rows, keep))
-    # Pass 3: per link, oldest first, one read of the row spans holding newest copies, scattered
-    # from the read buffers straight into the targets (no copy of the rows in between: fresh
-    # memory is slow to touch). Older rows inside a span are written too and then overwritten by
-    # the newer links, which come later.
+    # Pass 3: read the row spans holding newest copies and scatter them from the read buffers
+    # straight into the targets (no copy of the rows in between: fresh memory is slow to touch).
+    # When the links' column ranges of each target are equal or disjoint (one sharding plan over
+    # the chain, the usual case), every (row, range) is written by exactly one link, its newest:
+    # all links are read in one pass. Otherwise the links are read one after the other, oldest
+    # first, and every row of a span is written, so that newer links overwrite older ones.
+    regions: dict[int, set] = {}
+    for _li, _f, t, _p, _s, region, _lo, _hi, _rows in entries:
+        regions.setdefault(id(t), set()).add(region)
+    one_pass = all(r1 == r2 or any(b1 <= a2 or b2 <= a1 for (_k, a1, b1), (_k2, a2, b2) in zip(r1, r2))
+                   for regs in regions.values() for r1 in regs for r2 in regs)
+    reads = []
     for li, plan in enumerate(plans):
         if not plan:
             continue
@@ -538,11 +553,20 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
             tv = t.tensor.movedim(tracked[fqn], 0)
             for pos, (k2, a, b) in enumerate(region):
                 tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
+            mask = None
+            if one_pass and keep.numel() < szs[0]:
+                mask = torch.zeros(szs[0], dtype=torch.bool)
+                mask[keep - first] = True
             dtype = dtype_from_name(link.manifest.tensors[parts["rows"]].dtype, path=link.path)
             reqs.append((parts["rows"], tuple(offs), tuple(szs),
-                         _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype)))
+                         _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype, mask)))
             nread += szs[0] * (tv[0].numel() if tv.shape[0] else 0) * dtype.itemsize
-        _read_links([(link.path, link.manifest, reqs)], verify, "delta rows")
+        reads.append((link.path, link.manifest, reqs))
+    if one_pass and reads:
+        _read_links(reads, verify, "delta rows")
+    else:
+        for r in reads:
+            _read_links([r], verify, "delta rows")
     return nread
 
 

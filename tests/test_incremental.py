@@ -39,8 +39,10 @@ ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K = 2            # save every K steps
 STEPS = 14       # the last acknowledged save; the save of STEPS + K is killed
 PLAN2 = {"t0": "column_wise:0,1", "t1": "table_wise:1", "t2": "row_wise", "t3": "data_parallel"}
-# Restore plan on 2 ranks: t0 keeps its two column blocks (its per-row state needs them), the rest moves.
-REPLAN2 = {"t0": "column_wise:1,0", "t1": "row_wise", "t2": "table_wise:0", "t3": "data_parallel"}
+# Restore plan on 2 ranks: t0 keeps its two column blocks (its per-row state needs them), the rest
+# moves; t1 (elementwise state) is split by columns, so the chain saved after the restore mixes
+# links with whole-width and half-width pieces of t1 (composed link by link, oldest first).
+REPLAN2 = {"t0": "column_wise:1,0", "t1": "column_wise:0,1", "t2": "table_wise:0", "t3": "data_parallel"}
 PLAN1 = {"t0": "column_wise:0,0", "t1": "table_wise:0", "t2": "row_wise", "t3": "data_parallel"}
 
 
@@ -376,3 +378,36 @@ def test_chain_broken(tmp_path, capsys):
     saver.save(sd, os.path.join(root, "c5"))
     assert saver.last_kind == "full"
     _expect(os.path.join(root, "c5"), _snap(sd))
+
+
+# ------------------------------------------------------------------------------------------------
+# Any row-sharded tensor: DTensors, tracked by the default rule, restored onto another sharding
+
+
+def _dtensor_chain(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(1000, 16, generator=g)
+    saver = IncrementalSaver(IncrementalPolicy(full_every=5, max_chain_fraction=1.0))  # rows=None: DTensors
+    kinds = []
+    for k in range(3):
+        if k:
+            emb[torch.randint(0, 1000, (40,), generator=g)] += 1.0
+        sd = {"model": {"emb": distribute_tensor(emb.clone(), mesh, [Shard(0)])}, "step": k}
+        saver.save(sd, os.path.join(root, f"d{k}"))
+        kinds.append(saver.last_kind)
+    # Restore onto a column split (Shard(1)) at the same world size.
+    target = {"model": {"emb": distribute_tensor(torch.zeros(1000, 16), mesh, [Shard(1)])}, "step": -1}
+    distckpt.load(target, os.path.join(root, "d2"))
+    same = torch.equal(target["model"]["emb"].full_tensor(), emb) and target["step"] == 2
+    return kinds, same, emb if rank == 0 else None
+
+
+def test_dtensor_rows_any_sharding(tmp_path):
+    res = run_ranks(_dtensor_chain, 2, str(tmp_path), timeout=180)
+    assert [r[0] for r in res] == [["full", "delta", "delta"]] * 2
+    assert all(r[1] for r in res)
+    assert torch.equal(distckpt.read(str(tmp_path / "d2"))["model"]["emb"], res[0][2])
+    assert [link.meta["kind"] for link in chain_of(str(tmp_path / "d2"))] == ["delta", "delta", "full"]
