@@ -261,3 +261,19 @@ def test_rank_killed_mid_upload(s3_bucket, tmp_path):
     assert set(s3_bucket.keys("kill")) == {"kill/step_00000001/MANIFEST",
                                            f"kill/step_00000001/{new_id}/rank00000.bin"}
     assert s3_bucket.multipart_uploads() == []
+
+
+def test_missing_bucket_and_bad_credentials_are_typed(s3_bucket):
+    from distckpt.errors import BucketNotFoundError, ObjectStoreAccessError
+    server = s3_bucket.server
+    gone = "s3://no-such-bucket-" + s3_bucket.name[2:] + "/run/step_00000001"
+    bad = dict(server.storage_options(), secret="wrong")
+    url = s3_bucket.url + "/creds/step_00000001"
+    for call in (lambda o, u: distckpt.save({"w": torch.ones(3)}, u, storage_options=o),
+                 lambda o, u: distckpt.load({"w": torch.ones(3)}, u, storage_options=o),
+                 lambda o, u: distckpt.CheckpointManager(u.rsplit("/", 1)[0], storage_options=o).steps()):
+        with pytest.raises(BucketNotFoundError):
+            call(s3_bucket.storage_options, gone)
+        with pytest.raises(ObjectStoreAccessError):
+            call(bad, url)
+    assert s3_bucket.keys() == []
