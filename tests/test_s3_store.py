@@ -277,3 +277,26 @@ def test_missing_bucket_and_bad_credentials_are_typed(s3_bucket):
         with pytest.raises(ObjectStoreAccessError):
             call(bad, url)
     assert s3_bucket.keys() == []
+
+
+def test_overwritten_while_loading_is_checkpoint_removed(s3_bucket, monkeypatch):
+    from distckpt.errors import CheckpointRemovedError
+    from distckpt.storage.objectstore import ObjectStore
+    opts = s3_bucket.storage_options
+    url = s3_bucket.url + "/ow/step_00000001"
+    distckpt.save({"w": torch.ones(1000)}, url, storage_options=opts)
+    real = ObjectStore.data_readers
+
+    def overwrite_first(self, *args, **kwargs):
+        # Between this load's MANIFEST read and its data reads, another save replaces the step.
+        monkeypatch.setattr(ObjectStore, "data_readers", real)
+        distckpt.save({"w": torch.full((1000,), 2.0)}, url, storage_options=opts, overwrite=True)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "data_readers", overwrite_first)
+    target = {"w": torch.zeros(1000)}
+    with pytest.raises(CheckpointRemovedError):
+        distckpt.load(target, url, storage_options=opts)
+    assert torch.equal(target["w"], torch.zeros(1000))  # untouched: no byte of either save landed
+    distckpt.load(target, url, storage_options=opts)
+    assert torch.equal(target["w"], torch.full((1000,), 2.0))
