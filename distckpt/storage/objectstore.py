@@ -244,6 +244,7 @@ class ObjectStore(Store):
                 lock_path: str | None) -> tuple[str, Any]:
         lock_url = lock_path or join(final, LOCK_NAME)
         lease = Lease.acquire(self, lock_url, save_id=save_id, what=final, rank=rank)
+        self._lease = lease  # publish() checks it is still ours
         try:
             self.reclaim_checkpoint(final, root_lock=join(_parent(final), ROOT_LOCK_NAME))
             if self.is_committed(final) and not overwrite:
@@ -287,6 +288,7 @@ class ObjectStore(Store):
         """
         url = join(final, mf.MANIFEST_NAME)
         save_id = _basename(area)
+        self._check_before_commit(area, final, manifest)
         old = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
         old_id = None
         if old is not None:
@@ -313,6 +315,26 @@ class ObjectStore(Store):
                 raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
                                             f"save id)", path=final, remedy="Save to another path.")
         return join(final, old_id) if old_id and old_id != save_id else None
+
+    def _check_before_commit(self, area: str, final: str, manifest: bytes) -> None:
+        """Right before MANIFEST: this save still holds its lease (a save stalled past its lease
+        may have had its data reclaimed by another), and every data object MANIFEST names is
+        there with its size (one HEAD each).
+
+        Raises:
+            SaveInProgressError: the lease was taken over by another save.
+            DataFileMissingError, DataFileTruncatedError: a data object is gone or short.
+        """
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            rec = Lease.read(self, lease.url)
+            if rec is None or rec.get("save_id") != lease.record["save_id"]:
+                raise SaveInProgressError(
+                    f"this save lost its lease {lease.url} before its commit (stalled for more than "
+                    f"{lease.record['lease_s']:.0f} s?); now held by {rec}", path=final, rank=0, owner=rec,
+                    remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long.")
+        m = mf.decode(manifest)
+        self.data_readers(area.rsplit("/", 1)[0], m, list(range(len(m.files))))
 
     def discard(self, replaced: str) -> None:
         self.delete_prefix(replaced)
