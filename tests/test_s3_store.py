@@ -98,8 +98,15 @@ def test_manager_rotation_async_and_overwrite(s3_bucket):
     with distckpt.CheckpointManager(root, keep_last=2, storage_options=opts) as m:
         for step in (1, 2, 3):
             m.save(step, {"w": torch.full((3000,), float(step)), "step": step})
+        # Leftovers of a crashed save in step 3 (an object and an unfinished multipart upload):
+        # the manager's next save removes them, and only them.
+        dead = "f" * 32
+        s3_bucket.fs.pipe_file(f"{s3_bucket.name}/mgr/step_00000003/{dead}/rank00000.bin", b"x" * 100)
+        s3_bucket.fs.call_s3("create_multipart_upload", Bucket=s3_bucket.name,
+                             Key=f"mgr/step_00000003/{dead}/rank00001.bin")
         h = m.save(4, {"w": torch.full((3000,), 4.0), "step": 4}, blocking=False)
         h.result(timeout=60)
+        assert not any(dead in k for k in s3_bucket.keys("mgr")) and s3_bucket.multipart_uploads() == []
         assert m.steps() == [3, 4] and m.latest_step() == 4
         t = {"w": torch.zeros(3000), "step": 0}
         m.load(t)

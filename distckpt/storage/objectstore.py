@@ -415,15 +415,7 @@ class ObjectStore(Store):
         """(prefix URL, state) of every save-id prefix under ``final`` that MANIFEST does not
         name: ``alive`` (a live lease names it) or ``dead``. Never writes."""
         prefixes = {r.split("/", 1)[0] for r in self.objects(final) if "/" in r}
-        uploads = []
-        bucket, key, _ = self.fs.split_path(self._key(final))
-        try:
-            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
-            uploads = [u["Key"] for u in listing.get("Uploads") or []]
-        except Exception:  # noqa: BLE001 - not S3: no multipart listing
-            pass
-        ids = set(prefixes)
-        ids |= {u[len(key.rstrip("/")) + 1:].split("/", 1)[0] for u in uploads if "/" in u[len(key.rstrip("/")) + 1:]}
+        ids = set(prefixes) | {u.split("/", 1)[0] for u in self._upload_keys(final) if "/" in u}
         ids = {i for i in ids if len(i) == _SAVE_ID_LEN and all(c in "0123456789abcdef" for c in i)}
         if not ids:
             return []
@@ -453,11 +445,35 @@ class ObjectStore(Store):
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
     def reclaim(self, root: str) -> list[str]:
-        """Reclaim dead leftovers under every child of ``root`` (a manager root)."""
+        """Reclaim dead leftovers under every child of ``root`` (a manager root). One flat listing
+        of the root first: a child holding MANIFEST and a single save-id prefix is clean (the
+        prefix a MANIFEST names always exists), so only the others are examined."""
+        prefixes: dict[str, set[str]] = {}
+        manifests = set()
+        for rel in self.objects(root):
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == mf.MANIFEST_NAME:
+                manifests.add(parts[0])
+            elif len(parts) >= 3:
+                prefixes.setdefault(parts[0], set()).add(parts[1])
+        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root)}
         removed = []
-        for name in self.list_children(root):
+        for name in sorted(set(prefixes) | set(self.list_children(root))):
+            if name in manifests and len(prefixes.get(name, ())) == 1 and name not in uploads:
+                continue
             removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
         return removed
+
+    def _upload_keys(self, prefix: str) -> list[str]:
+        """Keys (relative to ``prefix/``) of the incomplete multipart uploads under it ([] where the
+        store has no such listing)."""
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        try:
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+        except Exception:  # noqa: BLE001 - not S3: no multipart listing
+            return []
+        return [u["Key"][len(key):] for u in listing.get("Uploads") or []]
 
     def replace_pointer(self, url: str, data: bytes) -> None:
         self._call("put", url, self.fs.pipe_file, self._key(url), data)
