@@ -307,3 +307,15 @@ def test_overwritten_while_loading_is_checkpoint_removed(s3_bucket, monkeypatch)
     assert torch.equal(target["w"], torch.zeros(1000))  # untouched: no byte of either save landed
     distckpt.load(target, url, storage_options=opts)
     assert torch.equal(target["w"], torch.full((1000,), 2.0))
+
+
+def test_file_url_is_the_local_fast_path(tmp_path):
+    from distckpt.errors import ConfigError
+    sd = {"w": torch.arange(5000, dtype=torch.float32)}
+    res = distckpt.save(sd, f"file://{tmp_path}/step_00000001")
+    assert res.path == str(tmp_path / "step_00000001") and not res.backend.startswith("fsspec")
+    assert (tmp_path / "step_00000001" / "MANIFEST").is_file()
+    assert torch.equal(distckpt.read(str(tmp_path / "step_00000001"))["w"], sd["w"])
+    with pytest.raises(ConfigError):  # fsspec options make no sense for a local path: said, not ignored
+        distckpt.save(sd, str(tmp_path / "step_00000002"), storage_options={"key": "k"})
+    assert not (tmp_path / "step_00000002").exists()
