@@ -164,18 +164,24 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
     store = open_store(url, opts)
     winner = {"w": torch.full((4000,), 1.0)}
     real_pipe = store.fs.pipe_file
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+
+    def other_job(overwrite: bool) -> None:
+        # Another job (its own process, its own lease: a manager's root lock) saves the same path.
+        code = ("import sys, torch, distckpt; distckpt.save({'w': torch.full((4000,), 1.0)}, sys.argv[1], "
+                "storage_options=eval(sys.argv[2]), overwrite=sys.argv[3] == '1', _lock_path=sys.argv[4])")
+        subprocess.run([sys.executable, "-c", code, url, repr(opts), "1" if overwrite else "0",
+                        s3_bucket.url + "/race/.distckpt.lock"], env=env, check=True, timeout=120)
 
     def racing_pipe(path, data, *args, **kwargs):
         # The other save's MANIFEST lands right before (server) or right after (readback) ours.
         if path.endswith("/MANIFEST") and not racing_pipe.done:
             racing_pipe.done = True
-            # The other save holds another lease (a manager's root lock), as two jobs would.
-            other = dict(storage_options=opts, _lock_path=s3_bucket.url + "/race/.distckpt.lock")
             if conditional == "server":
-                distckpt.save(winner, url, **other)
+                other_job(overwrite=False)
                 return real_pipe(path, data, *args, **kwargs)
             out = real_pipe(path, data, *args, **kwargs)
-            distckpt.save(winner, url, overwrite=True, **other)
+            other_job(overwrite=True)
             return out
         return real_pipe(path, data, *args, **kwargs)
 
@@ -210,7 +216,7 @@ def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
 
 
 def _killed_body(rank, world, url, options, marker):
-    sd = {"w": torch.full((ROWS, COLS), float(rank + 1))}
+    sd = {f"w{rank}": torch.full((ROWS, COLS), float(rank + 1))}  # per-rank keys: 8 MiB each
     if rank == 1:
         from distckpt.storage import objectstore
 
@@ -222,7 +228,7 @@ def _killed_body(rank, world, url, options, marker):
 
         objectstore._Upload._flush_part = flush_then_die
     try:
-        distckpt.save({"w": sd["w"]}, url, storage_options=options, overwrite=True)
+        distckpt.save(sd, url, storage_options=options, overwrite=True)
     except Exception as exc:  # rank 0: the peer is gone; nothing may be committed
         with open(marker, "w") as f:
             f.write(type(exc).__name__)
@@ -255,3 +261,42 @@ def test_rank_killed_mid_upload(s3_bucket, tmp_path):
     assert set(s3_bucket.keys("kill")) == {"kill/step_00000001/MANIFEST",
                                            f"kill/step_00000001/{new_id}/rank00000.bin"}
     assert s3_bucket.multipart_uploads() == []
+
+
+def test_missing_bucket_and_bad_credentials_are_typed(s3_bucket):
+    from distckpt.errors import BucketNotFoundError, ObjectStoreAccessError
+    server = s3_bucket.server
+    gone = "s3://no-such-bucket-" + s3_bucket.name[2:] + "/run/step_00000001"
+    bad = dict(server.storage_options(), secret="wrong")
+    url = s3_bucket.url + "/creds/step_00000001"
+    for call in (lambda o, u: distckpt.save({"w": torch.ones(3)}, u, storage_options=o),
+                 lambda o, u: distckpt.load({"w": torch.ones(3)}, u, storage_options=o),
+                 lambda o, u: distckpt.CheckpointManager(u.rsplit("/", 1)[0], storage_options=o).steps()):
+        with pytest.raises(BucketNotFoundError):
+            call(s3_bucket.storage_options, gone)
+        with pytest.raises(ObjectStoreAccessError):
+            call(bad, url)
+    assert s3_bucket.keys() == []
+
+
+def test_overwritten_while_loading_is_checkpoint_removed(s3_bucket, monkeypatch):
+    from distckpt.errors import CheckpointRemovedError
+    from distckpt.storage.objectstore import ObjectStore
+    opts = s3_bucket.storage_options
+    url = s3_bucket.url + "/ow/step_00000001"
+    distckpt.save({"w": torch.ones(1000)}, url, storage_options=opts)
+    real = ObjectStore.data_readers
+
+    def overwrite_first(self, *args, **kwargs):
+        # Between this load's MANIFEST read and its data reads, another save replaces the step.
+        monkeypatch.setattr(ObjectStore, "data_readers", real)
+        distckpt.save({"w": torch.full((1000,), 2.0)}, url, storage_options=opts, overwrite=True)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "data_readers", overwrite_first)
+    target = {"w": torch.zeros(1000)}
+    with pytest.raises(CheckpointRemovedError):
+        distckpt.load(target, url, storage_options=opts)
+    assert torch.equal(target["w"], torch.zeros(1000))  # untouched: no byte of either save landed
+    distckpt.load(target, url, storage_options=opts)
+    assert torch.equal(target["w"], torch.full((1000,), 2.0))

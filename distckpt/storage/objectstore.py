@@ -51,7 +51,7 @@ from ..plan import ALIGNMENT, assign_offsets
 from . import Store, join
 from .objerrors import acall_with_retry, call_with_retry, client_config, translate
 
-__all__ = ["ObjectStore", "Lease", "translate_error"]
+__all__ = ["ObjectStore", "Lease", "NoSuchKey", "translate_error", "settings"]
 
 log = logging.getLogger("distckpt")
 
@@ -60,6 +60,11 @@ ROOT_LOCK_NAME = ".distckpt.lock"
 _MIN_PART = 5 << 20          # S3's smallest part but the last
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
+
+
+class NoSuchKey(Exception):
+    """Internal: the object (or prefix) asked for does not exist; callers turn it into the error
+    that says what was missing (CheckpointNotFoundError, DataFileMissingError...)."""
 
 
 def _env_float(name: str, default: float, lo: float, hi: float) -> float:
@@ -153,18 +158,23 @@ class ObjectStore(Store):
 
     def _call(self, operation: str, url: str, fn: Callable, *args, rank: int | None = None, **kwargs):
         """``fn(*args, **kwargs)`` with throttles retried (bounded) and failures typed. A plain
-        "no such key" stays a FileNotFoundError for the caller to give its meaning (a missing
-        MANIFEST, a missing data object); a missing bucket is BucketNotFoundError."""
+        "no such key" is :class:`NoSuchKey` for the caller to give its meaning (a missing
+        MANIFEST, a missing data object); a missing bucket is BucketNotFoundError (which a
+        caller catching NoSuchKey does not catch)."""
         try:
             return call_with_retry(lambda: fn(*args, **kwargs), url=url, operation=operation, rank=rank,
                                    endpoint=self.endpoint)
         except DistCkptError as exc:
-            if isinstance(exc, FileNotFoundError) and type(exc).__name__ == "ObjectNotFoundError":
-                raise FileNotFoundError(url) from exc
+            if type(exc).__name__ == "ObjectNotFoundError":
+                raise NoSuchKey(url) from exc
             raise
 
     def _exists(self, url: str) -> bool:
-        return bool(self._call("head", url, self.fs.exists, self._key(url)))
+        try:  # info, not fs.exists: exists() says False for a missing bucket or a refused request
+            self._call("head", url, self.fs.info, self._key(url))
+            return True
+        except NoSuchKey:
+            return False
 
     def _read_small(self, url: str, limit: int) -> bytes | None:
         """The whole object at ``url`` (None when absent), refusing one above ``limit`` bytes."""
@@ -176,7 +186,7 @@ class ObjectStore(Store):
                 raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
                                               path=url, expected=f"<= {limit}", found=info["size"])
             return self._call("get", url, self.fs.cat_file, self._key(url))
-        except FileNotFoundError:
+        except NoSuchKey:
             return None
 
     # -- read side ------------------------------------------------------------------------------
@@ -194,7 +204,7 @@ class ObjectStore(Store):
         data = self._read_small(join(path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
         if data is not None:
             return data
-        if self._call("list", path, self.fs.ls, self._key(path), detail=False) if self._exists(path) else False:
+        if self.objects(path):
             raise CheckpointIncompleteError(
                 f"{path} holds objects but no MANIFEST: a save in progress, or one that crashed; never loadable",
                 path=path)
@@ -216,7 +226,7 @@ class ObjectStore(Store):
             entry = manifest.files[i]
             try:
                 size = self._call("head", url, self.fs.info, self._key(url))["size"]
-            except FileNotFoundError:
+            except NoSuchKey:
                 raise DataFileMissingError(f"data object {manifest.save_id}/{entry.name} listed in MANIFEST is "
                                            f"missing", path=url) from None
             if size < entry.size:
@@ -329,7 +339,7 @@ class ObjectStore(Store):
             kw = {"ContinuationToken": token} if token else {}
             try:
                 page = self._call("list", prefix, self.fs.call_s3, "list_objects_v2", Bucket=bucket, Prefix=key, **kw)
-            except FileNotFoundError:
+            except NoSuchKey:
                 return out
             out += [o["Key"][len(key):] for o in page.get("Contents") or [] if not o["Key"].endswith("/")]
             token = page.get("NextContinuationToken")
@@ -361,7 +371,7 @@ class ObjectStore(Store):
         try:
             listing = self._call("list uploads", prefix, self.fs.call_s3, "list_multipart_uploads", Bucket=bucket,
                                  Prefix=key.rstrip("/") + "/")
-        except (FileNotFoundError, AttributeError):
+        except (NoSuchKey, AttributeError):
             return out
         for up in listing.get("Uploads") or []:
             try:
@@ -416,7 +426,7 @@ class ObjectStore(Store):
         """Names of the 'directories' directly under ``root`` (no MANIFEST check)."""
         try:
             entries = self._call("list", root, self.fs.ls, self._key(root), detail=True)
-        except FileNotFoundError:
+        except NoSuchKey:
             return []
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
@@ -440,7 +450,7 @@ class ObjectStore(Store):
         url = join(path, mf.MANIFEST_NAME)
         try:
             self._call("delete", url, self.fs.rm_file, self._key(url))
-        except FileNotFoundError:
+        except NoSuchKey:
             pass
         self.delete_prefix(path)
 
@@ -470,7 +480,7 @@ class _RangeReader:
             try:
                 data = self.store._call("get", self.url, self.store.fs.cat_file, self.key, start=offset,
                                         end=offset + nbytes)
-            except FileNotFoundError:
+            except NoSuchKey:
                 raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
                                            path=self.url) from None
             if len(data) < nbytes:
@@ -539,7 +549,7 @@ class _Upload:
         fut = self._submit(acall_with_retry, call, url=self.url, operation=f"upload part {number}", rank=self.rank,
                            endpoint=self.store.endpoint)
         self.pending.append((number, fut, self.buf))
-        self._reap(self.in_flight - 1)
+        self._reap(self.in_flight)  # at most in_flight parts uploading, one more being filled
         self.buf = self.pool.pop() if self.pool else bytearray(self.part_size)
         self.fill = 0
 
