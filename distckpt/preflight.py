@@ -31,6 +31,12 @@ io_backend             which distckpt.storage.posix backend (io_uring / O_DIRECT
 memlock                RLIMIT_MEMLOCK when pinned memory will be used (warning).
 =====================  ==========================================================================
 
+For an object-store URL (``s3://bucket/prefix``) the file-system checks (disk, tmpdir,
+deleted_open_files, writable, io_backend) are replaced by those of
+:mod:`distckpt.storage.objcheck`: object_credentials (credentials resolve), object_endpoint (the
+endpoint answers), object_bucket (the bucket exists and may be listed) and object_writable (a probe
+object is created and deleted; whether the server honours conditional creates is reported).
+
 save() itself calls the cheap raising helpers :func:`check_save_space`, :func:`check_fd_limit` and
 :func:`check_writable` before it writes.
 
@@ -1278,6 +1284,12 @@ def memlock_check(*, pinned: bool | None = None, min_bytes: int = 64 << 20) -> C
 # The whole run
 
 
+def _is_object_url(path: str) -> bool:
+    """An fsspec URL of an object store (``s3://...``); ``file://`` is a local path."""
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.isidentifier() and scheme != "file"
+
+
 def preflight(
     path: str | os.PathLike,
     *,
@@ -1290,6 +1302,7 @@ def preflight(
     raise_on_error: bool = False,
     env: Mapping[str, str] | None = None,
     fds_needed: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PreflightReport:
     """Run every pre-flight check for a save to ``path`` and return the report.
 
@@ -1306,12 +1319,16 @@ def preflight(
         raise_on_error: Raise the first failing check's typed error instead of returning.
         env: Environment to check instead of os.environ.
         fds_needed: fds a save opens; default 64 + the number of files it writes.
+        storage_options: fsspec options for an object-store URL (``s3://...``), as save() takes;
+            without them the standard AWS variables are used.
 
     Raises:
         DistCkptError: only with ``raise_on_error=True``: the typed error of the first failing
             check (DistributedEnvError, SharedMemoryError, DiskFullError, ...).
     """
     path = os.fspath(path)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
     env_map = _env_of(env)
     rank = _rank_of(env_map)
     n_files = (world_size or _int_or_none(env_map.get("WORLD_SIZE")) or 1) + 4  # data + MANIFEST, dirs
@@ -1327,19 +1344,27 @@ def preflight(
                                                           local_world_size=local_world_size)),
         ("shm", lambda: shm_check(backend=backend, local_world_size=local_world_size,
                                   shm_bytes_needed=shm_bytes_needed, env=env_map)),
-        ("disk", lambda: disk_check(path, expected_bytes, keep_last=keep_last, n_files=n_files,
-                                    rank=rank)),
-        ("tmpdir", lambda: tmpdir_check(path, expected_bytes, env_map)),
-        ("deleted_open_files", lambda: deleted_open_files_check(path)),
-        ("writable", lambda: writable_check(path, rank=rank)),
-        ("fd_limit", lambda: fd_limit_check(fds, rank=rank)),
-        ("io_backend", lambda: io_backend_check(path)),
-        ("memlock", lambda: memlock_check()),
     ]
+    if _is_object_url(path):
+        from .storage.objcheck import object_store_checks
+        steps += [("object_store", lambda: object_store_checks(path, storage_options=storage_options, rank=rank))]
+    else:
+        steps += [
+            ("disk", lambda: disk_check(path, expected_bytes, keep_last=keep_last, n_files=n_files,
+                                        rank=rank)),
+            ("tmpdir", lambda: tmpdir_check(path, expected_bytes, env_map)),
+            ("deleted_open_files", lambda: deleted_open_files_check(path)),
+            ("writable", lambda: writable_check(path, rank=rank)),
+        ]
+    steps += [("fd_limit", lambda: fd_limit_check(fds, rank=rank))]
+    if not _is_object_url(path):
+        steps += [("io_backend", lambda: io_backend_check(path))]
+    steps += [("memlock", lambda: memlock_check())]
     results = []
     for name, run in steps:
         try:
-            results.append(run())
+            result = run()
+            results.extend(result if isinstance(result, list) else [result])
         except Exception as exc:  # a broken probe must not hide the other checks
             results.append(CheckResult(name, WARNING, f"check could not run: {type(exc).__name__}: "
                                        f"{exc}", {"traceback": traceback.format_exc()}))
@@ -1364,7 +1389,8 @@ def _size_arg(text: str) -> int:
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="checkpoint directory (need not exist yet)")
+    p.add_argument("path", help="checkpoint directory (need not exist yet), or an object-store URL "
+                                "(s3://bucket/prefix; credentials and endpoint from the AWS variables)")
     p.add_argument("--expected-bytes", type=_size_arg, default=None, metavar="SIZE",
                    help="bytes the save writes to that file system, e.g. 60G (= 60 GiB; "
                         f"{_sizes.CONVENTION})")

@@ -8,14 +8,16 @@
 CheckpointManager every step, keeping the last 2. It also writes ``expected.pt`` (the full tensors,
 gathered, for the check only). ``restore`` builds the model on its own world size, restores the
 newest step through the manager (resharding on the way) and checks every tensor bit for bit.
+ROOT may be an object-store URL (``--root s3://bucket/run7``), the endpoint and keys then coming
+from the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
+import fsspec
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -77,8 +79,9 @@ def run_save(root: str, steps: int) -> None:
             print(f"[save] step {step}: {result.total_bytes} bytes on {world} ranks in {result.seconds:.3f} s "
                   f"(io backend {result.backend}: {result.backend_reason})", flush=True)
     expected = {name: full(t).clone() for name, t in flat_tensors(state(model, optim, steps))}
-    if rank == 0:
-        torch.save(expected, os.path.join(root, "expected.pt"))
+    if rank == 0:  # through fsspec: ROOT may be a local directory or an s3:// URL
+        with fsspec.open(f"{root.rstrip('/')}/expected.pt", "wb") as f:
+            torch.save(expected, f)
         print(f"[save] committed steps: {mgr.steps()} (keep_last=2)", flush=True)
 
 
@@ -97,7 +100,8 @@ def run_restore(root: str) -> None:
     t0 = time.monotonic()
     result = mgr.load(sd)
     optim.load_state_dict(sd["optim"])
-    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
+    with fsspec.open(f"{root.rstrip('/')}/expected.pt", "rb") as f:
+        expected = torch.load(f, weights_only=True)
     got = {name: full(t) for name, t in flat_tensors(state(model, optim, sd["step"]))}
     assert set(got) == set(expected), (sorted(set(got) ^ set(expected)))
     bad = [n for n in expected if not torch.equal(got[n], expected[n])]

@@ -197,7 +197,7 @@ class S3Server:
         except OSError:
             return "(no log)"
 
-    def stop(self, *, remove: bool | None = None, term_timeout_s: float = 10.0) -> None:
+    def stop(self, *, remove: bool | None = None, term_timeout_s: float = 5.0) -> None:
         """Stop the process by its PID: SIGTERM, then SIGKILL after ``term_timeout_s``.
 
         Safe to call twice and in the middle of a test. ``remove`` (default: when the work
@@ -231,6 +231,20 @@ class S3Server:
             input=commands + "\nexit\n", capture_output=True, text=True, timeout=timeout_s, check=True,
             cwd=self.workdir)
         return out.stdout + out.stderr
+
+    def throttle(self, *, writes: int = 1, reads: int | None = None) -> None:
+        """Make the server refuse requests beyond ``writes`` (and ``reads``) in flight at once with
+        503 ErrTooManyRequest (SeaweedFS's circuit breaker): real throttling."""
+        actions, values = ["Write"], [str(writes)]
+        if reads is not None:
+            actions.append("Read")
+            values.append(str(reads))
+        self.shell(f"s3.circuitBreaker -global -type Count -actions {','.join(actions)} "
+                   f"-values {','.join(values)} -apply")
+
+    def unthrottle(self) -> None:
+        """Remove the limits set by :meth:`throttle`."""
+        self.shell("s3.circuitBreaker -global -delete -apply")
 
     def kill(self) -> None:
         """SIGKILL the server at once (an abrupt loss of the endpoint); keeps its data."""

@@ -47,6 +47,7 @@ from .. import manifest as mf
 from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
                       )
+from ..config import get_config
 from ..plan import ALIGNMENT, assign_offsets
 from . import Store, join
 from .objerrors import acall_with_retry, call_with_retry, client_config, translate
@@ -242,6 +243,8 @@ class ObjectStore(Store):
 
     def prepare(self, final: str, save_id: str, overwrite: bool, needed: int, rank: int,
                 lock_path: str | None) -> tuple[str, Any]:
+        if get_config().preflight:
+            self._preflight(final, rank)
         lock_url = lock_path or join(final, LOCK_NAME)
         lease = Lease.acquire(self, lock_url, save_id=save_id, what=final, rank=rank)
         self._lease = lease  # publish() checks it is still ours
@@ -253,6 +256,27 @@ class ObjectStore(Store):
         except BaseException:
             lease.release()
             raise
+
+    def _preflight(self, final: str, rank: int) -> None:
+        """Before the first byte of a save (DISTCKPT_PREFLIGHT=1): the credentials resolve, the
+        endpoint answers, the bucket exists, and a probe object next to the checkpoint (a file
+        under its parent prefix, which no listing of checkpoints or leftovers counts) is created
+        and removed (distckpt.storage.objcheck); each failure is its typed error.
+
+        Raises:
+            ConfigError: DISTCKPT_OBJECT_CONDITIONAL=1 but the server overwrote the probe's
+                conditional create: the commit could not tell a lost race from a win.
+        """
+        from .objcheck import check_object_store
+        found = check_object_store(_parent(final), fs=self.fs, rank=rank)
+        if found.get("conditional") is False and settings()["conditional"]:
+            raise ConfigError(
+                f"the object store behind {final} overwrote an object created with If-None-Match: * (it does "
+                "not honour conditional creates), so the MANIFEST's conditional create could not detect "
+                "another save committing the same checkpoint", path=final, rank=rank,
+                variable="DISTCKPT_OBJECT_CONDITIONAL",
+                remedy="Set DISTCKPT_OBJECT_CONDITIONAL=0: the commit then checks before and reads back after "
+                       "writing the MANIFEST.")
 
     def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
         from ..staging import host_bytes

@@ -58,7 +58,7 @@ T = TypeVar("T")
 THROTTLE_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
     "RequestThrottledException", "RequestLimitExceeded", "TooManyRequests", "TooManyRequestsException",
-    "TooManyRequest", "ProvisionedThroughputExceededException", "BandwidthLimitExceeded",
+    "TooManyRequest", "ErrTooManyRequest", "ProvisionedThroughputExceededException", "BandwidthLimitExceeded",
     "ServiceUnavailable", "ServiceUnavailableException", "RequestTimeTooSkewedRetry",
     # AWS: two conditional writes of one key in flight at once; the loser is told to retry (the
     # retry then gets 412, which is the real answer).
@@ -85,7 +85,8 @@ class RetryPolicy:
 
     Try ``attempts`` times at most; before try n+1 sleep a random time in
     [0, min(max_s, base_s * 2**n)] ("full jitter": ranks that were throttled together do not
-    retry together), and never past ``total_s`` seconds since the first try.
+    retry together); no retry begins later than ``total_s`` seconds after the first try (so the
+    whole call lasts at most ``total_s`` plus one request).
     """
 
     attempts: int = 6
@@ -266,6 +267,8 @@ def translate(
             detail = "the session token expired or is invalid"
         elif code == "RequestTimeTooSkewed":
             detail = "this node's clock is too far from the server's"
+        elif code == "403":  # a HEAD request: no body, so no reason
+            detail = "the credentials are wrong or do not grant this"
         else:
             detail = "the credentials do not grant this"
         return ObjectStoreAccessError(f"{operation} {url} refused: {detail} ({said or exc}){where}",
@@ -279,7 +282,7 @@ def translate(
             common["code"] = type(conn).__name__
             err = _errno_in_chain(exc) or (_errno.ETIMEDOUT if "imeout" in type(conn).__name__ else _errno.EHOSTUNREACH)
             return EndpointUnreachableError(
-                f"{operation} {url} failed: the object store endpoint{where or ''} did not answer: "
+                f"{operation} {url} failed: the object store endpoint{' ' + endpoint if endpoint else ''} did not answer: "
                 f"{type(conn).__name__}: {conn}", errno=err, **common)
     return ObjectStoreError(f"{operation} {url} failed: {said or f'{type(exc).__name__}: {exc}'}{where}",
                             errno=getattr(exc, "errno", None) or _errno.EIO, **common)
