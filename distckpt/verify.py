@@ -226,14 +226,12 @@ def _open_object(store, ckpt: str, manifest, i: int, report: VerifyReport) -> tu
     """:func:`_open_file` for a data object of an object store (one HEAD)."""
     entry = manifest.files[i]
     url = store.data_url(ckpt, manifest, i)
+    from .storage.objectstore import NoSuchKey
     try:
-        size = store.fs.info(store._key(url))["size"]
-    except FileNotFoundError:
+        size = store._call("head", url, store.fs.info, store._key(url))["size"]
+    except NoSuchKey:
         report.file_problems.append(FileProblem(entry.name, "missing (listed in MANIFEST)"))
         return None
-    except Exception as exc:  # noqa: BLE001 - typed
-        from .storage.objectstore import translate_error
-        raise translate_error(exc, url, None, "head") from exc
     if size < entry.size:
         report.file_problems.append(FileProblem(entry.name, f"truncated: {size} bytes, MANIFEST says {entry.size}"))
     elif size > entry.size:

@@ -362,3 +362,24 @@ def test_preflight_cli_on_s3_url(s3_bucket):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "object_writable" in out.stdout and "Access Denied" in out.stdout, out.stdout
     assert s3_bucket.keys() == []
+
+
+def test_save_runs_the_object_preflight_first(s3_bucket, s3_ignore_conditional, monkeypatch):
+    """save() checks the store before its first byte: a read-only key fails with the typed error
+    and leaves no object (no lease, no data); a server that ignores If-None-Match while
+    DISTCKPT_OBJECT_CONDITIONAL=1 is refused with the remedy, and with =0 the save goes through."""
+    import distckpt
+    import torch
+
+    url = f"{s3_bucket.url}/run/step_00000001"
+    sd = {"w": torch.arange(1000.0)}
+    with pytest.raises(errors.ObjectStoreAccessError) as info:
+        distckpt.save(sd, url, storage_options=s3_bucket.server.storage_options(read_only=True))
+    assert info.value.code == "AccessDenied" and s3_bucket.keys() == []
+    with pytest.raises(errors.ConfigError, match="does not honour conditional creates") as info:
+        distckpt.save(sd, url, storage_options=s3_bucket.storage_options)
+    assert "DISTCKPT_OBJECT_CONDITIONAL=0" in info.value.remedy and s3_bucket.keys() == []
+    monkeypatch.setenv("DISTCKPT_OBJECT_CONDITIONAL", "0")
+    distckpt.save(sd, url, storage_options=s3_bucket.storage_options)
+    assert torch.equal(distckpt.read(url, storage_options=s3_bucket.storage_options)["w"], sd["w"])
+    assert not [k for k in s3_bucket.keys() if ".distckpt-probe-" in k]

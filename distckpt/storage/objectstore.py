@@ -47,11 +47,12 @@ from .. import manifest as mf
 from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
                       )
+from ..config import get_config
 from ..plan import ALIGNMENT, assign_offsets
 from . import Store, join
 from .objerrors import acall_with_retry, call_with_retry, client_config, translate
 
-__all__ = ["ObjectStore", "Lease", "translate_error"]
+__all__ = ["ObjectStore", "Lease", "NoSuchKey", "translate_error", "settings"]
 
 log = logging.getLogger("distckpt")
 
@@ -60,6 +61,11 @@ ROOT_LOCK_NAME = ".distckpt.lock"
 _MIN_PART = 5 << 20          # S3's smallest part but the last
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
+
+
+class NoSuchKey(Exception):
+    """Internal: the object (or prefix) asked for does not exist; callers turn it into the error
+    that says what was missing (CheckpointNotFoundError, DataFileMissingError...)."""
 
 
 def _env_float(name: str, default: float, lo: float, hi: float) -> float:
@@ -153,18 +159,23 @@ class ObjectStore(Store):
 
     def _call(self, operation: str, url: str, fn: Callable, *args, rank: int | None = None, **kwargs):
         """``fn(*args, **kwargs)`` with throttles retried (bounded) and failures typed. A plain
-        "no such key" stays a FileNotFoundError for the caller to give its meaning (a missing
-        MANIFEST, a missing data object); a missing bucket is BucketNotFoundError."""
+        "no such key" is :class:`NoSuchKey` for the caller to give its meaning (a missing
+        MANIFEST, a missing data object); a missing bucket is BucketNotFoundError (which a
+        caller catching NoSuchKey does not catch)."""
         try:
             return call_with_retry(lambda: fn(*args, **kwargs), url=url, operation=operation, rank=rank,
                                    endpoint=self.endpoint)
         except DistCkptError as exc:
-            if isinstance(exc, FileNotFoundError) and type(exc).__name__ == "ObjectNotFoundError":
-                raise FileNotFoundError(url) from exc
+            if type(exc).__name__ == "ObjectNotFoundError":
+                raise NoSuchKey(url) from exc
             raise
 
     def _exists(self, url: str) -> bool:
-        return bool(self._call("head", url, self.fs.exists, self._key(url)))
+        try:  # info, not fs.exists: exists() says False for a missing bucket or a refused request
+            self._call("head", url, self.fs.info, self._key(url))
+            return True
+        except NoSuchKey:
+            return False
 
     def _read_small(self, url: str, limit: int) -> bytes | None:
         """The whole object at ``url`` (None when absent), refusing one above ``limit`` bytes."""
@@ -176,7 +187,7 @@ class ObjectStore(Store):
                 raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
                                               path=url, expected=f"<= {limit}", found=info["size"])
             return self._call("get", url, self.fs.cat_file, self._key(url))
-        except FileNotFoundError:
+        except NoSuchKey:
             return None
 
     # -- read side ------------------------------------------------------------------------------
@@ -194,7 +205,7 @@ class ObjectStore(Store):
         data = self._read_small(join(path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
         if data is not None:
             return data
-        if self._call("list", path, self.fs.ls, self._key(path), detail=False) if self._exists(path) else False:
+        if self.objects(path):
             raise CheckpointIncompleteError(
                 f"{path} holds objects but no MANIFEST: a save in progress, or one that crashed; never loadable",
                 path=path)
@@ -216,7 +227,7 @@ class ObjectStore(Store):
             entry = manifest.files[i]
             try:
                 size = self._call("head", url, self.fs.info, self._key(url))["size"]
-            except FileNotFoundError:
+            except NoSuchKey:
                 raise DataFileMissingError(f"data object {manifest.save_id}/{entry.name} listed in MANIFEST is "
                                            f"missing", path=url) from None
             if size < entry.size:
@@ -232,8 +243,11 @@ class ObjectStore(Store):
 
     def prepare(self, final: str, save_id: str, overwrite: bool, needed: int, rank: int,
                 lock_path: str | None) -> tuple[str, Any]:
+        if get_config().preflight:
+            self._preflight(final, rank)
         lock_url = lock_path or join(final, LOCK_NAME)
         lease = Lease.acquire(self, lock_url, save_id=save_id, what=final, rank=rank)
+        self._lease = lease  # publish() checks it is still ours
         try:
             self.reclaim_checkpoint(final, root_lock=join(_parent(final), ROOT_LOCK_NAME))
             if self.is_committed(final) and not overwrite:
@@ -242,6 +256,27 @@ class ObjectStore(Store):
         except BaseException:
             lease.release()
             raise
+
+    def _preflight(self, final: str, rank: int) -> None:
+        """Before the first byte of a save (DISTCKPT_PREFLIGHT=1): the credentials resolve, the
+        endpoint answers, the bucket exists, and a probe object next to the checkpoint (a file
+        under its parent prefix, which no listing of checkpoints or leftovers counts) is created
+        and removed (distckpt.storage.objcheck); each failure is its typed error.
+
+        Raises:
+            ConfigError: DISTCKPT_OBJECT_CONDITIONAL=1 but the server overwrote the probe's
+                conditional create: the commit could not tell a lost race from a win.
+        """
+        from .objcheck import check_object_store
+        found = check_object_store(_parent(final), fs=self.fs, rank=rank)
+        if found.get("conditional") is False and settings()["conditional"]:
+            raise ConfigError(
+                f"the object store behind {final} overwrote an object created with If-None-Match: * (it does "
+                "not honour conditional creates), so the MANIFEST's conditional create could not detect "
+                "another save committing the same checkpoint", path=final, rank=rank,
+                variable="DISTCKPT_OBJECT_CONDITIONAL",
+                remedy="Set DISTCKPT_OBJECT_CONDITIONAL=0: the commit then checks before and reads back after "
+                       "writing the MANIFEST.")
 
     def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
         from ..staging import host_bytes
@@ -277,6 +312,7 @@ class ObjectStore(Store):
         """
         url = join(final, mf.MANIFEST_NAME)
         save_id = _basename(area)
+        self._check_before_commit(area, final, manifest)
         old = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
         old_id = None
         if old is not None:
@@ -304,6 +340,26 @@ class ObjectStore(Store):
                                             f"save id)", path=final, remedy="Save to another path.")
         return join(final, old_id) if old_id and old_id != save_id else None
 
+    def _check_before_commit(self, area: str, final: str, manifest: bytes) -> None:
+        """Right before MANIFEST: this save still holds its lease (a save stalled past its lease
+        may have had its data reclaimed by another), and every data object MANIFEST names is
+        there with its size (one HEAD each).
+
+        Raises:
+            SaveInProgressError: the lease was taken over by another save.
+            DataFileMissingError, DataFileTruncatedError: a data object is gone or short.
+        """
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            rec = Lease.read(self, lease.url)
+            if rec is None or rec.get("save_id") != lease.record["save_id"]:
+                raise SaveInProgressError(
+                    f"this save lost its lease {lease.url} before its commit (stalled for more than "
+                    f"{lease.record['lease_s']:.0f} s?); now held by {rec}", path=final, rank=0, owner=rec,
+                    remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long.")
+        m = mf.decode(manifest)
+        self.data_readers(area.rsplit("/", 1)[0], m, list(range(len(m.files))))
+
     def discard(self, replaced: str) -> None:
         self.delete_prefix(replaced)
 
@@ -329,7 +385,7 @@ class ObjectStore(Store):
             kw = {"ContinuationToken": token} if token else {}
             try:
                 page = self._call("list", prefix, self.fs.call_s3, "list_objects_v2", Bucket=bucket, Prefix=key, **kw)
-            except FileNotFoundError:
+            except NoSuchKey:
                 return out
             out += [o["Key"][len(key):] for o in page.get("Contents") or [] if not o["Key"].endswith("/")]
             token = page.get("NextContinuationToken")
@@ -361,7 +417,7 @@ class ObjectStore(Store):
         try:
             listing = self._call("list uploads", prefix, self.fs.call_s3, "list_multipart_uploads", Bucket=bucket,
                                  Prefix=key.rstrip("/") + "/")
-        except (FileNotFoundError, AttributeError):
+        except (NoSuchKey, AttributeError):
             return out
         for up in listing.get("Uploads") or []:
             try:
@@ -383,15 +439,7 @@ class ObjectStore(Store):
         """(prefix URL, state) of every save-id prefix under ``final`` that MANIFEST does not
         name: ``alive`` (a live lease names it) or ``dead``. Never writes."""
         prefixes = {r.split("/", 1)[0] for r in self.objects(final) if "/" in r}
-        uploads = []
-        bucket, key, _ = self.fs.split_path(self._key(final))
-        try:
-            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
-            uploads = [u["Key"] for u in listing.get("Uploads") or []]
-        except Exception:  # noqa: BLE001 - not S3: no multipart listing
-            pass
-        ids = set(prefixes)
-        ids |= {u[len(key.rstrip("/")) + 1:].split("/", 1)[0] for u in uploads if "/" in u[len(key.rstrip("/")) + 1:]}
+        ids = set(prefixes) | {u.split("/", 1)[0] for u in self._upload_keys(final) if "/" in u}
         ids = {i for i in ids if len(i) == _SAVE_ID_LEN and all(c in "0123456789abcdef" for c in i)}
         if not ids:
             return []
@@ -416,16 +464,40 @@ class ObjectStore(Store):
         """Names of the 'directories' directly under ``root`` (no MANIFEST check)."""
         try:
             entries = self._call("list", root, self.fs.ls, self._key(root), detail=True)
-        except FileNotFoundError:
+        except NoSuchKey:
             return []
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
     def reclaim(self, root: str) -> list[str]:
-        """Reclaim dead leftovers under every child of ``root`` (a manager root)."""
+        """Reclaim dead leftovers under every child of ``root`` (a manager root). One flat listing
+        of the root first: a child holding MANIFEST and a single save-id prefix is clean (the
+        prefix a MANIFEST names always exists), so only the others are examined."""
+        prefixes: dict[str, set[str]] = {}
+        manifests = set()
+        for rel in self.objects(root):
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == mf.MANIFEST_NAME:
+                manifests.add(parts[0])
+            elif len(parts) >= 3:
+                prefixes.setdefault(parts[0], set()).add(parts[1])
+        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root)}
         removed = []
-        for name in self.list_children(root):
+        for name in sorted(set(prefixes) | set(self.list_children(root))):
+            if name in manifests and len(prefixes.get(name, ())) == 1 and name not in uploads:
+                continue
             removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
         return removed
+
+    def _upload_keys(self, prefix: str) -> list[str]:
+        """Keys (relative to ``prefix/``) of the incomplete multipart uploads under it ([] where the
+        store has no such listing)."""
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        try:
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+        except Exception:  # noqa: BLE001 - not S3: no multipart listing
+            return []
+        return [u["Key"][len(key):] for u in listing.get("Uploads") or []]
 
     def replace_pointer(self, url: str, data: bytes) -> None:
         self._call("put", url, self.fs.pipe_file, self._key(url), data)
@@ -440,7 +512,7 @@ class ObjectStore(Store):
         url = join(path, mf.MANIFEST_NAME)
         try:
             self._call("delete", url, self.fs.rm_file, self._key(url))
-        except FileNotFoundError:
+        except NoSuchKey:
             pass
         self.delete_prefix(path)
 
@@ -470,7 +542,7 @@ class _RangeReader:
             try:
                 data = self.store._call("get", self.url, self.store.fs.cat_file, self.key, start=offset,
                                         end=offset + nbytes)
-            except FileNotFoundError:
+            except NoSuchKey:
                 raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
                                            path=self.url) from None
             if len(data) < nbytes:
@@ -539,7 +611,7 @@ class _Upload:
         fut = self._submit(acall_with_retry, call, url=self.url, operation=f"upload part {number}", rank=self.rank,
                            endpoint=self.store.endpoint)
         self.pending.append((number, fut, self.buf))
-        self._reap(self.in_flight - 1)
+        self._reap(self.in_flight)  # at most in_flight parts uploading, one more being filled
         self.buf = self.pool.pop() if self.pool else bytearray(self.part_size)
         self.fill = 0
 
