@@ -111,21 +111,24 @@ def chain_of(path: str | os.PathLike) -> list[ChainLink]:
     return links
 
 
-def dependencies(path: str | os.PathLike) -> list[str]:
-    """Directory names of the links ``path`` depends on (its ancestors), best effort: stops at the
-    first link that cannot be read (it never raises; used by rotation to decide what to keep)."""
+def dependencies(path: str | os.PathLike) -> list[str] | None:
+    """Directory names of the links ``path`` depends on (its ancestors, newest first), or None
+    when the walk cannot reach the chain's full base: a link's MANIFEST cannot be read (damaged,
+    missing, or an I/O error that may pass) or names an impossible parent. Never raises: rotation
+    uses it, and treats None as "depends on anything" (it then deletes nothing), so a link that
+    is unreadable for a moment is never taken for unneeded."""
     path = os.path.abspath(os.fspath(path))
     out: list[str] = []
     try:
         info = chain_info(load_manifest(path))
-        while info is not None and info.get("kind") == "delta" and isinstance(info.get("parent"), str):
-            parent = info["parent"]
-            if parent in out or "/" in parent:
-                break
+        while info is not None and info.get("kind") == "delta":
+            parent = info.get("parent")
+            if not isinstance(parent, str) or parent in out or "/" in parent:
+                return None
             out.append(parent)
             info = chain_info(load_manifest(os.path.join(os.path.dirname(path), parent)))
-    except Exception:  # noqa: BLE001 - a broken link ends the walk; load reports it, not rotation
-        pass
+    except Exception:  # noqa: BLE001 - any failure: the chain's extent is unknown
+        return None
     return out
 
 

@@ -59,8 +59,9 @@ KNOWN_VARIABLES = (
     # object stores (distckpt.storage.objectstore.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
     "DISTCKPT_OBJECT_CONDITIONAL",
-    # launch/env.sh (where the venv goes) and the crash tests
+    # launch/env.sh (where the venv goes) and the tests (crash sweeps, the S3 server's switches)
     "DISTCKPT_VENV", "DISTCKPT_ROOT", "DISTCKPT_CRASH_SEED", "DISTCKPT_CRASH_KILLS",
+    "DISTCKPT_TEST_S3_IGNORE_IF_NONE_MATCH",
 )
 
 

@@ -45,6 +45,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
+from . import chain
 from ._dist import is_distributed
 from .coordinator import (MANIFEST, ROOT_LOCK_NAME, Leftover, SaveResult, is_committed, reclaim_tmp_dirs,
                           scan_leftovers)
@@ -134,12 +135,11 @@ def _step_info(path: str, name: str, store: Any = None) -> StepInfo:
         return StepInfo(name, path, step, "broken", problem)
     except OSError as exc:
         return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc}")
-    from .chain import chain_info
-    info = chain_info(man)
-    chain = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
+    info = chain.chain_info(man)
+    link = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
                                                                 "link_bytes", "tracked_bytes")}
     return StepInfo(name, path, step, "committed", None, size, man.created_unix, man.world_size, man.save_id,
-                    chain=chain)
+                    chain=link)
 
 
 def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
@@ -486,8 +486,8 @@ class CheckpointManager:
                         [step_dirname(s) for s in above], self.root, step)
         # Steps a surviving step depends on (the links of its incremental chain) are never deleted:
         # their space is freed by the first rotation after no kept step needs them.
-        needed = self._dependencies(s for s in steps if s not in above_doomed)
-        above_doomed = [s for s in above_doomed if step_dirname(s) not in needed]
+        if above_doomed:
+            above_doomed = self._unneeded(above_doomed, [s for s in steps if s not in above_doomed])
         for old in above_doomed:
             log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
@@ -500,20 +500,27 @@ class CheckpointManager:
         # Keep the newest keep_last steps; the one just committed is always among them, and the
         # step the job resumed from survives the first save after the resume.
         doomed = [s for s in branch[:-self.keep_last] if s not in (step, protect)]
-        needed = self._dependencies(s for s in steps if s not in doomed and s not in above_doomed)
-        doomed = [s for s in doomed if step_dirname(s) not in needed]
+        if doomed:
+            doomed = self._unneeded(doomed, [s for s in steps if s not in doomed and s not in above_doomed])
         for old in doomed:
             self._remove(self.path(old))
 
-    def _dependencies(self, kept) -> set[str]:
-        """Directory names of every chain link the steps ``kept`` depend on."""
-        from .chain import dependencies
-        out: set[str] = set()
+    def _unneeded(self, doomed: list[int], kept: list[int]) -> list[int]:
+        """The steps of ``doomed`` that no step of ``kept`` depends on (the links of its incremental
+        chain). When a kept step's chain cannot be read to its base, none: deleting a link that is
+        unreadable only for a moment would break a chain for good, so rotation waits."""
         if self._store is not None:  # no chains on object stores (incremental= is refused there)
-            return out
+            return doomed
+        needed: set[str] = set()
         for s in kept:
-            out.update(dependencies(self.path(s)))
-        return out
+            deps = chain.dependencies(self.path(s))
+            if deps is None:
+                log.warning("distckpt: not deleting %s: the incremental chain of %s cannot be read to its base, "
+                            "so they may still be needed (verify it: distckpt verify %s)",
+                            [step_dirname(d) for d in doomed], self.path(s), self.path(s))
+                return []
+            needed.update(deps)
+        return [s for s in doomed if step_dirname(s) not in needed]
 
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
         """Load step ``step`` (default: :meth:`latest_step`, the newest by commit order) into
