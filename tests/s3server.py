@@ -43,7 +43,7 @@ from pathlib import Path
 REGION = "us-east-1"
 # A directory holding a sitecustomize.py that calls ignore_conditional_writes() at interpreter start
 # when IGNORE_CONDITIONAL_ENV is set: how child processes (torchrun ranks) get the same behaviour.
-IGNORE_CONDITIONAL_ENV = "DISTCKPT_TEST_S3_IGNORE_IF_NONE_MATCH"
+IGNORE_CONDITIONAL_ENV = "S3_TESTS_IGNORE_IF_NONE_MATCH"  # not DISTCKPT_*: config warns on unknown ones
 _SITE_DIR = Path(__file__).resolve().parent / "_s3_site"
 
 
