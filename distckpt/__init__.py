@@ -10,6 +10,10 @@ byte ranges each rank needs, onto any world size or sharding. Failures are typed
     distckpt.load(state_dict, "/ckpt/step_100")            # fills tensors in place, reshards
     full = distckpt.read("/ckpt/step_100")                 # one process, full tensors
     mgr = distckpt.CheckpointManager("/ckpt", keep_last=3) # numbered steps + rotation
+
+Every path may also be an fsspec URL (``s3://bucket/run7/step_100``, with ``storage_options=`` or
+the AWS_* variables): data objects are uploaded in parallel and MANIFEST is written last with a
+conditional create (docs/FORMAT.md, "Object stores").
 """
 
 __version__ = "0.1.0"

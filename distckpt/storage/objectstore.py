@@ -247,6 +247,7 @@ class ObjectStore(Store):
             self._preflight(final, rank)
         lock_url = lock_path or join(final, LOCK_NAME)
         lease = Lease.acquire(self, lock_url, save_id=save_id, what=final, rank=rank)
+        self._lease = lease  # publish() checks it is still ours
         try:
             self.reclaim_checkpoint(final, root_lock=join(_parent(final), ROOT_LOCK_NAME))
             if self.is_committed(final) and not overwrite:
@@ -311,6 +312,7 @@ class ObjectStore(Store):
         """
         url = join(final, mf.MANIFEST_NAME)
         save_id = _basename(area)
+        self._check_before_commit(area, final, manifest)
         old = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
         old_id = None
         if old is not None:
@@ -337,6 +339,26 @@ class ObjectStore(Store):
                 raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
                                             f"save id)", path=final, remedy="Save to another path.")
         return join(final, old_id) if old_id and old_id != save_id else None
+
+    def _check_before_commit(self, area: str, final: str, manifest: bytes) -> None:
+        """Right before MANIFEST: this save still holds its lease (a save stalled past its lease
+        may have had its data reclaimed by another), and every data object MANIFEST names is
+        there with its size (one HEAD each).
+
+        Raises:
+            SaveInProgressError: the lease was taken over by another save.
+            DataFileMissingError, DataFileTruncatedError: a data object is gone or short.
+        """
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            rec = Lease.read(self, lease.url)
+            if rec is None or rec.get("save_id") != lease.record["save_id"]:
+                raise SaveInProgressError(
+                    f"this save lost its lease {lease.url} before its commit (stalled for more than "
+                    f"{lease.record['lease_s']:.0f} s?); now held by {rec}", path=final, rank=0, owner=rec,
+                    remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long.")
+        m = mf.decode(manifest)
+        self.data_readers(area.rsplit("/", 1)[0], m, list(range(len(m.files))))
 
     def discard(self, replaced: str) -> None:
         self.delete_prefix(replaced)
@@ -417,15 +439,7 @@ class ObjectStore(Store):
         """(prefix URL, state) of every save-id prefix under ``final`` that MANIFEST does not
         name: ``alive`` (a live lease names it) or ``dead``. Never writes."""
         prefixes = {r.split("/", 1)[0] for r in self.objects(final) if "/" in r}
-        uploads = []
-        bucket, key, _ = self.fs.split_path(self._key(final))
-        try:
-            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
-            uploads = [u["Key"] for u in listing.get("Uploads") or []]
-        except Exception:  # noqa: BLE001 - not S3: no multipart listing
-            pass
-        ids = set(prefixes)
-        ids |= {u[len(key.rstrip("/")) + 1:].split("/", 1)[0] for u in uploads if "/" in u[len(key.rstrip("/")) + 1:]}
+        ids = set(prefixes) | {u.split("/", 1)[0] for u in self._upload_keys(final) if "/" in u}
         ids = {i for i in ids if len(i) == _SAVE_ID_LEN and all(c in "0123456789abcdef" for c in i)}
         if not ids:
             return []
@@ -455,11 +469,35 @@ class ObjectStore(Store):
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
     def reclaim(self, root: str) -> list[str]:
-        """Reclaim dead leftovers under every child of ``root`` (a manager root)."""
+        """Reclaim dead leftovers under every child of ``root`` (a manager root). One flat listing
+        of the root first: a child holding MANIFEST and a single save-id prefix is clean (the
+        prefix a MANIFEST names always exists), so only the others are examined."""
+        prefixes: dict[str, set[str]] = {}
+        manifests = set()
+        for rel in self.objects(root):
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == mf.MANIFEST_NAME:
+                manifests.add(parts[0])
+            elif len(parts) >= 3:
+                prefixes.setdefault(parts[0], set()).add(parts[1])
+        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root)}
         removed = []
-        for name in self.list_children(root):
+        for name in sorted(set(prefixes) | set(self.list_children(root))):
+            if name in manifests and len(prefixes.get(name, ())) == 1 and name not in uploads:
+                continue
             removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
         return removed
+
+    def _upload_keys(self, prefix: str) -> list[str]:
+        """Keys (relative to ``prefix/``) of the incomplete multipart uploads under it ([] where the
+        store has no such listing)."""
+        bucket, key, _ = self.fs.split_path(self._key(prefix))
+        key = key.rstrip("/") + "/"
+        try:
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+        except Exception:  # noqa: BLE001 - not S3: no multipart listing
+            return []
+        return [u["Key"][len(key):] for u in listing.get("Uploads") or []]
 
     def replace_pointer(self, url: str, data: bytes) -> None:
         self._call("put", url, self.fs.pipe_file, self._key(url), data)
