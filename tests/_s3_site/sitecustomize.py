@@ -2,7 +2,7 @@
 ignore_conditional_writes_env): S3 clients of this process then send no If-None-Match header."""
 import os
 
-if os.environ.get("DISTCKPT_TEST_S3_IGNORE_IF_NONE_MATCH") == "1":
+if os.environ.get("S3_TESTS_IGNORE_IF_NONE_MATCH") == "1":
     from tests.s3server import ignore_conditional_writes
 
     ignore_conditional_writes()
