@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -201,7 +202,13 @@ def test_progress_bar_on_a_terminal(src, tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "stderr", tty)
         convert(src, str(tmp_path / "p.pt"), to="torch")
         tty.flush()
-        drawn = os.read(master, 1 << 16)
+        # The pty hands the bytes over asynchronously: read until the final bar arrived (or 10 s).
+        drawn, deadline = b"", time.monotonic() + 10
+        while b"100%" not in drawn and time.monotonic() < deadline:
+            try:
+                drawn += os.read(master, 1 << 16)
+            except BlockingIOError:
+                time.sleep(0.02)
     os.close(master)
     assert b"100%" in drawn and b"-> torch" in drawn, drawn[-300:]
 
