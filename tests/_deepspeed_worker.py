@@ -311,6 +311,12 @@ def main() -> None:
         fn(out, arg) if arg else fn(out)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # Leave without interpreter finalization: gloo's worker threads can still hold work objects
+    # whose teardown then aborts the process ("terminate called without an active exception",
+    # a known torch/gloo exit race), which torchrun would report as this rank failing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
