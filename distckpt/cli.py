@@ -222,29 +222,19 @@ def _cmd_inspect(args) -> int:
     if is_url(path):  # an object store: credentials and endpoint from the AWS_* variables
         from .restore import load_manifest
         m = load_manifest(path)
-        if args.manifest:
-            print(json.dumps(_plain_json(mf.to_plain(m)), indent=1))
-        elif args.json:
-            print(json.dumps(inspect_document(m, path), indent=1))
-        else:
-            _print_inspect(inspect_document(m, path))
-        return 0
-    check_checkpoint_dir(path)
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        from .dcp import is_dcp_checkpoint
-        if is_dcp_checkpoint(path):  # torch.distributed.checkpoint: its .metadata read as a manifest
-            from .restore import load_manifest
-            m = load_manifest(path)
-            if args.manifest:
-                raise DistCkptError("a torch.distributed.checkpoint has no MANIFEST to print", path=path,
-                                    remedy="Use --json for its contents.")
-            doc = inspect_document(m, path)
-            if args.json:
-                print(json.dumps(doc, indent=1))
-            else:
-                _print_inspect(doc)
-            return 0
-    m = mf.load_manifest(path)
+    else:
+        check_checkpoint_dir(path)
+        m = None
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            from .dcp import is_dcp_checkpoint
+            if is_dcp_checkpoint(path):  # torch.distributed.checkpoint: its .metadata read as a manifest
+                if args.manifest:
+                    raise DistCkptError("a torch.distributed.checkpoint has no MANIFEST to print", path=path,
+                                        remedy="Use --json for its contents.")
+                from .restore import load_manifest
+                m = load_manifest(path)
+        if m is None:
+            m = mf.load_manifest(path)
     if args.manifest:
         print(json.dumps(_plain_json(mf.to_plain(m)), indent=1))
     elif args.json:

@@ -291,46 +291,44 @@ def translate(
 # ---------------------------------------------------------------------------------------------- retrying throttles
 
 
+def _retry_delay(exc: Exception, delays, start: float, attempt: int, policy: RetryPolicy, *, url: str,
+                 operation: str, rank: int | None, endpoint: str | None, conditional: bool) -> float:
+    """How long to wait before trying again after ``exc``, or raise it as its typed error: a
+    DistCkptError as it is; a throttle while ``policy`` has a delay left within its total time;
+    anything else (or a spent policy) through :func:`translate`."""
+    if isinstance(exc, DistCkptError):
+        raise exc
+    delay = next(delays, None) if is_throttle(exc) else None
+    if delay is None or time.monotonic() - start + delay > policy.total_s:
+        raise translate(exc, url=url, operation=operation, rank=rank, endpoint=endpoint,
+                        conditional=conditional, attempts=attempt, waited_s=time.monotonic() - start) from exc
+    return delay
+
+
 def call_with_retry(fn: Callable[[], T], *, url: str, operation: str, rank: int | None = None,
                     endpoint: str | None = None, conditional: bool = False,
                     policy: RetryPolicy = DEFAULT_RETRY, sleep: Callable[[float], None] = time.sleep) -> T:
     """``fn()``, retried while the store throttles (bounded by ``policy``); any failure is raised
     as the typed error of :func:`translate` (``ThrottledError`` once the retries are spent)."""
-    start = time.monotonic()
-    delays = policy.delays()
-    attempt = 0
+    start, delays, attempt = time.monotonic(), policy.delays(), 0
     while True:
         attempt += 1
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - every failure leaves as a typed error
-            if isinstance(exc, DistCkptError):
-                raise
-            delay = next(delays, None) if is_throttle(exc) else None
-            if delay is None or time.monotonic() - start + delay > policy.total_s:
-                raise translate(exc, url=url, operation=operation, rank=rank, endpoint=endpoint,
-                                conditional=conditional, attempts=attempt,
-                                waited_s=time.monotonic() - start) from exc
-            sleep(delay)
+            sleep(_retry_delay(exc, delays, start, attempt, policy, url=url, operation=operation, rank=rank,
+                               endpoint=endpoint, conditional=conditional))
 
 
 async def acall_with_retry(fn: Callable[[], Awaitable[T]], *, url: str, operation: str, rank: int | None = None,
                            endpoint: str | None = None, conditional: bool = False,
                            policy: RetryPolicy = DEFAULT_RETRY) -> T:
     """The coroutine version of :func:`call_with_retry` (``fn`` returns a fresh awaitable per try)."""
-    start = time.monotonic()
-    delays = policy.delays()
-    attempt = 0
+    start, delays, attempt = time.monotonic(), policy.delays(), 0
     while True:
         attempt += 1
         try:
             return await fn()
-        except Exception as exc:  # noqa: BLE001
-            if isinstance(exc, DistCkptError):
-                raise
-            delay = next(delays, None) if is_throttle(exc) else None
-            if delay is None or time.monotonic() - start + delay > policy.total_s:
-                raise translate(exc, url=url, operation=operation, rank=rank, endpoint=endpoint,
-                                conditional=conditional, attempts=attempt,
-                                waited_s=time.monotonic() - start) from exc
-            await asyncio.sleep(delay)
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as a typed error
+            await asyncio.sleep(_retry_delay(exc, delays, start, attempt, policy, url=url, operation=operation,
+                                             rank=rank, endpoint=endpoint, conditional=conditional))
