@@ -40,15 +40,14 @@ def parse_size(text: str) -> int:
 
 
 @contextlib.contextmanager
-def _tuned(block_size: int | None, queue_depth: int | None):
-    """Run with DISTCKPT_BLOCK_SIZE / DISTCKPT_QUEUE_DEPTH overridden (config is read from env)."""
+def _env(**overrides: int | None):
+    """Run with DISTCKPT_* variables overridden (None: left as it is); the config is read from the
+    environment, so its cache is cleared on the way in and out."""
     from .config import get_config
 
-    saved = {k: os.environ.get(k) for k in ("DISTCKPT_BLOCK_SIZE", "DISTCKPT_QUEUE_DEPTH")}
-    if block_size:
-        os.environ["DISTCKPT_BLOCK_SIZE"] = str(block_size)
-    if queue_depth:
-        os.environ["DISTCKPT_QUEUE_DEPTH"] = str(queue_depth)
+    overrides = {f"DISTCKPT_{k.upper()}": str(v) for k, v in overrides.items() if v}
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
     get_config.cache_clear()
     try:
         yield get_config()
@@ -61,26 +60,14 @@ def _tuned(block_size: int | None, queue_depth: int | None):
         get_config.cache_clear()
 
 
-@contextlib.contextmanager
-def _ring(ring: tuple[int, int] | None):
-    """Run with DISTCKPT_STAGE_BLOCK / DISTCKPT_STAGE_BLOCKS overridden (a writer's staging ring)."""
-    from .config import get_config
+def _tuned(block_size: int | None, queue_depth: int | None):
+    """DISTCKPT_BLOCK_SIZE / DISTCKPT_QUEUE_DEPTH overridden (see :func:`_env`)."""
+    return _env(block_size=block_size, queue_depth=queue_depth)
 
-    if ring is None:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS")}
-    os.environ["DISTCKPT_STAGE_BLOCK"], os.environ["DISTCKPT_STAGE_BLOCKS"] = str(ring[0]), str(ring[1])
-    get_config.cache_clear()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        get_config.cache_clear()
+
+def _ring(ring: tuple[int, int] | None):
+    """A writer's staging ring overridden: DISTCKPT_STAGE_BLOCK / DISTCKPT_STAGE_BLOCKS."""
+    return _env(stage_block=ring[0] if ring else None, stage_blocks=ring[1] if ring else None)
 
 
 def _ring_label(block: int, count: int) -> str:
