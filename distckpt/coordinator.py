@@ -102,6 +102,12 @@ class SaveResult:
     save_id: str
     plan_cached: bool = False   # PLAN reused the previous save's plan (same layout on every rank)
     plan_seconds: float = 0.0   # PLAN's wall time on this rank (included in ``seconds``)
+    # Wall seconds of each phase on this rank: "plan", "prepare" (rank 0's reclaim, lock, space
+    # check and tmp dir, which every rank waits for), "write" (this rank's data file, fsync
+    # included), "commit" (waiting for the slowest rank's report, rank 0's MANIFEST, rename,
+    # fsyncs and after_commit, until the verdict arrives). For a blocking save they add up to
+    # ``seconds``; an async save's ``seconds`` also holds its staging, between plan and prepare.
+    phase_seconds: dict = dataclasses.field(default_factory=dict)
 
 
 def is_committed(path: str) -> bool:
@@ -808,6 +814,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     plan, mine = planned.plan, planned.mine
 
     # 2. PREPARE
+    marks = [time.monotonic()]  # the end of each phase, for SaveResult.phase_seconds
     save_id = uuid.uuid4().hex
     prepared = None
     if rank == 0:
@@ -822,6 +829,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     tmp_dir, prep_error = prepared
     if prep_error is not None:
         raise fill_rank(prep_error, 0)  # PREPARE runs on rank 0
+    marks.append(time.monotonic())
 
     # 3. WRITE
     result, error = None, local_error
@@ -830,6 +838,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             result = store.write_rank(tmp_dir, rank, mine, plan.checksum_block)  # (records, size, backend, reason)
         except Exception as exc:
             error = exc
+    marks.append(time.monotonic())
     # Rank 0 alone needs every rank's records (for the MANIFEST): a gather, not an all-gather, so
     # what a rank other than 0 receives does not grow with the number of ranks.
     outcomes = group.gather((result, _portable(error)))
@@ -891,11 +900,14 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         group.raise_failures(failures, error, operation="save")
     if verdict is not None:
         raise fill_rank(verdict, 0)  # COMMIT runs on rank 0
+    marks.append(time.monotonic())
+    phases = {"plan": planned.plan_seconds, "prepare": marks[1] - marks[0], "write": marks[2] - marks[1],
+              "commit": marks[3] - marks[2]}
     return SaveResult(
         path=final_dir if is_url(final_dir) else os.path.abspath(final_dir), world_size=world, rank=rank,
         bytes_per_rank=sizes, total_bytes=sum(sizes),
-        seconds=time.monotonic() - t0, backend=result[2], backend_reason=result[3], save_id=save_id,
-        plan_cached=planned.plan_cached, plan_seconds=planned.plan_seconds)
+        seconds=marks[3] - t0, backend=result[2], backend_reason=result[3], save_id=save_id,
+        plan_cached=planned.plan_cached, plan_seconds=planned.plan_seconds, phase_seconds=phases)
 
 
 def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str, tmp_dir: str,

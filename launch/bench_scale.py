@@ -179,8 +179,9 @@ def real_worker(tensors: int, out: str) -> None:
     sizes = {"gather": 0, "scatter": 0}
     real_gather, real_scatter = _dist.ControlGroup.gather, _dist.ControlGroup.scatter
 
-    def gather(self, obj, dst=0):  # bytes this rank sends at PLAN
-        sizes["gather"] += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    def gather(self, obj, dst=0):  # bytes this rank sends at PLAN (WRITE's report is the other gather)
+        if obj[0] in ("layout", "same"):
+            sizes["gather"] += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         return real_gather(self, obj, dst)
 
     def scatter(self, objs, src=0):  # bytes this rank receives at PLAN
@@ -197,7 +198,7 @@ def real_worker(tensors: int, out: str) -> None:
         sizes.update(gather=0, scatter=0)
         res = distckpt.save(sd, os.path.join(box[0], f"s{i}"))
         rows.append({"plan_s": res.plan_seconds, "cached": res.plan_cached, "save_s": res.seconds,
-                     "sent": sizes["gather"], "recv": sizes["scatter"]})
+                     "sent": sizes["gather"], "recv": sizes["scatter"], "phases": res.phase_seconds})
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     if rank == 0:
@@ -228,6 +229,8 @@ def run_real(world: int, tensors: int) -> None:
               f"{max(r[i]['plan_s'] for r in ranks):>10.3f} {ranks[0][i]['save_s']:>7.3f} "
               f"{_fmt_bytes(max(o['sent'] for o in others)):>10} {_fmt_bytes(max(o['recv'] for o in others)):>10} "
               f"{_fmt_bytes(sum(r[i]['sent'] for r in ranks)):>10}")
+    print("rank 0's phases (s): " + "; ".join(
+        f"save {i}: " + ", ".join(f"{k} {v:.3f}" for k, v in ranks[0][i]["phases"].items()) for i in range(3)))
 
 
 def _fmt_bytes(n: float) -> str:

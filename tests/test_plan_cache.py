@@ -84,6 +84,10 @@ def test_single_process_saves_use_the_cache_too(tmp_path):
     sd["meta"]["lr"] = 0.2
     res = distckpt.save(sd, tmp_path / "b")
     assert res.plan_cached is True
+    # The phases of a blocking save account for its whole time.
+    assert set(res.phase_seconds) == {"plan", "prepare", "write", "commit"}
+    assert all(v >= 0 for v in res.phase_seconds.values())
+    assert abs(sum(res.phase_seconds.values()) - res.seconds) < 0.05 * res.seconds + 1e-3, res
     back = distckpt.read(tmp_path / "b")
     assert torch.equal(back["w"], sd["w"]) and back["meta"] == {"lr": 0.2}
     sd["w2"] = torch.zeros(2)
