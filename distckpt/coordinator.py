@@ -331,6 +331,7 @@ class _GlobalPlan:
     objects: dict[str, tuple[str, Any]]
     tree: dict
     checksum_block: int = 1 << 20
+    n_chunks: int = 0   # distinct boxes written; ``owners`` is empty when a cached plan was reused
 
 
 def _merge_trees(trees: list[dict], problems: list[str]) -> dict:
@@ -388,6 +389,7 @@ class _Layout:
     checksum_block: int
     early: list[str]
     late: list[str]
+    n_chunks: int = 0   # distinct boxes written (len(owners) when the owners are kept)
 
 
 def _merge_layout(summaries: list[dict]) -> _Layout:
@@ -434,7 +436,7 @@ def _merge_layout(summaries: list[dict]) -> _Layout:
     # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
     # small blocks, so a resharding load reads little more than it needs.
     block = choose_checksum_block((candidates[key][0][1] for key in owners), get_config().checksum_block)
-    return _Layout(meta, owners, bytes_per_rank, tree, block, early, late)
+    return _Layout(meta, owners, bytes_per_rank, tree, block, early, late, n_chunks=len(owners))
 
 
 def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda fqn: True,
@@ -483,7 +485,8 @@ def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda f
                     "replicated='rank0' or replicated={'key', ...} to save." if differ else
                     "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
                     "that holds it, with one dtype and shape."))
-    return _GlobalPlan(meta, layout.owners, layout.bytes_per_rank, objects, layout.tree, layout.checksum_block)
+    return _GlobalPlan(meta, layout.owners, layout.bytes_per_rank, objects, layout.tree, layout.checksum_block,
+                       n_chunks=layout.n_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,13 +598,13 @@ class _PlanCache:
     """What a rank remembers of the last plan it took part in on one control group.
 
     Every rank: the plan's id, its own layout key and which of its pieces it writes. Rank 0 also:
-    every rank's layout key and layout (tensors + tree) and the merged :class:`_Layout`."""
+    every rank's layout key and the merged :class:`_Layout` without its owners (its size is the
+    job's keys, not its pieces)."""
 
     plan_id: str
     key: bytes
     bits: bytes
     keys: list[bytes] | None = None
-    layouts: list[dict] | None = None
     layout: _Layout | None = None
 
 
@@ -633,42 +636,44 @@ def _owned_bits(summary: dict, owners: dict[tuple, int], rank: int) -> bytes:
 def _coordinate_plan(group: ControlGroup, gathered: list,
                      checked: Callable[[str], bool]) -> tuple[list, _GlobalPlan | None]:
     """Rank 0's part of PLAN: merge (or reuse) the plan from the gathered messages. Returns each
-    rank's reply and the whole plan (None on failure). Never raises: a failure is the reply."""
+    rank's reply and the whole plan (None on failure). Never raises: a failure is the reply.
+
+    Rank 0 keeps no rank's layout between saves (that would hold every piece of the job in its
+    memory for the whole run): the plan is reused only when every rank sent the cached plan's id
+    and its cached fingerprint. When some ranks sent only a fingerprint and others their layout
+    (a layout changed, or a rank's memory of the last plan is not rank 0's), every rank is asked to
+    send its layout, once, and the plan is merged anew."""
     world = group.world_size
     errors = [m[-1] for m in gathered]
     if any(e is not None for e in errors):
         return [("fail", errors)] * world, None
     cache = _PLAN_CACHE.get(group.pg)
-    layouts, keys, sent_full = [], [], []
-    for r, msg in enumerate(gathered):
-        if msg[0] == "layout":
-            summary, key = msg[1], msg[2]
-            layouts.append({"tensors": summary["tensors"], "tree": summary["tree"]})
-            sent_full.append(True)
-        else:
-            _, key, plan_id, _values, _ = msg
-            if cache is None or cache.plan_id != plan_id or cache.keys[r] != key:
-                # This rank's memory of the last plan is not rank 0's (a collective of that plan
-                # failed midway): everyone sends its full layout again, once.
-                return [("resend",)] * world, None
-            layouts.append(cache.layouts[r])
-            sent_full.append(False)
-        keys.append(key)
-    summaries = [dict(layouts[r], objects=(m[1] if m[0] == "layout" else m[3])["objects"],
-                      digests=(m[1] if m[0] == "layout" else m[3])["digests"]) for r, m in enumerate(gathered)]
-    reuse = cache is not None and cache.keys == keys
+    full = [m[0] == "layout" for m in gathered]
+    keys = [m[2] if f else m[1] for m, f in zip(gathered, full)]
+    reuse = not any(full)
+    if reuse and (cache is None or keys != cache.keys or any(m[2] != cache.plan_id for m in gathered)):
+        return [("resend",)] * world, None
+    if not reuse and not all(full):
+        return [("resend",)] * world, None
+    if reuse:
+        summaries = [m[3] for m in gathered]  # values only: objects and replica digests
+    else:
+        summaries = [m[1] for m in gathered]
     try:
         plan = _merge_plan(summaries, checked, cache.layout if reuse else None)
     except Exception as exc:  # StateDictMismatchError: the same error on every rank
         return [("error", _portable(exc))] * world, None
     if reuse:
-        bits = [None if not full else _owned_bits(layouts[r], plan.owners, r) for r, full in enumerate(sent_full)]
+        bits = [None] * world  # every rank writes the pieces it wrote at the cached plan
         plan_id = cache.plan_id
     else:
-        bits = [_owned_bits(layouts[r], plan.owners, r) for r in range(world)]
+        bits = [_owned_bits(summaries[r], plan.owners, r) for r in range(world)]
         plan_id = uuid.uuid4().hex
-        layout = _Layout(plan.tensors, plan.owners, plan.bytes_per_rank, plan.tree, plan.checksum_block, [], [])
-        _PLAN_CACHE[group.pg] = _PlanCache(plan_id, keys[0], bits[0], keys, layouts, layout)
+        # The cached layout drops the owners (one entry per piece of the job): a reuse needs only
+        # the keys' metadata, the bytes per rank, the tree, the checksum block and the count.
+        layout = _Layout(plan.tensors, {}, plan.bytes_per_rank, plan.tree, plan.checksum_block, [], [],
+                         n_chunks=plan.n_chunks)
+        _PLAN_CACHE[group.pg] = _PlanCache(plan_id, keys[0], bits[0], keys, layout)
     return [("ok", plan_id, bits[r], plan.checksum_block, reuse) for r in range(world)], plan
 
 
@@ -819,7 +824,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     prepared = None
     if rank == 0:
         try:
-            needed = sum(plan.bytes_per_rank) + 64 * 1024 * (len(plan.owners) + world) + (1 << 20)
+            needed = sum(plan.bytes_per_rank) + 64 * 1024 * (plan.n_chunks + world) + (1 << 20)
             tmp, lock = store.prepare(final_dir, save_id, overwrite, needed, rank, lock_path)
             held.append(lock)
             prepared = (tmp, None)
