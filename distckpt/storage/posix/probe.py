@@ -206,6 +206,12 @@ def _sample_file(directory: str) -> str | None:
     return fallback
 
 
+def _refused(op: str, how: str, err: int) -> tuple[str, int]:
+    """The (reason, errno) of an O_DIRECT ``op`` the file system refused."""
+    name = errno.errorcode.get(err, str(err))
+    return f"an O_DIRECT {op} via {how} failed with {name} ({os.strerror(err)})", err
+
+
 def _probe_direct_read(sample: str, use_uring: bool, mem_align: int, offset_align: int) -> tuple[str | None, int | None]:
     """Read one byte of ``sample`` through the real C reader (O_DIRECT): None if it works."""
     how = "io_uring" if use_uring else "pread"
@@ -219,8 +225,7 @@ def _probe_direct_read(sample: str, use_uring: bool, mem_align: int, offset_alig
             r.close()
     except OSError as exc:
         if exc.errno in _DIRECT_REFUSED:
-            name = errno.errorcode.get(exc.errno, str(exc.errno))
-            return f"an O_DIRECT read via {how} failed with {name} ({os.strerror(exc.errno)})", exc.errno
+            return _refused("read", how, exc.errno)
         # A read of the checkpoint's own file, which the load would make next: EIO here is the
         # load's read error, reported as such.
         raise from_os_error(exc, path=sample, operation="read") from exc
@@ -241,8 +246,7 @@ def _probe_direct(directory: str, use_uring: bool, offset_align: int) -> tuple[s
             w.close()
     except OSError as exc:
         if exc.errno in _DIRECT_REFUSED:
-            name = errno.errorcode.get(exc.errno, str(exc.errno))
-            return f"an O_DIRECT write via {how} failed with {name} ({os.strerror(exc.errno)})", exc.errno
+            return _refused("write", how, exc.errno)
         raise from_os_error(exc, path=path, operation="probe") from exc
     finally:
         try:
