@@ -19,12 +19,22 @@ What it promises (restore.load / restore.read rely on it):
   * Overlap: ``WORKERS`` threads each read, verify and copy one segment at a time; the reads
     (io_uring / preadv), crc32c on blocks >= 32 KiB and torch's copies release the GIL, so the
     disk works on some segments while others are checked and copied.
-  * Every thread is joined and every reader closed before :func:`fill` returns or raises.
+  * Every reader is closed before :func:`fill` returns or raises, and every thread is joined and
+    every bounce buffer unmapped by then too, unless the call runs inside :func:`reading`: the fills
+    of one ``with reading():`` block (the several passes of one load) share its worker threads and
+    bounce buffers, which are joined / unmapped when the block exits (never more than ``WORKERS``
+    buffers, so the memory bound is the same).
+  * Ordering: a task may name, in ``after``, the key of other tasks of the same call whose bytes it
+    overwrites (a chain's delta rows over its base, distckpt.incremental). A segment holding such a
+    task starts only once every unit of those tasks has been copied; until then the workers take
+    other segments, so one pass reads both and overlaps their work.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import mmap
@@ -39,7 +49,7 @@ import torch
 from .errors import ChecksumMismatchError, DistCkptError
 from .plan import Box, byte_range, expand_to_blocks, row_major_strides
 
-__all__ = ["fill", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE"]
+__all__ = ["fill", "reading", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE"]
 
 # One bounce buffer per worker; a segment is one read request of at most this many bytes. Four
 # 4 MiB segments keep up to ~16 MiB in flight, which reaches this kind of disk's O_DIRECT speed
@@ -90,6 +100,7 @@ class _Segment:
     offset: int          # aligned file offset
     end: int             # aligned end (may pass EOF; the read stops there)
     units: list
+    deps: frozenset = frozenset()   # keys whose units must all be copied before this segment starts
 
 
 def _align_down(v: int, a: int) -> int:
@@ -186,31 +197,54 @@ def plan_segments(file_index: int, tasks: Sequence[Any], *, block: int, verify: 
 
 
 class _Outcome:
-    """Shared by the workers: the first error, and which tasks were copied (under a lock)."""
+    """Shared by the workers: the queue of segments, the first error, and which tasks were copied
+    (all under one condition variable)."""
 
-    def __init__(self, tasks_per_fqn: dict[str, int]) -> None:
-        self.lock = threading.Lock()
+    def __init__(self, tasks_per_fqn: dict[str, int], segments: list[_Segment]) -> None:
+        self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.left = dict(tasks_per_fqn)        # fqn -> units not yet copied
         self.touched: set[str] = set()
         self.bytes_read = 0
         self.segments = 0
+        self.free = [s for s in reversed(segments) if not s.deps]   # popped from the end: file order
+        self.waiting = [s for s in segments if s.deps]
 
     def failed(self) -> bool:
         return self.error is not None
 
     def fail(self, exc: BaseException) -> None:
-        with self.lock:
+        with self.cond:
             if self.error is None:
                 self.error = exc
+            self.cond.notify_all()
+
+    def next(self) -> _Segment | None:
+        """The next segment to read: a waiting one whose dependencies are copied (first, so that
+        its copies overlap the other segments' reads), else the next free one; None when there is
+        none left or a worker failed. Waits while only unready segments are left: their
+        dependencies are free segments other workers are reading, so this always ends."""
+        with self.cond:
+            while self.error is None:
+                for i, seg in enumerate(self.waiting):
+                    if all(self.left.get(k, 0) == 0 for k in seg.deps):
+                        return self.waiting.pop(i)
+                if self.free:
+                    return self.free.pop()
+                if not self.waiting:
+                    return None
+                self.cond.wait()
+            return None
 
     def copied(self, fqns: list[str], nbytes: int) -> None:
-        with self.lock:
+        with self.cond:
             for f in fqns:
                 self.left[f] -= 1
                 self.touched.add(f)
             self.bytes_read += nbytes
             self.segments += 1
+            if self.waiting:
+                self.cond.notify_all()
 
     def filled(self) -> tuple[list[str], list[str]]:
         full = sorted(f for f in self.touched if self.left[f] == 0)
@@ -267,11 +301,93 @@ def _malloc_trim() -> None:
         pass
 
 
+class _Buffer:
+    """One page-aligned anonymous mapping, as a uint8 tensor and a memoryview."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mm = mmap.mmap(-1, size)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.view = memoryview(self.mm)
+
+    def close(self) -> None:
+        self.tensor = None
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:  # a view still exported somewhere: unmapped when it is collected
+            pass
+
+
+class _Session:
+    """Worker threads and bounce buffers for the fills of one load (see :func:`reading`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._idle: list[_Buffer] = []
+
+    def submit(self, fn: Callable[[], None], n: int) -> list[concurrent.futures.Future]:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="distckpt-read")
+        return [self._pool.submit(fn) for _ in range(n)]
+
+    def take(self, size: int) -> _Buffer:
+        """An idle buffer of at least ``size`` bytes, or a new one (an idle smaller one is unmapped
+        first: at most one buffer per worker exists)."""
+        with self._lock:
+            for i, b in enumerate(self._idle):
+                if b.size >= size:
+                    return self._idle.pop(i)
+            small = self._idle.pop() if self._idle else None
+        if small is not None:
+            small.close()
+        return _Buffer(size)
+
+    def give(self, buf: _Buffer) -> None:
+        with self._lock:
+            self._idle.append(buf)
+
+    def close(self) -> None:
+        """Join the threads and unmap the buffers; the session can be used again afterwards."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for b in idle:
+            b.close()
+
+
+_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("distckpt_read_session", default=None)
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """Run the :func:`fill` calls made inside the block (in this thread) on one set of worker
+    threads and bounce buffers, created at the first fill and released when the block exits
+    (joined, unmapped, heap trimmed), whether it returns or raises. A load that reads in several
+    passes (an incremental chain: row ids, then base and rows, then the rest) pays the threads'
+    start and the buffers' first touch once. Nested blocks share the outermost one's."""
+    if _SESSION.get() is not None:
+        yield
+        return
+    session = _Session()
+    token = _SESSION.set(session)
+    try:
+        yield
+    finally:
+        _SESSION.reset(token)
+        session.close()
+        _malloc_trim()
+
+
 def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int, verify: bool,
          open_reader: Callable[[str], Any], align: int) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
     a file index to its tasks (restore's _Task: fqn, chunk, inter, dest, dest_box, itemsize,
-    dtype); ``open_reader(path)`` opens a :class:`distckpt.storage.posix.Reader` (one per worker and file).
+    dtype, and ``after``: None, or the fqn of tasks of this call that must be copied first);
+    ``open_reader(path)`` opens a :class:`distckpt.storage.posix.Reader` (one per worker and file).
 
     Raises:
         ChecksumMismatchError: a block differs from its checksum; nothing of the segment holding it
@@ -283,29 +399,35 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
     limit = max(SEGMENT, block) if verify else SEGMENT
     bufsize = _align_up(limit + 2 * align, mmap.PAGESIZE)
     counts: dict[str, int] = {}
-    plans: list[list[_Segment]] = []
+    segments: list[_Segment] = []
     for fi in sorted(by_file):
         segs = plan_segments(fi, by_file[fi], block=block, verify=verify, align=align, segment=limit)
-        plans.append(segs)
+        segments.extend(segs)
         for s in segs:
             for u in s.units:
                 counts[u.task.fqn] = counts.get(u.task.fqn, 0) + 1
         for t in by_file[fi]:
             stats.bytes_needed += t.inter.volume * t.itemsize
-    outcome = _Outcome(counts)
-    it = iter([s for segs in plans for s in segs])
-    it_lock = threading.Lock()
-    nworkers = max(1, min(WORKERS, sum(len(p) for p in plans)))
+    # Dependencies only on tasks that have none themselves: those are free segments, so a worker
+    # waiting for them always sees them finish (or fail).
+    firsts = {t.fqn for ts in by_file.values() for t in ts if getattr(t, "after", None) is None}
+    for s in segments:
+        deps = {u.task.after for u in s.units if getattr(u.task, "after", None) is not None}
+        s.deps = frozenset(deps & firsts)
+    outcome = _Outcome(counts, segments)
+    nworkers = max(1, min(WORKERS, len(segments)))
+    session = _SESSION.get()
+    own = session is None
+    if own:
+        session = _Session()
 
     def work() -> None:
-        mm = mmap.mmap(-1, bufsize)
-        buf = torch.frombuffer(mm, dtype=torch.uint8)
-        view = memoryview(mm)
+        bounce = session.take(bufsize)
+        buf, view = bounce.tensor, bounce.view
         readers: dict[int, Any] = {}
         try:
-            while not outcome.failed():
-                with it_lock:
-                    seg = next(it, None)
+            while True:
+                seg = outcome.next()
                 if seg is None:
                     break
                 reader = readers.get(seg.file_index)
@@ -329,19 +451,16 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
         finally:
             for r in readers.values():
                 r.close()
-            del buf
-            view.release()
-            try:
-                mm.close()
-            except BufferError:  # a view still exported somewhere: unmapped when it is collected
-                pass
+            del buf, view
+            session.give(bounce)
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="distckpt-read") as pool:
-            for f in [pool.submit(work) for _ in range(nworkers)]:
-                f.result()
+        for f in session.submit(work, nworkers):
+            f.result()
     finally:
-        _malloc_trim()
+        if own:
+            session.close()
+            _malloc_trim()
     stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
     if outcome.error is not None:
         raise _typed(outcome)

@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import uuid
@@ -38,7 +39,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies, verify_chain
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
+from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
+                     DistCkptError)
 from .staging import dtype_from_name
 
 log = logging.getLogger("distckpt")
@@ -440,58 +442,88 @@ def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
     return out
 
 
-def _read_links(reads: list, verify: bool, what: str) -> None:
-    """restore.fill_boxes_of; a damaged or missing data file is a ChainBrokenError naming its link."""
+def _read_links(reads: list, verify: bool, what: str) -> int:
+    """restore.fill_boxes_of; a damaged or missing data file is a ChainBrokenError naming its link.
+    Returns the bytes read."""
     from .restore import fill_boxes_of
     try:
-        fill_boxes_of(reads, verify=verify)
+        return fill_boxes_of(reads, verify=verify)
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        where = os.fspath(exc.path or "")
-        link = next((p for p, _m, _r in reads if where == p or where.startswith(p + os.sep)), reads[0][0])
-        raise _broken(link, f"its {what} cannot be read ({type(exc).__name__}: "
-                            f"{getattr(exc, 'message', exc)})", cause=exc) from exc
+        raise _link_error(exc, [p for p, _m, _r in reads], what) from exc
 
 
-def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
-                  verify: bool) -> int:
-    """Write the rows of ``deltas`` (oldest first) into ``targets``, in place. Each link is read
-    only for the row spans that hold the newest copy of some (row, column range) of a target;
-    older copies inside such a span are written and then overwritten by the newer link. Raises
-    ChainBrokenError when a link's records are malformed or cannot be read. Returns the bytes read."""
-    nread = 0
+def _link_error(exc: BaseException, links: list[str], what: str) -> BaseException:
+    """ChainBrokenError naming the link (of ``links``) whose file ``exc`` is about."""
+    where = os.fspath(getattr(exc, "path", None) or "")
+    link = next((p for p in links if where == p or where.startswith(p + os.sep)), links[0])
+    return _broken(link, f"its {what} cannot be read ({type(exc).__name__}: "
+                         f"{getattr(exc, 'message', exc)})", cause=exc)
+
+
+def _cells(regions: set) -> list[tuple]:
+    """The coarsest boxes (over the non-row dimensions) that tile every region of ``regions``:
+    the products of the intervals between consecutive region bounds, per dimension, that lie in
+    some region. Regions that are equal or disjoint are their own cells (one sharding plan over
+    the chain); links saved on different column splits cut each other's regions into cells."""
+    regions = list(regions)
+    if len(regions) == 1:
+        return regions
+    ndim = len(regions[0])
+    cuts = [sorted({v for r in regions for v in (r[k][1], r[k][2])}) for k in range(ndim)]
+    out = []
+    for cell in itertools.product(*[[(regions[0][k][0], a, b) for a, b in zip(c, c[1:])]
+                                    for k, c in enumerate(cuts)]):
+        if any(_within(cell, r) for r in regions):
+            out.append(cell)
+    return out
+
+
+def _within(inner: tuple, outer: tuple) -> bool:
+    return all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(inner, outer))
+
+
+def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
+                 verify: bool) -> tuple[list, int]:
+    """What to read from ``deltas`` (oldest first) so that every (row, column) of ``targets`` that
+    some delta holds is written exactly once, from the newest delta holding it.
+
+    Reads the row ids of every saved piece that overlaps a target piece of this rank (one pass
+    over all links). Returns ``(reads, id_bytes)``: ``reads`` as for restore.fill_boxes_of, one
+    entry per link with rows to read (links whose rows are all superseded are not read), each
+    request ``(rows fqn, offsets, sizes, scatter destination, tracked fqn)``: the row span of one
+    piece's record holding newest copies, over one cell of columns, scattered from the read
+    buffers straight into the target (superseded rows inside the span are read, not written).
+    Since no (row, column) is written twice, the requests may be filled in any order, and in the
+    same pass as the base once the base's bytes of their tensor are in (the ``after`` fqn).
+    Raises ChainBrokenError when a link's records are malformed or cannot be read."""
     order = sorted(tracked)
 
     # Pass 1: the ids (4 bytes a row) of every saved piece that overlaps a target piece of this
     # rank (the pieces' boxes are values in the MANIFEST), one read for every link at once.
-    entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, hi, target rows)
+    entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, target rows)
     wanted = []
     for li, link in enumerate(deltas):
         pieces = []
         for fqn in targets:
             for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items()):
                 soff, ssz = _box_value(link, parts["box"])
-                if any(len(soff) == len(t.offsets) and all(
-                        max(a, b) < min(a + m, b + n) for a, m, b, n in zip(soff, ssz, t.offsets, t.sizes))
+                if any(len(soff) != len(t.offsets) for t in targets[fqn]):
+                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
+                if any(all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(soff, ssz, t.offsets, t.sizes))
                        for t in targets[fqn]):
                     pieces.append((fqn, parts, soff, ssz))
-                elif any(len(soff) != len(t.offsets) for t in targets[fqn]):
-                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
         wanted.append(pieces)
     ids_of = [[torch.empty(tuple(link.manifest.tensors[parts["ids"]].shape),
                            dtype=dtype_from_name(link.manifest.tensors[parts["ids"]].dtype, path=link.path))
                for _f, parts, _o, _s in pieces] for link, pieces in zip(deltas, wanted)]
-    _read_links([(link.path, link.manifest, [(parts["ids"], (0,), tuple(out.shape), out)
-                                             for (_f, parts, _o, _s), out in zip(pieces, outs)])
-                 for link, pieces, outs in zip(deltas, wanted, ids_of)], verify, "delta row ids")
+    id_bytes = _read_links([(link.path, link.manifest, [(parts["ids"], (0,), tuple(out.shape), out)
+                                                        for (_f, parts, _o, _s), out in zip(pieces, outs)])
+                            for link, pieces, outs in zip(deltas, wanted, ids_of)], verify, "delta row ids")
     for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
-            nread += ids.numel() * ids.element_size()
             ids = ids.to(torch.int64)
             d = tracked[fqn]
             for t in targets[fqn]:
-                if len(soff) != len(t.offsets):
-                    raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims for a tensor of "
-                                             f"{len(t.offsets)}")
                 region = []
                 for k2 in range(len(soff)):
                     if k2 == d:
@@ -506,68 +538,64 @@ def _apply_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tr
                     lo = int(torch.searchsorted(ids, r0))
                     hi = int(torch.searchsorted(ids, r0 + n))
                     if hi > lo:
-                        entries.append((li, fqn, t, parts, soff, tuple(region), lo, hi, ids[lo:hi] - r0))
-    # Pass 2: the newest link holding each (row, region) of a target; a region covers another
-    # when it contains it in every non-row dimension.
-    last: dict[tuple, torch.Tensor] = {}
-    for li, fqn, t, _parts, _soff, region, _lo, _hi, rows in entries:
-        key = (id(t), region)
-        if key not in last:
-            last[key] = torch.full((t.sizes[tracked[fqn]],), -1, dtype=torch.int16 if len(deltas) < 2**15
-                                   else torch.int64)
-        last[key][rows] = li
-    plans: list[list] = [[] for _ in deltas]
-    for li, fqn, t, parts, soff, region, lo, hi, rows in entries:
-        newest = None
-        for (tid, reg), arr in last.items():
-            if tid == id(t) and all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(region, reg)):
-                newest = arr[rows] if newest is None else torch.maximum(newest, arr[rows])
-        keep = torch.nonzero(newest == li).reshape(-1)
-        if keep.numel():
-            plans[li].append((fqn, t, parts, soff, region, lo, rows, keep))
-    # Pass 3: read the row spans holding newest copies and scatter them from the read buffers
-    # straight into the targets (no copy of the rows in between: fresh memory is slow to touch).
-    # When the links' column ranges of each target are equal or disjoint (one sharding plan over
-    # the chain, the usual case), every (row, range) is written by exactly one link, its newest:
-    # all links are read in one pass. Otherwise the links are read one after the other, oldest
-    # first, and every row of a span is written, so that newer links overwrite older ones.
+                        entries.append((li, fqn, t, parts, soff, tuple(region), lo, ids[lo:hi] - r0))
+    # Pass 2: cut every target's regions into cells (equal or disjoint column ranges), then find
+    # the newest link holding each (row, cell): a map of link indexes per target row, only where
+    # more than one link covers a cell.
     regions: dict[int, set] = {}
-    for _li, _f, t, _p, _s, region, _lo, _hi, _rows in entries:
+    for _li, _f, t, _p, _s, region, _lo, _rows in entries:
         regions.setdefault(id(t), set()).add(region)
-    one_pass = all(r1 == r2 or any(b1 <= a2 or b2 <= a1 for (_k, a1, b1), (_k2, a2, b2) in zip(r1, r2))
-                   for regs in regions.values() for r1 in regs for r2 in regs)
+    cells = {tid: _cells(regs) for tid, regs in regions.items()}
+    covering: dict[tuple, int] = {}
+    for _li, _f, t, _p, _s, region, _lo, _rows in entries:
+        for cell in cells[id(t)]:
+            if _within(cell, region):
+                covering[(id(t), cell)] = covering.get((id(t), cell), 0) + 1
+    newest: dict[tuple, torch.Tensor] = {}
+    for li, fqn, t, _p, _s, region, _lo, rows in entries:
+        for cell in cells[id(t)]:
+            key = (id(t), cell)
+            if covering[key] > 1 and _within(cell, region):
+                if key not in newest:
+                    newest[key] = torch.full((t.sizes[tracked[fqn]],), -1,
+                                             dtype=torch.int16 if len(deltas) < 2**15 else torch.int64)
+                newest[key][rows] = li
+    # Pass 3: per link and (piece, cell), the row span from its first to its last newest copy.
+    plans: list[list] = [[] for _ in deltas]
+    for li, fqn, t, parts, soff, region, lo, rows in entries:
+        for cell in cells[id(t)]:
+            if not _within(cell, region):
+                continue
+            arr = newest.get((id(t), cell))
+            keep = None if arr is None else torch.nonzero(arr[rows] == li).reshape(-1)
+            if keep is None or keep.numel():
+                plans[li].append((fqn, t, parts, soff, cell, lo, rows, keep))
     reads = []
     for li, plan in enumerate(plans):
         if not plan:
             continue
         link = deltas[li]
         reqs = []
-        for fqn, t, parts, soff, region, lo, rows, keep in plan:
-            first, lastk = int(keep[0]), int(keep[-1])
+        for fqn, t, parts, soff, cell, lo, rows, keep in plan:
+            first, lastk = (0, rows.numel() - 1) if keep is None else (int(keep[0]), int(keep[-1]))
             offs, szs = [lo + first], [lastk - first + 1]
-            for (k2, a, b) in region:
+            for (k2, a, b) in cell:
                 offs.append(a - soff[k2])
                 szs.append(b - a)
             if len(link.manifest.tensors[parts["rows"]].shape) != len(offs):
                 raise _broken(link.path, f"{fqn}: delta rows do not match their box")
             tv = t.tensor.movedim(tracked[fqn], 0)
-            for pos, (k2, a, b) in enumerate(region):
+            for pos, (k2, a, b) in enumerate(cell):
                 tv = tv.narrow(pos + 1, a - t.offsets[k2], b - a)
             mask = None
-            if one_pass and keep.numel() < szs[0]:
+            if keep is not None and keep.numel() < szs[0]:
                 mask = torch.zeros(szs[0], dtype=torch.bool)
                 mask[keep - first] = True
             dtype = dtype_from_name(link.manifest.tensors[parts["rows"]].dtype, path=link.path)
             reqs.append((parts["rows"], tuple(offs), tuple(szs),
-                         _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype, mask)))
-            nread += szs[0] * (tv[0].numel() if tv.shape[0] else 0) * dtype.itemsize
+                         _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype, mask), fqn))
         reads.append((link.path, link.manifest, reqs))
-    if one_pass and reads:
-        _read_links(reads, verify, "delta rows")
-    else:
-        for r in reads:
-            _read_links([r], verify, "delta rows")
-    return nread
+    return reads, id_bytes
 
 
 def _targets(items: dict, tracked: dict[str, int]) -> dict[str, list[_Target]]:
@@ -580,11 +608,18 @@ def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist
     """:func:`distckpt.load` of a delta link: the tracked tensors from the chain's base plus every
     delta, everything else from ``path`` itself. Called by distckpt.load; collective.
 
+    Three read passes on one set of reader threads and bounce buffers (distckpt.fill.reading):
+    the deltas' row ids; the base's tracked tensors together with the deltas' newest rows (each
+    tensor's rows are scattered in as soon as its base bytes are in, while the rest of the base
+    is read); the untracked state of ``path``. Every rank reads its own MANIFESTs (chain_of) and
+    the outcome is exchanged once at the end.
+
     Raises ChainBrokenError (the chain's structure before anything is read; a damaged link's data
     as found), and what distckpt.load raises."""
     import time
 
     from ._dist import ControlGroup, control_group
+    from .fill import reading
     from .flatten import flatten
     from .restore import load
     t0 = time.monotonic()
@@ -600,28 +635,32 @@ def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist
         raise ConfigError("loading an incremental checkpoint needs a dict as the state dict's root")
     _tree, items = flatten(state_dict, check_objects=False)
     present = {f: items[f].path for f in tracked if f in items and all(isinstance(k, str) for k in items[f].path)}
-    kw = dict(process_group=process_group, no_dist=no_dist, verify=verify, _follow_chain=False, **load_kwargs)
-    base = links[-1]
+    kw = dict(no_dist=True, verify=verify, _follow_chain=False, **load_kwargs)
+    result, nread = None, 0
     try:
-        r_base = load(_only(state_dict, list(present.values())), base.path, **kw) if present else None
-    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        raise _broken(base.path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
-    rest = _without(state_dict, list(present.values()))
-    result = load(rest, path, **kw)
-    _write_back(state_dict, rest, list(present.values()))
-    error, nread = None, 0
-    try:
-        nread = _apply_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in present}),
-                              tracked, verify)
-    except Exception as exc:  # noqa: BLE001
+        with reading():
+            if present:
+                try:
+                    reads, nread = _plan_deltas(list(reversed(links[:-1])),
+                                                _targets(items, {f: tracked[f] for f in present}), tracked, verify)
+                    nread += load(_only(state_dict, list(present.values())), links[-1].path, _also=reads,
+                                  **kw).bytes_read
+                except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                    if isinstance(exc, ChainBrokenError):
+                        raise
+                    raise _link_error(exc, [link.path for link in links], "data") from exc
+            rest = _without(state_dict, list(present.values()))
+            result = load(rest, path, **kw)
+            _write_back(state_dict, rest, list(present.values()))
+    except Exception as exc:  # noqa: BLE001 - every rank raises the same way, below
         error = exc
     group.exchange_outcome(error, operation="load")
-    return dataclasses.replace(result, bytes_read=result.bytes_read + (r_base.bytes_read if r_base else 0) + nread,
-                               seconds=time.monotonic() - t0)
+    return dataclasses.replace(result, bytes_read=result.bytes_read + nread, seconds=time.monotonic() - t0)
 
 
 def read_chain(path: str, keys: Any, verify: bool, allow_pickle: bool) -> dict:
     """:func:`distckpt.read` of a delta link: full tensors, base + deltas composed."""
+    from .fill import reading
     from .restore import _read
     links = chain_of(path)
     tracked = links[0].tracked
@@ -641,18 +680,20 @@ def read_chain(path: str, keys: Any, verify: bool, allow_pickle: bool) -> dict:
             from .errors import StateDictMismatchError
             raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
                                          unexpected=[], shape_mismatch={}, dtype_mismatch={})
-    out = _read(path, rest_keys, verify, allow_pickle, follow_chain=False) if rest_keys is None or rest_keys else {}
-    out.pop(_DELTA_ROOT, None)
-    if want_tracked:
-        try:
-            base = _read(links[-1].path, want_tracked, verify, allow_pickle)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            raise _broken(links[-1].path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
-        from .flatten import flatten
-        _tree, items = flatten(base, check_objects=False)
-        _apply_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in want_tracked}),
-                      tracked, verify)
-        _merge(out, base)
+    with reading():
+        out = _read(path, rest_keys, verify, allow_pickle, follow_chain=False) if rest_keys is None or rest_keys else {}
+        out.pop(_DELTA_ROOT, None)
+        if want_tracked:
+            try:
+                base = _read(links[-1].path, want_tracked, verify, allow_pickle)
+            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+                raise _broken(links[-1].path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
+            from .flatten import flatten
+            _tree, items = flatten(base, check_objects=False)
+            reads, _n = _plan_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in want_tracked}),
+                                     tracked, verify)
+            _read_links(reads, verify, "delta rows")   # after the base: no ordering needed
+            _merge(out, base)
     return out
 
 

@@ -229,6 +229,7 @@ class _Task:
     dest_box: Box
     itemsize: int
     dtype: torch.dtype
+    after: str | None = None   # fill copies this task only after every task of that fqn (distckpt.fill)
 
 
 def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
@@ -248,27 +249,48 @@ def _check_files(ckpt: str, manifest: "mf.Manifest", indexes, store: Store | Non
 
 
 def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool,
-          store: Store | None = None) -> tuple[int, str | None]:
+          store: Store | None = None, also: list | None = None) -> tuple[int, str | None]:
     """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
-    bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
+    bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend).
+
+    ``also``: boxes of other (local) checkpoints to fill in the same pass, as for
+    :func:`fill_boxes_of`; a request naming an ``after`` fqn is copied after that key's tasks.
+    Those with another checksum block size are filled in a pass of their own, afterwards."""
     from .fill import READ_PIECE, fill
     from .storage.posix import choose_backend, open_reader
 
-    if not tasks:
+    if not tasks and not also:
         return 0, None
     verify = verify and manifest.checksum_algo == "crc32c"  # a DCP checkpoint has no checksums
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
     if store is not None:  # an object store: ranged GETs, several in flight (fill's workers)
+        if also:
+            raise ConfigError("boxes of other checkpoints are read with local checkpoints only")
         paths, open_obj, align, backend = store.data_readers(ckpt, manifest, sorted(by_file))
         stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align, open_reader=open_obj)
         return stats.bytes_read, backend
     choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
-    stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=choice.offset_align,
-                 open_reader=lambda p: open_reader(p, choice=choice, block_size=READ_PIECE))
-    return stats.bytes_read, choice.name
+    choices = {p: choice for p in paths.values()}
+    later: dict = {}
+    if also:
+        groups, dcp_passes = _box_tasks(also, first=1, choices=choices)
+        mine = groups.pop(manifest.checksum_block, None)
+        if mine is not None:
+            paths.update(mine[0])
+            by_file.update(mine[1])
+        later = groups
+        if dcp_passes:
+            raise ConfigError("boxes of DCP checkpoints are not read together with another checkpoint")
+    nbytes = 0
+    if by_file:
+        align = max(choices[p].offset_align for p in paths.values())
+        nbytes = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align,
+                      open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read
+    nbytes += _fill_groups(later, choices, verify)
+    return nbytes, choice.name
 
 
 def _describe(entry) -> str:
@@ -486,7 +508,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float,
-                cast: str = "exact", store: Store | None = None) -> LoadResult:
+                cast: str = "exact", store: Store | None = None, also: list | None = None) -> LoadResult:
+    """Plan, read and place one rank's part of a load. ``also``: boxes of other checkpoints read in
+    the same pass (see :func:`_fill`), after the tensors they name in ``after`` are filled (and
+    cast: with casts, in a pass of their own after them)."""
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
@@ -497,10 +522,12 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
         # Every data file this rank reads has its MANIFEST size before the first byte lands in the
         # caller's tensors: a truncated or missing file fails the load with them untouched.
         _check_files(path, manifest, {t.chunk.file for t in tasks}, store)
-        nbytes, backend = _fill(path, manifest, tasks, verify, store)
+        nbytes, backend = _fill(path, manifest, tasks, verify, store, also=None if casts else also)
         with torch.no_grad():
             for tmp, dest in casts:
                 dest.copy_(tmp)
+        if casts and also:
+            nbytes += fill_boxes_of(also, verify=verify)
         not_replaced = []
         for item, value in values:
             if _same(item.value, value):
@@ -543,7 +570,7 @@ def _manifest_collective(group: ControlGroup, path: str, store: Store | None = N
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
          verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False,
-         storage_options: dict | None = None, _follow_chain: bool = True) -> LoadResult:
+         storage_options: dict | None = None, _follow_chain: bool = True, _also: list | None = None) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -603,7 +630,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                 raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "
                                   f"directories only")
             if not delta:
-                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store)
+                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store,
+                                     also=_also)
                 _check_unmoved(path, identity)
     except Exception as exc:
         # its rank is recorded by raise_failures
@@ -812,40 +840,68 @@ def fill_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tup
     fill_boxes_of([(path, manifest, requests)], verify=verify)
 
 
-def fill_boxes_of(checkpoints: list[tuple[str, "mf.Manifest", list[tuple[str, tuple, tuple, Any]]]], *,
-                  verify: bool = True) -> None:
+def fill_boxes_of(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *,
+                  verify: bool = True) -> int:
     """:func:`fill_boxes` for several checkpoints (path, manifest, requests) in one read pass
     (one per checksum block size): the read pipeline's fixed costs are paid once, not per
-    checkpoint. Raises the read errors of :func:`load`; their ``path`` names the data file."""
-    from .fill import READ_PIECE, fill
-    from .storage.posix import choose_backend, open_reader
+    checkpoint. A request is (fqn, offsets, sizes, destination[, after]): with ``after``, an fqn
+    of another request of the pass, it is copied only once that one's boxes are (distckpt.fill).
+    Returns the bytes read. Raises the read errors of :func:`load`; their ``path`` names the data
+    file."""
+    choices: dict[str, Any] = {}
+    groups, dcp_passes = _box_tasks(checkpoints, first=0, choices=choices)
+    nbytes = 0
+    for path, manifest, tasks in dcp_passes:   # a DCP checkpoint: no checksums, its own pass
+        nbytes += _fill(path, manifest, tasks, verify)[0]
+    return nbytes + _fill_groups(groups, choices, verify)
+
+
+def _box_tasks(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *, first: int,
+               choices: dict[str, Any]) -> tuple[dict[int, tuple[dict, dict]], list]:
+    """The fill tasks of box requests, grouped by checksum block size: ({block: (paths, by_file)},
+    [(path, manifest, tasks) of DCP checkpoints]). File keys are ``(first + i) << 32 | file``
+    for the i-th checkpoint, unique across them and apart from a manifest's own file indexes when
+    ``first`` >= 1. Every data file is checked to exist with its MANIFEST size; ``choices`` gets
+    the I/O backend of each path."""
+    from .storage.posix import choose_backend
 
     groups: dict[int, tuple[dict, dict]] = {}   # checksum block -> (paths, by_file)
-    choices: dict[str, Any] = {}
-    for ci, (path, manifest, requests) in enumerate(checkpoints):
+    dcp_passes = []
+    for ci, (path, manifest, requests) in enumerate(checkpoints, start=first):
         tasks = []
-        for fqn, offsets, sizes, out in requests:
+        for req in requests:
+            fqn, offsets, sizes, out = req[:4]
+            after = req[4] if len(req) > 4 else None
             entry = manifest.tensors[fqn]
             dtype = dtype_from_name(entry.dtype, path=path)
             want = Box(tuple(offsets), tuple(sizes))
             if want.volume:
                 chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
-                tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype)
+                tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype, after)
                              for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
         if not tasks:
             continue
-        if manifest.checksum_algo != "crc32c":  # a DCP checkpoint: no checksums, its own pass
-            _fill(path, manifest, tasks, verify)
+        if manifest.checksum_algo != "crc32c":
+            dcp_passes.append((path, manifest, tasks))
             continue
         choice = choose_backend(path, read_only=True)
         paths, by_file = groups.setdefault(manifest.checksum_block, ({}, {}))
         for t in tasks:
-            key = (ci << 32) | t.chunk.file    # file keys unique across the checkpoints
+            key = (ci << 32) | t.chunk.file
             if key not in paths:
                 paths[key] = _check_data_file(path, manifest.files[t.chunk.file])
                 choices[paths[key]] = choice
             by_file.setdefault(key, []).append(t)
+    return groups, dcp_passes
+
+
+def _fill_groups(groups: dict[int, tuple[dict, dict]], choices: dict[str, Any], verify: bool) -> int:
+    """One fill per checksum block size; returns the bytes read."""
+    from .fill import READ_PIECE, fill
+    from .storage.posix import open_reader
+    nbytes = 0
     for block, (paths, by_file) in groups.items():
         align = max(choices[p].offset_align for p in paths.values())
-        fill(paths, by_file, block=block, verify=verify, align=align,
-             open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE))
+        nbytes += fill(paths, by_file, block=block, verify=verify, align=align,
+                       open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read
+    return nbytes

@@ -30,6 +30,7 @@ import torch
 
 import distckpt
 import distckpt.errors
+import distckpt.incremental as inc
 from distckpt.cli import main as cli
 from distckpt.errors import ChainBrokenError
 from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of, row_digests
@@ -391,10 +392,11 @@ def _dtensor_chain(rank, world, root):
     g = torch.Generator().manual_seed(5)
     emb = torch.randn(1000, 16, generator=g)
     saver = IncrementalSaver(IncrementalPolicy(full_every=5, max_chain_fraction=1.0))  # rows=None: DTensors
-    kinds = []
+    kinds, touched = [], None
     for k in range(3):
         if k:
-            emb[torch.randint(0, 1000, (40,), generator=g)] += 1.0
+            touched = torch.randint(0, 1000, (40,), generator=g)
+            emb[touched] += 1.0
         sd = {"model": {"emb": distribute_tensor(emb.clone(), mesh, [Shard(0)])}, "step": k}
         saver.save(sd, os.path.join(root, f"d{k}"))
         kinds.append(saver.last_kind)
@@ -402,12 +404,50 @@ def _dtensor_chain(rank, world, root):
     target = {"model": {"emb": distribute_tensor(torch.zeros(1000, 16), mesh, [Shard(1)])}, "step": -1}
     distckpt.load(target, os.path.join(root, "d2"))
     same = torch.equal(target["model"]["emb"].full_tensor(), emb) and target["step"] == 2
-    return kinds, same, emb if rank == 0 else None
+    emb2 = emb.clone()
+    # Continue the chain on the column split: d3 holds half-width pieces, d1 and d2 full-width
+    # ones. d3 changes again rows that d2 holds (all columns), and other rows in the left half
+    # only, so every row's columns come from different links.
+    saver.resume(target, os.path.join(root, "d2"))
+    emb[touched[:20]] += 2.0
+    emb[torch.arange(500, 520), :8] -= 3.0
+    sd = {"model": {"emb": distribute_tensor(emb.clone(), mesh, [Shard(1)])}, "step": 3}
+    saver.save(sd, os.path.join(root, "d3"))
+    kinds.append(saver.last_kind)
+    target = {"model": {"emb": distribute_tensor(torch.zeros(1000, 16), mesh, [Shard(0)])}, "step": -1}
+    distckpt.load(target, os.path.join(root, "d3"))
+    same = same and torch.equal(target["model"]["emb"].full_tensor(), emb) and target["step"] == 3
+    return kinds, same, (emb2, emb) if rank == 0 else None
 
 
-def test_dtensor_rows_any_sharding(tmp_path):
+def test_dtensor_rows_any_sharding(tmp_path, monkeypatch):
     res = run_ranks(_dtensor_chain, 2, str(tmp_path), timeout=180)
-    assert [r[0] for r in res] == [["full", "delta", "delta"]] * 2
+    assert [r[0] for r in res] == [["full", "delta", "delta", "delta"]] * 2
     assert all(r[1] for r in res)
-    assert torch.equal(distckpt.read(str(tmp_path / "d2"))["model"]["emb"], res[0][2])
-    assert [link.meta["kind"] for link in chain_of(str(tmp_path / "d2"))] == ["delta", "delta", "full"]
+    emb2, emb = res[0][2]
+    assert torch.equal(distckpt.read(str(tmp_path / "d2"))["model"]["emb"], emb2)
+    assert [link.meta["kind"] for link in chain_of(str(tmp_path / "d3"))] == ["delta", "delta", "delta", "full"]
+    # The chain mixes column splits: d1 and d2 hold whole rows, d3 half rows.
+    widths = {os.path.basename(link.path): sorted({inc._box_value(link, parts["box"])[1][1]
+                                                   for parts in inc._delta_pieces(link, 0).values()})
+              for link in chain_of(str(tmp_path / "d3"))[:-1]}
+    assert widths == {"d1": [16], "d2": [16], "d3": [8]}, widths
+    # Composing it in one process writes every (row, column) at most once, from its newest link:
+    # count the writes of the delta scatter per element of the target.
+    counts: dict[int, torch.Tensor] = {}
+    real = inc._ScatterRows.copy_
+
+    def counted(self, src):
+        t = self.target
+        c = counts.setdefault(t.untyped_storage().data_ptr(),
+                              torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=torch.int32))
+        idx = self.idx if self.mask is None else self.idx[self.mask]
+        c.as_strided(t.shape, t.stride(), t.storage_offset()).index_add_(
+            0, idx, torch.ones((idx.numel(),) + tuple(t.shape[1:]), dtype=torch.int32))
+        return real(self, src)
+    monkeypatch.setattr(inc._ScatterRows, "copy_", counted)
+    got = distckpt.read(str(tmp_path / "d3"))["model"]["emb"]
+    assert torch.equal(got, emb)
+    (written,) = counts.values()
+    assert int(written.max()) == 1, "an element was written by two links"
+    assert bool((written.reshape(1000, 16)[500:520, :8] == 1).all())   # d3's left half of these rows
