@@ -261,3 +261,66 @@ def test_cached_pages_are_read_without_o_direct(tmp_path):
             assert (r.direct_bytes, r.cached_bytes) == (0, size)
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ordering and shared workers (what an incremental chain's restore relies on)
+
+
+class _SlowDest:
+    """A fill destination (the protocol of restore.fill_boxes) whose copies take 0.3 s: without
+    ordering, a later request's copy would land first and then be overwritten by this one."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.dtype = t, t.dtype
+
+    def is_contiguous(self) -> bool:
+        return False
+
+    def narrow(self, dim: int, start: int, length: int) -> "_SlowDest":
+        return _SlowDest(self.t.narrow(dim, start, length))
+
+    def copy_(self, src: torch.Tensor) -> None:
+        import time
+        time.sleep(0.3)
+        self.t.copy_(src)
+
+
+def test_a_request_after_another_is_copied_after_it(tmp_path):
+    from distckpt.restore import fill_boxes_of, load_manifest
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    distckpt.save({"x": torch.full((64, 16), 1.0)}, a)
+    distckpt.save({"y": torch.full((64, 16), 2.0)}, b)
+    dest = torch.zeros(64, 16)
+    # x is copied slowly; y overwrites x's rows 8..40 and must land after it, in the same pass.
+    fill_boxes_of([(a, load_manifest(a), [("x", (0, 0), (64, 16), _SlowDest(dest))]),
+                   (b, load_manifest(b), [("y", (8, 0), (32, 16), dest[8:40], "x")])])
+    want = torch.full((64, 16), 1.0)
+    want[8:40] = 2.0
+    assert torch.equal(dest, want)
+
+
+def test_fills_inside_reading_share_threads_and_buffers(tmp_path, monkeypatch):
+    import threading
+
+    import distckpt.fill as fill_mod
+    path = str(tmp_path / "ckpt")
+    distckpt.save(_state(), path)
+    made = []
+    real = fill_mod._Buffer.__init__
+
+    def counting(self, size):
+        made.append(size)
+        real(self, size)
+    monkeypatch.setattr(fill_mod._Buffer, "__init__", counting)
+    with fill_mod.reading():
+        for _ in range(3):
+            dst = _sentinel_like(_state())
+            distckpt.load(dst, path)
+            assert torch.equal(dst["a"], _state()["a"])
+        assert len(made) <= fill_mod.WORKERS        # the second and third loads reused them
+    assert not [t for t in threading.enumerate() if t.name.startswith("distckpt-read")]
+    made.clear()
+    distckpt.load(_sentinel_like(_state()), path)    # outside a block: its own, released at return
+    assert 1 <= len(made) <= fill_mod.WORKERS
+    assert not [t for t in threading.enumerate() if t.name.startswith("distckpt-read")]
