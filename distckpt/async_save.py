@@ -222,6 +222,12 @@ class AsyncSaveHandle:
         """True once the save has committed or failed (its thread has no more work)."""
         return self._event.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the save has committed or failed, without taking its outcome (a failure
+        nobody takes is still raised at the next checkpoint call). Returns :meth:`done`."""
+        self._event.wait(timeout)
+        return self.done()
+
     def result(self, timeout: float | None = None) -> SaveResult:
         """Wait for the save and return its :class:`SaveResult`.
 

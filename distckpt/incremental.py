@@ -225,6 +225,7 @@ class IncrementalSaver:
         self.policy = policy or IncrementalPolicy()
         self._digests: dict[tuple, torch.Tensor] = {}
         self._link: dict | None = None   # chain metadata + path + save_id of the last committed link
+        self._pending = None   # the AsyncSaveHandle of this saver's last async save
         self.last_kind: str | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class IncrementalSaver:
         """Continue the chain of the checkpoint at ``path`` whose state ``state_dict`` now holds
         (right after loading it): the next save may be a delta against it. Collective."""
         from ._dist import control_group
+        self._wait_pending()
         group = control_group(process_group, operation="IncrementalSaver.resume()")
         path = os.path.abspath(os.fspath(path))
         links = chain_of(path)
@@ -270,16 +272,72 @@ class IncrementalSaver:
 
         A delta when the policy allows (and the previous link is still committed, unreplaced, in
         the same directory), else a full checkpoint. ``save_kwargs`` go to :func:`distckpt.save`.
-        Returns its SaveResult; ``self.last_kind`` is ``"full"`` or ``"delta"``.
+        Returns its SaveResult; ``self.last_kind`` is ``"full"`` or ``"delta"``. Waits first for
+        this saver's async save still in flight (the next link depends on its outcome).
 
         Raises what :func:`distckpt.save` raises, and ConfigError for a bad ``rows`` policy.
         After a failure the chain and this saver stay at the previous link.
         """
+        from .save import save
+        to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
+                                                    "IncrementalSaver.save()")
+        path = os.path.abspath(os.fspath(path))
+        try:
+            result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
+        except DistCkptError as exc:
+            if getattr(exc, "committed", False) is True:   # committed, then an after-commit step failed
+                self._advance(info, path, pieces)
+            raise
+        self._advance(info, path, pieces)
+        return result
+
+    def async_save(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
+                   metadata: dict | None = None, force_full: bool = False,
+                   _on_outcome: Callable | None = None, **save_kwargs: Any):
+        """:meth:`save` through :func:`distckpt.async_save`: returns an AsyncSaveHandle once the
+        link's content is staged (collective).
+
+        Before it returns, the full/delta decision is taken, the changed rows are gathered into
+        new memory (a delta), and the state dict's other tensors are copied into staging memory
+        (async_save's snapshot isolation): changing any tensor afterwards does not change this
+        link. Its digests become the saver's reference only once the link commits, on the save's
+        own thread; the next :meth:`save` / :meth:`async_save` / :meth:`resume` of this saver
+        waits for that first, so it is a delta against the link that exists.
+
+        Raises ConfigError for a bad ``rows`` policy; a save's own errors are raised by the
+        handle's ``result()``, as for :func:`distckpt.async_save`.
+        """
+        from .async_save import async_save
+        to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
+                                                    "IncrementalSaver.async_save()")
+        path = os.path.abspath(os.fspath(path))
+
+        def outcome(result, error) -> None:   # on the save's thread, before its handle reports done
+            if result is not None or getattr(error, "committed", False) is True:
+                self._advance(info, path, pieces)
+            if _on_outcome is not None:
+                _on_outcome(result, error)
+        self._pending = async_save(to_save, path, process_group=process_group, metadata=meta,
+                                   _on_outcome=outcome, **save_kwargs)
+        return self._pending
+
+    def _wait_pending(self) -> None:
+        """Wait until this saver's async save in flight (if any) has committed or failed, and its
+        outcome has moved the saver on (its error is left to its handle and to
+        distckpt.async_save.raise_background_failure)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _prepare(self, state_dict: Any, path: str | os.PathLike, process_group: Any, metadata: dict | None,
+                 force_full: bool, operation: str) -> tuple[dict, dict, list, dict]:
+        """The full/delta decision (collective) and what to save: (state dict to save, chain
+        metadata, this rank's pieces with their digests, the MANIFEST's user metadata)."""
         from ._dist import control_group
         from .manifest import load_manifest
-        from .save import save
+        self._wait_pending()
         path = os.path.abspath(os.fspath(path))
-        group = control_group(process_group, operation="IncrementalSaver.save()")
+        group = control_group(process_group, operation=operation)
         items, rows, pieces = self._local(state_dict, group)
         tracked = [[f, rows[f]] for f in sorted(rows)]
         changed_bytes = total_bytes = changed_rows = total_rows = 0
@@ -358,14 +416,7 @@ class IncrementalSaver:
             to_save = state_dict
         meta = dict(metadata or {})
         meta[META_KEY] = info
-        try:
-            result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
-        except DistCkptError as exc:
-            if getattr(exc, "committed", False) is True:   # committed, then an after-commit step failed
-                self._advance(info, path, pieces)
-            raise
-        self._advance(info, path, pieces)
-        return result
+        return to_save, info, pieces, meta
 
     def _advance(self, info: dict, path: str, pieces: list) -> None:
         """The save committed: the next delta is relative to it."""

@@ -256,7 +256,7 @@ class CheckpointManager:
             :func:`distckpt.save`); every save and load of this manager passes them on.
         incremental: an :class:`~distckpt.incremental.IncrementalPolicy`: saves write only the
             rows of the tracked tensors that changed since the previous step (a chain of deltas
-            on a full step, docs/INCREMENTAL.md); blocking saves to a local root only. Rotation
+            on a full step, docs/INCREMENTAL.md); to a local root only, blocking or not. Rotation
             never deletes a step that a kept step depends on, with or without this option.
     """
 
@@ -421,9 +421,10 @@ class CheckpointManager:
         after = lambda: self._after_commit(step, protect)  # noqa: E731
         lock = join(self.root, ROOT_LOCK_NAME)
         if self._saver is not None:
-            if not blocking:
-                raise ConfigError("incremental saves are blocking: pass blocking=True (or a manager without "
-                                  "incremental=) for async saves")
+            if not blocking:   # staged before it returns: the changed rows, then everything to write
+                return self._saver.async_save(
+                    state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
+                    _lock_path=lock, _on_outcome=lambda result, error: self._settle(gen, result, error), **kwargs)
             try:
                 result = self._saver.save(state_dict, self.path(step), process_group=self.process_group,
                                           _after_commit=after, _lock_path=lock, **kwargs)

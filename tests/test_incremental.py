@@ -293,8 +293,6 @@ def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
     assert cli(["verify", mgr.path(8), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "chain OK: 4 link(s)" in out, out
-    with pytest.raises(distckpt.errors.ConfigError):
-        mgr.save(11, sd, blocking=False)             # incremental saves are blocking
     # Resume in a new manager (a restarted job): the next save is a delta against the step loaded.
     mgr2 = distckpt.CheckpointManager(root, keep_last=2, incremental=pol)
     target = _state(5)
@@ -303,6 +301,44 @@ def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
     mgr2.save(10, target)
     assert mgr2._saver.last_kind == "delta"
     _expect(mgr2.path(10), _snap(target))
+
+
+def test_async_incremental_saves(tmp_path):
+    root = str(tmp_path / "run")
+    sd = _state(2)
+    pol = IncrementalPolicy(rows=ROWS, full_every=8, max_delta_fraction=0.5, max_chain_fraction=2.0)
+    mgr = distckpt.CheckpointManager(root, keep_last=None, incremental=pol)
+    snaps = {}
+    for step in (1, 2, 3):
+        _touch(sd, step)
+        h = mgr.save(step, sd, blocking=False)
+        snaps[step] = _snap(sd)
+        # Snapshot isolation: changed rows, unchanged rows and untracked tensors, right after return.
+        sd["model"]["emb"][:50] += 100.0
+        sd["optim"]["mom"][:, -3:] -= 7.0
+        sd["model"]["lin"].zero_()
+    h.result()    # each save was started while the previous one was in flight: it waited for it
+    assert mgr._saver.last_kind == "delta"
+    assert [e.chain["kind"] for e in mgr.describe().entries] == ["full", "delta", "delta"]
+    assert [link.path for link in chain_of(mgr.path(3))] == [mgr.path(3), mgr.path(2), mgr.path(1)]
+    for step in (1, 2, 3):
+        _expect(mgr.path(step), snaps[step])
+    # Step 3's delta holds the rows changed after step 2 returned (its digests are of the state
+    # at the call, not of the tensors after it).
+    sizes = {e.step: e.size_bytes for e in mgr.describe().entries}
+    assert sizes[3] < sizes[1] / 2
+    # A failed async save (the step exists) commits nothing and leaves the saver at step 3.
+    os.makedirs(mgr.path(4))
+    distckpt.save({"x": torch.zeros(1)}, mgr.path(4), overwrite=True)
+    _touch(sd, 4)
+    h = mgr.save(4, sd, blocking=False)
+    with pytest.raises(distckpt.errors.CheckpointExistsError):
+        h.result()
+    h = mgr.save(5, sd, blocking=False)
+    h.result()
+    assert mgr._saver.last_kind == "delta"
+    assert chain_of(mgr.path(5))[1].path == mgr.path(3)
+    _expect(mgr.path(5), _snap(sd))
 
 
 def test_chain_broken(tmp_path, capsys):
