@@ -8,7 +8,7 @@ What it promises (restore.load / restore.read rely on it):
     checkpoint's; the error names the tensors that were filled completely and those filled in part.
   * Bounded memory: ``WORKERS`` bounce buffers of ``SEGMENT`` bytes (more only when the
     checkpoint's checksum block is larger), mmapped at the start and unmapped before returning or
-    raising; nothing is kept after a call.
+    raising (inside :func:`reading`: when the block exits); nothing is kept after a call.
   * Bounded read amplification: a wanted byte range is widened only to whole checksum blocks
     (verification needs them) and to the file system's O_DIRECT alignment; neighbouring ranges are
     merged into one read only when the gap between them is small against the bytes the read holds
