@@ -192,3 +192,37 @@ def test_replica_digest_of_lazy_views_on_the_gpu():
     x = torch.randn(1001).cuda()
     got = _tensor_digests([c.conj(), c.conj().resolve_conj(), x._neg_view(), -x, x])
     assert got[0] == got[1] and got[2] == got[3] and got[3] != got[4]
+
+
+def _two_rank_gpu_save(rank, world, tmp):
+    # Two processes share the one GPU (NCCL refuses that, so the tensors' collectives are not
+    # used: DTensors are built from their local shards); distckpt's own control group is gloo.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (world,))
+    full = torch.arange(4096 * 33, dtype=torch.float32).reshape(4096, 33).cuda()
+    rows = full.shape[0] // world
+    local = full[rank * rows:(rank + 1) * rows].clone()
+    sd = {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+          "bias": torch.linspace(0, 1, 77).cuda(),            # a plain replica: digests compared
+          "step": 5}
+    distckpt.save(sd, os.path.join(tmp, "ck"))
+    out = {"w": torch.empty(4096, 33, device="cuda"), "bias": torch.empty(77, device="cuda"), "step": 0}
+    distckpt.load(out, os.path.join(tmp, "ck"))  # every rank reads the whole tensor
+    ok = torch.equal(out["w"], full) and torch.equal(out["bias"], sd["bias"]) and out["step"] == 5
+    # A replica that differs on one rank is refused (digests computed on the GPU), as on the host.
+    bad = {"bias": torch.linspace(0, 1, 77).cuda() + rank}
+    try:
+        distckpt.save(bad, os.path.join(tmp, "bad"))
+        refused = None
+    except distckpt.errors.DistCkptError as exc:
+        refused = type(exc).__name__
+    return ok, refused
+
+
+def test_two_ranks_save_gpu_shards_and_replicas(tmp_path):
+    results = run_ranks(_two_rank_gpu_save, 2, str(tmp_path), timeout=300)
+    assert [ok for ok, _ in results] == [True, True]
+    assert results[0][1] == results[1][1] == "StateDictMismatchError"
