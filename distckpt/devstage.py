@@ -38,8 +38,9 @@ _ALIGN = 4096  # parts start on a page: the O_DIRECT writer writes them without 
 
 
 def needs_staging(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s bytes live on an accelerator (so they must be copied to the host)."""
-    return tensor.device.type not in ("cpu", "meta")
+    """Whether ``tensor`` goes through the ring: its bytes live on a CUDA device. (Other
+    accelerators take :func:`distckpt.staging.host_bytes`' one blocking copy per piece.)"""
+    return tensor.device.type == "cuda"
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
