@@ -533,6 +533,12 @@ def _within(inner: tuple, outer: tuple) -> bool:
     return all(a2 <= a and b <= b2 for (_k, a, b), (_k2, a2, b2) in zip(inner, outer))
 
 
+def _index_dtype(n: int) -> torch.dtype:
+    """The narrowest signed integer dtype holding -1 .. n - 1 (newest-link maps: 1 byte a row for
+    chains of fewer than 128 links)."""
+    return next(d for d in (torch.int8, torch.int16, torch.int32, torch.int64) if n <= torch.iinfo(d).max)
+
+
 def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
                  verify: bool) -> tuple[list, int]:
     """What to read from ``deltas`` (oldest first) so that every (row, column) of ``targets`` that
@@ -591,8 +597,8 @@ def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tra
                     if hi > lo:
                         entries.append((li, fqn, t, parts, soff, tuple(region), lo, ids[lo:hi] - r0))
     # Pass 2: cut every target's regions into cells (equal or disjoint column ranges), then find
-    # the newest link holding each (row, cell): a map of link indexes per target row, only where
-    # more than one link covers a cell.
+    # the newest link holding each (row, cell): a map of link indexes per target row (1 byte a row),
+    # only where more than one link covers a cell.
     regions: dict[int, set] = {}
     for _li, _f, t, _p, _s, region, _lo, _rows in entries:
         regions.setdefault(id(t), set()).add(region)
@@ -608,8 +614,7 @@ def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tra
             key = (id(t), cell)
             if covering[key] > 1 and _within(cell, region):
                 if key not in newest:
-                    newest[key] = torch.full((t.sizes[tracked[fqn]],), -1,
-                                             dtype=torch.int16 if len(deltas) < 2**15 else torch.int64)
+                    newest[key] = torch.full((t.sizes[tracked[fqn]],), -1, dtype=_index_dtype(len(deltas)))
                 newest[key][rows] = li
     # Pass 3: per link and (piece, cell), the row span from its first to its last newest copy.
     plans: list[list] = [[] for _ in deltas]
