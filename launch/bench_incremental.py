@@ -14,9 +14,10 @@ base plus every delta) and of the plain full checkpoint of the same step, into t
 alternated ``--restores`` times (the fastest of each, and the ratio of the medians). Reported per
 fraction (medians over the delta rounds): bytes written by a delta and by a full save, the changed rows' own bytes (weights + momentum of the
 rows whose bytes changed), delta / changed, save seconds of each, the links' kinds, and restore
-seconds of the chain vs the full checkpoint. Rank 0 prints one JSON line per fraction, after one
-line with the cost of the row digests alone. The page cache is left as it is (warm reads for both
-restores).
+seconds of the chain vs the full checkpoint, and the file bytes each restore read (both ranks).
+Rank 0 prints one JSON line per fraction, after one line with the cost of the row digests alone.
+The page cache is left as the saves left it: their data files are written with O_DIRECT, so both
+restores read from the disk.
 """
 
 from __future__ import annotations
@@ -129,8 +130,13 @@ def main() -> None:
         last = max(range(1, args.rounds + 1), key=lambda k: (seqs[k - 1], k))
         chain_t, full_t = [], []
         for _ in range(args.restores):
-            chain_t.append(timed(lambda: dtr.load(dmp, os.path.join(root, f"link{last}")))[0])
-            full_t.append(timed(lambda: dtr.load(dmp, os.path.join(root, f"full{last}")))[0])
+            t, chain_res = timed(lambda: dtr.load(dmp, os.path.join(root, f"link{last}")))
+            chain_t.append(t)
+            t, full_res = timed(lambda: dtr.load(dmp, os.path.join(root, f"full{last}")))
+            full_t.append(t)
+        # File bytes each restore read, both ranks (checksum-block widening and merged gaps included).
+        read = torch.tensor([chain_res.bytes_read, full_res.bytes_read], dtype=torch.int64)
+        dist.all_reduce(read)
         med = statistics.median
         if rank == 0:
             out = {
@@ -147,6 +153,8 @@ def main() -> None:
                 "restore_chain_s": round(min(chain_t), 3), "restore_full_s": round(min(full_t), 3),
                 "restore_chain_over_full": round(min(chain_t) / min(full_t), 3),
                 "restore_chain_over_full_median": round(med(chain_t) / med(full_t), 3),
+                "restore_chain_read_MiB": round(int(read[0]) / 2**20, 1),
+                "restore_full_read_MiB": round(int(read[1]) / 2**20, 1),
             }
             print(json.dumps(out), flush=True)
             shutil.rmtree(root)
