@@ -124,8 +124,9 @@ class IncrementalPolicy:
             is written full instead (a delta would cost about as much and lengthen the chain).
         max_chain_fraction: a save is written full once the chain's deltas would hold more than
             this fraction of the tracked bytes. A restore reads the base plus every delta and
-            scatters the deltas' rows, so this bounds its cost (measured 1.5-2.0x a full
-            checkpoint's restore at 0.25 on a loaded 2-core VM: docs/BENCHMARKS.md).
+            scatters the deltas' rows, so this bounds its cost (measured 1.0-1.5x a full
+            checkpoint's restore at 0.25 on a 2-core VM, more when its cores are busy with other
+            work: docs/BENCHMARKS.md).
     """
 
     rows: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None

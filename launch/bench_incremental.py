@@ -1,7 +1,7 @@
 """Benchmark: incremental (delta) vs full checkpoints of TorchRec tables, 2 ranks, one run.
 
     torchrun --standalone --nproc-per-node 2 launch/bench_incremental.py --dir /var/tmp/bench_incr \
-        --rows 250000 --dim 64 --tables 4 --rounds 7 [--force-deltas]
+        --rows 250000 --dim 64 --tables 4 --rounds 7 [--force-deltas] [--keep]
 
 Model: launch/bench_torchrec.py's (``--tables`` tables of rows x dim float32, fused
 EXACT_ROWWISE_ADAGRAD, sharded column-wise / table-wise / row-wise / table-wise over 2 ranks).
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--force-deltas", action="store_true", help="every round a delta, whatever the policy says")
     ap.add_argument("--fractions", default="0.01,0.05,0.2")
     ap.add_argument("--restores", type=int, default=3, help="alternated restores of the chain and the full")
+    ap.add_argument("--keep", action="store_true", help="keep each fraction's checkpoints under DIR/f<fraction>")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -157,7 +158,8 @@ def main() -> None:
                 "restore_full_read_MiB": round(int(read[1]) / 2**20, 1),
             }
             print(json.dumps(out), flush=True)
-            shutil.rmtree(root)
+            if not args.keep:
+                shutil.rmtree(root)
         dist.barrier()
     dist.destroy_process_group()
 
