@@ -337,6 +337,9 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
                             and mesh[1][_mesh_position(mesh[0], coord)] == rank)
                 except (ValueError, IndexError):
                     fits = False
+                # ``mesh[1]`` holds global ranks, ``rank`` is this rank in the save's group: the
+                # check also proves they are equal for this process, so rank 0 can read the mesh's
+                # ranks as group ranks (a mesh rank no group rank confirmed is a doubt there).
                 if fits:  # torch's own box is the grid's: the description is exact for this rank
                     i = mesh_index.get(id(mesh))
                     if i is None:
