@@ -465,7 +465,6 @@ def _merge_layout(summaries: list[dict], parts: dict[bytes, tuple] | None = None
     the compact part of every digest some rank sent; each summary's ``tensors`` then hold only
     its other tensors. Returns None when the compact descriptions cannot be trusted to tile their
     tensors by construction (see :func:`_merge_compact`): the caller then asks for full layouts."""
-    world = len(summaries)
     early: list[str] = []
     meta: dict[str, tuple[str, str, tuple]] = {}
     grid_keys: set[str] = set()
