@@ -104,8 +104,8 @@ def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
     """(flat byte view of the destination, byte offset of the task's box in it) when the task's
     box is one contiguous byte run of a contiguous destination of the saved dtype; else None."""
     dest = t.dest
-    if dest.dtype != t.dtype or not dest.is_contiguous():
-        return None
+    if dest.dtype != t.dtype or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+        return None  # a lazy conj/neg view has no plain bytes to copy into: copy_ through it
     dbox = Box(tuple(t.dest_box.offsets), tuple(t.dest_box.sizes))
     d0, d1 = byte_range(dbox, t.inter, t.itemsize)
     if d1 - d0 != t.inter.volume * t.itemsize:
