@@ -288,12 +288,25 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def _work_units(layout: str, world: int, tensors: int) -> int:
-    """What the control plane's cost grows with: one unit per piece plus one per checksum block
-    (about one crc per MiB of data; the TorchRec layout's tables are 8 GiB each)."""
+def _checksums(layout: str, world: int, tensors: int) -> int:
+    """About how many checksums the MANIFEST holds: at least one per non-empty piece and one per
+    MiB of data (the block is at most DISTCKPT_CHECKSUM_BLOCK, 1 MiB; the TorchRec layout's
+    tables are 8 GiB each)."""
     pieces = tensors * world + (50 if layout == "torchrec" else 0)
     data_mib = tensors * (8192 if layout == "torchrec" else 16)
-    return pieces + data_mib
+    return max(pieces, data_mib)
+
+
+def _work_units(layout: str, world: int, tensors: int) -> int:
+    """What the MANIFEST's cost grows with: one unit per piece plus one per checksum."""
+    pieces = tensors * world + (50 if layout == "torchrec" else 0)
+    return pieces + _checksums(layout, world, tensors)
+
+
+def _manifest_estimate(layout: str, world: int, tensors: int) -> int:
+    """The MANIFEST size to expect: about 58 B per chunk record plus 4 B per checksum."""
+    pieces = tensors * world + (50 if layout == "torchrec" else 0)
+    return 58 * pieces + 4 * _checksums(layout, world, tensors)
 
 
 def main(argv=None) -> int:
@@ -346,7 +359,8 @@ def main(argv=None) -> int:
                     manifest_rate = max(manifest_rate or 0.0, r["manifest_s"] / units)
                     man = f"{r['manifest_s']:>10.2f} {_fmt_bytes(r['manifest_bytes']):>10}"
                 else:
-                    man = f"~{manifest_rate * units:>9.0f} {'~' + _fmt_bytes(r['pieces'] * 62):>10}"
+                    man = (f"~{manifest_rate * units:>9.0f} "
+                           f"{'~' + _fmt_bytes(_manifest_estimate(layout, world, tensors)):>10}")
                 print(f"{layout:9} {world:>5} {tensors:>7} {r['pieces']:>10} {_fmt_bytes(r['send_per_rank']):>10} "
                       f"{_fmt_bytes(r['recv_per_rank']):>10} {_fmt_bytes(r['coord_recv']):>10} {r['merge_s']:>7.2f} "
                       f"{r['cached_s'] * 1000:>6.2f}ms {man} {r['peak_rss_mib']:>7.0f} MiB", flush=True)
