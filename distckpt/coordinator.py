@@ -10,6 +10,10 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                one writer to every box held by several ranks (replicated tensors, DTensor Replicate),
                balancing bytes per rank (plan.assign_owners), and sends each rank only a bitmap of
                its own pieces to write, or the error (G.scatter). Any rank's error -> all raise.
+               Compact layouts: a DTensor split evenly over its mesh (all Shard placements) is
+               sent as one description shared by every rank of the mesh (with the container tree,
+               one digest per rank); rank 0 merges each distinct description once and each rank
+               writes its own chunk of such tensors (see plan_save). Any doubt: a full plan.
                Plan cache: when every rank's layout is unchanged since the last plan on this group,
                ranks send a fingerprint and their values only, and the merged layout is reused.
   2. PREPARE   rank 0 reclaims tmp dirs of earlier dead saves of the same name, takes the save
@@ -63,8 +67,8 @@ from .errors import (CheckpointExistsError, CommittedButPeerLostError, DistCkptE
                      StateDictMismatchError, UnsupportedValueError, fill_rank, from_os_error)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
-from .plan import (Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect,
-                   is_row_tiling)
+from .plan import (Box, assign_offsets, assign_owners, choose_checksum_block_counted, find_tiling_defect,
+                   grid_box, grid_chunk_counts, is_row_tiling)
 from .devstage import DeviceStager, needs_staging
 from .staging import dtype_name, host_bytes
 from .storage import Store, is_url, open_store
@@ -318,6 +322,11 @@ def _device_digest(t):
 def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int, allow_pickle: bool,
                metadata: dict | None, checked: Callable[[str], bool] = lambda fqn: True,
                world_size: int = 2) -> dict:
+    """This rank's PLAN summary: every tensor's (kind, dtype, shape, pieces) under ``tensors``, its
+    values and replica digests, its container tree, and under ``grid`` the tensors it can describe
+    compactly: ``fqn -> (kind, dtype, shape, mesh index into meshes, split dims)`` for a DTensor
+    whose one piece is exactly the even-grid chunk (:func:`plan.grid_box`) at this rank's mesh
+    coordinate. Every rank of a mesh gives such a tensor the same description."""
     if rank == 0 and metadata is not None:
         try:
             msgpack.packb(metadata, use_bin_type=True, strict_types=True)
@@ -327,32 +336,87 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
     tensors = {}
     objects = {}
     to_digest: list[tuple[str, Any]] = []
+    grid: dict[str, tuple] = {}
+    meshes: list[tuple] = []
+    mesh_index: dict[int, int] = {}
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
-            tensors[fqn] = (item.kind, dtype_name(item.dtype), item.shape,
+            dtype = dtype_name(item.dtype)
+            tensors[fqn] = (item.kind, dtype, item.shape,
                             [(p.offsets, p.sizes, _nbytes(p.tensor)) for p in item.pieces])
             # Plain tensors are the only ones whose replication is an assumption (DTensor
             # Replicate is a replica by construction; sharded pieces are disjoint). One rank has
             # no replicas to compare: no digest (it would read every byte once more).
             if item.kind == "tensor" and world_size > 1 and checked(fqn):
                 to_digest.append((fqn, item.pieces[0].tensor))
+            if item.grid is not None and len(item.pieces) == 1:
+                mesh, dims, coord = item.grid
+                p = item.pieces[0]
+                try:
+                    fits = (grid_box(item.shape, mesh[0], dims, coord) == (tuple(p.offsets), tuple(p.sizes))
+                            and mesh[1][_mesh_position(mesh[0], coord)] == rank)
+                except (ValueError, IndexError):
+                    fits = False
+                # ``mesh[1]`` holds global ranks, ``rank`` is this rank in the save's group: the
+                # check also proves they are equal for this process, so rank 0 can read the mesh's
+                # ranks as group ranks (a mesh rank no group rank confirmed is a doubt there).
+                if fits:  # torch's own box is the grid's: the description is exact for this rank
+                    i = mesh_index.get(id(mesh))
+                    if i is None:
+                        i = mesh_index[id(mesh)] = len(meshes)
+                        meshes.append(mesh)
+                    grid[fqn] = (item.kind, dtype, tuple(item.shape), i, tuple(dims))
         else:
             # Every rank encodes its own values: a key may exist on some ranks only (per-rank
             # dataloader state), and values under a shared key are compared in _merge_plan.
             objects[fqn] = object_entry(fqn, item.value, allow_pickle=allow_pickle)
     digests = dict(zip((f for f, _ in to_digest), _tensor_digests([t for _, t in to_digest])))
-    return {"tensors": tensors, "objects": objects, "tree": tree, "digests": digests}
+    return {"tensors": tensors, "objects": objects, "tree": tree, "digests": digests, "grid": grid,
+            "meshes": meshes}
+
+
+def _mesh_position(mesh_shape: tuple, coord: tuple) -> int:
+    """Row-major index of ``coord`` in a mesh of ``mesh_shape``."""
+    i = 0
+    for m, c in zip(mesh_shape, coord):
+        if not 0 <= c < m:
+            raise IndexError(f"coordinate {coord} outside mesh {mesh_shape}")
+        i = i * m + c
+    return i
+
+
+def _plan_message(summary: dict | None, *, compact: bool, with_part: bool) -> dict | None:
+    """What a rank sends rank 0 for a full plan. ``compact``: the tensors of ``summary["grid"]``
+    and the container tree travel as one digest of (grid, meshes, tree) (the *compact part*),
+    whose content only rank 0's own message and the ranks rank 0 asks for (``with_part``) carry;
+    the other tensors go as pieces. Not ``compact``: every tensor's pieces and the tree, as
+    before compact layouts existed."""
+    if summary is None:
+        return None
+    if not compact:
+        return {k: summary[k] for k in ("tensors", "objects", "tree", "digests")}
+    grid = summary["grid"]
+    part = (grid, summary["meshes"], summary["tree"])
+    digest = summary.get("_compact_digest")
+    if digest is None:
+        import hashlib
+        import pickle
+        digest = summary["_compact_digest"] = hashlib.blake2b(pickle.dumps(part, protocol=4), digest_size=16).digest()
+    general = {fqn: t for fqn, t in summary["tensors"].items() if fqn not in grid}
+    return {"tensors": general, "objects": summary["objects"], "digests": summary["digests"], "compact": digest,
+            "part": part if with_part else None}
 
 
 @dataclasses.dataclass
 class _GlobalPlan:
     tensors: dict[str, tuple[str, str, tuple]]  # fqn -> (kind, dtype, shape)
-    owners: dict[tuple, int]                      # (fqn, offsets, sizes) -> writer rank
-    bytes_per_rank: list[int]
+    owners: dict[tuple, int]                      # (fqn, offsets, sizes) -> writer rank (general tensors)
+    total_bytes: int                              # bytes of every chunk written, all ranks together
     objects: dict[str, tuple[str, Any]]
     tree: dict
     checksum_block: int = 1 << 20
     n_chunks: int = 0   # distinct boxes written; ``owners`` is empty when a cached plan was reused
+    compact: bool = False  # grid tensors (the ranks' ``grid``) were planned from their descriptions
 
 
 def _merge_trees(trees: list[dict], problems: list[str]) -> dict:
@@ -405,20 +469,33 @@ class _Layout:
 
     tensors: dict[str, tuple[str, str, tuple]]
     owners: dict[tuple, int]
-    bytes_per_rank: list[int]
+    total_bytes: int
     tree: dict
     checksum_block: int
     early: list[str]
     late: list[str]
     n_chunks: int = 0   # distinct boxes written (len(owners) when the owners are kept)
+    compact: bool = False  # merged from compact descriptions (see _merge_compact)
 
 
-def _merge_layout(summaries: list[dict]) -> _Layout:
+def _merge_layout(summaries: list[dict], parts: dict[bytes, tuple] | None = None) -> _Layout | None:
     """Merge the ranks' tensor layouts: one dtype and shape per key, boxes that tile each tensor,
-    one writer per distinct box (balancing bytes), the union of the container trees."""
-    world = len(summaries)
+    one writer per distinct box (balancing bytes), the union of the container trees.
+
+    ``parts``: compact mode (:func:`_plan_message`): ``{digest: (grid, meshes, tree)}`` holding
+    the compact part of every digest some rank sent; each summary's ``tensors`` then hold only
+    its other tensors. Returns None when the compact descriptions cannot be trusted to tile their
+    tensors by construction (see :func:`_merge_compact`): the caller then asks for full layouts."""
     early: list[str] = []
     meta: dict[str, tuple[str, str, tuple]] = {}
+    grid_keys: set[str] = set()
+    grid_counts: dict[int, int] = {}  # chunk bytes -> number of chunks, over the grid tensors
+    total = n_grid = 0
+    if parts is not None:
+        merged = _merge_compact(summaries, parts, meta, early)
+        if merged is None:
+            return None
+        grid_keys, grid_counts, total, n_grid = merged
     candidates: dict[tuple, list[tuple[int, int]]] = {}
     for r, s in enumerate(summaries):
         for fqn, (kind, dtype, shape, pieces) in s["tensors"].items():
@@ -426,6 +503,10 @@ def _merge_layout(summaries: list[dict]) -> _Layout:
             seen = meta.setdefault(fqn, (kind, dtype, shape))
             if seen[1:] != (dtype, shape):
                 early.append(f"{fqn!r} is {seen[1]}{list(seen[2])} on one rank and {dtype}{list(shape)} on rank {r}")
+                continue
+            if fqn in grid_keys:
+                if pieces:  # a rank outside the grid's mesh holds a piece: not provably a tiling
+                    return None
                 continue
             for offsets, sizes, nbytes in pieces:
                 candidates.setdefault((fqn, tuple(offsets), tuple(sizes)), []).append((r, nbytes))
@@ -436,6 +517,8 @@ def _merge_layout(summaries: list[dict]) -> _Layout:
     for fqn, offsets, sizes in candidates:
         pieces_by_fqn.setdefault(fqn, []).append((offsets, sizes))
     for fqn, (kind, dtype, shape) in meta.items():
+        if fqn in grid_keys:
+            continue  # an even grid over its whole mesh tiles its shape by construction
         pieces = pieces_by_fqn.get(fqn, [])
         if is_row_tiling(pieces, shape):  # the common case, proven without Box objects
             continue
@@ -447,17 +530,75 @@ def _merge_layout(summaries: list[dict]) -> _Layout:
         if defect is not None:
             late.append(f"the ranks' pieces of {fqn!r} (shape {list(shape)}) must cover it exactly once: "
                         f"{defect.kind} at {defect.region}")
-    tree = _merge_trees([s["tree"] for s in summaries], late)
+    trees = [s["tree"] for s in summaries] if parts is None else [part[2] for part in parts.values()]
+    tree = _merge_trees(trees, late)
     if early or late:
-        return _Layout(meta, {}, [0] * world, tree, 0, early, late)
+        return _Layout(meta, {}, 0, tree, 0, early, late)
     owners = assign_owners(candidates)
-    bytes_per_rank = [0] * world
-    for key, r in owners.items():
-        bytes_per_rank[r] += candidates[key][0][1]  # one box, one dtype: every holder's bytes are equal
+    counts = dict(grid_counts)
+    for key in owners:
+        n = candidates[key][0][1]  # one box, one dtype: every holder's bytes are equal
+        total += n
+        counts[n] = counts.get(n, 0) + 1
     # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
     # small blocks, so a resharding load reads little more than it needs.
-    block = choose_checksum_block((candidates[key][0][1] for key in owners), get_config().checksum_block)
-    return _Layout(meta, owners, bytes_per_rank, tree, block, early, late, n_chunks=len(owners))
+    block = choose_checksum_block_counted(counts, get_config().checksum_block)
+    return _Layout(meta, owners, total, tree, block, early, late, n_chunks=len(owners) + n_grid,
+                   compact=parts is not None)
+
+
+def _merge_compact(summaries: list[dict], parts: dict[bytes, tuple], meta: dict, early: list[str]):
+    """The grid tensors of a compact-mode plan, in time proportional to the distinct compact parts
+    times their keys plus the ranks (never ranks x keys).
+
+    A key described as a grid (mesh, split dims) is taken as tiled by construction only when
+    every rank of its mesh sent a compact part giving that key the same description, and no
+    compact part describes the key differently: each of those ranks checked its own piece against
+    the description (:func:`_summarize`), so together their pieces are the grid's chunks, each
+    held by exactly one rank, which writes it. Fills ``meta`` (and ``early`` with dtype/shape
+    conflicts) and returns ``(grid keys, {chunk bytes: count}, total bytes, chunks)``, or None
+    when a description is not confirmed (then a full plan decides, as without compact layouts)."""
+    from .manifest import DTYPE_ITEMSIZE
+    rank_part = [s["compact"] for s in summaries]
+    # Meshes by content: parts number them separately. mesh id -> the parts its ranks sent.
+    mesh_ids: dict[tuple, int] = {}
+    mesh_parts: list[set[bytes]] = []
+    described: dict[str, tuple] = {}  # fqn -> (kind, dtype, shape, mesh id, dims): one per key
+    holders: dict[str, set[bytes]] = {}
+    for digest, (grid, meshes, _tree) in parts.items():
+        ids = []
+        for shape_, ranks in meshes:
+            i = mesh_ids.get((shape_, ranks))
+            if i is None:
+                i = mesh_ids[(shape_, ranks)] = len(mesh_parts)
+                if any(not 0 <= r < len(summaries) for r in ranks):
+                    return None
+                mesh_parts.append({rank_part[r] for r in ranks})
+            ids.append(i)
+        for fqn, (kind, dtype, shape, mi, dims) in grid.items():
+            desc = (kind, dtype, shape, ids[mi], dims)
+            if described.setdefault(fqn, desc) != desc:
+                return None  # two meshes or layouts for one key: a full plan names the conflict
+            holders.setdefault(fqn, set()).add(digest)
+    counts: dict[int, int] = {}
+    total = n_chunks = 0
+    by_layout: dict[tuple, int] = {}
+    for fqn, (kind, dtype, shape, mi, dims) in described.items():
+        if not mesh_parts[mi] <= holders[fqn]:
+            return None  # some rank of the mesh did not describe it so
+        meta[fqn] = (kind, dtype, shape)
+        key = (shape, mi, dims, DTYPE_ITEMSIZE.get(dtype, 0))
+        by_layout[key] = by_layout.get(key, 0) + 1
+    mesh_shapes = {i: shape_ for (shape_, _), i in mesh_ids.items()}
+    for (shape, mi, dims, itemsize), n in by_layout.items():
+        if itemsize == 0:
+            return None  # a dtype the format cannot store: the full plan's error names it
+        for elements, c in grid_chunk_counts(shape, mesh_shapes[mi], dims).items():
+            if elements:  # empty chunks are not written (plan_save)
+                counts[elements * itemsize] = counts.get(elements * itemsize, 0) + c * n
+                total += elements * itemsize * c * n
+                n_chunks += c * n
+    return set(described), counts, total, n_chunks
 
 
 def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda fqn: True,
@@ -506,8 +647,8 @@ def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda f
                     "replicated='rank0' or replicated={'key', ...} to save." if differ else
                     "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
                     "that holds it, with one dtype and shape."))
-    return _GlobalPlan(meta, layout.owners, layout.bytes_per_rank, objects, layout.tree, layout.checksum_block,
-                       n_chunks=layout.n_chunks)
+    return _GlobalPlan(meta, layout.owners, layout.total_bytes, objects, layout.tree, layout.checksum_block,
+                       n_chunks=layout.n_chunks, compact=layout.compact)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -648,11 +789,13 @@ _PLAN_CACHE: dict[Any, _PlanCache] = {}
 
 def _layout_key(summary: dict) -> bytes:
     """A fingerprint of what the cacheable part of a plan depends on: the tensors' keys, kinds,
-    dtypes, shapes and local boxes, and the container tree. Equal layouts give equal keys; a
-    different layout gives a different key (blake2b, 128 bits)."""
+    dtypes, shapes and local boxes, the container tree, and which tensors it describes as grids
+    over which meshes (what decides the pieces its bitmap counts). Equal layouts give equal keys;
+    a different layout gives a different key (blake2b, 128 bits)."""
     import hashlib
     import pickle
-    return hashlib.blake2b(pickle.dumps((summary["tensors"], summary["tree"]), protocol=4), digest_size=16).digest()
+    return hashlib.blake2b(pickle.dumps((summary["tensors"], summary["tree"], summary["grid"], summary["meshes"]),
+                                        protocol=4), digest_size=16).digest()
 
 
 def _owned_bits(summary: dict, owners: dict[tuple, int], rank: int) -> bytes:
@@ -675,7 +818,13 @@ def _coordinate_plan(group: ControlGroup, gathered: list,
     memory for the whole run): the plan is reused only when every rank sent the cached plan's id
     and its cached fingerprint. When some ranks sent only a fingerprint and others their layout
     (a layout changed, or a rank's memory of the last plan is not rank 0's), every rank is asked to
-    send its layout, once, and the plan is merged anew."""
+    send its layout, once, and the plan is merged anew.
+
+    Compact layouts (:func:`_plan_message`): ranks send their grid tensors and tree as a digest
+    of their compact part. Rank 0 asks one rank per digest it has not seen for that part
+    (``("resend", "part")``), and asks every rank for full layouts (``("resend", "full")``) when
+    the ranks' messages mix both modes or a grid description is not confirmed by every rank of
+    its mesh (:func:`_merge_compact`): any doubt gives the plan as merged from every piece."""
     world = group.world_size
     errors = [m[-1] for m in gathered]
     if any(e is not None for e in errors):
@@ -685,15 +834,34 @@ def _coordinate_plan(group: ControlGroup, gathered: list,
     keys = [m[2] if f else m[1] for m, f in zip(gathered, full)]
     reuse = not any(full)
     if reuse and (cache is None or keys != cache.keys or any(m[2] != cache.plan_id for m in gathered)):
-        return [("resend",)] * world, None
+        return [("resend", "layout")] * world, None
     if not reuse and not all(full):
-        return [("resend",)] * world, None
+        return [("resend", "layout")] * world, None
+    parts = None
     if reuse:
         summaries = [m[3] for m in gathered]  # values only: objects and replica digests
     else:
         summaries = [m[1] for m in gathered]
+        compact = ["compact" in s for s in summaries]
+        if any(compact) and not all(compact):
+            return [("resend", "full")] * world, None
+        if all(compact):
+            parts = {}
+            for s in summaries:
+                if s["part"] is not None:
+                    parts.setdefault(s["compact"], s["part"])
+            ask: dict[bytes, int] = {}
+            for r, s in enumerate(summaries):
+                if s["compact"] not in parts:
+                    ask.setdefault(s["compact"], r)
+            if ask:
+                wanted = set(ask.values())
+                return [("resend", "part" if r in wanted else "layout") for r in range(world)], None
     try:
-        plan = _merge_plan(summaries, checked, cache.layout if reuse else None)
+        layout = cache.layout if reuse else _merge_layout(summaries, parts)
+        if layout is None:
+            return [("resend", "full")] * world, None
+        plan = _merge_plan(summaries, checked, layout)
     except Exception as exc:  # StateDictMismatchError: the same error on every rank
         return [("error", _portable(exc))] * world, None
     if reuse:
@@ -703,11 +871,11 @@ def _coordinate_plan(group: ControlGroup, gathered: list,
         bits = [_owned_bits(summaries[r], plan.owners, r) for r in range(world)]
         plan_id = uuid.uuid4().hex
         # The cached layout drops the owners (one entry per piece of the job): a reuse needs only
-        # the keys' metadata, the bytes per rank, the tree, the checksum block and the count.
-        layout = _Layout(plan.tensors, {}, plan.bytes_per_rank, plan.tree, plan.checksum_block, [], [],
-                         n_chunks=plan.n_chunks)
+        # the keys' metadata, the total bytes, the tree, the checksum block and the count.
+        layout = _Layout(plan.tensors, {}, plan.total_bytes, plan.tree, plan.checksum_block, [], [],
+                         n_chunks=plan.n_chunks, compact=plan.compact)
         _PLAN_CACHE[group.pg] = _PlanCache(plan_id, keys[0], bits[0], keys, layout)
-    return [("ok", plan_id, bits[r], plan.checksum_block, reuse) for r in range(world)], plan
+    return [("ok", plan_id, bits[r], plan.checksum_block, reuse, plan.compact) for r in range(world)], plan
 
 
 def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None,
@@ -717,6 +885,11 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     Control plane (what scales with ranks): each rank sends its summary to rank 0 only (a gather),
     rank 0 merges once and sends each rank only which of its own pieces it writes (a scatter of a
     bitmap), so what a rank other than 0 sends and receives does not grow with the number of ranks.
+    Compact layouts: a DTensor split evenly over its mesh (all ``Shard`` placements) is described
+    by every rank of the mesh the same way; such tensors and the container tree travel as one
+    digest per rank, rank 0 compares digests and merges each distinct description once, and each
+    rank writes its own chunk of them (the only holder), so rank 0's work grows with ranks plus
+    keys, not ranks times keys. Other tensors travel as pieces and get one bit each.
     Plan cache: a rank whose layout (tensor keys, dtypes, shapes, boxes, container tree) equals its
     layout at the last plan on this group sends only a fingerprint and its values; when every rank
     did, rank 0 skips the layout merge and every rank reuses its bitmap. Values (non-tensor
@@ -740,34 +913,48 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     except Exception as exc:
         error = exc
     mine_cache = _PLAN_CACHE.get(group.pg)
+    compact = True
     if summary is not None and mine_cache is not None and mine_cache.key == key:
         msg = ("same", key, mine_cache.plan_id, {"objects": summary["objects"], "digests": summary["digests"]},
                None)
     else:
-        msg = ("layout", summary, key, _portable(error))
-    for _round in range(2):
+        msg = ("layout", _plan_message(summary, compact=True, with_part=rank == 0), key, _portable(error))
+    # Rounds: at most "same" -> layouts -> compact parts asked for -> full layouts; rank 0 asks
+    # for full layouts at most once and never for anything after them.
+    for _round in range(4):
         gathered = group.gather(msg)
         replies, plan = _coordinate_plan(group, gathered, checked) if rank == 0 else (None, None)
         reply = group.scatter(replies)
         if reply[0] != "resend":
             break
-        msg = ("layout", summary, key, None)
+        compact = compact and reply[1] != "full"
+        msg = ("layout", _plan_message(summary, compact=compact, with_part=rank == 0 or reply[1] == "part"), key,
+               None)
     if reply[0] == "fail":
         group.raise_failures(reply[1], error, operation="save")
     if reply[0] == "error":
         raise reply[1]
-    _, plan_id, bits, checksum_block, cached = reply
+    _, plan_id, bits, checksum_block, cached, compact = reply
     if bits is None:  # rank 0 reused the plan and this rank's bitmap is the one it kept
         bits = mine_cache.bits
     if rank != 0:
         _PLAN_CACHE[group.pg] = _PlanCache(plan_id, key, bits)
-        plan = _GlobalPlan({}, {}, [], {}, {}, checksum_block)  # rank 0 alone holds the whole plan
+        plan = _GlobalPlan({}, {}, 0, {}, {}, checksum_block)  # rank 0 alone holds the whole plan
     else:  # rank 0 keeps the whole plan: PREPARE and the MANIFEST need it
         _PLAN_CACHE[group.pg].bits = bits
+    # Which pieces this rank writes: every piece of a grid tensor (a compact plan: this rank is
+    # its only holder) and, for the other pieces in order, those whose bit is set.
+    grid = summary["grid"] if compact else {}
     mine = []
     i = 0
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
+            if fqn in grid:
+                # An empty chunk holds no byte and tiles nothing: not written (the format allows a
+                # tensor's empty boxes to be absent), so a tensor split over more ranks than it
+                # has rows does not fill the MANIFEST with empty records.
+                mine.extend((fqn, piece) for piece in item.pieces if _nbytes(piece.tensor))
+                continue
             for piece in item.pieces:
                 if bits[i >> 3] >> (i & 7) & 1:
                     mine.append((fqn, piece))
@@ -857,7 +1044,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     prepared = None
     if rank == 0:
         try:
-            needed = sum(plan.bytes_per_rank) + 64 * 1024 * (plan.n_chunks + world) + (1 << 20)
+            needed = plan.total_bytes + 64 * 1024 * (plan.n_chunks + world) + (1 << 20)
             tmp, lock = store.prepare(final_dir, save_id, overwrite, needed, rank, lock_path)
             held.append(lock)
             prepared = (tmp, None)

@@ -124,6 +124,13 @@ class TensorItem:
     shape: tuple[int, ...]
     pieces: list[Piece]
     path: tuple
+    #: For a DTensor whose placements are all ``Shard`` on distinct dimensions (FSDP, TP, 2-D
+    #: TP+FSDP): ``(mesh, dims, coordinate)``, where ``mesh`` is ``(mesh shape, ranks in row-major
+    #: mesh order)`` (one shared tuple per DeviceMesh), ``dims[i]`` the tensor dimension split
+    #: over mesh dimension ``i`` and ``coordinate`` this rank's place in the mesh. Every rank of
+    #: the mesh describes the tensor the same way except for its coordinate, which is what lets
+    #: a save plan it without gathering every rank's box (coordinator, "compact layouts").
+    grid: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -149,8 +156,23 @@ def _sharded_tensor_type():
     return ShardedTensor
 
 
-def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
-    """Describe one tensor leaf by its global shape and the local pieces this rank holds."""
+def _mesh_key(mesh, cache: dict | None) -> tuple:
+    """``(mesh shape, ranks in row-major order)`` of a DeviceMesh, computed once per mesh object
+    per :func:`flatten` (a mesh of thousands of ranks is shared by thousands of tensors)."""
+    if cache is not None:
+        hit = cache.get(id(mesh))
+        if hit is not None and hit[0] is mesh:
+            return hit[1]
+    grid = mesh.mesh
+    key = (tuple(int(n) for n in grid.shape), tuple(int(r) for r in grid.flatten().tolist()))
+    if cache is not None:
+        cache[id(mesh)] = (mesh, key)  # the mesh itself is kept so its id cannot be reused meanwhile
+    return key
+
+
+def tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | None = None) -> TensorItem:
+    """Describe one tensor leaf by its global shape and the local pieces this rank holds.
+    ``mesh_cache``: a dict kept across the leaves of one state dict (see :func:`_mesh_key`)."""
     if isinstance(value, LocalPieces):
         # Explicit disjoint pieces, exactly like a ShardedTensor's local shards.
         return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.shape), list(value.pieces), path)
@@ -197,8 +219,15 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
                 f"rank the box at offsets {tuple(offsets)} of shape {tuple(local_shape)} (global shape {shape})",
                 key=fqn, remedy="Build the DTensor so that each rank's local tensor is torch.chunk's share "
                 "of the global shape (DTensor.from_local without shape=, or distribute_tensor).")
+        from torch.distributed.tensor import Shard
+        grid = None
+        dims = tuple(p.dim for p in value.placements if type(p) is Shard)  # not _StridedShard
+        if len(dims) == len(value.placements) and len(set(dims)) == len(dims):
+            grid = (_mesh_key(value.device_mesh, mesh_cache), dims,
+                    tuple(int(c) for c in value.device_mesh.get_coordinate()))
         return TensorItem(fqn, "dtensor", value.dtype, shape,
-                          [Piece(tuple(offsets), tuple(local_shape), local)], path)
+                          [Piece(tuple(int(o) for o in offsets), tuple(int(n) for n in local_shape), local)], path,
+                          grid)
     shape = tuple(value.shape)
     return TensorItem(fqn, "tensor", value.dtype, shape, [Piece((0,) * len(shape), shape, value)], path)
 
@@ -244,6 +273,7 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
             key="", remedy="Wrap it in a dict, the same way for save and load: "
                            "distckpt.save({'weight': t}, path), distckpt.load({'weight': t}, path).")
     items: dict[str, TensorItem | ObjectItem] = {}
+    meshes: dict = {}
 
     def walk(obj: Any, path: tuple) -> dict:
         if isinstance(obj, dict):
@@ -265,7 +295,7 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
             raise UnsupportedValueError(f"two state dict entries flatten to the same key {fqn!r}", key=fqn,
                                         remedy="Rename one of them: keys are joined with '.'.")
         if isinstance(obj, (torch.Tensor, LocalPieces)):
-            items[fqn] = tensor_item(fqn, obj, path)
+            items[fqn] = tensor_item(fqn, obj, path, meshes)
         elif isinstance(obj, (set, frozenset)) and holds_tensor(obj):
             raise UnsupportedValueError(f"the set at {fqn!r} holds tensors; a set has no order to save them in",
                                         key=fqn, remedy="Use a list or a dict instead of the set.")

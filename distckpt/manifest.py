@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import crc32c as _crc32c
 import msgpack
 
-from .errors import CheckpointIncompleteError, ManifestCorruptError, from_os_error
+from .errors import CheckpointIncompleteError, ManifestCorruptError, UnsupportedValueError, from_os_error
 from .plan import Box, find_tiling_defect, is_row_tiling
 from .values import check_node
 
@@ -634,12 +634,22 @@ def encode(m: Manifest) -> bytes:
     Raises:
         ValueError: ``m`` fails :func:`validate` (a bug in the writer: an invalid manifest is
             never written). The ManifestCorruptError is chained as the cause.
+        UnsupportedValueError: the body would exceed :data:`MAX_MANIFEST_BYTES`, which every
+            reader refuses: such a MANIFEST would commit a checkpoint nobody can load.
     """
     try:
         validate(m)
     except ManifestCorruptError as e:
         raise ValueError(f"refusing to encode an invalid manifest: {e.message}") from e
     body = msgpack.packb(_to_body(m), use_bin_type=True, strict_types=False, datetime=False)
+    if len(body) > MAX_MANIFEST_BYTES:
+        chunks = sum(len(t.chunks) for t in m.tensors.values())
+        raise UnsupportedValueError(
+            f"the MANIFEST of this checkpoint would be {len(body)} bytes ({chunks} chunks in "
+            f"{len(m.tensors)} tensors, {len(m.objects)} values), more than the {MAX_MANIFEST_BYTES} bytes "
+            f"every reader accepts: it could be committed but never loaded", key=None,
+            remedy="Save fewer, larger chunks (shard each tensor over fewer ranks, or group small tensors), "
+                   "or split the state dict over several checkpoints.")
     head = _HEADER.pack(MAGIC, m.format_version, 0, len(body)) + body
     return head + _TRAILER.pack(_crc32c.crc32c(head))
 

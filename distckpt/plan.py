@@ -42,6 +42,11 @@ __all__ = [
     "ReadPiece",
     "plan_reads",
     "expand_to_blocks",
+    "grid_part",
+    "grid_box",
+    "grid_chunk_counts",
+    "choose_checksum_block",
+    "choose_checksum_block_counted",
 ]
 
 #: Byte alignment of every chunk inside a data file: O_DIRECT needs offsets (and lengths) that are
@@ -522,27 +527,107 @@ MAX_CHECKSUMS = 1 << 20
 
 
 def choose_checksum_block(chunk_nbytes: Iterable[int], largest: int) -> int:
-    """The checksum block for a checkpoint whose chunks have ``chunk_nbytes`` bytes.
+    """The checksum block for a checkpoint whose chunks have ``chunk_nbytes`` bytes (see
+    :func:`choose_checksum_block_counted`, which takes the same sizes as ``{nbytes: count}``)."""
+    counts: dict[int, int] = {}
+    for n in chunk_nbytes:
+        counts[n] = counts.get(n, 0) + 1
+    return choose_checksum_block_counted(counts, largest)
+
+
+def choose_checksum_block_counted(counts: Mapping[int, int], largest: int) -> int:
+    """The checksum block for a checkpoint holding ``counts[n]`` chunks of ``n`` bytes.
 
     A resharding load that cuts a chunk must read and verify whole blocks, so every cut wastes up
     to one block on each side: a 1 MiB block doubled the bytes read for chunks under 1 MiB. This
     picks the largest power of two ``B <= largest`` whose waste, if every chunk were cut once
     (``sum(min(nbytes, 2 * B))``), stays within 4 % of the checkpoint's bytes; then at least
     ``MIN_CHECKSUM_BLOCK`` and large enough for ``MAX_CHECKSUMS`` checksums in all. Deterministic:
-    every rank computes the same block from the same global plan.
+    every rank computes the same block from the same global plan. Taking the sizes as counts lets
+    a plan of millions of equal chunks (an even split over thousands of ranks) pick its block in
+    time proportional to the distinct sizes.
 
     Raises:
         ValueError: ``largest`` is not a power of two >= 1.
     """
     if largest < 1 or largest & (largest - 1):
         raise ValueError(f"largest must be a power of two, got {largest}")
-    sizes = [n for n in chunk_nbytes if n > 0]
-    total = sum(sizes)
+    sizes = [(n, c) for n, c in counts.items() if n > 0 and c > 0]
+    total = sum(n * c for n, c in sizes)
     floor = min(largest, MIN_CHECKSUM_BLOCK)
     need = -(-total // MAX_CHECKSUMS)  # the block that keeps the checksum count bounded
     block = largest
-    while block > floor and sum(min(n, 2 * block) for n in sizes) > total // 25:
+    while block > floor and sum(min(n, 2 * block) * c for n, c in sizes) > total // 25:
         block //= 2
     while block < need and block < largest:
         block *= 2
     return block
+
+
+# --------------------------------------------------------------------------------------------
+# Even grids: the layout of a DTensor whose placements are all Shard on distinct dimensions.
+
+
+def grid_part(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``(start, size)`` of part ``i`` of a dimension of ``n`` elements cut into ``parts`` parts
+    as ``torch.chunk`` and DTensor's ``Shard`` cut it: parts of ``ceil(n / parts)`` elements, the
+    last non-empty one possibly shorter, the trailing ones empty (starting at ``n``).
+
+    Raises:
+        ValueError: ``parts < 1`` or ``i`` outside ``[0, parts)``.
+    """
+    if parts < 1 or not 0 <= i < parts:
+        raise ValueError(f"part {i} of {parts} does not exist")
+    chunk = -(-n // parts)
+    start = i * chunk
+    return min(start, n), max(0, min(n, start + chunk) - start)
+
+
+def grid_box(shape: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[int],
+             coord: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of the chunk at mesh coordinate ``coord`` of a tensor of ``shape``
+    whose dimension ``dims[i]`` is split evenly (:func:`grid_part`) over mesh dimension ``i``.
+    ``dims`` must be distinct: the chunks of all coordinates then tile ``shape`` exactly.
+
+    Raises:
+        ValueError: lengths differ, ``dims`` repeat or lie outside ``shape``, or ``coord`` lies
+            outside ``mesh_shape``.
+    """
+    if not len(mesh_shape) == len(dims) == len(coord) or len(set(dims)) != len(dims):
+        raise ValueError(f"mesh {list(mesh_shape)}, dims {list(dims)}, coordinate {list(coord)} do not describe a grid")
+    offsets, sizes = [0] * len(shape), list(shape)
+    for m, d, c in zip(mesh_shape, dims, coord):
+        if not 0 <= d < len(shape):
+            raise ValueError(f"dimension {d} does not exist in shape {list(shape)}")
+        offsets[d], sizes[d] = grid_part(shape[d], m, c)
+    return tuple(offsets), tuple(sizes)
+
+
+def grid_chunk_counts(shape: Sequence[int], mesh_shape: Sequence[int], dims: Sequence[int]) -> dict[int, int]:
+    """``{elements: number of chunks}`` over every coordinate of the grid of :func:`grid_box`:
+    each split dimension has at most three part lengths (full, a shorter last one, empty), so
+    this costs ``O(3 ** len(dims))``, not one step per chunk."""
+    split = dict(zip(dims, mesh_shape))
+    counts = {1: 1}
+    for d, n in enumerate(shape):
+        if d in split:
+            parts = split[d]
+            chunk = -(-n // parts)
+            full = n // chunk if chunk else 0
+            lengths: dict[int, int] = {}
+            if full:
+                lengths[chunk] = full
+            rest = n - full * chunk
+            if rest:
+                lengths[rest] = lengths.get(rest, 0) + 1
+            empty = parts - full - (1 if rest else 0)
+            if empty:
+                lengths[0] = lengths.get(0, 0) + empty
+        else:
+            lengths = {n: 1}
+        nxt: dict[int, int] = {}
+        for a, ca in counts.items():
+            for b, cb in lengths.items():
+                nxt[a * b] = nxt.get(a * b, 0) + ca * cb
+        counts = nxt
+    return counts

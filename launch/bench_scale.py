@@ -1,17 +1,20 @@
 """Control-plane cost of a save at 1 to 4,096 ranks, simulated in one process (issue: scale).
 
 What it runs is distckpt's own code, not a model of it: every rank's PLAN message is built in the
-exact format ``coordinator.plan_save`` sends (``_summarize``'s summary and its layout fingerprint),
+exact format ``coordinator.plan_save`` sends first (``_summarize``'s summary, its layout
+fingerprint and ``_plan_message``: compact layouts as a digest, rank 0's with its compact part),
 rank 0's planning is ``coordinator._coordinate_plan`` (the merge and every rank's reply), run once
 cold and once as the next save with unchanged layouts (the plan cache), and the MANIFEST is built
 with ``coordinator._build_manifest`` and encoded with ``manifest.encode`` from synthetic WRITE
-records (one ChunkRecord per owned piece, one crc per checksum block). No collective runs: the
-bytes on the wire are the pickled messages that gloo's gather/scatter_object would carry.
+records (one ChunkRecord per written chunk, one crc per checksum block). No collective runs: the
+bytes on the wire are the pickled messages that gloo's gather/scatter_object would carry. The
+grid descriptions and the container tree are the same on every rank, so the simulation builds
+them (and their digest) once and gives every rank the same objects.
 
 Per configuration it reports, in a fresh subprocess (so peak RSS is this configuration's alone):
-  * ``send/rank``  bytes one rank sends at PLAN (its summary; the largest over ranks);
+  * ``send/rank``  bytes a rank other than 0 sends at PLAN (the largest over those ranks);
   * ``recv/rank``  bytes a rank other than 0 receives at PLAN (its reply: which pieces it writes);
-  * ``rank0 recv`` bytes rank 0 receives (every summary);
+  * ``rank0 recv`` bytes rank 0 receives (every rank's message, its own included);
   * ``plan s``     rank 0's CPU seconds to merge and build the replies (the other ranks do none);
   * ``cached s``   the same for the next save with unchanged layouts (plan cache hit);
   * ``manifest s`` CPU seconds to build + encode the MANIFEST (rank 0 only);
@@ -20,13 +23,17 @@ Per configuration it reports, in a fresh subprocess (so peak RSS is this configu
                    ranks' summaries live in this one process, so this is rank 0's, plus the others').
 
 Layouts (per rank ``T`` tensors of the model, all floating point):
-  * ``fsdp``     every tensor sharded on dim 0 across all ranks (FSDP2 fully_shard);
-  * ``tp_fsdp``  every tensor sharded 2-D: dim 0 across ``W/8`` FSDP groups, dim 1 across 8 TP ranks;
-  * ``torchrec`` ``T`` tables row-wise sharded across all ranks, plus 50 replicated dense tensors.
+  * ``fsdp``     every tensor a DTensor ``Shard(0)`` over all ranks (FSDP2 fully_shard): a grid;
+  * ``tp_fsdp``  every tensor a DTensor ``[Shard(0), Shard(1)]`` over a ``(W/8, 8)`` mesh: a grid;
+  * ``torchrec`` ``T`` tables row-wise sharded across all ranks (DTensors over LocalShardsWrapper,
+                 whose boxes are sent one by one), plus 50 replicated dense tensors.
 
-Configurations whose merge would take longer than ``--budget`` seconds (estimated from the pieces
-and checksum blocks and the highest per-unit rate measured so far) are skipped and printed as
-estimates, marked ``~``; nothing estimated is presented as measured.
+Configurations whose simulation (building every rank's summary, which takes the simulating
+process far longer than rank 0's planning) would exceed ``--budget`` seconds are not run; a
+MANIFEST estimated (from the highest per-piece rate measured so far) to take longer than the
+budget is not built and its time and size are printed as estimates, marked ``~``. Nothing
+estimated is presented as measured. ``--one LAYOUT,RANKS,TENSORS[,nomanifest]`` runs one
+configuration whatever its cost and prints its figures as JSON.
 
 With ``--real N`` it also runs N real gloo ranks under torchrun (each an FSDP-like state dict of
 ``--real-tensors`` row-sharded DTensors, saved three times with unchanged layouts) and prints rank
@@ -89,15 +96,35 @@ def _pieces(layout: str, world: int, tensors: int, rank: int):
         raise ValueError(layout)
 
 
-def _summary(layout: str, world: int, tensors: int, rank: int) -> dict:
+def _grid(layout: str, world: int):
+    """The mesh and split dims every rank gives the layout's DTensors (None: not an even grid)."""
+    if layout == "fsdp":
+        return ((world,), tuple(range(world))), (0,)
+    if layout == "tp_fsdp":
+        tp = min(8, world)
+        return ((world // tp, tp), tuple(range(world))), (0, 1)
+    return None  # TorchRec tables are DTensors over LocalShardsWrapper: only their boxes are trusted
+
+
+def _summary(layout: str, world: int, tensors: int, rank: int, shared: dict) -> dict:
     """A rank's PLAN summary in coordinator._summarize's format (no objects, no digests: the
-    replicated dense tensors of the TorchRec layout are DTensor-like replicas)."""
+    replicated dense tensors of the TorchRec layout are DTensor-like replicas). The grid
+    descriptions and the tree are the same on every rank (that is the point of them), so one
+    object serves all ranks (``shared``), as its digest does."""
     out = {}
     for fqn, shape, boxes in _pieces(layout, world, tensors, rank):
         out[fqn] = ("dtensor", "float32", shape, [(list(o), list(s), 4 * s[0] * s[1]) for o, s in boxes])
-    # A flat state dict's container tree, as flatten() builds it.
-    tree = {"t": "dict", "k": [[fqn, {"t": "ref", "fqn": fqn}] for fqn in out]}
-    return {"tensors": out, "objects": {}, "tree": tree, "digests": {}}
+    if "tree" not in shared:
+        # A flat state dict's container tree, as flatten() builds it.
+        shared["tree"] = {"t": "dict", "k": [[fqn, {"t": "ref", "fqn": fqn}] for fqn in out]}
+        g = _grid(layout, world)
+        shared["meshes"] = [g[0]] if g else []
+        shared["grid"] = {fqn: ("dtensor", "float32", tuple(t[2]), 0, g[1]) for fqn, t in out.items()} if g else {}
+    summary = {"tensors": out, "objects": {}, "tree": shared["tree"], "digests": {}, "grid": shared["grid"],
+               "meshes": shared["meshes"]}
+    if "digest" in shared:
+        summary["_compact_digest"] = shared["digest"]
+    return summary
 
 
 class _Group:
@@ -107,18 +134,28 @@ class _Group:
         self.pg, self.rank, self.world_size = object(), 0, world
 
 
-def run_one(layout: str, world: int, tensors: int) -> dict:
-    """One configuration, in this process. Returns the figures as a dict."""
+def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dict:
+    """One configuration, in this process. Returns the figures as a dict. ``manifest=False``
+    skips the WRITE records and the MANIFEST (one object per piece; too slow at the largest
+    sizes), reported as None."""
     sys.path.insert(0, ROOT)
     from distckpt import coordinator as co
     from distckpt import manifest as mf
 
     rss0 = _rss_kib()
-    summaries = [_summary(layout, world, tensors, r) for r in range(world)]
-    keys = [co._layout_key(s) for s in summaries]
-    msgs = [("layout", s, k, None) for s, k in zip(summaries, keys)]
-    # Bytes on the wire as gloo's gather/scatter_object carry them (pickled).
-    sent = [len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in msgs]
+    t_sim = time.monotonic()
+    shared: dict = {}
+    msgs, keys, sent = [], [], []
+    for r in range(world):
+        s = _summary(layout, world, tensors, r, shared)
+        key = co._layout_key(s)
+        # Rank 0 sends its compact part; the others its digest (what plan_save sends first).
+        msg = ("layout", co._plan_message(s, compact=True, with_part=r == 0), key, None)
+        shared.setdefault("digest", s["_compact_digest"])
+        # Bytes on the wire as gloo's gather/scatter_object carry them (pickled).
+        sent.append(len(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
+        msgs.append(msg)
+        keys.append(key)
     group = _Group(world)
     t0 = time.process_time()
     replies, plan = co._coordinate_plan(group, msgs, lambda fqn: True)
@@ -127,34 +164,44 @@ def run_one(layout: str, world: int, tensors: int) -> dict:
     recv = [len(pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)) for r in replies]
     # The next save with the same layouts: every rank sends its fingerprint and values only.
     cache = co._PLAN_CACHE[group.pg]
-    same = [("same", k, cache.plan_id, {"objects": s["objects"], "digests": s["digests"]}, None)
-            for s, k in zip(summaries, keys)]
+    same = [("same", k, cache.plan_id, {"objects": {}, "digests": {}}, None) for k in keys]
+    del msgs
     t0 = time.process_time()
     replies2, _ = co._coordinate_plan(group, same, lambda fqn: True)
     cached_s = time.process_time() - t0
     assert replies2[0][0] == "ok" and replies2[0][4] is True, replies2[0]
     sent_cached = max(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in same)
-    # WRITE outcomes as _write_rank_file reports them: one record per owned piece.
-    per_rank: list[list] = [[] for _ in range(world)]
-    offsets = [0] * world
-    for (fqn, off, sizes), r in sorted(plan.owners.items(), key=lambda kv: (kv[1], kv[0][0], kv[0][1])):
-        nbytes = 4
-        for s in sizes:
-            nbytes *= s
-        nblocks = max(1, -(-nbytes // plan.checksum_block))
-        per_rank[r].append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offsets[r],
-                                                nbytes=nbytes, crcs=tuple(range(nblocks)))))
-        offsets[r] += -(-nbytes // 4096) * 4096
-    outcomes = [((per_rank[r], offsets[r], "uring", "simulated"), None) for r in range(world)]
-    t0 = time.process_time()
-    manifest = co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)
-    body = mf.encode(manifest)
-    manifest_s = time.process_time() - t0
+    out = {"layout": layout, "ranks": world, "tensors": tensors, "pieces": plan.n_chunks,
+           "compact": plan.compact, "send_per_rank": max(sent[1:] or sent), "send_rank0": sent[0], "recv_per_rank": max(recv[1:] or recv),
+           "coord_recv": sum(sent), "merge_s": plan_s, "cached_s": cached_s, "send_cached": sent_cached,
+           "manifest_s": None, "manifest_bytes": None, "sim_s": time.monotonic() - t_sim}
+    if manifest:
+        # WRITE outcomes as _write_rank_file reports them: one record per written piece (a grid
+        # tensor's chunk by its only holder, any other piece by its owner in the plan).
+        per_rank: list[list] = [[] for _ in range(world)]
+        offsets = [0] * world
+        grid = shared["grid"] if plan.compact else {}
+        written = [(fqn, tuple(o), tuple(sz), r) for r in range(world)
+                   for fqn, _shape, boxes in _pieces(layout, world, tensors, r) if fqn in grid for o, sz in boxes
+                   if sz[0] and sz[1]]  # empty grid chunks are not written
+        written += [(fqn, off, sizes, r) for (fqn, off, sizes), r in plan.owners.items()]
+        for fqn, off, sizes, r in sorted(written, key=lambda w: (w[3], w[0], w[1])):
+            nbytes = 4
+            for n in sizes:
+                nbytes *= n
+            nblocks = -(-nbytes // plan.checksum_block)
+            per_rank[r].append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offsets[r],
+                                                    nbytes=nbytes, crcs=tuple(range(nblocks)))))
+            offsets[r] += -(-nbytes // 4096) * 4096
+        outcomes = [((per_rank[r], offsets[r], "uring", "simulated"), None) for r in range(world)]
+        t0 = time.process_time()
+        m = co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)
+        body = mf.encode(m)
+        out["manifest_s"] = time.process_time() - t0
+        out["manifest_bytes"] = len(body)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"layout": layout, "ranks": world, "tensors": tensors, "pieces": sum(len(p) for p in per_rank),
-            "send_per_rank": max(sent), "recv_per_rank": max(recv[1:] or recv), "coord_recv": sum(sent),
-            "merge_s": plan_s, "cached_s": cached_s, "send_cached": sent_cached,
-            "manifest_s": manifest_s, "manifest_bytes": len(body), "peak_rss_mib": (peak - rss0) / 1024}
+    out["peak_rss_mib"] = (peak - rss0) / 1024
+    return out
 
 
 def real_worker(tensors: int, out: str) -> None:
@@ -241,12 +288,25 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def _work_units(layout: str, world: int, tensors: int) -> int:
-    """What the control plane's cost grows with: one unit per piece plus one per checksum block
-    (about one crc per MiB of data; the TorchRec layout's tables are 8 GiB each)."""
+def _checksums(layout: str, world: int, tensors: int) -> int:
+    """About how many checksums the MANIFEST holds: at least one per non-empty piece and one per
+    MiB of data (the block is at most DISTCKPT_CHECKSUM_BLOCK, 1 MiB; the TorchRec layout's
+    tables are 8 GiB each)."""
     pieces = tensors * world + (50 if layout == "torchrec" else 0)
     data_mib = tensors * (8192 if layout == "torchrec" else 16)
-    return pieces + data_mib
+    return max(pieces, data_mib)
+
+
+def _work_units(layout: str, world: int, tensors: int) -> int:
+    """What the MANIFEST's cost grows with: one unit per piece plus one per checksum."""
+    pieces = tensors * world + (50 if layout == "torchrec" else 0)
+    return pieces + _checksums(layout, world, tensors)
+
+
+def _manifest_estimate(layout: str, world: int, tensors: int) -> int:
+    """The MANIFEST size to expect: about 58 B per chunk record plus 4 B per checksum."""
+    pieces = tensors * world + (50 if layout == "torchrec" else 0)
+    return 58 * pieces + 4 * _checksums(layout, world, tensors)
 
 
 def main(argv=None) -> int:
@@ -267,32 +327,43 @@ def main(argv=None) -> int:
         real_worker(int(tensors), out)
         return 0
     if args.one:
-        layout, world, tensors = args.one.split(",")
-        print(json.dumps(run_one(layout, int(world), int(tensors))))
+        layout, world, tensors, *rest = args.one.split(",")
+        print(json.dumps(run_one(layout, int(world), int(tensors), manifest=not rest)))
         return 0
     print(f"{'layout':9} {'ranks':>5} {'tensors':>7} {'pieces':>10} {'send/rank':>10} {'recv/rank':>10} "
           f"{'rank0 recv':>10} {'plan s':>7} {'cached s':>8} {'manifest s':>10} {'MANIFEST':>10} {'peak RSS':>10}")
     for layout in args.layouts.split(","):
-        rate = None  # seconds of merge + manifest per work unit, the highest measured so far
+        # Seconds per work unit, the highest measured so far: the MANIFEST build + encode (per
+        # piece and checksum block) and the simulation as a whole (generating every rank's summary
+        # and rank 0's planning), which decide what is run and what is only estimated.
+        manifest_rate = sim_rate = None
         for tensors in (int(t) for t in args.tensors.split(",")):
             for world in (int(w) for w in args.ranks.split(",")):
                 pieces = tensors * world + (50 if layout == "torchrec" else 0)
                 units = _work_units(layout, world, tensors)
-                if rate is not None and rate * units > args.budget:
-                    print(f"{layout:9} {world:>5} {tensors:>7} {pieces:>10} {'':>10} {'':>10} {'':>10} "
-                          f"~{rate * units:>6.0f}   (plan + manifest estimated from the measured rate, not run)")
+                if sim_rate is not None and sim_rate * pieces > args.budget:
+                    print(f"{layout:9} {world:>5} {tensors:>7} {pieces:>10}   (not run: the simulation of every "
+                          f"rank's summary is estimated at {sim_rate * pieces:.0f} s)")
                     continue
+                skip_manifest = manifest_rate is not None and manifest_rate * units > args.budget
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one",
-                                      f"{layout},{world},{tensors}"], capture_output=True, text=True)
+                                      f"{layout},{world},{tensors}" + (",nomanifest" if skip_manifest else "")],
+                                     capture_output=True, text=True)
                 if out.returncode != 0:
                     print(f"{layout:9} {world:>5} {tensors:>7} failed: {out.stderr.strip()[-300:]}")
                     continue
                 r = json.loads(out.stdout)
-                rate = max(rate or 0.0, (r["merge_s"] + r["manifest_s"]) / units)
+                if pieces >= 10000:  # below that, fixed costs would inflate the per-piece rate
+                    sim_rate = max(sim_rate or 0.0, r["sim_s"] / pieces)
+                if r["manifest_s"] is not None:
+                    manifest_rate = max(manifest_rate or 0.0, r["manifest_s"] / units)
+                    man = f"{r['manifest_s']:>10.2f} {_fmt_bytes(r['manifest_bytes']):>10}"
+                else:
+                    man = (f"~{manifest_rate * units:>9.0f} "
+                           f"{'~' + _fmt_bytes(_manifest_estimate(layout, world, tensors)):>10}")
                 print(f"{layout:9} {world:>5} {tensors:>7} {r['pieces']:>10} {_fmt_bytes(r['send_per_rank']):>10} "
                       f"{_fmt_bytes(r['recv_per_rank']):>10} {_fmt_bytes(r['coord_recv']):>10} {r['merge_s']:>7.2f} "
-                      f"{r['cached_s'] * 1000:>6.2f}ms {r['manifest_s']:>10.2f} "
-                      f"{_fmt_bytes(r['manifest_bytes']):>10} {r['peak_rss_mib']:>7.0f} MiB", flush=True)
+                      f"{r['cached_s'] * 1000:>6.2f}ms {man} {r['peak_rss_mib']:>7.0f} MiB", flush=True)
     if args.real:
         run_real(args.real, args.real_tensors)
     return 0

@@ -475,3 +475,20 @@ def test_missing_manifest_is_incomplete(tmp_path):
     with pytest.raises(ManifestCorruptError, match="not a regular file"):
         read_manifest_bytes(tmp_path / "d" / "MANIFEST")
     assert _fd_count() == before
+
+
+def test_a_manifest_over_the_readers_limit_is_never_committed(tmp_path, monkeypatch):
+    # Readers refuse a body over MAX_MANIFEST_BYTES; a writer that produced one would commit a
+    # checkpoint nobody can load (about 17 M chunks at the real limit). Here the limit is lowered.
+    import torch
+
+    import distckpt
+    from distckpt import manifest as mf
+    from distckpt.errors import UnsupportedValueError
+    sd = {f"t{i}": torch.zeros(2) for i in range(20)}
+    distckpt.save(sd, tmp_path / "fits")
+    size = len(mf.read_manifest_bytes(tmp_path / "fits" / "MANIFEST"))
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", size // 2)
+    with pytest.raises(UnsupportedValueError, match="would be .* more than the .* bytes every reader accepts"):
+        distckpt.save(sd, tmp_path / "big")
+    assert sorted(os.listdir(tmp_path)) == ["fits"]  # nothing committed, nothing left behind
