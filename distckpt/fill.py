@@ -86,7 +86,8 @@ class _Unit:
 
     ``lo``/``hi``: the chunk-relative bytes read and verified (whole checksum blocks when
     verifying). ``start``/``end``: the chunk-relative bytes copied. Flat units copy
-    ``[start, end)`` to byte ``dest_off`` of the destination's flat byte view ``dest_u8``; strided
+    ``[start, end)`` to byte ``dest_off`` of ``flat`` (a contiguous destination tensor of the saved
+    dtype, addressed as bytes); strided
     units copy ``box`` (global coordinates) with an as_strided view of the chunk's layout.
     """
 
@@ -95,7 +96,7 @@ class _Unit:
     hi: int
     start: int
     end: int
-    dest_u8: torch.Tensor | None
+    flat: torch.Tensor | None
     dest_off: int
     box: Box | None
     at: int = 0  # absolute file offset of ``lo``
@@ -118,16 +119,18 @@ def _align_up(v: int, a: int) -> int:
 
 
 def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
-    """(flat byte view of the destination, byte offset of the task's box in it) when the task's
-    box is one contiguous byte run of a contiguous destination of the saved dtype; else None."""
+    """(the destination, byte offset of the task's box in it) when the task's box is one
+    contiguous byte run of a contiguous destination of the saved dtype; else None."""
     dest = t.dest
     if dest.dtype != t.dtype or not dest.is_contiguous():
         return None
+    if t.inter == t.dest_box:  # the whole destination (a load with the saved sharding)
+        return dest, 0
     dbox = Box(tuple(t.dest_box.offsets), tuple(t.dest_box.sizes))
     d0, d1 = byte_range(dbox, t.inter, t.itemsize)
     if d1 - d0 != t.inter.volume * t.itemsize:
         return None
-    return dest.reshape(-1).view(torch.uint8), d0
+    return dest, d0
 
 
 def _split_box(chunk: Box, box: Box, itemsize: int, limit: int) -> Iterator[Box]:
@@ -155,20 +158,26 @@ def _split_box(chunk: Box, box: Box, itemsize: int, limit: int) -> Iterator[Box]
 def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     """The units of task ``t``: its bytes (widened to checksum blocks) cut into parts that each
     fit ``limit`` bytes, cut at checksum block boundaries."""
-    chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
     nbytes = t.chunk.nbytes
     flat = _flat_dest(t)
-    start, end = byte_range(chunk, t.inter, t.itemsize)
-    if flat is not None and end - start == t.inter.volume * t.itemsize:
-        dest_u8, d0 = flat
+    inter = t.inter
+    if flat is not None and tuple(t.chunk.offsets) == inter.offsets and tuple(t.chunk.sizes) == inter.sizes:
+        chunk, start, end = None, 0, nbytes  # the whole chunk (a load with the saved sharding)
+    else:
+        chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
+        start, end = byte_range(chunk, inter, t.itemsize)
+    if flat is not None and end - start == inter.volume * t.itemsize:
+        dest, d0 = flat
         lo, hi = expand_to_blocks(start, end, block, nbytes) if verify else (start, end)
         step = limit if not verify else max(block, limit // block * block)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             s, e = max(a, start), min(b, end)
-            yield _Unit(t, a, b, s, e, dest_u8, d0 + s - start, None, t.chunk.offset + a)
+            yield _Unit(t, a, b, s, e, dest, d0 + s - start, None, t.chunk.offset + a)
         return
     # Strided: the box is cut into sub-boxes whose widened byte ranges fit ``limit``.
+    if chunk is None:
+        chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
     inner = limit - 2 * block if verify else limit
     for sub in _split_box(chunk, t.inter, t.itemsize, max(inner, t.itemsize)):
         s, e = byte_range(chunk, sub, t.itemsize)
@@ -260,8 +269,9 @@ def _copy(seg: _Segment, buf: torch.Tensor) -> None:
     for u in seg.units:
         t = u.task
         x = u.at - seg.offset + (u.start - u.lo)
-        if u.dest_u8 is not None:
-            u.dest_u8[u.dest_off:u.dest_off + u.end - u.start].copy_(buf[x:x + u.end - u.start])
+        if u.flat is not None:
+            dest_u8 = u.flat.reshape(-1).view(torch.uint8)
+            dest_u8[u.dest_off:u.dest_off + u.end - u.start].copy_(buf[x:x + u.end - u.start])
             continue
         flat = buf[x:x + u.end - u.start]
         if x % t.itemsize:  # unaligned in the file (a DCP checkpoint packs chunks tight)
@@ -287,7 +297,7 @@ def _malloc_trim() -> None:
 def _pipelined(seg: _Segment) -> bool:
     """True when every unit of ``seg`` is a flat copy into CPU memory (the C pipeline's memcpy);
     strided boxes and device destinations go through the workers' torch copies."""
-    return all(u.dest_u8 is not None and u.dest_u8.device.type == "cpu" for u in seg.units)
+    return all(u.flat is not None and u.flat.device.type == "cpu" for u in seg.units)
 
 
 def _pack(segs: list[_Segment], size: int, block: int, verify: bool):
@@ -307,9 +317,9 @@ def _pack(segs: list[_Segment], size: int, block: int, verify: bool):
                     chk_rec += _CHECK.pack(base + b * block - u.lo, min(block, u.hi - b * block), crcs[b])
                     meta.append((t, b))
             if u.end > u.start:
-                d = u.dest_u8
+                d = u.flat
                 cpy_rec += _COPY.pack(u.dest_off, ncopies, base + u.start - u.lo, u.end - u.start, 0)
-                dst_rec += _DEST.pack(d.data_ptr(), d.numel())
+                dst_rec += _DEST.pack(d.data_ptr(), d.numel() * d.element_size())
                 ncopies += 1
         seg_rec += _SEG.pack(s.offset, s.end - s.offset, min(s.end, size) - s.offset, c0, len(meta) - c0,
                              p0, ncopies - p0)
