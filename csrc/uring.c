@@ -1289,6 +1289,7 @@ struct fill_job {
     const struct fill_dest *dests;
     unsigned char *done;
     int cached_fd;
+    int fixed; /* slots registered with the ring: READ_FIXED, no per-read page pinning */
     int mismatch;
     size_t bad_seg, bad_check;
     uint32_t got;
@@ -1335,8 +1336,38 @@ static int fill_process(struct fill_job *j, size_t si, const char *b)
     return 0;
 }
 
-/* GIL released. Returns 0, a positive errno, or -1 (short read of segment *bad). */
+/* Submit (the rest of) slot sl's read: `g` bytes of segment s already arrived. */
+static int fill_submit(struct fill_job *j, unsigned sl, const struct fill_seg *s, uint32_t g)
+{
+    char *b = j->buf + (size_t)sl * j->slot;
+    return ring_submit(&j->r->ring, j->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ, j->r->fd, b + g,
+                       s->len - g, s->off + g, sl, j->fixed ? (int)sl : -1);
+}
+
+static int fill_loop(struct fill_job *j, size_t *bad);
+
+/* GIL released. Returns 0, a positive errno, or -1 (short read of segment *bad). The slots are
+ * registered with the ring for the call when the kernel allows it (RLIMIT_MEMLOCK may refuse:
+ * then plain READ) and unregistered before returning, when no read is in flight. */
 static int fill_run(struct fill_job *j, size_t *bad)
+{
+    int err;
+    j->fixed = 0;
+    if (j->r->use_uring) {
+        struct iovec iov[FILL_MAX_SLOTS];
+        for (unsigned i = 0; i < j->nslots; i++) {
+            iov[i].iov_base = j->buf + (size_t)i * j->slot;
+            iov[i].iov_len = j->slot;
+        }
+        j->fixed = sys_io_uring_register(j->r->ring.fd, IORING_REGISTER_BUFFERS, iov, j->nslots) == 0;
+    }
+    err = fill_loop(j, bad);
+    if (j->fixed)
+        sys_io_uring_register(j->r->ring.fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+    return err;
+}
+
+static int fill_loop(struct fill_job *j, size_t *bad)
 {
     ReaderObject *r = j->r;
     unsigned free_slots[FILL_MAX_SLOTS], nfree = j->nslots, inflight = 0;
@@ -1377,7 +1408,7 @@ static int fill_run(struct fill_job *j, size_t *bad)
                 next++;
                 continue;
             }
-            e = ring_submit(&r->ring, IORING_OP_READ, r->fd, b, s->len, s->off, sl, -1);
+            e = fill_submit(j, sl, s, 0);
             if (e) {
                 free_slots[nfree++] = sl;
                 err = e;
@@ -1416,8 +1447,7 @@ static int fill_run(struct fill_job *j, size_t *bad)
                 slot_got[sl] += (uint32_t)res;
                 if (res > 0 && slot_got[sl] < s->want && slot_got[sl] % r->offset_align == 0 && !stop) {
                     /* A short but aligned read: ask for the rest. */
-                    uint32_t g = slot_got[sl];
-                    e = ring_submit(&r->ring, IORING_OP_READ, r->fd, b + g, s->len - g, s->off + g, sl, -1);
+                    e = fill_submit(j, sl, s, slot_got[sl]);
                     if (!e)
                         continue;
                     if (!err) {
