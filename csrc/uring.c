@@ -307,7 +307,41 @@ typedef struct {
     uint64_t *d_off;
     unsigned *d_len;
     unsigned d_count;
+    struct wcrc *crc;        /* write_checksummed(): checksums of the bytes being appended */
 } WriterObject;
+
+/* write_checksummed(): the crc32c of each `block` bytes of the caller's buffer, computed while
+ * its bytes are written: zero-copy, over the part already submitted while the queue is full
+ * (the CPU checksums while the disk works); staged, over each piece just before it is copied
+ * into staging (so the copy reads it from cache). One pass over the bytes, none while idle. */
+struct wcrc {
+    const char *base;  /* the caller's buffer */
+    size_t done;       /* bytes of it checksummed */
+    size_t block;
+    uint32_t cur;      /* crc of the current partial block */
+    size_t in;         /* bytes in the current partial block */
+    uint32_t *out;
+    size_t nout;
+};
+
+#define WCRC_PIECE (256u << 10) /* staged copies run in pieces this size when checksumming */
+
+static void wcrc_advance(struct wcrc *c, size_t upto)
+{
+    while (c->done < upto) {
+        size_t take = c->block - c->in;
+        if (take > upto - c->done)
+            take = upto - c->done;
+        c->cur = crc32c_update(c->cur, c->base + c->done, take);
+        c->done += take;
+        c->in += take;
+        if (c->in == c->block) {
+            c->out[c->nout++] = c->cur;
+            c->cur = 0;
+            c->in = 0;
+        }
+    }
+}
 
 /* Reap every available completion. GIL not needed. */
 static void writer_reap(WriterObject *w)
@@ -470,6 +504,8 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
             e = pwrite_all(w->fd, src + done, len, w->blk_start);
         } else {
             unsigned k = 0;
+            if (w->crc && w->ninflight >= w->queue_depth)
+                wcrc_advance(w->crc, (size_t)(src + done - w->crc->base)); /* while the disk works */
             while (w->ninflight >= w->queue_depth && !w->err) {
                 if ((e = writer_wait_one(w)) != 0)
                     w->err = e;
@@ -498,6 +534,8 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
         w->pos += len;
         done += len;
     }
+    if (w->crc && !w->err)
+        wcrc_advance(w->crc, (size_t)(src + done - w->crc->base));
     /* The caller's buffer must not be referenced once write() returns, error or not. */
     while (w->d_count) {
         if ((e = writer_wait_one(w)) != 0) {
@@ -524,6 +562,11 @@ static int writer_append(WriterObject *w, const char *src, size_t n)
         char *dst = w->stage + (size_t)w->cur * w->stage_block + w->fill;
         if (w->err)
             return w->err;
+        if (src && w->crc) {
+            if (c > WCRC_PIECE)
+                c = WCRC_PIECE;
+            wcrc_advance(w->crc, (size_t)(src + c - w->crc->base));
+        }
         if (src) {
             memcpy(dst, src, c);
             src += c;
@@ -757,6 +800,66 @@ static PyObject *Writer_write(WriterObject *w, PyObject *arg)
     return PyLong_FromUnsignedLongLong(w->pos);
 }
 
+static PyObject *Writer_write_checksummed(WriterObject *w, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t block;
+    struct wcrc c;
+    PyObject *crcs = NULL, *result = NULL;
+    int e;
+    if (!PyArg_ParseTuple(args, "y*n:write_checksummed", &view, &block))
+        return NULL;
+    if (block <= 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "block must be positive");
+        return NULL;
+    }
+    memset(&c, 0, sizeof(c));
+    c.base = view.buf;
+    c.block = (size_t)block;
+    c.out = PyMem_Malloc(((size_t)view.len / (size_t)block + 1) * sizeof(uint32_t));
+    if (!c.out) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    if (writer_enter_append(w) != 0) {
+        PyMem_Free(c.out);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    w->crc = &c;
+    Py_BEGIN_ALLOW_THREADS
+    e = writer_append(w, (const char *)view.buf, (size_t)view.len);
+    if (!e) {
+        wcrc_advance(&c, (size_t)view.len);
+        if (c.in)
+            c.out[c.nout++] = c.cur;
+    }
+    Py_END_ALLOW_THREADS
+    w->crc = NULL;
+    w->busy = 0;
+    PyBuffer_Release(&view);
+    if (e) {
+        PyMem_Free(c.out);
+        return raise_errno_path(e, w->path);
+    }
+    crcs = PyTuple_New((Py_ssize_t)c.nout);
+    if (crcs) {
+        for (size_t i = 0; i < c.nout; i++) {
+            PyObject *v = PyLong_FromUnsignedLong(c.out[i]);
+            if (!v) {
+                Py_CLEAR(crcs);
+                break;
+            }
+            PyTuple_SET_ITEM(crcs, (Py_ssize_t)i, v);
+        }
+    }
+    PyMem_Free(c.out);
+    if (crcs)
+        result = Py_BuildValue("(KN)", (unsigned long long)w->pos, crcs);
+    return result;
+}
+
 static PyObject *Writer_zeros(WriterObject *w, PyObject *arg)
 {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
@@ -896,6 +999,9 @@ static void Writer_dealloc(WriterObject *w)
 static PyMethodDef Writer_methods[] = {
     {"write", (PyCFunction)Writer_write, METH_O,
      "write(buffer) -> int: append a C-contiguous buffer; returns the new position. Raises OSError."},
+    {"write_checksummed", (PyCFunction)Writer_write_checksummed, METH_VARARGS,
+     "write_checksummed(buffer, block) -> (position, crcs): write(buffer), and the crc32c of each "
+     "block bytes of it (the last one partial), computed while the bytes are being written."},
     {"zeros", (PyCFunction)Writer_zeros, METH_O, "zeros(n) -> int: append n zero bytes."},
     {"tell", (PyCFunction)Writer_tell, METH_NOARGS, "tell() -> int: bytes appended so far."},
     {"reserve", (PyCFunction)Writer_reserve, METH_O,

@@ -559,10 +559,10 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
         for fqn, piece in pieces:
             view, keep = host_bytes(piece.tensor)
             offset = w.pad_to(align)
-            crcs = mf.block_crcs(view, checksum_block)
             # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
             # straight from its memory (zero-copy); anything else through the aligned staging ring.
-            w.write(view)
+            # The block checksums are computed in the same pass, while the writes are in flight.
+            crcs = w.write_checksummed(view, checksum_block)
             del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
                                                 file=rank, offset=offset, nbytes=len(view), crcs=crcs)))
@@ -694,6 +694,10 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     summary, error, items, checked, key = None, None, {}, None, None
     try:
         checked = check_replicated_option(replicated)
+        if group.world_size == 1:
+            # One rank holds no replica to compare: skip the digests (a crc32c pass over every
+            # plain tensor's bytes, as much CPU as the write's own checksums).
+            checked = lambda fqn: False  # noqa: E731
         if get_config().preflight:
             # Cheap per-rank check before any byte is written: the writer, its ring, the reader
             # probes and directory fsyncs need a handful of fds. (Free space is checked by rank 0
