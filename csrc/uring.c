@@ -547,16 +547,10 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
     return done;
 }
 
-/* Append n bytes from src (or zeros when src is NULL). GIL released by the caller. Returns 0 or a
- * positive errno; an error is sticky. */
-static int writer_append(WriterObject *w, const char *src, size_t n)
+/* Copy n bytes from src (or zeros when src is NULL) into staging, submitting each full block.
+ * GIL released by the caller. Returns 0 or a positive errno (sticky). */
+static int writer_stage(WriterObject *w, const char *src, size_t n)
 {
-    if (src && w->mem_align && n >= w->block_size && (uintptr_t)src % w->mem_align == 0 &&
-        w->fill % w->offset_align == 0 && !w->err) {
-        size_t done = writer_direct(w, src, n);
-        src += done;
-        n -= done;
-    }
     while (n) {
         size_t room = w->stage_block - w->fill, c = n < room ? n : room;
         char *dst = w->stage + (size_t)w->cur * w->stage_block + w->fill;
@@ -595,6 +589,35 @@ static int writer_append(WriterObject *w, const char *src, size_t n)
             }
         }
     }
+    return w->err;
+}
+
+/* Append n bytes from src (or zeros when src is NULL). GIL released by the caller. Returns 0 or a
+ * positive errno; an error is sticky.
+ *
+ * A source of at least one block goes to the disk straight from its memory (zero-copy) from its
+ * first byte that is mem_align-aligned, provided that byte lands on an offset_align-aligned file
+ * position: the bytes before it (the head) are staged. A caller places a chunk so (see
+ * distckpt.storage.posix.Writer.pad_for); torch's large CPU tensors sit 64 bytes past a page. */
+static int writer_append(WriterObject *w, const char *src, size_t n)
+{
+    if (src && w->mem_align && !w->err) {
+        size_t head = (w->mem_align - (uintptr_t)src % w->mem_align) % w->mem_align;
+        if (head && n >= head + w->block_size && (w->fill + head) % w->offset_align == 0) {
+            int e = writer_stage(w, src, head);
+            if (e)
+                return e;
+            src += head;
+            n -= head;
+        }
+        if (n >= w->block_size && (uintptr_t)src % w->mem_align == 0 && w->fill % w->offset_align == 0) {
+            size_t done = writer_direct(w, src, n);
+            src += done;
+            n -= done;
+        }
+    }
+    if (writer_stage(w, src, n))
+        return w->err;
     if (w->use_uring)
         writer_reap(w); /* surface completed errors early; never blocks */
     return w->err;
@@ -1953,7 +1976,21 @@ static PyObject *mod_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
     return PyLong_FromUnsignedLong(out);
 }
 
+static PyObject *mod_address(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    Py_buffer v;
+    uintptr_t a;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) != 0)
+        return NULL;
+    a = (uintptr_t)v.buf;
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLongLong((unsigned long long)a);
+}
+
 static PyMethodDef module_methods[] = {
+    {"address", mod_address, METH_O,
+     "address(buffer) -> int: the memory address of a contiguous buffer's first byte (to place a "
+     "chunk in a file so that the buffer can be written zero-copy; see Writer.pad_for)."},
     {"crc32c", mod_crc32c, METH_VARARGS,
      "crc32c(data, crc=0, hardware=True) -> int: CRC-32C of data continuing crc (the checksum "
      "Reader.fill checks); hardware=False forces the table fallback."},

@@ -555,10 +555,11 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
     # The final size is known from the plan: one fallocate up front (ext4 serializes O_DIRECT
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
     _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
+    size_hint += align * len(pieces)  # pad_for may place a chunk up to align - 1 bytes later
     with open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
         for fqn, piece in pieces:
             view, keep = host_bytes(piece.tensor)
-            offset = w.pad_to(align)
+            offset = w.pad_for(view, align)  # aligned, or placed so that the chunk goes zero-copy
             # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
             # straight from its memory (zero-copy); anything else through the aligned staging ring.
             # The block checksums are computed in the same pass, while the writes are in flight.
