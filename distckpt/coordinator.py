@@ -65,6 +65,7 @@ from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
 from .plan import (Box, assign_offsets, assign_owners, choose_checksum_block, find_tiling_defect,
                    is_row_tiling)
+from .devstage import DeviceStager, needs_staging
 from .staging import dtype_name, host_bytes
 from .storage import Store, is_url, open_store
 from .storage.posix import commit as local
@@ -266,27 +267,44 @@ def check_replicated_option(replicated: Any) -> Callable[[str], bool]:
                       remedy="Pass replicated='check' (default), 'rank0', or a set of fqns that are rank-0-wins.")
 
 
-def _tensor_digest(t) -> int:
-    """A digest of a tensor's bytes, to tell a real replica from a tensor that only shares a key.
+def _tensor_digests(tensors: list) -> list[int]:
+    """A digest of each tensor's bytes, to tell a real replica from a tensor that only shares a key.
     CPU: crc32c of the bytes. Other devices: a position-weighted sum computed on the device (no
-    copy of the whole tensor to the host), in 16M-element slices to bound its temporary memory."""
-    import torch
-    if t.numel() == 0:
-        return 0
-    if t.device.type == "cpu":
-        import crc32c as _crc32c
-        view, keep = host_bytes(t)
-        digest = _crc32c.crc32c(view)
-        del keep
-        return digest
-    return _device_digest(t)
+    copy of the whole tensor to the host), all of one device's digests read back with one
+    synchronization (thousands of small GPU tensors would otherwise pay one each)."""
+    out: list[int | None] = [None] * len(tensors)
+    pending: list[tuple[int, Any]] = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            out[i] = 0
+        elif t.device.type == "cpu":
+            import crc32c as _crc32c
+            view, keep = host_bytes(t)
+            out[i] = _crc32c.crc32c(view)
+            del keep
+        else:
+            pending.append((i, _device_digest(t)))
+    if pending:
+        import torch
+        by_device: dict[Any, list[tuple[int, Any]]] = {}
+        for i, d in pending:
+            by_device.setdefault(d.device, []).append((i, d))
+        for items in by_device.values():
+            values = torch.stack([d for _, d in items]).tolist()  # one device-to-host sync
+            for (i, _), v in zip(items, values):
+                out[i] = int(v)
+    return out
 
 
-def _device_digest(t) -> int:
-    """The digest of a tensor computed where it lives (any device): a sum of its 32-bit words (or
-    bytes) weighted by their position modulo a prime, plus their plain sum; int64 arithmetic."""
+def _device_digest(t):
+    """The digest of a tensor computed where it lives (any device), as a 0-d int64 tensor there: a
+    sum of its 32-bit words (or bytes) weighted by their position modulo a prime, plus their plain
+    sum; int64 arithmetic."""
     import torch
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    t = t.detach()
+    if t.is_conj() or t.is_neg():  # a lazy view: digest the values it stands for
+        t = t.resolve_conj().resolve_neg()
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
     words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     step = 1 << 24
@@ -294,11 +312,12 @@ def _device_digest(t) -> int:
         w = words[start:start + step].to(torch.int64)
         idx = torch.arange(start, start + w.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
         total += (w * idx).sum() + w.sum() * 7919
-    return int(total.item())
+    return total
 
 
 def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int, allow_pickle: bool,
-               metadata: dict | None, checked: Callable[[str], bool] = lambda fqn: True) -> dict:
+               metadata: dict | None, checked: Callable[[str], bool] = lambda fqn: True,
+               world_size: int = 2) -> dict:
     if rank == 0 and metadata is not None:
         try:
             msgpack.packb(metadata, use_bin_type=True, strict_types=True)
@@ -307,19 +326,21 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
                                         key="metadata") from None
     tensors = {}
     objects = {}
-    digests = {}
+    to_digest: list[tuple[str, Any]] = []
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
             tensors[fqn] = (item.kind, dtype_name(item.dtype), item.shape,
                             [(p.offsets, p.sizes, _nbytes(p.tensor)) for p in item.pieces])
             # Plain tensors are the only ones whose replication is an assumption (DTensor
-            # Replicate is a replica by construction; sharded pieces are disjoint).
-            if item.kind == "tensor" and checked(fqn):
-                digests[fqn] = _tensor_digest(item.pieces[0].tensor)
+            # Replicate is a replica by construction; sharded pieces are disjoint). One rank has
+            # no replicas to compare: no digest (it would read every byte once more).
+            if item.kind == "tensor" and world_size > 1 and checked(fqn):
+                to_digest.append((fqn, item.pieces[0].tensor))
         else:
             # Every rank encodes its own values: a key may exist on some ranks only (per-rank
             # dataloader state), and values under a shared key are compared in _merge_plan.
             objects[fqn] = object_entry(fqn, item.value, allow_pickle=allow_pickle)
+    digests = dict(zip((f for f, _ in to_digest), _tensor_digests([t for _, t in to_digest])))
     return {"tensors": tensors, "objects": objects, "tree": tree, "digests": digests}
 
 
@@ -556,17 +577,31 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
     _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
     size_hint += align * len(pieces)  # pad_for may place a chunk up to align - 1 bytes later
-    with open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
-        for fqn, piece in pieces:
-            view, keep = host_bytes(piece.tensor)
-            offset = w.pad_for(view, align)  # aligned, or placed so that the chunk goes zero-copy
-            # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
-            # straight from its memory (zero-copy); anything else through the aligned staging ring.
-            # The block checksums are computed in the same pass, while the writes are in flight.
-            crcs = w.write_checksummed(view, checksum_block)
-            del keep  # write() returns once the bytes are copied or written
+    tensors = [p.tensor for _, p in pieces]
+    # Pieces on a GPU stream through pinned slots, copied while earlier pieces are being written.
+    stager = (DeviceStager(tensors, block=checksum_block, staging_bytes=get_config().device_staging)
+              if any(needs_staging(t) for t in tensors) else contextlib.nullcontext())
+    with stager, open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
+        for i, (fqn, piece) in enumerate(pieces):
+            if needs_staging(piece.tensor):
+                offset = w.pad_to(align)
+                crcs, nbytes = [], 0
+                for view in stager.parts(i):  # parts cut at checksum-block multiples
+                    crcs.extend(mf.block_crcs(view, checksum_block))
+                    w.write(view)
+                    nbytes += len(view)
+                crcs = tuple(crcs)
+            else:
+                view, keep = host_bytes(piece.tensor)
+                offset = w.pad_for(view, align)  # aligned, or placed so that the chunk goes zero-copy
+                # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
+                # straight from its memory (zero-copy); anything else through the aligned staging
+                # ring. The block checksums are computed in the same pass, while the writes are
+                # in flight.
+                crcs, nbytes = w.write_checksummed(view, checksum_block), len(view)
+                del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
-                                                file=rank, offset=offset, nbytes=len(view), crcs=crcs)))
+                                                file=rank, offset=offset, nbytes=nbytes, crcs=crcs)))
         size = w.close()
     return records, size, choice
 
@@ -695,10 +730,6 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     summary, error, items, checked, key = None, None, {}, None, None
     try:
         checked = check_replicated_option(replicated)
-        if group.world_size == 1:
-            # One rank holds no replica to compare: skip the digests (a crc32c pass over every
-            # plain tensor's bytes, as much CPU as the write's own checksums).
-            checked = lambda fqn: False  # noqa: E731
         if get_config().preflight:
             # Cheap per-rank check before any byte is written: the writer, its ring, the reader
             # probes and directory fsyncs need a handful of fds. (Free space is checked by rank 0
@@ -707,7 +738,7 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
             check_fd_limit(_FDS_PER_SAVE, rank=rank, path=path)
         # check_objects=False: _summarize encodes (and so checks) every value right below.
         tree, items = flatten(state_dict, allow_pickle=allow_pickle, check_objects=False)
-        summary = _summarize(items, tree, rank, allow_pickle, metadata, checked)
+        summary = _summarize(items, tree, rank, allow_pickle, metadata, checked, group.world_size)
         key = _layout_key(summary)
     except Exception as exc:
         error = exc

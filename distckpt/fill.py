@@ -122,8 +122,8 @@ def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
     """(the destination, byte offset of the task's box in it) when the task's box is one
     contiguous byte run of a contiguous destination of the saved dtype; else None."""
     dest = t.dest
-    if dest.dtype != t.dtype or not dest.is_contiguous():
-        return None
+    if dest.dtype != t.dtype or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+        return None  # a lazy conj/neg view has no plain bytes to copy into: copy_ through it
     if t.inter == t.dest_box:  # the whole destination (a load with the saved sharding)
         return dest, 0
     dbox = Box(tuple(t.dest_box.offsets), tuple(t.dest_box.sizes))
