@@ -14,8 +14,9 @@ What it promises (restore.load / restore.read rely on it):
     merged into one read only when the gap between them is small against the bytes the read holds
     (at most 1/16 of them, and at most ``MAX_GAP``). ``bytes_read`` counts the file bytes the read
     calls asked for, gaps included.
-  * Page cache aware: each read goes through :meth:`distckpt.storage.posix.Reader.read_into`, which reads
-    byte ranges whose pages are all cached with a buffered pread and the rest with O_DIRECT.
+  * Page cache aware: each read goes through :meth:`distckpt.storage.posix.Reader.read_into` or
+    ``Reader.fill_segments``, which read byte ranges whose pages are all cached with a buffered
+    pread and the rest with O_DIRECT.
   * Overlap: segments whose units are all flat copies into CPU memory (the common case) go
     through the C pipeline (``_uring.Reader.fill``): one thread without the GIL keeps a read in
     flight on every free one of ``PIPELINE_SLOTS`` bounce slots, and as each lands checks its
