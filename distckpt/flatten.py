@@ -188,6 +188,15 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple) -> TensorItem:
         if value.device_mesh.get_coordinate() is None:  # this rank is not in the mesh
             return TensorItem(fqn, "dtensor", value.dtype, shape, [], path)
         local_shape, offsets = compute_local_shape_and_global_offset(shape, value.device_mesh, value.placements)
+        if tuple(local.shape) != tuple(local_shape):
+            # from_local(..., shape=) trusts the caller: a local tensor that is not the box its
+            # placements give would be written under the wrong offsets (or fail at commit).
+            raise UnsupportedValueError(
+                f"DTensor {fqn!r}: the local tensor has shape {tuple(local.shape)}, but its placements "
+                f"{tuple(value.placements)} over a mesh of shape {tuple(value.device_mesh.shape)} give this "
+                f"rank the box at offsets {tuple(offsets)} of shape {tuple(local_shape)} (global shape {shape})",
+                key=fqn, remedy="Build the DTensor so that each rank's local tensor is torch.chunk's share "
+                "of the global shape (DTensor.from_local without shape=, or distribute_tensor).")
         return TensorItem(fqn, "dtensor", value.dtype, shape,
                           [Piece(tuple(offsets), tuple(local_shape), local)], path)
     shape = tuple(value.shape)

@@ -66,7 +66,8 @@ def make_state(size: int, small: int, rank: int, world: int, mesh=None, zeros: b
     sd = {}
     g = torch.Generator().manual_seed(1234 + rank)
     for i in range(N_BIG):
-        local_rows = rows // world
+        chunk = -(-rows // world)  # torch.chunk's split, as a DTensor's Shard(0) places it
+        local_rows = max(0, min(chunk, rows - rank * chunk))
         local = torch.zeros(local_rows, ROW_ELEMS) if zeros else torch.rand(local_rows, ROW_ELEMS, generator=g)
         if mesh is not None:
             from torch.distributed.tensor import DTensor, Shard

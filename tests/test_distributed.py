@@ -232,3 +232,28 @@ def test_dead_peer_is_reported_not_waited_for(tmp_path):
         run_ranks(_dying_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "15"}, timeout=90)
     assert set(ei.value.errors) == {1}, "only the killed rank may be missing; rank 0 must return"
     assert not os.path.exists(path)
+
+
+def _inconsistent_dtensor_body(rank, world, path):
+    import distckpt
+    from distckpt import errors
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    # 9 rows over 4 ranks: Shard(0) gives 3, 3, 3, 0 rows; these local tensors hold 2, 2, 2, 3.
+    local = torch.ones(2 if rank < 3 else 3, 4)
+    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(9, 4), stride=(4, 1))
+    try:
+        distckpt.save({"w": dt}, path)
+    except errors.RankFailureError as exc:  # every rank learns every rank's typed cause
+        causes = {r: (type(e).__name__, e.key, "torch.chunk" in str(e.remedy)) for r, e in exc.failures.items()}
+        return causes, os.path.exists(path)
+    return None
+
+
+def test_dtensor_whose_local_tensor_is_not_its_box_is_refused(tmp_path):
+    # A DTensor built with from_local(shape=) whose local tensors are not the boxes its placements
+    # give used to fail at COMMIT with an untyped ValueError, after every rank had written its data.
+    results = run_ranks(_inconsistent_dtensor_body, 4, str(tmp_path / "ck"))
+    want = {r: ("UnsupportedValueError", "w", True) for r in range(4)}
+    assert results == [(want, False)] * 4
