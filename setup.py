@@ -9,7 +9,8 @@ setup(
     ext_modules=[
         Extension(
             "distckpt._uring",
-            sources=["csrc/uring.c"],
+            sources=["csrc/uring.c", "csrc/crc32c.c"],
+            depends=["csrc/crc32c.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
         )
     ]

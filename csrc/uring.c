@@ -1,7 +1,7 @@
 /*
  * distckpt._uring: O_DIRECT streaming writer and ranged reader on raw io_uring syscalls.
  *
- * This is the only C in distckpt. It is torch-independent: it sees bytes through the buffer
+ * With csrc/crc32c.c (the checksum Reader.fill checks) this is all the C in distckpt. It is torch-independent: it sees bytes through the buffer
  * protocol and nothing else. It uses the io_uring system calls directly (<linux/io_uring.h> only,
  * no liburing), so building it needs gcc and the Python headers and nothing more.
  *
@@ -45,6 +45,8 @@
 #include <sys/sysmacros.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include "crc32c.h"
 
 #ifndef STATX_DIOALIGN
 #define STATX_DIOALIGN 0x00002000U
@@ -305,7 +307,41 @@ typedef struct {
     uint64_t *d_off;
     unsigned *d_len;
     unsigned d_count;
+    struct wcrc *crc;        /* write_checksummed(): checksums of the bytes being appended */
 } WriterObject;
+
+/* write_checksummed(): the crc32c of each `block` bytes of the caller's buffer, computed while
+ * its bytes are written: zero-copy, over the part already submitted while the queue is full
+ * (the CPU checksums while the disk works); staged, over each piece just before it is copied
+ * into staging (so the copy reads it from cache). One pass over the bytes, none while idle. */
+struct wcrc {
+    const char *base;  /* the caller's buffer */
+    size_t done;       /* bytes of it checksummed */
+    size_t block;
+    uint32_t cur;      /* crc of the current partial block */
+    size_t in;         /* bytes in the current partial block */
+    uint32_t *out;
+    size_t nout;
+};
+
+#define WCRC_PIECE (256u << 10) /* staged copies run in pieces this size when checksumming */
+
+static void wcrc_advance(struct wcrc *c, size_t upto)
+{
+    while (c->done < upto) {
+        size_t take = c->block - c->in;
+        if (take > upto - c->done)
+            take = upto - c->done;
+        c->cur = crc32c_update(c->cur, c->base + c->done, take);
+        c->done += take;
+        c->in += take;
+        if (c->in == c->block) {
+            c->out[c->nout++] = c->cur;
+            c->cur = 0;
+            c->in = 0;
+        }
+    }
+}
 
 /* Reap every available completion. GIL not needed. */
 static void writer_reap(WriterObject *w)
@@ -468,6 +504,8 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
             e = pwrite_all(w->fd, src + done, len, w->blk_start);
         } else {
             unsigned k = 0;
+            if (w->crc && w->ninflight >= w->queue_depth)
+                wcrc_advance(w->crc, (size_t)(src + done - w->crc->base)); /* while the disk works */
             while (w->ninflight >= w->queue_depth && !w->err) {
                 if ((e = writer_wait_one(w)) != 0)
                     w->err = e;
@@ -496,6 +534,8 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
         w->pos += len;
         done += len;
     }
+    if (w->crc && !w->err)
+        wcrc_advance(w->crc, (size_t)(src + done - w->crc->base));
     /* The caller's buffer must not be referenced once write() returns, error or not. */
     while (w->d_count) {
         if ((e = writer_wait_one(w)) != 0) {
@@ -507,21 +547,20 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
     return done;
 }
 
-/* Append n bytes from src (or zeros when src is NULL). GIL released by the caller. Returns 0 or a
- * positive errno; an error is sticky. */
-static int writer_append(WriterObject *w, const char *src, size_t n)
+/* Copy n bytes from src (or zeros when src is NULL) into staging, submitting each full block.
+ * GIL released by the caller. Returns 0 or a positive errno (sticky). */
+static int writer_stage(WriterObject *w, const char *src, size_t n)
 {
-    if (src && w->mem_align && n >= w->block_size && (uintptr_t)src % w->mem_align == 0 &&
-        w->fill % w->offset_align == 0 && !w->err) {
-        size_t done = writer_direct(w, src, n);
-        src += done;
-        n -= done;
-    }
     while (n) {
         size_t room = w->stage_block - w->fill, c = n < room ? n : room;
         char *dst = w->stage + (size_t)w->cur * w->stage_block + w->fill;
         if (w->err)
             return w->err;
+        if (src && w->crc) {
+            if (c > WCRC_PIECE)
+                c = WCRC_PIECE;
+            wcrc_advance(w->crc, (size_t)(src + c - w->crc->base));
+        }
         if (src) {
             memcpy(dst, src, c);
             src += c;
@@ -550,6 +589,35 @@ static int writer_append(WriterObject *w, const char *src, size_t n)
             }
         }
     }
+    return w->err;
+}
+
+/* Append n bytes from src (or zeros when src is NULL). GIL released by the caller. Returns 0 or a
+ * positive errno; an error is sticky.
+ *
+ * A source of at least one block goes to the disk straight from its memory (zero-copy) from its
+ * first byte that is mem_align-aligned, provided that byte lands on an offset_align-aligned file
+ * position: the bytes before it (the head) are staged. A caller places a chunk so (see
+ * distckpt.storage.posix.Writer.pad_for); torch's large CPU tensors sit 64 bytes past a page. */
+static int writer_append(WriterObject *w, const char *src, size_t n)
+{
+    if (src && w->mem_align && !w->err) {
+        size_t head = (w->mem_align - (uintptr_t)src % w->mem_align) % w->mem_align;
+        if (head && n >= head + w->block_size && (w->fill + head) % w->offset_align == 0) {
+            int e = writer_stage(w, src, head);
+            if (e)
+                return e;
+            src += head;
+            n -= head;
+        }
+        if (n >= w->block_size && (uintptr_t)src % w->mem_align == 0 && w->fill % w->offset_align == 0) {
+            size_t done = writer_direct(w, src, n);
+            src += done;
+            n -= done;
+        }
+    }
+    if (writer_stage(w, src, n))
+        return w->err;
     if (w->use_uring)
         writer_reap(w); /* surface completed errors early; never blocks */
     return w->err;
@@ -755,6 +823,66 @@ static PyObject *Writer_write(WriterObject *w, PyObject *arg)
     return PyLong_FromUnsignedLongLong(w->pos);
 }
 
+static PyObject *Writer_write_checksummed(WriterObject *w, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t block;
+    struct wcrc c;
+    PyObject *crcs = NULL, *result = NULL;
+    int e;
+    if (!PyArg_ParseTuple(args, "y*n:write_checksummed", &view, &block))
+        return NULL;
+    if (block <= 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "block must be positive");
+        return NULL;
+    }
+    memset(&c, 0, sizeof(c));
+    c.base = view.buf;
+    c.block = (size_t)block;
+    c.out = PyMem_Malloc(((size_t)view.len / (size_t)block + 1) * sizeof(uint32_t));
+    if (!c.out) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    if (writer_enter_append(w) != 0) {
+        PyMem_Free(c.out);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    w->crc = &c;
+    Py_BEGIN_ALLOW_THREADS
+    e = writer_append(w, (const char *)view.buf, (size_t)view.len);
+    if (!e) {
+        wcrc_advance(&c, (size_t)view.len);
+        if (c.in)
+            c.out[c.nout++] = c.cur;
+    }
+    Py_END_ALLOW_THREADS
+    w->crc = NULL;
+    w->busy = 0;
+    PyBuffer_Release(&view);
+    if (e) {
+        PyMem_Free(c.out);
+        return raise_errno_path(e, w->path);
+    }
+    crcs = PyTuple_New((Py_ssize_t)c.nout);
+    if (crcs) {
+        for (size_t i = 0; i < c.nout; i++) {
+            PyObject *v = PyLong_FromUnsignedLong(c.out[i]);
+            if (!v) {
+                Py_CLEAR(crcs);
+                break;
+            }
+            PyTuple_SET_ITEM(crcs, (Py_ssize_t)i, v);
+        }
+    }
+    PyMem_Free(c.out);
+    if (crcs)
+        result = Py_BuildValue("(KN)", (unsigned long long)w->pos, crcs);
+    return result;
+}
+
 static PyObject *Writer_zeros(WriterObject *w, PyObject *arg)
 {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
@@ -894,6 +1022,9 @@ static void Writer_dealloc(WriterObject *w)
 static PyMethodDef Writer_methods[] = {
     {"write", (PyCFunction)Writer_write, METH_O,
      "write(buffer) -> int: append a C-contiguous buffer; returns the new position. Raises OSError."},
+    {"write_checksummed", (PyCFunction)Writer_write_checksummed, METH_VARARGS,
+     "write_checksummed(buffer, block) -> (position, crcs): write(buffer), and the crc32c of each "
+     "block bytes of it (the last one partial), computed while the bytes are being written."},
     {"zeros", (PyCFunction)Writer_zeros, METH_O, "zeros(n) -> int: append n zero bytes."},
     {"tell", (PyCFunction)Writer_tell, METH_NOARGS, "tell() -> int: bytes appended so far."},
     {"reserve", (PyCFunction)Writer_reserve, METH_O,
@@ -937,6 +1068,8 @@ static PyTypeObject WriterType = {
 
 /* ------------------------------------------------------------------------------------------ */
 /* Reader.                                                                                      */
+
+static int cached_pages(int fd, uint64_t off, uint64_t len, uint64_t *cached, uint64_t *total);
 
 typedef struct {
     PyObject_HEAD
@@ -1244,6 +1377,366 @@ out:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Reader.fill: the verified read pipeline of a load (distckpt/fill.py).                       */
+/*
+ * One call reads a list of segments into `nslots` bounce slots of the caller's buffer, keeping
+ * every free slot's read in flight; as each read completes, this thread checks the crc32c of
+ * every checksum block the segment holds and only then copies the segment's byte runs into the
+ * destinations, frees the slot and submits the next segment. So the disk always has the other
+ * slots' reads while one segment is checked and copied, the checksum and the copy run on bytes
+ * that are still in cache, and no Python runs per segment or per tensor.
+ *
+ * Promises: no byte of a segment is copied unless every check of that segment matched; after the
+ * first mismatch or error nothing more is copied, every read in flight is reaped before the call
+ * returns, and done[i] == 1 exactly for the segments whose copies completed. Every offset and
+ * length is checked against the buffer, the bytes the read delivers and the destination sizes
+ * before any I/O (ValueError), so a wrong plan cannot write outside a destination.
+ */
+
+struct fill_seg {
+    uint64_t off;   /* file offset, offset_align aligned */
+    uint32_t len;   /* bytes to read, offset_align aligned (may pass EOF) */
+    uint32_t want;  /* bytes that must arrive (the read may stop at EOF after them) */
+    uint32_t check0, ncheck, copy0, ncopy;
+};
+struct fill_check { uint32_t buf_off, len, crc; };
+struct fill_copy { uint64_t dest_off; uint32_t dest, buf_off, len, pad; };
+struct fill_dest { uint64_t addr, nbytes; };
+
+#define FILL_MAX_SLOTS 64
+
+struct fill_job {
+    ReaderObject *r;
+    char *buf;
+    size_t slot;
+    unsigned nslots;
+    const struct fill_seg *segs;
+    size_t nsegs;
+    const struct fill_check *checks;
+    const struct fill_copy *copies;
+    const struct fill_dest *dests;
+    unsigned char *done;
+    int cached_fd;
+    int fixed; /* slots registered with the ring: READ_FIXED, no per-read page pinning */
+    int mismatch;
+    size_t bad_seg, bad_check;
+    uint32_t got;
+    uint64_t cached_bytes, direct_bytes;
+};
+
+/* pread until `len` bytes or EOF; *got = bytes read. Returns 0 or a positive errno. */
+static int pread_full(int fd, char *buf, size_t len, uint64_t off, size_t *got)
+{
+    *got = 0;
+    while (*got < len) {
+        ssize_t n = pread(fd, buf + *got, len - *got, (off_t)(off + *got));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return errno;
+        if (n == 0)
+            break;
+        *got += (size_t)n;
+    }
+    return 0;
+}
+
+/* Check, then copy, segment si held in b. Returns 1 on a checksum mismatch (nothing copied). */
+static int fill_process(struct fill_job *j, size_t si, const char *b)
+{
+    const struct fill_seg *s = &j->segs[si];
+    for (size_t k = s->check0; k < (size_t)s->check0 + s->ncheck; k++) {
+        const struct fill_check *c = &j->checks[k];
+        uint32_t got = crc32c_update(0, b + c->buf_off, c->len);
+        if (got != c->crc) {
+            j->mismatch = 1;
+            j->bad_seg = si;
+            j->bad_check = k;
+            j->got = got;
+            return 1;
+        }
+    }
+    for (size_t k = s->copy0; k < (size_t)s->copy0 + s->ncopy; k++) {
+        const struct fill_copy *c = &j->copies[k];
+        memcpy((char *)(uintptr_t)j->dests[c->dest].addr + c->dest_off, b + c->buf_off, c->len);
+    }
+    j->done[si] = 1;
+    return 0;
+}
+
+/* Submit (the rest of) slot sl's read: `g` bytes of segment s already arrived. */
+static int fill_submit(struct fill_job *j, unsigned sl, const struct fill_seg *s, uint32_t g)
+{
+    char *b = j->buf + (size_t)sl * j->slot;
+    return ring_submit(&j->r->ring, j->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ, j->r->fd, b + g,
+                       s->len - g, s->off + g, sl, j->fixed ? (int)sl : -1);
+}
+
+static int fill_loop(struct fill_job *j, size_t *bad);
+
+/* GIL released. Returns 0, a positive errno, or -1 (short read of segment *bad). The slots are
+ * registered with the ring for the call when the kernel allows it (RLIMIT_MEMLOCK may refuse:
+ * then plain READ) and unregistered before returning, when no read is in flight. */
+static int fill_run(struct fill_job *j, size_t *bad)
+{
+    int err;
+    j->fixed = 0;
+    if (j->r->use_uring) {
+        struct iovec iov[FILL_MAX_SLOTS];
+        for (unsigned i = 0; i < j->nslots; i++) {
+            iov[i].iov_base = j->buf + (size_t)i * j->slot;
+            iov[i].iov_len = j->slot;
+        }
+        j->fixed = sys_io_uring_register(j->r->ring.fd, IORING_REGISTER_BUFFERS, iov, j->nslots) == 0;
+    }
+    err = fill_loop(j, bad);
+    if (j->fixed)
+        sys_io_uring_register(j->r->ring.fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+    return err;
+}
+
+static int fill_loop(struct fill_job *j, size_t *bad)
+{
+    ReaderObject *r = j->r;
+    unsigned free_slots[FILL_MAX_SLOTS], nfree = j->nslots, inflight = 0;
+    size_t slot_seg[FILL_MAX_SLOTS];
+    uint32_t slot_got[FILL_MAX_SLOTS];
+    size_t next = 0;
+    int err = 0, stop = 0;
+
+    for (unsigned i = 0; i < j->nslots; i++)
+        free_slots[i] = j->nslots - 1 - i;
+    while ((!stop && next < j->nsegs) || inflight) {
+        while (!stop && next < j->nsegs && nfree) {
+            const struct fill_seg *s = &j->segs[next];
+            unsigned sl = free_slots[--nfree];
+            char *b = j->buf + (size_t)sl * j->slot;
+            int cached = 0, e;
+            if (j->cached_fd >= 0 && s->want) {
+                uint64_t c = 0, t = 0;
+                cached = cached_pages(j->cached_fd, s->off, s->want, &c, &t) == 0 && c == t;
+            }
+            if (cached || !r->use_uring) {
+                /* All pages cached (a buffered pread touches no disk), or no io_uring here. */
+                size_t got = 0;
+                e = pread_full(cached ? j->cached_fd : r->fd, b, cached ? s->want : s->len, s->off, &got);
+                free_slots[nfree++] = sl;
+                if (e || got < s->want) {
+                    err = e ? e : -1;
+                    *bad = next;
+                    stop = 1;
+                    break;
+                }
+                if (cached)
+                    j->cached_bytes += s->want;
+                else
+                    j->direct_bytes += s->want;
+                if (fill_process(j, next, b))
+                    stop = 1;
+                next++;
+                continue;
+            }
+            e = fill_submit(j, sl, s, 0);
+            if (e) {
+                free_slots[nfree++] = sl;
+                err = e;
+                *bad = next;
+                stop = 1;
+                break;
+            }
+            slot_seg[sl] = next;
+            slot_got[sl] = 0;
+            inflight++;
+            next++;
+        }
+        if (!inflight)
+            break;
+        {
+            uint64_t ud;
+            int32_t res;
+            int e = ring_wait(&r->ring);
+            if (e) /* the ring itself failed: nothing sane left to wait for */
+                return e;
+            while (ring_pop(&r->ring, &ud, &res)) {
+                unsigned sl = (unsigned)ud;
+                size_t si = slot_seg[sl];
+                const struct fill_seg *s = &j->segs[si];
+                char *b = j->buf + (size_t)sl * j->slot;
+                if (res < 0) {
+                    inflight--;
+                    free_slots[nfree++] = sl;
+                    if (!err) {
+                        err = -res;
+                        *bad = si;
+                    }
+                    stop = 1;
+                    continue;
+                }
+                slot_got[sl] += (uint32_t)res;
+                if (res > 0 && slot_got[sl] < s->want && slot_got[sl] % r->offset_align == 0 && !stop) {
+                    /* A short but aligned read: ask for the rest. */
+                    e = fill_submit(j, sl, s, slot_got[sl]);
+                    if (!e)
+                        continue;
+                    if (!err) {
+                        err = e;
+                        *bad = si;
+                    }
+                    stop = 1;
+                }
+                inflight--;
+                free_slots[nfree++] = sl;
+                if (slot_got[sl] < s->want) {
+                    if (!err) {
+                        err = -1;
+                        *bad = si;
+                    }
+                    stop = 1;
+                    continue;
+                }
+                j->direct_bytes += s->want;
+                if (!stop && fill_process(j, si, b))
+                    stop = 1;
+            }
+        }
+    }
+    return err;
+}
+
+/* Borrow a contiguous read-only view of `obj` whose size is a multiple of `item`. */
+static int fill_view(PyObject *obj, Py_buffer *v, size_t item, const char *what, size_t *n)
+{
+    if (PyObject_GetBuffer(obj, v, PyBUF_SIMPLE) != 0)
+        return -1;
+    if ((size_t)v->len % item) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zu-byte records", what,
+                     v->len, item);
+        PyBuffer_Release(v);
+        v->obj = NULL;
+        return -1;
+    }
+    *n = (size_t)v->len / item;
+    return 0;
+}
+
+static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
+{
+    PyObject *bufobj, *segobj, *chkobj, *cpyobj, *dstobj, *doneobj, *result = NULL;
+    Py_buffer vb = {0}, vs = {0}, vc = {0}, vp = {0}, vd = {0}, vdone = {0};
+    Py_ssize_t slot;
+    int cached_fd, err;
+    size_t nsegs = 0, nchecks = 0, ncopies = 0, ndests = 0, bad = 0;
+    struct fill_job j;
+
+    if (!PyArg_ParseTuple(args, "OnOOOOOi:fill", &bufobj, &slot, &segobj, &chkobj, &cpyobj, &dstobj,
+                          &doneobj, &cached_fd))
+        return NULL;
+    if (r->closed) {
+        PyErr_SetString(PyExc_ValueError, "I/O operation on closed reader");
+        return NULL;
+    }
+    if (r->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "reader is in use by another thread");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(bufobj, &vb, PyBUF_WRITABLE) != 0)
+        goto out;
+    if (PyObject_GetBuffer(doneobj, &vdone, PyBUF_WRITABLE) != 0)
+        goto out;
+    if (fill_view(segobj, &vs, sizeof(struct fill_seg), "segments", &nsegs) ||
+        fill_view(chkobj, &vc, sizeof(struct fill_check), "checks", &nchecks) ||
+        fill_view(cpyobj, &vp, sizeof(struct fill_copy), "copies", &ncopies) ||
+        fill_view(dstobj, &vd, sizeof(struct fill_dest), "dests", &ndests))
+        goto out;
+    memset(&j, 0, sizeof(j));
+    j.r = r;
+    j.buf = vb.buf;
+    j.slot = (size_t)slot;
+    j.segs = vs.buf;
+    j.nsegs = nsegs;
+    j.checks = vc.buf;
+    j.copies = vp.buf;
+    j.dests = vd.buf;
+    j.done = vdone.buf;
+    j.cached_fd = cached_fd;
+    /* Everything is checked before any I/O: a wrong plan is a ValueError, never a stray write. */
+    if (slot <= 0 || (size_t)slot % r->offset_align || (size_t)slot % r->mem_align ||
+        (uintptr_t)vb.buf % r->mem_align || (size_t)slot > ((size_t)1 << 31)) {
+        PyErr_SetString(PyExc_ValueError, "fill: slot must be a positive multiple of the alignment, "
+                                          "in an aligned buffer");
+        goto out;
+    }
+    j.nslots = (unsigned)((size_t)vb.len / (size_t)slot);
+    if (j.nslots > r->queue_depth)
+        j.nslots = r->queue_depth;
+    if (j.nslots > FILL_MAX_SLOTS)
+        j.nslots = FILL_MAX_SLOTS;
+    if (!j.nslots) {
+        PyErr_SetString(PyExc_ValueError, "fill: buffer holds no slot");
+        goto out;
+    }
+    if ((size_t)vdone.len < nsegs) {
+        PyErr_SetString(PyExc_ValueError, "fill: done has fewer bytes than there are segments");
+        goto out;
+    }
+    for (size_t i = 0; i < nsegs; i++) {
+        const struct fill_seg *s = &j.segs[i];
+        if (s->len > (size_t)slot || s->want > s->len || s->off % r->offset_align ||
+            s->len % r->offset_align || (size_t)s->check0 + s->ncheck > nchecks ||
+            (size_t)s->copy0 + s->ncopy > ncopies) {
+            PyErr_Format(PyExc_ValueError, "fill: segment %zu is out of bounds", i);
+            goto out;
+        }
+        for (size_t k = s->check0; k < (size_t)s->check0 + s->ncheck; k++)
+            if ((size_t)j.checks[k].buf_off + j.checks[k].len > s->want) {
+                PyErr_Format(PyExc_ValueError, "fill: check %zu passes the bytes segment %zu reads", k, i);
+                goto out;
+            }
+        for (size_t k = s->copy0; k < (size_t)s->copy0 + s->ncopy; k++) {
+            const struct fill_copy *c = &j.copies[k];
+            if ((size_t)c->buf_off + c->len > s->want || c->dest >= ndests ||
+                c->dest_off + c->len > j.dests[c->dest].nbytes || c->dest_off + c->len < c->dest_off) {
+                PyErr_Format(PyExc_ValueError, "fill: copy %zu is out of bounds", k);
+                goto out;
+            }
+        }
+    }
+    memset(j.done, 0, nsegs);
+    r->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    err = fill_run(&j, &bad);
+    Py_END_ALLOW_THREADS
+    r->busy = 0;
+    if (err == -1) {
+        PyErr_Format(PyExc_EOFError, "short read: wanted bytes up to offset %llu",
+                     (unsigned long long)(j.segs[bad].off + j.segs[bad].want));
+    } else if (err) {
+        raise_errno_path(err, r->path);
+    } else if (j.mismatch) {
+        result = Py_BuildValue("(KK(nnk))", (unsigned long long)j.cached_bytes,
+                               (unsigned long long)j.direct_bytes, (Py_ssize_t)j.bad_seg,
+                               (Py_ssize_t)j.bad_check, (unsigned long)j.got);
+    } else {
+        result = Py_BuildValue("(KKO)", (unsigned long long)j.cached_bytes,
+                               (unsigned long long)j.direct_bytes, Py_None);
+    }
+out:
+    if (vb.obj)
+        PyBuffer_Release(&vb);
+    if (vdone.obj)
+        PyBuffer_Release(&vdone);
+    if (vs.obj)
+        PyBuffer_Release(&vs);
+    if (vc.obj)
+        PyBuffer_Release(&vc);
+    if (vp.obj)
+        PyBuffer_Release(&vp);
+    if (vd.obj)
+        PyBuffer_Release(&vd);
+    return result;
+}
+
 static PyObject *Reader_size(ReaderObject *r, PyObject *Py_UNUSED(ignored))
 {
     struct stat st;
@@ -1280,6 +1773,13 @@ static PyMethodDef Reader_methods[] = {
     {"read_into", (PyCFunction)Reader_read_into, METH_O,
      "read_into([(offset, nbytes, writable_buffer), ...]): read every range, queue_depth in "
      "flight. Raises OSError, or EOFError when the file ends before a requested byte."},
+    {"fill", (PyCFunction)Reader_fill, METH_VARARGS,
+     "fill(buffer, slot, segments, checks, copies, dests, done, cached_fd) -> (cached_bytes, "
+     "direct_bytes, mismatch): read segments into slots of buffer (reads in flight on every free "
+     "slot), check each segment's crc32c blocks, then copy its runs into the destinations; "
+     "mismatch is None or (segment, check, crc found), after which nothing more was copied. "
+     "Records are packed structs (see csrc/uring.c); done[i] becomes 1 when segment i was copied. "
+     "Raises ValueError (bad plan, before any I/O), OSError, EOFError."},
     {"size", (PyCFunction)Reader_size, METH_NOARGS, "size() -> int: the file's size (fstat)."},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "close(): release fds and staging. Idempotent."},
     {NULL, NULL, 0, NULL},
@@ -1460,7 +1960,40 @@ static PyObject *mod_cached_pages(PyObject *Py_UNUSED(m), PyObject *args)
     return Py_BuildValue("(KK)", (unsigned long long)cached, (unsigned long long)total);
 }
 
+static PyObject *mod_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer v;
+    unsigned long crc = 0;
+    int hardware = 1;
+    uint32_t out;
+    if (!PyArg_ParseTuple(args, "y*|kp:crc32c", &v, &crc, &hardware))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    out = hardware ? crc32c_update((uint32_t)crc, v.buf, (size_t)v.len)
+                   : crc32c_software((uint32_t)crc, v.buf, (size_t)v.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLong(out);
+}
+
+static PyObject *mod_address(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    Py_buffer v;
+    uintptr_t a;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) != 0)
+        return NULL;
+    a = (uintptr_t)v.buf;
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLongLong((unsigned long long)a);
+}
+
 static PyMethodDef module_methods[] = {
+    {"address", mod_address, METH_O,
+     "address(buffer) -> int: the memory address of a contiguous buffer's first byte (to place a "
+     "chunk in a file so that the buffer can be written zero-copy; see Writer.pad_for)."},
+    {"crc32c", mod_crc32c, METH_VARARGS,
+     "crc32c(data, crc=0, hardware=True) -> int: CRC-32C of data continuing crc (the checksum "
+     "Reader.fill checks); hardware=False forces the table fallback."},
     {"cached_pages", mod_cached_pages, METH_VARARGS,
      "cached_pages(fd, offset, length) -> (cached, total): how many of the pages holding bytes "
      "[offset, offset+length) of fd are in the page cache (cachestat, else mincore on an untouched "
@@ -1490,11 +2023,13 @@ PyMODINIT_FUNC PyInit__uring(void)
     PyObject *m;
     if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0)
         return NULL;
+    crc32c_init();
     m = PyModule_Create(&uring_module);
     if (!m)
         return NULL;
     if (PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
-        PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0) {
+        PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
+        PyModule_AddIntConstant(m, "CRC32C_HARDWARE", crc32c_hardware()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

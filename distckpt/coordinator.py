@@ -717,26 +717,28 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
     # The final size is known from the plan: one fallocate up front (ext4 serializes O_DIRECT
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
     _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
+    size_hint += align * len(pieces)  # pad_for may place a chunk up to align - 1 bytes later
     tensors = [p.tensor for _, p in pieces]
     # Pieces on a GPU stream through pinned slots, copied while earlier pieces are being written.
     stager = (DeviceStager(tensors, block=checksum_block, staging_bytes=get_config().device_staging)
               if any(needs_staging(t) for t in tensors) else contextlib.nullcontext())
     with stager, open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
         for i, (fqn, piece) in enumerate(pieces):
-            offset = w.pad_to(align)
             if needs_staging(piece.tensor):
+                offset = w.pad_to(align)
                 crcs, nbytes = [], 0
                 for view in stager.parts(i):  # parts cut at checksum-block multiples
-                    crcs.extend(mf.block_crcs(view, checksum_block))
-                    w.write(view)
+                    crcs.extend(w.write_checksummed(view, checksum_block))
                     nbytes += len(view)
                 crcs = tuple(crcs)
             else:
                 view, keep = host_bytes(piece.tensor)
-                crcs, nbytes = mf.block_crcs(view, checksum_block), len(view)
+                offset = w.pad_for(view, align)  # aligned, or placed so that the chunk goes zero-copy
                 # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
-                # straight from its memory (zero-copy); anything else through the aligned staging ring.
-                w.write(view)
+                # straight from its memory (zero-copy); anything else through the aligned staging
+                # ring. The block checksums are computed in the same pass, while the writes are
+                # in flight.
+                crcs, nbytes = w.write_checksummed(view, checksum_block), len(view)
                 del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
                                                 file=rank, offset=offset, nbytes=nbytes, crcs=crcs)))

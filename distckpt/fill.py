@@ -6,19 +6,27 @@ What it promises (restore.load / restore.read rely on it):
     whose blocks all match is copied into the destination tensors. A load that fails on a
     checksum therefore leaves each byte of the caller's tensors either as it was or equal to the
     checkpoint's; the error names the tensors that were filled completely and those filled in part.
-  * Bounded memory: ``WORKERS`` bounce buffers of ``SEGMENT`` bytes (more only when the
-    checkpoint's checksum block is larger), mmapped at the start and unmapped before returning or
-    raising (inside :func:`reading`: when the block exits); nothing is kept after a call.
+  * Bounded memory: ``PIPELINE_SLOTS`` bounce slots, then ``WORKERS`` bounce buffers (never both
+    at once), of ``SEGMENT`` bytes each (more only when the checkpoint's checksum block is larger),
+    mmapped for the call and unmapped before returning or raising (inside :func:`reading`: the
+    workers' buffers when the block exits; idle ones are unmapped before the slots are mapped);
+    nothing is kept after a call.
   * Bounded read amplification: a wanted byte range is widened only to whole checksum blocks
     (verification needs them) and to the file system's O_DIRECT alignment; neighbouring ranges are
     merged into one read only when the gap between them is small against the bytes the read holds
     (at most 1/16 of them, and at most ``MAX_GAP``). ``bytes_read`` counts the file bytes the read
     calls asked for, gaps included.
-  * Page cache aware: each read goes through :meth:`distckpt.storage.posix.Reader.read_into`, which reads
-    byte ranges whose pages are all cached with a buffered pread and the rest with O_DIRECT.
-  * Overlap: ``WORKERS`` threads each read, verify and copy one segment at a time; the reads
-    (io_uring / preadv), crc32c on blocks >= 32 KiB and torch's copies release the GIL, so the
-    disk works on some segments while others are checked and copied.
+  * Page cache aware: each read goes through :meth:`distckpt.storage.posix.Reader.read_into` or
+    ``Reader.fill_segments``, which read byte ranges whose pages are all cached with a buffered
+    pread and the rest with O_DIRECT.
+  * Overlap: segments whose units are all flat copies into CPU memory (the common case) go
+    through the C pipeline (``_uring.Reader.fill``): one thread without the GIL keeps a read in
+    flight on every free one of ``PIPELINE_SLOTS`` bounce slots, and as each lands checks its
+    crc32c blocks and then memcpys its runs into the destinations (one pass over bytes still in
+    cache, no Python per segment or tensor). The rest (strided boxes, device destinations, readers
+    without the pipeline: object stores, the buffered backend) go to ``WORKERS`` threads that each
+    read, verify and copy one segment at a time (reads, crc32c on blocks >= 32 KiB and torch's
+    copies release the GIL).
   * Every reader is closed before :func:`fill` returns or raises, and every thread is joined and
     every bounce buffer unmapped by then too, unless the call runs inside :func:`reading`: the fills
     of one ``with reading():`` block (the several passes of one load) share its worker threads and
@@ -27,7 +35,8 @@ What it promises (restore.load / restore.read rely on it):
   * Ordering: a task may name, in ``after``, the key of other tasks of the same call whose bytes it
     overwrites (a chain's delta rows over its base, distckpt.incremental). A segment holding such a
     task starts only once every unit of those tasks has been copied; until then the workers take
-    other segments, so one pass reads both and overlaps their work.
+    other segments, so one pass reads both and overlaps their work. Ordered segments never go
+    through the C pipeline; it runs first, so what they wait for may be copied by either path.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import ctypes
 import dataclasses
 import mmap
 import os
+import struct
 import threading
 import traceback
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -61,6 +71,17 @@ WORKERS = 4
 MAX_GAP = 64 << 10
 # io_uring request size inside a segment: a segment's reads are split in four and run in parallel.
 READ_PIECE = 1 << 20
+# Bounce slots of the C pipeline (_uring.Reader.fill): one thread keeps a read in flight on every
+# free slot and checks + copies each segment as it lands. Six 4 MiB slots keep ~20-24 MiB in
+# flight (fio's 4 MiB x 8 reaches the disk's rate; 4 MiB x 4 fell short) inside the 32 MiB budget.
+PIPELINE_SLOTS = 6
+
+# Packed records of _uring.Reader.fill (csrc/uring.c: struct fill_seg, fill_check, fill_copy,
+# fill_dest); native layout, so the sizes must match the C structs (checked in tests).
+_SEG = struct.Struct("@QIIIIII")
+_CHECK = struct.Struct("@III")
+_COPY = struct.Struct("@QIIII")
+_DEST = struct.Struct("@QQ")
 
 
 @dataclasses.dataclass
@@ -79,7 +100,8 @@ class _Unit:
 
     ``lo``/``hi``: the chunk-relative bytes read and verified (whole checksum blocks when
     verifying). ``start``/``end``: the chunk-relative bytes copied. Flat units copy
-    ``[start, end)`` to byte ``dest_off`` of the destination's flat byte view ``dest_u8``; strided
+    ``[start, end)`` to byte ``dest_off`` of ``flat`` (a contiguous destination tensor of the saved
+    dtype, addressed as bytes); strided
     units copy ``box`` (global coordinates) with an as_strided view of the chunk's layout.
     """
 
@@ -88,7 +110,7 @@ class _Unit:
     hi: int
     start: int
     end: int
-    dest_u8: torch.Tensor | None
+    flat: torch.Tensor | None
     dest_off: int
     box: Box | None
     at: int = 0  # absolute file offset of ``lo``
@@ -112,16 +134,18 @@ def _align_up(v: int, a: int) -> int:
 
 
 def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
-    """(flat byte view of the destination, byte offset of the task's box in it) when the task's
-    box is one contiguous byte run of a contiguous destination of the saved dtype; else None."""
+    """(the destination, byte offset of the task's box in it) when the task's box is one
+    contiguous byte run of a contiguous destination of the saved dtype; else None."""
     dest = t.dest
     if dest.dtype != t.dtype or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
         return None  # a lazy conj/neg view has no plain bytes to copy into: copy_ through it
+    if t.inter == t.dest_box:  # the whole destination (a load with the saved sharding)
+        return dest, 0
     dbox = Box(tuple(t.dest_box.offsets), tuple(t.dest_box.sizes))
     d0, d1 = byte_range(dbox, t.inter, t.itemsize)
     if d1 - d0 != t.inter.volume * t.itemsize:
         return None
-    return dest.reshape(-1).view(torch.uint8), d0
+    return dest, d0
 
 
 def _split_box(chunk: Box, box: Box, itemsize: int, limit: int) -> Iterator[Box]:
@@ -149,20 +173,26 @@ def _split_box(chunk: Box, box: Box, itemsize: int, limit: int) -> Iterator[Box]
 def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     """The units of task ``t``: its bytes (widened to checksum blocks) cut into parts that each
     fit ``limit`` bytes, cut at checksum block boundaries."""
-    chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
     nbytes = t.chunk.nbytes
     flat = _flat_dest(t)
-    start, end = byte_range(chunk, t.inter, t.itemsize)
-    if flat is not None and end - start == t.inter.volume * t.itemsize:
-        dest_u8, d0 = flat
+    inter = t.inter
+    if flat is not None and tuple(t.chunk.offsets) == inter.offsets and tuple(t.chunk.sizes) == inter.sizes:
+        chunk, start, end = None, 0, nbytes  # the whole chunk (a load with the saved sharding)
+    else:
+        chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
+        start, end = byte_range(chunk, inter, t.itemsize)
+    if flat is not None and end - start == inter.volume * t.itemsize:
+        dest, d0 = flat
         lo, hi = expand_to_blocks(start, end, block, nbytes) if verify else (start, end)
         step = limit if not verify else max(block, limit // block * block)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             s, e = max(a, start), min(b, end)
-            yield _Unit(t, a, b, s, e, dest_u8, d0 + s - start, None, t.chunk.offset + a)
+            yield _Unit(t, a, b, s, e, dest, d0 + s - start, None, t.chunk.offset + a)
         return
     # Strided: the box is cut into sub-boxes whose widened byte ranges fit ``limit``.
+    if chunk is None:
+        chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
     inner = limit - 2 * block if verify else limit
     for sub in _split_box(chunk, t.inter, t.itemsize, max(inner, t.itemsize)):
         s, e = byte_range(chunk, sub, t.itemsize)
@@ -207,8 +237,13 @@ class _Outcome:
         self.touched: set[str] = set()
         self.bytes_read = 0
         self.segments = 0
-        self.free = [s for s in reversed(segments) if not s.deps]   # popped from the end: file order
-        self.waiting = [s for s in segments if s.deps]
+        self.queue(segments)
+
+    def queue(self, segments: list[_Segment]) -> None:
+        """The segments the workers take (:meth:`next`)."""
+        with self.cond:
+            self.free = [s for s in reversed(segments) if not s.deps]   # popped from the end: file order
+            self.waiting = [s for s in segments if s.deps]
 
     def failed(self) -> bool:
         return self.error is not None
@@ -277,8 +312,9 @@ def _copy(seg: _Segment, buf: torch.Tensor) -> None:
     for u in seg.units:
         t = u.task
         x = u.at - seg.offset + (u.start - u.lo)
-        if u.dest_u8 is not None:
-            u.dest_u8[u.dest_off:u.dest_off + u.end - u.start].copy_(buf[x:x + u.end - u.start])
+        if u.flat is not None:
+            dest_u8 = u.flat.reshape(-1).view(torch.uint8)
+            dest_u8[u.dest_off:u.dest_off + u.end - u.start].copy_(buf[x:x + u.end - u.start])
             continue
         flat = buf[x:x + u.end - u.start]
         if x % t.itemsize:  # unaligned in the file (a DCP checkpoint packs chunks tight)
@@ -348,6 +384,13 @@ class _Session:
         with self._lock:
             self._idle.append(buf)
 
+    def drop_idle(self) -> None:
+        """Unmap the idle buffers (between two fills of the block; taken again when needed)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for b in idle:
+            b.close()
+
     def close(self) -> None:
         """Join the threads and unmap the buffers; the session can be used again afterwards."""
         pool, self._pool = self._pool, None
@@ -382,6 +425,97 @@ def reading() -> Iterator[None]:
         _malloc_trim()
 
 
+def _pipelined(seg: _Segment) -> bool:
+    """True when every unit of ``seg`` is a flat copy into CPU memory (the C pipeline's memcpy)
+    and nothing orders it after other tasks; strided boxes, device destinations and ordered
+    segments (a chain's delta rows) go through the workers."""
+    return not seg.deps and all(u.flat is not None and u.flat.device.type == "cpu" for u in seg.units)
+
+
+def _pack(segs: list[_Segment], size: int, block: int, verify: bool):
+    """The packed plan of _uring.Reader.fill for one file's segments, and per check the (task,
+    block index) it verifies (to name a mismatch)."""
+    seg_rec, chk_rec, cpy_rec, dst_rec = bytearray(), bytearray(), bytearray(), bytearray()
+    meta: list[tuple[Any, int]] = []
+    ncopies = 0
+    for s in segs:
+        c0, p0 = len(meta), ncopies
+        for u in s.units:
+            t = u.task
+            base = u.at - s.offset
+            if verify:
+                crcs = t.chunk.crcs
+                for b in range(u.lo // block, -(-u.hi // block)):
+                    chk_rec += _CHECK.pack(base + b * block - u.lo, min(block, u.hi - b * block), crcs[b])
+                    meta.append((t, b))
+            if u.end > u.start:
+                d = u.flat
+                cpy_rec += _COPY.pack(u.dest_off, ncopies, base + u.start - u.lo, u.end - u.start, 0)
+                dst_rec += _DEST.pack(d.data_ptr(), d.numel() * d.element_size())
+                ncopies += 1
+        seg_rec += _SEG.pack(s.offset, s.end - s.offset, min(s.end, size) - s.offset, c0, len(meta) - c0,
+                             p0, ncopies - p0)
+    return bytes(seg_rec), bytes(chk_rec), bytes(cpy_rec), bytes(dst_rec), meta
+
+
+def _run_pipeline(path: str, segs: list[_Segment], reader, buf, slot: int, block: int, verify: bool,
+                  outcome: "_Outcome") -> None:
+    """Read, verify and copy ``segs`` of one file with the C pipeline; record what was copied and
+    the first failure in ``outcome``."""
+    seg_rec, chk_rec, cpy_rec, dst_rec, meta = _pack(segs, reader.size, block, verify)
+    done = bytearray(len(segs))
+    try:
+        bad = reader.fill_segments(buf, slot, seg_rec, chk_rec, cpy_rec, dst_rec, done)
+    except BaseException as exc:  # noqa: BLE001 - raised by fill() with what was filled
+        outcome.fail(exc)
+        bad = None
+    for s, ok in zip(segs, done):
+        if ok:
+            outcome.copied([u.task.fqn for u in s.units], min(s.end, reader.size) - s.offset)
+    if bad is not None:
+        _, k, got = bad
+        t, b = meta[k]
+        outcome.fail(_Bad(path, t, b, block, got))
+
+
+def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader, bufsize: int, block: int,
+              verify: bool, outcome: "_Outcome", before_map: Callable[[], None] = lambda: None) -> list[_Segment]:
+    """Run every segment the C pipeline can take (see :func:`_pipelined`), one file at a time in
+    this thread, through ``PIPELINE_SLOTS`` slots of ``bufsize`` bytes (mmapped here, unmapped
+    before returning). Returns the segments left for the workers: strided or device ones, and all
+    of a file whose reader has no ``fill_segments`` (an object store, the buffered backend)."""
+    rest: list[_Segment] = []
+    mm = None
+    try:
+        for segs in plans:
+            mine = [s for s in segs if _pipelined(s)]
+            rest.extend(s for s in segs if not _pipelined(s))
+            if not mine or outcome.failed():
+                continue
+            path = paths[mine[0].file_index]
+            try:
+                reader = open_reader(path)
+            except BaseException as exc:  # noqa: BLE001 - raised by fill() with what was filled
+                outcome.fail(exc)
+                break
+            try:
+                if not getattr(reader, "supports_fill", False):
+                    rest.extend(mine)
+                    continue
+                if mm is None:
+                    before_map()
+                    mm = mmap.mmap(-1, PIPELINE_SLOTS * bufsize)
+                _run_pipeline(path, mine, reader, mm, bufsize, block, verify, outcome)
+            finally:
+                reader.close()
+            if outcome.failed():
+                break
+    finally:
+        if mm is not None:
+            mm.close()
+    return rest
+
+
 def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int, verify: bool,
          open_reader: Callable[[str], Any], align: int) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
@@ -414,12 +548,24 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
     for s in segments:
         deps = {u.task.after for u in s.units if getattr(u.task, "after", None) is not None}
         s.deps = frozenset(deps & firsts)
-    outcome = _Outcome(counts, segments)
-    nworkers = max(1, min(WORKERS, len(segments)))
+    outcome = _Outcome(counts, [])
     session = _SESSION.get()
     own = session is None
     if own:
         session = _Session()
+    # The C pipeline first (segments without dependencies, in this thread); what it cannot take
+    # goes to the workers, after it: a segment ordered after a pipelined task finds it copied.
+    plans = [[s for s in segments if s.file_index == fi] for fi in sorted(by_file)]
+    # The slots are mapped only while no worker buffer is: a session's idle ones are unmapped first.
+    rest = _pipeline(paths, plans, open_reader, bufsize, block, verify, outcome, before_map=session.drop_idle)
+    if outcome.error is not None:
+        stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
+        if own:
+            session.close()
+            _malloc_trim()
+        raise _typed(outcome)
+    outcome.queue(rest)
+    nworkers = max(1, min(WORKERS, len(rest)))
 
     def work() -> None:
         bounce = session.take(bufsize)
@@ -455,8 +601,9 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
             session.give(bounce)
 
     try:
-        for f in session.submit(work, nworkers):
-            f.result()
+        if rest:
+            for f in session.submit(work, nworkers):
+                f.result()
     finally:
         if own:
             session.close()

@@ -415,7 +415,7 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
                     continue
                 cast_names[fqn] = f"{saved.dtype}->{want_dtype}"
             dtype = dtype_from_name(saved.dtype, path=path)
-            chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in saved.chunks]
+            chunks = None
             for piece in item.pieces:
                 want = Box(tuple(piece.offsets), tuple(piece.sizes))
                 if want.volume == 0:
@@ -425,6 +425,13 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
                     # Read into a buffer of the saved dtype; converted after the verified read.
                     dest = torch.empty(tuple(piece.sizes), dtype=dtype)
                     casts.append((dest, piece.tensor))
+                if (len(saved.chunks) == 1 and tuple(saved.chunks[0].sizes) == want.sizes
+                        and tuple(saved.chunks[0].offsets) == want.offsets):
+                    # The saved sharding (the common case): plan_reads would return this one piece.
+                    tasks.append(_Task(fqn, saved.chunks[0], want, dest, want, dtype.itemsize, dtype))
+                    continue
+                if chunks is None:
+                    chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in saved.chunks]
                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize):
                     tasks.append(_Task(fqn, rp.payload, rp.box, dest, want, dtype.itemsize, dtype))
         else:

@@ -55,9 +55,9 @@ N_BIG = 8
 
 
 def big_rows(size: int, small: int) -> int:
-    rest = max(size - small * ROW_ELEMS * 4, N_BIG * 6 * ROW_ELEMS * 4)
+    rest = max(size - small * ROW_ELEMS * 4, N_BIG * 12 * ROW_ELEMS * 4)
     rows = rest // (N_BIG * ROW_ELEMS * 4)
-    return max(6, rows - rows % 6)  # divisible by 2 and 3: even shards for 2- and 3-rank layouts
+    return max(12, rows - rows % 12)  # divisible by 2, 3 and 4: even shards for 2-, 3- and 4-rank layouts
 
 
 def make_state(size: int, small: int, rank: int, world: int, mesh=None, zeros: bool = False) -> dict:

@@ -1,14 +1,16 @@
 """Cold-load profile (issue 14): one rank, distckpt.load vs fio's O_DIRECT read of the same files.
 
     .venv/bin/python launch/bench_cold.py DIR [--size 512M] [--small 1000] [--repeat 7]
-                                          [--baseline-fill OLD_FILL.py]
+                                          [--baseline-fill OLD_FILL.py] [--baseline-repo OLD_CHECKOUT]
 
 Saves one checkpoint into DIR (the state of launch/bench_load.py's ``1 -> 1`` case), then, for
 ``--repeat`` repetitions, interleaved with the order rotated: fio reads its data files with
 O_DIRECT (io_uring, 4 MiB blocks, iodepth 8) and distckpt.load fills the state, verification on;
 each after ``sync; echo 3 > /proc/sys/vm/drop_caches``. ``--baseline-fill`` also times the same
 load with another version of ``distckpt/fill.py`` (e.g. ``git show REV:distckpt/fill.py >
-old_fill.py``), side by side in the same run.
+old_fill.py``), side by side in the same run. ``--baseline-repo`` times the same load with a whole
+other checkout of the repository (e.g. ``git worktree add --detach OLD REV`` with its C extension
+built), in a child process started once and driven between the other rows.
 
 Per load it prints where the time went: reading + checking MANIFEST, planning, the fill (reads,
 checksums, copies), and the CPU the fill's threads used against the time they were runnable
@@ -33,7 +35,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))
+# The --baseline-repo child imports distckpt from the other checkout.
+sys.path.insert(1, os.environ.get("BENCH_COLD_REPO") or os.path.dirname(HERE))
 
 from bench import drop_caches, make_state, parse_size  # noqa: E402
 
@@ -104,6 +107,45 @@ class _Phases:
         return {"s": wall, **self.t, "cpu_run": run / 1e9, "cpu_wait": wait / 1e9}
 
 
+def _serve(path: str, size: int, small: int) -> None:
+    """--serve: the --baseline-repo child. Loads ``path`` (cold) once per "load" line on stdin and
+    answers one JSON line of timings."""
+    import torch
+
+    import distckpt
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    dst = make_state(size, small, 0, 1, zeros=True)
+    distckpt.load(dst, path)  # warm-up: imports, backend probe
+    phases = _Phases()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "load":
+            break
+        drop_caches()
+        print(json.dumps(phases.load(lambda: distckpt.load(dst, path))), flush=True)
+
+
+class _Baseline:
+    """A child process running this script with another checkout first on sys.path."""
+
+    def __init__(self, repo: str, path: str, size: str, small: int) -> None:
+        env = dict(os.environ, BENCH_COLD_REPO=os.path.abspath(repo))
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "-", "--serve", path, "--size", size,
+                                   "--small", str(small)], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        if self.p.stdout.readline().strip() != "ready":
+            raise RuntimeError("the --baseline-repo child did not start")
+
+    def load(self) -> dict:
+        self.p.stdin.write("load\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("directory")
@@ -111,8 +153,13 @@ def main(argv=None) -> int:
     ap.add_argument("--small", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--baseline-fill", default=None, help="another distckpt/fill.py to time side by side")
+    ap.add_argument("--baseline-repo", default=None, help="another checkout of the repository to time side by side")
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.serve:
+        _serve(args.serve, parse_size(args.size), args.small)
+        return 0
 
     import torch
 
@@ -140,10 +187,16 @@ def main(argv=None) -> int:
         rows: dict[str, list[dict]] = {"fio O_DIRECT read": []}
         loadavg = []
         names = ["fio O_DIRECT read"] + list(fills)
+        baseline = None
+        if args.baseline_repo:
+            baseline = _Baseline(args.baseline_repo, path, args.size, args.small)
+            names.append(f"distckpt cold, {os.path.basename(os.path.normpath(args.baseline_repo))}")
         for rep in range(args.repeat):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
-                if name in fills:
+                if baseline is not None and name == names[-1]:
+                    rows.setdefault(name, []).append(baseline.load())
+                elif name in fills:
                     sys.modules["distckpt.fill"] = fills[name]  # restore imports it at each load
                     try:
                         drop_caches()
@@ -154,6 +207,8 @@ def main(argv=None) -> int:
                     rows[name].append({"s": _fio(files)})
             with open("/proc/loadavg") as f:
                 loadavg.append(float(f.read().split()[0]))
+        if baseline is not None:
+            baseline.close()
         fio_s = statistics.median(r["s"] for r in rows["fio O_DIRECT read"])
         print(f"cold load of {nbytes / 2**30:.2f} GiB ({len(files)} data file(s)), 1 rank, verify on, "
               f"{args.repeat} repetitions interleaved; load average {min(loadavg):.1f}..{max(loadavg):.1f}; "
@@ -167,7 +222,7 @@ def main(argv=None) -> int:
             med = statistics.median(s)
             row = {"median": med, "min": min(s), "max": max(s)}
             cells = [f"{med:.3f} ({min(s):.3f}..{max(s):.3f})", f"{nbytes / med / 1e6:.0f}", f"{fio_s / med:.2f}x"]
-            if name in fills:
+            if name != "fio O_DIRECT read":
                 for key in ("manifest", "plan", "fill", "cpu_run", "cpu_wait"):
                     row[key] = statistics.median(r[key] for r in rs)
                 cells += [f"{row['manifest']:.3f}", f"{row['plan']:.3f}", f"{row['fill']:.3f}",

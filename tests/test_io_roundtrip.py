@@ -353,3 +353,60 @@ def test_staging_ring_arguments_are_checked(ext4_dir):
         with pytest.raises(ValueError, match="stage_block"):
             _uring.Writer(os.path.join(ext4_dir, "x.bin"), block_size=SMALL_BLOCK, queue_depth=8, **kw)
         assert not os.path.exists(os.path.join(ext4_dir, "x.bin"))
+
+
+@pytest.mark.parametrize("lead", [0, 100])  # 0: page-aligned source at an aligned position (zero-copy)
+def test_write_checksummed_matches_block_crcs(choice, ext4_dir, lead):
+    """write_checksummed computes, in the write's own pass, the checksums save records: equal to
+    manifest.block_crcs for every path (zero-copy, staged, buffered) and block/length mix."""
+    from distckpt import manifest as mf
+    rng = random.Random(lead)
+    path = os.path.join(ext4_dir, "c.bin")
+    expect = b"x" * lead
+    with dio.open_writer(path, choice=choice) as w:
+        w.write(expect)
+        for n, block in [(0, 4096), (1, 4096), (5 * SMALL_BLOCK + 77, 16 << 10), (9 * SMALL_BLOCK, 64 << 10),
+                         (3 * SMALL_BLOCK, 1 << 20)]:
+            if lead == 0:
+                w.pad_to(4096)
+                expect += bytes(-len(expect) % 4096)
+            src = mmap.mmap(-1, max(n, 1))
+            src[:n] = rng.randbytes(n)
+            data = memoryview(src)[:n]
+            assert w.write_checksummed(data, block) == mf.block_crcs(bytes(data), block), (n, block)
+            expect += bytes(data)
+            data.release()
+    with open(path, "rb") as f:
+        assert f.read() == expect
+
+
+@pytest.mark.parametrize("lead", [1, 64, 511, 4095])
+def test_pad_for_places_misaligned_sources_for_zero_copy(choice, ext4_dir, lead):
+    """A large source that starts ``lead`` bytes past a page (torch's large tensors: 64) is placed
+    so that its first aligned byte lands on an aligned file position: the head is staged, the
+    rest written from the source; the file holds exactly the bytes at the offsets returned."""
+    rng = random.Random(lead)
+    path = os.path.join(ext4_dir, "p.bin")
+    src = mmap.mmap(-1, 4 * SMALL_BLOCK + 8192)
+    src[:] = rng.randbytes(len(src))
+    chunks = []
+    with dio.open_writer(path, choice=choice) as w:
+        end = w.write(b"y" * 333)
+        for n in (3 * SMALL_BLOCK + 5, 100, 2 * SMALL_BLOCK):
+            data = memoryview(src)[lead:lead + n]
+            off = w.pad_for(data)
+            aligned = -(-end // w.alignment) * w.alignment
+            assert aligned <= off < aligned + choice.offset_align  # at most offset_align - 1 more
+            if choice.name != "buffered" and n >= SMALL_BLOCK + choice.mem_align:
+                # the source's first mem-aligned byte is at an offset-aligned file position
+                assert (off + (-_uring.address(data) % choice.mem_align)) % choice.offset_align == 0
+            crcs = w.write_checksummed(data, 16 << 10)
+            end = off + n
+            chunks.append((off, bytes(data), crcs))
+            data.release()
+    with open(path, "rb") as f:
+        out = f.read()
+    from distckpt import manifest as mf
+    for off, want, crcs in chunks:
+        assert out[off:off + len(want)] == want
+        assert crcs == mf.block_crcs(want, 16 << 10)

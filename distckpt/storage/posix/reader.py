@@ -137,6 +137,46 @@ class Reader:
             self.close()
             raise from_os_error(exc, path=self.path, operation="read") from exc
 
+    @property
+    def supports_fill(self) -> bool:
+        """True when :meth:`fill_segments` can run (an O_DIRECT backend; not the buffered one)."""
+        return self._c is not None
+
+    def fill_segments(self, buffer, slot: int, segments: bytes, checks: bytes, copies: bytes, dests: bytes,
+                      done: bytearray):
+        """Run the C read pipeline (``_uring.Reader.fill``, see csrc/uring.c): read every segment
+        into a slot of ``buffer`` (every free slot's read in flight; a segment whose pages are all
+        cached is read with a buffered pread instead), check its crc32c blocks, and only then copy
+        its byte runs into the destinations. ``done[i]`` becomes 1 once segment ``i`` was copied.
+
+        Returns None, or ``(segment, check, crc found)`` for the first checksum mismatch (nothing
+        of that segment, and nothing after it, was copied).
+
+        Raises:
+            ValueError: the packed plan does not fit the buffer, the reads or the destinations
+                (checked before any I/O), or the reader is closed / has no O_DIRECT backend.
+            DataFileTruncatedError: the file ended before a segment's bytes (the reader is closed).
+            StorageError subclass: a read failed (the reader is closed).
+        """
+        if self._c is None:
+            raise ValueError(f"reader for {self.path} is closed or has no O_DIRECT backend")
+        try:
+            cached, direct, bad = self._c.fill(buffer, slot, segments, checks, copies, dests, done,
+                                               self._fd if self._use_cache else -1)
+        except EOFError as exc:
+            found = self._current_size()
+            self.close()
+            raise DataFileTruncatedError(
+                f"data file shrank while reading: {exc}; it is now {found} bytes",
+                path=self.path, expected=self.size, found=found,
+            ) from exc
+        except OSError as exc:
+            self.close()
+            raise from_os_error(exc, path=self.path, operation="read") from exc
+        self.cached_bytes += cached
+        self.direct_bytes += direct
+        return bad
+
     def _pread_into(self, offset: int, nbytes: int, dest) -> None:
         view = memoryview(dest).cast("B")
         if view.nbytes < nbytes:

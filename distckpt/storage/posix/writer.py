@@ -42,6 +42,10 @@ class Writer:
         self.backend = choice.name
         self.alignment = choice.alignment
         self.durable = durable
+        # pad_for(): sources of at least this many bytes are written zero-copy (0: never).
+        self._zero_copy = choice.native_kwargs()["block_size"] if choice.name != "buffered" and choice.mem_align else 0
+        self._mem_align = choice.mem_align
+        self._offset_align = choice.offset_align
         self._size: int | None = None
         self._c = None
         self._fd = -1
@@ -135,6 +139,44 @@ class Writer:
         except OSError as exc:
             raise self._fail(exc, "write") from exc
         return self._pos
+
+    def write_checksummed(self, data, block: int) -> tuple[int, ...]:
+        """:meth:`write` ``data``, and return the crc32c of each ``block`` bytes of it (the last
+        one partial; ``()`` for empty data), as ``manifest.block_crcs`` computes them. With an
+        O_DIRECT backend the checksums are computed in C while the bytes are written (one pass
+        over them, none while the disk waits). Raises what :meth:`write` raises."""
+        self._check_open()
+        if self._c is None:
+            view = memoryview(data).cast("B")
+            crcs = tuple(_uring.crc32c(view[i:i + block]) for i in range(0, view.nbytes, block))
+            self.write(view)
+            return crcs
+        try:
+            self._pos, crcs = self._c.write_checksummed(data, block)
+        except OSError as exc:
+            raise self._fail(exc, "write") from exc
+        return crcs
+
+    def pad_for(self, data, alignment: int | None = None) -> int:
+        """Pad before a chunk whose bytes are ``data``, so that it can be written zero-copy, and
+        return the chunk's offset: :meth:`pad_to` ``alignment``, and, when ``data`` is large
+        enough for zero-copy writes but does not start on an O_DIRECT memory boundary (torch's
+        large CPU tensors start 64 bytes past a page), a few more zero bytes (less than the
+        offset alignment) so that its first aligned byte lands on an aligned file position:
+        the writer stages the bytes before it and writes the rest straight from ``data``.
+        Chunk offsets need no alignment (readers widen their reads). Raises like :meth:`write`."""
+        pos = self.pad_to(alignment)
+        n = memoryview(data).nbytes
+        if self._zero_copy and n >= self._zero_copy + self._mem_align:
+            head = -_uring.address(data) % self._mem_align
+            extra = -head % self._offset_align
+            if head and extra:
+                self._check_open()
+                try:
+                    self._pos = pos = self._c.zeros(extra)
+                except OSError as exc:
+                    raise self._fail(exc, "write") from exc
+        return pos
 
     def pad_to(self, alignment: int | None = None) -> int:
         """Append zero bytes up to the next multiple of ``alignment`` (default ``self.alignment``).
