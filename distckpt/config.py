@@ -24,8 +24,8 @@ about once per process, naming the closest known variable: a silently ignored se
 |                             |          | before RanksMissingError (a call made on some ranks only)  |
 | DISTCKPT_STAGING_POOL_BYTES | (none)   | largest idle async staging arena kept for reuse; 0: free   |
 |                             |          | every arena when its save ends (none: keep one, any size)  |
-| DISTCKPT_DEVICE_STAGING     | 16M      | pinned host memory a sync save of GPU tensors streams them |
-|                             |          | through (4 slots; copies overlap writes: distckpt.devstage)|
+| DISTCKPT_DEVICE_STAGING     | 64M      | pinned host memory a sync save of GPU tensors streams them |
+|                             |          | through (2 slots; copies overlap writes: distckpt.devstage)|
 
 Object stores (read by distckpt.storage.objectstore at each save):
 
@@ -79,7 +79,7 @@ class Config:
     preflight: bool = True
     arrival_timeout_s: float = 60.0
     staging_pool_bytes: int | None = None
-    device_staging: int = 16 << 20
+    device_staging: int = 64 << 20
 
 
 def _int(env: dict, name: str, default: int, *, lo: int, hi: int, power_of_two: bool = False) -> int:
@@ -182,7 +182,7 @@ def load_config(env: dict | None = None) -> Config:
         preflight=preflight_raw == "1",
         arrival_timeout_s=arrival,
         staging_pool_bytes=pool,
-        device_staging=_size(env, "DISTCKPT_DEVICE_STAGING", 16 << 20, lo=256 << 10, hi=1 << 40),
+        device_staging=_size(env, "DISTCKPT_DEVICE_STAGING", 64 << 20, lo=256 << 10, hi=1 << 40),
     )
 
 

@@ -13,8 +13,8 @@ Invariants:
     the piece's (:func:`distckpt.manifest.block_crcs`).
   * Ordering: the side stream first waits for each device's current stream, so every kernel the
     caller queued before ``save()`` has written its tensors before they are copied.
-  * Memory: ``DISTCKPT_DEVICE_STAGING`` bytes of pinned host memory (default 16 MiB: 4 slots of
-    4 MiB, one O_DIRECT request each), page-locked for the save and given back when it ends
+  * Memory: ``DISTCKPT_DEVICE_STAGING`` bytes of pinned host memory (default 64 MiB: 2 slots of
+    32 MiB, eight 4 MiB O_DIRECT requests each), page-locked for the save and given back when it ends
     (nothing held between saves); a piece larger than a slot streams through the ring in parts.
   * A part's memoryview is valid until the next part is asked for; the writer copies or writes it
     before ``write()`` returns (:mod:`distckpt.storage.posix.writer`), so the slot is free then.
@@ -33,7 +33,10 @@ __all__ = ["DeviceStager", "needs_staging"]
 
 log = logging.getLogger("distckpt")
 
-SLOTS = 4
+# Two slots: one being written while the next is filled. A slot is one writer call; the writer keeps
+# up to DISTCKPT_QUEUE_DEPTH requests of it in flight (4 MiB slots, one request each, left an H100
+# machine's disk at queue depth 1: 0.73x fio against 0.86x for whole-piece copies).
+SLOTS = 2
 _ALIGN = 4096  # parts start on a page: the O_DIRECT writer writes them without another copy
 
 
