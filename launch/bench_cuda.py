@@ -7,8 +7,11 @@ tensors of 16 KiB, all on cuda:0, random data. Every repetition, interleaved:
   synchronize): the floor of any save of this state, and what async_save's blocking part pays.
 * ``fio write``: fio's O_DIRECT io_uring write of the same bytes (4 MiB blocks, iodepth 8,
   end_fsync): the disk's floor (when fio is on PATH).
-* ``distckpt.save (cuda)``: a sync save of the GPU state; ``distckpt.save (host copy)``: the same
-  bytes already in host memory (what the write costs without any device copy).
+* ``distckpt.save (cuda)``: a sync save of the GPU state (through the pinned ring of
+  distckpt.devstage); ``no ring``: the same with the ring switched off (one blocking copy of each
+  whole piece into torch's pinned memory, then its write); ``host copy``: the same bytes already in
+  host memory (what the write costs without any device copy). Host memory each GPU save adds
+  (VmHWM reset through /proc/self/clear_refs) and keeps after it is printed too.
 * ``distckpt.async_save``: the time the call blocks the caller, and the time until result().
 * ``torch.save + fsync`` and ``DCP save`` of the GPU state.
 * Loads into GPU destinations, page cache dropped first (root): distckpt, DCP; and distckpt into
