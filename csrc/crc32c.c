@@ -93,52 +93,48 @@ static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t len)
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 
+/* Three interleaved crc32 streams over lanes of ``lane`` bytes (the instruction's latency is
+   three times its throughput), combined by shifting through ``zeros`` (lane bytes of zeros). */
+__attribute__((target("sse4.2"))) static inline uint64_t crc_lanes(uint64_t crc0, const unsigned char **pnext,
+                                                                 size_t *plen, size_t lane,
+                                                                 uint32_t zeros[4][256])
+{
+    const unsigned char *next = *pnext;
+    size_t len = *plen;
+    while (len >= lane * 3) {
+        uint64_t crc1 = 0, crc2 = 0;
+        const unsigned char *end = next + lane;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, next, 8);
+            memcpy(&b, next + lane, 8);
+            memcpy(&c, next + 2 * lane, 8);
+            crc0 = _mm_crc32_u64(crc0, a);
+            crc1 = _mm_crc32_u64(crc1, b);
+            crc2 = _mm_crc32_u64(crc2, c);
+            next += 8;
+        } while (next < end);
+        crc0 = shift(zeros, (uint32_t)crc0) ^ (uint32_t)crc1;
+        crc0 = shift(zeros, (uint32_t)crc0) ^ (uint32_t)crc2;
+        next += 2 * lane;
+        len -= 3 * lane;
+    }
+    *pnext = next;
+    *plen = len;
+    return crc0;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *next, size_t len)
 {
-    const unsigned char *end;
-    uint64_t crc0 = ~crc & 0xffffffffu, crc1, crc2;
+    uint64_t crc0 = ~crc & 0xffffffffu;
     uint64_t w;
 
     while (len && ((uintptr_t)next & 7)) {
         crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
         len--;
     }
-    while (len >= LONG * 3) {
-        crc1 = crc2 = 0;
-        end = next + LONG;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, next, 8);
-            memcpy(&b, next + LONG, 8);
-            memcpy(&c, next + 2 * LONG, 8);
-            crc0 = _mm_crc32_u64(crc0, a);
-            crc1 = _mm_crc32_u64(crc1, b);
-            crc2 = _mm_crc32_u64(crc2, c);
-            next += 8;
-        } while (next < end);
-        crc0 = shift(long_zeros, (uint32_t)crc0) ^ (uint32_t)crc1;
-        crc0 = shift(long_zeros, (uint32_t)crc0) ^ (uint32_t)crc2;
-        next += 2 * LONG;
-        len -= 3 * LONG;
-    }
-    while (len >= SHORT * 3) {
-        crc1 = crc2 = 0;
-        end = next + SHORT;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, next, 8);
-            memcpy(&b, next + SHORT, 8);
-            memcpy(&c, next + 2 * SHORT, 8);
-            crc0 = _mm_crc32_u64(crc0, a);
-            crc1 = _mm_crc32_u64(crc1, b);
-            crc2 = _mm_crc32_u64(crc2, c);
-            next += 8;
-        } while (next < end);
-        crc0 = shift(short_zeros, (uint32_t)crc0) ^ (uint32_t)crc1;
-        crc0 = shift(short_zeros, (uint32_t)crc0) ^ (uint32_t)crc2;
-        next += 2 * SHORT;
-        len -= 3 * SHORT;
-    }
+    crc0 = crc_lanes(crc0, &next, &len, LONG, long_zeros);
+    crc0 = crc_lanes(crc0, &next, &len, SHORT, short_zeros);
     while (len >= 8) {
         memcpy(&w, next, 8);
         crc0 = _mm_crc32_u64(crc0, w);
