@@ -98,6 +98,28 @@ def drop_caches() -> bool:
         return False
 
 
+class BaselineChild:
+    """A benchmark script run again in a child process with another checkout first on sys.path
+    (``env_var`` names that checkout to the child), driven line by line: the child prints "ready",
+    then answers each ``call(verb)`` with one JSON line; closing its stdin ends it."""
+
+    def __init__(self, script: str, env_var: str, repo: str, argv: list[str]) -> None:
+        env = dict(os.environ, **{env_var: os.path.abspath(repo)})
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(script), *argv], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.p.stdout.readline().strip() != "ready":
+            raise RuntimeError("the --baseline-repo child did not start")
+
+    def call(self, verb: str) -> dict:
+        self.p.stdin.write(verb + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
 def rm(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)

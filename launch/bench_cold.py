@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
 sys.path.insert(1, os.environ.get("BENCH_COLD_REPO") or os.path.dirname(HERE))
 
-from bench import drop_caches, make_state, parse_size  # noqa: E402
+from bench import BaselineChild, drop_caches, make_state, parse_size  # noqa: E402
 
 
 def _fio(files: list[str]) -> float:
@@ -125,27 +125,6 @@ def _serve(path: str, size: int, small: int) -> None:
         print(json.dumps(phases.load(lambda: distckpt.load(dst, path))), flush=True)
 
 
-class _Baseline:
-    """A child process running this script with another checkout first on sys.path."""
-
-    def __init__(self, repo: str, path: str, size: str, small: int) -> None:
-        env = dict(os.environ, BENCH_COLD_REPO=os.path.abspath(repo))
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "-", "--serve", path, "--size", size,
-                                   "--small", str(small)], env=env, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-        if self.p.stdout.readline().strip() != "ready":
-            raise RuntimeError("the --baseline-repo child did not start")
-
-    def load(self) -> dict:
-        self.p.stdin.write("load\n")
-        self.p.stdin.flush()
-        return json.loads(self.p.stdout.readline())
-
-    def close(self) -> None:
-        self.p.stdin.close()
-        self.p.wait(timeout=60)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("directory")
@@ -189,13 +168,14 @@ def main(argv=None) -> int:
         names = ["fio O_DIRECT read"] + list(fills)
         baseline = None
         if args.baseline_repo:
-            baseline = _Baseline(args.baseline_repo, path, args.size, args.small)
+            baseline = BaselineChild(__file__, "BENCH_COLD_REPO", args.baseline_repo,
+                                     ["-", "--serve", path, "--size", args.size, "--small", str(args.small)])
             names.append(f"distckpt cold, {os.path.basename(os.path.normpath(args.baseline_repo))}")
         for rep in range(args.repeat):
             k = rep % len(names)
             for name in names[k:] + names[:k]:
                 if baseline is not None and name == names[-1]:
-                    rows.setdefault(name, []).append(baseline.load())
+                    rows.setdefault(name, []).append(baseline.call("load"))
                 elif name in fills:
                     sys.modules["distckpt.fill"] = fills[name]  # restore imports it at each load
                     try:

@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
 sys.path.insert(1, os.environ.get("BENCH_SAVE_REPO") or os.path.dirname(HERE))
 
-from bench import make_state, parse_size, state_bytes  # noqa: E402
+from bench import BaselineChild, make_state, parse_size, state_bytes  # noqa: E402
 
 
 def _fio(directory: str, nbytes: int) -> float:
@@ -92,25 +92,6 @@ def _serve(directory: str, size: int, small: int) -> None:
         print(json.dumps(saver.save()), flush=True)
 
 
-class _Baseline:
-    def __init__(self, repo: str, directory: str, size: str, small: int) -> None:
-        env = dict(os.environ, BENCH_SAVE_REPO=os.path.abspath(repo))
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), directory, "--serve",
-                                   "--size", size, "--small", str(small)], env=env, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-        if self.p.stdout.readline().strip() != "ready":
-            raise RuntimeError("the --baseline-repo child did not start")
-
-    def save(self) -> dict:
-        self.p.stdin.write("save\n")
-        self.p.stdin.flush()
-        return json.loads(self.p.stdout.readline())
-
-    def close(self) -> None:
-        self.p.stdin.close()
-        self.p.wait(timeout=60)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("directory")
@@ -133,7 +114,8 @@ def main(argv=None) -> int:
         saver = _Saver(work, size, args.small)
         names = ["fio O_DIRECT write", "distckpt.save"]
         if args.baseline_repo:
-            baseline = _Baseline(args.baseline_repo, work, args.size, args.small)
+            baseline = BaselineChild(__file__, "BENCH_SAVE_REPO", args.baseline_repo,
+                                     [work, "--serve", "--size", args.size, "--small", str(args.small)])
             names.append(f"distckpt.save, {os.path.basename(os.path.normpath(args.baseline_repo))}")
         rows: dict[str, list[dict]] = {n: [] for n in names}
         loadavg = []
@@ -145,7 +127,7 @@ def main(argv=None) -> int:
                 elif name == names[1]:
                     rows[name].append(saver.save())
                 else:
-                    rows[name].append(baseline.save())
+                    rows[name].append(baseline.call("save"))
             with open("/proc/loadavg") as f:
                 loadavg.append(float(f.read().split()[0]))
         fio_s = statistics.median(r["s"] for r in rows[names[0]])
