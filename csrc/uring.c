@@ -1268,6 +1268,21 @@ static int reader_run(ReaderObject *r, struct piece *ps, size_t np, size_t *bad)
     return err;
 }
 
+/* 1 if ``r`` may start a read now; else 0 with ValueError (closed) or RuntimeError (another
+   thread is reading with it: the GIL is released during reads). */
+static int reader_usable(ReaderObject *r)
+{
+    if (r->closed) {
+        PyErr_SetString(PyExc_ValueError, "I/O operation on closed reader");
+        return 0;
+    }
+    if (r->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "reader is in use by another thread");
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *Reader_read_into(ReaderObject *r, PyObject *arg)
 {
     PyObject *seq = NULL, *result = NULL;
@@ -1277,14 +1292,8 @@ static PyObject *Reader_read_into(ReaderObject *r, PyObject *arg)
     size_t np = 0, cap = 0, bad = 0;
     int err;
 
-    if (r->closed) {
-        PyErr_SetString(PyExc_ValueError, "I/O operation on closed reader");
+    if (!reader_usable(r))
         return NULL;
-    }
-    if (r->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "reader is in use by another thread");
-        return NULL;
-    }
     seq = PySequence_Fast(arg, "read_into expects a sequence of (offset, nbytes, buffer)");
     if (!seq)
         return NULL;
@@ -1632,14 +1641,8 @@ static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
     if (!PyArg_ParseTuple(args, "OnOOOOOi:fill", &bufobj, &slot, &segobj, &chkobj, &cpyobj, &dstobj,
                           &doneobj, &cached_fd))
         return NULL;
-    if (r->closed) {
-        PyErr_SetString(PyExc_ValueError, "I/O operation on closed reader");
+    if (!reader_usable(r))
         return NULL;
-    }
-    if (r->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "reader is in use by another thread");
-        return NULL;
-    }
     if (PyObject_GetBuffer(bufobj, &vb, PyBUF_WRITABLE) != 0)
         goto out;
     if (PyObject_GetBuffer(doneobj, &vdone, PyBUF_WRITABLE) != 0)
