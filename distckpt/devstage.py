@@ -147,14 +147,16 @@ class DeviceStager:
             if placed and at + n > self.slot_bytes:
                 break
             t = self._tensors[pi]
-            flat = self._flat.get(pi)
-            if flat is None:
-                flat = self._flat[pi] = _flat_bytes(t)
-            if n:
-                stream = self._stream(flat.device)
-                with torch.cuda.stream(stream):
+            stream = self._stream(t.device)
+            # On the side stream: a non-contiguous piece's contiguous copy is then made after the
+            # caller's kernels (the stream waited for them) and before the DMA that reads it.
+            with torch.cuda.stream(stream):
+                flat = self._flat.get(pi)
+                if flat is None:
+                    flat = self._flat[pi] = _flat_bytes(t)
+                if n:
                     self._mem.buf[base + at:base + at + n].copy_(flat[start:start + n], non_blocking=True)
-                devices.add(flat.device)
+                    devices.add(t.device)
             placed.append((self._next_part, at))
             self._place[self._next_part] = (k, at)
             used = at + n
