@@ -19,7 +19,9 @@ every lazy import and the backend probe, so a forked rank goes straight to the s
 2. One trial per kill point: the same save under ``strace -f -p PID -e inject=NAME:signal=KILL:when=K``.
    The kernel delivers SIGKILL on entry to that call, so the call never runs and every earlier one
    did: the file system is left exactly as after the calls before it. The trace of the trial says
-   which call was really hit ("landed"); with 2 ranks the survivor is left to finish (it must see
+   which call was really hit ("landed"); when that is another call of the same name (a socket or
+   pipe read of the control plane ran once more or less than in the count run), K is moved by the
+   difference in calls that touch the root and the trial is run again. With 2 ranks the survivor is left to finish (it must see
    the peer vanish, within DISTCKPT_TIMEOUT_S) and its outcome recorded: a save() that returned on
    any rank acknowledged step 3, which must then be committed.
 3. After each kill: :func:`tests._crash_state.check_after_crash` (old or new, bit-exact, no
@@ -361,32 +363,70 @@ class Harness:
         with open(trace) as f:
             calls = parse_calls(f.read(), tid=run["victim_pid"], root=root)
         shutil.rmtree(root)
+        self.count_labels = collections.defaultdict(list)  # name -> the main thread's labels, in order
+        for name, _, label in calls:
+            self.count_labels[name].append(label)
         return phases(calls, self.victim)
+
+    def _realign(self, call: Call, k: int, trial: list[str]) -> int | None:
+        """The K to try next when the kill at ``when=k`` landed on another call than ``call``.
+
+        K counts every call of that name, and calls that touch no checkpoint file (a socket or
+        pipe read of the control plane, whose number depends on timing) vary between runs, while
+        the calls that touch the root come in the same order every time. So the target is the
+        r-th root-touching call of its name; ``trial`` (the labels of the trial's main-thread
+        calls of that name, the killed one last) says how many such calls ran before the kill, and
+        K moves by the difference. None: the root-touching calls themselves differ (a real
+        mismatch, reported as not landed)."""
+        r_count = sum("ROOT" in lb for lb in self.count_labels[call.name][:k])
+        r_trial = sum("ROOT" in lb for lb in trial)
+        if r_trial != r_count:
+            return k + (r_count - r_trial)
+        if trial and "ROOT" not in trial[-1]:
+            return k - 1   # the target already ran; the kill hit a later non-root call
+        return None
 
     def kill_at(self, call: Call) -> dict:
         trace = os.path.join(self.workdir, "kill.trace")
-        for attempt in range(3):
-            try:
-                run = self.run_save(["-e", f"trace={call.name}", "-e", f"inject={call.name}:signal=KILL:when={call.k}"],
-                                    trace)
+        k, tried = call.k, set()
+        while True:
+            for attempt in range(3):
+                try:
+                    run = self.run_save(["-e", f"trace={call.name}", "-e", f"inject={call.name}:signal=KILL:when={k}"],
+                                        trace)
+                    break
+                except AttachError as exc:
+                    print(f"kill point {call}: {exc}; again", file=sys.stderr)
+                    if attempt == 2:
+                        raise
+            tried.add(k)
+            status = run["victim_status"]
+            killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+            landed = None
+            main_labels: list[str] = []   # the victim's main thread, up to the kill
+            with open(trace) as f:
+                lines = f.read().splitlines()
+            last: dict[int, str] = {}
+            for line in lines:
+                m = _ENTRY.match(line)
+                if m:
+                    last[int(m.group("tid"))] = _label(m.group("name"), m.group("args"), run["root"])
+                    if int(m.group("tid")) == run["victim_pid"] and landed is None:
+                        main_labels.append(last[int(m.group("tid"))])
+                kl = _KILLED.match(line)
+                if kl and landed is None:
+                    landed = last.get(int(kl.group("tid")))
+            if not killed or landed == call.label or "ROOT" not in call.label:
                 break
-            except AttachError as exc:
-                print(f"kill point {call}: {exc}; again", file=sys.stderr)
-                if attempt == 2:
-                    raise
-        status = run["victim_status"]
-        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        landed = None
-        with open(trace) as f:
-            lines = f.read().splitlines()
-        last: dict[int, str] = {}
-        for line in lines:
-            m = _ENTRY.match(line)
-            if m:
-                last[int(m.group("tid"))] = _label(m.group("name"), m.group("args"), run["root"])
-            k = _KILLED.match(line)
-            if k and landed is None:
-                landed = last.get(int(k.group("tid")))
+            # The kill hit another call of the same name: a call of that name outside the root
+            # ran more (or fewer) times than in the count run. Move K and kill again; the trial
+            # that missed is discarded unchecked (it is a kill at some other point, covered there).
+            nk = self._realign(call, k, main_labels)
+            if nk is None or nk < 1 or nk in tried or len(tried) >= 6:
+                break
+            print(f"kill point {call}: when={k} landed on {landed}; trying when={nk}", file=sys.stderr)
+            shutil.rmtree(run["root"], ignore_errors=True)
+            k = nk
         # A save() that returned on any rank (a survivor, or the victim when the kill point was
         # never reached) acknowledged the step: it must be committed.
         acked = STEP if "ok" in run["outcomes"].values() else 2
