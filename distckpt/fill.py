@@ -528,8 +528,9 @@ def _run_pipeline(path: str, segs: list[_Segment], reader, buf, slot: int, block
         outcome.fail(_Bad(path, t, b, block, got))
 
 
-def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader, bufsize: int, block: int,
-              verify: bool, outcome: "_Outcome", before_map: Callable[[], None] = lambda: None) -> list[_Segment]:
+def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader, bufsize: int,
+              blocks: Mapping[int, int], verify: bool, outcome: "_Outcome",
+              before_map: Callable[[], None] = lambda: None) -> list[_Segment]:
     """Run every segment the C pipeline can take (see :func:`_pipelined`), one file at a time in
     this thread, through ``PIPELINE_SLOTS`` slots of ``bufsize`` bytes (mmapped here, unmapped
     before returning). Returns the segments left for the workers: strided or device ones, ordered
@@ -558,7 +559,7 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
                 if mm is None:
                     before_map()
                     mm = mmap.mmap(-1, PIPELINE_SLOTS * bufsize)
-                _run_pipeline(path, mine, reader, mm, bufsize, block, verify, outcome)
+                _run_pipeline(path, mine, reader, mm, bufsize, blocks[mine[0].file_index], verify, outcome)
             finally:
                 reader.close()
             if outcome.failed():
@@ -569,11 +570,13 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
     return rest
 
 
-def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int, verify: bool,
-         open_reader: Callable[[str], Any], align: int) -> FillStats:
+def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int | Mapping[int, int],
+         verify: bool, open_reader: Callable[[str], Any], align: int) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
     a file index to its tasks (restore's _Task: fqn, chunk, inter, dest, dest_box, itemsize,
     dtype, and ``after``: None, or the fqn of tasks of this call that must be copied first);
+    ``block`` is the checksum block of every file, or a map from file index to the block of that
+    file's checkpoint (files of several checkpoints read in one pass);
     ``open_reader(path)`` opens a :class:`distckpt.storage.posix.Reader` (one per worker and file).
 
     Raises:
@@ -583,12 +586,13 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
         DataFileTruncatedError, StorageError subclasses: from the reader, with the same two fields.
     """
     stats = FillStats()
-    limit = max(SEGMENT, block) if verify else SEGMENT
+    blocks = dict(block) if isinstance(block, Mapping) else {fi: block for fi in by_file}
+    limit = max([SEGMENT, *(blocks[fi] for fi in by_file)]) if verify else SEGMENT
     bufsize = _align_up(limit + 2 * align, mmap.PAGESIZE)
     counts: dict[str, int] = {}
     segments: list[_Segment] = []
     for fi in sorted(by_file):
-        segs = plan_segments(fi, by_file[fi], block=block, verify=verify, align=align, segment=limit)
+        segs = plan_segments(fi, by_file[fi], block=blocks[fi], verify=verify, align=align, segment=limit)
         segments.extend(segs)
         for s in segs:
             for u in s.units:
@@ -610,7 +614,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
     # goes to the workers, after it: a segment ordered after a pipelined task finds it copied.
     plans = [[s for s in segments if s.file_index == fi] for fi in sorted(by_file)]
     # The slots are mapped only while no worker buffer is: a session's idle ones are unmapped first.
-    rest = _pipeline(paths, plans, open_reader, bufsize, block, verify, outcome, before_map=session.drop_idle)
+    rest = _pipeline(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map=session.drop_idle)
     if outcome.error is not None:
         stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
         if own:
@@ -638,7 +642,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int,
                 n = min(seg.end, reader.size) - seg.offset
                 reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
                 if verify:
-                    _verify(paths[seg.file_index], seg, view, block)
+                    _verify(paths[seg.file_index], seg, view, blocks[seg.file_index])
                 if outcome.failed():  # another worker failed: copy nothing more
                     break
                 with torch.no_grad():

@@ -255,7 +255,7 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool,
 
     ``also``: boxes of other (local) checkpoints to fill in the same pass, as for
     :func:`fill_boxes_of`; a request naming an ``after`` fqn is copied after that key's tasks.
-    Those with another checksum block size are filled in a pass of their own, afterwards."""
+    Every file is read with its own checkpoint's checksum block, all in the same pass."""
     from .fill import READ_PIECE, fill
     from .storage.posix import choose_backend, open_reader
 
@@ -274,22 +274,20 @@ def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool,
     choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
     choices = {p: choice for p in paths.values()}
-    later: dict = {}
+    blocks = {i: manifest.checksum_block for i in by_file}
     if also:
         groups, dcp_passes = _box_tasks(also, first=1, choices=choices)
-        mine = groups.pop(manifest.checksum_block, None)
-        if mine is not None:
-            paths.update(mine[0])
-            by_file.update(mine[1])
-        later = groups
         if dcp_passes:
             raise ConfigError("boxes of DCP checkpoints are not read together with another checkpoint")
+        for gblock, (gpaths, gtasks) in groups.items():
+            paths.update(gpaths)
+            by_file.update(gtasks)
+            blocks.update(dict.fromkeys(gtasks, gblock))
     nbytes = 0
     if by_file:
         align = max(choices[p].offset_align for p in paths.values())
-        nbytes = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align,
+        nbytes = fill(paths, by_file, block=blocks, verify=verify, align=align,
                       open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read
-    nbytes += _fill_groups(later, choices, verify)
     return nbytes, choice.name
 
 
@@ -850,7 +848,8 @@ def fill_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tup
 def fill_boxes_of(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *,
                   verify: bool = True) -> int:
     """:func:`fill_boxes` for several checkpoints (path, manifest, requests) in one read pass
-    (one per checksum block size): the read pipeline's fixed costs are paid once, not per
+    (each file verified with its own checkpoint's checksum block; DCP checkpoints, which have
+    none, in passes of their own): the read pipeline's fixed costs are paid once, not per
     checkpoint. A request is (fqn, offsets, sizes, destination[, after]): with ``after``, an fqn
     of another request of the pass, it is copied only once that one's boxes are (distckpt.fill).
     Returns the bytes read. Raises the read errors of :func:`load`; their ``path`` names the data
@@ -903,12 +902,18 @@ def _box_tasks(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *, fir
 
 
 def _fill_groups(groups: dict[int, tuple[dict, dict]], choices: dict[str, Any], verify: bool) -> int:
-    """One fill per checksum block size; returns the bytes read."""
+    """One fill of every group's files, each with its checksum block; returns the bytes read."""
     from .fill import READ_PIECE, fill
     from .storage.posix import open_reader
-    nbytes = 0
-    for block, (paths, by_file) in groups.items():
-        align = max(choices[p].offset_align for p in paths.values())
-        nbytes += fill(paths, by_file, block=block, verify=verify, align=align,
-                       open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read
-    return nbytes
+    paths: dict = {}
+    by_file: dict = {}
+    blocks: dict = {}
+    for block, (gpaths, gtasks) in groups.items():
+        paths.update(gpaths)
+        by_file.update(gtasks)
+        blocks.update(dict.fromkeys(gtasks, block))
+    if not by_file:
+        return 0
+    align = max(choices[p].offset_align for p in paths.values())
+    return fill(paths, by_file, block=blocks, verify=verify, align=align,
+                open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read

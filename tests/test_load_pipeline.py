@@ -300,6 +300,39 @@ def test_a_request_after_another_is_copied_after_it(tmp_path):
     assert torch.equal(dest, want)
 
 
+def test_checkpoints_with_other_checksum_blocks_are_read_in_one_pass(tmp_path, monkeypatch):
+    """A base and rows of another checkpoint (a chain's delta) whose checksum blocks differ are read
+    in one fill, each file verified with its own block, the ordered request still after the
+    other; a flipped byte in either is found and named."""
+    import distckpt.fill as fill_mod
+    from distckpt.restore import fill_boxes_of, load_manifest
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    big = torch.rand(4096, 1024)                   # 16 MiB chunk: a large block
+    distckpt.save({"x": big}, a)
+    distckpt.save({"y": torch.full((20, 1024), 2.0)}, b)   # 80 KiB: the smallest block
+    ma, mb = load_manifest(a), load_manifest(b)
+    assert ma.checksum_block > mb.checksum_block
+    calls = []
+    real = fill_mod.fill
+    monkeypatch.setattr(fill_mod, "fill", lambda *a_, **k: calls.append(k["block"]) or real(*a_, **k))
+
+    def run():
+        dest = torch.zeros(4096, 1024)
+        fill_boxes_of([(a, ma, [("x", (0, 0), (4096, 1024), _SlowDest(dest))]),
+                       (b, mb, [("y", (0, 0), (20, 1024), dest[100:120], "x")])])
+        return dest
+    want = big.clone()
+    want[100:120] = 2.0
+    assert torch.equal(run(), want)
+    assert len(calls) == 1 and sorted(set(calls[0].values())) == sorted({ma.checksum_block, mb.checksum_block})
+    for path, key, at in ((b, "y", 70_000), (a, "x", 9 * MiB + 5)):
+        _flip(path, key, at)
+        with pytest.raises(ChecksumMismatchError) as ei:
+            run()
+        assert ei.value.key == key and ei.value.path.startswith(path)
+        _flip(path, key, at)
+
+
 def test_fills_inside_reading_share_threads_and_buffers(tmp_path, monkeypatch):
     import threading
 
