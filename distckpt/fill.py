@@ -19,15 +19,14 @@ What it promises (restore.load / restore.read rely on it):
   * Page cache aware: each read goes through :meth:`distckpt.storage.posix.Reader.read_into` or
     ``Reader.fill_segments``, which read byte ranges whose pages are all cached with a buffered
     pread and the rest with O_DIRECT.
-  * Overlap: segments whose units are all flat copies into CPU memory (the common case) or rows
-    scattered into a CPU table (a chain's delta rows, see :func:`_row_runs`) go through the C
-    pipeline (``_uring.Reader.fill``): one thread without the GIL keeps a read in flight on every
-    free one of ``PIPELINE_SLOTS`` bounce slots, and as each lands checks its crc32c blocks and
-    then memcpys its runs into the destinations (one pass over bytes still in cache, no Python per
-    segment or tensor; a scattered row is one run). The rest (strided boxes, device destinations,
-    readers without the pipeline: object stores, the buffered backend) go to ``WORKERS`` threads
-    that each read, verify and copy one segment at a time (reads, crc32c on blocks >= 32 KiB and
-    torch's copies release the GIL).
+  * Overlap: segments whose units are all flat copies into CPU memory (the common case) go
+    through the C pipeline (``_uring.Reader.fill``): one thread without the GIL keeps a read in
+    flight on every free one of ``PIPELINE_SLOTS`` bounce slots, and as each lands checks its
+    crc32c blocks and then memcpys its runs into the destinations (one pass over bytes still in
+    cache, no Python per segment or tensor). The rest (strided boxes, device destinations, readers
+    without the pipeline: object stores, the buffered backend) go to ``WORKERS`` threads that each
+    read, verify and copy one segment at a time (reads, crc32c on blocks >= 32 KiB and torch's
+    copies release the GIL).
   * Every reader is closed before :func:`fill` returns or raises, and every thread is joined and
     every bounce buffer unmapped by then too, unless the call runs inside :func:`reading`: the fills
     of one ``with reading():`` block (the several passes of one load) share its worker threads and
@@ -36,10 +35,8 @@ What it promises (restore.load / restore.read rely on it):
   * Ordering: a task may name, in ``after``, the key of other tasks of the same call whose bytes it
     overwrites (a chain's delta rows over its base, distckpt.incremental). A segment holding such a
     task starts only once every unit of those tasks has been copied; until then the workers take
-    other segments, so one pass reads both and overlaps their work. The C pipeline runs first,
-    one file after the other, and takes an ordered segment only when every unit it waits for was
-    already copied by it in an earlier file (a chain's base files come before its deltas'); other
-    ordered segments go to the workers, after it, so what they wait for is copied by either path.
+    other segments, so one pass reads both and overlaps their work. Ordered segments never go
+    through the C pipeline; it runs first, so what they wait for may be copied by either path.
 """
 
 from __future__ import annotations
@@ -117,7 +114,6 @@ class _Unit:
     dest_off: int
     box: Box | None
     at: int = 0  # absolute file offset of ``lo``
-    rows: Any = None  # strided units whose rows the C pipeline scatters: _row_runs(task)
 
 
 @dataclasses.dataclass(slots=True)
@@ -174,42 +170,6 @@ def _split_box(chunk: Box, box: Box, itemsize: int, limit: int) -> Iterator[Box]
             yield sub
 
 
-def _row_runs(t) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """For a task whose destination scatters dim-0 indexes to rows of a CPU table (a chain's delta
-    rows: distckpt.incremental._ScatterRows.row_runs) and whose chunk has at most 2 dimensions, so
-    that each row of a box is one contiguous byte run in the chunk and in the table:
-    (the table, the byte offset in its storage of each destination row, -1 for rows not to write;
-    the byte stride of its columns). None otherwise (the worker threads copy it)."""
-    runs = getattr(t.dest, "row_runs", None)
-    if runs is None or len(t.chunk.sizes) > 2:
-        return None
-    return runs()
-
-
-def _row_copies(u: _Unit, base: int) -> torch.Tensor:
-    """The C pipeline's copy records (struct fill_copy as three int64 words: dest_off; dest |
-    buf_off << 32; len) of row unit ``u`` whose bytes sit at ``base`` in its segment, one per
-    row written, with dest 0 (the caller sets it)."""
-    t, box = u.task, u.box
-    table, rowbase, colbytes = u.rows
-    dbox, chunk = t.dest_box, t.chunk
-    i0, n = box.offsets[0] - dbox.offsets[0], box.sizes[0]
-    if len(box.sizes) == 2:
-        j0, m = box.offsets[1] - dbox.offsets[1], box.sizes[1]
-        srow, scol = chunk.sizes[1], box.offsets[1] - chunk.offsets[1]
-    else:
-        j0, m, srow, scol = 0, 1, 1, 0
-    dest = rowbase[i0:i0 + n]
-    keep = dest >= 0
-    src = (torch.arange(box.offsets[0] - chunk.offsets[0], box.offsets[0] - chunk.offsets[0] + n,
-                        dtype=torch.int64) * srow + scol) * t.itemsize
-    rec = torch.empty((int(keep.sum()), 3), dtype=torch.int64)
-    rec[:, 0] = dest[keep] + j0 * colbytes
-    rec[:, 1] = (base - u.lo + src[keep]) << 32
-    rec[:, 2] = m * t.itemsize
-    return rec
-
-
 def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     """The units of task ``t``: its bytes (widened to checksum blocks) cut into parts that each
     fit ``limit`` bytes, cut at checksum block boundaries."""
@@ -233,12 +193,11 @@ def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     # Strided: the box is cut into sub-boxes whose widened byte ranges fit ``limit``.
     if chunk is None:
         chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
-    rows = _row_runs(t)
     inner = limit - 2 * block if verify else limit
     for sub in _split_box(chunk, t.inter, t.itemsize, max(inner, t.itemsize)):
         s, e = byte_range(chunk, sub, t.itemsize)
         lo, hi = expand_to_blocks(s, e, block, nbytes) if verify else (s, e)
-        yield _Unit(t, lo, hi, s, e, None, 0, sub, t.chunk.offset + lo, rows)
+        yield _Unit(t, lo, hi, s, e, None, 0, sub, t.chunk.offset + lo)
 
 
 def plan_segments(file_index: int, tasks: Sequence[Any], *, block: int, verify: bool, align: int,
@@ -466,13 +425,11 @@ def reading() -> Iterator[None]:
         _malloc_trim()
 
 
-def _pipelined(seg: _Segment, left: Mapping[str, int]) -> bool:
-    """True when every unit of ``seg`` is a flat copy into CPU memory or rows scattered into a CPU
-    table (the C pipeline's memcpys) and every key it is ordered after is already copied (``left``:
-    units not yet copied per key); strided boxes, device destinations and segments whose
-    dependencies are not all in go through the workers."""
-    return (all(left.get(k, 0) == 0 for k in seg.deps)
-            and all(u.rows is not None or (u.flat is not None and u.flat.device.type == "cpu") for u in seg.units))
+def _pipelined(seg: _Segment) -> bool:
+    """True when every unit of ``seg`` is a flat copy into CPU memory (the C pipeline's memcpy)
+    and nothing orders it after other tasks; strided boxes, device destinations and ordered
+    segments (a chain's delta rows) go through the workers."""
+    return not seg.deps and all(u.flat is not None and u.flat.device.type == "cpu" for u in seg.units)
 
 
 def _pack(segs: list[_Segment], size: int, block: int, verify: bool):
@@ -491,16 +448,9 @@ def _pack(segs: list[_Segment], size: int, block: int, verify: bool):
                 for b in range(u.lo // block, -(-u.hi // block)):
                     chk_rec += _CHECK.pack(base + b * block - u.lo, min(block, u.hi - b * block), crcs[b])
                     meta.append((t, b))
-            if u.rows is not None:
-                table = u.rows[0].untyped_storage()
-                rec = _row_copies(u, base)
-                rec[:, 1] |= len(dst_rec) // _DEST.size
-                dst_rec += _DEST.pack(table.data_ptr(), table.nbytes())
-                cpy_rec += ctypes.string_at(rec.data_ptr(), rec.numel() * 8) if rec.numel() else b""
-                ncopies += rec.shape[0]
-            elif u.end > u.start:
+            if u.end > u.start:
                 d = u.flat
-                cpy_rec += _COPY.pack(u.dest_off, len(dst_rec) // _DEST.size, base + u.start - u.lo, u.end - u.start, 0)
+                cpy_rec += _COPY.pack(u.dest_off, ncopies, base + u.start - u.lo, u.end - u.start, 0)
                 dst_rec += _DEST.pack(d.data_ptr(), d.numel() * d.element_size())
                 ncopies += 1
         seg_rec += _SEG.pack(s.offset, s.end - s.offset, min(s.end, size) - s.offset, c0, len(meta) - c0,
@@ -533,17 +483,14 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
               before_map: Callable[[], None] = lambda: None) -> list[_Segment]:
     """Run every segment the C pipeline can take (see :func:`_pipelined`), one file at a time in
     this thread, through ``PIPELINE_SLOTS`` slots of ``bufsize`` bytes (mmapped here, unmapped
-    before returning). Returns the segments left for the workers: strided or device ones, ordered
-    ones whose dependencies were not all copied by an earlier file, and all of a file whose reader
-    has no ``fill_segments`` (an object store, the buffered backend)."""
+    before returning). Returns the segments left for the workers: strided or device ones, and all
+    of a file whose reader has no ``fill_segments`` (an object store, the buffered backend)."""
     rest: list[_Segment] = []
     mm = None
     try:
         for segs in plans:
-            # Decided per file, before its reads: the files before it are done (or went to rest).
-            take = [_pipelined(s, outcome.left) for s in segs]
-            mine = [s for s, ok in zip(segs, take) if ok]
-            rest.extend(s for s, ok in zip(segs, take) if not ok)
+            mine = [s for s in segs if _pipelined(s)]
+            rest.extend(s for s in segs if not _pipelined(s))
             if not mine or outcome.failed():
                 continue
             path = paths[mine[0].file_index]

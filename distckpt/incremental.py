@@ -461,21 +461,6 @@ class _ScatterRows:
             return _ScatterRows(self.target, self.idx.narrow(0, start, length), self.dtype, mask)
         return _ScatterRows(self.target.narrow(dim, start, length), self.idx, self.dtype, self.mask)
 
-    def row_runs(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For the read pipeline's own scatter (distckpt.fill._row_runs): (the target, the byte
-        offset in its storage of the row each dim-0 index goes to, -1 where the mask skips it;
-        the byte stride of its columns), when the target is a CPU table of the saved dtype of at
-        most 2 dimensions whose rows are contiguous runs; else None (``copy_`` does it)."""
-        t = self.target
-        if (t.device.type != "cpu" or t.dtype != self.dtype or t.dim() > 2 or t.is_conj() or t.is_neg()
-                or (t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1)):
-            return None
-        size = t.element_size()
-        base = (self.idx.to(torch.int64) * t.stride(0) + t.storage_offset()) * size
-        if self.mask is not None:
-            base = torch.where(self.mask, base, torch.full_like(base, -1))
-        return t, base, (t.stride(1) if t.dim() == 2 else 1) * size
-
     def copy_(self, src: torch.Tensor) -> None:
         idx = self.idx
         if self.mask is not None and not bool(self.mask.all()):

@@ -264,47 +264,6 @@ def _snap(sd):
             "step": sd["step"]}
 
 
-def test_chain_rows_are_scattered_by_the_read_pipeline(tmp_path, monkeypatch):
-    """A chain's delta rows of a row-tracked CPU table are copied by the C read pipeline (one run
-    per row, in the same pass as the base, after it), on load and on read; rows tracked on
-    another dimension (optim.mom: dim 1) go to the worker threads. Both compose exactly."""
-    import distckpt.fill as fill_mod
-    sd = _state(3)
-    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, full_every=10, max_chain_fraction=5.0,
-                                               max_delta_fraction=0.9))
-    for k in range(4):
-        _touch(sd, k)
-        saver.save(sd, str(tmp_path / f"c{k}"))
-    assert saver.last_kind == "delta"
-    rows = {"n": 0}
-    real = fill_mod._row_copies
-
-    def counted(u, base):
-        rec = real(u, base)
-        assert u.task.fqn.startswith(inc._DELTA_ROOT + ".0."), u.task.fqn   # model.emb's records only
-        rows["n"] += rec.shape[0]
-        return rec
-    monkeypatch.setattr(fill_mod, "_row_copies", counted)
-    got = distckpt.read(str(tmp_path / "c3"))
-    assert torch.equal(got["model"]["emb"], sd["model"]["emb"]) and torch.equal(got["optim"]["mom"], sd["optim"]["mom"])
-    assert rows["n"] > 0
-    rows["n"] = 0
-    target = _state(99)
-    distckpt.load(target, str(tmp_path / "c3"))   # base and rows in one pass, rows ordered after the base
-    assert torch.equal(target["model"]["emb"], sd["model"]["emb"])
-    assert torch.equal(target["optim"]["mom"], sd["optim"]["mom"]) and target["step"] == sd["step"]
-    assert rows["n"] > 0
-    # A table that is a column slice of a wider tensor: its base is a strided copy (the workers'),
-    # so its rows, which must land after the base, must not be copied by the pipeline before it.
-    rows["n"] = 0
-    target = _state(99)
-    wide = torch.zeros(4000, 20)
-    target["model"]["emb"] = wide[:, 2:18]
-    distckpt.load(target, str(tmp_path / "c3"))
-    assert torch.equal(wide[:, 2:18], sd["model"]["emb"]) and not wide[:, :2].any() and not wide[:, 18:].any()
-    assert rows["n"] == 0
-
-
 def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
     root = str(tmp_path / "run")
     sd = _state(0)
@@ -510,45 +469,21 @@ def test_dtensor_rows_any_sharding(tmp_path, monkeypatch):
               for link in chain_of(str(tmp_path / "d3"))[:-1]}
     assert widths == {"d1": [16], "d2": [16], "d3": [8]}, widths
     # Composing it in one process writes every (row, column) at most once, from its newest link:
-    # count the writes of the delta scatter per element of the target, done by the C read
-    # pipeline (one copy record per row: fill._row_copies) or, when it cannot take them, by the
-    # worker threads (_ScatterRows.copy_); both paths are run.
-    import distckpt.fill as fill_mod
+    # count the writes of the delta scatter per element of the target.
     counts: dict[int, torch.Tensor] = {}
-    by_path = {"pipeline": 0, "workers": 0}
-
-    def counter(t: torch.Tensor) -> torch.Tensor:
-        return counts.setdefault(t.untyped_storage().data_ptr(),
-                                 torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=torch.int32))
     real = inc._ScatterRows.copy_
-    real_rows = fill_mod._row_copies
 
     def counted(self, src):
         t = self.target
+        c = counts.setdefault(t.untyped_storage().data_ptr(),
+                              torch.zeros(t.untyped_storage().nbytes() // t.element_size(), dtype=torch.int32))
         idx = self.idx if self.mask is None else self.idx[self.mask]
-        counter(t).as_strided(t.shape, t.stride(), t.storage_offset()).index_add_(
+        c.as_strided(t.shape, t.stride(), t.storage_offset()).index_add_(
             0, idx, torch.ones((idx.numel(),) + tuple(t.shape[1:]), dtype=torch.int32))
-        by_path["workers"] += int(idx.numel())
         return real(self, src)
-
-    def counted_rows(u, base):
-        rec = real_rows(u, base)
-        c, size = counter(u.rows[0]), u.rows[0].element_size()
-        for off, n in zip(rec[:, 0].tolist(), rec[:, 2].tolist()):
-            c[off // size:(off + n) // size] += 1
-        by_path["pipeline"] += rec.shape[0]
-        return rec
     monkeypatch.setattr(inc._ScatterRows, "copy_", counted)
-    monkeypatch.setattr(fill_mod, "_row_copies", counted_rows)
-    for path in ("pipeline", "workers"):
-        if path == "workers":
-            monkeypatch.setattr(inc._ScatterRows, "row_runs", lambda self: None)
-        counts.clear()
-        by_path.update(pipeline=0, workers=0)
-        got = distckpt.read(str(tmp_path / "d3"))["model"]["emb"]
-        assert torch.equal(got, emb), path
-        other = "workers" if path == "pipeline" else "pipeline"
-        assert by_path[path] > 0 and by_path[other] == 0, (path, by_path)   # every delta row went one way
-        (written,) = counts.values()
-        assert int(written.max()) == 1, f"{path}: an element was written by two links"
-        assert bool((written.reshape(1000, 16)[500:520, :8] == 1).all()), path  # d3's left half of these rows
+    got = distckpt.read(str(tmp_path / "d3"))["model"]["emb"]
+    assert torch.equal(got, emb)
+    (written,) = counts.values()
+    assert int(written.max()) == 1, "an element was written by two links"
+    assert bool((written.reshape(1000, 16)[500:520, :8] == 1).all())   # d3's left half of these rows
