@@ -75,6 +75,10 @@ READ_PIECE = 1 << 20
 # free slot and checks + copies each segment as it lands. Six 4 MiB slots keep ~20-24 MiB in
 # flight (fio's 4 MiB x 8 reaches the disk's rate; 4 MiB x 4 fell short) inside the 32 MiB budget.
 PIPELINE_SLOTS = 6
+# Fills inside side_reads(): small reads that run beside a load's main pass (a chain's row ids,
+# read while its base is), with bounce memory small enough that both stay in the 32 MiB budget.
+SIDE_SEGMENT = 1 << 20
+SIDE_SLOTS = 2
 
 # Packed records of _uring.Reader.fill (csrc/uring.c: struct fill_seg, fill_check, fill_copy,
 # fill_dest); native layout, so the sizes must match the C structs (checked in tests).
@@ -403,6 +407,20 @@ class _Session:
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("distckpt_read_session", default=None)
+_SIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("distckpt_side_reads", default=False)
+
+
+@contextlib.contextmanager
+def side_reads() -> Iterator[None]:
+    """Run the :func:`fill` calls made inside the block (in this thread) with ``SIDE_SLOTS`` pipeline
+    slots, one worker and segments of ``SIDE_SEGMENT`` bytes (more when a checkpoint's checksum
+    block is larger): about 2 MiB of bounce memory instead of 24, for reads that run on another
+    thread beside a load's main pass."""
+    token = _SIDE.set(True)
+    try:
+        yield
+    finally:
+        _SIDE.reset(token)
 
 
 @contextlib.contextmanager
@@ -480,9 +498,9 @@ def _run_pipeline(path: str, segs: list[_Segment], reader, buf, slot: int, block
 
 def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader, bufsize: int,
               blocks: Mapping[int, int], verify: bool, outcome: "_Outcome",
-              before_map: Callable[[], None] = lambda: None) -> list[_Segment]:
+              before_map: Callable[[], None] = lambda: None, nslots: int = PIPELINE_SLOTS) -> list[_Segment]:
     """Run every segment the C pipeline can take (see :func:`_pipelined`), one file at a time in
-    this thread, through ``PIPELINE_SLOTS`` slots of ``bufsize`` bytes (mmapped here, unmapped
+    this thread, through ``nslots`` slots of ``bufsize`` bytes (mmapped here, unmapped
     before returning). Returns the segments left for the workers: strided or device ones, and all
     of a file whose reader has no ``fill_segments`` (an object store, the buffered backend)."""
     rest: list[_Segment] = []
@@ -505,7 +523,7 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
                     continue
                 if mm is None:
                     before_map()
-                    mm = mmap.mmap(-1, PIPELINE_SLOTS * bufsize)
+                    mm = mmap.mmap(-1, nslots * bufsize)
                 _run_pipeline(path, mine, reader, mm, bufsize, blocks[mine[0].file_index], verify, outcome)
             finally:
                 reader.close()
@@ -533,8 +551,10 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
         DataFileTruncatedError, StorageError subclasses: from the reader, with the same two fields.
     """
     stats = FillStats()
+    side = _SIDE.get()
+    segment = SIDE_SEGMENT if side else SEGMENT
     blocks = dict(block) if isinstance(block, Mapping) else {fi: block for fi in by_file}
-    limit = max([SEGMENT, *(blocks[fi] for fi in by_file)]) if verify else SEGMENT
+    limit = max([segment, *(blocks[fi] for fi in by_file)]) if verify else segment
     bufsize = _align_up(limit + 2 * align, mmap.PAGESIZE)
     counts: dict[str, int] = {}
     segments: list[_Segment] = []
@@ -561,7 +581,8 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
     # goes to the workers, after it: a segment ordered after a pipelined task finds it copied.
     plans = [[s for s in segments if s.file_index == fi] for fi in sorted(by_file)]
     # The slots are mapped only while no worker buffer is: a session's idle ones are unmapped first.
-    rest = _pipeline(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map=session.drop_idle)
+    rest = _pipeline(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map=session.drop_idle,
+                     nslots=SIDE_SLOTS if side else PIPELINE_SLOTS)
     if outcome.error is not None:
         stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
         if own:
@@ -569,7 +590,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
             _malloc_trim()
         raise _typed(outcome)
     outcome.queue(rest)
-    nworkers = max(1, min(WORKERS, len(rest)))
+    nworkers = 1 if side else max(1, min(WORKERS, len(rest)))
 
     def work() -> None:
         bounce = session.take(bufsize)

@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import uuid
 from typing import Any, Callable, Mapping
 
@@ -660,15 +661,46 @@ def _targets(items: dict, tracked: dict[str, int]) -> dict[str, list[_Target]]:
             for f in tracked if f in items and hasattr(items[f], "pieces")}
 
 
+def _base_and_rows(state_dict: Any, links: list[ChainLink], items: dict, present: dict, tracked: dict[str, int],
+                   verify: bool, kw: dict) -> int:
+    """Fill the tracked tensors of ``state_dict`` from the chain's base, then scatter the deltas'
+    newest rows in. The deltas' row ids are read and the rows planned (:func:`_plan_deltas`) on a
+    thread of their own while the base is read, with small bounce buffers (distckpt.fill.side_reads:
+    both stay in the load's memory budget): the plan's small reads and CPU work would otherwise
+    stand before the base's reads, and a rank still reading ids waits behind the disk queue of a
+    rank already reading its base. Returns the file bytes read. Raises what load and
+    :func:`_plan_deltas` raise (the base's error first)."""
+    from .fill import side_reads
+    from .restore import load
+    planned: dict[str, Any] = {}
+
+    def plan() -> None:
+        try:
+            with side_reads():
+                planned["v"] = _plan_deltas(list(reversed(links[:-1])),
+                                            _targets(items, {f: tracked[f] for f in present}), tracked, verify)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            planned["e"] = exc
+    th = threading.Thread(target=plan, name="distckpt-chain-plan")
+    th.start()
+    try:
+        nread = load(_only(state_dict, list(present.values())), links[-1].path, **kw).bytes_read
+    finally:
+        th.join()
+    if "e" in planned:
+        raise planned["e"]
+    reads, id_bytes = planned["v"]
+    return nread + id_bytes + _read_links(reads, verify, "delta rows")
+
+
 def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist: bool = False,
                verify: bool = True, **load_kwargs: Any):
     """:func:`distckpt.load` of a delta link: the tracked tensors from the chain's base plus every
     delta, everything else from ``path`` itself. Called by distckpt.load; collective.
 
-    Three read passes on one set of reader threads and bounce buffers (distckpt.fill.reading):
-    the deltas' row ids; the base's tracked tensors together with the deltas' newest rows (each
-    tensor's rows are scattered in as soon as its base bytes are in, while the rest of the base
-    is read); the untracked state of ``path``. Every rank reads its own MANIFESTs (chain_of) and
+    Read passes on one set of reader threads and bounce buffers (distckpt.fill.reading): the
+    base's tracked tensors, with the deltas' row ids read and planned beside it on another thread
+    (:func:`_base_and_rows`); the deltas' newest rows; the untracked state of ``path``. Every rank reads its own MANIFESTs (chain_of) and
     the outcome is exchanged once at the end.
 
     Raises ChainBrokenError (the chain's structure before anything is read; a damaged link's data
@@ -698,10 +730,7 @@ def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist
         with reading():
             if present:
                 try:
-                    reads, nread = _plan_deltas(list(reversed(links[:-1])),
-                                                _targets(items, {f: tracked[f] for f in present}), tracked, verify)
-                    nread += load(_only(state_dict, list(present.values())), links[-1].path, _also=reads,
-                                  **kw).bytes_read
+                    nread = _base_and_rows(state_dict, links, items, present, tracked, verify, kw)
                 except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
                     if isinstance(exc, ChainBrokenError):
                         raise

@@ -249,45 +249,27 @@ def _check_files(ckpt: str, manifest: "mf.Manifest", indexes, store: Store | Non
 
 
 def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool,
-          store: Store | None = None, also: list | None = None) -> tuple[int, str | None]:
+          store: Store | None = None) -> tuple[int, str | None]:
     """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
-    bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend).
-
-    ``also``: boxes of other (local) checkpoints to fill in the same pass, as for
-    :func:`fill_boxes_of`; a request naming an ``after`` fqn is copied after that key's tasks.
-    Every file is read with its own checkpoint's checksum block, all in the same pass."""
+    bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
     from .fill import READ_PIECE, fill
     from .storage.posix import choose_backend, open_reader
 
-    if not tasks and not also:
+    if not tasks:
         return 0, None
     verify = verify and manifest.checksum_algo == "crc32c"  # a DCP checkpoint has no checksums
     by_file: dict[int, list[_Task]] = {}
     for t in tasks:
         by_file.setdefault(t.chunk.file, []).append(t)
     if store is not None:  # an object store: ranged GETs, several in flight (fill's workers)
-        if also:
-            raise ConfigError("boxes of other checkpoints are read with local checkpoints only")
         paths, open_obj, align, backend = store.data_readers(ckpt, manifest, sorted(by_file))
         stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align, open_reader=open_obj)
         return stats.bytes_read, backend
     choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
     paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
-    choices = {p: choice for p in paths.values()}
-    blocks = {i: manifest.checksum_block for i in by_file}
-    if also:
-        groups, dcp_passes = _box_tasks(also, first=1, choices=choices)
-        if dcp_passes:
-            raise ConfigError("boxes of DCP checkpoints are not read together with another checkpoint")
-        for gblock, (gpaths, gtasks) in groups.items():
-            paths.update(gpaths)
-            by_file.update(gtasks)
-            blocks.update(dict.fromkeys(gtasks, gblock))
-    nbytes = 0
-    if by_file:
-        align = max(choices[p].offset_align for p in paths.values())
-        nbytes = fill(paths, by_file, block=blocks, verify=verify, align=align,
-                      open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read
+    align = choice.offset_align
+    nbytes = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align,
+                  open_reader=lambda p: open_reader(p, choice=choice, block_size=READ_PIECE)).bytes_read
     return nbytes, choice.name
 
 
@@ -513,10 +495,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float,
-                cast: str = "exact", store: Store | None = None, also: list | None = None) -> LoadResult:
-    """Plan, read and place one rank's part of a load. ``also``: boxes of other checkpoints read in
-    the same pass (see :func:`_fill`), after the tensors they name in ``after`` are filled (and
-    cast: with casts, in a pass of their own after them)."""
+                cast: str = "exact", store: Store | None = None) -> LoadResult:
+    """Plan, read and place one rank's part of a load."""
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
@@ -527,12 +507,10 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
         # Every data file this rank reads has its MANIFEST size before the first byte lands in the
         # caller's tensors: a truncated or missing file fails the load with them untouched.
         _check_files(path, manifest, {t.chunk.file for t in tasks}, store)
-        nbytes, backend = _fill(path, manifest, tasks, verify, store, also=None if casts else also)
+        nbytes, backend = _fill(path, manifest, tasks, verify, store)
         with torch.no_grad():
             for tmp, dest in casts:
                 dest.copy_(tmp)
-        if casts and also:
-            nbytes += fill_boxes_of(also, verify=verify)
         not_replaced = []
         for item, value in values:
             if _same(item.value, value):
@@ -575,7 +553,7 @@ def _manifest_collective(group: ControlGroup, path: str, store: Store | None = N
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
          verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False,
-         storage_options: dict | None = None, _follow_chain: bool = True, _also: list | None = None) -> LoadResult:
+         storage_options: dict | None = None, _follow_chain: bool = True) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -635,8 +613,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                 raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "
                                   f"directories only")
             if not delta:
-                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store,
-                                     also=_also)
+                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store)
                 _check_unmoved(path, identity)
     except Exception as exc:
         # its rank is recorded by raise_failures
@@ -855,25 +832,24 @@ def fill_boxes_of(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *,
     Returns the bytes read. Raises the read errors of :func:`load`; their ``path`` names the data
     file."""
     choices: dict[str, Any] = {}
-    groups, dcp_passes = _box_tasks(checkpoints, first=0, choices=choices)
+    groups, dcp_passes = _box_tasks(checkpoints, choices=choices)
     nbytes = 0
     for path, manifest, tasks in dcp_passes:   # a DCP checkpoint: no checksums, its own pass
         nbytes += _fill(path, manifest, tasks, verify)[0]
     return nbytes + _fill_groups(groups, choices, verify)
 
 
-def _box_tasks(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *, first: int,
+def _box_tasks(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *,
                choices: dict[str, Any]) -> tuple[dict[int, tuple[dict, dict]], list]:
     """The fill tasks of box requests, grouped by checksum block size: ({block: (paths, by_file)},
-    [(path, manifest, tasks) of DCP checkpoints]). File keys are ``(first + i) << 32 | file``
-    for the i-th checkpoint, unique across them and apart from a manifest's own file indexes when
-    ``first`` >= 1. Every data file is checked to exist with its MANIFEST size; ``choices`` gets
+    [(path, manifest, tasks) of DCP checkpoints]). File keys are ``i << 32 | file`` for the i-th
+    checkpoint, unique across them (and in the order of ``checkpoints``). Every data file is checked to exist with its MANIFEST size; ``choices`` gets
     the I/O backend of each path."""
     from .storage.posix import choose_backend
 
     groups: dict[int, tuple[dict, dict]] = {}   # checksum block -> (paths, by_file)
     dcp_passes = []
-    for ci, (path, manifest, requests) in enumerate(checkpoints, start=first):
+    for ci, (path, manifest, requests) in enumerate(checkpoints):
         tasks = []
         for req in requests:
             fqn, offsets, sizes, out = req[:4]

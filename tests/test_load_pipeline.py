@@ -333,6 +333,35 @@ def test_checkpoints_with_other_checksum_blocks_are_read_in_one_pass(tmp_path, m
         _flip(path, key, at)
 
 
+def test_side_reads_use_small_bounce_buffers(tmp_path, monkeypatch):
+    """Fills inside fill.side_reads() (a chain's row ids, read on a thread beside the base) map
+    SIDE_SLOTS slots of about SIDE_SEGMENT bytes, not the main pass's 24 MiB, and load exactly."""
+    import mmap as mmap_mod
+
+    import distckpt.fill as fill_mod
+    from distckpt.restore import fill_boxes_of, load_manifest
+    path = str(tmp_path / "ckpt")
+    sd = _state()
+    distckpt.save(sd, path)
+    sizes = []
+    real = mmap_mod.mmap
+
+    class Recording(real):
+        def __new__(cls, fileno, length, *a, **k):
+            sizes.append(length)
+            return real.__new__(cls, fileno, length, *a, **k)
+    monkeypatch.setattr(fill_mod.mmap, "mmap", Recording)
+    dest = {k: torch.full_like(v, SENTINEL) for k, v in sd.items()}
+    reqs = [(k, (0,) * v.dim(), tuple(v.shape), dest[k]) for k, v in sd.items()]
+    with fill_mod.side_reads():
+        fill_boxes_of([(path, load_manifest(path), reqs)])
+    assert all(torch.equal(dest[k], v) for k, v in sd.items())
+    assert sizes and max(sizes) <= fill_mod.SIDE_SLOTS * (fill_mod.SIDE_SEGMENT + 2 * MiB), sizes
+    sizes.clear()
+    fill_boxes_of([(path, load_manifest(path), reqs)])    # outside: the main pass's slots
+    assert max(sizes) >= fill_mod.PIPELINE_SLOTS * fill_mod.SEGMENT
+
+
 def test_fills_inside_reading_share_threads_and_buffers(tmp_path, monkeypatch):
     import threading
 
