@@ -700,8 +700,8 @@ def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist
 
     Read passes on one set of reader threads and bounce buffers (distckpt.fill.reading): the
     base's tracked tensors, with the deltas' row ids read and planned beside it on another thread
-    (:func:`_base_and_rows`); the deltas' newest rows; the untracked state of ``path``. Every rank reads its own MANIFESTs (chain_of) and
-    the outcome is exchanged once at the end.
+    (:func:`_base_and_rows`); the deltas' newest rows; the untracked state of ``path``. Every
+    rank reads its own MANIFESTs (chain_of) and the outcome is exchanged once at the end.
 
     Raises ChainBrokenError (the chain's structure before anything is read; a damaged link's data
     as found), and what distckpt.load raises."""
