@@ -552,8 +552,9 @@ def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tra
     request ``(rows fqn, offsets, sizes, scatter destination, tracked fqn)``: the row span of one
     piece's record holding newest copies, over one cell of columns, scattered from the read
     buffers straight into the target (superseded rows inside the span are read, not written).
-    Since no (row, column) is written twice, the requests may be filled in any order, and in the
-    same pass as the base once the base's bytes of their tensor are in (the ``after`` fqn).
+    Since no (row, column) is written twice, the requests may be filled in any order; the tracked
+    fqn, as ``after``, also lets a caller fill them in the base's own pass, after its tensor
+    (load_chain reads them in a pass after the base).
     Raises ChainBrokenError when a link's records are malformed or cannot be read."""
     order = sorted(tracked)
 
