@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from .errors import ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, DistCkptError
-from .manifest import load_manifest
+from .manifest import load_manifest, load_manifest_header
 
 __all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "verify_chain", "META_KEY", "FORMAT"]
 
@@ -66,10 +66,12 @@ def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> Ch
     return err
 
 
-def chain_of(path: str | os.PathLike) -> list[ChainLink]:
+def chain_of(path: str | os.PathLike, *, chunks: bool = True) -> list[ChainLink]:
     """The links a checkpoint needs, newest (``path`` itself) first, base last.
 
-    A checkpoint that is no chain link, or a full link, is a chain of one. Reads only MANIFESTs.
+    A checkpoint that is no chain link, or a full link, is a chain of one. Reads only MANIFESTs
+    and, with ``chunks`` (to load the chain), every link's data file indexes (format 3); without,
+    the links' manifests have no chunk records (enough for the chain's structure: ``verify``).
 
     Raises:
         ChainBrokenError: a link is missing, not committed, does not decode, was replaced by
@@ -78,7 +80,8 @@ def chain_of(path: str | os.PathLike) -> list[ChainLink]:
         The errors of reading ``path``'s own MANIFEST (CheckpointNotFoundError, ...).
     """
     path = os.path.abspath(os.fspath(path))
-    m = load_manifest(path)
+    load = load_manifest if chunks else load_manifest_header
+    m = load(path)
     info = chain_info(m)
     links = [ChainLink(path, m, info or {"kind": "full", "tracked": [], "seq": 0})]
     seen = {path}
@@ -93,7 +96,7 @@ def chain_of(path: str | os.PathLike) -> list[ChainLink]:
             raise _broken(child.path, f"its parent {parent} is already in the chain (a cycle)")
         seen.add(ppath)
         try:
-            pm = load_manifest(ppath)
+            pm = load(ppath)
         except (CheckpointNotFoundError, CheckpointCorruptError, DistCkptError) as exc:
             raise _broken(ppath, f"the parent of {os.path.basename(child.path)} cannot be read "
                                  f"({type(exc).__name__}: {getattr(exc, 'message', exc)})", cause=exc) from exc
@@ -120,13 +123,13 @@ def dependencies(path: str | os.PathLike) -> list[str] | None:
     path = os.path.abspath(os.fspath(path))
     out: list[str] = []
     try:
-        info = chain_info(load_manifest(path))
+        info = chain_info(load_manifest_header(path))
         while info is not None and info.get("kind") == "delta":
             parent = info.get("parent")
             if not isinstance(parent, str) or parent in out or "/" in parent:
                 return None
             out.append(parent)
-            info = chain_info(load_manifest(os.path.join(os.path.dirname(path), parent)))
+            info = chain_info(load_manifest_header(os.path.join(os.path.dirname(path), parent)))
     except Exception:  # noqa: BLE001 - any failure: the chain's extent is unknown
         return None
     return out
@@ -138,4 +141,4 @@ def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[st
     Returns [(link path, VerifyReport)], newest first. Raises ChainBrokenError for a structural
     break (a missing or replaced link); damaged data is reported in the links' reports."""
     from .verify import verify
-    return [(link.path, verify(link.path, **verify_kwargs)) for link in chain_of(path)]
+    return [(link.path, verify(link.path, **verify_kwargs)) for link in chain_of(path, chunks=False)]

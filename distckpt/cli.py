@@ -258,16 +258,16 @@ def _cmd_verify(args) -> int:
             print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
             return 0
     from .chain import chain_info, chain_of
-    from .manifest import load_manifest
+    from .manifest import load_manifest_header
     try:
-        info = chain_info(load_manifest(args.path))
+        info = chain_info(load_manifest_header(args.path))
     except DistCkptError:  # verify() itself says what is wrong with it
         info = None
     if info is None or info.get("kind") != "delta":
         return _verify_one(args, args.path)
     # A delta of an incremental chain: the chain's structure (ChainBrokenError, exit 1, when a
     # link is missing or replaced), then every link's data, newest first.
-    links = [link.path for link in chain_of(args.path)]
+    links = [link.path for link in chain_of(args.path, chunks=False)]
     if not args.json:
         print(f"{args.path}: a delta of an incremental chain of {len(links)} link(s): "
               f"{' <- '.join(os.path.basename(p) for p in links)}", file=sys.stderr)

@@ -21,8 +21,9 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                committed checkpoint unless overwrite, checks free space for the bytes all ranks
                will write, creates ``.NAME.tmp-SAVEID/``; G.broadcast of the tmp dir or the error.
   3. WRITE     each rank writes ``rankNNNNN.bin`` into the tmp dir through its O_DIRECT writer:
-               chunks at aligned offsets, crc32c per checksum block, fsync, close. G.gather to
-               rank 0 of (records, size) or the error.
+               chunks at aligned offsets, crc32c per checksum block, then the file's index
+               (its chunk records, format version 3), fsync, close. G.gather to rank 0 of (index
+               offset, length and crc32c, size) or the error.
   4. COMMIT    rank 0, only if every rank succeeded: encodes MANIFEST (msgpack; magic, version,
                crc), writes + fsyncs it inside the tmp dir, fsyncs the tmp dir, renames it to NAME
                (RENAME_EXCHANGE when overwriting), fsyncs the parent, deletes a replaced old
@@ -708,7 +709,9 @@ def _nbytes(t) -> int:
 
 
 def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checksum_block: int):
-    """Write this rank's owned pieces into one data file. Returns (records, size, backend choice)."""
+    """Write this rank's owned pieces into one data file, its index (the pieces' chunk records,
+    format version 3) at the end. Returns ((index offset, length, crc32c), size, backend choice);
+    the file is durable when this returns."""
     from .storage.posix import choose_backend, open_writer
 
     choice = choose_backend(os.path.dirname(path))
@@ -718,6 +721,11 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
     _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
     size_hint += align * len(pieces)  # pad_for may place a chunk up to align - 1 bytes later
+    # ... and the index after the chunks (its size from the pieces' boxes, crc counts and offsets
+    # up to size_hint: an estimate, fallocate only needs room).
+    size_hint += align + mf.index_length(
+        (fqn, mf.ChunkRecord(p.offsets, p.sizes, rank, size_hint, size_hint, (0,) * -(-_nbytes(p.tensor) // checksum_block)))
+        for fqn, p in pieces)
     tensors = [p.tensor for _, p in pieces]
     # Pieces on a GPU stream through pinned slots, copied while earlier pieces are being written.
     stager = (DeviceStager(tensors, block=checksum_block, staging_bytes=get_config().device_staging)
@@ -742,8 +750,13 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
                 del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
                                                 file=rank, offset=offset, nbytes=nbytes, crcs=crcs)))
+        from crc32c import crc32c as _crc32c
+        # The index goes last, once every crc is known; close() makes it durable with the rest.
+        index = mf.encode_index(records)
+        index_offset = w.pad_to(align)
+        w.write(index)
         size = w.close()
-    return records, size, choice
+    return (index_offset, len(index), _crc32c(index)), size, choice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1062,12 +1075,13 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     result, error = None, local_error
     if error is None:
         try:
-            result = store.write_rank(tmp_dir, rank, mine, plan.checksum_block)  # (records, size, backend, reason)
+            result = store.write_rank(tmp_dir, rank, mine, plan.checksum_block)  # (index ref, size, backend, reason)
         except Exception as exc:
             error = exc
     marks.append(time.monotonic())
-    # Rank 0 alone needs every rank's records (for the MANIFEST): a gather, not an all-gather, so
-    # what a rank other than 0 receives does not grow with the number of ranks.
+    # Rank 0 alone needs every rank's index reference (for the MANIFEST): a gather, not an
+    # all-gather, so what a rank other than 0 receives does not grow with the number of ranks; and
+    # what each rank sends is a few numbers, whatever its number of chunks.
     outcomes = group.gather((result, _portable(error)))
 
     # 4. COMMIT
@@ -1185,18 +1199,15 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
 
 def _build_manifest(plan: _GlobalPlan, outcomes, save_id: str, world: int, checksum_block: int,
                     metadata: dict | None) -> "mf.Manifest":
-    chunks: dict[str, list] = {fqn: [] for fqn in plan.tensors}
+    """The version-3 MANIFEST of a save: tensors, objects, tree and each data file's index
+    reference. No chunk record: each rank wrote its own into its data file's index, so what rank 0
+    receives and writes grows with the ranks plus the tensors, not with their product."""
     files = []
     for r, (result, _) in enumerate(outcomes):
-        records, size, backend, _reason = result
-        files.append(mf.FileEntry(name=mf.data_file_name(r), size=size, rank=r))
-        for fqn, rec in records:
-            chunks[fqn].append(rec)
-    tensors = {
-        fqn: mf.TensorEntry(dtype=dtype, shape=tuple(shape), kind=kind,
-                            chunks=tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
-        for fqn, (kind, dtype, shape) in plan.tensors.items()
-    }
+        index, size, backend, _reason = result
+        files.append(mf.FileEntry(name=mf.data_file_name(r), size=size, rank=r, index=tuple(index)))
+    tensors = {fqn: mf.TensorEntry(dtype=dtype, shape=tuple(shape), kind=kind, chunks=None)
+               for fqn, (kind, dtype, shape) in plan.tensors.items()}
     objects = {fqn: mf.ObjectEntry(kind=kind, value=value) for fqn, (kind, value) in plan.objects.items()}
     from . import __version__
     meta = {"distckpt_version": __version__, "io_backend": outcomes[0][0][2]}

@@ -121,7 +121,7 @@ def _step_info(path: str, name: str, store: Any = None) -> StepInfo:
     if store is not None:  # an object store: one GET of MANIFEST
         try:
             data = store.manifest_bytes(path)
-            man = mf.decode(data, path=join(path, MANIFEST))
+            man = mf.decode(data, path=join(path, MANIFEST), read_index=lambda h, i: store.read_index(path, h, i))
         except DistCkptError as exc:
             return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc.message}")
         return StepInfo(name, path, step, "committed", None, sum(f.size for f in man.files) + len(data),

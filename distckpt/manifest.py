@@ -1,4 +1,4 @@
-"""The MANIFEST file: dataclasses, byte encoding (format version 2; version 1 is read too), and validation.
+"""The MANIFEST file: dataclasses, byte encoding (format version 3; versions 1 and 2 are read too), and validation.
 
 Byte layout (all integers little-endian; docs/FORMAT.md is the normative description)::
 
@@ -8,6 +8,13 @@ Byte layout (all integers little-endian; docs/FORMAT.md is the normative descrip
     body_length    u64       number of body bytes that follow
     body           msgpack   one map with str keys (use_bin_type; no ext types; never pickle)
     checksum       u32       crc32c of every byte before it (header and body)
+
+Version 3 moves the chunk table out of the MANIFEST: each data file ends with an *index* (magic
+``DCKPTIX3``, then a msgpack array of that file's chunk records), and the MANIFEST names each
+file's index by (offset, length, crc32c). The MANIFEST then grows with tensors and ranks, not
+with their product: rank 0 never sees a chunk record, and a reader reads the indexes it needs.
+In memory nothing changes: :func:`decode` reads the indexes (through the caller's ``read_index``)
+and returns a Manifest whose tensors hold their chunks, validated as in version 2.
 
 Invariants:
   * :func:`decode` returns only manifests that pass :func:`validate`; every way a MANIFEST can be
@@ -38,12 +45,13 @@ import os
 import re
 import stat
 import struct
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import crc32c as _crc32c
 import msgpack
 
-from .errors import CheckpointIncompleteError, ManifestCorruptError, UnsupportedValueError, from_os_error
+from .errors import (CheckpointCorruptError, CheckpointIncompleteError, ChecksumMismatchError, DataFileMissingError,
+                     DataFileTruncatedError, ManifestCorruptError, UnsupportedValueError, from_os_error)
 from .plan import Box, find_tiling_defect, is_row_tiling
 from .values import check_node
 
@@ -62,19 +70,30 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "block_crcs",
+    "encode_index",
+    "index_length",
     "data_file_name",
     "encode",
     "decode",
+    "decode_header",
+    "parse_index",
+    "with_chunks",
+    "read_local_index",
     "validate",
     "to_plain",
     "read_manifest_bytes",
     "load_manifest",
+    "load_manifest_header",
     "peek_commit_time",
 ]
 
 MAGIC = b"DCKPTMF1"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
+#: First bytes of a version-3 data file's index.
+INDEX_MAGIC = b"DCKPTIX3"
+#: Upper bound on one data file's index, checked before it is read (like MAX_MANIFEST_BYTES).
+MAX_INDEX_BYTES = 1 << 30
 MANIFEST_NAME = "MANIFEST"
 
 _HEADER = struct.Struct("<8sIIQ")  # magic, format_version, flags, body_length
@@ -161,6 +180,51 @@ def block_crcs(data: Any, block: int) -> tuple[int, ...]:
     return tuple(_crc32c.crc32c(mv[i : i + block]) for i in range(0, len(mv), block))
 
 
+def encode_index(records: Any) -> bytes:
+    """The index bytes a version-3 data file ends with: :data:`INDEX_MAGIC`, then one msgpack
+    array of ``[fqn, offsets, sizes, offset, nbytes, crcs]`` per ``(fqn, ChunkRecord)`` of
+    ``records`` (crcs as one bin of little-endian u32). Deterministic; its length depends on the
+    records' fields and the number of crcs, not on the crc values (see :func:`index_length`)."""
+    rows = [[fqn, list(c.offsets), list(c.sizes), c.offset, c.nbytes, struct.pack(f"<{len(c.crcs)}I", *c.crcs)]
+            for fqn, c in records]
+    return INDEX_MAGIC + msgpack.packb(rows, use_bin_type=True)
+
+
+def index_length(records: Any) -> int:
+    """``len(encode_index(records))`` without the crc values: a writer that must know its file's
+    size before the checksums are computed (a multipart upload) passes records whose crcs are
+    placeholders of the right count."""
+    return len(encode_index(records))
+
+
+def _decode_index(data: bytes, fi: int, name: str, path: Any) -> list[tuple[str, "ChunkRecord"]]:
+    """Index bytes of file ``fi`` -> (fqn, ChunkRecord); structure only, values are left to validate()."""
+    where = f"index of {name}"
+    if data[: len(INDEX_MAGIC)] != INDEX_MAGIC:
+        raise _corrupt(f"{where}: does not start with {INDEX_MAGIC!r}", path)
+    unpacker = msgpack.Unpacker(None, raw=False, strict_map_key=True, use_list=True,
+                                max_buffer_size=max(len(data), 1), ext_hook=_refuse_ext, timestamp=0)
+    try:
+        unpacker.feed(memoryview(data)[len(INDEX_MAGIC):])
+        rows = unpacker.unpack()
+        if unpacker.tell() != len(data) - len(INDEX_MAGIC):
+            raise ValueError("bytes after the index's single array")
+    except Exception as e:  # msgpack raises several unrelated types on garbage; all mean the same
+        raise _corrupt(f"{where}: not valid msgpack ({type(e).__name__}: {e})", path) from e
+    out = []
+    for j, row in enumerate(_expect_list(rows, where, path)):
+        if not isinstance(row, list) or len(row) != 6:
+            raise _corrupt(f"{where} entry {j}: expected [fqn, offsets, sizes, offset, nbytes, crcs]", path)
+        fqn, offsets, sizes, offset, nbytes, crcs = row
+        if not isinstance(fqn, str) or not isinstance(crcs, bytes) or len(crcs) % 4:
+            raise _corrupt(f"{where} entry {j}: fqn must be a str and crcs a bin of u32s", path)
+        out.append((fqn, ChunkRecord(offsets=tuple(_expect_list(offsets, f"{where} entry {j} offsets", path)),
+                                     sizes=tuple(_expect_list(sizes, f"{where} entry {j} sizes", path)),
+                                     file=fi, offset=offset, nbytes=nbytes,
+                                     crcs=struct.unpack(f"<{len(crcs) // 4}I", crcs))))
+    return out
+
+
 def _canonical(value: Any, depth: int = 0) -> Any:
     # Msgpack has one array type: store tuples as lists up front so a manifest compares equal to
     # its own decoded bytes. Past MAX_DEPTH leave it alone; validate() reports the depth.
@@ -212,13 +276,15 @@ class TensorEntry:
     Attributes:
         dtype: torch dtype name without ``torch.`` (a key of :data:`DTYPE_ITEMSIZE`).
         shape: Global shape.
-        chunks: The saved boxes; they exactly tile ``shape``.
+        chunks: The saved boxes; they exactly tile ``shape``. None only in a version-3 manifest
+            that a writer builds for :func:`encode` (its chunks are in the data files' indexes);
+            every manifest :func:`decode` returns has them.
         kind: How it was saved: one of :data:`TENSOR_KINDS` (informational).
     """
 
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkRecord, ...]
+    chunks: tuple[ChunkRecord, ...] | None
     kind: str = "tensor"
 
     def __post_init__(self) -> None:
@@ -257,13 +323,20 @@ class FileEntry:
 
     Attributes:
         name: Basename inside the checkpoint directory, ``rankNNNNN.bin``.
-        size: Its size in bytes (every chunk lies inside it).
+        size: Its size in bytes (every chunk and its index lie inside it).
         rank: The rank that wrote it.
+        index: Version 3: ``(offset, length, crc32c)`` of the file's index (its chunk records);
+            None in versions 1 and 2, whose MANIFEST lists the chunks itself.
     """
 
     name: str
     size: int
     rank: int
+    index: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, list):
+            object.__setattr__(self, "index", tuple(self.index))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +344,8 @@ class Manifest:
     """Everything needed to load a checkpoint, and nothing that runs code.
 
     Attributes:
-        format_version: Format version of the bytes (1 or 2; 2 adds the ``value`` object kind).
+        format_version: Format version of the bytes (1, 2 or 3; 2 adds the ``value`` object kind,
+            3 moves the chunk records into per-file indexes).
         save_id: Unique id of the save that wrote the checkpoint.
         world_size: Number of ranks that saved it.
         created_unix: Commit time, seconds since the epoch.
@@ -371,7 +445,9 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
     if not isinstance(t.kind, str) or t.kind not in TENSOR_KINDS:
         raise _corrupt(f"{where}: kind {t.kind!r} is not one of {sorted(TENSOR_KINDS)}", path)
     shape = _check_int_tuple(t.shape, f"{where} shape", path)
-    if not isinstance(t.chunks, tuple):
+    if t.chunks is None and m.format_version < 3:
+        raise _corrupt(f"{where}: no chunks (only a version-3 manifest keeps them in the data files)", path)
+    if t.chunks is not None and not isinstance(t.chunks, tuple):
         raise _corrupt(f"{where}: chunks must be a sequence, found {type(t.chunks).__name__}", path)
     itemsize = DTYPE_ITEMSIZE[t.dtype]
     # torch computes a contiguous tensor's strides and storage size from the product of its
@@ -383,6 +459,8 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
             f"{where}: shape {list(shape)} of {t.dtype} is too large: the product of its non-zero "
             f"dimensions is {extent} bytes, more than a tensor can address (2**63 - 1)", path
         )
+    if t.chunks is None:  # a writer's version-3 manifest: the chunks are in the files' indexes
+        return
     block = m.checksum_block
     nd = len(shape)
     boxes = []
@@ -444,6 +522,22 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         raise _corrupt(
             f"{where}: chunks do not cover the shape {list(shape)}: no chunk holds region {defect.region}", path
         )
+
+
+def _validate_index_ref(i: int, f: FileEntry, version: int, path: Any) -> None:
+    where = f"files[{i}] ({f.name})"
+    if version < 3:
+        if f.index is not None:
+            raise _corrupt(f"{where}: an index reference needs format version 3, the manifest is version {version}", path)
+        return
+    if not isinstance(f.index, tuple) or len(f.index) != 3:
+        raise _corrupt(f"{where}: index must be [offset, length, crc32c], found {f.index!r}", path)
+    off = _check_uint(f.index[0], f"{where} index offset", path, hi=_I64_LIMIT)
+    length = _check_uint(f.index[1], f"{where} index length", path, lo=len(INDEX_MAGIC), hi=MAX_INDEX_BYTES + 1)
+    _check_uint(f.index[2], f"{where} index crc32c", path, hi=1 << 32)
+    if off + length > f.size:
+        raise _corrupt(f"{where}: index bytes [{off}, {off + length}) lie beyond the end of the file (size {f.size})",
+                       path)
 
 
 def _validate_tree(m: Manifest, path: Any) -> None:
@@ -539,20 +633,26 @@ def validate(m: Manifest, *, path: Any = None) -> None:
         _check_uint(f.size, f"files[{i}] ({f.name}) size", path, hi=_I64_LIMIT)  # an off_t
         if not _is_int(f.rank) or not 0 <= f.rank < m.world_size:
             raise _corrupt(f"files[{i}] ({f.name}): rank {f.rank!r} is not in [0, world_size={m.world_size})", path)
+        _validate_index_ref(i, f, m.format_version, path)
     if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
         raise _corrupt("tensors and objects must be dicts", path)
-    file_spans: list[list] = [[] for _ in m.files]
+    # The index of a version-3 file takes bytes of it too: no chunk may overlap them.
+    file_spans: list[list] = [[(f.index[0], f.index[0] + f.index[1], None, None)] if f.index else []
+                              for f in m.files]
     for fqn, t in m.tensors.items():
         if not isinstance(fqn, str):
             raise _corrupt(f"tensors: key {fqn!r} is not a str", path)
         _validate_tensor(fqn, t, m, path, file_spans)
+    def what(k, j):
+        return "its index" if k is None else f"tensor {k!r} chunk {j}"
+
     for fi, spans in enumerate(file_spans):
-        spans.sort()
+        spans.sort(key=lambda span: span[:2])
         for (s0, e0, k0, j0), (s1, e1, k1, j1) in zip(spans, spans[1:]):
             if s1 < e0:
                 raise _corrupt(
-                    f"{m.files[fi].name}: bytes of tensor {k0!r} chunk {j0} [{s0}, {e0}) and tensor {k1!r} "
-                    f"chunk {j1} [{s1}, {e1}) overlap",
+                    f"{m.files[fi].name}: bytes of {what(k0, j0)} [{s0}, {e0}) and {what(k1, j1)} "
+                    f"[{s1}, {e1}) overlap",
                     path,
                 )
     for fqn, o in m.objects.items():
@@ -589,12 +689,22 @@ def validate(m: Manifest, *, path: Any = None) -> None:
 
 _BODY_KEYS = ("save_id", "world_size", "created_unix", "checksum_algo", "checksum_block", "files", "tensors", "objects", "tree", "meta")
 _FILE_KEYS = ("name", "size", "rank")
+_FILE_KEYS_V3 = ("name", "size", "rank", "index")
 _TENSOR_KEYS = ("dtype", "shape", "kind", "chunks")
+_TENSOR_KEYS_V3 = ("dtype", "shape", "kind")
 _CHUNK_KEYS = ("offsets", "sizes", "file", "offset", "nbytes", "crcs")
 _OBJECT_KEYS = ("kind", "value")
 
 
-def _to_body(m: Manifest) -> dict[str, Any]:
+def _chunk_maps(t: TensorEntry) -> list[dict[str, Any]]:
+    return [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
+             "nbytes": c.nbytes, "crcs": list(c.crcs)} for c in t.chunks]
+
+
+def _to_body(m: Manifest, *, plain: bool = False) -> dict[str, Any]:
+    """The body map of ``m``. Version 3 lists no chunks (they are in the files' indexes) unless
+    ``plain`` (the logical view of :func:`to_plain`, which shows them where it has them)."""
+    v3 = m.format_version >= 3
     return {
         "save_id": m.save_id,
         "world_size": m.world_size,
@@ -602,23 +712,14 @@ def _to_body(m: Manifest) -> dict[str, Any]:
         "created_unix": float(m.created_unix),
         "checksum_algo": m.checksum_algo,
         "checksum_block": m.checksum_block,
-        "files": [{"name": f.name, "size": f.size, "rank": f.rank} for f in m.files],
+        "files": [{"name": f.name, "size": f.size, "rank": f.rank, **({"index": list(f.index)} if v3 else {})}
+                  for f in m.files],
         "tensors": {
             fqn: {
                 "dtype": t.dtype,
                 "shape": list(t.shape),
                 "kind": t.kind,
-                "chunks": [
-                    {
-                        "offsets": list(c.offsets),
-                        "sizes": list(c.sizes),
-                        "file": c.file,
-                        "offset": c.offset,
-                        "nbytes": c.nbytes,
-                        "crcs": list(c.crcs),
-                    }
-                    for c in t.chunks
-                ],
+                **({"chunks": _chunk_maps(t)} if not v3 or (plain and t.chunks is not None) else {}),
             }
             for fqn, t in sorted(m.tensors.items())
         },
@@ -643,7 +744,7 @@ def encode(m: Manifest) -> bytes:
         raise ValueError(f"refusing to encode an invalid manifest: {e.message}") from e
     body = msgpack.packb(_to_body(m), use_bin_type=True, strict_types=False, datetime=False)
     if len(body) > MAX_MANIFEST_BYTES:
-        chunks = sum(len(t.chunks) for t in m.tensors.values())
+        chunks = sum(len(t.chunks or ()) for t in m.tensors.values())
         raise UnsupportedValueError(
             f"the MANIFEST of this checkpoint would be {len(body)} bytes ({chunks} chunks in "
             f"{len(m.tensors)} tensors, {len(m.objects)} values), more than the {MAX_MANIFEST_BYTES} bytes "
@@ -656,8 +757,9 @@ def encode(m: Manifest) -> bytes:
 
 def to_plain(m: Manifest) -> dict[str, Any]:
     """The manifest as plain data (dicts, lists, str, int, float, bool, bytes, None): the decoded
-    body plus ``format_version``. Backs ``distckpt.read_manifest(path)`` and the CLI."""
-    return {"format_version": m.format_version, **_to_body(m)}
+    body plus ``format_version``; a version-3 manifest shows its chunks too (read from the
+    indexes) and each file's ``index``. Backs ``distckpt.read_manifest(path)`` and the CLI."""
+    return {"format_version": m.format_version, **_to_body(m, plain=True)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -698,19 +800,26 @@ def _expect_list(v: Any, where: str, path: Any) -> list:
 
 
 def _from_body(body: Any, version: int, path: Any) -> Manifest:
-    """Structure of the body -> dataclasses; value checks are left to validate()."""
+    """Structure of the body -> dataclasses; value checks are left to validate(). A version-3
+    body gives tensors without chunks (None) and files with their index references."""
+    v3 = version >= 3
     _expect_map(body, _BODY_KEYS, "body", path)
     files = []
     for i, f in enumerate(_expect_list(body["files"], "files", path)):
-        _expect_map(f, _FILE_KEYS, f"files[{i}]", path)
-        files.append(FileEntry(f["name"], f["size"], f["rank"]))
+        _expect_map(f, _FILE_KEYS_V3 if v3 else _FILE_KEYS, f"files[{i}]", path)
+        index = tuple(_expect_list(f["index"], f"files[{i}] index", path)) if v3 else None
+        files.append(FileEntry(f["name"], f["size"], f["rank"], index))
     tensors_raw = body["tensors"]
     if not isinstance(tensors_raw, dict):
         raise _corrupt(f"tensors: expected a map, found {type(tensors_raw).__name__}", path)
     tensors = {}
     for fqn, t in tensors_raw.items():
         where = f"tensor {fqn!r}"
-        _expect_map(t, _TENSOR_KEYS, where, path)
+        _expect_map(t, _TENSOR_KEYS_V3 if v3 else _TENSOR_KEYS, where, path)
+        shape = tuple(_expect_list(t["shape"], f"{where} shape", path))
+        if v3:
+            tensors[fqn] = TensorEntry(dtype=t["dtype"], shape=shape, chunks=None, kind=t["kind"])
+            continue
         chunks = []
         for j, c in enumerate(_expect_list(t["chunks"], f"{where} chunks", path)):
             cw = f"{where} chunk {j}"
@@ -725,7 +834,6 @@ def _from_body(body: Any, version: int, path: Any) -> Manifest:
                     crcs=tuple(_expect_list(c["crcs"], f"{cw} crcs", path)),
                 )
             )
-        shape = tuple(_expect_list(t["shape"], f"{where} shape", path))
         tensors[fqn] = TensorEntry(dtype=t["dtype"], shape=shape, chunks=tuple(chunks), kind=t["kind"])
     objects_raw = body["objects"]
     if not isinstance(objects_raw, dict):
@@ -749,20 +857,46 @@ def _from_body(body: Any, version: int, path: Any) -> Manifest:
     )
 
 
-def decode(data: bytes | bytearray | memoryview, *, path: Any = None) -> Manifest:
-    """Parse and validate MANIFEST bytes.
+def decode(data: bytes | bytearray | memoryview, *, path: Any = None,
+           read_index: Callable[[Manifest, int], bytes] | None = None) -> Manifest:
+    """Parse and validate MANIFEST bytes (and, for version 3, the data files' indexes).
 
     Args:
         data: The whole file.
         path: Where the bytes came from, for error messages.
+        read_index: Version 3 only, required there: ``read_index(header, i)`` returns the bytes
+            ``header.files[i].index`` locates (offset, length) in data file ``i``, raising the
+            storage's typed errors (missing, truncated or unreadable file). ``header`` is the
+            manifest without chunks. Each index is checked against its crc32c before it is parsed.
 
     Returns:
-        A Manifest that passes :func:`validate`.
+        A Manifest that passes :func:`validate`, every tensor with its chunks.
 
     Raises:
         ManifestCorruptError: bad magic, unsupported version (the message says which was found
             and which are supported), nonzero flags, a body length over the limit, truncated or
-            extra bytes, checksum mismatch, invalid msgpack, or any schema violation.
+            extra bytes, checksum mismatch, invalid msgpack, or any schema violation (of the
+            MANIFEST or of an index: entries for unknown tensors included).
+        ChecksumMismatchError: a data file's index differs from its crc32c in the MANIFEST.
+        DataFileMissingError, DataFileTruncatedError, StorageError: from ``read_index``.
+        TypeError: a version-3 MANIFEST and no ``read_index`` (a caller's bug).
+    """
+    m = decode_header(data, path=path)
+    if m.format_version >= 3:
+        if read_index is None:
+            raise TypeError("a version-3 MANIFEST keeps its chunks in the data files: decode() needs read_index")
+        m = _attach_indexes(m, read_index, path)
+    return m
+
+
+def decode_header(data: bytes | bytearray | memoryview, *, path: Any = None) -> Manifest:
+    """Parse and validate MANIFEST bytes without reading any data file: for the fields of the
+    MANIFEST itself (save_id, files, created_unix, meta, the tree). A version-3 manifest comes
+    back with ``chunks`` None on every tensor (they are in the data files' indexes): never load
+    from it, use :func:`decode`. Versions 1 and 2 come back whole, as from :func:`decode`.
+
+    Raises:
+        ManifestCorruptError: as :func:`decode`, for the MANIFEST's own bytes.
     """
     data = bytes(data)
     n = len(data)
@@ -817,6 +951,73 @@ def decode(data: bytes | bytearray | memoryview, *, path: Any = None) -> Manifes
     m = _from_body(body, version, path)
     validate(m, path=path)
     return m
+
+
+def _attach_indexes(m: Manifest, read_index: Callable[[Manifest, int], bytes], path: Any) -> Manifest:
+    """``m`` (version 3, no chunks) with every tensor's chunks read from the files' indexes."""
+    return with_chunks(m, {i: parse_index(m, i, read_index(m, i), path) for i in range(len(m.files))}, path)
+
+
+def parse_index(header: Manifest, i: int, data: bytes | bytearray | memoryview, path: Any = None
+                ) -> list[tuple[str, ChunkRecord]]:
+    """The chunk records in data file ``i``'s index bytes ``data`` (version 3), checked against
+    the index's length and crc32c in ``header`` and for structure; values are checked when they
+    are attached (:func:`with_chunks`).
+
+    Raises:
+        DataFileTruncatedError: ``data`` is shorter than the index.
+        ChecksumMismatchError: its crc32c differs from the MANIFEST's.
+        ManifestCorruptError: it is not an index (magic, msgpack, entry shape).
+    """
+    f = header.files[i]
+    off, length, crc = f.index
+    data = bytes(data)
+    if len(data) != length:  # a reader's contract; a short read is a truncated file
+        raise DataFileTruncatedError(f"index of {f.name}: read {len(data)} bytes, expected {length}",
+                                     path=_sibling(path, f.name), expected=length, found=len(data))
+    found = _crc32c.crc32c(data)
+    if found != crc:
+        raise ChecksumMismatchError(
+            f"index of {f.name} (bytes [{off}, {off + length})): crc32c 0x{found:08x}, the MANIFEST says "
+            f"0x{crc:08x}", path=_sibling(path, f.name), file=f.name, key=None, offset=off,
+            expected=crc, found=found)
+    return _decode_index(data, i, f.name, path)
+
+
+def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None, *, check: bool = True) -> Manifest:
+    """``header`` (version 3) with the chunk records of ``records`` ({file index: (fqn, ChunkRecord)
+    from :func:`parse_index`}) attached, each tensor's chunks sorted by their offsets (a version-2
+    writer's order). With ``check`` (the default) the result is validated: every file's records
+    must be given, and they must tile every tensor. ``check=False`` is for ``distckpt verify``,
+    which checks the bytes of the files whose index it could read and reports the others.
+
+    Raises:
+        ManifestCorruptError: a record names a tensor the MANIFEST does not list, or (``check``)
+            any rule of :func:`validate`.
+    """
+    chunks: dict[str, list] = {fqn: [] for fqn in header.tensors}
+    for i in sorted(records):
+        for fqn, rec in records[i]:
+            if fqn not in chunks:
+                raise _corrupt(f"index of {header.files[i].name}: a chunk of {fqn!r}, which is not a tensor of the "
+                               "MANIFEST", path)
+            chunks[fqn].append(rec)
+    tensors = {fqn: dataclasses.replace(t, chunks=tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
+               for fqn, t in header.tensors.items()}
+    m = dataclasses.replace(header, tensors=tensors)
+    if check:
+        missing = [header.files[i].name for i in range(len(header.files)) if i not in records]
+        if missing:
+            raise ValueError(f"with_chunks(check=True) needs every file's records; missing {missing}")
+        validate(m, path=path)
+    return m
+
+
+def _sibling(path: Any, name: str) -> Any:
+    """The path of data file ``name`` next to the MANIFEST at ``path`` (for error messages)."""
+    if isinstance(path, str) and path.endswith(MANIFEST_NAME):
+        return path[: -len(MANIFEST_NAME)] + name
+    return path
 
 
 def read_manifest_bytes(path: str | os.PathLike) -> bytes:
@@ -876,7 +1077,72 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, MANIFEST_NAME)
-    return decode(read_manifest_bytes(path), path=path)
+    directory = os.path.dirname(path)
+    return decode(read_manifest_bytes(path), path=path,
+                  read_index=lambda header, i: read_local_index(directory, header.files[i]))
+
+
+def load_manifest_header(path: str | os.PathLike) -> Manifest:
+    """:func:`decode_header` of the MANIFEST at ``path`` (the file or its directory): its own
+    fields, no data file read (a version-3 manifest's tensors have ``chunks`` None).
+
+    Raises:
+        CheckpointIncompleteError: there is no MANIFEST.
+        ManifestCorruptError: see :func:`decode_header`.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, MANIFEST_NAME)
+    return decode_header(read_manifest_bytes(path), path=path)
+
+
+def read_local_index(directory: str, entry: FileEntry) -> bytes:
+    """The index bytes of data file ``entry`` in the checkpoint ``directory`` (version 3).
+
+    The file must be a regular file (never a symlink: I7) of exactly ``entry.size`` bytes, the
+    checks a load makes before it reads a data file.
+
+    Raises:
+        DataFileMissingError: the file does not exist.
+        DataFileTruncatedError: it is shorter than the MANIFEST says.
+        CheckpointCorruptError: it is longer, or not a regular file.
+        StorageError: (a subclass, via from_os_error) any other OS error.
+    """
+    fpath = os.path.join(directory, entry.name)
+    off, length, _ = entry.index
+    try:
+        fd = os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorruptError(
+                f"data file {entry.name} listed in MANIFEST must be a regular file inside the checkpoint, found a "
+                "symlink", path=fpath, expected="regular file", found="a symlink") from None
+        raise from_os_error(e, path=fpath, operation="open data file") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"data file {entry.name} listed in MANIFEST is not a regular file",
+                                         path=fpath, expected="regular file", found="not a file")
+        if st.st_size < entry.size:
+            raise DataFileTruncatedError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
+                                         path=fpath, expected=entry.size, found=st.st_size)
+        if st.st_size > entry.size:
+            raise CheckpointCorruptError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
+                                         path=fpath, expected=entry.size, found=st.st_size)
+        parts, got = [], 0
+        while got < length:
+            part = os.pread(fd, min(length - got, 1 << 24), off + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+    except OSError as e:
+        raise from_os_error(e, path=fpath, operation="read") from e
+    finally:
+        os.close(fd)
 
 
 def peek_commit_time(path: str | os.PathLike, *, prefix: int = 4096) -> float | None:

@@ -179,7 +179,7 @@ def load_manifest(path: str, storage_options: dict | None = None) -> "mf.Manifes
     """
     path = normalize_path(path)
     if is_url(path):
-        return mf.decode(open_store(path, storage_options).manifest_bytes(path), path=join(path, MANIFEST))
+        return open_store(path, storage_options).load_manifest(path)
     _check_committed(path)
     if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: read it directly
         return dcp.load_manifest(path)
@@ -541,14 +541,26 @@ def _manifest_collective(group: ControlGroup, path: str, store: Store | None = N
     if group.rank == 0:
         try:
             data = store.manifest_bytes(path) if store is not None else _manifest_bytes(path)
-            manifest = mf.decode(data, path=os.path.join(path, MANIFEST))
-            payload = (data, None)
+            indexes: dict[int, bytes] = {}
+
+            def read_index(header: "mf.Manifest", i: int) -> bytes:
+                raw = (store.read_index(path, header, i) if store is not None
+                       else mf.read_local_index(path, header.files[i]))
+                indexes[i] = raw
+                return raw
+
+            manifest = mf.decode(data, path=os.path.join(path, MANIFEST), read_index=read_index)
+            payload = (data, indexes, None)
         except Exception as exc:
-            payload = (None, _portable(exc))
-    data, error = group.broadcast(payload)
+            payload = (None, None, _portable(exc))
+    # The data files' indexes (format version 3) travel with the MANIFEST: every rank needs every
+    # chunk record to plan, and the storage is read once, not once per rank.
+    data, indexes, error = group.broadcast(payload)
     if error is not None:
         raise error
-    return manifest if manifest is not None else mf.decode(data, path=os.path.join(path, MANIFEST))
+    if manifest is not None:
+        return manifest
+    return mf.decode(data, path=os.path.join(path, MANIFEST), read_index=lambda header, i: indexes[i])
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
@@ -732,7 +744,7 @@ def _replaced_on_store(store: Store, path: str, exc: BaseException) -> BaseExcep
 
 def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool, store: Store | None = None, *,
           follow_chain: bool = True) -> dict:
-    manifest = load_manifest(path) if store is None else mf.decode(store.manifest_bytes(path), path=join(path, MANIFEST))
+    manifest = load_manifest(path) if store is None else store.load_manifest(path)
     if follow_chain and _is_delta(manifest):  # an incremental link: base + deltas composed
         if store is not None:
             raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "

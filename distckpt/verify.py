@@ -131,6 +131,44 @@ class _Block:
     index: int
 
 
+def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, report: VerifyReport):
+    """(manifest with the chunks of every file whose index could be read, those files). A file
+    whose index is unreadable, damaged or names an unknown tensor is a file problem: its chunks
+    cannot be located, so its bytes are not checked. With every index read, the records must
+    tile every tensor (ManifestCorruptError otherwise, as for a damaged MANIFEST)."""
+    from .errors import CheckpointCorruptError
+    records, kept = {}, []
+    for i, entry, (fpath, size) in readable:
+        off, length, _ = entry.index
+        problem = None
+        if off + length > size:
+            problem = f"its index (bytes [{off}, {off + length})) lies past the end of the file"
+        else:
+            buf = mmap.mmap(-1, max(4096, -(-length // 4096) * 4096))  # page-aligned, for O_DIRECT
+            try:
+                with opener(fpath) as reader:
+                    view = memoryview(buf)[:length]
+                    reader.read_into([(off, length, view)])
+                    raw = bytes(view)
+                    view.release()
+            finally:
+                buf.close()
+            try:
+                recs = mf.parse_index(header, i, raw, mpath)
+                unknown = sorted({fqn for fqn, _ in recs} - set(header.tensors))
+                if unknown:
+                    problem = f"its index names tensors the MANIFEST does not list: {unknown[:5]}"
+            except CheckpointCorruptError as exc:
+                problem = f"its index is damaged ({exc.message})"
+        if problem is not None:
+            report.file_problems.append(FileProblem(entry.name, problem + ": its chunks cannot be located or checked"))
+            continue
+        records[i] = recs
+        kept.append((i, entry, (fpath, size)))
+    complete = len(records) == len(header.files)
+    return mf.with_chunks(header, records, mpath, check=complete), kept
+
+
 def _blocks_of_file(manifest: "mf.Manifest", file_index: int) -> list[tuple[int, str, "mf.ChunkRecord"]]:
     chunks = [(c.offset, fqn, c) for fqn, t in manifest.tensors.items() for c in t.chunks
               if c.file == file_index and c.nbytes > 0]
@@ -272,13 +310,17 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     if is_url(path):
         from .storage.objectstore import _RangeReader
         store = open_store(path, storage_options)
-        manifest = mf.decode(store.manifest_bytes(path), path=join(path, mf.MANIFEST_NAME))
+        mpath = join(path, mf.MANIFEST_NAME)
+        data = store.manifest_bytes(path)
     else:
         check_checkpoint_dir(path)
-        manifest = mf.load_manifest(path)
+        mpath = os.path.join(path, mf.MANIFEST_NAME)
+        data = mf.read_manifest_bytes(mpath)
+    # Format 3 keeps the chunk records in the data files: the MANIFEST alone first, then each
+    # file's index below, so that a damaged file is reported and the others still checked.
+    manifest = mf.decode_header(data, path=mpath)
     report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
-                          checksum_block=manifest.checksum_block,
-                          blocks_expected=sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks))
+                          checksum_block=manifest.checksum_block)
     if is_url(path):
         opened = [(i, entry, _open_object(store, path, manifest, i, report)) for i, entry in enumerate(manifest.files)]
         sizes = {found[0]: found[1] for _, _, found in opened if found is not None}
@@ -291,6 +333,9 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
         choice = choose_read_backend(readable[0][2][0]) if readable else None
         report.backend = choice.name if choice is not None else None
         opener = lambda p: open_reader(p, choice=choice)  # noqa: E731
+    if manifest.format_version >= 3:
+        manifest, readable = _read_indexes(manifest, mpath, readable, opener, report)
+    report.blocks_expected = sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks)
     if on_start is not None:
         on_start(report)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-verify") as pool:

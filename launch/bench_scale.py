@@ -4,9 +4,11 @@ What it runs is distckpt's own code, not a model of it: every rank's PLAN messag
 exact format ``coordinator.plan_save`` sends first (``_summarize``'s summary, its layout
 fingerprint and ``_plan_message``: compact layouts as a digest, rank 0's with its compact part),
 rank 0's planning is ``coordinator._coordinate_plan`` (the merge and every rank's reply), run once
-cold and once as the next save with unchanged layouts (the plan cache), and the MANIFEST is built
-with ``coordinator._build_manifest`` and encoded with ``manifest.encode`` from synthetic WRITE
-records (one ChunkRecord per written chunk, one crc per checksum block). No collective runs: the
+cold and once as the next save with unchanged layouts (the plan cache), and the MANIFEST (format
+version 3) is built with ``coordinator._build_manifest`` and encoded with ``manifest.encode`` from
+every rank's WRITE report (its data file's size and index reference). Each rank's index (one
+ChunkRecord per written chunk, one crc per checksum block, ``manifest.encode_index``) is built for
+a sample of ranks (0, 1, the last, the one owning most pieces). No collective runs: the
 bytes on the wire are the pickled messages that gloo's gather/scatter_object would carry. The
 grid descriptions and the container tree are the same on every rank, so the simulation builds
 them (and their digest) once and gives every rank the same objects.
@@ -19,6 +21,8 @@ Per configuration it reports, in a fresh subprocess (so peak RSS is this configu
   * ``cached s``   the same for the next save with unchanged layouts (plan cache hit);
   * ``manifest s`` CPU seconds to build + encode the MANIFEST (rank 0 only);
   * ``MANIFEST``   its encoded size;
+  * ``index``      the largest data-file index of the sampled ranks (each rank writes its own);
+  * ``index s``    CPU seconds to encode and checksum that index (the rank's own work);
   * ``peak RSS``   the process's peak RSS minus its RSS before the summaries were built (all
                    ranks' summaries live in this one process, so this is rank 0's, plus the others').
 
@@ -176,29 +180,44 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
            "coord_recv": sum(sent), "merge_s": plan_s, "cached_s": cached_s, "send_cached": sent_cached,
            "manifest_s": None, "manifest_bytes": None, "sim_s": time.monotonic() - t_sim}
     if manifest:
-        # WRITE outcomes as _write_rank_file reports them: one record per written piece (a grid
-        # tensor's chunk by its only holder, any other piece by its owner in the plan).
-        per_rank: list[list] = [[] for _ in range(world)]
-        offsets = [0] * world
+        # WRITE on a rank: its chunk records go into its data file's index (format version 3),
+        # each rank's own work. Built for a sample of ranks (0, 1, the last, and the one owning
+        # most pieces by the plan): building all 20 M records of 4,096 x 5,000 in one process would
+        # measure the simulation, not any rank. The grid layouts give every rank the same count.
         grid = shared["grid"] if plan.compact else {}
-        written = [(fqn, tuple(o), tuple(sz), r) for r in range(world)
-                   for fqn, _shape, boxes in _pieces(layout, world, tensors, r) if fqn in grid for o, sz in boxes
-                   if sz[0] and sz[1]]  # empty grid chunks are not written
-        written += [(fqn, off, sizes, r) for (fqn, off, sizes), r in plan.owners.items()]
-        for fqn, off, sizes, r in sorted(written, key=lambda w: (w[3], w[0], w[1])):
-            nbytes = 4
-            for n in sizes:
-                nbytes *= n
-            nblocks = -(-nbytes // plan.checksum_block)
-            per_rank[r].append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offsets[r],
+        owned: dict[int, list] = {}
+        for (fqn, off, sizes), r in plan.owners.items():
+            owned.setdefault(r, []).append((fqn, off, sizes))
+        busiest = max(owned, key=lambda r: len(owned[r])) if owned else 0
+        sample = sorted({0, min(1, world - 1), world - 1, busiest})
+        index_s, index_bytes, refs = 0.0, 0, {}
+        for r in sample:
+            written = [(fqn, tuple(o), tuple(sz)) for fqn, _shape, boxes in _pieces(layout, world, tensors, r)
+                       if fqn in grid for o, sz in boxes if sz[0] and sz[1]]  # empty grid chunks are not written
+            written += owned.get(r, [])
+            records, offset = [], 0
+            for fqn, off, sizes in sorted(written):
+                nbytes = 4
+                for n in sizes:
+                    nbytes *= n
+                nblocks = -(-nbytes // plan.checksum_block)
+                records.append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offset,
                                                     nbytes=nbytes, crcs=tuple(range(nblocks)))))
-            offsets[r] += -(-nbytes // 4096) * 4096
-        outcomes = [((per_rank[r], offsets[r], "uring", "simulated"), None) for r in range(world)]
+                offset += -(-nbytes // 4096) * 4096
+            t0 = time.process_time()
+            index = mf.encode_index(records)
+            crc = mf._crc32c.crc32c(index)
+            index_s = max(index_s, time.process_time() - t0)
+            index_bytes = max(index_bytes, len(index))
+            refs[r] = ((offset, len(index), crc), offset + len(index))
+        like = refs[sample[1] if len(sample) > 1 else sample[0]]
+        outcomes = [(((refs.get(r, like)[0]), refs.get(r, like)[1], "uring", "simulated"), None) for r in range(world)]
         t0 = time.process_time()
         m = co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)
         body = mf.encode(m)
         out["manifest_s"] = time.process_time() - t0
         out["manifest_bytes"] = len(body)
+        out["index_s"], out["index_bytes"] = index_s, index_bytes
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out["peak_rss_mib"] = (peak - rss0) / 1024
     return out
@@ -304,9 +323,9 @@ def _work_units(layout: str, world: int, tensors: int) -> int:
 
 
 def _manifest_estimate(layout: str, world: int, tensors: int) -> int:
-    """The MANIFEST size to expect: about 58 B per chunk record plus 4 B per checksum."""
-    pieces = tensors * world + (50 if layout == "torchrec" else 0)
-    return 58 * pieces + 4 * _checksums(layout, world, tensors)
+    """The MANIFEST size to expect (format 3): about 100 B per tensor (its entry and its place in
+    the tree) plus 40 B per data file (name, size, rank, index reference)."""
+    return 100 * (tensors + (50 if layout == "torchrec" else 0)) + 40 * world
 
 
 def main(argv=None) -> int:
@@ -331,7 +350,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_one(layout, int(world), int(tensors), manifest=not rest)))
         return 0
     print(f"{'layout':9} {'ranks':>5} {'tensors':>7} {'pieces':>10} {'send/rank':>10} {'recv/rank':>10} "
-          f"{'rank0 recv':>10} {'plan s':>7} {'cached s':>8} {'manifest s':>10} {'MANIFEST':>10} {'peak RSS':>10}")
+          f"{'rank0 recv':>10} {'plan s':>7} {'cached s':>8} {'manifest s':>10} {'MANIFEST':>10} {'index':>10} "
+          f"{'index s':>7} {'peak RSS':>10}")
     for layout in args.layouts.split(","):
         # Seconds per work unit, the highest measured so far: the MANIFEST build + encode (per
         # piece and checksum block) and the simulation as a whole (generating every rank's summary
@@ -357,10 +377,11 @@ def main(argv=None) -> int:
                     sim_rate = max(sim_rate or 0.0, r["sim_s"] / pieces)
                 if r["manifest_s"] is not None:
                     manifest_rate = max(manifest_rate or 0.0, r["manifest_s"] / units)
-                    man = f"{r['manifest_s']:>10.2f} {_fmt_bytes(r['manifest_bytes']):>10}"
+                    man = (f"{r['manifest_s']:>10.2f} {_fmt_bytes(r['manifest_bytes']):>10} "
+                           f"{_fmt_bytes(r['index_bytes']):>10} {r['index_s']:>7.3f}")
                 else:
                     man = (f"~{manifest_rate * units:>9.0f} "
-                           f"{'~' + _fmt_bytes(_manifest_estimate(layout, world, tensors)):>10}")
+                           f"{'~' + _fmt_bytes(_manifest_estimate(layout, world, tensors)):>10} {'':>10} {'':>7}")
                 print(f"{layout:9} {world:>5} {tensors:>7} {r['pieces']:>10} {_fmt_bytes(r['send_per_rank']):>10} "
                       f"{_fmt_bytes(r['recv_per_rank']):>10} {_fmt_bytes(r['coord_recv']):>10} {r['merge_s']:>7.2f} "
                       f"{r['cached_s'] * 1000:>6.2f}ms {man} {r['peak_rss_mib']:>7.0f} MiB", flush=True)

@@ -204,16 +204,44 @@ def test_verify_reports_missing_and_truncated_files_and_goes_on(tmp_path, two_fi
     ck = tmp_path / "ck"
     shutil.copytree(two_file_ckpt, ck)
     m = mf.load_manifest(ck)
+    blocks0 = sum(len(c.crcs) for t in m.tensors.values() for c in t.chunks if c.file == 0)
+    # A truncated file loses its index (format 3: at its end) first: the file is reported twice
+    # (its size, its chunks that cannot be located), and the other file is still checked whole.
     os.truncate(ck / m.files[1].name, m.files[1].size - 10)
     report = verify(ck)
     assert not report.ok
-    assert [p.file for p in report.file_problems] == [m.files[1].name] and "truncated" in report.file_problems[0].problem
-    assert report.bad_blocks and all(b.file == m.files[1].name for b in report.bad_blocks)
-    assert report.bad_blocks[-1].found is None  # the block past the end is reported, not skipped
+    problems = [(p.file, p.problem) for p in report.file_problems]
+    assert [f for f, _ in problems] == [m.files[1].name] * 2, problems
+    assert "truncated" in problems[0][1] and "cannot be located or checked" in problems[1][1]
+    assert report.bad_blocks == [] and report.blocks_checked == report.blocks_expected == blocks0 > 0
     os.unlink(ck / m.files[0].name)
     report = verify(ck)
     assert {p.file for p in report.file_problems} == {m.files[0].name, m.files[1].name}
     assert "missing" in str(report.file_problems[0])
+
+
+def test_verify_names_a_damaged_index_and_checks_the_other_files(tmp_path, two_file_ckpt):
+    ck = tmp_path / "ck"
+    shutil.copytree(two_file_ckpt, ck)
+    m = mf.load_manifest(ck)
+    off, length, _ = m.files[1].index
+    with open(ck / m.files[1].name, "r+b") as f:  # one bit of the index of rank 1's file
+        f.seek(off + length // 2)
+        b = f.read(1)
+        f.seek(off + length // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    c = next(c for t in m.tensors.values() for c in t.chunks if c.file == 0 and c.nbytes)
+    with open(ck / m.files[0].name, "r+b") as f:  # and one bit of a chunk of rank 0's file
+        f.seek(c.offset)
+        b = f.read(1)
+        f.seek(c.offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    report = verify(ck)
+    assert [(p.file, "index is damaged" in p.problem and "crc32c" in p.problem) for p in report.file_problems] == \
+        [(m.files[1].name, True)]
+    assert [(b.file, b.offset) for b in report.bad_blocks] == [(m.files[0].name, c.offset)]
+    proc = _run("-m", "distckpt", "verify", str(ck))
+    assert proc.returncode == 1 and "index is damaged" in proc.stdout, proc.stdout + proc.stderr
 
 
 _RSS_CHILD = r"""

@@ -42,6 +42,8 @@ def _rewrite_manifest(path: str, edit) -> None:
     body = mf.to_plain(mf.load_manifest(path))
     del body["format_version"]
     body = copy.deepcopy(body)
+    for f in body["files"]:  # written as version 1: the chunks in the MANIFEST, no file index
+        del f["index"]
     edit(body)
     raw = msgpack.packb(body, use_bin_type=True)
     head = mf._HEADER.pack(mf.MAGIC, 1, 0, len(raw)) + raw

@@ -475,7 +475,7 @@ def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatc
         mgr.save(step, _state(step))
     decodes = []
     real_decode = mf.decode
-    monkeypatch.setattr(mf, "decode", lambda data, path=None: decodes.append(path) or real_decode(data, path=path))
+    monkeypatch.setattr(mf, "decode", lambda data, path=None, **kw: decodes.append(path) or real_decode(data, path=path, **kw))
     assert mgr.latest_step() == 200
     assert len(decodes) == 1 and "step_00000200" in decodes[0], decodes
     # Newest MANIFEST damaged after its first 4 KiB (the peek cannot see it): skipped, next newest.

@@ -26,6 +26,7 @@ from distckpt.manifest import (
     block_crcs,
     data_file_name,
     decode,
+    decode_header,
     encode,
     load_manifest,
     read_manifest_bytes,
@@ -135,6 +136,139 @@ def test_golden_v1_still_loads_with_format_2_reader():
     assert m.format_version == 1 and m == gen.golden_manifest()
 
 
+def test_golden_v3_directory_encodes_and_decodes_with_its_indexes():
+    """Format 3: the MANIFEST lists no chunk; each data file ends with its index. The stored
+    directory matches what the generator builds byte for byte, and load_manifest gives back
+    every chunk record (the same as the v2 golden manifest's)."""
+    d = os.path.join(GOLDEN, "v3")
+    with open(os.path.join(d, "MANIFEST"), "rb") as f:
+        stored = f.read()
+    want = gen.golden_manifest_v3()
+    assert encode(want) == stored
+    for i, data in enumerate(gen.golden_v3_files()):
+        with open(os.path.join(d, data_file_name(i)), "rb") as f:
+            assert f.read() == data
+    m = load_manifest(d)
+    assert m == want and m.format_version == 3
+    assert {k: t.chunks for k, t in m.tensors.items()} == {k: t.chunks for k, t in gen.golden_manifest_v2().tensors.items()}
+    body = msgpack.unpackb(stored[24:-4], raw=False, strict_map_key=False)
+    assert all("chunks" not in t for t in body["tensors"].values())
+    assert [f["index"] for f in body["files"]] == [list(f.index) for f in want.files]
+    # Without a way to read the indexes a version-3 MANIFEST cannot be decoded (never "no chunks").
+    with pytest.raises(TypeError, match="needs read_index"):
+        decode(stored)
+    assert decode_header(stored).tensors["model.w"].chunks is None
+
+
+def _v3_copy(tmp_path):
+    import shutil
+    d = tmp_path / "v3"
+    shutil.copytree(os.path.join(GOLDEN, "v3"), d)
+    return d
+
+
+def test_v3_index_damage_is_named(tmp_path):
+    from distckpt.errors import ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError
+    d = _v3_copy(tmp_path)
+    f1 = d / "rank00001.bin"
+    good = f1.read_bytes()
+    bad = bytearray(good)
+    bad[gen.V3_CHUNK_AREA + 20] ^= 1
+    f1.write_bytes(bytes(bad))
+    with pytest.raises(ChecksumMismatchError) as ei:
+        load_manifest(d)
+    assert "index of rank00001.bin" in ei.value.message and ei.value.path == str(f1)
+    f1.write_bytes(good[:-1])
+    with pytest.raises(DataFileTruncatedError):
+        load_manifest(d)
+    f1.unlink()
+    with pytest.raises(DataFileMissingError):
+        load_manifest(d)
+    os.symlink(os.path.join(GOLDEN, "v3", "rank00001.bin"), f1)  # an identical file, outside: refused (I7)
+    with pytest.raises(E_CheckpointCorrupt) as ei:
+        load_manifest(d)
+    assert "symlink" in ei.value.message
+
+
+E_CheckpointCorrupt = __import__("distckpt.errors", fromlist=["CheckpointCorruptError"]).CheckpointCorruptError
+
+
+def _v3_variant(tmp_path, edit_files=None, index_records=None):
+    """A copy of the v3 golden directory whose rank00001.bin index holds ``index_records`` (a
+    function of the golden records) and/or whose MANIFEST files are edited."""
+    from distckpt.manifest import encode_index
+    d = _v3_copy(tmp_path)
+    m = gen.golden_manifest_v3()
+    files = list(m.files)
+    if index_records is not None:
+        recs = [(k, c) for k, t in m.tensors.items() for c in t.chunks if c.file == 1]
+        data = gen.golden_v3_files()[1][: gen.V3_CHUNK_AREA] + encode_index(index_records(recs))
+        (d / "rank00001.bin").write_bytes(data)
+        files[1] = FileEntry(files[1].name, len(data), 1, (gen.V3_CHUNK_AREA, len(data) - gen.V3_CHUNK_AREA,
+                                                           crc32c.crc32c(data[gen.V3_CHUNK_AREA:])))
+    if edit_files is not None:
+        files = edit_files(files)
+    # encode() validates what it is given: write the MANIFEST of the header alone, past that check.
+    header = dataclasses.replace(m, files=tuple(files), tensors={k: dataclasses.replace(t, chunks=None)
+                                                                 for k, t in m.tensors.items()})
+    body = msgpack.packb(_body_of(header), use_bin_type=True)
+    (d / "MANIFEST").write_bytes(gen.wrap(body, version=3))
+    return d
+
+
+def _body_of(m):
+    from distckpt.manifest import _to_body
+    return _to_body(m)
+
+
+@pytest.mark.parametrize("case,phrase", [
+    ("unknown_tensor", "a chunk of 'nope', which is not a tensor of the MANIFEST"),
+    ("dropped_chunk", "do not cover the shape"),
+    ("twice", "overlap"),
+    ("index_beyond_file", "index bytes [4096, 1000004096) lie beyond the end of the file"),
+    ("chunk_over_index", "overlap"),
+    ("bad_index_bytes", "does not start with"),
+])
+def test_v3_hostile_indexes_are_refused(tmp_path, case, phrase):
+    edit_files, index_records = None, None
+    if case == "unknown_tensor":
+        index_records = lambda recs: recs + [("nope", recs[0][1])]  # noqa: E731
+    elif case == "dropped_chunk":
+        index_records = lambda recs: [r for r in recs if r[0] != "model.w"]  # noqa: E731
+    elif case == "twice":
+        index_records = lambda recs: recs + [recs[0]]  # noqa: E731
+    elif case == "index_beyond_file":
+        edit_files = lambda fs: [fs[0], FileEntry(fs[1].name, fs[1].size, 1, (4096, 10**9, 0))]  # noqa: E731
+    elif case == "chunk_over_index":
+        index_records = lambda recs: [(k, dataclasses.replace(c, offset=gen.V3_CHUNK_AREA - 8) if k == "model.w" else c)  # noqa: E731
+                                      for k, c in recs]
+    elif case == "bad_index_bytes":
+        def edit_files(fs):
+            return [fs[0], FileEntry(fs[1].name, fs[1].size, 1, (0, 16, crc32c.crc32c(bytes(16))))]
+        d = _v3_copy(tmp_path)
+        data = bytearray(gen.golden_v3_files()[1])
+        data[:16] = bytes(16)
+    d = _v3_variant(tmp_path / case, edit_files, index_records)
+    if case == "bad_index_bytes":
+        (d / "rank00001.bin").write_bytes(bytes(data))
+    with pytest.raises(ManifestCorruptError) as ei:
+        load_manifest(d)
+    assert phrase in ei.value.message
+
+
+def test_v3_keys_are_exactly_the_versions_keys(tmp_path):
+    # A version-2 body with an index reference, and a version-3 body without one, are refused.
+    plain = to_plain(gen.golden_manifest_v2())
+    del plain["format_version"]
+    plain["files"][0]["index"] = [0, 8, 0]
+    with pytest.raises(ManifestCorruptError, match="unexpected keys \\['index'\\]"):
+        decode(gen.wrap(msgpack.packb(plain, use_bin_type=True), version=2))
+    body = _body_of(dataclasses.replace(gen.golden_manifest_v3(), tensors={}))
+    del body["files"][0]["index"]
+    with pytest.raises(ManifestCorruptError, match="missing keys \\['index'\\]"):
+        decode_header(gen.wrap(msgpack.packb(body, use_bin_type=True), version=3))
+
+
 def test_golden_header_layout():
     data = encode(gen.golden_manifest())
     magic, version, flags, length = struct.unpack_from("<8sIIQ", data)
@@ -167,7 +301,7 @@ def test_corrupt_corpus_is_complete_and_matches_generator():
         with open(os.path.join(GOLDEN, "corrupt", name), "rb") as f:
             assert f.read() == data, f"{name} differs from make_golden.py: regenerate only on a version bump"
         assert _expected_corpus()[name] == phrase
-    required = {"bad_magic", "version3", "value_kind_in_v1", "flipped_body_byte", "truncated", "extra_byte", "path_traversal",
+    required = {"bad_magic", "version4", "value_kind_in_v1", "flipped_body_byte", "truncated", "extra_byte", "path_traversal",
                 "offset_beyond_file", "overlapping_chunks", "non_covering_chunks", "nbytes_mismatch",
                 "unknown_dtype", "huge_length"}
     assert {n[:-4] for n in stored} >= required
@@ -427,6 +561,44 @@ def test_fuzz_raw_bytes_only_raise_manifest_corrupt(junk, pos, xor):
             decode(data)
         except ManifestCorruptError:
             pass
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_fuzz_v3_index_past_its_crc_only_raises_manifest_corrupt(data):
+    """A version-3 index damaged and then given a matching crc32c in the MANIFEST (a hostile
+    writer, not a flipped bit): decoding either gives a manifest that validates or raises
+    ManifestCorruptError; never another exception, never chunks outside the rules."""
+    from distckpt.manifest import encode_index
+    m = gen.golden_manifest_v3()
+    records = [(k, c) for k, t in m.tensors.items() for c in t.chunks if c.file == 1]
+    raw = bytearray(encode_index(records))
+    how = data.draw(st.sampled_from(["flip", "cut", "junk", "record"]))
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            raw[data.draw(st.integers(8, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+    elif how == "cut":
+        raw = raw[: data.draw(st.integers(8, len(raw) - 1))]
+    elif how == "junk":
+        raw = bytearray(b"DCKPTIX3" + data.draw(st.binary(max_size=300)))
+    else:  # one record replaced by random plain values of the right arity
+        j = data.draw(st.integers(0, len(records) - 1))
+        plain = st.one_of(st.integers(-2, 2**64), st.text(max_size=5), st.lists(st.integers(-1, 10), max_size=3),
+                          st.binary(max_size=12), st.none())
+        rows = msgpack.unpackb(bytes(raw[8:]), raw=False)
+        rows[j] = [data.draw(plain) for _ in range(6)]
+        raw = bytearray(b"DCKPTIX3" + msgpack.packb(rows, use_bin_type=True))
+    files = list(m.files)
+    files[1] = FileEntry(files[1].name, gen.V3_CHUNK_AREA + len(raw), 1,
+                         (gen.V3_CHUNK_AREA, max(len(raw), 8), crc32c.crc32c(bytes(raw))))
+    header = dataclasses.replace(m, files=tuple(files), tensors={k: dataclasses.replace(t, chunks=None)
+                                                                 for k, t in m.tensors.items()})
+    indexes = {0: gen.golden_v3_files()[0][gen.V3_CHUNK_AREA:], 1: bytes(raw)}
+    try:
+        out = decode(encode(header), read_index=lambda h, i: indexes[i])
+    except ManifestCorruptError:
+        return
+    validate(out)
 
 
 # ------------------------------------------------------------------------------------------

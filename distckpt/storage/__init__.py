@@ -109,6 +109,20 @@ class Store:
     def manifest_bytes(self, path: str) -> bytes:
         raise NotImplementedError
 
+    def read_index(self, path: str, header: Any, i: int) -> bytes:
+        """The index bytes of data file ``i`` of the checkpoint at ``path`` (format version 3), after
+        checking the file's size against ``header``. Raises DataFileMissingError,
+        DataFileTruncatedError, CheckpointCorruptError, StorageError."""
+        raise NotImplementedError
+
+    def load_manifest(self, path: str) -> Any:
+        """The decoded, validated Manifest of the committed checkpoint at ``path``, chunks included
+        (read from the data files' indexes for format version 3). Raises what
+        :meth:`manifest_bytes`, :meth:`read_index` and :func:`distckpt.manifest.decode` raise."""
+        from .. import manifest as mf
+        return mf.decode(self.manifest_bytes(path), path=join(path, mf.MANIFEST_NAME),
+                         read_index=lambda header, i: self.read_index(path, header, i))
+
     def data_readers(self, path: str, manifest: Any,
                      file_indexes: list[int]) -> tuple[Mapping[int, str], Callable[[str], Any], int, str]:
         raise NotImplementedError

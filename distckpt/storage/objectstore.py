@@ -43,6 +43,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+import crc32c as _crc32c
+
 from .. import manifest as mf
 from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
@@ -211,6 +213,15 @@ class ObjectStore(Store):
                 path=path)
         raise CheckpointNotFoundError(f"no checkpoint at {path} (no {mf.MANIFEST_NAME})", path=path)
 
+    def read_index(self, path: str, header: "mf.Manifest", i: int) -> bytes:
+        """The index bytes of data object ``i`` (one HEAD, which checks its size, and one ranged
+        GET). Raises DataFileMissingError, DataFileTruncatedError, CheckpointCorruptError."""
+        urls, open_reader, _, _ = self.data_readers(path, header, [i])
+        off, length, _ = header.files[i].index
+        buf = bytearray(length)
+        open_reader(urls[i]).read_into([(off, length, memoryview(buf))])
+        return bytes(buf)
+
     def data_url(self, path: str, manifest: "mf.Manifest", index: int) -> str:
         return join(path, manifest.save_id, manifest.files[index].name)
 
@@ -282,7 +293,14 @@ class ObjectStore(Store):
         from ..staging import host_bytes
         url = join(area, mf.data_file_name(rank))
         nbytes = [p.tensor.numel() * p.tensor.element_size() for _, p in pieces]
-        offsets, total = assign_offsets(nbytes, alignment=ALIGNMENT)
+        offsets, chunks_end = assign_offsets(nbytes, alignment=ALIGNMENT)
+        # The object ends with its index (format version 3). An upload must know its size before
+        # the crcs are computed: the index's length follows from the records with placeholder crcs.
+        index_offset = -(-chunks_end // ALIGNMENT) * ALIGNMENT
+        index_len = mf.index_length(
+            (fqn, mf.ChunkRecord(p.offsets, p.sizes, rank, off, n, (0,) * -(-n // checksum_block)))
+            for (fqn, p), off, n in zip(pieces, offsets, nbytes))
+        total = index_offset + index_len
         cfg = settings()
         part = max(cfg["part_size"], -(-total // _MAX_PARTS))
         up = _Upload(self, url, part_size=part, in_flight=cfg["in_flight"], total=total, rank=rank)
@@ -296,12 +314,16 @@ class ObjectStore(Store):
                 del keep
                 records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
                                                     file=rank, offset=off, nbytes=n, crcs=crcs)))
-            up.pad_to(total)
+            index = mf.encode_index(records)
+            if len(index) != index_len:  # encode_index's promise; never write a size we did not plan
+                raise AssertionError(f"index of {url}: {len(index)} bytes, planned {index_len}")
+            up.pad_to(index_offset)
+            up.write(index)
             size = up.finish()
         except BaseException:
             up.abort()
             raise
-        return records, size, f"fsspec:{self.protocol}", (
+        return (index_offset, index_len, _crc32c.crc32c(index)), size, f"fsspec:{self.protocol}", (
             f"object store: multipart upload, {part >> 20} MiB parts, {cfg['in_flight']} in flight")
 
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
@@ -319,7 +341,7 @@ class ObjectStore(Store):
             if not overwrite:
                 raise CheckpointExistsError(f"another save committed {final} while this one was writing",
                                             path=final, remedy="Save to another path, or pass overwrite=True.")
-            old_id = mf.decode(old, path=url).save_id
+            old_id = mf.decode_header(old, path=url).save_id
         conditional = settings()["conditional"] and old is None
         try:
             call_with_retry(lambda: self.fs.pipe_file(self._key(url), manifest,
@@ -335,7 +357,7 @@ class ObjectStore(Store):
             # Read back: the MANIFEST now there must be this save's. Without a conditional create
             # (or when two overwrites race) the last PUT wins; the loser learns it here.
             back = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
-            if back is None or mf.decode(back, path=url).save_id != save_id:
+            if back is None or mf.decode_header(back, path=url).save_id != save_id:
                 raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
                                             f"save id)", path=final, remedy="Save to another path.")
         return join(final, old_id) if old_id and old_id != save_id else None
@@ -357,7 +379,7 @@ class ObjectStore(Store):
                     f"this save lost its lease {lease.url} before its commit (stalled for more than "
                     f"{lease.record['lease_s']:.0f} s?); now held by {rec}", path=final, rank=0, owner=rec,
                     remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long.")
-        m = mf.decode(manifest)
+        m = mf.decode_header(manifest)
         self.data_readers(area.rsplit("/", 1)[0], m, list(range(len(m.files))))
 
     def discard(self, replaced: str) -> None:
@@ -368,7 +390,7 @@ class ObjectStore(Store):
 
     def committed_save_id(self, final: str) -> str | None:
         data = self._read_small(join(final, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
-        return None if data is None else mf.decode(data).save_id
+        return None if data is None else mf.decode_header(data).save_id
 
     def save_id_of_area(self, area: str) -> str:
         return _basename(area)

@@ -5,7 +5,9 @@ Usage (from the repository root)::
     .venv/bin/python tests/golden/make_golden.py
 
 Writes ``tests/golden/manifest_v1.bin``, ``tests/golden/manifest_v2.bin`` (format 2: the typed value
-nodes of object kind ``value``) and ``tests/golden/corrupt/*.bin`` plus
+nodes of object kind ``value``), ``tests/golden/v3/`` (format 3: a whole checkpoint directory,
+MANIFEST plus the two data files whose indexes hold the chunk records) and
+``tests/golden/corrupt/*.bin`` plus
 ``tests/golden/corrupt/EXPECTED.json`` ({file name: a phrase its ManifestCorruptError message must
 contain}). The tests never run this script: they compare the stored bytes with what the code
 produces. Regenerating is only right when the format version changes (add ``manifest_v2.bin`` and
@@ -40,6 +42,7 @@ from distckpt.manifest import (  # noqa: E402
     TensorEntry,
     block_crcs,
     encode,
+    encode_index,
     to_plain,
 )
 
@@ -147,6 +150,36 @@ def golden_manifest_v2() -> Manifest:
                     tensors=m.tensors, objects=objects, tree=tree, meta=m.meta)
 
 
+V3_CHUNK_AREA = 4096  # each v3 data file: the v1 golden chunk bytes in 4096 bytes, then its index
+
+
+def golden_v3_files() -> list[bytes]:
+    """The two data files of tests/golden/v3: each chunk's pattern bytes at its offset, zeros
+    between, the file's index at offset 4096."""
+    m = golden_manifest_v2()
+    areas = [bytearray(V3_CHUNK_AREA) for _ in m.files]
+    records: list[list] = [[] for _ in m.files]
+    seed = 0
+    for fqn, t in m.tensors.items():  # the order golden_manifest() numbered the patterns in
+        for c in t.chunks:
+            seed += 1
+            areas[c.file][c.offset:c.offset + c.nbytes] = _pattern(c.nbytes, seed)
+            records[c.file].append((fqn, c))
+    return [bytes(area) + encode_index(recs) for area, recs in zip(areas, records)]
+
+
+def golden_manifest_v3() -> Manifest:
+    """tests/golden/v3/MANIFEST as decode() returns it: the v2 golden manifest as format 3, each
+    file with its index reference (the chunks themselves are in the data files)."""
+    m = golden_manifest_v2()
+    files = tuple(FileEntry(f.name, len(data), f.rank, (V3_CHUNK_AREA, len(data) - V3_CHUNK_AREA,
+                                                        crc32c.crc32c(data[V3_CHUNK_AREA:])))
+                  for f, data in zip(m.files, golden_v3_files()))
+    return Manifest(format_version=3, save_id="golden-0003", world_size=m.world_size, created_unix=m.created_unix,
+                    checksum_algo=m.checksum_algo, checksum_block=m.checksum_block, files=files,
+                    tensors=m.tensors, objects=m.objects, tree=m.tree, meta=m.meta)
+
+
 def wrap(body: bytes, *, version: int = 1, flags: int = 0, length: int | None = None) -> bytes:
     """Header + body + crc32c, with a valid checksum over whatever header fields are given."""
     head = b"DCKPTMF1" + struct.pack("<IIQ", version, flags, len(body) if length is None else length) + body
@@ -204,7 +237,7 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
     return {
         "bad_magic.bin": (b"DCKPTMF0" + good[8:], "bad magic"),
         "empty.bin": (b"", "bad magic"),
-        "version3.bin": (wrap(body, version=3), "format version 3 is not supported by this reader (supported: 1, 2)"),
+        "version4.bin": (wrap(body, version=4), "format version 4 is not supported by this reader (supported: 1, 2, 3)"),
         "value_kind_in_v1.bin": (_schema_case(_set(["objects", "name"], {"kind": "value", "value": "x"})),
                                  "kind 'value' needs format version 2"),
         "bad_value_node.bin": (_v2_case(_set(["objects", "v.size", "value", "v"], ["x"])),
@@ -246,6 +279,12 @@ def main() -> None:
         f.write(encode(golden_manifest()))
     with open(os.path.join(HERE, "manifest_v2.bin"), "wb") as f:
         f.write(encode(golden_manifest_v2()))
+    os.makedirs(os.path.join(HERE, "v3"), exist_ok=True)
+    with open(os.path.join(HERE, "v3", "MANIFEST"), "wb") as f:
+        f.write(encode(golden_manifest_v3()))
+    for i, data in enumerate(golden_v3_files()):
+        with open(os.path.join(HERE, "v3", f"rank{i:05d}.bin"), "wb") as f:
+            f.write(data)
     out = os.path.join(HERE, "corrupt")
     os.makedirs(out, exist_ok=True)
     expected = {}
@@ -256,7 +295,7 @@ def main() -> None:
     with open(os.path.join(out, "EXPECTED.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
         f.write("\n")
-    print(f"wrote manifest_v1.bin, manifest_v2.bin and {len(expected)} corrupt files under {HERE}")
+    print(f"wrote manifest_v1.bin, manifest_v2.bin, v3/ and {len(expected)} corrupt files under {HERE}")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,14 @@ class PosixStore(Store):
         # Every name a save puts in its tmp dir, so an abort can remove it without an fd (EMFILE).
         local.delete_tree(area, names=[mf.MANIFEST_NAME] + [mf.data_file_name(r) for r in range(world)])
 
+    def load_manifest(self, path: str) -> "mf.Manifest":
+        return mf.load_manifest(path)
+
+    def read_index(self, path: str, header: "mf.Manifest", i: int) -> bytes:
+        return mf.read_local_index(path, header.files[i])
+
     def committed_save_id(self, final: str) -> str | None:
-        return mf.load_manifest(final).save_id
+        return mf.decode_header(mf.read_manifest_bytes(os.path.join(final, mf.MANIFEST_NAME))).save_id
 
     def save_id_of_area(self, area: str) -> str:
         return os.path.basename(area).rsplit("tmp-", 1)[-1]
