@@ -38,6 +38,7 @@ No torch import: dtypes are names, with their item sizes in :data:`DTYPE_ITEMSIZ
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import math
@@ -524,6 +525,42 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         )
 
 
+def _validate_files(m: Manifest, path: Any) -> None:
+    """The header fields and the file entries (names, sizes, ranks, index references)."""
+    if m.format_version not in SUPPORTED_VERSIONS:
+        raise _corrupt(
+            f"format version {m.format_version!r} is not supported (supported: {list(SUPPORTED_VERSIONS)})", path
+        )
+    if not isinstance(m.save_id, str):
+        raise _corrupt(f"save_id: expected a str, found {type(m.save_id).__name__}", path)
+    _check_uint(m.world_size, "world_size", path, lo=1)
+    if type(m.created_unix) not in (int, float) or not math.isfinite(m.created_unix):
+        raise _corrupt(f"created_unix: expected a finite number, found {m.created_unix!r}", path)
+    if m.checksum_algo != "crc32c":
+        raise _corrupt(f"checksum_algo: expected 'crc32c', found {m.checksum_algo!r}", path)
+    _check_uint(m.checksum_block, "checksum_block", path, lo=1)
+    if not isinstance(m.files, tuple):
+        raise _corrupt(f"files: expected a sequence, found {type(m.files).__name__}", path)
+    names = set()
+    for i, f in enumerate(m.files):
+        if not isinstance(f, FileEntry):
+            raise _corrupt(f"files[{i}]: expected a FileEntry, found {type(f).__name__}", path)
+        # fullmatch on a fixed ASCII pattern rules out "/", "..", absolute paths and NUL at once.
+        if not isinstance(f.name, str) or not _FILE_NAME_RE.fullmatch(f.name):
+            raise _corrupt(
+                f"files[{i}]: name {f.name!r} is not a plain data file name 'rankNNNNN.bin' "
+                "(a path in a manifest must not leave the checkpoint directory)",
+                path,
+            )
+        if f.name in names:
+            raise _corrupt(f"files[{i}]: {f.name!r} is listed twice", path)
+        names.add(f.name)
+        _check_uint(f.size, f"files[{i}] ({f.name}) size", path, hi=_I64_LIMIT)  # an off_t
+        if not _is_int(f.rank) or not 0 <= f.rank < m.world_size:
+            raise _corrupt(f"files[{i}] ({f.name}): rank {f.rank!r} is not in [0, world_size={m.world_size})", path)
+        _validate_index_ref(i, f, m.format_version, path)
+
+
 def _validate_index_ref(i: int, f: FileEntry, version: int, path: Any) -> None:
     where = f"files[{i}] ({f.name})"
     if version < 3:
@@ -602,38 +639,7 @@ def validate(m: Manifest, *, path: Any = None) -> None:
     Raises:
         ManifestCorruptError: the first violation found, with ``path`` and expected vs found.
     """
-    if m.format_version not in SUPPORTED_VERSIONS:
-        raise _corrupt(
-            f"format version {m.format_version!r} is not supported (supported: {list(SUPPORTED_VERSIONS)})", path
-        )
-    if not isinstance(m.save_id, str):
-        raise _corrupt(f"save_id: expected a str, found {type(m.save_id).__name__}", path)
-    _check_uint(m.world_size, "world_size", path, lo=1)
-    if type(m.created_unix) not in (int, float) or not math.isfinite(m.created_unix):
-        raise _corrupt(f"created_unix: expected a finite number, found {m.created_unix!r}", path)
-    if m.checksum_algo != "crc32c":
-        raise _corrupt(f"checksum_algo: expected 'crc32c', found {m.checksum_algo!r}", path)
-    _check_uint(m.checksum_block, "checksum_block", path, lo=1)
-    if not isinstance(m.files, tuple):
-        raise _corrupt(f"files: expected a sequence, found {type(m.files).__name__}", path)
-    names = set()
-    for i, f in enumerate(m.files):
-        if not isinstance(f, FileEntry):
-            raise _corrupt(f"files[{i}]: expected a FileEntry, found {type(f).__name__}", path)
-        # fullmatch on a fixed ASCII pattern rules out "/", "..", absolute paths and NUL at once.
-        if not isinstance(f.name, str) or not _FILE_NAME_RE.fullmatch(f.name):
-            raise _corrupt(
-                f"files[{i}]: name {f.name!r} is not a plain data file name 'rankNNNNN.bin' "
-                "(a path in a manifest must not leave the checkpoint directory)",
-                path,
-            )
-        if f.name in names:
-            raise _corrupt(f"files[{i}]: {f.name!r} is listed twice", path)
-        names.add(f.name)
-        _check_uint(f.size, f"files[{i}] ({f.name}) size", path, hi=_I64_LIMIT)  # an off_t
-        if not _is_int(f.rank) or not 0 <= f.rank < m.world_size:
-            raise _corrupt(f"files[{i}] ({f.name}): rank {f.rank!r} is not in [0, world_size={m.world_size})", path)
-        _validate_index_ref(i, f, m.format_version, path)
+    _validate_files(m, path)
     if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
         raise _corrupt("tensors and objects must be dicts", path)
     # The index of a version-3 file takes bytes of it too: no chunk may overlap them.
@@ -881,12 +887,16 @@ def decode(data: bytes | bytearray | memoryview, *, path: Any = None,
         DataFileMissingError, DataFileTruncatedError, StorageError: from ``read_index``.
         TypeError: a version-3 MANIFEST and no ``read_index`` (a caller's bug).
     """
-    m = decode_header(data, path=path)
-    if m.format_version >= 3:
-        if read_index is None:
-            raise TypeError("a version-3 MANIFEST keeps its chunks in the data files: decode() needs read_index")
-        m = _attach_indexes(m, read_index, path)
-    return m
+    m = _decode_bytes(data, path)
+    if m.format_version < 3:
+        validate(m, path=path)
+        return m
+    if read_index is None:
+        raise TypeError("a version-3 MANIFEST keeps its chunks in the data files: decode() needs read_index")
+    # The file entries are checked before any index is read (their offsets and lengths drive the
+    # reads); everything else once, after the chunks are attached.
+    _validate_files(m, path)
+    return _attach_indexes(m, read_index, path)
 
 
 def decode_header(data: bytes | bytearray | memoryview, *, path: Any = None) -> Manifest:
@@ -898,6 +908,13 @@ def decode_header(data: bytes | bytearray | memoryview, *, path: Any = None) -> 
     Raises:
         ManifestCorruptError: as :func:`decode`, for the MANIFEST's own bytes.
     """
+    m = _decode_bytes(data, path)
+    validate(m, path=path)
+    return m
+
+
+def _decode_bytes(data: bytes | bytearray | memoryview, path: Any) -> Manifest:
+    """MANIFEST bytes -> Manifest, every byte-level and structural check done; values unchecked."""
     data = bytes(data)
     n = len(data)
     if n < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
@@ -948,9 +965,7 @@ def decode_header(data: bytes | bytearray | memoryview, *, path: Any = None) -> 
     except Exception as e:  # msgpack raises several unrelated types on garbage; all mean the same
         detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise _corrupt(f"body is not valid msgpack ({detail})", path) from e
-    m = _from_body(body, version, path)
-    validate(m, path=path)
-    return m
+    return _from_body(body, version, path)
 
 
 def _attach_indexes(m: Manifest, read_index: Callable[[Manifest, int], bytes], path: Any) -> Manifest:
@@ -1002,15 +1017,22 @@ def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None,
                 raise _corrupt(f"index of {header.files[i].name}: a chunk of {fqn!r}, which is not a tensor of the "
                                "MANIFEST", path)
             chunks[fqn].append(rec)
-    tensors = {fqn: dataclasses.replace(t, chunks=tuple(sorted(chunks[fqn], key=lambda c: c.offsets)))
+    tensors = {fqn: TensorEntry(t.dtype, t.shape, tuple(sorted(chunks[fqn], key=_chunk_order)), t.kind)
                for fqn, t in header.tensors.items()}
-    m = dataclasses.replace(header, tensors=tensors)
+    m = copy.copy(header)  # not dataclasses.replace: its __post_init__ would canonicalize the tree again
+    object.__setattr__(m, "tensors", tensors)
     if check:
         missing = [header.files[i].name for i in range(len(header.files)) if i not in records]
         if missing:
             raise ValueError(f"with_chunks(check=True) needs every file's records; missing {missing}")
         validate(m, path=path)
     return m
+
+
+def _chunk_order(c: ChunkRecord) -> Any:
+    # A hostile index may give offsets that are not ints: order them by their repr rather than
+    # raise TypeError here; validate() names the field.
+    return (0, c.offsets) if all(_is_int(o) for o in c.offsets) else (1, repr(c.offsets))
 
 
 def _sibling(path: Any, name: str) -> Any:

@@ -242,12 +242,12 @@ def real_worker(tensors: int, out: str) -> None:
     mesh = DeviceMesh("cpu", list(range(world)))
     sd = {f"layers.{i}.weight": distribute_tensor(torch.zeros(world * 4, 16), mesh, [Shard(0)])
           for i in range(tensors)}
-    sizes = {"gather": 0, "scatter": 0}
+    sizes = {"gather": 0, "scatter": 0, "write": 0}
     real_gather, real_scatter = _dist.ControlGroup.gather, _dist.ControlGroup.scatter
 
-    def gather(self, obj, dst=0):  # bytes this rank sends at PLAN (WRITE's report is the other gather)
-        if obj[0] in ("layout", "same"):
-            sizes["gather"] += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    def gather(self, obj, dst=0):  # bytes this rank sends at PLAN, and its WRITE report
+        n = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        sizes["gather" if obj[0] in ("layout", "same") else "write"] += n
         return real_gather(self, obj, dst)
 
     def scatter(self, objs, src=0):  # bytes this rank receives at PLAN
@@ -261,15 +261,17 @@ def real_worker(tensors: int, out: str) -> None:
     dist.broadcast_object_list(box)
     rows = []
     for i in range(3):
-        sizes.update(gather=0, scatter=0)
+        sizes.update(gather=0, scatter=0, write=0)
         res = distckpt.save(sd, os.path.join(box[0], f"s{i}"))
         rows.append({"plan_s": res.plan_seconds, "cached": res.plan_cached, "save_s": res.seconds,
-                     "sent": sizes["gather"], "recv": sizes["scatter"], "phases": res.phase_seconds})
+                     "sent": sizes["gather"], "recv": sizes["scatter"], "write": sizes["write"],
+                     "phases": res.phase_seconds})
+    manifest_bytes = os.path.getsize(os.path.join(box[0], "s2", "MANIFEST"))
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(everyone, f)
+            json.dump({"ranks": everyone, "manifest_bytes": manifest_bytes}, f)
         shutil.rmtree(box[0], ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -285,16 +287,18 @@ def run_real(world: int, tensors: int) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         with open(out) as f:
-            ranks = json.load(f)
+            doc = json.load(f)
+        ranks = doc["ranks"]
     print(f"real run: {world} gloo ranks x {tensors} row-sharded tensors (3 saves, same layout)")
     print(f"{'save':>4} {'cached':>6} {'rank0 plan s':>12} {'max plan s':>10} {'save s':>7} "
-          f"{'sent/rank':>10} {'recv/rank':>10} {'rank0 recv':>10}")
+          f"{'sent/rank':>10} {'recv/rank':>10} {'rank0 recv':>10} {'WRITE/rank':>10}")
     for i in range(3):
         others = [r[i] for r in ranks[1:]] or [ranks[0][i]]
         print(f"{i:>4} {str(ranks[0][i]['cached']):>6} {ranks[0][i]['plan_s']:>12.3f} "
               f"{max(r[i]['plan_s'] for r in ranks):>10.3f} {ranks[0][i]['save_s']:>7.3f} "
               f"{_fmt_bytes(max(o['sent'] for o in others)):>10} {_fmt_bytes(max(o['recv'] for o in others)):>10} "
-              f"{_fmt_bytes(sum(r[i]['sent'] for r in ranks)):>10}")
+              f"{_fmt_bytes(sum(r[i]['sent'] for r in ranks)):>10} {_fmt_bytes(max(o['write'] for o in others)):>10}")
+    print(f"MANIFEST of the last save: {_fmt_bytes(doc['manifest_bytes'])}")
     print("rank 0's phases (s): " + "; ".join(
         f"save {i}: " + ", ".join(f"{k} {v:.3f}" for k, v in ranks[0][i]["phases"].items()) for i in range(3)))
 
