@@ -126,6 +126,32 @@ def test_manager_rotation_async_and_overwrite(s3_bucket):
     assert torch.equal(distckpt.read(path, storage_options=opts)["w"], torch.full((5,), 9.0))
 
 
+def test_damaged_index_object_is_named_by_load_and_verify(s3_bucket):
+    """Format 3 on S3: a data object whose index (its last bytes) was altered is refused when the
+    checkpoint is opened (ChecksumMismatchError naming the object), before any tensor is filled;
+    verify reports it as a file problem."""
+    from distckpt.errors import ChecksumMismatchError
+    from distckpt.verify import verify
+    opts = s3_bucket.storage_options
+    url = s3_bucket.url + "/idx/step_00000001"
+    sd = {"w": torch.arange(50000, dtype=torch.float32), "b": torch.ones(7)}
+    distckpt.save(sd, url, storage_options=opts)
+    man = distckpt.read_manifest(url, storage_options=opts)
+    key = f"{s3_bucket.name}/idx/step_00000001/{man['save_id']}/rank00000.bin"
+    data = bytearray(s3_bucket.fs.cat_file(key))
+    off, length, _ = man["files"][0]["index"]
+    assert off + length == len(data)
+    data[off + length // 2] ^= 0x04
+    s3_bucket.fs.pipe_file(key, bytes(data))
+    into = {"w": torch.zeros(50000), "b": torch.zeros(7)}
+    with pytest.raises(ChecksumMismatchError) as ei:
+        distckpt.load(into, url, storage_options=opts)
+    assert "index of rank00000.bin" in ei.value.message and not into["w"].any()
+    report = verify(url, storage_options=opts)
+    assert not report.ok and [p.file for p in report.file_problems] == ["rank00000.bin"]
+    assert "index is damaged" in report.file_problems[0].problem
+
+
 def test_missing_object_is_typed_and_cli_uses_aws_env(s3_bucket, tmp_path):
     opts = s3_bucket.storage_options
     url = s3_bucket.url + "/cli/step_00000001"
