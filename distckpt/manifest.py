@@ -30,8 +30,8 @@ Invariants:
     no elements may have no chunks at all.
   * :func:`encode` is deterministic: the same Manifest gives the same bytes (tensors and objects are
     written sorted by fqn; chunks, files, tree and meta keep their order), so golden files hold.
-  * This module reads files (:func:`read_manifest_bytes`) but never writes them: the commit
-    protocol in distckpt.coordinator owns every write, fsync and rename.
+  * This module reads files (:func:`read_manifest_bytes`, :func:`read_local_index`) but never
+    writes them: the commit protocol in distckpt.coordinator owns every write, fsync and rename.
 
 No torch import: dtypes are names, with their item sizes in :data:`DTYPE_ITEMSIZE`.
 """
@@ -1089,16 +1089,23 @@ def read_manifest_bytes(path: str | os.PathLike) -> bytes:
         os.close(fd)
 
 
+def _manifest_file(path: str | os.PathLike) -> str:
+    """The MANIFEST file of ``path``: the file itself, or the one in the directory ``path``."""
+    path = os.fspath(path)
+    return os.path.join(path, MANIFEST_NAME) if os.path.isdir(path) else path
+
+
 def load_manifest(path: str | os.PathLike) -> Manifest:
     """Read and decode a MANIFEST; ``path`` is the file or the checkpoint directory holding it.
+    A version-3 MANIFEST's chunk records are read from the data files' indexes next to it.
 
     Raises:
         CheckpointIncompleteError: there is no MANIFEST.
-        ManifestCorruptError: see :func:`decode`.
+        ManifestCorruptError, ChecksumMismatchError: see :func:`decode`.
+        DataFileMissingError, DataFileTruncatedError, CheckpointCorruptError: see
+            :func:`read_local_index`.
     """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, MANIFEST_NAME)
+    path = _manifest_file(path)
     directory = os.path.dirname(path)
     return decode(read_manifest_bytes(path), path=path,
                   read_index=lambda header, i: read_local_index(directory, header.files[i]))
@@ -1112,9 +1119,7 @@ def load_manifest_header(path: str | os.PathLike) -> Manifest:
         CheckpointIncompleteError: there is no MANIFEST.
         ManifestCorruptError: see :func:`decode_header`.
     """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, MANIFEST_NAME)
+    path = _manifest_file(path)
     return decode_header(read_manifest_bytes(path), path=path)
 
 
