@@ -327,7 +327,11 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
     values and replica digests, its container tree, and under ``grid`` the tensors it can describe
     compactly: ``fqn -> (kind, dtype, shape, mesh index into meshes, split dims)`` for a DTensor
     whose one piece is exactly the even-grid chunk (:func:`plan.grid_box`) at this rank's mesh
-    coordinate. Every rank of a mesh gives such a tensor the same description."""
+    coordinate, and for a sharded tensor without a mesh (TorchRec's row-wise tables and their
+    row-wise optimizer state, a ShardedTensor split on dim 0) whose one piece is exactly this
+    rank's row block of an even split over every rank of the group (the mesh ``(world,)`` of
+    group ranks). Every rank of a mesh gives such a tensor the same description; a rank whose
+    piece is another box does not, and rank 0 then plans every piece (_merge_compact)."""
     if rank == 0 and metadata is not None:
         try:
             msgpack.packb(metadata, use_bin_type=True, strict_types=True)
@@ -340,6 +344,15 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
     grid: dict[str, tuple] = {}
     meshes: list[tuple] = []
     mesh_index: dict[int, int] = {}
+    group_mesh = ((world_size,), tuple(range(world_size)))  # rows over every rank, in rank order
+
+    def describe(fqn: str, item: TensorItem, dtype: str, mesh: tuple, dims: tuple) -> None:
+        i = mesh_index.get(id(mesh))
+        if i is None:
+            i = mesh_index[id(mesh)] = len(meshes)
+            meshes.append(mesh)
+        grid[fqn] = (item.kind, dtype, tuple(item.shape), i, tuple(dims))
+
     for fqn, item in items.items():
         if isinstance(item, TensorItem):
             dtype = dtype_name(item.dtype)
@@ -362,11 +375,18 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
                 # check also proves they are equal for this process, so rank 0 can read the mesh's
                 # ranks as group ranks (a mesh rank no group rank confirmed is a doubt there).
                 if fits:  # torch's own box is the grid's: the description is exact for this rank
-                    i = mesh_index.get(id(mesh))
-                    if i is None:
-                        i = mesh_index[id(mesh)] = len(meshes)
-                        meshes.append(mesh)
-                    grid[fqn] = (item.kind, dtype, tuple(item.shape), i, tuple(dims))
+                    describe(fqn, item, dtype, mesh, dims)
+            elif (item.grid is None and item.kind != "tensor" and world_size > 1 and len(item.pieces) == 1
+                  and len(item.shape) >= 1):
+                # No mesh, but maybe a row split over the group (TorchRec row-wise: blocks of
+                # ceil(rows / world) in rank order, as torch.chunk cuts). Plain tensors never:
+                # their replicas are checked by digest in the full plan. Nor a piece that is the
+                # whole tensor: a replica (a Replicate DTensor of one row) would be described by
+                # rank 0 alone, and that doubt would send the whole save to the full plan.
+                p = item.pieces[0]
+                if (tuple(p.sizes) != tuple(item.shape)
+                        and grid_box(item.shape, group_mesh[0], (0,), (rank,)) == (tuple(p.offsets), tuple(p.sizes))):
+                    describe(fqn, item, dtype, group_mesh, (0,))
         else:
             # Every rank encodes its own values: a key may exist on some ranks only (per-rank
             # dataloader state), and values under a shared key are compared in _merge_plan.

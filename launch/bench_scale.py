@@ -30,7 +30,8 @@ Layouts (per rank ``T`` tensors of the model, all floating point):
   * ``fsdp``     every tensor a DTensor ``Shard(0)`` over all ranks (FSDP2 fully_shard): a grid;
   * ``tp_fsdp``  every tensor a DTensor ``[Shard(0), Shard(1)]`` over a ``(W/8, 8)`` mesh: a grid;
   * ``torchrec`` ``T`` tables row-wise sharded across all ranks (DTensors over LocalShardsWrapper,
-                 whose boxes are sent one by one), plus 50 replicated dense tensors.
+                 no mesh: described as a grid over every rank, as ``_summarize`` does for a
+                 row block of an even split), plus 50 replicated dense tensors (piece by piece).
 
 Configurations whose simulation (building every rank's summary, which takes the simulating
 process far longer than rank 0's planning) would exceed ``--budget`` seconds are not run; a
@@ -107,7 +108,17 @@ def _grid(layout: str, world: int):
     if layout == "tp_fsdp":
         tp = min(8, world)
         return ((world // tp, tp), tuple(range(world))), (0, 1)
-    return None  # TorchRec tables are DTensors over LocalShardsWrapper: only their boxes are trusted
+    return None  # TorchRec: see _summary
+
+
+def _torchrec_grid(world: int, out: dict) -> tuple[list, dict]:
+    """TorchRec's row-wise tables carry no mesh, but each rank's table piece is its row block of
+    an even split over the group, which coordinator._summarize describes as a grid over every
+    rank (one rank: nothing to describe). The replicated dense tensors stay piece by piece."""
+    if world == 1:
+        return [], {}
+    return [((world,), tuple(range(world)))], {fqn: ("dtensor", "float32", tuple(t[2]), 0, (0,))
+                                               for fqn, t in out.items() if fqn.startswith("sparse.")}
 
 
 def _summary(layout: str, world: int, tensors: int, rank: int, shared: dict) -> dict:
@@ -124,6 +135,8 @@ def _summary(layout: str, world: int, tensors: int, rank: int, shared: dict) -> 
         g = _grid(layout, world)
         shared["meshes"] = [g[0]] if g else []
         shared["grid"] = {fqn: ("dtensor", "float32", tuple(t[2]), 0, g[1]) for fqn, t in out.items()} if g else {}
+        if layout == "torchrec":
+            shared["meshes"], shared["grid"] = _torchrec_grid(world, out)
     summary = {"tensors": out, "objects": {}, "tree": shared["tree"], "digests": {}, "grid": shared["grid"],
                "meshes": shared["meshes"]}
     if "digest" in shared:

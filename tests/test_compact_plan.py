@@ -134,6 +134,43 @@ def test_doubt_falls_back_to_the_full_plan(case):
         assert replies[0][0] == "ok" and not plan.compact
 
 
+def test_row_split_sharded_tensors_without_a_mesh_are_described_as_grids():
+    """TorchRec's row-wise tables (and a ShardedTensor split on dim 0) carry no DeviceMesh: a
+    piece that is exactly this rank's row block of an even split over the group is described as
+    a grid over every rank, so rank 0 plans it without seeing any rank's box. A replica, a plain
+    tensor or any other box is not, and a key that some rank cannot describe sends the save to
+    the full plan."""
+    from distckpt.flatten import Piece, TensorItem
+    world = 4
+
+    def items(rank, rows=10, box=None, kind="sharded_tensor"):
+        o, s = box(rank) if box else grid_box((rows, 3), (world,), (0,), (rank,))
+        t = torch.zeros(s)
+        return {"emb": TensorItem("emb", kind, torch.float32, (rows, 3), [Piece(o, s, t)], ("emb",))}
+
+    tree = {"t": "dict", "k": [["emb", {"t": "ref", "fqn": "emb"}]]}
+    summaries = [co._summarize(items(r), tree, r, False, None, world_size=world) for r in range(world)]
+    assert all(s["grid"] == {"emb": ("sharded_tensor", "float32", (10, 3), 0, (0,))} for s in summaries)
+    assert summaries[1]["meshes"] == [((4,), (0, 1, 2, 3))]
+    replies, plan = _plan(summaries)
+    assert replies[0][0] == "ok" and plan.compact and plan.owners == {} and plan.n_chunks == 4
+    full_replies, full = _plan(summaries, compact=False)
+    assert full_replies[0][0] == "ok" and (plan.total_bytes, plan.tensors) == (full.total_bytes, full.tensors)
+    # Not described: a replica (the whole tensor), a plain tensor, rows in another order.
+    for kw in ({"box": lambda r: ((0, 0), (10, 3))}, {"kind": "tensor"},
+               {"box": lambda r: grid_box((10, 3), (world,), (0,), (world - 1 - r,))}):
+        assert all(co._summarize(items(r, **kw), tree, r, False, None, world_size=world)["grid"] == {}
+                   for r in range(world))
+    # One rank whose rows are another block: the others' descriptions are doubted, full plan.
+    odd = [co._summarize(items(r, box=(lambda r: ((0, 0), (3, 3))) if r == 2 else None), tree, r, False, None,
+                         world_size=world) for r in range(world)]
+    assert odd[2]["grid"] == {} and odd[0]["grid"]
+    replies, plan = _plan(odd, asked={2})  # rank 2's part (without "emb") is known to rank 0
+    assert plan is None and all(r == ("resend", "full") for r in replies)
+    replies, plan = _plan(odd, compact=False)  # and the full plan names the overlap, as always
+    assert replies[0][0] == "error" and "emb" in str(replies[0][1])
+
+
 def _body(rank, world, root):
     import distckpt
     from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
@@ -154,6 +191,21 @@ def _body(rank, world, root):
           "stage": distribute_tensor(full["stage"], stage, [Shard(0)]),
           "empty": distribute_tensor(full["empty"], mesh, [Shard(0)]),  # no element: no chunk at all
           "plain": full["plain"], "step": 3}
+    # A ShardedTensor split on rows as TorchRec's row-wise sharding does (blocks of ceil(10 / 4)):
+    # no mesh, described as a grid over every rank all the same.
+    from torch.distributed._shard.sharded_tensor import Shard as STShard
+    from torch.distributed._shard.sharded_tensor import ShardMetadata, init_from_local_shards
+    full["rows"] = torch.randn(10, 3)
+
+    def rows_st(src):
+        o, sz = grid_box((10, 3), (world,), (0,), (rank,))
+        md = ShardMetadata(shard_offsets=list(o), shard_sizes=list(sz), placement=f"rank:{rank}/cpu")
+        return init_from_local_shards([STShard(tensor=src[o[0]:o[0] + sz[0]].clone(), metadata=md)], 10, 3)
+
+    sd["rows"] = rows_st(full["rows"])
+    from distckpt.flatten import flatten
+    tree_, items_ = flatten(sd, check_objects=False)
+    assert "rows" in coordinator._summarize(items_, tree_, rank, False, None, world_size=world)["grid"]
     out = []
     for i in range(2):
         res = distckpt.save(sd, f"{root}/s{i}")
@@ -165,11 +217,12 @@ def _body(rank, world, root):
         # Loading into the same layout on every rank (each rank reads its own chunks).
         target = {k: (torch.zeros_like(v) if not hasattr(v, "device_mesh") else
                       distribute_tensor(torch.zeros_like(full[k]), v.device_mesh, v.placements))
-                  for k, v in sd.items() if k != "step"}
-        target["step"] = 0
+                  for k, v in sd.items() if k not in ("step", "rows")}
+        target["step"], target["rows"] = 0, rows_st(torch.zeros(10, 3))
         distckpt.load(target, f"{root}/s{i}")
+        assert torch.equal(target["rows"].local_shards()[0].tensor, sd["rows"].local_shards()[0].tensor)
         for k, v in sd.items():
-            if k != "step":
+            if k not in ("step", "rows"):
                 assert torch.equal(target[k].to_local() if hasattr(target[k], "to_local") else target[k],
                                    v.to_local() if hasattr(v, "to_local") else v), k
         assert target["step"] == 3
