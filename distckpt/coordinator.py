@@ -59,6 +59,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+import crc32c
 import msgpack
 
 from . import manifest as mf
@@ -283,9 +284,8 @@ def _tensor_digests(tensors: list) -> list[int]:
         if t.numel() == 0:
             out[i] = 0
         elif t.device.type == "cpu":
-            import crc32c as _crc32c
             view, keep = host_bytes(t)
-            out[i] = _crc32c.crc32c(view)
+            out[i] = crc32c.crc32c(view)
             del keep
         else:
             pending.append((i, _device_digest(t)))
@@ -770,13 +770,12 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
                 del keep  # write() returns once the bytes are copied or written
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
                                                 file=rank, offset=offset, nbytes=nbytes, crcs=crcs)))
-        from crc32c import crc32c as _crc32c
         # The index goes last, once every crc is known; close() makes it durable with the rest.
         index = mf.encode_index(records)
         index_offset = w.pad_to(align)
         w.write(index)
         size = w.close()
-    return (index_offset, len(index), _crc32c(index)), size, choice
+    return (index_offset, len(index), crc32c.crc32c(index)), size, choice
 
 
 # ---------------------------------------------------------------------------------------------
