@@ -474,8 +474,8 @@ def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatc
     for step in (100, 300, 200):  # commit order differs from number order: newest commit is 200
         mgr.save(step, _state(step))
     decodes = []
-    real_decode = mf.decode
-    monkeypatch.setattr(mf, "decode", lambda data, path=None, **kw: decodes.append(path) or real_decode(data, path=path, **kw))
+    real_decode = mf.decode_header  # a listing decodes MANIFESTs only, never the data files' indexes
+    monkeypatch.setattr(mf, "decode_header", lambda data, path=None: decodes.append(path) or real_decode(data, path=path))
     assert mgr.latest_step() == 200
     assert len(decodes) == 1 and "step_00000200" in decodes[0], decodes
     # Newest MANIFEST damaged after its first 4 KiB (the peek cannot see it): skipped, next newest.
