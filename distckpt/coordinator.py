@@ -741,11 +741,11 @@ def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checks
     # writes that extend a file) and an immediate DiskFullError if it cannot fit.
     _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
     size_hint += align * len(pieces)  # pad_for may place a chunk up to align - 1 bytes later
-    # ... and the index after the chunks (its size from the pieces' boxes, crc counts and offsets
-    # up to size_hint: an estimate, fallocate only needs room).
-    size_hint += align + mf.index_length(
-        (fqn, mf.ChunkRecord(p.offsets, p.sizes, rank, size_hint, size_hint, (0,) * -(-_nbytes(p.tensor) // checksum_block)))
-        for fqn, p in pieces)
+    # ... and the index after the chunks: an upper bound of its msgpack bytes per record (array,
+    # fqn, offsets and sizes of at most 9 B per int, offset, nbytes, crcs bin), not a second encode:
+    # fallocate only needs room, close() truncates to what was written.
+    size_hint += align + len(mf.INDEX_MAGIC) + 5 + sum(
+        40 + len(fqn.encode()) + 18 * len(p.sizes) + 4 * -(-_nbytes(p.tensor) // checksum_block) for fqn, p in pieces)
     tensors = [p.tensor for _, p in pieces]
     # Pieces on a GPU stream through pinned slots, copied while earlier pieces are being written.
     stager = (DeviceStager(tensors, block=checksum_block, staging_bytes=get_config().device_staging)

@@ -70,6 +70,7 @@ __all__ = [
     "ObjectEntry",
     "FileEntry",
     "Manifest",
+    "INDEX_MAGIC",
     "block_crcs",
     "encode_index",
     "index_length",
