@@ -51,7 +51,7 @@ class PosixStore(Store):
         return mf.read_local_index(path, header.files[i])
 
     def committed_save_id(self, final: str) -> str | None:
-        return mf.decode_header(mf.read_manifest_bytes(os.path.join(final, mf.MANIFEST_NAME))).save_id
+        return mf.load_manifest_header(final).save_id
 
     def save_id_of_area(self, area: str) -> str:
         return os.path.basename(area).rsplit("tmp-", 1)[-1]
