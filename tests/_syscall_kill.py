@@ -368,8 +368,9 @@ class Harness:
             self.count_labels[name].append(label)
         return phases(calls, self.victim)
 
-    def _realign(self, call: Call, k: int, trial: list[str]) -> int | None:
-        """The K to try next when the kill at ``when=k`` landed on another call than ``call``.
+    def _realign(self, call: Call, k: int, trial: list[str], killed: bool = True) -> int | None:
+        """The K to try next when the kill at ``when=k`` landed on another call than ``call``, or
+        (``killed`` False) never happened: the trial made fewer calls of that name than ``k``.
 
         K counts every call of that name, and calls that touch no checkpoint file (a socket or
         pipe read of the control plane, whose number depends on timing) vary between runs, while
@@ -379,11 +380,17 @@ class Harness:
         K moves by the difference. None: the root-touching calls themselves differ (a real
         mismatch, reported as not landed)."""
         r_count = sum("ROOT" in lb for lb in self.count_labels[call.name][:k])
-        r_trial = sum("ROOT" in lb for lb in trial)
+        at = [i for i, lb in enumerate(trial) if "ROOT" in lb]
+        if not killed:  # ``trial`` holds every call of the name: the target is the r-th root one
+            return at[r_count - 1] + 1 if 1 <= r_count <= len(at) else None
+        r_trial = len(at)
         if r_trial != r_count:
             return k + (r_count - r_trial)
         if trial and "ROOT" not in trial[-1]:
-            return k - 1   # the target already ran; the kill hit a later non-root call
+            # The target already ran in this trial, as its r-th root-touching call of the name:
+            # kill at that call's place in this trial (fewer non-root calls ran before it than in
+            # the count run; by how many is what this trial shows, not always one).
+            return at[r_count - 1] + 1 if 1 <= r_count <= len(at) else k - 1
         return None
 
     def kill_at(self, call: Call) -> dict:
@@ -416,12 +423,13 @@ class Harness:
                 kl = _KILLED.match(line)
                 if kl and landed is None:
                     landed = last.get(int(kl.group("tid")))
-            if not killed or landed == call.label or "ROOT" not in call.label:
+            if landed == call.label or "ROOT" not in call.label:
                 break
-            # The kill hit another call of the same name: a call of that name outside the root
-            # ran more (or fewer) times than in the count run. Move K and kill again; the trial
-            # that missed is discarded unchecked (it is a kill at some other point, covered there).
-            nk = self._realign(call, k, main_labels)
+            # The kill hit another call of the same name, or none: a call of that name outside
+            # the root ran more (or fewer) times than in the count run. Move K and kill again; the
+            # trial that missed is discarded unchecked (it is a kill at some other point, covered
+            # there, or a save that ran to its end).
+            nk = self._realign(call, k, main_labels, killed)
             if nk is None or nk < 1 or nk in tried or len(tried) >= 6:
                 break
             print(f"kill point {call}: when={k} landed on {landed}; trying when={nk}", file=sys.stderr)
