@@ -81,6 +81,7 @@ __all__ = [
     "parse_index",
     "with_chunks",
     "read_local_index",
+    "check_data_file_stat",
     "validate",
     "to_plain",
     "read_manifest_bytes",
@@ -1124,6 +1125,34 @@ def load_manifest_header(path: str | os.PathLike) -> Manifest:
     return decode_header(read_manifest_bytes(path), path=path)
 
 
+def check_data_file_stat(entry: FileEntry, fpath: str, st: os.stat_result) -> None:
+    """The checks a reader makes of a data file before reading a byte of it, on its ``lstat`` or
+    ``fstat`` ``st``: a regular file (a symlink could point anywhere, an identical copy outside
+    passes every checksum: I7) of exactly the size the MANIFEST gives.
+
+    Raises:
+        CheckpointCorruptError: not a regular file, or longer than the MANIFEST says.
+        DataFileTruncatedError: shorter than the MANIFEST says.
+    """
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file"
+        raise _not_regular(entry, fpath, kind)
+    if st.st_size < entry.size:
+        raise DataFileTruncatedError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
+                                     path=fpath, expected=entry.size, found=st.st_size)
+    if st.st_size > entry.size:
+        raise CheckpointCorruptError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
+                                     path=fpath, expected=entry.size, found=st.st_size)
+
+
+def _not_regular(entry: FileEntry, fpath: str, kind: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"data file {entry.name} listed in MANIFEST must be a regular file inside the checkpoint, found {kind}",
+        path=fpath, expected="regular file", found=kind,
+        remedy="Restore the checkpoint's data files as plain files (copy with symlinks dereferenced), "
+               "or load an older checkpoint.")
+
+
 def read_local_index(directory: str, entry: FileEntry) -> bytes:
     """The index bytes of data file ``entry`` in the checkpoint ``directory`` (version 3).
 
@@ -1143,22 +1172,11 @@ def read_local_index(directory: str, entry: FileEntry) -> bytes:
     except FileNotFoundError:
         raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointCorruptError(
-                f"data file {entry.name} listed in MANIFEST must be a regular file inside the checkpoint, found a "
-                "symlink", path=fpath, expected="regular file", found="a symlink") from None
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink: refused as check_data_file_stat does
+            raise _not_regular(entry, fpath, "a symlink") from None
         raise from_os_error(e, path=fpath, operation="open data file") from e
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError(f"data file {entry.name} listed in MANIFEST is not a regular file",
-                                         path=fpath, expected="regular file", found="not a file")
-        if st.st_size < entry.size:
-            raise DataFileTruncatedError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
-                                         path=fpath, expected=entry.size, found=st.st_size)
-        if st.st_size > entry.size:
-            raise CheckpointCorruptError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
-                                         path=fpath, expected=entry.size, found=st.st_size)
+        check_data_file_stat(entry, fpath, os.fstat(fd))
         parts, got = [], 0
         while got < length:
             part = os.pread(fd, min(length - got, 1 << 24), off + got)

@@ -25,7 +25,6 @@ import logging
 import os
 import pickle
 import re
-import stat
 import time
 from typing import Any, Iterable
 
@@ -37,7 +36,7 @@ from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
                      CheckpointRemovedError, ConfigError, DataFileMissingError,
-                     DataFileTruncatedError, DistCkptError, PickleNotAllowedError, ReshardError,
+                     DistCkptError, PickleNotAllowedError, ReshardError,
                      StateDictMismatchError, StorageError, fill_rank, from_os_error)
 from .locate import check_checkpoint_dir
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
@@ -195,28 +194,14 @@ def read_manifest(path: str, storage_options: dict | None = None) -> dict:
 def _check_data_file(ckpt: str, entry: "mf.FileEntry") -> str:
     fpath = os.path.join(ckpt, entry.name)
     try:
-        # lstat, not stat: a data file must be a regular file inside the checkpoint (I7). A
-        # symlink could point anywhere (an identical copy outside passes every checksum) and a
-        # directory or device is not data; refuse both before any open or read.
+        # lstat, not stat: a data file must be a regular file inside the checkpoint (I7), never
+        # followed through a symlink; refused before any open or read.
         st = os.lstat(fpath)
     except FileNotFoundError:
         raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
     except OSError as exc:
         raise from_os_error(exc, path=fpath, operation="stat") from exc
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file"
-        raise CheckpointCorruptError(
-            f"data file {entry.name} listed in MANIFEST must be a regular file inside the checkpoint, found {kind}",
-            path=fpath, expected="regular file", found=kind,
-            remedy="Restore the checkpoint's data files as plain files (copy with symlinks dereferenced), "
-                   "or load an older checkpoint.")
-    size = st.st_size
-    if size < entry.size:
-        raise DataFileTruncatedError(f"data file {entry.name} has {size} bytes, MANIFEST says {entry.size}",
-                                     path=fpath, expected=entry.size, found=size)
-    if size > entry.size:
-        raise CheckpointCorruptError(f"data file {entry.name} has {size} bytes, MANIFEST says {entry.size}",
-                                     path=fpath, expected=entry.size, found=size)
+    mf.check_data_file_stat(entry, fpath, st)
     return fpath
 
 
