@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distckpt.errors import CheckpointIncompleteError, ManifestCorruptError
+from distckpt.errors import (CheckpointCorruptError, CheckpointIncompleteError, ChecksumMismatchError,
+                             DataFileMissingError, DataFileTruncatedError, ManifestCorruptError)
 from distckpt.manifest import (
     DTYPE_ITEMSIZE,
     MAGIC,
@@ -168,7 +169,6 @@ def _v3_copy(tmp_path):
 
 
 def test_v3_index_damage_is_named(tmp_path):
-    from distckpt.errors import ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError
     d = _v3_copy(tmp_path)
     f1 = d / "rank00001.bin"
     good = f1.read_bytes()
@@ -185,12 +185,9 @@ def test_v3_index_damage_is_named(tmp_path):
     with pytest.raises(DataFileMissingError):
         load_manifest(d)
     os.symlink(os.path.join(GOLDEN, "v3", "rank00001.bin"), f1)  # an identical file, outside: refused (I7)
-    with pytest.raises(E_CheckpointCorrupt) as ei:
+    with pytest.raises(CheckpointCorruptError) as ei:
         load_manifest(d)
     assert "symlink" in ei.value.message
-
-
-E_CheckpointCorrupt = __import__("distckpt.errors", fromlist=["CheckpointCorruptError"]).CheckpointCorruptError
 
 
 def _v3_variant(tmp_path, edit_files=None, index_records=None):
@@ -245,9 +242,8 @@ def test_v3_hostile_indexes_are_refused(tmp_path, case, phrase):
     elif case == "bad_index_bytes":
         def edit_files(fs):
             return [fs[0], FileEntry(fs[1].name, fs[1].size, 1, (0, 16, crc32c.crc32c(bytes(16))))]
-        d = _v3_copy(tmp_path)
         data = bytearray(gen.golden_v3_files()[1])
-        data[:16] = bytes(16)
+        data[:16] = bytes(16)  # the bytes the hostile index reference points at: crc matches, no magic
     d = _v3_variant(tmp_path / case, edit_files, index_records)
     if case == "bad_index_bytes":
         (d / "rank00001.bin").write_bytes(bytes(data))
