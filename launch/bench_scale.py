@@ -151,11 +151,23 @@ class _Group:
         self.pg, self.rank, self.world_size = object(), 0, world
 
 
+def _cpu(fn, *args):
+    """(fn(*args), CPU seconds it took), timed as a save runs: with the garbage collector paused
+    (coordinator.gc_paused)."""
+    from distckpt.coordinator import gc_paused
+    with gc_paused():
+        t0 = time.process_time()
+        result = fn(*args)
+        return result, time.process_time() - t0
+
+
 def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dict:
     """One configuration, in this process. Returns the figures as a dict. ``manifest=False``
     skips the WRITE records and the MANIFEST (one object per piece; too slow at the largest
     sizes), reported as None."""
     sys.path.insert(0, ROOT)
+    import crc32c
+
     from distckpt import coordinator as co
     from distckpt import manifest as mf
 
@@ -174,21 +186,14 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
         msgs.append(msg)
         keys.append(key)
     group = _Group(world)
-    # Timed as a save runs them: with the garbage collector paused (coordinator.gc_paused).
-    with co.gc_paused():
-        t0 = time.process_time()
-        replies, plan = co._coordinate_plan(group, msgs, lambda fqn: True)
-        plan_s = time.process_time() - t0
+    (replies, plan), plan_s = _cpu(co._coordinate_plan, group, msgs, lambda fqn: True)
     assert replies[0][0] == "ok", replies[0]
     recv = [len(pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)) for r in replies]
     # The next save with the same layouts: every rank sends its fingerprint and values only.
     cache = co._PLAN_CACHE[group.pg]
     same = [("same", k, cache.plan_id, {"objects": {}, "digests": {}}, None) for k in keys]
     del msgs
-    with co.gc_paused():
-        t0 = time.process_time()
-        replies2, _ = co._coordinate_plan(group, same, lambda fqn: True)
-        cached_s = time.process_time() - t0
+    (replies2, _), cached_s = _cpu(co._coordinate_plan, group, same, lambda fqn: True)
     assert replies2[0][0] == "ok" and replies2[0][4] is True, replies2[0]
     sent_cached = max(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in same)
     out = {"layout": layout, "ranks": world, "tensors": tensors, "pieces": plan.n_chunks,
@@ -220,20 +225,15 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
                 records.append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offset,
                                                     nbytes=nbytes, crcs=tuple(range(nblocks)))))
                 offset += -(-nbytes // 4096) * 4096
-            with co.gc_paused():
-                t0 = time.process_time()
-                index = mf.encode_index(records)
-                crc = mf._crc32c.crc32c(index)
-                index_s = max(index_s, time.process_time() - t0)
+            index, seconds = _cpu(mf.encode_index, records)
+            crc, crc_seconds = _cpu(crc32c.crc32c, index)
+            index_s = max(index_s, seconds + crc_seconds)
             index_bytes = max(index_bytes, len(index))
             refs[r] = ((offset, len(index), crc), offset + len(index))
         like = refs[sample[1] if len(sample) > 1 else sample[0]]
-        outcomes = [(((refs.get(r, like)[0]), refs.get(r, like)[1], "uring", "simulated"), None) for r in range(world)]
-        with co.gc_paused():
-            t0 = time.process_time()
-            m = co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)
-            body = mf.encode(m)
-            out["manifest_s"] = time.process_time() - t0
+        outcomes = [((*refs.get(r, like), "uring", "simulated"), None) for r in range(world)]
+        body, out["manifest_s"] = _cpu(
+            lambda: mf.encode(co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)))
         out["manifest_bytes"] = len(body)
         out["index_s"], out["index_bytes"] = index_s, index_bytes
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
