@@ -9,8 +9,8 @@ setup(
     ext_modules=[
         Extension(
             "distckpt._uring",
-            sources=["csrc/uring.c", "csrc/crc32c.c"],
-            depends=["csrc/crc32c.h"],
+            sources=["csrc/uring.c", "csrc/crc32c.c", "csrc/rowdigest.c"],
+            depends=["csrc/crc32c.h", "csrc/rowdigest.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=implicit-function-declaration"],
         )
     ]

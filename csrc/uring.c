@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "rowdigest.h"
 
 #ifndef STATX_DIOALIGN
 #define STATX_DIOALIGN 0x00002000U
@@ -1979,6 +1980,25 @@ static PyObject *mod_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
     return PyLong_FromUnsignedLong(out);
 }
 
+static PyObject *mod_row_digests(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    unsigned long long base, mult, out;
+    Py_ssize_t n, stride, width;
+    int word;
+    if (!PyArg_ParseTuple(args, "KnnniKK:row_digests", &base, &n, &stride, &width, &word, &mult, &out))
+        return NULL;
+    if (n < 0 || width < 1 || (word != 1 && word != 2 && word != 4 && word != 8) || !mult || !out ||
+        (n > 0 && !base)) {
+        PyErr_SetString(PyExc_ValueError, "row_digests: n >= 0, width >= 1, word in 1/2/4/8, non-null addresses");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    row_digests((const uint8_t *)(uintptr_t)base, (size_t)n, (ptrdiff_t)stride, (size_t)width, word,
+                (const uint64_t *)(uintptr_t)mult, (uint64_t *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_address(PyObject *Py_UNUSED(m), PyObject *arg)
 {
     Py_buffer v;
@@ -1997,6 +2017,11 @@ static PyMethodDef module_methods[] = {
     {"crc32c", mod_crc32c, METH_VARARGS,
      "crc32c(data, crc=0, hardware=True) -> int: CRC-32C of data continuing crc (the checksum "
      "Reader.fill checks); hardware=False forces the table fallback."},
+    {"row_digests", mod_row_digests, METH_VARARGS,
+     "row_digests(base, n, stride, width, word, mult, out): the 64-bit digest of each of n rows "
+     "at address base + i*stride (width words of word bytes, contiguous) into the uint64 array at "
+     "address out, with width uint64 multipliers at address mult (csrc/rowdigest.h). Addresses "
+     "are the caller's to keep valid; runs without the GIL. Raises ValueError for bad sizes."},
     {"cached_pages", mod_cached_pages, METH_VARARGS,
      "cached_pages(fd, offset, length) -> (cached, total): how many of the pages holding bytes "
      "[offset, offset+length) of fd are in the page cache (cachestat, else mincore on an untouched "

@@ -55,10 +55,8 @@ _DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoin
 # ------------------------------------------------------------------------------------------------
 # Row digests
 
-_MASK32 = 0xFFFFFFFF
-_Q = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: odd, so multiplying by it is a bijection
 _MULTS: dict[int, torch.Tensor] = {}
-_BLOCK_ELEMS = 1 << 16   # int64 temporaries per block: 512 KiB (cache-sized)
+_BLOCK_ELEMS = 1 << 16   # words per host copy of a block of strided or GPU rows (<= 512 KiB)
 
 
 def _multipliers(width: int) -> torch.Tensor:
@@ -77,9 +75,12 @@ def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
     of value w becomes x = w * P_j, then x ^ (x >>> 32), then * Q (P_j, Q odd; all mod 2^64), and
     a row's digest is the sum of its words'. Each step is a bijection, so a change confined to one
     word always changes the digest; other changes escape with probability about 2^-64. Bit-exact:
-    -0.0 and 0.0, NaN payloads differ. Memory: blocks of rows, a few hundred KiB of temporaries
-    whatever the tensor's size (small blocks stay in cache: 2-3x faster than large ones).
+    -0.0 and 0.0, NaN payloads differ. Computed by the C core (csrc/rowdigest.c) without the GIL,
+    straight from the tensor's memory when each row is contiguous in host memory; otherwise
+    (rows along a strided dimension, GPU tensors) from contiguous host copies of blocks of rows,
+    a few hundred KiB at a time whatever the tensor's size.
     """
+    from . import _uring
     x = t.detach().movedim(row_dim, 0)
     n = x.shape[0]
     if n == 0:
@@ -88,21 +89,19 @@ def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
     if row_bytes == 0:
         return torch.zeros(n, dtype=torch.int64)
     # The widest word that divides the row: 64-bit words halve the work of 32-bit ones.
-    word, mask, size = next((w, m, z) for w, m, z in ((torch.int64, None, 8), (torch.int32, _MASK32, 4),
-                                                      (torch.int16, 0xFFFF, 2), (torch.uint8, 0xFF, 1))
-                            if row_bytes % z == 0)
+    size = next(z for z in (8, 4, 2, 1) if row_bytes % z == 0)
     width = row_bytes // size
     mult = _multipliers(width)
-    step = max(1, _BLOCK_ELEMS // width)
     out = torch.empty(n, dtype=torch.int64)
+    if x.device.type == "cpu" and x[0].is_contiguous() and not x.is_conj() and not x.is_neg():
+        _uring.row_digests(x.data_ptr(), n, x.stride(0) * x.element_size(), width, size,
+                           mult.data_ptr(), out.data_ptr())
+        return out
+    step = max(1, _BLOCK_ELEMS // width)
     for a in range(0, n, step):
-        blk = x[a:a + step].to("cpu").contiguous().reshape(-1).view(torch.uint8).view(word).reshape(-1, width)
-        if mask is None:
-            h = blk * mult
-        else:
-            h = blk.to(torch.int64).bitwise_and_(mask).mul_(mult)
-        h.bitwise_xor_(h.bitwise_right_shift(32).bitwise_and_(_MASK32)).mul_(_Q)
-        out[a:a + step] = h.sum(dim=1)
+        blk = x[a:a + step].to("cpu").resolve_conj().resolve_neg().contiguous()
+        _uring.row_digests(blk.data_ptr(), blk.shape[0], row_bytes, width, size,
+                           mult.data_ptr(), out[a:].data_ptr())
     return out
 
 

@@ -152,9 +152,29 @@ def _restore(rank, world, root, plan, tag, train_on):
     return mgr._saver.last_kind
 
 
-def _same_tables(a_path, b_path):
+def _restore_merged(rank, world, root):
+    """1 rank, t0's two column blocks merged into one (PLAN1 but t0 table-wise): its per-row
+    state needs ``approximate_rowwise=True``. The chain (composed in t0's saved [2, rows] layout,
+    then converted) and the plain full reference of the same step must give the same result."""
+    from distckpt.errors import ReshardError
     from distckpt.integrations import torchrec as dtr
-    a, b = dtr.read_tables(a_path), dtr.read_tables(b_path)
+    dlrm = _dlrm()
+    mgr = distckpt.CheckpointManager(os.path.join(root, "ckpt"))
+    for src, tag in ((mgr.path(mgr.latest_step()), "merged_chain"), (os.path.join(root, "ref"), "merged_ref")):
+        dmp, dense = dlrm.build(rank, world, dict(PLAN1, t0="table_wise:0"))
+        with pytest.raises(ReshardError, match="column blocks"):
+            dtr.load(dmp, src, optimizers=[dense])
+        dtr.load(dmp, src, optimizers=[dense], approximate_rowwise=True)
+        dtr.save(dmp, os.path.join(root, tag), optimizers=[dense])
+
+
+def dtr_read(path):
+    from distckpt.integrations import torchrec as dtr
+    return dtr.read_tables(path)
+
+
+def _same_tables(a_path, b_path):
+    a, b = dtr_read(a_path), dtr_read(b_path)
     assert set(a["model"]) == set(b["model"]) and set(a["optim"]) == set(b["optim"])
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), f"model {k} differs"
@@ -199,6 +219,11 @@ def test_torchrec_chain_crash_restore(tmp_path):
     shutil.rmtree(os.path.join(ckpt, "step_00000016"))
     run_ranks(_restore, 1, root, PLAN1, "one", False, timeout=300)
     _same_tables(os.path.join(root, "re_one"), os.path.join(root, "ref"))
+    # The same chain onto a merged column split (approximate_rowwise): as the full reference does.
+    run_ranks(_restore_merged, 1, root, timeout=300)
+    _same_tables(os.path.join(root, "merged_chain"), os.path.join(root, "merged_ref"))
+    merged = dtr_read(os.path.join(root, "merged_ref"))["optim"]["sparse.embedding_bags.t0.weight"]
+    assert merged["momentum1"].shape[0] == 1    # one column block: the conversion did run
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,6 +253,55 @@ def test_digests_see_every_single_word_change():
     col2 = col.clone()
     col2[1, 17] += 1
     assert (row_digests(col, 1) != row_digests(col2, 1)).nonzero().reshape(-1).tolist() == [17]
+
+
+def _digests_by_formula(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
+    """docs/INCREMENTAL.md's digest, in plain torch integer ops (the reference for the C core)."""
+    x = t.detach().movedim(row_dim, 0).resolve_conj().resolve_neg().contiguous()
+    n = x.shape[0]
+    row_bytes = x[0].numel() * x.element_size() if n else 0
+    if n == 0 or row_bytes == 0:
+        return torch.zeros(n, dtype=torch.int64)
+    word, mask, size = next((w, m, z) for w, m, z in ((torch.int64, None, 8), (torch.int32, 0xFFFFFFFF, 4),
+                                                      (torch.int16, 0xFFFF, 2), (torch.uint8, 0xFF, 1))
+                            if row_bytes % z == 0)
+    w = x.reshape(-1).view(torch.uint8).view(word).reshape(n, -1).to(torch.int64)
+    if mask is not None:
+        w = w.bitwise_and(mask)
+    g = torch.Generator().manual_seed(0x5EED)   # P_j: distckpt.incremental._multipliers
+    mult = torch.randint(-(1 << 62), 1 << 62, (w.shape[1],), generator=g, dtype=torch.int64) * 2 + 1
+    h = w * mult
+    h = h.bitwise_xor(h.bitwise_right_shift(32).bitwise_and(0xFFFFFFFF)) * -7046029254386353131   # * Q
+    return h.sum(dim=1)
+
+
+def test_digests_equal_the_formula_for_every_layout():
+    """The C core's digests (straight from memory, or from host copies of blocks of rows) equal
+    the documented formula for every word size, odd row sizes, strided rows, rows along dim 1,
+    lazy conj/neg views, and more rows than one block copy holds."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 4096, generator=g)          # > _BLOCK_ELEMS words: several block copies
+    cases = [
+        (torch.randn(100, 16, generator=g), 0),                                    # 8-byte words
+        (torch.randn(100, 3, generator=g), 0),                                     # 12 B: 4-byte words
+        (torch.randn(100, 3, generator=g).to(torch.bfloat16), 0),                  # 6 B: 2-byte words
+        (torch.randint(0, 255, (100, 5), dtype=torch.uint8, generator=g), 0),      # 5 B: bytes
+        (torch.randn(100, 7, generator=g).to(torch.float64), 0),
+        (torch.randn(40, 100, generator=g), 1),                                    # rows along dim 1
+        (big, 1),
+        (big, 0),
+        (torch.randn(100, 32, generator=g)[::3, 4:20], 0),                         # strided rows
+        (torch.randn(50, 4, 6, generator=g).permute(1, 0, 2), 1),                  # 3-d, row dim 1
+        (torch.complex(torch.randn(30, 4, generator=g), torch.randn(30, 4, generator=g)).conj(), 0),
+        (torch.complex(torch.randn(30, 4, generator=g), torch.randn(30, 4, generator=g)).conj().imag, 0),  # neg bit
+        (torch.randn(1, 8, generator=g).expand(20, 8), 0),                         # stride 0 rows
+        ((torch.randn(100, 9, generator=g) > 0), 0),                               # bool, 9 B rows
+        (torch.randn(0, 4), 0),
+        (torch.randn(5, 0), 0),
+    ]
+    for t, d in cases:
+        got, want = row_digests(t, d), _digests_by_formula(t, d)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (t.shape, t.dtype, d)
 
 
 def _state(seed: int):
