@@ -56,7 +56,7 @@ _DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoin
 # Row digests
 
 _MULTS: dict[int, torch.Tensor] = {}
-_BLOCK_ELEMS = 1 << 16   # words per host copy of a block of strided or GPU rows (<= 512 KiB)
+_BLOCK_ELEMS = 1 << 16   # words per contiguous copy of a block of strided host rows (<= 512 KiB)
 
 
 def _multipliers(width: int) -> torch.Tensor:
@@ -76,9 +76,9 @@ def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
     a row's digest is the sum of its words'. Each step is a bijection, so a change confined to one
     word always changes the digest; other changes escape with probability about 2^-64. Bit-exact:
     -0.0 and 0.0, NaN payloads differ. Computed by the C core (csrc/rowdigest.c) without the GIL,
-    straight from the tensor's memory when each row is contiguous in host memory; otherwise
-    (rows along a strided dimension, GPU tensors) from contiguous host copies of blocks of rows,
-    a few hundred KiB at a time whatever the tensor's size.
+    straight from the tensor's memory when each row is contiguous in host memory, otherwise from
+    contiguous copies of blocks of rows (a few hundred KiB at a time). A GPU tensor is hashed on
+    its device by the same formula in torch ops; only the digests come back.
     """
     from . import _uring
     x = t.detach().movedim(row_dim, 0)
@@ -97,12 +97,38 @@ def row_digests(t: torch.Tensor, row_dim: int = 0) -> torch.Tensor:
         _uring.row_digests(x.data_ptr(), n, x.stride(0) * x.element_size(), width, size,
                            mult.data_ptr(), out.data_ptr())
         return out
+    if x.device.type != "cpu":
+        return _device_digests(x, size, mult)
     step = max(1, _BLOCK_ELEMS // width)
     for a in range(0, n, step):
-        blk = x[a:a + step].to("cpu").resolve_conj().resolve_neg().contiguous()
+        blk = x[a:a + step].resolve_conj().resolve_neg().contiguous()
         _uring.row_digests(blk.data_ptr(), blk.shape[0], row_bytes, width, size,
                            mult.data_ptr(), out[a:].data_ptr())
     return out
+
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_DEVICE_BLOCK_WORDS = 1 << 24   # int64 temporaries per block on a device: 128 MiB
+_Q = -7046029254386353131       # csrc/rowdigest.h's ROWDIGEST_Q as int64
+
+
+def _device_digests(x: torch.Tensor, size: int, mult: torch.Tensor) -> torch.Tensor:
+    """row_digests of a tensor on a device (a GPU): the same formula in torch integer ops on the
+    device, in blocks of rows, on the caller's current stream (so after the kernels that wrote
+    the rows); only the digests (8 bytes a row) come back to the host. Copying the rows to the
+    host to hash them there would move the whole table across PCIe at every save."""
+    n, width = x.shape[0], mult.numel()
+    m = mult.to(x.device)
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    step = max(1, _DEVICE_BLOCK_WORDS // width)
+    for a in range(0, n, step):
+        blk = x[a:a + step].resolve_conj().resolve_neg().contiguous().reshape(-1)
+        w = blk.view(torch.uint8).view(_WORD_DTYPES[size]).reshape(-1, width)
+        # int64 products wrap mod 2^64; smaller words are zero-extended (their sign bits masked).
+        h = w * m if size == 8 else w.to(torch.int64).bitwise_and_((1 << (8 * size)) - 1).mul_(m)
+        h.bitwise_xor_(h.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF)).mul_(_Q)   # logical >> 32
+        torch.sum(h, dim=1, out=out[a:a + step])
+    return out.cpu()
 
 
 # ------------------------------------------------------------------------------------------------

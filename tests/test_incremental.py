@@ -302,6 +302,13 @@ def test_digests_equal_the_formula_for_every_layout():
     for t, d in cases:
         got, want = row_digests(t, d), _digests_by_formula(t, d)
         assert got.dtype == torch.int64 and torch.equal(got, want), (t.shape, t.dtype, d)
+        # The GPU path (torch ops on the tensor's device), run here on the host.
+        x = t.movedim(d, 0)
+        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+        if row_bytes:
+            size = next(z for z in (8, 4, 2, 1) if row_bytes % z == 0)
+            dev = inc._device_digests(x, size, inc._multipliers(row_bytes // size))
+            assert torch.equal(dev, want), (t.shape, t.dtype, d)
 
 
 def _state(seed: int):
