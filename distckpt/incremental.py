@@ -240,6 +240,18 @@ def _piece_key(fqn: str, offsets: tuple, sizes: tuple) -> tuple:
 # Saving
 
 
+def _link_path(path: str | os.PathLike, operation: str) -> str:
+    """A link's absolute local path (``file://`` URLs accepted). Raises ConfigError for an object
+    store URL: chains are resolved and composed from sibling local directories (``os.path`` on an
+    ``s3://`` string would name a local directory called ``s3:`` instead)."""
+    from .storage import is_url, normalize_path
+    if is_url(os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path)):
+        raise ConfigError(f"{operation}: {path}: incremental chains are written to local directories only",
+                          remedy="Save the chain to a local or mounted file system, or save full checkpoints "
+                                 "(distckpt.save / CheckpointManager without incremental=) to object storage.")
+    return normalize_path(path)
+
+
 class IncrementalSaver:
     """Saves a chain: full checkpoints and deltas against the previous link, per the policy.
 
@@ -280,7 +292,7 @@ class IncrementalSaver:
         from ._dist import control_group
         self._wait_pending()
         group = control_group(process_group, operation="IncrementalSaver.resume()")
-        path = os.path.abspath(os.fspath(path))
+        path = _link_path(path, "IncrementalSaver.resume()")
         links = chain_of(path)
         _items, rows, pieces = self._local(state_dict, group)
         meta = links[0].meta
@@ -308,7 +320,7 @@ class IncrementalSaver:
         from .save import save
         to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                     "IncrementalSaver.save()")
-        path = os.path.abspath(os.fspath(path))
+        path = _link_path(path, "IncrementalSaver.save()")
         try:
             result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
         except DistCkptError as exc:
@@ -337,7 +349,7 @@ class IncrementalSaver:
         from .async_save import async_save
         to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                     "IncrementalSaver.async_save()")
-        path = os.path.abspath(os.fspath(path))
+        path = _link_path(path, "IncrementalSaver.async_save()")
 
         def outcome(result, error) -> None:   # on the save's thread, before its handle reports done
             if result is not None or getattr(error, "committed", False) is True:
@@ -363,7 +375,7 @@ class IncrementalSaver:
         from ._dist import control_group
         from .manifest import load_manifest
         self._wait_pending()
-        path = os.path.abspath(os.fspath(path))
+        path = _link_path(path, operation)
         group = control_group(process_group, operation=operation)
         items, rows, pieces = self._local(state_dict, group)
         tracked = [[f, rows[f]] for f in sorted(rows)]

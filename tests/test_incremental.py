@@ -384,6 +384,29 @@ def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
     _expect(mgr2.path(10), _snap(target))
 
 
+def test_saver_paths_file_urls_and_object_stores(tmp_path, monkeypatch):
+    """file:// URLs name the local directory; an object store URL is refused (typed) before
+    anything is written, by every entry point of the saver, rather than taken for a local
+    directory called "s3:"."""
+    monkeypatch.chdir(tmp_path)
+    sd = _state(4)
+    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, max_delta_fraction=0.5, max_chain_fraction=2.0))
+    saver.save(sd, f"file://{tmp_path}/s0")
+    _touch(sd, 1)
+    saver.save(sd, f"file://{tmp_path}/s1")
+    assert saver.last_kind == "delta"
+    _expect(str(tmp_path / "s1"), _snap(sd))
+    for call in (lambda: saver.save(sd, "s3://bucket/run/s2"), lambda: saver.async_save(sd, "s3://bucket/run/s2"),
+                 lambda: saver.resume(sd, "s3://bucket/run/s1")):
+        with pytest.raises(distckpt.errors.ConfigError, match="local directories only"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["s0", "s1"]
+    _touch(sd, 2)
+    saver.save(sd, str(tmp_path / "s2"))     # the saver is still at s1
+    assert saver.last_kind == "delta" and [os.path.basename(x.path) for x in chain_of(str(tmp_path / "s2"))] == [
+        "s2", "s1", "s0"]
+
+
 def test_async_incremental_saves(tmp_path):
     root = str(tmp_path / "run")
     sd = _state(2)
