@@ -20,7 +20,9 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import time
 from typing import Any
 
 from .config import get_config
@@ -216,6 +218,23 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
                             f"{type(exc).__name__}: {exc}", rank=rank) from exc
 
 
+_GIL_HANDOFF_S = 0.05
+
+
+def _let_gloo_workers_finish() -> None:
+    """At exit, before the interpreter finalizes: give the GIL away for a moment.
+
+    torch's gloo worker threads free a finished collective's tensors after the caller has gone
+    on, and freeing a tensor whose Python object is already gone needs the GIL. A rank that exits
+    right after its last collective (rank 1 of a job while rank 0 still writes a file, say) can
+    reach finalization while a worker still waits for the GIL; the worker is then ended inside a
+    C++ destructor and the process aborts with "terminate called without an active exception"
+    (SIGABRT, after everything succeeded; pytorch/pytorch#190489, also after
+    destroy_process_group). Registered once the process has a distckpt control group: a worker
+    waiting for the GIL takes it within microseconds of this sleep."""
+    time.sleep(_GIL_HANDOFF_S)
+
+
 def control_group(process_group: Any | None = None, *, channel: str = "control",
                   operation: str = "save()/load()") -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of
@@ -250,5 +269,7 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
                 f"creating distckpt's gloo control group among {world} ranks for {operation} failed: "
                 f"{type(exc).__name__}: {exc}", rank=rank,
                 remedy="Every rank of the group must call it; check the other ranks' logs.") from exc
+        if not _SIDE_GROUPS:
+            atexit.register(_let_gloo_workers_finish)
         _SIDE_GROUPS[(pg, channel)] = side
     return ControlGroup(side, rank, world)
