@@ -84,7 +84,7 @@ def main() -> None:
                 state["step"] = k
                 ds, dres = timed(lambda: saver.save(state, os.path.join(root, f"link{k}")), dev)
                 rec["kinds"].append(f"{saver.last_kind}:{saver._link['seq']}")
-                fs, fres = timed(lambda: distckpt.save(state, os.path.join(root, f"full{k}")), dev)
+                fs, _ = timed(lambda: distckpt.save(state, os.path.join(root, f"full{k}")), dev)
                 rec["full_s"].append(fs)
                 if saver.last_kind == "delta":
                     rec["delta_s"].append(ds)
