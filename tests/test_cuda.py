@@ -233,7 +233,7 @@ def test_two_ranks_save_gpu_shards_and_replicas(tmp_path):
     assert results[0][1] == results[1][1] == "StateDictMismatchError"
 
 
-def test_incremental_chain_of_gpu_tables(tmp_path):
+def test_incremental_chain_of_gpu_tables(tmp_path, monkeypatch):
     """Incremental saves of GPU tables (as TorchRec keeps them): the row digests are computed on
     the GPU and equal the host's; a full link and two deltas of GPU tensors compose bit-exact
     into GPU and host targets; rows changed by a kernel queued just before the save are seen."""
@@ -243,8 +243,12 @@ def test_incremental_chain_of_gpu_tables(tmp_path):
             "col": torch.randn(16, 777, generator=g).to(torch.bfloat16)}
     for name, d in (("emb", 0), ("mom", 0), ("col", 1)):
         assert torch.equal(row_digests(host[name].cuda(), d), row_digests(host[name], d)), name
-    big = torch.randn(70000, 300, generator=g)   # several 128 MiB device blocks' worth of words
+    big = torch.randn(70000, 300, generator=g)   # one device block of the default size (16 M words)
     assert torch.equal(row_digests(big.cuda()), row_digests(big))
+    import distckpt.incremental as inc
+    monkeypatch.setattr(inc, "_DEVICE_BLOCK_WORDS", 100_000)   # 667 rows a block: 105 blocks
+    assert torch.equal(row_digests(big.cuda()), row_digests(big))
+    assert torch.equal(row_digests(host["col"].cuda(), 1), row_digests(host["col"], 1))
 
     state = {"model": {"emb": host["emb"].cuda(), "col": host["col"].cuda()}, "optim": {"mom": host["mom"].cuda()},
              "step": 0}
