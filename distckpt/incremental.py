@@ -318,9 +318,8 @@ class IncrementalSaver:
         After a failure the chain and this saver stay at the previous link.
         """
         from .save import save
-        to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
-                                                    "IncrementalSaver.save()")
-        path = _link_path(path, "IncrementalSaver.save()")
+        path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
+                                                          "IncrementalSaver.save()")
         try:
             result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
         except DistCkptError as exc:
@@ -347,9 +346,8 @@ class IncrementalSaver:
         handle's ``result()``, as for :func:`distckpt.async_save`.
         """
         from .async_save import async_save
-        to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
-                                                    "IncrementalSaver.async_save()")
-        path = _link_path(path, "IncrementalSaver.async_save()")
+        path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
+                                                          "IncrementalSaver.async_save()")
 
         def outcome(result, error) -> None:   # on the save's thread, before its handle reports done
             if result is not None or getattr(error, "committed", False) is True:
@@ -369,9 +367,10 @@ class IncrementalSaver:
             pending.wait()
 
     def _prepare(self, state_dict: Any, path: str | os.PathLike, process_group: Any, metadata: dict | None,
-                 force_full: bool, operation: str) -> tuple[dict, dict, list, dict]:
-        """The full/delta decision (collective) and what to save: (state dict to save, chain
-        metadata, this rank's pieces with their digests, the MANIFEST's user metadata)."""
+                 force_full: bool, operation: str) -> tuple[str, dict, dict, list, dict]:
+        """The full/delta decision (collective) and what to save: (the link's absolute path, state
+        dict to save, chain metadata, this rank's pieces with their digests, the MANIFEST's user
+        metadata). Raises ConfigError for an object store URL before any collective."""
         from ._dist import control_group
         from .manifest import load_manifest
         self._wait_pending()
@@ -455,7 +454,7 @@ class IncrementalSaver:
             to_save = state_dict
         meta = dict(metadata or {})
         meta[META_KEY] = info
-        return to_save, info, pieces, meta
+        return path, to_save, info, pieces, meta
 
     def _advance(self, info: dict, path: str, pieces: list) -> None:
         """The save committed: the next delta is relative to it."""
