@@ -7,7 +7,8 @@ What it promises (restore.load / restore.read rely on it):
     checksum therefore leaves each byte of the caller's tensors either as it was or equal to the
     checkpoint's; the error names the tensors that were filled completely and those filled in part.
   * Bounded memory: ``PIPELINE_SLOTS`` bounce slots, then ``WORKERS`` bounce buffers (never both
-    at once), of ``SEGMENT`` bytes each (more only when the checkpoint's checksum block is larger),
+    at once), of ``SEGMENT`` bytes each (more only when the checkpoint's checksum block, and a
+    chunk read, are larger),
     mmapped for the call and unmapped before returning or raising (inside :func:`reading`: the
     workers' buffers when the block exits; idle ones are unmapped before the slots are mapped);
     nothing is kept after a call.
@@ -31,7 +32,8 @@ What it promises (restore.load / restore.read rely on it):
     every bounce buffer unmapped by then too, unless the call runs inside :func:`reading`: the fills
     of one ``with reading():`` block (the several passes of one load) share its worker threads and
     bounce buffers, which are joined / unmapped when the block exits (never more than ``WORKERS``
-    buffers, so the memory bound is the same).
+    buffers, so the memory bound is the same); ``reading(keep_open=True)`` (a conversion's many
+    small fills) also keeps the pipeline's slots and readers open until the block exits.
   * Ordering: a task may name, in ``after``, the key of other tasks of the same call whose bytes it
     overwrites (a chain's delta rows over its base, distckpt.incremental). A segment holding such a
     task starts only once every unit of those tasks has been copied; until then the workers take
@@ -75,6 +77,10 @@ READ_PIECE = 1 << 20
 # free slot and checks + copies each segment as it lands. Six 4 MiB slots keep ~20-24 MiB in
 # flight (fio's 4 MiB x 8 reaches the disk's rate; 4 MiB x 4 fell short) inside the 32 MiB budget.
 PIPELINE_SLOTS = 6
+# Pipeline readers a ``reading(keep_open=True)`` block keeps open (least recently used closed
+# first): one fd, one io_uring and its staging mapping each, for conversions of checkpoints with
+# many data files.
+MAX_OPEN_READERS = 16
 # Fills inside side_reads(): small reads that run beside a load's main pass (a chain's row ids,
 # read while its base is), with bounce memory small enough that both stay in the 32 MiB budget.
 SIDE_SEGMENT = 1 << 20
@@ -197,6 +203,12 @@ def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     # Strided: the box is cut into sub-boxes whose widened byte ranges fit ``limit``.
     if chunk is None:
         chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
+    lo, hi = expand_to_blocks(start, end, block, nbytes) if verify else (start, end)
+    if hi - lo <= limit:
+        # All of it fits one unit: no cutting (with a block near ``limit`` the cut below would
+        # leave no room and fall back to single elements, each widened to whole blocks).
+        yield _Unit(t, lo, hi, start, end, None, 0, t.inter, t.chunk.offset + lo)
+        return
     inner = limit - 2 * block if verify else limit
     for sub in _split_box(chunk, t.inter, t.itemsize, max(inner, t.itemsize)):
         s, e = byte_range(chunk, sub, t.itemsize)
@@ -360,12 +372,50 @@ class _Buffer:
 
 
 class _Session:
-    """Worker threads and bounce buffers for the fills of one load (see :func:`reading`)."""
+    """Worker threads and bounce buffers for the fills of one load (see :func:`reading`).
 
-    def __init__(self) -> None:
+    With ``keep_open`` it also keeps, from one fill to the next, the C pipeline's bounce slots
+    and up to ``MAX_OPEN_READERS`` pipeline readers (LRU), whose slots stay registered with their
+    rings (csrc/uring.c): a fill then sets up no ring, registers nothing and maps nothing. The
+    slots and the workers' buffers still never exist at once (taking a worker buffer unmaps the
+    slots, closing the readers that hold them first)."""
+
+    def __init__(self, keep_open: bool = False) -> None:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._idle: list[_Buffer] = []
+        self.keep_open = keep_open
+        self._readers: dict[str, Any] = {}    # path -> open pipeline reader, least recently used first
+        self._slots: mmap.mmap | None = None
+
+    def reader(self, path: str, open_reader: Callable[[str], Any]) -> Any:
+        """The kept reader of ``path`` (opened now if it has none or it closed after an error)."""
+        r = self._readers.pop(path, None)
+        if r is None or r.closed:
+            r = open_reader(path)
+        self._readers[path] = r
+        while len(self._readers) > MAX_OPEN_READERS:
+            oldest = next(iter(self._readers))
+            self._readers.pop(oldest).close()
+        return r
+
+    def slots(self, size: int, before_map: Callable[[], None]) -> mmap.mmap:
+        """The kept slot mapping of ``size`` bytes (a mapping of another size is unmapped first)."""
+        if self._slots is not None and len(self._slots) != size:
+            self.drop_slots()
+        if self._slots is None:
+            before_map()
+            self._slots = mmap.mmap(-1, size)
+        return self._slots
+
+    def drop_slots(self) -> None:
+        """Close the kept readers (they hold the slots registered), then unmap the slots."""
+        readers, self._readers = self._readers, {}
+        for r in readers.values():
+            r.close()
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.close()
 
     def submit(self, fn: Callable[[], None], n: int) -> list[concurrent.futures.Future]:
         if self._pool is None:
@@ -374,7 +424,9 @@ class _Session:
 
     def take(self, size: int) -> _Buffer:
         """An idle buffer of at least ``size`` bytes, or a new one (an idle smaller one is unmapped
-        first: at most one buffer per worker exists)."""
+        first: at most one buffer per worker exists). Kept slots are unmapped first."""
+        if self._slots is not None:
+            self.drop_slots()
         with self._lock:
             for i, b in enumerate(self._idle):
                 if b.size >= size:
@@ -396,10 +448,12 @@ class _Session:
             b.close()
 
     def close(self) -> None:
-        """Join the threads and unmap the buffers; the session can be used again afterwards."""
+        """Join the threads, close the kept readers and unmap the buffers; the session can be used
+        again afterwards."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self.drop_slots()
         with self._lock:
             idle, self._idle = self._idle, []
         for b in idle:
@@ -424,16 +478,22 @@ def side_reads() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def reading() -> Iterator[None]:
+def reading(keep_open: bool = False) -> Iterator[None]:
     """Run the :func:`fill` calls made inside the block (in this thread) on one set of worker
     threads and bounce buffers, created at the first fill and released when the block exits
     (joined, unmapped, heap trimmed), whether it returns or raises. A load that reads in several
     passes (an incremental chain: row ids, then base and rows, then the rest) pays the threads'
-    start and the buffers' first touch once. Nested blocks share the outermost one's."""
+    start and the buffers' first touch once. Nested blocks share the outermost one's (and its
+    ``keep_open``).
+
+    ``keep_open=True``: the C pipeline's slots and readers (at most ``MAX_OPEN_READERS`` files'
+    fds and rings) are kept open from one fill to the next too, and closed when the block exits;
+    for many small fills of the same files (a conversion reads slice by slice), where opening a
+    ring, registering the slots and mapping them cost more than the read itself."""
     if _SESSION.get() is not None:
         yield
         return
-    session = _Session()
+    session = _Session(keep_open)
     token = _SESSION.set(session)
     try:
         yield
@@ -498,11 +558,15 @@ def _run_pipeline(path: str, segs: list[_Segment], reader, buf, slot: int, block
 
 def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader, bufsize: int,
               blocks: Mapping[int, int], verify: bool, outcome: "_Outcome",
-              before_map: Callable[[], None] = lambda: None, nslots: int = PIPELINE_SLOTS) -> list[_Segment]:
+              before_map: Callable[[], None] = lambda: None, nslots: int = PIPELINE_SLOTS,
+              keep: _Session | None = None) -> list[_Segment]:
     """Run every segment the C pipeline can take (see :func:`_pipelined`), one file at a time in
     this thread, through ``nslots`` slots of ``bufsize`` bytes (mmapped here, unmapped
-    before returning). Returns the segments left for the workers: strided or device ones, and all
+    before returning; with ``keep``, a keep_open session, its kept slots and readers, left open).
+    Returns the segments left for the workers: strided or device ones, and all
     of a file whose reader has no ``fill_segments`` (an object store, the buffered backend)."""
+    if keep is not None:
+        return _pipeline_kept(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map, nslots, keep)
     rest: list[_Segment] = []
     mm = None
     try:
@@ -535,6 +599,32 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
     return rest
 
 
+def _pipeline_kept(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map, nslots,
+                   keep: _Session) -> list[_Segment]:
+    """:func:`_pipeline` on a keep_open session's slots and readers (not closed here; a reader
+    that failed closed itself and is reopened by the next fill)."""
+    rest: list[_Segment] = []
+    for segs in plans:
+        mine = [s for s in segs if _pipelined(s)]
+        rest.extend(s for s in segs if not _pipelined(s))
+        if not mine or outcome.failed():
+            continue
+        path = paths[mine[0].file_index]
+        try:
+            reader = keep.reader(path, open_reader)
+        except BaseException as exc:  # noqa: BLE001 - raised by fill() with what was filled
+            outcome.fail(exc)
+            break
+        if not getattr(reader, "supports_fill", False):
+            rest.extend(mine)
+            continue
+        mm = keep.slots(nslots * bufsize, before_map)
+        _run_pipeline(path, mine, reader, mm, bufsize, blocks[mine[0].file_index], verify, outcome)
+        if outcome.failed():
+            break
+    return rest
+
+
 def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int | Mapping[int, int],
          verify: bool, open_reader: Callable[[str], Any], align: int) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
@@ -554,7 +644,12 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
     side = _SIDE.get()
     segment = SIDE_SEGMENT if side else SEGMENT
     blocks = dict(block) if isinstance(block, Mapping) else {fi: block for fi in by_file}
-    limit = max([segment, *(blocks[fi] for fi in by_file)]) if verify else segment
+    # A verified unit spans whole blocks, but never more than its chunk (the last block is
+    # partial): the buffers are sized by that, not by the block alone, so a checkpoint whose
+    # block is far larger than its chunks (up to manifest.MAX_CHECKSUM_BLOCK) maps no more than
+    # its chunks need.
+    spans = [min(blocks[fi], max((t.chunk.nbytes for t in by_file[fi]), default=0)) for fi in by_file]
+    limit = max([segment, *spans]) if verify else segment
     bufsize = _align_up(limit + 2 * align, mmap.PAGESIZE)
     counts: dict[str, int] = {}
     segments: list[_Segment] = []
@@ -582,7 +677,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
     plans = [[s for s in segments if s.file_index == fi] for fi in sorted(by_file)]
     # The slots are mapped only while no worker buffer is: a session's idle ones are unmapped first.
     rest = _pipeline(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map=session.drop_idle,
-                     nslots=SIDE_SLOTS if side else PIPELINE_SLOTS)
+                     nslots=SIDE_SLOTS if side else PIPELINE_SLOTS, keep=session if session.keep_open else None)
     if outcome.error is not None:
         stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
         if own:

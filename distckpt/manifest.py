@@ -62,6 +62,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "MAX_CHECKSUM_BLOCK",
     "DTYPE_ITEMSIZE",
     "TENSOR_KINDS",
     "OBJECT_KINDS",
@@ -97,6 +98,10 @@ SUPPORTED_VERSIONS = (1, 2, 3)
 INDEX_MAGIC = b"DCKPTIX3"
 #: Upper bound on one data file's index, checked before it is read (like MAX_MANIFEST_BYTES).
 MAX_INDEX_BYTES = 1 << 30
+#: Upper bound on ``checksum_block``: the largest block a writer picks (DISTCKPT_CHECKSUM_BLOCK is
+#: at most 1 GiB). Readers size their read buffers from the block, so a larger value is refused
+#: before anything is allocated from it.
+MAX_CHECKSUM_BLOCK = 1 << 30
 MANIFEST_NAME = "MANIFEST"
 
 _HEADER = struct.Struct("<8sIIQ")  # magic, format_version, flags, body_length
@@ -540,7 +545,9 @@ def _validate_files(m: Manifest, path: Any) -> None:
         raise _corrupt(f"created_unix: expected a finite number, found {m.created_unix!r}", path)
     if m.checksum_algo != "crc32c":
         raise _corrupt(f"checksum_algo: expected 'crc32c', found {m.checksum_algo!r}", path)
-    _check_uint(m.checksum_block, "checksum_block", path, lo=1)
+    if not _is_int(m.checksum_block) or not 1 <= m.checksum_block <= MAX_CHECKSUM_BLOCK:
+        raise _corrupt(f"checksum_block: expected an integer in [1, 2**30] (the largest block a writer uses), "
+                       f"found {m.checksum_block!r}", path)
     if not isinstance(m.files, tuple):
         raise _corrupt(f"files: expected a sequence, found {type(m.files).__name__}", path)
     names = set()

@@ -271,6 +271,18 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
                                  "is too large: the product of its non-zero dimensions is 2658455991569831745807614120560689152 bytes"),
         "file_size_overflow.bin": (_schema_case(_set(["files", 0, "size"], 2**63)),
                                    "size: expected an integer in [0, 2**63)"),
+        # Readers size their read buffers from checksum_block: anything past the largest block a
+        # writer uses (2**30) is refused before it sizes an allocation (2**44 failed with ENOMEM,
+        # 2**63 with OverflowError). The crc counts are left as they were (one per chunk fits).
+        "checksum_block_2_31.bin": (_schema_case(_set(["checksum_block"], 2**31)),
+                                    "checksum_block: expected an integer in [1, 2**30] (the largest block a writer "
+                                    "uses), found 2147483648"),
+        "checksum_block_2_44.bin": (_schema_case(_set(["checksum_block"], 2**44)),
+                                    "found 17592186044416"),
+        "checksum_block_2_63.bin": (_schema_case(_set(["checksum_block"], 2**63)),
+                                    "found 9223372036854775808"),
+        "checksum_block_zero.bin": (_schema_case(_set(["checksum_block"], 0)),
+                                    "checksum_block: expected an integer in [1, 2**30]"),
     }
 
 
