@@ -138,7 +138,11 @@ def dependencies(path: str | os.PathLike) -> list[str] | None:
 def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:
     """Check the chain's structure (:func:`chain_of`) and every link's data (distckpt.verify).
 
-    Returns [(link path, VerifyReport)], newest first. Raises ChainBrokenError for a structural
-    break (a missing or replaced link); damaged data is reported in the links' reports."""
+    Returns [(link path, VerifyReport)], newest first: :func:`distckpt.verify.verify` of ``path``
+    (which checks a delta's whole chain, its ``ok`` covering every link) and then each link's own
+    report. Raises ChainBrokenError for a structural break (a missing or replaced link); damaged
+    data is reported in the links' reports."""
     from .verify import verify
-    return [(link.path, verify(link.path, **verify_kwargs)) for link in chain_of(path, chunks=False)]
+    path = os.path.abspath(os.fspath(path))
+    report = verify(path, **verify_kwargs)
+    return [(path, report), *zip(report.chain[1:], report.links)]

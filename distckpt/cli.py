@@ -257,37 +257,12 @@ def _cmd_verify(args) -> int:
             read(args.path)
             print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
             return 0
-    from .chain import chain_info, chain_of
-    from .manifest import load_manifest_header
-    try:
-        info = chain_info(load_manifest_header(args.path))
-    except DistCkptError:  # verify() itself says what is wrong with it
-        info = None
-    if info is None or info.get("kind") != "delta":
-        return _verify_one(args, args.path)
-    # A delta of an incremental chain: the chain's structure (ChainBrokenError, exit 1, when a
-    # link is missing or replaced), then every link's data, newest first.
-    links = [link.path for link in chain_of(args.path, chunks=False)]
-    if not args.json:
-        print(f"{args.path}: a delta of an incremental chain of {len(links)} link(s): "
-              f"{' <- '.join(os.path.basename(p) for p in links)}", file=sys.stderr)
-    docs, rcs = [], []
-    for link in links:
-        rc, doc = _verify_one(args, link, collect=True)
-        rcs.append(rc)
-        docs.append(doc)
-    if args.json:
-        print(json.dumps({"chain": links, "links": docs, "ok": not any(rcs)}, indent=1))
-    elif not any(rcs):
-        print(f"{args.path}: chain OK: {len(links)} link(s), every checksum matches")
-    else:
-        print(f"{args.path}: chain DAMAGED: {', '.join(os.path.basename(p) for p, rc in zip(links, rcs) if rc)}")
-    return 1 if any(rcs) else 0
+    return _verify_and_print(args, args.path)
 
 
-def _verify_one(args, path: str, *, collect: bool = False):
-    """Verify one checkpoint and print its report; returns the exit status (and, with
-    ``collect``, the report as a dict instead of printing it as JSON)."""
+def _verify_and_print(args, path: str) -> int:
+    """Verify ``path`` (a delta: its whole chain, distckpt.verify.verify) and print the report;
+    returns the exit status."""
     from tqdm import tqdm
 
     from .verify import verify
@@ -296,7 +271,12 @@ def _verify_one(args, path: str, *, collect: bool = False):
 
     def start(report) -> None:
         nonlocal bar
+        if bar is not None:  # the previous link's
+            bar.close()
         if not args.json:
+            if report.chain:
+                print(f"{report.path}: a delta of an incremental chain of {len(report.chain)} link(s): "
+                      f"{' <- '.join(os.path.basename(p) for p in report.chain)}", file=sys.stderr)
             print(f"verifying {report.path}: {report.files} data file(s), {format_bytes(report.bytes_expected)}, "
                   f"{report.blocks_expected} crc32c blocks of {format_bytes(report.checksum_block)}, "
                   f"io backend {report.backend}", file=sys.stderr)
@@ -306,18 +286,26 @@ def _verify_one(args, path: str, *, collect: bool = False):
                    desc="verify")
 
     try:
-        report = verify(path, progress=lambda n: bar.update(n), on_start=start,
-                        window=args.window)
+        report = verify(path, progress=lambda n: bar.update(n), on_start=start, window=args.window)
     finally:
         if bar is not None:
             bar.close()
-    if collect and args.json:
-        return (0 if report.ok else 1), report.to_dict()
+    rc = 0 if report.ok else 1
     if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
-        return 0 if report.ok else 1
-    rc = _print_report(report)
-    return (rc, None) if collect else rc
+        if report.chain:  # {"chain": [paths], "links": [each link's own report], "ok"}
+            doc = {"chain": report.chain, "links": [r.to_dict(links=False) for r in (report, *report.links)],
+                   "ok": report.ok}
+        else:
+            doc = report.to_dict()
+        print(json.dumps({"json_format": JSON_FORMAT, **doc}, indent=1))
+        return rc
+    for r in (report, *report.links):
+        _print_report(r)
+    if report.chain and report.ok:
+        print(f"{path}: chain OK: {len(report.chain)} link(s), every checksum matches")
+    elif report.chain:
+        print(f"{path}: chain DAMAGED: {', '.join(os.path.basename(p) for p in report.damaged_links)}")
+    return rc
 
 
 def _print_report(report) -> int:
@@ -328,7 +316,7 @@ def _print_report(report) -> int:
     rate = f"{format_bytes(report.bytes_per_second)}/s"
     summary = (f"{format_bytes(report.bytes_read)} read in {report.seconds:.2f} s ({rate}), "
                f"{report.blocks_checked} of {report.blocks_expected} blocks checked")
-    if report.ok:
+    if report.own_ok:
         print(f"{report.path}: OK, every checksum matches; {summary}")
         return 0
     files = sorted({b.file for b in report.bad_blocks} | {p.file for p in report.file_problems})

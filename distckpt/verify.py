@@ -94,20 +94,39 @@ class VerifyReport:
     seconds: float = 0.0
     backend: str | None = None
     checksum_block: int = 0
+    #: For a delta of an incremental chain: the paths of every link it needs, itself first, its
+    #: full base last (empty for any other checkpoint).
+    chain: list[str] = dataclasses.field(default_factory=list)
+    #: For a delta: the reports of the links it needs (``chain[1:]``), newest first.
+    links: list["VerifyReport"] = dataclasses.field(default_factory=list)
+
+    @property
+    def own_ok(self) -> bool:
+        """True when this checkpoint's own data files are sound (its links not counted)."""
+        return not self.bad_blocks and not self.file_problems
 
     @property
     def ok(self) -> bool:
-        return not self.bad_blocks and not self.file_problems
+        """True when every block matched and every file is sound, in this checkpoint and, for a
+        delta, in every link of its chain."""
+        return self.own_ok and all(link.ok for link in self.links)
+
+    @property
+    def damaged_links(self) -> list[str]:
+        """The paths of the checkpoints (this one and its links) whose data is damaged."""
+        return [r.path for r in (self, *self.links) if not r.own_ok]
 
     @property
     def bytes_per_second(self) -> float:
         return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
 
-    def to_dict(self) -> dict:
-        """Plain data for ``distckpt verify --json`` (documented in docs/CLI.md)."""
-        return {
+    def to_dict(self, *, links: bool = True) -> dict:
+        """Plain data for ``distckpt verify --json`` (documented in docs/CLI.md). With ``links``
+        (a delta's report), ``ok`` covers the whole chain and ``chain`` / ``links`` are added;
+        without, the document is this checkpoint's alone (``ok``: :attr:`own_ok`)."""
+        out = {
             "path": self.path,
-            "ok": self.ok,
+            "ok": self.ok if links else self.own_ok,
             "files": self.files,
             "bytes_expected": self.bytes_expected,
             "bytes_read": self.bytes_read,
@@ -120,6 +139,10 @@ class VerifyReport:
             "bad_blocks": [dataclasses.asdict(b) for b in self.bad_blocks],
             "file_problems": [dataclasses.asdict(p) for p in self.file_problems],
         }
+        if links and self.chain:
+            out["chain"] = list(self.chain)
+            out["links"] = [r.to_dict(links=False) for r in self.links]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +289,7 @@ def _open_object(store, ckpt: str, manifest, i: int, report: VerifyReport) -> tu
     url = store.data_url(ckpt, manifest, i)
     from .storage.objectstore import NoSuchKey
     try:
-        size = store._call("head", url, store.fs.info, store._key(url))["size"]
+        size = store._call("head", url, "info", store._key(url))["size"]
     except NoSuchKey:
         report.file_problems.append(FileProblem(entry.name, "missing (listed in MANIFEST)"))
         return None
@@ -284,13 +307,21 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
            storage_options: dict | None = None) -> VerifyReport:
     """Read every data file of the checkpoint at ``path`` and check every checksum block.
 
+    A delta of an incremental chain (docs/INCREMENTAL.md) is only as sound as the links it needs:
+    its chain's structure is checked first, from the MANIFESTs (every link present, committed,
+    the very save the delta was saved against, of the same chain), then the delta and every link
+    are verified, newest first. Their reports are ``report.links``, and ``report.ok`` is False
+    when any of them is damaged (``report.damaged_links`` names them). ``distckpt verify`` prints
+    this report.
+
     Args:
         path: A committed checkpoint directory, or an fsspec URL of one (``storage_options`` as
             :func:`distckpt.save`; its data objects are read with ranged GETs).
         window: Bytes per read (a multiple of 1 MiB is best); memory use is about 2 x ``window``.
         progress: Called with the number of bytes just checked (e.g. a tqdm bar's ``update``).
-        on_start: Called once with the (empty) report after the MANIFEST was read, before any data
-            (``files``, ``bytes_expected``, ``blocks_expected`` and ``backend`` are filled in).
+        on_start: Called with the (empty) report after the MANIFEST was read, before any data
+            (``files``, ``bytes_expected``, ``blocks_expected`` and ``backend`` are filled in);
+            once per link for a delta, the delta's first (its ``chain`` is filled in).
 
     Returns:
         A :class:`VerifyReport` listing every bad block and file problem (``report.ok``).
@@ -298,15 +329,44 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     Raises:
         CheckpointNotFoundError, CheckpointIncompleteError: ``path`` is not a committed checkpoint.
         ManifestCorruptError: the MANIFEST is damaged (nothing else can be checked then).
+        ChainBrokenError: ``path`` is a delta whose chain is broken: a link is missing, not
+            committed, does not decode, was replaced by another save or belongs to another chain
+            (its field ``link`` names it).
         StorageError subclass: an I/O error while reading (EIO...).
     """
     if window < 4096 or window % 4096:
         raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")
-    from .storage import is_url, join, normalize_path, open_store
+    from .storage import is_url, normalize_path
+
+    path = normalize_path(path)
+    chain = [] if is_url(path) else _chain(path)  # chains are local (distckpt.incremental)
+    report = _verify_one(path, window, progress, on_start, storage_options, chain)
+    for link in chain[1:]:
+        report.links.append(_verify_one(link, window, progress, on_start, storage_options, []))
+    return report
+
+
+def _chain(path: str) -> list[str]:
+    """The paths of the links a delta at ``path`` needs, itself first ([] for any other
+    checkpoint, and for a MANIFEST that cannot be read: :func:`_verify_one` says why)."""
+    from .chain import chain_info, chain_of
+    from .errors import DistCkptError
+    try:
+        check_checkpoint_dir(path)
+        info = chain_info(mf.load_manifest_header(path))
+    except DistCkptError:
+        return []
+    if info is None or info.get("kind") != "delta":
+        return []
+    return [path] + [link.path for link in chain_of(path, chunks=False)[1:]]  # ChainBrokenError
+
+
+def _verify_one(path: str, window: int, progress, on_start, storage_options, chain: list[str]) -> VerifyReport:
+    """:func:`verify` of one checkpoint, its chain's links not included."""
+    from .storage import is_url, join, open_store
     from .storage.posix import choose_read_backend, open_reader
 
     t0 = time.monotonic()
-    path = normalize_path(path)
     if is_url(path):
         from .storage.objectstore import _RangeReader
         store = open_store(path, storage_options)
@@ -320,7 +380,7 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     # file's index below, so that a damaged file is reported and the others still checked.
     manifest = mf.decode_header(data, path=mpath)
     report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
-                          checksum_block=manifest.checksum_block)
+                          checksum_block=manifest.checksum_block, chain=list(chain))
     if is_url(path):
         opened = [(i, entry, _open_object(store, path, manifest, i, report)) for i, entry in enumerate(manifest.files)]
         sizes = {found[0]: found[1] for _, _, found in opened if found is not None}
