@@ -153,14 +153,25 @@ class IncrementalPolicy:
             scatters the deltas' rows, so this bounds its cost (measured 1.0-1.5x a full
             checkpoint's restore at 0.25 on a 2-core VM, more when its cores are busy with other
             work: docs/BENCHMARKS.md).
+        watch_writes: re-hash only the rows on pages written since the previous link
+            (distckpt.writewatch: the kernel's write protection, Linux >= 6.7), instead of every
+            tracked row. Exact for host tensors in private anonymous memory that only this
+            process's CPUs write (any code path, fbgemm's fused optimizers included); a row on
+            memory a device writes by DMA (RDMA-registered buffers) would be missed, hence opt-in.
+            Tensors that do not qualify (GPU, pinned, shared or file memory) and kernels without
+            the feature are hashed whole, as without it; ``IncrementalSaver.watch_status`` says
+            which and why.
     """
 
     rows: Mapping[str, int] | Callable[[Any], Mapping[str, int]] | None = None
     full_every: int = 8
     max_delta_fraction: float = 0.3
     max_chain_fraction: float = 0.25
+    watch_writes: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.watch_writes, bool):
+            raise ConfigError(f"watch_writes={self.watch_writes!r} must be a bool")
         if not isinstance(self.full_every, int) or self.full_every < 1:
             raise ConfigError(f"full_every={self.full_every!r} must be a positive int")
         for name in ("max_delta_fraction", "max_chain_fraction"):
@@ -236,6 +247,56 @@ def _piece_key(fqn: str, offsets: tuple, sizes: tuple) -> tuple:
     return (fqn, tuple(offsets), tuple(sizes))
 
 
+def _signature(t: torch.Tensor, row_dim: int) -> tuple:
+    """Which memory a piece's digests describe: a piece whose tensor moved (reallocated, another
+    view) is hashed whole, whatever the pages at its old address did."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype), row_dim)
+
+
+def _rehash_written(t: torch.Tensor, row_dim: int, prev: torch.Tensor,
+                    written: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The digests of ``t``'s rows given the previous ones (``prev``) and which pages under ``t``
+    were written since they were taken (``written``: one bool per page from the page holding
+    ``t``'s first byte, distckpt.writewatch): every row with a byte on a written page is hashed
+    again, the others keep their digest (their bytes cannot have changed). Returns (digests,
+    rows hashed)."""
+    from .writewatch import PAGE
+    x = t.detach().movedim(row_dim, 0)
+    n = x.shape[0]
+    pages = torch.nonzero(written).reshape(-1)
+    if pages.numel() == 0 or n == 0:
+        return prev, 0
+    es = x.element_size()
+    stride = x.stride(0) * es
+    span = (sum((m - 1) * s for m, s in zip(x.shape[1:], x.stride()[1:])) + 1) * es   # a row's byte extent
+    skew = x.data_ptr() % PAGE   # the first row starts this far into the first page
+    # Runs of consecutive written pages, as byte ranges [a, b) relative to the first row's start.
+    brk = torch.nonzero(pages[1:] - pages[:-1] != 1).reshape(-1)
+    first = torch.cat([pages[:1], pages[brk + 1]])
+    last = torch.cat([pages[brk], pages[-1:]])
+    a, b = first * PAGE - skew, (last + 1) * PAGE - skew
+    if stride == 0:   # every row is the same memory
+        return (row_digests(t, row_dim), n) if bool(((a < span) & (b > 0)).any()) else (prev, 0)
+    # Row i covers [i * stride, i * stride + span): it meets [a, b) when i * stride < b and
+    # i * stride + span > a.
+    lo = torch.div(a - span, stride, rounding_mode="floor") + 1
+    hi = torch.div(b - 1, stride, rounding_mode="floor")
+    lo, hi = lo.clamp_(min=0), hi.clamp_(max=n - 1)
+    ok = lo <= hi
+    lo, hi = lo[ok], hi[ok]
+    if lo.numel() == 0:
+        return prev, 0
+    mark = torch.zeros(n + 1, dtype=torch.int32)
+    mark.index_add_(0, lo, torch.ones_like(lo, dtype=torch.int32))
+    mark.index_add_(0, hi + 1, torch.full_like(hi, -1, dtype=torch.int32))
+    idx = torch.nonzero(torch.cumsum(mark[:n], 0) > 0).reshape(-1)
+    if idx.numel() * 2 > n:   # most rows: hashing in place beats gathering them first
+        return row_digests(t, row_dim), n
+    out = prev.clone()
+    out[idx] = row_digests(x.index_select(0, idx), 0)
+    return out, idx.numel()
+
+
 # ------------------------------------------------------------------------------------------------
 # Saving
 
@@ -263,9 +324,15 @@ class IncrementalSaver:
     def __init__(self, policy: IncrementalPolicy | None = None) -> None:
         self.policy = policy or IncrementalPolicy()
         self._digests: dict[tuple, torch.Tensor] = {}
+        # Per piece, where its digests were taken: (data_ptr, shape, strides, dtype, scan epoch)
+        # when its pages are watched (watch_writes), so the next save re-hashes only the rows on
+        # pages written after that scan; None otherwise.
+        self._refs: dict[tuple, tuple | None] = {}
         self._link: dict | None = None   # chain metadata + path + save_id of the last committed link
         self._pending = None   # the AsyncSaveHandle of this saver's last async save
         self.last_kind: str | None = None
+        self.last_hashed_rows = 0   # rows this rank hashed for its last save / resume (of all tracked)
+        self.watch_status: dict[str, str] = {}   # fqn -> why its pieces are hashed whole (watch_writes)
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -277,13 +344,40 @@ class IncrementalSaver:
             raise ConfigError(f"an incremental state dict may not use the root key {_DELTA_ROOT!r}")
         if not isinstance(state_dict, dict):
             raise ConfigError("an incremental save needs a dict as the state dict's root")
-        pieces = []   # (fqn, j, piece index, Piece, digests)
+        local = []
         for j, fqn in enumerate(sorted(rows)):
             it, d = items[fqn], rows[fqn]
             if it.kind == "tensor" and group.rank != 0:
                 continue  # a plain tensor is a replica: the lowest rank writes it
-            for i, p in enumerate(it.pieces):
-                pieces.append((fqn, j, i, p, row_digests(p.tensor, d)))
+            local.extend((fqn, j, i, p) for i, p in enumerate(it.pieces))
+        watch, why_not, epoch = None, {}, None
+        if self.policy.watch_writes:
+            from .writewatch import get
+            watch = get()
+            for fqn, _j, _i, p in local:   # new pages are watched before the scan below
+                why = watch.watch(p.tensor)
+                if why is not None:
+                    why_not.setdefault(fqn, why)
+            epoch = watch.scan()   # every write before this is in memory; any later one is seen later
+        self.watch_status = why_not
+        pieces = []   # (fqn, j, piece index, Piece, digests, reference for the next save)
+        hashed = 0
+        for fqn, j, i, p in local:
+            d = rows[fqn]
+            key = _piece_key(fqn, p.offsets, p.sizes)
+            sig = _signature(p.tensor, d) if watch is not None and fqn not in why_not else None
+            prev, ref = self._digests.get(key), self._refs.get(key)
+            written = None
+            if sig is not None and ref is not None and prev is not None and ref[:-1] == sig:
+                written = watch.written_since(p.tensor, ref[-1])
+            if written is None:
+                dg = row_digests(p.tensor, d)
+                hashed += dg.numel()
+            else:
+                dg, n = _rehash_written(p.tensor, d, prev, written)
+                hashed += n
+            pieces.append((fqn, j, i, p, dg, None if sig is None else sig + (epoch,)))
+        self.last_hashed_rows = hashed
         return items, rows, pieces
 
     def resume(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None) -> None:
@@ -298,9 +392,10 @@ class IncrementalSaver:
         meta = links[0].meta
         if meta.get("chain") is None or sorted(rows) != [f for f, _d in meta.get("tracked", [])] \
                 or any(rows[f] != d for f, d in meta.get("tracked", [])):
-            self._digests, self._link = {}, None   # not a chain of these tensors: next save is full
+            self._digests, self._refs, self._link = {}, {}, None   # not a chain of these tensors: next save is full
             return
-        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
+        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg, _r in pieces}
+        self._refs = {_piece_key(f, p.offsets, p.sizes): r for f, _j, _i, p, _dg, r in pieces}
         self._link = dict(meta, path=path, save_id=links[0].manifest.save_id)
 
     # -- the save ----------------------------------------------------------------------------------
@@ -381,7 +476,7 @@ class IncrementalSaver:
         changed_bytes = total_bytes = changed_rows = total_rows = 0
         unknown = False
         selections = []
-        for fqn, j, i, p, dg in pieces:
+        for fqn, j, i, p, dg, _ref in pieces:
             d = rows[fqn]
             prev = self._digests.get(_piece_key(fqn, p.offsets, p.sizes))
             if prev is None or prev.shape != dg.shape:
@@ -432,7 +527,7 @@ class IncrementalSaver:
                     "tracked_bytes": t_bytes, "rows_written": sum(s[2] for s in stats),
                     "rows_total": sum(s[3] for s in stats)}
             records: dict[str, dict] = {}
-            for (fqn, j, i, p, _dg), sel in zip(pieces, selections):
+            for (fqn, j, i, p, _dg, _ref), sel in zip(pieces, selections):
                 if sel.numel() == 0:
                     continue
                 d = rows[fqn]
@@ -462,9 +557,10 @@ class IncrementalSaver:
         try:
             save_id = load_manifest(path).save_id
         except DistCkptError:  # committed, then lost (rotated, deleted): the next save is full
-            self._digests, self._link, self.last_kind = {}, None, info["kind"]
+            self._digests, self._refs, self._link, self.last_kind = {}, {}, None, info["kind"]
             return
-        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg in pieces}
+        self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg, _r in pieces}
+        self._refs = {_piece_key(f, p.offsets, p.sizes): r for f, _j, _i, p, _dg, r in pieces}
         self._link = dict(info, path=path, save_id=save_id)
         self.last_kind = info["kind"]
 

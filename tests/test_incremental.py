@@ -593,3 +593,181 @@ def test_dtensor_rows_any_sharding(tmp_path, monkeypatch):
     (written,) = counts.values()
     assert int(written.max()) == 1, "an element was written by two links"
     assert bool((written.reshape(1000, 16)[500:520, :8] == 1).all())   # d3's left half of these rows
+
+
+# ------------------------------------------------------------------------------------------------
+# watch_writes: only the rows on pages written since the previous link are hashed again
+
+
+def _watch_or_skip():
+    from distckpt import writewatch
+    w = writewatch.get()
+    if not w.available:
+        pytest.skip(w.reason)
+    return w
+
+
+def _padded_state(seed: int):
+    """_state(seed) with its tracked tensors inside larger buffers (two pages of untouched
+    padding around each): a heap allocation shares its first and last page with its neighbours,
+    whose writes (the save's own Python objects) would make those pages count as written."""
+    sd = _state(seed)
+    emb, mom = sd["model"]["emb"], sd["optim"]["mom"]
+    pe, pm = 2 * 4096 // 64, 2 * 4096 // 4
+    sd["model"]["emb"] = torch.zeros(emb.shape[0] + 2 * pe, emb.shape[1])[pe:-pe].copy_(emb)
+    sd["optim"]["mom"] = torch.zeros(mom.shape[0], mom.shape[1] + 2 * pm)[:, pm:-pm].copy_(mom)
+    return sd
+
+
+def _count_hashed(monkeypatch):
+    """Counts the rows passed to row_digests by the saver (independently of last_hashed_rows)."""
+    seen = []
+    real = inc.row_digests
+
+    def counted(t, row_dim=0):
+        seen.append(t.shape[row_dim])
+        return real(t, row_dim)
+    monkeypatch.setattr(inc, "row_digests", counted)
+    return seen
+
+
+def test_watch_writes_hashes_only_written_rows_from_any_code_path(tmp_path, monkeypatch):
+    import ctypes
+    _watch_or_skip()
+    sd = _padded_state(3)
+    emb, mom = sd["model"]["emb"], sd["optim"]["mom"]   # 4000 x 64 B rows; 2 x 4000 per-row state
+    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, watch_writes=True, max_chain_fraction=2.0))
+    seen = _count_hashed(monkeypatch)
+    saver.save(sd, str(tmp_path / "a"))
+    assert saver.last_kind == "full" and sum(seen) == saver.last_hashed_rows == 8000 and saver.watch_status == {}
+    # Nothing written: nothing hashed, an empty delta.
+    seen.clear()
+    saver.save(sd, str(tmp_path / "b"))
+    assert saver.last_kind == "delta" and sum(seen) == saver.last_hashed_rows == 0
+    assert saver._link["rows_written"] == 0
+    # Writes that bypass the version counter: .data, numpy, a raw pointer, the kernel (readinto).
+    v0 = (emb._version, mom._version)
+    emb.data[7, 3] = 123.0
+    mom.numpy()[1, 3999] = -2.0
+    ctypes.memmove(emb.data_ptr() + 2500 * 64 + 60, b"\x7f\x7f\x7f\x7f", 4)
+    src = tmp_path / "row.bin"
+    src.write_bytes(torch.full((16,), 9.0).numpy().tobytes())
+    with open(src, "rb", buffering=0) as f:
+        assert f.readinto(memoryview(emb[3100].numpy()).cast("B")) == 64
+    assert (emb._version, mom._version) == v0, "these writes were meant to bypass the version counter"
+    seen.clear()
+    saver.save(sd, str(tmp_path / "c"))
+    # Rows 7, 2500, 3100 and mom[1, 3999] changed; only the rows sharing their pages were hashed.
+    assert saver.last_kind == "delta" and saver._link["rows_written"] == 4
+    assert 0 < sum(seen) == saver.last_hashed_rows <= 3 * 4096 // 64 + 4096 // 4 + 2
+    _expect(str(tmp_path / "c"), _snap(sd))
+    # The digests kept are those of the whole state, as without watching.
+    for key, dg in saver._digests.items():
+        assert torch.equal(dg, row_digests(emb if key[0] == "model.emb" else mom, ROWS[key[0]])), key
+
+
+def test_watch_writes_hashes_unwatchable_memory_whole(tmp_path, monkeypatch):
+    _watch_or_skip()
+    sd = _padded_state(4)
+    sd["model"]["emb"].share_memory_()   # another process could write it: never trusted to the watch
+    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, watch_writes=True))
+    seen = _count_hashed(monkeypatch)
+    saver.save(sd, str(tmp_path / "a"))
+    seen.clear()
+    saver.save(sd, str(tmp_path / "b"))
+    assert "model.emb" in saver.watch_status and "optim.mom" not in saver.watch_status
+    assert seen == [4000] and saver.last_hashed_rows == 4000   # emb whole, mom not at all
+    sd["model"]["emb"][11] += 1.0
+    saver.save(sd, str(tmp_path / "c"))
+    assert saver._link["rows_written"] == 1
+    _expect(str(tmp_path / "c"), _snap(sd))
+
+
+def test_watch_writes_after_a_failed_save_and_a_moved_tensor(tmp_path, monkeypatch):
+    _watch_or_skip()
+    sd = _padded_state(5)
+    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, watch_writes=True, max_chain_fraction=2.0))
+    saver.save(sd, str(tmp_path / "a"))
+    sd["model"]["emb"][20] += 1.0
+    # A failed save (the path exists) leaves the saver at "a": the row written before it is
+    # still found by the next save, though that failed save's scan already re-protected its page.
+    distckpt.save({"x": torch.zeros(1)}, str(tmp_path / "b"))
+    with pytest.raises(distckpt.errors.CheckpointExistsError):
+        saver.save(sd, str(tmp_path / "b"))
+    saver.save(sd, str(tmp_path / "c"))
+    assert saver.last_kind == "delta" and saver._link["rows_written"] == 1
+    # A tracked tensor replaced by a copy (other memory) is hashed whole, not trusted to the
+    # pages of the old one.
+    sd["model"]["emb"] = sd["model"]["emb"].clone()
+    sd["model"]["emb"][30] += 1.0
+    seen = _count_hashed(monkeypatch)
+    saver.save(sd, str(tmp_path / "d"))
+    assert 4000 in seen and saver._link["rows_written"] == 1
+    _expect(str(tmp_path / "d"), _snap(sd))
+
+
+def _fused_watch(rank, world, root):
+    """A 1-rank DistributedModelParallel with fused EXACT_ROWWISE_ADAGRAD and EXACT_SGD tables
+    (fbgemm CPU kernels); returns what the test checks."""
+    import torch.distributed as dist
+    import torchrec.optim as tro
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from distckpt.flatten import flatten
+    from distckpt.integrations import torchrec as dtr
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", num_embeddings=20000, embedding_dim=16,
+                                                            feature_names=[f"f{i}"]) for i in range(3)],
+                                 device=torch.device("meta"))
+    apply_optimizer_in_backward(tro.RowWiseAdagrad, [ebc.embedding_bags["t0"].weight, ebc.embedding_bags["t2"].weight],
+                                {"lr": 0.05})
+    apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t1"].weight], {"lr": 0.1})
+    plan = dtr.hand_plan({"": ebc}, {"": {"t0": "table_wise:0", "t1": "table_wise:0", "t2": "row_wise"}},
+                         world_size=world)
+    dmp = DistributedModelParallel(ebc, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   device=torch.device("cpu"))
+    saver = IncrementalSaver(IncrementalPolicy(rows=dtr.incremental_rows, watch_writes=True))
+
+    def snapshot():
+        sd = dtr.state_dict(dmp)
+        _t, items = flatten(sd, check_objects=False)
+        return sd, {f: [p.tensor.clone() for p in items[f].pieces] for f in dtr.incremental_rows(sd)}, items
+
+    def step(ids):   # t0 (rowwise Adagrad) and t1 (SGD) see lookups; t2 none
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=torch.tensor(ids + ids[:1]),
+                                                  lengths=torch.tensor([len(ids), 1, 0]))
+        dmp(kjt).values().sum().backward()
+    sd, before, _items = snapshot()
+    saver.save(sd, os.path.join(root, "a"))
+    step([5, 17000, 9000])
+    sd, after, items = snapshot()
+    rows = dtr.incremental_rows(sd)
+    changed = {f: sum(int((b != a).reshape(b.shape[0], -1).any(1).sum()) if rows[f] == 0
+                      else int((b != a).any(0).sum()) for b, a in zip(before[f], after[f])) for f in after}
+    saver.save(sd, os.path.join(root, "b"))
+    distckpt.save(sd, os.path.join(root, "full"))
+    _t, got = flatten(distckpt.read(os.path.join(root, "b")), check_objects=False)
+    _t, ref = flatten(distckpt.read(os.path.join(root, "full")), check_objects=False)
+    same = sorted(got) == sorted(ref) and all(torch.equal(got[f].pieces[0].tensor, ref[f].pieces[0].tensor)
+                                              for f in rows)
+    total = sum(p.tensor.shape[rows[f]] for f in rows for p in items[f].pieces)
+    return saver.last_kind, saver._link["rows_written"], changed, saver.last_hashed_rows, total, saver.watch_status, same
+
+
+def test_watch_writes_sees_fused_optimizer_steps(tmp_path):
+    """fbgemm's fused TBE optimizers update weights and state in C++ without bumping the tensors'
+    version counter (torchrec 1.8.0): the watch sees those writes all the same, and a table
+    the step did not touch (t2) is not hashed at all."""
+    _watch_or_skip()
+    (kind, written, changed, hashed, total, status, same), = run_ranks(_fused_watch, 1, str(tmp_path), timeout=180)
+    assert status == {} and kind == "delta" and same
+    assert changed == {"model.embedding_bags.t0.weight": 3, "optim.embedding_bags.t0.weight.momentum1": 3,
+                       "model.embedding_bags.t1.weight": 1, "model.embedding_bags.t2.weight": 0,
+                       "optim.embedding_bags.t2.weight.momentum1": 0}, changed
+    assert written == 7
+    # Hashed: the rows on a page with a changed row, plus the rows on each tensor's first and
+    # last page, which a heap allocation shares with its neighbours (64-byte rows: 64 a page;
+    # 4-byte momentum: 1024 a page): at most 4 + 2 * 3 weight pages and 3 + 2 * 2 momentum pages.
+    assert 0 < hashed <= (4 + 6) * 64 + (3 + 4) * 1024 < total / 10, (hashed, total)
