@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from .config import get_config
-from .errors import DistCkptError, PeerLostError, RankFailureError, RanksMissingError, fill_rank
+from .errors import DistCkptError, PeerLostError, RanksMissingError, collective_error, fill_rank
 
 __all__ = ["ControlGroup", "control_group", "is_distributed", "check_arrival"]
 
@@ -127,8 +127,10 @@ class ControlGroup:
     def raise_failures(self, errors: list, local_error: BaseException | None, *, operation: str) -> None:
         """Raise when any entry of ``errors`` (``errors[r]`` from rank r, as all-gathered) is set.
 
-        Several ranks: :class:`RankFailureError` with every rank's error, on every rank. One
-        rank: the error itself, unchanged. The io/storage layers that raised the errors do not
+        Several ranks: on every rank, :func:`distckpt.errors.collective_error`: an instance of the
+        failing ranks' common typed class (``except CheckpointNotFoundError`` catches a tag missing
+        on every rank), else a :class:`RankFailureError`; both carry every rank's error in
+        ``failures``. One rank: the error itself, unchanged. The io/storage layers that raised the errors do not
         know their rank (RANK is only set under torchrun), so it is recorded here, where it is
         known: ``failures[r].rank == r``, and a single-process error reports rank 0.
         """
@@ -137,7 +139,7 @@ class ControlGroup:
             return
         if self.world_size == 1:
             raise fill_rank(local_error, 0) if local_error is not None else failures[0]
-        raise RankFailureError(failures, operation=operation, rank=self.rank) from local_error
+        raise collective_error(failures, operation=operation, rank=self.rank) from local_error
 
 
 def _portable(error: BaseException | None) -> BaseException | None:

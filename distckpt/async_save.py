@@ -382,7 +382,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
 
     Raises:
         Nothing for a failed save: every save error (CheckpointExistsError,
-        UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError,
+        UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError (ranks
+        failing with different classes),
         PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises.
         A KeyboardInterrupt during staging propagates (nothing is committed).
         The error of an *earlier* async save that failed with nobody waiting on its handle is

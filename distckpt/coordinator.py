@@ -1014,8 +1014,9 @@ def save_collective(
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``final_dir`` and not ``overwrite``.
-        RankFailureError: (several ranks) some rank failed; ``failures`` holds each rank's error.
-        DistCkptError subclasses: (one rank) the typed error itself.
+        DistCkptError subclasses: the typed error itself (one rank), or, when ranks failed, the
+            class every failing rank raised, else RankFailureError; ``failures`` holds each
+            rank's error (errors.collective_error).
         PeerLostError: a peer died or did not answer within DISTCKPT_TIMEOUT_S; before the commit
             point nothing is committed. CommittedButPeerLostError (a subclass): the checkpoint
             at ``final_dir`` is committed, then a peer was lost (see :func:`finish_save`).
@@ -1147,7 +1148,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             committed = published
         if failures is None and verdict is None:
             sizes = [o[0][1] for o in outcomes]
-    # The verdict: the WRITE failures (every rank raises the same RankFailureError), or the
+    # The verdict: the WRITE failures (every rank raises the same error: errors.collective_error), or the
     # COMMIT's error, or the data file sizes of a committed save.
     try:
         failures, verdict, sizes = group.broadcast((failures, verdict, sizes))

@@ -56,6 +56,7 @@ __all__ = [
     "StateDictMismatchError",
     "ReshardError",
     "RankFailureError",
+    "collective_error",
     "PeerLostError",
     "CommittedButPeerLostError",
     "RanksMissingError",
@@ -94,6 +95,11 @@ class DistCkptError(Exception):
     """
 
     default_remedy = "See docs/ERRORS.md for this error class."
+    #: Set on the error a collective raises on every rank when ranks failed (see
+    #: :func:`collective_error`): {rank: the error that rank raised}; None on any other error.
+    failures: Mapping[int, BaseException] | None = None
+    #: With ``failures``: the ranks that failed, sorted.
+    failed_ranks: list[int] | None = None
 
     def __init__(
         self,
@@ -424,9 +430,45 @@ class RankFailureError(DistCkptError, RuntimeError):
 
     def __init__(self, failures: Mapping[int, BaseException], *, operation: str = "save", **kw: Any) -> None:
         self.failures = dict(failures)
-        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(self.failures.items()))
-        message = f"{operation} failed on rank(s) {sorted(self.failures)}: {causes}"
-        super().__init__(message, **kw)
+        self.failed_ranks = sorted(self.failures)
+        self.operation = operation
+        super().__init__(_failures_message(self.failures, operation), **kw)
+
+
+def _failures_message(failures: Mapping[int, BaseException], operation: str) -> str:
+    causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
+    return f"{operation} failed on rank(s) {sorted(failures)}: {causes}"
+
+
+def collective_error(failures: Mapping[int, BaseException], *, operation: str, rank: int | None) -> DistCkptError:
+    """The error every rank of a collective raises when ranks failed (``failures``: {rank: the
+    error that rank raised}, non-empty), so that a caller catches the class it expects.
+
+    When every failing rank raised the same typed class (a subclass of DistCkptError: a missing
+    tag's CheckpointNotFoundError, a full disk's DiskFullError), it is an instance of that class,
+    so ``except CheckpointNotFoundError`` (or ``except FileNotFoundError``) catches it on every
+    rank: a copy of the lowest failing rank's error (its typed fields and ``rank``), whose message
+    names every failing rank and its error. Otherwise (different classes, or errors that were not
+    typed) it is a :class:`RankFailureError` (``rank``: the raising rank). Both carry
+    ``failures``, ``failed_ranks`` and ``operation``. (One class cannot serve both: RankFailureError
+    is a RuntimeError, and OSError-derived classes cannot share a subclass with it.)
+    """
+    failures = dict(failures)
+    if not failures:
+        raise ValueError("collective_error needs at least one failure")
+    classes = {type(e) for e in failures.values()}
+    cls = next(iter(classes))
+    if len(classes) > 1 or not issubclass(cls, DistCkptError) or cls in (DistCkptError, RankFailureError):
+        return RankFailureError(failures, operation=operation, rank=rank)
+    first = min(failures)
+    err = _restore(*failures[first].__reduce__()[1])  # a copy: the failure itself stays in ``failures``
+    err.message = _failures_message(failures, operation)
+    os_fields = (err.errno, err.strerror, err.filename) if isinstance(err, OSError) else None
+    err.args = (err.message,)
+    if os_fields is not None:  # assigning args resets OSError's own fields
+        err.errno, err.strerror, err.filename = os_fields
+    err.failures, err.failed_ranks, err.operation = failures, sorted(failures), operation
+    return err
 
 
 class PeerLostError(DistCkptError, RuntimeError):

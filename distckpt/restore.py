@@ -585,7 +585,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         CheckpointRemovedError (a CheckpointNotFoundError: the step was rotated away, overwritten
         or deleted while this load read it), DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
         StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
-        RankFailureError on every rank when several ranks take part and any of them failed.
+        When several ranks take part and some failed, every rank raises the class they raised
+        (``failures``: each rank's error), or RankFailureError when their classes differ.
         A failed load never leaves an unverified byte in the state dict's tensors: each byte is
         either as it was or the checkpoint's; a ChecksumMismatchError (and a read error) lists the
         keys already filled in ``filled`` (completely) and ``partly_filled``. Only a normal

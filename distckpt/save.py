@@ -63,7 +63,8 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
             under one key (see ``replicated``).
         DiskFullError, FileTooLargeError, StoragePermissionError, TooManyOpenFilesError,
         StorageIOError: the typed OS failures (single process), or
-        RankFailureError: on every rank when any rank of a collective save failed;
+        RankFailureError: on every rank when ranks of a collective save failed with different
+        classes (with one class, every rank raises that class; both carry ``failures``);
         PeerLostError: a peer died or hung past DISTCKPT_TIMEOUT_S;
         RanksMissingError (a PeerLostError): some ranks of the group did not call save() within
         DISTCKPT_ARRIVAL_TIMEOUT_S (every rank must call it);

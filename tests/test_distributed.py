@@ -187,9 +187,10 @@ def _failing_body(rank, world, root):
     t0 = time.monotonic()
     try:
         mgr.save(2, {"x": torch.full((1 << 16,), 2.0), "y": torch.ones(1 << 18)})
-    except errors.RankFailureError as exc:
+    except errors.StorageIOError as exc:  # the failing rank's class, on every rank
         elapsed = time.monotonic() - t0
         assert set(exc.failures) == {1} and isinstance(exc.failures[1], errors.StorageIOError)
+        assert exc.failed_ranks == [1] and exc.rank == 1 and exc.errno == 5
         assert exc.failures[1].errno == 5 and exc.remedy
         assert elapsed < 20, elapsed
     else:
@@ -245,7 +246,7 @@ def _inconsistent_dtensor_body(rank, world, path):
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(9, 4), stride=(4, 1))
     try:
         distckpt.save({"w": dt}, path)
-    except errors.RankFailureError as exc:  # every rank learns every rank's typed cause
+    except errors.UnsupportedValueError as exc:  # every rank learns every rank's typed cause
         causes = {r: (type(e).__name__, e.key, "torch.chunk" in str(e.remedy)) for r, e in exc.failures.items()}
         return causes, os.path.exists(path)
     return None
@@ -283,3 +284,35 @@ def test_ranks_exit_cleanly_right_after_a_save(tmp_path):
         if proc.returncode != 0 or "terminate called" in proc.stderr:
             failures.append((i, mode, proc.returncode, proc.stderr[-2000:]))
     assert not failures, failures
+
+
+def _collective_class_body(rank, world, root):
+    import distckpt
+    from distckpt import errors
+    out = {}
+    try:  # a tag missing on every rank: the class every rank raised, catchable as such
+        distckpt.load({"x": torch.zeros(4)}, os.path.join(root, "missing"))
+    except FileNotFoundError as exc:
+        out["missing"] = (type(exc).__name__, isinstance(exc, errors.CheckpointNotFoundError), exc.failed_ranks,
+                          sorted(type(e).__name__ for e in exc.failures.values()), "rank(s) [0, 1]" in str(exc))
+    good = os.path.join(root, "good")
+    distckpt.save({"x": torch.ones(4)}, good)
+    try:  # different classes on the two ranks: RankFailureError, each rank's error in failures
+        distckpt.load({"x": torch.zeros(5)} if rank == 0 else torch.zeros(4), good)
+    except errors.RankFailureError as exc:
+        out["mixed"] = (exc.failed_ranks, {r: type(e).__name__ for r, e in exc.failures.items()})
+    try:  # one rank fails: its class, on both ranks
+        distckpt.load({"x": torch.zeros(4)} if rank == 0 else {"x": torch.zeros(5)}, good)
+    except errors.StateDictMismatchError as exc:
+        out["one"] = (exc.failed_ranks, exc.rank, type(exc.failures[1]).__name__)
+    return out
+
+
+def test_a_collective_raises_the_class_every_failing_rank_raised(tmp_path):
+    """Every rank failing with CheckpointNotFoundError raises CheckpointNotFoundError (a
+    FileNotFoundError) carrying each rank's error; only mixed classes give RankFailureError."""
+    outs = run_ranks(_collective_class_body, 2, str(tmp_path))
+    for out in outs:
+        assert out["missing"] == ("CheckpointNotFoundError", True, [0, 1], ["CheckpointNotFoundError"] * 2, True)
+        assert out["mixed"] == ([0, 1], {0: "StateDictMismatchError", 1: "UnsupportedValueError"})
+        assert out["one"] == ([1], 1, "StateDictMismatchError")

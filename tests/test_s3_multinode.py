@@ -178,7 +178,7 @@ def test_server_killed_mid_save_every_rank_typed_error(s3_private_server, tmp_pa
         assert kind != "saved", f"rank {rank} committed a save to a dead server"
         assert seconds < 90, f"rank {rank} took {seconds:.0f} s to give up"
         # The same verdict on every rank: the failed rank(s), each with the endpoint named.
-        assert kind == "RankFailureError" and causes == ["EndpointUnreachableError"], text
+        assert kind == "EndpointUnreachableError" and causes == ["EndpointUnreachableError"], text
         assert server.endpoint in text and "Remedy:" in text
     # Restart the server on the same data (new ports): nothing was committed.
     server.start()

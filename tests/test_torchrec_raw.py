@@ -67,8 +67,8 @@ def _back_to_two(rank, world, root):
     dmp, dense = T.build(rank, world, P_TWO_MERGED, opt=OPT)
     with pytest.raises(errors.DistCkptError) as ei:
         distckpt.load(_raw(dmp, dense), f"{root}/one")
-    # Only the rank holding e's state fails; every rank raises the same RankFailureError.
-    failures = ei.value.failures if isinstance(ei.value, errors.RankFailureError) else {rank: ei.value}
+    # Only the rank holding e's state fails; every rank raises its error's class, with ``failures``.
+    failures = ei.value.failures if ei.value.failures is not None else {rank: ei.value}
     merged_error = ({r: type(e).__name__ for r, e in failures.items()}, " ".join(str(e) for e in failures.values()))
     dmp, dense = T.build(rank, world, P_TWO_OTHER, opt=OPT)
     sd = _raw(dmp, dense)
