@@ -1085,6 +1085,15 @@ typedef struct {
     size_t offset_align, mem_align;
     char *stage; /* queue_depth * block_size */
     size_t stage_sz;
+    /* Reader.fill's slots stay registered with the ring from one call to the next while the
+     * caller passes the same buffer: registering pins (and faults in) every slot page, which for
+     * 6 x 4 MiB slots cost ~30 ms a call, paid once per tensor by a conversion that reads tensor
+     * by tensor. The buffer is held (reg_view, a buffer export) until the reader closes or
+     * another buffer comes, so it cannot be unmapped while the kernel may write into its pages. */
+    Py_buffer reg_view;
+    size_t reg_slot;
+    unsigned reg_nslots;
+    int reg_fixed; /* 1: registered; 0: the kernel refused it (RLIMIT_MEMLOCK): plain READ */
 } ReaderObject;
 
 /* One I/O: read `len` bytes at file offset `off` into `buf` (staging or the destination itself),
@@ -1104,6 +1113,10 @@ static void reader_release(ReaderObject *r)
     if (r->closed)
         return;
     r->closed = 1;
+    /* With the GIL (every caller but Reader_init's failure path, which has no registration):
+     * closing the ring below drops the registration, so the held buffer can go now. */
+    if (r->reg_view.obj)
+        PyBuffer_Release(&r->reg_view);
     /* read_into never returns with requests in flight, so nothing references staging here. */
     if (r->fd >= 0)
         close(r->fd);
@@ -1429,6 +1442,7 @@ struct fill_job {
     unsigned char *done;
     int cached_fd;
     int fixed; /* slots registered with the ring: READ_FIXED, no per-read page pinning */
+    int reg_drop, reg_new; /* unregister the reader's previous buffer / register this one first */
     int mismatch;
     size_t bad_seg, bad_check;
     uint32_t got;
@@ -1486,24 +1500,24 @@ static int fill_submit(struct fill_job *j, unsigned sl, const struct fill_seg *s
 static int fill_loop(struct fill_job *j, size_t *bad);
 
 /* GIL released. Returns 0, a positive errno, or -1 (short read of segment *bad). The slots are
- * registered with the ring for the call when the kernel allows it (RLIMIT_MEMLOCK may refuse:
- * then plain READ) and unregistered before returning, when no read is in flight. */
+ * registered with the ring when the kernel allows it (RLIMIT_MEMLOCK may refuse: then plain
+ * READ) and stay registered after the call (see ReaderObject.reg_view): a buffer another call
+ * registered is unregistered first (reg_drop), this one registered only when new (reg_new). */
 static int fill_run(struct fill_job *j, size_t *bad)
 {
-    int err;
-    j->fixed = 0;
-    if (j->r->use_uring) {
+    ReaderObject *r = j->r;
+    if (j->reg_drop)
+        sys_io_uring_register(r->ring.fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+    if (j->reg_new) {
         struct iovec iov[FILL_MAX_SLOTS];
         for (unsigned i = 0; i < j->nslots; i++) {
             iov[i].iov_base = j->buf + (size_t)i * j->slot;
             iov[i].iov_len = j->slot;
         }
-        j->fixed = sys_io_uring_register(j->r->ring.fd, IORING_REGISTER_BUFFERS, iov, j->nslots) == 0;
+        r->reg_fixed = sys_io_uring_register(r->ring.fd, IORING_REGISTER_BUFFERS, iov, j->nslots) == 0;
     }
-    err = fill_loop(j, bad);
-    if (j->fixed)
-        sys_io_uring_register(j->r->ring.fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
-    return err;
+    j->fixed = r->use_uring && r->reg_fixed;
+    return fill_loop(j, bad);
 }
 
 static int fill_loop(struct fill_job *j, size_t *bad)
@@ -1707,6 +1721,24 @@ static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
         }
     }
     memset(j.done, 0, nsegs);
+    if (r->use_uring && (!r->reg_view.obj || r->reg_view.obj != vb.obj || r->reg_view.buf != vb.buf ||
+                         r->reg_slot != (size_t)slot || r->reg_nslots != j.nslots)) {
+        if (r->reg_view.obj) { /* another buffer (or slot layout) than the registered one */
+            j.reg_drop = r->reg_fixed;
+            PyBuffer_Release(&r->reg_view);
+        }
+        /* An export of its own, held past this call: the registered pages stay mapped. */
+        if (PyObject_GetBuffer(bufobj, &r->reg_view, PyBUF_WRITABLE) != 0) {
+            if (j.reg_drop) /* nothing may stay registered without its buffer held */
+                sys_io_uring_register(r->ring.fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+            r->reg_fixed = 0;
+            goto out;
+        }
+        r->reg_slot = (size_t)slot;
+        r->reg_nslots = j.nslots;
+        r->reg_fixed = 0;
+        j.reg_new = 1;
+    }
     r->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     err = fill_run(&j, &bad);
@@ -1783,7 +1815,9 @@ static PyMethodDef Reader_methods[] = {
      "slot), check each segment's crc32c blocks, then copy its runs into the destinations; "
      "mismatch is None or (segment, check, crc found), after which nothing more was copied. "
      "Records are packed structs (see csrc/uring.c); done[i] becomes 1 when segment i was copied. "
-     "Raises ValueError (bad plan, before any I/O), OSError, EOFError."},
+     "The buffer stays registered with the ring and held (an export: an mmap cannot be closed) "
+     "until the reader closes or a call passes another buffer, so calls with one buffer pay the "
+     "registration once. Raises ValueError (bad plan, before any I/O), OSError, EOFError."},
     {"size", (PyCFunction)Reader_size, METH_NOARGS, "size() -> int: the file's size (fstat)."},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "close(): release fds and staging. Idempotent."},
     {NULL, NULL, 0, NULL},

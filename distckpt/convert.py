@@ -111,6 +111,36 @@ class _Source:
         from .restore import read_box
         return read_box(self.path, self.manifest, fqn, offsets, sizes, verify=self.verify)
 
+    def stream(self, requests, budget: int) -> Iterator[tuple[Any, Any]]:
+        """``(key, tensor)`` for every ``(key, fqn, offsets, sizes)`` of ``requests``, in order.
+
+        Consecutive boxes are read together, one read pass (distckpt.fill) per batch of at most
+        ``budget`` bytes (a box larger than that alone), so a checkpoint of many small tensors
+        costs a few passes, not one per tensor; at most one batch is held, each tensor released
+        by this generator once it was handed out. Raises the read errors of :func:`distckpt.read`.
+        """
+        from . import manifest as mf
+        from .restore import read_boxes
+
+        def read(batch):
+            out = read_boxes(self.path, self.manifest, [r[1:] for r in batch], verify=self.verify)
+            out.reverse()
+            for req in batch:
+                yield req[0], out.pop()
+
+        batch: list = []
+        size = 0
+        for req in requests:
+            t = self.tensors[req[1]]
+            nbytes = math.prod(req[3]) * mf.DTYPE_ITEMSIZE[t.dtype]
+            if batch and size + nbytes > budget:
+                yield from read(batch)
+                batch, size = [], 0
+            batch.append(req)
+            size += nbytes
+        if batch:
+            yield from read(batch)
+
     def nested(self, leaf) -> Any:
         """The original nesting with every tensor replaced by ``leaf(fqn)`` and values decoded."""
         from .restore import _SKIP, _rebuild
@@ -320,14 +350,19 @@ def _to_torch(src: _Source, dst: str, slice_bytes: int, progress: _Progress, res
         record("archive/.format_version", b"1")
         record("archive/.storage_alignment", b"64")
         record("archive/byteorder", b"little")
+        pieces = src.stream(((r, r.fqn, o, s) for r in refs
+                             for o, s in _slices(r.shape, _dtype(r.dtype_name).itemsize, slice_bytes)), slice_bytes)
         for r in refs:
             dtype = _dtype(r.dtype_name)
             info, zip64 = _aligned_info(zf, f"archive/data/{r.key}", math.prod(r.shape) * dtype.itemsize)
             with zf.open(info, "w", force_zip64=zip64) as out:
-                for offsets, sizes in _slices(r.shape, dtype.itemsize, slice_bytes):
-                    piece = src.read(r.fqn, offsets, sizes)
+                left = info.file_size
+                while left:
+                    key, piece = next(pieces)
+                    assert key is r, "pieces arrive in the order of the records"
                     view, keep = _bytes_of(piece)
                     out.write(view)
+                    left -= len(view)
                     progress.update(len(view))
                     del view, keep, piece
         record("archive/version", b"3\n")
@@ -401,6 +436,9 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     os.makedirs(dst, exist_ok=True)
     weight_map = {}
+    pieces = src.stream(((spec, spec[1], o, s) for shard in shards for spec in shard
+                         for o, s in _slices(spec[3], _dtype(src.tensors[spec[1]].dtype).itemsize, slice_bytes)),
+                        slice_bytes)
     for fname, shard in zip(files, shards):
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         off = 0
@@ -413,15 +451,17 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
         path = os.path.join(dst, fname)
         with open(path + ".tmp", "wb") as f:
             f.write(struct.pack("<Q", len(hdr)) + hdr)
-            for _name, fqn, d, shape, _nb in shard:
-                t = src.tensors[fqn]
-                target = _dtype(d)
-                for offsets, sizes in _slices(shape, _dtype(t.dtype).itemsize, slice_bytes):
-                    piece = src.read(fqn, offsets, sizes)
+            for spec in shard:
+                target = _dtype(spec[2])
+                left = spec[4]
+                while left:
+                    key, piece = next(pieces)
+                    assert key is spec, "pieces arrive in the order of the shards' tensors"
                     if piece.dtype != target:
                         piece = piece.to(target)
                     view, keep = _bytes_of(piece)
                     f.write(view)
+                    left -= len(view)
                     progress.update(len(view))
                     del view, keep, piece
             f.flush()
@@ -498,6 +538,15 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
             self.plan = SavePlan(items, planner_data=self.mappings)
             return self.plan
 
+        def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+            # torch's writer (thread_count=1: one bucket, its serial loader) resolves the tensor
+            # items in the final plan's order: read ahead in that order, a slice's worth at a time.
+            self._order = [(wi.index.fqn, tuple(wi.index.offset)) for wi in new_plan.items
+                           if wi.type != WriteItemType.BYTE_IO]
+            self._pos = {k: i for i, k in enumerate(self._order)}
+            self._ahead: dict = {}
+            return super().finish_plan(new_plan)
+
         def resolve_data(self, write_item):
             fqn = write_item.index.fqn
             if write_item.type == WriteItemType.BYTE_IO:
@@ -510,9 +559,21 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
             # one (one thread, a serial loader), so its memory is released here.
             if self._last is not None:
                 self._last.untyped_storage().resize_(0)
-            offsets = tuple(write_item.index.offset)
-            sizes = self._chunks[(fqn, offsets)]
-            t = src.read(fqn, offsets, sizes)
+            key = (fqn, tuple(write_item.index.offset))
+            t = self._ahead.pop(key, None)
+            if t is None:
+                # Not read ahead (the first item, or the writer took another order): what was read
+                # ahead is dropped (memory stays bounded) and the items from this one on are read.
+                self._ahead.clear()
+                batch, size = [], 0
+                for k in self._order[self._pos[key]:]:
+                    nbytes = math.prod(self._chunks[k]) * _dtype(src.tensors[k[0]].dtype).itemsize
+                    if batch and size + nbytes > slice_bytes:
+                        break
+                    batch.append((k, k[0], k[1], self._chunks[k]))
+                    size += nbytes
+                self._ahead = dict(src.stream(batch, slice_bytes))
+                t = self._ahead.pop(key)
             progress.update(t.numel() * t.element_size())
             self._last = t
             return t
@@ -576,6 +637,7 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
     import numpy as np
     import torch
 
+    from .fill import reading
     from .save import save
 
     fd, tmp = tempfile.mkstemp(prefix=".distckpt-convert-", dir=os.path.dirname(os.path.abspath(dst)))
@@ -591,16 +653,17 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
         for fqn, t in src.tensors.items():
             dtype = _dtype(t.dtype)
             nbytes = math.prod(t.shape) * dtype.itemsize
-            dest = flat[at:at + nbytes].view(dtype).view(tuple(t.shape)) if nbytes else torch.empty(tuple(t.shape), dtype=dtype)
+            tensors[fqn] = flat[at:at + nbytes].view(dtype).view(tuple(t.shape)) if nbytes else torch.empty(tuple(t.shape), dtype=dtype)
             at += -(-nbytes // 64) * 64
-            row = dest.reshape(-1) if nbytes else None
-            for offsets, sizes in _slices(tuple(t.shape), dtype.itemsize, slice_bytes):
-                piece = src.read(fqn, offsets, sizes)
-                start = sum(o * s for o, s in zip(offsets, _strides(t.shape)))
-                row[start:start + piece.numel()].copy_(piece.reshape(-1))
-                progress.update(piece.numel() * dtype.itemsize)
+        requests = (((fqn, o), fqn, o, s) for fqn, t in src.tensors.items()
+                    for o, s in _slices(tuple(t.shape), _dtype(t.dtype).itemsize, slice_bytes))
+        with reading(keep_open=True):  # the read buffers go before the save starts
+            for (fqn, offsets), piece in src.stream(requests, slice_bytes):
+                start = sum(o * s for o, s in zip(offsets, _strides(tensors[fqn].shape)))
+                tensors[fqn].reshape(-1)[start:start + piece.numel()].copy_(piece.reshape(-1))
+                progress.update(piece.numel() * piece.element_size())
                 del piece
-            tensors[fqn] = dest
+
         state = src.nested(lambda fqn: tensors[fqn])
         save(state, dst, allow_pickle=src.allow_pickle)
         del flat, tensors, state, mm
@@ -679,20 +742,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
 
 def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max_shard_size: int,
              prefix: str | None, dtype: str | None, memory_limit: int, progress: bool | None) -> ConvertResult:
+    from .fill import reading
+
     slice_bytes = memory_limit // 4
     result: dict[str, Any] = {"files": [], "skipped": {}, "tensors": len(source.tensors)}
     total = _tensor_bytes(source, source.tensors)
     bar = _Progress(total, f"{os.path.basename(src_s)} -> {to}", progress)
     try:
-        if to == "torch":
-            _to_torch(source, dst_s, slice_bytes, bar, result)
-        elif to == "safetensors":
-            _to_safetensors(source, dst_s, slice_bytes, bar, result, max_shard_size=max_shard_size,
-                            prefix=prefix, cast=dtype)
-        elif to == "dcp":
-            _to_dcp(source, dst_s, slice_bytes, bar, result)
-        else:
+        if to == "distckpt":  # keeps its read buffers open only while it reads (not during the save)
             _to_distckpt(source, dst_s, slice_bytes, bar, result)
+        else:
+            # One reader (fd, io_uring, registered slots) per source file for the whole conversion,
+            # not one per slice: a slice of a small tensor cost 30-70 ms of set-up before.
+            with reading(keep_open=True):
+                if to == "torch":
+                    _to_torch(source, dst_s, slice_bytes, bar, result)
+                elif to == "safetensors":
+                    _to_safetensors(source, dst_s, slice_bytes, bar, result, max_shard_size=max_shard_size,
+                                    prefix=prefix, cast=dtype)
+                else:
+                    _to_dcp(source, dst_s, slice_bytes, bar, result)
     finally:
         bar.close()
     written = sum(_size_of(f) for f in result["files"])

@@ -306,3 +306,45 @@ def test_peak_memory_stays_under_the_bound(tmp_path):
     finally:
         shutil.rmtree(src, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
+
+
+_CONVERT_ALL = textwrap.dedent("""
+    import os, sys
+    from distckpt.convert import convert
+    src, out = sys.argv[1], sys.argv[2]
+    for to in ("safetensors", "torch", "dcp", "distckpt"):
+        convert(src, os.path.join(out, to), to=to, memory_limit=1 << 20, progress=False)
+""")
+
+
+def test_conversion_sets_up_its_readers_once_not_per_tensor(tmp_path):
+    """Converting 2N tensors sets up no more io_uring rings and registers no more buffers than
+    converting N: each source file's reader (ring, registered slots) is opened once per
+    conversion, not once per slice. Tensors of 512 KiB under a 1 MiB limit (slices of 256 KiB)
+    make every slice its own read pass, so batching small tensors cannot hide a per-read set-up.
+    Counted with strace over all four targets."""
+    import shutil
+
+    from distckpt.storage.posix import choose_backend
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (tests/run.sh installs it)")
+    counts = {}
+    for n in (4, 8):
+        src, out = str(tmp_path / f"src{n}"), str(tmp_path / f"out{n}")
+        os.makedirs(out)
+        distckpt.save({f"w{i}": torch.full((128, 1024), float(i)) for i in range(n)}, src)
+        if choose_backend(src, read_only=True).name != "uring":
+            pytest.skip("io_uring reads are not available here: nothing to count")
+        log = str(tmp_path / f"strace{n}.log")
+        proc = subprocess.run(["strace", "-f", "-qq", "-o", log, "-e", "trace=io_uring_setup,io_uring_register",
+                               sys.executable, "-c", _CONVERT_ALL, src, out], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        text = open(log).read()
+        counts[n] = (text.count("io_uring_setup("), text.count("io_uring_register("))
+        assert torch.equal(distckpt.read(os.path.join(out, "distckpt"))["w7" if n == 8 else "w3"],
+                           torch.full((128, 1024), float(n - 1)))
+    print(f"io_uring_setup, io_uring_register calls: 4 tensors {counts[4]}, 8 tensors {counts[8]}")
+    assert counts[4][0] > 0, "the conversion read through io_uring"
+    assert counts[8] == counts[4], counts
