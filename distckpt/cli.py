@@ -233,6 +233,13 @@ def _cmd_inspect(args) -> int:
                                         remedy="Use --json for its contents.")
                 from .restore import load_manifest
                 m = load_manifest(path)
+        from .hf import is_hf_checkpoint
+        if m is None and is_hf_checkpoint(path):  # Hugging Face safetensors: the files' headers as a manifest
+            if args.manifest:
+                raise DistCkptError("a Hugging Face safetensors directory has no MANIFEST to print", path=path,
+                                    remedy="Use --json for its contents.")
+            from .hf import load_manifest as hf_manifest
+            m = hf_manifest(path)
         if m is None:
             m = mf.load_manifest(path)
     if args.manifest:
@@ -257,6 +264,12 @@ def _cmd_verify(args) -> int:
             read(args.path)
             print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
             return 0
+    from .hf import is_hf_checkpoint
+    if not is_url(args.path) and is_hf_checkpoint(args.path):  # no checksums either: the same, said so
+        from .restore import read
+        read(args.path)
+        print(f"{args.path}: a Hugging Face safetensors directory; every header and tensor read (it has no checksums)")
+        return 0
     return _verify_and_print(args, args.path)
 
 

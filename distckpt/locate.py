@@ -18,6 +18,7 @@ import re
 import stat
 
 from .errors import CheckpointIncompleteError, CheckpointNotFoundError
+from .hf import hf_files
 from .manifest import MAGIC, MANIFEST_NAME
 
 __all__ = ["check_checkpoint_dir"]
@@ -108,9 +109,9 @@ def _describe_dir(path: str) -> Exception | None:
         names = sorted(os.listdir(path))
     except OSError:
         return None  # let the MANIFEST open report the typed OS error
-    if MANIFEST_NAME in names or ".metadata" in names:
-        # A distckpt checkpoint (its MANIFEST is validated next), or a torch.distributed.checkpoint
-        # directory, which distckpt's DCP support reports on.
+    if MANIFEST_NAME in names or ".metadata" in names or hf_files(path) is not None:
+        # A distckpt checkpoint (its MANIFEST is validated next), a torch.distributed.checkpoint
+        # directory or a Hugging Face safetensors one, which distckpt.dcp / distckpt.hf report on.
         return None
     if not names:
         return CheckpointNotFoundError(

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import dcp
+from . import dcp, hf
 from . import manifest as mf
 from ._dist import ControlGroup, _portable, control_group, is_distributed
 from .coordinator import MANIFEST, TMP_RE, gc_paused
@@ -182,6 +182,8 @@ def load_manifest(path: str, storage_options: dict | None = None) -> "mf.Manifes
     _check_committed(path)
     if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: read it directly
         return dcp.load_manifest(path)
+    if hf.is_hf_checkpoint(path):  # a Hugging Face safetensors directory: its headers as a manifest
+        return hf.load_manifest(path)
     # decode validates: magic, version, checksum, names inside the directory, offsets, tiling, tree
     return mf.load_manifest(path)
 
@@ -520,7 +522,8 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
 def _manifest_collective(group: ControlGroup, path: str, store: Store | None = None) -> "mf.Manifest":
     """Rank 0 reads MANIFEST once and broadcasts its bytes (or its typed error); every rank
     decodes and validates them itself (a shared file system need not be hit N times)."""
-    if store is None and (group.world_size == 1 or dcp.is_dcp_checkpoint(path)):  # DCP: every rank reads .metadata itself
+    # DCP / safetensors: every rank reads .metadata / the headers itself (a few KiB per file)
+    if store is None and (group.world_size == 1 or dcp.is_dcp_checkpoint(path) or hf.is_hf_checkpoint(path)):
         return load_manifest(path)
     payload, manifest = None, None
     if group.rank == 0:

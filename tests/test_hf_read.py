@@ -1,0 +1,304 @@
+"""A Hugging Face safetensors directory (``save_pretrained`` output) is a load source
+(distckpt/hf.py): a real transformers Llama saved as one file and as shards, read and loaded
+bit-exact into a fresh model, loaded at 2 real gloo ranks into FSDP2 DTensor state with each rank
+reading about half of the bytes, the state-dict semantics of every other source (strict,
+missing / unexpected keys, the cast policy), the CLI, and hostile headers and indexes as typed
+errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.errors import (CheckpointCorruptError, DataFileMissingError, DataFileTruncatedError,
+                             StateDictMismatchError, UnsupportedValueError)
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+
+
+def _config(**kw):
+    from transformers import LlamaConfig
+
+    args = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    args.update(kw)
+    return LlamaConfig(**args)
+
+
+def _model(seed: int, **kw):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(_config(**kw))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The same model saved by save_pretrained as one file and as shards of at most 20 kB."""
+    root = tmp_path_factory.mktemp("hf")
+    model = _model(0)
+    model.save_pretrained(str(root / "single"))
+    model.save_pretrained(str(root / "sharded"), max_shard_size="20KB")
+    return model, str(root / "single"), str(root / "sharded")
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_read_and_load_bit_exact(saved, layout):
+    model, single, sharded = saved
+    path = single if layout == "single" else sharded
+    names = sorted(os.listdir(path))
+    if layout == "single":
+        assert "model.safetensors" in names and "model.safetensors.index.json" not in names
+    else:
+        assert "model.safetensors.index.json" in names and sum(n.endswith(".safetensors") for n in names) > 2
+    want = model.state_dict()
+
+    full = distckpt.read(path)
+    assert set(full) == set(want)
+    for k, v in want.items():
+        assert _bits_equal(full[k], v), k
+
+    fresh = _model(1)  # other weights: every value must come from the files
+    assert not torch.equal(fresh.state_dict()["lm_head.weight"], want["lm_head.weight"])
+    res = distckpt.load(fresh.state_dict(), path)
+    assert res.missing == [] and res.unexpected == [] and res.cast == {}
+    got = fresh.state_dict()
+    for k, v in want.items():
+        assert _bits_equal(got[k], v), k
+    ids = torch.arange(12).view(2, 6)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+    # nested the way a training job holds it: {"model": model.state_dict()} with the prefix
+    # "model." stripped by HF's naming (LlamaForCausalLM keys are "model.layers..." already)
+    sub = {"model": {k.removeprefix("model."): torch.zeros_like(v) for k, v in want.items() if k.startswith("model.")}}
+    res = distckpt.load(sub, path)
+    assert res.unexpected == ["lm_head.weight"]
+    assert _bits_equal(sub["model"]["norm.weight"], want["model.norm.weight"])
+
+
+def test_state_dict_semantics(saved, tmp_path):
+    model, single, _ = saved
+    want = model.state_dict()
+
+    # a key the files lack: named, nothing read; strict=False loads the rest and lists it
+    sd = {k: torch.zeros_like(v) for k, v in want.items()}
+    sd["extra.weight"] = torch.zeros(3)
+    with pytest.raises(StateDictMismatchError) as ei:
+        distckpt.load(sd, single)
+    assert ei.value.missing == ["extra.weight"]
+    assert int(sd["lm_head.weight"].count_nonzero()) == 0
+    res = distckpt.load(sd, single, strict=False)
+    assert res.missing == ["extra.weight"] and _bits_equal(sd["lm_head.weight"], want["lm_head.weight"])
+
+    # another shape: named
+    bad = {"lm_head.weight": torch.zeros(5, 5)}
+    with pytest.raises(StateDictMismatchError, match="lm_head.weight"):
+        distckpt.load(bad, single)
+
+    # bf16 file -> fp32 model: exact, automatic, reported; fp32 file -> bf16 model: refused
+    # unless cast="allow" (the library's cast policy, as for every source)
+    bf = str(tmp_path / "bf16")
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(bf)
+    halves = {k: v.to(torch.bfloat16) for k, v in want.items()}
+    fp32 = {k: torch.zeros_like(v) for k, v in want.items()}
+    res = distckpt.load(fp32, bf)
+    assert set(res.cast) == set(want) and res.cast["lm_head.weight"] == "bfloat16->float32"
+    for k in want:
+        assert _bits_equal(fp32[k], halves[k].float()), k
+    low = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in want.items()}
+    with pytest.raises(StateDictMismatchError, match="cast"):
+        distckpt.load(low, single)
+    distckpt.load(low, single, cast="allow")
+    assert _bits_equal(low["lm_head.weight"], halves["lm_head.weight"])
+
+
+def test_cli_read_inspect_verify_convert(saved, tmp_path, capsys):
+    from distckpt.cli import main
+
+    model, _, sharded = saved
+    assert main(["inspect", sharded, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["meta"]["format"] == "safetensors"
+    assert main(["verify", sharded]) == 0
+    assert "safetensors" in capsys.readouterr().out
+    out = str(tmp_path / "sd.pt")
+    assert main(["convert", sharded, out, "--to", "torch", "--no-progress"]) == 0
+    got = torch.load(out, weights_only=True)
+    for k, v in model.state_dict().items():
+        assert _bits_equal(got[k], v), k
+    back = str(tmp_path / "st")  # safetensors -> safetensors through the converter: same bytes
+    assert main(["convert", sharded, back, "--to", "safetensors", "--no-progress"]) == 0
+    from safetensors.torch import load_file
+    got = load_file(os.path.join(back, "model.safetensors"))
+    assert all(_bits_equal(got[k], v) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 at 2 ranks.
+
+_FSDP_CFG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2)
+
+
+def _fsdp_body(rank, world, path):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = _model(100 + rank, **_FSDP_CFG)  # each rank other weights: none may survive
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sd = get_model_state_dict(model)
+    assert all(isinstance(v, DTensor) for v in sd.values())
+    needed = sum(v.to_local().numel() * v.element_size() for v in sd.values())
+    res = distckpt.load(sd, path)
+    from safetensors.torch import load_file
+    want = load_file(os.path.join(path, "model.safetensors"))
+    full = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+    exact = sorted(k for k in want if _bits_equal(full[k], want[k]))
+    return {"bytes_read": res.bytes_read, "needed": needed, "exact": exact, "keys": sorted(want),
+            "unexpected": res.unexpected}
+
+
+def test_fsdp2_two_ranks_each_reads_its_own_ranges(tmp_path):
+    path = str(tmp_path / "hf")
+    _model(0, **_FSDP_CFG).save_pretrained(path)
+    data = os.path.getsize(os.path.join(path, "model.safetensors"))
+    results = run_ranks(_fsdp_body, 2, path, timeout=300)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: read {r['bytes_read']} bytes for {r['needed']} needed of {data}")
+        assert r["exact"] == r["keys"] and r["unexpected"] == []
+        # its own shards' bytes, plus alignment at both ends of each range: about half the file
+        assert r["needed"] <= r["bytes_read"] <= 0.6 * data, r
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile directories.
+
+
+def _write(path: str, header: dict | bytes, data: bytes, length: int | None = None) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+
+
+def _entry(dtype="F32", shape=(2, 2), offs=(0, 16)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offs)}
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("huge header length", CheckpointCorruptError, "header length"),
+    ("header past EOF", DataFileTruncatedError, "header of"),
+    ("offsets past EOF", DataFileTruncatedError, "past the end"),
+    ("overlapping", CheckpointCorruptError, "overlaps"),
+    ("gap", CheckpointCorruptError, "gap"),
+    ("trailing bytes", CheckpointCorruptError, "belong to no tensor"),
+    ("bad dtype", CheckpointCorruptError, "not a safetensors dtype"),
+    ("sub-byte dtype", UnsupportedValueError, "sub-byte"),
+    ("size mismatch", CheckpointCorruptError, "needs 16"),
+    ("negative shape", CheckpointCorruptError, "non-negative"),
+    ("bool shape", CheckpointCorruptError, "non-negative"),
+    ("reversed offsets", CheckpointCorruptError, "begin <= end"),
+    ("not json", CheckpointCorruptError, "JSON"),
+    ("json list", CheckpointCorruptError, "JSON object"),
+    ("duplicate key", CheckpointCorruptError, "twice"),
+    ("extra field", CheckpointCorruptError, "exactly"),
+    ("bad metadata", CheckpointCorruptError, "__metadata__"),
+    ("short file", DataFileTruncatedError, "too short"),
+])
+def test_hostile_header_is_a_typed_error(tmp_path, case, error, match):
+    p = str(tmp_path / "model.safetensors")
+    data = bytes(range(16))
+    if case == "huge header length":
+        _write(p, {"a": _entry()}, data, length=1 << 40)
+    elif case == "header past EOF":
+        _write(p, {"a": _entry()}, data, length=4096)
+    elif case == "offsets past EOF":
+        _write(p, {"a": _entry(shape=(1 << 20,), offs=(0, 4 << 20))}, data)
+    elif case == "overlapping":
+        _write(p, {"a": _entry(shape=(2,), offs=(0, 8)), "b": _entry(shape=(2,), offs=(4, 12)),
+                   "c": _entry(shape=(1,), offs=(12, 16))}, data)
+    elif case == "gap":
+        _write(p, {"a": _entry(shape=(2,), offs=(0, 8)), "b": _entry(shape=(1,), offs=(12, 16))}, data)
+    elif case == "trailing bytes":
+        _write(p, {"a": _entry(shape=(2,), offs=(0, 8))}, data)
+    elif case == "bad dtype":
+        _write(p, {"a": _entry(dtype="F99")}, data)
+    elif case == "sub-byte dtype":
+        _write(p, {"a": _entry(dtype="F4", shape=(32,))}, data)
+    elif case == "size mismatch":
+        _write(p, {"a": _entry(shape=(2, 2), offs=(0, 12)), "b": _entry(shape=(1,), offs=(12, 16))}, data)
+    elif case == "negative shape":
+        _write(p, {"a": _entry(shape=(-2, -2))}, data)
+    elif case == "bool shape":
+        _write(p, {"a": {"dtype": "U8", "shape": [True], "data_offsets": [0, 16]}}, data)
+    elif case == "reversed offsets":
+        _write(p, {"a": _entry(offs=(16, 0))}, data)
+    elif case == "not json":
+        _write(p, b"{not json at all}", data)
+    elif case == "json list":
+        _write(p, b"[1, 2]", data)
+    elif case == "duplicate key":
+        _write(p, b'{"a": ' + json.dumps(_entry()).encode() + b', "a": ' + json.dumps(_entry()).encode() + b"}", data)
+    elif case == "extra field":
+        _write(p, {"a": dict(_entry(), code="import os")}, data)
+    elif case == "bad metadata":
+        _write(p, {"__metadata__": {"format": 1}, "a": _entry()}, data)
+    elif case == "short file":
+        with open(p, "wb") as f:
+            f.write(b"\x01\x02")
+    with pytest.raises(error, match=match):
+        distckpt.read(str(tmp_path))
+    with pytest.raises(error, match=match):  # load goes through the same checks, before any read
+        distckpt.load({"a": torch.zeros(2, 2)}, str(tmp_path), no_dist=True)
+
+
+def test_hostile_index_is_a_typed_error(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2), "b": torch.zeros(3)}, str(tmp_path / "part-1.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+
+    def check(weight_map, error, match, raw=None):
+        index.write_text(raw if raw is not None else json.dumps({"metadata": {}, "weight_map": weight_map}))
+        with pytest.raises(error, match=match):
+            distckpt.read(str(tmp_path))
+
+    check({"a": "../part-1.safetensors"}, CheckpointCorruptError, "plain file name")
+    check({"a": "/etc/passwd"}, CheckpointCorruptError, "plain file name")
+    check({"a": "missing.safetensors"}, DataFileMissingError, "missing")
+    check({"a": "part-1.safetensors", "c": "part-1.safetensors"}, CheckpointCorruptError, "no file has it")
+    check({}, CheckpointCorruptError, "weight_map", raw="[]")
+    # a symlinked shard (the hub cache's layout) is refused, not followed
+    os.symlink("part-1.safetensors", str(tmp_path / "link.safetensors"))
+    check({"a": "link.safetensors"}, UnsupportedValueError, "symlink")
+    index.write_text(json.dumps({"weight_map": {"a": "part-1.safetensors", "b": "part-1.safetensors"}}))
+    got = distckpt.read(str(tmp_path))
+    assert torch.equal(got["a"], torch.ones(2)) and torch.equal(got["b"], torch.zeros(3))
+
+
+def test_same_name_in_two_shards_is_corrupt(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "s1.safetensors"))
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "s2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    with pytest.raises(CheckpointCorruptError, match="in both"):
+        distckpt.read(str(tmp_path))
