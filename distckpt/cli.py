@@ -215,10 +215,10 @@ def _print_inspect(doc: dict) -> None:
 
 def _cmd_inspect(args) -> int:
     from . import manifest as mf
-    from .locate import check_checkpoint_dir
+    from .locate import check_checkpoint_dir, checkpoint_path
 
-    from .storage import is_url, normalize_path
-    path = normalize_path(args.path)
+    from .storage import is_url
+    path = checkpoint_path(args.path)  # a MANIFEST file stands for its directory, as in verify
     if is_url(path):  # an object store: credentials and endpoint from the AWS_* variables
         from .restore import load_manifest
         m = load_manifest(path)
@@ -256,7 +256,9 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
+    from .locate import checkpoint_path
     from .storage import is_url
+    args.path = checkpoint_path(args.path)  # a MANIFEST file stands for its directory
     if not is_url(args.path) and os.path.isfile(os.path.join(args.path, ".metadata")):
         from .dcp import is_dcp_checkpoint
         if is_dcp_checkpoint(args.path):  # DCP writes no checksums: say what was checked, no more

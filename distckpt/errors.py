@@ -555,10 +555,20 @@ def _path_problem(code: int, path: str, message: str) -> tuple[str, str]:
         blocker = probe if os.path.lexists(probe) and not os.path.isdir(probe) else None
         if blocker is None:  # stat could not tell: name the parent
             blocker = os.path.dirname(path)
+        parent = os.path.dirname(blocker)
+        if os.path.basename(blocker) == "MANIFEST" or os.path.isfile(os.path.join(parent, "MANIFEST")):
+            # A file of a committed checkpoint: moving it would un-commit the checkpoint.
+            return (f"{message}: {blocker} is a file of the checkpoint {parent}, not a directory",
+                    f"Pass the checkpoint directory {parent} itself, not a path under one of its files.")
         return (f"{message}: {blocker} is a file, not a directory, so nothing can exist under it",
                 f"Choose a path whose every parent is a directory (or move the file {blocker} away).")
     if code == _errno.EEXIST:
         kind = "a file" if os.path.isfile(path) else "a symlink" if os.path.islink(path) else "something"
+        parent = os.path.dirname(path)
+        if os.path.basename(path) == "MANIFEST" or os.path.isfile(os.path.join(parent, "MANIFEST")):
+            # A file of a committed checkpoint: removing it would un-commit (or damage) the checkpoint.
+            return (f"{message}: {path} already exists and is {kind} of the checkpoint {parent}",
+                    f"Choose a path outside the checkpoint {parent}.")
         return (f"{message}: {path} already exists and is {kind}, not a directory",
                 f"Choose another path, or remove {path} if it is not needed.")
     if code == _errno.ENOENT:

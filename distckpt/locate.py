@@ -21,7 +21,7 @@ from .errors import CheckpointIncompleteError, CheckpointNotFoundError
 from .hf import hf_files
 from .manifest import MAGIC, MANIFEST_NAME
 
-__all__ = ["check_checkpoint_dir"]
+__all__ = ["check_checkpoint_dir", "checkpoint_path"]
 
 # The save protocol's hidden directories (distckpt.coordinator.TMP_RE; a test checks they agree).
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
@@ -155,6 +155,25 @@ def _describe_dir(path: str) -> Exception | None:
     return CheckpointNotFoundError(
         f"{path} is not a distckpt checkpoint: it has no {MANIFEST_NAME} (it holds {shown})",
         path=path, found="other files", remedy=remedy)
+
+
+def checkpoint_path(path: str | os.PathLike) -> str:
+    """The canonical path of the checkpoint a reader was given (``storage.normalize_path``), where
+    a path to a checkpoint's MANIFEST file (a regular file named MANIFEST that starts with the
+    MANIFEST magic) stands for its directory: load, read, verify and inspect accept either, so
+    nobody is ever told to move a MANIFEST (which would un-commit the checkpoint). Never raises
+    for a path that does not exist (the callers say what is there)."""
+    from .storage import is_url, normalize_path
+    path = normalize_path(path)
+    if is_url(path) or os.path.basename(path) != MANIFEST_NAME:
+        return path
+    try:
+        st = os.lstat(path)  # a symlink named MANIFEST is not followed (the MANIFEST open refuses it)
+    except OSError:
+        return path
+    if stat.S_ISREG(st.st_mode) and _head(path).startswith(MAGIC):
+        return os.path.dirname(path)
+    return path
 
 
 def check_checkpoint_dir(path: str | os.PathLike) -> None:

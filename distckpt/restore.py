@@ -38,7 +38,7 @@ from .errors import (CheckpointCorruptError, CheckpointIncompleteError, Checkpoi
                      CheckpointRemovedError, ConfigError, DataFileMissingError,
                      DistCkptError, PickleNotAllowedError, ReshardError,
                      StateDictMismatchError, StorageError, fill_rank, from_os_error)
-from .locate import check_checkpoint_dir
+from .locate import check_checkpoint_dir, checkpoint_path
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
 from .values import decode_value
 from .plan import Box, plan_reads
@@ -176,7 +176,7 @@ def load_manifest(path: str, storage_options: dict | None = None) -> "mf.Manifes
         CheckpointIncompleteError: ``path`` is a save's tmp directory or has no MANIFEST.
         ManifestCorruptError: MANIFEST is damaged or describes an impossible layout.
     """
-    path = normalize_path(path)
+    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
     if is_url(path):
         return open_store(path, storage_options).load_manifest(path)
     _check_committed(path)
@@ -596,7 +596,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         return means every tensor holds the checkpoint.
     """
     t0 = time.monotonic()
-    path = normalize_path(path)
+    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
@@ -669,7 +669,7 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
     ManifestCorruptError / DataFileTruncatedError, never an allocation of its claimed size.
     ``path`` may be an fsspec URL (``storage_options`` as :func:`distckpt.save`).
     """
-    path = normalize_path(path)
+    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
     if is_url(path):
         store = open_store(path, storage_options)
         try:

@@ -336,9 +336,10 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     """
     if window < 4096 or window % 4096:
         raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")
-    from .storage import is_url, normalize_path
+    from .locate import checkpoint_path
+    from .storage import is_url
 
-    path = normalize_path(path)
+    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
     chain = [] if is_url(path) else _chain(path)  # chains are local (distckpt.incremental)
     report = _verify_one(path, window, progress, on_start, storage_options, chain)
     for link in chain[1:]:
