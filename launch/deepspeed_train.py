@@ -20,6 +20,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# DeepSpeed JIT-compiles its CPU ops at start-up: into this interpreter's venv unless told otherwise,
+# not into the user-wide cache that every venv of the machine rebuilds with its own flags.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 def main() -> None:
@@ -54,12 +57,14 @@ def main() -> None:
 
     dsd.install(engine, keep_last=args.keep_last)  # <- the one line distckpt adds
 
-    path, client = engine.load_checkpoint(args.ckpt)  # None, None on a fresh start
+    # (path of the model-states file loaded, client_state), as DeepSpeed's; None, None on a fresh start
+    path, client = engine.load_checkpoint(args.ckpt)
     start = 0
     if path is not None:
         start = client["step"]
         if rank == 0:
-            print(f"resumed from {path} at step {start} (saved by {client['world']} ranks, now {world})", flush=True)
+            print(f"resumed from {os.path.dirname(path)} at step {start} (saved by {client['world']} ranks, "
+                  f"now {world})", flush=True)
     for step in range(start + 1, args.steps + 1):
         if args.kill_at == step and rank == 0:
             print(f"killing rank 0 at step {step}", flush=True)

@@ -13,11 +13,15 @@ Phases (results go to OUT/<phase>.rank<R>.pt, read back with torch.load(weights_
                      file is written, before the commit): the launch dies there
     afterkill        load `latest` of the kill directory: must be "good", bit-exact
     reshard:<cfg>    load "s3" of train:<cfg> at this launch's world size
+    native:<cfg>     DeepSpeed's own checkpoint engine and distckpt's side by side: one engine saves
+                     "s3" through both, then fresh engines load each with every option set of
+                     LOAD_OPTIONS; what load_checkpoint returns and every state it sets, compared
 <cfg> is "<zero stage>-<fp32|bf16>".
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -26,6 +30,13 @@ import sys
 import torch
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
+# load_checkpoint options of the native:<cfg> phase (DeepSpeed's defaults first)
+LOAD_OPTIONS = {
+    "default": {},
+    "module_only": {"load_module_only": True},
+    "no_optimizer": {"load_optimizer_states": False},
+    "no_optimizer_no_scheduler": {"load_optimizer_states": False, "load_lr_scheduler_states": False},
+}
 
 
 def _model() -> torch.nn.Module:
@@ -106,6 +117,33 @@ def _state(engine) -> dict:
     for n, b in engine.module.named_buffers():
         out[f"buffer.{n}"] = b.detach().clone()
     return out
+
+
+def _differences(a, b, where: str = "") -> list[str]:
+    """Where two values DeepSpeed returned differ: nested dicts, sequences, tensors (dtype, shape,
+    bits), objects by class and attributes (loss scalers, dataclasses, enums), else ==."""
+    out = []
+    if type(a) is collections.OrderedDict and type(b) is dict:
+        # distckpt stores no class: DeepSpeed's OrderedDicts come back as dicts, keys in order
+        if list(a) != [k for k in b if k in a]:
+            out.append(f"{where}: keys in another order")
+    elif type(a) is not type(b):
+        return [f"{where}: {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, dict):
+        out += [f"{where}.{k}: only in {'the first' if k in a else 'the second'}" for k in sorted(a.keys() ^ b.keys(), key=str)]
+        for k in a.keys() & b.keys():
+            out += _differences(a[k], b[k], f"{where}.{k}")
+        return out
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [f"{where}: tensors differ"]
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return _differences(vars(a), vars(b), f"{where}<{type(a).__name__}>")
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
 def _dump(out_dir: str, phase: str, data: dict) -> None:
@@ -217,10 +255,10 @@ def enospc(out: str) -> None:
     engine2 = _engine("2-fp32")
     dsd.install(engine2)
     try:
-        engine2.load_checkpoint(root, load_module_only=True)
-        refused["load_module_only"] = None
+        engine2.load_checkpoint(root, custom_load_fn=lambda src, dst: None)
+        refused["custom_load_fn"] = None
     except Exception as exc:  # noqa: BLE001 - the test checks its class
-        refused["load_module_only"] = [c.__name__ for c in type(exc).__mro__]
+        refused["custom_load_fn"] = [c.__name__ for c in type(exc).__mro__]
     # A rank whose checks fail alone (here rank 1 asks for a tag that does not exist) must not
     # leave the others inside DeepSpeed's collectives: every rank raises, typed, at once.
     try:
@@ -300,9 +338,69 @@ def reshard(out: str, cfg: str) -> None:
     _dump(out, f"reshard:{cfg}", {"loaded": loaded, "after": after, "compare": differ})
 
 
+def native(out: str, cfg: str) -> None:
+    import distckpt.integrations.deepspeed as dsd
+    engine = _engine(cfg)
+    for s in range(1, STEPS_BEFORE + 1):
+        _step(engine, s)
+    dirs = {"native": os.path.join(out, f"native_{cfg}", "ds"), "distckpt": os.path.join(out, f"native_{cfg}", "dc")}
+    client = {"epoch": 7, "note": "s3", "sizes": (1, 2), "rng": torch.get_rng_state()}
+    engine.save_checkpoint(dirs["native"], "s3", client_state=client)  # DeepSpeed's own engine
+    dsd.install(engine)
+    engine.save_checkpoint(dirs["distckpt"], "s3", client_state=client)  # the same state, through distckpt
+    saved = _state(engine)
+    stage3 = engine.zero_optimization_stage() == 3
+    results, fresh = {}, None
+    for name, opts in LOAD_OPTIONS.items():
+        got = {}
+        for kind in ("native", "distckpt"):
+            e = _engine(cfg)
+            if fresh is None:
+                fresh = _state(e)
+            ds_opts = dict(opts)
+            if kind == "distckpt":
+                dsd.install(e)
+            elif stage3 and opts.get("load_module_only"):
+                # DeepSpeed's ZeRO-3 reads the weights only without optimizer states (see
+                # module_only_zero3 below); distckpt's load_module_only reads them (documented)
+                ds_opts["load_optimizer_states"] = False
+            path, client_state = e.load_checkpoint(dirs[kind], **ds_opts)
+            if ds_opts != opts:
+                client_state.pop("optimizer")  # what DeepSpeed's module-only load leaves out
+            got[kind] = {"path": os.path.relpath(path, dirs[kind]), "client": client_state, "state": _state(e),
+                         "scheduler": e.lr_scheduler.state_dict(), "skipped_steps": e.skipped_steps,
+                         "loaded_dp": e.loaded_checkpoint_dp_world_size, "loaded_mp": e.loaded_checkpoint_mp_world_size,
+                         "after": [_step(e, s) for s in range(STEPS_BEFORE + 1, STEPS_BEFORE + STEPS_AFTER + 1)]}
+            got[kind]["final"] = _state(e)
+        ours = got["distckpt"]
+        results[name] = {"differ": _differences(got["native"], ours), "path": ours["path"], "state": ours["state"],
+                         "scheduler": json.dumps(ours["scheduler"]), "client_keys": sorted(ours["client"]),
+                         "client": {k: ours["client"][k] for k in ("epoch", "note", "sizes")}}
+    module_only_zero3 = None
+    if stage3:
+        # DeepSpeed's own ZeRO-3 load_module_only (optimizer states left at their default): no weight
+        # is loaded, its model-states file holds placeholders
+        e = _engine(cfg)
+        e.load_checkpoint(dirs["native"], load_module_only=True)
+        module_only_zero3 = {k: v for k, v in _state(e).items() if k.startswith("param.")}
+    _dump(out, f"native:{cfg}", {"saved": saved, "fresh": fresh, "results": results,
+                                 "module_only_zero3": module_only_zero3})
+
+
+def _without_shm_op() -> None:
+    """Skip DeepSpeed's shared-memory all-reduce op, which its CPU backend JIT-compiles (or, built,
+    re-checks under a lock shared by every process of the machine) at start-up: every collective
+    of these tests runs over gloo. DeepSpeed 0.19.8 builds it only when its table of compatible
+    ops (deepspeed.ops.__compatible_ops__, probed once per process) says it can."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
 def main() -> None:
     import deepspeed
     out, phases = sys.argv[1], sys.argv[2:]
+    _without_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     for phase in phases:

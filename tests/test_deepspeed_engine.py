@@ -1,23 +1,27 @@
 """distckpt as DeepSpeed's checkpoint engine (distckpt.integrations.deepspeed.install), with real
 DeepSpeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) under torchrun; no mocks.
 
-Three torchrun launches (tests/_deepspeed_worker.py) cover every check, so DeepSpeed's start-up is
-paid three times:
-  1. 2 ranks: for ZeRO stages 0, 1, 2, 3 (fp32 and bf16 mixed; stage 3 with every parameter
-     partitioned): train 3 steps, save through engine.save_checkpoint, train 2 more. Then 200
-     saves with keep_last=3 on a tmpfs; ENOSPC on a small tmpfs; finally rank 1 is SIGKILLed
-     inside a save (its data file written, the commit not reached), which ends the launch.
-  2. 2 new ranks: engine.load_checkpoint of each stage's checkpoint and the same 2 steps: losses,
-     parameters, master weights and Adam state identical to the run that never stopped; the
-     killed save's directory loads its previous tag.
-  3. 3 ranks: a checkpoint saved at 2 ranks, loaded through the engine at 3.
+Five torchrun launches (tests/_deepspeed_worker.py), each a fixture or test of its own:
+  1. `trained`, 2 ranks: for ZeRO stages 0, 1, 2, 3 (fp32 and bf16 mixed; stage 3 with every
+     parameter partitioned): train 3 steps, save through engine.save_checkpoint, train 2 more.
+     Then 200 saves with keep_last=3 on a tmpfs; ENOSPC on a small tmpfs; finally rank 1 is
+     SIGKILLed inside a save (its data file written, the commit not reached), which ends the launch.
+  2. `resumed`, 2 new ranks: engine.load_checkpoint of each stage's checkpoint and the same 2
+     steps: losses, parameters, master weights and Adam state identical to the run that never
+     stopped; the killed save's directory loads its previous tag.
+  3. `resharded`, 3 ranks: a checkpoint saved at 2 ranks, loaded through the engine at 3.
+  4-5. DeepSpeed's own checkpoint engine and distckpt's side by side, every load option.
+pytest-timeout's limit covers a test's fixture set-up too: the tests are ordered so that each pays
+for one launch at most, and every launch has its own, shorter, time limit (LAUNCH_TIMEOUT_S).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -33,20 +37,46 @@ if importlib.util.find_spec("deepspeed") is None:  # only the torchrun children 
 WORKER = os.path.join(os.path.dirname(__file__), "_deepspeed_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["0-bf16", "1-fp32", "2-bf16", "3-fp32", "3-bf16"]
+STEPS_BEFORE = 3  # training steps before the save, in every phase of the worker
 RESHARD = ["1-fp32", "2-bf16", "3-fp32"]
 ENOSPC_TMPFS = "4m"
 BALLAST_ELEMS = 2 << 20  # 8 MiB of client_state: the second save cannot fit the 4 MiB tmpfs
+# The longest launch takes about 2 minutes on an idle 2-core machine; 3x that still passes, and the
+# limit leaves room under pytest's 600 s for the test's own checks.
+LAUNCH_TIMEOUT_S = 480
+# Side by side with DeepSpeed's own engine (tests/_deepspeed_worker.py native:<cfg>), two launches
+# the ENOSPC must come from the data write itself, not from the pre-flight space check
+RUN_ENV = {"DISTCKPT_PREFLIGHT": "0", "DISTCKPT_TIMEOUT_S": "60"}
+NATIVE_GROUPS = [["0-bf16", "2-bf16"], ["1-fp32", "3-bf16"]]
 
 
-def _torchrun(n: int, out: str, phases: list[str], env: dict, timeout: float = 420) -> subprocess.CompletedProcess:
+def _torchrun(n: int, out: str, phases: list[str], env: dict | None = None,
+              timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run the worker's ``phases`` on ``n`` ranks; its output goes to ``out/launch<n>-<phase>.log``.
+
+    Fails the test (the whole torchrun process group killed) when the launch runs past ``timeout``,
+    and when DeepSpeed built or loaded its shm op (the workers skip it: see _without_shm_op)."""
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}
+                "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(n),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER, out, *phases]
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    with open(os.path.join(out, f"launch{n}-{phases[0].replace(':', '_')}.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    return proc
+    log = os.path.join(out, f"launch{n}-{phases[0].replace(':', '_')}.log")
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the ranks too
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        with open(log, "w") as f:
+            f.write(stdout + stderr)
+        pytest.fail(f"torchrun of {phases} on {n} ranks did not finish within {timeout} s (killed); "
+                    f"last output:\n{_tail(subprocess.CompletedProcess(cmd, -9, stdout, stderr))}")
+    with open(log, "w") as f:
+        f.write(stdout + stderr)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert "deepspeed_shm_comm" not in stdout + stderr, f"the launch built DeepSpeed's shm op:\n{_tail(done)}"
+    return done
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
@@ -55,26 +85,42 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def trained(tmp_path_factory):
+    """Launch 1 (see the module docstring); the output directory."""
     require_root("mounting the tmpfs file systems of the rotation and ENOSPC checks")
     out = str(tmp_path_factory.mktemp("deepspeed"))
     rot, nospace = os.path.join(out, "rotate"), os.path.join(out, "enospc")
-    env = {"OUT_ROTATE": rot, "OUT_ENOSPC": nospace, "BALLAST_ELEMS": str(BALLAST_ELEMS),
-           # the ENOSPC must come from the data write itself, not from the pre-flight space check
-           "DISTCKPT_PREFLIGHT": "0", "DISTCKPT_TIMEOUT_S": "60"}
+    env = {"OUT_ROTATE": rot, "OUT_ENOSPC": nospace, "BALLAST_ELEMS": str(BALLAST_ELEMS), **RUN_ENV}
     with tmpfs_mount(rot, size="16m"), tmpfs_mount(nospace, size=ENOSPC_TMPFS):
         first = _torchrun(2, out, [f"train:{c}" for c in CONFIGS] + ["rotate", "enospc", "kill"], env)
     # The kill phase ends the first launch: rank 1 dies by SIGKILL, torchrun stops rank 0.
     assert first.returncode != 0 and os.path.exists(os.path.join(out, "kill.rank0.pt")), _tail(first)
-    second = _torchrun(2, out, [f"resume:{c}" for c in CONFIGS] + ["afterkill"], env)
-    assert second.returncode == 0, _tail(second)
-    third = _torchrun(3, out, [f"reshard:{c}" for c in RESHARD], env)
-    assert third.returncode == 0, _tail(third)
     return out
+
+
+@pytest.fixture(scope="module")
+def resumed(trained):
+    """Launch 2: new ranks load what launch 1 saved."""
+    second = _torchrun(2, trained, [f"resume:{c}" for c in CONFIGS] + ["afterkill"], RUN_ENV)
+    assert second.returncode == 0, _tail(second)
+    return trained
+
+
+@pytest.fixture(scope="module")
+def resharded(trained):
+    """Launch 3: 3 ranks load what launch 1 saved at 2."""
+    third = _torchrun(3, trained, [f"reshard:{c}" for c in RESHARD], RUN_ENV)
+    assert third.returncode == 0, _tail(third)
+    return trained
 
 
 def _load(out: str, phase: str, rank: int) -> dict:
     return torch.load(os.path.join(out, f"{phase.replace(':', '_')}.rank{rank}.pt"), weights_only=True)
+
+
+def _model_states(cfg: str, rank: int) -> str:
+    """DeepSpeed's model-states file name of ``rank`` (ZeRO-3: one per rank)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if cfg.startswith("3-") else "mp_rank_00_model_states.pt"
 
 
 def _assert_same(a: dict, b: dict, what: str) -> None:
@@ -86,15 +132,55 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
             assert a[k] == b[k], f"{what}: {k}: {a[k]!r} != {b[k]!r}"
 
 
+def test_200_saves_keep_last_3_free_space_and_fds(trained):
+    runs = trained
+    r = _load(runs, "rotate", 0)
+    assert r["listing"] == ["latest", "t198", "t199", "t200"], r["listing"]
+    assert r["latest"] == "t200"
+    assert r["grew"] == [], f"used space grew beyond the plateau after save 3: {r['grew'][:5]}"
+    for rank in (0, 1):
+        r = _load(runs, "rotate", rank)
+        assert r["leaked"] == "{}", r["leaked"]
+        assert r["deleted"] == [], r["deleted"]
+
+
+def test_enospc_mid_save_is_typed_on_every_rank_and_keeps_the_previous_tag(trained):
+    runs = trained
+    for rank in (0, 1):
+        r = _load(runs, "enospc", rank)
+        err = r["error"]
+        assert err is not None, "the save that cannot fit returned normally"
+        assert "DistCkptError" in err["mro"], err
+        assert err["cls"] in ("DiskFullError", "RankFailureError"), err
+        if err["cls"] == "RankFailureError":
+            assert "DiskFullError" in err["failures"], err
+        assert r["latest"] == "good"
+        assert "big" not in r["listing"] and "good" in r["listing"], r["listing"]
+        assert r["loaded_path"] == os.path.join(runs, "enospc", "good", "mp_rank_00_model_states.pt")
+        _assert_same(r["good"], r["reloaded"], f"rank {rank}: previous tag after ENOSPC")
+        assert r["new_fds"] == "{}", r["new_fds"]
+        refused = r["refused"]
+        assert "UnsupportedValueError" in refused["object"], refused
+        assert "ConfigError" in refused["tag"] and "ConfigError" in refused["custom_load_fn"], refused
+        # Only rank 1's tag is missing: every rank raises its class (errors.collective_error), so
+        # `except FileNotFoundError` catches it, with rank 1's error in ``failures``.
+        assert refused["one_rank_missing"][0] == "CheckpointNotFoundError", refused
+        assert "FileNotFoundError" in refused["one_rank_missing"], refused
+        assert not any(n in ("obj", "evil") for n in r["listing_after"]), r["listing_after"]
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
-def test_resume_is_identical_to_the_uninterrupted_run(runs, cfg):
+def test_resume_is_identical_to_the_uninterrupted_run(resumed, cfg):
+    runs = resumed
     for rank in (0, 1):
         train, resume = _load(runs, f"train:{cfg}", rank), _load(runs, f"resume:{cfg}", rank)
         # One distckpt checkpoint per tag: MANIFEST + one data file per rank, no .pt pickle files,
         # and `latest` beside it (DeepSpeed's zero_to_fp32.py copies are not written).
         assert train["files"] == ["latest", "s3"]
         assert train["tag_files"] == ["MANIFEST", "rank00000.bin", "rank00001.bin"]
-        assert resume["path"] == os.path.join(runs, f"ckpt_{cfg}", "s3")
+        # what DeepSpeed returns: the path of the model-states file this rank loaded (in the tag
+        # directory; its contents are the checkpoint's files.<name> subtree)
+        assert resume["path"] == os.path.join(runs, f"ckpt_{cfg}", "s3", _model_states(cfg, rank))
         _assert_same(train["saved"], resume["loaded"], f"{cfg} rank {rank}: state after load")
         assert resume["after"] == train["after"], f"{cfg} rank {rank}: losses after resume"
         _assert_same(train["final"], resume["final"], f"{cfg} rank {rank}: state after 2 more steps")
@@ -107,51 +193,18 @@ def test_resume_is_identical_to_the_uninterrupted_run(runs, cfg):
         assert any(k.endswith(".exp_avg_sq") for k in train["saved"]), sorted(train["saved"])
 
 
-def test_200_saves_keep_last_3_free_space_and_fds(runs):
-    r = _load(runs, "rotate", 0)
-    assert r["listing"] == ["latest", "t198", "t199", "t200"], r["listing"]
-    assert r["latest"] == "t200"
-    assert r["grew"] == [], f"used space grew beyond the plateau after save 3: {r['grew'][:5]}"
-    for rank in (0, 1):
-        r = _load(runs, "rotate", rank)
-        assert r["leaked"] == "{}", r["leaked"]
-        assert r["deleted"] == [], r["deleted"]
-
-
-def test_enospc_mid_save_is_typed_on_every_rank_and_keeps_the_previous_tag(runs):
-    for rank in (0, 1):
-        r = _load(runs, "enospc", rank)
-        err = r["error"]
-        assert err is not None, "the save that cannot fit returned normally"
-        assert "DistCkptError" in err["mro"], err
-        assert err["cls"] in ("DiskFullError", "RankFailureError"), err
-        if err["cls"] == "RankFailureError":
-            assert "DiskFullError" in err["failures"], err
-        assert r["latest"] == "good"
-        assert "big" not in r["listing"] and "good" in r["listing"], r["listing"]
-        assert r["loaded_path"].endswith("/good")
-        _assert_same(r["good"], r["reloaded"], f"rank {rank}: previous tag after ENOSPC")
-        assert r["new_fds"] == "{}", r["new_fds"]
-        refused = r["refused"]
-        assert "UnsupportedValueError" in refused["object"], refused
-        assert "ConfigError" in refused["tag"] and "ConfigError" in refused["load_module_only"], refused
-        # Only rank 1's tag is missing: every rank raises its class (errors.collective_error), so
-        # `except FileNotFoundError` catches it, with rank 1's error in ``failures``.
-        assert refused["one_rank_missing"][0] == "CheckpointNotFoundError", refused
-        assert "FileNotFoundError" in refused["one_rank_missing"], refused
-        assert not any(n in ("obj", "evil") for n in r["listing_after"]), r["listing_after"]
-
-
-def test_rank_killed_mid_save_leaves_the_previous_tag_loadable(runs):
+def test_rank_killed_mid_save_leaves_the_previous_tag_loadable(resumed):
+    runs = resumed
     for rank in (0, 1):
         r = _load(runs, "afterkill", rank)
-        assert r["path"] == os.path.join(runs, "ckpt_kill", "good")
+        assert r["path"] == os.path.join(runs, "ckpt_kill", "good", "mp_rank_00_model_states.pt")
         assert "doomed" not in r["listing"], r["listing"]
         assert r["listing_after_save"] == ["again", "good", "latest"], r["listing_after_save"]
         _assert_same(_load(runs, "kill", rank)["good"], r["loaded"], f"rank {rank}: tag saved before the kill")
 
 
-def test_load_at_another_data_parallel_size(runs):
+def test_load_at_another_data_parallel_size(resharded):
+    runs = resharded
     """Saved at 2 ranks through the engine, loaded at 3 through the engine: the full parameters,
     and the fp32 masters and Adam state (written again from their 3-rank partitions and read
     whole) are bit-identical to the saved ones, and training goes on."""
@@ -164,6 +217,52 @@ def test_load_at_another_data_parallel_size(runs):
             assert all(map(math.isfinite, r["after"])), r["after"]
         cmp = _load(runs, f"reshard:{cfg}", 0)["compare"]
         assert cmp["keys"] > 0 and cmp["differ"] == [], cmp
+
+
+@pytest.mark.parametrize("group", NATIVE_GROUPS, ids=["+".join(g) for g in NATIVE_GROUPS])
+def test_load_checkpoint_returns_and_restores_what_deepspeeds_own_engine_does(tmp_path, group):
+    """One engine saves the same state through DeepSpeed's own checkpoint engine and through
+    distckpt's; fresh engines load each, with the defaults, load_module_only=True,
+    load_optimizer_states=False, and that plus load_lr_scheduler_states=False. For every option
+    set the two loads return the same (path relative to the save directory, so the same tag and
+    model-states file name; every client_state entry) and leave the same engine: parameters, fp32
+    masters, optimizer state, lr, global_steps, global_samples, skipped_steps, lr-scheduler state,
+    the loaded data-parallel size, and the losses and state of 2 more steps. At ZeRO-3 distckpt's
+    load_module_only is compared with DeepSpeed's load_module_only + load_optimizer_states=False,
+    the only way DeepSpeed 0.19.8 loads ZeRO-3 weights without the optimizer (checked below)."""
+    out = str(tmp_path)
+    proc = _torchrun(2, out, [f"native:{cfg}" for cfg in group])
+    assert proc.returncode == 0, _tail(proc)
+    for cfg in group:
+        for rank in (0, 1):
+            r = _load(out, f"native:{cfg}", rank)
+            saved, fresh, results = r["saved"], r["fresh"], r["results"]
+            params = sorted(k for k in saved if k.startswith("param."))
+            assert params and sorted(results) == ["default", "module_only", "no_optimizer", "no_optimizer_no_scheduler"]
+            for name, res in results.items():
+                assert res["differ"] == [], (cfg, rank, name, res["differ"][:10])
+                assert res["path"] == os.path.join("s3", _model_states(cfg, rank)), (cfg, name, res["path"])
+                assert res["client"] == {"epoch": 7, "note": "s3", "sizes": (1, 2)}, (cfg, name)
+                state = res["state"]
+                # the weights are the saved ones with every option
+                _assert_same({k: saved[k] for k in params}, {k: state[k] for k in params}, f"{cfg} {name} weights")
+                sched = json.loads(res["scheduler"])["last_batch_iteration"]
+                optim_keys = sorted(k for k in state if k.startswith("optim."))
+                if name == "default":
+                    _assert_same(saved, state, f"{cfg} rank {rank}: default load")
+                    assert sched == STEPS_BEFORE - 1
+                else:  # no optimizer state restored: the fresh engine's (stage 0 bf16: a warm-up step's)
+                    fresh_optim = {k: v for k, v in fresh.items() if k.startswith("optim.")}
+                    _assert_same(fresh_optim, {k: state[k] for k in optim_keys}, f"{cfg} {name} optimizer state")
+                if name == "module_only":  # weights only: step counters and scheduler not restored
+                    assert state["global_steps"] == fresh["global_steps"] == 0 and sched == -1, (cfg, state["global_steps"])
+                    assert "global_steps" in res["client_keys"]  # DeepSpeed returns them in client_state
+                elif name != "default":
+                    assert state["global_steps"] == saved["global_steps"] == STEPS_BEFORE
+                    assert sched == (STEPS_BEFORE - 1 if name == "no_optimizer" else -1), (cfg, name, sched)
+            if cfg.startswith("3-"):
+                # DeepSpeed's own ZeRO-3 load_module_only (optimizer states left on) loads no weight
+                _assert_same({k: fresh[k] for k in params}, r["module_only_zero3"], f"{cfg}: DeepSpeed's module-only")
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

@@ -47,15 +47,27 @@ model-states file lookup (a glob on disk) and the ZeRO optimizer load):
 Load: ``engine.load_checkpoint(dir, tag)`` runs DeepSpeed's own load logic; the files it asks for
 are served from the checkpoint (each rank reads only the subtrees it asks for), and its ZeRO
 optimizer load is replaced by :func:`.zero.load` (any data-parallel size) plus DeepSpeed's own
-restore of the optimizer's plain values. Options DeepSpeed offers that this engine does not serve
-(``load_module_only``, ``custom_load_fn``, ``load_optimizer_states=False``, universal checkpoints,
-MoE, pipeline or model parallelism, NVMe offload, node-local storage) raise ConfigError up front:
-never a half-served load. Another ZeRO stage than the saved one raises ReshardError (the
-standalone :func:`.zero.load` has ``allow_stage_change``).
+restore of the optimizer's plain values. It returns what DeepSpeed returns: ``(load_path,
+client_state)``, ``load_path`` being ``load_dir/tag/<model-states file name>`` (e.g.
+``mp_rank_00_model_states.pt``; ZeRO-3: this rank's ``zero_pp_rank_R_mp_rank_00_model_states.pt``),
+the DeepSpeed file whose contents the checkpoint holds as ``files.<name>``: no such file exists,
+its dirname is the tag directory. ``load_module_only=True`` (weights only: no optimizer state, lr
+scheduler or step counters restored, the fp32 masters set from the loaded weights),
+``load_optimizer_states=False`` and ``load_lr_scheduler_states=False`` behave as DeepSpeed's,
+with the module weights read from the stored masters where DeepSpeed reads its model-states file
+or, at ZeRO-3 without optimizer states, ``zero_to_fp32``. Two differences: at ZeRO-3
+``load_module_only=True`` loads the weights (DeepSpeed 0.19.8 loads them only together with
+``load_optimizer_states=False``; otherwise its file holds placeholders and no weight is loaded),
+and a ZeRO-3 load without optimizer states reads the tag asked for (DeepSpeed reads the one
+``latest`` names). Options this engine does not serve (``custom_load_fn``, universal
+checkpoints, MoE, pipeline or model parallelism, NVMe offload, node-local storage) raise
+ConfigError up front: never a half-served load. Another ZeRO stage than the saved one raises
+ReshardError (the standalone :func:`.zero.load` has ``allow_stage_change``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -156,6 +168,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self.model_states_name: str | None = None
         self.load_meta: dict = {}
         self._masters: set[str] = set()
+        self._weights_from_masters = False
 
     # -- save ------------------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -256,11 +269,17 @@ class DistckptCheckpointEngine(CheckpointEngine):
         return False
 
     # -- load ------------------------------------------------------------------------------
-    def begin_load(self, path: str, names: list[str], meta: dict, masters: set[str]) -> None:
+    def begin_load(self, path: str, names: list[str], meta: dict, masters: set[str], *,
+                   weights_from_masters: bool = False) -> None:
+        """Serve ``path`` until :meth:`end_load`. ``weights_from_masters``: DeepSpeed's ZeRO
+        optimizer load will not run (``load_module_only``, ``load_optimizer_states=False``), so the
+        module weights stored only as fp32 masters are served, cast to the module's dtype."""
         self._load_path, self._load_names, self.load_meta, self._masters = path, names, meta, masters
+        self._weights_from_masters = weights_from_masters
 
     def end_load(self) -> None:
         self._load_path, self._load_names = None, []
+        self._weights_from_masters = False
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state DeepSpeed saved as ``path``, on CPU (every caller in DeepSpeed 0.19.8 maps to
@@ -275,16 +294,29 @@ class DistckptCheckpointEngine(CheckpointEngine):
             name = self._name(path, self._load_path)
         sd = _decode(read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name])
         if name.endswith("_model_states") and self.load_meta.get("module_from_masters"):
-            # The weights were stored once, as fp32 masters (see _state). DeepSpeed's module load
-            # gets the module's own tensors for them (a no-op copy); the ZeRO load that follows
-            # sets them from the loaded masters, as a step does. A weight without a saved master
-            # is not filled here: DeepSpeed's strict module load reports it.
+            # The weights were stored once, as fp32 masters (see _state). A weight without a saved
+            # master is not filled here: DeepSpeed's strict module load reports it.
             current = self.engine.module.state_dict()
             module = sd.setdefault("module", {})
-            for key in current:
-                if key not in module and key in self._masters:
+            wanted = [key for key in current if key not in module and key in self._masters]
+            if self._weights_from_masters:
+                # No ZeRO load follows: the module gets the masters cast to its dtype, which is
+                # what DeepSpeed's own file holds (it copies them so after every step).
+                masters = read(self._load_path, keys=[f"model.{key}" for key in wanted])["model"] if wanted else {}
+                for key in wanted:
+                    module[key] = masters[key].to(current[key].dtype)
+            else:
+                # DeepSpeed's module load gets the module's own tensors (a no-op copy); the ZeRO
+                # load that follows sets them from the loaded masters, as a step does.
+                for key in wanted:
                     module[key] = current[key]
         return sd
+
+    def consolidated_module(self) -> dict:
+        """The checkpoint's consolidated module state (``model.*``: fp32 masters, frozen
+        parameters and persistent buffers in the module's dtype): what DeepSpeed reads with
+        ``zero_to_fp32`` for a ZeRO-3 load without optimizer states."""
+        return read(self._load_path, keys=["model"])["model"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +418,33 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
     return tag, path, names, ds, masters
 
 
+@contextlib.contextmanager
+def _zero3_fp32_from(ce: DistckptCheckpointEngine, load_dir: Any):
+    """While it is entered, DeepSpeed's ZeRO-3 load without optimizer states gets the consolidated
+    module from the checkpoint being loaded instead of running ``zero_to_fp32`` on torch.save files.
+
+    DeepSpeed 0.19.8 calls ``get_fp32_state_dict_from_zero_checkpoint(load_dir)`` by its name in
+    ``deepspeed.runtime.engine`` (no engine method to replace), so that module attribute is
+    replaced for the duration of the load and restored after. Calls for any other directory go to
+    DeepSpeed's function. DeepSpeed reads the tag ``latest`` names there whatever tag was asked
+    for; this serves the tag being loaded.
+    """
+    import deepspeed.runtime.engine as ds_engine
+    original = ds_engine.get_fp32_state_dict_from_zero_checkpoint
+    target = os.path.abspath(os.fspath(load_dir))
+
+    def from_checkpoint(checkpoint_dir, *args, **kwargs):
+        if ce._load_path is None or os.path.abspath(os.fspath(checkpoint_dir)) != target:
+            return original(checkpoint_dir, *args, **kwargs)
+        return ce.consolidated_module()
+
+    ds_engine.get_fp32_state_dict_from_zero_checkpoint = from_checkpoint
+    try:
+        yield
+    finally:
+        ds_engine.get_fp32_state_dict_from_zero_checkpoint = original
+
+
 def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointEngine:
     """Route ``engine.save_checkpoint`` / ``engine.load_checkpoint`` through distckpt.
 
@@ -442,13 +501,10 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
     @functools.wraps(cls.load_checkpoint)
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        refused = [f"{k}={v!r}" for k, v, ok in (("load_module_only", load_module_only, False),
-                                                  ("custom_load_fn", custom_load_fn, None),
-                                                  ("load_optimizer_states", load_optimizer_states, True))
-                   if v != ok]
-        if refused:
-            raise ConfigError(f"load_checkpoint({', '.join(refused)}) is not served by distckpt's DeepSpeed engine",
-                              remedy="Load the whole state (the defaults), or read single values with distckpt.read().")
+        if custom_load_fn is not None:
+            raise ConfigError(f"load_checkpoint(custom_load_fn={custom_load_fn!r}) is not served by distckpt's "
+                              "DeepSpeed engine",
+                              remedy="Load without it, or read single values with distckpt.read().")
         # Every check that can fail on one rank alone runs before DeepSpeed's own load, and the
         # ranks exchange their outcome: past this point DeepSpeed's collectives (with its own,
         # 30-minute timeout) would leave the other ranks waiting for a rank that already raised.
@@ -471,19 +527,39 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
             log.warning("distckpt: no %s: nothing to load", os.path.join(load_dir, "latest"))
             return None, None
         tag, path, names, ds, masters = planned
-        ce.begin_load(path, names, ds, masters)
+        # Without the ZeRO optimizer load (DeepSpeed runs it only for load_optimizer_states and
+        # not load_module_only) the module weights come from the stored masters.
+        weights_only = load_module_only or not load_optimizer_states
+        stage3 = int(engine.zero_optimization_stage()) == 3
+        # ZeRO-3's model states hold placeholders for the partitioned weights: DeepSpeed 0.19.8
+        # reads real ones (zero_to_fp32) only when load_optimizer_states=False, so its
+        # load_module_only alone would load no weight. Weights only are asked for here.
+        ds_load_optimizer_states = load_optimizer_states and not (stage3 and load_module_only)
+        ce.begin_load(path, names, ds, masters, weights_from_masters=weights_only)
         try:
-            return orig_load(load_dir, tag, load_module_strict=load_module_strict,
-                             load_optimizer_states=load_optimizer_states,
-                             load_lr_scheduler_states=load_lr_scheduler_states)
+            with _zero3_fp32_from(ce, load_dir) if stage3 and weights_only else contextlib.nullcontext():
+                loaded, client_state = orig_load(load_dir, tag, load_module_strict=load_module_strict,
+                                                 load_optimizer_states=ds_load_optimizer_states,
+                                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                                 load_module_only=load_module_only)
+            served = ce.model_states_name
         finally:
             ce.end_load()
+        if loaded is None:
+            return loaded, client_state
+        if ds_load_optimizer_states != load_optimizer_states and isinstance(client_state, dict):
+            # DeepSpeed leaves 'optimizer' out of client_state when optimizer states were asked for
+            client_state.pop("optimizer", None)
+        # DeepSpeed returns the path of the model-states file it loaded (callers take its dirname
+        # for the tag directory): the same path, naming the file whose contents this checkpoint
+        # holds as its subtree files.<name>; no such file exists on disk.
+        return os.path.join(os.fspath(load_dir), str(tag), served + ".pt"), client_state
 
     def _get_all_ckpt_names(checkpoints_path, tag):
         # DeepSpeed globs the tag directory for this rank's model-states file and asserts that the
         # path exists. Here the file is a subtree of the checkpoint: the path handed back is the
-        # checkpoint directory (it exists; load_checkpoint returns it as the loaded path) and the
-        # engine maps it to the one name the same pattern matches.
+        # checkpoint directory (it exists) and the engine maps it to the one name the same pattern
+        # matches; load_checkpoint returns the file's path, as DeepSpeed does.
         if ce._load_path is None:
             return orig_names(checkpoints_path, tag)
         import fnmatch
