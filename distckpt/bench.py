@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from .errors import ConfigError
+from .sizes import format_bytes
 from .sizes import parse_size as _parse_size
 
 __all__ = ["add_parser", "run_io_bench", "parse_size", "main"]
@@ -71,7 +73,7 @@ def _ring(ring: tuple[int, int] | None):
 
 
 def _ring_label(block: int, count: int) -> str:
-    return f"uring staged, ring {count} x {block >> 10} KiB"
+    return f"uring staged, ring {count} x {format_bytes(block)}"
 
 
 def _sources(size_bytes: int) -> tuple[memoryview, memoryview]:
@@ -174,10 +176,16 @@ def run_io_bench(
          "baseline": name, "baseline_command": str, "size_bytes": int}.
 
     Raises:
+        ConfigError: ``directory`` does not exist or is not a directory.
         IOBackendUnavailableError: a requested backend cannot run here.
         StorageError subclass: the directory cannot be written.
     """
     directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(directory):  # before any write: ENOENT is a wrong argument, not a sick disk
+        what = "does not exist" if not os.path.lexists(directory) else "is not a directory"
+        raise ConfigError(f"bench directory {directory} {what}", path=directory,
+                          remedy="Pass an existing directory on the file system to measure (its test files are "
+                                 "written there and removed after).")
     use_fio = baseline == "fio" or (baseline == "auto" and shutil.which("fio") is not None)
     base_name = "fio O_DIRECT io_uring" if use_fio else "O_DIRECT pwrite loop"
     src, src_aligned = _sources(size_bytes)
@@ -222,8 +230,8 @@ def run_io_bench(
         med = statistics.median(mbps)
         rows[name] = {"median_mbps": med, "min_mbps": min(mbps), "max_mbps": max(mbps),
                       "ratio": med / base_med, "seconds": ts}
-    print(f"distckpt io bench: {size_bytes / (1 << 30):.2f} GiB per file in {directory}, "
-          f"block {bs >> 10} KiB, queue depth {qd}, staging ring {sn} x {sb >> 10} KiB, size hint {'on' if size_hint else 'off'}, "
+    print(f"distckpt io bench: {format_bytes(size_bytes)} per file in {directory}, "
+          f"block {format_bytes(bs)}, queue depth {qd}, staging ring {sn} x {format_bytes(sb)}, size hint {'on' if size_hint else 'off'}, "
           f"{repeat} repetitions (median)", file=out)
     print(f"| {'backend':<31} | {'median MB/s':>11} | {'min':>7} | {'max':>7} | {'vs baseline':>11} |", file=out)
     print(f"|{'-' * 33}|{'-' * 12}:|{'-' * 8}:|{'-' * 8}:|{'-' * 12}:|", file=out)
@@ -237,34 +245,42 @@ def run_io_bench(
     return {"rows": rows, "baseline": base_name, "baseline_command": base_cmd, "size_bytes": size_bytes}
 
 
+def _size_arg(text: str) -> int:
+    """argparse ``type=`` of --size / --block-size: a positive size (argparse prints the reason)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parse_ring(text: str) -> tuple[int, int]:
+    """argparse ``type=`` of --ring: ``BLOCKxCOUNT`` (``4Mx9``) as (block bytes, count)."""
     block, _, count = text.partition("x")
-    if not count:
-        raise argparse.ArgumentTypeError(f"--ring {text!r}: expected BLOCKxCOUNT, e.g. 4Mx9")
-    return parse_size(block), int(count)
+    if not count or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BLOCKxCOUNT with a count >= 1, e.g. 4Mx9")
+    return _size_arg(block), int(count)
 
 
 def _cmd_bench(args) -> int:
-    run_io_bench(args.directory, parse_size(args.size), repeat=args.repeat,
+    run_io_bench(args.directory, args.size, repeat=args.repeat,
                  backends=tuple(args.backends.split(",")), baseline=args.baseline,
-                 block_size=parse_size(args.block_size) if args.block_size else None,
-                 queue_depth=args.queue_depth, size_hint=not args.no_size_hint,
-                 rings=tuple(_parse_ring(r) for r in args.ring))
+                 block_size=args.block_size, queue_depth=args.queue_depth, size_hint=not args.no_size_hint,
+                 rings=tuple(args.ring))
     return 0
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="directory on the file system to measure")
-    p.add_argument("--size", default="1G", help="bytes per file, e.g. 1G, 256M (default 1G)")
+    p.add_argument("--size", type=_size_arg, default="1G", help="bytes per file, e.g. 1G, 256M (default 1G)")
     p.add_argument("--repeat", type=int, default=5, help="repetitions, median reported (default 5)")
     p.add_argument("--backends", default="uring,pwrite,buffered", help="comma-separated backends")
     p.add_argument("--baseline", choices=("auto", "fio", "loop"), default="auto",
                    help="raw O_DIRECT reference: fio, a plain O_DIRECT loop, or auto (fio when installed)")
-    p.add_argument("--block-size", default=None, help="override DISTCKPT_BLOCK_SIZE, e.g. 8M")
+    p.add_argument("--block-size", type=_size_arg, default=None, help="override DISTCKPT_BLOCK_SIZE, e.g. 8M")
     p.add_argument("--queue-depth", type=int, default=None, help="override DISTCKPT_QUEUE_DEPTH")
     p.add_argument("--no-size-hint", action="store_true",
                    help="do not tell the writer the file size (step-wise preallocation)")
-    p.add_argument("--ring", action="append", default=[], metavar="BLOCKxCOUNT",
+    p.add_argument("--ring", type=_parse_ring, action="append", default=[], metavar="BLOCKxCOUNT",
                    help="also time the staged uring path with this staging ring, e.g. 4Mx9 (repeatable)")
     p.set_defaults(func=_cmd_bench)
 

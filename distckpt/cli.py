@@ -6,7 +6,8 @@
     distckpt preflight PATH     the pre-flight checks (distckpt.preflight)
     distckpt bench DIR          I/O and save/load benchmarks (distckpt.bench)
 
-Exit status: 0 on success, 1 when a check or verification failed, 2 on bad usage.
+Exit status: 0 on success, 1 when a check or verification failed (or a distckpt error), 2 on bad
+usage, 130 when interrupted (Ctrl-C).
 
 Parsing the command line imports neither torch nor the I/O core: this module and what it imports at
 start-up stay light, and each command imports what it needs when it runs (``--help`` and
@@ -27,24 +28,36 @@ from .errors import DistCkptError
 from .sizes import CONVENTION, format_bytes
 from .values import VALUE_KIND, describe
 
-#: Version of the ``inspect --json`` and ``verify --json`` documents; bumped only when a field
-#: changes meaning or disappears (new fields may be added within a version).
+#: Version of every ``--json`` document (ls, inspect, verify, preflight), each of which carries it
+#: as ``json_format``; bumped only when a field changes meaning or disappears (new fields may be
+#: added within a version).
 JSON_FORMAT = 1
 
 
 def _cmd_ls(args) -> int:
-    """Print :func:`distckpt.manager.list_root` (the library builds the listing; this only formats
-    it). Never writes: no directory is created, nothing is reclaimed."""
+    """Print :func:`distckpt.listing.list_root` (the library builds the listing; this only formats
+    it). Never writes: no directory is created, nothing is reclaimed. Imports no torch
+    (distckpt.listing is torch-free), so it answers as fast as ``inspect``."""
     import time
     from .errors import CheckpointNotFoundError
-    from .manager import list_root
+    from .leftovers import tree_bytes
+    from .listing import list_root
     try:
         listing = list_root(args.root)
     except CheckpointNotFoundError as exc:
         print(f"distckpt ls: {exc.message}", file=sys.stderr)
         return 2
+    if listing.kind == "root" and not listing.entries and not listing.leftovers and listing.latest_pointer is None:
+        # Nothing of a checkpoint root there (no step, no save's leftover, no `latest`): a wrong path.
+        try:
+            names = sorted(os.listdir(listing.path))
+        except OSError:
+            names = []
+        held = f" (it holds {', '.join(names[:5])}{' ...' if len(names) > 5 else ''})" if names else " (it is empty)"
+        print(f"distckpt ls: {listing.path} holds no checkpoints{held}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(listing.to_dict(), indent=1, sort_keys=True))
+        print(json.dumps({"json_format": JSON_FORMAT, **listing.to_dict()}, indent=1, sort_keys=True))
         return 0
 
     def when(t):
@@ -73,15 +86,21 @@ def _cmd_ls(args) -> int:
         print(f"  note: {listing.pointer_problem}")
     saves = [lo for lo in listing.leftovers if lo.kind != "lock" or lo.name == ""]
     if saves:
-        print("saves in flight or left by crashed saves:")
+        print("saves in flight, and what interrupted saves left:")
         for lo in saves:
             o = lo.owner or {}
             who = (f"host {o.get('host', '?')} pid {o.get('pid', '?')}, started {when(o.get('started_unix'))}"
                    if o else "owner unknown")
-            what = {"tmp": "save in progress", "del": "deletion", "lock": "save lock"}[lo.kind]
-            verdict = {"alive": "ALIVE (in flight)", "dead": "dead (reclaimable)",
+            alive = lo.state == "alive"
+            what = {"tmp": "save in progress" if alive else "interrupted save", "del": "deletion",
+                    "lock": "save lock"}[lo.kind]
+            size = f" ({format_bytes(tree_bytes(lo.path))})" if lo.kind != "lock" and os.path.isdir(lo.path) else ""
+            verdict = {"alive": "ALIVE (in flight)", "dead": "dead: reclaimable",
                        "unknown": "unknown (another host's; left alone)"}[lo.state]
-            print(f"  {lo.entry}  {what}  {who}  {verdict}")
+            print(f"  {lo.entry}{size}  {what}  {who}  {verdict}")
+        if any(lo.state == "dead" for lo in saves):
+            print(f"  reclaim the dead ones: the next save of the same name does, or "
+                  f"python -c \"import distckpt; distckpt.CheckpointManager({listing.path!r}).reclaim()\"")
     return 0
 
 
@@ -133,6 +152,9 @@ def inspect_document(m, path: str) -> dict:
     return {
         "json_format": JSON_FORMAT,
         "path": path,
+        # who wrote it: "distckpt", or the foreign format read through distckpt (its MANIFEST is
+        # built from that format's metadata: no save id, commit time or distckpt version recorded)
+        "format": meta.get("format", "distckpt") if isinstance(meta.get("format"), str) else "distckpt",
         "format_version": m.format_version,
         "save_id": m.save_id,
         "created_unix": m.created_unix,
@@ -173,9 +195,15 @@ def _print_inspect(doc: dict) -> None:
     print(f"checkpoint  {doc['path']}")
     created = doc["created_utc"].replace("T", " ").replace("Z", " UTC") if doc["created_utc"] else "not recorded"
     print(f"created     {created}")
-    writer = f"distckpt {doc['distckpt_version']}" if doc["distckpt_version"] else "distckpt (version not recorded)"
-    backend = f", io backend {doc['io_backend']}" if doc["io_backend"] else ""
-    print(f"written by  {writer}{backend}; format v{doc['format_version']}, save {doc['save_id']}")
+    if doc["format"] != "distckpt":  # read through distckpt.dcp / distckpt.hf: no distckpt fields
+        version = doc["meta"].get("dcp_version")
+        print(f"written by  {doc['format']}{f' (metadata version {version})' if version else ''}, not distckpt: "
+              "no save id or commit time recorded")
+    else:
+        writer = (f"distckpt {doc['distckpt_version']}" if doc["distckpt_version"]
+                  else "distckpt (version not recorded)")
+        backend = f", io backend {doc['io_backend']}" if doc["io_backend"] else ""
+        print(f"written by  {writer}{backend}; format v{doc['format_version']}, save {doc['save_id']}")
     print(f"world size  {ws} rank{'s' if ws != 1 else ''}; {t['files']} data file{'s' if t['files'] != 1 else ''}, "
           f"{format_bytes(t['file_bytes'])}")
     algo = doc["checksum"]["algorithm"]
@@ -359,7 +387,8 @@ def _window_arg(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distckpt", description="distckpt: distributed sharded checkpoints for PyTorch.",
-        epilog=f"Exit status: 0 success, 1 a check or verification failed, 2 bad usage. "
+        epilog=f"Exit status: 0 success, 1 a check or verification failed (or a distckpt error), 2 bad usage, "
+               f"130 interrupted (Ctrl-C). "
                f"Sizes use {CONVENTION}: 60G = 60 GiB. Run `distckpt COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"distckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

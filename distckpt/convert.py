@@ -42,7 +42,10 @@ import sys
 import time
 from typing import Any, Iterator
 
+import warnings
 __all__ = ["convert", "ConvertResult", "FORMATS", "add_parser"]
+
+from .sizes import size_arg  # argparse type of the size options: the parse error's reason, exit 2
 
 FORMATS = ("dcp", "torch", "safetensors", "distckpt")
 DEFAULT_MEMORY_LIMIT = 1 << 30
@@ -582,7 +585,11 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
 
     writer = dcp.FileSystemWriter(dst, single_file_per_rank=True, sync_files=True, thread_count=1)
     try:
-        dcp.save({}, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
+        with warnings.catch_warnings():
+            # torch warns that it "assumes the intent is to save in a single process" even when
+            # no_dist=True says so: the command line's output is its own.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save({}, storage_writer=writer, planner=StreamingPlanner(), no_dist=True)
     except CheckpointException as exc:  # a BaseException wrapping ours: raise the typed error itself
         failures = [e for e, _tb in exc.failures.values()]
         if failures and isinstance(failures[0], Exception):
@@ -805,11 +812,11 @@ def add_parser(sub) -> None:
     p.add_argument("src", help="a distckpt checkpoint or a torch.distributed.checkpoint directory")
     p.add_argument("dst", help="the new file (torch) or directory (dcp, safetensors, distckpt)")
     p.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
-    p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, metavar="SIZE",
+    p.add_argument("--max-shard-size", type=size_arg, default=DEFAULT_SHARD_SIZE, metavar="SIZE",
                    help="safetensors: largest shard, e.g. 5GiB (default)")
     p.add_argument("--prefix", help="safetensors: keep keys starting with PREFIX, stripped (e.g. 'model.')")
     p.add_argument("--dtype", help="safetensors: cast floating-point tensors (bf16, fp16, fp32)")
-    p.add_argument("--memory-limit", type=parse_size, default=DEFAULT_MEMORY_LIMIT, metavar="SIZE",
+    p.add_argument("--memory-limit", type=size_arg, default=DEFAULT_MEMORY_LIMIT, metavar="SIZE",
                    help="working memory for the conversion (default 1GiB)")
     p.add_argument("--allow-pickle", action="store_true", help="allow values the source stores as pickles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")

@@ -52,7 +52,6 @@ import dataclasses
 import gc
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -75,6 +74,8 @@ from .devstage import DeviceStager, needs_staging
 from .staging import dtype_name, host_bytes
 from .storage import Store, is_url, open_store
 from .storage.posix import commit as local
+# The leftovers of saves (torch-free, for `distckpt ls`); re-exported here, where they were defined.
+from .leftovers import LOCK_RE, ROOT_LOCK_NAME, TMP_RE, Leftover, lock_file, scan_leftovers  # noqa: F401
 from .storage.posix.store import PosixStore  # noqa: F401 - imported now, not during a save
 
 __all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs",
@@ -86,12 +87,6 @@ MANIFEST = mf.MANIFEST_NAME
 # fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes,
 # and rank 0's save lock (held for the whole save).
 _FDS_PER_SAVE = 9
-# Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
-TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
-# ".NAME.lock": the liveness lock of a save of NAME in flight (storage.savelock); ROOT_LOCK_NAME:
-# the one lock of a CheckpointManager root, held by whichever manager save is in flight there.
-LOCK_RE = re.compile(r"^\.(?P<name>.+)\.lock$")
-ROOT_LOCK_NAME = ".distckpt.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,73 +117,6 @@ def is_committed(path: str) -> bool:
     hidden tmp/del directory)."""
     return (not TMP_RE.match(os.path.basename(os.path.normpath(path)))
             and os.path.isfile(os.path.join(path, MANIFEST)))
-
-
-def lock_file(parent: str, name: str) -> str:
-    """The liveness lock of a save of ``parent/name`` (see :mod:`distckpt.storage.posix.savelock`)."""
-    return os.path.join(parent, f".{name}.lock")
-
-
-@dataclasses.dataclass(frozen=True)
-class Leftover:
-    """A hidden entry of ``parent`` that belongs to a save or deletion, and whether its owner lives.
-
-    ``kind``: ``tmp`` (a save's directory, or a ``latest`` replacement file), ``del`` (a directory
-    being deleted) or ``lock`` (a save lock). ``state``: ``alive`` (its save holds its lock now: never
-    touched), ``dead`` (reclaimable), ``unknown`` (owned by another host, or no flock here: left alone).
-    ``owner``: the lock's owner record (host, pid, started_unix, save_id, what) when there is one."""
-
-    entry: str
-    name: str
-    kind: str
-    path: str
-    state: str
-    owner: dict | None
-
-
-def scan_leftovers(parent: str, *, other_hosts: bool = False) -> list[Leftover]:
-    """Every tmp/del/lock entry in ``parent`` with the liveness of its owner. Never writes.
-
-    A leftover of ``NAME`` is alive when ``.NAME.lock`` or the root lock (``ROOT_LOCK_NAME``: a
-    manager's save, its rotation and its ``latest`` update) is held; dead when both are free (or
-    absent) and were last held on this host; unknown otherwise. The directory is listed *before*
-    the locks are probed: a save creates its tmp dir only after taking its lock and releases the
-    lock only after the tmp dir is gone, so a listed entry whose locks are free is never live."""
-    from .storage.posix import savelock
-    try:
-        entries = os.listdir(parent)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise from_os_error(exc, path=parent, operation="list") from exc
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for entry in sorted(entries):
-        m = TMP_RE.match(entry)
-        if m:
-            groups.setdefault(m.group("name"), []).append((entry, m.group("what")))
-            continue
-        m = LOCK_RE.match(entry)
-        if m and entry != ROOT_LOCK_NAME:
-            groups.setdefault(m.group("name"), []).append((entry, "lock"))
-    if not groups and ROOT_LOCK_NAME not in entries:
-        return []
-    root_state = savelock.probe(os.path.join(parent, ROOT_LOCK_NAME), other_hosts=other_hosts)
-    out = []
-    for name, members in groups.items():
-        own = savelock.probe(lock_file(parent, name), other_hosts=other_hosts)
-        if all(kind == "lock" for _, kind in members) and not (own.owner and "save_id" in own.owner):
-            continue  # a ".X.lock" of some other tool, not a save lock of ours: not ours to touch
-        states = {own.state, root_state.state}
-        state = "alive" if "alive" in states else "unknown" if "unknown" in states else "dead"
-        holder = own if own.state == "alive" or root_state.state != "alive" else root_state
-        owner = holder.owner or own.owner or root_state.owner
-        # A lock entry carries its own record (what reclaim must match before unlinking it).
-        out += [Leftover(e, name, kind, os.path.join(parent, e), state, own.owner if kind == "lock" else owner)
-                for e, kind in members]
-    if ROOT_LOCK_NAME in entries:
-        out.append(Leftover(ROOT_LOCK_NAME, "", "lock", os.path.join(parent, ROOT_LOCK_NAME),
-                            root_state.state if root_state.state != "absent" else "dead", root_state.owner))
-    return out
 
 
 def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool = False) -> list[str]:

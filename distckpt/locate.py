@@ -72,13 +72,63 @@ def _not_found(path: str) -> CheckpointNotFoundError:
         close = []
     if close:
         hint = f"; similar names in {parent}: {', '.join(close)}"
+    saves = _interrupted_saves(parent, name)
+    if saves is not None:
+        return saves
     return CheckpointNotFoundError(f"no checkpoint at {path}: nothing exists there{hint}", path=path)
 
 
+def _interrupted_saves(parent: str, name: str) -> CheckpointNotFoundError | None:
+    """Nothing is at ``parent/name``, but a save to it left (or is writing) ``.NAME.tmp-*``: say
+    so, with its size, and how it goes away."""
+    from .leftovers import saves_of
+    from .sizes import format_bytes
+    saves = saves_of(parent, name)
+    if not saves:
+        return None
+    path = os.path.join(parent, name)
+    shown = ", ".join(f"{lo.entry} ({format_bytes(size)})" for lo, size in saves)
+    if any(lo.state == "unknown" for lo, _ in saves) and not any(lo.state == "dead" for lo, _ in saves):
+        return CheckpointNotFoundError(
+            f"no checkpoint at {path}: a save to it left {shown} beside it, and whether that save still runs "
+            "cannot be told from this host (its lock names another host)", path=path, found="save of another host",
+            remedy="Check that save's host; if it is dead, save again (or reclaim it with "
+                   f"distckpt.CheckpointManager({parent!r}).reclaim(other_hosts=True)).")
+    if any(lo.state == "alive" for lo, _ in saves):
+        return CheckpointNotFoundError(
+            f"no checkpoint at {path} yet: a save to it is in progress ({shown} beside it)", path=path,
+            found="save in progress", remedy="Wait for that save to finish, or load an older checkpoint.")
+    return CheckpointNotFoundError(
+        f"no checkpoint at {path}: a save to it was interrupted (killed or crashed) before it committed, "
+        f"leaving its temporary directory {shown} beside it; no save to {path} has finished", path=path,
+        found="interrupted save",
+        remedy=f"Load an older checkpoint, or save again. The next save to {path} deletes the leftover "
+               f"(so does distckpt.CheckpointManager({parent!r}).reclaim()); it is never loadable.")
+
+
+def _is_safetensors(path: str, head: bytes) -> bool:
+    """A safetensors file: a u64 little-endian header length, then that many bytes of JSON
+    starting with ``{``, all inside the file. Checked before the pickle magic: a header length
+    whose first byte is 0x80 (e.g. 640 + 256 k bytes) starts like a pickle stream."""
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return False
+    return 8 + int.from_bytes(head[:8], "little") <= size
+
+
 def _describe_file(path: str) -> CheckpointNotFoundError | None:
-    head = _head(path)
+    head = _head(path, 9)
     if head.startswith(MAGIC):
         return None  # a MANIFEST file itself: distckpt.manifest.load_manifest accepts it
+    if _is_safetensors(path, head):
+        return CheckpointNotFoundError(
+            f"{path} is a safetensors file, not a distckpt checkpoint (a distckpt checkpoint is a directory "
+            f"holding {MANIFEST_NAME} and rankNNNNN.bin files)", path=path, found="safetensors",
+            remedy=f"Pass the directory holding it ({os.path.dirname(path)}): distckpt reads a directory of "
+                   "safetensors files (docs/INTEROP.md); or load it with safetensors.torch.load_file.")
     torch_file = head.startswith(_ZIP_MAGIC) or head.startswith(_PICKLE_MAGICS)
     if torch_file:
         what = "a torch.save file" if head.startswith(_ZIP_MAGIC) else "a pickle file (torch.save's legacy format)"

@@ -1413,7 +1413,8 @@ def run_cli(args: argparse.Namespace) -> int:
                        world_size=args.world_size, local_world_size=args.local_world_size,
                        shm_bytes_needed=args.shm_bytes, keep_last=args.keep_last)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2, default=str))
+        from .cli import JSON_FORMAT  # every --json document of the command line carries it
+        print(json.dumps({"json_format": JSON_FORMAT, **report.to_dict()}, indent=2, default=str))
     else:
         print(report)
     return 0 if report.ok else 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_bytes", "CONVENTION"]
+__all__ = ["parse_size", "format_bytes", "size_arg", "CONVENTION"]
 
 #: One sentence for help texts and error messages.
 CONVENTION = "binary units: K, M, G, T = KiB, MiB, GiB, TiB (powers of 1024)"
@@ -52,6 +52,17 @@ def parse_size(text: str | int) -> int:
     if "." in number and not unit:
         raise ValueError(f"a byte count must be a whole number: {text!r}")
     return int(float(number) * _UNITS[unit]) if "." in number else int(number) * _UNITS[unit]
+
+
+def size_arg(text: str) -> int:
+    """``type=`` of a size option of the command line: :func:`parse_size`, whose ValueError becomes
+    an ``argparse.ArgumentTypeError``, so that argparse prints the reason (``'5GB' is ambiguous
+    ...``) instead of its generic "invalid value", and exits 2 (bad usage) without a traceback."""
+    import argparse
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def format_bytes(n: int | float) -> str:
