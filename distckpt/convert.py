@@ -40,12 +40,12 @@ import pickle
 import struct
 import sys
 import time
+import warnings
 from typing import Any, Iterator
 
-import warnings
-__all__ = ["convert", "ConvertResult", "FORMATS", "add_parser"]
-
 from .sizes import size_arg  # argparse type of the size options: the parse error's reason, exit 2
+
+__all__ = ["convert", "ConvertResult", "FORMATS", "add_parser"]
 
 FORMATS = ("dcp", "torch", "safetensors", "distckpt")
 DEFAULT_MEMORY_LIMIT = 1 << 30
