@@ -270,6 +270,14 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
             header, fmeta = read_header(fd, fpath, size)
         finally:
             os.close(fd)
+        if "DCP_SHARDING_INFO" in fmeta:
+            # torch's HuggingFaceStorageWriter without consolidation: pieces of one tensor in
+            # several files, placed by this metadata; not the save_pretrained layout read here.
+            raise UnsupportedValueError(
+                f"{fname} holds pieces of sharded tensors (DCP_SHARDING_INFO, written by torch's "
+                f"HuggingFaceStorageWriter without consolidation)", path=fpath,
+                remedy="Consolidate it (torch.distributed.checkpoint's consolidate_safetensors_files) or load "
+                       "it with torch.distributed.checkpoint.HuggingFaceStorageReader.")
         if i == 0:
             meta = fmeta
         files.append(mf.FileEntry(fname, size, 0))

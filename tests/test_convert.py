@@ -348,3 +348,29 @@ def test_conversion_sets_up_its_readers_once_not_per_tensor(tmp_path):
     print(f"io_uring_setup, io_uring_register calls: 4 tensors {counts[4]}, 8 tensors {counts[8]}")
     assert counts[4][0] > 0, "the conversion read through io_uring"
     assert counts[8] == counts[4], counts
+
+
+class _Pair(__import__("collections").namedtuple("_Pair", "a b")):
+    """A namedtuple: saved by distckpt as a typed value, refused by torch.load(weights_only=True)."""
+
+
+def test_to_torch_checks_weights_only_only_where_it_can_fail(src, tmp_path, monkeypatch):
+    """Plain structures (dicts, lists, tuples, str/int/float/bool/None, tensors) are exported
+    without loading the file back (weights_only accepts them by construction); anything else is
+    still loaded back with torch.load(weights_only=True), and refused with a typed error."""
+    import distckpt.convert as C
+    from distckpt.errors import UnsupportedValueError
+
+    calls = []
+    real = C._check_weights_only
+    monkeypatch.setattr(C, "_check_weights_only", lambda *a: (calls.append(a), real(*a)))
+    dst = str(tmp_path / "plain.pt")
+    convert(src, dst, to="torch")
+    assert calls == []
+    _same(_state(), torch.load(dst, weights_only=True))
+
+    odd = str(tmp_path / "odd")
+    distckpt.save({"w": torch.ones(3), "pair": _Pair(1, "x")}, odd)
+    with pytest.raises(UnsupportedValueError, match="weights_only"):
+        convert(odd, str(tmp_path / "odd.pt"), to="torch")
+    assert len(calls) == 1 and not os.path.exists(str(tmp_path / "odd.pt"))

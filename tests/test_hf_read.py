@@ -293,6 +293,15 @@ def test_hostile_index_is_a_typed_error(tmp_path):
     assert torch.equal(got["a"], torch.ones(2)) and torch.equal(got["b"], torch.zeros(3))
 
 
+def test_dcp_sharded_safetensors_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"),
+              metadata={"DCP_SHARDING_INFO": json.dumps({"a": {"saved_offsets": [2]}})})
+    with pytest.raises(UnsupportedValueError, match="DCP_SHARDING_INFO"):
+        distckpt.read(str(tmp_path))
+
+
 def test_same_name_in_two_shards_is_corrupt(tmp_path):
     from safetensors.torch import save_file
 
