@@ -1,4 +1,4 @@
-"""Save / load benchmark against the peers (issue #6): one run, one directory, one table.
+"""Save / load benchmark against the peers: one run, one directory, one table.
 
     .venv/bin/python launch/bench.py DIR [--size 1G] [--small 2000] [--ranks 1,2] [--repeat 3]
 

@@ -1,4 +1,4 @@
-"""Cold-load profile (issue 14): one rank, distckpt.load vs fio's O_DIRECT read of the same files.
+"""Cold-load profile: one rank, distckpt.load vs fio's O_DIRECT read of the same files.
 
     .venv/bin/python launch/bench_cold.py DIR [--size 512M] [--small 1000] [--repeat 7]
                                           [--baseline-fill OLD_FILL.py] [--baseline-repo OLD_CHECKOUT]

@@ -1,4 +1,4 @@
-"""The CUDA path (issue 12): saves and loads of GPU tensors against their floors, one run.
+"""The CUDA path: saves and loads of GPU tensors against their floors, one run.
 
 One process, one GPU. State: ``--large`` bf16 tensors sharing ``--size`` bytes plus ``--small``
 tensors of 16 KiB, all on cuda:0, random data. Every repetition, interleaved:

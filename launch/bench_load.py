@@ -1,4 +1,4 @@
-"""Load benchmark (issue 14): distckpt.load vs torch.distributed.checkpoint.load vs fio, one run.
+"""Load benchmark: distckpt.load vs torch.distributed.checkpoint.load vs fio, one run.
 
     .venv/bin/python launch/bench_load.py DIR [--size 512M] [--small 1000] [--repeat 3]
 

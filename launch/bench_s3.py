@@ -19,7 +19,7 @@ Resharded load (unless --no-reshard): 2 gloo ranks save DTensors sharded on dim 
 them with other boundaries; the bytes each rank GETs from the server (counted by a botocore
 hook on every GetObject response) against the bytes its shards need.
 
-Goals (issue): distckpt >= 0.9x raw s3fs and >= 2x DCP for save and load; resharded load reads
+Goals: distckpt >= 0.9x raw s3fs and >= 2x DCP for save and load; resharded load reads
 <= 1.1x the bytes it needs.
 """
 

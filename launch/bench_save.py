@@ -1,4 +1,4 @@
-"""Save profile (issue 12 item 4): one rank, distckpt.save vs fio's O_DIRECT write of the same bytes.
+"""Save profile: one rank, distckpt.save vs fio's O_DIRECT write of the same bytes.
 
     .venv/bin/python launch/bench_save.py DIR [--size 1G] [--small 2000] [--repeat 7]
                                           [--baseline-repo OLD_CHECKOUT]

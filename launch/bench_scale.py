@@ -1,4 +1,4 @@
-"""Control-plane cost of a save at 1 to 4,096 ranks, simulated in one process (issue: scale).
+"""Control-plane cost of a save at 1 to 4,096 ranks, simulated in one process.
 
 What it runs is distckpt's own code, not a model of it: every rank's PLAN message is built in the
 exact format ``coordinator.plan_save`` sends first (``_summarize``'s summary, its layout

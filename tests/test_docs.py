@@ -28,3 +28,35 @@ def test_every_file_the_docs_and_scripts_name_exists():
 def test_docs_name_no_path_outside_the_repository():
     bad = [(str(f.relative_to(ROOT)), m) for f in DOCS for m in re.findall(r"/work/\S*|\.\./shared\S*|REFERENCE\.md", f.read_text())]
     assert bad == []
+
+
+def test_cli_doc_lists_every_command_and_exit_status_of_the_program():
+    """docs/CLI.md's synopsis names every subcommand the parser has, and its exit statuses are
+    the ones `distckpt --help` lists (convert and 130 were once missing)."""
+    import argparse
+
+    from distckpt.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = (ROOT / "docs" / "CLI.md").read_text()
+    synopsis = text.split("```")[1]
+    assert sorted(c for c in sub.choices if f"distckpt {c} " not in synopsis) == []
+    epilog = " ".join(parser.epilog.split())
+    for code, meaning in (("0", "success"), ("1", "failed"), ("2", "bad usage"), ("130", "interrupted")):
+        assert re.search(rf"\b{code}\b[^.;,]*{meaning}", epilog), (code, epilog)
+        assert re.search(rf"\b{code}\b[^.;]*{meaning}", " ".join(text.split())), (code, meaning)
+
+
+def test_docs_print_sizes_as_the_program_does_and_cite_no_issue_numbers():
+    """Sizes the program prints are binary (GiB, never GB: docs quoting a message must agree) and
+    decimal suffixes are refused, not read as powers of 1000; an outside reader cannot follow
+    "issue 14", so the docs say what they mean instead."""
+    quoted, issues, decimal = [], [], []
+    for f in DOCS:
+        text = f.read_text()
+        name = str(f.relative_to(ROOT))
+        if f.name != "BENCHMARKS.md":  # its tables report MB/s and byte counts as measured (fio's units)
+            quoted += [(name, m) for m in re.findall(r"`[^`\n]*\b\d+(?:\.\d+)? [KMGTP]B\b[^`\n]*`", text)]
+        issues += [(name, m) for m in re.findall(r"\(issue[^)]*\)|\bissues? #?\d+", text)]
+        decimal += [(name, m) for m in re.findall(r"powers of 1000", text)]
+    assert quoted == [] and issues == [] and decimal == []
