@@ -6,6 +6,9 @@ partitioned, stage 3 fp32 with the small parameters persistent; three of them wi
 weight); three load launches restore all of them at 1, 2 and 3 ranks and compare every fp32
 master weight and Adam state (exp_avg, exp_avg_sq, step), gathered with DeepSpeed's own API, with
 the saved ones; one more launch checks the typed ReshardError cases. Worker: deepspeed_zero_worker.py.
+pytest-timeout's limit covers a test's fixture set-up too: the tests that need only the save launch
+come first, so that each test pays for one launch at most, and every launch has its own, shorter,
+time limit (LAUNCH_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -32,19 +36,51 @@ WORKER = os.path.join(HERE, "deepspeed_zero_worker.py")
 # "+frozen": the first (largest) weight has requires_grad=False
 CONFIGS = ["0:fp32+frozen", "0:bf16", "1:fp32", "2:bf16+frozen", "3:bf16+frozen", "3:fp32+persist"]
 PARTITIONED = ["1:fp32", "2:bf16+frozen", "3:bf16+frozen", "3:fp32+persist"]
+# The longest launch takes about 2 minutes on an idle 2-core machine; 3x that still passes, and the
+# limit leaves room under pytest's 600 s for the test's own checks.
+LAUNCH_TIMEOUT_S = 480
 
 
-def _torchrun(n: int, *args: str, timeout: int = 600) -> None:
+def _torchrun(n: int, *args: str, timeout: int = LAUNCH_TIMEOUT_S) -> None:
+    """Run the worker with ``args`` on ``n`` ranks. Fails the test when it fails, when it runs past
+    ``timeout`` (its whole process group killed) or when DeepSpeed built or loaded its shm op (the
+    worker skips it: see _without_shm_op)."""
     env = dict(os.environ)
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE),
                 # small checksum blocks, so that a rank's share of this small model is fewer blocks
                 # than the whole file (reads are widened to whole checksum blocks)
                 "DISTCKPT_CHECKSUM_BLOCK": "64K"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the ranks too
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        tail = "\n".join(output.splitlines()[-60:])
+        pytest.fail(f"torchrun {' '.join(args[:1])} x{n} did not finish within {timeout} s (killed):\n{tail}")
+    tail = "\n".join(output.splitlines()[-60:])
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"torchrun {' '.join(args[:1])} x{n} failed ({proc.returncode}):\n{tail}")
+    assert "deepspeed_shm_comm" not in output, f"torchrun {' '.join(args[:1])} x{n} built DeepSpeed's shm op:\n{tail}"
+
+
+def test_deepspeed_builds_its_ops_inside_the_venv():
+    """DeepSpeed's CPU fused Adam (the workers' optimizer), JIT-built (or found built) in a process
+    of its own, lands in this venv's torch_extensions (tests/conftest.py), not in the user-wide
+    cache that other venvs rebuild with their own flags. First in the file: a first build takes a
+    minute or more, paid here and not inside a launch's time limit."""
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('FusedAdamBuilder').load()")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"building DeepSpeed's fused_adam op took over {LAUNCH_TIMEOUT_S} s")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    root = os.path.join(sys.prefix, "torch_extensions")
+    assert glob.glob(os.path.join(root, "fused_adam", "*.so")), f"no fused_adam build under {root}"
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +103,40 @@ def _docs(root: str, cfg: str, world: int) -> list[dict]:
     files = sorted(glob.glob(os.path.join(_dir(root, cfg), "out", f"load_{world}_rank*.json")))
     assert len(files) == world, files
     return [json.load(open(f)) for f in files]
+
+
+def test_consolidated_read_equals_zero_to_fp32(saved):
+    """distckpt.read(path, keys=["model"]) on one process == DeepSpeed's zero_to_fp32 of its own
+    checkpoint of the same engine at the same moment."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .deepspeed_zero_worker import Net
+    for cfg in PARTITIONED:
+        ours = distckpt.read(os.path.join(_dir(saved, cfg), "ckpt"), keys=["model"])["model"]
+        theirs = get_fp32_state_dict_from_zero_checkpoint(os.path.join(_dir(saved, cfg), "out", "ds"), tag="t")
+        assert sorted(ours) == sorted(theirs), cfg
+        for k, v in theirs.items():
+            assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), (cfg, k)
+        # and it loads strictly into the model (whose non-persistent buffers it leaves out)
+        model = Net()
+        assert any(model.rotary._non_persistent_buffers_set), "the model has no non-persistent buffer"
+        model.load_state_dict(ours, strict=True)
+    ref = torch.load(os.path.join(_dir(saved, "0:bf16"), "out", "ref.pt"), weights_only=True)["ref"]
+    ours = distckpt.read(os.path.join(_dir(saved, "0:bf16"), "ckpt"), keys=["model"])["model"]
+    for k, v in ref.items():
+        assert torch.equal(ours[k], v["fp32"]), k
+
+
+def test_inspect_shows_deepspeed_line(saved):
+    from distckpt.cli import main
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["inspect", os.path.join(_dir(saved, "3:bf16+frozen"), "ckpt")])
+    assert rc in (0, None)
+    line = [ln for ln in buf.getvalue().splitlines() if ln.startswith("deepspeed")]
+    assert line and "ZeRO stage 3" in line[0] and "data-parallel size 2" in line[0] and "bfloat16" in line[0], buf.getvalue()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -96,34 +166,6 @@ def test_reshard_load_is_exact(saved, world):
             assert sum(read) < 1.3 * total
         if cfg.startswith("0:"):  # replicated: every rank needs every element
             assert all(r >= docs[0]["ckpt_bytes"] * 0.9 for r in read)
-
-
-def test_consolidated_read_equals_zero_to_fp32(saved):
-    """distckpt.read(path, keys=["model"]) on one process == DeepSpeed's zero_to_fp32 of its own
-    checkpoint of the same engine at the same moment."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    for cfg in PARTITIONED:
-        ours = distckpt.read(os.path.join(_dir(saved, cfg), "ckpt"), keys=["model"])["model"]
-        theirs = get_fp32_state_dict_from_zero_checkpoint(os.path.join(_dir(saved, cfg), "out", "ds"), tag="t")
-        assert sorted(ours) == sorted(theirs), cfg
-        for k, v in theirs.items():
-            assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), (cfg, k)
-    ref = torch.load(os.path.join(_dir(saved, "0:bf16"), "out", "ref.pt"), weights_only=True)["ref"]
-    ours = distckpt.read(os.path.join(_dir(saved, "0:bf16"), "ckpt"), keys=["model"])["model"]
-    for k, v in ref.items():
-        assert torch.equal(ours[k], v["fp32"]), k
-
-
-def test_inspect_shows_deepspeed_line(saved):
-    from distckpt.cli import main
-    import contextlib
-    import io
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main(["inspect", os.path.join(_dir(saved, "3:bf16+frozen"), "ckpt")])
-    assert rc in (0, None)
-    line = [ln for ln in buf.getvalue().splitlines() if ln.startswith("deepspeed")]
-    assert line and "ZeRO stage 3" in line[0] and "data-parallel size 2" in line[0] and "bfloat16" in line[0], buf.getvalue()
 
 
 def test_reshard_errors_are_typed(saved):

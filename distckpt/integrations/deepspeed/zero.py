@@ -410,10 +410,20 @@ def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
 
 
 def _module_buffers(engine) -> dict[str, torch.Tensor]:
-    sd_keys = set(engine.module.state_dict().keys()) if engine.zero_optimization_stage() < 3 else None
+    """{name: buffer} of the module's persistent buffers: those its ``state_dict()`` holds, as
+    DeepSpeed's ``zero_to_fp32`` gives them. Non-persistent buffers
+    (``register_buffer(..., persistent=False)``, e.g. a rotary embedding's ``inv_freq``) are left
+    out at every stage: a strict ``load_state_dict`` of the consolidated model rejects them."""
+    module = engine.module
+    non_persistent = {f"{prefix}.{name}" if prefix else name
+                      for prefix, mod in module.named_modules(remove_duplicate=False)
+                      for name in mod._non_persistent_buffers_set}
+    # Below stage 3 the state dict also drops what a module's own state-dict hooks leave out; at
+    # stage 3 it is not built (its parameters are partitioned placeholders).
+    sd_keys = set(module.state_dict().keys()) if engine.zero_optimization_stage() < 3 else None
     out = {}
-    for name, buf in engine.module.named_buffers():
-        if sd_keys is None or name in sd_keys:
+    for name, buf in module.named_buffers():
+        if name not in non_persistent and (sd_keys is None or name in sd_keys):
             out[name] = buf
     return out
 
