@@ -1,7 +1,7 @@
 """Benchmark: incremental (delta) vs full checkpoints of TorchRec tables, 2 ranks, one run.
 
     torchrun --standalone --nproc-per-node 2 launch/bench_incremental.py --dir /var/tmp/bench_incr \
-        --rows 250000 --dim 64 --tables 4 --rounds 7 [--force-deltas] [--keep]
+        --rows 250000 --dim 64 --tables 4 --rounds 7 [--nochange 5] [--force-deltas] [--keep]
 
 Model: launch/bench_torchrec.py's (``--tables`` tables of rows x dim float32, fused
 EXACT_ROWWISE_ADAGRAD, sharded column-wise / table-wise / row-wise / table-wise over 2 ranks).
@@ -15,7 +15,14 @@ alternated ``--restores`` times (the fastest of each, and the ratio of the media
 fraction (medians over the delta rounds): bytes written by a delta and by a full save, the changed rows' own bytes (weights + momentum of the
 rows whose bytes changed), delta / changed, save seconds of each, the links' kinds, and restore
 seconds of the chain vs the full checkpoint, and the file bytes each restore read (both ranks).
-Rank 0 prints one JSON line per fraction, after one line with the cost of the row digests alone.
+Rank 0 prints one JSON line per fraction, after one line with the cost of the row digests alone
+and one with the fixed cost of a delta: ``--nochange`` saves of an unchanged state after a full
+base, by a saver that hashes every row and one with ``watch_writes=True`` (re-hashes only the rows
+on pages written since its previous link), alternated (the order swaps every round), medians.
+Every round of a fraction also saves the state through a second, ``watch_writes=True`` saver
+(its own chain, same policy) beside the hashing one and the plain full save, in an order that
+rotates every round, so ``delta_save_s`` (hash every row), ``watch_delta_save_s`` and
+``full_save_s`` come from the same rounds. Each line carries the load average at its end.
 The page cache is left as the saves left it: their data files are written with O_DIRECT, so both
 restores read from the disk.
 """
@@ -23,6 +30,7 @@ restores read from the disk.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -62,6 +70,49 @@ def touch(dmp, tables: int, rows: int, fraction: float, seed: int, rank: int, wo
     dmp(kjt).values().sum().backward()
 
 
+def local_rows(dmp) -> int:
+    """Tracked rows on this rank (all its pieces of every tracked tensor). Collective."""
+    from distckpt.flatten import flatten
+    sd = dtr.state_dict(dmp)
+    rows = dtr.incremental_rows(sd)
+    _t, items = flatten(sd, check_objects=False)
+    return sum(p.tensor.shape[d] for f, d in rows.items() for p in items[f].pieces)
+
+
+def nochange(dmp, args, rank: int) -> None:
+    """The fixed cost of a delta: saves of an unchanged state after a full base, hashing every
+    row vs watching writes, alternated; rank 0 prints the medians."""
+    root = os.path.join(args.dir, "nochange")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    dist.barrier()
+    pol = IncrementalPolicy(rows=dtr.incremental_rows, full_every=args.nochange + 1)
+    savers = {"hash": IncrementalSaver(pol), "watch": IncrementalSaver(dataclasses.replace(pol, watch_writes=True))}
+    sd = dtr.state_dict(dmp)
+    for name, s in savers.items():
+        timed(lambda: s.save(sd, os.path.join(root, f"{name}0")))
+    t = {name: [] for name in savers}
+    hashed = {name: [] for name in savers}
+    for k in range(1, args.nochange + 1):
+        for name in (["hash", "watch"] if k % 2 else ["watch", "hash"]):
+            s = savers[name]
+            sec, _r = timed(lambda: s.save(dtr.state_dict(dmp), os.path.join(root, f"{name}{k}")))
+            assert s.last_kind == "delta" and s._link["rows_written"] == 0
+            t[name].append(sec)
+            hashed[name].append(s.last_hashed_rows)
+    if rank == 0:
+        med = statistics.median
+        print(json.dumps({"nochange_delta_s": round(med(t["hash"]), 3),
+                          "nochange_watch_delta_s": round(med(t["watch"]), 3),
+                          "nochange_all_s": {k: [round(x, 3) for x in v] for k, v in t.items()},
+                          "hashed_rows_rank0": {k: int(med(v)) for k, v in hashed.items()},
+                          "watch_status_rank0": savers["watch"].watch_status,
+                          "loadavg": os.getloadavg()}), flush=True)
+        shutil.rmtree(root)
+    dist.barrier()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True)
@@ -73,6 +124,7 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.01,0.05,0.2")
     ap.add_argument("--restores", type=int, default=3, help="alternated restores of the chain and the full")
     ap.add_argument("--keep", action="store_true", help="keep each fraction's checkpoints under DIR/f<fraction>")
+    ap.add_argument("--nochange", type=int, default=5, help="no-change delta saves per saver (fixed cost)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -91,7 +143,10 @@ def main() -> None:
     digest_s = time.perf_counter() - t0
     if rank == 0:
         print(json.dumps({"digest_seconds_rank0": round(digest_s, 3), "digest_bytes_rank0": nbytes,
-                          "digest_GiB_per_s": round(nbytes / digest_s / 2**30, 3)}), flush=True)
+                          "digest_GiB_per_s": round(nbytes / digest_s / 2**30, 3),
+                          "loadavg": os.getloadavg()}), flush=True)
+    nochange(dmp, args, rank)
+    nlocal = local_rows(dmp)   # collective (dtr.state_dict): on every rank
     for fi, fraction in enumerate(float(x) for x in args.fractions.split(",")):
         root = os.path.join(args.dir, f"f{fraction}")
         if rank == 0:
@@ -104,18 +159,31 @@ def main() -> None:
                                     max_chain_fraction=float(args.rounds))
                   if args.force_deltas else IncrementalPolicy(rows=dtr.incremental_rows))
         saver = IncrementalSaver(policy)
+        wsaver = IncrementalSaver(dataclasses.replace(policy, watch_writes=True))
         sd = dtr.state_dict(dmp)
         _s, res = timed(lambda: saver.save(sd, os.path.join(root, "link0")))
-        assert saver.last_kind == "full"
+        _s, res = timed(lambda: wsaver.save(sd, os.path.join(root, "wlink0")))
+        assert saver.last_kind == "full" and wsaver.last_kind == "full"
         rec = {"delta_bytes": [], "full_bytes": [], "changed_bytes": [], "delta_s": [], "full_s": [],
-               "changed_rows": [], "rows_total": 0, "kinds": []}
+               "changed_rows": [], "rows_total": 0, "kinds": [], "wdelta_s": [], "whashed": []}
         for k in range(1, args.rounds + 1):
             touch(dmp, args.tables, args.rows, fraction, 1000 * fi + k, rank, world)
             sd = dtr.state_dict(dmp)
-            ds, dres = timed(lambda: saver.save(sd, os.path.join(root, f"link{k}")))
+            runs = {
+                "delta": lambda: saver.save(sd, os.path.join(root, f"link{k}")),
+                "watch": lambda: wsaver.save(sd, os.path.join(root, f"wlink{k}")),
+                "full": lambda: distckpt.save(sd, os.path.join(root, f"full{k}")),
+            }
+            order = list(runs)[k % 3:] + list(runs)[:k % 3]   # each save goes first, second, third in turn
+            got = {name: timed(runs[name]) for name in order}
+            (ds, dres), (ws, _wres), (fs, fres) = got["delta"], got["watch"], got["full"]
             link = saver._link
             rec["kinds"].append(f"{saver.last_kind}:{link['seq']}")
-            fs, fres = timed(lambda: distckpt.save(sd, os.path.join(root, f"full{k}")))
+            assert wsaver.last_kind == saver.last_kind and wsaver._link["rows_written"] == link["rows_written"], \
+                "the watching saver must write the same rows"
+            if wsaver.last_kind == "delta":
+                rec["wdelta_s"].append(ws)
+                rec["whashed"].append(wsaver.last_hashed_rows)
             rec["full_bytes"].append(fres.total_bytes)
             rec["full_s"].append(fs)
             if saver.last_kind == "delta":
@@ -150,12 +218,16 @@ def main() -> None:
                 "full_over_delta_bytes": round(med(rec["full_bytes"]) / med(rec["delta_bytes"]), 2),
                 "delta_save_s": round(med(rec["delta_s"]), 3), "full_save_s": round(med(rec["full_s"]), 3),
                 "delta_over_full_save_s": round(med(rec["delta_s"]) / med(rec["full_s"]), 3),
+                "watch_delta_save_s": round(med(rec["wdelta_s"]), 3),
+                "watch_delta_over_full_save_s": round(med(rec["wdelta_s"]) / med(rec["full_s"]), 3),
+                "watch_hashed_rows_frac_rank0": round(med(rec["whashed"]) / max(1, nlocal), 4),
                 "kinds": rec["kinds"], "chain_links": seqs[last - 1] + 1,
                 "restore_chain_s": round(min(chain_t), 3), "restore_full_s": round(min(full_t), 3),
                 "restore_chain_over_full": round(min(chain_t) / min(full_t), 3),
                 "restore_chain_over_full_median": round(med(chain_t) / med(full_t), 3),
                 "restore_chain_read_MiB": round(int(read[0]) / 2**20, 1),
                 "restore_full_read_MiB": round(int(read[1]) / 2**20, 1),
+                "loadavg": os.getloadavg(),
             }
             print(json.dumps(out), flush=True)
             if not args.keep:
