@@ -340,6 +340,8 @@ def test_conversion_sets_up_its_readers_once_not_per_tensor(tmp_path):
         proc = subprocess.run(["strace", "-f", "-qq", "-o", log, "-e", "trace=io_uring_setup,io_uring_register",
                                sys.executable, "-c", _CONVERT_ALL, src, out], capture_output=True, text=True,
                               timeout=300)
+        if proc.returncode != 0 and "ptrace" in proc.stderr and "Operation not permitted" in proc.stderr:
+            pytest.skip("strace cannot trace here (ptrace refused)")
         assert proc.returncode == 0, proc.stderr[-2000:]
         text = open(log).read()
         counts[n] = (text.count("io_uring_setup("), text.count("io_uring_register("))
