@@ -83,6 +83,7 @@ class WriteWatch:
         self._epoch = 0
         self._uffd = -1
         self._pagemap = -1
+        self.pid = os.getpid()   # its descriptors describe this process's memory only (see get())
         self.available, self.reason = False, ""
         try:
             self._open()
@@ -263,9 +264,11 @@ _WATCH_LOCK = threading.Lock()
 
 
 def get() -> WriteWatch:
-    """The process's watcher (created on first use)."""
+    """The process's watcher (created on first use). A forked child gets a watcher of its own:
+    the parent's /proc/self/pagemap descriptor still reads the parent's page tables, and the
+    child's mappings lose their registration at the fork (every page then counts as unknown)."""
     global _WATCH
     with _WATCH_LOCK:
-        if _WATCH is None:
+        if _WATCH is None or _WATCH.pid != os.getpid():
             _WATCH = WriteWatch()
         return _WATCH

@@ -792,3 +792,27 @@ def test_watch_writes_sees_fused_optimizer_steps(tmp_path):
     assert 3 <= hashed[w.format(0)] <= 5 * 64 and 1 <= hashed[w.format(1)] <= 3 * 64, hashed
     assert hashed["optim.embedding_bags.t0.weight.momentum1"] == 20000, hashed
     assert 0 <= hashed[w.format(2)] <= 2 * 64, hashed
+
+
+def _forked_child_watch(conn):
+    from distckpt import writewatch
+    w = writewatch.get()
+    conn.send((w.pid == os.getpid(), w is not _PARENT_WATCH[0]))
+    conn.close()
+
+
+_PARENT_WATCH: list = [None]
+
+
+def test_watch_writes_a_forked_child_gets_its_own_watcher():
+    """The parent's pagemap descriptor reads the parent's page tables: a child must not use it."""
+    import multiprocessing as mp
+    from distckpt import writewatch
+    _watch_or_skip()
+    _PARENT_WATCH[0] = writewatch.get()
+    parent, child = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=_forked_child_watch, args=(child,))
+    p.start()
+    got = parent.recv()
+    p.join(30)
+    assert got == (True, True)
