@@ -15,7 +15,10 @@ blocks of rows) is kept from the last save and compared with the current one. It
 matters: a change confined to one 32-bit word of a row always changes the digest (every step of
 the per-word mixing is a bijection), and any other change escapes with probability about 2^-64.
 It depends on nothing but the bytes: optimizer-only updates, rows written by hand, and updates from
-any code path are all seen, which tracking the ids of looked-up rows cannot promise.
+any code path are all seen, which tracking the ids of looked-up rows cannot promise. With
+``IncrementalPolicy(watch_writes=True)`` only the rows on pages written since the previous link
+are hashed again (distckpt.writewatch: the kernel's write protection, which sees every write of
+this process, fused C++ optimizers included; the tensor version counter does not).
 
 Invariants:
   * A delta names its parent by directory name and save id; a link whose parent is missing,
@@ -338,6 +341,10 @@ class IncrementalSaver:
     One saver per job (it holds the digests of the last committed link: 8 bytes per tracked row
     on this rank). After a restart, :meth:`resume` with the state just loaded continues the chain
     of the loaded checkpoint; without it the first save is full.
+
+    ``last_hashed_rows``: the rows this rank hashed for its last save or resume (every tracked
+    row, unless the policy's ``watch_writes`` let it skip rows on pages nobody wrote);
+    ``watch_status``: with ``watch_writes``, the tracked tensors hashed whole and why.
     """
 
     def __init__(self, policy: IncrementalPolicy | None = None) -> None:
