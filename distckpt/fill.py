@@ -619,6 +619,12 @@ def _pipeline_kept(paths, plans, open_reader, bufsize, blocks, verify, outcome, 
             rest.extend(mine)
             continue
         mm = keep.slots(nslots * bufsize, before_map)
+        if reader.closed:  # slots of another size were mapped: that closed the kept readers
+            try:
+                reader = keep.reader(path, open_reader)
+            except BaseException as exc:  # noqa: BLE001 - raised by fill() with what was filled
+                outcome.fail(exc)
+                break
         _run_pipeline(path, mine, reader, mm, bufsize, blocks[mine[0].file_index], verify, outcome)
         if outcome.failed():
             break

@@ -392,3 +392,26 @@ def test_fills_inside_reading_share_threads_and_buffers(tmp_path, monkeypatch):
     distckpt.load(strided(), path)    # outside a block: its own, released at return
     assert 1 <= len(made) <= fill_mod.WORKERS
     assert not [t for t in threading.enumerate() if t.name.startswith("distckpt-read")]
+
+
+def test_kept_readers_survive_a_change_of_slot_size(tmp_path):
+    """reading(keep_open=True) (a conversion) keeps each file's reader and the pipeline's slots
+    between fills; a fill whose slots have another size (side_reads: 2 x 1 MiB instead of
+    6 x 4 MiB) remaps them, which closes the kept readers: the fill must reopen its reader, not
+    read with a closed one. No fd stays open after the block."""
+    from distckpt.fill import reading, side_reads
+    from distckpt.restore import load_manifest, read_boxes
+
+    path = str(tmp_path / "ck")
+    state = _state()
+    distckpt.save(state, path)
+    m = load_manifest(path)
+    before = open_fds()
+    with reading(keep_open=True):
+        a = read_boxes(path, m, [("a", (0, 0), (4096, 1024))])[0]
+        with side_reads():
+            b = read_boxes(path, m, [("b", (0,), (4096,))])[0]
+        c = read_boxes(path, m, [("c", (0, 0), (2048, 1024))])[0]
+        assert len(open_fds()) > len(before)  # the kept reader
+    assert open_fds() == before
+    assert torch.equal(a, state["a"]) and torch.equal(b, state["b"]) and torch.equal(c, state["c"])
