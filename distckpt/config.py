@@ -33,6 +33,8 @@ Object stores (read by distckpt.storage.objectstore at each save):
 | DISTCKPT_OBJECT_PARTS_IN_FLIGHT | 4   | parts uploading at once per rank (memory: one more part being filled)         |
 | DISTCKPT_OBJECT_LEASE_S         | 30  | a save lease not renewed for this long belongs to a dead save                 |
 | DISTCKPT_OBJECT_CONDITIONAL     | 1   | 1: MANIFEST by conditional create (If-None-Match: *); 0: HEAD + PUT + read-back |
+| DISTCKPT_OBJECT_REQUEST_TIMEOUT_S | 30 | distckpt's own deadline of one object-store request (plus its body at the rate below) |
+| DISTCKPT_OBJECT_MIN_RATE        | 4M  | bytes/s a request body must at least move at before its deadline (objrequest)  |
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ KNOWN_VARIABLES = (
     "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING",
     # object stores (distckpt.storage.objectstore.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
-    "DISTCKPT_OBJECT_CONDITIONAL",
+    "DISTCKPT_OBJECT_CONDITIONAL", "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "DISTCKPT_OBJECT_MIN_RATE",
     # launch/env.sh (where the venv goes) and the tests (crash sweeps, the S3 server's switches)
     "DISTCKPT_VENV", "DISTCKPT_ROOT", "DISTCKPT_CRASH_SEED", "DISTCKPT_CRASH_KILLS",
     "DISTCKPT_TEST_S3_IGNORE_IF_NONE_MATCH",

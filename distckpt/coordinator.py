@@ -1067,7 +1067,9 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
                 verdict.committed = True
                 committed = True
             published = published or getattr(exc, "published", False)
-            if not published:
+            # A commit whose outcome is unknown, or whose MANIFEST may still land (an object
+            # store's PUT that lost its answer), keeps its data: the store says so (``data_kept``).
+            if not published and not getattr(exc, "data_kept", False):
                 try:
                     store.abort(tmp_dir, world)
                 except DistCkptError as cleanup_exc:

@@ -11,6 +11,7 @@ leftovers and the incomplete multipart upload removed by the next save).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -196,8 +197,11 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
     url = s3_bucket.url + "/race/step_00000001"
     store = open_store(url, opts)
     winner = {"w": torch.full((4000,), 1.0)}
-    real_pipe = store.fs.pipe_file
+    real_pipe = store.fs._pipe_file  # the coroutine every object-store request of distckpt runs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    # The other job runs inside our MANIFEST request: give that request and our lease room for it.
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "600")
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "900")
 
     def other_job(overwrite: bool) -> None:
         # Another job (its own process, its own lease: a manager's root lock) saves the same path.
@@ -206,20 +210,20 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
         subprocess.run([sys.executable, "-c", code, url, repr(opts), "1" if overwrite else "0",
                         s3_bucket.url + "/race/.distckpt.lock"], env=env, check=True, timeout=120)
 
-    def racing_pipe(path, data, *args, **kwargs):
+    async def racing_pipe(path, data, *args, **kwargs):
         # The other save's MANIFEST lands right before (server) or right after (readback) ours.
         if path.endswith("/MANIFEST") and not racing_pipe.done:
             racing_pipe.done = True
             if conditional == "server":
-                other_job(overwrite=False)
-                return real_pipe(path, data, *args, **kwargs)
-            out = real_pipe(path, data, *args, **kwargs)
-            other_job(overwrite=True)
+                await asyncio.to_thread(other_job, False)
+                return await real_pipe(path, data, *args, **kwargs)
+            out = await real_pipe(path, data, *args, **kwargs)
+            await asyncio.to_thread(other_job, True)
             return out
-        return real_pipe(path, data, *args, **kwargs)
+        return await real_pipe(path, data, *args, **kwargs)
 
     racing_pipe.done = False
-    monkeypatch.setattr(store.fs, "pipe_file", racing_pipe)
+    monkeypatch.setattr(store.fs, "_pipe_file", racing_pipe)
     with pytest.raises(CheckpointExistsError):
         distckpt.save({"w": torch.full((4000,), 2.0)}, url, storage_options=opts)
     monkeypatch.undo()

@@ -39,7 +39,8 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from ..errors import DistCkptError, EndpointUnreachableError, ObjectStoreAccessError, ObjectStoreError
-from .objerrors import call_with_retry, client_config, translate
+from .objerrors import client_config, translate
+from .objrequest import run
 
 __all__ = ["check_object_store", "object_store_checks", "PROBE_PREFIX"]
 
@@ -102,7 +103,7 @@ def _credentials(fs, url: str, rank: int | None) -> str:
     import fsspec.asyn
 
     fs.connect()
-    creds = fsspec.asyn.sync(fs.loop, fs.session.get_credentials)
+    creds = fsspec.asyn.sync(fs.loop, fs.session.get_credentials, timeout=CONNECT_TIMEOUT_S * 3)
     if creds is None:
         raise ObjectStoreAccessError(
             f"no credentials for the object store were found for {url}: none in storage_options, the AWS "
@@ -150,8 +151,8 @@ def _run_checks(url: str, storage_options: Mapping[str, Any] | None, rank: int |
             return out
 
         def bucket_check():
-            call_with_retry(lambda: fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1),
-                            url=url, operation="list bucket", rank=rank, endpoint=endpoint)
+            run(fs.loop, lambda: fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1),
+                url=url, operation="list bucket", rank=rank, endpoint=endpoint)
             return f"bucket {bucket!r} exists and may be listed", {"bucket": bucket}
         if not step("object_bucket", bucket_check):
             return out
@@ -168,31 +169,30 @@ def _probe(fs, url: str, protocol: str, bucket: str, prefix: str, rank: int | No
     created = False
     try:
         if is_s3:
-            def put():
-                return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"distckpt probe", IfNoneMatch="*")
-            call_with_retry(put, url=probe_url, operation="create probe object", rank=rank, endpoint=endpoint)
+            def put(body):
+                return lambda: fs._call_s3("put_object", Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+            run(fs.loop, put(b"distckpt probe"), url=probe_url, operation="create probe object", rank=rank,
+                endpoint=endpoint)
             created = True
             try:  # again: a server that honours If-None-Match must refuse
-                fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"distckpt probe 2", IfNoneMatch="*")
+                run(fs.loop, put(b"distckpt probe 2"), url=probe_url, operation="create probe object again",
+                    rank=rank, endpoint=endpoint, conditional=True)
                 conditional = False
-            except Exception as exc:  # noqa: BLE001
-                err = translate(exc, url=probe_url, operation="create probe object again", rank=rank,
-                                endpoint=endpoint, conditional=True)
-                if not isinstance(err, FileExistsError):
-                    raise err from exc
+            except FileExistsError:  # CheckpointExistsError: the precondition failed, as it must
                 conditional = True
-            call_with_retry(lambda: fs.call_s3("delete_object", Bucket=bucket, Key=key), url=probe_url,
-                            operation="delete probe object", rank=rank, endpoint=endpoint)
+            run(fs.loop, lambda: fs._call_s3("delete_object", Bucket=bucket, Key=key), url=probe_url,
+                operation="delete probe object", rank=rank, endpoint=endpoint)
         else:
-            call_with_retry(lambda: fs.pipe_file(f"{bucket}/{key}", b"distckpt probe"), url=probe_url,
-                            operation="create probe object", rank=rank)
+            run(fs.loop, lambda: fs._pipe_file(f"{bucket}/{key}", b"distckpt probe"), url=probe_url,
+                operation="create probe object", rank=rank)
             created = True
             conditional = None
-            call_with_retry(lambda: fs.rm_file(f"{bucket}/{key}"), url=probe_url, operation="delete probe object",
-                            rank=rank)
+            run(fs.loop, lambda: fs._rm_file(f"{bucket}/{key}"), url=probe_url, operation="delete probe object",
+                rank=rank)
         created = False
         fs.invalidate_cache()
-        if fs.exists(f"{bucket}/{key}"):
+        if run(fs.loop, lambda: fs._exists(f"{bucket}/{key}"), url=probe_url, operation="check the probe is gone",
+               rank=rank, endpoint=endpoint):
             raise ObjectStoreError(f"the probe object {probe_url} is still there after it was deleted",
                                    path=probe_url, rank=rank, errno=_errno.EIO, url=probe_url,
                                    operation="delete probe object", code=None, status=None, endpoint=endpoint,
@@ -201,7 +201,8 @@ def _probe(fs, url: str, protocol: str, bucket: str, prefix: str, rank: int | No
     finally:
         if created:
             with contextlib.suppress(Exception):
-                fs.rm_file(f"{bucket}/{key}")
+                run(fs.loop, lambda: fs._rm_file(f"{bucket}/{key}"), url=probe_url, operation="delete probe object",
+                    rank=rank, endpoint=endpoint)
     where = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
     msg = f"{where} is writable (probe object created and deleted)"
     if conditional is False:

@@ -41,7 +41,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import crc32c as _crc32c
 
@@ -52,7 +52,8 @@ from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointI
 from ..config import get_config
 from ..plan import ALIGNMENT, assign_offsets
 from . import Store, join
-from .objerrors import acall_with_retry, call_with_retry, client_config, translate
+from . import objrequest
+from .objerrors import client_config, translate
 
 __all__ = ["ObjectStore", "Lease", "NoSuchKey", "translate_error", "settings"]
 
@@ -159,22 +160,62 @@ class ObjectStore(Store):
     def _url(self, key: str) -> str:
         return f"{self.protocol}://{key}"
 
-    def _call(self, operation: str, url: str, fn: Callable, *args, rank: int | None = None, **kwargs):
-        """``fn(*args, **kwargs)`` with throttles retried (bounded) and failures typed. A plain
-        "no such key" is :class:`NoSuchKey` for the caller to give its meaning (a missing
-        MANIFEST, a missing data object); a missing bucket is BucketNotFoundError (which a
-        caller catching NoSuchKey does not catch)."""
+    def _call(self, operation: str, url: str, method: str, *args, rank: int | None = None, nbytes: int = 0,
+              conditional: bool = False, timeout_s: float | None = None, **kwargs):
+        """The file system's coroutine ``_<method>(*args, **kwargs)`` as one request of
+        :mod:`distckpt.storage.objrequest`: under a deadline (``timeout_s``, else the default for
+        ``nbytes`` of body), throttles retried (bounded), failures typed. A plain "no such key"
+        is :class:`NoSuchKey` for the caller to give its meaning (a missing MANIFEST, a missing
+        data object); a missing bucket is BucketNotFoundError (which a caller catching NoSuchKey
+        does not catch).
+
+        Raises:
+            NoSuchKey, EndpointUnreachableError (no answer within the deadline), and the typed
+            errors of :func:`distckpt.storage.objerrors.translate`.
+        """
+        coro = getattr(self.fs, "_" + method)
         try:
-            return call_with_retry(lambda: fn(*args, **kwargs), url=url, operation=operation, rank=rank,
-                                   endpoint=self.endpoint)
+            return objrequest.run(self.fs.loop, lambda: coro(*args, **kwargs), url=url, operation=operation,
+                                  rank=rank, endpoint=self.endpoint, conditional=conditional, timeout_s=timeout_s,
+                                  nbytes=nbytes)
         except DistCkptError as exc:
             if type(exc).__name__ == "ObjectNotFoundError":
                 raise NoSuchKey(url) from exc
             raise
 
+    def _s3(self, operation: str, url: str, api: str, *, rank: int | None = None, nbytes: int = 0,
+            conditional: bool = False, timeout_s: float | None = None, **params):
+        """One S3 API call (``api``: ``put_object``, ``list_objects_v2``...) through :meth:`_call`."""
+        return self._call(operation, url, "call_s3", api, rank=rank, nbytes=nbytes, conditional=conditional,
+                          timeout_s=timeout_s, **params)
+
+    def _get_with_etag(self, url: str, limit: int) -> tuple[bytes, str] | None:
+        """The whole object at ``url`` and its ETag from one GET (so the two belong together), or
+        None when it does not exist; an object above ``limit`` bytes is ManifestCorruptError."""
+        bucket, key, _ = self.fs.split_path(self._key(url))
+
+        async def get():
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            body = resp["Body"]
+            try:
+                if int(resp.get("ContentLength") or 0) > limit:
+                    raise ManifestCorruptError(f"{url} has {resp.get('ContentLength')} bytes, more than the {limit} "
+                                               f"allowed", path=url, expected=f"<= {limit}",
+                                               found=resp.get("ContentLength"))
+                data = await body.read()
+            finally:
+                body.close()
+            return data, resp.get("ETag")
+        try:
+            return objrequest.run(self.fs.loop, get, url=url, operation="get", endpoint=self.endpoint, nbytes=limit)
+        except DistCkptError as exc:
+            if type(exc).__name__ == "ObjectNotFoundError":
+                return None
+            raise
+
     def _exists(self, url: str) -> bool:
         try:  # info, not fs.exists: exists() says False for a missing bucket or a refused request
-            self._call("head", url, self.fs.info, self._key(url))
+            self._call("head", url, "info", self._key(url))
             return True
         except NoSuchKey:
             return False
@@ -182,13 +223,13 @@ class ObjectStore(Store):
     def _read_small(self, url: str, limit: int) -> bytes | None:
         """The whole object at ``url`` (None when absent), refusing one above ``limit`` bytes."""
         try:
-            info = self._call("head", url, self.fs.info, self._key(url))
+            info = self._call("head", url, "info", self._key(url))
             if info.get("type") == "directory":
                 return None
             if info["size"] > limit:
                 raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
                                               path=url, expected=f"<= {limit}", found=info["size"])
-            return self._call("get", url, self.fs.cat_file, self._key(url))
+            return self._call("get", url, "cat_file", self._key(url), nbytes=info["size"])
         except NoSuchKey:
             return None
 
@@ -237,7 +278,7 @@ class ObjectStore(Store):
             url = self.data_url(path, manifest, i)
             entry = manifest.files[i]
             try:
-                size = self._call("head", url, self.fs.info, self._key(url))["size"]
+                size = self._call("head", url, "info", self._key(url))["size"]
             except NoSuchKey:
                 raise DataFileMissingError(f"data object {manifest.save_id}/{entry.name} listed in MANIFEST is "
                                            f"missing", path=url) from None
@@ -329,12 +370,29 @@ class ObjectStore(Store):
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
         """Write MANIFEST (the commit point). Returns the replaced save's data prefix, or None.
 
+        First every data object MANIFEST names is checked (one HEAD each), then the lease is
+        proven still held (:meth:`Lease.ensure_held`), and the MANIFEST's PUT is sent with a
+        deadline inside the lease's remaining window: it cannot land after another save may have
+        broken the lease and reclaimed this save's data.
+
+        A PUT that fails without a definite answer (no answer within its deadline, a reset
+        connection) may have landed all the same: the MANIFEST there is read back
+        (:meth:`_resolve_lost_answer`); one that carries this save's id means the save is committed
+        (this returns normally). Any other outcome raises with ``data_kept = True``: the caller
+        must not delete the save's data (the PUT may still land; the next save's reclaim deletes
+        the data once no MANIFEST names it); ``commit_unknown = True`` and ``committed = None``
+        when even the read-back failed.
+
         Raises:
             CheckpointExistsError: another save committed ``final`` first (its MANIFEST is kept).
+            SaveInProgressError: the lease was taken over, or could not be renewed.
+            DataFileMissingError, DataFileTruncatedError: a data object is gone or short.
+            EndpointUnreachableError and the other typed request errors (see above).
         """
         url = join(final, mf.MANIFEST_NAME)
         save_id = _basename(area)
-        self._check_before_commit(area, final, manifest)
+        m = mf.decode_header(manifest)
+        self.data_readers(_parent(area), m, list(range(len(m.files))))
         old = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
         old_id = None
         if old is not None:
@@ -343,44 +401,64 @@ class ObjectStore(Store):
                                             path=final, remedy="Save to another path, or pass overwrite=True.")
             old_id = mf.decode_header(old, path=url).save_id
         conditional = settings()["conditional"] and old is None
+        timeout = objrequest.request_timeout(len(manifest))
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            window = lease.ensure_held()
+            if window < 0.25:
+                raise SaveInProgressError(
+                    f"too little of the save lease {lease.url} is left to commit {final} safely ({window:.2f} s)",
+                    path=final, rank=0, owner=None,
+                    remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S (the endpoint answers slowly).")
+            timeout = min(timeout, window)
         try:
-            call_with_retry(lambda: self.fs.pipe_file(self._key(url), manifest,
-                                                      mode="create" if conditional else "overwrite"),
-                            url=url, operation="write MANIFEST", rank=0, endpoint=self.endpoint,
-                            conditional=conditional)
+            self._call("write MANIFEST", url, "pipe_file", self._key(url), manifest,
+                       mode="create" if conditional else "overwrite", rank=0, conditional=conditional,
+                       nbytes=len(manifest), timeout_s=timeout)
         except CheckpointExistsError:
             # The create lost, or a retried create found the object its own first try wrote
             # (the answer was lost): only the save id in the MANIFEST there can tell.
             if self.committed_save_id(final) != save_id:
                 raise
+        except DistCkptError as exc:
+            self._resolve_lost_answer(final, save_id, old_id, exc)
         if not conditional:
             # Read back: the MANIFEST now there must be this save's. Without a conditional create
-            # (or when two overwrites race) the last PUT wins; the loser learns it here.
-            back = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
-            if back is None or mf.decode_header(back, path=url).save_id != save_id:
+            # (or when two overwrites race) the last PUT wins; the loser learns it here. The PUT
+            # succeeded, so a read-back that fails leaves the save committed unless another raced.
+            try:
+                back = self.committed_save_id(final)
+            except (DistCkptError, NoSuchKey) as exc:
+                raise _outcome_unknown(exc, final, save_id, f"the MANIFEST was written but reading it back failed")
+            if back != save_id:
                 raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
                                             f"save id)", path=final, remedy="Save to another path.")
         return join(final, old_id) if old_id and old_id != save_id else None
 
-    def _check_before_commit(self, area: str, final: str, manifest: bytes) -> None:
-        """Right before MANIFEST: this save still holds its lease (a save stalled past its lease
-        may have had its data reclaimed by another), and every data object MANIFEST names is
-        there with its size (one HEAD each).
-
-        Raises:
-            SaveInProgressError: the lease was taken over by another save.
-            DataFileMissingError, DataFileTruncatedError: a data object is gone or short.
-        """
-        lease = getattr(self, "_lease", None)
-        if lease is not None:
-            rec = Lease.read(self, lease.url)
-            if rec is None or rec.get("save_id") != lease.record["save_id"]:
-                raise SaveInProgressError(
-                    f"this save lost its lease {lease.url} before its commit (stalled for more than "
-                    f"{lease.record['lease_s']:.0f} s?); now held by {rec}", path=final, rank=0, owner=rec,
-                    remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long.")
-        m = mf.decode_header(manifest)
-        self.data_readers(area.rsplit("/", 1)[0], m, list(range(len(m.files))))
+    def _resolve_lost_answer(self, final: str, save_id: str, old_id: str | None, exc: DistCkptError) -> None:
+        """The MANIFEST's PUT raised ``exc`` without a definite answer, so it may have landed (or
+        may still land: a request can reach the server after the client gave up on it). Read the
+        MANIFEST back: this save's id there means committed (return). Otherwise raise, with the
+        data kept (``data_kept``): deleting it now could leave a late-landing MANIFEST without its
+        data, and the next save's reclaim deletes it once no MANIFEST names it. Nothing (or the
+        replaced save's id) there: ``exc``, ``committed = False``. Another save's id:
+        CheckpointExistsError. The read-back fails too: ``exc`` marked ``commit_unknown``."""
+        try:
+            there = self.committed_save_id(final)
+        except (DistCkptError, NoSuchKey) as check:
+            raise _outcome_unknown(exc, final, save_id, f"reading the MANIFEST back failed: {check}")
+        if there == save_id:
+            log.warning("distckpt: the answer to the MANIFEST write of %s was lost (%s), but it landed: committed",
+                        final, exc)
+            return
+        if there is None or there == old_id:
+            exc.committed, exc.data_kept, exc.save_id = False, True, save_id
+            raise exc
+        err = CheckpointExistsError(f"another save committed {final} while this one was writing (its MANIFEST, "
+                                    f"save {there}, is there; this save's request failed: {exc.message})",
+                                    path=final, rank=0, remedy="Save to another path, or pass overwrite=True.")
+        err.data_kept = True
+        raise err from exc
 
     def discard(self, replaced: str) -> None:
         self.delete_prefix(replaced)
@@ -406,7 +484,7 @@ class ObjectStore(Store):
         while True:
             kw = {"ContinuationToken": token} if token else {}
             try:
-                page = self._call("list", prefix, self.fs.call_s3, "list_objects_v2", Bucket=bucket, Prefix=key, **kw)
+                page = self._s3("list", prefix, "list_objects_v2", Bucket=bucket, Prefix=key, **kw)
             except NoSuchKey:
                 return out
             out += [o["Key"][len(key):] for o in page.get("Contents") or [] if not o["Key"].endswith("/")]
@@ -422,14 +500,13 @@ class ObjectStore(Store):
         rel = self.objects(prefix)
         for i in range(0, len(rel), 1000):
             batch = [{"Key": key + r} for r in rel[i:i + 1000]]
-            self._call("delete", prefix, self.fs.call_s3, "delete_objects", Bucket=bucket,
-                       Delete={"Objects": batch, "Quiet": True})
+            self._s3("delete", prefix, "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
         # Directory markers some servers keep (SeaweedFS), deepest first; absent keys are no-ops.
         dirs = {key + r.rsplit("/", 1)[0] + "/" for r in rel if "/" in r} | {key}
         for d in sorted(dirs, key=len, reverse=True):
             try:
-                self.fs.call_s3("delete_object", Bucket=bucket, Key=d)
-            except Exception:  # noqa: BLE001 - cosmetic: an empty "directory" holds no data
+                self._s3("delete", self._url(f"{bucket}/{d}"), "delete_object", Bucket=bucket, Key=d)
+            except (DistCkptError, NoSuchKey):  # cosmetic: an empty "directory" holds no data
                 pass
         self.fs.invalidate_cache(self._key(prefix))
 
@@ -437,15 +514,16 @@ class ObjectStore(Store):
         bucket, key, _ = self.fs.split_path(self._key(prefix))
         out = []
         try:
-            listing = self._call("list uploads", prefix, self.fs.call_s3, "list_multipart_uploads", Bucket=bucket,
-                                 Prefix=key.rstrip("/") + "/")
+            listing = self._s3("list uploads", prefix, "list_multipart_uploads", Bucket=bucket,
+                               Prefix=key.rstrip("/") + "/")
         except (NoSuchKey, AttributeError):
             return out
         for up in listing.get("Uploads") or []:
             try:
-                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                self._s3("abort upload", prefix, "abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                         UploadId=up["UploadId"])
                 out.append(up["Key"])
-            except Exception as exc:  # noqa: BLE001 - best effort; the next reclaim retries
+            except (DistCkptError, NoSuchKey) as exc:  # best effort; the next reclaim retries
                 log.warning("distckpt: could not abort the multipart upload of %s: %s", up["Key"], exc)
         return out
 
@@ -485,7 +563,7 @@ class ObjectStore(Store):
     def list_children(self, root: str) -> list[str]:
         """Names of the 'directories' directly under ``root`` (no MANIFEST check)."""
         try:
-            entries = self._call("list", root, self.fs.ls, self._key(root), detail=True)
+            entries = self._call("list", root, "ls", self._key(root), detail=True)
         except NoSuchKey:
             return []
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
@@ -516,13 +594,13 @@ class ObjectStore(Store):
         bucket, key, _ = self.fs.split_path(self._key(prefix))
         key = key.rstrip("/") + "/"
         try:
-            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
-        except Exception:  # noqa: BLE001 - not S3: no multipart listing
+            listing = self._s3("list uploads", prefix, "list_multipart_uploads", Bucket=bucket, Prefix=key)
+        except (NoSuchKey, AttributeError):  # not S3: no multipart listing
             return []
         return [u["Key"][len(key):] for u in listing.get("Uploads") or []]
 
     def replace_pointer(self, url: str, data: bytes) -> None:
-        self._call("put", url, self.fs.pipe_file, self._key(url), data)
+        self._call("put", url, "pipe_file", self._key(url), data, nbytes=len(data))
 
     def read_pointer(self, url: str) -> str | None:
         data = self._read_small(url, 4096)
@@ -533,10 +611,22 @@ class ObjectStore(Store):
         DELETE), then its data; a crash in between leaves a prefix the next reclaim removes."""
         url = join(path, mf.MANIFEST_NAME)
         try:
-            self._call("delete", url, self.fs.rm_file, self._key(url))
+            self._call("delete", url, "rm_file", self._key(url))
         except NoSuchKey:
             pass
         self.delete_prefix(path)
+
+
+def _outcome_unknown(exc: BaseException, final: str, save_id: str, why: str) -> BaseException:
+    """``exc`` marked as a commit whose outcome is unknown: ``commit_unknown``, ``committed =
+    None``, ``data_kept`` (the caller must not delete the save's data) and ``save_id``."""
+    exc.committed, exc.commit_unknown, exc.data_kept, exc.save_id = None, True, True, save_id
+    if isinstance(exc, DistCkptError):
+        exc.message = (f"{exc.message}; whether the MANIFEST of {final} is this save's is unknown ({why}), so the "
+                       f"data of save {save_id} is kept: if {final}/MANIFEST carries save_id {save_id}, the checkpoint "
+                       f"is committed and complete")
+        exc.args = (exc.message,)
+    return exc
 
 
 def protocol_of(url: str) -> str:
@@ -562,8 +652,8 @@ class _RangeReader:
     def read_into(self, requests) -> None:
         for offset, nbytes, dest in requests:
             try:
-                data = self.store._call("get", self.url, self.store.fs.cat_file, self.key, start=offset,
-                                        end=offset + nbytes)
+                data = self.store._call("get", self.url, "cat_file", self.key, start=offset, end=offset + nbytes,
+                                        nbytes=nbytes)
             except NoSuchKey:
                 raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
                                            path=self.url) from None
@@ -605,33 +695,29 @@ class _Upload:
         self.pending: list[tuple[int, concurrent.futures.Future, bytearray]] = []
         self.parts: list[dict] = []
 
-    def _submit(self, coro_fn, *args, **kwargs) -> concurrent.futures.Future:
-        import asyncio
-        return asyncio.run_coroutine_threadsafe(coro_fn(*args, **kwargs), self.fs.loop)
-
     def _reap(self, block_until: int) -> None:
         """Collect finished parts; wait while more than ``block_until`` are in flight."""
         while self.pending and (len(self.pending) > block_until or self.pending[0][1].done()):
             number, fut, buf = self.pending.pop(0)
             try:
-                out = fut.result()
-            except Exception as exc:  # noqa: BLE001 - typed by acall_with_retry; anything else here
+                out = objrequest.wait(fut, timeout_s=objrequest.request_timeout(len(buf)), url=self.url,
+                                      operation=f"upload part {number}", rank=self.rank, endpoint=self.store.endpoint)
+            except Exception as exc:  # noqa: BLE001 - typed by objrequest; anything else here
                 raise translate_error(exc, self.url, self.rank, f"upload part {number}", self.store.endpoint) from exc
             self.parts.append({"PartNumber": number, "ETag": out["ETag"]})
             self.pool.append(buf)
 
     def _flush_part(self) -> None:
         if self.upload_id is None:
-            self.upload_id = self.store._call("create multipart upload", self.url, self.fs.call_s3,
-                                              "create_multipart_upload", Bucket=self.bucket, Key=self.key,
-                                              rank=self.rank)["UploadId"]
+            self.upload_id = self.store._s3("create multipart upload", self.url, "create_multipart_upload",
+                                            Bucket=self.bucket, Key=self.key, rank=self.rank)["UploadId"]
         number = len(self.parts) + len(self.pending) + 1
         body = memoryview(self.buf)[:self.fill]
         data = bytes(body) if self.fill < len(self.buf) else self.buf
         call = lambda: self.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.key,  # noqa: E731
                                         PartNumber=number, UploadId=self.upload_id, Body=data)
-        fut = self._submit(acall_with_retry, call, url=self.url, operation=f"upload part {number}", rank=self.rank,
-                           endpoint=self.store.endpoint)
+        fut = objrequest.submit(self.fs.loop, call, url=self.url, operation=f"upload part {number}", rank=self.rank,
+                                endpoint=self.store.endpoint, nbytes=len(data))
         self.pending.append((number, fut, self.buf))
         self._reap(self.in_flight)  # at most in_flight parts uploading, one more being filled
         self.buf = self.pool.pop() if self.pool else bytearray(self.part_size)
@@ -654,54 +740,95 @@ class _Upload:
 
     def finish(self) -> int:
         if not self.multipart:
-            self.store._call("put", self.url, self.fs.pipe_file, self.store._key(self.url),
-                             bytes(memoryview(self.buf)[:self.fill]), rank=self.rank)
+            self.store._call("put", self.url, "pipe_file", self.store._key(self.url),
+                             bytes(memoryview(self.buf)[:self.fill]), rank=self.rank, nbytes=self.fill)
             return self.written
         if self.fill:
             self._flush_part()
         self._reap(0)
-        self.store._call("complete multipart upload", self.url, self.fs.call_s3, "complete_multipart_upload",
-                         Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, rank=self.rank,
-                         MultipartUpload={"Parts": sorted(self.parts, key=lambda p: p["PartNumber"])})
+        self.store._s3("complete multipart upload", self.url, "complete_multipart_upload",
+                       Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, rank=self.rank,
+                       MultipartUpload={"Parts": sorted(self.parts, key=lambda p: p["PartNumber"])})
         self.upload_id = None
         return self.written
 
     def abort(self) -> None:
-        for _, fut, _ in self.pending:
-            try:
-                fut.result()
+        for _, fut, buf in self.pending:
+            try:  # each part has its own deadline: this wait is bounded
+                objrequest.wait(fut, timeout_s=objrequest.request_timeout(len(buf)), url=self.url,
+                                operation="upload part", rank=self.rank, endpoint=self.store.endpoint)
             except Exception:  # noqa: BLE001 - the upload is aborted anyway
                 pass
         self.pending.clear()
         if self.upload_id is not None:
             try:
-                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
-            except Exception as exc:  # noqa: BLE001 - the next reclaim aborts it
+                self.store._s3("abort upload", self.url, "abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                               UploadId=self.upload_id, rank=self.rank)
+            except (DistCkptError, NoSuchKey) as exc:  # the next reclaim aborts it
                 log.warning("distckpt: could not abort the upload of %s: %s", self.url, exc)
             self.upload_id = None
 
 
 class Lease:
-    """The liveness lock of a save on an object store (flock does not exist there): an object
-    holding {host, pid, save_id, what, started_unix, renewed_unix, lease_s}, created with a
-    conditional create and renewed by a heartbeat thread every ``lease_s / 4`` until released.
-    A lease whose renewal is older than ``lease_s`` is dead: its save crashed (or hangs)."""
+    """The liveness lock of a save on an object store (flock does not exist there).
 
-    def __init__(self, store: ObjectStore, url: str, record: dict) -> None:
-        self.store, self.url, self.record = store, url, record
+    An object holding {host, pid, save_id, what, started_unix, renewed_unix, lease_s, beat}. Every
+    write of it is conditional on what the writer last saw, so that ownership changes hands
+    exactly once and a stalled holder can never overwrite its successor:
+
+      * taken with a conditional create (``If-None-Match: *``);
+      * a lease whose renewal is older than ``lease_s`` is dead (its save crashed or is stuck);
+        it is broken by overwriting it with ``If-Match: <the ETag read with the dead record>``:
+        of several savers that found it dead together, exactly one wins, the others see a live
+        lease and get SaveInProgressError (there is no delete-then-create window);
+      * renewed by a heartbeat every ``lease_s / 4`` with ``If-Match: <own last ETag>``: a save
+        whose lease was taken over learns it (``lost``) and never writes the lease again. The
+        heartbeat also stops renewing while a request of this process is stuck past its deadline
+        (:func:`distckpt.storage.objrequest.in_flight_overdue`), so a stuck save's lease lapses;
+      * released with ``DELETE If-Match: <own ETag>``, never deleting another save's lease.
+
+    A write whose answer was lost may still have landed: when a conditional write fails, the
+    record there is read back, and one that carries this save's id is this save's own (save ids
+    are unique), so its ETag is adopted.
+
+    :meth:`ensure_held` (before a commit) renews once and returns how long the lease is certain to
+    stay valid: the MANIFEST's PUT is sent only with a deadline inside that window, so it cannot
+    land after another save may have broken the lease and reclaimed this save's data.
+
+    Without conditional writes (DISTCKPT_OBJECT_CONDITIONAL=0) each conditional write is emulated
+    by reading the ETag just before writing, which narrows the races to that gap but cannot close
+    them (docs/OBJECT_STORES.md).
+    """
+
+    def __init__(self, store: ObjectStore, url: str, record: dict, etag: str | None) -> None:
+        self.store, self.url, self.record, self.etag = store, url, record, etag
+        self.lost: dict | None = None     # the record found when this lease turned out taken over
+        self.proven = time.monotonic()    # when the last write that proved ownership was sent
+        self._lock = threading.Lock()     # one write of the lease at a time (heartbeat vs commit)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="distckpt-lease", daemon=True)
 
+    # -- reading ----------------------------------------------------------------------------------
+
     @staticmethod
-    def read(store: ObjectStore, url: str) -> dict | None:
-        data = store._read_small(url, 1 << 16)
-        if data is None:
-            return None
+    def _parse(data: bytes) -> dict:
         try:
             rec = json.loads(data)
             return rec if isinstance(rec, dict) else {}
         except ValueError:
             return {}
+
+    @staticmethod
+    def read(store: ObjectStore, url: str) -> dict | None:
+        """The record of the lease at ``url`` ({} when unreadable), or None when there is none."""
+        got = store._get_with_etag(url, 1 << 16)
+        return None if got is None else Lease._parse(got[0])
+
+    @staticmethod
+    def read_versioned(store: ObjectStore, url: str) -> tuple[dict | None, str | None]:
+        """(record, ETag) of the lease at ``url`` from one GET, or (None, None)."""
+        got = store._get_with_etag(url, 1 << 16)
+        return (None, None) if got is None else (Lease._parse(got[0]), got[1])
 
     @staticmethod
     def is_live(rec: dict, now: float | None = None) -> bool:
@@ -710,63 +837,157 @@ class Lease:
         except (KeyError, TypeError, ValueError):
             return False
 
+    # -- conditional writes -----------------------------------------------------------------------
+
+    @staticmethod
+    def _put(store: ObjectStore, url: str, record: dict, *, match: str | None, operation: str, rank: int | None,
+             timeout_s: float | None = None) -> str | None:
+        """Write ``record`` at ``url`` if the object there is in the state the writer saw:
+        absent (``match`` None) or with ETag ``match``. Returns the new ETag.
+
+        Raises:
+            CheckpointExistsError: the object there is not what the writer saw.
+        """
+        bucket, key, _ = store.fs.split_path(store._key(url))
+        body = json.dumps(record).encode()
+        cond = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
+        if not settings()["conditional"]:
+            _, now_etag = Lease.read_versioned(store, url)
+            if now_etag != match:
+                raise CheckpointExistsError(f"{operation}: {url} changed since it was read", path=url, rank=rank)
+            cond = {}
+        out = store._s3(operation, url, "put_object", Bucket=bucket, Key=key, Body=body, rank=rank,
+                        conditional=True, nbytes=len(body), timeout_s=timeout_s, **cond)
+        return out.get("ETag")
+
+    # -- taking, renewing, releasing --------------------------------------------------------------
+
     @classmethod
     def acquire(cls, store: ObjectStore, url: str, *, save_id: str, what: str, rank: int) -> "Lease":
         """Take the lease at ``url``, breaking a dead one.
 
         Raises:
-            SaveInProgressError: a live lease of another save is there.
+            SaveInProgressError: a live lease of another save is there (or others kept taking it).
+            EndpointUnreachableError and the other typed errors of a request.
         """
         lease_s = settings()["lease_s"]
-        now = time.time()
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id, "what": what,
-                  "started_unix": now, "renewed_unix": now, "lease_s": lease_s}
-        for _attempt in range(3):
+        for _attempt in range(4):
+            now = time.time()
+            record = {"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id, "what": what,
+                      "started_unix": now, "renewed_unix": now, "lease_s": lease_s, "beat": 0}
+            sent = time.monotonic()
             try:
-                if settings()["conditional"]:
-                    store.fs.pipe_file(store._key(url), json.dumps(record).encode(), mode="create")
-                else:
-                    if store._exists(url):
-                        raise FileExistsError(url)
-                    store.fs.pipe_file(store._key(url), json.dumps(record).encode())
-                lease = cls(store, url, record)
-                lease._thread.start()
-                return lease
-            except Exception as exc:  # noqa: BLE001
-                typed = translate_error(exc, url, rank, "create the save lease", store.endpoint, conditional=True)
-                if not isinstance(typed, CheckpointExistsError):
-                    raise typed from exc
-            other = cls.read(store, url)
-            if other is not None and cls.is_live(other):
+                etag = cls._put(store, url, record, match=None, operation="create the save lease", rank=rank)
+                return cls(store, url, record, etag)._started(sent)
+            except CheckpointExistsError:
+                pass
+            other, other_etag = cls.read_versioned(store, url)
+            if other is not None and other.get("save_id") == save_id:  # our create landed; its answer was lost
+                return cls(store, url, record, other_etag)._started(sent)
+            if other is None:
+                continue  # released in between: create again
+            if cls.is_live(other):
                 raise SaveInProgressError(
                     f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
-                    f"{other.get('host')} pid {other.get('pid')}, renewed {time.time() - other['renewed_unix']:.0f} s ago)",
-                    path=what, rank=rank, owner=other)
+                    f"{other.get('host')} pid {other.get('pid')}, renewed "
+                    f"{time.time() - float(other['renewed_unix']):.0f} s ago)", path=what, rank=rank, owner=other)
             log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
+            sent = time.monotonic()
             try:
-                store.fs.rm_file(store._key(url))
-            except FileNotFoundError:
-                pass
+                etag = cls._put(store, url, record, match=other_etag, operation="take over the dead save lease",
+                                rank=rank)
+                return cls(store, url, record, etag)._started(sent)
+            except CheckpointExistsError:
+                mine, mine_etag = cls.read_versioned(store, url)
+                if mine is not None and mine.get("save_id") == save_id:
+                    return cls(store, url, record, mine_etag)._started(sent)
+                # another saver broke it first (or its owner renewed it): look again
         raise SaveInProgressError(f"could not take the save lease {url}: another save keeps taking it", path=what,
                                   rank=rank, owner=None)
+
+    def _started(self, sent: float) -> "Lease":
+        self.proven = sent
+        self._thread.start()
+        return self
+
+    def renew(self, timeout_s: float | None = None) -> bool:
+        """One conditional renewal. True when it proved ownership; False after a missed beat (an
+        error, or a request of this process stuck past its deadline: the lease is then left to
+        lapse) or when the lease was taken over (``lost`` says by whom). Never raises."""
+        with self._lock:
+            if self.lost is not None:
+                return False
+            overdue = objrequest.in_flight_overdue()
+            if overdue > 0:
+                log.warning("distckpt: not renewing the save lease %s: a request of this save is stuck %.0f s past its "
+                            "deadline", self.url, overdue)
+                return False
+            record = {**self.record, "renewed_unix": time.time(), "beat": int(self.record.get("beat", 0)) + 1}
+            sent = time.monotonic()
+            try:
+                try:
+                    self.etag = self._put(self.store, self.url, record, match=self.etag, operation="renew the save lease",
+                                          rank=0, timeout_s=timeout_s)
+                except CheckpointExistsError:
+                    there, etag = self.read_versioned(self.store, self.url)
+                    if there is None or there.get("save_id") != self.record["save_id"]:
+                        self.lost = there or {}
+                        log.error("distckpt: the save lease %s was taken over by %s; this save will not commit",
+                                  self.url, there)
+                        return False
+                    # Our previous write landed but its answer was lost: adopt it and write again.
+                    self.etag = self._put(self.store, self.url, record, match=etag, operation="renew the save lease",
+                                          rank=0, timeout_s=timeout_s)
+            except (DistCkptError, NoSuchKey) as exc:  # a missed beat; the lease lasts 4 periods
+                log.warning("distckpt: could not renew the save lease %s: %s", self.url, exc)
+                return False
+            self.record, self.proven = record, sent
+            return True
+
+    def ensure_held(self) -> float:
+        """Prove this save still holds the lease (one conditional renewal) and return the seconds
+        it is certain to stay valid: ``3/4 lease_s`` from when that renewal was sent (a quarter of
+        the lease is left for clock differences between hosts), less the time since.
+
+        Raises:
+            SaveInProgressError: the lease was taken over, or it could not be renewed.
+        """
+        lease_s = float(self.record["lease_s"])
+        if not self.renew(timeout_s=lease_s / 4):
+            owner = self.lost
+            why = (f"it is now held by {owner}" if owner is not None
+                   else "it could not be renewed (see the warning above)")
+            raise SaveInProgressError(
+                f"this save cannot prove it still holds its lease {self.url} before its commit: {why}", path=self.url,
+                rank=0, owner=owner,
+                remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long, or check "
+                       "the endpoint.")
+        return 0.75 * lease_s - (time.monotonic() - self.proven)
 
     def _beat(self) -> None:
         period = self.record["lease_s"] / 4
         while not self._stop.wait(period):
-            self.record["renewed_unix"] = time.time()
-            try:
-                self.store.fs.pipe_file(self.store._key(self.url), json.dumps(self.record).encode())
-            except Exception as exc:  # noqa: BLE001 - a missed beat; the lease lasts 4 periods
-                log.warning("distckpt: could not renew the save lease %s: %s", self.url, exc)
+            self.renew(timeout_s=period)
+            if self.lost is not None:
+                return
 
     def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours. Never raises."""
+        """Stop renewing and delete the lease if it is still ours. Never raises; bounded by the
+        request deadlines."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self.lost is not None:
+            return
+        bucket, key, _ = self.store.fs.split_path(self.store._key(self.url))
         try:
-            rec = Lease.read(self.store, self.url)
-            if rec is not None and rec.get("save_id") == self.record["save_id"]:
-                self.store.fs.rm_file(self.store._key(self.url))
-        except Exception as exc:  # noqa: BLE001 - it expires on its own
+            there, etag = self.read_versioned(self.store, self.url)
+            if there is None or there.get("save_id") != self.record["save_id"]:
+                return  # not ours (any more): never delete another save's lease
+            cond = {"IfMatch": etag} if settings()["conditional"] and etag else {}
+            self.store._s3("release the save lease", self.url, "delete_object", Bucket=bucket, Key=key, rank=0,
+                           conditional=True, **cond)
+        except CheckpointExistsError:
+            pass  # it changed between the read and the delete: someone else's now
+        except (DistCkptError, NoSuchKey) as exc:  # it expires on its own
             log.warning("distckpt: could not remove the save lease %s: %s", self.url, exc)

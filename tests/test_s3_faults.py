@@ -1,0 +1,331 @@
+"""Object-store saves under network faults, against the real test server behind a fault proxy.
+
+tests/s3proxy.py sits between s3fs and SeaweedFS and can stall a request (sent, never answered,
+the connection left open and silent), reset it, let the server act and then lose the answer (by a
+reset, or by silence), or delay it. What is held here:
+
+* every request of a save, faulted in turn: the save returns (the checkpoint is then the new one,
+  bit-exact) or raises a typed DistCkptError within a bound; the checkpoint it overwrote is still
+  there, bit-exact, unless the new one committed (and then the error says the outcome may be
+  committed); the next save of the path succeeds and leaves no leftover;
+* a silent endpoint mid-save gives every rank of a 2-rank job a typed error within a bound;
+* the lease races: two savers breaking one dead lease (exactly one wins), a stalled holder whose
+  late renewal lands after another save took over (it never overwrites the new lease), a
+  heartbeat that stops renewing while a request is stuck past its deadline;
+* a MANIFEST that landed while its answer was lost and the endpoint then went silent: the save
+  says the outcome is unknown and its data is kept, so the committed checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.errors import DistCkptError, EndpointUnreachableError, SaveInProgressError
+from distckpt.storage import open_store
+from tests.distributed import run_ranks
+from tests.s3proxy import FaultProxy
+
+MODES = ["stall", "reset", "lose_answer", "act_then_stall"]
+REQUEST_TIMEOUT_S = 2.0     # distckpt's request deadline in the faulted saves
+LEASE_S = 8.0
+BOUND_S = 45.0              # a faulted save returns or raises within this (deadlines + retries + load)
+
+
+@pytest.fixture
+def proxy(s3_server):
+    u = urlsplit(s3_server.endpoint)
+    px = FaultProxy((u.hostname, u.port))
+    yield px
+    px.close()
+
+
+def _proxied(options: dict, proxy: FaultProxy) -> dict:
+    opts = json.loads(json.dumps(options))
+    opts["client_kwargs"]["endpoint_url"] = proxy.endpoint
+    opts["skip_instance_cache"] = True  # its own client: the proxy's faults never reach the direct one
+    return opts
+
+
+def _state(v: float) -> dict:
+    # 8 MiB + a small tensor: with 5 MiB parts, the big one is a multipart upload of two parts.
+    return {"w": torch.arange(2 << 20, dtype=torch.float32) + v, "b": torch.full((100,), v), "step": int(v)}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("w", "b"))
+
+
+def _save_retrying_lease(state, url, opts):
+    """The next save of a path: a lease left by a save whose release was faulted lapses within
+    LEASE_S; one retry after it."""
+    try:
+        return distckpt.save(state, url, storage_options=opts, overwrite=True, no_dist=True)
+    except SaveInProgressError:
+        time.sleep(LEASE_S + 1)
+        return distckpt.save(state, url, storage_options=opts, overwrite=True, no_dist=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fault_at_every_request_of_an_overwriting_save(s3_bucket, proxy, monkeypatch, mode):
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(LEASE_S))
+    monkeypatch.setenv("DISTCKPT_OBJECT_PART_SIZE", "5M")
+    if mode != "stall":  # the pre-flight's requests (a listing, a probe object) are swept once, with stalls
+        monkeypatch.setenv("DISTCKPT_PREFLIGHT", "0")
+    direct = s3_bucket.storage_options
+    via = _proxied(direct, proxy)
+    url = f"{s3_bucket.url}/ckpt"
+    old, new = _state(1.0), _state(2.0)
+    distckpt.save(old, url, storage_options=direct, no_dist=True)
+    # The clean run: how many requests an overwriting save makes.
+    proxy.reset_log()
+    distckpt.save(new, url, storage_options=via, overwrite=True, no_dist=True)
+    n = len(proxy.log)
+    assert n >= 15, proxy.log
+    distckpt.save(old, url, storage_options=direct, overwrite=True, no_dist=True)
+
+    seen = []
+    for k in range(n):
+        proxy.reset_log()
+        proxy.rule = lambda i, method, path, k=k: mode if i == k else None
+        monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", str(REQUEST_TIMEOUT_S))
+        t0 = time.monotonic()
+        err = None
+        try:
+            distckpt.save(new, url, storage_options=via, overwrite=True, no_dist=True)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            err = exc
+        took = time.monotonic() - t0
+        proxy.rule = lambda i, method, path: None
+        monkeypatch.delenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S")
+        hit = proxy.log[k] if k < len(proxy.log) else None
+        seen.append((k, hit, type(err).__name__ if err else "saved"))
+        where = f"fault {mode} at request {k} {hit}"
+        assert took < BOUND_S, f"{where}: the save took {took:.0f} s"
+        try:
+            loaded = distckpt.read(url, storage_options=direct)
+        except DistCkptError as exc:
+            pytest.fail(f"{where}: the checkpoint does not load ({exc}); the save said {err!r}; requests {proxy.log}")
+        if err is None:
+            assert _equal(loaded, new), f"{where}: save returned but the checkpoint is not the new one"
+        else:
+            assert isinstance(err, DistCkptError), f"{where}: untyped {type(err).__name__}: {err}"
+            if _equal(loaded, new):
+                assert getattr(err, "committed", False) is not False, (
+                    f"{where}: the new checkpoint committed but the error says nothing was: {err}")
+            else:
+                assert _equal(loaded, old), f"{where}: the previous checkpoint was damaged ({err})"
+        # The next save of the path works and leaves nothing behind.
+        res = _save_retrying_lease(old, url, direct)
+        assert _equal(distckpt.read(url, storage_options=direct), old)
+        keys = set(s3_bucket.keys("ckpt"))
+        assert keys == {"ckpt/MANIFEST", f"ckpt/{res.save_id}/rank00000.bin"}, f"{where}: leftovers {keys}"
+        assert not [u for u in s3_bucket.multipart_uploads() if u["Key"].startswith("ckpt/")], where
+    print(f"{mode}: {len(seen)} requests faulted: {seen}")
+
+
+def _save_through_silence(rank, world, url, options, flag):
+    """One rank of a 2-rank save whose endpoint goes silent mid-save (tests' proxy)."""
+    os.environ["DISTCKPT_OBJECT_REQUEST_TIMEOUT_S"] = str(REQUEST_TIMEOUT_S)
+    os.environ["DISTCKPT_OBJECT_LEASE_S"] = str(LEASE_S)
+    state = {f"w{rank}": torch.full((1 << 20,), float(rank))}
+    t0 = time.monotonic()
+    try:
+        distckpt.save(state, url, storage_options=options)
+        return ("saved", "", time.monotonic() - t0, [])
+    except DistCkptError as exc:
+        causes = sorted({type(e).__name__ for e in (getattr(exc, "failures", None) or {}).values()})
+        return (type(exc).__name__, str(exc), time.monotonic() - t0, causes)
+    except Exception as exc:  # noqa: BLE001 - reported as untyped
+        return ("untyped " + type(exc).__name__, str(exc), time.monotonic() - t0, [])
+
+
+def test_silent_endpoint_mid_save_every_rank_typed_in_time(s3_bucket, proxy):
+    """The endpoint goes silent (requests sent, never answered, connections open) once the first
+    data object is being written: both ranks raise a typed error within a bound instead of hanging
+    forever; nothing is committed; once the endpoint answers again, the next save of the path works."""
+    url = f"{s3_bucket.url}/silent/step_00000001"
+    via = _proxied(s3_bucket.storage_options, proxy)
+    silent = threading.Event()
+
+    def rule(i, method, path):
+        if method == "PUT" and ".bin" in path:
+            silent.set()
+        return "stall" if silent.is_set() else None
+
+    proxy.rule = rule
+    results = run_ranks(_save_through_silence, 2, url, via, None, timeout=240)
+    assert silent.is_set(), "the save never reached its data upload"
+    for rank, (kind, text, seconds, causes) in enumerate(results):
+        assert kind not in ("saved",) and not kind.startswith("untyped"), f"rank {rank}: {kind}: {text}"
+        assert seconds < 90, f"rank {rank} took {seconds:.0f} s to give up"
+        assert "EndpointUnreachableError" in (causes or [kind]), f"rank {rank}: {kind} {causes}: {text}"
+    proxy.rule = lambda i, method, path: None
+    assert not s3_bucket.fs.exists(f"{s3_bucket.name}/silent/step_00000001/MANIFEST")
+    _save_retrying_lease({"w": torch.ones(10)}, url, s3_bucket.storage_options)
+    assert torch.equal(distckpt.read(url, storage_options=s3_bucket.storage_options)["w"], torch.ones(10))
+
+
+def _dead_lease(s3_bucket, key: str) -> str:
+    url = f"{s3_bucket.url}/{key}"
+    dead = {"host": "gone", "pid": 1, "save_id": "d" * 32, "what": url, "started_unix": 0.0, "renewed_unix": 0.0,
+            "lease_s": 30.0, "beat": 0}
+    s3_bucket.fs.pipe_file(f"{s3_bucket.name}/{key}", json.dumps(dead).encode())
+    return url
+
+
+def test_breakers_of_one_dead_lease_exactly_one_wins(s3_bucket):
+    """Savers that find the same dead lease together: exactly one takes it (and the lease object
+    names it); every other one gets SaveInProgressError. Before leases were taken over with a
+    conditional overwrite, a breaker could delete another's fresh lease, and two believed they
+    held it."""
+    from distckpt.storage.objectstore import Lease
+
+    for round_ in range(3):
+        url = _dead_lease(s3_bucket, f"race{round_}/.lock")
+        n = 6
+        stores = [open_store(f"{s3_bucket.url}/race{round_}", {**s3_bucket.storage_options,
+                                                             "skip_instance_cache": True}) for _ in range(n)]
+        barrier = threading.Barrier(n)
+        won, refused, other = [], [], []
+
+        def contend(i):
+            barrier.wait()
+            try:
+                won.append(Lease.acquire(stores[i], url, save_id=f"{i:032x}", what=url, rank=0))
+            except SaveInProgressError:
+                refused.append(i)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                other.append(exc)
+
+        threads = [threading.Thread(target=contend, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        try:
+            assert not other, other
+            assert len(won) == 1, f"round {round_}: {len(won)} savers believe they hold the lease"
+            assert len(refused) == n - 1
+            assert Lease.read(stores[0], url)["save_id"] == won[0].record["save_id"]
+        finally:
+            for lease in won:
+                lease.release()
+
+
+def test_stalled_holder_never_overwrites_the_lease_of_the_save_that_took_over(s3_bucket, proxy, monkeypatch):
+    """A's renewals are held up in the network past its lease time; B finds the lease dead and
+    takes it; then A's late renewals land. They must not replace B's lease (a plain PUT did), A
+    learns it lost the lease, and A's release leaves B's lease alone."""
+    from distckpt.storage.objectstore import Lease
+
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "1")
+    url = f"{s3_bucket.url}/stall/.lock"
+    a_store = open_store(f"{s3_bucket.url}/stall", _proxied(s3_bucket.storage_options, proxy))
+    b_store = open_store(f"{s3_bucket.url}/stall", {**s3_bucket.storage_options, "skip_instance_cache": True})
+    a = Lease.acquire(a_store, url, save_id="a" * 32, what=url, rank=0)
+    # From now on every write of the lease by A reaches the server 2 s late (after A gave up on it).
+    proxy.rule = lambda i, method, path: ("delay", 2.0) if method == "PUT" and path.endswith("/.lock") else None
+    time.sleep(1.5)  # A's lease lapses (its renewals are stuck in the network)
+    b = Lease.acquire(b_store, url, save_id="b" * 32, what=url, rank=0)
+    b._stop.set()  # B's own renewals would write over a damage: leave the lease as B took it
+    b._thread.join()
+    try:
+        time.sleep(3.0)  # A's delayed renewals land now
+        assert Lease.read(b_store, url)["save_id"] == "b" * 32, "a late renewal of A replaced B's lease"
+        proxy.rule = lambda i, method, path: None
+        deadline = time.monotonic() + 30
+        while a.lost is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert a.lost is not None and a.lost.get("save_id") == "b" * 32
+        a.release()
+        assert Lease.read(b_store, url)["save_id"] == "b" * 32, "A's release deleted B's lease"
+        with pytest.raises(SaveInProgressError):
+            a.ensure_held()
+    finally:
+        proxy.rule = lambda i, method, path: None
+        a.release()
+        b.release()
+    assert Lease.read(b_store, url) is None
+
+
+def test_heartbeat_stops_renewing_while_a_request_is_stuck(s3_bucket, monkeypatch):
+    """A save with a request stuck past its deadline (its cancellation did not take) must let its
+    lease lapse: the heartbeat skips the renewal instead of keeping the root locked."""
+    from distckpt.storage import objrequest
+    from distckpt.storage.objectstore import Lease
+
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "1")
+    url = f"{s3_bucket.url}/stuck/.lock"
+    store = open_store(f"{s3_bucket.url}/stuck", s3_bucket.storage_options)
+    lease = Lease.acquire(store, url, save_id="c" * 32, what=url, rank=0)
+    try:
+        assert lease.renew() is True
+        with objrequest._in_flight_lock:
+            objrequest._in_flight[-1] = time.monotonic() - 1.0  # a request 1 s past its deadline + grace
+        try:
+            time.sleep(0.5)  # a renewal that was already past its check lands first
+            beat = Lease.read(store, url)["beat"]
+            assert lease.renew() is False
+            time.sleep(1.5)  # the heartbeat's own beats are skipped too
+            rec = Lease.read(store, url)
+            assert rec["beat"] == beat and not Lease.is_live(rec)
+            other = Lease.acquire(store, url, save_id="e" * 32, what=url, rank=0)  # the root is free again
+            other.release()
+        finally:
+            with objrequest._in_flight_lock:
+                objrequest._in_flight.pop(-1, None)
+    finally:
+        lease.release()
+
+
+def test_manifest_landed_answer_lost_endpoint_silent_keeps_the_data(s3_bucket, proxy, monkeypatch):
+    """The MANIFEST's PUT reaches the server and lands, its answer never comes back, and the
+    endpoint then goes silent, so the save cannot read back what happened. The save must raise a
+    typed error saying the outcome is unknown and must not delete its data: once the endpoint is
+    back, the committed checkpoint loads bit-exact (deleting the data would leave a committed
+    MANIFEST without its data)."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "4")
+    url = f"{s3_bucket.url}/lost/step_00000001"
+    state = _state(3.0)
+    landed = threading.Event()
+
+    def rule(i, method, path):
+        if landed.is_set():
+            return "stall"
+        if method == "PUT" and path.endswith("/MANIFEST"):
+            landed.set()
+            return "act_then_stall"
+        return None
+
+    proxy.rule = rule
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_try_save(state, url, _proxied(s3_bucket.storage_options,
+                                                                                    proxy))))
+    t.start()
+    t.join(BOUND_S)
+    assert not t.is_alive(), "the save hangs on a MANIFEST PUT that is never answered"
+    proxy.rule = lambda i, method, path: None
+    (err,) = out
+    assert isinstance(err, EndpointUnreachableError), err
+    assert err.committed is None and err.commit_unknown is True and err.save_id in str(err)
+    loaded = distckpt.read(url, storage_options=s3_bucket.storage_options)
+    assert _equal(loaded, state)
+    assert distckpt.read_manifest(url, storage_options=s3_bucket.storage_options)["save_id"] == err.save_id
+
+
+def _try_save(state, url, opts):
+    try:
+        distckpt.save(state, url, storage_options=opts, no_dist=True)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        return exc
