@@ -171,3 +171,26 @@ def test_buffered_backend_has_no_pipeline(ext4_dir):  # noqa: F811
     path, _ = _file(ext4_dir, choice)
     with dio.open_reader(path, choice=choice) as r:
         assert not r.supports_fill  # fill.py gives its segments to the worker threads
+
+
+def test_fill_keeps_its_buffer_registered_until_another_comes_or_close(choice, ext4_dir):  # noqa: F811
+    """With io_uring the slots stay registered with the ring between fills (a conversion's many
+    small reads paid the registration of every slot page per read): the reader holds the buffer
+    (an export: the mmap cannot be unmapped under the kernel) until a fill passes another buffer
+    or the reader closes. Every fill's bytes are right, through the kept registration or a new
+    one. With pwrite nothing is registered and nothing held."""
+    path, data = _file(ext4_dir, choice)
+    held = choice.name == "uring"
+    first, second = mmap.mmap(-1, 3 * SLOT), mmap.mmap(-1, 2 * SLOT)
+    with dio.open_reader(path, choice=choice, use_cache=False) as r:
+        for buf in (first, first, second):
+            dest = torch.zeros(SIZE, dtype=torch.uint8)
+            assert r.fill_segments(buf, SLOT, *_plan(data, dest), bytearray(6)) is None
+            assert bytes(dest.numpy()) == data
+        first.close()  # released when `second` came
+        if held:
+            with pytest.raises(BufferError):
+                second.close()
+        else:
+            second.close()
+    second.close()  # released by close()
