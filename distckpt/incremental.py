@@ -508,6 +508,8 @@ class IncrementalSaver:
             if prev is None or prev.shape != dg.shape:
                 unknown = True
                 sel = torch.arange(dg.numel())
+            elif dg is prev:   # watch_writes: no page of this piece was written, nothing to compare
+                sel = torch.zeros(0, dtype=torch.int64)
             else:
                 sel = torch.nonzero(dg != prev).reshape(-1)
             n = dg.numel()
