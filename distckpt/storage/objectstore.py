@@ -71,19 +71,6 @@ class NoSuchKey(Exception):
     that says what was missing (CheckpointNotFoundError, DataFileMissingError...)."""
 
 
-def _env_float(name: str, default: float, lo: float, hi: float) -> float:
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number", variable=name) from None
-    if not lo <= v <= hi:
-        raise ConfigError(f"{name}={v} must be between {lo} and {hi}", variable=name)
-    return v
-
-
 def _part_size() -> int:
     from ..sizes import parse_size
     raw = os.environ.get("DISTCKPT_OBJECT_PART_SIZE", "") or "16M"
@@ -110,8 +97,8 @@ def settings() -> dict:
         raise ConfigError(f"DISTCKPT_OBJECT_CONDITIONAL={cond!r} must be 0 or 1", variable="DISTCKPT_OBJECT_CONDITIONAL")
     return {
         "part_size": _part_size(),
-        "in_flight": int(_env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
-        "lease_s": _env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
+        "in_flight": int(objrequest.env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
+        "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
         "conditional": cond == "1",
     }
 

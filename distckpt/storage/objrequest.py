@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno as _errno
 import itertools
 import os
 import threading
@@ -35,7 +36,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 from ..errors import ConfigError, EndpointUnreachableError
 from .objerrors import DEFAULT_RETRY, acall_with_retry
 
-__all__ = ["request_timeout", "run", "submit", "in_flight_overdue", "RequestDeadlineExceeded"]
+__all__ = ["request_timeout", "run", "arun", "submit", "wait", "in_flight_overdue", "env_float",
+           "RequestDeadlineExceeded"]
 
 T = TypeVar("T")
 
@@ -47,7 +49,12 @@ class RequestDeadlineExceeded(TimeoutError):
     EndpointUnreachableError by :func:`distckpt.storage.objerrors.translate`)."""
 
 
-def _env_float(name: str, default: float, lo: float, hi: float) -> float:
+def env_float(name: str, default: float, lo: float, hi: float) -> float:
+    """The number in the environment variable ``name`` (``default`` when unset or empty).
+
+    Raises:
+        ConfigError: not a number, or outside [lo, hi].
+    """
     raw = os.environ.get(name, "")
     if raw == "":
         return default
@@ -68,8 +75,8 @@ def request_timeout(nbytes: int = 0) -> float:
     Raises:
         ConfigError: a variable is not a number or out of range.
     """
-    base = _env_float("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", 30.0, 0.5, 86400.0)
-    rate = _env_float("DISTCKPT_OBJECT_MIN_RATE", float(4 << 20), float(64 << 10), float(1 << 40))
+    base = env_float("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", 30.0, 0.5, 86400.0)
+    rate = env_float("DISTCKPT_OBJECT_MIN_RATE", float(4 << 20), float(64 << 10), float(1 << 40))
     return base + max(0, nbytes) / rate
 
 
@@ -96,7 +103,7 @@ async def _attempt(make: Callable[[], Awaitable[T]], timeout_s: float) -> T:
         return await asyncio.wait_for(make(), timeout_s)
     except asyncio.TimeoutError:
         raise RequestDeadlineExceeded(
-            f"no answer within {timeout_s:.1f} s (distckpt's request deadline: DISTCKPT_OBJECT_REQUEST_TIMEOUT_S "
+            _errno.ETIMEDOUT, f"no answer within {timeout_s:.1f} s (distckpt's request deadline: DISTCKPT_OBJECT_REQUEST_TIMEOUT_S "
             f"plus the body at DISTCKPT_OBJECT_MIN_RATE)") from None
     finally:
         with _in_flight_lock:
@@ -132,7 +139,7 @@ def wait(fut: concurrent.futures.Future, *, timeout_s: float, url: str, operatio
         raise EndpointUnreachableError(
             f"{operation} {url} failed: no answer within {backstop:.0f} s and the request could not be cancelled "
             f"(the I/O event loop is stuck)", path=url, rank=rank, url=url, operation=operation, endpoint=endpoint,
-            code="RequestDeadlineExceeded", errno=110) from None
+            code="RequestDeadlineExceeded", errno=_errno.ETIMEDOUT) from None
 
 
 def run(loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[T]], *, url: str, operation: str,
