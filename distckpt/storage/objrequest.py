@@ -91,7 +91,7 @@ def in_flight_overdue(now: float | None = None) -> float:
     plus the grace its cancellation may take (0.0 when none is)."""
     now = time.monotonic() if now is None else now
     with _in_flight_lock:
-        worst = max(_in_flight.values(), default=now)
+        worst = min(_in_flight.values(), default=now)  # the earliest end: the most overdue request
     return max(0.0, now - worst)
 
 
