@@ -137,7 +137,8 @@ class WriteWatch:
             if why is not None:
                 return why
             try:
-                fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, bytearray(struct.pack("QQQQ", lo, hi - lo, _MODE_WP, 0)), True)
+                reg = bytearray(struct.pack("QQQQ", lo, hi - lo, _MODE_WP, 0))
+                fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, reg, True)
                 fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", lo, hi - lo, _WP)), True)
             except OSError as exc:
                 return f"cannot write-protect [{lo:#x}, {hi:#x}): {exc.strerror or exc}"
