@@ -10,10 +10,10 @@ PY=${PY:-"$HERE/../.venv/bin/python"}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
-# DeepSpeed JIT-compiles its CPU ops at start-up; build them once into this venv, not into the
-# user-wide cache that every venv of the machine rebuilds with its own flags.
+# DeepSpeed JIT-compiles its CPU ops at start-up; build them once into this venv, with its ninja,
+# not into the user-wide cache that every venv of the machine rebuilds with its own flags.
 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$PY" -c 'import sys; print(sys.prefix)')/torch_extensions}
-export TORCH_EXTENSIONS_DIR
+export TORCH_EXTENSIONS_DIR PATH="$(dirname "$PY"):$PATH"
 run() { "$PY" -m torch.distributed.run --standalone --nproc-per-node "$1" "$HERE/deepspeed_train.py" \
           --ckpt "$WORK/ckpt" --steps "$STEPS" --save-every 3 --stage "$STAGE" "${@:2}" 2>&1 \
           | grep -E "^(step|saved|resumed|killing)"; }

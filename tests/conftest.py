@@ -6,8 +6,10 @@ import pytest
 # DeepSpeed JIT-compiles its CPU ops into TORCH_EXTENSIONS_DIR, by default one folder per user that
 # every virtual environment of the machine shares: each venv's own build flags then rebuild them
 # (minutes, under a lock every launch waits on). Every launch the tests make builds into, and
-# reuses, a folder of this venv.
+# reuses, a folder of this venv, with this venv's ninja (another ninja version, e.g. the system's,
+# reads the build log as out of date and rebuilds everything).
 os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 # Every test sees the configuration the run was started with, never a cached one from another test.
 @pytest.fixture(autouse=True)
