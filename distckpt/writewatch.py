@@ -8,7 +8,7 @@ EXACT_ROWWISE_ADAGRAD, EXACT_SGD, EXACT_ADAGRAD on CPU) update the weights and t
 inside C++ without bumping the tensors' version counter (``t._version``; measured with torchrec
 1.8.0 / fbgemm-gpu-cpu 1.8.0), and neither does a write through ``.data``, numpy or a C extension.
 A write-protected page faults on the first write from any code path of this process, any thread,
-or the kernel writing on the process's behalf (``read()`` / O_DIRECT into the memory); in the
+or the kernel writing on the process's behalf (``read()`` into the memory); in the
 asynchronous mode the kernel resolves that fault itself (no handler thread) and the page is
 reported *written* until it is protected again.
 
