@@ -816,3 +816,21 @@ def test_watch_writes_a_forked_child_gets_its_own_watcher():
     got = parent.recv()
     p.join(30)
     assert got == (True, True)
+
+
+def test_watch_writes_sees_a_load_into_the_tracked_tensors(tmp_path):
+    """distckpt.load fills the tensors in place from its read pipeline (C copies from bounce
+    buffers, no torch op): a saver that goes on after it finds every row the load changed."""
+    _watch_or_skip()
+    sd = _padded_state(6)
+    saver = IncrementalSaver(IncrementalPolicy(rows=ROWS, watch_writes=True, max_chain_fraction=2.0))
+    saver.save(sd, str(tmp_path / "a"))
+    old = _snap(sd)
+    _touch(sd, 1)
+    saver.save(sd, str(tmp_path / "b"))
+    assert saver._link["rows_written"] > 0
+    distckpt.load(sd, str(tmp_path / "a"))      # back to a's state, in place
+    assert torch.equal(sd["model"]["emb"], old["model"]["emb"])
+    saver.save(sd, str(tmp_path / "c"))
+    assert saver.last_kind == "delta" and saver.last_hashed_rows > 0
+    _expect(str(tmp_path / "c"), old)
