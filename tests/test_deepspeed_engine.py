@@ -54,19 +54,18 @@ def _torchrun(n: int, out: str, phases: list[str], env: dict | None = None,
               timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run the worker's ``phases`` on ``n`` ranks; its output goes to ``out/launch<n>-<phase>.log``.
 
-    Fails the test (the whole torchrun process group killed) when the launch runs past ``timeout``,
+    Fails the test (torchrun and every process under it killed) when the launch runs past ``timeout``,
     and when DeepSpeed built or loaded its shm op (the workers skip it: see _without_shm_op)."""
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(n),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER, out, *phases]
     log = os.path.join(out, f"launch{n}-{phases[0].replace(':', '_')}.log")
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a timeout kills the ranks too
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
         with open(log, "w") as f:
             f.write(stdout + stderr)
@@ -77,6 +76,29 @@ def _torchrun(n: int, out: str, phases: list[str], env: dict | None = None,
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert "deepspeed_shm_comm" not in stdout + stderr, f"the launch built DeepSpeed's shm op:\n{_tail(done)}"
     return done
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process descended from it, parents first (so none spawns more):
+    torchrun starts each rank in a session of its own, and a rank's children (the compiler a
+    DeepSpeed op build runs) hold the output pipe open."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    todo = [pid]
+    while todo:
+        p = todo.pop(0)
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        todo += children.get(p, [])
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
