@@ -40,9 +40,9 @@ PARTITIONED = ["1:fp32", "2:bf16+frozen", "3:bf16+frozen", "3:fp32+persist"]
 # limit leaves room under pytest's 600 s for the test's own checks.
 LAUNCH_TIMEOUT_S = 480
 # A first build of fused Adam in a venv: 7.5 minutes measured on a 2-core machine under a load of 8
-# (two compiler processes at a third of a core each); the test does nothing else, so nearly all of
-# pytest's 600 s
-BUILD_TIMEOUT_S = 570
+# (two compiler processes at a third of a core each). The test does nothing else and has a pytest
+# limit of its own, well above this one, so a build at 3x that load still passes.
+BUILD_TIMEOUT_S = 1500
 
 
 def _torchrun(n: int, *args: str, timeout: int = LAUNCH_TIMEOUT_S) -> None:
@@ -69,6 +69,7 @@ def _torchrun(n: int, *args: str, timeout: int = LAUNCH_TIMEOUT_S) -> None:
     assert "deepspeed_shm_comm" not in output, f"torchrun {' '.join(args[:1])} x{n} built DeepSpeed's shm op:\n{tail}"
 
 
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
 def test_deepspeed_builds_its_ops_inside_the_venv():
     """DeepSpeed's CPU fused Adam (the workers' optimizer), JIT-built (or found built) in a process
     of its own, lands in this venv's torch_extensions (tests/conftest.py), not in the user-wide
