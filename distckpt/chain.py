@@ -21,7 +21,7 @@ from typing import Any
 from .errors import ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, DistCkptError
 from .manifest import load_manifest, load_manifest_header
 
-__all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "verify_chain", "META_KEY", "FORMAT"]
+__all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "META_KEY", "FORMAT"]
 
 META_KEY = "distckpt.chain"
 FORMAT = "distckpt.chain/1"
@@ -133,16 +133,3 @@ def dependencies(path: str | os.PathLike) -> list[str] | None:
     except Exception:  # noqa: BLE001 - any failure: the chain's extent is unknown
         return None
     return out
-
-
-def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:
-    """Check the chain's structure (:func:`chain_of`) and every link's data (distckpt.verify).
-
-    Returns [(link path, VerifyReport)], newest first: :func:`distckpt.verify.verify` of ``path``
-    (which checks a delta's whole chain, its ``ok`` covering every link) and then each link's own
-    report. Raises ChainBrokenError for a structural break (a missing or replaced link); damaged
-    data is reported in the links' reports."""
-    from .verify import verify
-    path = os.path.abspath(os.fspath(path))
-    report = verify(path, **verify_kwargs)
-    return [(path, report), *zip(report.chain[1:], report.links)]

@@ -421,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_verify)
     # importlib, not `from . import preflight`: the package attribute of that name is the function.
     for module in ("distckpt.preflight", "distckpt.bench", "distckpt.convert"):
-        importlib.import_module(module).add_parser(sub)
+        # The version of --json documents reaches those modules' handlers as args.json_format (they
+        # sit below the CLI and do not import it).
+        importlib.import_module(module).add_parser(sub).set_defaults(json_format=JSON_FORMAT)
     return parser
 
 

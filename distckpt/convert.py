@@ -33,6 +33,7 @@ safetensors) are listed by name in :attr:`ConvertResult.skipped`, never dropped 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import json
@@ -845,7 +846,7 @@ def _cmd_convert(args) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
+def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``distckpt convert`` on the CLI's subparsers."""
     p = sub.add_parser("convert", help="convert a distckpt, DCP or Hugging Face safetensors checkpoint to dcp, torch, safetensors or distckpt",
                        description=__doc__.split("\n\n")[0])
@@ -862,3 +863,4 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-pickle", action="store_true", help="allow values the source stores as pickles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.set_defaults(func=_cmd_convert)
+    return p

@@ -35,7 +35,7 @@ Call order (every rank runs :func:`save_collective`; ``G`` is the gloo control g
                lost during the verdict broadcast) says so: ``committed = True`` on the error, and
                a lost peer is a CommittedButPeerLostError (a PeerLostError) naming the path.
 
-Invariants held (DESIGN.md): I1 a directory is loadable only once it has its final name, which it
+Invariants held (docs/DESIGN.md): I1 a directory is loadable only once it has its final name, which it
 gets in one rename after every byte it names is durable; I2 nothing outside the tmp dir is touched
 before the commit, and an old checkpoint is replaced only by an atomic exchange; I3 every data file
 and MANIFEST is fsynced before the rename, the parent after it; I4 every failure is typed and
@@ -52,7 +52,6 @@ import dataclasses
 import gc
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -64,19 +63,19 @@ import msgpack
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .config import get_config
-from .errors import (CheckpointExistsError, CommittedButPeerLostError, DistCkptError, PeerLostError,
-                     StateDictMismatchError, UnsupportedValueError, fill_rank, from_os_error)
+from .errors import (CommittedButPeerLostError, DistCkptError, PeerLostError, StateDictMismatchError,
+                     UnsupportedValueError, fill_rank)
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
 from .values import value_digest
-from .plan import (Box, assign_offsets, assign_owners, choose_checksum_block_counted, find_tiling_defect,
+from .plan import (Box, assign_owners, choose_checksum_block_counted, find_tiling_defect,
                    grid_box, grid_chunk_counts, is_row_tiling)
-from .devstage import DeviceStager, needs_staging
 from .staging import dtype_name, host_bytes
 from .storage import Store, is_url, open_store
-from .storage.posix import commit as local
 # The leftovers of saves (torch-free, for `distckpt ls`); re-exported here, where they were defined.
 from .leftovers import LOCK_RE, ROOT_LOCK_NAME, TMP_RE, Leftover, lock_file, scan_leftovers  # noqa: F401
 from .storage.posix.store import PosixStore  # noqa: F401 - imported now, not during a save
+# The POSIX back end's leftovers and committed check; re-exported here, where they were defined.
+from .storage.posix.saving import is_committed, reclaim_tmp_dirs  # noqa: F401
 
 __all__ = ["SaveResult", "save_collective", "plan_save", "finish_save", "PlannedSave", "SAVE_GATE", "reclaim_tmp_dirs",
            "scan_leftovers", "Leftover", "is_committed", "TMP_RE", "LOCK_RE", "ROOT_LOCK_NAME", "lock_file"]
@@ -112,51 +111,8 @@ class SaveResult:
     phase_seconds: dict = dataclasses.field(default_factory=dict)
 
 
-def is_committed(path: str) -> bool:
-    """True when ``path`` is a committed checkpoint directory (it has its MANIFEST and is not a
-    hidden tmp/del directory)."""
-    return (not TMP_RE.match(os.path.basename(os.path.normpath(path)))
-            and os.path.isfile(os.path.join(path, MANIFEST)))
-
-
-def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool = False) -> list[str]:
-    """Delete the leftovers of *dead* saves and deletions in ``parent`` (``.NAME.tmp-*`` /
-    ``.NAME.del-*`` and stale ``.NAME.lock`` files; all names when ``name`` is None). A leftover
-    whose save is alive (its lock is held, by any process) is never touched; one whose liveness
-    cannot be decided (another host's, see :mod:`distckpt.storage.posix.savelock`) is left alone and
-    logged as a warning unless ``other_hosts``. Committed directories are never touched.
-    Returns the entries removed."""
-    from .storage.posix import savelock
-    removed, kept = [], []
-    leftovers = scan_leftovers(parent, other_hosts=other_hosts)
-    with_dirs = {lo.name for lo in leftovers if lo.kind != "lock"}
-    for lo in leftovers:
-        if name is not None and lo.name not in (name, ""):
-            continue
-        if lo.state != "dead":
-            kept.append(lo)
-            continue
-        if lo.kind == "lock":
-            # Only a lock of ours (an owner record; or an empty one, of a save that died while
-            # starting, beside its leftovers or at the root lock's name) whose record is unchanged
-            # since the probe, under an exclusive lock.
-            save_id = lo.owner.get("save_id") if lo.owner else None
-            ours = save_id is not None or (lo.owner is None and (lo.entry == ROOT_LOCK_NAME or lo.name in with_dirs))
-            if ours and savelock.remove_if_dead(lo.path, save_id):
-                removed.append(lo.entry)
-        else:
-            local.delete_tree(lo.path)
-            removed.append(lo.entry)
-    if removed:
-        log.info("distckpt: reclaimed %d leftovers of dead saves in %s: %s", len(removed), parent, removed)
-    unknown = [lo for lo in kept if lo.state == "unknown"]
-    if unknown:
-        log.warning("distckpt: left %d leftovers in %s alone: their save's liveness cannot be decided from "
-                    "host %s (owners: %s). If those saves are dead, remove them with "
-                    "CheckpointManager(ROOT).reclaim(other_hosts=True) or by hand.", len(unknown), parent,
-                    socket.gethostname(), sorted({f"{(lo.owner or {}).get('host', '?')}:{(lo.owner or {}).get('pid', '?')}"
-                                                   for lo in unknown}))
-    return removed
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
 
 
 @contextlib.contextmanager
@@ -598,112 +554,6 @@ def _merge_plan(summaries: list[dict], checked: Callable[[str], bool] = lambda f
                     "that holds it, with one dtype and shape."))
     return _GlobalPlan(meta, layout.owners, layout.total_bytes, objects, layout.tree, layout.checksum_block,
                        n_chunks=layout.n_chunks, compact=layout.compact)
-
-
-# ---------------------------------------------------------------------------------------------
-# Phase 2: prepare (rank 0)
-
-
-def _prepare(final_dir: str, save_id: str, overwrite: bool, needed: int, rank: int,
-             lock_path: str | None = None) -> tuple[str, Any]:
-    """Reclaim dead leftovers of this name, take the save lock, check the target and the space,
-    create the tmp dir. Returns (tmp dir, the held lock); on error the lock is released."""
-    from .storage.posix import savelock
-    from .preflight import refuse_pseudo_fs
-    parent, name = os.path.split(os.path.abspath(final_dir))
-    refuse_pseudo_fs(parent, rank=rank)
-    local.make_dirs_durable(parent)
-    # Reclaim before locking: while we hold our own lock every leftover of the name looks alive.
-    reclaim_tmp_dirs(parent, name)
-    lock = savelock.acquire(lock_path or lock_file(parent, name), save_id=save_id, what=final_dir)
-    try:
-        return _prepare_locked(final_dir, parent, name, save_id, overwrite, needed, rank), lock
-    except BaseException:
-        lock.release()
-        raise
-
-
-def _prepare_locked(final_dir: str, parent: str, name: str, save_id: str, overwrite: bool, needed: int,
-                    rank: int) -> str:
-    if os.path.lexists(final_dir):
-        if not is_committed(final_dir):
-            try:
-                empty = os.path.isdir(final_dir) and not os.listdir(final_dir)
-                if empty:
-                    os.rmdir(final_dir)  # an empty directory the user made for us
-            except OSError as exc:
-                raise from_os_error(exc, path=final_dir, operation="replace empty directory") from exc
-            if not empty:
-                raise CheckpointExistsError(
-                    f"{final_dir} exists and is not a distckpt checkpoint (no MANIFEST); refusing to replace it",
-                    path=final_dir, rank=rank, remedy="Choose another path or remove it yourself.")
-        elif not overwrite:
-            raise CheckpointExistsError(f"a committed checkpoint already exists at {final_dir}",
-                                        path=final_dir, rank=rank)
-    if get_config().preflight:
-        from .preflight import check_save_space
-        check_save_space(parent, needed, rank=rank)
-    tmp_dir = os.path.join(parent, f".{name}.tmp-{save_id}")
-    local.make_dir(tmp_dir)
-    return tmp_dir
-
-
-# ---------------------------------------------------------------------------------------------
-# Phase 3: write (every rank)
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def _write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checksum_block: int):
-    """Write this rank's owned pieces into one data file, its index (the pieces' chunk records,
-    format version 3) at the end. Returns ((index offset, length, crc32c), size, backend choice);
-    the file is durable when this returns."""
-    from .storage.posix import choose_backend, open_writer
-
-    choice = choose_backend(os.path.dirname(path))
-    records: list[tuple[str, mf.ChunkRecord]] = []
-    align = choice.alignment
-    # The final size is known from the plan: one fallocate up front (ext4 serializes O_DIRECT
-    # writes that extend a file) and an immediate DiskFullError if it cannot fit.
-    _, size_hint = assign_offsets([_nbytes(p.tensor) for _, p in pieces], alignment=align)
-    size_hint += align * len(pieces)  # pad_for may place a chunk up to align - 1 bytes later
-    # ... and the index after the chunks: an upper bound of its msgpack bytes per record (array,
-    # fqn, offsets and sizes of at most 9 B per int, offset, nbytes, crcs bin), not a second encode:
-    # fallocate only needs room, close() truncates to what was written.
-    size_hint += align + len(mf.INDEX_MAGIC) + 5 + sum(
-        40 + len(fqn.encode()) + 18 * len(p.sizes) + 4 * -(-_nbytes(p.tensor) // checksum_block) for fqn, p in pieces)
-    tensors = [p.tensor for _, p in pieces]
-    # Pieces on a GPU stream through pinned slots, copied while earlier pieces are being written.
-    stager = (DeviceStager(tensors, block=checksum_block, staging_bytes=get_config().device_staging)
-              if any(needs_staging(t) for t in tensors) else contextlib.nullcontext())
-    with stager, open_writer(path, choice=choice, durable=True, size_hint=size_hint or None) as w:
-        for i, (fqn, piece) in enumerate(pieces):
-            if needs_staging(piece.tensor):
-                offset = w.pad_to(align)
-                crcs, nbytes = [], 0
-                for view in stager.parts(i):  # parts cut at checksum-block multiples
-                    crcs.extend(w.write_checksummed(view, checksum_block))
-                    nbytes += len(view)
-                crcs = tuple(crcs)
-            else:
-                view, keep = host_bytes(piece.tensor)
-                offset = w.pad_for(view, align)  # aligned, or placed so that the chunk goes zero-copy
-                # One write per chunk: a page-aligned source (large CPU tensors) goes to the disk
-                # straight from its memory (zero-copy); anything else through the aligned staging
-                # ring. The block checksums are computed in the same pass, while the writes are
-                # in flight.
-                crcs, nbytes = w.write_checksummed(view, checksum_block), len(view)
-                del keep  # write() returns once the bytes are copied or written
-            records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
-                                                file=rank, offset=offset, nbytes=nbytes, crcs=crcs)))
-        # The index goes last, once every crc is known; close() makes it durable with the rest.
-        index = mf.encode_index(records)
-        index_offset = w.pad_to(align)
-        w.write(index)
-        size = w.close()
-    return (index_offset, len(index), crc32c.crc32c(index)), size, choice
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies, verify_chain
+from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies
+from .verify import verify_chain
 from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
                      DistCkptError)
 from .staging import dtype_from_name

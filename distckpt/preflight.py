@@ -868,7 +868,7 @@ def find_mount(path: str | os.PathLike, *, mountinfo: str = "/proc/self/mountinf
 
 
 def _count_committed(path: str) -> int:
-    """Committed checkpoints under ``path`` (step_* directories with a MANIFEST; see DESIGN.md)."""
+    """Committed checkpoints under ``path`` (step_* directories with a MANIFEST; see docs/DESIGN.md)."""
     try:
         names = os.listdir(path)
     except OSError:
@@ -1290,6 +1290,18 @@ def _is_object_url(path: str) -> bool:
     return bool(sep) and scheme.isidentifier() and scheme != "file"
 
 
+
+def _object_store_results(path: str, storage_options: Mapping[str, Any] | None, rank: int | None) -> list:
+    """The object-store checks of :mod:`distckpt.storage.objcheck` as CheckResults (the report)."""
+    from .storage.objcheck import run_checks  # loads the S3 client stack only for an object-store path
+    results = []
+    for name, msg, details, err in run_checks(path, storage_options, rank, probe=True):
+        if err is None:
+            results.append(CheckResult(name, OK, msg, details))
+        else:
+            results.append(CheckResult(name, ERROR, getattr(err, "message", str(err)), dict(details), err))
+    return results
+
 def preflight(
     path: str | os.PathLike,
     *,
@@ -1346,8 +1358,7 @@ def preflight(
                                   shm_bytes_needed=shm_bytes_needed, env=env_map)),
     ]
     if _is_object_url(path):
-        from .storage.objcheck import object_store_checks
-        steps += [("object_store", lambda: object_store_checks(path, storage_options=storage_options, rank=rank))]
+        steps += [("object_store", lambda: _object_store_results(path, storage_options, rank))]
     else:
         steps += [
             ("disk", lambda: disk_check(path, expected_bytes, keep_last=keep_last, n_files=n_files,
@@ -1413,8 +1424,8 @@ def run_cli(args: argparse.Namespace) -> int:
                        world_size=args.world_size, local_world_size=args.local_world_size,
                        shm_bytes_needed=args.shm_bytes, keep_last=args.keep_last)
     if args.json:
-        from .cli import JSON_FORMAT  # every --json document of the command line carries it
-        print(json.dumps({"json_format": JSON_FORMAT, **report.to_dict()}, indent=2, default=str))
+        # every --json document of the command line carries its version (set by distckpt.cli)
+        print(json.dumps({"json_format": args.json_format, **report.to_dict()}, indent=2, default=str))
     else:
         print(report)
     return 0 if report.ok else 1

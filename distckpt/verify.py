@@ -26,7 +26,7 @@ import mmap
 import os
 import stat
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import crc32c as _crc32c
 
@@ -34,7 +34,7 @@ from . import manifest as mf
 from .errors import DataFileTruncatedError, from_os_error
 from .locate import check_checkpoint_dir
 
-__all__ = ["BadBlock", "FileProblem", "VerifyReport", "verify", "DEFAULT_WINDOW"]
+__all__ = ["BadBlock", "FileProblem", "VerifyReport", "verify", "verify_chain", "DEFAULT_WINDOW"]
 
 #: Bytes read per request. Two windows are in memory at once (one being checked, one being read).
 DEFAULT_WINDOW = 16 << 20
@@ -409,3 +409,15 @@ def _verify_one(path: str, window: int, progress, on_start, storage_options, cha
                 report.file_problems.append(FileProblem(entry.name, f"changed while being verified: {exc.message}"))
     report.seconds = time.monotonic() - t0
     return report
+
+
+def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:
+    """Check the chain's structure (:func:`distckpt.chain.chain_of`) and every link's data (:func:`verify`).
+
+    Returns [(link path, VerifyReport)], newest first: :func:`verify` of ``path``
+    (which checks a delta's whole chain, its ``ok`` covering every link) and then each link's own
+    report. Raises ChainBrokenError for a structural break (a missing or replaced link); damaged
+    data is reported in the links' reports."""
+    path = os.path.abspath(os.fspath(path))
+    report = verify(path, **verify_kwargs)
+    return [(path, report), *zip(report.chain[1:], report.links)]

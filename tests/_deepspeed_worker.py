@@ -275,7 +275,7 @@ def enospc(out: str) -> None:
 
 
 def kill(out: str) -> None:
-    import distckpt.coordinator as coordinator
+    import distckpt.storage.posix.saving as coordinator  # where a rank's data file is written
     import distckpt.integrations.deepspeed as dsd
     root = os.path.join(out, "ckpt_kill")
     engine = _engine("2-bf16")
@@ -285,13 +285,13 @@ def kill(out: str) -> None:
     _dump(out, "kill", {"good": _state(engine)})
     _step(engine, 2)
     if torch.distributed.get_rank() == 1:
-        write = coordinator._write_rank_file
+        write = coordinator.write_rank_file
 
         def write_then_die(*args, **kwargs):
             result = write(*args, **kwargs)  # this rank's data file is complete in the tmp dir
             os.kill(os.getpid(), signal.SIGKILL)
             return result
-        coordinator._write_rank_file = write_then_die
+        coordinator.write_rank_file = write_then_die
     engine.save_checkpoint(root, "doomed")
     raise AssertionError("unreachable: rank 1 was killed inside the save")
 

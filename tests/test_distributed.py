@@ -170,19 +170,19 @@ def test_replicated_tensors_written_once_and_spread(tmp_path):
 
 def _failing_body(rank, world, root):
     import distckpt
-    import distckpt.coordinator as coord
+    import distckpt.storage.posix.saving as coord  # where a rank's data file is written
     from distckpt import errors
 
     from .conftest import open_fds
     mgr = distckpt.CheckpointManager(root)
     mgr.save(1, {"x": torch.full((1 << 16,), 1.0)})
     if rank == 1:
-        real = coord._write_rank_file
+        real = coord.write_rank_file
 
         def broken(path, rank, pieces, checksum_block):
             real(path, rank, pieces[:1], checksum_block)  # really write, then fail as a disk would
             raise errors.StorageIOError("write failed: [Errno 5] injected", path=path, errno=5)
-        coord._write_rank_file = broken
+        coord.write_rank_file = broken
     before = open_fds()
     t0 = time.monotonic()
     try:
@@ -211,12 +211,12 @@ def test_one_rank_fails_everyone_raises_nothing_committed(tmp_path):
 
 def _dying_body(rank, world, path):
     import distckpt
-    import distckpt.coordinator as coord
+    import distckpt.storage.posix.saving as coord  # where a rank's data file is written
     from distckpt import errors
     if rank == 1:
         def die(*a, **k):
             os._exit(3)  # a rank crashing mid-save, without a word
-        coord._write_rank_file = die
+        coord.write_rank_file = die
     t0 = time.monotonic()
     try:
         distckpt.save({"x": torch.ones(1000)}, path)

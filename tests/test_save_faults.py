@@ -2,7 +2,7 @@
 
 Every test provokes a real kernel error (a full tmpfs or loop-mounted ext4, exhausted inodes, a
 read-only mount, rlimits, dropped capabilities, a seccomp filter, or strace's syscall fault
-injection) during a whole save or load, and then holds the same promises (DESIGN.md I1-I7):
+injection) during a whole save or load, and then holds the same promises (docs/DESIGN.md I1-I7):
 
   * the error is the documented typed class, keeps errno, and carries path, rank and a remedy;
   * no fd the library opened is still open (/proc/self/fd compared before and after);

@@ -18,8 +18,9 @@ URL, the rank and a remedy:
                probe is reported (``conditional`` False): distckpt's commit then needs
                DISTCKPT_OBJECT_CONDITIONAL=0.
 
-:func:`check_object_store` runs them and raises the first failure; :func:`object_store_checks`
-returns them as :class:`distckpt.preflight.CheckResult` (what ``distckpt preflight s3://...`` prints).
+:func:`check_object_store` runs them and raises the first failure; :func:`run_checks` returns each
+one's outcome, which :mod:`distckpt.preflight` turns into its report (what ``distckpt preflight
+s3://...`` prints).
 Only s3fs file systems get the S3-level checks; another fsspec store gets the probe through
 fsspec's own calls (pipe_file, info, rm_file).
 
@@ -42,7 +43,7 @@ from ..errors import DistCkptError, EndpointUnreachableError, ObjectStoreAccessE
 from .objerrors import client_config, translate
 from .objrequest import run
 
-__all__ = ["check_object_store", "object_store_checks", "PROBE_PREFIX"]
+__all__ = ["check_object_store", "run_checks", "PROBE_PREFIX"]
 
 PROBE_PREFIX = ".distckpt-probe-"
 CONNECT_TIMEOUT_S = 5.0
@@ -115,7 +116,7 @@ def _credentials(fs, url: str, rank: int | None) -> str:
     return f"resolved by botocore ({getattr(creds, 'method', 'unknown source')})"
 
 
-def _run_checks(url: str, storage_options: Mapping[str, Any] | None, rank: int | None, probe: bool,
+def run_checks(url: str, storage_options: Mapping[str, Any] | None, rank: int | None, probe: bool,
                 fs=None) -> list[tuple[str, str | None, dict, BaseException | None]]:
     """[(check name, ok message or None, details, error or None)]; stops at the first error."""
     out: list[tuple[str, str | None, dict, BaseException | None]] = []
@@ -226,22 +227,8 @@ def check_object_store(url: str, *, storage_options: Mapping[str, Any] | None = 
         QuotaExceededError, ThrottledError, ObjectStoreError: the probe write failed so.
     """
     details: dict = {}
-    for _name, _msg, d, err in _run_checks(url, storage_options, rank, probe, fs=fs):
+    for _name, _msg, d, err in run_checks(url, storage_options, rank, probe, fs=fs):
         if err is not None:
             raise err
         details.update(d)
     return details
-
-
-def object_store_checks(url: str, *, storage_options: Mapping[str, Any] | None = None,
-                        rank: int | None = None, probe: bool = True) -> list:
-    """The same checks as :class:`distckpt.preflight.CheckResult` objects (the pre-flight report)."""
-    from ..preflight import ERROR, OK, CheckResult
-
-    results = []
-    for name, msg, details, err in _run_checks(url, storage_options, rank, probe):
-        if err is None:
-            results.append(CheckResult(name, OK, msg, details))
-        else:
-            results.append(CheckResult(name, ERROR, getattr(err, "message", str(err)), dict(details), err))
-    return results

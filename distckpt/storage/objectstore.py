@@ -416,7 +416,7 @@ class ObjectStore(Store):
             try:
                 back = self.committed_save_id(final)
             except (DistCkptError, NoSuchKey) as exc:
-                raise _outcome_unknown(exc, final, save_id, f"the MANIFEST was written but reading it back failed")
+                raise _outcome_unknown(exc, final, save_id, "the MANIFEST was written but reading it back failed")
             if back != save_id:
                 raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
                                             f"save id)", path=final, remedy="Save to another path.")

@@ -46,7 +46,7 @@ class Reader:
         self._fd = -1
         self._use_cache = use_cache and choice.name != "buffered"
         try:
-            # O_NOFOLLOW: a data file is a regular file inside its checkpoint (DESIGN.md I7);
+            # O_NOFOLLOW: a data file is a regular file inside its checkpoint (docs/DESIGN.md I7);
             # restore checks that with lstat first, and this closes the race after the check
             # (a symlink swapped in fails with ELOOP). The buffered fd is opened first: with an
             # O_DIRECT backend it serves cached pages, and must be the same inode as the C

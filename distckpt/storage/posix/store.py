@@ -3,8 +3,8 @@
 It adds no behaviour: every method is the call sequence the POSIX commit protocol has always
 made (tmp dir + save lock in PREPARE, an O_DIRECT data file per rank, MANIFEST written and fsynced
 inside the tmp dir, one rename / RENAME_EXCHANGE, parent fsync), so its syscalls are exactly
-those the crash tests enumerate. The leftover and lock bookkeeping (``reclaim_tmp_dirs``, the
-save locks) stays in :mod:`distckpt.coordinator` and :mod:`distckpt.storage.posix.savelock`.
+those the crash tests enumerate. What a rank writes and rank 0 prepares is in
+:mod:`distckpt.storage.posix.saving`, the save locks in :mod:`distckpt.storage.posix.savelock`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from ... import manifest as mf
 from .. import Store
 from . import commit as local
+from . import saving
 
 __all__ = ["PosixStore"]
 
@@ -24,13 +25,11 @@ class PosixStore(Store):
 
     def prepare(self, final: str, save_id: str, overwrite: bool, needed: int, rank: int,
                 lock_path: str | None) -> tuple[str, Any]:
-        from ...coordinator import _prepare  # the POSIX PREPARE phase, unchanged
-        return _prepare(final, save_id, overwrite, needed, rank, lock_path)
+        return saving.prepare_save_dir(final, save_id, overwrite, needed, rank, lock_path)
 
     def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
-        from ...coordinator import _write_rank_file
-        records, size, choice = _write_rank_file(os.path.join(area, mf.data_file_name(rank)), rank, pieces,
-                                                 checksum_block)
+        records, size, choice = saving.write_rank_file(os.path.join(area, mf.data_file_name(rank)), rank, pieces,
+                                                       checksum_block)
         return records, size, choice.name, choice.reason
 
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:

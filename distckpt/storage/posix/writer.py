@@ -4,7 +4,7 @@ Invariants:
   * A writer creates its file (O_CREAT|O_EXCL: it never overwrites) and owns exactly one fd (plus,
     for io_uring, the ring's fd). After ``close()`` returns or any method raises, the writer holds
     no fd: every OSError is translated by :func:`errors.from_os_error` only after everything was
-    closed, so a typed error never leaks a descriptor (DESIGN.md I5).
+    closed, so a typed error never leaks a descriptor (docs/DESIGN.md I5).
   * ``close()`` returns only after the file has exactly ``tell()`` bytes (the O_DIRECT tail is
     written padded to the alignment, then ftruncate()d) and, when ``durable``, after fsync.
   * On failure the partly written file is left in place: the caller owns the temporary directory

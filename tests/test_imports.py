@@ -1,0 +1,103 @@
+"""The package's import graph has no circles but the one still known (docs/DESIGN.md, "Dependency
+direction"): every ``import`` counts, the ones inside functions included, since a function-level
+import that closes a circle only hides it. A new circle fails here; the known one may only shrink."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import distckpt
+
+# restore.load follows an incremental chain through distckpt.incremental, which loads each link
+# through restore again: to go when chains become a planning step of the load.
+KNOWN = [{"distckpt.incremental", "distckpt.restore"}]
+
+
+def _modules() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(distckpt.__file__))
+    out = {}
+    for dirpath, _, files in os.walk(os.path.dirname(distckpt.__file__)):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+def _graph(mods: dict[str, str]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t not in mods and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                # A module's own parent packages are initialized before it anyway: not a circle.
+                if t in mods and t != mod and not mod.startswith(t + "."):
+                    graph[mod].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.add(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(comp)
+    return out
+
+
+def test_no_import_circle_but_the_known_one():
+    graph = _graph(_modules())
+    assert "distckpt.storage.posix.saving" in graph["distckpt.storage.posix.store"]  # the walk sees imports
+    for cycle in _cycles(graph):
+        assert any(cycle <= known for known in KNOWN), (
+            f"an import circle: {sorted(cycle)} (edges: "
+            f"{ {m: sorted(graph[m] & cycle) for m in sorted(cycle)} })")
+
+
+def test_the_walk_finds_a_circle_hidden_in_a_function():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [{"a", "b", "c"}]
