@@ -424,6 +424,12 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
               "cannot be resharded exactly from it", path=path, key=reshard[0],
             remedy="Save and load TorchRec models with distckpt.integrations.torchrec (dtr.state_dict / dtr.load), "
                    "which stores row-wise state in a plan-independent form, or keep the column split.")
+    # An optimizer saved keyed one way and loaded keyed the other (a raw optim.state_dict() uses
+    # parameter indexes, get_state_dict / get_optimizer_state_dict parameter names): none of its
+    # state can match, and "load what matches" would leave it all fresh. Say so, whatever strict says.
+    keyed = _optimizer_keying(manifest, items, path) if missing else []
+    if keyed and not strict:
+        log.warning("distckpt: load of %s: %s", path, _keying_text(keyed))
     if dtype_mm or (strict and (missing or mismatched or uninitialized)):
         parts = []
         if dtype_mm:
@@ -443,9 +449,17 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
             parts.append(f"the checkpoint holds optimizer state {uninitialized[:10]} ({len(uninitialized)} keys) "
                          f"but the state dict's optimizer has no state yet, so it would not be loaded")
         remedy = None
+        if keyed and strict:
+            parts.insert(0, _keying_text(keyed))
         if dtype_mm:
             remedy = ("Pass cast='allow' to load to convert them (rounding to the wanted dtype, as DCP does), or "
                       "build the state dict in the saved dtype.")
+        elif keyed and strict:
+            remedy = ("Load into the form that was saved: for a raw optim.state_dict() checkpoint, a raw "
+                      "optim.state_dict() of an optimizer that has stepped (then optim.load_state_dict); for one "
+                      "saved from get_state_dict / get_optimizer_state_dict, the same call's result (then "
+                      "set_state_dict). Save new checkpoints with get_state_dict(model, optim), which names every "
+                      "parameter and reshards. strict=False would not load this optimizer state at all.")
         elif uninitialized:
             remedy = ("Build the optimizer's state dict with torch.distributed.checkpoint.state_dict."
                       "get_optimizer_state_dict(model, optim) (or get_state_dict), which initializes the state, "
@@ -461,6 +475,44 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
         raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
                                     path=path, keys=pickled)
     return tasks, objects, missing, unexpected, mismatched, casts, cast_names, uninitialized
+
+
+def _optimizer_keying(manifest, items: dict, path: str) -> list[tuple[str, str, str]]:
+    """[(optimizer key, saved keying, wanted keying)] for every optimizer state dict whose
+    ``param_groups[0]["params"]`` are parameter indexes (ints: a raw ``optim.state_dict()``) on one
+    side and parameter names (strs: torch's ``get_optimizer_state_dict``) on the other."""
+    def keying(params: Any) -> str | None:
+        if isinstance(params, (list, tuple)) and params:
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in params):
+                return "parameter index"
+            if all(isinstance(p, str) for p in params):
+                return "parameter name"
+        return None
+
+    out = []
+    for fqn, entry in manifest.objects.items():
+        if not (fqn == "param_groups.0.params" or fqn.endswith(".param_groups.0.params")):
+            continue
+        item = items.get(fqn)
+        if not isinstance(item, ObjectItem):
+            continue
+        try:
+            saved = _object_value(entry, manifest, fqn, path)
+        except Exception:  # noqa: BLE001 - not decodable here: the load itself reports it
+            continue
+        a, b = keying(saved), keying(item.value)
+        if a and b and a != b:
+            out.append((fqn[:-len("param_groups.0.params")].rstrip(".") or "(top level)", a, b))
+    return out
+
+
+def _keying_text(keyed: list[tuple[str, str, str]]) -> str:
+    return "; ".join(
+        f"the optimizer state under {key!r} is keyed by {saved} in the checkpoint (as "
+        f"{'a raw optim.state_dict()' if saved == 'parameter index' else 'get_optimizer_state_dict'} keys it) "
+        f"and by {wanted} in the state dict being loaded (as "
+        f"{'a raw optim.state_dict()' if wanted == 'parameter index' else 'get_state_dict / get_optimizer_state_dict'}"
+        f" keys it), so none of its per-parameter state can match" for key, saved, wanted in keyed)
 
 
 def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None) -> Any:
