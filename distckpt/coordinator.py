@@ -892,7 +892,10 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         try:
             if any(e is not None for _, e in outcomes):
                 failures = [e for _, e in outcomes]
-                store.abort(tmp_dir, world)
+                try:  # the WRITE failures are the verdict; a failed clean-up is left to the next reclaim
+                    store.abort(tmp_dir, world)
+                except DistCkptError as cleanup_exc:
+                    log.warning("distckpt: could not remove %s after a failed save: %s", tmp_dir, cleanup_exc)
             else:
                 manifest = _build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata)
                 replaced = store.publish(tmp_dir, final_dir, mf.encode(manifest), overwrite)  # the commit point
