@@ -18,11 +18,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import traceback
 from typing import Any, Callable
 
-__all__ = ["run_ranks", "RankError", "free_port"]
+__all__ = ["run_ranks", "RankError", "free_port", "kill_tree"]
 
 
 class RankError(AssertionError):
@@ -116,3 +117,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if errors:
         raise RankError(errors)
     return [results[r] for r in range(world_size)]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process descended from it, parents first (so none spawns more):
+    torchrun starts each rank in a session of its own, and a rank's children (the compiler a
+    DeepSpeed op build runs) hold the output pipe open."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    todo = [pid]
+    while todo:
+        p = todo.pop(0)
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        todo += children.get(p, [])

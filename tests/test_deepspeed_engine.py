@@ -21,14 +21,13 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from .distributed import free_port
+from .distributed import free_port, kill_tree
 from .faults import require_root, tmpfs_mount
 
 if importlib.util.find_spec("deepspeed") is None:  # only the torchrun children import it
@@ -65,7 +64,7 @@ def _torchrun(n: int, out: str, phases: list[str], env: dict | None = None,
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
         with open(log, "w") as f:
             f.write(stdout + stderr)
@@ -76,29 +75,6 @@ def _torchrun(n: int, out: str, phases: list[str], env: dict | None = None,
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert "deepspeed_shm_comm" not in stdout + stderr, f"the launch built DeepSpeed's shm op:\n{_tail(done)}"
     return done
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process descended from it, parents first (so none spawns more):
-    torchrun starts each rank in a session of its own, and a rank's children (the compiler a
-    DeepSpeed op build runs) hold the output pipe open."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry))
-    todo = [pid]
-    while todo:
-        p = todo.pop(0)
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        todo += children.get(p, [])
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:

@@ -17,7 +17,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -27,6 +26,8 @@ import torch
 import distckpt
 from distckpt.errors import ReshardError
 from distckpt.flatten import LocalPieces, flat_range_boxes
+
+from .distributed import kill_tree
 
 pytest.importorskip("deepspeed")
 
@@ -59,7 +60,7 @@ def _torchrun(n: int, *args: str, timeout: int = LAUNCH_TIMEOUT_S) -> None:
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         output, _ = proc.communicate()
         tail = "\n".join(output.splitlines()[-60:])
         pytest.fail(f"torchrun {' '.join(args[:1])} x{n} did not finish within {timeout} s (killed):\n{tail}")
@@ -82,46 +83,12 @@ def test_deepspeed_builds_its_ops_inside_the_venv():
     try:
         output, _ = proc.communicate(timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)  # the compiler too
+        kill_tree(proc.pid)  # the compiler too
         output, _ = proc.communicate()
         pytest.fail(f"building DeepSpeed's fused_adam op took over {BUILD_TIMEOUT_S} s (killed):\n{output[-4000:]}")
     assert proc.returncode == 0, output[-4000:]
     root = os.path.join(sys.prefix, "torch_extensions")
     assert glob.glob(os.path.join(root, "fused_adam", "*.so")), f"no fused_adam build under {root}"
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process descended from it, parents first (so none spawns more):
-    torchrun starts each rank in a session of its own, and a rank's children (the compiler a
-    DeepSpeed op build runs) hold the output pipe open."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry))
-    todo = [pid]
-    while todo:
-        p = todo.pop(0)
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        todo += children.get(p, [])
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("dszero"))
-    for cfg in CONFIGS:
-        stage, dtype = cfg.split(":")
-        os.makedirs(os.path.join(root, f"s{stage}{dtype}", "out"))
-    _torchrun(2, "save", root, *CONFIGS)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _dir(root: str, cfg: str) -> str:
