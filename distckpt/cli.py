@@ -24,14 +24,10 @@ import os
 import sys
 
 from . import __version__
+from .clijson import JSON_FORMAT  # the version every --json document carries (a leaf: preflight reads it too)
 from .errors import DistCkptError
 from .sizes import CONVENTION, format_bytes
 from .values import VALUE_KIND, describe
-
-#: Version of every ``--json`` document (ls, inspect, verify, preflight), each of which carries it
-#: as ``json_format``; bumped only when a field changes meaning or disappears (new fields may be
-#: added within a version).
-JSON_FORMAT = 1
 
 
 def _cmd_ls(args) -> int:
@@ -421,9 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_verify)
     # importlib, not `from . import preflight`: the package attribute of that name is the function.
     for module in ("distckpt.preflight", "distckpt.bench", "distckpt.convert"):
-        # The version of --json documents reaches those modules' handlers as args.json_format (they
-        # sit below the CLI and do not import it).
-        importlib.import_module(module).add_parser(sub).set_defaults(json_format=JSON_FORMAT)
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

@@ -65,6 +65,7 @@ import uuid
 from typing import Any, Callable, Iterable, Mapping
 
 from . import sizes as _sizes
+from .clijson import JSON_FORMAT
 from .errors import (
     DiskFullError,
     DistCkptError,
@@ -1424,8 +1425,7 @@ def run_cli(args: argparse.Namespace) -> int:
                        world_size=args.world_size, local_world_size=args.local_world_size,
                        shm_bytes_needed=args.shm_bytes, keep_last=args.keep_last)
     if args.json:
-        # every --json document of the command line carries its version (set by distckpt.cli)
-        print(json.dumps({"json_format": args.json_format, **report.to_dict()}, indent=2, default=str))
+        print(json.dumps({"json_format": JSON_FORMAT, **report.to_dict()}, indent=2, default=str))
     else:
         print(report)
     return 0 if report.ok else 1

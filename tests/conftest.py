@@ -11,6 +11,19 @@ import pytest
 os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
+# The fast loop: `bash tests/run.sh -m "not slow"` leaves out these files (each one is minutes of
+# crash sweeps, real DeepSpeed / TorchRec launches or network-fault sweeps) and tests marked slow.
+SLOW_FILES = {"test_crash.py", "test_crash_syscalls.py", "test_power_loss.py", "test_deepspeed_engine.py",
+              "test_deepspeed_zero.py", "test_s3_faults.py", "test_s3_multinode.py", "test_torchrec.py",
+              "test_torchrec_raw.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if os.path.basename(str(item.fspath)) in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
 # Every test sees the configuration the run was started with, never a cached one from another test.
 @pytest.fixture(autouse=True)
 def _fresh_config():
