@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import distckpt
+import distckpt.storage.posix.saving  # noqa: F401 - patched below (where PREPARE checks space)
 from distckpt import errors as E
 from distckpt.coordinator import TMP_RE
 from distckpt.storage.posix import reset_choices
@@ -311,7 +312,8 @@ def test_space_vanishes_after_preflight_manager_save(tmp_path, monkeypatch, fs):
             real_check(path, needed, **kw)          # passes: the space is free now...
             calls.append(fill_space(filler_dir, leave_bytes=2 * MiB))  # ...and then it is not
 
-        monkeypatch.setattr(pf, "check_save_space", check_then_fill)
+        # Where a POSIX save's PREPARE calls the pre-flight's space check.
+        monkeypatch.setattr(distckpt.storage.posix.saving, "check_save_space", check_then_fill)
         before = open_fds()
         with pytest.raises(E.DiskFullError) as ei:
             mgr.save(2, _big_state(12 * MiB))
