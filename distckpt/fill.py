@@ -571,8 +571,7 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
     mm = None
     try:
         for segs in plans:
-            mine = [s for s in segs if _pipelined(s)]
-            rest.extend(s for s in segs if not _pipelined(s))
+            mine = _take_pipelined(segs, rest)
             if not mine or outcome.failed():
                 continue
             path = paths[mine[0].file_index]
@@ -599,14 +598,19 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
     return rest
 
 
+def _take_pipelined(segs: list[_Segment], rest: list[_Segment]) -> list[_Segment]:
+    """The segments of one file the C pipeline reads; the others are appended to ``rest``."""
+    rest.extend(s for s in segs if not _pipelined(s))
+    return [s for s in segs if _pipelined(s)]
+
+
 def _pipeline_kept(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map, nslots,
                    keep: _Session) -> list[_Segment]:
     """:func:`_pipeline` on a keep_open session's slots and readers (not closed here; a reader
     that failed closed itself and is reopened by the next fill)."""
     rest: list[_Segment] = []
     for segs in plans:
-        mine = [s for s in segs if _pipelined(s)]
-        rest.extend(s for s in segs if not _pipelined(s))
+        mine = _take_pipelined(segs, rest)
         if not mine or outcome.failed():
             continue
         path = paths[mine[0].file_index]

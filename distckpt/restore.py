@@ -43,7 +43,7 @@ from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_
 from .values import decode_value
 from .plan import Box, plan_reads
 from .staging import dtype_from_name, dtype_name
-from .storage import Store, is_url, join, open_store
+from .storage import Store, is_url, open_store
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "EXACT_CASTS"]
 
