@@ -91,6 +91,17 @@ def test_deepspeed_builds_its_ops_inside_the_venv():
     assert glob.glob(os.path.join(root, "fused_adam", "*.so")), f"no fused_adam build under {root}"
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dszero"))
+    for cfg in CONFIGS:
+        stage, dtype = cfg.split(":")
+        os.makedirs(os.path.join(root, f"s{stage}{dtype}", "out"))
+    _torchrun(2, "save", root, *CONFIGS)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def _dir(root: str, cfg: str) -> str:
     stage, dtype = cfg.split(":")
     return os.path.join(root, f"s{stage}{dtype}")
