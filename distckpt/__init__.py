@@ -19,8 +19,6 @@ conditional create (docs/FORMAT.md, "Object stores").
 __version__ = "0.1.0"
 
 import importlib as _importlib
-import sys as _sys
-import types as _types
 
 from .errors import DistCkptError  # noqa: E402  (torch-free)
 from .preflight import preflight  # noqa: E402  (torch-free; binds the function over the submodule's name)
@@ -29,11 +27,11 @@ from .preflight import preflight  # noqa: E402  (torch-free; binds the function 
 # line's --help and --version, and `import distckpt.errors` in a monitoring script, do not pay
 # for importing torch. `from distckpt import save` works as before.
 _LAZY = {
-    "save": ".save", "SaveResult": ".save",
+    "save": ".save_sync", "SaveResult": ".save_sync",
     "load": ".restore", "read": ".restore", "read_manifest": ".restore", "LoadResult": ".restore",
     "CheckpointManager": ".manager",
-    "async_save": ".async_save", "AsyncSaveHandle": ".async_save",
-    "release_staging_memory": ".async_save",
+    "async_save": ".save_async", "AsyncSaveHandle": ".save_async",
+    "release_staging_memory": ".save_async",
 }
 
 
@@ -47,34 +45,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | {"save", "async_save"})
+    return sorted(set(globals()) | set(_LAZY))
 
 
-def _function_over_submodule(name: str) -> property:
-    """``distckpt.save`` is the function although a submodule has the same name.
-
-    Importing a submodule binds it as an attribute of the package (``distckpt.save`` = the module)
-    whenever it is first imported, which with lazy imports can happen after the function was
-    bound. A property on the package's class wins over that: the import system's assignment of
-    the submodule is ignored, any other assignment (a test's monkeypatch) is honoured.
-    """
-    def get(pkg):
-        return pkg.__dict__.get("_override_" + name) or getattr(_importlib.import_module("." + name, __name__), name)
-
-    def set_(pkg, value):
-        if not isinstance(value, _types.ModuleType):
-            pkg.__dict__["_override_" + name] = value
-
-    return property(get, set_)
-
-
-class _Package(_types.ModuleType):
-    save = _function_over_submodule("save")
-    async_save = _function_over_submodule("async_save")
-
-
-_sys.modules[__name__].__class__ = _Package
-del _LAZY["save"], _LAZY["async_save"]
 
 
 __all__ = [

@@ -27,7 +27,7 @@ about once per process, naming the closest known variable: a silently ignored se
 | DISTCKPT_DEVICE_STAGING     | 64M      | pinned host memory a sync save of GPU tensors streams them |
 |                             |          | through (2 slots; copies overlap writes: distckpt.devstage)|
 
-Object stores (read by distckpt.storage.objectstore at each save):
+Object stores (read by distckpt.storage.object.store at each save):
 
 | DISTCKPT_OBJECT_PART_SIZE       | 16M | multipart upload part size (>= 5 MiB; raised so a shard needs <= 10000 parts) |
 | DISTCKPT_OBJECT_PARTS_IN_FLIGHT | 4   | parts uploading at once per rank (memory: one more part being filled)         |
@@ -60,7 +60,7 @@ KNOWN_VARIABLES = (
     "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
     "DISTCKPT_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
     "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING",
-    # object stores (distckpt.storage.objectstore.settings)
+    # object stores (distckpt.storage.object.store.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
     "DISTCKPT_OBJECT_CONDITIONAL", "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "DISTCKPT_OBJECT_MIN_RATE",
     # launch/env.sh (where the venv goes) and the tests (crash sweeps, the S3 server's switches)

@@ -675,7 +675,7 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
     import torch
 
     from .fill import reading
-    from .save import save
+    from .save_sync import save
 
     fd, tmp = tempfile.mkstemp(prefix=".distckpt-convert-", dir=os.path.dirname(os.path.abspath(dst)))
     try:

@@ -828,7 +828,7 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
     ``lock_path``: the save lock rank 0 holds from PREPARE to the end (default ``.NAME.lock``
     beside the checkpoint; a CheckpointManager passes its root lock). It is released (unlinked,
     fd closed) on every path, after the tmp dir is gone or published. On an object store the
-    lock is the save's lease object (:mod:`distckpt.storage.objectstore`), and the tmp dir is the
+    lock is the save's lease object (:mod:`distckpt.storage.object.store`), and the tmp dir is the
     save's data prefix.
 
     ``storage_options``: for an fsspec URL ``final_dir``, passed to fsspec (:func:`distckpt.storage.open_store`).

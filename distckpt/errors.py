@@ -210,7 +210,7 @@ class IOBackendUnavailableError(DistCkptError, OSError):
 
 # --------------------------------------------------------------------------------------------
 # Object stores (S3 and the other fsspec stores). Translated from botocore / aiobotocore / s3fs
-# exceptions in one place: distckpt.storage.objerrors.translate. ``path`` is the object's URL.
+# exceptions in one place: distckpt.storage.object.errors.translate. ``path`` is the object's URL.
 
 
 class ObjectStoreError(StorageError):

@@ -439,7 +439,7 @@ class IncrementalSaver:
         Raises what :func:`distckpt.save` raises, and ConfigError for a bad ``rows`` policy.
         After a failure the chain and this saver stay at the previous link.
         """
-        from .save import save
+        from .save_sync import save
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                           "IncrementalSaver.save()")
         try:
@@ -467,7 +467,7 @@ class IncrementalSaver:
         Raises ConfigError for a bad ``rows`` policy; a save's own errors are raised by the
         handle's ``result()``, as for :func:`distckpt.async_save`.
         """
-        from .async_save import async_save
+        from .save_async import async_save
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                           "IncrementalSaver.async_save()")
 
@@ -483,7 +483,7 @@ class IncrementalSaver:
     def _wait_pending(self) -> None:
         """Wait until this saver's async save in flight (if any) has committed or failed, and its
         outcome has moved the saver on (its error is left to its handle and to
-        distckpt.async_save.raise_background_failure)."""
+        distckpt.save_async.raise_background_failure)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()

@@ -48,14 +48,14 @@ from ._dist import is_distributed
 from .coordinator import ROOT_LOCK_NAME, Leftover, SaveResult, is_committed, reclaim_tmp_dirs
 from .errors import CheckpointNotFoundError, ConfigError, from_os_error
 from .restore import LoadResult, load
-from .save import save
+from .save_sync import save
 from .storage import is_url, join, normalize_path, open_store
 from .storage.posix import commit as local
 # The listing is torch-free (`distckpt ls`); its names are re-exported here, where they were defined.
 from .listing import _STEP_RE, RootListing, StepInfo, _newest_by_commit, _step_info, list_root  # noqa: F401
 
 if TYPE_CHECKING:
-    from .async_save import AsyncSaveHandle
+    from .save_async import AsyncSaveHandle
 
 log = logging.getLogger("distckpt")
 
@@ -224,7 +224,7 @@ class CheckpointManager:
         """Save ``state_dict`` as step ``step`` (collective), then point ``latest`` at it and rotate.
 
         Keyword arguments go to :func:`distckpt.save`. With ``blocking=False`` this is
-        :func:`distckpt.async_save`: it returns an :class:`~distckpt.async_save.AsyncSaveHandle` as
+        :func:`distckpt.async_save`: it returns an :class:`~distckpt.save_async.AsyncSaveHandle` as
         soon as the state is staged; ``latest``, the abandoned-branch policy and the rotation happen
         inside that save's commit, in the background. Saves are serialized per process (a later
         save waits for an earlier one still in flight) and per root across processes (the root
@@ -237,7 +237,7 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
-        from .async_save import raise_background_failure
+        from .save_async import raise_background_failure
         raise_background_failure()
         if self._store is not None:
             kwargs["storage_options"] = self.storage_options
@@ -269,7 +269,7 @@ class CheckpointManager:
             self._settle(gen, result, None)
             return result
         if not blocking:
-            from .async_save import async_save
+            from .save_async import async_save
             # Settled on every rank by the save's own thread, before its handle reports done.
             return async_save(state_dict, self.path(step), process_group=self.process_group,
                               _after_commit=after, _lock_path=lock,
@@ -366,7 +366,7 @@ class CheckpointManager:
         Raises CheckpointNotFoundError when there is no committed step, plus what
         :func:`distckpt.load` raises, and first the error of an earlier async save of this process
         that nobody waited for."""
-        from .async_save import raise_background_failure
+        from .save_async import raise_background_failure
         raise_background_failure()
         if step is None:
             step = self.latest_step()
@@ -387,7 +387,7 @@ class CheckpointManager:
         saves are serialized per process, and the staging memory is the process's), raise the
         error of any that failed unseen (its own class), and free the async staging memory
         (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable."""
-        from .async_save import raise_background_failure, release_staging_memory, wait_for_saves
+        from .save_async import raise_background_failure, release_staging_memory, wait_for_saves
         try:
             wait_for_saves()  # the one registry of saves in flight (distckpt.async_save)
             raise_background_failure()

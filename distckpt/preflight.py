@@ -33,7 +33,7 @@ memlock                RLIMIT_MEMLOCK when pinned memory will be used (warning).
 
 For an object-store URL (``s3://bucket/prefix``) the file-system checks (disk, tmpdir,
 deleted_open_files, writable, io_backend) are replaced by those of
-:mod:`distckpt.storage.objcheck`: object_credentials (credentials resolve), object_endpoint (the
+:mod:`distckpt.storage.object.check`: object_credentials (credentials resolve), object_endpoint (the
 endpoint answers), object_bucket (the bucket exists and may be listed) and object_writable (a probe
 object is created and deleted; whether the server honours conditional creates is reported).
 
@@ -1293,8 +1293,8 @@ def _is_object_url(path: str) -> bool:
 
 
 def _object_store_results(path: str, storage_options: Mapping[str, Any] | None, rank: int | None) -> list:
-    """The object-store checks of :mod:`distckpt.storage.objcheck` as CheckResults (the report)."""
-    from .storage.objcheck import run_checks  # loads the S3 client stack only for an object-store path
+    """The object-store checks of :mod:`distckpt.storage.object.check` as CheckResults (the report)."""
+    from .storage.object.check import run_checks  # loads the S3 client stack only for an object-store path
     results = []
     for name, msg, details, err in run_checks(path, storage_options, rank, probe=True):
         if err is None:

@@ -287,7 +287,7 @@ def _open_object(store, ckpt: str, manifest, i: int, report: VerifyReport) -> tu
     """:func:`_open_file` for a data object of an object store (one HEAD)."""
     entry = manifest.files[i]
     url = store.data_url(ckpt, manifest, i)
-    from .storage.objectstore import NoSuchKey
+    from .storage.object.store import NoSuchKey
     try:
         size = store._call("head", url, "info", store._key(url))["size"]
     except NoSuchKey:
@@ -369,7 +369,7 @@ def _verify_one(path: str, window: int, progress, on_start, storage_options, cha
 
     t0 = time.monotonic()
     if is_url(path):
-        from .storage.objectstore import _RangeReader
+        from .storage.object.store import _RangeReader
         store = open_store(path, storage_options)
         mpath = join(path, mf.MANIFEST_NAME)
         data = store.manifest_bytes(path)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.async_save import AsyncSaveHandle, staging_pool
+from distckpt.save_async import AsyncSaveHandle, staging_pool
 from distckpt.coordinator import TMP_RE, is_committed
 from distckpt.errors import (CheckpointExistsError, DiskFullError, UnsupportedValueError)
 

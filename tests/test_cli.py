@@ -76,7 +76,7 @@ def test_every_argument_has_help():
 def test_package_names_resolve_lazily():
     """`distckpt.save` is the function even after its submodule was imported (lazy package)."""
     proc = _run("-c", "import sys, distckpt; assert 'torch' not in sys.modules; import distckpt.manager; "
-                      "import distckpt.async_save; from distckpt import save, load, read, CheckpointManager; "
+                      "import distckpt.save_async, distckpt.save_sync; from distckpt import save, load, read, CheckpointManager; "
                       "assert callable(distckpt.save) and distckpt.save is save; "
                       "assert callable(distckpt.async_save) and callable(distckpt.preflight); "
                       "assert set(distckpt.__all__) <= set(dir(distckpt))")

@@ -376,7 +376,7 @@ def test_save_on_one_rank_only_fails_fast_and_typed(tmp_path):
 
 RSS_PROBE = r"""
 import json, sys, torch, distckpt
-from distckpt.async_save import staging_pool
+from distckpt.save_async import staging_pool
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
@@ -407,7 +407,7 @@ def test_staging_memory_released(tmp_path):
 
 
 def test_staging_pool_bound(tmp_path, monkeypatch):
-    from distckpt.async_save import staging_pool
+    from distckpt.save_async import staging_pool
     distckpt.release_staging_memory()
     monkeypatch.setenv("DISTCKPT_STAGING_POOL_BYTES", "0")
     distckpt.async_save({"w": torch.ones(1 << 16)}, tmp_path / "a").result()

@@ -4,7 +4,7 @@ What the server does (and so what distckpt's object-store back end may rely on) 
 access keys are enforced, a missing bucket is not created on write, conditional creates
 (If-None-Match: *) are honoured on PutObject and CompleteMultipartUpload, and the
 ``s3_ignore_conditional`` fixture really makes the server overwrite. Every failure the store can
-produce here becomes a typed error (distckpt.storage.objerrors.translate) that names the URL, the
+produce here becomes a typed error (distckpt.storage.object.errors.translate) that names the URL, the
 rank and a remedy: bad keys, a read-only key, no credentials, a missing bucket or object, the
 server stopped (SIGTERM) or killed in the middle of an upload, real throttling (SeaweedFS's circuit
 breaker answers 503) with the bounded retry, and an over-quota bucket.
@@ -23,8 +23,8 @@ import time
 import pytest
 
 from distckpt import errors
-from distckpt.storage import objerrors
-from distckpt.storage.objerrors import RetryPolicy, call_with_retry, translate
+from distckpt.storage.object import errors as objerrors
+from distckpt.storage.object.errors import RetryPolicy, call_with_retry, translate
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -273,7 +273,7 @@ def test_quota(s3_bucket):
 
 
 # ------------------------------------------------------------------------------------------------
-# Pre-flight of an object store (distckpt.storage.objcheck through distckpt.preflight)
+# Pre-flight of an object store (distckpt.storage.object.check through distckpt.preflight)
 
 
 def _object_checks(report):
@@ -307,7 +307,7 @@ def test_preflight_object_store_without_conditional_creates(s3_bucket, s3_ignore
 
 def test_preflight_object_store_failures_typed(s3_bucket, monkeypatch, tmp_path):
     from distckpt.preflight import preflight
-    from distckpt.storage.objcheck import check_object_store
+    from distckpt.storage.object.check import check_object_store
     from tests.s3server import _free_ports
 
     server, url = s3_bucket.server, f"{s3_bucket.url}/run7"

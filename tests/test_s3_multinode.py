@@ -141,7 +141,7 @@ def test_server_killed_mid_save_every_rank_typed_error(s3_private_server, tmp_pa
     """SIGKILL the server while 2 ranks upload: every rank raises the same RankFailureError whose
     per-rank causes are EndpointUnreachableError (never a hang or a bare exception), within a
     bound; nothing committed."""
-    from distckpt.storage.objerrors import client_config
+    from distckpt.storage.object.errors import client_config
 
     bucket = s3_private_server
     server = bucket.server

@@ -235,7 +235,7 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
 
 
 def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
-    from distckpt.storage.objectstore import Lease
+    from distckpt.storage.object.store import Lease
     opts = s3_bucket.storage_options
     url = s3_bucket.url + "/lease/step_00000001"
     store = open_store(url, opts)
@@ -255,7 +255,7 @@ def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
 def _killed_body(rank, world, url, options, marker):
     sd = {f"w{rank}": torch.full((ROWS, COLS), float(rank + 1))}  # per-rank keys: 8 MiB each
     if rank == 1:
-        from distckpt.storage import objectstore
+        from distckpt.storage.object import store as objectstore
 
         real = objectstore._Upload._flush_part
 
@@ -318,7 +318,7 @@ def test_missing_bucket_and_bad_credentials_are_typed(s3_bucket):
 
 def test_overwritten_while_loading_is_checkpoint_removed(s3_bucket, monkeypatch):
     from distckpt.errors import CheckpointRemovedError
-    from distckpt.storage.objectstore import ObjectStore
+    from distckpt.storage.object.store import ObjectStore
     opts = s3_bucket.storage_options
     url = s3_bucket.url + "/ow/step_00000001"
     distckpt.save({"w": torch.ones(1000)}, url, storage_options=opts)

@@ -529,7 +529,7 @@ def save(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
          extra: dict | None = None, process_group: Any = None, **kwargs: Any):
     """``distckpt.save(state_dict(model, ...), path, replicated=rank0_keys(sd), **kwargs)``:
     collective; returns SaveResult."""
-    from ..save import save as _save
+    from ..save_sync import save as _save
     sd = state_dict(model, optimizers=optimizers, extra=extra, process_group=process_group)
     kwargs.setdefault("replicated", rank0_keys(sd))
     return _save(sd, path, process_group=process_group, **kwargs)

@@ -5,7 +5,7 @@ Two back ends implement :class:`Store`:
   * ``posix`` (:class:`distckpt.storage.posix.store.PosixStore`): local file systems. Data files go
     through per-rank O_DIRECT io_uring writers; the commit is made of directory operations (tmp
     dir, fsync, rename; :mod:`distckpt.storage.posix.commit`). ``file://`` URLs map here.
-  * ``object`` (:class:`distckpt.storage.objectstore.ObjectStore`): fsspec object stores (``s3://``
+  * ``object`` (:class:`distckpt.storage.object.store.ObjectStore`): fsspec object stores (``s3://``
     through s3fs). Data objects are uploaded under a save-unique prefix, and MANIFEST is written
     last with a conditional create; nothing is ever renamed (docs/FORMAT.md, "Object stores").
 
@@ -130,7 +130,7 @@ class Store:
 
 def open_store(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Store:
     """The back end for ``path``: :class:`~distckpt.storage.posix.store.PosixStore` for a local
-    path or a ``file://`` URL, :class:`~distckpt.storage.objectstore.ObjectStore` for any other
+    path or a ``file://`` URL, :class:`~distckpt.storage.object.store.ObjectStore` for any other
     fsspec URL (``s3://bucket/prefix``). ``storage_options`` go to fsspec unchanged (for s3fs:
     ``key``, ``secret``, ``endpoint_url``, ``client_kwargs``...); with none, s3fs reads the standard
     AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).
@@ -140,7 +140,7 @@ def open_store(path: str | os.PathLike, storage_options: Mapping[str, Any] | Non
     """
     path = normalize_path(path)
     if is_url(path):
-        from .objectstore import ObjectStore
+        from .object.store import ObjectStore
         return ObjectStore.for_url(path, storage_options)
     if storage_options:
         from ..errors import ConfigError

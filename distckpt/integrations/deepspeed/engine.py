@@ -84,7 +84,7 @@ from ...coordinator import ROOT_LOCK_NAME, is_committed, reclaim_tmp_dirs
 from ...errors import (CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError,
                        from_os_error)
 from ...restore import load_manifest, read
-from ...save import SaveResult, save
+from ...save_sync import SaveResult, save
 from ...storage.posix import commit as local
 from ...values import holds_tensor
 from . import zero

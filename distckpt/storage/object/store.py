@@ -45,15 +45,15 @@ from typing import Any, Mapping
 
 import crc32c as _crc32c
 
-from .. import manifest as mf
-from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
+from ... import manifest as mf
+from ...errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
                       )
-from ..config import get_config
-from ..plan import ALIGNMENT, assign_offsets
-from . import Store, join
-from . import objrequest
-from .objerrors import client_config, translate
+from ...config import get_config
+from ...plan import ALIGNMENT, assign_offsets
+from .. import Store, join
+from . import request as objrequest
+from .errors import client_config, translate
 
 __all__ = ["ObjectStore", "Lease", "NoSuchKey", "translate_error", "settings"]
 
@@ -72,7 +72,7 @@ class NoSuchKey(Exception):
 
 
 def _part_size() -> int:
-    from ..sizes import parse_size
+    from ...sizes import parse_size
     raw = os.environ.get("DISTCKPT_OBJECT_PART_SIZE", "") or "16M"
     try:
         v = parse_size(raw)
@@ -106,7 +106,7 @@ def settings() -> dict:
 def translate_error(exc: BaseException, url: str, rank: int | None, operation: str,
                     endpoint: str | None = None, conditional: bool = False) -> BaseException:
     """A typed DistCkptError for an exception of the object-store client (``exc`` itself when it
-    already is one): :func:`distckpt.storage.objerrors.translate`."""
+    already is one): :func:`distckpt.storage.object.errors.translate`."""
     return translate(exc, url=url, rank=rank, operation=operation, endpoint=endpoint, conditional=conditional)
 
 
@@ -150,7 +150,7 @@ class ObjectStore(Store):
     def _call(self, operation: str, url: str, method: str, *args, rank: int | None = None, nbytes: int = 0,
               conditional: bool = False, timeout_s: float | None = None, **kwargs):
         """The file system's coroutine ``_<method>(*args, **kwargs)`` as one request of
-        :mod:`distckpt.storage.objrequest`: under a deadline (``timeout_s``, else the default for
+        :mod:`distckpt.storage.object.request`: under a deadline (``timeout_s``, else the default for
         ``nbytes`` of body), throttles retried (bounded), failures typed. A plain "no such key"
         is :class:`NoSuchKey` for the caller to give its meaning (a missing MANIFEST, a missing
         data object); a missing bucket is BucketNotFoundError (which a caller catching NoSuchKey
@@ -158,7 +158,7 @@ class ObjectStore(Store):
 
         Raises:
             NoSuchKey, EndpointUnreachableError (no answer within the deadline), and the typed
-            errors of :func:`distckpt.storage.objerrors.translate`.
+            errors of :func:`distckpt.storage.object.errors.translate`.
         """
         coro = getattr(self.fs, "_" + method)
         try:
@@ -300,13 +300,13 @@ class ObjectStore(Store):
         """Before the first byte of a save (DISTCKPT_PREFLIGHT=1): the credentials resolve, the
         endpoint answers, the bucket exists, and a probe object next to the checkpoint (a file
         under its parent prefix, which no listing of checkpoints or leftovers counts) is created
-        and removed (distckpt.storage.objcheck); each failure is its typed error.
+        and removed (distckpt.storage.object.check); each failure is its typed error.
 
         Raises:
             ConfigError: DISTCKPT_OBJECT_CONDITIONAL=1 but the server overwrote the probe's
                 conditional create: the commit could not tell a lost race from a win.
         """
-        from .objcheck import check_object_store
+        from .check import check_object_store
         found = check_object_store(_parent(final), fs=self.fs, rank=rank)
         if found.get("conditional") is False and settings()["conditional"]:
             raise ConfigError(
@@ -318,7 +318,7 @@ class ObjectStore(Store):
                        "writing the MANIFEST.")
 
     def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
-        from ..staging import host_bytes
+        from ...staging import host_bytes
         url = join(area, mf.data_file_name(rank))
         nbytes = [p.tensor.numel() * p.tensor.element_size() for _, p in pieces]
         offsets, chunks_end = assign_offsets(nbytes, alignment=ALIGNMENT)
@@ -771,7 +771,7 @@ class Lease:
       * renewed by a heartbeat every ``lease_s / 4`` with ``If-Match: <own last ETag>``: a save
         whose lease was taken over learns it (``lost``) and never writes the lease again. The
         heartbeat also stops renewing while a request of this process is stuck past its deadline
-        (:func:`distckpt.storage.objrequest.in_flight_overdue`), so a stuck save's lease lapses;
+        (:func:`distckpt.storage.object.request.in_flight_overdue`), so a stuck save's lease lapses;
       * released with ``DELETE If-Match: <own ETag>``, never deleting another save's lease.
 
     A write whose answer was lost may still have landed: when a conditional write fails, the

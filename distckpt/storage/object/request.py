@@ -12,7 +12,7 @@ covers the client's own internal retries of that request.
 
 The deadline of one request is ``DISTCKPT_OBJECT_REQUEST_TIMEOUT_S`` (default 30 s) plus the time
 its body takes at ``DISTCKPT_OBJECT_MIN_RATE`` (default 4 MiB/s): a 16 MiB part gets 34 s, a
-MANIFEST of 1 MiB 30.25 s. A throttled request is retried (:mod:`distckpt.storage.objerrors`,
+MANIFEST of 1 MiB 30.25 s. A throttled request is retried (:mod:`distckpt.storage.object.errors`,
 at most ``RetryPolicy.total_s`` = 60 s of retries), each try with the full deadline; so one call
 returns or raises within ``deadline + 60 s + one deadline``, and a silent endpoint is reported
 within one deadline.
@@ -33,8 +33,8 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
-from ..errors import ConfigError, EndpointUnreachableError
-from .objerrors import DEFAULT_RETRY, acall_with_retry
+from ...errors import ConfigError, EndpointUnreachableError
+from .errors import DEFAULT_RETRY, acall_with_retry
 
 __all__ = ["request_timeout", "run", "arun", "submit", "wait", "in_flight_overdue", "env_float",
            "RequestDeadlineExceeded"]
@@ -46,7 +46,7 @@ _GRACE_S = 5.0  # how long past its deadline a cancelled request may take to unw
 
 class RequestDeadlineExceeded(TimeoutError):
     """Internal: a request got no answer within distckpt's deadline (translated to
-    EndpointUnreachableError by :func:`distckpt.storage.objerrors.translate`)."""
+    EndpointUnreachableError by :func:`distckpt.storage.object.errors.translate`)."""
 
 
 def env_float(name: str, default: float, lo: float, hi: float) -> float:
@@ -152,7 +152,7 @@ def run(loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[T]], *, ur
 
     Raises:
         EndpointUnreachableError: no answer within the deadline (or the connection failed).
-        DistCkptError: any other failure, typed by :func:`distckpt.storage.objerrors.translate`
+        DistCkptError: any other failure, typed by :func:`distckpt.storage.object.errors.translate`
             (CheckpointExistsError for a failed conditional create when ``conditional``).
     """
     timeout = request_timeout(nbytes) if timeout_s is None else timeout_s

@@ -79,7 +79,7 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         ``committed = True``), CommittedButPeerLostError, and a PeerLostError with
         ``committed = None`` on a rank that lost rank 0 during the commit and cannot tell.
     """
-    from .async_save import raise_background_failure, wait_for_saves
+    from .save_async import raise_background_failure, wait_for_saves
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
     raise_background_failure()
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="save()")

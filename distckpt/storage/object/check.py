@@ -1,6 +1,6 @@
 """Pre-flight of an object store: before the first byte of a save to ``s3://bucket/prefix``.
 
-Four questions, in order, each answered with a typed error (distckpt.storage.objerrors) naming the
+Four questions, in order, each answered with a typed error (distckpt.storage.object.errors) naming the
 URL, the rank and a remedy:
 
   endpoint     the endpoint answers: a TCP connection to its host and port opens within a bound
@@ -39,9 +39,9 @@ import uuid
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from ..errors import DistCkptError, EndpointUnreachableError, ObjectStoreAccessError, ObjectStoreError
-from .objerrors import client_config, translate
-from .objrequest import run
+from ...errors import DistCkptError, EndpointUnreachableError, ObjectStoreAccessError, ObjectStoreError
+from .errors import client_config, translate
+from .request import run
 
 __all__ = ["check_object_store", "run_checks", "PROBE_PREFIX"]
 

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
-from ..errors import (
+from ...errors import (
     BucketNotFoundError,
     CheckpointExistsError,
     DistCkptError,
