@@ -93,6 +93,14 @@ static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t len)
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 
+/* An unaligned 8-byte load (memcpy compiles to one mov). */
+static inline uint64_t load64(const unsigned char *p)
+{
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+}
+
 /* Three interleaved crc32 streams over lanes of ``lane`` bytes (the instruction's latency is
    three times its throughput), combined by shifting through ``zeros`` (lane bytes of zeros). */
 __attribute__((target("sse4.2"))) static inline uint64_t crc_lanes(uint64_t crc0, const unsigned char **pnext,
@@ -104,15 +112,22 @@ __attribute__((target("sse4.2"))) static inline uint64_t crc_lanes(uint64_t crc0
     while (len >= lane * 3) {
         uint64_t crc1 = 0, crc2 = 0;
         const unsigned char *end = next + lane;
+        /* Four words per stream per pass (lanes are multiples of 32 bytes): with one, the loop's
+           own add/compare/branch takes issue slots from the crc32s (~20 % slower on x86-64). */
         do {
-            uint64_t a, b, c;
-            memcpy(&a, next, 8);
-            memcpy(&b, next + lane, 8);
-            memcpy(&c, next + 2 * lane, 8);
-            crc0 = _mm_crc32_u64(crc0, a);
-            crc1 = _mm_crc32_u64(crc1, b);
-            crc2 = _mm_crc32_u64(crc2, c);
-            next += 8;
+            crc0 = _mm_crc32_u64(crc0, load64(next));
+            crc1 = _mm_crc32_u64(crc1, load64(next + lane));
+            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane));
+            crc0 = _mm_crc32_u64(crc0, load64(next + 8));
+            crc1 = _mm_crc32_u64(crc1, load64(next + lane + 8));
+            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane + 8));
+            crc0 = _mm_crc32_u64(crc0, load64(next + 16));
+            crc1 = _mm_crc32_u64(crc1, load64(next + lane + 16));
+            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane + 16));
+            crc0 = _mm_crc32_u64(crc0, load64(next + 24));
+            crc1 = _mm_crc32_u64(crc1, load64(next + lane + 24));
+            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane + 24));
+            next += 32;
         } while (next < end);
         crc0 = shift(zeros, (uint32_t)crc0) ^ (uint32_t)crc1;
         crc0 = shift(zeros, (uint32_t)crc0) ^ (uint32_t)crc2;
