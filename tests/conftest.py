@@ -11,8 +11,14 @@ import pytest
 os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
+# Each tier folder's tests carry its marker (registered in pyproject.toml), so that
+# `-m unit`, `-m "not crash and not s3"` and the like select by tier; docs/TESTING.md lists the tiers.
+TIERS = ("unit", "io", "protocol", "crash", "s3", "interop", "gpu")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 # The fast loop: `bash tests/run.sh -m "not slow"` leaves out these files (each one is minutes of
 # crash sweeps, real DeepSpeed / TorchRec launches or network-fault sweeps) and tests marked slow.
+# Matched by file name, whatever tier folder the file is in.
 SLOW_FILES = {"test_crash.py", "test_crash_syscalls.py", "test_power_loss.py", "test_deepspeed_engine.py",
               "test_deepspeed_zero.py", "test_s3_faults.py", "test_s3_multinode.py", "test_torchrec.py",
               "test_torchrec_raw.py"}
@@ -20,8 +26,12 @@ SLOW_FILES = {"test_crash.py", "test_crash_syscalls.py", "test_power_loss.py", "
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if os.path.basename(str(item.fspath)) in SLOW_FILES:
+        path = os.path.abspath(str(item.fspath))
+        if os.path.basename(path) in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        tier = os.path.relpath(path, TESTS_DIR).split(os.sep)[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 # Every test sees the configuration the run was started with, never a cached one from another test.
@@ -54,12 +64,12 @@ def open_fds() -> dict[int, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# A real S3 server (SeaweedFS, tests/s3server.py): one per session, a fresh bucket per test.
+# A real S3 server (SeaweedFS, tests/helpers/s3server.py): one per session, a fresh bucket per test.
 
 
 class S3Bucket:
     """One empty bucket on the session's server: ``name``, ``url`` (``s3://NAME``),
-    ``storage_options`` (read-write keys), ``server`` (the :class:`tests.s3server.S3Server`),
+    ``storage_options`` (read-write keys), ``server`` (the :class:`tests.helpers.s3server.S3Server`),
     ``fs`` (an s3fs filesystem on it) and ``env`` (AWS_* variables for clients without options)."""
 
     def __init__(self, server, name):
@@ -83,7 +93,7 @@ class S3Bucket:
 @pytest.fixture(scope="session")
 def s3_server():
     """The session's SeaweedFS server (started on first use, stopped at the end)."""
-    from tests.s3server import S3Server
+    from tests.helpers.s3server import S3Server
 
     with S3Server() as server:
         yield server
@@ -102,7 +112,7 @@ def s3_bucket(s3_server):
 def s3_private_server(tmp_path_factory):
     """A server of this test's own (with one bucket), for tests that stop or kill it mid-way;
     stopped (by PID) afterwards whatever happened. Yields an S3Bucket on it."""
-    from tests.s3server import S3Server
+    from tests.helpers.s3server import S3Server
 
     server = S3Server().start()
     try:
@@ -117,7 +127,7 @@ def s3_ignore_conditional(monkeypatch):
     this process's S3 clients stop sending the header, and so do child processes (torchrun ranks)
     started with the environment this fixture sets (a sitecustomize on PYTHONPATH). Undone at
     teardown."""
-    from tests.s3server import ignore_conditional_writes, ignore_conditional_writes_env, restore_conditional_writes
+    from tests.helpers.s3server import ignore_conditional_writes, ignore_conditional_writes_env, restore_conditional_writes
 
     ignore_conditional_writes()
     for name, value in ignore_conditional_writes_env().items():

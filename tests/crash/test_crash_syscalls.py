@@ -1,7 +1,7 @@
 """A save killed at every system call (I1, I2, I3, I6): 1 rank, and 2 gloo ranks killing rank 0
 and rank 1 in turn, each with the io_uring and the pwrite backend.
 
-The enumeration itself is tests/_syscall_kill.py (its docstring says how kill points are counted
+The enumeration itself is tests/helpers/syscall_kill.py (its docstring says how kill points are counted
 from a trace, how io_uring-submitted writes are covered, and what is checked after each kill). It
 runs in a subprocess (one torch import, then a fork per trial) on a real ext4 whose image sits in
 /dev/shm. CI runs the selection described there (every call of the commit phase, every call of
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tests.faults import REPO_ROOT, ext4_image_mount, require_root, require_tools
+from tests.helpers.faults import REPO_ROOT, ext4_image_mount, require_root, require_tools
 
 FULL = os.environ.get("DISTCKPT_CRASH_FULL") == "1"
 LATE = {0: "commit", 1: "after-write"}
@@ -31,7 +31,7 @@ def _run(tmp_path, *args: str, timeout: float) -> dict:
     require_root("kill-at-syscall tests (strace -p, a loop-mounted ext4)")
     require_tools("strace", "mkfs.ext4", "losetup")
     with ext4_image_mount(tmp_path / "fs", size="256m", image_dir="/dev/shm") as fs:
-        proc = subprocess.run([sys.executable, "-m", "tests._syscall_kill", "--workdir", str(fs), *args],
+        proc = subprocess.run([sys.executable, "-m", "tests.helpers.syscall_kill", "--workdir", str(fs), *args],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout)

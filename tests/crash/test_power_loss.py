@@ -1,6 +1,6 @@
 """Power loss at every operation of two saves, and of an in-place overwrite (I1, I2, I3, I6), on a
-FUSE file system that drops everything no fsync covered (tests/_powercut_fs.py: the model, and
-where real ext4 is kinder; tests/_powercut.py: the cut points, the three images a restart may
+FUSE file system that drops everything no fsync covered (tests/helpers/powercut_fs.py: the model, and
+where real ext4 is kinder; tests/helpers/powercut.py: the cut points, the three images a restart may
 find, the checks).
 
 O_DIRECT works on FUSE here (the kernel passes O_DIRECT writes to the daemon uncached; ``auto``
@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from tests.faults import REPO_ROOT, require_root, require_tools
+from tests.helpers.faults import REPO_ROOT, require_root, require_tools
 
 FULL = os.environ.get("DISTCKPT_CRASH_FULL") == "1"
 
@@ -36,7 +36,7 @@ def _run(tmp_path, *args: str, timeout: float) -> dict:
     require_tools("fusermount3")
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine")
-    proc = subprocess.run([sys.executable, "-m", "tests._powercut", "--workdir", str(tmp_path / "pc"), *args],
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.powercut", "--workdir", str(tmp_path / "pc"), *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     shutil.rmtree(tmp_path / "pc", ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -35,10 +35,10 @@ from distckpt import errors as E
 from distckpt.coordinator import TMP_RE
 from distckpt.storage.posix import reset_choices
 
-from . import _seccomp
-from .conftest import open_fds
-from .distributed import run_ranks
-from .faults import (PYTHON, REPO_ROOT, ext4_image_mount, fill_inodes, fill_space, readonly_mount,
+from ..helpers import seccomp as _seccomp
+from ..conftest import open_fds
+from ..helpers.distributed import run_ranks
+from ..helpers.faults import (PYTHON, REPO_ROOT, ext4_image_mount, fill_inodes, fill_space, readonly_mount,
                      require_root, require_tools, run_python, tmpfs_mount)
 
 BACKENDS = ("uring", "pwrite", "buffered")
@@ -198,7 +198,7 @@ def _strace_python(code: str, inject: list[str], *, env: dict | None = None, tim
     """Run ``code`` (with faults' emit()/error_dict()) in the real interpreter under strace fault
     injection. Only the injected syscalls are traced (--seccomp-bpf keeps the rest at full speed);
     ``only_paths`` (strace -P) limits the injection to syscalls on those files."""
-    from .faults import _MARK, _PRELUDE
+    from ..helpers.faults import _MARK, _PRELUDE
     import json
     import textwrap
     traced = sorted({spec.split(":")[0].split("=")[1] for spec in inject})
@@ -612,7 +612,7 @@ def test_eacces_without_dac_override(tmp_path):
 # io_uring refused by a seccomp filter
 
 _SECCOMP_CHILD = """
-from tests import _seccomp
+from tests.helpers import seccomp as _seccomp
 _seccomp.deny_io_uring_setup()
 results = []
 fresh(DISTCKPT_IO_BACKEND="auto")
@@ -655,7 +655,7 @@ def _two_rank_enospc_body(rank, world, root):
     from torch.distributed._shard.sharded_tensor import Shard as STShard
     from torch.distributed._shard.sharded_tensor import ShardMetadata, init_from_local_shards
 
-    from .conftest import open_fds as fds
+    from ..conftest import open_fds as fds
     # A row-sharded tensor: rank 0 holds 16 rows (1 MiB), rank 1 the other 400 (25 MiB), so rank 1's
     # data file cannot fit the 16 MiB tmpfs both share, while rank 0's does.
     cols = 16384

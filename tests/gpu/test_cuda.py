@@ -25,7 +25,7 @@ import distckpt
 from distckpt.config import get_config
 from distckpt.verify import verify
 
-from .distributed import run_ranks
+from ..helpers.distributed import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (the GPU staging and NCCL paths)")

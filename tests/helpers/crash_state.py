@@ -1,7 +1,7 @@
 """What the crash suites save, and the one check they run on a checkpoint root after a crash.
 
-Shared by the kill-at-every-syscall suite (tests/_syscall_kill.py) and the power-cut suite
-(tests/_powercut.py). The check uses only the public API and the on-disk layout of docs/FORMAT.md,
+Shared by the kill-at-every-syscall suite (tests/helpers/syscall_kill.py) and the power-cut suite
+(tests/helpers/powercut.py). The check uses only the public API and the on-disk layout of docs/FORMAT.md,
 so it holds whatever the manager's rotation / ``latest`` policy or the exact error classes become:
 
   I1  what a restarting job loads (``CheckpointManager.load``) is the newest acknowledged step or the

@@ -2,7 +2,7 @@
 as its checkpoint engine. One launch runs several phases (each a fresh deepspeed.initialize) so the
 test pays DeepSpeed's import and start-up a few times, not once per check.
 
-    torchrun --nproc_per_node N tests/_deepspeed_worker.py OUT PHASE [PHASE ...]
+    torchrun --nproc_per_node N tests/helpers/deepspeed_engine_worker.py OUT PHASE [PHASE ...]
 
 Phases (results go to OUT/<phase>.rank<R>.pt, read back with torch.load(weights_only=True)):
     train:<cfg>      train 3 steps, save tag "s3" through the engine, train 2 more: losses + state

@@ -4,7 +4,7 @@ real ENOSPC, EROFS, EACCES and EMFILE.
 
 Mounts (root only; every one is torn down with ``umount -l`` even when the test fails)::
 
-    from tests.faults import mounts            # noqa: F401  (pytest fixture)
+    from tests.helpers.faults import mounts            # noqa: F401  (pytest fixture)
 
     def test_x(mounts, tmp_path):
         small = mounts.tmpfs(tmp_path / "m", size="16m")          # real ENOSPC at 16 MiB
@@ -67,7 +67,7 @@ __all__ = [
     "cap_effective",
 ]
 
-REPO_ROOT = Path(os.path.abspath(__file__)).parent.parent
+REPO_ROOT = Path(os.path.abspath(__file__)).parents[2]
 PYTHON = sys.executable  # the real interpreter, not a wrapper script: rlimits must reach it
 
 # Capability numbers from <linux/capability.h> for the ones fault tests drop.

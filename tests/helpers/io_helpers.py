@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ("uring", "pwrite", "buffered")
 
 

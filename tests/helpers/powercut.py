@@ -1,4 +1,4 @@
-"""Power cuts at every operation of two saves, on the FUSE file system of tests/_powercut_fs.py
+"""Power cuts at every operation of two saves, on the FUSE file system of tests/helpers/powercut_fs.py
 (or, ``--scenario overwrite``, of one ``save(..., overwrite=True)`` replacing a checkpoint in place).
 
 This process is a fork server (torch and distckpt imported once) and drives one daemon:
@@ -15,9 +15,9 @@ This process is a fork server (torch and distckpt imported once) and drives one 
    seed with ``cut_after=N``, run the saver again; the daemon freezes on operation N+1 (every
    later operation fails with EIO, nothing more becomes durable) and the saver is SIGKILLed: the
    power is off. The daemon derives the three images a restart may find (strict, meta, all; see
-   tests/_powercut_fs.py). Each image not seen before (by content fingerprint) is mounted as a
+   tests/helpers/powercut_fs.py). Each image not seen before (by content fingerprint) is mounted as a
    fresh file system ("remount after the restart") and checked with
-   :func:`tests._crash_state.check_after_crash`: the newest committed step is the last
+   :func:`tests.helpers.crash_state.check_after_crash`: the newest committed step is the last
    acknowledged one or the one in flight, bit-exact, nothing earlier lost, and an acknowledged
    step always survives (I3); then a fresh manager loads and saves the next step, which must
    reclaim every leftover (I6).
@@ -25,7 +25,7 @@ This process is a fork server (torch and distckpt imported once) and drives one 
 Data go through the backend of ``--backend`` (DISTCKPT_IO_BACKEND; default ``uring``, which
 ``auto`` picks on this FUSE mount: the kernel passes O_DIRECT writes to the daemon uncached;
 ``buffered`` is the write + fsync fallback). Run by tests/test_power_loss.py, or
-``python -m tests._powercut --backend buffered`` (prints a JSON summary).
+``python -m tests.helpers.powercut --backend buffered`` (prints a JSON summary).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from tests._syscall_kill import CRASH_ENV
+from tests.helpers.syscall_kill import CRASH_ENV
 
 STEPS = (3, 4)          # saved in order on top of the seed's steps 1 and 2
 EVENT_TIMEOUT_S = 60.0
@@ -62,9 +62,9 @@ class Daemon:
         self.mountpoint = mountpoint
         os.makedirs(mountpoint, exist_ok=True)
         env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests._powercut_fs", mountpoint],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.powercut_fs", mountpoint],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         self.mounted = False
 
     def send(self, **cmd) -> None:
@@ -123,7 +123,7 @@ class PowerCutHarness:
         import torch
         torch.set_num_threads(1)
         import distckpt
-        from tests._crash_state import KEEP, expected_state
+        from tests.helpers.crash_state import KEEP, expected_state
         self.workdir = workdir
         self.mutation = mutation
         self.scenario = scenario
@@ -136,7 +136,7 @@ class PowerCutHarness:
             distckpt.save(expected_state(2), os.path.join(seed, "ckpt", "x"))
         for s in range(1, STEPS[-1] + 3):
             expected_state(s)
-        from tests._crash_state import name_pattern
+        from tests.helpers.crash_state import name_pattern
         self.usual_names = {name_pattern(n) for n in os.listdir(os.path.join(seed, "ckpt")) if n.startswith(".")}
         self.daemon = Daemon(os.path.join(workdir, "mnt"))
         self.daemon.send(cmd="seed", dir=seed, image="seed")
@@ -154,7 +154,7 @@ class PowerCutHarness:
 
             import distckpt
             from distckpt.storage.posix import reset_choices
-            from tests._crash_state import KEEP, apply_mutation, expected_state
+            from tests.helpers.crash_state import KEEP, apply_mutation, expected_state
             apply_mutation(self.mutation)
             logging.disable(logging.CRITICAL)  # after the cut every operation fails: expected noise
             reset_choices()  # probe the backend in every run, so every run does the same operations
@@ -212,7 +212,7 @@ class PowerCutHarness:
         key = f"{fp}/{acked}/{in_flight}"
         if key in self.checked:
             return {**self.checked[key], "cached": True}
-        from tests._crash_state import check_after_crash, check_overwrite_after_crash
+        from tests.helpers.crash_state import check_after_crash, check_overwrite_after_crash
         self.daemon.mount(image, tag="after")
         try:
             if self.scenario == "overwrite":
@@ -238,7 +238,7 @@ class PowerCutHarness:
 def run_campaign(workdir: str, *, last_only: bool = False, mutation: str | None = None,
                  scenario: str = "manager") -> dict:
     """Cut after every operation (``last_only``: only after the last one, i.e. once every save
-    returned); ``mutation`` breaks the commit protocol in the saver (tests/_crash_state.py);
+    returned); ``mutation`` breaks the commit protocol in the saver (tests/helpers/crash_state.py);
     ``scenario``: "manager" (steps 3 and 4 through CheckpointManager) or "overwrite" (one
     checkpoint replaced in place: ``save(..., overwrite=True)``, a RENAME_EXCHANGE)."""
     t0 = time.monotonic()
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="default: a temporary directory, removed at the end")
     ap.add_argument("--last-only", action="store_true", help="one cut, after the last operation")
     ap.add_argument("--scenario", choices=("manager", "overwrite"), default="manager")
-    ap.add_argument("--mutation", help="break the commit protocol on purpose (see tests/_crash_state.py)")
+    ap.add_argument("--mutation", help="break the commit protocol on purpose (see tests/helpers/crash_state.py)")
     args = ap.parse_args(argv)
     os.environ.update(CRASH_ENV)
     os.environ["DISTCKPT_IO_BACKEND"] = args.backend

@@ -1,7 +1,7 @@
 """A FUSE file system that forgets what was not made durable: power cuts for the crash tests.
 
-Run as a daemon process (``python -m tests._powercut_fs MOUNTPOINT``), driven by one JSON command
-per line on stdin, answering one JSON line per event on stdout (tests/_powercut.py drives it).
+Run as a daemon process (``python -m tests.helpers.powercut_fs MOUNTPOINT``), driven by one JSON command
+per line on stdin, answering one JSON line per event on stdout (tests/helpers/powercut.py drives it).
 It is a real file system to the code under test: every open, write, fsync, rename goes through the
 kernel's FUSE driver to this process (single-threaded, in arrival order; no kernel write-back
 cache, so each write() reaches it before the syscall returns; lookups and attributes are never

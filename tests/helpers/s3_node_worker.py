@@ -1,6 +1,6 @@
 """One rank of the simulated multi-node job of tests/test_s3_multinode.py, started by torchrun.
 
-Usage: torchrun ... tests/_s3_node_worker.py URL. The S3 endpoint and keys come from the standard
+Usage: torchrun ... tests/helpers/s3_node_worker.py URL. The S3 endpoint and keys come from the standard
 AWS variables only (no storage_options): what a job on a cluster without a shared file system does.
 Saves a state dict of DTensors sharded over every rank plus one key per rank, then prints one
 JSON line describing where this rank ran (its HOME, TMPDIR and working directory).

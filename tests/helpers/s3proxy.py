@@ -1,4 +1,4 @@
-"""A fault-injecting HTTP proxy between an S3 client and the test server (tests/s3server.py).
+"""A fault-injecting HTTP proxy between an S3 client and the test server (tests/helpers/s3server.py).
 
 It understands just enough HTTP/1.1 (request and response framing: Content-Length, chunked, no
 body for HEAD / 1xx / 204 / 304) to count requests across keep-alive connections and to act on a

@@ -22,7 +22,7 @@ header from every request, so the server then behaves like one that does not hon
 fallback commit path can be tested against the same real server.
 
 Run as a script it starts a server and prints its endpoint and keys until interrupted:
-``python tests/s3server.py``.
+``python tests/helpers/s3server.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ REGION = "us-east-1"
 # A directory holding a sitecustomize.py that calls ignore_conditional_writes() at interpreter start
 # when IGNORE_CONDITIONAL_ENV is set: how child processes (torchrun ranks) get the same behaviour.
 IGNORE_CONDITIONAL_ENV = "S3_TESTS_IGNORE_IF_NONE_MATCH"  # not DISTCKPT_*: config warns on unknown ones
-_SITE_DIR = Path(__file__).resolve().parent / "_s3_site"
+_SITE_DIR = Path(__file__).resolve().parent / "s3_site"
 
 
 _PORT_NAMES = ("s3", "s3.grpc", "master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc",
@@ -360,7 +360,7 @@ def ignore_conditional_writes_env(env: dict[str, str] | None = None) -> dict[str
     :func:`ignore_conditional_writes` at start (a sitecustomize on PYTHONPATH)."""
     env = dict(os.environ if env is None else env)
     env[IGNORE_CONDITIONAL_ENV] = "1"
-    parts = [str(_SITE_DIR), str(Path(__file__).resolve().parent.parent)]
+    parts = [str(_SITE_DIR), str(Path(__file__).resolve().parents[2])]
     if env.get("PYTHONPATH"):
         parts.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(parts)

@@ -24,10 +24,10 @@ every lazy import and the backend probe, so a forked rank goes straight to the s
    difference in calls that touch the root and the trial is run again. With 2 ranks the survivor is left to finish (it must see
    the peer vanish, within DISTCKPT_TIMEOUT_S) and its outcome recorded: a save() that returned on
    any rank acknowledged step 3, which must then be committed.
-3. After each kill: :func:`tests._crash_state.check_after_crash` (old or new, bit-exact, no
+3. After each kill: :func:`tests.helpers.crash_state.check_after_crash` (old or new, bit-exact, no
    earlier step damaged, ``latest`` sane), then a fresh manager loads and saves the next step,
    which must reclaim every leftover. Kills that leave the same files (by
-   :func:`tests._crash_state.tree_fingerprint`) and the same acknowledgement are checked once.
+   :func:`tests.helpers.crash_state.tree_fingerprint`) and the same acknowledgement are checked once.
 
 io_uring: data writes are submitted as SQEs, which strace cannot see; the system calls are
 ``io_uring_enter`` (submit one SQE, or wait for completions). A kill on entry to a submitting
@@ -40,7 +40,7 @@ identical for both backends. The ``pwrite`` backend issues the same blocks as on
 pwrite64 each, so its sweep kills between every pair of data writes: every prefix of the data
 file, the interleavings that matter for a data file written front to back.
 
-Run by tests/test_crash_syscalls.py; outside CI, ``python -m tests._syscall_kill --world 2
+Run by tests/test_crash_syscalls.py; outside CI, ``python -m tests.helpers.syscall_kill --world 2
 --backend pwrite --victim 1 --full`` runs every call of the save instead of the CI selection
 (:data:`FOCUS`). Prints a JSON summary on stdout.
 """
@@ -207,7 +207,7 @@ class Harness:
         self.world, self.backend, self.victim, self.workdir = world, backend, victim, workdir
         self.mutation = mutation
         self.template = os.path.join(workdir, "template")
-        from tests._crash_state import KEEP, expected_state
+        from tests.helpers.crash_state import KEEP, expected_state
         import distckpt
         mgr = distckpt.CheckpointManager(self.template, keep_last=KEEP)
         for s in (1, 2):
@@ -215,7 +215,7 @@ class Harness:
         if res.backend != backend:
             raise RuntimeError(f"asked for backend {backend}, the save ran {res.backend}: {res.backend_reason}")
         distckpt.read(mgr.path(2))   # warm the read path too
-        from tests._crash_state import name_pattern
+        from tests.helpers.crash_state import name_pattern
         self.usual_names = {name_pattern(n) for n in os.listdir(self.template) if n.startswith(".")}
         self.checked: dict[tuple, dict] = {}  # (tree fingerprint, acked) -> check result
         for s in range(1, STEP + 3):  # computed once here, shared by every fork
@@ -233,7 +233,7 @@ class Harness:
         msg = "?"
         try:
             import distckpt
-            from tests._crash_state import KEEP, apply_mutation, expected_state
+            from tests.helpers.crash_state import KEEP, apply_mutation, expected_state
             apply_mutation(self.mutation)
             if self.world > 1:
                 import datetime
@@ -345,7 +345,7 @@ class Harness:
         no thread left behind), so this process stays a clean fork server; a fork per check would
         cost more than the check (copy-on-write faults). Kills at calls that change nothing leave
         the same files as the kill before them: such a state is checked once."""
-        from tests._crash_state import check_after_crash, tree_fingerprint
+        from tests.helpers.crash_state import check_after_crash, tree_fingerprint
         key = (tree_fingerprint(root), acked)
         if key not in self.checked:
             self.checked[key] = check_after_crash(root, before=[1, 2], acked=acked, in_flight=STEP,
@@ -452,7 +452,7 @@ def run_backend(world: int, backend: str, victim: int, full: bool, workdir: str,
                 phases: set[str] | None = None, mutation: str | None = None, stop_at_first: bool = False) -> dict:
     """The campaign for one backend (in this process: the configuration is set here).
     ``phases``: only kill points in these phases; ``mutation``: break the commit protocol in the
-    ranks (tests/_crash_state.py); ``stop_at_first``: stop after the first kill point with a violation."""
+    ranks (tests/helpers/crash_state.py); ``stop_at_first``: stop after the first kill point with a violation."""
     from distckpt.config import get_config
     os.environ["DISTCKPT_IO_BACKEND"] = backend
     get_config.cache_clear()
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where the roots go (default: a fresh loop-mounted ext4 whose image is in "
                                       "/dev/shm when root, else a temporary directory; removed at the end)")
     ap.add_argument("--phase", action="append", help="only kill points in this phase (repeatable)")
-    ap.add_argument("--mutation", help="break the commit protocol on purpose (see tests/_crash_state.py)")
+    ap.add_argument("--mutation", help="break the commit protocol on purpose (see tests/helpers/crash_state.py)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first kill point with a violation")
     args = ap.parse_args(argv)
     if args.victim >= args.world:
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.geteuid() == 0 and shutil.which("mkfs.ext4") and os.path.isdir("/dev/shm"):
                 # A real ext4 (O_DIRECT, real fsyncs) whose image sits in memory: fsyncs cost
                 # microseconds, so hundreds of trials fit in CI.
-                from tests.faults import ext4_image_mount
+                from tests.helpers.faults import ext4_image_mount
                 workdir = str(stack.enter_context(ext4_image_mount(os.path.join(workdir, "fs"), size="256m",
                                                                    image_dir="/dev/shm")))
         summary = run_campaign(args.world, args.victim, args.full, workdir,

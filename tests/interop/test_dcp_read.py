@@ -18,7 +18,7 @@ import torch
 import distckpt
 from distckpt.errors import CheckpointCorruptError, PickleNotAllowedError
 
-from .distributed import run_ranks
+from ..helpers.distributed import run_ranks
 
 
 def _expected() -> dict:

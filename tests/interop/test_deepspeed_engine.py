@@ -1,7 +1,7 @@
 """distckpt as DeepSpeed's checkpoint engine (distckpt.integrations.deepspeed.install), with real
 DeepSpeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) under torchrun; no mocks.
 
-Five torchrun launches (tests/_deepspeed_worker.py), each a fixture or test of its own:
+Five torchrun launches (tests/helpers/deepspeed_engine_worker.py), each a fixture or test of its own:
   1. `trained`, 2 ranks: for ZeRO stages 0, 1, 2, 3 (fp32 and bf16 mixed; stage 3 with every
      parameter partitioned): train 3 steps, save through engine.save_checkpoint, train 2 more.
      Then 200 saves with keep_last=3 on a tmpfs; ENOSPC on a small tmpfs; finally rank 1 is
@@ -27,14 +27,14 @@ import sys
 import pytest
 import torch
 
-from .distributed import free_port, kill_tree
-from .faults import require_root, tmpfs_mount
+from ..helpers.distributed import free_port, kill_tree
+from ..helpers.faults import require_root, tmpfs_mount
 
 if importlib.util.find_spec("deepspeed") is None:  # only the torchrun children import it
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-WORKER = os.path.join(os.path.dirname(__file__), "_deepspeed_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "helpers", "deepspeed_engine_worker.py")
 CONFIGS = ["0-bf16", "1-fp32", "2-bf16", "3-fp32", "3-bf16"]
 STEPS_BEFORE = 3  # training steps before the save, in every phase of the worker
 RESHARD = ["1-fp32", "2-bf16", "3-fp32"]
@@ -43,7 +43,7 @@ BALLAST_ELEMS = 2 << 20  # 8 MiB of client_state: the second save cannot fit the
 # The longest launch takes about 2 minutes on an idle 2-core machine; 3x that still passes, and the
 # limit leaves room under pytest's 600 s for the test's own checks.
 LAUNCH_TIMEOUT_S = 480
-# Side by side with DeepSpeed's own engine (tests/_deepspeed_worker.py native:<cfg>), two launches
+# Side by side with DeepSpeed's own engine (tests/helpers/deepspeed_engine_worker.py native:<cfg>), two launches
 # the ENOSPC must come from the data write itself, not from the pre-flight space check
 RUN_ENV = {"DISTCKPT_PREFLIGHT": "0", "DISTCKPT_TIMEOUT_S": "60"}
 NATIVE_GROUPS = [["0-bf16", "2-bf16"], ["1-fp32", "3-bf16"]]

@@ -27,12 +27,12 @@ import distckpt
 from distckpt.errors import ReshardError
 from distckpt.flatten import LocalPieces, flat_range_boxes
 
-from .distributed import kill_tree
+from ..helpers.distributed import kill_tree
 
 pytest.importorskip("deepspeed")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "deepspeed_zero_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "helpers", "deepspeed_zero_worker.py")
 # "+persist": ZeRO-3 keeps parameters under 1000 elements whole (the biases), the rest partitioned;
 # "+frozen": the first (largest) weight has requires_grad=False
 CONFIGS = ["0:fp32+frozen", "0:bf16", "1:fp32", "2:bf16+frozen", "3:bf16+frozen", "3:fp32+persist"]
@@ -51,7 +51,7 @@ def _torchrun(n: int, *args: str, timeout: int = LAUNCH_TIMEOUT_S) -> None:
     ``timeout`` (torchrun and every process under it killed) or when DeepSpeed built or loaded its shm op (the
     worker skips it: see _without_shm_op)."""
     env = dict(os.environ)
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE),
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO,
                 # small checksum blocks, so that a rank's share of this small model is fewer blocks
                 # than the whole file (reads are widened to whole checksum blocks)
                 "DISTCKPT_CHECKSUM_BLOCK": "64K"})
@@ -118,7 +118,7 @@ def test_consolidated_read_equals_zero_to_fp32(saved):
     checkpoint of the same engine at the same moment."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from .deepspeed_zero_worker import Net
+    from ..helpers.deepspeed_zero_worker import Net
     for cfg in PARTITIONED:
         ours = distckpt.read(os.path.join(_dir(saved, cfg), "ckpt"), keys=["model"])["model"]
         theirs = get_fp32_state_dict_from_zero_checkpoint(os.path.join(_dir(saved, cfg), "out", "ds"), tag="t")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import distckpt
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 pytest.importorskip("transformers")
 

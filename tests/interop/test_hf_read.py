@@ -18,7 +18,7 @@ import torch
 import distckpt
 from distckpt.errors import (CheckpointCorruptError, DataFileMissingError, DataFileTruncatedError,
                              StateDictMismatchError, UnsupportedValueError)
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 pytest.importorskip("transformers")
 

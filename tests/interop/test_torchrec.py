@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
-from tests.distributed import run_ranks  # noqa: E402
+from tests.helpers.distributed import run_ranks  # noqa: E402
 
 ROWS = {"a": 16, "b": 12, "c": 10, "d": 8, "e": 12, "f": 10}
 DIMS = {"a": 8, "b": 8, "c": 4, "d": 8, "e": 8, "f": 8}
@@ -358,7 +358,7 @@ def test_import_does_not_pull_torchrec():
     import subprocess
     import sys
     code = "import sys, distckpt; assert 'torchrec' not in sys.modules and 'fbgemm_gpu' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_save_layout(saved2):

@@ -15,12 +15,12 @@ import torch
 
 import distckpt
 from distckpt import errors
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
-from tests import test_torchrec as T  # noqa: E402
+from tests.interop import test_torchrec as T  # noqa: E402
 
 OPT = {t: "adagrad" for t in T.ROWS}
 OPT["e"] = "rowwise"  # EXACT_ROWWISE_ADAGRAD: its raw state depends on the column split

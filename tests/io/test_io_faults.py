@@ -13,9 +13,9 @@ import pytest
 from distckpt import errors as E
 from distckpt.storage import posix as dio
 
-from . import _seccomp
-from ._io_helpers import BACKENDS, mount, need_root_and, run_child, umount
-from .conftest import open_fds
+from ..helpers import seccomp as _seccomp
+from ..helpers.io_helpers import BACKENDS, mount, need_root_and, run_child, umount
+from ..conftest import open_fds
 
 CHUNK = bytes(range(256)) * 4096  # 1 MiB
 
@@ -152,7 +152,7 @@ def test_emfile_rlimit_nofile_in_child(tmp_path, backend):
 
 _SECCOMP_CHILD = """
 import errno, os
-from tests import _seccomp
+from tests.helpers import seccomp as _seccomp
 from distckpt import _uring, errors as E; from distckpt.storage import posix as dio
 _seccomp.deny_io_uring_setup()
 try:

@@ -18,7 +18,7 @@ from distckpt import errors as E
 from distckpt import fill as F
 from distckpt.storage import posix as dio
 
-from .conftest import open_fds
+from ..conftest import open_fds
 from .test_io_roundtrip import ext4_dir  # noqa: F401 - fixture
 
 BLOCK = 16 << 10      # checksum block of these tests

@@ -16,8 +16,8 @@ from distckpt import _uring
 from distckpt import errors as E
 from distckpt.storage import posix as dio
 
-from ._io_helpers import BACKENDS
-from .conftest import open_fds
+from ..helpers.io_helpers import BACKENDS
+from ..conftest import open_fds
 
 SMALL_BLOCK = 64 << 10  # many blocks and a full queue even for small files
 

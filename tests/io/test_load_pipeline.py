@@ -21,8 +21,8 @@ import torch
 import distckpt
 from distckpt.errors import ChecksumMismatchError
 
-from .conftest import open_fds
-from .distributed import run_ranks
+from ..conftest import open_fds
+from ..helpers.distributed import run_ranks
 
 MiB = 1 << 20
 SENTINEL = 7.0

@@ -27,7 +27,7 @@ from distckpt.storage import posix as dio
 from distckpt import manifest as mf
 from distckpt import restore
 
-from .faults import mounts, require_root, run_python  # noqa: F401  (mounts is a fixture)
+from ..helpers.faults import mounts, require_root, run_python  # noqa: F401  (mounts is a fixture)
 
 
 def _state() -> dict:

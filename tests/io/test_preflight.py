@@ -3,7 +3,7 @@
 Environment checks run on explicit env dicts (no process group needed). Storage faults are real:
 small tmpfs and loop-mounted ext4 file systems, read-only mounts, a 1 MiB /dev/shm in a private
 mount namespace, a child without CAP_DAC_OVERRIDE, a child with a tiny RLIMIT_NOFILE. Tests that
-need root or a missing tool skip with the reason (tests/faults.py).
+need root or a missing tool skip with the reason (tests/helpers/faults.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from distckpt.errors import (
     TooManyOpenFilesError,
 )
 from tests.conftest import open_fds
-from tests.faults import (  # noqa: F401  (mounts is a fixture)
+from tests.helpers.faults import (  # noqa: F401  (mounts is a fixture)
     PYTHON,
     REPO_ROOT,
     deleted_open_file,
@@ -370,7 +370,7 @@ def test_read_only_mount_is_erofs(mounts, tmp_path):
 
 _EACCES_CHILD = """
 import importlib; pf = importlib.import_module("distckpt.preflight")
-from tests.faults import cap_effective
+from tests.helpers.faults import cap_effective
 emit({"cap_eff": cap_effective()})
 try:
     pf.check_writable(TARGET)

@@ -19,9 +19,9 @@ from distckpt.save_async import AsyncSaveHandle, staging_pool
 from distckpt.coordinator import TMP_RE, is_committed
 from distckpt.errors import (CheckpointExistsError, DiskFullError, UnsupportedValueError)
 
-from .conftest import open_fds
-from .distributed import run_ranks
-from .faults import REPO_ROOT, mounts, run_python  # noqa: F401  (mounts: fixture)
+from ..conftest import open_fds
+from ..helpers.distributed import run_ranks
+from ..helpers.faults import REPO_ROOT, mounts, run_python  # noqa: F401  (mounts: fixture)
 
 BIG = 40 << 20  # int32 elements: a 160 MiB tensor (TorchSnapshot does not isolate CPU tensors >= 128 MiB)
 
@@ -222,7 +222,7 @@ def test_killed_with_a_save_in_flight_is_all_or_nothing(tmp_path, delay):
     """SIGKILL at some point of the background save: a complete checkpoint or none, and the next
     save of the same name reclaims the leftovers."""
     path = str(tmp_path / "c")
-    code = "from tests.faults import _PRELUDE; exec(_PRELUDE)\n" + _EXIT_CHILD.format(
+    code = "from tests.helpers.faults import _PRELUDE; exec(_PRELUDE)\n" + _EXIT_CHILD.format(
         path=path, how="import time; time.sleep(60)")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(REPO_ROOT),

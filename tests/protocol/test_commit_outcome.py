@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from .distributed import RankError, run_ranks
+from ..helpers.distributed import RankError, run_ranks
 
 
 def _wait_dead(pid: int, timeout: float = 30.0) -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from .distributed import RankError, run_ranks
+from ..helpers.distributed import RankError, run_ranks
 
 
 
@@ -73,7 +73,7 @@ def _save_body(rank, world, path, layout):
 def _load_body(rank, world, path, layout):
     import distckpt
 
-    from .conftest import open_fds
+    from ..conftest import open_fds
     before = open_fds()
     sd = {"model": {k: _make(layout, v, rank, world, True) for k, v in _globals().items()},
           "step": 0, "rep": torch.zeros(100)}
@@ -173,7 +173,7 @@ def _failing_body(rank, world, root):
     import distckpt.storage.posix.saving as coord  # where a rank's data file is written
     from distckpt import errors
 
-    from .conftest import open_fds
+    from ..conftest import open_fds
     mgr = distckpt.CheckpointManager(root)
     mgr.save(1, {"x": torch.full((1 << 16,), 1.0)})
     if rank == 1:
@@ -272,14 +272,14 @@ def test_ranks_exit_cleanly_right_after_a_save(tmp_path):
     the abort showed in 9 of 40 such runs here, so this detects its loss with ~90 % probability."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
     env.pop("DISTCKPT_TEST_NO_EXIT_HANDOFF", None)
     failures = []
     for i in range(10):
         mode = ("control", "world")[i % 2]
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               os.path.join(root, "tests", "_exit_race_worker.py"), str(tmp_path / f"c{i}"), mode],
+                               os.path.join(root, "tests", "helpers", "exit_race_worker.py"), str(tmp_path / f"c{i}"), mode],
                               env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0 or "terminate called" in proc.stderr:
             failures.append((i, mode, proc.returncode, proc.stderr[-2000:]))

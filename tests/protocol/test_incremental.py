@@ -34,9 +34,9 @@ import distckpt.incremental as inc
 from distckpt.cli import main as cli
 from distckpt.errors import ChainBrokenError
 from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of, row_digests
-from tests.distributed import RankError, run_ranks
+from tests.helpers.distributed import RankError, run_ranks
 
-ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K = 2            # save every K steps
 STEPS = 14       # the last acknowledged save; the save of STEPS + K is killed
 PLAN2 = {"t0": "column_wise:0,1", "t1": "table_wise:1", "t2": "row_wise", "t3": "data_parallel"}
@@ -48,7 +48,7 @@ PLAN1 = {"t0": "column_wise:0,0", "t1": "table_wise:0", "t2": "row_wise", "t3": 
 
 
 def _dlrm():
-    spec = importlib.util.spec_from_file_location("dlrm_train", os.path.join(ROOT_DIR, "launch", "dlrm_train.py"))
+    spec = importlib.util.spec_from_file_location("dlrm_train", os.path.join(ROOT_DIR, "launch", "examples", "dlrm_train.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -24,7 +24,7 @@ import distckpt
 from distckpt.coordinator import TMP_RE
 from distckpt.errors import CheckpointExistsError, RanksMissingError, SaveInProgressError
 
-from .distributed import run_ranks
+from ..helpers.distributed import run_ranks
 
 PY = sys.executable
 

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from .conftest import open_fds
-from .faults import require_root, tmpfs_mount
+from ..conftest import open_fds
+from ..helpers.faults import require_root, tmpfs_mount
 
 
 def _used(path: str) -> int:

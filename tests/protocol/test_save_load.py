@@ -12,7 +12,7 @@ import distckpt
 from distckpt import errors
 from distckpt.coordinator import reclaim_tmp_dirs
 
-from .conftest import open_fds
+from ..conftest import open_fds
 
 BACKENDS = ["uring", "pwrite", "buffered"]
 

@@ -17,7 +17,7 @@ import torch
 import distckpt
 from distckpt import errors
 from distckpt import manifest as mf
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 Pair = collections.namedtuple("Pair", "lo hi")
 

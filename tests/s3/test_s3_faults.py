@@ -1,6 +1,6 @@
 """Object-store saves under network faults, against the real test server behind a fault proxy.
 
-tests/s3proxy.py sits between s3fs and SeaweedFS and can stall a request (sent, never answered,
+tests/helpers/s3proxy.py sits between s3fs and SeaweedFS and can stall a request (sent, never answered,
 the connection left open and silent), reset it, let the server act and then lose the answer (by a
 reset, or by silence), or delay it. What is held here:
 
@@ -31,8 +31,8 @@ import torch
 import distckpt
 from distckpt.errors import DistCkptError, EndpointUnreachableError, SaveInProgressError
 from distckpt.storage import open_store
-from tests.distributed import run_ranks
-from tests.s3proxy import FaultProxy
+from tests.helpers.distributed import run_ranks
+from tests.helpers.s3proxy import FaultProxy
 
 MODES = ["stall", "reset", "lose_answer", "act_then_stall"]
 REQUEST_TIMEOUT_S = 1.0     # distckpt's request deadline in the faulted saves (the restoring saves use the default)

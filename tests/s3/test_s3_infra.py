@@ -308,7 +308,7 @@ def test_preflight_object_store_without_conditional_creates(s3_bucket, s3_ignore
 def test_preflight_object_store_failures_typed(s3_bucket, monkeypatch, tmp_path):
     from distckpt.preflight import preflight
     from distckpt.storage.object.check import check_object_store
-    from tests.s3server import _free_ports
+    from tests.helpers.s3server import _free_ports
 
     server, url = s3_bucket.server, f"{s3_bucket.url}/run7"
 

@@ -28,10 +28,10 @@ import torch
 
 from distckpt import errors
 
-from .distributed import free_port, run_ranks
+from ..helpers.distributed import free_port, run_ranks
 
 pytestmark = pytest.mark.timeout(420)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _node_env(node_dir: Path, s3_env: dict[str, str]) -> dict[str, str]:
@@ -48,7 +48,7 @@ def _node_env(node_dir: Path, s3_env: dict[str, str]) -> dict[str, str]:
 
 
 def test_two_nodes_no_shared_fs_save_to_s3_restore_on_one(s3_bucket, tmp_path):
-    from tests._s3_node_worker import expected
+    from tests.helpers.s3_node_worker import expected
 
     url = f"{s3_bucket.url}/run7/step_00000042"
     port = free_port()
@@ -59,7 +59,7 @@ def test_two_nodes_no_shared_fs_save_to_s3_restore_on_one(s3_bucket, tmp_path):
         nodes.append(node_dir)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", rdzv_id, "--max-restarts", "0", str(ROOT / "tests" / "_s3_node_worker.py"), url]
+               "--rdzv-id", rdzv_id, "--max-restarts", "0", str(ROOT / "tests" / "helpers" / "s3_node_worker.py"), url]
         env = _node_env(node_dir, s3_bucket.env)
         agents.append(subprocess.Popen(cmd, cwd=node_dir, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True))

@@ -1,4 +1,4 @@
-"""distckpt on an object store: a real S3 server (SeaweedFS, tests/s3server.py), real gloo ranks.
+"""distckpt on an object store: a real S3 server (SeaweedFS, tests/helpers/s3server.py), real gloo ranks.
 
 Covers: 2-rank save -> 1- and 3-rank load bit-exact (multipart uploads, ranged reads, DTensor
 resharding), async save, CheckpointManager rotation and ``latest``, overwrite (old data deleted
@@ -24,7 +24,7 @@ import torch
 import distckpt
 from distckpt.errors import CheckpointExistsError, DataFileMissingError, SaveInProgressError
 from distckpt.storage import open_store
-from tests.distributed import RankError, run_ranks
+from tests.helpers.distributed import RankError, run_ranks
 
 ROWS, COLS = 2048, 1024  # 8 MiB float32: two 5 MiB parts per rank of two, several in flight
 PART_ENV = {"DISTCKPT_OBJECT_PART_SIZE": "5M", "DISTCKPT_TIMEOUT_S": "30"}

@@ -23,7 +23,7 @@ from distckpt import cli, config, manifest as mf
 from distckpt.sizes import format_bytes, parse_size
 from distckpt.verify import verify
 
-from .distributed import run_ranks
+from ..helpers.distributed import run_ranks
 
 PY = sys.executable
 

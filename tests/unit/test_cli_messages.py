@@ -19,7 +19,7 @@ import distckpt
 from distckpt import errors
 from distckpt.cli import main as cli
 
-from .test_manager import stopped_mid_save
+from ..protocol.test_manager import stopped_mid_save
 
 PY = sys.executable
 

@@ -15,7 +15,7 @@ import torch
 from distckpt import coordinator as co
 from distckpt.errors import StateDictMismatchError
 from distckpt.plan import Box, find_tiling_defect, grid_box, grid_chunk_counts, grid_part
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 
 class _Group:

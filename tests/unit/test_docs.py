@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = [*sorted((ROOT / "launch").glob("*.sh")), ROOT / "tests" / "run.sh"]
 # A repository path: one of the top-level folders, then a file name with an extension.

@@ -35,7 +35,7 @@ from distckpt.manifest import (
     validate,
 )
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 
 
 def _load_generator():

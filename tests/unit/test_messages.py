@@ -168,7 +168,7 @@ def _sharded_tensor_warnings(rank, world_size, path):
 
 
 def test_no_warnings_from_our_lines_with_sharded_tensors(tmp_path):
-    from .distributed import run_ranks
+    from ..helpers.distributed import run_ranks
 
     (ours,) = run_ranks(_sharded_tensor_warnings, 1, str(tmp_path / "ck"))
     assert ours == []

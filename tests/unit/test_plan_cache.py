@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 
 
 def _state(rank: int, world: int, step: int, rows: int = 12):

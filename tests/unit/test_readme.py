@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 RESUME = "# in the job that resumes"
 
 
