@@ -10,7 +10,7 @@ source "$ROOT/launch/env.sh"
 CKPT=${1:-$(mktemp -d /tmp/distckpt-demo.XXXXXX)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "$ROOT"
-torchrun --standalone --nproc-per-node 2 launch/demo.py save --root "$CKPT"
-torchrun --standalone --nproc-per-node 1 launch/demo.py restore --root "$CKPT"
+torchrun --standalone --nproc-per-node 2 launch/examples/demo.py save --root "$CKPT"
+torchrun --standalone --nproc-per-node 1 launch/examples/demo.py restore --root "$CKPT"
 "$VENV/bin/distckpt" ls "$CKPT"
 echo "demo OK: checkpoints in $CKPT"

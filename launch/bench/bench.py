@@ -1,6 +1,6 @@
 """Save / load benchmark against the peers: one run, one directory, one table.
 
-    .venv/bin/python launch/bench.py DIR [--size 1G] [--small 2000] [--ranks 1,2] [--repeat 3]
+    .venv/bin/python launch/bench/bench.py DIR [--size 1G] [--small 2000] [--ranks 1,2] [--repeat 3]
 
 For each world size (spawned gloo ranks on this machine, every rank writing into DIR), repeated
 ``--repeat`` times with the methods interleaved inside each repetition (so drift of a shared
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

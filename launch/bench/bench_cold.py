@@ -1,9 +1,9 @@
 """Cold-load profile: one rank, distckpt.load vs fio's O_DIRECT read of the same files.
 
-    .venv/bin/python launch/bench_cold.py DIR [--size 512M] [--small 1000] [--repeat 7]
+    .venv/bin/python launch/bench/bench_cold.py DIR [--size 512M] [--small 1000] [--repeat 7]
                                           [--baseline-fill OLD_FILL.py] [--baseline-repo OLD_CHECKOUT]
 
-Saves one checkpoint into DIR (the state of launch/bench_load.py's ``1 -> 1`` case), then, for
+Saves one checkpoint into DIR (the state of launch/bench/bench_load.py's ``1 -> 1`` case), then, for
 ``--repeat`` repetitions, interleaved with the order rotated: fio reads its data files with
 O_DIRECT (io_uring, 4 MiB blocks, iodepth 8) and distckpt.load fills the state, verification on;
 each after ``sync; echo 3 > /proc/sys/vm/drop_caches``. ``--baseline-fill`` also times the same
@@ -36,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
-sys.path.insert(1, os.environ.get("BENCH_COLD_REPO") or os.path.dirname(HERE))
+sys.path.insert(1, os.environ.get("BENCH_COLD_REPO") or os.path.dirname(os.path.dirname(HERE)))
 
 from bench import BaselineChild, drop_caches, make_state, parse_size  # noqa: E402
 

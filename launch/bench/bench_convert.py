@@ -1,6 +1,6 @@
 """Conversion benchmark: `distckpt convert` vs the reference routes, ratios side by side.
 
-    .venv/bin/python launch/bench_convert.py DIR [--tensors 150] [--repeat 5] [--memory-limit 1G]
+    .venv/bin/python launch/bench/bench_convert.py DIR [--tensors 150] [--repeat 5] [--memory-limit 1G]
 
 A state of ``--tensors`` float32 tensors, a third each of [256, 1024] (1 MiB), [256, 256]
 (256 KiB) and [1024] (4 KiB): 150 tensors are 62.7 MiB. It is saved once with distckpt (one
@@ -34,7 +34,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 
 def make_state(n: int) -> dict:

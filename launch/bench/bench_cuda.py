@@ -20,7 +20,7 @@ tensors of 16 KiB, all on cuda:0, random data. Every repetition, interleaved:
 Every load is checked bit-exact against the saved state once. Everything under DIR is removed at
 the end. Usage::
 
-    python launch/bench_cuda.py DIR --size 2G --repeat 3
+    python launch/bench/bench_cuda.py DIR --size 2G --repeat 3
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))
+sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
 from bench import drop_caches, parse_size  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Benchmark: DeepSpeed's own checkpoint engine (torch.save) vs distckpt's (install()), one run.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 launch/bench_deepspeed.py \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 launch/bench/bench_deepspeed.py \
         --dir /var/tmp/bench_ds --layers 12 --width 2048 --stage 2 --repeats 3 [--drop-caches]
 
 Same engine, same ranks, same tags: a DeepSpeed engine (an MLP of ``--layers`` Linear(width,
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launch.bench import drop_caches  # noqa: E402  (the repository root is on sys.path now)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+from launch.bench.bench import drop_caches  # noqa: E402  (the repository root is on sys.path now)
 
 
 def dir_bytes(path: str) -> int:

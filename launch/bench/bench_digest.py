@@ -1,6 +1,6 @@
 """Benchmark: the row digests of incremental saves (distckpt.incremental.row_digests), one run.
 
-    python launch/bench_digest.py [--device cpu|cuda] [--gib 4] [--dim 64]
+    python launch/bench/bench_digest.py [--device cpu|cuda] [--gib 4] [--dim 64]
 
 Hashes ``--gib`` GiB of float32 rows of ``--dim`` columns (fastest of 3) and prints GiB/s:
 * on ``cpu``: the C core straight from the tensor's memory (csrc/rowdigest.c), and the same
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import distckpt.incremental as inc  # noqa: E402
 from distckpt import _uring  # noqa: E402

@@ -1,9 +1,9 @@
 """Benchmark: incremental (delta) vs full checkpoints of TorchRec tables, 2 ranks, one run.
 
-    torchrun --standalone --nproc-per-node 2 launch/bench_incremental.py --dir /var/tmp/bench_incr \
+    torchrun --standalone --nproc-per-node 2 launch/bench/bench_incremental.py --dir /var/tmp/bench_incr \
         --rows 250000 --dim 64 --tables 4 --rounds 7 [--nochange 5] [--force-deltas] [--keep]
 
-Model: launch/bench_torchrec.py's (``--tables`` tables of rows x dim float32, fused
+Model: launch/bench/bench_torchrec.py's (``--tables`` tables of rows x dim float32, fused
 EXACT_ROWWISE_ADAGRAD, sharded column-wise / table-wise / row-wise / table-wise over 2 ranks).
 For each touched fraction (1 %, 5 %, 20 %): a full incremental base, then ``--rounds`` rounds of
 (one training step whose batch looks up a random ``fraction`` of every table's rows, exactly once
@@ -41,12 +41,12 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import distckpt  # noqa: E402
 from distckpt.incremental import IncrementalPolicy, IncrementalSaver, row_digests  # noqa: E402
 from distckpt.integrations import torchrec as dtr  # noqa: E402
-from launch.bench_torchrec import build  # noqa: E402
+from launch.bench.bench_torchrec import build  # noqa: E402
 
 
 def timed(fn):

@@ -1,6 +1,6 @@
 """Benchmark: incremental (delta) vs full checkpoints of embedding tables held on a GPU, one process.
 
-    python launch/bench_incremental_gpu.py DIR [--device cuda] [--rows 8000000] [--dim 128] [--rounds 4]
+    python launch/bench/bench_incremental_gpu.py DIR [--device cuda] [--rows 8000000] [--dim 128] [--rounds 4]
 
 State: one fp32 table of ``--rows`` x ``--dim`` and its per-row momentum (as EXACT_ROWWISE_ADAGRAD
 keeps it), both tracked by row, plus a small dense part, on ``--device``. Per touched fraction
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import distckpt  # noqa: E402

@@ -1,6 +1,6 @@
 """Load benchmark: distckpt.load vs torch.distributed.checkpoint.load vs fio, one run.
 
-    .venv/bin/python launch/bench_load.py DIR [--size 512M] [--small 1000] [--repeat 3]
+    .venv/bin/python launch/bench/bench_load.py DIR [--size 512M] [--small 1000] [--repeat 3]
 
 Two cases, each in freshly spawned gloo ranks on this machine:
 
@@ -32,7 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))
+sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
 from bench import _barrier, _rchar, drop_caches, make_state, parse_size, rm, spawn, state_bytes  # noqa: E402
 

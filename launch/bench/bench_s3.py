@@ -1,8 +1,8 @@
 """Save/load speed on S3, side by side in one run against one local server (SeaweedFS).
 
-    python launch/bench_s3.py [--size 256M] [--tensors 8] [--repeat 3] [--no-reshard]
+    python launch/bench/bench_s3.py [--size 256M] [--tensors 8] [--repeat 3] [--no-reshard]
 
-Started from the repository root (it starts the test suite's server, tests/s3server.py, on
+Started from the repository root (it starts the test suite's server, tests/helpers/s3server.py, on
 127.0.0.1 with free ports and stops it at the end). Measured on the same bytes, one process each,
 rounds interleaved (A B C D, A B C D, ...) so a machine loaded by other work slows every contender
 alike; the best round of each is reported, with the ratios:
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -173,7 +173,7 @@ def _reshard_load(rank, world, url, opts, size):
 
 
 def run_reshard(server, bucket: str, size: int) -> dict:
-    from tests.distributed import run_ranks
+    from tests.helpers.distributed import run_ranks
     url = f"s3://{bucket}/reshard"
     opts = server.storage_options()
     run_ranks(_reshard_save, 2, url, opts, size, timeout=600)
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     size = parse_size(args.size)
 
-    from tests.s3server import S3Server
+    from tests.helpers.s3server import S3Server
     with S3Server() as server:
         bucket = server.create_bucket()
         res = run_speed(server, bucket, size, args.tensors, args.repeat)

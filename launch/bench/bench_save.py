@@ -1,9 +1,9 @@
 """Save profile: one rank, distckpt.save vs fio's O_DIRECT write of the same bytes.
 
-    .venv/bin/python launch/bench_save.py DIR [--size 1G] [--small 2000] [--repeat 7]
+    .venv/bin/python launch/bench/bench_save.py DIR [--size 1G] [--small 2000] [--repeat 7]
                                           [--baseline-repo OLD_CHECKOUT]
 
-The state is launch/bench.py's (8 large float32 tensors + ``--small`` tensors of 16 KiB). For
+The state is launch/bench/bench.py's (8 large float32 tensors + ``--small`` tensors of 16 KiB). For
 ``--repeat`` repetitions, interleaved with the order rotated: fio writes the same number of bytes
 into DIR (io_uring, O_DIRECT, 4 MiB blocks, iodepth 8, end_fsync; its own runtime), and
 distckpt.save writes a checkpoint into DIR (then removed). ``--baseline-repo`` also times the same
@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
-sys.path.insert(1, os.environ.get("BENCH_SAVE_REPO") or os.path.dirname(HERE))
+sys.path.insert(1, os.environ.get("BENCH_SAVE_REPO") or os.path.dirname(os.path.dirname(HERE)))
 
 from bench import BaselineChild, make_state, parse_size, state_bytes  # noqa: E402
 

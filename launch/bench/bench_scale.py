@@ -45,7 +45,7 @@ With ``--real N`` it also runs N real gloo ranks under torchrun (each an FSDP-li
 0's PLAN time cold and cached, and the PLAN bytes each rank sent and received (pickled, as gloo
 carries them), to check the simulation's figures against real ones.
 
-Usage: python launch/bench_scale.py [--ranks 1,8,64,512,4096] [--tensors 200,5000,20000]
+Usage: python launch/bench/bench_scale.py [--ranks 1,8,64,512,4096] [--tensors 200,5000,20000]
                                     [--layouts fsdp,tp_fsdp,torchrec] [--budget 60] [--real 16]
 """
 
@@ -60,7 +60,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _rss_kib() -> int:

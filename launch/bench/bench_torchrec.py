@@ -1,6 +1,6 @@
 """Benchmark: sharded TorchRec embeddings (a few hundred MB) on 2 ranks, distckpt vs DCP, one run.
 
-    torchrun --standalone --nproc-per-node 2 launch/bench_torchrec.py --dir /var/tmp/bench_trec \
+    torchrun --standalone --nproc-per-node 2 launch/bench/bench_torchrec.py --dir /var/tmp/bench_trec \
         --rows 600000 --dim 32 --tables 4 --repeats 3 [--drop-caches]
 
 Model: an EmbeddingBagCollection of ``--tables`` tables (rows x dim float32) with fused
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from distckpt.integrations import torchrec as dtr  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Measure exact (lossless) compression of an incremental delta's rows and row ids.
 
-    python launch/delta_compression.py CKPT/step_00000150     # a delta link of a chain
+    python launch/bench/delta_compression.py CKPT/step_00000150     # a delta link of a chain
 
 Reads the link's ``_incr.*.rows`` and ``_incr.*.ids`` records (docs/INCREMENTAL.md, "Chain
 format") in one process and prints, per codec, the compressed size as a fraction of the raw bytes
@@ -21,7 +21,7 @@ import zlib
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 from distckpt.restore import load_manifest, read_boxes  # noqa: E402
 

@@ -2,11 +2,11 @@
 # DeepSpeed + distckpt: train on NPROC ranks, save every 3 steps, SIGKILL rank 0 at step KILL (the
 # job dies between checkpoints), then resume from `latest` on NEWPROC ranks (another data-parallel
 # size: the ZeRO optimizer state is resharded on load, no conversion step) and finish.
-#   launch/deepspeed_resume.sh [NPROC=2] [NEWPROC=3] [STAGE=2] [KILL=8] [STEPS=12]
+#   launch/examples/deepspeed_resume.sh [NPROC=2] [NEWPROC=3] [STAGE=2] [KILL=8] [STEPS=12]
 set -euo pipefail
 NPROC=${1:-2}; NEWPROC=${2:-3}; STAGE=${3:-2}; KILL=${4:-8}; STEPS=${5:-12}
 HERE=$(cd "$(dirname "$0")" && pwd)
-PY=${PY:-"$HERE/../.venv/bin/python"}
+PY=${PY:-"$HERE/../../.venv/bin/python"}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1

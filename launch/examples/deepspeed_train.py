@@ -1,12 +1,12 @@
 """A DeepSpeed training job whose checkpoints go through distckpt: the user's code is DeepSpeed's,
 plus one line (``install``). Resumes from ``latest`` when there is one, on any number of ranks.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 launch/deepspeed_train.py \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 launch/examples/deepspeed_train.py \
         --ckpt /tmp/ds_ckpt --steps 12 --save-every 3 --stage 2 [--bf16] [--kill-at 8]
 
 Each rank trains on its own deterministic batches (seeded by step and rank); rank 0 prints one
 line per step and ``resumed ...`` after a load. ``--kill-at N`` SIGKILLs rank 0 at step N
-(between checkpoints), like a node failure: launch/deepspeed_resume.sh restarts the job from the
+(between checkpoints), like a node failure: launch/examples/deepspeed_resume.sh restarts the job from the
 last checkpoint on another number of ranks.
 """
 
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 # DeepSpeed JIT-compiles its CPU ops at start-up: into this interpreter's venv unless told otherwise,
 # not into the user-wide cache that every venv of the machine rebuilds with its own flags.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

@@ -1,7 +1,7 @@
 """The distckpt demo: save a sharded (DTensor) model on N ranks, restore it on M ranks.
 
-    torchrun --standalone --nproc-per-node 2 launch/demo.py save    --root /tmp/ckpt
-    torchrun --standalone --nproc-per-node 1 launch/demo.py restore --root /tmp/ckpt
+    torchrun --standalone --nproc-per-node 2 launch/examples/demo.py save    --root /tmp/ckpt
+    torchrun --standalone --nproc-per-node 1 launch/examples/demo.py restore --root /tmp/ckpt
 
 ``save`` trains a small MLP whose weights are DTensors sharded over all ranks, tensor-parallel
 (dim 0 or 1 by layer; Adam, so the optimizer state is sharded too) and saves model + optimizer + step through a

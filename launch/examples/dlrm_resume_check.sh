@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Kill-and-resume check for launch/dlrm_train.py: an uninterrupted run vs a run SIGKILLed at step
+# Kill-and-resume check for launch/examples/dlrm_train.py: an uninterrupted run vs a run SIGKILLed at step
 # CRASH (between checkpoints) and restarted; every loss logged after the restart must equal the
 # uninterrupted run's, bit for bit.
-#   launch/dlrm_resume_check.sh [NPROC=2] [STEPS=30] [EVERY=4] [CRASH=15]
+#   launch/examples/dlrm_resume_check.sh [NPROC=2] [STEPS=30] [EVERY=4] [CRASH=15]
 set -euo pipefail
 NPROC=${1:-2}; STEPS=${2:-30}; EVERY=${3:-4}; CRASH=${4:-15}
 HERE=$(cd "$(dirname "$0")" && pwd)
-PY=${PY:-"$HERE/../.venv/bin/python"}
+PY=${PY:-"$HERE/../../.venv/bin/python"}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 run() { "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$HERE/dlrm_train.py" \

@@ -1,9 +1,9 @@
 """A small DLRM-style TorchRec training job that checkpoints through distckpt and resumes exactly.
 
-    torchrun --standalone --nproc-per-node 2 launch/dlrm_train.py --root /tmp/dlrm --steps 40 --every 5
+    torchrun --standalone --nproc-per-node 2 launch/examples/dlrm_train.py --root /tmp/dlrm --steps 40 --every 5
     # kill it at any time (or pass --crash-at-step 23: SIGKILL on every rank), then run the same
     # command again: it restores the newest committed step and continues; every loss after the
-    # restore equals the uninterrupted run's (see launch/dlrm_resume_check.sh).
+    # restore equals the uninterrupted run's (see launch/examples/dlrm_resume_check.sh).
 
 The model: an EmbeddingBagCollection (fused EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD tables, sharded
 by a hand-built plan: column-wise, table-wise, row-wise and data-parallel on 2 ranks), a bottom MLP
@@ -14,7 +14,7 @@ line of a step wins).
 
 Checkpoint = model + fused optimizer state + dense optimizer + step, in distckpt's TorchRec
 canonical form (distckpt.integrations.torchrec), so it can also be restored on another world size
-or plan (see launch/torchrec_reshard.py).
+or plan (see launch/examples/torchrec_reshard.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import distckpt  # noqa: E402
 from distckpt.integrations import torchrec as dtr  # noqa: E402

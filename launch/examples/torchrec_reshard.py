@@ -1,9 +1,9 @@
 """Resharding example: save a TorchRec DLRM on 2 ranks, resume it on 1 (or the reverse).
 
-    torchrun --standalone --nproc-per-node 2 launch/torchrec_reshard.py save   --root /tmp/rs
-    torchrun --standalone --nproc-per-node 1 launch/torchrec_reshard.py resume --root /tmp/rs
+    torchrun --standalone --nproc-per-node 2 launch/examples/torchrec_reshard.py save   --root /tmp/rs
+    torchrun --standalone --nproc-per-node 1 launch/examples/torchrec_reshard.py resume --root /tmp/rs
 
-``save`` trains the model of launch/dlrm_train.py for a few steps on its world's plan (2 ranks:
+``save`` trains the model of launch/examples/dlrm_train.py for a few steps on its world's plan (2 ranks:
 t0 column-wise, t1 table-wise, t2 row-wise, t3 data-parallel) and saves it. ``resume`` builds the
 model on its own world size and plan (1 rank: t0 keeps its two column blocks, on rank 0) and
 restores: tables, fused optimizer state (row-wise adagrad included), the dense MLPs and their
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import dlrm_train as dl  # noqa: E402
 

@@ -222,7 +222,7 @@ def check_after_crash(root: str, *, before: list[int], acked: int | None, in_fli
 
 
 # Deliberately broken commit protocols, applied inside a saving child only: the suites must catch
-# each of them (tests/test_crash_syscalls.py, tests/test_power_loss.py), which shows that they can
+# each of them (tests/crash/test_crash_syscalls.py, tests/crash/test_power_loss.py), which shows that they can
 # fail at all.
 def _copy_publish(tmp_dir: str, final_dir: str, *, overwrite: bool) -> None:
     """Publish by copying file by file (MANIFEST first) instead of one rename: not atomic."""

@@ -1,4 +1,4 @@
-"""torchrun worker of tests/test_deepspeed_engine.py: real DeepSpeed on CPU (gloo), distckpt installed
+"""torchrun worker of tests/interop/test_deepspeed_engine.py: real DeepSpeed on CPU (gloo), distckpt installed
 as its checkpoint engine. One launch runs several phases (each a fresh deepspeed.initialize) so the
 test pays DeepSpeed's import and start-up a few times, not once per check.
 

@@ -1,6 +1,6 @@
-"""torchrun worker of tests/test_distributed.py::test_ranks_exit_cleanly_right_after_a_save: a
+"""torchrun worker of tests/protocol/test_distributed.py::test_ranks_exit_cleanly_right_after_a_save: a
 2-rank save, after which rank 1 exits at once while rank 0 still works for a moment (the
-shape of launch/demo.py, whose rank 1 used to abort at exit now and then: "terminate called
+shape of launch/examples/demo.py, whose rank 1 used to abort at exit now and then: "terminate called
 without an active exception", from torch's gloo worker threads; see distckpt._dist).
 
 DISTCKPT_TEST_NO_EXIT_HANDOFF=1 removes distckpt's exit hook (to see the abort without it)."""

@@ -1,4 +1,4 @@
-"""Shared helpers for the tests/test_io_*.py files: backend choice, child processes, mounts."""
+"""Shared helpers for the tests/io/test_io_*.py files: backend choice, child processes, mounts."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ This process is a fork server (torch and distckpt imported once) and drives one 
 
 Data go through the backend of ``--backend`` (DISTCKPT_IO_BACKEND; default ``uring``, which
 ``auto`` picks on this FUSE mount: the kernel passes O_DIRECT writes to the daemon uncached;
-``buffered`` is the write + fsync fallback). Run by tests/test_power_loss.py, or
+``buffered`` is the write + fsync fallback). Run by tests/crash/test_power_loss.py, or
 ``python -m tests.helpers.powercut --backend buffered`` (prints a JSON summary).
 """
 

@@ -1,4 +1,4 @@
-"""One rank of the simulated multi-node job of tests/test_s3_multinode.py, started by torchrun.
+"""One rank of the simulated multi-node job of tests/s3/test_s3_multinode.py, started by torchrun.
 
 Usage: torchrun ... tests/helpers/s3_node_worker.py URL. The S3 endpoint and keys come from the standard
 AWS variables only (no storage_options): what a job on a cluster without a shared file system does.

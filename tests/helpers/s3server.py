@@ -16,7 +16,7 @@ process (master, volume, filer and S3 gateway in one process) with:
     called in the middle of a test ("server stopped mid-save").
 
 SeaweedFS honours conditional creates (``If-None-Match: *``) on PutObject and on
-CompleteMultipartUpload (checked by tests/test_s3_infra.py). :func:`ignore_conditional_writes`
+CompleteMultipartUpload (checked by tests/s3/test_s3_infra.py). :func:`ignore_conditional_writes`
 makes this process (and, through :func:`ignore_conditional_writes_env`, child processes) drop that
 header from every request, so the server then behaves like one that does not honour it: the
 fallback commit path can be tested against the same real server.

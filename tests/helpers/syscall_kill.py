@@ -40,7 +40,7 @@ identical for both backends. The ``pwrite`` backend issues the same blocks as on
 pwrite64 each, so its sweep kills between every pair of data writes: every prefix of the data
 file, the interleavings that matter for a data file written front to back.
 
-Run by tests/test_crash_syscalls.py; outside CI, ``python -m tests.helpers.syscall_kill --world 2
+Run by tests/crash/test_crash_syscalls.py; outside CI, ``python -m tests.helpers.syscall_kill --world 2
 --backend pwrite --victim 1 --full`` runs every call of the save instead of the CI selection
 (:data:`FOCUS`). Prints a JSON summary on stdout.
 """

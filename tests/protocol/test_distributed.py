@@ -266,7 +266,7 @@ def test_ranks_exit_cleanly_right_after_a_save(tmp_path):
     torch's gloo worker threads free a finished collective's tensors after the caller has gone
     on, which needs the GIL; a rank reaching interpreter finalization first aborted with
     "terminate called without an active exception" (SIGABRT) after everything had succeeded:
-    launch/demo.py (the README's main job) failed so about one run in four. distckpt's exit hook
+    launch/examples/demo.py (the README's main job) failed so about one run in four. distckpt's exit hook
     (distckpt._dist._let_gloo_workers_finish) lets the workers finish first. Real torchrun jobs,
     the last collective in distckpt's control group or in the job's own group; without the hook
     the abort showed in 9 of 40 such runs here, so this detects its loss with ~90 % probability."""

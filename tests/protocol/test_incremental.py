@@ -1,6 +1,6 @@
 """Incremental checkpoints (distckpt.incremental, docs/INCREMENTAL.md).
 
-The TorchRec part is a DLRM-style model (launch/dlrm_train.py's: four tables, two of them
+The TorchRec part is a DLRM-style model (launch/examples/dlrm_train.py's: four tables, two of them
 EXACT_ROWWISE_ADAGRAD, one EXACT_ADAGRAD, one data-parallel with a dense torch Adagrad; column-wise,
 table-wise, row-wise and data-parallel on 2 ranks) trained on a Zipf-distributed id stream. One
 2-rank launch trains, saves through a CheckpointManager with an incremental policy every K steps

@@ -8,7 +8,10 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SCRIPTS = [*sorted((ROOT / "launch").glob("*.sh")), ROOT / "tests" / "run.sh"]
+# The launch scripts (env.sh, demo.sh, bench/, examples/) and the test runner: their usage lines
+# and pointers name repository files too.
+SCRIPTS = [*sorted(p for p in (ROOT / "launch").rglob("*") if p.suffix in (".sh", ".py", ".sbatch")),
+           ROOT / "tests" / "run.sh"]
 # A repository path: one of the top-level folders, then a file name with an extension.
 _PATH = re.compile(r"(?<![\w/.])((?:distckpt|docs|launch|tests|csrc)/[\w./-]*\w\.(?:py|md|sh|c|sbatch|json|toml))\b")
 

@@ -1,6 +1,6 @@
 """PLAN at scale: summaries gathered to rank 0 only, each rank told only which of its pieces it
 writes, and a plan cache that is reused only when every rank's layout is unchanged (real gloo
-ranks). The cost figures themselves come from launch/bench_scale.py, not from timed tests."""
+ranks). The cost figures themselves come from launch/bench/bench_scale.py, not from timed tests."""
 
 from __future__ import annotations
 
