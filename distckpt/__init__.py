@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 import importlib as _importlib
 
 from .errors import DistCkptError  # noqa: E402  (torch-free)
-from .preflight import preflight  # noqa: E402  (torch-free; binds the function over the submodule's name)
+from .checks import preflight  # noqa: E402  (torch-free)
 
 # The names below pull in torch. They are imported on first use (PEP 562), so that the command
 # line's --help and --version, and `import distckpt.errors` in a monitoring script, do not pay

@@ -3,7 +3,7 @@
     distckpt ls ROOT            committed steps under a CheckpointManager root
     distckpt inspect PATH       what a checkpoint holds: values, tensors, sizes, who wrote it (--json)
     distckpt verify PATH        read every byte and check every checksum, with bounded memory
-    distckpt preflight PATH     the pre-flight checks (distckpt.preflight)
+    distckpt preflight PATH     the pre-flight checks (distckpt.checks)
     distckpt bench DIR          I/O and save/load benchmarks (distckpt.bench)
 
 Exit status: 0 on success, 1 when a check or verification failed (or a distckpt error), 2 on bad
@@ -415,8 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=_window_arg, default=16 << 20, metavar="SIZE",
                    help="bytes per read; memory use is about twice this (default 16M)")
     p.set_defaults(func=_cmd_verify)
-    # importlib, not `from . import preflight`: the package attribute of that name is the function.
-    for module in ("distckpt.preflight", "distckpt.bench", "distckpt.convert"):
+    for module in ("distckpt.checks.cli", "distckpt.bench", "distckpt.convert"):
         importlib.import_module(module).add_parser(sub)
     return parser
 

@@ -716,7 +716,7 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
             # Cheap per-rank check before any byte is written: the writer, its ring, the reader
             # probes and directory fsyncs need a handful of fds. (Free space is checked by rank 0
             # in PREPARE with every rank's bytes; permissions by the tmp-dir mkdir there.)
-            from .preflight import check_fd_limit
+            from .storage.posix.guards import check_fd_limit
             check_fd_limit(_FDS_PER_SAVE, rank=rank, path=path)
         # check_objects=False: _summarize encodes (and so checks) every value right below.
         tree, items = flatten(state_dict, allow_pickle=allow_pickle, check_objects=False)

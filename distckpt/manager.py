@@ -106,7 +106,7 @@ class CheckpointManager:
         if self._store is None:
             # Read-only check (no directory is created here): a root under /proc or /sys is the
             # wrong place, said now rather than at the first save hours into the run.
-            from .preflight import refuse_pseudo_fs
+            from .storage.posix.guards import refuse_pseudo_fs
             refuse_pseudo_fs(self.root)
         self.keep_last = keep_last
         self.keep_abandoned = bool(keep_abandoned)

@@ -23,7 +23,6 @@ import re
 import resource
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
@@ -295,8 +294,6 @@ def test_space_vanishes_after_preflight_manager_save(tmp_path, monkeypatch, fs):
     """Pre-flight passes, then another process's file grows into the space: the real write gets
     ENOSPC. Through CheckpointManager.save: ``latest`` and the newest step stay the old ones."""
     _reset(monkeypatch, DISTCKPT_PREFLIGHT="1")
-    import distckpt.preflight  # noqa: F401  (the package binds the name to the function)
-    pf = sys.modules["distckpt.preflight"]
     mnt = tmp_path / "m"
     cm = tmpfs_mount(mnt, "32m") if fs == "tmpfs" else ext4_image_mount(mnt, "40m")
     with cm as d:
@@ -305,14 +302,14 @@ def test_space_vanishes_after_preflight_manager_save(tmp_path, monkeypatch, fs):
         mgr.save(1, _prev_state())
         filler_dir = os.path.join(root, "other-job")
         os.mkdir(filler_dir)
-        real_check = pf.check_save_space
+        real_check = distckpt.storage.posix.guards.check_save_space
         calls = []
 
         def check_then_fill(path, needed, **kw):
             real_check(path, needed, **kw)          # passes: the space is free now...
             calls.append(fill_space(filler_dir, leave_bytes=2 * MiB))  # ...and then it is not
 
-        # Where a POSIX save's PREPARE calls the pre-flight's space check.
+        # Where a POSIX save's PREPARE calls its space guard (storage/posix/guards.py).
         monkeypatch.setattr(distckpt.storage.posix.saving, "check_save_space", check_then_fill)
         before = open_fds()
         with pytest.raises(E.DiskFullError) as ei:

@@ -1,4 +1,4 @@
-"""Pre-flight checks (distckpt.preflight, issue #4) against real faults.
+"""Pre-flight checks (distckpt.checks, issue #4) against real faults.
 
 Environment checks run on explicit env dicts (no process group needed). Storage faults are real:
 small tmpfs and loop-mounted ext4 file systems, read-only mounts, a 1 MiB /dev/shm in a private
@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import json
 import os
 import resource
 import subprocess
-import sys
 import types
 
 import pytest
 
+from distckpt import checks, sizes
+from distckpt.checks import cli as checks_cli
+from distckpt.checks import environment, filesystem, memory, nccl
 from distckpt.errors import (
     DiskFullError,
     DistCkptError,
@@ -29,6 +30,8 @@ from distckpt.errors import (
     StoragePermissionError,
     TooManyOpenFilesError,
 )
+from distckpt.storage.posix import guards
+from distckpt.storage.posix.mounts import find_mount
 from tests.conftest import open_fds
 from tests.helpers.faults import (  # noqa: F401  (mounts is a fixture)
     PYTHON,
@@ -41,9 +44,6 @@ from tests.helpers.faults import (  # noqa: F401  (mounts is a fixture)
     run_python,
 )
 
-# importlib, not `import distckpt.preflight as pf`: distckpt/__init__.py also binds a function
-# named `preflight` on the package.
-pf = importlib.import_module("distckpt.preflight")
 
 MiB = 1 << 20
 GOOD_ENV = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -67,12 +67,12 @@ def assert_typed(err, cls, *, errno_=None, path=None):
 
 
 def test_no_torchrun_variables_is_a_single_process():
-    r = pf.torchrun_env_check({})
+    r = environment.torchrun_env_check({})
     assert r.status == "ok" and "single process" in r.message and r.error is None
 
 
 def test_consistent_torchrun_env_is_ok():
-    r = pf.torchrun_env_check(GOOD_ENV, world_size=4, local_world_size=2)
+    r = environment.torchrun_env_check(GOOD_ENV, world_size=4, local_world_size=2)
     assert r.status == "ok", r.message
     assert "127.0.0.1" in r.details["master_addr_resolves_to"]
 
@@ -100,7 +100,7 @@ def _without(key):
         "RANK<0", "LOCAL_RANK-not-int", "WORLD_SIZE-not-int", "WORLD_SIZE=0", "LOCAL_RANK>=LWS",
         "LWS>WORLD_SIZE", "port-70000", "port-0", "MASTER_ADDR-unresolvable", "MASTER_ADDR-empty"])
 def test_broken_torchrun_variable_is_named(env, variable, found):
-    r = pf.torchrun_env_check(env)
+    r = environment.torchrun_env_check(env)
     assert r.status == "error", r.message
     err = assert_typed(r.error, DistributedEnvError)
     assert isinstance(err, RuntimeError)
@@ -109,24 +109,24 @@ def test_broken_torchrun_variable_is_named(env, variable, found):
     assert variable in err.message and "expected" in err.message and "found" in err.message
     # The full run reports it the same way, and raise_on_error raises that very class.
     with pytest.raises(DistributedEnvError) as info:
-        pf.preflight("/tmp", env=env, raise_on_error=True)
+        checks.preflight("/tmp", env=env, raise_on_error=True)
     assert info.value.variable == variable
 
 
 def test_rank_field_comes_from_the_checked_env():
-    r = pf.torchrun_env_check({**GOOD_ENV, "MASTER_PORT": "70000"})
+    r = environment.torchrun_env_check({**GOOD_ENV, "MASTER_PORT": "70000"})
     assert r.error.rank == 1
 
 
 def test_world_size_argument_must_match_env():
-    r = pf.torchrun_env_check(GOOD_ENV, world_size=8)
+    r = environment.torchrun_env_check(GOOD_ENV, world_size=8)
     assert r.error.variable == "WORLD_SIZE" and "8" in r.error.message
-    r = pf.torchrun_env_check({}, world_size=2)
+    r = environment.torchrun_env_check({}, world_size=2)
     assert r.error.variable == "WORLD_SIZE" and r.error.found == "unset"
 
 
 def test_every_torchrun_problem_is_listed_at_once():
-    r = pf.torchrun_env_check({"RANK": "5", "WORLD_SIZE": "2"})
+    r = environment.torchrun_env_check({"RANK": "5", "WORLD_SIZE": "2"})
     names = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"}
     assert all(n in r.message for n in names)
     assert len(r.details["problems"]) == 5
@@ -139,17 +139,17 @@ IFACES = ["eth0", "eth1", "ib0", "lo"]
 
 
 def test_nccl_socket_ifname_typo_names_existing_interfaces():
-    r = pf.socket_ifname_check({"NCCL_SOCKET_IFNAME": "eht0"}, interfaces=IFACES)
+    r = nccl.socket_ifname_check({"NCCL_SOCKET_IFNAME": "eht0"}, interfaces=IFACES)
     err = assert_typed(r.error, DistributedEnvError)
     assert err.variable == "NCCL_SOCKET_IFNAME"
     assert "eth0, eth1, ib0, lo" in err.message and "did you mean 'eth0'" in err.message
 
 
 def test_nccl_socket_ifname_against_the_real_interfaces():
-    real = pf.list_interfaces()
+    real = nccl.list_interfaces()
     assert "lo" in real
-    assert pf.socket_ifname_check({"NCCL_SOCKET_IFNAME": "lo"}).status == "ok"
-    r = pf.socket_ifname_check({"NCCL_SOCKET_IFNAME": "nosuchif9"})
+    assert nccl.socket_ifname_check({"NCCL_SOCKET_IFNAME": "lo"}).status == "ok"
+    r = nccl.socket_ifname_check({"NCCL_SOCKET_IFNAME": "nosuchif9"})
     assert r.error.variable == "NCCL_SOCKET_IFNAME" and all(i in r.message for i in real)
 
 
@@ -163,7 +163,7 @@ def test_nccl_socket_ifname_against_the_real_interfaces():
     ("eth0,wlan", "warning", ["eth0"]),           # one entry matches nothing: a warning
 ])
 def test_nccl_ifname_syntax(value, status, used):
-    r = pf.socket_ifname_check({"NCCL_SOCKET_IFNAME": value}, interfaces=IFACES)
+    r = nccl.socket_ifname_check({"NCCL_SOCKET_IFNAME": value}, interfaces=IFACES)
     assert r.status == status, r.message
     assert r.details["nccl_interfaces"] == used
     if status == "error":
@@ -172,26 +172,26 @@ def test_nccl_ifname_syntax(value, status, used):
 
 
 def test_gloo_ifname_takes_exact_names():
-    assert pf.socket_ifname_check({"GLOO_SOCKET_IFNAME": "eth0,lo"}, interfaces=IFACES).status == "ok"
-    r = pf.socket_ifname_check({"GLOO_SOCKET_IFNAME": "eth"}, interfaces=IFACES)
+    assert nccl.socket_ifname_check({"GLOO_SOCKET_IFNAME": "eth0,lo"}, interfaces=IFACES).status == "ok"
+    r = nccl.socket_ifname_check({"GLOO_SOCKET_IFNAME": "eth"}, interfaces=IFACES)
     assert r.error.variable == "GLOO_SOCKET_IFNAME" and "eth" in r.error.message
-    r = pf.socket_ifname_check({"GLOO_SOCKET_IFNAME": "^lo"}, interfaces=IFACES)
+    r = nccl.socket_ifname_check({"GLOO_SOCKET_IFNAME": "^lo"}, interfaces=IFACES)
     assert "^ and = syntax does not apply" in r.error.message
 
 
 def test_unknown_nccl_variable_suggests_the_known_name():
-    r = pf.nccl_vars_check({"NCCL_SOCKT_IFNAME": "eth0", "NCCL_DEBUG": "INFO"})
+    r = nccl.nccl_vars_check({"NCCL_SOCKT_IFNAME": "eth0", "NCCL_DEBUG": "INFO"})
     assert r.status == "warning" and r.error is None
     assert r.details["unknown"] == {"NCCL_SOCKT_IFNAME": "NCCL_SOCKET_IFNAME"}
     assert "did you mean NCCL_SOCKET_IFNAME?" in r.message
-    r = pf.nccl_vars_check({"NCCL_TOTALLY_MADE_UP_THING": "1"})
+    r = nccl.nccl_vars_check({"NCCL_TOTALLY_MADE_UP_THING": "1"})
     assert r.status == "warning" and r.details["unknown"] == {"NCCL_TOTALLY_MADE_UP_THING": None}
 
 
 @pytest.mark.parametrize("name,value", [("NCCL_SHM_DISABLE", "true"), ("NCCL_P2P_DISABLE", "yes"),
                                         ("NCCL_IB_DISABLE", "2"), ("NCCL_BUFFSIZE", "4M")])
 def test_nccl_variable_values(name, value):
-    r = pf.nccl_vars_check({name: value})
+    r = nccl.nccl_vars_check({name: value})
     err = assert_typed(r.error, DistributedEnvError)
     assert err.variable == name and repr(value) in err.message
 
@@ -199,13 +199,13 @@ def test_nccl_variable_values(name, value):
 def test_valid_nccl_variables_are_ok():
     env = {"NCCL_SHM_DISABLE": "1", "NCCL_BUFFSIZE": "8388608", "NCCL_DEBUG": "warn",
            "NCCL_SOCKET_IFNAME": "^lo", "NCCL_ASYNC_ERROR_HANDLING": "1"}
-    assert pf.nccl_vars_check(env).status == "ok"
+    assert nccl.nccl_vars_check(env).status == "ok"
 
 
 def test_nccl_ib_hca_devices_and_ports(tmp_path):
     (tmp_path / "mlx5_0" / "ports" / "1").mkdir(parents=True)
     (tmp_path / "mlx5_1" / "ports" / "1").mkdir(parents=True)
-    check = lambda v, **e: pf.ib_hca_check({"NCCL_IB_HCA": v, **e}, ib_root=str(tmp_path))  # noqa: E731
+    check = lambda v, **e: nccl.ib_hca_check({"NCCL_IB_HCA": v, **e}, ib_root=str(tmp_path))  # noqa: E731
     assert check("mlx5").details["nccl_devices"] == ["mlx5_0", "mlx5_1"]
     assert check("=mlx5_0:1").status == "ok"
     assert check("^=mlx5_0").details["nccl_devices"] == ["mlx5_1"]
@@ -214,24 +214,24 @@ def test_nccl_ib_hca_devices_and_ports(tmp_path):
     assert "no port 2" in check("mlx5_0:2").message
     assert check("^mlx5").status == "error"
     assert check("mlx4_0", NCCL_IB_DISABLE="1").status == "ok"
-    r = pf.ib_hca_check({"NCCL_IB_HCA": "mlx5_0"}, ib_root=str(tmp_path / "absent"))
+    r = nccl.ib_hca_check({"NCCL_IB_HCA": "mlx5_0"}, ib_root=str(tmp_path / "absent"))
     assert r.status == "error" and "none" in r.message
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
 def test_nccl_without_cuda_is_an_error(backend):
-    r = pf.backend_devices_check(backend, {})
+    r = nccl.backend_devices_check(backend, {})
     err = assert_typed(r.error, DistributedEnvError)
     assert "torch.cuda.is_available() is False" in err.message and "gloo" in err.remedy
     with pytest.raises(DistributedEnvError):
-        pf.preflight("/tmp", backend=backend, env={}, raise_on_error=True)
+        checks.preflight("/tmp", backend=backend, env={}, raise_on_error=True)
 
 
 def test_gloo_and_unknown_backends():
-    assert pf.backend_devices_check("gloo", {}).status == "ok"
-    assert pf.backend_devices_check(None, {}).status == "ok"
-    r = pf.backend_devices_check("ncl", {})
+    assert nccl.backend_devices_check("gloo", {}).status == "ok"
+    assert nccl.backend_devices_check(None, {}).status == "ok"
+    r = nccl.backend_devices_check("ncl", {})
     assert_typed(r.error, DistributedEnvError)
     assert "'ncl'" in r.message
 
@@ -243,23 +243,24 @@ def test_gloo_and_unknown_backends():
 def test_nccl_shm_estimate():
     seg = 4 * MiB + 512 * 1024 + 4800 * 1024 + 4096
     assert seg == 9637888  # the segment size NCCL names in its own /dev/shm warning
-    assert pf.nccl_shm_bytes_per_rank({}) == seg * 2 * 2
-    assert pf.nccl_shm_bytes_per_rank({"NCCL_SHM_DISABLE": "1"}) == 0
-    assert pf.nccl_shm_bytes_per_rank({"NCCL_BUFFSIZE": str(MiB)}) == (seg - 3 * MiB) * 4
+    assert memory.nccl_shm_bytes_per_rank({}) == seg * 2 * 2
+    assert memory.nccl_shm_bytes_per_rank({"NCCL_SHM_DISABLE": "1"}) == 0
+    assert memory.nccl_shm_bytes_per_rank({"NCCL_BUFFSIZE": str(MiB)}) == (seg - 3 * MiB) * 4
 
 
 _SHM_CHILD = """
 import os
-import importlib; pf = importlib.import_module("distckpt.preflight")
+from distckpt import checks
+from distckpt.checks import memory
 st = os.statvfs("/dev/shm")
 emit({"shm_size": st.f_blocks * st.f_frsize})
-r = pf.shm_check(backend="nccl", local_world_size=2, env={})
+r = memory.shm_check(backend="nccl", local_world_size=2, env={})
 emit({"nccl": r.to_dict(), "error": error_dict(r.error) if r.error else None})
-r = pf.shm_check(backend="gloo", shm_bytes_needed=4 << 20, env={})
+r = memory.shm_check(backend="gloo", shm_bytes_needed=4 << 20, env={})
 emit({"workers": r.to_dict(), "error": error_dict(r.error) if r.error else None})
-r = pf.shm_check(backend="nccl", local_world_size=2, env={"NCCL_SHM_DISABLE": "1"})
+r = memory.shm_check(backend="nccl", local_world_size=2, env={"NCCL_SHM_DISABLE": "1"})
 emit({"disabled": r.to_dict()})
-report = pf.preflight("/tmp", backend="nccl", local_world_size=2, env={})
+report = checks.preflight("/tmp", backend="nccl", local_world_size=2, env={})
 emit(report.to_dict())
 """
 
@@ -272,7 +273,7 @@ def test_small_dev_shm_in_a_private_namespace():
     err = nccl["error"]
     assert "SharedMemoryError" in err["mro"] and "OSError" in err["mro"]
     assert err["errno"] == errno.ENOSPC and err["path"] == "/dev/shm"
-    assert err["fields"]["needed"] == pf.nccl_shm_bytes_per_rank({}) * 2
+    assert err["fields"]["needed"] == memory.nccl_shm_bytes_per_rank({}) * 2
     assert err["fields"]["free"] <= MiB
     assert "--shm-size" in err["remedy"] and "NCCL_SHM_DISABLE=1" in err["remedy"]
     assert "1.0 MiB" in err["message"]
@@ -287,9 +288,9 @@ def test_small_dev_shm_in_a_private_namespace():
 
 
 def test_shm_not_needed_is_ok():
-    r = pf.shm_check(backend="gloo", local_world_size=4, env={})
+    r = memory.shm_check(backend="gloo", local_world_size=4, env={})
     assert r.status == "ok" and "no shared-memory need" in r.message
-    r = pf.shm_check(shm_bytes_needed=1 << 50, env={}, shm_path="/nonexistent-shm")
+    r = memory.shm_check(shm_bytes_needed=1 << 50, env={}, shm_path="/nonexistent-shm")
     assert isinstance(r.error, SharedMemoryError)
 
 
@@ -300,20 +301,20 @@ def test_shm_not_needed_is_ok():
 def test_disk_too_small_on_a_real_tmpfs(mounts, tmp_path):
     mnt = mounts.tmpfs(tmp_path / "small", size="16m")
     target = mnt / "ckpt" / "step_1"  # does not exist yet: its file system is checked
-    r = pf.disk_check(target, 64 * MiB, keep_last=2)
+    r = filesystem.disk_check(target, 64 * MiB, keep_last=2)
     err = assert_typed(r.error, DiskFullError, errno_=errno.ENOSPC, path=target)
     assert err.needed == 64 * MiB and 15 * MiB < err.free <= 16 * MiB
     assert err.mount_point == str(mnt) and err.fstype == "tmpfs"
     assert f"checkpoint needs 64.0 MiB on {mnt} (tmpfs), 16.0 MiB free" in err.message
     assert "must fit while the old ones still exist" in err.message and "keep_last=2" in err.message
     with pytest.raises(DiskFullError) as info:
-        pf.check_save_space(target, 64 * MiB, rank=3)
+        guards.check_save_space(target, 64 * MiB, rank=3)
     assert info.value.rank == 3 and info.value.needed == 64 * MiB and info.value.errno == errno.ENOSPC
-    pf.check_save_space(target, 8 * MiB)  # fits: no exception
+    guards.check_save_space(target, 8 * MiB)  # fits: no exception
     with pytest.raises(DiskFullError) as info:
-        pf.preflight(target, expected_bytes=64 * MiB, env={}, raise_on_error=True)
+        checks.preflight(target, expected_bytes=64 * MiB, env={}, raise_on_error=True)
     assert info.value.free == err.free
-    ok = pf.disk_check(target, 8 * MiB)
+    ok = filesystem.disk_check(target, 8 * MiB)
     assert ok.status == "ok" and "tmpfs" in ok.message
 
 
@@ -321,17 +322,17 @@ def test_keep_last_headroom_warning(mounts, tmp_path):
     mnt = mounts.tmpfs(tmp_path / "rot", size="16m")
     (mnt / "step_00000001").mkdir()
     (mnt / "step_00000001" / "MANIFEST").write_bytes(b"x")
-    r = pf.disk_check(mnt, 6 * MiB, keep_last=3)  # 3 more checkpoints of 6 MiB will not fit
+    r = filesystem.disk_check(mnt, 6 * MiB, keep_last=3)  # 3 more checkpoints of 6 MiB will not fit
     assert r.status == "warning" and r.details["committed_checkpoints"] == 1
     assert "keep_last=3" in r.message and "later save" in r.message
-    assert pf.disk_check(mnt, 6 * MiB, keep_last=1).status == "ok"
+    assert filesystem.disk_check(mnt, 6 * MiB, keep_last=1).status == "ok"
 
 
 def test_full_tmpfs_write_probe_gives_enospc(mounts, tmp_path):
     mnt = mounts.tmpfs(tmp_path / "full", size="4m")
     assert fill_space(mnt) > 3 * MiB
     with pytest.raises(DiskFullError) as info:
-        pf.check_writable(mnt)
+        filesystem.check_writable(mnt)
     assert_typed(info.value, DiskFullError, errno_=errno.ENOSPC, path=mnt)
     assert sorted(p.name for p in mnt.iterdir()) == ["filler"]  # the probe was removed
 
@@ -339,15 +340,15 @@ def test_full_tmpfs_write_probe_gives_enospc(mounts, tmp_path):
 def test_inode_exhaustion_on_ext4(mounts, tmp_path):
     mnt = mounts.ext4(tmp_path / "ext4", size="8m", inodes=16)
     assert 0 < fill_inodes(mnt) <= 16
-    r = pf.disk_check(mnt, 4096)
+    r = filesystem.disk_check(mnt, 4096)
     err = assert_typed(r.error, DiskFullError, errno_=errno.ENOSPC, path=mnt)
     assert err.free_inodes == 0 and err.needed_inodes >= 1 and err.fstype == "ext4"
     assert "inodes" in err.message and "df -i" in err.remedy
     with pytest.raises(DiskFullError) as info:  # the probe file gets no inode either
-        pf.check_writable(mnt)
+        filesystem.check_writable(mnt)
     assert info.value.errno == errno.ENOSPC and "0 inodes free" in info.value.message
     with pytest.raises(DiskFullError):
-        pf.check_save_space(mnt, 1)
+        guards.check_save_space(mnt, 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -358,22 +359,22 @@ def test_read_only_mount_is_erofs(mounts, tmp_path):
     ro = mounts.readonly(tmp_path / "ro")
     for target in (ro, ro / "not" / "yet"):
         with pytest.raises(StoragePermissionError) as info:
-            pf.check_writable(target, rank=2)
+            filesystem.check_writable(target, rank=2)
         err = assert_typed(info.value, StoragePermissionError, errno_=errno.EROFS, path=ro)
         assert isinstance(err, PermissionError) and err.rank == 2
         assert "read-only" in err.remedy
-    r = pf.writable_check(ro)
+    r = filesystem.writable_check(ro)
     assert r.status == "error" and isinstance(r.error, StoragePermissionError)
     with pytest.raises(StoragePermissionError):
-        pf.preflight(ro / "ckpt", env={}, raise_on_error=True)
+        checks.preflight(ro / "ckpt", env={}, raise_on_error=True)
 
 
 _EACCES_CHILD = """
-import importlib; pf = importlib.import_module("distckpt.preflight")
+from distckpt.checks import filesystem
 from tests.helpers.faults import cap_effective
 emit({"cap_eff": cap_effective()})
 try:
-    pf.check_writable(TARGET)
+    filesystem.check_writable(TARGET)
     emit({"error": None})
 except Exception as exc:
     emit_error(exc)
@@ -385,7 +386,7 @@ def test_eacces_without_cap_dac_override(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     os.chmod(locked, 0o555)
-    pf.check_writable(locked)  # root with CAP_DAC_OVERRIDE ignores the mode bits
+    filesystem.check_writable(locked)  # root with CAP_DAC_OVERRIDE ignores the mode bits
     res = run_python(_EACCES_CHILD.replace("TARGET", repr(str(locked))),
                      drop_caps=["cap_dac_override"]).check()
     caps, out = res.emitted
@@ -402,16 +403,17 @@ def test_eacces_without_cap_dac_override(tmp_path):
 
 _NOFILE_CHILD = """
 import errno, os
-import importlib; pf = importlib.import_module("distckpt.preflight")
+from distckpt.checks import filesystem
 from distckpt.errors import from_os_error
+from distckpt.storage.posix import guards
 try:
-    pf.check_fd_limit(64, rank=0)
+    guards.check_fd_limit(64, rank=0)
     emit({"error": None})
 except Exception as exc:
     emit_error(exc)
-pf.check_fd_limit(2)
+guards.check_fd_limit(2)
 emit({"small_ok": True})
-emit({"report": pf.fd_limit_check(64).to_dict()})
+emit({"report": filesystem.fd_limit_check(64).to_dict()})
 fds = []
 try:
     while True:
@@ -445,8 +447,8 @@ def test_fd_limit_remedy_when_hard_limit_allows():
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # lowering the soft limit is reversible
     try:
         with pytest.raises(TooManyOpenFilesError) as info:
-            pf.check_fd_limit(1000)
-        pf.check_fd_limit(100)
+            guards.check_fd_limit(1000)
+        guards.check_fd_limit(100)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert info.value.needed == 1000 and info.value.limit == 256
@@ -460,9 +462,9 @@ def test_fd_limit_remedy_when_hard_limit_allows():
 
 def test_deleted_open_file_in_this_process(mounts, tmp_path):
     mnt = mounts.tmpfs(tmp_path / "held", size="32m")
-    assert pf.deleted_open_files_check(mnt).status == "ok"
+    assert filesystem.deleted_open_files_check(mnt).status == "ok"
     with deleted_open_file(mnt, 8 * MiB) as (fd, former):
-        r = pf.deleted_open_files_check(mnt)
+        r = filesystem.deleted_open_files_check(mnt)
         assert r.status == "warning" and r.error is None
         (me,) = [h for h in r.details["holders"] if h["pid"] == os.getpid()]
         assert 8 * MiB <= me["bytes"] <= 8 * MiB + 64 * 1024 and me["files"] == 1
@@ -470,9 +472,9 @@ def test_deleted_open_file_in_this_process(mounts, tmp_path):
         assert f"process {os.getpid()} (" in r.message and ("8.0 MiB" in r.message or "8.1 MiB" in r.message)
         assert "df says full and du says small" in r.message and str(mnt) in r.message
         # the full run reports it as a warning, not an error
-        rep = pf.preflight(mnt, env={})
+        rep = checks.preflight(mnt, env={})
         assert rep.get("deleted_open_files").status == "warning"
-    assert pf.deleted_open_files_check(mnt).status == "ok"
+    assert filesystem.deleted_open_files_check(mnt).status == "ok"
 
 
 def test_deleted_open_file_in_another_process(mounts, tmp_path):
@@ -484,13 +486,13 @@ def test_deleted_open_file_in_another_process(mounts, tmp_path):
                              text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        r = pf.deleted_open_files_check(mnt)
+        r = filesystem.deleted_open_files_check(mnt)
         (h,) = [h for h in r.details["holders"] if h["pid"] == child.pid]
         assert h["comm"].startswith("python") and h["bytes"] >= 4 * MiB
         assert f"process {child.pid} ({h['comm']})" in r.message
     finally:
         child.communicate("", timeout=30)
-    assert pf.deleted_open_files_check(mnt).status == "ok"
+    assert filesystem.deleted_open_files_check(mnt).status == "ok"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -499,9 +501,9 @@ def test_deleted_open_file_in_another_process(mounts, tmp_path):
 
 def test_find_mount_handles_spaces(mounts, tmp_path):
     mnt = mounts.tmpfs(tmp_path / "with space\tand tab", size="1m")
-    m = pf.find_mount(mnt / "deeper" / "not-yet")
+    m = find_mount(mnt / "deeper" / "not-yet")
     assert m.mount_point == str(mnt) and m.fstype == "tmpfs"
-    r = pf.disk_check(mnt / "x", 1)
+    r = filesystem.disk_check(mnt / "x", 1)
     assert r.details["mount_point"] == str(mnt)
 
 
@@ -514,57 +516,47 @@ def test_find_mount_picks_longest_prefix_and_unescapes(tmp_path):
         f"2 1 0:5 / {esc} rw - tmpfs tmpfs rw\n"
         f"3 2 0:6 / {esc}/a\\040b rw shared:1 - xfs /dev/sdb rw\n"
         f"4 2 0:7 / {esc}/a rw - btrfs /dev/sdc rw\n")  # "a" is not a path prefix of "a b"
-    m = pf.find_mount(tmp_path / "a b" / "c", mountinfo=str(fake))
+    m = find_mount(tmp_path / "a b" / "c", mountinfo=str(fake))
     assert (m.mount_point, m.fstype, m.source) == (str(tmp_path / "a b"), "xfs", "/dev/sdb")
 
 
 def test_write_probe_leaves_no_file_and_no_fd(tmp_path):
     before_fds = open_fds()
-    pf.check_writable(tmp_path)
-    pf.check_writable(tmp_path / "missing" / "dir")
+    filesystem.check_writable(tmp_path)
+    filesystem.check_writable(tmp_path / "missing" / "dir")
     assert list(tmp_path.iterdir()) == [] and open_fds() == before_fds
     (tmp_path / "file").write_text("x")
     with pytest.raises(DistCkptError) as info:
-        pf.check_writable(tmp_path / "file")
+        filesystem.check_writable(tmp_path / "file")
     assert info.value.errno == errno.ENOTDIR
 
 
 def test_io_backend_reported_and_forced_failure(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "distckpt.storage.posix", None)  # import fails -> warning, no crash
-    r = pf.io_backend_check(tmp_path)
-    assert (r.status, r.message) == ("warning", "unknown (io module not available yet)")
-
-    fake = types.ModuleType("distckpt.storage.posix")
     choice = types.SimpleNamespace(name="pwrite", reason="O_DIRECT works, io_uring disabled",
                                    mem_align=4096, offset_align=512, directory=str(tmp_path))
-    fake.choose_backend = lambda d: choice
-    monkeypatch.setitem(sys.modules, "distckpt.storage.posix", fake)
-    r = pf.io_backend_check(tmp_path / "not-yet")
+    # Patched where io_backend_check looks it up at call time.
+    monkeypatch.setattr(filesystem, "choose_backend", lambda d: choice)
+    r = filesystem.io_backend_check(tmp_path / "not-yet")
     assert r.status == "ok" and "pwrite: O_DIRECT works" in r.message and r.details["offset_align"] == 512
 
     def refuse(d):
         raise IOBackendUnavailableError("io_uring_setup failed: [Errno 1] EPERM", path=d, errno=errno.EPERM)
-    fake.choose_backend = refuse
-    r = pf.io_backend_check(tmp_path)
+    monkeypatch.setattr(filesystem, "choose_backend", refuse)
+    r = filesystem.io_backend_check(tmp_path)
     assert r.status == "error" and isinstance(r.error, IOBackendUnavailableError)
     with pytest.raises(IOBackendUnavailableError):
-        pf.preflight(tmp_path, env={}, raise_on_error=True)
+        checks.preflight(tmp_path, env={}, raise_on_error=True)
 
 
 def test_io_backend_with_the_real_module(tmp_path):
-    r = pf.io_backend_check(tmp_path)
-    try:
-        importlib.import_module("distckpt.storage.posix").choose_backend  # noqa: B018
-    except (ImportError, AttributeError):
-        assert r.status == "warning"
-    else:
-        assert r.status == "ok" and r.details["name"], r.message
+    r = filesystem.io_backend_check(tmp_path)
+    assert r.status == "ok" and r.details["name"], r.message
 
 
 _MEMLOCK_CHILD = """
-import importlib; pf = importlib.import_module("distckpt.preflight")
-emit(pf.memlock_check(pinned=True).to_dict())
-emit(pf.memlock_check(pinned=False).to_dict())
+from distckpt.checks import memory
+emit(memory.memlock_check(pinned=True).to_dict())
+emit(memory.memlock_check(pinned=False).to_dict())
 """
 
 
@@ -581,7 +573,7 @@ def test_low_memlock_with_pinned_memory_warns():
 
 def test_report_table_json_and_raise_first(tmp_path):
     env = {**GOOD_ENV, "MASTER_PORT": "70000", "NCCL_SOCKT_IFNAME": "eth0"}
-    rep = pf.preflight(tmp_path, expected_bytes=1 << 60, env=env)
+    rep = checks.preflight(tmp_path, expected_bytes=1 << 60, env=env)
     assert not rep.ok
     assert [c.name for c in rep.errors][:1] == ["torchrun_env"]
     assert {"torchrun_env", "disk"} <= {c.name for c in rep.errors}
@@ -596,40 +588,40 @@ def test_report_table_json_and_raise_first(tmp_path):
     assert disk["error"]["type"] == "DiskFullError" and disk["error"]["errno"] == errno.ENOSPC
     with pytest.raises(DistributedEnvError):
         rep.raise_first()
-    clean = pf.preflight(tmp_path, expected_bytes=1024, env={})
+    clean = checks.preflight(tmp_path, expected_bytes=1024, env={})
     assert clean.ok and clean.raise_first() is None
 
 
 def test_a_crashing_check_becomes_a_warning(monkeypatch, tmp_path):
     def boom(*a, **k):
         raise ZeroDivisionError("probe bug")
-    monkeypatch.setattr(pf, "tmpdir_check", boom)
-    rep = pf.preflight(tmp_path, env={})
+    monkeypatch.setattr(filesystem, "tmpdir_check", boom)  # where preflight() looks it up
+    rep = checks.preflight(tmp_path, env={})
     r = rep.get("tmpdir")
     assert r.status == "warning" and "ZeroDivisionError: probe bug" in r.message
     assert rep.get("memlock") is not None  # the checks after it still ran
 
 
 def test_parse_size():
-    assert pf.parse_size("10G") == 10 << 30 and pf.parse_size("512MiB") == 512 << 20
-    assert pf.parse_size("61.2G") == int(61.2 * (1 << 30)) and pf.parse_size("4096") == 4096
+    assert sizes.parse_size("10G") == 10 << 30 and sizes.parse_size("512MiB") == 512 << 20
+    assert sizes.parse_size("61.2G") == int(61.2 * (1 << 30)) and sizes.parse_size("4096") == 4096
     with pytest.raises(ValueError, match="ambiguous"):  # one convention: binary units (distckpt.sizes)
-        pf.parse_size("61.2GB")
+        sizes.parse_size("61.2GB")
     with pytest.raises(ValueError):
-        pf.parse_size("ten gigs")
+        sizes.parse_size("ten gigs")
 
 
 def test_cli_subcommand_and_exit_code(mounts, tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser(prog="distckpt")
     sub = parser.add_subparsers(dest="command", required=True)
-    pf.add_parser(sub)
+    checks_cli.add_parser(sub)
     mnt = mounts.tmpfs(tmp_path / "cli", size="16m")
     args = parser.parse_args(["preflight", str(mnt), "--expected-bytes", "64M", "--json"])
     assert args.func(args) == 1
     data = json.loads(capsys.readouterr().out)
     assert not data["ok"]
     assert next(c for c in data["checks"] if c["name"] == "disk")["error"]["fields"]["needed"] == 64 * MiB
-    for var in pf.TORCHRUN_VARS:  # the CLI checks the real environment
+    for var in environment.TORCHRUN_VARS:  # the CLI checks the real environment
         monkeypatch.delenv(var, raising=False)
     args = parser.parse_args(["preflight", str(mnt), "--expected-bytes", "1M", "--backend", "gloo"])
     assert args.func(args) == 0
@@ -638,10 +630,10 @@ def test_cli_subcommand_and_exit_code(mounts, tmp_path, capsys, monkeypatch):
 
 def test_cli_as_a_process(mounts, tmp_path):
     mnt = mounts.tmpfs(tmp_path / "proc", size="16m")
-    env = {k: v for k, v in os.environ.items() if k not in pf.TORCHRUN_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in environment.TORCHRUN_VARS}
     env["PYTHONPATH"] = str(REPO_ROOT)
     run = lambda size: subprocess.run(  # noqa: E731
-        [PYTHON, "-m", "distckpt.preflight", str(mnt), "--expected-bytes", size],
+        [PYTHON, "-m", "distckpt.checks", str(mnt), "--expected-bytes", size],
         capture_output=True, text=True, timeout=120, env=env, cwd=str(REPO_ROOT))
     bad = run("64M")
     assert bad.returncode == 1 and "DISK" not in bad.stdout and "disk" in bad.stdout
@@ -653,4 +645,4 @@ def test_cli_as_a_process(mounts, tmp_path):
 def test_package_exports_the_function(tmp_path):
     import distckpt
     rep = distckpt.preflight(tmp_path, env={})
-    assert isinstance(rep, pf.PreflightReport) and rep.ok
+    assert isinstance(rep, checks.PreflightReport) and rep.ok

@@ -273,7 +273,7 @@ def test_quota(s3_bucket):
 
 
 # ------------------------------------------------------------------------------------------------
-# Pre-flight of an object store (distckpt.storage.object.check through distckpt.preflight)
+# Pre-flight of an object store (distckpt.storage.object.check through distckpt.checks)
 
 
 def _object_checks(report):
@@ -281,7 +281,7 @@ def _object_checks(report):
 
 
 def test_preflight_object_store_ok_and_probe_removed(s3_bucket):
-    from distckpt.preflight import preflight
+    from distckpt.checks import preflight
 
     url = f"{s3_bucket.url}/run7/step_00000100"
     report = preflight(url, storage_options=s3_bucket.storage_options, env={})
@@ -296,7 +296,7 @@ def test_preflight_object_store_ok_and_probe_removed(s3_bucket):
 
 
 def test_preflight_object_store_without_conditional_creates(s3_bucket, s3_ignore_conditional):
-    from distckpt.preflight import preflight
+    from distckpt.checks import preflight
 
     report = preflight(f"{s3_bucket.url}/run7", storage_options=s3_bucket.storage_options, env={})
     writable = _object_checks(report)["object_writable"]
@@ -306,7 +306,7 @@ def test_preflight_object_store_without_conditional_creates(s3_bucket, s3_ignore
 
 
 def test_preflight_object_store_failures_typed(s3_bucket, monkeypatch, tmp_path):
-    from distckpt.preflight import preflight
+    from distckpt.checks import preflight
     from distckpt.storage.object.check import check_object_store
     from tests.helpers.s3server import _free_ports
 

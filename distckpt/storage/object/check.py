@@ -19,8 +19,8 @@ URL, the rank and a remedy:
                DISTCKPT_OBJECT_CONDITIONAL=0.
 
 :func:`check_object_store` runs them and raises the first failure; :func:`run_checks` returns each
-one's outcome, which :mod:`distckpt.preflight` turns into its report (what ``distckpt preflight
-s3://...`` prints).
+one's outcome, which :mod:`distckpt.checks.objectstore` turns into report rows (what
+``distckpt preflight s3://...`` prints).
 Only s3fs file systems get the S3-level checks; another fsspec store gets the probe through
 fsspec's own calls (pipe_file, info, rm_file).
 

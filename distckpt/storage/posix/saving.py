@@ -28,10 +28,10 @@ from ...devstage import DeviceStager, needs_staging
 from ...errors import CheckpointExistsError, from_os_error
 from ...leftovers import ROOT_LOCK_NAME, TMP_RE, lock_file, scan_leftovers
 from ...plan import assign_offsets
-from ...preflight import check_save_space, refuse_pseudo_fs
 from ...staging import host_bytes
 from . import commit as local
 from . import savelock
+from .guards import check_save_space, refuse_pseudo_fs
 from .probe import choose_backend
 from .writer import open_writer
 

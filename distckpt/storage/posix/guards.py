@@ -1,0 +1,140 @@
+"""The checks a save to a local path runs before it writes (when ``DISTCKPT_PREFLIGHT`` is on).
+
+* :func:`refuse_pseudo_fs`: the target is not on a kernel pseudo file system (/proc, /sys, ...);
+  the manager runs it on its root, PREPARE on the checkpoint's parent.
+* :func:`check_save_space` (PREPARE, rank 0): the file system has the bytes of every rank, and an
+  inode.
+* :func:`check_fd_limit` (PLAN, every rank): RLIMIT_NOFILE leaves room for the fds a save opens.
+
+Each is cheap (a statvfs, one read of the mount table, a listing of /proc/self/fd) and raises the
+typed error a failing write would have raised later, with the numbers and a remedy. The same
+functions feed the report of ``distckpt preflight`` (:mod:`distckpt.checks.filesystem`). Nothing
+here writes, and nothing keeps an fd open.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import resource
+
+from ...errors import DiskFullError, StorageError, TooManyOpenFilesError, format_bytes
+from .mounts import MountInfo, find_mount, fs_summary, nearest_existing_dir
+
+__all__ = [
+    "PSEUDO_FILE_SYSTEMS",
+    "refuse_pseudo_fs",
+    "pseudo_fs_error",
+    "check_save_space",
+    "disk_remedy",
+    "check_fd_limit",
+    "open_fd_count",
+]
+
+#: Kernel interfaces that look like directories but cannot hold files: their zero free bytes are
+#: not a full disk, so saving there is reported as the wrong place, never as DiskFullError.
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "devpts",
+    "pstore", "bpf", "mqueue", "fusectl", "binfmt_misc", "efivarfs", "selinuxfs", "nsfs", "autofs",
+    "rpc_pipefs", "nfsd",
+})
+
+
+def pseudo_fs_error(path: str, mount: MountInfo, rank: int | None) -> StorageError:
+    """The error for a checkpoint ``path`` on the pseudo file system ``mount`` (returned, not
+    raised, so a report can carry it)."""
+    return StorageError(
+        f"{path} is on {mount.mount_point} ({mount.fstype}), a kernel pseudo file system that cannot "
+        "hold a checkpoint", path=path, rank=rank, mount_point=mount.mount_point, fstype=mount.fstype,
+        remedy="Save to a directory on a real file system (ext4, xfs, a network file system, or tmpfs "
+               "for tests).")
+
+
+def refuse_pseudo_fs(path: str | os.PathLike, *, rank: int | None = None) -> None:
+    """Raise unless ``path`` (or its nearest existing ancestor) lies on a real file system.
+
+    Runs before anything else touches the target directory (the save lock, the tmp dir), so saving
+    under /proc or /sys is reported as the wrong place instead of as whatever the first file
+    operation there fails with. Read-only.
+
+    Raises:
+        StorageError: with ``mount_point`` and ``fstype`` when the file system is one of
+            :data:`PSEUDO_FILE_SYSTEMS`.
+    """
+    mount = find_mount(nearest_existing_dir(path))
+    if mount.fstype in PSEUDO_FILE_SYSTEMS:
+        raise pseudo_fs_error(os.fspath(path), mount, rank)
+
+
+def disk_remedy(mount: MountInfo, short_by: int) -> str:
+    """The remedy sentence of a DiskFullError on ``mount``, ``short_by`` bytes missing."""
+    amount = f"at least {format_bytes(short_by)} " if short_by > 0 else ""
+    return (f"Free {amount}on {mount.mount_point}: delete old checkpoints or lower keep_last "
+            "(rotation frees space only after a new checkpoint is durable), make processes close "
+            "deleted files they still hold (see the deleted_open_files check), or save to a larger "
+            "volume.")
+
+
+def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | None = None) -> None:
+    """Raise unless the file system holding ``path`` has ``needed_bytes`` free (and an inode).
+
+    Cheap (one statvfs and one read of /proc/self/mountinfo): PREPARE calls it before the save
+    area is created.
+
+    Raises:
+        StorageError: ``path`` is on a kernel pseudo file system (see :func:`refuse_pseudo_fs`).
+        DiskFullError: errno ENOSPC, with ``needed``, ``free``, ``free_inodes``, ``mount_point``
+            and ``fstype``.
+        OSError: statvfs itself failed.
+    """
+    path = os.fspath(path)
+    mount, st, _ = fs_summary(path)
+    if mount.fstype in PSEUDO_FILE_SYSTEMS:
+        raise pseudo_fs_error(path, mount, rank)
+    free = st.f_bavail * st.f_frsize
+    no_inodes = st.f_files > 0 and st.f_favail == 0
+    if free >= needed_bytes and not no_inodes:
+        return
+    short = (f"checkpoint needs {format_bytes(needed_bytes)} on {mount.mount_point} ({mount.fstype}), "
+             f"{format_bytes(free)} free")
+    if no_inodes:
+        short += f" and 0 of {st.f_files} inodes free"
+    raise DiskFullError(short, path=path, rank=rank, errno=_errno.ENOSPC, needed=needed_bytes,
+                        free=free, free_inodes=st.f_favail, mount_point=mount.mount_point,
+                        fstype=mount.fstype, remedy=disk_remedy(mount, needed_bytes - free))
+
+
+def open_fd_count() -> int:
+    """The number of fds this process has open now (0 when /proc/self/fd cannot be listed)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # minus the fd listdir itself used
+    except OSError:
+        return 0
+
+
+def check_fd_limit(n_needed: int, *, rank: int | None = None, path: str | None = None) -> None:
+    """Raise unless ``n_needed`` more fds fit under RLIMIT_NOFILE next to the ones open now.
+    ``path`` (the checkpoint the fds are for) is carried by the error.
+
+    Raises:
+        TooManyOpenFilesError: errno EMFILE, fields ``needed``, ``open``, ``limit``, ``hard``.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    n_open = open_fd_count()
+    if n_open + n_needed <= soft:
+        return
+    hard_txt = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    if hard == resource.RLIM_INFINITY or hard >= n_open + n_needed:
+        remedy = (f"Raise the soft limit up to the hard limit ({hard_txt}): `ulimit -n {hard_txt}` "
+                  "before launching, or resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)).")
+    else:
+        remedy = (f"The hard limit ({hard_txt}) is too low as well: raise it (limits.conf, "
+                  "docker --ulimit nofile=65536:65536, systemd LimitNOFILE) or close files the job "
+                  "keeps open.")
+    raise TooManyOpenFilesError(
+        f"the save needs {n_needed} file descriptors but only {max(soft - n_open, 0)} are left "
+        f"({n_open} open, RLIMIT_NOFILE soft limit {soft}, hard limit {hard_txt})",
+        rank=rank, path=path, errno=_errno.EMFILE, remedy=remedy, needed=n_needed, open=n_open,
+        limit=soft, hard=hard)
