@@ -256,12 +256,12 @@ def _pin_mmap_threshold() -> None:
 
 
 def _dtype(name: str):
-    from .staging import dtype_from_name
+    from .tensorbytes import dtype_from_name
     return dtype_from_name(name)
 
 
 def _bytes_of(t) -> memoryview:
-    from .staging import host_bytes
+    from .tensorbytes import host_bytes
     view, keep = host_bytes(t)
     return view, keep
 

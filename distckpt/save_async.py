@@ -1,13 +1,13 @@
 """``distckpt.async_save``: return once the state is staged; write and commit in the background.
 
-How an async save runs on each rank (the protocol itself is :mod:`distckpt.coordinator`'s):
+How an async save runs on each rank (the phases are :mod:`distckpt.coordinator`'s):
 
   1. caller thread: take the process-wide save gate (:data:`coordinator.SAVE_GATE`), so a second
      save -- async or sync -- waits for this one, in call order;
   2. caller thread: PLAN (flatten, all-gather of the summaries, owner assignment) on the control
      group. Non-tensor values, the tree and the metadata are encoded / copied here;
   3. caller thread: copy every piece *this rank will write* (replicas owned by another rank are not
-     copied) into one arena of aligned host memory from the :class:`StagingPool` (pinned when CUDA
+     copied) into one arena of aligned host memory from the :class:`~distckpt.staging.pool.StagingPool` (pinned when CUDA
      is available; device tensors are copied with non_blocking DMA, then one synchronize). The call
      returns the :class:`AsyncSaveHandle` here;
   4. background thread (one per save, non-daemon): PREPARE, WRITE, COMMIT over the staged copies,
@@ -18,19 +18,16 @@ Invariants:
   * Snapshot isolation: once :func:`async_save` returns, the bytes that will be saved are in
     staging memory owned by the save; changing any tensor of the state dict (in place, any size)
     does not change the checkpoint.
-  * Bounded staging: one arena per save in flight (at most one: saves are serialized), kept for
-    the next save when it fits (the same model gets the same layout, so the same memory), replaced
-    when it does not. Large pieces start at 4 KiB boundaries, so the O_DIRECT writer can write them
-    without another copy.
+  * Bounded, releasable staging: one arena per save in flight, kept for the next save when it
+    fits, within DISTCKPT_STAGING_POOL_BYTES (:mod:`distckpt.staging.pool`);
+    :func:`~distckpt.staging.pool.release_staging_memory` (and ``CheckpointManager.close()``) frees
+    it now.
   * Errors reach :meth:`AsyncSaveHandle.result` as the same typed errors a sync save raises (the
     same exception objects); a failed save commits nothing.
   * A failure is never silent: an async save that fails while nobody waits on its handle (no
     ``result()`` / ``exception()`` returned its error) is raised -- the same exception object, its
     original class -- at this process's next ``save`` / ``async_save`` / CheckpointManager call
     (:func:`raise_background_failure`), and logged as an error at interpreter exit if still unseen.
-  * Bounded, releasable staging: DISTCKPT_STAGING_POOL_BYTES caps the idle arena the pool keeps
-    between saves (0: keep none); :func:`release_staging_memory` (and ``CheckpointManager.close()``)
-    frees it now.
   * Nothing is left behind: once :meth:`~AsyncSaveHandle.done` is true the worker thread has ended
     (``result()`` joins it) and every fd of the save is closed. At interpreter exit a save in
     flight is finished (its thread is non-daemon, and an exit hook says it is waiting), never left
@@ -47,156 +44,16 @@ import time
 import weakref
 from typing import Any, Callable
 
-import torch
-
 from ._dist import ControlGroup, control_group
-from .config import get_config
-from .coordinator import SAVE_GATE, SaveResult, finish_save, plan_save
+from .commit import SaveResult, finish_save
+from .coordinator import SAVE_GATE
+from .saveplan import plan_save
+from .staging.pool import stage, staging_pool
 from .storage.posix.probe import ensure_sigxfsz_ignored
 
-__all__ = ["async_save", "AsyncSaveHandle", "StagingPool", "staging_pool", "release_staging_memory",
-           "raise_background_failure", "wait_for_saves"]
+__all__ = ["async_save", "async_save_in_root", "AsyncSaveHandle", "raise_background_failure", "wait_for_saves"]
 
 log = logging.getLogger("distckpt")
-
-# Pieces of at least this many bytes start on a page boundary (O_DIRECT can write them in place);
-# smaller ones only on a cache line (the writer copies small writes into its staging anyway).
-_PAGE = 4096
-_BIG = 64 << 10
-_SMALL_ALIGN = 64
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-class _Arena:
-    """One aligned host buffer; pieces are carved out of it at aligned offsets."""
-
-    def __init__(self, capacity: int, pin: bool) -> None:
-        self.capacity = capacity
-        self.pinned = pin
-        self._raw = torch.empty(capacity + _PAGE, dtype=torch.uint8, pin_memory=pin)
-        start = -self._raw.data_ptr() % _PAGE
-        self.buf = self._raw[start:start + capacity]
-
-    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-        flat = self.buf[offset:offset + nbytes]
-        return flat.view(dtype).view(shape)
-
-
-def _layout(sizes: list[int]) -> tuple[list[int], int]:
-    offsets, cursor = [], 0
-    for n in sizes:
-        cursor = _round_up(cursor, _PAGE if n >= _BIG else _SMALL_ALIGN)
-        offsets.append(cursor)
-        cursor += n
-    return offsets, _round_up(cursor, _PAGE)
-
-
-class StagingPool:
-    """Aligned host staging memory reused across async saves of one process.
-
-    Holds at most one idle arena. ``acquire(n)`` reuses it when it holds ``n`` bytes and is not more
-    than twice as large (so a shrinking state does not pin a stale peak forever); otherwise the idle
-    one is dropped first and a new one allocated, so memory never holds two arenas because of the
-    pool. Pinned (page-locked) when CUDA is available: device-to-host copies are then DMAs.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: _Arena | None = None
-        self.allocations = 0  # arenas allocated so far (tests / benchmarks: reuse is visible)
-
-    def acquire(self, nbytes: int, pin: bool) -> _Arena:
-        with self._lock:
-            arena, self._idle = self._idle, None
-        if arena is not None and arena.pinned == pin and nbytes <= arena.capacity <= 2 * nbytes + (1 << 20):
-            return arena
-        del arena  # free the old one before allocating the new one
-        self.allocations += 1
-        return _Arena(nbytes, pin)
-
-    def release(self, arena: _Arena | None) -> None:
-        """Take ``arena`` back after its save. It is kept for the next save only if no larger one
-        is idle and it is within DISTCKPT_STAGING_POOL_BYTES (when set); otherwise it is freed."""
-        if arena is None:
-            return
-        bound = get_config().staging_pool_bytes
-        if bound is not None and arena.capacity > bound:
-            return  # freed when the caller drops its reference
-        with self._lock:
-            if self._idle is None or self._idle.capacity < arena.capacity:
-                self._idle = arena
-
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return self._idle.capacity if self._idle is not None else 0
-
-    def clear(self) -> int:
-        """Free the idle arena (an arena in use is freed when its save finishes). Returns its bytes."""
-        with self._lock:
-            arena, self._idle = self._idle, None
-        return arena.capacity if arena is not None else 0
-
-
-_POOL = StagingPool()
-
-
-def staging_pool() -> StagingPool:
-    """The process-wide staging pool of async saves."""
-    return _POOL
-
-
-def release_staging_memory() -> int:
-    """Give back the host memory async saves keep for reuse (the idle staging arena of this
-    process), now. An async save still in flight keeps its arena until it finishes (then it is
-    kept again, within DISTCKPT_STAGING_POOL_BYTES, unless released once more). Returns the bytes
-    freed. The next async save allocates a new arena (one copy of its state's size)."""
-    return _POOL.clear()
-
-
-def _stage(mine: list, pool: StagingPool) -> tuple[_Arena | None, int]:
-    """Copy each owned piece into the arena and point the piece at its copy. Returns the arena and
-    the bytes staged."""
-    specs = []
-    for _fqn, piece in mine:
-        t = piece.tensor
-        specs.append(t.numel() * t.element_size())
-    offsets, capacity = _layout(specs)
-    if capacity == 0:
-        return None, 0
-    pin = torch.cuda.is_available()
-    arena = pool.acquire(capacity, pin)
-    devices = set()
-    cpu_dst, cpu_src = [], []
-    try:
-        for (_fqn, piece), off, nbytes in zip(mine, offsets, specs):
-            src = piece.tensor.detach()
-            dst = arena.view(off, nbytes, src.dtype, tuple(src.shape))
-            if src.device.type == "cpu":
-                if src.is_conj() or src.is_neg():
-                    dst.copy_(src)
-                else:
-                    cpu_dst.append(dst)
-                    cpu_src.append(src)
-            else:
-                # One DMA per tensor into pinned memory, all queued before a single wait.
-                dst.copy_(src, non_blocking=True)
-                devices.add(src.device)
-            piece.tensor = dst
-        if cpu_dst:
-            # One call for all CPU tensors: no Python loop per copy (thousands of small tensors).
-            torch._foreach_copy_(cpu_dst, cpu_src)
-        for dev in devices:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            elif hasattr(torch, dev.type) and hasattr(getattr(torch, dev.type), "synchronize"):
-                getattr(torch, dev.type).synchronize()
-    except BaseException:
-        pool.release(arena)
-        raise
-    return arena, sum(specs)
 
 
 class AsyncSaveHandle:
@@ -361,10 +218,7 @@ def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
                allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
-               no_dist: bool = False, storage_options: dict | None = None,
-               _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None,
-               _on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None,
-               ) -> AsyncSaveHandle:
+               no_dist: bool = False, storage_options: dict | None = None) -> AsyncSaveHandle:
     """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
 
     Collective like :func:`distckpt.save` (every rank calls it, in the same order as its other
@@ -373,8 +227,7 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     memory. After it returns the caller may change any tensor of ``state_dict`` in place: the
     checkpoint holds the values at the time of the call.
 
-    Args: as :func:`distckpt.save`. (``_on_outcome(result, error)``, private: called on this rank's
-    save thread with the outcome, before the handle reports done; the CheckpointManager's hook.)
+    Args: as :func:`distckpt.save`.
 
     Returns:
         An :class:`AsyncSaveHandle`: ``result(timeout=None)`` waits and returns the SaveResult or
@@ -389,6 +242,28 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         The error of an *earlier* async save that failed with nobody waiting on its handle is
         raised here (its own class; see :func:`raise_background_failure`) and this save is not
         started.
+    """
+    return async_save_in_root(state_dict, path, process_group=process_group, overwrite=overwrite,
+                              allow_pickle=allow_pickle, metadata=metadata, replicated=replicated, no_dist=no_dist,
+                              storage_options=storage_options)
+
+
+def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit: Callable[[], None] | None = None,
+                       lock_path: str | None = None,
+                       on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None,
+                       process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
+                       metadata: dict | None = None, replicated: Any = "check", no_dist: bool = False,
+                       storage_options: dict | None = None) -> AsyncSaveHandle:
+    """:func:`async_save` for a caller that owns the checkpoint's root (CheckpointManager, an
+    IncrementalSaver): the other arguments are :func:`async_save`'s.
+
+    Args:
+        after_commit, lock_path: as :func:`distckpt.save_sync.save_in_root`.
+        on_outcome: ``on_outcome(result, error)`` is called on this rank's save thread with the
+            outcome, before the handle reports done (an error it raises is logged, never hides
+            the outcome).
+
+    Returns and raises what :func:`async_save` does.
     """
     t_call = time.perf_counter()
     from .storage import normalize_path
@@ -413,7 +288,7 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
             return handle
         arena, stage_error = None, None
         try:
-            arena, handle.staged_bytes = _stage(planned.mine, _POOL)
+            arena, handle.staged_bytes = stage(planned.mine, staging_pool())
         except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
             stage_error = exc
 
@@ -421,7 +296,7 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
             result, error = None, None
             try:
                 result = finish_save(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                                     after_commit=_after_commit, local_error=stage_error, lock_path=_lock_path,
+                                     after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
                                      storage_options=storage_options)
             except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
                 error = exc
@@ -432,11 +307,11 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
                 for _fqn, piece in planned.mine:
                     piece.tensor = None
                 planned.mine.clear()
-                _POOL.release(arena)
+                staging_pool().release(arena)
                 SAVE_GATE.release()
-                if _on_outcome is not None:
+                if on_outcome is not None:
                     try:
-                        _on_outcome(result, error)
+                        on_outcome(result, error)
                     except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the outcome
                         log.error("distckpt: after the async save to %s: %s: %s", final_dir, type(exc).__name__, exc)
                 handle._finish(result, error)

@@ -1,5 +1,6 @@
-"""``distckpt.save``: the public entry point of a (collective) save. The protocol itself lives in
-:mod:`distckpt.coordinator`; this module validates arguments and flattens the state dict."""
+"""``distckpt.save``: the public entry point of a blocking (collective) save, and
+:func:`save_in_root`, the same save for a caller that owns the checkpoint's root. The phases
+themselves are run by :mod:`distckpt.coordinator`."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ import os
 from typing import Any, Callable
 
 from ._dist import ControlGroup, control_group
-from .coordinator import SaveResult, save_collective
+from .commit import SaveResult
+from .coordinator import save_collective
 from .storage import normalize_path
 
-__all__ = ["save", "SaveResult"]
+__all__ = ["save", "save_in_root"]
 
 
 def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
          allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
-         no_dist: bool = False, storage_options: dict | None = None,
-         _after_commit: Callable[[], None] | None = None, _lock_path: str | None = None) -> SaveResult:
+         no_dist: bool = False, storage_options: dict | None = None) -> SaveResult:
     """Save ``state_dict`` as a checkpoint directory at ``path``, atomically.
 
     Collective over ``process_group`` (default: the world) when torch.distributed is initialized:
@@ -74,10 +75,31 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         The error of an earlier async save of this process that failed with nobody waiting on its
         handle is raised first (its own class) and this save is not started.
         In every failure case nothing is committed and an earlier checkpoint is untouched, with
-        these exceptions, all raised after the commit point and saying so: an error of
-        ``_after_commit`` (CheckpointManager's ``latest`` update and rotation; it carries
-        ``committed = True``), CommittedButPeerLostError, and a PeerLostError with
-        ``committed = None`` on a rank that lost rank 0 during the commit and cannot tell.
+        these exceptions, all raised after the commit point and saying so:
+        CommittedButPeerLostError, and a PeerLostError with ``committed = None`` on a rank that
+        lost rank 0 during the commit and cannot tell.
+    """
+    return save_in_root(state_dict, path, process_group=process_group, overwrite=overwrite,
+                        allow_pickle=allow_pickle, metadata=metadata, replicated=replicated, no_dist=no_dist,
+                        storage_options=storage_options)
+
+
+def save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit: Callable[[], None] | None = None,
+                 lock_path: str | None = None, process_group: Any = None, overwrite: bool = False,
+                 allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
+                 no_dist: bool = False, storage_options: dict | None = None) -> SaveResult:
+    """:func:`save` for a caller that owns the checkpoint's root (CheckpointManager, the DeepSpeed
+    engine): the other arguments are :func:`save`'s.
+
+    Args:
+        after_commit: run on rank 0 right after the commit point, under the save's lock (the
+            root's ``latest`` update and rotation).
+        lock_path: the save lock rank 0 holds from PREPARE to the end (the root's lock; default
+            ``.NAME.lock`` beside the checkpoint).
+
+    Raises:
+        What :func:`save` raises; besides, an error of ``after_commit`` is raised on every rank
+        with ``committed = True`` (the checkpoint is committed and durable).
     """
     from .save_async import raise_background_failure, wait_for_saves
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
@@ -85,5 +107,5 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="save()")
     return save_collective(group, state_dict=state_dict,
                            final_dir=normalize_path(path), overwrite=overwrite,
-                           allow_pickle=allow_pickle, metadata=metadata, after_commit=_after_commit,
-                           lock_path=_lock_path, replicated=replicated, storage_options=storage_options)
+                           allow_pickle=allow_pickle, metadata=metadata, after_commit=after_commit,
+                           lock_path=lock_path, replicated=replicated, storage_options=storage_options)

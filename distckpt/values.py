@@ -227,7 +227,7 @@ def _value(node: Any, fqn: str, path: Any) -> Any:
     if t == "size":
         return torch.Size(node["v"])
     if t == "dtype":
-        from .staging import dtype_from_name
+        from .tensorbytes import dtype_from_name
         return dtype_from_name(node["v"], path=path)
     if t == "device":
         return torch.device(node["v"])

@@ -322,7 +322,7 @@ def _suite(rank: int, world: int, work: str, size: int, small: int, repeat: int,
             rec("async_total", time.perf_counter() - t0)
             rec("async_first" if rep == 0 else "async_blocked", blocked)
             rm(apath)
-        from distckpt.save_async import staging_pool
+        from distckpt.staging.pool import staging_pool
         notes["pool_allocations"] = staging_pool().allocations
         staging_pool().clear()
 

@@ -8,7 +8,7 @@ tensors of 16 KiB, all on cuda:0, random data. Every repetition, interleaved:
 * ``fio write``: fio's O_DIRECT io_uring write of the same bytes (4 MiB blocks, iodepth 8,
   end_fsync): the disk's floor (when fio is on PATH).
 * ``distckpt.save (cuda)``: a sync save of the GPU state (through the pinned ring of
-  distckpt.devstage); ``no ring``: the same with the ring switched off (one blocking copy of each
+  distckpt.staging.ring); ``no ring``: the same with the ring switched off (one blocking copy of each
   whole piece into torch's pinned memory, then its write); ``host copy``: the same bytes already in
   host memory (what the write costs without any device copy). Host memory each GPU save adds
   (VmHWM reset through /proc/self/clear_refs) and keeps after it is printed too.
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
             rec("distckpt.save (cuda)", s)
             extra.setdefault("phases cuda", []).append(res.phase_seconds)
             # The path before the pinned ring: one blocking device-to-host copy per piece, then its write.
-            import distckpt.coordinator as co
+            import distckpt.storage.posix.saving as co
             orig, co.needs_staging = co.needs_staging, lambda t: False
             try:
                 rec("distckpt.save (cuda), no ring",

@@ -31,7 +31,7 @@ import torch
 import distckpt
 import distckpt.storage.posix.saving  # noqa: F401 - patched below (where PREPARE checks space)
 from distckpt import errors as E
-from distckpt.coordinator import TMP_RE
+from distckpt.storage.posix.leftovers import TMP_RE
 from distckpt.storage.posix import reset_choices
 
 from ..helpers import seccomp as _seccomp

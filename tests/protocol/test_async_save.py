@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.save_async import AsyncSaveHandle, staging_pool
-from distckpt.coordinator import TMP_RE, is_committed
+from distckpt.save_async import AsyncSaveHandle
+from distckpt.staging.pool import staging_pool
+from distckpt.storage.posix.leftovers import TMP_RE
+from distckpt.storage.posix.manifests import is_committed
 from distckpt.errors import (CheckpointExistsError, DiskFullError, UnsupportedValueError)
 
 from ..conftest import open_fds

@@ -162,6 +162,7 @@ def test_after_commit_error_says_committed(tmp_path):
     carries ``committed = True``; the checkpoint loads."""
     import distckpt
     from distckpt import errors
+    from distckpt.save_sync import save_in_root
 
     def rotation_fails():
         raise errors.StoragePermissionError("delete failed: [Errno 13] Permission denied", errno=13,
@@ -169,7 +170,7 @@ def test_after_commit_error_says_committed(tmp_path):
 
     path = str(tmp_path / "c")
     with pytest.raises(errors.StoragePermissionError) as ei:
-        distckpt.save({"x": torch.ones(10)}, path, _after_commit=rotation_fails)
+        save_in_root({"x": torch.ones(10)}, path, after_commit=rotation_fails)
     assert ei.value.committed is True
     assert torch.equal(distckpt.read(path)["x"], torch.ones(10))
 

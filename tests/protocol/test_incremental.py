@@ -107,7 +107,7 @@ def _train_and_crash(rank, world, root):
         if done == STEPS + K:  # crash: both ranks SIGKILLed after writing their data, before MANIFEST
             marker = os.path.join(root, "killed")
             if rank == 0:
-                import distckpt.coordinator as co
+                import distckpt.commit as co
 
                 def die(*a, **k):
                     open(marker, "w").close()
@@ -460,7 +460,7 @@ def test_chain_broken(tmp_path, capsys):
     assert [os.path.basename(link.path) for link in chain_of(os.path.join(root, "c3"))] == ["c3", "c2", "c1", "c0"]
     # A crash in the middle of the next save: a dead tmp dir, nothing committed; the chain still loads.
     _touch(sd, 4)
-    import distckpt.coordinator as co
+    import distckpt.commit as co
     real = co._build_manifest
 
     def boom(*a, **k):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.coordinator import TMP_RE
+from distckpt.storage.posix.leftovers import TMP_RE
 from distckpt.errors import CheckpointExistsError, RanksMissingError, SaveInProgressError
 
 from ..helpers.distributed import run_ranks
@@ -376,7 +376,7 @@ def test_save_on_one_rank_only_fails_fast_and_typed(tmp_path):
 
 RSS_PROBE = r"""
 import json, sys, torch, distckpt
-from distckpt.save_async import staging_pool
+from distckpt.staging.pool import staging_pool
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
@@ -407,7 +407,7 @@ def test_staging_memory_released(tmp_path):
 
 
 def test_staging_pool_bound(tmp_path, monkeypatch):
-    from distckpt.save_async import staging_pool
+    from distckpt.staging.pool import staging_pool
     distckpt.release_staging_memory()
     monkeypatch.setenv("DISTCKPT_STAGING_POOL_BYTES", "0")
     distckpt.async_save({"w": torch.ones(1 << 16)}, tmp_path / "a").result()
@@ -503,7 +503,7 @@ def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatc
 
 
 def test_peek_commit_time_matches_the_decoded_manifest(tmp_path):
-    from distckpt import manifest as mf
+    from distckpt.storage.posix import manifests as mf
     distckpt.save({"w": torch.ones(3), "objs": {str(i): i for i in range(500)}}, tmp_path / "c",
                   metadata={"note": "x" * 10000})
     assert mf.peek_commit_time(tmp_path / "c") == mf.load_manifest(tmp_path / "c").created_unix

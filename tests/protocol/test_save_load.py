@@ -10,7 +10,7 @@ import torch
 
 import distckpt
 from distckpt import errors
-from distckpt.coordinator import reclaim_tmp_dirs
+from distckpt.storage.posix.leftovers import reclaim_tmp_dirs
 
 from ..conftest import open_fds
 

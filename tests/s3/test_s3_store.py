@@ -205,8 +205,9 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
 
     def other_job(overwrite: bool) -> None:
         # Another job (its own process, its own lease: a manager's root lock) saves the same path.
-        code = ("import sys, torch, distckpt; distckpt.save({'w': torch.full((4000,), 1.0)}, sys.argv[1], "
-                "storage_options=eval(sys.argv[2]), overwrite=sys.argv[3] == '1', _lock_path=sys.argv[4])")
+        code = ("import sys, torch; from distckpt.save_sync import save_in_root; "
+                "save_in_root({'w': torch.full((4000,), 1.0)}, sys.argv[1], "
+                "storage_options=eval(sys.argv[2]), overwrite=sys.argv[3] == '1', lock_path=sys.argv[4])")
         subprocess.run([sys.executable, "-c", code, url, repr(opts), "1" if overwrite else "0",
                         s3_bucket.url + "/race/.distckpt.lock"], env=env, check=True, timeout=120)
 

@@ -1,6 +1,6 @@
 """Compact layouts at PLAN: DTensors split evenly over their mesh (all ``Shard`` placements) are
 described once per distinct description instead of once per rank, and rank 0 plans them without
-seeing any rank's box (coordinator._merge_compact). Any doubt falls back to the full plan.
+seeing any rank's box (saveplan._merge_compact). Any doubt falls back to the full plan.
 
 The unit tests drive rank 0's ``_coordinate_plan`` with the messages ranks send; the last test
 saves and loads real DTensor layouts on 4 gloo ranks (about 10 s, most of it process start-up)."""
@@ -12,8 +12,9 @@ import itertools
 import pytest
 import torch
 
-from distckpt import coordinator as co
+from distckpt import saveplan as co
 from distckpt.errors import StateDictMismatchError
+from distckpt.saveplan import LayoutMessage, PlanRejected, PlanReply, Resend
 from distckpt.plan import Box, find_tiling_defect, grid_box, grid_chunk_counts, grid_part
 from tests.helpers.distributed import run_ranks
 
@@ -24,7 +25,7 @@ class _Group:
 
 
 def _summary(rank: int, world: int, keys: dict[str, tuple], mesh=None) -> dict:
-    """A rank's summary (coordinator._summarize's format) of row-split float32 tensors
+    """A rank's summary (saveplan._summarize's format) of row-split float32 tensors
     ``{fqn: (rows, cols)}`` over ``mesh`` (default: every rank)."""
     mesh = mesh or ((world,), tuple(range(world)))
     tensors, grid = {}, {}
@@ -42,7 +43,7 @@ def _summary(rank: int, world: int, keys: dict[str, tuple], mesh=None) -> dict:
 
 def _plan(summaries, group=None, *, compact=True, asked=()):
     group = group or _Group(len(summaries))
-    msgs = [("layout", co._plan_message(s, compact=compact, with_part=r == 0 or r in asked), co._layout_key(s), None)
+    msgs = [LayoutMessage(co._plan_message(s, compact=compact, with_part=r == 0 or r in asked), co._layout_key(s))
             for r, s in enumerate(summaries)]
     return co._coordinate_plan(group, msgs, lambda fqn: True)
 
@@ -71,9 +72,9 @@ def test_compact_plan_equals_the_full_plan():
     world, keys = 8, {f"l{i}.w": (10 + i, 3) for i in range(6)}  # uneven splits, empty chunks
     summaries = [_summary(r, world, keys) for r in range(world)]
     replies, plan = _plan(summaries)
-    assert replies[0][0] == "ok" and plan.compact and plan.owners == {}
+    assert isinstance(replies[0], PlanReply) and plan.compact and plan.owners == {}
     full_replies, full = _plan(summaries, compact=False)
-    assert full_replies[0][0] == "ok" and not full.compact
+    assert isinstance(full_replies[0], PlanReply) and not full.compact
     assert (plan.total_bytes, plan.checksum_block, plan.tensors, plan.tree) == \
            (full.total_bytes, full.checksum_block, full.tensors, full.tree)
     # The same chunks, except that empty ones are not written (the full plan writes one per key).
@@ -81,10 +82,10 @@ def test_compact_plan_equals_the_full_plan():
     assert plan.n_chunks == full.n_chunks - empty_keys == sum(
         1 for s in summaries for t in s["tensors"].values() for p in t[3] if p[2])
     # Every rank holds exactly its own chunk of each key: nothing left for a bitmap.
-    assert all(r[2] == b"" for r in replies) and all(r[5] for r in replies)
+    assert all(r.bits == b"" for r in replies) and all(r.compact for r in replies)
     # What a rank other than 0 sends does not grow with the ranks or its keys.
     msg = co._plan_message(summaries[3], compact=True, with_part=False)
-    assert msg["tensors"] == {} and msg["part"] is None and len(msg["compact"]) == 16
+    assert msg.tensors == {} and msg.part is None and len(msg.compact) == 16
 
 
 def test_unknown_parts_are_asked_from_one_rank_each():
@@ -99,10 +100,9 @@ def test_unknown_parts_are_asked_from_one_rank_each():
             summaries[r]["grid"], summaries[r]["meshes"] = other["grid"], other["meshes"]
     group = _Group(world)
     replies, plan = _plan(summaries, group)
-    assert plan is None and [r[:2] for r in replies] == [("resend", "layout")] * 2 + [("resend", "part"),
-                                                                                     ("resend", "layout")]
+    assert plan is None and replies == [Resend("layout")] * 2 + [Resend("part"), Resend("layout")]
     replies, plan = _plan(summaries, group, asked={2})
-    assert replies[0][0] == "ok" and plan.compact and plan.n_chunks == 4
+    assert isinstance(replies[0], PlanReply) and plan.compact and plan.n_chunks == 4
     assert set(plan.tensors) == {"a", "b"}
 
 
@@ -120,18 +120,18 @@ def test_doubt_falls_back_to_the_full_plan(case):
         for r in (2, 3):
             summaries[r] = _summary(r, world, keys, ((2,), (2, 3)))
     group = _Group(world)
-    msgs = [("layout", co._plan_message(s, compact=c, with_part=True), co._layout_key(s), None)
+    msgs = [LayoutMessage(co._plan_message(s, compact=c, with_part=True), co._layout_key(s))
             for s, c in zip(summaries, compact)]
     if case == "mixed_modes":
-        msgs[1] = ("layout", co._plan_message(summaries[1], compact=False, with_part=True), msgs[1][2], None)
+        msgs[1] = LayoutMessage(co._plan_message(summaries[1], compact=False, with_part=True), msgs[1].key)
     replies, plan = co._coordinate_plan(group, msgs, lambda fqn: True)
-    assert plan is None and all(r == ("resend", "full") for r in replies)
+    assert plan is None and all(r == Resend("full") for r in replies)
     replies, plan = _plan(summaries, group, compact=False)
     if case == "two_meshes":  # the full plan names the overlap, as it always did
-        assert replies[0][0] == "error" and isinstance(replies[0][1], StateDictMismatchError)
-        assert "must cover it exactly once" in str(replies[0][1])
+        assert isinstance(replies[0], PlanRejected) and isinstance(replies[0].error, StateDictMismatchError)
+        assert "must cover it exactly once" in str(replies[0].error)
     else:
-        assert replies[0][0] == "ok" and not plan.compact
+        assert isinstance(replies[0], PlanReply) and not plan.compact
 
 
 def test_row_split_sharded_tensors_without_a_mesh_are_described_as_grids():
@@ -153,9 +153,9 @@ def test_row_split_sharded_tensors_without_a_mesh_are_described_as_grids():
     assert all(s["grid"] == {"emb": ("sharded_tensor", "float32", (10, 3), 0, (0,))} for s in summaries)
     assert summaries[1]["meshes"] == [((4,), (0, 1, 2, 3))]
     replies, plan = _plan(summaries)
-    assert replies[0][0] == "ok" and plan.compact and plan.owners == {} and plan.n_chunks == 4
+    assert isinstance(replies[0], PlanReply) and plan.compact and plan.owners == {} and plan.n_chunks == 4
     full_replies, full = _plan(summaries, compact=False)
-    assert full_replies[0][0] == "ok" and (plan.total_bytes, plan.tensors) == (full.total_bytes, full.tensors)
+    assert isinstance(full_replies[0], PlanReply) and (plan.total_bytes, plan.tensors) == (full.total_bytes, full.tensors)
     # Not described: a replica (the whole tensor), a plain tensor, rows in another order.
     for kw in ({"box": lambda r: ((0, 0), (10, 3))}, {"kind": "tensor"},
                {"box": lambda r: grid_box((10, 3), (world,), (0,), (world - 1 - r,))}):
@@ -166,15 +166,15 @@ def test_row_split_sharded_tensors_without_a_mesh_are_described_as_grids():
                          world_size=world) for r in range(world)]
     assert odd[2]["grid"] == {} and odd[0]["grid"]
     replies, plan = _plan(odd, asked={2})  # rank 2's part (without "emb") is known to rank 0
-    assert plan is None and all(r == ("resend", "full") for r in replies)
+    assert plan is None and all(r == Resend("full") for r in replies)
     replies, plan = _plan(odd, compact=False)  # and the full plan names the overlap, as always
-    assert replies[0][0] == "error" and "emb" in str(replies[0][1])
+    assert isinstance(replies[0], PlanRejected) and "emb" in str(replies[0].error)
 
 
 def _body(rank, world, root):
     import distckpt
     from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
-    from distckpt import coordinator, errors
+    from distckpt import errors, saveplan
 
     mesh = DeviceMesh("cpu", list(range(world)))
     mesh2 = DeviceMesh("cpu", torch.arange(world).reshape(2, 2))
@@ -205,11 +205,11 @@ def _body(rank, world, root):
     sd["rows"] = rows_st(full["rows"])
     from distckpt.flatten import flatten
     tree_, items_ = flatten(sd, check_objects=False)
-    assert "rows" in coordinator._summarize(items_, tree_, rank, False, None, world_size=world)["grid"]
+    assert "rows" in saveplan._summarize(items_, tree_, rank, False, None, world_size=world)["grid"]
     out = []
     for i in range(2):
         res = distckpt.save(sd, f"{root}/s{i}")
-        out.append((res.plan_cached, coordinator._PLAN_CACHE[next(iter(coordinator._PLAN_CACHE))].layout.compact
+        out.append((res.plan_cached, saveplan._PLAN_CACHE[next(iter(saveplan._PLAN_CACHE))].layout.compact
                     if rank == 0 else None))
         back = distckpt.read(f"{root}/s{i}")
         for k, v in full.items():

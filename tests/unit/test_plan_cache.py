@@ -24,7 +24,7 @@ def _state(rank: int, world: int, step: int, rows: int = 12):
 
 def _body(rank, world, root):
     import distckpt
-    from distckpt import coordinator, errors
+    from distckpt import errors, saveplan
     out = []
     for step in range(3):  # same layout every time: the first plans, the next two reuse
         sd, full, bias = _state(rank, world, step)
@@ -58,7 +58,7 @@ def _body(rank, world, root):
     # time every rank sends its layout again, once, and the plan is merged anew, never guessed.
     for who, step in ((1, 6), (0, 7)):
         if rank == who:
-            coordinator._PLAN_CACHE.clear()
+            saveplan._PLAN_CACHE.clear()
         sd, full, bias = _state(rank, world, step)
         res = distckpt.save(sd, f"{root}/s{step}")
         out.append(res.plan_cached)

@@ -618,7 +618,7 @@ def _saved_tensors_of(path: str, identity: tuple) -> dict:
 def _scalar_slot(path: str, name: str, key: str) -> Any:
     """Where a fresh optimizer receives saved scalar state ``key``: a tensor of the saved dtype and
     shape when it was saved as a tensor (torch Adam's ``step``), else a plain value."""
-    from ...staging import dtype_from_name
+    from ...tensorbytes import dtype_from_name
     entry = _saved_tensors(path).get(f"optim.{name}.{key}")
     if entry is None:
         return 0

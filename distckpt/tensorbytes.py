@@ -8,7 +8,7 @@ Invariants:
     object lives; callers hold it until the write that consumes the view has completed.
   * Device tensors are copied to host exactly once, into pinned memory when CUDA is available (a
     DMA). A sync save copies one piece at a time, right before writing it; async_save stages every
-    piece up front with non-blocking copies into its own pinned arena.
+    piece up front with non-blocking copies into its own pinned arena (:mod:`distckpt.staging`).
 """
 
 from __future__ import annotations

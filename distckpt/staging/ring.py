@@ -1,7 +1,7 @@
 """Device-to-host staging for a synchronous save: DMA copies overlapped with the disk writes.
 
 A sync save writes its pieces in order. A piece on the host is viewed in place
-(:func:`distckpt.staging.host_bytes`); a piece on an accelerator must first reach host memory. Done
+(:func:`distckpt.tensorbytes.host_bytes`); a piece on an accelerator must first reach host memory. Done
 naively (one blocking copy, then the write) the GPU link and the disk take turns. Here device
 pieces reach the writer through a small ring of pinned host slots instead: while the writer writes
 slot ``k``, the copies into slots ``k+1 .. k+n-1`` run as DMAs on a side stream, so a save of GPU
@@ -42,7 +42,7 @@ _ALIGN = 4096  # parts start on a page: the O_DIRECT writer writes them without 
 
 def needs_staging(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` goes through the ring: its bytes live on a CUDA device. (Other
-    accelerators take :func:`distckpt.staging.host_bytes`' one blocking copy per piece.)"""
+    accelerators take :func:`distckpt.tensorbytes.host_bytes`' one blocking copy per piece.)"""
     return tensor.device.type == "cuda"
 
 
