@@ -1,10 +1,11 @@
-"""The checks a save to a local path runs before it writes (when ``DISTCKPT_PREFLIGHT`` is on).
+"""The checks a save runs on this host before it writes (when ``DISTCKPT_PREFLIGHT`` is on).
 
-* :func:`refuse_pseudo_fs`: the target is not on a kernel pseudo file system (/proc, /sys, ...);
-  the manager runs it on its root, PREPARE on the checkpoint's parent.
-* :func:`check_save_space` (PREPARE, rank 0): the file system has the bytes of every rank, and an
-  inode.
-* :func:`check_fd_limit` (PLAN, every rank): RLIMIT_NOFILE leaves room for the fds a save opens.
+* :func:`refuse_pseudo_fs`: a local target is not on a kernel pseudo file system (/proc, /sys,
+  ...); checked for a root before its first save, and in PREPARE on the checkpoint's parent.
+* :func:`check_save_space` (PREPARE, rank 0, local paths): the file system has the bytes of every
+  rank, and an inode.
+* :func:`check_fd_limit` (the save plan, every rank, whatever the store): RLIMIT_NOFILE leaves room
+  for the fds a save opens (its writer and ring, reader probes, directory fsyncs).
 
 Each is cheap (a statvfs, one read of the mount table, a listing of /proc/self/fd) and raises the
 typed error a failing write would have raised later, with the numbers and a remedy. The same
