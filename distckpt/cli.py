@@ -9,7 +9,7 @@
 Exit status: 0 on success, 1 when a check or verification failed (or a distckpt error), 2 on bad
 usage, 130 when interrupted (Ctrl-C).
 
-Parsing the command line imports neither torch nor the I/O core: this module and what it imports at
+Parsing the command line imports no torch and runs no probe: this module and what it imports at
 start-up stay light, and each command imports what it needs when it runs (``--help`` and
 ``--version`` answer at once). Output formats: docs/CLI.md.
 """
