@@ -36,7 +36,7 @@ def _cmd_ls(args) -> int:
     (distckpt.listing is torch-free), so it answers as fast as ``inspect``."""
     import time
     from .errors import CheckpointNotFoundError
-    from .leftovers import tree_bytes
+    from .storage.posix.leftovers import tree_bytes
     from .listing import list_root
     try:
         listing = list_root(args.root)
@@ -239,33 +239,13 @@ def _print_inspect(doc: dict) -> None:
 
 def _cmd_inspect(args) -> int:
     from . import manifest as mf
-    from .locate import check_checkpoint_dir, checkpoint_path
+    from .storage import open_store
+    from .storage.posix.locate import checkpoint_path
 
-    from .storage import is_url
     path = checkpoint_path(args.path)  # a MANIFEST file stands for its directory, as in verify
-    if is_url(path):  # an object store: credentials and endpoint from the AWS_* variables
-        from .restore import load_manifest
-        m = load_manifest(path)
-    else:
-        check_checkpoint_dir(path)
-        m = None
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            from .dcp import is_dcp_checkpoint
-            if is_dcp_checkpoint(path):  # torch.distributed.checkpoint: its .metadata read as a manifest
-                if args.manifest:
-                    raise DistCkptError("a torch.distributed.checkpoint has no MANIFEST to print", path=path,
-                                        remedy="Use --json for its contents.")
-                from .restore import load_manifest
-                m = load_manifest(path)
-        from .hf import is_hf_checkpoint
-        if m is None and is_hf_checkpoint(path):  # Hugging Face safetensors: the files' headers as a manifest
-            if args.manifest:
-                raise DistCkptError("a Hugging Face safetensors directory has no MANIFEST to print", path=path,
-                                    remedy="Use --json for its contents.")
-            from .hf import load_manifest as hf_manifest
-            m = hf_manifest(path)
-        if m is None:
-            m = mf.load_manifest(path)
+    m = _interop_manifest(path, args.manifest)
+    if m is None:  # a distckpt checkpoint; on an object store, credentials come from the AWS_* variables
+        m = open_store(path).load_manifest(path)
     if args.manifest:
         print(json.dumps(_plain_json(mf.to_plain(m)), indent=1))
     elif args.json:
@@ -275,23 +255,46 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _interop_manifest(path: str, want_manifest: bool):
+    """The manifest distckpt reads a torch.distributed.checkpoint or a Hugging Face safetensors
+    directory as, or None for anything else (those are local directories: a URL is neither).
+
+    Raises:
+        DistCkptError: ``want_manifest`` (``--manifest``): such a directory has no MANIFEST to print.
+    """
+    from .dcp import is_dcp_checkpoint
+    from .hf import is_hf_checkpoint
+    if is_dcp_checkpoint(path):  # torch.distributed.checkpoint: its .metadata read as a manifest
+        if want_manifest:
+            raise DistCkptError("a torch.distributed.checkpoint has no MANIFEST to print", path=path,
+                                remedy="Use --json for its contents.")
+        from .dcp import load_manifest as dcp_manifest
+        return dcp_manifest(path)
+    if is_hf_checkpoint(path):  # Hugging Face safetensors: the files' headers as a manifest
+        if want_manifest:
+            raise DistCkptError("a Hugging Face safetensors directory has no MANIFEST to print", path=path,
+                                remedy="Use --json for its contents.")
+        from .hf import load_manifest as hf_manifest
+        return hf_manifest(path)
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # verify
 
 
 def _cmd_verify(args) -> int:
-    from .locate import checkpoint_path
-    from .storage import is_url
-    args.path = checkpoint_path(args.path)  # a MANIFEST file stands for its directory
-    if not is_url(args.path) and os.path.isfile(os.path.join(args.path, ".metadata")):
-        from .dcp import is_dcp_checkpoint
-        if is_dcp_checkpoint(args.path):  # DCP writes no checksums: say what was checked, no more
-            from .restore import read
-            read(args.path)
-            print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
-            return 0
+    from .dcp import is_dcp_checkpoint
     from .hf import is_hf_checkpoint
-    if not is_url(args.path) and is_hf_checkpoint(args.path):  # no checksums either: the same, said so
+    from .storage.posix.locate import checkpoint_path
+    args.path = checkpoint_path(args.path)  # a MANIFEST file stands for its directory
+    # DCP and Hugging Face directories are local (a URL is neither) and carry no checksums.
+    if is_dcp_checkpoint(args.path):  # say what was checked, no more
+        from .restore import read
+        read(args.path)
+        print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
+        return 0
+    if is_hf_checkpoint(args.path):  # the same, said so
         from .restore import read
         read(args.path)
         print(f"{args.path}: a Hugging Face safetensors directory; every header and tensor read (it has no checksums)")

@@ -36,7 +36,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import threading
 import uuid
 from typing import Any, Callable, Mapping
 
@@ -44,16 +43,17 @@ import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies
 from .verify import verify_chain
-from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
-                     DistCkptError)
-from .staging import dtype_from_name
+from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
+from .fill import fill_boxes_of
+from .tensorbytes import dtype_from_name
+from .values import decode_value
 
 log = logging.getLogger("distckpt")
 
 __all__ = ["IncrementalPolicy", "IncrementalSaver", "ChainLink", "chain_of", "chain_info", "dependencies",
-           "verify_chain", "row_digests", "META_KEY"]
+           "verify_chain", "row_digests", "META_KEY", "DELTA_ROOT", "Target", "plan_deltas", "link_error"]
 
-_DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
+DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,32 +221,6 @@ def _without(tree: dict, paths: list[tuple]) -> dict:
     return out
 
 
-def _write_back(orig: dict, copy: dict, paths: list[tuple]) -> None:
-    """Put the values a load replaced in the copy made by :func:`_without` back into ``orig``
-    (tensors were filled in place; plain values were replaced in the copy's dicts)."""
-    heads: dict[Any, list[tuple]] = {}
-    for p in paths:
-        heads.setdefault(p[0], []).append(p[1:])
-    for k, v in copy.items():
-        rests = heads.get(k)
-        if rests and isinstance(v, dict) and isinstance(orig.get(k), dict) and all(rests):
-            _write_back(orig[k], v, rests)
-        elif orig.get(k) is not v:
-            orig[k] = v
-
-
-def _only(tree: dict, paths: list[tuple]) -> dict:
-    """The leaves at ``paths`` of ``tree`` in dicts of the same nesting."""
-    out: dict = {}
-    for p in paths:
-        node, dst = tree, out
-        for k in p[:-1]:
-            node = node[k]
-            dst = dst.setdefault(k, {})
-        dst[p[-1]] = node[p[-1]]
-    return out
-
-
 def _piece_key(fqn: str, offsets: tuple, sizes: tuple) -> tuple:
     return (fqn, tuple(offsets), tuple(sizes))
 
@@ -367,8 +341,8 @@ class IncrementalSaver:
         from .flatten import flatten
         _tree, items = flatten(state_dict, check_objects=False)
         rows = _resolve_rows(self.policy.rows, state_dict, items)
-        if _DELTA_ROOT in (state_dict if isinstance(state_dict, dict) else {}):
-            raise ConfigError(f"an incremental state dict may not use the root key {_DELTA_ROOT!r}")
+        if DELTA_ROOT in (state_dict if isinstance(state_dict, dict) else {}):
+            raise ConfigError(f"an incremental state dict may not use the root key {DELTA_ROOT!r}")
         if not isinstance(state_dict, dict):
             raise ConfigError("an incremental save needs a dict as the state dict's root")
         local = []
@@ -432,18 +406,20 @@ class IncrementalSaver:
         """Save ``state_dict`` at ``path`` as the next link of the chain (collective).
 
         A delta when the policy allows (and the previous link is still committed, unreplaced, in
-        the same directory), else a full checkpoint. ``save_kwargs`` go to :func:`distckpt.save`.
+        the same directory), else a full checkpoint. ``save_kwargs`` go to
+        :func:`distckpt.save_sync.save_in_root` (:func:`distckpt.save`'s options, and a root owner's
+        ``after_commit`` / ``lock_path``).
         Returns its SaveResult; ``self.last_kind`` is ``"full"`` or ``"delta"``. Waits first for
         this saver's async save still in flight (the next link depends on its outcome).
 
         Raises what :func:`distckpt.save` raises, and ConfigError for a bad ``rows`` policy.
         After a failure the chain and this saver stay at the previous link.
         """
-        from .save_sync import save
+        from .save_sync import save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                           "IncrementalSaver.save()")
         try:
-            result = save(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
+            result = save_in_root(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
         except DistCkptError as exc:
             if getattr(exc, "committed", False) is True:   # committed, then an after-commit step failed
                 self._advance(info, path, pieces)
@@ -453,7 +429,7 @@ class IncrementalSaver:
 
     def async_save(self, state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
                    metadata: dict | None = None, force_full: bool = False,
-                   _on_outcome: Callable | None = None, **save_kwargs: Any):
+                   on_outcome: Callable | None = None, **save_kwargs: Any):
         """:meth:`save` through :func:`distckpt.async_save`: returns an AsyncSaveHandle once the
         link's content is staged (collective).
 
@@ -462,22 +438,24 @@ class IncrementalSaver:
         (async_save's snapshot isolation): changing any tensor afterwards does not change this
         link. Its digests become the saver's reference only once the link commits, on the save's
         own thread; the next :meth:`save` / :meth:`async_save` / :meth:`resume` of this saver
-        waits for that first, so it is a delta against the link that exists.
+        waits for that first, so it is a delta against the link that exists. ``on_outcome(result,
+        error)``: called on the save's thread once the link's outcome has moved the saver on (see
+        :func:`distckpt.save_async.async_save_in_root`).
 
         Raises ConfigError for a bad ``rows`` policy; a save's own errors are raised by the
         handle's ``result()``, as for :func:`distckpt.async_save`.
         """
-        from .save_async import async_save
+        from .save_async import async_save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                           "IncrementalSaver.async_save()")
 
         def outcome(result, error) -> None:   # on the save's thread, before its handle reports done
             if result is not None or getattr(error, "committed", False) is True:
                 self._advance(info, path, pieces)
-            if _on_outcome is not None:
-                _on_outcome(result, error)
-        self._pending = async_save(to_save, path, process_group=process_group, metadata=meta,
-                                   _on_outcome=outcome, **save_kwargs)
+            if on_outcome is not None:
+                on_outcome(result, error)
+        self._pending = async_save_in_root(to_save, path, process_group=process_group, metadata=meta,
+                                           on_outcome=outcome, **save_kwargs)
         return self._pending
 
     def _wait_pending(self) -> None:
@@ -494,7 +472,7 @@ class IncrementalSaver:
         dict to save, chain metadata, this rank's pieces with their digests, the MANIFEST's user
         metadata). Raises ConfigError for an object store URL before any collective."""
         from ._dist import control_group
-        from .manifest import load_manifest
+        from .storage.posix.manifests import load_manifest
         self._wait_pending()
         path = _link_path(path, operation)
         group = control_group(process_group, operation=operation)
@@ -568,7 +546,7 @@ class IncrementalSaver:
                     ids = ids.to(torch.int32)
                 records.setdefault(str(j), {})[f"r{group.rank}p{i}"] = {"box": box, "ids": ids, "rows": vals}
             to_save = _without(state_dict, [items[f].path for f in rows])
-            to_save[_DELTA_ROOT] = records
+            to_save[DELTA_ROOT] = records
         else:
             info = {"format": FORMAT, "kind": "full", "chain": uuid.uuid4().hex, "seq": 0, "base": name,
                     "parent": None, "parent_save_id": None, "tracked": tracked, "chain_bytes": 0,
@@ -582,7 +560,7 @@ class IncrementalSaver:
 
     def _advance(self, info: dict, path: str, pieces: list) -> None:
         """The save committed: the next delta is relative to it."""
-        from .manifest import load_manifest
+        from .storage.posix.manifests import load_manifest
         try:
             save_id = load_manifest(path).save_id
         except DistCkptError:  # committed, then lost (rotated, deleted): the next save is full
@@ -595,18 +573,21 @@ class IncrementalSaver:
 
 
 # ------------------------------------------------------------------------------------------------
-# Composing a chain on load
+# Planning a chain's load: which rows of which delta (distckpt.restore plans and fills the rest)
 
 
 @dataclasses.dataclass
-class _Target:
+class Target:
+    """A box of a tracked tensor this rank loads (global ``offsets`` and ``sizes``) and the
+    tensor holding it, which the deltas' rows are scattered into."""
+
     offsets: tuple
     sizes: tuple
     tensor: torch.Tensor
 
 
 class _ScatterRows:
-    """A read destination (see distckpt.restore.fill_boxes) whose dim-0 index i is row ``idx[i]``
+    """A read destination (see distckpt.fill.box_tasks) whose dim-0 index i is row ``idx[i]``
     of ``target``: the fill narrows it to each unit's box and copies the unit in with one
     ``index_copy_``."""
 
@@ -632,9 +613,12 @@ class _ScatterRows:
 
 
 def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
-    """The (offsets, sizes) a delta record's piece covers, checked to be plain ints."""
-    from .restore import _object_value
-    box = _object_value(link.manifest.objects[fqn], link.manifest, fqn, link.path)
+    """The (offsets, sizes) a delta record's piece covers, checked to be plain ints. Raises
+    ChainBrokenError for a record that is no plain value or no box."""
+    entry = link.manifest.objects[fqn]
+    if entry.kind == "pickle":   # a saver writes boxes as plain values: never unpickled
+        raise _broken(link.path, f"delta record {fqn} is a pickle, not a box")
+    box = decode_value(entry.kind, entry.value, fqn=fqn, path=link.path)
     if (not isinstance(box, list) or len(box) != 2 or len(box[0]) != len(box[1])
             or not all(isinstance(v, int) and v >= 0 for v in box[0] + box[1])):
         raise _broken(link.path, f"delta record {fqn} is not a box: {box!r}")
@@ -643,7 +627,7 @@ def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
 
 def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
     """{piece name: {"box"|"ids"|"rows": fqn}} of tracked tensor number ``j`` in a delta link."""
-    prefix = f"{_DELTA_ROOT}.{j}."
+    prefix = f"{DELTA_ROOT}.{j}."
     out: dict[str, dict[str, str]] = {}
     for fqn in list(link.manifest.tensors) + list(link.manifest.objects):
         if fqn.startswith(prefix):
@@ -657,16 +641,15 @@ def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
 
 
 def _read_links(reads: list, verify: bool, what: str) -> int:
-    """restore.fill_boxes_of; a damaged or missing data file is a ChainBrokenError naming its link.
-    Returns the bytes read."""
-    from .restore import fill_boxes_of
+    """distckpt.fill.fill_boxes_of; a damaged or missing data file is a ChainBrokenError naming its
+    link. Returns the bytes read."""
     try:
         return fill_boxes_of(reads, verify=verify)
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        raise _link_error(exc, [p for p, _m, _r in reads], what) from exc
+        raise link_error(exc, [p for p, _m, _r in reads], what) from exc
 
 
-def _link_error(exc: BaseException, links: list[str], what: str) -> BaseException:
+def link_error(exc: BaseException, links: list[str], what: str) -> BaseException:
     """ChainBrokenError naming the link (of ``links``) whose file ``exc`` is about."""
     where = os.fspath(getattr(exc, "path", None) or "")
     link = next((p for p in links if where == p or where.startswith(p + os.sep)), links[0])
@@ -702,20 +685,20 @@ def _index_dtype(n: int) -> torch.dtype:
     return next(d for d in (torch.int8, torch.int16, torch.int32, torch.int64) if n <= torch.iinfo(d).max)
 
 
-def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tracked: dict[str, int],
-                 verify: bool) -> tuple[list, int]:
+def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], tracked: dict[str, int],
+                verify: bool) -> tuple[list, int]:
     """What to read from ``deltas`` (oldest first) so that every (row, column) of ``targets`` that
     some delta holds is written exactly once, from the newest delta holding it.
 
     Reads the row ids of every saved piece that overlaps a target piece of this rank (one pass
-    over all links). Returns ``(reads, id_bytes)``: ``reads`` as for restore.fill_boxes_of, one
+    over all links). Returns ``(reads, id_bytes)``: ``reads`` as for distckpt.fill.fill_boxes_of, one
     entry per link with rows to read (links whose rows are all superseded are not read), each
     request ``(rows fqn, offsets, sizes, scatter destination, tracked fqn)``: the row span of one
     piece's record holding newest copies, over one cell of columns, scattered from the read
     buffers straight into the target (superseded rows inside the span are read, not written).
     Since no (row, column) is written twice, the requests may be filled in any order; the tracked
     fqn, as ``after``, also lets a caller fill them in the base's own pass, after its tensor
-    (load_chain reads them in a pass after the base).
+    (distckpt.restore reads them in a pass after the base's).
     Raises ChainBrokenError when a link's records are malformed or cannot be read."""
     order = sorted(tracked)
 
@@ -816,138 +799,3 @@ def _plan_deltas(deltas: list[ChainLink], targets: dict[str, list[_Target]], tra
                          _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype, mask), fqn))
         reads.append((link.path, link.manifest, reqs))
     return reads, id_bytes
-
-
-def _targets(items: dict, tracked: dict[str, int]) -> dict[str, list[_Target]]:
-    return {f: [_Target(tuple(p.offsets), tuple(p.sizes), p.tensor) for p in items[f].pieces]
-            for f in tracked if f in items and hasattr(items[f], "pieces")}
-
-
-def _base_and_rows(state_dict: Any, links: list[ChainLink], items: dict, present: dict, tracked: dict[str, int],
-                   verify: bool, kw: dict) -> int:
-    """Fill the tracked tensors of ``state_dict`` from the chain's base, then scatter the deltas'
-    newest rows in. The deltas' row ids are read and the rows planned (:func:`_plan_deltas`) on a
-    thread of their own while the base is read, with small bounce buffers (distckpt.fill.side_reads:
-    both stay in the load's memory budget): the plan's small reads and CPU work would otherwise
-    stand before the base's reads, and a rank still reading ids waits behind the disk queue of a
-    rank already reading its base. Returns the file bytes read. Raises what load and
-    :func:`_plan_deltas` raise (the base's error first)."""
-    from .fill import side_reads
-    from .restore import load
-    planned: dict[str, Any] = {}
-
-    def plan() -> None:
-        try:
-            with side_reads():
-                planned["v"] = _plan_deltas(list(reversed(links[:-1])),
-                                            _targets(items, {f: tracked[f] for f in present}), tracked, verify)
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
-            planned["e"] = exc
-    th = threading.Thread(target=plan, name="distckpt-chain-plan")
-    th.start()
-    try:
-        nread = load(_only(state_dict, list(present.values())), links[-1].path, **kw).bytes_read
-    finally:
-        th.join()
-    if "e" in planned:
-        raise planned["e"]
-    reads, id_bytes = planned["v"]
-    return nread + id_bytes + _read_links(reads, verify, "delta rows")
-
-
-def load_chain(state_dict: Any, path: str, *, process_group: Any = None, no_dist: bool = False,
-               verify: bool = True, **load_kwargs: Any):
-    """:func:`distckpt.load` of a delta link: the tracked tensors from the chain's base plus every
-    delta, everything else from ``path`` itself. Called by distckpt.load; collective.
-
-    Read passes on one set of reader threads and bounce buffers (distckpt.fill.reading): the
-    base's tracked tensors, with the deltas' row ids read and planned beside it on another thread
-    (:func:`_base_and_rows`); the deltas' newest rows; the untracked state of ``path``. Every
-    rank reads its own MANIFESTs (chain_of) and the outcome is exchanged once at the end.
-
-    Raises ChainBrokenError (the chain's structure before anything is read; a damaged link's data
-    as found), and what distckpt.load raises."""
-    import time
-
-    from ._dist import ControlGroup, control_group
-    from .fill import reading
-    from .flatten import flatten
-    from .restore import load
-    t0 = time.monotonic()
-    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
-    links, error = None, None
-    try:
-        links = chain_of(path)
-    except Exception as exc:  # noqa: BLE001 - every rank raises the same way, below
-        error = exc
-    group.exchange_outcome(error, operation="load")
-    tracked = links[0].tracked
-    if not isinstance(state_dict, dict):
-        raise ConfigError("loading an incremental checkpoint needs a dict as the state dict's root")
-    _tree, items = flatten(state_dict, check_objects=False)
-    present = {f: items[f].path for f in tracked if f in items and all(isinstance(k, str) for k in items[f].path)}
-    kw = dict(no_dist=True, verify=verify, _follow_chain=False, **load_kwargs)
-    result, nread = None, 0
-    try:
-        with reading():
-            if present:
-                try:
-                    nread = _base_and_rows(state_dict, links, items, present, tracked, verify, kw)
-                except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-                    if isinstance(exc, ChainBrokenError):
-                        raise
-                    raise _link_error(exc, [link.path for link in links], "data") from exc
-            rest = _without(state_dict, list(present.values()))
-            result = load(rest, path, **kw)
-            _write_back(state_dict, rest, list(present.values()))
-    except Exception as exc:  # noqa: BLE001 - every rank raises the same way, below
-        error = exc
-    group.exchange_outcome(error, operation="load")
-    return dataclasses.replace(result, bytes_read=result.bytes_read + nread, seconds=time.monotonic() - t0)
-
-
-def read_chain(path: str, keys: Any, verify: bool, allow_pickle: bool) -> dict:
-    """:func:`distckpt.read` of a delta link: full tensors, base + deltas composed."""
-    from .fill import reading
-    from .restore import _read
-    links = chain_of(path)
-    tracked = links[0].tracked
-    newest = links[0].manifest
-    saved_rest = [f for f in list(newest.tensors) + list(newest.objects) if not f.startswith(_DELTA_ROOT + ".")]
-
-    def picks(fqn: str, wanted: list[str]) -> bool:
-        return any(fqn == k or fqn.startswith(k + ".") for k in wanted)
-    if keys is None:
-        want_tracked, rest_keys = sorted(tracked), None
-    else:
-        wanted = list(keys)
-        want_tracked = [f for f in sorted(tracked) if picks(f, wanted)]
-        rest_keys = [k for k in wanted if any(picks(f, [k]) for f in saved_rest)]
-        unknown = [k for k in wanted if k not in rest_keys and not any(picks(f, [k]) for f in tracked)]
-        if unknown:
-            from .errors import StateDictMismatchError
-            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}", path=path, missing=unknown,
-                                         unexpected=[], shape_mismatch={}, dtype_mismatch={})
-    with reading():
-        out = _read(path, rest_keys, verify, allow_pickle, follow_chain=False) if rest_keys is None or rest_keys else {}
-        out.pop(_DELTA_ROOT, None)
-        if want_tracked:
-            try:
-                base = _read(links[-1].path, want_tracked, verify, allow_pickle)
-            except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-                raise _broken(links[-1].path, f"the base cannot be read ({type(exc).__name__})", cause=exc) from exc
-            from .flatten import flatten
-            _tree, items = flatten(base, check_objects=False)
-            reads, _n = _plan_deltas(list(reversed(links[:-1])), _targets(items, {f: tracked[f] for f in want_tracked}),
-                                     tracked, verify)
-            _read_links(reads, verify, "delta rows")   # after the base: no ordering needed
-            _merge(out, base)
-    return out
-
-
-def _merge(dst: dict, src: dict) -> None:
-    for k, v in src.items():
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
-        else:
-            dst[k] = v

@@ -2,8 +2,9 @@
 
 :func:`list_root` is ``distckpt ls`` and :meth:`distckpt.CheckpointManager.describe`: committed
 steps with size, date, world size and incremental chain link, which one is latest, broken
-entries, and the leftovers of saves in flight or crashed (distckpt.leftovers). It reads
-MANIFESTs only, never a data file, and imports no torch (the command line stays fast).
+entries, and the leftovers of saves in flight or crashed, all through the storage seam
+(:class:`distckpt.storage.Store`). It reads MANIFESTs only, never a data file, and imports no
+torch (the command line stays fast).
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any
 
 from . import chain
-from .errors import CheckpointNotFoundError, DistCkptError, from_os_error
-from .leftovers import ROOT_LOCK_NAME, Leftover, scan_leftovers
+from .errors import CheckpointNotFoundError, DistCkptError
 from .manifest import MANIFEST_NAME as MANIFEST
-from .storage import is_url, join, normalize_path, open_store
+from .storage import Leftover, Store, basename, join, normalize_path, open_store
 
 __all__ = ["list_root", "RootListing", "StepInfo", "Leftover"]
 
@@ -55,7 +54,7 @@ class RootListing:
     ``latest``: the step ``CheckpointManager.load()`` would load (newest by commit order);
     ``latest_pointer``: what the ``latest`` file says (None when absent), ``pointer_problem``: why
     it disagrees with ``latest`` or cannot be read. ``leftovers``: saves in flight or crashed and
-    deletions (:class:`~distckpt.coordinator.Leftover`, with owner and liveness)."""
+    deletions (:class:`~distckpt.storage.Leftover`, with owner and liveness)."""
 
     path: str
     kind: str
@@ -69,71 +68,30 @@ class RootListing:
         return dataclasses.asdict(self)
 
 
-def _step_info(path: str, name: str, store: Any = None) -> StepInfo:
+def _step_info(path: str, name: str, store: Store) -> StepInfo:
     from . import manifest as mf
     m = _STEP_RE.match(name)
     step = int(m.group(1)) if m else None
     # A listing reads MANIFESTs only (their own checksum and validation), never the data files:
     # a format-3 checkpoint's chunk records (in its data files' indexes) are checked by a load or
     # by verify, like its data.
-    if store is not None:  # an object store: one GET of MANIFEST
-        try:
-            data = store.manifest_bytes(path)
-            man = mf.decode_header(data, path=join(path, MANIFEST))
-        except DistCkptError as exc:
-            return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc.message}")
-        return StepInfo(name, path, step, "committed", None, sum(f.size for f in man.files) + len(data),
-                        man.created_unix, man.world_size, man.save_id)
     try:
-        man = mf.load_manifest_header(path)
-        size = sum(f.size for f in man.files) + os.path.getsize(os.path.join(path, MANIFEST))
+        data = store.manifest_bytes(path)
+        man = mf.decode_header(data, path=join(path, MANIFEST))
     except DistCkptError as exc:
         problem = "no MANIFEST: never committed (or its MANIFEST was deleted)" \
-            if not os.path.lexists(os.path.join(path, MANIFEST)) else f"{type(exc).__name__}: {exc.message}"
+            if not store.has_manifest(path) else f"{type(exc).__name__}: {exc.message}"
         return StepInfo(name, path, step, "broken", problem)
-    except OSError as exc:
-        return StepInfo(name, path, step, "broken", f"{type(exc).__name__}: {exc}")
     info = chain.chain_info(man)
     link = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
                                                                 "link_bytes", "tracked_bytes")}
-    return StepInfo(name, path, step, "committed", None, size, man.created_unix, man.world_size, man.save_id,
-                    chain=link)
+    return StepInfo(name, path, step, "committed", None, sum(f.size for f in man.files) + len(data),
+                    man.created_unix, man.world_size, man.save_id, chain=link)
 
 
 def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
     committed = [i for i in infos if i.status == "committed" and i.step is not None]
     return max(committed, key=lambda i: (i.created_unix, i.step), default=None)
-
-
-def _read_pointer(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, "latest"), "rb") as f:
-            return f.read(4096).decode("utf-8", "replace").strip()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise from_os_error(exc, path=os.path.join(root, "latest"), operation="read") from exc
-
-
-def _list_root_store(root: str, storage_options: dict | None) -> RootListing:
-    """:func:`list_root` of an object-store root (or checkpoint). Never writes."""
-    store = open_store(root, storage_options)
-    if store.is_committed(root):
-        info = _step_info(root, root.rsplit("/", 1)[-1], store)
-        return RootListing(root, "checkpoint", [info], None, None, None, [])
-    names = store.list_children(root)
-    if not names:
-        raise CheckpointNotFoundError(f"nothing at {root}", path=root,
-                                      remedy="Check the URL: pass a CheckpointManager root or a checkpoint.")
-    # A name is a checkpoint when it has MANIFEST, or a broken one when it holds objects (an
-    # empty "directory" a server keeps after a deletion is nothing).
-    names = [n for n in names if store.is_committed(join(root, n)) or (_STEP_RE.match(n) and store.objects(join(root, n)))]
-    infos = [_step_info(join(root, n), n, store) for n in names]
-    leftovers = []
-    for n in names:
-        for prefix, state in store.leftovers(join(root, n), root_lock=join(root, ROOT_LOCK_NAME)):
-            leftovers.append(Leftover(f"{n}/{prefix.rsplit('/', 1)[-1]}", n, "tmp", prefix, state, None))
-    return _listing(root, infos, store.read_pointer(join(root, "latest")), leftovers)
 
 
 def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: list) -> RootListing:
@@ -165,24 +123,17 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
         StorageError subclasses: it cannot be listed (permissions, I/O).
     """
     root = normalize_path(path)
-    if is_url(root):
-        return _list_root_store(root, storage_options)
-    if not os.path.isdir(root):
-        what = "does not exist" if not os.path.lexists(root) else "is not a directory"
-        raise CheckpointNotFoundError(f"{root} {what}", path=root,
+    store = open_store(root, storage_options)
+    if store.has_manifest(root):  # one checkpoint, not a root
+        info = _step_info(root, basename(root), store)
+        return RootListing(root, "checkpoint", [info], None, None, None, [])
+    names = store.list_children(root)
+    if not names and not store.exists(root):
+        raise CheckpointNotFoundError(f"{root} does not exist", path=root,
                                       remedy="Check the path: pass a CheckpointManager root or a checkpoint directory.")
-    if os.path.lexists(os.path.join(root, MANIFEST)):
-        info = _step_info(root, os.path.basename(root))
-        return RootListing(root, "checkpoint", [dataclasses.replace(info, is_latest=False)], None, None, None, [])
-    try:
-        names = sorted(os.listdir(root))
-    except OSError as exc:
-        raise from_os_error(exc, path=root, operation="list") from exc
-    infos = []
-    for name in names:
-        full = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(full) or os.path.islink(full):
-            continue
-        if _STEP_RE.match(name) or os.path.lexists(os.path.join(full, MANIFEST)):
-            infos.append(_step_info(full, name))
-    return _listing(root, infos, _read_pointer(root), scan_leftovers(root, other_hosts=other_hosts))
+    # A name is a checkpoint when it has a MANIFEST, or a broken one when it is a step_N that holds
+    # something (an empty "directory" an object store keeps after a deletion is nothing).
+    infos = [_step_info(join(root, n), n, store) for n in names
+             if store.has_manifest(join(root, n)) or (_STEP_RE.match(n) and store.exists(join(root, n)))]
+    return _listing(root, infos, store.read_pointer(join(root, "latest")),
+                    store.scan_leftovers(root, other_hosts=other_hosts))

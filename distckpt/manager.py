@@ -45,12 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 from . import chain
 from ._dist import is_distributed
-from .coordinator import ROOT_LOCK_NAME, Leftover, SaveResult, is_committed, reclaim_tmp_dirs
-from .errors import CheckpointNotFoundError, ConfigError, from_os_error
+from .commit import SaveResult
+from .errors import CheckpointNotFoundError, ConfigError
 from .restore import LoadResult, load
-from .save_sync import save
-from .storage import is_url, join, normalize_path, open_store
-from .storage.posix import commit as local
+from .save_sync import save_in_root
+from .storage import ROOT_LOCK_NAME, Leftover, is_url, join, normalize_path, open_store
 # The listing is torch-free (`distckpt ls`); its names are re-exported here, where they were defined.
 from .listing import _STEP_RE, RootListing, StepInfo, _newest_by_commit, _step_info, list_root  # noqa: F401
 
@@ -101,13 +100,11 @@ class CheckpointManager:
             raise ConfigError(f"keep_last={keep_last!r} must be a positive int or None")
         self.root = normalize_path(root)
         self.storage_options = storage_options
-        # An object store (None: a local directory): its listing, ``latest`` and deletions.
-        self._store = open_store(self.root, storage_options) if is_url(self.root) else None
-        if self._store is None:
-            # Read-only check (no directory is created here): a root under /proc or /sys is the
-            # wrong place, said now rather than at the first save hours into the run.
-            from .storage.posix.guards import refuse_pseudo_fs
-            refuse_pseudo_fs(self.root)
+        # The root's back end: its listing, ``latest``, rotation and leftovers.
+        self._store = open_store(self.root, storage_options)
+        # Read-only (no directory is created here): a root the back end can never use (under /proc
+        # or /sys) is the wrong place, said now rather than at the first save hours into the run.
+        self._store.check_root(self.root)
         self.keep_last = keep_last
         self.keep_abandoned = bool(keep_abandoned)
         self.process_group = process_group
@@ -120,7 +117,8 @@ class CheckpointManager:
         self._resumed_from: int | None = None
         self._resume_gen = 0
         self._saver = None
-        if incremental is not None and self._store is not None:
+        # Chains are read and written in local directories only (distckpt.incremental).
+        if incremental is not None and is_url(self.root):
             raise ConfigError(f"incremental=: incremental chains are written to local roots only, not to "
                               f"{self.root} (an object store)")
         if incremental is not None:
@@ -138,32 +136,10 @@ class CheckpointManager:
     def path(self, step: int) -> str:
         return join(self.root, step_dirname(step))
 
-    def _committed(self, path: str) -> bool:
-        return self._store.is_committed(path) if self._store is not None else is_committed(path)
-
-    def _remove(self, path: str) -> None:
-        if self._store is not None:
-            self._store.remove_checkpoint(path)  # MANIFEST first: never a MANIFEST without its data
-        else:
-            local.remove_dir(path)
-
     def steps(self) -> list[int]:
         """Committed steps, ascending by number. Never writes."""
-        if self._store is not None:
-            return sorted(int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root))
-                          if m and self._store.is_committed(self.path(int(m.group(1)))))
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise from_os_error(exc, path=self.root, operation="list") from exc
-        out = []
-        for name in names:
-            m = _STEP_RE.match(name)
-            if m and is_committed(os.path.join(self.root, name)):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return sorted(int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root))
+                      if m and self._store.is_committed(self.path(int(m.group(1)))))
 
     def latest_step(self) -> int | None:
         """The step ``load()`` loads: the newest committed step by commit order (MANIFEST commit
@@ -174,11 +150,10 @@ class CheckpointManager:
         the order) and a full decode (checksum and validation) of the newest candidates only, newest
         first, until one is valid: usually one. The ``latest`` file cannot replace the listing: it
         lags after a crash between a commit and its update, so it is not consulted here."""
-        from . import manifest as mf
         timed, untimed = [], []
         for step in self.steps():
-            # An object store's MANIFEST is read whole (one GET) below; a local one is peeked at.
-            t = mf.peek_commit_time(self.path(step)) if self._store is None else None
+            # Where the store can peek cheaply (a local file's first 4 KiB); else the decode below.
+            t = self._store.peek_commit_time(self.path(step))
             (untimed if t is None else timed).append((t, step))
         # A MANIFEST whose first bytes do not tell its time: decode it whole now (damaged, usually).
         infos = {}
@@ -215,9 +190,7 @@ class CheckpointManager:
         process runs it). ``other_hosts=True`` also trusts free locks of other hosts (only on a
         file system whose flock is coherent across hosts). Returns the entries removed. On an object
         store a save's leftovers are dead when no live lease names them (``other_hosts`` is moot)."""
-        if self._store is not None:
-            return self._store.reclaim(self.root)
-        return reclaim_tmp_dirs(self.root, other_hosts=other_hosts)
+        return self._store.reclaim(self.root, other_hosts=other_hosts)
 
     def save(self, step: int, state_dict: Any, *, blocking: bool = True,
              **kwargs: Any) -> "SaveResult | AsyncSaveHandle":
@@ -239,14 +212,13 @@ class CheckpointManager:
             raise ConfigError(f"step={step!r} must be a non-negative int")
         from .save_async import raise_background_failure
         raise_background_failure()
-        if self._store is not None:
+        if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
-            if self._rank() == 0:
-                self._store.reclaim(self.root)  # dead leftovers of any step (never those of a live lease)
-        elif self._rank() == 0 and os.path.isdir(self.root):
-            reclaim_tmp_dirs(self.root)  # dead leftovers of any step; before our lock is taken
+        if self._rank() == 0:
+            # Dead leftovers of any step (never those of a live save), before our lock is taken.
+            self._store.reclaim(self.root)
         if (self._resumed_from is not None and step > self._resumed_from and not self.keep_abandoned
-                and not kwargs.get("overwrite") and self._committed(self.path(step))):
+                and not kwargs.get("overwrite") and self._store.is_committed(self.path(step))):
             log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
                         "step %d and saves step %d again); pass keep_abandoned=True to refuse instead",
                         self.path(step), self._resumed_from, step)
@@ -258,25 +230,25 @@ class CheckpointManager:
         if self._saver is not None:
             if not blocking:   # staged before it returns: the changed rows, then everything to write
                 return self._saver.async_save(
-                    state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
-                    _lock_path=lock, _on_outcome=lambda result, error: self._settle(gen, result, error), **kwargs)
+                    state_dict, self.path(step), process_group=self.process_group, after_commit=after,
+                    lock_path=lock, on_outcome=lambda result, error: self._settle(gen, result, error), **kwargs)
             try:
                 result = self._saver.save(state_dict, self.path(step), process_group=self.process_group,
-                                          _after_commit=after, _lock_path=lock, **kwargs)
+                                          after_commit=after, lock_path=lock, **kwargs)
             except BaseException as exc:
                 self._settle(gen, None, exc)
                 raise
             self._settle(gen, result, None)
             return result
         if not blocking:
-            from .save_async import async_save
+            from .save_async import async_save_in_root
             # Settled on every rank by the save's own thread, before its handle reports done.
-            return async_save(state_dict, self.path(step), process_group=self.process_group,
-                              _after_commit=after, _lock_path=lock,
-                              _on_outcome=lambda result, error: self._settle(gen, result, error), **kwargs)
+            return async_save_in_root(state_dict, self.path(step), process_group=self.process_group,
+                                      after_commit=after, lock_path=lock,
+                                      on_outcome=lambda result, error: self._settle(gen, result, error), **kwargs)
         try:
-            result = save(state_dict, self.path(step), process_group=self.process_group, _after_commit=after,
-                          _lock_path=lock, **kwargs)
+            result = save_in_root(state_dict, self.path(step), process_group=self.process_group, after_commit=after,
+                                  lock_path=lock, **kwargs)
         except BaseException as exc:
             self._settle(gen, None, exc)
             raise
@@ -299,10 +271,7 @@ class CheckpointManager:
     def _after_commit(self, step: int, protect: int | None) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         pointer = (step_dirname(step) + "\n").encode()
-        if self._store is not None:
-            self._store.replace_pointer(join(self.root, "latest"), pointer)  # one PUT: atomic
-        else:
-            local.replace_file_atomic(os.path.join(self.root, "latest"), pointer)
+        self._store.replace_pointer(join(self.root, "latest"), pointer)
         steps = self.steps()
         above = [s for s in steps if s > step]
         if above and protect is None:
@@ -328,7 +297,7 @@ class CheckpointManager:
             log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
                         "steps)", self.path(old), step, step_dirname(old))
-            self._remove(self.path(old))
+            self._store.remove_checkpoint(self.path(old))
         # The protection of the resumed-from step lasts one save: _settle ends it on every rank.
         if self.keep_last is None:
             return
@@ -339,13 +308,13 @@ class CheckpointManager:
         if doomed:
             doomed = self._unneeded(doomed, [s for s in steps if s not in doomed and s not in above_doomed])
         for old in doomed:
-            self._remove(self.path(old))
+            self._store.remove_checkpoint(self.path(old))
 
     def _unneeded(self, doomed: list[int], kept: list[int]) -> list[int]:
         """The steps of ``doomed`` that no step of ``kept`` depends on (the links of its incremental
         chain). When a kept step's chain cannot be read to its base, none: deleting a link that is
         unreadable only for a moment would break a chain for good, so rotation waits."""
-        if self._store is not None:  # no chains on object stores (incremental= is refused there)
+        if is_url(self.root):  # chains are local only: incremental= is refused on object stores
             return doomed
         needed: set[str] = set()
         for s in kept:
@@ -372,7 +341,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
-        if self._store is not None:
+        if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
         if self._saver is not None:  # the next save may be a delta against the step just loaded
@@ -387,7 +356,8 @@ class CheckpointManager:
         saves are serialized per process, and the staging memory is the process's), raise the
         error of any that failed unseen (its own class), and free the async staging memory
         (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable."""
-        from .save_async import raise_background_failure, release_staging_memory, wait_for_saves
+        from .save_async import raise_background_failure, wait_for_saves
+        from .staging.pool import release_staging_memory
         try:
             wait_for_saves()  # the one registry of saves in flight (distckpt.async_save)
             raise_background_failure()

@@ -30,8 +30,9 @@ Invariants:
     no elements may have no chunks at all.
   * :func:`encode` is deterministic: the same Manifest gives the same bytes (tensors and objects are
     written sorted by fqn; chunks, files, tree and meta keep their order), so golden files hold.
-  * This module reads files (:func:`read_manifest_bytes`, :func:`read_local_index`) but never
-    writes them: the commit protocol in distckpt.coordinator owns every write, fsync and rename.
+  * This module is the format only: it neither reads nor writes files. A local checkpoint's
+    MANIFEST and indexes are read by :mod:`distckpt.storage.posix.manifests`, an object store's by
+    :mod:`distckpt.storage.object.store`, both through the :class:`distckpt.storage.Store` seam.
 
 No torch import: dtypes are names, with their item sizes in :data:`DTYPE_ITEMSIZE`.
 """
@@ -40,19 +41,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
 import math
-import os
 import re
-import stat
 import struct
 from typing import Any, Callable, Mapping
 
-import crc32c as _crc32c
 import msgpack
 
-from .errors import (CheckpointCorruptError, CheckpointIncompleteError, ChecksumMismatchError, DataFileMissingError,
-                     DataFileTruncatedError, ManifestCorruptError, UnsupportedValueError, from_os_error)
+from .checksum import crc32c
+from .errors import ChecksumMismatchError, DataFileTruncatedError, ManifestCorruptError, UnsupportedValueError
 from .plan import Box, find_tiling_defect, is_row_tiling
 from .values import check_node
 
@@ -62,6 +59,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_FILE_BYTES",
     "MAX_CHECKSUM_BLOCK",
     "DTYPE_ITEMSIZE",
     "TENSOR_KINDS",
@@ -74,21 +72,15 @@ __all__ = [
     "INDEX_MAGIC",
     "block_crcs",
     "encode_index",
-    "index_length",
     "data_file_name",
     "encode",
     "decode",
     "decode_header",
     "parse_index",
     "with_chunks",
-    "read_local_index",
-    "check_data_file_stat",
     "validate",
     "to_plain",
-    "read_manifest_bytes",
-    "load_manifest",
-    "load_manifest_header",
-    "peek_commit_time",
+    "commit_time_of_prefix",
 ]
 
 MAGIC = b"DCKPTMF1"
@@ -111,6 +103,8 @@ _OVERHEAD = _HEADER.size + _TRAILER.size  # 28 bytes around the body
 #: Upper bound on a MANIFEST body. A million chunks take roughly 100 MB, so 1 GiB only rejects
 #: garbage or hostile lengths, before anything of that size is allocated.
 MAX_MANIFEST_BYTES = 1 << 30
+#: The largest MANIFEST file: the body's bound plus its header and checksum. Readers refuse more.
+MAX_MANIFEST_FILE_BYTES = MAX_MANIFEST_BYTES + _OVERHEAD
 #: Bounds that keep validation and consumers' recursion safe on hostile input.
 MAX_NDIM = 64
 MAX_DEPTH = 100
@@ -185,24 +179,17 @@ def block_crcs(data: Any, block: int) -> tuple[int, ...]:
     This is the definition of :attr:`ChunkRecord.crcs`; empty data has no blocks.
     """
     mv = memoryview(data).cast("B")
-    return tuple(_crc32c.crc32c(mv[i : i + block]) for i in range(0, len(mv), block))
+    return tuple(crc32c(mv[i : i + block]) for i in range(0, len(mv), block))
 
 
 def encode_index(records: Any) -> bytes:
     """The index bytes a version-3 data file ends with: :data:`INDEX_MAGIC`, then one msgpack
     array of ``[fqn, offsets, sizes, offset, nbytes, crcs]`` per ``(fqn, ChunkRecord)`` of
-    ``records`` (crcs as one bin of little-endian u32). Deterministic; its length depends on the
-    records' fields and the number of crcs, not on the crc values (see :func:`index_length`)."""
+    ``records`` (crcs as one bin of little-endian u32). Deterministic. A data file's layout, and
+    so where its index goes, is :mod:`distckpt.datafile`'s."""
     rows = [[fqn, list(c.offsets), list(c.sizes), c.offset, c.nbytes, struct.pack(f"<{len(c.crcs)}I", *c.crcs)]
             for fqn, c in records]
     return INDEX_MAGIC + msgpack.packb(rows, use_bin_type=True)
-
-
-def index_length(records: Any) -> int:
-    """``len(encode_index(records))`` without the crc values: a writer that must know its file's
-    size before the checksums are computed (a multipart upload) passes records whose crcs are
-    placeholders of the right count."""
-    return len(encode_index(records))
 
 
 def _decode_index(data: bytes, fi: int, name: str, path: Any) -> list[tuple[str, "ChunkRecord"]]:
@@ -767,7 +754,7 @@ def encode(m: Manifest) -> bytes:
             remedy="Save fewer, larger chunks (shard each tensor over fewer ranks, or group small tensors), "
                    "or split the state dict over several checkpoints.")
     head = _HEADER.pack(MAGIC, m.format_version, 0, len(body)) + body
-    return head + _TRAILER.pack(_crc32c.crc32c(head))
+    return head + _TRAILER.pack(crc32c(head))
 
 
 def to_plain(m: Manifest) -> dict[str, Any]:
@@ -952,7 +939,7 @@ def _decode_bytes(data: bytes | bytearray | memoryview, path: Any) -> Manifest:
     if n > total:
         raise _corrupt(f"{n - total} unexpected bytes after the checksum (expected {total} bytes in all, found {n})", path)
     (stored,) = _TRAILER.unpack_from(data, total - _TRAILER.size)
-    computed = _crc32c.crc32c(memoryview(data)[: total - _TRAILER.size])
+    computed = crc32c(memoryview(data)[: total - _TRAILER.size])
     if stored != computed:
         raise _corrupt(f"checksum mismatch: stored crc32c 0x{stored:08x}, computed 0x{computed:08x}", path)
     body_bytes = memoryview(data)[_HEADER.size : total - _TRAILER.size]
@@ -999,7 +986,7 @@ def parse_index(header: Manifest, i: int, data: bytes | bytearray | memoryview, 
     if len(data) != length:  # a reader's contract; a short read is a truncated file
         raise DataFileTruncatedError(f"index of {f.name}: read {len(data)} bytes, expected {length}",
                                      path=_sibling(path, f.name), expected=length, found=len(data))
-    found = _crc32c.crc32c(data)
+    found = crc32c(data)
     if found != crc:
         raise ChecksumMismatchError(
             f"index of {f.name} (bytes [{off}, {off + length})): crc32c 0x{found:08x}, the MANIFEST says "
@@ -1051,175 +1038,12 @@ def _sibling(path: Any, name: str) -> Any:
     return path
 
 
-def read_manifest_bytes(path: str | os.PathLike) -> bytes:
-    """Read a MANIFEST file whole, refusing anything larger than the format allows.
-
-    Raises:
-        CheckpointIncompleteError: the file does not exist (the directory was never committed).
-        ManifestCorruptError: it is not a regular file (a symlink, which is never followed, a
-            FIFO, a directory), or larger than the limit.
-        StorageError: (a subclass, via from_os_error) any other OS error while reading.
-    """
-    path = os.fspath(path)
-    limit = MAX_MANIFEST_BYTES + _OVERHEAD
-    try:
-        # O_NONBLOCK: a FIFO planted as MANIFEST must not block the open; the S_ISREG check
-        # below then refuses it (regular files ignore O_NONBLOCK). O_NOFOLLOW: a symlink named
-        # MANIFEST could point anywhere; loading never opens a file outside the checkpoint (I7).
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise CheckpointIncompleteError(
-            f"no {MANIFEST_NAME} at {path}: this directory is not a committed checkpoint", path=path
-        ) from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _corrupt("is a symbolic link, not a regular file inside the checkpoint directory "
-                           "(it is not followed: it could point anywhere)", path) from None
-        raise from_os_error(e, path=path, operation="open MANIFEST") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _corrupt("is not a regular file", path)
-        if st.st_size > limit:
-            raise _corrupt(f"is {st.st_size} bytes, larger than the {limit}-byte limit", path)
-        parts, got = [], 0
-        while got <= limit:  # read to EOF, but never more than the limit even if the file grows
-            part = os.read(fd, min(limit + 1 - got, 1 << 24))
-            if not part:
-                break
-            parts.append(part)
-            got += len(part)
-        if got > limit:
-            raise _corrupt(f"is larger than the {limit}-byte limit", path)
-        return b"".join(parts)
-    except OSError as e:
-        raise from_os_error(e, path=path, operation="read MANIFEST") from e
-    finally:
-        os.close(fd)
-
-
-def _manifest_file(path: str | os.PathLike) -> str:
-    """The MANIFEST file of ``path``: the file itself, or the one in the directory ``path``."""
-    path = os.fspath(path)
-    return os.path.join(path, MANIFEST_NAME) if os.path.isdir(path) else path
-
-
-def load_manifest(path: str | os.PathLike) -> Manifest:
-    """Read and decode a MANIFEST; ``path`` is the file or the checkpoint directory holding it.
-    A version-3 MANIFEST's chunk records are read from the data files' indexes next to it.
-
-    Raises:
-        CheckpointIncompleteError: there is no MANIFEST.
-        ManifestCorruptError, ChecksumMismatchError: see :func:`decode`.
-        DataFileMissingError, DataFileTruncatedError, CheckpointCorruptError: see
-            :func:`read_local_index`.
-    """
-    path = _manifest_file(path)
-    directory = os.path.dirname(path)
-    return decode(read_manifest_bytes(path), path=path,
-                  read_index=lambda header, i: read_local_index(directory, header.files[i]))
-
-
-def load_manifest_header(path: str | os.PathLike) -> Manifest:
-    """:func:`decode_header` of the MANIFEST at ``path`` (the file or its directory): its own
-    fields, no data file read (a version-3 manifest's tensors have ``chunks`` None).
-
-    Raises:
-        CheckpointIncompleteError: there is no MANIFEST.
-        ManifestCorruptError: see :func:`decode_header`.
-    """
-    path = _manifest_file(path)
-    return decode_header(read_manifest_bytes(path), path=path)
-
-
-def check_data_file_stat(entry: FileEntry, fpath: str, st: os.stat_result) -> None:
-    """The checks a reader makes of a data file before reading a byte of it, on its ``lstat`` or
-    ``fstat`` ``st``: a regular file (a symlink could point anywhere, an identical copy outside
-    passes every checksum: I7) of exactly the size the MANIFEST gives.
-
-    Raises:
-        CheckpointCorruptError: not a regular file, or longer than the MANIFEST says.
-        DataFileTruncatedError: shorter than the MANIFEST says.
-    """
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file"
-        raise _not_regular(entry, fpath, kind)
-    if st.st_size < entry.size:
-        raise DataFileTruncatedError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
-                                     path=fpath, expected=entry.size, found=st.st_size)
-    if st.st_size > entry.size:
-        raise CheckpointCorruptError(f"data file {entry.name} has {st.st_size} bytes, MANIFEST says {entry.size}",
-                                     path=fpath, expected=entry.size, found=st.st_size)
-
-
-def _not_regular(entry: FileEntry, fpath: str, kind: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        f"data file {entry.name} listed in MANIFEST must be a regular file inside the checkpoint, found {kind}",
-        path=fpath, expected="regular file", found=kind,
-        remedy="Restore the checkpoint's data files as plain files (copy with symlinks dereferenced), "
-               "or load an older checkpoint.")
-
-
-def read_local_index(directory: str, entry: FileEntry) -> bytes:
-    """The index bytes of data file ``entry`` in the checkpoint ``directory`` (version 3).
-
-    The file must be a regular file (never a symlink: I7) of exactly ``entry.size`` bytes, the
-    checks a load makes before it reads a data file.
-
-    Raises:
-        DataFileMissingError: the file does not exist.
-        DataFileTruncatedError: it is shorter than the MANIFEST says.
-        CheckpointCorruptError: it is longer, or not a regular file.
-        StorageError: (a subclass, via from_os_error) any other OS error.
-    """
-    fpath = os.path.join(directory, entry.name)
-    off, length, _ = entry.index
-    try:
-        fd = os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink: refused as check_data_file_stat does
-            raise _not_regular(entry, fpath, "a symlink") from None
-        raise from_os_error(e, path=fpath, operation="open data file") from e
-    try:
-        check_data_file_stat(entry, fpath, os.fstat(fd))
-        parts, got = [], 0
-        while got < length:
-            part = os.pread(fd, min(length - got, 1 << 24), off + got)
-            if not part:
-                break
-            parts.append(part)
-            got += len(part)
-        return b"".join(parts)
-    except OSError as e:
-        raise from_os_error(e, path=fpath, operation="read") from e
-    finally:
-        os.close(fd)
-
-
-def peek_commit_time(path: str | os.PathLike, *, prefix: int = 4096) -> float | None:
-    """The commit time (``created_unix``) a MANIFEST claims, read from its first ``prefix``
-    bytes only: no checksum check, no validation. For ordering candidates cheaply (the
-    CheckpointManager's ``latest_step``); a caller must still :func:`load_manifest` the one it
-    picks. ``path`` is the file or the checkpoint directory. Returns None when the prefix does not
-    tell (absent, not a regular file, a symlink, bad header, the key not within the prefix):
-    then only a full decode can. Never raises for a damaged file; never follows a symlink."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, MANIFEST_NAME)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.pread(fd, prefix, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+def commit_time_of_prefix(data: bytes | bytearray | memoryview) -> float | None:
+    """The commit time (``created_unix``) a MANIFEST claims, from its first bytes ``data`` only: no
+    checksum check, no validation. For ordering candidates cheaply (the CheckpointManager's
+    ``latest_step``); a caller must still decode the one it picks. Returns None when the bytes do
+    not tell (too short, a bad header, the key not within them): then only a full decode can.
+    Never raises."""
     if len(data) < _HEADER.size:
         return None
     magic, version, flags, body_length = _HEADER.unpack_from(data)

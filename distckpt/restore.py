@@ -1,14 +1,19 @@
 """Restore: load into the caller's tensors (resharding on the way), and read() for one process.
 
 How a load works on each rank:
-  1. rank 0 reads MANIFEST and broadcasts its bytes; every rank decodes and validates it
-     (magic, version, checksum, names inside the directory, offsets inside the files);
+  1. the source is opened (distckpt.source): a distckpt checkpoint (local or on an object store),
+     a DCP or Hugging Face directory, or a delta of an incremental chain; rank 0 reads MANIFEST and
+     broadcasts its bytes, and every rank decodes and validates it (magic, version, checksum, names
+     inside the directory, offsets inside the files);
   2. the caller's state dict is flattened into wanted boxes (a plain tensor wants its whole
      box, a DTensor / ShardedTensor the boxes this rank holds) and compared with the manifest:
      missing / unexpected keys and shape / dtype mismatches are collected all at once;
   3. for every wanted box, the saved chunks that intersect it are found (plan.plan_reads) and only
      the byte range covering each intersection is read (widened to whole checksum blocks when
-     verifying), cached pages with buffered reads, the rest with O_DIRECT (distckpt.fill);
+     verifying), cached pages with buffered reads, the rest with O_DIRECT (distckpt.fill). A
+     chain's links are planned the same way: its tracked tensors from the base, every other value
+     from the newest link, both read in one pass, and the deltas' newest rows (planned by
+     distckpt.incremental while that pass runs) scattered in after it;
   4. each block is checked against its crc32c in a bounded bounce buffer before any of its bytes
      is copied into the caller's tensor: a load that fails never leaves a corrupt byte there,
      and its error names the tensors already filled (completely or in part) with verified bytes;
@@ -20,32 +25,32 @@ Loading never unpickles unless the caller passes ``allow_pickle=True``.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import pickle
 import re
+import threading
 import time
 from typing import Any, Iterable
 
 import torch
 
-from . import dcp, hf
 from . import manifest as mf
-from ._dist import ControlGroup, _portable, control_group, is_distributed
-from .coordinator import MANIFEST, TMP_RE, gc_paused
-from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
-                     CheckpointRemovedError, ConfigError, DataFileMissingError,
-                     DistCkptError, PickleNotAllowedError, ReshardError,
-                     StateDictMismatchError, StorageError, fill_rank, from_os_error)
-from .locate import check_checkpoint_dir, checkpoint_path
+from ._dist import ControlGroup, control_group, is_distributed
+from .chain import ChainLink
+from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
+                     DistCkptError, PickleNotAllowedError, ReshardError, StateDictMismatchError, fill_rank)
+from .fill import Part, Task, box_tasks, fill_boxes_of, fill_parts, reading, side_reads
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
-from .values import decode_value
+from .gcpause import gc_paused
+from .incremental import DELTA_ROOT, Target, link_error, plan_deltas
 from .plan import Box, plan_reads
-from .staging import dtype_from_name, dtype_name
-from .storage import Store, is_url, open_store
+from .source import Source, open_source
+from .tensorbytes import dtype_from_name, dtype_name
+from .values import decode_value
 
-__all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "EXACT_CASTS"]
+__all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "read_box", "read_boxes", "fill_boxes",
+           "EXACT_CASTS"]
 
 log = logging.getLogger("distckpt")
 
@@ -81,183 +86,23 @@ class LoadResult:
     cast: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _check_committed(path: str) -> None:
-    check_checkpoint_dir(path)  # names what the path is when it is not a checkpoint
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
-    if TMP_RE.match(os.path.basename(path)):
-        raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
-
-
-def _dir_identity(path: str) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of the checkpoint directory, or None when nothing is at ``path``."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _removed_while_reading(path: str, identity: tuple[int, int] | None,
-                           exc: BaseException | None) -> BaseException | None:
-    """``exc``, or a CheckpointRemovedError when ``exc`` is what a step vanishing mid-load looks like
-    (``exc`` None: a load that succeeded, failed only if another directory took the name).
-
-    A rotation (or an overwrite, or a deletion) renames the directory away and deletes it; a load
-    that read MANIFEST before that and opens a data file after it meets a missing file (or a
-    missing MANIFEST, or another directory's files under the same name). That is not damage, and
-    "restore from an older checkpoint" is the wrong remedy: the directory is checked again and the
-    error says what happened. ``identity`` is the directory's (st_dev, st_ino) when the load began.
-    """
-    suspect = exc is None or isinstance(exc, (CheckpointIncompleteError, CheckpointCorruptError)) or (
-        isinstance(exc, StorageError) and exc.errno == errno.ENOENT)
-    if not suspect or isinstance(exc, CheckpointNotFoundError):
-        return exc
-    now = _dir_identity(path)
-    if now is not None and (identity is None or now == identity):
-        return exc  # still the same directory: the error (or success) stands as it is
-    if exc is None and now is None:
-        return None  # read in full, then removed: every byte came from the one checkpoint
-    parent, name = os.path.split(path)
-    renamed_to = None
-    if identity is not None:
-        try:
-            with os.scandir(parent) as it:
-                for entry in it:
-                    m = TMP_RE.match(entry.name)
-                    if m and m.group("name") == name:
-                        st = entry.stat(follow_symlinks=False)
-                        if (st.st_dev, st.st_ino) == identity:
-                            renamed_to = entry.path
-                            break
-        except OSError:
-            pass
-    if now is not None:
-        how = "another directory now has its name (it was overwritten, or rotated away and saved again)"
-    elif renamed_to is not None:
-        how = f"it was renamed to {os.path.basename(renamed_to)} to be deleted (rotation by a manager's keep_last, or an overwrite)"
-    else:
-        how = "the directory no longer exists (rotated away or deleted)"
-    if exc is None:  # every read succeeded, but not necessarily all from one checkpoint
-        failed = ("its files may have been read partly from the one that replaced it, so the load is "
-                  "failed rather than mixing two checkpoints")
-    else:
-        failed = f"the read failed with {type(exc).__name__}: {getattr(exc, 'message', exc)}"
-    removed = CheckpointRemovedError(
-        f"the checkpoint at {path} was removed while it was being read: {how}; {failed}",
-        path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
-    removed.__cause__ = exc
-    return removed
-
-
-def _check_unmoved(path: str, identity: tuple[int, int] | None) -> None:
-    """After a load or read that succeeded: the directory it began with still has its name. Data
-    files are opened by path, one after another; if another checkpoint took the name meanwhile
-    (an overwrite, or rotation and a new save of that name), some of them may be the new one's,
-    which checksums catch unless the bytes agree or ``verify=False``: fail instead."""
-    error = _removed_while_reading(path, identity, None)
-    if error is not None:
-        raise error
-
-
-def _manifest_bytes(path: str) -> bytes:
-    """The raw MANIFEST of the checkpoint directory ``path``, after checking that the directory is
-    a committed checkpoint (exists, is not a tmp dir, has a MANIFEST that is a regular file)."""
-    _check_committed(path)
-    return mf.read_manifest_bytes(os.path.join(path, MANIFEST))
-
-
-def load_manifest(path: str, storage_options: dict | None = None) -> "mf.Manifest":
-    """Read, decode and validate ``path``/MANIFEST (``path`` local or an fsspec URL, see
-    :func:`distckpt.save` for ``storage_options``).
+def load_manifest(path: str | os.PathLike, storage_options: dict | None = None) -> "mf.Manifest":
+    """The decoded, validated manifest of the checkpoint at ``path`` (local, a MANIFEST file
+    standing for its directory, or an fsspec URL with ``storage_options`` as
+    :func:`distckpt.save`); for a DCP or Hugging Face directory, its metadata as a manifest.
 
     Raises:
-        CheckpointNotFoundError: ``path`` does not exist.
+        CheckpointNotFoundError: ``path`` does not exist, or is no checkpoint (what it is is named).
         CheckpointIncompleteError: ``path`` is a save's tmp directory or has no MANIFEST.
         ManifestCorruptError: MANIFEST is damaged or describes an impossible layout.
     """
-    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
-    if is_url(path):
-        return open_store(path, storage_options).load_manifest(path)
-    _check_committed(path)
-    if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: read it directly
-        return dcp.load_manifest(path)
-    if hf.is_hf_checkpoint(path):  # a Hugging Face safetensors directory: its headers as a manifest
-        return hf.load_manifest(path)
-    # decode validates: magic, version, checksum, names inside the directory, offsets, tiling, tree
-    return mf.load_manifest(path)
+    return open_source(path, storage_options).manifest()
 
 
-def read_manifest(path: str, storage_options: dict | None = None) -> dict:
-    """The checkpoint's manifest as plain data (dicts, lists, ints, strs)."""
+def read_manifest(path: str | os.PathLike, storage_options: dict | None = None) -> dict:
+    """The checkpoint's manifest as plain data (dicts, lists, ints, strs). Raises what
+    :func:`load_manifest` raises."""
     return mf.to_plain(load_manifest(path, storage_options))
-
-
-def _check_data_file(ckpt: str, entry: "mf.FileEntry") -> str:
-    fpath = os.path.join(ckpt, entry.name)
-    try:
-        # lstat, not stat: a data file must be a regular file inside the checkpoint (I7), never
-        # followed through a symlink; refused before any open or read.
-        st = os.lstat(fpath)
-    except FileNotFoundError:
-        raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
-    except OSError as exc:
-        raise from_os_error(exc, path=fpath, operation="stat") from exc
-    mf.check_data_file_stat(entry, fpath, st)
-    return fpath
-
-
-@dataclasses.dataclass
-class _Task:
-    fqn: str
-    chunk: Any            # mf.ChunkRecord
-    inter: Box            # global box to copy
-    dest: torch.Tensor    # the caller's tensor holding dest_box
-    dest_box: Box
-    itemsize: int
-    dtype: torch.dtype
-    after: str | None = None   # fill copies this task only after every task of that fqn (distckpt.fill)
-
-
-def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
-    for d, (o, s) in enumerate(zip(offsets, sizes)):
-        t = t.narrow(d, o, s)
-    return t
-
-
-def _check_files(ckpt: str, manifest: "mf.Manifest", indexes, store: Store | None) -> None:
-    """Every data file in ``indexes`` exists with its MANIFEST size (before any byte is read)."""
-    indexes = sorted(indexes)
-    if store is not None:
-        store.data_readers(ckpt, manifest, indexes)
-        return
-    for fi in indexes:
-        _check_data_file(ckpt, manifest.files[fi])
-
-
-def _fill(ckpt: str, manifest: "mf.Manifest", tasks: list[_Task], verify: bool,
-          store: Store | None = None) -> tuple[int, str | None]:
-    """Read every task's bytes, verify them, copy them into place (distckpt.fill: verified in
-    bounded bounce buffers before any byte reaches the caller). Returns (bytes read, backend)."""
-    from .fill import READ_PIECE, fill
-    from .storage.posix import choose_backend, open_reader
-
-    if not tasks:
-        return 0, None
-    verify = verify and manifest.checksum_algo == "crc32c"  # a DCP checkpoint has no checksums
-    by_file: dict[int, list[_Task]] = {}
-    for t in tasks:
-        by_file.setdefault(t.chunk.file, []).append(t)
-    if store is not None:  # an object store: ranged GETs, several in flight (fill's workers)
-        paths, open_obj, align, backend = store.data_readers(ckpt, manifest, sorted(by_file))
-        stats = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align, open_reader=open_obj)
-        return stats.bytes_read, backend
-    choice = choose_backend(ckpt, read_only=True)  # a load never writes into the checkpoint
-    paths = {i: _check_data_file(ckpt, manifest.files[i]) for i in by_file}
-    align = choice.offset_align
-    nbytes = fill(paths, by_file, block=manifest.checksum_block, verify=verify, align=align,
-                  open_reader=lambda p: open_reader(p, choice=choice, block_size=READ_PIECE)).bytes_read
-    return nbytes, choice.name
 
 
 def _describe(entry) -> str:
@@ -348,7 +193,7 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
                 optimizer_paths: list[tuple] = ()):
     missing, unexpected = [], []
     shape_mm, dtype_mm, mismatched = {}, {}, {}
-    tasks: list[_Task] = []
+    tasks: list[Task] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer in the saved dtype, caller's tensor)
     cast_names: dict[str, str] = {}
     objects: list[tuple[ObjectItem, Any]] = []
@@ -395,12 +240,12 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
                 if (len(saved.chunks) == 1 and tuple(saved.chunks[0].sizes) == want.sizes
                         and tuple(saved.chunks[0].offsets) == want.offsets):
                     # The saved sharding (the common case): plan_reads would return this one piece.
-                    tasks.append(_Task(fqn, saved.chunks[0], want, dest, want, dtype.itemsize, dtype))
+                    tasks.append(Task(fqn, saved.chunks[0], want, dest, want, dtype.itemsize, dtype))
                     continue
                 if chunks is None:
                     chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in saved.chunks]
                 for rp in plan_reads(chunks, want, itemsize=dtype.itemsize):
-                    tasks.append(_Task(fqn, rp.payload, rp.box, dest, want, dtype.itemsize, dtype))
+                    tasks.append(Task(fqn, rp.payload, rp.box, dest, want, dtype.itemsize, dtype))
         else:
             if isinstance(saved, mf.TensorEntry):
                 mismatched[fqn] = f"saved {_describe(saved)}, wanted a plain value"
@@ -533,20 +378,32 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool, allow_pickle: bool, t0: float,
-                cast: str = "exact", store: Store | None = None) -> LoadResult:
-    """Plan, read and place one rank's part of a load."""
+def _load_local(source: Source, manifest: "mf.Manifest", state_dict: Any, strict: bool, verify: bool,
+                allow_pickle: bool, cast: str, t0: float) -> LoadResult:
+    """Plan, read and place one rank's part of a load from ``source`` (whose manifest is
+    ``manifest``): for a delta of an incremental chain, the tracked tensors from the base and the
+    deltas' rows (:func:`_fill_chain`), everything else from the newest link."""
+    links = source.links(manifest)
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
+        tracked: dict[str, int] = {}
+        if links is not None:
+            if not isinstance(state_dict, dict):
+                raise ConfigError("loading an incremental checkpoint needs a dict as the state dict's root")
+            tracked = {f: d for f, d in links[0].tracked.items()
+                       if f in items and all(isinstance(k, str) for k in items[f].path)}
+        own = {f: it for f, it in items.items() if f not in tracked}
         tasks, objects, missing, unexpected, mismatched, casts, cast_names, uninitialized = _plan_tasks(
-            manifest, items, strict, allow_pickle, path, cast, _optimizer_paths(state_dict))
+            manifest, own, strict, allow_pickle, source.path, cast, _optimizer_paths(state_dict))
         # Decoded before any byte is read: a class that cannot be rebuilt fails the load early.
-        values = [(item, _object_value(entry, manifest, item.fqn, path)) for item, entry in objects]
-        # Every data file this rank reads has its MANIFEST size before the first byte lands in the
-        # caller's tensors: a truncated or missing file fails the load with them untouched.
-        _check_files(path, manifest, {t.chunk.file for t in tasks}, store)
-        nbytes, backend = _fill(path, manifest, tasks, verify, store)
+        values = [(item, _object_value(entry, manifest, item.fqn, source.path)) for item, entry in objects]
+        parts = [Part(source.store, source.path, manifest, tasks)]
+        if tracked:
+            nbytes, backend = _fill_chain(source, links, parts, {f: items[f] for f in tracked}, strict,
+                                          allow_pickle, cast, verify, casts, cast_names, mismatched)
+        else:
+            nbytes, backend = fill_parts(parts, verify=verify)
         with torch.no_grad():
             for tmp, dest in casts:
                 dest.copy_(tmp)
@@ -559,53 +416,81 @@ def _load_local(manifest, path: str, state_dict: Any, strict: bool, verify: bool
         if not_replaced and strict:
             raise StateDictMismatchError(
                 f"{len(not_replaced)} value(s) differ from the checkpoint but sit in a tuple at the root of the "
-                f"state dict, which cannot be replaced in place: {not_replaced[:10]}", path=path, missing=[],
+                f"state dict, which cannot be replaced in place: {not_replaced[:10]}", path=source.path, missing=[],
                 unexpected=[], shape_mismatch={}, dtype_mismatch={},
                 remedy="Pass a dict (or a list) as the state dict's root.")
     except BaseException:
         restore_statefuls(statefuls, load=False)
         raise
     restore_statefuls(statefuls, load=True)
-    return LoadResult(path=path, missing=missing, unexpected=unexpected, mismatched=mismatched,
+    return LoadResult(path=source.path, missing=missing, unexpected=unexpected, mismatched=mismatched,
                       not_replaced=not_replaced, bytes_read=nbytes, seconds=time.monotonic() - t0, backend=backend,
                       uninitialized=uninitialized, cast=cast_names)
 
 
-def _manifest_collective(group: ControlGroup, path: str, store: Store | None = None) -> "mf.Manifest":
-    """Rank 0 reads MANIFEST once and broadcasts its bytes (or its typed error); every rank
-    decodes and validates them itself (a shared file system need not be hit N times)."""
-    # DCP / safetensors: every rank reads .metadata / the headers itself (a few KiB per file)
-    if store is None and (group.world_size == 1 or dcp.is_dcp_checkpoint(path) or hf.is_hf_checkpoint(path)):
-        return load_manifest(path)
-    payload, manifest = None, None
-    if group.rank == 0:
+def _fill_chain(source: Source, links: list[ChainLink], parts: list[Part], tracked_items: dict, strict: bool,
+                allow_pickle: bool, cast: str, verify: bool, casts: list, cast_names: dict,
+                mismatched: dict) -> tuple[int, str | None]:
+    """The fill of a chain's load: ``parts`` (the newest link's tasks) and the tracked tensors
+    ``tracked_items`` planned from the base in one pass, then the deltas' newest rows scattered
+    into the same destinations (a tensor loaded in another dtype: its buffer in the saved dtype,
+    converted once afterwards). The deltas' row ids are read and their rows planned
+    (:func:`distckpt.incremental.plan_deltas`) on a thread of their own while the pass runs, with
+    small bounce buffers (distckpt.fill.side_reads: both stay in the load's memory budget): the
+    plan's small reads and CPU work would otherwise stand before the pass's reads, and a rank
+    still reading ids would wait behind the disk queue of a rank already reading its base.
+    Extends ``casts``, ``cast_names`` and ``mismatched`` with the base's. Returns (bytes read,
+    backend).
+
+    Raises ChainBrokenError for a damaged or missing file of an older link (the base's error
+    first), what :func:`fill_parts` raises for the newest link's."""
+    base = links[-1]
+    tasks, _objects, _missing, _unexpected, base_mismatched, base_casts, base_names, _unin = _plan_tasks(
+        base.manifest, tracked_items, strict, allow_pickle, base.path, cast)
+    casts.extend(base_casts)
+    cast_names.update(base_names)
+    mismatched.update(base_mismatched)
+    parts.append(Part(source.store, base.path, base.manifest, tasks))
+    buffers = {id(dest): tmp for tmp, dest in base_casts}
+    targets = {f: [Target(tuple(p.offsets), tuple(p.sizes), buffers.get(id(p.tensor), p.tensor)) for p in it.pieces]
+               for f, it in tracked_items.items()}
+    planned: dict[str, Any] = {}
+
+    def plan() -> None:
         try:
-            data = store.manifest_bytes(path) if store is not None else _manifest_bytes(path)
-            indexes: dict[int, bytes] = {}
+            with side_reads():
+                planned["v"] = plan_deltas(list(reversed(links[:-1])), targets, links[0].tracked, verify)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            planned["e"] = exc
+    try:
+        with reading(), source.guard_links(links):
+            th = threading.Thread(target=plan, name="distckpt-chain-plan")
+            th.start()
+            try:
+                nbytes, backend = fill_parts(parts, verify=verify)
+            finally:
+                th.join()
+            if "e" in planned:
+                raise planned["e"]
+            reads, id_bytes = planned["v"]
+            rows = [Part(source.store, path, manifest, box_tasks(path, manifest, reqs)) for path, manifest, reqs in reads]
+            return nbytes + id_bytes + fill_parts(rows, verify=verify)[0], backend
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        raise _chain_error(exc, links) from exc
 
-            def read_index(header: "mf.Manifest", i: int) -> bytes:
-                raw = (store.read_index(path, header, i) if store is not None
-                       else mf.read_local_index(path, header.files[i]))
-                indexes[i] = raw
-                return raw
 
-            manifest = mf.decode(data, path=os.path.join(path, MANIFEST), read_index=read_index)
-            payload = (data, indexes, None)
-        except Exception as exc:
-            payload = (None, None, _portable(exc))
-    # The data files' indexes (format version 3) travel with the MANIFEST: every rank needs every
-    # chunk record to plan, and the storage is read once, not once per rank.
-    data, indexes, error = group.broadcast(payload)
-    if error is not None:
-        raise error
-    if manifest is not None:
-        return manifest
-    return mf.decode(data, path=os.path.join(path, MANIFEST), read_index=lambda header, i: indexes[i])
+def _chain_error(exc: BaseException, links: list[ChainLink]) -> BaseException:
+    """``exc`` when it is about the newest link (or already a ChainBrokenError), else a
+    ChainBrokenError naming the older link whose data file it is about."""
+    where = os.fspath(getattr(exc, "path", None) or "")
+    if isinstance(exc, ChainBrokenError) or where == links[0].path or where.startswith(links[0].path + os.sep):
+        return exc
+    return link_error(exc, [link.path for link in links[1:]], "data")
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, strict: bool = True,
          verify: bool = True, allow_pickle: bool = False, cast: str = "exact", no_dist: bool = False,
-         storage_options: dict | None = None, _follow_chain: bool = True) -> LoadResult:
+         storage_options: dict | None = None) -> LoadResult:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path``; replace its other values.
 
     Collective over ``process_group`` when torch.distributed is initialized. Each rank reads only
@@ -648,41 +533,20 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         return means every tensor holds the checkpoint.
     """
     t0 = time.monotonic()
-    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
-    result, error, delta = None, None, False
-    store, identity = None, None
+    result, error = None, None
     try:
-        if is_url(path):
-            store = open_store(path, storage_options)
-        else:
-            identity = _dir_identity(path)
-        with gc_paused():
-            manifest = _manifest_collective(group, path, store)
-            delta = _follow_chain and _is_delta(manifest)
-            if delta and store is not None:
-                raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "
-                                  f"directories only")
-            if not delta:
-                result = _load_local(manifest, path, state_dict, strict, verify, allow_pickle, t0, cast, store)
-                _check_unmoved(path, identity)
+        source = open_source(path, storage_options)
+        with source.guard(), gc_paused():
+            manifest = source.manifest(group)
+            result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0)
     except Exception as exc:
         # its rank is recorded by raise_failures
-        error = _removed_while_reading(path, identity, exc) if store is None else _replaced_on_store(store, path, exc)
+        error = exc
     group.exchange_outcome(error, operation="load")
-    if delta:  # an incremental link: base + deltas (distckpt.incremental)
-        from .incremental import load_chain
-        return load_chain(state_dict, path, process_group=process_group, no_dist=no_dist, verify=verify,
-                          strict=strict, allow_pickle=allow_pickle, cast=cast)
     return result
-
-
-def _is_delta(manifest: "mf.Manifest") -> bool:
-    from .chain import chain_info
-    info = chain_info(manifest)
-    return info is not None and info.get("kind") == "delta"
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:
@@ -719,28 +583,13 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
     validated (int64 bounds) and every data file read from is checked against the size the
     MANIFEST gives before any tensor is allocated: a damaged or hostile MANIFEST raises
     ManifestCorruptError / DataFileTruncatedError, never an allocation of its claimed size.
-    ``path`` may be an fsspec URL (``storage_options`` as :func:`distckpt.save`).
+    ``path`` may be an fsspec URL (``storage_options`` as :func:`distckpt.save`). A delta of an
+    incremental chain is read composed: its base's tracked tensors with every delta's rows.
     """
-    path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
-    if is_url(path):
-        store = open_store(path, storage_options)
-        try:
-            return _read(path, keys, verify, allow_pickle, store)
-        except DistCkptError as exc:
-            raise _replaced_on_store(store, path, exc) from None
-    identity = _dir_identity(path)
     try:
-        try:
-            out = _read(path, keys, verify, allow_pickle)
-            _check_unmoved(path, identity)
-            return out
-        except CheckpointRemovedError:
-            raise
-        except DistCkptError as exc:
-            removed = _removed_while_reading(path, identity, exc)
-            if removed is not exc:
-                raise removed from exc
-            raise
+        source = open_source(path, storage_options)
+        with source.guard():
+            return _read(source, keys, verify, allow_pickle)
     except DistCkptError as exc:
         # read() runs in one process without a group: its rank is the process's rank, if any.
         if is_distributed():
@@ -764,84 +613,95 @@ def _close_keys(unknown: list[str], fqns: list[str]) -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def _replaced_on_store(store: Store, path: str, exc: BaseException) -> BaseException:
-    """A data object missing on an object store because the checkpoint was overwritten or
-    deleted while it was read: CheckpointRemovedError, as on a local file system."""
-    if not isinstance(exc, DataFileMissingError):
-        return exc
-    try:
-        now = store.committed_save_id(path)
-    except Exception:  # noqa: BLE001 - the original error says enough
-        return exc
-    seen = os.path.basename(os.path.dirname(exc.path or ""))
-    if now == seen:
-        return exc  # the same save's object is missing: damage, not a replacement
-    err = CheckpointRemovedError(
-        f"{path} was {'replaced by another save' if now else 'deleted'} while it was read ({exc.message})",
-        path=path, renamed_to=None, replaced=now is not None)
-    err.__cause__ = exc
-    return err
+def _selects(fqn: str, keys: list[str]) -> bool:
+    return any(fqn == k or fqn.startswith(k + ".") for k in keys)
 
 
-def _read(path: str, keys: Iterable[str] | None, verify: bool, allow_pickle: bool, store: Store | None = None, *,
-          follow_chain: bool = True) -> dict:
-    manifest = load_manifest(path) if store is None else store.load_manifest(path)
-    if follow_chain and _is_delta(manifest):  # an incremental link: base + deltas composed
-        if store is not None:
-            raise ConfigError(f"{path} is a delta of an incremental chain: chains are read from local "
-                              f"directories only")
-        from .incremental import read_chain
-        return read_chain(path, keys, verify, allow_pickle)
-    all_keys = list(manifest.tensors) + list(manifest.objects)
-    if keys is None:
-        def keep(fqn):
-            return True
-    else:
-        wanted = list(keys)
-        unknown = [k for k in wanted if not any(f == k or f.startswith(k + ".") for f in all_keys)]
+def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:
+    """:func:`read` of an opened source: plan every link's tensors, check their data files, then
+    allocate and fill them (a chain's deltas' rows after its base's tensors)."""
+    manifest = source.manifest()
+    links = source.links(manifest)
+    saved = list(manifest.tensors) + list(manifest.objects)
+    tracked: dict[str, int] = {}
+    if links is not None:   # the delta's own records are no state of its own
+        saved = [f for f in saved if not _selects(f, [DELTA_ROOT])]
+        tracked = links[0].tracked
+    wanted = None if keys is None else list(keys)
+    if wanted is not None:
+        unknown = [k for k in wanted if not any(_selects(f, [k]) for f in saved + list(tracked))]
         if unknown:
-            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}{_close_keys(unknown, all_keys)}",
-                                         path=path, missing=unknown, unexpected=[], shape_mismatch={},
+            names = saved + list(tracked)
+            raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}{_close_keys(unknown, names)}",
+                                         path=source.path, missing=unknown, unexpected=[], shape_mismatch={},
                                          dtype_mismatch={}, remedy="Pass keys the checkpoint has (a key "
                                          "selects itself and every key under it); `distckpt inspect "
-                                         f"{path}` lists them, keys=None reads everything.")
-
-        def keep(fqn):
-            return any(fqn == k or fqn.startswith(k + ".") for k in wanted)
-    values: dict[str, Any] = {}
-    tasks: list[_Task] = []
-    pickled = []
+                                         f"{source.path}` lists them, keys=None reads everything.")
+    own = {f for f in saved if wanted is None or _selects(f, wanted)}
+    plans = [(source.path, manifest, own)]
+    if links is not None:
+        base = links[-1]
+        plans.append((base.path, base.manifest, {f for f in tracked if wanted is None or _selects(f, wanted)}))
+    pickled = [f for f in own if f in manifest.objects and manifest.objects[f].kind == "pickle"]
     # Before anything is allocated: every data file the selected tensors read from has the size
     # its MANIFEST claims. A damaged or hostile MANIFEST that describes terabytes in a file of a
     # few KiB must fail as the truncated file it is, not as an allocation of terabytes.
-    _check_files(path, manifest, {c.file for fqn, entry in manifest.tensors.items() if keep(fqn)
-                                  for c in entry.chunks if c.nbytes}, store)
-    for fqn, entry in manifest.tensors.items():
-        if not keep(fqn):
-            continue
-        dtype = dtype_from_name(entry.dtype, path=path)
-        out = torch.empty(tuple(entry.shape), dtype=dtype)
-        values[fqn] = out
-        want = Box((0,) * len(entry.shape), tuple(entry.shape))
-        if want.volume == 0:
-            continue
-        chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
-        for rp in plan_reads(chunks, want, itemsize=dtype.itemsize):
-            tasks.append(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype))
-    for fqn, entry in manifest.objects.items():
-        if keep(fqn):
-            if entry.kind == "pickle":
-                pickled.append(fqn)
-            values[fqn] = entry
+    try:
+        for path, m, keep in plans:
+            files = {c.file for fqn in keep if fqn in m.tensors for c in m.tensors[fqn].chunks if c.nbytes}
+            source.store.data_readers(path, m, sorted(files))
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        raise (_chain_error(exc, links) if links else exc) from None
     if pickled and not allow_pickle:
         raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
-                                    path=path, keys=pickled)
-    _fill(path, manifest, tasks, verify, store)
-    for fqn in list(values):
-        if isinstance(values[fqn], mf.ObjectEntry):
-            values[fqn] = _object_value(values[fqn], manifest, fqn, path)
-    result = _rebuild(manifest.tree, values, keep)
-    return {} if result is _SKIP else result
+                                    path=source.path, keys=pickled)
+    parts, values = [], []
+    for path, m, keep in plans:
+        vals: dict[str, Any] = {}
+        tasks: list[Task] = []
+        for fqn in keep & set(m.tensors):
+            entry = m.tensors[fqn]
+            dtype = dtype_from_name(entry.dtype, path=path)
+            out = vals[fqn] = torch.empty(tuple(entry.shape), dtype=dtype)
+            tasks.extend(box_tasks(path, m, [(fqn, (0,) * out.dim(), tuple(entry.shape), out)]))
+        parts.append(Part(source.store, path, m, tasks))
+        values.append(vals)
+    if links is None:
+        fill_parts(parts, verify=verify)
+    else:
+        _fill_read_chain(source, links, parts, values[1], verify)
+    out: dict = {}
+    for (path, m, keep), vals in zip(plans, values):
+        vals.update({fqn: _object_value(m.objects[fqn], m, fqn, path) for fqn in keep & set(m.objects)})
+        tree = _rebuild(m.tree, vals, keep.__contains__)
+        if tree is not _SKIP:
+            _merge(out, tree)
+    return out
+
+
+def _fill_read_chain(source: Source, links: list[ChainLink], parts: list[Part], base_values: dict,
+                     verify: bool) -> None:
+    """:func:`read`'s fill of a chain: ``parts`` (the newest link's and the base's) in one pass,
+    then every delta's newest rows scattered into the base's tensors ``base_values``. Raises
+    ChainBrokenError for a damaged or missing file of an older link."""
+    try:
+        with reading(), source.guard_links(links):
+            fill_parts(parts, verify=verify)
+            targets = {f: [Target((0,) * t.dim(), tuple(t.shape), t)] for f, t in base_values.items()}
+            reads, _ids = plan_deltas(list(reversed(links[:-1])), targets, links[0].tracked, verify)
+            fill_parts([Part(source.store, path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
+                       verify=verify)
+    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        raise _chain_error(exc, links) from exc
+
+
+def _merge(dst: dict, src: dict) -> None:
+    """Merge the nested dicts ``src`` into ``dst`` (a chain's base tensors into its newest link's state)."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
 
 
 def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
@@ -858,8 +718,7 @@ def read_box(path: str, manifest: "mf.Manifest", fqn: str, offsets: tuple[int, .
 
 def read_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tuple, tuple]], *,
                verify: bool = True) -> list[torch.Tensor]:
-    """:func:`read_box` for several (fqn, offsets, sizes) at once, in one pass over the files
-    (incremental chains read many small records per link this way)."""
+    """:func:`read_box` for several (fqn, offsets, sizes) at once, in one pass over the files."""
     outs = [torch.empty(tuple(sizes), dtype=dtype_from_name(manifest.tensors[fqn].dtype, path=path))
             for fqn, _offsets, sizes in requests]
     fill_boxes(path, manifest, [(f, o, s, out) for (f, o, s), out in zip(requests, outs)], verify=verify)
@@ -869,80 +728,6 @@ def read_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tup
 def fill_boxes(path: str, manifest: "mf.Manifest", requests: list[tuple[str, tuple, tuple, Any]], *,
                verify: bool = True) -> None:
     """Read the boxes (fqn, offsets, sizes) into the given destinations, in one pass over the
-    files. A destination is a tensor of the box's shape, or an object with the tensor methods the
-    fill uses on a destination (``dtype``, ``is_contiguous()``, ``narrow()``, ``copy_()``):
-    distckpt.incremental scatters delta rows straight from the read buffers into a table that way."""
+    files (distckpt.fill.fill_boxes_of: a destination is a tensor of the box's shape, or an
+    object with the tensor methods a fill uses on one). Raises the read errors of :func:`load`."""
     fill_boxes_of([(path, manifest, requests)], verify=verify)
-
-
-def fill_boxes_of(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *,
-                  verify: bool = True) -> int:
-    """:func:`fill_boxes` for several checkpoints (path, manifest, requests) in one read pass
-    (each file verified with its own checkpoint's checksum block; DCP checkpoints, which have
-    none, in passes of their own): the read pipeline's fixed costs are paid once, not per
-    checkpoint. A request is (fqn, offsets, sizes, destination[, after]): with ``after``, an fqn
-    of another request of the pass, it is copied only once that one's boxes are (distckpt.fill).
-    Returns the bytes read. Raises the read errors of :func:`load`; their ``path`` names the data
-    file."""
-    choices: dict[str, Any] = {}
-    groups, dcp_passes = _box_tasks(checkpoints, choices=choices)
-    nbytes = 0
-    for path, manifest, tasks in dcp_passes:   # a DCP checkpoint: no checksums, its own pass
-        nbytes += _fill(path, manifest, tasks, verify)[0]
-    return nbytes + _fill_groups(groups, choices, verify)
-
-
-def _box_tasks(checkpoints: list[tuple[str, "mf.Manifest", list[tuple]]], *,
-               choices: dict[str, Any]) -> tuple[dict[int, tuple[dict, dict]], list]:
-    """The fill tasks of box requests, grouped by checksum block size: ({block: (paths, by_file)},
-    [(path, manifest, tasks) of DCP checkpoints]). File keys are ``i << 32 | file`` for the i-th
-    checkpoint, unique across them (and in the order of ``checkpoints``). Every data file is checked to exist with its MANIFEST size; ``choices`` gets
-    the I/O backend of each path."""
-    from .storage.posix import choose_backend
-
-    groups: dict[int, tuple[dict, dict]] = {}   # checksum block -> (paths, by_file)
-    dcp_passes = []
-    for ci, (path, manifest, requests) in enumerate(checkpoints):
-        tasks = []
-        for req in requests:
-            fqn, offsets, sizes, out = req[:4]
-            after = req[4] if len(req) > 4 else None
-            entry = manifest.tensors[fqn]
-            dtype = dtype_from_name(entry.dtype, path=path)
-            want = Box(tuple(offsets), tuple(sizes))
-            if want.volume:
-                chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
-                tasks.extend(_Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype, after)
-                             for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
-        if not tasks:
-            continue
-        if manifest.checksum_algo != "crc32c":
-            dcp_passes.append((path, manifest, tasks))
-            continue
-        choice = choose_backend(path, read_only=True)
-        paths, by_file = groups.setdefault(manifest.checksum_block, ({}, {}))
-        for t in tasks:
-            key = (ci << 32) | t.chunk.file
-            if key not in paths:
-                paths[key] = _check_data_file(path, manifest.files[t.chunk.file])
-                choices[paths[key]] = choice
-            by_file.setdefault(key, []).append(t)
-    return groups, dcp_passes
-
-
-def _fill_groups(groups: dict[int, tuple[dict, dict]], choices: dict[str, Any], verify: bool) -> int:
-    """One fill of every group's files, each with its checksum block; returns the bytes read."""
-    from .fill import READ_PIECE, fill
-    from .storage.posix import open_reader
-    paths: dict = {}
-    by_file: dict = {}
-    blocks: dict = {}
-    for block, (gpaths, gtasks) in groups.items():
-        paths.update(gpaths)
-        by_file.update(gtasks)
-        blocks.update(dict.fromkeys(gtasks, block))
-    if not by_file:
-        return 0
-    align = max(choices[p].offset_align for p in paths.values())
-    return fill(paths, by_file, block=blocks, verify=verify, align=align,
-                open_reader=lambda p: open_reader(p, choice=choices[p], block_size=READ_PIECE)).bytes_read

@@ -24,15 +24,12 @@ import concurrent.futures
 import dataclasses
 import mmap
 import os
-import stat
 import time
 from typing import Any, Callable, Iterator
 
-import crc32c as _crc32c
-
 from . import manifest as mf
-from .errors import DataFileTruncatedError, from_os_error
-from .locate import check_checkpoint_dir
+from .checksum import crc32c
+from .errors import DataFileTruncatedError
 
 __all__ = ["BadBlock", "FileProblem", "VerifyReport", "verify", "verify_chain", "DEFAULT_WINDOW"]
 
@@ -206,28 +203,6 @@ def _iter_blocks(chunks: list, block: int) -> Iterator[_Block]:
             yield _Block(offset + start, min(block, c.nbytes - start), crc, fqn, i)
 
 
-def _open_file(ckpt: str, entry: "mf.FileEntry", report: VerifyReport) -> tuple[str, int] | None:
-    """(path, bytes to read) for a data file, or None (problem recorded) when it cannot be read at all."""
-    fpath = os.path.join(ckpt, entry.name)
-    try:
-        st = os.lstat(fpath)  # lstat: a data file must be a regular file inside the checkpoint (I7)
-    except FileNotFoundError:
-        report.file_problems.append(FileProblem(entry.name, "missing (listed in MANIFEST)"))
-        return None
-    except OSError as exc:
-        raise from_os_error(exc, path=fpath, operation="stat") from exc
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        report.file_problems.append(FileProblem(entry.name, f"is {kind}; a data file must be a regular file"))
-        return None
-    if st.st_size < entry.size:
-        report.file_problems.append(FileProblem(entry.name, f"truncated: {st.st_size} bytes, MANIFEST says {entry.size}"))
-    elif st.st_size > entry.size:
-        report.file_problems.append(FileProblem(entry.name, f"{st.st_size} bytes, MANIFEST says {entry.size} "
-                                                            f"({st.st_size - entry.size} bytes appended)"))
-    return fpath, min(st.st_size, entry.size)
-
-
 def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, opener,
                 report: VerifyReport, progress: Callable[[int], None] | None,
                 pool: concurrent.futures.Executor) -> None:
@@ -255,7 +230,7 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
                     while cur is not None and cur.start < end:
                         a, b = max(cur.start, start), min(cur.start + cur.length, end)
                         if b > a:
-                            running = _crc32c.crc32c(view[a - start:b - start], running)
+                            running = crc32c(view[a - start:b - start], running)
                         if cur.start + cur.length > end:
                             break  # the block continues in the next window
                         report.blocks_checked += 1
@@ -281,24 +256,6 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
         report.blocks_checked += 1
         report.bad_blocks.append(BadBlock(name, cur.start, cur.length, cur.key, cur.index, cur.crc, None))
         cur = next(blocks, None)
-
-
-def _open_object(store, ckpt: str, manifest, i: int, report: VerifyReport) -> tuple[str, int] | None:
-    """:func:`_open_file` for a data object of an object store (one HEAD)."""
-    entry = manifest.files[i]
-    url = store.data_url(ckpt, manifest, i)
-    from .storage.object.store import NoSuchKey
-    try:
-        size = store._call("head", url, "info", store._key(url))["size"]
-    except NoSuchKey:
-        report.file_problems.append(FileProblem(entry.name, "missing (listed in MANIFEST)"))
-        return None
-    if size < entry.size:
-        report.file_problems.append(FileProblem(entry.name, f"truncated: {size} bytes, MANIFEST says {entry.size}"))
-    elif size > entry.size:
-        report.file_problems.append(FileProblem(entry.name, f"{size} bytes, MANIFEST says {entry.size} "
-                                                            f"({size - entry.size} bytes appended)"))
-    return url, min(size, entry.size)
 
 
 def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
@@ -336,25 +293,26 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     """
     if window < 4096 or window % 4096:
         raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")
-    from .locate import checkpoint_path
-    from .storage import is_url
+    from .storage import is_url, open_store
+    from .storage.posix.locate import checkpoint_path
 
     path = checkpoint_path(path)  # normalized; a MANIFEST file stands for its directory
-    chain = [] if is_url(path) else _chain(path)  # chains are local (distckpt.incremental)
-    report = _verify_one(path, window, progress, on_start, storage_options, chain)
+    store = open_store(path, storage_options)
+    # Chains are local only (distckpt.incremental): an object store's checkpoint is never a delta.
+    chain = [] if is_url(path) else _chain(store, path)
+    report = _verify_one(store, path, window, progress, on_start, chain)
     for link in chain[1:]:
-        report.links.append(_verify_one(link, window, progress, on_start, storage_options, []))
+        report.links.append(_verify_one(store, link, window, progress, on_start, []))
     return report
 
 
-def _chain(path: str) -> list[str]:
+def _chain(store, path: str) -> list[str]:
     """The paths of the links a delta at ``path`` needs, itself first ([] for any other
     checkpoint, and for a MANIFEST that cannot be read: :func:`_verify_one` says why)."""
     from .chain import chain_info, chain_of
     from .errors import DistCkptError
     try:
-        check_checkpoint_dir(path)
-        info = chain_info(mf.load_manifest_header(path))
+        info = chain_info(mf.decode_header(store.manifest_bytes(path)))
     except DistCkptError:
         return []
     if info is None or info.get("kind") != "delta":
@@ -362,38 +320,38 @@ def _chain(path: str) -> list[str]:
     return [path] + [link.path for link in chain_of(path, chunks=False)[1:]]  # ChainBrokenError
 
 
-def _verify_one(path: str, window: int, progress, on_start, storage_options, chain: list[str]) -> VerifyReport:
+def _stat_files(store, path: str, manifest: "mf.Manifest", report: VerifyReport) -> list:
+    """[(file index, entry, (location, bytes to read))] of the data files that can be read at
+    all; every missing, non-regular, truncated or oversized file is recorded in ``report``."""
+    readable = []
+    for i, entry in enumerate(manifest.files):
+        location, size, problem = store.data_file_stat(path, manifest, i)
+        if size is None:
+            report.file_problems.append(FileProblem(entry.name, problem))
+            continue
+        if size < entry.size:
+            report.file_problems.append(FileProblem(entry.name, f"truncated: {size} bytes, MANIFEST says {entry.size}"))
+        elif size > entry.size:
+            report.file_problems.append(FileProblem(entry.name, f"{size} bytes, MANIFEST says {entry.size} "
+                                                                f"({size - entry.size} bytes appended)"))
+        readable.append((i, entry, (location, min(size, entry.size))))
+    return readable
+
+
+def _verify_one(store, path: str, window: int, progress, on_start, chain: list[str]) -> VerifyReport:
     """:func:`verify` of one checkpoint, its chain's links not included."""
-    from .storage import is_url, join, open_store
-    from .storage.posix import choose_read_backend, open_reader
+    from .storage import join
 
     t0 = time.monotonic()
-    if is_url(path):
-        from .storage.object.store import _RangeReader
-        store = open_store(path, storage_options)
-        mpath = join(path, mf.MANIFEST_NAME)
-        data = store.manifest_bytes(path)
-    else:
-        check_checkpoint_dir(path)
-        mpath = os.path.join(path, mf.MANIFEST_NAME)
-        data = mf.read_manifest_bytes(mpath)
+    mpath = join(path, mf.MANIFEST_NAME)
+    data = store.manifest_bytes(path)
     # Format 3 keeps the chunk records in the data files: the MANIFEST alone first, then each
     # file's index below, so that a damaged file is reported and the others still checked.
     manifest = mf.decode_header(data, path=mpath)
     report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
                           checksum_block=manifest.checksum_block, chain=list(chain))
-    if is_url(path):
-        opened = [(i, entry, _open_object(store, path, manifest, i, report)) for i, entry in enumerate(manifest.files)]
-        sizes = {found[0]: found[1] for _, _, found in opened if found is not None}
-        report.backend = f"fsspec:{store.protocol}"
-        opener = lambda u: _RangeReader(store, u, sizes[u])  # noqa: E731
-    else:
-        opened = [(i, entry, _open_file(path, entry, report)) for i, entry in enumerate(manifest.files)]
-    readable = [(i, entry, found) for i, entry, found in opened if found is not None]
-    if not is_url(path):
-        choice = choose_read_backend(readable[0][2][0]) if readable else None
-        report.backend = choice.name if choice is not None else None
-        opener = lambda p: open_reader(p, choice=choice)  # noqa: E731
+    readable = _stat_files(store, path, manifest, report)
+    opener, report.backend = store.whole_file_readers({loc: size for _, _, (loc, size) in readable})
     if manifest.format_version >= 3:
         manifest, readable = _read_indexes(manifest, mpath, readable, opener, report)
     report.blocks_expected = sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks)

@@ -9,19 +9,21 @@ Two back ends implement :class:`Store`:
     through s3fs). Data objects are uploaded under a save-unique prefix, and MANIFEST is written
     last with a conditional create; nothing is ever renamed (docs/FORMAT.md, "Object stores").
 
-:func:`open_store` picks one from a path. The coordinator (:mod:`distckpt.coordinator`) speaks to
-the interface only: ``prepare`` (a save area, the save's liveness lock), ``write_rank`` (one rank's
-data), ``publish`` (MANIFEST, durably: the commit point), ``abort`` / ``discard`` (delete), and the
-read side ``manifest_bytes`` / ``data_readers``; the manager adds ``list_steps``,
-``replace_pointer``, ``remove_checkpoint`` and ``reclaim``.
+:func:`open_store` picks one from a path; :class:`Store` (:mod:`distckpt.storage.base`) is the
+interface every caller above storage/ uses, and its docstring states the call order and what every
+back end guarantees. The path helpers here (:func:`is_url`, :func:`normalize_path`, :func:`join`,
+:func:`basename`, :func:`dirname`) work for local paths and URLs alike.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-__all__ = ["Store", "open_store", "is_url", "normalize_path", "join"]
+from .base import ROOT_LOCK_NAME, Leftover, Store
+
+__all__ = ["Store", "Leftover", "ROOT_LOCK_NAME", "open_store", "is_url", "normalize_path", "join", "basename",
+           "dirname"]
 
 
 def is_url(path: Any) -> bool:
@@ -55,77 +57,13 @@ def join(base: str, *names: str) -> str:
 
 
 def basename(path: str) -> str:
+    """The last component of a local path or a URL (trailing slashes ignored)."""
     return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(os.path.normpath(path))
 
 
 def dirname(path: str) -> str:
+    """The parent of a local path or a URL (trailing slashes ignored)."""
     return path.rstrip("/").rsplit("/", 1)[0] if is_url(path) else os.path.dirname(os.path.normpath(path))
-
-
-class Store:
-    """What the commit protocol, loads and the manager need from a back end.
-
-    Save side (the coordinator's phases; every method raises typed DistCkptError subclasses):
-      ``prepare(final, save_id, overwrite, needed, rank, lock_path) -> (area, lock)`` (rank 0):
-          reclaim dead leftovers of ``final``, take the save's liveness lock, refuse a committed
-          ``final`` unless ``overwrite``, create the save area (a str every rank can use).
-      ``write_rank(area, rank, pieces, checksum_block) -> (records, size, backend, reason)``:
-          one rank's data, durable when it returns.
-      ``publish(area, final, manifest, overwrite) -> replaced``: the commit point; afterwards a
-          reader of ``final`` finds the new checkpoint, complete. ``replaced`` (or None) is what
-          ``discard`` deletes afterwards (an overwritten checkpoint's data).
-      ``abort(area, world)``: delete an unpublished save area.
-      ``committed_save_id(final) -> str | None``: the save id of the MANIFEST at ``final``.
-    Read side: ``is_committed(path)``, ``manifest_bytes(path)``, ``data_readers(path, manifest,
-    file_indexes) -> (paths, open_reader, align)`` (what :func:`distckpt.fill.fill` takes).
-    Manager: ``list_steps(root)``, ``replace_pointer(path, data)``, ``read_pointer(path)``,
-    ``remove_checkpoint(path)``, ``reclaim(parent, name, other_hosts)``.
-    """
-
-    kind = "abstract"
-
-    def prepare(self, final: str, save_id: str, overwrite: bool, needed: int, rank: int,
-                lock_path: str | None) -> tuple[str, Any]:
-        raise NotImplementedError
-
-    def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
-        raise NotImplementedError
-
-    def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
-        raise NotImplementedError
-
-    def discard(self, replaced: str) -> None:
-        raise NotImplementedError
-
-    def abort(self, area: str, world: int) -> None:
-        raise NotImplementedError
-
-    def committed_save_id(self, final: str) -> str | None:
-        raise NotImplementedError
-
-    def is_committed(self, path: str) -> bool:
-        raise NotImplementedError
-
-    def manifest_bytes(self, path: str) -> bytes:
-        raise NotImplementedError
-
-    def read_index(self, path: str, header: Any, i: int) -> bytes:
-        """The index bytes of data file ``i`` of the checkpoint at ``path`` (format version 3), after
-        checking the file's size against ``header``. Raises DataFileMissingError,
-        DataFileTruncatedError, CheckpointCorruptError, StorageError."""
-        raise NotImplementedError
-
-    def load_manifest(self, path: str) -> Any:
-        """The decoded, validated Manifest of the committed checkpoint at ``path``, chunks included
-        (read from the data files' indexes for format version 3). Raises what
-        :meth:`manifest_bytes`, :meth:`read_index` and :func:`distckpt.manifest.decode` raise."""
-        from .. import manifest as mf
-        return mf.decode(self.manifest_bytes(path), path=join(path, mf.MANIFEST_NAME),
-                         read_index=lambda header, i: self.read_index(path, header, i))
-
-    def data_readers(self, path: str, manifest: Any,
-                     file_indexes: list[int]) -> tuple[Mapping[int, str], Callable[[str], Any], int, str]:
-        raise NotImplementedError
 
 
 def open_store(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Store:

@@ -16,16 +16,17 @@ import os
 import subprocess
 import threading
 
-import crc32c
 import msgpack
 import pytest
 import torch
 
 import distckpt
 from distckpt import errors as E
+from distckpt.checksum import crc32c
 from distckpt.storage import posix as dio
 from distckpt import manifest as mf
-from distckpt import restore
+from distckpt.storage.posix.manifests import load_manifest
+from distckpt.storage.posix import loading
 
 from ..helpers.faults import mounts, require_root, run_python  # noqa: F401  (mounts is a fixture)
 
@@ -39,7 +40,7 @@ def _state() -> dict:
 def _rewrite_manifest(path: str, edit) -> None:
     """Replace path/MANIFEST with a well-formed one (valid header and crc32c) whose body ``edit``
     changed: what a hostile or damaged writer could produce, past every byte-level check."""
-    body = mf.to_plain(mf.load_manifest(path))
+    body = mf.to_plain(load_manifest(path))
     del body["format_version"]
     body = copy.deepcopy(body)
     for f in body["files"]:  # written as version 1: the chunks in the MANIFEST, no file index
@@ -48,7 +49,7 @@ def _rewrite_manifest(path: str, edit) -> None:
     raw = msgpack.packb(body, use_bin_type=True)
     head = mf._HEADER.pack(mf.MAGIC, 1, 0, len(raw)) + raw
     with open(os.path.join(path, "MANIFEST"), "wb") as f:
-        f.write(head + crc32c.crc32c(head).to_bytes(4, "little"))
+        f.write(head + crc32c(head).to_bytes(4, "little"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,8 +268,8 @@ def _race(monkeypatch, stage: str) -> tuple[threading.Event, threading.Event]:
     "manifest" (directory checked, MANIFEST not yet opened) or "data" (MANIFEST read, no data
     file opened yet). Returns (reached, done): the reader sets ``reached`` and waits for ``done``.
     Only the order is forced; the rotation, the files and the errors are real."""
-    name = {"manifest": "_check_committed", "data": "_check_data_file"}[stage]
-    real = getattr(restore, name)
+    name = {"manifest": "check_committed", "data": "check_data_file"}[stage]
+    real = getattr(loading, name)
     reached, done = threading.Event(), threading.Event()
 
     def hold(*args):
@@ -278,7 +279,7 @@ def _race(monkeypatch, stage: str) -> tuple[threading.Event, threading.Event]:
             assert done.wait(60)
         return out if stage == "manifest" else real(*args)
 
-    monkeypatch.setattr(restore, name, hold)
+    monkeypatch.setattr(loading, name, hold)
     return reached, done
 
 

@@ -17,6 +17,7 @@ import torch
 import distckpt
 from distckpt import errors
 from distckpt import manifest as mf
+from distckpt.storage.posix.manifests import load_manifest
 from tests.helpers.distributed import run_ranks
 
 Pair = collections.namedtuple("Pair", "lo hi")
@@ -50,7 +51,7 @@ class Loader:
 
 
 def _kinds(path):
-    return {fqn: o.kind for fqn, o in mf.load_manifest(str(path)).objects.items()}
+    return {fqn: o.kind for fqn, o in load_manifest(str(path)).objects.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def test_unimportable_namedtuple_is_a_typed_error_on_load(tmp_path):
 
 def test_class_that_is_not_the_saved_sort_is_refused(tmp_path):
     distckpt.save({"m": Mode.TRAIN}, tmp_path / "ck")
-    m = mf.load_manifest(str(tmp_path / "ck"))
+    m = load_manifest(str(tmp_path / "ck"))
     from distckpt.values import decode_value
     node = dict(m.objects["m"].value, c="os:system")  # a function, not an Enum class
     with pytest.raises(errors.UnsupportedValueError, match="not a enum class"):
@@ -288,7 +289,7 @@ def _ranks_body(rank, world, root):
 
 def test_device_digest_tells_replicas_apart():
     # The digest used for tensors that are not on the CPU (no GPU here: run it on CPU tensors).
-    from distckpt.coordinator import _device_digest
+    from distckpt.saveplan import _device_digest
     a = torch.randn(1000, 3)
     assert _device_digest(a) == _device_digest(a.clone())
     b = a.clone()

@@ -20,6 +20,7 @@ import torch
 
 import distckpt
 from distckpt import cli, config, manifest as mf
+from distckpt.storage.posix.manifests import load_manifest
 from distckpt.sizes import format_bytes, parse_size
 from distckpt.verify import verify
 
@@ -168,7 +169,7 @@ def test_verify_reports_every_bad_block_in_every_file(tmp_path, two_file_ckpt):
     file, offset and key; the exit status is 1; nothing is written into the checkpoint."""
     ck = str(tmp_path / "ck")
     shutil.copytree(two_file_ckpt, ck)
-    m = mf.load_manifest(ck)
+    m = load_manifest(ck)
     assert len(m.files) == 2
     by_file: dict[int, list] = {}
     for fqn, t in sorted(m.tensors.items()):
@@ -203,7 +204,7 @@ def test_verify_reports_every_bad_block_in_every_file(tmp_path, two_file_ckpt):
 def test_verify_reports_missing_and_truncated_files_and_goes_on(tmp_path, two_file_ckpt):
     ck = tmp_path / "ck"
     shutil.copytree(two_file_ckpt, ck)
-    m = mf.load_manifest(ck)
+    m = load_manifest(ck)
     blocks0 = sum(len(c.crcs) for t in m.tensors.values() for c in t.chunks if c.file == 0)
     # A truncated file loses its index (format 3: at its end) first: the file is reported twice
     # (its size, its chunks that cannot be located), and the other file is still checked whole.
@@ -223,7 +224,7 @@ def test_verify_reports_missing_and_truncated_files_and_goes_on(tmp_path, two_fi
 def test_verify_names_a_damaged_index_and_checks_the_other_files(tmp_path, two_file_ckpt):
     ck = tmp_path / "ck"
     shutil.copytree(two_file_ckpt, ck)
-    m = mf.load_manifest(ck)
+    m = load_manifest(ck)
     off, length, _ = m.files[1].index
     with open(ck / m.files[1].name, "r+b") as f:  # one bit of the index of rank 1's file
         f.seek(off + length // 2)

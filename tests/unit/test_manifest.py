@@ -8,12 +8,12 @@ import json
 import os
 import struct
 
-import crc32c
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from distckpt.checksum import crc32c
 from distckpt.errors import (CheckpointCorruptError, CheckpointIncompleteError, ChecksumMismatchError,
                              DataFileMissingError, DataFileTruncatedError, ManifestCorruptError)
 from distckpt.manifest import (
@@ -29,11 +29,10 @@ from distckpt.manifest import (
     decode,
     decode_header,
     encode,
-    load_manifest,
-    read_manifest_bytes,
     to_plain,
     validate,
 )
+from distckpt.storage.posix.manifests import load_manifest, read_manifest_bytes
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 
@@ -202,7 +201,7 @@ def _v3_variant(tmp_path, edit_files=None, index_records=None):
         data = gen.golden_v3_files()[1][: gen.V3_CHUNK_AREA] + encode_index(index_records(recs))
         (d / "rank00001.bin").write_bytes(data)
         files[1] = FileEntry(files[1].name, len(data), 1, (gen.V3_CHUNK_AREA, len(data) - gen.V3_CHUNK_AREA,
-                                                           crc32c.crc32c(data[gen.V3_CHUNK_AREA:])))
+                                                           crc32c(data[gen.V3_CHUNK_AREA:])))
     if edit_files is not None:
         files = edit_files(files)
     # encode() validates what it is given: write the MANIFEST of the header alone, past that check.
@@ -241,7 +240,7 @@ def test_v3_hostile_indexes_are_refused(tmp_path, case, phrase):
                                       for k, c in recs]
     elif case == "bad_index_bytes":
         def edit_files(fs):
-            return [fs[0], FileEntry(fs[1].name, fs[1].size, 1, (0, 16, crc32c.crc32c(bytes(16))))]
+            return [fs[0], FileEntry(fs[1].name, fs[1].size, 1, (0, 16, crc32c(bytes(16))))]
         data = bytearray(gen.golden_v3_files()[1])
         data[:16] = bytes(16)  # the bytes the hostile index reference points at: crc matches, no magic
     d = _v3_variant(tmp_path / case, edit_files, index_records)
@@ -269,7 +268,7 @@ def test_golden_header_layout():
     data = encode(gen.golden_manifest())
     magic, version, flags, length = struct.unpack_from("<8sIIQ", data)
     assert (magic, version, flags, length) == (MAGIC, 1, 0, len(data) - 28)
-    assert struct.unpack_from("<I", data, len(data) - 4)[0] == crc32c.crc32c(data[:-4])
+    assert struct.unpack_from("<I", data, len(data) - 4)[0] == crc32c(data[:-4])
     body = msgpack.unpackb(data[24:-4], raw=False)
     assert list(body) == ["save_id", "world_size", "created_unix", "checksum_algo", "checksum_block",
                           "files", "tensors", "objects", "tree", "meta"]
@@ -352,7 +351,7 @@ def test_encode_refuses_invalid_manifest():
 
 def test_block_crcs_definition():
     data = bytes(range(40))
-    assert block_crcs(data, 16) == (crc32c.crc32c(data[:16]), crc32c.crc32c(data[16:32]), crc32c.crc32c(data[32:]))
+    assert block_crcs(data, 16) == (crc32c(data[:16]), crc32c(data[16:32]), crc32c(data[32:]))
     assert block_crcs(b"", 16) == ()
     assert data_file_name(3) == "rank00003.bin"
 
@@ -586,7 +585,7 @@ def test_fuzz_v3_index_past_its_crc_only_raises_manifest_corrupt(data):
         raw = bytearray(b"DCKPTIX3" + msgpack.packb(rows, use_bin_type=True))
     files = list(m.files)
     files[1] = FileEntry(files[1].name, gen.V3_CHUNK_AREA + len(raw), 1,
-                         (gen.V3_CHUNK_AREA, max(len(raw), 8), crc32c.crc32c(bytes(raw))))
+                         (gen.V3_CHUNK_AREA, max(len(raw), 8), crc32c(bytes(raw))))
     header = dataclasses.replace(m, files=tuple(files), tensors={k: dataclasses.replace(t, chunks=None)
                                                                  for k, t in m.tensors.items()})
     indexes = {0: gen.golden_v3_files()[0][gen.V3_CHUNK_AREA:], 1: bytes(raw)}
@@ -655,7 +654,7 @@ def test_a_manifest_over_the_readers_limit_is_never_committed(tmp_path, monkeypa
     from distckpt.errors import UnsupportedValueError
     sd = {f"t{i}": torch.zeros(2) for i in range(20)}
     distckpt.save(sd, tmp_path / "fits")
-    size = len(mf.read_manifest_bytes(tmp_path / "fits" / "MANIFEST"))
+    size = len(read_manifest_bytes(tmp_path / "fits" / "MANIFEST"))
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", size // 2)
     with pytest.raises(UnsupportedValueError, match="would be .* more than the .* bytes every reader accepts"):
         distckpt.save(sd, tmp_path / "big")

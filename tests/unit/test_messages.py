@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import distckpt
-from distckpt import errors, locate
-from distckpt.coordinator import TMP_RE
+from distckpt import errors
+from distckpt.storage.posix import locate
+from distckpt.storage.posix.leftovers import TMP_RE
 
 
 def _load_read_inspect(path) -> list[BaseException]:
@@ -136,7 +137,7 @@ def test_a_tensor_as_the_whole_state_dict(tmp_path):
 
 
 def test_locate_agrees_with_the_save_protocol():
-    assert locate._TMP_RE.pattern == TMP_RE.pattern
+    assert locate.TMP_RE.pattern == TMP_RE.pattern
 
 
 # --------------------------------------------------------------------------------------------

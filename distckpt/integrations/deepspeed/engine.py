@@ -80,12 +80,11 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 from ... import manifest as mf
 from ..._dist import _portable, control_group
-from ...coordinator import ROOT_LOCK_NAME, is_committed, reclaim_tmp_dirs
-from ...errors import (CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError,
-                       from_os_error)
-from ...restore import load_manifest, read
-from ...save_sync import SaveResult, save
-from ...storage.posix import commit as local
+from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError
+from ...restore import read
+from ...commit import SaveResult
+from ...save_sync import save_in_root
+from ...storage import ROOT_LOCK_NAME, Store, join, open_store
 from ...values import holds_tensor
 from . import zero
 
@@ -181,7 +180,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         # crash leaves behind.
         if self._info is not None and os.path.abspath(path) == self._tag_dir():
             return
-        local.make_dirs_durable(path)
+        open_store(path).make_root(path)
 
     def _tag_dir(self) -> str:
         return os.path.abspath(os.path.join(self._info.save_dir, str(self._info.tag)))
@@ -207,16 +206,18 @@ class DistckptCheckpointEngine(CheckpointEngine):
         files, self._files = self._files, {}
         self._info = None
         save_dir = os.path.abspath(info.save_dir)
-        final = os.path.join(save_dir, str(info.tag))
+        store = open_store(save_dir)
+        final = join(save_dir, str(info.tag))
         save_latest = self.save_latest  # the user's save_latest (DeepSpeed's own write is off)
-        if _rank() == 0 and os.path.isdir(save_dir):
-            reclaim_tmp_dirs(save_dir)  # leftovers of crashed saves (dead ones only)
+        if _rank() == 0:
+            store.reclaim(save_dir)  # leftovers of crashed saves (dead ones only)
         state, meta = self._state(files)
         meta.update(engine=FORMAT, tag=str(info.tag), **self._extra_meta)
-        self.last_result = save(state, final,
-                                overwrite=True, metadata={"deepspeed": meta},
-                                _after_commit=lambda: self._after_commit(save_dir, str(info.tag), save_latest),
-                                _lock_path=os.path.join(save_dir, ROOT_LOCK_NAME))
+        self.last_result = save_in_root(state, final,
+                                        overwrite=True, metadata={"deepspeed": meta},
+                                        after_commit=lambda: self._after_commit(store, save_dir, str(info.tag),
+                                                                                save_latest),
+                                        lock_path=join(save_dir, ROOT_LOCK_NAME))
         return True
 
     def _state(self, files: dict[str, Any]) -> tuple[dict, dict]:
@@ -248,17 +249,17 @@ class DistckptCheckpointEngine(CheckpointEngine):
                 "module_from_masters": stage in (1, 2)}
         return {_FILES: out, **zsd}, meta
 
-    def _after_commit(self, save_dir: str, tag: str, save_latest: bool) -> None:
+    def _after_commit(self, store: Store, save_dir: str, tag: str, save_latest: bool) -> None:
         # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
         if save_latest:
-            local.replace_file_atomic(os.path.join(save_dir, "latest"), tag.encode())
+            store.replace_pointer(join(save_dir, "latest"), tag.encode())
         if self.keep_last is None:
             return
         pointed = read_latest(save_dir)
-        ours = sorted(_our_checkpoints(save_dir), key=lambda e: (e[1], e[0]))
+        ours = sorted(_our_checkpoints(store, save_dir), key=lambda e: (e[1], e[0]))
         doomed = [name for name, _ in ours[:max(0, len(ours) - self.keep_last)] if name not in (tag, pointed)]
         for name in doomed:
-            local.remove_dir(os.path.join(save_dir, name))
+            store.remove_checkpoint(join(save_dir, name))
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         return dp_rank == 0
@@ -329,16 +330,10 @@ def _rank() -> int:
 
 
 def read_latest(save_dir: str) -> str | None:
-    """The tag ``save_dir/latest`` names, or None when there is no such file."""
-    path = os.path.join(save_dir, "latest")
-    try:
-        with open(path, "rb") as f:
-            # a name that does not decode is not a tag here: the load then names it as not found
-            return f.read(4096).decode("utf-8", "replace").strip() or None
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise from_os_error(exc, path=path, operation="read") from exc
+    """The tag ``save_dir/latest`` names, or None when there is no such file (or it is empty).
+    Raises StorageError subclasses when it cannot be read."""
+    # A name that does not decode is not a tag here: the load then names it as not found.
+    return open_store(save_dir).read_pointer(join(save_dir, "latest")) or None
 
 
 def _ds_meta(manifest: "mf.Manifest") -> dict | None:
@@ -347,15 +342,15 @@ def _ds_meta(manifest: "mf.Manifest") -> dict | None:
     return ds if isinstance(ds, dict) and ds.get("engine") == FORMAT else None
 
 
-def _our_checkpoints(save_dir: str) -> list[tuple[str, float]]:
+def _our_checkpoints(store: Store, save_dir: str) -> list[tuple[str, float]]:
     """(tag, commit time) of every committed checkpoint of this integration in ``save_dir``."""
     out = []
-    for name in os.listdir(save_dir):
-        path = os.path.join(save_dir, name)
-        if not is_committed(path) or os.path.islink(path):
+    for name in store.list_children(save_dir):  # symlinks are not followed: never deleted through
+        path = join(save_dir, name)
+        if not store.is_committed(path):
             continue
         try:
-            manifest = load_manifest(path)
+            manifest = store.load_manifest(path)
         except DistCkptError:
             continue  # not ours to judge, never ours to delete
         if _ds_meta(manifest) is not None:
@@ -397,10 +392,11 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
         tag = read_latest(load_dir)
         if tag is None:
             return None
-    path = os.path.join(load_dir, str(tag))
-    if not is_committed(path):
+    path = join(load_dir, str(tag))
+    store = open_store(path)
+    if not store.is_committed(path):
         raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
-    manifest = load_manifest(path)
+    manifest = store.load_manifest(path)
     ds = _ds_meta(manifest)
     if ds is None:
         raise CheckpointNotFoundError(

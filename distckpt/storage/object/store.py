@@ -35,23 +35,25 @@ Protocol and the promises it keeps:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-import crc32c as _crc32c
-
+from ... import datafile
 from ... import manifest as mf
-from ...errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
+from ...errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError,
+                      CheckpointRemovedError, ConfigError,
                       DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
                       )
 from ...config import get_config
-from ...plan import ALIGNMENT, assign_offsets
+from ...plan import ALIGNMENT
 from .. import Store, join
+from ..base import ROOT_LOCK_NAME, Leftover
 from . import request as objrequest
 from .errors import client_config, translate
 
@@ -60,7 +62,6 @@ __all__ = ["ObjectStore", "Lease", "NoSuchKey", "translate_error", "settings"]
 log = logging.getLogger("distckpt")
 
 LOCK_NAME = ".lock"
-ROOT_LOCK_NAME = ".distckpt.lock"
 _MIN_PART = 5 << 20          # S3's smallest part but the last
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
@@ -232,7 +233,7 @@ class ObjectStore(Store):
             CheckpointNotFoundError: nothing at ``path``.
             CheckpointIncompleteError: objects under ``path`` but no MANIFEST (never committed).
         """
-        data = self._read_small(join(path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
+        data = self._read_small(join(path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_FILE_BYTES)
         if data is not None:
             return data
         if self.objects(path):
@@ -250,12 +251,34 @@ class ObjectStore(Store):
         open_reader(urls[i]).read_into([(off, length, memoryview(buf))])
         return bytes(buf)
 
+    @contextlib.contextmanager
+    def guard_reads(self, path: str) -> Iterator[None]:
+        """A data object missing inside the block because the checkpoint was overwritten or
+        deleted while it was read leaves as CheckpointRemovedError (as on a local file system).
+        Objects are never renamed, and a save's data lives under its own save id: a read that
+        succeeded read one checkpoint, so success stands."""
+        try:
+            yield
+        except DataFileMissingError as exc:
+            seen = os.path.basename(os.path.dirname(exc.path or ""))
+            try:
+                now = self.committed_save_id(path)
+            except Exception:  # noqa: BLE001 - the original error says enough
+                now = seen
+            if now == seen:
+                raise  # the same save's object is missing: damage, not a replacement
+            raise CheckpointRemovedError(
+                f"{path} was {'replaced by another save' if now else 'deleted'} while it was read ({exc.message})",
+                path=path, renamed_to=None, replaced=now is not None) from exc
+
     def data_url(self, path: str, manifest: "mf.Manifest", index: int) -> str:
         return join(path, manifest.save_id, manifest.files[index].name)
 
-    def data_readers(self, path: str, manifest: "mf.Manifest", file_indexes: list[int]):
+    def data_readers(self, path: str, manifest: "mf.Manifest", file_indexes: list[int], *,
+                     piece: int | None = None):
         """(urls, open_reader, align, backend) for :func:`distckpt.fill.fill`; every data object
-        is checked against the size MANIFEST gives first (one HEAD each).
+        is checked against the size MANIFEST gives first (one HEAD each). ``piece`` is moot: each
+        request is one ranged GET of exactly its bytes.
 
         Raises:
             DataFileMissingError, DataFileTruncatedError, CheckpointCorruptError (too long).
@@ -277,6 +300,19 @@ class ObjectStore(Store):
                                                 f"{entry.size}", path=url, expected=entry.size, found=size)
             urls[i], sizes[url] = url, size
         return urls, (lambda u: _RangeReader(self, u, sizes[u])), 1, f"fsspec:{self.protocol}"
+
+    def peek_commit_time(self, path: str) -> float | None:
+        return None  # one GET reads a whole MANIFEST anyway: a peek would cost as much as the decode
+
+    def data_file_stat(self, path: str, manifest: "mf.Manifest", i: int) -> tuple[str, int | None, str | None]:
+        url = self.data_url(path, manifest, i)
+        try:
+            return url, self._call("head", url, "info", self._key(url))["size"], None
+        except NoSuchKey:
+            return url, None, "missing (listed in MANIFEST)"
+
+    def whole_file_readers(self, sizes: Mapping[str, int]):
+        return (lambda u: _RangeReader(self, u, sizes[u])), (f"fsspec:{self.protocol}" if sizes else None)
 
     # -- save side ------------------------------------------------------------------------------
 
@@ -318,40 +354,22 @@ class ObjectStore(Store):
                        "writing the MANIFEST.")
 
     def write_rank(self, area: str, rank: int, pieces: list, checksum_block: int) -> tuple:
-        from ...staging import host_bytes
+        """One rank's data object, laid out by :mod:`distckpt.datafile` into a multipart upload (its
+        sink), visible once the upload completes. Returns (index ref, size, backend, reason)."""
         url = join(area, mf.data_file_name(rank))
-        nbytes = [p.tensor.numel() * p.tensor.element_size() for _, p in pieces]
-        offsets, chunks_end = assign_offsets(nbytes, alignment=ALIGNMENT)
-        # The object ends with its index (format version 3). An upload must know its size before
-        # the crcs are computed: the index's length follows from the records with placeholder crcs.
-        index_offset = -(-chunks_end // ALIGNMENT) * ALIGNMENT
-        index_len = mf.index_length(
-            (fqn, mf.ChunkRecord(p.offsets, p.sizes, rank, off, n, (0,) * -(-n // checksum_block)))
-            for (fqn, p), off, n in zip(pieces, offsets, nbytes))
-        total = index_offset + index_len
+        # The parts are sized before the first byte: from an upper bound of the object's size, so
+        # that it takes at most _MAX_PARTS parts.
+        bound = datafile.size_bound(pieces, checksum_block, _Upload.alignment, moves_chunks=False)
         cfg = settings()
-        part = max(cfg["part_size"], -(-total // _MAX_PARTS))
-        up = _Upload(self, url, part_size=part, in_flight=cfg["in_flight"], total=total, rank=rank)
-        records = []
+        part = max(cfg["part_size"], -(-bound // _MAX_PARTS))
+        up = _Upload(self, url, part_size=part, in_flight=cfg["in_flight"], size_bound=bound, rank=rank)
         try:
-            for (fqn, piece), off, n in zip(pieces, offsets, nbytes):
-                up.pad_to(off)
-                view, keep = host_bytes(piece.tensor)
-                crcs = mf.block_crcs(view, checksum_block)
-                up.write(view)
-                del keep
-                records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes),
-                                                    file=rank, offset=off, nbytes=n, crcs=crcs)))
-            index = mf.encode_index(records)
-            if len(index) != index_len:  # encode_index's promise; never write a size we did not plan
-                raise AssertionError(f"index of {url}: {len(index)} bytes, planned {index_len}")
-            up.pad_to(index_offset)
-            up.write(index)
-            size = up.finish()
+            written = datafile.write_data_file(up, rank, pieces, checksum_block)
+            up.finish()
         except BaseException:
             up.abort()
             raise
-        return (index_offset, index_len, _crc32c.crc32c(index)), size, f"fsspec:{self.protocol}", (
+        return written.index, written.size, f"fsspec:{self.protocol}", (
             f"object store: multipart upload, {part >> 20} MiB parts, {cfg['in_flight']} in flight")
 
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
@@ -380,7 +398,7 @@ class ObjectStore(Store):
         save_id = _basename(area)
         m = mf.decode_header(manifest)
         self.data_readers(_parent(area), m, list(range(len(m.files))))
-        old = self._read_small(url, mf.MAX_MANIFEST_BYTES + 28)
+        old = self._read_small(url, mf.MAX_MANIFEST_FILE_BYTES)
         old_id = None
         if old is not None:
             if not overwrite:
@@ -454,7 +472,7 @@ class ObjectStore(Store):
         self.delete_prefix(area)
 
     def committed_save_id(self, final: str) -> str | None:
-        data = self._read_small(join(final, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES + 28)
+        data = self._read_small(join(final, mf.MANIFEST_NAME), mf.MAX_MANIFEST_FILE_BYTES)
         return None if data is None else mf.decode_header(data).save_id
 
     def save_id_of_area(self, area: str) -> str:
@@ -547,6 +565,28 @@ class ObjectStore(Store):
             log.info("distckpt: reclaimed %d leftovers of dead saves under %s: %s", len(removed), final, removed)
         return removed
 
+    def check_root(self, root: str) -> None:
+        pass  # any prefix of a bucket can hold checkpoints; the bucket itself is checked by a save's preflight
+
+    def make_root(self, root: str) -> None:
+        pass  # a prefix exists once an object is under it
+
+    def exists(self, path: str) -> bool:
+        # Objects, not a "directory": a server such as SeaweedFS keeps empty ones after a deletion.
+        return bool(self.objects(path))
+
+    def has_manifest(self, path: str) -> bool:
+        return self.is_committed(path)
+
+    def scan_leftovers(self, root: str, *, other_hosts: bool = False) -> list[Leftover]:
+        """The save-id prefixes under each child of ``root`` that no MANIFEST names, as Leftovers
+        of kind ``tmp`` (``other_hosts`` is moot: a lease says whether its save lives)."""
+        out = []
+        for name in self.list_children(root):
+            for prefix, state in self.leftovers(join(root, name), root_lock=join(root, ROOT_LOCK_NAME)):
+                out.append(Leftover(f"{name}/{_basename(prefix)}", name, "tmp", prefix, state, None))
+        return out
+
     def list_children(self, root: str) -> list[str]:
         """Names of the 'directories' directly under ``root`` (no MANIFEST check)."""
         try:
@@ -555,10 +595,11 @@ class ObjectStore(Store):
             return []
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
-    def reclaim(self, root: str) -> list[str]:
+    def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
         """Reclaim dead leftovers under every child of ``root`` (a manager root). One flat listing
         of the root first: a child holding MANIFEST and a single save-id prefix is clean (the
-        prefix a MANIFEST names always exists), so only the others are examined."""
+        prefix a MANIFEST names always exists), so only the others are examined. ``other_hosts``
+        is moot: a lease says whether its save lives, from any host."""
         prefixes: dict[str, set[str]] = {}
         manifests = set()
         for rel in self.objects(root):
@@ -663,18 +704,24 @@ class _RangeReader:
 class _Upload:
     """One object written by a multipart upload, parts filled in this thread from a pool of
     ``in_flight + 1`` buffers while up to ``in_flight`` of them upload on fsspec's event loop.
-    An object smaller than one part is one PUT. Invisible until :meth:`finish`; :meth:`abort`
-    cancels it (the object never appears)."""
+    An object of at most one part is one PUT: the upload starts when a full part has more bytes
+    after it. Invisible until :meth:`finish`; :meth:`abort` cancels it (the object never appears).
 
-    def __init__(self, store: ObjectStore, url: str, *, part_size: int, in_flight: int, total: int,
+    It is the :class:`distckpt.datafile.Sink` of a data object: every byte is copied into a part
+    buffer, so no chunk is ever moved for a zero-copy write (``pad_for`` is ``pad_to``).
+    ``size_bound`` (an upper bound of the object's size) only sizes the first buffer."""
+
+    #: Chunk and index starts (a data object is laid out as a local data file would be).
+    alignment = ALIGNMENT
+
+    def __init__(self, store: ObjectStore, url: str, *, part_size: int, in_flight: int, size_bound: int,
                  rank: int) -> None:
         self.store, self.url, self.rank = store, url, rank
         self.fs = store.fs
         self.bucket, self.key, _ = self.fs.split_path(store._key(url))
         self.part_size = part_size
         self.in_flight = in_flight
-        self.multipart = total > part_size
-        self.pool = [bytearray(min(part_size, max(total, 1)))]
+        self.pool = [bytearray(min(part_size, max(size_bound, 1)))]
         self.buf = self.pool.pop()
         self.fill = 0
         self.written = 0
@@ -710,23 +757,38 @@ class _Upload:
         self.buf = self.pool.pop() if self.pool else bytearray(self.part_size)
         self.fill = 0
 
-    def write(self, view) -> None:
-        view = memoryview(view).cast("B")
+    def tell(self) -> int:
+        return self.written
+
+    def write(self, data) -> int:
+        """Copy ``data`` into the part buffers, sending each part that is full and followed by
+        more bytes. Returns the position. Raises the typed errors of a part's upload."""
+        view = memoryview(data).cast("B")
         while view.nbytes:
+            if self.fill == len(self.buf):
+                self._flush_part()
             n = min(len(self.buf) - self.fill, view.nbytes)
             self.buf[self.fill:self.fill + n] = view[:n]
             self.fill += n
             self.written += n
             view = view[n:]
-            if self.fill == len(self.buf) and self.multipart:
-                self._flush_part()
+        return self.written
 
-    def pad_to(self, offset: int) -> None:
-        if offset > self.written:
-            self.write(bytes(offset - self.written))
+    def write_checksummed(self, data, block: int) -> tuple[int, ...]:
+        crcs = mf.block_crcs(data, block)
+        self.write(data)
+        return crcs
+
+    def pad_to(self, alignment: int) -> int:
+        return self.write(bytes(-self.written % alignment))
+
+    def pad_for(self, data, alignment: int) -> int:
+        return self.pad_to(alignment)
 
     def finish(self) -> int:
-        if not self.multipart:
+        """Send the last part and complete the upload (or PUT an object of at most one part);
+        the object is visible when this returns. Returns its size."""
+        if self.upload_id is None:
             self.store._call("put", self.url, "pipe_file", self.store._key(self.url),
                              bytes(memoryview(self.buf)[:self.fill]), rank=self.rank, nbytes=self.fill)
             return self.written

@@ -17,14 +17,15 @@ import os
 import re
 import stat
 
-from .errors import CheckpointIncompleteError, CheckpointNotFoundError
-from .hf import hf_files
-from .manifest import MAGIC, MANIFEST_NAME
+from ...errors import CheckpointIncompleteError, CheckpointNotFoundError
+from ...hf import hf_files
+from ...manifest import MAGIC, MANIFEST_NAME
+from ...sizes import format_bytes
+from .. import is_url, normalize_path
+from .leftovers import TMP_RE, saves_of
 
 __all__ = ["check_checkpoint_dir", "checkpoint_path"]
 
-# The save protocol's hidden directories (distckpt.coordinator.TMP_RE; a test checks they agree).
-_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
 _DATA_RE = re.compile(r"^rank[0-9]{5}\.bin$")
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # torch.save writes a zip archive (PyTorch >= 1.6) or, with _use_new_zipfile_serialization=False,
@@ -81,8 +82,6 @@ def _not_found(path: str) -> CheckpointNotFoundError:
 def _interrupted_saves(parent: str, name: str) -> CheckpointNotFoundError | None:
     """Nothing is at ``parent/name``, but a save to it left (or is writing) ``.NAME.tmp-*``: say
     so, with its size, and how it goes away."""
-    from .leftovers import saves_of
-    from .sizes import format_bytes
     saves = saves_of(parent, name)
     if not saves:
         return None
@@ -122,7 +121,7 @@ def _is_safetensors(path: str, head: bytes) -> bool:
 def _describe_file(path: str) -> CheckpointNotFoundError | None:
     head = _head(path, 9)
     if head.startswith(MAGIC):
-        return None  # a MANIFEST file itself: distckpt.manifest.load_manifest accepts it
+        return None  # a MANIFEST file itself: distckpt.storage.posix.manifests.load_manifest accepts it
     if _is_safetensors(path, head):
         return CheckpointNotFoundError(
             f"{path} is a safetensors file, not a distckpt checkpoint (a distckpt checkpoint is a directory "
@@ -146,7 +145,7 @@ def _describe_file(path: str) -> CheckpointNotFoundError | None:
 def _committed_children(path: str, names: list[str]) -> list[str]:
     out = []
     for name in names:
-        if _TMP_RE.match(name):
+        if TMP_RE.match(name):
             continue
         child = os.path.join(path, name)
         if os.path.isdir(child) and os.path.isfile(os.path.join(child, MANIFEST_NAME)):
@@ -188,7 +187,7 @@ def _describe_dir(path: str) -> Exception | None:
         return CheckpointIncompleteError(
             f"{path} holds data files but no {MANIFEST_NAME}: the save that wrote them never "
             f"committed (or {MANIFEST_NAME} was deleted since)", path=path, found="data files without MANIFEST")
-    unfinished = [n for n in names if _TMP_RE.match(n)]
+    unfinished = [n for n in names if TMP_RE.match(n)]
     if unfinished and len(unfinished) == len(names):
         return CheckpointIncompleteError(
             f"{path} holds only the temporary directories of unfinished saves ({', '.join(unfinished[:3])}): "
@@ -213,7 +212,6 @@ def checkpoint_path(path: str | os.PathLike) -> str:
     MANIFEST magic) stands for its directory: load, read, verify and inspect accept either, so
     nobody is ever told to move a MANIFEST (which would un-commit the checkpoint). Never raises
     for a path that does not exist (the callers say what is there)."""
-    from .storage import is_url, normalize_path
     path = normalize_path(path)
     if is_url(path) or os.path.basename(path) != MANIFEST_NAME:
         return path
@@ -246,7 +244,7 @@ def check_checkpoint_dir(path: str | os.PathLike) -> None:
         raise _not_found(path) from None
     except OSError:
         return  # EACCES, ELOOP...: the MANIFEST open reports it as the typed storage error
-    if _TMP_RE.match(os.path.basename(path)):
+    if TMP_RE.match(os.path.basename(path)):
         raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
     if stat.S_ISREG(st.st_mode):
         error = _describe_file(path)

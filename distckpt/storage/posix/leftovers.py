@@ -1,50 +1,39 @@
-"""The hidden entries saves leave beside a checkpoint, and whether their saves still live.
+"""The hidden entries saves leave beside a local checkpoint, whether their saves still live, and
+their reclaim.
 
 A save of ``PARENT/NAME`` works in ``PARENT/.NAME.tmp-<save id>`` and holds ``PARENT/.NAME.lock``
-(distckpt.storage.posix.savelock) while it runs; a deletion renames its victim to
-``.NAME.del-<hex>`` first (docs/FORMAT.md, "Saves in flight"). This module only looks (listdir,
-a read-only lock probe) and imports no torch: ``distckpt ls`` and the messages of a read use it;
-distckpt.coordinator reclaims what it finds dead.
+(:mod:`distckpt.storage.posix.savelock`) while it runs; a deletion renames its victim to
+``.NAME.del-<hex>`` first (docs/FORMAT.md, "Saves in flight"). Looking (:func:`scan_leftovers`,
+:func:`saves_of`: listdir and a read-only lock probe) never writes and imports no torch, for
+``distckpt ls`` and the messages of a read; :func:`reclaim_tmp_dirs` deletes what it finds dead.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import os
 import re
+import socket
 
-from .errors import from_os_error
+from ...errors import from_os_error
+from ..base import ROOT_LOCK_NAME, Leftover
+from . import commit as local
+from . import savelock
 
-__all__ = ["TMP_RE", "LOCK_RE", "ROOT_LOCK_NAME", "Leftover", "lock_file", "scan_leftovers", "saves_of", "tree_bytes"]
+__all__ = ["TMP_RE", "LOCK_RE", "lock_file", "scan_leftovers", "saves_of", "tree_bytes", "reclaim_tmp_dirs"]
+
+log = logging.getLogger("distckpt")
 
 # Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
-# ".NAME.lock": the liveness lock of a save of NAME in flight (storage.savelock); ROOT_LOCK_NAME:
-# the one lock of a CheckpointManager root, held by whichever manager save is in flight there.
+# ".NAME.lock": the liveness lock of a save of NAME in flight (storage.savelock); the root lock
+# (storage.base.ROOT_LOCK_NAME) is held by whichever manager save is in flight in the root.
 LOCK_RE = re.compile(r"^\.(?P<name>.+)\.lock$")
-ROOT_LOCK_NAME = ".distckpt.lock"
 
 
 def lock_file(parent: str, name: str) -> str:
     """The liveness lock of a save of ``parent/name`` (see :mod:`distckpt.storage.posix.savelock`)."""
     return os.path.join(parent, f".{name}.lock")
-
-
-@dataclasses.dataclass(frozen=True)
-class Leftover:
-    """A hidden entry of ``parent`` that belongs to a save or deletion, and whether its owner lives.
-
-    ``kind``: ``tmp`` (a save's directory, or a ``latest`` replacement file), ``del`` (a directory
-    being deleted) or ``lock`` (a save lock). ``state``: ``alive`` (its save holds its lock now: never
-    touched), ``dead`` (reclaimable), ``unknown`` (owned by another host, or no flock here: left alone).
-    ``owner``: the lock's owner record (host, pid, started_unix, save_id, what) when there is one."""
-
-    entry: str
-    name: str
-    kind: str
-    path: str
-    state: str
-    owner: dict | None
 
 
 def scan_leftovers(parent: str, *, other_hosts: bool = False) -> list[Leftover]:
@@ -55,7 +44,6 @@ def scan_leftovers(parent: str, *, other_hosts: bool = False) -> list[Leftover]:
     absent) and were last held on this host; unknown otherwise. The directory is listed *before*
     the locks are probed: a save creates its tmp dir only after taking its lock and releases the
     lock only after the tmp dir is gone, so a listed entry whose locks are free is never live."""
-    from .storage.posix import savelock
     try:
         entries = os.listdir(parent)
     except FileNotFoundError:
@@ -123,3 +111,42 @@ def saves_of(parent: str, name: str) -> list[tuple[Leftover, int]]:
         return []
     return [(lo, tree_bytes(lo.path)) for lo in found
             if lo.kind == "tmp" and lo.name == name and os.path.isdir(lo.path)]
+
+
+def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool = False) -> list[str]:
+    """Delete the leftovers of *dead* saves and deletions in ``parent`` (``.NAME.tmp-*`` /
+    ``.NAME.del-*`` and stale ``.NAME.lock`` files; all names when ``name`` is None). A leftover
+    whose save is alive (its lock is held, by any process) is never touched; one whose liveness
+    cannot be decided (another host's, see :mod:`distckpt.storage.posix.savelock`) is left alone and
+    logged as a warning unless ``other_hosts``. Committed directories are never touched.
+    Returns the entries removed."""
+    removed, kept = [], []
+    leftovers = scan_leftovers(parent, other_hosts=other_hosts)
+    with_dirs = {lo.name for lo in leftovers if lo.kind != "lock"}
+    for lo in leftovers:
+        if name is not None and lo.name not in (name, ""):
+            continue
+        if lo.state != "dead":
+            kept.append(lo)
+            continue
+        if lo.kind == "lock":
+            # Only a lock of ours (an owner record; or an empty one, of a save that died while
+            # starting, beside its leftovers or at the root lock's name) whose record is unchanged
+            # since the probe, under an exclusive lock.
+            save_id = lo.owner.get("save_id") if lo.owner else None
+            ours = save_id is not None or (lo.owner is None and (lo.entry == ROOT_LOCK_NAME or lo.name in with_dirs))
+            if ours and savelock.remove_if_dead(lo.path, save_id):
+                removed.append(lo.entry)
+        else:
+            local.delete_tree(lo.path)
+            removed.append(lo.entry)
+    if removed:
+        log.info("distckpt: reclaimed %d leftovers of dead saves in %s: %s", len(removed), parent, removed)
+    unknown = [lo for lo in kept if lo.state == "unknown"]
+    if unknown:
+        log.warning("distckpt: left %d leftovers in %s alone: their save's liveness cannot be decided from "
+                    "host %s (owners: %s). If those saves are dead, remove them with "
+                    "CheckpointManager(ROOT).reclaim(other_hosts=True) or by hand.", len(unknown), parent,
+                    socket.gethostname(), sorted({f"{(lo.owner or {}).get('host', '?')}:{(lo.owner or {}).get('pid', '?')}"
+                                                   for lo in unknown}))
+    return removed
