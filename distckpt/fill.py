@@ -55,13 +55,16 @@ import threading
 import traceback
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import crc32c as _crc32c
 import torch
 
+from .checksum import crc32c
 from .errors import ChecksumMismatchError, DistCkptError
-from .plan import Box, byte_range, expand_to_blocks, row_major_strides
+from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
+from .storage import open_store
+from .tensorbytes import dtype_from_name
 
-__all__ = ["fill", "reading", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE"]
+__all__ = ["fill", "reading", "side_reads", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE", "Task", "Part",
+           "fill_parts", "box_tasks", "fill_boxes_of"]
 
 # One bounce buffer per worker; a segment is one read request of at most this many bytes. Four
 # 4 MiB segments keep up to ~16 MiB in flight, which reaches this kind of disk's O_DIRECT speed
@@ -309,7 +312,7 @@ def _verify(fpath: str, seg: _Segment, view: memoryview, block: int) -> None:
         base = u.at - seg.offset
         for b in range(u.lo // block, -(-u.hi // block)):
             a = base + b * block - u.lo
-            got = _crc32c.crc32c(view[a:a + min(block, u.hi - b * block)])
+            got = crc32c(view[a:a + min(block, u.hi - b * block)])
             if got != t.chunk.crcs[b]:
                 raise _Bad(fpath, t, b, block, got)
 
@@ -638,7 +641,7 @@ def _pipeline_kept(paths, plans, open_reader, bufsize, blocks, verify, outcome, 
 def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int | Mapping[int, int],
          verify: bool, open_reader: Callable[[str], Any], align: int) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
-    a file index to its tasks (restore's _Task: fqn, chunk, inter, dest, dest_box, itemsize,
+    a file index to its tasks (:class:`Task`: fqn, chunk, inter, dest, dest_box, itemsize,
     dtype, and ``after``: None, or the fqn of tasks of this call that must be copied first);
     ``block`` is the checksum block of every file, or a map from file index to the block of that
     file's checkpoint (files of several checkpoints read in one pass);
@@ -760,3 +763,105 @@ def _typed(outcome: _Outcome) -> BaseException:
         exc.filled, exc.partly_filled = full, part
         exc.details.update(filled=full, partly_filled=part)
     return exc
+
+
+# ------------------------------------------------------------------------------------------------
+# Fills of planned tasks over one or several checkpoints
+
+
+@dataclasses.dataclass
+class Task:
+    """One saved chunk's intersection with one destination box: what :func:`fill` reads."""
+
+    fqn: str
+    chunk: Any            # manifest.ChunkRecord
+    inter: Box            # global box to copy
+    dest: Any             # the destination holding dest_box (a tensor, or a scatter, see fill_boxes_of)
+    dest_box: Box
+    itemsize: int
+    dtype: torch.dtype
+    after: str | None = None   # copied only after every task of that fqn (see fill)
+
+
+@dataclasses.dataclass
+class Part:
+    """The tasks of one checkpoint in a fill: ``store`` serves the data files of the checkpoint
+    at ``path`` whose manifest is ``manifest``."""
+
+    store: Any            # distckpt.storage.Store
+    path: str
+    manifest: Any         # manifest.Manifest
+    tasks: list[Task]
+
+
+def fill_parts(parts: Sequence[Part], *, verify: bool) -> tuple[int, str | None]:
+    """Read, verify and copy the tasks of every part in one pass over their files, each file
+    verified with its own checkpoint's checksum block (a DCP or Hugging Face checkpoint, which has
+    none, in a pass of its own: nothing to verify). A task's ``after`` may name an fqn of another
+    part's tasks. Every data file is checked against its manifest (the store's ``data_readers``)
+    before the first byte is read, so a missing or truncated file fails with every destination
+    untouched. Returns (file bytes read, backend of the first part with tasks, or None).
+
+    Raises the errors of :func:`fill` (their ``path`` names the data file) and of the stores'
+    ``data_readers``."""
+    paths: dict[int, str] = {}
+    by_file: dict[int, list[Task]] = {}
+    blocks: dict[int, int] = {}
+    openers: dict[str, Callable[[str], Any]] = {}
+    unchecked = []   # (paths, tasks by file, block, open_reader, align) of parts without checksums
+    align, backend = 1, None
+    for pi, part in enumerate(parts):
+        own: dict[int, list[Task]] = {}
+        for t in part.tasks:
+            own.setdefault(t.chunk.file, []).append(t)
+        if not own:
+            continue
+        fpaths, open_reader, falign, fbackend = part.store.data_readers(part.path, part.manifest, sorted(own),
+                                                                        piece=READ_PIECE)
+        backend = backend or fbackend
+        if part.manifest.checksum_algo != "crc32c":
+            unchecked.append((fpaths, own, part.manifest.checksum_block, open_reader, falign))
+            continue
+        align = max(align, falign)
+        for fi, tasks in own.items():
+            key = (pi << 32) | fi   # unique across parts, in the order of the parts
+            paths[key], by_file[key], blocks[key] = fpaths[fi], tasks, part.manifest.checksum_block
+            openers[fpaths[fi]] = open_reader
+    nbytes = 0
+    for fpaths, own, block, open_reader, falign in unchecked:
+        nbytes += fill(fpaths, own, block=block, verify=False, align=falign, open_reader=open_reader).bytes_read
+    if by_file:
+        nbytes += fill(paths, by_file, block=blocks, verify=verify, align=align,
+                       open_reader=lambda p: openers[p](p)).bytes_read
+    return nbytes, backend
+
+
+def box_tasks(path: str, manifest: Any, requests: Sequence[tuple]) -> list[Task]:
+    """The tasks that read box requests of the checkpoint at ``path``: each request is
+    ``(fqn, offsets, sizes, destination[, after])``, the destination a tensor of the box's shape
+    or an object with the tensor methods a fill uses on one (``dtype``, ``is_contiguous()``,
+    ``narrow()``, ``copy_()``: distckpt.incremental scatters a delta's rows straight from the
+    read buffers into a table that way). Raises ManifestCorruptError for a dtype the manifest
+    names but torch lacks."""
+    tasks = []
+    for req in requests:
+        fqn, offsets, sizes, out = req[:4]
+        after = req[4] if len(req) > 4 else None
+        entry = manifest.tensors[fqn]
+        dtype = dtype_from_name(entry.dtype, path=path)
+        want = Box(tuple(offsets), tuple(sizes))
+        if want.volume:
+            chunks = [(Box(tuple(c.offsets), tuple(c.sizes)), c) for c in entry.chunks]
+            tasks.extend(Task(fqn, rp.payload, rp.box, out, want, dtype.itemsize, dtype, after)
+                         for rp in plan_reads(chunks, want, itemsize=dtype.itemsize))
+    return tasks
+
+
+def fill_boxes_of(checkpoints: Sequence[tuple[str, Any, Sequence[tuple]]], *, verify: bool = True) -> int:
+    """Read box requests of several checkpoints ``(path, manifest, requests)`` (requests as
+    :func:`box_tasks` takes them; ``path`` local, or a URL whose store needs no options) in one
+    read pass (:func:`fill_parts`): the pipeline's fixed costs are paid once, not per checkpoint.
+    Returns the bytes read. Raises the read errors of :func:`distckpt.load`; their ``path`` names
+    the data file."""
+    return fill_parts([Part(open_store(path), path, manifest, box_tasks(path, manifest, requests))
+                       for path, manifest, requests in checkpoints], verify=verify)[0]

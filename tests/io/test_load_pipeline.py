@@ -268,7 +268,7 @@ def test_cached_pages_are_read_without_o_direct(tmp_path):
 
 
 class _SlowDest:
-    """A fill destination (the protocol of restore.fill_boxes) whose copies take 0.3 s: without
+    """A fill destination (the protocol of distckpt.fill.box_tasks) whose copies take 0.3 s: without
     ordering, a later request's copy would land first and then be overwritten by this one."""
 
     def __init__(self, t: torch.Tensor) -> None:
@@ -287,7 +287,8 @@ class _SlowDest:
 
 
 def test_a_request_after_another_is_copied_after_it(tmp_path):
-    from distckpt.restore import fill_boxes_of, load_manifest
+    from distckpt.fill import fill_boxes_of
+    from distckpt.restore import load_manifest
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     distckpt.save({"x": torch.full((64, 16), 1.0)}, a)
     distckpt.save({"y": torch.full((64, 16), 2.0)}, b)
@@ -305,7 +306,8 @@ def test_checkpoints_with_other_checksum_blocks_are_read_in_one_pass(tmp_path, m
     in one fill, each file verified with its own block, the ordered request still after the
     other; a flipped byte in either is found and named."""
     import distckpt.fill as fill_mod
-    from distckpt.restore import fill_boxes_of, load_manifest
+    from distckpt.fill import fill_boxes_of
+    from distckpt.restore import load_manifest
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     big = torch.rand(4096, 1024)                   # 16 MiB chunk: a large block
     distckpt.save({"x": big}, a)
@@ -339,7 +341,8 @@ def test_side_reads_use_small_bounce_buffers(tmp_path, monkeypatch):
     import mmap as mmap_mod
 
     import distckpt.fill as fill_mod
-    from distckpt.restore import fill_boxes_of, load_manifest
+    from distckpt.fill import fill_boxes_of
+    from distckpt.restore import load_manifest
     path = str(tmp_path / "ckpt")
     sd = _state()
     distckpt.save(sd, path)

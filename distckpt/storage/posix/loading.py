@@ -1,0 +1,173 @@
+"""The read side of a local checkpoint directory: is it committed, its MANIFEST, its data files,
+and did it stay the same directory while a load read it.
+
+What :class:`distckpt.storage.posix.store.PosixStore` serves to loads through the Store seam:
+
+  * :func:`manifest_bytes`: the raw MANIFEST, after :func:`check_committed` has said what the path
+    is when it is not a committed checkpoint (distckpt.locate).
+  * :func:`data_readers`: every data file a load reads, checked with ``lstat`` (a regular file of
+    the MANIFEST's size inside the checkpoint, never followed through a symlink: I7) before any
+    byte is read, and readers on the backend chosen for the file system without writing to it.
+  * :func:`guard_reads`: a rotation (a manager's ``keep_last``), an overwrite or a deletion renames
+    a checkpoint directory away and deletes it; a load that read MANIFEST before that meets a
+    missing file, a missing MANIFEST, or another directory's files under the same name. That is
+    not damage, and "restore from an older checkpoint" is the wrong remedy: the guard checks the
+    directory again and raises CheckpointRemovedError, which says what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+from ... import manifest as mf
+from ...errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
+                       CheckpointRemovedError, DataFileMissingError, StorageError, from_os_error)
+from .leftovers import TMP_RE
+from .locate import check_checkpoint_dir
+from .manifests import check_data_file_stat, read_manifest_bytes
+from .probe import choose_backend
+from .reader import open_reader
+
+__all__ = ["check_committed", "manifest_bytes", "check_data_file", "data_readers", "guard_reads"]
+
+
+def check_committed(path: str) -> None:
+    """Raise unless ``path`` is a committed checkpoint directory's name (its MANIFEST is read next).
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, or something that is no checkpoint (named).
+        CheckpointIncompleteError: a save's temporary directory, or data files without MANIFEST.
+    """
+    check_checkpoint_dir(path)  # names what the path is when it is not a checkpoint
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}", path=path)
+    if TMP_RE.match(os.path.basename(path)):
+        raise CheckpointIncompleteError(f"{path} is the temporary directory of an unfinished save", path=path)
+
+
+def manifest_bytes(path: str) -> bytes:
+    """The raw MANIFEST of the checkpoint directory ``path``, after :func:`check_committed`.
+
+    Raises what :func:`check_committed` and
+    :func:`distckpt.storage.posix.manifests.read_manifest_bytes` raise.
+    """
+    check_committed(path)
+    return read_manifest_bytes(os.path.join(path, mf.MANIFEST_NAME))
+
+
+def check_data_file(ckpt: str, entry: "mf.FileEntry") -> str:
+    """The path of data file ``entry`` of the checkpoint ``ckpt``, once ``lstat`` has shown it to
+    be a regular file of the MANIFEST's size.
+
+    Raises:
+        DataFileMissingError: it does not exist.
+        DataFileTruncatedError, CheckpointCorruptError: another size, or not a regular file.
+        StorageError: (a subclass) the ``lstat`` failed otherwise.
+    """
+    fpath = os.path.join(ckpt, entry.name)
+    try:
+        # lstat, not stat: a data file must be a regular file inside the checkpoint (I7), never
+        # followed through a symlink; refused before any open or read.
+        st = os.lstat(fpath)
+    except FileNotFoundError:
+        raise DataFileMissingError(f"data file {entry.name} listed in MANIFEST is missing", path=fpath) from None
+    except OSError as exc:
+        raise from_os_error(exc, path=fpath, operation="stat") from exc
+    check_data_file_stat(entry, fpath, st)
+    return fpath
+
+
+def data_readers(path: str, manifest: "mf.Manifest", file_indexes: list[int], *,
+                 piece: int | None = None) -> tuple[Mapping[int, str], Callable[[str], Any], int, str]:
+    """``(paths, open_reader, align, backend)`` for :func:`distckpt.fill.fill`: the data files
+    ``file_indexes`` of the checkpoint at ``path``, each checked by :func:`check_data_file`, and
+    readers on the backend chosen for its file system (read-only: a load never writes into the
+    checkpoint, not even a probe file) whose largest single request is ``piece`` bytes. Raises
+    what :func:`check_data_file` raises, and IOBackendUnavailableError when a forced backend
+    cannot run here."""
+    choice = choose_backend(path, read_only=True)
+    paths = {i: check_data_file(path, manifest.files[i]) for i in file_indexes}
+    return (paths, lambda p: open_reader(p, choice=choice, block_size=piece), choice.offset_align,
+            choice.name)
+
+
+def _dir_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the checkpoint directory, or None when nothing is at ``path``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _removed_while_reading(path: str, identity: tuple[int, int] | None,
+                           exc: BaseException | None) -> BaseException | None:
+    """``exc``, or a CheckpointRemovedError when ``exc`` is what a step vanishing mid-load looks like
+    (``exc`` None: a load that succeeded, failed only if another directory took the name).
+    ``identity`` is the directory's (st_dev, st_ino) when the load began."""
+    suspect = exc is None or isinstance(exc, (CheckpointIncompleteError, CheckpointCorruptError)) or (
+        isinstance(exc, StorageError) and exc.errno == errno.ENOENT)
+    if not suspect or isinstance(exc, CheckpointNotFoundError):
+        return exc
+    now = _dir_identity(path)
+    if now is not None and (identity is None or now == identity):
+        return exc  # still the same directory: the error (or success) stands as it is
+    if exc is None and now is None:
+        return None  # read in full, then removed: every byte came from the one checkpoint
+    parent, name = os.path.split(path)
+    renamed_to = None
+    if identity is not None:
+        try:
+            with os.scandir(parent) as it:
+                for entry in it:
+                    m = TMP_RE.match(entry.name)
+                    if m and m.group("name") == name:
+                        st = entry.stat(follow_symlinks=False)
+                        if (st.st_dev, st.st_ino) == identity:
+                            renamed_to = entry.path
+                            break
+        except OSError:
+            pass
+    if now is not None:
+        how = "another directory now has its name (it was overwritten, or rotated away and saved again)"
+    elif renamed_to is not None:
+        how = f"it was renamed to {os.path.basename(renamed_to)} to be deleted (rotation by a manager's keep_last, or an overwrite)"
+    else:
+        how = "the directory no longer exists (rotated away or deleted)"
+    if exc is None:  # every read succeeded, but not necessarily all from one checkpoint
+        failed = ("its files may have been read partly from the one that replaced it, so the load is "
+                  "failed rather than mixing two checkpoints")
+    else:
+        failed = f"the read failed with {type(exc).__name__}: {getattr(exc, 'message', exc)}"
+    removed = CheckpointRemovedError(
+        f"the checkpoint at {path} was removed while it was being read: {how}; {failed}",
+        path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
+    removed.__cause__ = exc
+    return removed
+
+
+@contextlib.contextmanager
+def guard_reads(path: str) -> Iterator[None]:
+    """Around every read of the checkpoint directory ``path``: an error raised inside that is what
+    the directory's removal or replacement mid-read looks like (a missing or damaged file of a
+    directory that no longer has its name) leaves as CheckpointRemovedError, its cause kept.
+
+    Data files are opened by path, one after another: if another checkpoint took the name
+    meanwhile, some of them may be the new one's, which checksums catch unless the bytes agree or
+    the load does not verify. So a block that succeeded raises CheckpointRemovedError too when
+    another directory has the name at its end (one removed after every read is fine: each byte
+    came from the one checkpoint)."""
+    identity = _dir_identity(path)
+    try:
+        yield
+    except Exception as exc:
+        removed = _removed_while_reading(path, identity, exc)
+        if removed is exc:
+            raise
+        raise removed from exc
+    error = _removed_while_reading(path, identity, None)
+    if error is not None:
+        raise error
