@@ -36,8 +36,8 @@ def _cmd_ls(args) -> int:
     (distckpt.listing is torch-free), so it answers as fast as ``inspect``."""
     import time
     from .errors import CheckpointNotFoundError
-    from .storage.posix.leftovers import tree_bytes
     from .listing import list_root
+    from .storage import open_store
     try:
         listing = list_root(args.root)
     except CheckpointNotFoundError as exc:
@@ -81,6 +81,7 @@ def _cmd_ls(args) -> int:
     if listing.pointer_problem:
         print(f"  note: {listing.pointer_problem}")
     saves = [lo for lo in listing.leftovers if lo.kind != "lock" or lo.name == ""]
+    store = open_store(listing.path)
     if saves:
         print("saves in flight, and what interrupted saves left:")
         for lo in saves:
@@ -90,7 +91,8 @@ def _cmd_ls(args) -> int:
             alive = lo.state == "alive"
             what = {"tmp": "save in progress" if alive else "interrupted save", "del": "deletion",
                     "lock": "save lock"}[lo.kind]
-            size = f" ({format_bytes(tree_bytes(lo.path))})" if lo.kind != "lock" and os.path.isdir(lo.path) else ""
+            used = store.bytes_under(lo.path) if lo.kind != "lock" else None
+            size = f" ({format_bytes(used)})" if used is not None else ""
             verdict = {"alive": "ALIVE (in flight)", "dead": "dead: reclaimable",
                        "unknown": "unknown (another host's; left alone)"}[lo.state]
             print(f"  {lo.entry}{size}  {what}  {who}  {verdict}")

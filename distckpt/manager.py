@@ -29,7 +29,7 @@ Invariants:
   * Rotation never deletes a step that a kept step depends on (an earlier link of its incremental
     chain, distckpt.incremental); such a step goes at the first rotation after nothing kept needs it.
   * One manager save at a time per root, across processes and jobs: the save holds
-    ``ROOT/.distckpt.lock`` (storage.savelock) from PREPARE to the end of its rotation; a second
+    ``ROOT/.distckpt.lock`` (a save lock, or an object store's lease) from PREPARE to the end of its rotation; a second
     one gets SaveInProgressError and writes nothing.
   * Constructing a manager, ``steps()``, ``latest_step()`` and ``describe()`` never write. Leftovers
     of dead saves are reclaimed by saves (rank 0, before taking the lock) and by :meth:`reclaim`;
@@ -49,16 +49,15 @@ from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError
 from .restore import LoadResult, load
 from .save_sync import save_in_root
-from .storage import ROOT_LOCK_NAME, Leftover, is_url, join, normalize_path, open_store
-# The listing is torch-free (`distckpt ls`); its names are re-exported here, where they were defined.
-from .listing import _STEP_RE, RootListing, StepInfo, _newest_by_commit, _step_info, list_root  # noqa: F401
+from .storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
+from .listing import _STEP_RE, RootListing, StepInfo, _newest_by_commit, _step_info, list_root
 
 if TYPE_CHECKING:
     from .save_async import AsyncSaveHandle
 
 log = logging.getLogger("distckpt")
 
-__all__ = ["CheckpointManager", "list_root", "RootListing", "StepInfo", "Leftover"]
+__all__ = ["CheckpointManager"]
 
 def step_dirname(step: int) -> str:
     return f"step_{step:08d}"

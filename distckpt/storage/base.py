@@ -52,9 +52,11 @@ class Store(abc.ABC):
     What every back end guarantees (docs/DESIGN.md, invariants I1-I8):
       * ``publish`` is the only step a reader can see, and it is atomic: a reader of ``final``
         finds the previous checkpoint or the new one, complete, never a mix (I1). It is called
-        only after every ``write_rank`` returned, and a failed publish leaves nothing visible.
-      * ``abort`` and ``discard`` never touch a published checkpoint other than the one they are
-        given; an old checkpoint's data is deleted only after the new one is published (I2).
+        only after every ``write_rank`` returned; a failed publish leaves nothing new visible
+        unless its error says ``published``.
+      * ``abort`` never touches a published checkpoint; ``discard`` deletes only what ``publish``
+        returned, which no reader can reach any more: an old checkpoint's data goes only after
+        the new one is published (I2).
       * ``write_rank`` is durable when it returns; ``publish`` is durable when it returns (I3).
       * A save holds a lock or lease from ``prepare`` until its area is published or gone, and
         ``reclaim`` deletes only the leftovers of saves whose lock is free (I6).
@@ -258,6 +260,11 @@ class Store(abc.ABC):
         """Every leftover of a save or deletion under ``root`` with its owner's liveness. Never
         writes. ``other_hosts``: trust free locks of other hosts (POSIX; moot where a lease says).
         Raises StorageError subclasses / request errors."""
+
+    @abc.abstractmethod
+    def bytes_under(self, path: str) -> int | None:
+        """Bytes stored under ``path`` (a leftover's area), counted cheaply and boundedly, or None
+        where the back end cannot tell without listing every object. Never raises, never writes."""
 
     @abc.abstractmethod
     def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:

@@ -587,6 +587,9 @@ class ObjectStore(Store):
                 out.append(Leftover(f"{name}/{_basename(prefix)}", name, "tmp", prefix, state, None))
         return out
 
+    def bytes_under(self, path: str) -> int | None:
+        return None  # the listing that would tell (sizes of every object) is not worth a look
+
     def list_children(self, root: str) -> list[str]:
         """Names of the 'directories' directly under ``root`` (no MANIFEST check)."""
         try:

@@ -1,6 +1,13 @@
-"""distckpt.storage.posix: the storage backends every data file goes through.
+"""distckpt.storage.posix: the local file-system back end.
 
-Public surface (the rest of distckpt uses only these names):
+:class:`~distckpt.storage.posix.store.PosixStore` (store.py) is its :class:`distckpt.storage.Store`;
+the modules behind it are the save (saving.py, commit.py, savelock.py), the leftovers of saves and
+their reclaim (leftovers.py), the read side (loading.py, manifests.py, locate.py) and the save-time
+guards (guards.py, mounts.py). Above storage/, code reaches them through the Store, except for what
+only a local directory has (an incremental chain's links, what a local path is when it is not a
+checkpoint) and the pre-flight report, which shows the guards' numbers.
+
+The I/O backends every data file goes through, exported here:
   * :func:`choose_backend` / :class:`BackendChoice` / :func:`last_choices`: which backend runs on a
     file system (io_uring -> O_DIRECT pwrite -> buffered+fsync), chosen once per process per file
     system, logged with its reason on the ``distckpt.storage.posix`` logger; never a silent fallback.

@@ -160,5 +160,8 @@ class PosixStore(Store):
     def scan_leftovers(self, root: str, *, other_hosts: bool = False) -> list[Leftover]:
         return leftovers.scan_leftovers(root, other_hosts=other_hosts)
 
+    def bytes_under(self, path: str) -> int | None:
+        return leftovers.tree_bytes(path) if os.path.isdir(path) else None
+
     def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
         return leftovers.reclaim_tmp_dirs(root, other_hosts=other_hosts)
