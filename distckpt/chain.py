@@ -9,7 +9,8 @@ under ``"distckpt.chain"`` (docs/INCREMENTAL.md)::
 
 A delta names its parent (a sibling directory) and the parent's save id; the chain ends in a full
 link (seq 0). This module only reads MANIFESTs and imports no torch (``distckpt verify`` and
-``distckpt ls`` use it); saving and composing chains is distckpt.incremental.
+``distckpt ls`` use it); saving chains and planning their deltas' rows is distckpt.incremental,
+loading one distckpt.restore (its links from :meth:`distckpt.source.Source.links`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ __all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "META_KEY", "F
 
 META_KEY = "distckpt.chain"
 FORMAT = "distckpt.chain/1"
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +51,6 @@ def chain_info(manifest: Any) -> dict | None:
     user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
     info = user.get(META_KEY) if isinstance(user, dict) else None
     return info if isinstance(info, dict) else None
-
-
-def _is_delta(manifest: Any) -> bool:
-    info = chain_info(manifest)
-    return info is not None and info.get("kind") == "delta"
 
 
 def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> ChainBrokenError:

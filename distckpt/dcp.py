@@ -8,8 +8,9 @@ of a data file; that range holds a ``torch.save`` archive of the chunk (a stored
 refused). Non-tensor values are byte ranges holding ``torch.save`` archives of the value.
 
 :func:`load_manifest` turns all of that into a :class:`distckpt.manifest.Manifest` whose chunks
-point at the raw tensor bytes inside the ``.distcp`` files, so ``distckpt.load`` / ``read`` reshard
-and read only the byte ranges they need, exactly as for a distckpt checkpoint. Such a manifest has
+point at the raw tensor bytes inside the ``.distcp`` files, so ``distckpt.load`` / ``read`` (whose
+source, :func:`distckpt.source.open_source`, knows the directory by :func:`is_dcp_checkpoint`)
+reshard and read only the byte ranges they need, exactly as for a distckpt checkpoint. Such a manifest has
 ``checksum_algo == "none"``: DCP stores no checksums, so flipped bits cannot be detected (the
 structure is checked: every range lies inside its file, chunks tile their tensor, zip headers and
 sizes agree with the metadata).

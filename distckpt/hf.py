@@ -2,7 +2,7 @@
 
 A directory holding ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` with
 ``model.safetensors.index.json`` (and no distckpt MANIFEST, no DCP ``.metadata``), is a load
-source like any checkpoint: :func:`load_manifest` turns the files' headers into a
+source like any checkpoint (:func:`distckpt.source.open_source` knows it by :func:`is_hf_checkpoint`): :func:`load_manifest` turns the files' headers into a
 :class:`distckpt.manifest.Manifest` with one chunk per tensor pointing at the tensor's raw bytes,
 so ``distckpt.load`` reshards onto any world size (plain tensors, DTensor / FSDP2) and each rank
 reads only the byte ranges of its own shards, through the same reader as every other source.

@@ -476,7 +476,10 @@ def _fill_chain(source: Source, links: list[ChainLink], parts: list[Part], track
             rows = [Part(source.store, path, manifest, box_tasks(path, manifest, reqs)) for path, manifest, reqs in reads]
             return nbytes + id_bytes + fill_parts(rows, verify=verify)[0], backend
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        raise _chain_error(exc, links) from exc
+        broken = _chain_error(exc, links)
+        if broken is exc:
+            raise
+        raise broken from exc
 
 
 def _chain_error(exc: BaseException, links: list[ChainLink]) -> BaseException:
@@ -524,7 +527,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         CheckpointNotFoundError, CheckpointIncompleteError, ManifestCorruptError,
         CheckpointRemovedError (a CheckpointNotFoundError: the step was rotated away, overwritten
         or deleted while this load read it), DataFileMissingError, DataFileTruncatedError, ChecksumMismatchError,
-        StateDictMismatchError, PickleNotAllowedError, StorageError subclasses;
+        StateDictMismatchError, PickleNotAllowedError, StorageError subclasses; ChainBrokenError
+        (a delta whose chain has a link missing, replaced or damaged: the link is named);
         When several ranks take part and some failed, every rank raises the class they raised
         (``failures``: each rank's error), or RankFailureError when their classes differ.
         A failed load never leaves an unverified byte in the state dict's tensors: each byte is
@@ -651,7 +655,10 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
             files = {c.file for fqn in keep if fqn in m.tensors for c in m.tensors[fqn].chunks if c.nbytes}
             source.store.data_readers(path, m, sorted(files))
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        raise (_chain_error(exc, links) if links else exc) from None
+        broken = _chain_error(exc, links) if links else exc
+        if broken is exc:
+            raise
+        raise broken from exc
     if pickled and not allow_pickle:
         raise PickleNotAllowedError(f"the checkpoint stores {len(pickled)} value(s) as pickles: {pickled[:10]}",
                                     path=source.path, keys=pickled)
@@ -659,8 +666,9 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
     for path, m, keep in plans:
         vals: dict[str, Any] = {}
         tasks: list[Task] = []
-        for fqn in keep & set(m.tensors):
-            entry = m.tensors[fqn]
+        for fqn, entry in m.tensors.items():
+            if fqn not in keep:
+                continue
             dtype = dtype_from_name(entry.dtype, path=path)
             out = vals[fqn] = torch.empty(tuple(entry.shape), dtype=dtype)
             tasks.extend(box_tasks(path, m, [(fqn, (0,) * out.dim(), tuple(entry.shape), out)]))
@@ -670,13 +678,14 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
         fill_parts(parts, verify=verify)
     else:
         _fill_read_chain(source, links, parts, values[1], verify)
-    out: dict = {}
+    trees = []
     for (path, m, keep), vals in zip(plans, values):
-        vals.update({fqn: _object_value(m.objects[fqn], m, fqn, path) for fqn in keep & set(m.objects)})
+        vals.update({fqn: _object_value(entry, m, fqn, path) for fqn, entry in m.objects.items() if fqn in keep})
         tree = _rebuild(m.tree, vals, keep.__contains__)
-        if tree is not _SKIP:
-            _merge(out, tree)
-    return out
+        trees.append({} if tree is _SKIP else tree)
+    for tree in trees[1:]:   # a chain's base tensors into its newest link's state (a dict: a saver's rule)
+        _merge(trees[0], tree)
+    return trees[0]
 
 
 def _fill_read_chain(source: Source, links: list[ChainLink], parts: list[Part], base_values: dict,
@@ -692,7 +701,10 @@ def _fill_read_chain(source: Source, links: list[ChainLink], parts: list[Part], 
             fill_parts([Part(source.store, path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
                        verify=verify)
     except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        raise _chain_error(exc, links) from exc
+        broken = _chain_error(exc, links)
+        if broken is exc:
+            raise
+        raise broken from exc
 
 
 def _merge(dst: dict, src: dict) -> None:
