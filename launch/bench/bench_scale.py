@@ -1,11 +1,11 @@
 """Control-plane cost of a save at 1 to 4,096 ranks, simulated in one process.
 
 What it runs is distckpt's own code, not a model of it: every rank's PLAN message is built in the
-exact format ``coordinator.plan_save`` sends first (``_summarize``'s summary, its layout
+exact format ``saveplan.plan_save`` sends first (``_summarize``'s summary, its layout
 fingerprint and ``_plan_message``: compact layouts as a digest, rank 0's with its compact part),
-rank 0's planning is ``coordinator._coordinate_plan`` (the merge and every rank's reply), run once
+rank 0's planning is ``saveplan._coordinate_plan`` (the merge and every rank's reply), run once
 cold and once as the next save with unchanged layouts (the plan cache), and the MANIFEST (format
-version 3) is built with ``coordinator._build_manifest`` and encoded with ``manifest.encode`` from
+version 3) is built with ``commit._build_manifest`` and encoded with ``manifest.encode`` from
 every rank's WRITE report (its data file's size and index reference). Each rank's index (one
 ChunkRecord per written chunk, one crc per checksum block, ``manifest.encode_index``) is built for
 a sample of ranks (0, 1, the last, the one owning most pieces). No collective runs: the
@@ -153,8 +153,8 @@ class _Group:
 
 def _cpu(fn, *args):
     """(fn(*args), CPU seconds it took), timed as a save runs: with the garbage collector paused
-    (coordinator.gc_paused)."""
-    from distckpt.coordinator import gc_paused
+    (gcpause.gc_paused)."""
+    from distckpt.gcpause import gc_paused
     with gc_paused():
         t0 = time.process_time()
         result = fn(*args)
@@ -166,10 +166,10 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
     skips the WRITE records and the MANIFEST (one object per piece; too slow at the largest
     sizes), reported as None."""
     sys.path.insert(0, ROOT)
-    import crc32c
-
-    from distckpt import coordinator as co
+    from distckpt import commit
     from distckpt import manifest as mf
+    from distckpt import saveplan as co
+    from distckpt.checksum import crc32c
 
     rss0 = _rss_kib()
     t_sim = time.monotonic()
@@ -179,7 +179,7 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
         s = _summary(layout, world, tensors, r, shared)
         key = co._layout_key(s)
         # Rank 0 sends its compact part; the others its digest (what plan_save sends first).
-        msg = ("layout", co._plan_message(s, compact=True, with_part=r == 0), key, None)
+        msg = co.LayoutMessage(co._plan_message(s, compact=True, with_part=r == 0), key)
         shared.setdefault("digest", s["_compact_digest"])
         # Bytes on the wire as gloo's gather/scatter_object carry them (pickled).
         sent.append(len(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
@@ -187,14 +187,14 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
         keys.append(key)
     group = _Group(world)
     (replies, plan), plan_s = _cpu(co._coordinate_plan, group, msgs, lambda fqn: True)
-    assert replies[0][0] == "ok", replies[0]
+    assert isinstance(replies[0], co.PlanReply), replies[0]
     recv = [len(pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)) for r in replies]
     # The next save with the same layouts: every rank sends its fingerprint and values only.
     cache = co._PLAN_CACHE[group.pg]
-    same = [("same", k, cache.plan_id, {"objects": {}, "digests": {}}, None) for k in keys]
+    same = [co.SameLayoutMessage(k, cache.plan_id, {}, {}) for k in keys]
     del msgs
     (replies2, _), cached_s = _cpu(co._coordinate_plan, group, same, lambda fqn: True)
-    assert replies2[0][0] == "ok" and replies2[0][4] is True, replies2[0]
+    assert isinstance(replies2[0], co.PlanReply) and replies2[0].cached, replies2[0]
     sent_cached = max(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in same)
     out = {"layout": layout, "ranks": world, "tensors": tensors, "pieces": plan.n_chunks,
            "compact": plan.compact, "send_per_rank": max(sent[1:] or sent), "send_rank0": sent[0], "recv_per_rank": max(recv[1:] or recv),
@@ -226,14 +226,14 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
                                                     nbytes=nbytes, crcs=tuple(range(nblocks)))))
                 offset += -(-nbytes // 4096) * 4096
             index, seconds = _cpu(mf.encode_index, records)
-            crc, crc_seconds = _cpu(crc32c.crc32c, index)
+            crc, crc_seconds = _cpu(crc32c, index)
             index_s = max(index_s, seconds + crc_seconds)
             index_bytes = max(index_bytes, len(index))
             refs[r] = ((offset, len(index), crc), offset + len(index))
         like = refs[sample[1] if len(sample) > 1 else sample[0]]
-        outcomes = [((*refs.get(r, like), "uring", "simulated"), None) for r in range(world)]
+        outcomes = [commit.WriteOutcome(*refs.get(r, like), "uring", "simulated") for r in range(world)]
         body, out["manifest_s"] = _cpu(
-            lambda: mf.encode(co._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)))
+            lambda: mf.encode(commit._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None)))
         out["manifest_bytes"] = len(body)
         out["index_s"], out["index_bytes"] = index_s, index_bytes
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -254,6 +254,7 @@ def real_worker(tensors: int, out: str) -> None:
 
     import distckpt
     from distckpt import _dist
+    from distckpt.commit import WriteOutcome
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -265,7 +266,7 @@ def real_worker(tensors: int, out: str) -> None:
 
     def gather(self, obj, dst=0):  # bytes this rank sends at PLAN, and its WRITE report
         n = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        sizes["gather" if obj[0] in ("layout", "same") else "write"] += n
+        sizes["write" if isinstance(obj, WriteOutcome) else "gather"] += n
         return real_gather(self, obj, dst)
 
     def scatter(self, objs, src=0):  # bytes this rank receives at PLAN

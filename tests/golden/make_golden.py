@@ -28,12 +28,12 @@ import struct
 import sys
 from typing import Any, Callable
 
-import crc32c
 import msgpack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+from distckpt.checksum import crc32c  # noqa: E402
 from distckpt.manifest import (  # noqa: E402
     ChunkRecord,
     FileEntry,
@@ -173,7 +173,7 @@ def golden_manifest_v3() -> Manifest:
     file with its index reference (the chunks themselves are in the data files)."""
     m = golden_manifest_v2()
     files = tuple(FileEntry(f.name, len(data), f.rank, (V3_CHUNK_AREA, len(data) - V3_CHUNK_AREA,
-                                                        crc32c.crc32c(data[V3_CHUNK_AREA:])))
+                                                        crc32c(data[V3_CHUNK_AREA:])))
                   for f, data in zip(m.files, golden_v3_files()))
     return Manifest(format_version=3, save_id="golden-0003", world_size=m.world_size, created_unix=m.created_unix,
                     checksum_algo=m.checksum_algo, checksum_block=m.checksum_block, files=files,
@@ -183,7 +183,7 @@ def golden_manifest_v3() -> Manifest:
 def wrap(body: bytes, *, version: int = 1, flags: int = 0, length: int | None = None) -> bytes:
     """Header + body + crc32c, with a valid checksum over whatever header fields are given."""
     head = b"DCKPTMF1" + struct.pack("<IIQ", version, flags, len(body) if length is None else length) + body
-    return head + struct.pack("<I", crc32c.crc32c(head))
+    return head + struct.pack("<I", crc32c(head))
 
 
 def _body() -> dict[str, Any]:

@@ -19,13 +19,13 @@ import shutil
 import signal
 import struct
 
-import crc32c
 import msgpack
 import pytest
 import torch
 
 import distckpt
 from distckpt import fill as fill_mod
+from distckpt.checksum import crc32c
 from distckpt import manifest as mf
 from distckpt.errors import DistCkptError, ManifestCorruptError
 from distckpt.verify import verify
@@ -49,7 +49,7 @@ def _write_manifest(path: str, body: dict) -> None:
     raw = msgpack.packb(body, use_bin_type=True)
     head = mf._HEADER.pack(mf.MAGIC, 3, 0, len(raw)) + raw
     with open(os.path.join(path, "MANIFEST"), "wb") as f:
-        f.write(head + struct.pack("<I", crc32c.crc32c(head)))
+        f.write(head + struct.pack("<I", crc32c(head)))
 
 
 def _body(path: str) -> dict:
@@ -216,7 +216,7 @@ def _mutate_index(rng: random.Random, p: str) -> str:
     with open(fpath, "wb") as f:
         f.write(data)
     entry["size"] = len(data)
-    entry["index"] = [off, len(index), crc32c.crc32c(index)]
+    entry["index"] = [off, len(index), crc32c(index)]
     _write_manifest(p, body)
     return f"{entry['name']} index entry {j} field {field}: {old!r} -> {new!r}"
 
