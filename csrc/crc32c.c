@@ -1,5 +1,5 @@
 /*
- * CRC-32C for the load path's verify-then-copy (see csrc/uring.c, Reader.fill).
+ * CRC-32C for the load path's verify-then-copy (see csrc/reader.c, Reader.fill).
  *
  * Hardware path (x86-64 with SSE4.2, chosen at run time): the crc32 instruction on three
  * interleaved streams, whose CRCs are combined with precomputed "append N zero bytes" operators.
