@@ -63,3 +63,12 @@ def test_docs_print_sizes_as_the_program_does_and_cite_no_issue_numbers():
         issues += [(name, m) for m in re.findall(r"\(issue[^)]*\)|\bissues? #?\d+", text)]
         decimal += [(name, m) for m in re.findall(r"powers of 1000", text)]
     assert quoted == [] and issues == [] and decimal == []
+
+
+def test_the_path_check_flags_a_file_that_is_not_there():
+    """The check above would catch a stale reference: paths of the layout before tests/ had tier
+    folders and launch/ had bench/ and examples/ are recognised as repository paths, and missing."""
+    text = "see `tests/test_manifest.py`, tests/_powercut_fs.py and `torchrun launch/demo.py save` (launch/bench.py)"
+    named = [m.group(1) for m in _PATH.finditer(text)]
+    assert named == ["tests/test_manifest.py", "tests/_powercut_fs.py", "launch/demo.py", "launch/bench.py"]
+    assert [n for n in named if (ROOT / n).exists()] == []
