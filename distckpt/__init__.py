@@ -27,11 +27,11 @@ from .checks import preflight  # noqa: E402  (torch-free)
 # line's --help and --version, and `import distckpt.errors` in a monitoring script, do not pay
 # for importing torch. `from distckpt import save` works as before.
 _LAZY = {
-    "save": ".save_sync", "SaveResult": ".save_sync",
+    "save": ".save_sync", "SaveResult": ".commit",
     "load": ".restore", "read": ".restore", "read_manifest": ".restore", "LoadResult": ".restore",
     "CheckpointManager": ".manager",
     "async_save": ".save_async", "AsyncSaveHandle": ".save_async",
-    "release_staging_memory": ".save_async",
+    "release_staging_memory": ".staging.pool",
 }
 
 

@@ -115,12 +115,13 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
                 metadata: dict | None, after_commit: Callable[[], None] | None = None,
                 local_error: BaseException | None = None, lock_path: str | None = None,
                 storage_options: dict | None = None) -> SaveResult:
-    """Phases 2-4 (PREPARE, WRITE, COMMIT) on this rank, after :func:`plan_save`. Collective.
+    """Phases 2-4 (PREPARE, WRITE, COMMIT) on this rank, after :func:`distckpt.saveplan.plan_save`.
+    Collective.
 
     ``local_error``: this rank failed before writing (e.g. staging an async save); it still takes
     part in every collective and reports the error at WRITE, so all ranks abort together.
 
-    Raises what :func:`save_collective` raises. Every error raised before rank 0's rename means
+    Raises what :func:`distckpt.coordinator.save_collective` raises. Every error raised before rank 0's rename means
     nothing was committed. After it, the outcome says it: an ``after_commit`` error (the manager's
     ``latest`` / rotation) is raised on every rank with ``committed = True``; a peer lost while the
     verdict is broadcast gives CommittedButPeerLostError on rank 0 (``committed``, ``path``,
@@ -152,6 +153,8 @@ def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, ov
 def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
                  metadata: dict | None, after_commit: Callable[[], None] | None,
                  local_error: BaseException | None, lock_path: str | None, held: list, store: Store) -> SaveResult:
+    """The body of :func:`finish_save` (same promises and errors): every lock it takes goes into
+    ``held``, which the caller releases on every path."""
     t0 = planned.t0
     rank, world = group.rank, group.world_size
     plan, mine = planned.plan, planned.mine

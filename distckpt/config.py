@@ -25,7 +25,7 @@ about once per process, naming the closest known variable: a silently ignored se
 | DISTCKPT_STAGING_POOL_BYTES | (none)   | largest idle async staging arena kept for reuse; 0: free   |
 |                             |          | every arena when its save ends (none: keep one, any size)  |
 | DISTCKPT_DEVICE_STAGING     | 64M      | pinned host memory a sync save of GPU tensors streams them |
-|                             |          | through (2 slots; copies overlap writes: distckpt.devstage)|
+|                             |          | through (2 slots; copies overlap writes: staging/ring.py)  |
 
 Object stores (read by distckpt.storage.object.store at each save):
 

@@ -129,7 +129,7 @@ class TensorItem:
     #: mesh order)`` (one shared tuple per DeviceMesh), ``dims[i]`` the tensor dimension split
     #: over mesh dimension ``i`` and ``coordinate`` this rank's place in the mesh. Every rank of
     #: the mesh describes the tensor the same way except for its coordinate, which is what lets
-    #: a save plan it without gathering every rank's box (coordinator, "compact layouts").
+    #: a save plan it without gathering every rank's box (saveplan, "compact layouts").
     grid: tuple | None = None
 
 

@@ -7,9 +7,10 @@ How an async save runs on each rank (the phases are :mod:`distckpt.coordinator`'
   2. caller thread: PLAN (flatten, all-gather of the summaries, owner assignment) on the control
      group. Non-tensor values, the tree and the metadata are encoded / copied here;
   3. caller thread: copy every piece *this rank will write* (replicas owned by another rank are not
-     copied) into one arena of aligned host memory from the :class:`~distckpt.staging.pool.StagingPool` (pinned when CUDA
-     is available; device tensors are copied with non_blocking DMA, then one synchronize). The call
-     returns the :class:`AsyncSaveHandle` here;
+     copied) into one arena of aligned host memory from the
+     :class:`~distckpt.staging.pool.StagingPool` (pinned when CUDA is available; device tensors
+     are copied with non_blocking DMA, then one synchronize). The call returns the
+     :class:`AsyncSaveHandle` here;
   4. background thread (one per save, non-daemon): PREPARE, WRITE, COMMIT over the staged copies,
      on a gloo group of its own (so the caller's later loads and collectives on the control group
      cannot interleave with it), then release the arena and the gate.

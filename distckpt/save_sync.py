@@ -29,8 +29,9 @@ def save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     The checkpoint's keys are the union of every rank's keys (a per-rank key such as
     ``dataloader.dp_rank_3`` is saved from the rank that has it). A key held by several ranks
     must hold the same value on each (non-tensor values compared exactly, plain tensors by a
-    crc32c digest; DTensor Replicate is trusted), unless ``replicated`` says otherwise. Returns only after the checkpoint is committed and durable (every data file and
-    MANIFEST fsynced, the rename and the parent directory fsynced).
+    crc32c digest; DTensor Replicate is trusted), unless ``replicated`` says otherwise. Returns
+    only after the checkpoint is committed and durable (every data file and MANIFEST fsynced, the
+    rename and the parent directory fsynced).
 
     Args:
         state_dict: nested dict/list/tuple of tensors (any dtype and device; plain tensors,

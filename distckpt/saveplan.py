@@ -322,10 +322,13 @@ def _plan_message(summary: dict | None, *, compact: bool, with_part: bool) -> Ra
 
 @dataclasses.dataclass
 class GlobalPlan:
+    """The merged plan of a save, as rank 0 holds it (other ranks keep only ``checksum_block``):
+    what PREPARE sizes and the MANIFEST describes."""
+
     tensors: dict[str, tuple[str, str, tuple]]  # fqn -> (kind, dtype, shape)
     owners: dict[tuple, int]                      # (fqn, offsets, sizes) -> writer rank (general tensors)
     total_bytes: int                              # bytes of every chunk written, all ranks together
-    objects: dict[str, tuple[str, Any]]
+    objects: dict[str, tuple[str, Any]]         # fqn -> (kind, encoded value), the lowest rank's
     tree: dict
     checksum_block: int = 1 << 20
     n_chunks: int = 0   # distinct boxes written; ``owners`` is empty when a cached plan was reused

@@ -34,14 +34,14 @@ def _wait_dead(pid: int, timeout: float = 30.0) -> None:
 
 def _die_after_write_report() -> None:
     """Make this rank exit (os._exit, no word to anyone) right after it has sent its WRITE report
-    (records and file size) to rank 0. PLAN's messages are tagged "layout"/"same"; WRITE's is the
-    untagged (result, error) pair."""
+    (records and file size) to rank 0: WRITE's message is a WriteOutcome."""
     from distckpt._dist import ControlGroup
+    from distckpt.commit import WriteOutcome
     real = ControlGroup.gather
 
     def gather(self, obj, dst=0):
         out = real(self, obj, dst)
-        if obj[0] not in ("layout", "same"):
+        if isinstance(obj, WriteOutcome):
             os._exit(3)
         return out
 

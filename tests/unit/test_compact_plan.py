@@ -155,7 +155,8 @@ def test_row_split_sharded_tensors_without_a_mesh_are_described_as_grids():
     replies, plan = _plan(summaries)
     assert isinstance(replies[0], PlanReply) and plan.compact and plan.owners == {} and plan.n_chunks == 4
     full_replies, full = _plan(summaries, compact=False)
-    assert isinstance(full_replies[0], PlanReply) and (plan.total_bytes, plan.tensors) == (full.total_bytes, full.tensors)
+    assert isinstance(full_replies[0], PlanReply)
+    assert (plan.total_bytes, plan.tensors) == (full.total_bytes, full.tensors)
     # Not described: a replica (the whole tensor), a plain tensor, rows in another order.
     for kw in ({"box": lambda r: ((0, 0), (10, 3))}, {"kind": "tensor"},
                {"box": lambda r: grid_box((10, 3), (world,), (0,), (world - 1 - r,))}):

@@ -8,7 +8,7 @@ Invariants:
   * ``close()`` returns only after the file has exactly ``tell()`` bytes (the O_DIRECT tail is
     written padded to the alignment, then ftruncate()d) and, when ``durable``, after fsync.
   * On failure the partly written file is left in place: the caller owns the temporary directory
-    and removes it (the coordinator aborts the whole save).
+    and removes it (distckpt.commit aborts the whole save).
   * ``write`` never references the caller's buffer after it returns: bytes are copied into
     aligned staging (tensor memory need not be aligned), or, for an O_DIRECT backend when the
     buffer is aligned to the file system's DIO memory alignment, written straight from it with
