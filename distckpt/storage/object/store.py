@@ -52,8 +52,7 @@ from ...errors import (CheckpointCorruptError, CheckpointExistsError, Checkpoint
                       )
 from ...config import get_config
 from ...plan import ALIGNMENT
-from .. import Store, join
-from ..base import ROOT_LOCK_NAME, Leftover
+from .. import ROOT_LOCK_NAME, Leftover, Store, join
 from . import request as objrequest
 from .errors import client_config, translate
 
