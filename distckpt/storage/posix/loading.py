@@ -4,7 +4,7 @@ and did it stay the same directory while a load read it.
 What :class:`distckpt.storage.posix.store.PosixStore` serves to loads through the Store seam:
 
   * :func:`manifest_bytes`: the raw MANIFEST, after :func:`check_committed` has said what the path
-    is when it is not a committed checkpoint (distckpt.locate).
+    is when it is not a committed checkpoint (:mod:`distckpt.storage.posix.locate`).
   * :func:`data_readers`: every data file a load reads, checked with ``lstat`` (a regular file of
     the MANIFEST's size inside the checkpoint, never followed through a symlink: I7) before any
     byte is read, and readers on the backend chosen for the file system without writing to it.
