@@ -1,10 +1,11 @@
 /*
  * CRC-32C for the load path's verify-then-copy (see csrc/reader.c, Reader.fill).
  *
- * Hardware path (x86-64 with SSE4.2, chosen at run time): the crc32 instruction on three
- * interleaved streams, whose CRCs are combined with precomputed "append N zero bytes" operators.
- * This is Mark Adler's method (crc32c.c, zlib licence, as also used by the `crc32c` package);
- * one stream is bound by the instruction's 3-cycle latency, three streams by its throughput.
+ * Hardware path, chosen at run time: the CPU's CRC-32C instruction (x86-64 with SSE4.2: crc32;
+ * AArch64 with the CRC extension, every ARMv8.1 CPU: crc32cx) on three interleaved streams, whose
+ * CRCs are combined with precomputed "append N zero bytes" operators. This is Mark Adler's method
+ * (crc32c.c, zlib licence, as also used by the `crc32c` package); one stream is bound by the
+ * instruction's 3-cycle latency, three streams by its throughput.
  * Fallback: a byte-at-a-time table (slow but correct; other CPUs).
  */
 #include "crc32c.h"
@@ -92,8 +93,20 @@ static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t len)
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
+#define HW_TARGET __attribute__((target("sse4.2")))
+#define CRC_WORD(crc, w) _mm_crc32_u64((crc), (w))
+#define CRC_BYTE(crc, b) _mm_crc32_u8((uint32_t)(crc), (b))
+#elif defined(__aarch64__)
+#include <arm_acle.h>
+#include <sys/auxv.h>
+#define HW_TARGET __attribute__((target("+crc")))
+#define CRC_WORD(crc, w) __crc32cd((uint32_t)(crc), (w))
+#define CRC_BYTE(crc, b) __crc32cb((uint32_t)(crc), (b))
+#endif
 
-/* An unaligned 8-byte load (memcpy compiles to one mov). */
+#ifdef HW_TARGET
+
+/* An unaligned 8-byte load (memcpy compiles to one load instruction). */
 static inline uint64_t load64(const unsigned char *p)
 {
     uint64_t w;
@@ -103,7 +116,7 @@ static inline uint64_t load64(const unsigned char *p)
 
 /* Three interleaved crc32 streams over lanes of ``lane`` bytes (the instruction's latency is
    three times its throughput), combined by shifting through ``zeros`` (lane bytes of zeros). */
-__attribute__((target("sse4.2"))) static inline uint64_t crc_lanes(uint64_t crc0, const unsigned char **pnext,
+HW_TARGET static inline uint64_t crc_lanes(uint64_t crc0, const unsigned char **pnext,
                                                                  size_t *plen, size_t lane,
                                                                  uint32_t zeros[4][256])
 {
@@ -115,18 +128,18 @@ __attribute__((target("sse4.2"))) static inline uint64_t crc_lanes(uint64_t crc0
         /* Four words per stream per pass (lanes are multiples of 32 bytes): with one, the loop's
            own add/compare/branch takes issue slots from the crc32s (~20 % slower on x86-64). */
         do {
-            crc0 = _mm_crc32_u64(crc0, load64(next));
-            crc1 = _mm_crc32_u64(crc1, load64(next + lane));
-            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane));
-            crc0 = _mm_crc32_u64(crc0, load64(next + 8));
-            crc1 = _mm_crc32_u64(crc1, load64(next + lane + 8));
-            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane + 8));
-            crc0 = _mm_crc32_u64(crc0, load64(next + 16));
-            crc1 = _mm_crc32_u64(crc1, load64(next + lane + 16));
-            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane + 16));
-            crc0 = _mm_crc32_u64(crc0, load64(next + 24));
-            crc1 = _mm_crc32_u64(crc1, load64(next + lane + 24));
-            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * lane + 24));
+            crc0 = CRC_WORD(crc0, load64(next));
+            crc1 = CRC_WORD(crc1, load64(next + lane));
+            crc2 = CRC_WORD(crc2, load64(next + 2 * lane));
+            crc0 = CRC_WORD(crc0, load64(next + 8));
+            crc1 = CRC_WORD(crc1, load64(next + lane + 8));
+            crc2 = CRC_WORD(crc2, load64(next + 2 * lane + 8));
+            crc0 = CRC_WORD(crc0, load64(next + 16));
+            crc1 = CRC_WORD(crc1, load64(next + lane + 16));
+            crc2 = CRC_WORD(crc2, load64(next + 2 * lane + 16));
+            crc0 = CRC_WORD(crc0, load64(next + 24));
+            crc1 = CRC_WORD(crc1, load64(next + lane + 24));
+            crc2 = CRC_WORD(crc2, load64(next + 2 * lane + 24));
             next += 32;
         } while (next < end);
         crc0 = shift(zeros, (uint32_t)crc0) ^ (uint32_t)crc1;
@@ -139,25 +152,25 @@ __attribute__((target("sse4.2"))) static inline uint64_t crc_lanes(uint64_t crc0
     return crc0;
 }
 
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *next, size_t len)
+HW_TARGET static uint32_t crc_hw(uint32_t crc, const unsigned char *next, size_t len)
 {
     uint64_t crc0 = ~crc & 0xffffffffu;
     uint64_t w;
 
     while (len && ((uintptr_t)next & 7)) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        crc0 = CRC_BYTE(crc0, *next++);
         len--;
     }
     crc0 = crc_lanes(crc0, &next, &len, LONG, long_zeros);
     crc0 = crc_lanes(crc0, &next, &len, SHORT, short_zeros);
     while (len >= 8) {
         memcpy(&w, next, 8);
-        crc0 = _mm_crc32_u64(crc0, w);
+        crc0 = CRC_WORD(crc0, w);
         next += 8;
         len -= 8;
     }
     while (len) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        crc0 = CRC_BYTE(crc0, *next++);
         len--;
     }
     return ~(uint32_t)crc0;
@@ -177,6 +190,8 @@ void crc32c_init(void)
 #if defined(__x86_64__)
     __builtin_cpu_init();
     have_hw = __builtin_cpu_supports("sse4.2") != 0;
+#elif defined(__aarch64__)
+    have_hw = (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0;
 #endif
 }
 
@@ -186,7 +201,7 @@ uint32_t crc32c_software(uint32_t crc, const void *buf, size_t len) { return crc
 
 uint32_t crc32c_update(uint32_t crc, const void *buf, size_t len)
 {
-#if defined(__x86_64__)
+#ifdef HW_TARGET
     if (have_hw)
         return crc_hw(crc, buf, len);
 #endif
