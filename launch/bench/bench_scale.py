@@ -113,7 +113,7 @@ def _grid(layout: str, world: int):
 
 def _torchrec_grid(world: int, out: dict) -> tuple[list, dict]:
     """TorchRec's row-wise tables carry no mesh, but each rank's table piece is its row block of
-    an even split over the group, which coordinator._summarize describes as a grid over every
+    an even split over the group, which saveplan._summarize describes as a grid over every
     rank (one rank: nothing to describe). The replicated dense tensors stay piece by piece."""
     if world == 1:
         return [], {}
@@ -122,7 +122,7 @@ def _torchrec_grid(world: int, out: dict) -> tuple[list, dict]:
 
 
 def _summary(layout: str, world: int, tensors: int, rank: int, shared: dict) -> dict:
-    """A rank's PLAN summary in coordinator._summarize's format (no objects, no digests: the
+    """A rank's PLAN summary in saveplan._summarize's format (no objects, no digests: the
     replicated dense tensors of the TorchRec layout are DTensor-like replicas). The grid
     descriptions and the tree are the same on every rank (that is the point of them), so one
     object serves all ranks (``shared``), as its digest does."""
