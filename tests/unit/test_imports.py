@@ -95,3 +95,43 @@ def test_no_import_circle():
 def test_the_walk_finds_a_circle_hidden_in_a_function():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [{"a", "b", "c"}]
+
+
+# The layers of docs/DESIGN.md ("Dependency direction"), lowest first. A module may import its own
+# layer and the ones below, never one above: storage never reaches up into the save or load
+# engine, the engine never into the manager, the CLI or an integration. A new module must be given
+# a layer here (the test fails on an unknown one), which is the moment to decide where it belongs.
+LAYERS = [
+    # 0: leaves: errors, sizes, configuration, the checksum, tensors <-> bytes, staging memory
+    {"errors", "sizes", "config", "clijson", "gcpause", "checksum", "tensorbytes", "values", "flatten",
+     "plan", "_dist", "writewatch", "staging", "staging.pool", "staging.ring"},
+    # 1: formats: the MANIFEST, a data file's layout, the foreign formats a load can read
+    {"manifest", "datafile", "dcp", "hf"},
+    # 2: storage: the Store seam and its back ends
+    {"storage", "storage.*"},
+    # 3: the engine: the save protocol, the load path, chains, verification, listing
+    {"saveplan", "commit", "coordinator", "save_sync", "save_async", "fill", "chain", "source", "restore",
+     "incremental", "verify", "listing"},
+    # 4: the doors: manager, conversion, pre-flight report, CLI, benchmarks, integrations, the package
+    {"", "__main__", "manager", "convert", "bench", "cli", "checks", "checks.*", "integrations", "integrations.*"},
+]
+
+
+def _layer(module: str) -> int:
+    name = module[len("distckpt."):] if module.startswith("distckpt.") else ""
+    for i, members in enumerate(LAYERS):
+        if name in members or any(m.endswith(".*") and name.startswith(m[:-1]) for m in members):
+            return i
+    raise AssertionError(f"{module} has no layer in tests/unit/test_imports.py LAYERS: give it one")
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    graph = _graph(_modules())
+    upward = sorted(f"{m} (layer {_layer(m)}) -> {t} (layer {_layer(t)})"
+                    for m, targets in graph.items() for t in targets if _layer(t) > _layer(m))
+    assert upward == [], "imports that climb a layer:\n  " + "\n  ".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _layer("distckpt.storage.posix.saving") == 2 and _layer("distckpt.commit") == 3
+    assert _layer("distckpt.storage.posix.saving") < _layer("distckpt.manager")
