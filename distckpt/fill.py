@@ -89,7 +89,7 @@ MAX_OPEN_READERS = 16
 SIDE_SEGMENT = 1 << 20
 SIDE_SLOTS = 2
 
-# Packed records of _uring.Reader.fill (csrc/uring.c: struct fill_seg, fill_check, fill_copy,
+# Packed records of _uring.Reader.fill (csrc/reader.c: struct fill_seg, fill_check, fill_copy,
 # fill_dest); native layout, so the sizes must match the C structs (checked in tests).
 _SEG = struct.Struct("@QIIIIII")
 _CHECK = struct.Struct("@III")
@@ -379,7 +379,7 @@ class _Session:
 
     With ``keep_open`` it also keeps, from one fill to the next, the C pipeline's bounce slots
     and up to ``MAX_OPEN_READERS`` pipeline readers (LRU), whose slots stay registered with their
-    rings (csrc/uring.c): a fill then sets up no ring, registers nothing and maps nothing. The
+    rings (csrc/reader.c): a fill then sets up no ring, registers nothing and maps nothing. The
     slots and the workers' buffers still never exist at once (taking a worker buffer unmaps the
     slots, closing the readers that hold them first)."""
 

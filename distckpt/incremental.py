@@ -139,6 +139,21 @@ def _device_digests(x: torch.Tensor, size: int, mult: torch.Tensor) -> torch.Ten
 # Policy
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _DeltaStats:
+    """What each rank tells the others before a link is written: its tracked bytes and rows, changed
+    and total, whether its tracked tensors or their sharding changed (``unknown``), and (rank 0)
+    whether the previous link is still the one this saver wrote (``parent_ok``). Together they decide,
+    the same way on every rank, whether the link is a delta or a full checkpoint."""
+
+    changed_bytes: int
+    total_bytes: int
+    changed_rows: int
+    total_rows: int
+    unknown: bool
+    parent_ok: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class IncrementalPolicy:
     """When a save is a delta and which tensors are tracked.
@@ -505,17 +520,18 @@ class IncrementalSaver:
                 parent_ok = load_manifest(link["path"]).save_id == link["save_id"]
             except DistCkptError:
                 parent_ok = False
-        stats = group.all_gather((changed_bytes, total_bytes, changed_rows, total_rows, unknown, parent_ok))
-        c_bytes, t_bytes = sum(s[0] for s in stats), sum(s[1] for s in stats)
+        stats = group.all_gather(_DeltaStats(changed_bytes, total_bytes, changed_rows, total_rows, bool(unknown),
+                                             parent_ok))
+        c_bytes, t_bytes = sum(s.changed_bytes for s in stats), sum(s.total_bytes for s in stats)
         pol = self.policy
         why = None
         if force_full:
             why = "asked"
         elif link is None:
             why = "no previous link"
-        elif not stats[0][5]:
+        elif not stats[0].parent_ok:
             why = f"the previous link {link['path']} is gone, replaced or in another directory"
-        elif any(s[4] for s in stats):
+        elif any(s.unknown for s in stats):
             why = "tracked tensors or their sharding changed since the previous link"
         elif link.get("tracked") != tracked:
             why = "the tracked tensors changed"
@@ -531,8 +547,8 @@ class IncrementalSaver:
                     "base": link["base"], "parent": os.path.basename(link["path"]),
                     "parent_save_id": link["save_id"], "tracked": tracked,
                     "chain_bytes": link.get("chain_bytes", 0) + c_bytes, "link_bytes": c_bytes,
-                    "tracked_bytes": t_bytes, "rows_written": sum(s[2] for s in stats),
-                    "rows_total": sum(s[3] for s in stats)}
+                    "tracked_bytes": t_bytes, "rows_written": sum(s.changed_rows for s in stats),
+                    "rows_total": sum(s.total_rows for s in stats)}
             records: dict[str, dict] = {}
             for (fqn, j, i, p, _dg, _ref), sel in zip(pieces, selections):
                 if sel.numel() == 0:
@@ -550,8 +566,8 @@ class IncrementalSaver:
         else:
             info = {"format": FORMAT, "kind": "full", "chain": uuid.uuid4().hex, "seq": 0, "base": name,
                     "parent": None, "parent_save_id": None, "tracked": tracked, "chain_bytes": 0,
-                    "link_bytes": t_bytes, "tracked_bytes": t_bytes, "rows_written": sum(s[3] for s in stats),
-                    "rows_total": sum(s[3] for s in stats), "why": why}
+                    "link_bytes": t_bytes, "tracked_bytes": t_bytes, "rows_written": sum(s.total_rows for s in stats),
+                    "rows_total": sum(s.total_rows for s in stats), "why": why}
             info = group.broadcast(info)   # one chain id for every rank
             to_save = state_dict
         meta = dict(metadata or {})

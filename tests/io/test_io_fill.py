@@ -1,4 +1,4 @@
-"""The C read pipeline of a load (`_uring.Reader.fill`, csrc/uring.c) and its crc32c (csrc/crc32c.c):
+"""The C read pipeline of a load (`_uring.Reader.fill`, csrc/reader.c) and its crc32c (csrc/crc32c.c):
 checks before copies, nothing copied after a mismatch, a bad plan refused before any I/O, short
 files, the page-cache path. distckpt.load's own guarantees are in test_load_safety.py and
 test_load_pipeline.py. About 2 s."""

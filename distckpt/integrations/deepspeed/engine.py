@@ -68,6 +68,7 @@ ReshardError (the standalone :func:`.zero.load` has ``allow_stage_change``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -105,6 +106,15 @@ _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed's state <-> plain data.
 
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LoadPlanned:
+    """Each rank's outcome of planning load_checkpoint(), exchanged before DeepSpeed's own load:
+    its error (None when it planned), and ``nothing`` when it found no ``latest`` to load."""
+
+    error: BaseException | None
+    nothing: bool
 
 def _encode(value: Any) -> Any:
     """DeepSpeed's state dict as distckpt stores it: loss scalers as allow-listed plain records,
@@ -510,13 +520,13 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
             error = exc
         group = control_group(operation="load_checkpoint()")
-        outcomes = group.all_gather((_portable(error), planned is None)) if group.world_size > 1 \
-            else [(error, planned is None)]
-        group.raise_failures([e for e, _ in outcomes], error, operation="load_checkpoint")
-        if len({nothing for _, nothing in outcomes}) > 1:  # `latest` seen by some ranks only
+        outcomes = group.all_gather(_LoadPlanned(_portable(error), planned is None)) if group.world_size > 1 \
+            else [_LoadPlanned(error, planned is None)]
+        group.raise_failures([o.error for o in outcomes], error, operation="load_checkpoint")
+        if len({o.nothing for o in outcomes}) > 1:  # `latest` seen by some ranks only
             raise CheckpointNotFoundError(
                 f"{os.path.join(load_dir, 'latest')} exists for rank(s) "
-                f"{[r for r, (_, nothing) in enumerate(outcomes) if not nothing]} only", path=load_dir,
+                f"{[r for r, o in enumerate(outcomes) if not o.nothing]} only", path=load_dir,
                 remedy="Every rank must see the same save directory (a shared file system).")
         if planned is None:
             # DeepSpeed's contract: no `latest` means no checkpoint yet (a fresh start).

@@ -144,7 +144,7 @@ class Reader:
 
     def fill_segments(self, buffer, slot: int, segments: bytes, checks: bytes, copies: bytes, dests: bytes,
                       done: bytearray):
-        """Run the C read pipeline (``_uring.Reader.fill``, see csrc/uring.c): read every segment
+        """Run the C read pipeline (``_uring.Reader.fill``, see csrc/reader.c): read every segment
         into a slot of ``buffer`` (every free slot's read in flight; a segment whose pages are all
         cached is read with a buffered pread instead), check its crc32c blocks, and only then copy
         its byte runs into the destinations. ``done[i]`` becomes 1 once segment ``i`` was copied.
