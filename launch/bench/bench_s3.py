@@ -63,7 +63,7 @@ def _timed(fn) -> float:
 
 
 def _part_size() -> tuple[int, int]:
-    from distckpt.storage.object.store import settings
+    from distckpt.storage.object.settings import settings
     cfg = settings()
     return cfg["part_size"], cfg["in_flight"]
 

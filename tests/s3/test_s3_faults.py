@@ -190,7 +190,7 @@ def test_breakers_of_one_dead_lease_exactly_one_wins(s3_bucket):
     names it); every other one gets SaveInProgressError. Before leases were taken over with a
     conditional overwrite, a breaker could delete another's fresh lease, and two believed they
     held it."""
-    from distckpt.storage.object.store import Lease
+    from distckpt.storage.object.lease import Lease
 
     for round_ in range(3):
         url = _dead_lease(s3_bucket, f"race{round_}/.lock")
@@ -228,7 +228,7 @@ def test_stalled_holder_never_overwrites_the_lease_of_the_save_that_took_over(s3
     """A's renewals are held up in the network past its lease time; B finds the lease dead and
     takes it; then A's late renewals land. They must not replace B's lease (a plain PUT did), A
     learns it lost the lease, and A's release leaves B's lease alone."""
-    from distckpt.storage.object.store import Lease
+    from distckpt.storage.object.lease import Lease
 
     monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "1")
     url = f"{s3_bucket.url}/stall/.lock"
@@ -264,7 +264,7 @@ def test_heartbeat_stops_renewing_while_a_request_is_stuck(s3_bucket, monkeypatc
     """A save with a request stuck past its deadline (its cancellation did not take) must let its
     lease lapse: the heartbeat skips the renewal instead of keeping the root locked."""
     from distckpt.storage.object import request as objrequest
-    from distckpt.storage.object.store import Lease
+    from distckpt.storage.object.lease import Lease
 
     monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "1")
     url = f"{s3_bucket.url}/stuck/.lock"

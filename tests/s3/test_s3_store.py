@@ -236,7 +236,7 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
 
 
 def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
-    from distckpt.storage.object.store import Lease
+    from distckpt.storage.object.lease import Lease
     opts = s3_bucket.storage_options
     url = s3_bucket.url + "/lease/step_00000001"
     store = open_store(url, opts)

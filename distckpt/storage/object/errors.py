@@ -332,3 +332,8 @@ async def acall_with_retry(fn: Callable[[], Awaitable[T]], *, url: str, operatio
         except Exception as exc:  # noqa: BLE001 - every failure leaves as a typed error
             await asyncio.sleep(_retry_delay(exc, delays, start, attempt, policy, url=url, operation=operation,
                                              rank=rank, endpoint=endpoint, conditional=conditional))
+
+
+class NoSuchKey(Exception):
+    """Internal: the object (or prefix) asked for does not exist; callers turn it into the error
+    that says what was missing (CheckpointNotFoundError, DataFileMissingError...)."""

@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
-import socket
-import threading
-import time
 from typing import Any, Iterator, Mapping
 
 from ... import datafile
@@ -54,53 +50,17 @@ from ...config import get_config
 from ...plan import ALIGNMENT
 from .. import ROOT_LOCK_NAME, Leftover, Store, join
 from . import request as objrequest
-from .errors import client_config, translate
+from .errors import NoSuchKey, client_config, translate
+from .lease import Lease
+from .settings import settings
 
-__all__ = ["ObjectStore", "Lease", "NoSuchKey", "translate_error", "settings"]
+__all__ = ["ObjectStore", "translate_error"]
 
 log = logging.getLogger("distckpt")
 
 LOCK_NAME = ".lock"
-_MIN_PART = 5 << 20          # S3's smallest part but the last
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
-
-
-class NoSuchKey(Exception):
-    """Internal: the object (or prefix) asked for does not exist; callers turn it into the error
-    that says what was missing (CheckpointNotFoundError, DataFileMissingError...)."""
-
-
-def _part_size() -> int:
-    from ...sizes import parse_size
-    raw = os.environ.get("DISTCKPT_OBJECT_PART_SIZE", "") or "16M"
-    try:
-        v = parse_size(raw)
-    except ValueError as exc:
-        raise ConfigError(f"DISTCKPT_OBJECT_PART_SIZE={raw!r}: {exc}", variable="DISTCKPT_OBJECT_PART_SIZE") from None
-    if not _MIN_PART <= v <= 5 << 30:
-        raise ConfigError(f"DISTCKPT_OBJECT_PART_SIZE={raw!r} must be between 5 MiB and 5 GiB (S3's part sizes)",
-                          variable="DISTCKPT_OBJECT_PART_SIZE")
-    return v
-
-
-def settings() -> dict:
-    """The object-store knobs (environment, read at each save):
-
-    DISTCKPT_OBJECT_PART_SIZE (bytes, default 16 MiB; raised so a shard needs at most 10000 parts),
-    DISTCKPT_OBJECT_PARTS_IN_FLIGHT (default 4: upload parts in flight per rank, which with one
-    being filled bounds a rank's upload memory to 5 parts), DISTCKPT_OBJECT_LEASE_S (default 30: a
-    save lease not renewed for this long is dead), DISTCKPT_OBJECT_CONDITIONAL (1: MANIFEST by
-    conditional create, default; 0: HEAD + PUT + read-back, for servers without If-None-Match)."""
-    cond = os.environ.get("DISTCKPT_OBJECT_CONDITIONAL", "1") or "1"
-    if cond not in ("0", "1"):
-        raise ConfigError(f"DISTCKPT_OBJECT_CONDITIONAL={cond!r} must be 0 or 1", variable="DISTCKPT_OBJECT_CONDITIONAL")
-    return {
-        "part_size": _part_size(),
-        "in_flight": int(objrequest.env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
-        "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
-        "conditional": cond == "1",
-    }
 
 
 def translate_error(exc: BaseException, url: str, rank: int | None, operation: str,
@@ -818,227 +778,3 @@ class _Upload:
             except (DistCkptError, NoSuchKey) as exc:  # the next reclaim aborts it
                 log.warning("distckpt: could not abort the upload of %s: %s", self.url, exc)
             self.upload_id = None
-
-
-class Lease:
-    """The liveness lock of a save on an object store (flock does not exist there).
-
-    An object holding {host, pid, save_id, what, started_unix, renewed_unix, lease_s, beat}. Every
-    write of it is conditional on what the writer last saw, so that ownership changes hands
-    exactly once and a stalled holder can never overwrite its successor:
-
-      * taken with a conditional create (``If-None-Match: *``);
-      * a lease whose renewal is older than ``lease_s`` is dead (its save crashed or is stuck);
-        it is broken by overwriting it with ``If-Match: <the ETag read with the dead record>``:
-        of several savers that found it dead together, exactly one wins, the others see a live
-        lease and get SaveInProgressError (there is no delete-then-create window);
-      * renewed by a heartbeat every ``lease_s / 4`` with ``If-Match: <own last ETag>``: a save
-        whose lease was taken over learns it (``lost``) and never writes the lease again. The
-        heartbeat also stops renewing while a request of this process is stuck past its deadline
-        (:func:`distckpt.storage.object.request.in_flight_overdue`), so a stuck save's lease lapses;
-      * released with ``DELETE If-Match: <own ETag>``, never deleting another save's lease.
-
-    A write whose answer was lost may still have landed: when a conditional write fails, the
-    record there is read back, and one that carries this save's id is this save's own (save ids
-    are unique), so its ETag is adopted.
-
-    :meth:`ensure_held` (before a commit) renews once and returns how long the lease is certain to
-    stay valid: the MANIFEST's PUT is sent only with a deadline inside that window, so it cannot
-    land after another save may have broken the lease and reclaimed this save's data.
-
-    Without conditional writes (DISTCKPT_OBJECT_CONDITIONAL=0) each conditional write is emulated
-    by reading the ETag just before writing, which narrows the races to that gap but cannot close
-    them (docs/OBJECT_STORES.md).
-    """
-
-    def __init__(self, store: ObjectStore, url: str, record: dict, etag: str | None) -> None:
-        self.store, self.url, self.record, self.etag = store, url, record, etag
-        self.lost: dict | None = None     # the record found when this lease turned out taken over
-        self.proven = time.monotonic()    # when the last write that proved ownership was sent
-        self._lock = threading.Lock()     # one write of the lease at a time (heartbeat vs commit)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="distckpt-lease", daemon=True)
-
-    # -- reading ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def _parse(data: bytes) -> dict:
-        try:
-            rec = json.loads(data)
-            return rec if isinstance(rec, dict) else {}
-        except ValueError:
-            return {}
-
-    @staticmethod
-    def read(store: ObjectStore, url: str) -> dict | None:
-        """The record of the lease at ``url`` ({} when unreadable), or None when there is none."""
-        got = store._get_with_etag(url, 1 << 16)
-        return None if got is None else Lease._parse(got[0])
-
-    @staticmethod
-    def read_versioned(store: ObjectStore, url: str) -> tuple[dict | None, str | None]:
-        """(record, ETag) of the lease at ``url`` from one GET, or (None, None)."""
-        got = store._get_with_etag(url, 1 << 16)
-        return (None, None) if got is None else (Lease._parse(got[0]), got[1])
-
-    @staticmethod
-    def is_live(rec: dict, now: float | None = None) -> bool:
-        try:
-            return (now or time.time()) - float(rec["renewed_unix"]) < float(rec["lease_s"])
-        except (KeyError, TypeError, ValueError):
-            return False
-
-    # -- conditional writes -----------------------------------------------------------------------
-
-    @staticmethod
-    def _put(store: ObjectStore, url: str, record: dict, *, match: str | None, operation: str, rank: int | None,
-             timeout_s: float | None = None) -> str | None:
-        """Write ``record`` at ``url`` if the object there is in the state the writer saw:
-        absent (``match`` None) or with ETag ``match``. Returns the new ETag.
-
-        Raises:
-            CheckpointExistsError: the object there is not what the writer saw.
-        """
-        bucket, key, _ = store.fs.split_path(store._key(url))
-        body = json.dumps(record).encode()
-        cond = {"IfNoneMatch": "*"} if match is None else {"IfMatch": match}
-        if not settings()["conditional"]:
-            _, now_etag = Lease.read_versioned(store, url)
-            if now_etag != match:
-                raise CheckpointExistsError(f"{operation}: {url} changed since it was read", path=url, rank=rank)
-            cond = {}
-        out = store._s3(operation, url, "put_object", Bucket=bucket, Key=key, Body=body, rank=rank,
-                        conditional=True, nbytes=len(body), timeout_s=timeout_s, **cond)
-        return out.get("ETag")
-
-    # -- taking, renewing, releasing --------------------------------------------------------------
-
-    @classmethod
-    def acquire(cls, store: ObjectStore, url: str, *, save_id: str, what: str, rank: int) -> "Lease":
-        """Take the lease at ``url``, breaking a dead one.
-
-        Raises:
-            SaveInProgressError: a live lease of another save is there (or others kept taking it).
-            EndpointUnreachableError and the other typed errors of a request.
-        """
-        lease_s = settings()["lease_s"]
-        for _attempt in range(4):
-            now = time.time()
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id, "what": what,
-                      "started_unix": now, "renewed_unix": now, "lease_s": lease_s, "beat": 0}
-            sent = time.monotonic()
-            try:
-                etag = cls._put(store, url, record, match=None, operation="create the save lease", rank=rank)
-                return cls(store, url, record, etag)._started(sent)
-            except CheckpointExistsError:
-                pass
-            other, other_etag = cls.read_versioned(store, url)
-            if other is not None and other.get("save_id") == save_id:  # our create landed; its answer was lost
-                return cls(store, url, record, other_etag)._started(sent)
-            if other is None:
-                continue  # released in between: create again
-            if cls.is_live(other):
-                raise SaveInProgressError(
-                    f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
-                    f"{other.get('host')} pid {other.get('pid')}, renewed "
-                    f"{time.time() - float(other['renewed_unix']):.0f} s ago)", path=what, rank=rank, owner=other)
-            log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
-            sent = time.monotonic()
-            try:
-                etag = cls._put(store, url, record, match=other_etag, operation="take over the dead save lease",
-                                rank=rank)
-                return cls(store, url, record, etag)._started(sent)
-            except CheckpointExistsError:
-                mine, mine_etag = cls.read_versioned(store, url)
-                if mine is not None and mine.get("save_id") == save_id:
-                    return cls(store, url, record, mine_etag)._started(sent)
-                # another saver broke it first (or its owner renewed it): look again
-        raise SaveInProgressError(f"could not take the save lease {url}: another save keeps taking it", path=what,
-                                  rank=rank, owner=None)
-
-    def _started(self, sent: float) -> "Lease":
-        self.proven = sent
-        self._thread.start()
-        return self
-
-    def renew(self, timeout_s: float | None = None) -> bool:
-        """One conditional renewal. True when it proved ownership; False after a missed beat (an
-        error, or a request of this process stuck past its deadline: the lease is then left to
-        lapse) or when the lease was taken over (``lost`` says by whom). Never raises."""
-        with self._lock:
-            if self.lost is not None:
-                return False
-            overdue = objrequest.in_flight_overdue()
-            if overdue > 0:
-                log.warning("distckpt: not renewing the save lease %s: a request of this save is stuck %.0f s past its "
-                            "deadline", self.url, overdue)
-                return False
-            record = {**self.record, "renewed_unix": time.time(), "beat": int(self.record.get("beat", 0)) + 1}
-            sent = time.monotonic()
-            try:
-                try:
-                    self.etag = self._put(self.store, self.url, record, match=self.etag, operation="renew the save lease",
-                                          rank=0, timeout_s=timeout_s)
-                except CheckpointExistsError:
-                    there, etag = self.read_versioned(self.store, self.url)
-                    if there is None or there.get("save_id") != self.record["save_id"]:
-                        self.lost = there or {}
-                        log.error("distckpt: the save lease %s was taken over by %s; this save will not commit",
-                                  self.url, there)
-                        return False
-                    # Our previous write landed but its answer was lost: adopt it and write again.
-                    self.etag = self._put(self.store, self.url, record, match=etag, operation="renew the save lease",
-                                          rank=0, timeout_s=timeout_s)
-            except (DistCkptError, NoSuchKey) as exc:  # a missed beat; the lease lasts 4 periods
-                log.warning("distckpt: could not renew the save lease %s: %s", self.url, exc)
-                return False
-            self.record, self.proven = record, sent
-            return True
-
-    def ensure_held(self) -> float:
-        """Prove this save still holds the lease (one conditional renewal) and return the seconds
-        it is certain to stay valid: ``3/4 lease_s`` from when that renewal was sent (a quarter of
-        the lease is left for clock differences between hosts), less the time since.
-
-        Raises:
-            SaveInProgressError: the lease was taken over, or it could not be renewed.
-        """
-        lease_s = float(self.record["lease_s"])
-        if not self.renew(timeout_s=lease_s / 4):
-            owner = self.lost
-            why = (f"it is now held by {owner}" if owner is not None
-                   else "it could not be renewed (see the warning above)")
-            raise SaveInProgressError(
-                f"this save cannot prove it still holds its lease {self.url} before its commit: {why}", path=self.url,
-                rank=0, owner=owner,
-                remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long, or check "
-                       "the endpoint.")
-        return 0.75 * lease_s - (time.monotonic() - self.proven)
-
-    def _beat(self) -> None:
-        period = self.record["lease_s"] / 4
-        while not self._stop.wait(period):
-            self.renew(timeout_s=period)
-            if self.lost is not None:
-                return
-
-    def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours. Never raises; bounded by the
-        request deadlines."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        if self.lost is not None:
-            return
-        bucket, key, _ = self.store.fs.split_path(self.store._key(self.url))
-        try:
-            there, etag = self.read_versioned(self.store, self.url)
-            if there is None or there.get("save_id") != self.record["save_id"]:
-                return  # not ours (any more): never delete another save's lease
-            cond = {"IfMatch": etag} if settings()["conditional"] and etag else {}
-            self.store._s3("release the save lease", self.url, "delete_object", Bucket=bucket, Key=key, rank=0,
-                           conditional=True, **cond)
-        except CheckpointExistsError:
-            pass  # it changed between the read and the delete: someone else's now
-        except (DistCkptError, NoSuchKey) as exc:  # it expires on its own
-            log.warning("distckpt: could not remove the save lease %s: %s", self.url, exc)
