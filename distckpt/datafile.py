@@ -70,7 +70,8 @@ class Sink(Protocol):
         will start."""
 
     def write(self, data: Any) -> int:
-        """Append ``data`` (a C-contiguous buffer, not referenced after return); return the position."""
+        """Append ``data`` (a C-contiguous buffer, not referenced after return); return the new position
+        (where the next byte lands: after the index, the file's size)."""
 
     def write_checksummed(self, data: Any, block: int) -> tuple[int, ...]:
         """:meth:`write` ``data`` and return the crc32c of each ``block`` bytes of it, the last

@@ -724,7 +724,7 @@ class _Upload:
 
     def write(self, data) -> int:
         """Copy ``data`` into the part buffers, sending each part that is full and followed by
-        more bytes. Returns the position. Raises the typed errors of a part's upload."""
+        more bytes. Returns the new position (after ``data``). Raises the typed errors of a part's upload."""
         view = memoryview(data).cast("B")
         while view.nbytes:
             if self.fill == len(self.buf):
