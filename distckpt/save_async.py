@@ -254,7 +254,8 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                        on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None,
                        process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
                        metadata: dict | None = None, replicated: Any = "check", no_dist: bool = False,
-                       storage_options: dict | None = None) -> AsyncSaveHandle:
+                       storage_options: dict | None = None,
+                       finish: Callable[..., SaveResult] = finish_save) -> AsyncSaveHandle:
     """:func:`async_save` for a caller that owns the checkpoint's root (CheckpointManager, an
     IncrementalSaver): the other arguments are :func:`async_save`'s.
 
@@ -263,6 +264,13 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
         on_outcome: ``on_outcome(result, error)`` is called on this rank's save thread with the
             outcome, before the handle reports done (an error it raises is logged, never hides
             the outcome).
+        finish: phases 2-4 (PREPARE, WRITE, COMMIT), run on the save's thread over the staged
+            copies as ``finish(group, planned, final_dir=, overwrite=, metadata=, after_commit=,
+            local_error=, lock_path=, storage_options=)`` with the contract of
+            :func:`distckpt.commit.finish_save` (the default). A caller with another commit
+            protocol binds its extra arguments itself (the tiered save passes
+            ``functools.partial(distckpt.tiers.localcommit.finish_node_save, layout=...)``), so the
+            staging and the thread are not duplicated.
 
     Returns and raises what :func:`async_save` does.
     """
@@ -296,9 +304,9 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
         def work() -> None:
             result, error = None, None
             try:
-                result = finish_save(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                                     after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
-                                     storage_options=storage_options)
+                result = finish(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
+                                after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
+                                storage_options=storage_options)
             except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
                 error = exc
             finally:
