@@ -45,6 +45,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointRemovedError",
     "CheckpointIncompleteError",
+    "TierIncompleteError",
     "CheckpointCorruptError",
     "ManifestCorruptError",
     "ChecksumMismatchError",
@@ -341,6 +342,18 @@ class CheckpointIncompleteError(DistCkptError, FileNotFoundError):
     """The directory is not a committed checkpoint: no MANIFEST, or a save's temporary directory."""
 
     default_remedy = "Load a committed checkpoint instead; this one was never finished and is never loadable."
+
+
+class TierIncompleteError(CheckpointIncompleteError):
+    """A tiered checkpoint (distckpt.tiers) has no complete copy of one save that the ranks can
+    read: a data file is on no tier a rank that needs it can reach (not in its node's local copy
+    of the save, and the remote tier has not committed it), or, for a drain to the remote tier,
+    on no node of the local tier (or the nodes hold different saves of the step); nothing was
+    loaded or drained. Fields: ``step`` (the step's directory name), ``files`` (the data files
+    missing), ``tiers`` (what each tier holds)."""
+
+    default_remedy = ("Wait for the step's drain to the remote tier to finish (or restart on the nodes that hold "
+                      "it), or load an older step that the remote tier holds.")
 
 
 class CheckpointCorruptError(DistCkptError, ValueError):

@@ -47,7 +47,9 @@ class Store(abc.ABC):
     Call order of a save (distckpt.commit): ``prepare`` (rank 0) -> ``write_rank`` on every rank ->
     ``publish`` (rank 0, only when every rank's write succeeded) or ``abort``; after a publish
     that replaced a checkpoint, ``discard`` of what it returned. The lock ``prepare`` returns is
-    released by the caller after the area is published or gone.
+    released by the caller after the area is published or gone. A drain to another tier
+    (distckpt.tiers.drain) calls ``copy_data_file`` in place of ``write_rank``: the same data
+    files, byte for byte, from a committed checkpoint elsewhere.
 
     What every back end guarantees (docs/DESIGN.md, invariants I1-I8):
       * ``publish`` is the only step a reader can see, and it is atomic: a reader of ``final``
@@ -57,7 +59,8 @@ class Store(abc.ABC):
       * ``abort`` never touches a published checkpoint; ``discard`` deletes only what ``publish``
         returned, which no reader can reach any more: an old checkpoint's data goes only after
         the new one is published (I2).
-      * ``write_rank`` is durable when it returns; ``publish`` is durable when it returns (I3).
+      * ``write_rank`` and ``copy_data_file`` are durable when they return; ``publish`` is durable
+        when it returns (I3).
       * A save holds a lock or lease from ``prepare`` until its area is published or gone, and
         ``reclaim`` deletes only the leftovers of saves whose lock is free (I6).
       * Every method raises typed :class:`distckpt.errors.DistCkptError` subclasses, never a bare
@@ -93,6 +96,26 @@ class Store(abc.ABC):
         Returns ((index offset, length, crc32c), size, backend name, backend reason).
 
         Raises StorageError subclasses (DiskFullError...) and the object-store request errors."""
+
+    @abc.abstractmethod
+    def copy_data_file(self, area: str, rank: int, size: int, feed: Callable[[Any], None]) -> int:
+        """WRITE from existing bytes (a drain to another tier, :mod:`distckpt.tiers.drain`): data
+        file ``rank`` (named ``rankNNNNN.bin`` like :meth:`write_rank`'s) of the save area ``area``,
+        whose bytes ``feed(sink)`` appends, exactly ``size`` of them, with ``sink.write(data)``
+        (a :class:`distckpt.datafile.Sink`; ``data`` is not referenced after the call returns).
+        Durable (POSIX: fsynced) or visible (object stores: the upload completed) when this
+        returns, as after :meth:`write_rank`. Returns ``size``.
+
+        On any error, ``feed``'s own included, nothing of the file stays (POSIX: unlinked; object
+        stores: the upload aborted, the object deleted if it may have landed) and the error
+        propagates, typed.
+
+        Raises:
+            DataFileTruncatedError: ``feed`` appended fewer than ``size`` bytes;
+                CheckpointCorruptError: more.
+            StorageError subclasses (DiskFullError...), the object-store request errors, and
+            whatever ``feed`` raises.
+        """
 
     @abc.abstractmethod
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:

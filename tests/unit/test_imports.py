@@ -115,6 +115,8 @@ LAYERS = [
     # 4: the doors: manager, conversion, pre-flight report, CLI, benchmarks, integrations, the package
     {"", "__main__", "manager", "convert", "bench", "cli", "checks", "checks.*", "integrations", "integrations.*",
      # the tiered checkpoints (issue #25)
+     "tiers.drain",
+     "tiers.load",
      "tiers", "tiers.nodes", "tiers.localcommit"},
 ]
 

@@ -38,7 +38,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ... import datafile
 from ... import manifest as mf
@@ -283,7 +283,7 @@ class ObjectStore(Store):
         lease = Lease.acquire(self, lock_url, save_id=save_id, what=final, rank=rank)
         self._lease = lease  # publish() checks it is still ours
         try:
-            self.reclaim_checkpoint(final, root_lock=join(_parent(final), ROOT_LOCK_NAME))
+            self.reclaim_checkpoint(final, root_lock=join(_parent(final), ROOT_LOCK_NAME), own_id=save_id)
             if self.is_committed(final) and not overwrite:
                 raise CheckpointExistsError(f"a committed checkpoint already exists at {final}", path=final, rank=rank)
             return join(final, save_id), lease
@@ -320,7 +320,7 @@ class ObjectStore(Store):
         # that it takes at most _MAX_PARTS parts.
         bound = datafile.size_bound(pieces, checksum_block, _Upload.alignment, moves_chunks=False)
         cfg = settings()
-        part = max(cfg["part_size"], -(-bound // _MAX_PARTS))
+        part = _part_size(cfg, bound)
         up = _Upload(self, url, part_size=part, in_flight=cfg["in_flight"], size_bound=bound, rank=rank)
         try:
             written = datafile.write_data_file(up, rank, pieces, checksum_block)
@@ -330,6 +330,54 @@ class ObjectStore(Store):
             raise
         return written.index, written.size, f"fsspec:{self.protocol}", (
             f"object store: multipart upload, {part >> 20} MiB parts, {cfg['in_flight']} in flight")
+
+    def copy_data_file(self, area: str, rank: int, size: int, feed: Callable[[Any], None]) -> int:
+        """Data object ``rank`` of ``area`` from the bytes ``feed(upload)`` appends: the same
+        multipart upload as :meth:`write_rank` (parts sized for ``size``; at most ``in_flight``
+        parts uploading while one more is filled), visible once it completes. Returns ``size``.
+
+        On error the upload is aborted (the object never appears); when the error came from the
+        request that completes it (or from the single PUT of a small object), whose answer may
+        have been lost after the server acted, the object is deleted too, best effort (the area's
+        abort, or the next reclaim, deletes what this cannot). The upload's requests carry no
+        rank: the caller's collective records the copying rank on the error (the object's name
+        is in its URL).
+
+        Raises:
+            DataFileTruncatedError, CheckpointCorruptError: ``feed`` appended fewer / more than ``size``
+                bytes.
+            The typed request errors (EndpointUnreachableError, QuotaExceededError, ...), and
+            whatever ``feed`` raises.
+        """
+        url = join(area, mf.data_file_name(rank))
+        cfg = settings()
+        up = _Upload(self, url, part_size=_part_size(cfg, size), in_flight=cfg["in_flight"], size_bound=size,
+                     rank=None)
+        finishing = False
+        try:
+            feed(up)
+            if up.tell() != size:
+                cls = DataFileTruncatedError if up.tell() < size else CheckpointCorruptError
+                raise cls(f"{_basename(url)}: the copy supplied {up.tell()} bytes, expected {size}", path=url,
+                          expected=size, found=up.tell())
+            finishing = True
+            up.finish()
+        except BaseException:
+            up.abort()
+            if finishing:
+                self._delete_quietly(url)
+            raise
+        return size
+
+    def _delete_quietly(self, url: str) -> None:
+        """Delete the object at ``url`` if it is there (one request under its deadline); a failure
+        is only logged: the save area's abort or the next reclaim deletes it."""
+        try:
+            self._call("delete", url, "rm_file", self._key(url))
+        except NoSuchKey:
+            pass
+        except DistCkptError as exc:
+            log.warning("distckpt: could not delete %s after its copy failed: %s", url, exc)
 
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
         """Write MANIFEST (the commit point). Returns the replaced save's data prefix, or None.
@@ -514,12 +562,21 @@ class ObjectStore(Store):
         committed = self.committed_save_id(final)
         return [(join(final, i), "alive" if i in live else "dead") for i in sorted(ids) if i != committed]
 
-    def reclaim_checkpoint(self, final: str, root_lock: str | None = None) -> list[str]:
+    def reclaim_checkpoint(self, final: str, root_lock: str | None = None, own_id: str | None = None) -> list[str]:
+        """Delete the dead leftovers of ``final`` (:meth:`leftovers`); returns their prefixes.
+
+        ``own_id``: the save id of the caller's own save, whose lease it holds (so its prefix looks
+        alive). A save id is fresh for every save, except a drain's (distckpt.tiers.drain: the
+        local save's id, reused by every try): a failed earlier try of the same drain may have left
+        incomplete multipart uploads under this prefix, which are aborted here; its completed
+        objects are rewritten by this try."""
         removed = []
         for prefix, state in self.leftovers(final, root_lock):
             if state == "dead":
                 self.delete_prefix(prefix)
                 removed.append(prefix)
+            elif own_id is not None and _basename(prefix) == own_id:
+                self.abort_uploads(prefix)
         if removed:
             log.info("distckpt: reclaimed %d leftovers of dead saves under %s: %s", len(removed), final, removed)
         return removed
@@ -619,6 +676,12 @@ def _outcome_unknown(exc: BaseException, final: str, save_id: str, why: str) -> 
     return exc
 
 
+def _part_size(cfg: dict, size_bound: int) -> int:
+    """The part size of an upload of at most ``size_bound`` bytes: DISTCKPT_OBJECT_PART_SIZE, raised
+    so that the object takes at most S3's 10000 parts."""
+    return max(cfg["part_size"], -(-size_bound // _MAX_PARTS))
+
+
 def protocol_of(url: str) -> str:
     return url.split("://", 1)[0].lower()
 
@@ -677,7 +740,7 @@ class _Upload:
     alignment = ALIGNMENT
 
     def __init__(self, store: ObjectStore, url: str, *, part_size: int, in_flight: int, size_bound: int,
-                 rank: int) -> None:
+                 rank: int | None) -> None:
         self.store, self.url, self.rank = store, url, rank
         self.fs = store.fs
         self.bucket, self.key, _ = self.fs.split_path(store._key(url))

@@ -6,6 +6,8 @@ and what rank 0 prepares in a local directory (leftovers are reclaimed by
   lock, refuse a committed or foreign target, check the space, create ``.NAME.tmp-<save id>``.
 * :func:`write_rank_file` (WRITE, every rank): one rank's data file, laid out by
   :mod:`distckpt.datafile` through the O_DIRECT writer, durable when it returns.
+* :func:`copy_rank_file` (WRITE from existing bytes, a drain): a data file whose bytes a caller
+  streams in, through the same writer, durable when it returns, unlinked on error.
 
 :class:`distckpt.storage.posix.store.PosixStore` calls these; nothing here calls back up into the
 commit protocol (the save's collectives live there, the file system's work here).
@@ -13,12 +15,13 @@ commit protocol (the save's collectives live there, the file system's work here)
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ... import datafile
 from ...config import get_config
-from ...errors import CheckpointExistsError, from_os_error
+from ...errors import CheckpointCorruptError, CheckpointExistsError, DataFileTruncatedError, from_os_error
 from . import commit as local
 from . import savelock
 from .guards import check_save_space, refuse_pseudo_fs
@@ -27,7 +30,7 @@ from .manifests import is_committed
 from .probe import choose_backend
 from .writer import open_writer
 
-__all__ = ["prepare_save_dir", "write_rank_file"]
+__all__ = ["prepare_save_dir", "write_rank_file", "copy_rank_file"]
 
 
 # PREPARE (rank 0)
@@ -97,3 +100,41 @@ def write_rank_file(path: str, rank: int, pieces: list[tuple[str, Any]], checksu
         written = datafile.write_data_file(w, rank, pieces, checksum_block)
         w.close()  # fsync: durable before the save may commit
     return written.index, written.size, choice
+
+
+def copy_rank_file(path: str, size: int, feed: Callable[[Any], None]) -> int:
+    """Create the data file ``path`` from bytes that ``feed(writer)`` appends with
+    ``writer.write`` (exactly ``size`` of them), through the O_DIRECT writer (one fallocate of
+    ``size`` first), fsynced before this returns. Returns ``size``.
+
+    On any error (``feed``'s included) the writer's fds are closed and the file is unlinked,
+    then the error propagates: a drain that failed leaves no partial data file in the area.
+
+    Raises:
+        DataFileTruncatedError: ``feed`` appended fewer than ``size`` bytes;
+            CheckpointCorruptError: more.
+        StorageError subclasses of the writer (DiskFullError at the fallocate or a write,
+            StorageIOError, ...), and whatever ``feed`` raises.
+    """
+    choice = choose_backend(os.path.dirname(path))
+    created = False
+    try:
+        with open_writer(path, choice=choice, durable=True, size_hint=size) as w:
+            created = True
+            feed(w)
+            written = w.tell()
+            if written < size:
+                raise DataFileTruncatedError(f"{os.path.basename(path)}: the copy supplied {written} bytes, "
+                                             f"expected {size}", path=path, expected=size, found=written)
+            if written > size:
+                raise CheckpointCorruptError(f"{os.path.basename(path)}: the copy supplied {written} bytes, "
+                                             f"expected {size}", path=path, expected=size, found=written)
+            w.close()  # fsync: durable before the save may commit
+    except BaseException:
+        if created:
+            # Not the caller's abort of the whole area: a drain that fails one file leaves none of
+            # it behind even if the area outlives the error (its clean-up failing too).
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    return size

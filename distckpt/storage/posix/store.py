@@ -50,6 +50,10 @@ class PosixStore(Store):
                                                        checksum_block)
         return records, size, choice.name, choice.reason
 
+    def copy_data_file(self, area: str, rank: int, size: int, feed: Callable[[Any], None]) -> int:
+        from . import saving  # torch: see prepare
+        return saving.copy_rank_file(os.path.join(area, mf.data_file_name(rank)), size, feed)
+
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
         local.write_file_durable(os.path.join(area, mf.MANIFEST_NAME), manifest)
         return local.publish_dir(area, final, overwrite=overwrite)
