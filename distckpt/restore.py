@@ -31,7 +31,7 @@ import pickle
 import re
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -72,6 +72,9 @@ class LoadResult:
         uninitialized: optimizer state in the checkpoint for an optimizer whose state dict has no
             state yet (an error under strict=True; with strict=False, these keys were not loaded).
         cast: {key: "saved->loaded dtype"} for tensors converted on load (see ``cast=``).
+        bytes_by_tier: for a tiered load (distckpt.tiers.load), {"local": n, "remote": m}: the
+            bytes of the caller's tensors each tier served (``bytes_read`` counts the file bytes
+            read, checksum blocks and alignment included); empty for any other load.
     """
 
     path: str
@@ -84,6 +87,7 @@ class LoadResult:
     backend: str | None
     uninitialized: list[str] = dataclasses.field(default_factory=list)
     cast: dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def load_manifest(path: str | os.PathLike, storage_options: dict | None = None) -> "mf.Manifest":
@@ -379,11 +383,22 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _load_local(source: Source, manifest: "mf.Manifest", state_dict: Any, strict: bool, verify: bool,
-                allow_pickle: bool, cast: str, t0: float) -> LoadResult:
+                allow_pickle: bool, cast: str, t0: float,
+                parts_for: Callable[[list[Task]], list[Part]] | None = None) -> LoadResult:
     """Plan, read and place one rank's part of a load from ``source`` (whose manifest is
     ``manifest``): for a delta of an incremental chain, the tracked tensors from the base and the
-    deltas' rows (:func:`_fill_chain`), everything else from the newest link."""
+    deltas' rows (:func:`_fill_chain`), everything else from the newest link.
+
+    ``parts_for``: where the planned read tasks are read from, for a checkpoint whose data files
+    are not all under ``source.path`` (a tiered load, distckpt.tiers.load: each file from the
+    local or the remote copy of the same save). It gets every task (each names its data file in
+    ``task.chunk.file``) and returns the fill parts that read them, all in one pass; it may raise
+    (a file no copy holds) before any byte of the state dict changed. Default: one part, every
+    file from ``source``. Not for a delta of a chain (ConfigError)."""
     links = source.links(manifest)
+    if links is not None and parts_for is not None:
+        raise ConfigError(f"{source.path} is a delta of an incremental chain: it loads from its own directory "
+                          f"and its chain's only")
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
@@ -398,7 +413,7 @@ def _load_local(source: Source, manifest: "mf.Manifest", state_dict: Any, strict
             manifest, own, strict, allow_pickle, source.path, cast, _optimizer_paths(state_dict))
         # Decoded before any byte is read: a class that cannot be rebuilt fails the load early.
         values = [(item, _object_value(entry, manifest, item.fqn, source.path)) for item, entry in objects]
-        parts = [Part(source.store, source.path, manifest, tasks)]
+        parts = parts_for(tasks) if parts_for is not None else [Part(source.store, source.path, manifest, tasks)]
         if tracked:
             nbytes, backend = _fill_chain(source, links, parts, {f: items[f] for f in tracked}, strict,
                                           allow_pickle, cast, verify, casts, cast_names, mismatched)
