@@ -1,6 +1,7 @@
 """The ``distckpt`` command line (also ``python -m distckpt``).
 
     distckpt ls ROOT            committed steps under a CheckpointManager root
+    distckpt ls LOCAL --remote URL   the steps of a TieredCheckpointManager, a column per tier
     distckpt inspect PATH       what a checkpoint holds: values, tensors, sizes, who wrote it (--json)
     distckpt verify PATH        read every byte and check every checksum, with bounded memory
     distckpt preflight PATH     the pre-flight checks (distckpt.checks)
@@ -38,6 +39,8 @@ def _cmd_ls(args) -> int:
     from .errors import CheckpointNotFoundError
     from .listing import list_root
     from .storage import open_store
+    if args.remote:
+        return _ls_tiers(args)
     try:
         listing = list_root(args.root)
     except CheckpointNotFoundError as exc:
@@ -99,6 +102,44 @@ def _cmd_ls(args) -> int:
         if any(lo.state == "dead" for lo in saves):
             print(f"  reclaim the dead ones: the next save of the same name does, or "
                   f"python -c \"import distckpt; distckpt.CheckpointManager({listing.path!r}).reclaim()\"")
+    return 0
+
+
+def _ls_tiers(args) -> int:
+    """``distckpt ls LOCAL --remote URL``: :func:`distckpt.tiers.listing.list_tiers`, one row per
+    step, a column per tier. Never writes; imports no torch."""
+    import time
+    from .tiers.listing import list_tiers
+    rows, loc, rem = list_tiers(args.root, args.remote)
+    if loc is None and rem is None:
+        print(f"distckpt ls: neither {args.root} nor {args.remote} exists", file=sys.stderr)
+        return 2
+    if args.json:
+        import dataclasses
+        print(json.dumps({"json_format": JSON_FORMAT, "local": args.root, "remote": args.remote,
+                          "steps": [dataclasses.asdict(r) for r in rows]}, indent=1, sort_keys=True))
+        return 0
+
+    def when(t):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else "-"
+
+    def local(r):
+        if r.local is None:
+            return "-"
+        return r.local if r.local != "committed" else f"committed ({r.local_files}/{r.files} files here)"
+
+    table = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "LOCAL (this node)", "REMOTE", "LATEST", "NOTE")]
+    for r in rows:
+        table.append((str(r.step), format_bytes(r.size_bytes) if r.size_bytes is not None else "-",
+                      when(r.created_unix), str(r.ranks) if r.ranks is not None else "-", local(r),
+                      r.remote or "-", "latest" if r.latest else "", r.problem or ""))
+    print(f"{args.root} (local tier) -> {args.remote} (remote tier)")
+    if len(table) == 1:
+        print("  no checkpoints")
+    else:
+        widths = [max(len(t[i]) for t in table) for i in range(len(table[0]) - 1)]
+        for t in table:
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[-1])
     return 0
 
 
@@ -397,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "ranks, latest, broken entries, saves in flight; never writes")
     p.add_argument("root", help="a CheckpointManager root, a directory of checkpoints, or one checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the listing as JSON (for scripts)")
+    p.add_argument("--remote", metavar="URL", help="ROOT is the local tier of a TieredCheckpointManager and URL its "
+                   "remote tier: one column per tier (AWS_* variables give the remote's credentials)")
     p.set_defaults(func=_cmd_ls)
     p = sub.add_parser("inspect", help="what a checkpoint holds: values, tensors, sizes, who wrote it",
                        description="Print a checkpoint's contents from its MANIFEST (no data file is read, "

@@ -46,6 +46,7 @@ __all__ = [
     "CheckpointRemovedError",
     "CheckpointIncompleteError",
     "TierIncompleteError",
+    "NotDurableError",
     "CheckpointCorruptError",
     "ManifestCorruptError",
     "ChecksumMismatchError",
@@ -354,6 +355,17 @@ class TierIncompleteError(CheckpointIncompleteError):
 
     default_remedy = ("Wait for the step's drain to the remote tier to finish (or restart on the nodes that hold "
                       "it), or load an older step that the remote tier holds.")
+
+
+class NotDurableError(DistCkptError, RuntimeError):
+    """A step of a tiered manager (distckpt.tiers) did not reach the remote tier: its drain failed
+    for good, was stopped by ``close()``, or a wait for it timed out. The step stays committed on
+    the local tier; nothing partial is visible remotely.
+
+    Fields: ``steps`` (the step numbers not remote), ``cause`` (the drain's last error, or None)."""
+
+    default_remedy = ("The steps stay committed locally: fix the cause (status(step).error), then start a "
+                      "TieredCheckpointManager on the same tiers, which drains them at construction.")
 
 
 class CheckpointCorruptError(DistCkptError, ValueError):

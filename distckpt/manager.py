@@ -267,6 +267,15 @@ class CheckpointManager:
             if self._resume_gen == gen:
                 self._resumed_from = None
 
+    def rotate_after(self, step: int) -> None:
+        """What a manager save of ``step`` runs on rank 0 once it is committed, for a caller that
+        commits steps into this root by other means (a tiered manager's drain,
+        distckpt.tiers): point ``latest`` at ``step``, then keep_last rotation (steps numbered
+        above ``step`` are kept, with a warning). The caller holds the root's lock or lease.
+
+        Raises the store's typed errors (the step itself stays committed)."""
+        self._after_commit(step, None)
+
     def _after_commit(self, step: int, protect: int | None) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         pointer = (step_dirname(step) + "\n").encode()

@@ -182,7 +182,8 @@ def _holding(store: Store, path: str, local: _LocalStep | None) -> _Holding:
 def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote_store: Store | None = None,
                lock_path: str | None = None, after_commit: Callable[[], None] | None = None,
                progress: Callable[[int], None] | None = None,
-               storage_options: dict | None = None) -> DrainResult:
+               storage_options: dict | None = None,
+               on_assigned: Callable[[int], None] | None = None) -> DrainResult:
     """Copy the step committed at ``local_path`` (this rank's node-local step directory) to
     ``remote_path`` and commit it there; collective over ``group`` (see the module docstring).
 
@@ -192,6 +193,7 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
     is published (the manager's remote ``latest`` and rotation); not run when the step was already
     remote. ``progress(n)``: called on this rank with each ``n`` bytes handed to the upload (an
     increment; the upload holds at most its part buffers before they are sent).
+    ``on_assigned(total)``: called on this rank once the files it copies are known, with their bytes.
 
     Returns the same DrainResult on every rank (``bytes_uploaded`` and ``seconds`` are this rank's).
 
@@ -220,7 +222,7 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
     held: list = []  # rank 0's remote lease or lock, released on every path
     try:
         return _drain(group, local_store, local_path, remote_store, remote_path, lock_path, after_commit, progress,
-                      held, t0)
+                      held, t0, on_assigned)
     finally:
         for lock in held:
             lock.release()
@@ -228,7 +230,7 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
 
 def _drain(group: ControlGroup, local_store: Store, local_path: str, remote_store: Store, remote_path: str,
            lock_path: str | None, after_commit: Callable[[], None] | None, progress: Callable[[int], None] | None,
-           held: list, t0: float) -> DrainResult:
+           held: list, t0: float, on_assigned: Callable[[int], None] | None = None) -> DrainResult:
     """The body of :func:`drain_step` (same promises and errors); the lock rank 0 takes goes into
     ``held``, which the caller releases."""
     rank, world = group.rank, group.world_size
@@ -268,6 +270,8 @@ def _drain(group: ControlGroup, local_store: Store, local_path: str, remote_stor
     # 3. COPY (every rank its assigned files)
     sent, error = 0, None
     try:
+        if on_assigned is not None:
+            on_assigned(sum(local.header.files[i].size for i in plan.assigned[rank]) if local is not None else 0)
         if plan.assigned[rank]:
             with local_store.guard_reads(local_path):
                 for i in plan.assigned[rank]:

@@ -257,6 +257,22 @@ class S3Server:
         """Remove the limits set by :meth:`throttle`."""
         self.shell("s3.circuitBreaker -global -delete -apply")
 
+    def restart(self) -> "S3Server":
+        """Start the server again after :meth:`kill` or ``stop(remove=False)``: the same ports
+        (clients keep their endpoint) and the same data.
+
+        Raises:
+            RuntimeError: it did not answer within ``start_timeout_s`` (a port taken meanwhile).
+        """
+        self.stop(remove=False)
+        ports = [self.ports[name] for name in _PORT_NAMES]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self._command(ports, self._write_config()), stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self._wait_ready()
+        return self
+
     def kill(self) -> None:
         """SIGKILL the server at once (an abrupt loss of the endpoint); keeps its data."""
         if self.proc is not None and self.proc.poll() is None:

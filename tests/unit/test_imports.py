@@ -117,7 +117,7 @@ LAYERS = [
      # the tiered checkpoints (issue #25)
      "tiers.drain",
      "tiers.load",
-     "tiers", "tiers.nodes", "tiers.localcommit"},
+     "tiers", "tiers.nodes", "tiers.localcommit", "tiers.drainer", "tiers.listing", "tiers.manager"},
 ]
 
 

@@ -1,0 +1,203 @@
+"""The background drain of a tiered manager: one thread per rank that copies committed local steps
+to the remote tier, in commit order, and retries what a server outage stopped.
+
+Every rank runs one :class:`Drainer`. The manager queues each step once it is committed on the
+local tier, in the same order on every rank (saves are serialized per process), and the drainers
+run :func:`distckpt.tiers.drain.drain_step` for it together over a control group of their own
+(channel ``"drain"``), so the drain never interleaves with the collectives of the training thread.
+
+Retries are collective: after a failed drain every rank holds the same typed error (the drain's
+verdict), waits the same back-off, then all ranks vote (one all_gather) on whether to go on; a rank
+that is closing stops them all at that point. Errors that a retry cannot cure (a local copy that
+is damaged or incomplete, another save already committed remotely under the step) are final for
+the step: it is marked failed and the queue moves on. Errors a server outage gives (unreachable,
+throttled, a 5xx, a lease held by another save) are retried with back-off until the drain succeeds
+or the manager closes. A lost peer stops the drainer (nothing can be agreed any more).
+
+Nothing here deletes anything: a failed or abandoned drain leaves no visible remote step (the
+remote MANIFEST is written last) and its data objects are reclaimed by the next drain or save
+there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, ConfigError,
+                      DistCkptError, PeerLostError, SaveInProgressError)
+
+__all__ = ["Drainer", "DrainState", "is_retryable"]
+
+log = logging.getLogger("distckpt")
+
+# Back-off between tries of a drain a server outage stopped: doubling, capped.
+_FIRST_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 30.0
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether a later try of the same drain can succeed: False for a damaged or incomplete local
+    copy, another save committed under the step remotely, a configuration error; True for the
+    errors of a server or network outage and a lease held by another save."""
+    if isinstance(error, SaveInProgressError):
+        return True
+    if isinstance(error, (CheckpointCorruptError, CheckpointIncompleteError, CheckpointExistsError, ConfigError,
+                          PeerLostError)):
+        return False
+    return isinstance(error, (DistCkptError, OSError))
+
+
+@dataclasses.dataclass
+class DrainState:
+    """Where one step's drain stands on this rank. ``state``: ``queued``, ``draining``,
+    ``retrying`` (the last try failed with ``error``; another follows), ``committed`` (the remote
+    tier holds the step), ``failed`` (final: ``error`` says why) or ``stopped`` (the manager closed
+    before it drained). ``sent``/``total``: this rank's bytes sent and to send in the current try."""
+
+    step: int
+    save_id: str | None
+    state: str = "queued"
+    sent: int = 0
+    total: int = 0
+    tries: int = 0
+    error: BaseException | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+_STOP = object()
+
+
+class Drainer:
+    """The drain queue and thread of one rank.
+
+    ``drain(step, save_id, progress, assigned)`` runs one collective drain of ``step`` (calling
+    ``assigned(total)`` with this rank's bytes to send, ``progress(n)`` as they go) and returns
+    the number of bytes this rank sent, or raises its typed error (every rank the same); ``vote(closing)``
+    runs one collective vote and returns True when any rank is closing. Both are the manager's,
+    so that this class holds only the queue, the retries and the states."""
+
+    def __init__(self, drain: Callable[[int, str | None, Callable[[int], None], Callable[[int], None]], int],
+                 vote: Callable[[bool], bool], *, name: str) -> None:
+        self._drain = drain
+        self._vote = vote
+        self._queue: queue.Queue = queue.Queue()
+        self._states: dict[int, DrainState] = {}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- what the manager calls (any thread) ------------------------------------------------------
+
+    def enqueue(self, step: int, save_id: str | None) -> DrainState:
+        """Queue ``step`` (committed locally with ``save_id``) for draining. Must be called in the
+        same order on every rank. A step queued again (saved again) gets a fresh state."""
+        st = DrainState(step, save_id)
+        with self._lock:
+            self._states[step] = st
+        self._queue.put(st)
+        return st
+
+    def state(self, step: int) -> DrainState | None:
+        with self._lock:
+            return self._states.get(step)
+
+    def states(self) -> dict[int, DrainState]:
+        with self._lock:
+            return dict(self._states)
+
+    def close(self, timeout: float | None) -> list[int]:
+        """Let the queue drain (at most ``timeout`` seconds, None: no bound), then stop the
+        thread: retries stop at the next collective vote. Must be called on every rank. Returns
+        the steps whose drain did not commit (failed, stopped or still running at the timeout)."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            # Stop retrying: every rank's thread leaves at the same vote.
+            self._closing.set()
+            self._thread.join(_MAX_BACKOFF_S + 5)
+        with self._lock:
+            return sorted(s for s, st in self._states.items() if st.state != "committed")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                break
+            if not self._drain_with_retries(item):
+                break
+        # Whatever is still queued did not drain: say so (the next manager start resumes it).
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                self._finish(item, "stopped", None)
+
+    def _drain_with_retries(self, st: DrainState) -> bool:
+        """One step, tried until it commits, fails for good, or the ranks vote to stop. Returns
+        False when the thread must stop (a vote to stop, or a peer lost)."""
+        backoff = _FIRST_BACKOFF_S
+        while True:
+            st.tries += 1
+            st.state, st.sent, st.error = "draining", 0, None
+
+            def progress(n: int, st=st) -> None:
+                st.sent += n
+
+            def assigned(total: int, st=st) -> None:
+                st.total = total
+
+            try:
+                self._drain(st.step, st.save_id, progress, assigned)
+            except Exception as exc:  # noqa: BLE001 - typed by the drain; classified below
+                if isinstance(exc, PeerLostError):
+                    log.error("distckpt: the drain of step %d stopped: a peer was lost (%s); the next manager "
+                              "start drains it again", st.step, exc)
+                    self._finish(st, "failed", exc)
+                    return False
+                if not is_retryable(exc):
+                    log.error("distckpt: the drain of step %d to the remote tier failed for good: %s: %s",
+                              st.step, type(exc).__name__, exc)
+                    self._finish(st, "failed", exc)
+                    return True
+                st.state, st.error = "retrying", exc
+                log.warning("distckpt: the drain of step %d to the remote tier failed (try %d): %s: %s; retrying "
+                            "in %.0f s (training goes on; the step is committed locally)",
+                            st.step, st.tries, type(exc).__name__, exc, backoff)
+                self._closing.wait(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                try:
+                    stop = self._vote(self._closing.is_set())
+                except Exception as vote_exc:  # noqa: BLE001 - a peer lost during the vote
+                    log.error("distckpt: the drain of step %d stopped: %s", st.step, vote_exc)
+                    self._finish(st, "stopped", exc)
+                    return False
+                if stop:
+                    self._finish(st, "stopped", exc)
+                    return False
+                continue
+            self._finish(st, "committed", None)
+            return True
+
+    def _finish(self, st: DrainState, state: str, error: BaseException | None) -> None:
+        st.state, st.error = state, error
+        st.done.set()
+
+
+def wait_for(st: DrainState, timeout: float | None) -> bool:
+    """Wait until ``st`` reaches a final state (committed, failed, stopped); False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return st.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,100 @@
+"""What each tier of a tiered manager holds, step by step, without torch and without writing:
+``distckpt ls LOCAL --remote URL``.
+
+One row per step found on either tier: the local copy on this node (which of the step's data
+files this node's directory holds), the remote copy, and whether both are the same save. Reads
+MANIFEST headers and stats data files only (distckpt.listing's rules), never a byte of data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..listing import RootListing, StepInfo, list_root
+from ..storage import normalize_path, open_store
+
+__all__ = ["TierRow", "list_tiers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRow:
+    """One step of a tiered root.
+
+    ``local``: this node's copy: ``committed`` or ``broken`` (distckpt.listing's status), or None
+    when absent; ``local_files``/``files``: data files of the step this node's directory holds,
+    of how many the MANIFEST names (a node holds its own ranks' files). ``remote``: the remote
+    copy's status, or None; ``same_save``: both copies are one save (same save id), None when
+    either is missing. ``latest``: the newest step committed on either tier."""
+
+    step: int
+    local: str | None
+    remote: str | None
+    local_files: int
+    files: int
+    same_save: bool | None
+    size_bytes: int | None
+    created_unix: float | None
+    ranks: int | None
+    latest: bool = False
+    problem: str | None = None
+
+    @property
+    def durable(self) -> bool:
+        return self.remote == "committed"
+
+
+def _files_here(info: StepInfo) -> tuple[int, int]:
+    """(data files present, data files named) of a committed local step."""
+    from .. import manifest as mf
+    store = open_store(info.path)
+    man = mf.decode_header(store.manifest_bytes(info.path), path=info.path)
+    present = 0
+    for i in range(len(man.files)):
+        _, size, _ = store.data_file_stat(info.path, man, i)
+        present += size == man.files[i].size
+    return present, len(man.files)
+
+
+def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *,
+               storage_options: dict | None = None) -> tuple[list[TierRow], RootListing | None, RootListing | None]:
+    """The rows of a tiered root (ascending by step), with each tier's own listing (None for a
+    tier whose root does not exist yet).
+
+    Raises StorageError subclasses and the object-store request errors for a failed look."""
+    from ..errors import CheckpointNotFoundError
+
+    def listing(path, options):
+        try:
+            return list_root(path, storage_options=options)
+        except CheckpointNotFoundError:
+            return None
+
+    loc = listing(normalize_path(local), None)
+    rem = listing(normalize_path(remote), storage_options)
+    by_step: dict[int, dict[str, StepInfo]] = {}
+    for tier, lst in (("local", loc), ("remote", rem)):
+        for e in (lst.entries if lst is not None else []):
+            if e.step is not None:
+                by_step.setdefault(e.step, {})[tier] = e
+    rows = []
+    for step in sorted(by_step):
+        lo, re_ = by_step[step].get("local"), by_step[step].get("remote")
+        here, named, problem = 0, 0, None
+        if lo is not None and lo.status == "committed":
+            here, named = _files_here(lo)
+            if here < named:
+                problem = f"this node holds {here} of the {named} data files (the others' nodes hold theirs)"
+        same = None
+        if lo is not None and re_ is not None and lo.save_id and re_.save_id:
+            same = lo.save_id == re_.save_id
+            if not same:
+                problem = f"the tiers hold two saves of this step (local {lo.save_id}, remote {re_.save_id})"
+        ref = re_ if re_ is not None and re_.status == "committed" else lo
+        rows.append(TierRow(step, lo.status if lo else None, re_.status if re_ else None, here, named or
+                            (ref.ranks or 0), same, ref.size_bytes, ref.created_unix, ref.ranks, problem=problem))
+    committed = [r for r in rows if "committed" in (r.local, r.remote)]
+    if committed:
+        newest = max(committed, key=lambda r: (r.created_unix or 0.0, r.step))
+        rows = [dataclasses.replace(r, latest=r.step == newest.step) for r in rows]
+    return rows, loc, rem

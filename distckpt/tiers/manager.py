@@ -1,0 +1,451 @@
+"""TieredCheckpointManager: commit each step on node-local disks, drain it to an object store (or
+any other root) in the background, restore from the fastest tier that holds a complete copy.
+
+    mgr = TieredCheckpointManager(local="/nvme/ckpt/run7", remote="s3://bucket/run7",
+                                  keep_last_local=2, keep_last_remote=20, storage_options=...)
+    mgr.save(step, state_dict)            # blocked for a local save (or a staging copy: blocking=False)
+    mgr.status(step)                      # per tier: local committed, remote queued/draining/committed/failed
+    mgr.wait_durable(step)                # until the remote tier holds it (typed error if it cannot)
+    mgr.load(state_dict)                  # newest step with a complete copy, each file from the nearest tier
+    mgr.close()                           # waits for the drains; says which steps are not remote
+
+The tiers (docs/TIERS.md):
+  * local: a directory private to each node (each node passes its own path). A save commits there
+    with distckpt's protocol, per node (distckpt.tiers.localcommit): every node's directory holds
+    the same MANIFEST and its own ranks' data files. That commit is what the training loop waits for.
+  * remote: an object-store URL (or a shared directory): each committed step is copied there byte
+    for byte by a background drain (distckpt.tiers.drain, run by distckpt.tiers.drainer's thread on
+    every rank), data files in parallel, checksums verified as they are read, MANIFEST last.
+
+Invariants:
+  * The only copy is never deleted: a local step goes (keep_last_local) only once the remote tier
+    holds the same save (same save id); the remote tier rotates with its own keep_last_remote
+    after each drain, like a CheckpointManager root.
+  * A remote step is visible only complete (its MANIFEST is written last, conditionally); a drain
+    that fails or is interrupted leaves nothing visible, is retried while the manager runs, and is
+    resumed by the next manager start (every step complete locally and not remote is queued).
+  * A load never mixes two saves: every file comes from a copy of the same save id
+    (distckpt.tiers.load).
+  * Everything here that involves other ranks is collective, in the same order on every rank:
+    the constructor, save, load, latest_step, close. status and wait_durable are local.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import dataclasses
+from typing import Any
+
+from .._dist import control_group
+from ..commit import SaveResult
+from ..errors import (CheckpointNotFoundError, ConfigError, EndpointUnreachableError, NotDurableError, ObjectStoreError,
+                      ThrottledError, TierIncompleteError)
+from ..manager import CheckpointManager, step_dirname
+from ..restore import LoadResult
+from ..storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
+from .drain import drain_step
+from .drainer import Drainer, wait_for
+from .load import load_tiered, step_availability
+from .localcommit import save_node_local
+from .nodes import node_layout
+
+__all__ = ["TieredCheckpointManager", "TierStatus"]
+
+log = logging.getLogger("distckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStatus:
+    """Where one step stands on each tier, as this rank sees it.
+
+    ``local``: ``committed`` (this node's directory holds the step) or ``absent``.
+    ``remote``: ``committed`` (the remote tier holds this save), ``queued``, ``draining``,
+    ``retrying`` (the last try failed with ``error``; another follows), ``failed`` (for good:
+    ``error``), ``stopped`` (the manager closed first), ``absent``, or ``other`` (the remote tier
+    holds another save of this step number). ``sent``/``to_send``: this rank's bytes of the
+    drain in progress. ``save_id``: the save this rank's node holds (else the remote's)."""
+
+    step: int
+    local: str
+    remote: str
+    save_id: str | None = None
+    sent: int = 0
+    to_send: int = 0
+    tries: int = 0
+    error: BaseException | None = None
+
+    @property
+    def durable(self) -> bool:
+        """True when the remote tier holds the step."""
+        return self.remote == "committed"
+
+
+class TieredCheckpointManager:
+    """Numbered checkpoints on two tiers: node-local first, then drained to ``remote``.
+
+    Args:
+        local: this node's local directory (private to the node, e.g. its NVMe; each node may pass
+            another path). Created if missing.
+        remote: the durable root shared by every node: an object-store URL (``s3://bucket/run7``)
+            or a directory every rank sees.
+        keep_last_local: committed steps each node keeps locally (>= 1). Older ones are deleted
+            only once the remote tier holds them; until then they stay, whatever this says.
+        keep_last_remote: steps the remote tier keeps (None: all).
+        storage_options: fsspec options of the remote tier (as :func:`distckpt.save`).
+        process_group: the ranks of the job (default: the world).
+        drain_timeout_s: how long :meth:`close` waits for drains in flight by default.
+
+    The constructor is collective: it finds which ranks share a local directory (a "node"),
+    creates the drain's control group, checks the remote tier (endpoint, credentials, bucket,
+    a removed probe object: typed errors before any save) and queues the drain of every step
+    that a previous run committed locally but never drained.
+
+    Raises:
+        ConfigError: a bad argument (local is a URL, remote equals local, keep_last_local < 1).
+        The typed errors of the remote check (EndpointUnreachableError, ObjectStoreAccessError,
+        BucketNotFoundError...), raised on every rank.
+    """
+
+    def __init__(self, local: str | os.PathLike, remote: str | os.PathLike, *, keep_last_local: int = 2,
+                 keep_last_remote: int | None = None, storage_options: dict | None = None,
+                 process_group: Any = None, drain_timeout_s: float = 600.0) -> None:
+        if is_url(local):
+            raise ConfigError(f"local={local!r}: the local tier is a directory on this node, not a URL")
+        if not isinstance(keep_last_local, int) or isinstance(keep_last_local, bool) or keep_last_local < 1:
+            raise ConfigError(f"keep_last_local={keep_last_local!r} must be a positive int")
+        self.local_root = normalize_path(local)
+        self.remote_root = normalize_path(remote)
+        if self.local_root == self.remote_root:
+            raise ConfigError(f"local and remote are the same root ({self.local_root}): a tier needs a copy elsewhere")
+        self.keep_last_local = keep_last_local
+        self.storage_options = storage_options
+        self.process_group = process_group
+        self.drain_timeout_s = drain_timeout_s
+        # The local tier is read and rotated through a plain manager of this node's directory
+        # (its saves are not used: a tiered save commits per node, distckpt.tiers.localcommit).
+        self._local = CheckpointManager(self.local_root, process_group=process_group)
+        # The remote tier is a plain manager root: its listing, `latest` and keep_last rotation.
+        self._remote = CheckpointManager(self.remote_root, keep_last=keep_last_remote,
+                                         storage_options=storage_options, process_group=process_group)
+        self._local_store = open_store(self.local_root)
+        self._remote_store = open_store(self.remote_root, storage_options)
+        self._group = control_group(process_group, operation="TieredCheckpointManager()")
+        self._layout = node_layout(self._group, self.local_root)
+        self._check_remote()
+        # The drain's own channel: its collectives never interleave with the training thread's.
+        self._drain_group = self._group if self._group.world_size == 1 else control_group(process_group,
+                                                                                          channel="drain")
+        self._closed = False
+        self._drainer = Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}")
+        for step, save_id in self._undrained():
+            log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
+                        step, self.remote_root)
+            self._drainer.enqueue(step, save_id)
+
+    # -- paths ------------------------------------------------------------------------------------
+
+    def local_path(self, step: int) -> str:
+        """This node's directory of ``step``."""
+        return join(self.local_root, step_dirname(step))
+
+    def remote_path(self, step: int) -> str:
+        """The remote tier's location of ``step``."""
+        return join(self.remote_root, step_dirname(step))
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: Any, *, blocking: bool = True, **kwargs: Any):
+        """Save ``state_dict`` as ``step`` on the local tier (collective), then queue its drain.
+
+        Returns the local save's SaveResult once every node committed it (``blocking=False``: an
+        AsyncSaveHandle as soon as the state is staged; the drain is queued when it commits).
+        Keyword arguments are :func:`distckpt.save`'s (overwrite, metadata, allow_pickle, replicated).
+
+        Raises what :func:`distckpt.save` raises; a commit that only some nodes completed raises
+        with ``committed = False`` and ``published_nodes`` (not a complete local copy: never
+        drained, never loaded). The drain's own errors never come from here: see :meth:`status`,
+        :meth:`wait_durable` and :meth:`close`.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step={step!r} must be a non-negative int")
+        if self._closed:
+            raise ConfigError("this TieredCheckpointManager is closed")
+        for bad in ("storage_options", "process_group", "incremental"):
+            if bad in kwargs:
+                raise ConfigError(f"{bad}= is not a save option of a TieredCheckpointManager (give it to the "
+                                  f"manager, or not at all: incremental chains are not tiered)")
+        after = functools.partial(self._after_local_commit, step)
+        lock = join(self.local_root, ROOT_LOCK_NAME)
+
+        def settled(result: SaveResult | None, error: BaseException | None) -> None:
+            if result is not None:
+                self._drainer.enqueue(step, result.save_id)
+
+        if not blocking:
+            return save_node_local(state_dict, self.local_path(step), layout=self._layout,
+                                   process_group=self.process_group, blocking=False, after_commit=after,
+                                   lock_path=lock, on_outcome=settled, **kwargs)
+        result = save_node_local(state_dict, self.local_path(step), layout=self._layout,
+                                 process_group=self.process_group, blocking=True, after_commit=after,
+                                 lock_path=lock, **kwargs)
+        settled(result, None)
+        return result
+
+    def _after_local_commit(self, step: int) -> None:
+        """On each node's leader, inside the local commit (holding the local root lock): point
+        this node's ``latest`` at ``step`` and delete its local steps beyond keep_last_local that
+        the remote tier holds (the same save). A step the remote tier does not hold (yet) stays."""
+        self._local_store.replace_pointer(join(self.local_root, "latest"), (step_dirname(step) + "\n").encode())
+        self._rotate_local(keep=step)
+
+    def _rotate_local(self, keep: int | None) -> list[int]:
+        """Delete this node's local steps beyond keep_last_local that no tier needs locally: the
+        remote tier holds the same save, or the remote tier's own keep_last_remote dropped it
+        (keep_last_remote newer steps are committed there). Any other step stays (the only copy).
+        Returns the steps deleted."""
+        steps = self._local.steps()
+        doomed = [s for s in steps[:-self.keep_last_local] if s != keep]
+        if not doomed:
+            return []
+        removed = []
+        keep_remote = self._remote.keep_last
+        try:
+            remote_steps = self._remote.steps()
+        except Exception as exc:  # noqa: BLE001 - cannot tell: the only copy may be local, keep them all
+            log.warning("distckpt: keeping local steps %s beyond keep_last_local=%d: cannot list the remote tier "
+                        "(%s: %s)", doomed, self.keep_last_local, type(exc).__name__, exc)
+            return []
+        for s in doomed:
+            # Only the remote steps of this branch count (numbered up to this node's newest step): a
+            # rolled-back run's later steps on the remote tier say nothing about this one.
+            if keep_remote is not None and sum(s < r <= steps[-1] for r in remote_steps) >= keep_remote:
+                # Older than every step the remote tier keeps: neither tier's policy wants it.
+                self._local_store.remove_checkpoint(self.local_path(s))
+                removed.append(s)
+                continue
+            try:
+                local_id = self._local_store.committed_save_id(self.local_path(s))
+                remote_id = self._remote_store.committed_save_id(self.remote_path(s))
+            except Exception as exc:  # noqa: BLE001 - cannot tell: the only copy may be local, keep it
+                log.warning("distckpt: keeping local step %d beyond keep_last_local=%d: cannot tell whether the "
+                            "remote tier holds it (%s: %s)", s, self.keep_last_local, type(exc).__name__, exc)
+                continue
+            if local_id is None or remote_id != local_id:
+                log.info("distckpt: keeping local step %d beyond keep_last_local=%d: the remote tier does not hold "
+                         "it yet", s, self.keep_last_local)
+                continue
+            self._local_store.remove_checkpoint(self.local_path(s))
+            removed.append(s)
+        return removed
+
+    # -- the drain (the drainer's thread) ---------------------------------------------------------
+
+    def _drain_one(self, step: int, save_id: str | None, progress, assigned) -> int:
+        after = functools.partial(self._remote.rotate_after, step)
+        result = drain_step(self._drain_group, local_path=self.local_path(step), remote_path=self.remote_path(step),
+                            remote_store=self._remote_store, lock_path=join(self.remote_root, ROOT_LOCK_NAME),
+                            after_commit=after, progress=progress, storage_options=self.storage_options,
+                            on_assigned=assigned)
+        if save_id is not None and result.save_id != save_id:
+            # The local directory holds another save than the one queued (saved again since):
+            # the drained one is what the remote tier now holds, and status says so.
+            log.warning("distckpt: step %d drained save %s, not %s (the step was saved again)", step,
+                        result.save_id, save_id)
+        return result.bytes_uploaded
+
+    def _vote(self, closing: bool) -> bool:
+        return any(self._drain_group.all_gather(closing))
+
+    def _undrained(self) -> list[tuple[int, str]]:
+        """(step, save id) of the steps every node's copy makes complete locally and the remote tier
+        does not hold, ascending (collective: the same list on every rank)."""
+        avail, _ = self._availability()  # the remote tier down: every complete local step (each drain checks)
+        out = []
+        for step in sorted(avail):
+            t = avail[step]
+            if t.local_complete and t.remote_save_id != t.local_save_id:
+                if t.remote_save_id is not None:
+                    log.warning("distckpt: not draining step %d: the remote tier holds another save of it (%s; "
+                                "local %s)", step, t.remote_save_id, t.local_save_id)
+                    continue
+                out.append((step, t.local_save_id))
+        return out
+
+    def _check_remote(self) -> None:
+        """The remote tier's pre-flight on rank 0 (an object store: endpoint, credentials, bucket,
+        a probe object created and removed). A configuration error (no such bucket, refused
+        credentials) is raised on every rank; an outage (the endpoint does not answer, throttling,
+        a server error) only warns: local saves and restores from local copies go on, and the
+        drains retry until the remote tier answers."""
+        error = None
+        if self._group.rank == 0 and is_url(self.remote_root):
+            from ..storage.object.check import check_object_store
+            try:
+                check_object_store(self.remote_root, storage_options=self.storage_options, rank=0)
+            except (EndpointUnreachableError, ThrottledError) as exc:
+                log.warning("distckpt: the remote tier %s does not answer (%s: %s): saving to the local tier only "
+                            "until it does (drains retry)", self.remote_root, type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def status(self, step: int) -> TierStatus:
+        """Where ``step`` stands on each tier, seen from this rank: its node's local copy, and the
+        drain's state (or, for a step this manager did not drain, what the remote tier holds).
+        Local: reads one MANIFEST header per tier, writes nothing.
+
+        Raises StorageError subclasses / object-store request errors for a failed look."""
+        local_id = self._local_store.committed_save_id(self.local_path(step))
+        st = self._drainer.state(step)
+        if st is not None and st.state != "committed":
+            return TierStatus(step, "committed" if local_id else "absent", st.state, st.save_id or local_id,
+                              st.sent, st.total, st.tries, st.error)
+        remote_id = self._remote_store.committed_save_id(self.remote_path(step))
+        if remote_id is None:
+            remote = "absent"
+        else:
+            remote = "committed" if local_id in (None, remote_id) else "other"
+        return TierStatus(step, "committed" if local_id else "absent", remote, local_id or remote_id,
+                          st.sent if st else 0, st.total if st else 0, st.tries if st else 0, None)
+
+    def wait_durable(self, step: int, timeout: float | None = None) -> TierStatus:
+        """Wait until the remote tier holds ``step`` (its drain committed); returns its status.
+
+        Raises:
+            NotDurableError: the drain failed for good or was stopped (``error`` its cause), or
+                ``timeout`` seconds passed first (the drain goes on).
+            CheckpointNotFoundError: the step is neither queued nor on either tier.
+        """
+        st = self._drainer.state(step)
+        if st is None:
+            status = self.status(step)
+            if status.remote == "committed":
+                return status
+            if status.local == "absent":
+                raise CheckpointNotFoundError(f"step {step} is on neither tier ({self.local_root}, {self.remote_root})",
+                                              path=self.local_path(step))
+            raise NotDurableError(f"step {step} is committed locally but was never queued for draining by this "
+                                  f"manager", path=self.remote_path(step), steps=[step],
+                                  remedy="A new TieredCheckpointManager drains it at construction.")
+        if not wait_for(st, timeout):
+            raise NotDurableError(f"step {step} is not on the remote tier after {timeout} s (its drain is {st.state})",
+                                  path=self.remote_path(step), steps=[step], cause=st.error,
+                                  remedy="Wait longer, or check the remote tier (status(step).error).")
+        if st.state != "committed":
+            raise NotDurableError(f"step {step} did not reach the remote tier: its drain {st.state}"
+                                  f"{f' ({type(st.error).__name__}: {st.error})' if st.error else ''}",
+                                  path=self.remote_path(step), steps=[step], cause=st.error,
+                                  remedy="It is still committed locally; a new TieredCheckpointManager drains it "
+                                         "at construction once the cause is fixed.")
+        return self.status(step)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The step :meth:`load` loads by default: the newest (by commit time) with a complete
+        copy on the tiers: the remote tier holds it, or every node's local copy of the same save
+        does. Collective. Writes nothing."""
+        candidates, _ = self._candidates()
+        return candidates[0] if candidates else None
+
+    def _availability(self) -> tuple[dict, bool]:
+        """(step_availability of both tiers, whether the remote tier answered). Collective. When the
+        remote tier cannot be listed (an outage: its typed error, the same on every rank), the
+        local tier alone, with a warning: a load then reads only complete local copies."""
+        try:
+            return step_availability(self._group, local_root=self.local_root, remote_root=self.remote_root,
+                                     storage_options=self.storage_options, layout=self._layout), True
+        except ObjectStoreError as exc:
+            log.warning("distckpt: the remote tier %s cannot be listed (%s: %s): choosing among the local tier's "
+                        "complete copies only", self.remote_root, type(exc).__name__, exc)
+        return step_availability(self._group, local_root=self.local_root, remote_root=None,
+                                 layout=self._layout), False
+
+    def _candidates(self) -> tuple[list[int], bool]:
+        avail, remote_up = self._availability()
+        good = [(t.created_unix or 0.0, s) for s, t in avail.items()
+                if t.remote_save_id is not None or t.local_complete]
+        return [s for _, s in sorted(good, reverse=True)], remote_up
+
+    def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
+        """Load ``step`` (default: the newest step with a complete copy) into ``state_dict``
+        (collective). Each rank reads each file from its node's local copy when it belongs to
+        the same save, else from the remote tier (distckpt.tiers.load); resharding works as in
+        :func:`distckpt.load`. With no ``step``, a newest step that turns out not to be complete
+        for this job (a file on no tier a rank can reach) is skipped with a warning naming it,
+        before any byte is read, and the next one is loaded.
+
+        Raises CheckpointNotFoundError when no step has a complete copy; TierIncompleteError for
+        a given ``step`` without one; and what :func:`distckpt.load` raises.
+        """
+        if step is not None:
+            steps, remote_up = [step], True
+        else:
+            steps, remote_up = self._candidates()
+        if not steps:
+            raise CheckpointNotFoundError(f"no step with a complete copy on {self.local_root} or {self.remote_root}",
+                                          path=self.remote_root)
+        last = None
+        for s in steps:
+            try:
+                return load_tiered(state_dict, local_path=self.local_path(s),
+                                   remote_path=self.remote_path(s) if remote_up else None,
+                                   storage_options=self.storage_options, process_group=self.process_group, **kwargs)
+            except TierIncompleteError as exc:
+                if step is not None:
+                    raise
+                log.warning("distckpt: step %d has no complete copy this job can read (%s); trying an older one",
+                            s, exc)
+                last = exc
+        raise CheckpointNotFoundError(f"no step on {self.local_root} or {self.remote_root} has a complete copy this job "
+                                      f"can read (the newest failed with: {last})", path=self.remote_root)
+
+    # -- closing ----------------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the local async saves and for the drains queued (at most ``timeout`` seconds,
+        default ``drain_timeout_s``), then stop the drain thread and rotate the local tier.
+        Collective (every rank closes). Idempotent.
+
+        Raises:
+            NotDurableError: steps that did not reach the remote tier (``steps``), each still
+                committed locally; the next manager start drains them.
+            The error of a local async save that failed unseen (as CheckpointManager.close).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._local.close()  # the async local saves; their drains are queued when they commit
+        finally:
+            pending = self._drainer.close(self.drain_timeout_s if timeout is None else timeout)
+        if self._layout.is_leader:
+            try:
+                self._rotate_local(keep=None)
+            except Exception as exc:  # noqa: BLE001 - housekeeping: the next save rotates again
+                log.warning("distckpt: rotating %s at close: %s: %s", self.local_root, type(exc).__name__, exc)
+        if pending:
+            states = self._drainer.states()
+            first = next((states[s].error for s in pending if states[s].error is not None), None)
+            raise NotDurableError(f"steps {pending} did not reach the remote tier {self.remote_root} "
+                                  f"({', '.join(f'{s}: {states[s].state}' for s in pending)}); they stay committed "
+                                  f"locally under {self.local_root}", path=self.remote_root, steps=pending, cause=first,
+                                  remedy="Start a TieredCheckpointManager on the same tiers once the remote tier "
+                                         "answers: it drains them at construction.")
+
+    def __enter__(self) -> "TieredCheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception as close_exc:  # noqa: BLE001 - do not mask the error in flight
+                log.error("distckpt: while closing the TieredCheckpointManager after %s: %s",
+                          exc_type.__name__, close_exc)
