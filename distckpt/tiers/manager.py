@@ -39,12 +39,15 @@ import dataclasses
 from typing import Any
 
 from .._dist import control_group
+from ..config import get_config
 from ..commit import SaveResult
-from ..errors import (CheckpointNotFoundError, ConfigError, EndpointUnreachableError, NotDurableError, ObjectStoreError,
-                      ThrottledError, TierIncompleteError)
+from ..errors import (CheckpointNotFoundError, ConfigError, DiskFullError, EndpointUnreachableError, NotDurableError,
+                      ObjectStoreError, ThrottledError, TierIncompleteError)
+from ..sizes import format_bytes
 from ..manager import CheckpointManager, step_dirname
 from ..restore import LoadResult
 from ..storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
+from ..storage.posix.guards import check_save_space
 from .drain import drain_step
 from .drainer import Drainer, wait_for
 from .load import load_tiered, step_availability
@@ -135,9 +138,14 @@ class TieredCheckpointManager:
         self._layout = node_layout(self._group, self.local_root)
         self._check_remote()
         # The drain's own channel: its collectives never interleave with the training thread's.
-        self._drain_group = self._group if self._group.world_size == 1 else control_group(process_group,
-                                                                                          channel="drain")
+        # Bounded by DISTCKPT_DRAIN_TIMEOUT_S, not DISTCKPT_TIMEOUT_S: a rank with less to upload
+        # waits at the drain's gather for the slowest rank's upload, which is no lost peer.
+        self._drain_group = self._group if self._group.world_size == 1 else control_group(
+            process_group, channel="drain", timeout_s=get_config().drain_timeout_s)
         self._closed = False
+        # The local tier's room is checked once, when the first save tells a step's size.
+        self._room_checked: bool | None = None
+        self._first_async = None  # the handle of a first save made with blocking=False
         self._drainer = Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}")
         for step, save_id in self._undrained():
             log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
@@ -183,15 +191,57 @@ class TieredCheckpointManager:
             if result is not None:
                 self._drainer.enqueue(step, result.save_id)
 
+        if self._room_checked is None and self._first_async is not None:
+            # The first save was async: its outcome is known on every rank once its handle is done
+            # (the verdict is collective), so every rank takes the same branch here. The next save
+            # would wait for it anyway (saves are serialized per process).
+            first, self._first_async = self._first_async, None
+            first.wait()
+            if first.exception() is None:
+                self._check_local_room(first.result().bytes_per_rank)
         if not blocking:
-            return save_node_local(state_dict, self.local_path(step), layout=self._layout,
-                                   process_group=self.process_group, blocking=False, after_commit=after,
-                                   lock_path=lock, on_outcome=settled, **kwargs)
+            handle = save_node_local(state_dict, self.local_path(step), layout=self._layout,
+                                     process_group=self.process_group, blocking=False, after_commit=after,
+                                     lock_path=lock, on_outcome=settled, **kwargs)
+            if self._room_checked is None:
+                self._first_async = handle
+            return handle
         result = save_node_local(state_dict, self.local_path(step), layout=self._layout,
                                  process_group=self.process_group, blocking=True, after_commit=after,
                                  lock_path=lock, **kwargs)
         settled(result, None)
+        if self._room_checked is None:
+            self._check_local_room(result.bytes_per_rank)
         return result
+
+    def _check_local_room(self, sizes: list[int]) -> None:
+        """The local tier's pre-flight, once, after the first save told the size of a step: each
+        node's leader checks that its disk has room for keep_last_local more steps of its ranks'
+        bytes (the steady state holds keep_last_local steps while the next is written). Collective,
+        in the caller's thread.
+
+        Raises DiskFullError on every rank (``committed = True``: the step just saved is committed)
+        when a node's disk is too small, with the numbers and a remedy, so a run learns it at its
+        first save instead of at its keep_last_local-th."""
+        self._room_checked = True
+        error = None
+        if self._layout.is_leader:
+            node_bytes = sum(sizes[r] for r in self._layout.ranks_of(self._layout.node))
+            try:
+                check_save_space(self.local_root, self.keep_last_local * node_bytes, rank=self._group.rank)
+            except DiskFullError as exc:
+                error = DiskFullError(
+                    f"{exc.message}: the local tier needs room for keep_last_local={self.keep_last_local} more steps "
+                    f"of this node's {format_bytes(node_bytes)} each (the first is saved and committed)",
+                    path=self.local_root, rank=self._group.rank, errno=exc.errno, committed=True,
+                    needed=exc.details.get("needed"), free=exc.details.get("free"),
+                    remedy="Free space on the local disk or lower keep_last_local; the steps saved so far are "
+                           "committed and draining.")
+                log.error("distckpt: %s", error)
+            except Exception as exc:  # noqa: BLE001 - a failed statvfs: the saves themselves check space
+                log.warning("distckpt: could not check the room on %s: %s: %s", self.local_root, type(exc).__name__,
+                            exc)
+        self._group.exchange_outcome(error, operation="TieredCheckpointManager.save()")
 
     def _after_local_commit(self, step: int) -> None:
         """On each node's leader, inside the local commit (holding the local root lock): point

@@ -1,0 +1,106 @@
+"""TieredCheckpointManager in one process, with a directory as the remote tier (the drain's POSIX
+path: Store.copy_data_file on the POSIX store), and the local tier's first-save room check on a
+real small tmpfs. The object-store tiers and the multi-node cases: tests/s3/test_tiers_*.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distckpt import errors
+from distckpt.tiers import TieredCheckpointManager
+
+from ..helpers.faults import mounts  # noqa: F401  (pytest fixture)
+
+
+def _state(step: int, n: int = 1 << 16) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "b": torch.arange(7) * step, "step": step}
+
+
+def test_directory_remote_drains_rotates_and_restores(tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=1, keep_last_remote=2) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s))
+        h = mgr.save(4, _state(4), blocking=False)
+        h.result()
+        status = mgr.wait_durable(4, timeout=120)
+        assert status.durable and status.local == "committed" and status.sent == status.to_send > 0
+    assert sorted(n for n in os.listdir(local) if n.startswith("step_")) == ["step_00000004"]
+    assert sorted(n for n in os.listdir(remote) if n.startswith("step_")) == ["step_00000003", "step_00000004"]
+    # The remote copy is the local one byte for byte.
+    for name in os.listdir(local / "step_00000004"):
+        assert (local / "step_00000004" / name).read_bytes() == (remote / "step_00000004" / name).read_bytes()
+    # A new manager (a restart) restores the newest step; the local copy serves it.
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=1, keep_last_remote=2) as mgr:
+        result = mgr.load(out)
+    assert out["step"] == 4 and torch.equal(out["w"], _state(4)["w"]) and torch.equal(out["b"], _state(4)["b"])
+    assert result.bytes_by_tier["remote"] == 0 < result.bytes_by_tier["local"]
+    # The local tier wiped: the remote copy serves it, bit for bit.
+    import shutil
+    shutil.rmtree(local)
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+        result = mgr.load(out)
+        assert mgr.status(4).local == "absent" and mgr.status(4).remote == "committed"
+    assert out["step"] == 4 and torch.equal(out["w"], _state(4)["w"])
+    assert result.bytes_by_tier["local"] == 0 < result.bytes_by_tier["remote"]
+
+
+def test_an_undrained_local_step_is_drained_by_the_next_manager(tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    # A run whose drains never happened: steps committed on the local tier only (as after a crash).
+    from distckpt.tiers import manager as tm
+    mgr = TieredCheckpointManager(local, remote, keep_last_local=3)
+    mgr._drainer.close(5)  # the drain thread stopped before any save (a crash right after the saves)
+    mgr.save(5, _state(5))
+    mgr.save(6, _state(6))
+    assert not (remote / "step_00000005").exists()
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as again:
+        again.wait_durable(6, timeout=120)
+        assert again.status(5).durable and again.status(6).durable
+    assert tm.TierStatus  # the public status type
+
+
+def test_first_save_checks_room_for_keep_last_local_steps(tmp_path, mounts):
+    small = mounts.tmpfs(tmp_path / "nvme", size="6m")
+    remote = tmp_path / "remote"
+    mgr = TieredCheckpointManager(small, remote, keep_last_local=8)
+    try:
+        with pytest.raises(errors.DiskFullError) as info:
+            mgr.save(1, _state(1, n=1 << 18))  # 1 MiB per step: 8 more do not fit beside it in 6 MiB
+        err = info.value
+        assert err.committed is True and "keep_last_local=8" in str(err) and err.needed > err.free
+        assert mgr.status(1).local == "committed"  # the step itself is saved, and drains
+        mgr.wait_durable(1, timeout=120)
+    finally:
+        mgr.close()
+
+
+def test_bad_arguments_are_typed_and_write_nothing(tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    for kwargs in ({"keep_last_local": 0}, {"keep_last_local": True}):
+        with pytest.raises(errors.ConfigError):
+            TieredCheckpointManager(local, remote, **kwargs)
+    with pytest.raises(errors.ConfigError):
+        TieredCheckpointManager("s3://bucket/x", remote)
+    with pytest.raises(errors.ConfigError):
+        TieredCheckpointManager(local, local)
+    assert not local.exists() and not remote.exists()
+    with TieredCheckpointManager(local, remote) as mgr:
+        for step in (-1, 1.5, True):
+            with pytest.raises(errors.ConfigError):
+                mgr.save(step, _state(0))
+        with pytest.raises(errors.ConfigError):
+            mgr.save(1, _state(1), incremental=object())
+        with pytest.raises(errors.CheckpointNotFoundError):
+            mgr.load(_state(0))
+        with pytest.raises(errors.CheckpointNotFoundError):
+            mgr.wait_durable(9)
+    with pytest.raises(errors.ConfigError):
+        mgr.save(1, _state(1))  # closed
+    mgr.close()  # idempotent
