@@ -95,6 +95,20 @@ def test_the_object_store_block_on_the_test_server(tmp_path, s3_bucket):
     assert torch.equal(back["model"]["0.weight"], ns["model"].state_dict()["0.weight"])
 
 
+def test_the_tiers_block_on_the_test_server(tmp_path, s3_bucket):
+    ns = _run_use_block(tmp_path)
+    (block,) = [b for b in _python_blocks() if "TieredCheckpointManager(" in b]
+    block = block.replace("s3://bucket", s3_bucket.url).replace("/nvme/ckpt/run7", str(tmp_path / "nvme"))
+    ns["opts"] = s3_bucket.storage_options
+    exec(compile(block, README, "exec"), ns)
+    import distckpt
+
+    back = distckpt.read(f"{s3_bucket.url}/tiers7/step_00000100", storage_options=s3_bucket.storage_options)
+    assert torch.equal(back["model"]["0.weight"], ns["model"].state_dict()["0.weight"])
+    assert (tmp_path / "nvme" / "step_00000100" / "MANIFEST").read_bytes() == \
+        s3_bucket.fs.cat(f"{s3_bucket.name}/tiers7/step_00000100/MANIFEST")
+
+
 def test_raw_optimizer_state_loaded_into_name_keyed_state_names_the_real_cause(tmp_path):
     """The README's old mistake: a raw optim.state_dict() (keyed by parameter index) saved, loaded
     into get_state_dict's form (keyed by name). The error must name that cause and must not advise
