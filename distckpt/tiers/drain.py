@@ -1,5 +1,5 @@
 """The drain: a step committed on the local tier, copied to the remote tier byte for byte and
-committed there with the remote store's own protocol (issue #25; /work/notes/tiers_spec.md).
+committed there with the remote store's own protocol (docs/TIERS.md).
 
 :func:`drain_step` is collective over the control group it is given (the manager's own channel,
 "drain", so that it never interleaves with the training thread's collectives):
@@ -32,7 +32,7 @@ MANIFEST does not name its save id (:func:`_abort_area`). Two drains of one step
 the same ``lock_path`` (the manager passes its remote root's lock), so that the lease keeps one of
 them out.
 
-Memory, per rank: one read piece (:data:`READ_PIECE`, 8 MiB, or the file's size if smaller) and
+Memory, per rank: one read piece (:data:`distckpt.tiers.verified.READ_PIECE`, 8 MiB, or the file's size if smaller) and
 one upload's part buffers (at most ``DISTCKPT_OBJECT_PARTS_IN_FLIGHT + 1`` parts of
 ``DISTCKPT_OBJECT_PART_SIZE``, plus a copy of the last partial part: with the defaults 4 + 1 + 1
 parts of 16 MiB, about 104 MiB in all), whatever the size of the step; a rank copies its files
@@ -46,23 +46,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from .. import manifest as mf
 from .._dist import ControlGroup, _portable
 from ..checksum import crc32c
 from ..commit import _lost_at_verdict
-from ..errors import (CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError,
-                      ChecksumMismatchError, DistCkptError, ManifestCorruptError, PeerLostError, TierIncompleteError,
-                      fill_rank)
+from ..errors import (CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError, DistCkptError,
+                      ManifestCorruptError, PeerLostError, TierIncompleteError, fill_rank)
 from ..storage import Store, basename, join, normalize_path, open_store
+from .verified import stream_verified
 
-__all__ = ["DrainResult", "drain_step", "READ_PIECE"]
+__all__ = ["DrainResult", "drain_step"]
 
 log = logging.getLogger("distckpt")
 
-#: Bytes of a local data file read at once (the one read buffer of a rank's drain).
-READ_PIECE = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,7 +437,8 @@ def _abort_area(store: Store, area: str, remote_path: str, save_id: str, n_files
 def _copy_file(local_store: Store, local_path: str, header: mf.Manifest, i: int, remote_store: Store, area: str,
                progress: Callable[[int], None] | None) -> int:
     """Stream data file ``i`` of the local step into the remote area, checking every checksummed
-    range as it passes; returns its size. Nothing of it stays remotely on error.
+    range as it passes (distckpt.tiers.verified); returns its size. Nothing of it stays remotely
+    on error.
 
     Raises:
         ChecksumMismatchError: a chunk's block or the index differs from its crc32c.
@@ -448,26 +447,14 @@ def _copy_file(local_store: Store, local_path: str, header: mf.Manifest, i: int,
             gone or has another size; the local and remote stores' typed errors.
     """
     entry = header.files[i]
-    spans = _Verifier(_spans(header, i, _records(local_store, local_path, header, i), local_path), local_path, entry)
-    # ``piece``: the reader's request size, a power of two (the C reader's rule) no smaller than ours.
-    locations, open_reader, _, _ = local_store.data_readers(local_path, header, [i],
-                                                            piece=1 << (READ_PIECE - 1).bit_length())
-    buf = bytearray(max(1, min(READ_PIECE, entry.size)))
-    view = memoryview(buf)
 
     def feed(sink: Any) -> None:
-        with open_reader(locations[i]) as reader:
-            pos = 0
-            while pos < entry.size:
-                n = min(len(buf), entry.size - pos)
-                piece = view[:n]
-                reader.read_into([(pos, n, piece)])
-                spans.update(pos, piece)
-                sink.write(piece)  # copied into the upload's part buffer: buf is free again
-                pos += n
-                if progress is not None:
-                    progress(n)
-            spans.finish()
+        def consume(_pos: int, piece: memoryview) -> None:
+            sink.write(piece)  # copied into the upload's part buffer: the piece is free again
+            if progress is not None:
+                progress(len(piece))
+
+        stream_verified(local_store, local_path, header, i, consume)
 
     return remote_store.copy_data_file(area, _file_rank(entry.name), entry.size, feed)
 
@@ -477,78 +464,3 @@ def _file_rank(name: str) -> int:
     return int(name[len("rank"):-len(".bin")])
 
 
-def _records(store: Store, path: str, header: mf.Manifest, i: int) -> list[tuple[str, mf.ChunkRecord]]:
-    """(fqn, chunk record) of every chunk in data file ``i``: from its index (format 3, read
-    through the store and checked against the MANIFEST's crc32c), or from the MANIFEST (1, 2)."""
-    if header.files[i].index is None:
-        return [(fqn, c) for fqn, t in header.tensors.items() for c in (t.chunks or ()) if c.file == i]
-    return mf.parse_index(header, i, store.read_index(path, header, i), path=join(path, mf.MANIFEST_NAME))
-
-
-def _spans(header: mf.Manifest, i: int, records: list[tuple[str, mf.ChunkRecord]],
-           path: str) -> Iterator[tuple[int, int, int, str]]:
-    """(start, end, crc32c, what) of every checksummed range of data file ``i`` in file order: each
-    chunk's blocks of ``checksum_block`` bytes (the last one partial), then the index. The bytes
-    between them are alignment padding, which nothing reads. Lazily: a file's blocks can be many.
-
-    Raises (while iterated) ManifestCorruptError for chunks that overlap, leave the data region,
-    or carry another number of block crcs than their size needs."""
-    entry, block = header.files[i], header.checksum_block
-    end_of_data = entry.index[0] if entry.index is not None else entry.size
-    where = join(path, entry.name)
-    prev = 0
-    for fqn, c in sorted(records, key=lambda r: r[1].offset if type(r[1].offset) is int else -1):
-        if type(c.offset) is not int or type(c.nbytes) is not int or c.nbytes < 0:
-            raise ManifestCorruptError(f"index of {entry.name}: chunk of {fqn!r} has offset {c.offset!r} and size "
-                                       f"{c.nbytes!r}", path=where)
-        if c.offset < prev or c.offset + c.nbytes > end_of_data or len(c.crcs) != -(-c.nbytes // block):
-            raise ManifestCorruptError(
-                f"index of {entry.name}: chunk of {fqn!r} at [{c.offset}, {c.offset + c.nbytes}) with {len(c.crcs)} "
-                f"block crcs overlaps another, leaves the data region [0, {end_of_data}) or needs "
-                f"{-(-c.nbytes // block)} crcs", path=where)
-        for k, crc in enumerate(c.crcs):
-            start = c.offset + k * block
-            yield start, min(start + block, c.offset + c.nbytes), crc, f"chunk of {fqn!r} at offset {c.offset}"
-        prev = c.offset + c.nbytes
-    if entry.index is not None:
-        off, length, crc = entry.index
-        yield off, off + length, crc, "the index"
-
-
-class _Verifier:
-    """Checks a data file's bytes, fed front to back in pieces of any size, against its
-    checksummed ranges (:func:`_spans`); a range may straddle pieces (its crc32c is continued)."""
-
-    def __init__(self, spans: Iterator[tuple[int, int, int, str]], path: str, entry: mf.FileEntry) -> None:
-        self._spans, self._where, self._entry = spans, join(path, entry.name), entry
-        self._cur = next(self._spans, None)
-        self._crc = 0
-
-    def update(self, pos: int, data: memoryview) -> None:
-        """Check ``data``, the bytes at ``pos`` (the end of the previous piece).
-
-        Raises ChecksumMismatchError for a range that ends in it and differs from its crc32c."""
-        end = pos + len(data)
-        while self._cur is not None and self._cur[0] < end:
-            start, stop, want, what = self._cur
-            lo, hi = max(start, pos), min(stop, end)
-            self._crc = crc32c(data[lo - pos:hi - pos], self._crc)
-            if stop > end:
-                return  # continued in the next piece
-            if self._crc != want:
-                raise ChecksumMismatchError(
-                    f"local data file {self._entry.name}: {what}, bytes [{start}, {stop}): crc32c 0x{self._crc:08x}, "
-                    f"expected 0x{want:08x}; nothing of the step was committed remotely", path=self._where,
-                    file=self._entry.name, key=None, offset=start, expected=want, found=self._crc,
-                    remedy="The local copy is damaged (disk or memory error): drain nothing from it; restore the "
-                           "step from another copy, or save it again.")
-            self._crc = 0
-            self._cur = next(self._spans, None)
-
-    def finish(self) -> None:
-        """Every range was checked (the file ended after the last one). Raises
-        ManifestCorruptError otherwise (a range beyond the end: an index that lies)."""
-        if self._cur is not None:
-            raise ManifestCorruptError(f"index of {self._entry.name}: a checksummed range [{self._cur[0]}, "
-                                       f"{self._cur[1]}) lies beyond the end of the file ({self._entry.size} bytes)",
-                                       path=self._where)

@@ -21,7 +21,7 @@ from distckpt._dist import ControlGroup
 from distckpt.errors import (CheckpointCorruptError, ChecksumMismatchError, DataFileTruncatedError, DistCkptError,
                              StorageError)
 from distckpt.storage import open_store
-from distckpt.tiers import drain
+from distckpt.tiers import drain, verified
 
 
 def _feeder(data: bytes, piece: int):
@@ -83,7 +83,7 @@ def _flip(path: str, offset: int) -> None:
 def test_a_drain_between_local_directories_checks_blocks_cut_by_read_pieces(tmp_path, monkeypatch):
     # 16 KiB checksum blocks read in pieces of 12 KiB + 1: most blocks straddle two pieces.
     monkeypatch.setenv("DISTCKPT_CHECKSUM_BLOCK", "16K")
-    monkeypatch.setattr(drain, "READ_PIECE", 12 * 1024 + 1)
+    monkeypatch.setattr(verified, "READ_PIECE", 12 * 1024 + 1)
     state = {"w": torch.randn(200_000, generator=torch.Generator().manual_seed(1)), "b": torch.arange(10), "n": 3}
     local, remote = str(tmp_path / "local" / "step_1"), str(tmp_path / "remote" / "step_1")
     saved = distckpt.save(state, local, no_dist=True)

@@ -117,7 +117,8 @@ LAYERS = [
      # the tiered checkpoints (issue #25)
      "tiers.drain",
      "tiers.load",
-     "tiers", "tiers.nodes", "tiers.localcommit", "tiers.drainer", "tiers.listing", "tiers.manager"},
+     "tiers", "tiers.nodes", "tiers.localcommit", "tiers.drainer", "tiers.listing", "tiers.manager",
+     "tiers.verified"},
 ]
 
 
