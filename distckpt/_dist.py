@@ -238,14 +238,19 @@ def _let_gloo_workers_finish() -> None:
 
 
 def control_group(process_group: Any | None = None, *, channel: str = "control",
-                  operation: str = "save()/load()") -> ControlGroup:
+                  operation: str = "save()/load()", timeout_s: float | None = None) -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of
     distckpt's own, created once per (group, channel). Must be called by every rank of the group
     (it runs a collective the first time).
 
     ``channel`` separates independent streams of collectives: an async save's background phases
     use their own ("background"), so they never interleave with a load or save issued meanwhile
-    by the caller's thread on the "control" channel."""
+    by the caller's thread on the "control" channel.
+
+    ``timeout_s``: the bound on each collective of the side group (default DISTCKPT_TIMEOUT_S),
+    fixed when the group of (group, channel) is created: a later call with another value gets
+    the existing group. A tiered manager's "drain" channel takes DISTCKPT_DRAIN_TIMEOUT_S, since
+    its ranks wait at a gather for the slowest rank's upload."""
     if not is_distributed():
         return ControlGroup(None, 0, 1)
     import torch.distributed as dist
@@ -265,7 +270,8 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     if side is None:
         try:
             side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
-                                  timeout=datetime.timedelta(seconds=get_config().timeout_s))
+                                  timeout=datetime.timedelta(
+                                      seconds=get_config().timeout_s if timeout_s is None else timeout_s))
         except Exception as exc:  # DistStoreError / DistBackendError: a peer missing or dead
             raise PeerLostError(
                 f"creating distckpt's gloo control group among {world} ranks for {operation} failed: "

@@ -19,6 +19,9 @@ about once per process, naming the closest known variable: a silently ignored se
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | largest checksummed block; a save picks a smaller one (>= |
 |                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
+| DISTCKPT_DRAIN_TIMEOUT_S    | 3600     | bound on a collective of a tiered manager's drain (its     |
+|                             |          | "drain" channel: a rank with less to upload waits there    |
+|                             |          | for the slowest rank's upload; docs/TIERS.md)              |
 | DISTCKPT_PREFLIGHT          | 1        | 1: save() runs the cheap pre-flight checks; 0: skip them   |
 | DISTCKPT_ARRIVAL_TIMEOUT_S  | 60       | how long the ranks that called save/load wait for the rest (0: no check) |
 |                             |          | before RanksMissingError (a call made on some ranks only)  |
@@ -58,7 +61,7 @@ BACKENDS = ("auto", "uring", "pwrite", "buffered")
 KNOWN_VARIABLES = (
     # the library (this module)
     "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
-    "DISTCKPT_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
+    "DISTCKPT_TIMEOUT_S", "DISTCKPT_DRAIN_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
     "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING",
     # object stores (distckpt.storage.object.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
@@ -78,6 +81,7 @@ class Config:
     stage_blocks: int = 4
     checksum_block: int = 1 << 20
     timeout_s: float = 300.0
+    drain_timeout_s: float = 3600.0
     preflight: bool = True
     arrival_timeout_s: float = 60.0
     staging_pool_bytes: int | None = None
@@ -157,6 +161,15 @@ def load_config(env: dict | None = None) -> Config:
         raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout_raw!r} is not a number", variable="DISTCKPT_TIMEOUT_S") from None
     if not 1 <= timeout <= 86400:
         raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout} must be between 1 and 86400", variable="DISTCKPT_TIMEOUT_S")
+    drain_raw = env.get("DISTCKPT_DRAIN_TIMEOUT_S", "") or "3600"
+    try:
+        drain_timeout = float(drain_raw)
+    except ValueError:
+        raise ConfigError(f"DISTCKPT_DRAIN_TIMEOUT_S={drain_raw!r} is not a number",
+                          variable="DISTCKPT_DRAIN_TIMEOUT_S") from None
+    if not 1 <= drain_timeout <= 86400:
+        raise ConfigError(f"DISTCKPT_DRAIN_TIMEOUT_S={drain_timeout} must be between 1 and 86400",
+                          variable="DISTCKPT_DRAIN_TIMEOUT_S")
     arrival_raw = env.get("DISTCKPT_ARRIVAL_TIMEOUT_S", "") or "60"
     try:
         arrival = float(arrival_raw)
@@ -181,6 +194,7 @@ def load_config(env: dict | None = None) -> Config:
         stage_blocks=stage_blocks,
         checksum_block=_size(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30),
         timeout_s=timeout,
+        drain_timeout_s=drain_timeout,
         preflight=preflight_raw == "1",
         arrival_timeout_s=arrival,
         staging_pool_bytes=pool,

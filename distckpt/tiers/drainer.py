@@ -43,7 +43,9 @@ _MAX_BACKOFF_S = 30.0
 def is_retryable(error: BaseException) -> bool:
     """Whether a later try of the same drain can succeed: False for a damaged or incomplete local
     copy, another save committed under the step remotely, a configuration error; True for the
-    errors of a server or network outage and a lease held by another save."""
+    errors of a server or network outage, a lease held by another save, and the object store's
+    refusals that someone outside may cure meanwhile: credentials refused or expired
+    (ObjectStoreAccessError: refreshed, rotated back), a bucket over quota or not found."""
     if isinstance(error, SaveInProgressError):
         return True
     if isinstance(error, (CheckpointCorruptError, CheckpointIncompleteError, CheckpointExistsError, ConfigError,
@@ -57,7 +59,8 @@ class DrainState:
     """Where one step's drain stands on this rank. ``state``: ``queued``, ``draining``,
     ``retrying`` (the last try failed with ``error``; another follows), ``committed`` (the remote
     tier holds the step), ``failed`` (final: ``error`` says why) or ``stopped`` (the manager closed
-    before it drained). ``sent``/``total``: this rank's bytes sent and to send in the current try."""
+    before it drained). While a retry is ``draining``, ``error`` is still the previous try's.
+    ``sent``/``total``: this rank's bytes sent and to send in the current try."""
 
     step: int
     save_id: str | None
@@ -152,7 +155,9 @@ class Drainer:
         backoff = _FIRST_BACKOFF_S
         while True:
             st.tries += 1
-            st.state, st.sent, st.error = "draining", 0, None
+            # ``error`` stays the previous try's until this one ends: a wait that times out during
+            # a retry (NotDurableError.cause) and status() still say why the step is not remote.
+            st.state, st.sent = "draining", 0
 
             def progress(n: int, st=st) -> None:
                 st.sent += n

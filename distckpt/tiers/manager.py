@@ -98,7 +98,7 @@ class TieredCheckpointManager:
         keep_last_remote: steps the remote tier keeps (None: all).
         storage_options: fsspec options of the remote tier (as :func:`distckpt.save`).
         process_group: the ranks of the job (default: the world).
-        drain_timeout_s: how long :meth:`close` waits for drains in flight by default.
+        drain_timeout_s: how long :meth:`close` waits for drains in flight by default (None: no bound).
 
     The constructor is collective: it finds which ranks share a local directory (a "node"),
     creates the drain's control group, checks the remote tier (endpoint, credentials, bucket,
@@ -113,11 +113,15 @@ class TieredCheckpointManager:
 
     def __init__(self, local: str | os.PathLike, remote: str | os.PathLike, *, keep_last_local: int = 2,
                  keep_last_remote: int | None = None, storage_options: dict | None = None,
-                 process_group: Any = None, drain_timeout_s: float = 600.0) -> None:
+                 process_group: Any = None, drain_timeout_s: float | None = 600.0) -> None:
         if is_url(local):
             raise ConfigError(f"local={local!r}: the local tier is a directory on this node, not a URL")
         if not isinstance(keep_last_local, int) or isinstance(keep_last_local, bool) or keep_last_local < 1:
             raise ConfigError(f"keep_last_local={keep_last_local!r} must be a positive int")
+        if drain_timeout_s is not None and (isinstance(drain_timeout_s, bool)
+                                            or not isinstance(drain_timeout_s, (int, float))
+                                            or not 0 <= drain_timeout_s < float("inf")):
+            raise ConfigError(f"drain_timeout_s={drain_timeout_s!r} must be a non-negative number of seconds or None")
         self.local_root = normalize_path(local)
         self.remote_root = normalize_path(remote)
         if self.local_root == self.remote_root:

@@ -1,0 +1,378 @@
+"""TieredCheckpointManager's fault handling in one process (no torchrun): the local tier a tmp
+directory, the remote tier the suite's SeaweedFS server (sometimes through a proxy that refuses
+credentials, or a private server that is killed or put over quota). Issue #25, item 5.
+
+* credentials that stop working mid-run (every request answered 403 InvalidAccessKeyId for a
+  while): the drain is ``retrying`` with ObjectStoreAccessError, saves go on locally, and once the
+  credentials work again both steps drain, bit-exact, no multipart upload left;
+* a bucket over quota (SeaweedFS s3.bucket.quota): the drain retries with a typed error, saves go
+  on, lifting the quota lets it complete;
+* wait_durable's timeout and close(timeout) while the server is down: NotDurableError naming the
+  steps, the drain thread stopped; a new manager drains them at construction once it is back;
+* a corrupted local data file: that step ``failed`` with ChecksumMismatchError (nothing visible
+  remotely), the next step still drains;
+* hostile arguments to the constructor and to save: ConfigError, nothing written on either tier;
+* the drain channel's collective bound: DISTCKPT_DRAIN_TIMEOUT_S, not DISTCKPT_TIMEOUT_S
+  (distckpt._dist.control_group(timeout_s=...)), on two gloo ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import CheckpointManager
+from distckpt.errors import (ChecksumMismatchError, ConfigError, EndpointUnreachableError, NotDurableError,
+                             ObjectStoreAccessError, ObjectStoreError, PeerLostError)
+from distckpt.tiers import TieredCheckpointManager
+from tests.helpers import s3proxy
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(1 << 18, generator=g), "b": torch.arange(7) * step, "step": step}
+
+
+def _same(got: dict, step: int) -> bool:
+    want = _state(step)
+    return sorted(got) == sorted(want) and all(
+        (torch.equal(got[k], v) and got[k].dtype == v.dtype) if isinstance(v, torch.Tensor) else got[k] == v
+        for k, v in want.items())
+
+
+def _wait_state(mgr, step: int, states: tuple[str, ...], timeout: float = 60) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = mgr.status(step)
+        if st.remote in states:
+            return st
+        assert time.monotonic() < deadline, f"step {step} never reached {states}: {st}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def _short_requests(monkeypatch):
+    # A request that cannot succeed gives up within seconds (the drains retry anyway).
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "3")
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "3")
+
+
+# ---------------------------------------------------------------------------------------------
+# A proxy that answers 403 while the credentials are "revoked"
+
+
+class CredentialProxy(s3proxy.FaultProxy):
+    """tests/helpers/s3proxy.FaultProxy, plus: while ``revoked`` is set, every request is answered
+    ``403 InvalidAccessKeyId`` by the proxy (the server never sees it), as a server whose keys were
+    rotated answers; ``denied`` counts those answers."""
+
+    def __init__(self, upstream) -> None:
+        self.revoked = threading.Event()
+        self.denied = 0
+        super().__init__(upstream)
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = None
+        cbuf, ubuf = bytearray(), bytearray()
+        try:
+            while not self._closed.is_set():
+                try:
+                    raw, start, _ = s3proxy._read_message(client, cbuf)
+                except (EOFError, OSError, ValueError):
+                    return
+                method = start.split()[0]
+                if self.revoked.is_set():
+                    self.denied += 1
+                    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code><Message>'
+                            b'The access key ID you provided does not exist in our records.</Message></Error>')
+                    head = (f"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nx-amz-request-id: deny\r\n"
+                            f"Content-Length: {0 if method == 'HEAD' else len(body)}\r\n\r\n").encode()
+                    client.sendall(head + (b"" if method == "HEAD" else body))
+                    continue
+                if upstream is None:
+                    upstream = socket.create_connection(self.upstream)
+                    with self._lock:
+                        self._socks.add(upstream)
+                upstream.sendall(raw)
+                while True:
+                    resp, status_line, _ = s3proxy._read_message(upstream, ubuf, request_method=method)
+                    if not 100 <= int(status_line.split()[1]) < 200:
+                        break
+                    client.sendall(resp)
+                client.sendall(resp)
+        except (EOFError, OSError):
+            return
+        finally:
+            for s in (client, upstream):
+                if s is not None:
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+
+
+@pytest.fixture
+def cred_proxy(s3_server):
+    u = urlsplit(s3_server.endpoint)
+    px = CredentialProxy((u.hostname, u.port))
+    yield px
+    px.close()
+
+
+def _via(options: dict, endpoint: str) -> dict:
+    return {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": endpoint},
+            "skip_instance_cache": True}
+
+
+def test_credentials_revoked_mid_run_retry_then_drain(s3_bucket, cred_proxy, tmp_path):
+    url = f"{s3_bucket.url}/run"
+    mgr = TieredCheckpointManager(tmp_path / "local", url, storage_options=_via(s3_bucket.storage_options,
+                                                                                 cred_proxy.endpoint))
+    try:
+        cred_proxy.revoked.set()
+        mgr.save(1, _state(1))
+        st = _wait_state(mgr, 1, ("retrying",))
+        assert isinstance(st.error, ObjectStoreAccessError), st
+        assert st.local == "committed" and not st.durable and "credentials" in str(st.error), st
+        mgr.save(2, _state(2))  # training goes on: the local save commits behind the stuck drain
+        assert mgr.status(2).local == "committed" and mgr.status(2).remote == "queued"
+        with pytest.raises(NotDurableError) as info:
+            mgr.wait_durable(1, timeout=0.5)
+        assert info.value.steps == [1] and isinstance(info.value.cause, ObjectStoreAccessError)
+        time.sleep(2)  # a retry or two more, refused
+        assert mgr.status(1).remote == "retrying" and mgr.status(1).tries >= 2
+        assert cred_proxy.denied > 0
+        cred_proxy.revoked.clear()  # the credentials work again (refreshed / rotated back)
+        assert mgr.wait_durable(1, timeout=60).durable
+        assert mgr.wait_durable(2, timeout=60).durable
+    finally:
+        cred_proxy.revoked.clear()
+        mgr.close(timeout=60)
+    opts = s3_bucket.storage_options
+    assert CheckpointManager(url, storage_options=opts).steps() == [1, 2]
+    for s in (1, 2):
+        assert _same(distckpt.read(f"{url}/step_{s:08d}", storage_options=opts), s)
+    assert s3_bucket.multipart_uploads() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The server down: wait_durable's timeout, close(timeout), the next manager drains
+
+
+def test_wait_durable_and_close_time_out_while_the_server_is_down_then_a_new_manager_drains(
+        s3_private_server, tmp_path):
+    bucket, server = s3_private_server, s3_private_server.server
+    url, opts, local = f"{bucket.url}/run", bucket.storage_options, tmp_path / "local"
+    mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+    server.kill()  # connections refused from now on
+    try:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))  # saves go on
+        st = _wait_state(mgr, 1, ("retrying",))
+        assert isinstance(st.error, EndpointUnreachableError), st
+        t0 = time.monotonic()
+        with pytest.raises(NotDurableError) as info:
+            mgr.wait_durable(1, timeout=1.0)
+        assert 0.9 <= time.monotonic() - t0 < 10 and info.value.steps == [1]
+        assert isinstance(info.value.cause, EndpointUnreachableError)
+        t0 = time.monotonic()
+        with pytest.raises(NotDurableError) as info:
+            mgr.close(timeout=1.0)
+        assert time.monotonic() - t0 < 45, "close() did not stop the retries at its timeout"
+        assert info.value.steps == [1, 2] and "1" in str(info.value) and "2" in str(info.value)
+        assert not mgr._drainer.alive, "the drain thread outlived close()"
+        assert {mgr.status(s).remote for s in (1, 2)} == {"stopped"}
+        assert sorted(p.name for p in local.iterdir() if p.name.startswith("step_")) == ["step_00000001",
+                                                                                          "step_00000002"]
+    finally:
+        server.restart()
+    # The next manager (a restart) drains both at construction.
+    with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as again:
+        assert again.wait_durable(1, timeout=60).durable and again.wait_durable(2, timeout=60).durable
+    assert CheckpointManager(url, storage_options=opts).steps() == [1, 2]
+    for s in (1, 2):
+        assert _same(distckpt.read(f"{url}/step_{s:08d}", storage_options=opts), s)
+    assert bucket.multipart_uploads() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A damaged local copy
+
+
+def test_a_corrupted_local_file_fails_its_step_and_later_steps_still_drain(s3_bucket, cred_proxy, tmp_path):
+    url, opts, local = f"{s3_bucket.url}/run", s3_bucket.storage_options, tmp_path / "local"
+    mgr = TieredCheckpointManager(local, url, storage_options=_via(opts, cred_proxy.endpoint), keep_last_local=5)
+    try:
+        cred_proxy.revoked.set()  # hold the drains back (every try fails before it reads data)
+        mgr.save(1, _state(1))
+        data = local / "step_00000001" / "rank00000.bin"
+        with open(data, "r+b") as f:  # one bit of the tensor's bytes, mid-block
+            f.seek(100_000)
+            b = f.read(1)
+            f.seek(100_000)
+            f.write(bytes([b[0] ^ 0x10]))
+        mgr.save(2, _state(2))
+        cred_proxy.revoked.clear()
+        st = _wait_state(mgr, 1, ("failed", "committed"))
+        assert st.remote == "failed" and isinstance(st.error, ChecksumMismatchError), st
+        assert "rank00000.bin" in str(st.error)
+        with pytest.raises(NotDurableError) as info:
+            mgr.wait_durable(1, timeout=5)
+        assert isinstance(info.value.cause, ChecksumMismatchError)
+        assert mgr.wait_durable(2, timeout=60).durable  # the queue moved on
+    finally:
+        cred_proxy.revoked.clear()
+        with pytest.raises(NotDurableError) as info:
+            mgr.close(timeout=60)
+    assert info.value.steps == [1]
+    assert CheckpointManager(url, storage_options=opts).steps() == [2]
+    assert not [k for k in s3_bucket.keys("run") if k.startswith("run/step_00000001/")], s3_bucket.keys("run")
+    assert _same(distckpt.read(f"{url}/step_00000002", storage_options=opts), 2)
+    assert s3_bucket.multipart_uploads() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile arguments
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"keep_last_local": 0}, {"keep_last_local": -1}, {"keep_last_local": True}, {"keep_last_local": 1.5},
+    {"keep_last_local": "2"}, {"keep_last_remote": 0}, {"local": "s3://{bucket}/local"},
+    {"local": "{remote}"}, {"drain_timeout_s": -1}, {"drain_timeout_s": "soon"}, {"drain_timeout_s": float("nan")},
+], ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_hostile_constructor_arguments_are_config_errors_and_write_nothing(s3_bucket, tmp_path, kwargs):
+    remote = f"{s3_bucket.url}/run"
+    args = {"local": str(tmp_path / "local"), "remote": remote, "storage_options": s3_bucket.storage_options}
+    for k, v in kwargs.items():
+        args[k] = v.format(bucket=s3_bucket.name, remote=remote) if isinstance(v, str) and "{" in v else v
+    with pytest.raises(ConfigError):
+        TieredCheckpointManager(args.pop("local"), args.pop("remote"), **args)
+    assert not (tmp_path / "local").exists()
+    assert s3_bucket.keys() == []
+
+
+def test_remote_equal_to_a_local_directory_is_refused(tmp_path):
+    with pytest.raises(ConfigError):
+        TieredCheckpointManager(tmp_path / "same", str(tmp_path / "same") + "/")
+    assert not (tmp_path / "same").exists()
+
+
+def test_hostile_save_arguments_are_config_errors_and_write_nothing(s3_bucket, tmp_path):
+    local = tmp_path / "local"
+    with TieredCheckpointManager(local, f"{s3_bucket.url}/run", storage_options=s3_bucket.storage_options) as mgr:
+        for step, kw in ((-1, {}), (True, {}), ("3", {}), (1.0, {}), (None, {}), (1, {"incremental": True}),
+                         (1, {"incremental": {"base": 0}}), (1, {"storage_options": {}}), (1, {"process_group": None})):
+            with pytest.raises(ConfigError):
+                mgr.save(step, _state(1), **kw)
+        assert not [p for p in local.iterdir() if p.name.startswith(("step_", ".tmp"))], list(local.iterdir())
+        assert s3_bucket.keys() == []
+    with pytest.raises(ConfigError):
+        mgr.save(1, _state(1))  # closed
+    assert s3_bucket.keys() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A bucket over quota (SeaweedFS): a typed error, retried; lifting the quota lets it complete
+
+
+def _enforce(server, want: str, deadline: float) -> None:
+    import subprocess
+    while True:
+        try:
+            if want in server.shell("s3.bucket.quota.enforce -apply", timeout_s=30):
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        assert time.monotonic() < deadline, f"SeaweedFS never said {want!r}: {server.log_path.read_text()[-3000:]}"
+        time.sleep(1)
+
+
+@pytest.mark.slow  # SeaweedFS notices a quota in its own time (tens of seconds)
+@pytest.mark.timeout(600)
+def test_a_bucket_over_quota_retries_typed_then_drains_when_lifted(s3_private_server, tmp_path):
+    bucket, server = s3_private_server, s3_private_server.server
+    url, opts, b = f"{bucket.url}/run", bucket.storage_options, bucket.name
+    mgr = TieredCheckpointManager(tmp_path / "local", url, storage_options=opts, keep_last_local=5)
+    try:
+        server.shell(f"s3.bucket.quota -name {b} -op set -sizeMB 1")
+        bucket.fs.pipe(f"{b}/filler", os.urandom(3 << 20))
+        _enforce(server, "read only", time.monotonic() + 300)
+        mgr.save(1, _state(1))
+        st = _wait_state(mgr, 1, ("retrying",), timeout=120)
+        # SeaweedFS answers a write over quota with 500 InternalError (tests/s3/test_s3_infra.py::
+        # test_quota): an ObjectStoreError (QuotaExceededError where the store says so).
+        assert isinstance(st.error, ObjectStoreError), st
+        mgr.save(2, _state(2))  # training goes on
+        assert mgr.status(2).local == "committed"
+        bucket.fs.rm(f"{b}/filler")
+        server.shell(f"s3.bucket.quota -name {b} -op remove")
+        _enforce(server, "", time.monotonic() + 300)
+        assert mgr.wait_durable(1, timeout=240).durable and mgr.wait_durable(2, timeout=120).durable
+    finally:
+        mgr.close(timeout=30)
+    assert CheckpointManager(url, storage_options=opts).steps() == [1, 2]
+    assert _same(distckpt.read(f"{url}/step_00000002", storage_options=opts), 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drain channel's collective bound (2 gloo ranks, no server)
+
+
+def _late(group, rank: int) -> tuple[str, float]:
+    """An all_gather that rank 1 joins 4 s late: ("ok" or "lost", rank's wait)."""
+    group.all_gather(0)  # both ranks there
+    if rank == 1:
+        time.sleep(4)
+    t0 = time.monotonic()
+    try:
+        group.all_gather(rank)
+        return "ok", time.monotonic() - t0
+    except PeerLostError:
+        return "lost", time.monotonic() - t0
+
+
+def _slow_peer(rank, world, remote, local_base):
+    from distckpt._dist import control_group
+    out = {}
+    # A channel with its own bound outlasts a peer 4 s late.
+    out["long"] = _late(control_group(channel="long", timeout_s=30.0), rank)
+    # The manager's drain channel takes DISTCKPT_DRAIN_TIMEOUT_S (10 s here).
+    with TieredCheckpointManager(f"{local_base}-{rank}", remote, keep_last_local=1) as mgr:
+        out["drain"] = _late(mgr._drain_group, rank)
+    # The default bound, DISTCKPT_TIMEOUT_S (2 s here), does not (the last: the group is broken after).
+    out["short"] = _late(control_group(channel="short"), rank)
+    return out
+
+
+def test_the_drain_channel_is_bounded_by_DISTCKPT_DRAIN_TIMEOUT_S(tmp_path):
+    env = {"DISTCKPT_TIMEOUT_S": "2", "DISTCKPT_DRAIN_TIMEOUT_S": "10", "DISTCKPT_ARRIVAL_TIMEOUT_S": "0"}
+    res = run_ranks(_slow_peer, 2, str(tmp_path / "remote"), str(tmp_path / "local"), env=env, timeout=120)
+    assert res[0]["long"][0] == "ok" and res[0]["long"][1] > 3, res
+    assert res[0]["drain"][0] == "ok" and res[0]["drain"][1] > 3, res
+    assert res[0]["short"][0] == "lost" and res[0]["short"][1] < 4, res
+
+
+# ---------------------------------------------------------------------------------------------
+# What the drainer retries (no server)
+
+
+def test_is_retryable_classifies_the_drain_errors():
+    from distckpt import errors as e
+    from distckpt.tiers.drainer import is_retryable
+    retried = [e.ObjectStoreAccessError("expired", code="ExpiredToken"), e.QuotaExceededError("full"),
+               e.ObjectStoreError("500 InternalError"), e.EndpointUnreachableError("down"), e.ThrottledError("slow"),
+               e.BucketNotFoundError("gone"), e.SaveInProgressError("lease held"), OSError(5, "EIO")]
+    final = [e.ChecksumMismatchError("flip"), e.TierIncompleteError("wiped"), e.CheckpointExistsError("other save"),
+             e.ManifestCorruptError("bad"), e.ConfigError("bad"), e.PeerLostError("gone"), ValueError("bug")]
+    assert [type(x).__name__ for x in retried if not is_retryable(x)] == []
+    assert [type(x).__name__ for x in final if is_retryable(x)] == []
