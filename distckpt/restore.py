@@ -75,6 +75,8 @@ class LoadResult:
         bytes_by_tier: for a tiered load (distckpt.tiers.load), {"local": n, "remote": m}: the
             bytes of the caller's tensors each tier served (``bytes_read`` counts the file bytes
             read, checksum blocks and alignment included); empty for any other load.
+        bytes_from_peers: for a tiered load, the data-file bytes this rank received from other
+            nodes (files its node lacked, fetched before the read: distckpt.tiers.peers).
     """
 
     path: str
@@ -88,6 +90,7 @@ class LoadResult:
     uninitialized: list[str] = dataclasses.field(default_factory=list)
     cast: dict[str, str] = dataclasses.field(default_factory=dict)
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_from_peers: int = 0
 
 
 def load_manifest(path: str | os.PathLike, storage_options: dict | None = None) -> "mf.Manifest":

@@ -17,6 +17,12 @@ absent or still draining (uncommitted).
   3. the reference manifest: its MANIFEST bytes and (format 3) each data file's index, read once
      each, from a node that holds the file locally when one does, else from the remote tier; one
      all-gather, then every rank decodes and validates it (as distckpt.load does);
+  3b. with the job's node layout (the manager passes it): the files a rank needs that its node's
+     copy lacks are fetched whole from a node that holds the same save, over the process group
+     (distckpt.tiers.peers: checked on both ends, installed in this node's local tier: the one
+     write a tiered load makes, a repair of its own node's copy), when the remote tier does not
+     hold the step or the rank reads a good part of the file; a few bytes of a file stay a
+     ranged read from the remote tier;
   4. every rank plans its reads from that manifest exactly as :func:`distckpt.load` does
      (resharding included: another world size, another sharding), then each data file it needs
      becomes part of one of two fill parts: the node's local directory when the node's copy is the
@@ -40,6 +46,7 @@ from typing import Any, Iterable, Mapping
 from .. import manifest as mf
 from .._dist import ControlGroup, _portable, control_group
 from ..chain import chain_info
+from ..config import get_config
 from ..checksum import crc32c
 from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, ManifestCorruptError,
                       TierIncompleteError)
@@ -168,7 +175,8 @@ class _Reads:
 
 def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | None,
                 storage_options: dict | None = None, process_group: Any = None, strict: bool = True,
-                verify: bool = True, allow_pickle: bool = False, cast: str = "exact") -> LoadResult:
+                verify: bool = True, allow_pickle: bool = False, cast: str = "exact",
+                layout: NodeLayout | None = None) -> LoadResult:
     """Fill ``state_dict`` from one step of a tiered checkpoint, each rank reading every data file
     it needs from its node's local copy when that copy belongs to the reference save, else from
     the remote tier (module docstring). Collective over ``process_group`` (every rank calls it,
@@ -182,6 +190,11 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
             copies alone, e.g. while the remote store is down).
         storage_options: fsspec options of the remote tier (as :func:`distckpt.save`).
         strict, verify, allow_pickle, cast: as :func:`distckpt.load`.
+        layout: the job's nodes (distckpt.tiers.nodes). Given, a file a rank needs that its node
+            lacks is first fetched from another node that holds the same save, over the process
+            group (distckpt.tiers.peers: verified on both ends, installed in this node's local
+            tier), and read from the remote tier only when no node holds it: a replaced node
+            restores from its peers' replicas without reading the remote tier.
 
     Returns:
         The :class:`distckpt.LoadResult` of :func:`distckpt.load` (``path``: the reference copy's,
@@ -208,7 +221,7 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
     try:
         with contextlib.ExitStack() as guards, gc_paused():
             result = _load_tiered(group, guards, state_dict, local_path, remote_path, storage_options,
-                                  strict, verify, allow_pickle, cast, t0)
+                                  strict, verify, allow_pickle, cast, t0, layout)
     except Exception as exc:  # noqa: BLE001 - every rank raises the same, below
         error = exc
     group.exchange_outcome(error, operation="load")
@@ -217,7 +230,7 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
 
 def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: Any, local_path: str | None,
                  remote_path: str | None, storage_options: dict | None, strict: bool, verify: bool,
-                 allow_pickle: bool, cast: str, t0: float) -> LoadResult:
+                 allow_pickle: bool, cast: str, t0: float, layout: NodeLayout | None = None) -> LoadResult:
     """:func:`load_tiered` inside its read guards. Every rank runs the same two all-gathers
     whatever fails where, and a failure any rank meets there is raised on every rank."""
     # 1. Survey: this rank's node copy; rank 0 also the remote MANIFEST.
@@ -272,6 +285,12 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
         raise ConfigError(f"step {step} is a delta of an incremental chain: a tiered load reads whole checkpoints only",
                           path=ref.path, remedy="Load it with distckpt.load from the directory that holds its chain.")
 
+    # 3b. Files this rank needs that its node lacks: from the nodes that hold them, when some do.
+    fetched = 0
+    if layout is not None and local_store is not None:
+        own, fetched = _fetch_from_peers(group, layout, survey, ref, own, state_dict, manifest, data, local_store,
+                                         local_path, strict, verify, allow_pickle, cast, t0)
+
     # 4. Plan as distckpt.load does; read each file from this node's copy or the remote tier.
     served = {LOCAL: 0, REMOTE: 0}
 
@@ -303,7 +322,85 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
     else:
         source = Source(local_path if own is not None else ref.path, local_store, "distckpt")
     result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0, parts_for=parts_for)
-    return dataclasses.replace(result, bytes_by_tier=served)
+    return dataclasses.replace(result, bytes_by_tier=served, bytes_from_peers=fetched)
+
+
+#: With the remote tier up, a file this node lacks is fetched whole from a peer only when this rank
+#: reads at least 1/_FETCH_FRACTION of it; smaller reads go to the remote tier.
+_FETCH_FRACTION = 4
+
+
+class _Planned(Exception):
+    """Ends a dry run of the load's planning (:func:`_needed_files`) with what it would read."""
+
+    def __init__(self, files: dict[int, int]) -> None:
+        super().__init__("planned")
+        self.files = files
+
+
+def _needed_files(manifest: "mf.Manifest", state_dict: Any, strict: bool, verify: bool, allow_pickle: bool,
+                  cast: str, t0: float, path: str, store: Store) -> dict[int, int]:
+    """{data file: bytes of it} this rank's load of ``state_dict`` reads: the load's own planning,
+    stopped before any byte is read (no byte of the state dict changes). Raises what the planning
+    raises (StateDictMismatchError...)."""
+    def capture(tasks: list[Task]) -> list[Part]:
+        files: dict[int, int] = {}
+        for t in tasks:
+            files[t.chunk.file] = files.get(t.chunk.file, 0) + t.inter.volume * t.itemsize
+        raise _Planned(files)
+
+    try:
+        _load_local(Source(path, store, "distckpt"), manifest, state_dict, strict, verify, allow_pickle, cast, t0,
+                    parts_for=capture)
+    except _Planned as planned:
+        return planned.files
+    return {}  # nothing to read (every value is a non-tensor)
+
+
+def _fetch_from_peers(group: ControlGroup, layout: NodeLayout, survey: list[_Survey], ref: _Reference,
+                      own: LocalCopy | None, state_dict: Any, manifest: "mf.Manifest", data: bytes,
+                      local_store: Store, local_path: str, strict: bool, verify: bool, allow_pickle: bool,
+                      cast: str, t0: float) -> tuple[LocalCopy | None, int]:
+    """Step 3b of :func:`load_tiered`: every rank's needed files that its node lacks, fetched
+    from other nodes that hold the reference save's copy of them (distckpt.tiers.peers), then
+    this rank's node copy surveyed again. Collective (two all-gathers and the transfers' own).
+    Returns (this rank's usable node copy, bytes this rank received).
+
+    Raises on every rank: the planning's errors, what :func:`distckpt.tiers.peers.run_transfers`
+    raises."""
+    from .peers import fetch_transfers, run_transfers
+
+    wanted, error = set(), None
+    try:
+        needs = _needed_files(manifest, state_dict, strict, verify, allow_pickle, cast, t0, local_path, local_store)
+        held_here = set(own.files) if own is not None else set()
+        # A whole file is worth fetching from a peer when the remote tier cannot serve it, or when
+        # this rank reads a good part of it; a few bytes of it (a value another rank wrote) are a
+        # ranged read from the remote tier instead of a whole file's copy.
+        wanted = {i for i, nbytes in needs.items() if i not in held_here
+                  and (ref.remote is None or nbytes * _FETCH_FRACTION >= manifest.files[i].size)}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    asked = group.all_gather(sorted(wanted) if error is None else _portable(error))
+    group.raise_failures([a if isinstance(a, BaseException) else None for a in asked], error, operation="load")
+    if not any(asked):
+        return own, 0
+    # What each node holds of the reference save (its ranks see one directory: its leader's survey).
+    held = [survey[leader].local.files if ref.usable[leader] else frozenset() for leader in layout.leaders]
+    transfers, nowhere = fetch_transfers(layout, [set(a) for a in asked], held)
+    if nowhere:
+        log.warning("distckpt: data files %s of %s are on no node: read from the remote tier",
+                 sorted(nowhere)[:20], local_path)
+    if not transfers:
+        return own, 0
+    result = run_transfers(group, transfers, layout=layout, store=local_store, step_path=local_path,
+                           header=manifest, manifest=data, timeout_s=get_config().timeout_s)
+    gained = result.installed.get(layout.node, [])
+    if gained:
+        log.warning("distckpt: %s: fetched data files %s of save %s from other nodes (this node lacked them)",
+                    local_path, [manifest.files[i].name for i in gained][:20], ref.save_id)
+    copy, _ = _local_copy(local_store, local_path)
+    return (copy if copy is not None and copy.save_id == ref.save_id else None), result.received
 
 
 @dataclasses.dataclass(frozen=True)

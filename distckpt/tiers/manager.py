@@ -38,11 +38,11 @@ import os
 import dataclasses
 from typing import Any
 
-from .._dist import control_group
+from .._dist import _portable, control_group
 from ..config import get_config
 from ..commit import SaveResult
-from ..errors import (CheckpointNotFoundError, ConfigError, DiskFullError, EndpointUnreachableError, NotDurableError,
-                      ObjectStoreError, ThrottledError, TierIncompleteError)
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, DiskFullError, EndpointUnreachableError, NotDurableError,
+                      ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError)
 from ..sizes import format_bytes
 from ..manager import CheckpointManager, step_dirname
 from ..restore import LoadResult
@@ -56,6 +56,10 @@ from .nodes import node_layout
 
 __all__ = ["TieredCheckpointManager", "TierStatus"]
 
+#: The local tier's owner lock (a flock held by each node's leader while a manager is open). Not
+#: named like a save's lock (``.NAME.lock``), so listings and reclaims never take it for one.
+OWNER_NAME = ".distckpt-tiers.owner"
+
 log = logging.getLogger("distckpt")
 
 
@@ -63,12 +67,16 @@ log = logging.getLogger("distckpt")
 class TierStatus:
     """Where one step stands on each tier, as this rank sees it.
 
-    ``local``: ``committed`` (this node's directory holds the step) or ``absent``.
+    ``local``: ``committed`` (this node's directory holds the step), ``saving`` (this rank's save
+    of it is in flight, e.g. an async save not yet committed) or ``absent``.
     ``remote``: ``committed`` (the remote tier holds this save), ``queued``, ``draining``,
     ``retrying`` (the last try failed with ``error``; another follows), ``failed`` (for good:
     ``error``), ``stopped`` (the manager closed first), ``absent``, or ``other`` (the remote tier
     holds another save of this step number). ``sent``/``to_send``: this rank's bytes of the
-    drain in progress. ``save_id``: the save this rank's node holds (else the remote's)."""
+    drain in progress. ``save_id``: the save this rank's node holds (else the remote's).
+    ``replicas`` (with ``replicas=k``): ``pending``, ``replicated`` (every data file has its k
+    copies on other nodes, each verified on arrival) or ``failed`` (``replica_error``); ``off``
+    without replicas. Known to the manager that saved the step (a new manager says ``pending``)."""
 
     step: int
     local: str
@@ -78,6 +86,8 @@ class TierStatus:
     to_send: int = 0
     tries: int = 0
     error: BaseException | None = None
+    replicas: str = "off"
+    replica_error: BaseException | None = None
 
     @property
     def durable(self) -> bool:
@@ -99,6 +109,10 @@ class TieredCheckpointManager:
         storage_options: fsspec options of the remote tier (as :func:`distckpt.save`).
         process_group: the ranks of the job (default: the world).
         drain_timeout_s: how long :meth:`close` waits for drains in flight by default (None: no bound).
+        replicas: copies of each rank's data files kept on that many OTHER nodes' local tiers
+            (distckpt.tiers.peers), made by the background thread before the step's drain,
+            verified on arrival. A replaced node then restores its ranks' files from its peers
+            without reading the remote tier. Needs replicas + 1 nodes; 0: none.
 
     The constructor is collective: it finds which ranks share a local directory (a "node"),
     creates the drain's control group, checks the remote tier (endpoint, credentials, bucket,
@@ -113,11 +127,14 @@ class TieredCheckpointManager:
 
     def __init__(self, local: str | os.PathLike, remote: str | os.PathLike, *, keep_last_local: int = 2,
                  keep_last_remote: int | None = None, storage_options: dict | None = None,
-                 process_group: Any = None, drain_timeout_s: float | None = 600.0) -> None:
+                 process_group: Any = None, drain_timeout_s: float | None = 600.0, replicas: int = 0) -> None:
         if is_url(local):
             raise ConfigError(f"local={local!r}: the local tier is a directory on this node, not a URL")
         if not isinstance(keep_last_local, int) or isinstance(keep_last_local, bool) or keep_last_local < 1:
             raise ConfigError(f"keep_last_local={keep_last_local!r} must be a positive int")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise ConfigError(f"replicas={replicas!r} must be a non-negative int")
+        self.replicas = replicas
         if drain_timeout_s is not None and (isinstance(drain_timeout_s, bool)
                                             or not isinstance(drain_timeout_s, (int, float))
                                             or not 0 <= drain_timeout_s < float("inf")):
@@ -140,7 +157,21 @@ class TieredCheckpointManager:
         self._remote_store = open_store(self.remote_root, storage_options)
         self._group = control_group(process_group, operation="TieredCheckpointManager()")
         self._layout = node_layout(self._group, self.local_root)
-        self._check_remote()
+        if replicas and replicas >= len(self._layout.leaders):
+            raise ConfigError(f"replicas={replicas} needs at least {replicas + 1} nodes (ranks that see different local "
+                              f"directories); this job has {len(self._layout.leaders)}",
+                              remedy="Lower replicas, or give each node its own local directory.")
+        # step -> (state, error) of its replication: "replicated" or "failed" (the drain thread's).
+        self._replication: dict[int, tuple[str, BaseException | None]] = {}
+        self._owner = self._own_local_tier()
+        # step -> save id of what this manager knows the remote tier holds (found at construction,
+        # drained since): the steps a save must not reuse (:meth:`_check_step_free`).
+        self._remote_held: dict[int, str] = {}
+        try:
+            self._check_remote()
+        except BaseException:
+            self._release_owner()
+            raise
         # The drain's own channel: its collectives never interleave with the training thread's.
         # Bounded by DISTCKPT_DRAIN_TIMEOUT_S, not DISTCKPT_TIMEOUT_S: a rank with less to upload
         # waits at the drain's gather for the slowest rank's upload, which is no lost peer.
@@ -149,6 +180,7 @@ class TieredCheckpointManager:
         self._closed = False
         # The local tier's room is checked once, when the first save tells a step's size.
         self._room_checked: bool | None = None
+        self._saving: set[int] = set()  # steps whose local save is in flight on this rank
         self._first_async = None  # the handle of a first save made with blocking=False
         self._drainer = Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}")
         for step, save_id in self._undrained():
@@ -188,10 +220,13 @@ class TieredCheckpointManager:
             if bad in kwargs:
                 raise ConfigError(f"{bad}= is not a save option of a TieredCheckpointManager (give it to the "
                                   f"manager, or not at all: incremental chains are not tiered)")
+        self._check_step_free(step)
         after = functools.partial(self._after_local_commit, step)
         lock = join(self.local_root, ROOT_LOCK_NAME)
+        self._saving.add(step)
 
         def settled(result: SaveResult | None, error: BaseException | None) -> None:
+            self._saving.discard(step)
             if result is not None:
                 self._drainer.enqueue(step, result.save_id)
 
@@ -210,13 +245,50 @@ class TieredCheckpointManager:
             if self._room_checked is None:
                 self._first_async = handle
             return handle
-        result = save_node_local(state_dict, self.local_path(step), layout=self._layout,
-                                 process_group=self.process_group, blocking=True, after_commit=after,
-                                 lock_path=lock, **kwargs)
+        try:
+            result = save_node_local(state_dict, self.local_path(step), layout=self._layout,
+                                     process_group=self.process_group, blocking=True, after_commit=after,
+                                     lock_path=lock, **kwargs)
+        finally:
+            self._saving.discard(step)
         settled(result, None)
         if self._room_checked is None:
             self._check_local_room(result.bytes_per_rank)
         return result
+
+    def _check_step_free(self, step: int) -> None:
+        """Refuse, on every rank (rank 0 decides; one all-gather), a step number whose drain is
+        still queued or running here (its local files would change under the drain's reads) or
+        that the remote tier already holds (a drain never replaces a remote step: another run's,
+        or this run's before a rollback). The remote is asked only when this manager knows it
+        holds the step (the steps found at construction and those drained since), so a save
+        costs no request.
+
+        Raises SaveInProgressError (a drain of the step in flight) or CheckpointExistsError."""
+        error = None
+        if self._group.rank == 0:
+            st = self._drainer.state(step)
+            if st is not None and not st.done.is_set():
+                error = SaveInProgressError(
+                    f"step {step} is being drained to {self.remote_root} ({st.state}); a save of the same number now "
+                    f"would change its files under the drain", path=self.local_path(step), owner=None,
+                    remedy="Save it under another step number, or wait_durable(step) first.")
+            elif step in self._remote_held:
+                try:
+                    there = self._remote_store.committed_save_id(self.remote_path(step))
+                except Exception as exc:  # noqa: BLE001 - cannot tell: the drain refuses later if needed
+                    log.warning("distckpt: cannot tell whether %s holds step %d (%s: %s)", self.remote_root, step,
+                                type(exc).__name__, exc)
+                    there = None
+                if there is not None:
+                    error = CheckpointExistsError(
+                        f"step {step} is already on the remote tier {self.remote_root} (save {there}): a tiered save "
+                        f"never replaces a remote step", path=self.remote_path(step),
+                        remedy="Save under a new step number (after a rollback: the next number after the newest "
+                               "step), or use another remote root for a new run.")
+                else:
+                    self._remote_held.pop(step, None)
+        self._group.exchange_outcome(error, operation="TieredCheckpointManager.save()")
 
     def _check_local_room(self, sizes: list[int]) -> None:
         """The local tier's pre-flight, once, after the first save told the size of a step: each
@@ -297,17 +369,60 @@ class TieredCheckpointManager:
     # -- the drain (the drainer's thread) ---------------------------------------------------------
 
     def _drain_one(self, step: int, save_id: str | None, progress, assigned) -> int:
+        if self.replicas and step not in self._replication:
+            self._replicate(step)
         after = functools.partial(self._remote.rotate_after, step)
         result = drain_step(self._drain_group, local_path=self.local_path(step), remote_path=self.remote_path(step),
                             remote_store=self._remote_store, lock_path=join(self.remote_root, ROOT_LOCK_NAME),
                             after_commit=after, progress=progress, storage_options=self.storage_options,
                             on_assigned=assigned)
+        self._remote_held[step] = result.save_id
         if save_id is not None and result.save_id != save_id:
             # The local directory holds another save than the one queued (saved again since):
             # the drained one is what the remote tier now holds, and status says so.
             log.warning("distckpt: step %d drained save %s, not %s (the step was saved again)", step,
                         result.save_id, save_id)
         return result.bytes_uploaded
+
+    def _replicate(self, step: int) -> None:
+        """Give each data file of ``step`` ``replicas`` copies on other nodes (collective, on the
+        drain thread). Records "replicated" only when every copy arrived and was verified; a
+        failure is recorded and logged (the step still drains; its replicas are incomplete), except
+        a lost peer, which stops the thread (raised)."""
+        from .. import manifest as mf
+        from .load import _local_copy
+        from .peers import replica_transfers, run_transfers
+        path = self.local_path(step)
+        error, mine = None, (None, None)
+        try:
+            copy, data = _local_copy(self._local_store, path)
+            mine = (copy, data if self._layout.is_leader else None)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        survey = self._drain_group.all_gather(mine if error is None else _portable(error))
+        try:
+            self._drain_group.raise_failures([x if isinstance(x, BaseException) else None for x in survey], error,
+                                             operation="replication")
+            copies = [survey[leader][0] for leader in self._layout.leaders]
+            ids = {c.save_id for c in copies if c is not None}
+            if any(c is None for c in copies) or len(ids) != 1:
+                raise TierIncompleteError(
+                    f"step {step} cannot be replicated: not every node holds the same save of it "
+                    f"({[c.save_id if c else None for c in copies]})", path=path, step=step_dirname(step), files=[],
+                    tiers={"local": [c.save_id if c else None for c in copies]})
+            data = survey[self._layout.leaders[0]][1]
+            header = mf.decode_header(data, path=path)
+            transfers = replica_transfers(self._layout, header, [c.files for c in copies], self.replicas)
+            run_transfers(self._drain_group, transfers, layout=self._layout, store=self._local_store, step_path=path,
+                          header=header, manifest=data, timeout_s=get_config().drain_timeout_s)
+        except PeerLostError:
+            self._replication[step] = ("failed", None)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the same on every rank (collective)
+            log.error("distckpt: the replicas of step %d are incomplete: %s: %s", step, type(exc).__name__, exc)
+            self._replication[step] = ("failed", exc)
+            return
+        self._replication[step] = ("replicated", None)
 
     def _vote(self, closing: bool) -> bool:
         return any(self._drain_group.all_gather(closing))
@@ -316,6 +431,7 @@ class TieredCheckpointManager:
         """(step, save id) of the steps every node's copy makes complete locally and the remote tier
         does not hold, ascending (collective: the same list on every rank)."""
         avail, _ = self._availability()  # the remote tier down: every complete local step (each drain checks)
+        self._remote_held.update({s: t.remote_save_id for s, t in avail.items() if t.remote_save_id is not None})
         out = []
         for step in sorted(avail):
             t = avail[step]
@@ -326,6 +442,42 @@ class TieredCheckpointManager:
                     continue
                 out.append((step, t.local_save_id))
         return out
+
+    def _own_local_tier(self):
+        """Each node's leader takes the local tier's owner lock (``LOCAL/.distckpt-tiers.owner``,
+        a flock held until :meth:`close`): two managers on one local directory, in this job or
+        another, would rotate and drain each other's steps into their own remote tiers.
+        Collective. Returns the lock (None on other ranks).
+
+        Raises SaveInProgressError on every rank when another live manager holds it (its host,
+        pid and tiers in the message)."""
+        from ..storage.posix import savelock
+        lock, error = None, None
+        if self._layout.is_leader:
+            try:
+                lock = savelock.acquire(join(self.local_root, OWNER_NAME), save_id="tiers",
+                                        what=f"TieredCheckpointManager({self.local_root} -> {self.remote_root})")
+            except SaveInProgressError as exc:
+                other = exc.details.get("owner") or {}
+                error = SaveInProgressError(
+                    f"another TieredCheckpointManager uses the local tier {self.local_root}: "
+                    f"{other.get('what', '?')} (host {other.get('host', '?')}, pid {other.get('pid', '?')})",
+                    path=self.local_root, owner=other,
+                    remedy="Close that manager first, or give this one a local directory of its own.")
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        try:
+            self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        return lock
+
+    def _release_owner(self) -> None:
+        lock, self._owner = getattr(self, "_owner", None), None
+        if lock is not None:
+            lock.release()
 
     def _check_remote(self) -> None:
         """The remote tier's pre-flight on rank 0 (an object store: endpoint, credentials, bucket,
@@ -355,16 +507,22 @@ class TieredCheckpointManager:
         Raises StorageError subclasses / object-store request errors for a failed look."""
         local_id = self._local_store.committed_save_id(self.local_path(step))
         st = self._drainer.state(step)
+        if not self.replicas:
+            replicas, replica_error = "off", None
+        else:
+            replicas, replica_error = self._replication.get(step, ("pending", None))
         if st is not None and st.state != "committed":
             return TierStatus(step, "committed" if local_id else "absent", st.state, st.save_id or local_id,
-                              st.sent, st.total, st.tries, st.error)
+                              st.sent, st.total, st.tries, st.error, replicas, replica_error)
         remote_id = self._remote_store.committed_save_id(self.remote_path(step))
         if remote_id is None:
             remote = "absent"
         else:
             remote = "committed" if local_id in (None, remote_id) else "other"
-        return TierStatus(step, "committed" if local_id else "absent", remote, local_id or remote_id,
-                          st.sent if st else 0, st.total if st else 0, st.tries if st else 0, None)
+        local = "saving" if step in self._saving else "committed" if local_id else "absent"
+        return TierStatus(step, local, remote, local_id or remote_id,
+                          st.sent if st else 0, st.total if st else 0, st.tries if st else 0, None, replicas,
+                          replica_error)
 
     def wait_durable(self, step: int, timeout: float | None = None) -> TierStatus:
         """Wait until the remote tier holds ``step`` (its drain committed); returns its status.
@@ -448,7 +606,8 @@ class TieredCheckpointManager:
             try:
                 return load_tiered(state_dict, local_path=self.local_path(s),
                                    remote_path=self.remote_path(s) if remote_up else None,
-                                   storage_options=self.storage_options, process_group=self.process_group, **kwargs)
+                                   storage_options=self.storage_options, process_group=self.process_group,
+                                   layout=self._layout, **kwargs)
             except TierIncompleteError as exc:
                 if step is not None:
                     raise
@@ -482,6 +641,7 @@ class TieredCheckpointManager:
                 self._rotate_local(keep=None)
             except Exception as exc:  # noqa: BLE001 - housekeeping: the next save rotates again
                 log.warning("distckpt: rotating %s at close: %s: %s", self.local_root, type(exc).__name__, exc)
+        self._release_owner()
         if pending:
             states = self._drainer.states()
             first = next((states[s].error for s in pending if states[s].error is not None), None)

@@ -9,6 +9,8 @@ one JSON line starting with {"rank". Phases:
   train     save STEPS (comma-separated), wait until the last is durable, close
   restore   load the newest complete step (or TIERS_STEP), check it bit for bit, close
   kill      save 10 (durable), save 20, then node 1 exits at once (its drain in flight)
+  killrep   (replicas) save 10 (durable, replicated), save 20, then node 1 exits at once: its
+            replication of step 20 in flight
   outage    save 10 (durable); OUT/ready; wait for OUT/down; save 20 and 30 (the server is down);
             OUT/saved-RANK with their status; wait for OUT/up; wait until 30 is durable; close
 """
@@ -78,10 +80,12 @@ def main() -> None:
     rec = {"rank": rank, "world": world, "node": node}
     mgr = TieredCheckpointManager(os.environ["TIERS_LOCAL"], os.environ["TIERS_REMOTE"], keep_last_local=2,
                                   keep_last_remote=int(os.environ.get("TIERS_KEEP_REMOTE", 3)),
-                                  storage_options=json.loads(os.environ["TIERS_OPTIONS"]))
+                                  storage_options=json.loads(os.environ["TIERS_OPTIONS"]),
+                                  replicas=int(os.environ.get("TIERS_REPLICAS", 0)))
+    close_timeout = float(os.environ.get("TIERS_CLOSE_TIMEOUT", 600))
 
     def statuses(which):
-        return {s: [mgr.status(s).local, mgr.status(s).remote] for s in which}
+        return {s: [mgr.status(s).local, mgr.status(s).remote, mgr.status(s).replicas] for s in which}
 
     if phase == "train":
         for s in steps:
@@ -91,15 +95,21 @@ def main() -> None:
         rec.update(local=mgr._local.steps(), remote=mgr._remote.steps(), status=statuses(steps))
     elif phase == "restore":
         sd = blank(mesh)
+        t_load = time.monotonic()
         step = int(os.environ["TIERS_STEP"]) if os.environ.get("TIERS_STEP") else None
         result = mgr.load(sd, step)
-        rec.update(step=sd["step"], ok=same(sd, sd["step"]), by_tier=getattr(result, "bytes_by_tier", None))
+        rec.update(step=sd["step"], ok=same(sd, sd["step"]), by_tier=getattr(result, "bytes_by_tier", None),
+                   from_peers=result.bytes_from_peers, seconds=time.monotonic() - t_load)
         try:
-            mgr.close()
+            mgr.close(timeout=close_timeout)
             rec["closed"] = "ok"
         except errors.NotDurableError as exc:
             rec["closed"] = f"NotDurableError: {exc.steps}"
-        rec.update(local=mgr._local.steps(), remote=mgr._remote.steps())
+        try:
+            remote = mgr._remote.steps()
+        except errors.ObjectStoreError:  # the remote tier down (a restore that must not need it)
+            remote = None
+        rec.update(local=mgr._local.steps(), remote=remote)
     elif phase == "kill":
         mgr.save(10, sharded(10, mesh))
         mgr.wait_durable(10, timeout=180)
@@ -116,6 +126,26 @@ def main() -> None:
             mgr.close(timeout=60)
         except errors.NotDurableError as exc:
             rec["closed"] = exc.steps
+    elif phase == "killrep":
+        mgr.save(10, sharded(10, mesh))
+        mgr.wait_durable(10, timeout=180)
+        rec["replicas10"] = mgr.status(10).replicas
+        mgr.save(20, sharded(20, mesh))
+        if node == 1:
+            print(json.dumps(rec | {"exiting": True}), flush=True)
+            os._exit(9)  # a node lost while the replication of step 20 is in flight
+        t0 = time.monotonic()
+        try:
+            mgr.wait_durable(20, timeout=240)
+        except errors.NotDurableError:
+            pass
+        rec["replicas20"] = mgr.status(20).replicas
+        rec["waited_s"] = time.monotonic() - t0
+        try:
+            mgr.close(timeout=60)
+        except errors.NotDurableError as exc:
+            rec["closed"] = exc.steps
+        rec["closed_s"] = time.monotonic() - t0
     elif phase == "outage":
         mgr.save(10, sharded(10, mesh))
         mgr.wait_durable(10, timeout=180)

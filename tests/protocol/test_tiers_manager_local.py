@@ -60,6 +60,12 @@ def test_an_undrained_local_step_is_drained_by_the_next_manager(tmp_path):
     mgr.save(5, _state(5))
     mgr.save(6, _state(6))
     assert not (remote / "step_00000005").exists()
+    # One manager per local tier: a second one is refused while the first is open.
+    with pytest.raises(errors.SaveInProgressError, match="another TieredCheckpointManager"):
+        TieredCheckpointManager(local, tmp_path / "elsewhere")
+    with pytest.raises(errors.NotDurableError) as info:
+        mgr.close()
+    assert info.value.steps == [5, 6]
     with TieredCheckpointManager(local, remote, keep_last_local=3) as again:
         again.wait_durable(6, timeout=120)
         assert again.status(5).durable and again.status(6).durable

@@ -118,7 +118,7 @@ LAYERS = [
      "tiers.drain",
      "tiers.load",
      "tiers", "tiers.nodes", "tiers.localcommit", "tiers.drainer", "tiers.listing", "tiers.manager",
-     "tiers.verified"},
+     "tiers.verified", "tiers.peers"},
 ]
 
 

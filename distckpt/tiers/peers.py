@@ -1,0 +1,393 @@
+"""Peer transfers: data files of a committed step copied from one node's local tier to another's
+over the job's own process group (a gloo side group), every byte checked against the step's
+checksums on both ends. Used for replicas (each rank's file kept on ``replicas`` other nodes after
+a save, :func:`replica_transfers`) and by a restore whose node lacks files another node holds (a
+replaced node, :func:`distckpt.tiers.load.load_tiered`).
+
+:func:`run_transfers` is collective over the group it is given; every rank runs the same rounds:
+
+  1. ROUNDS   the transfers are cut into rounds in which a rank sends at most one file and
+              receives at most one (:func:`schedule`), the same list on every rank.
+  2. MOVE     in a round, a sender streams its file through distckpt.tiers.verified (every block
+              and the index checked as read: a damaged local byte is never sent as good) in pieces
+              of READ_PIECE bytes; its receiver, which knows the file's size and so the pieces,
+              posts the receive of each piece before the send of its own is waited for, so two
+              ranks that send to each other in the same round never block each other. A sender
+              that fails mid-file still sends the remaining pieces (zeros), so that its receiver
+              never waits for bytes that will not come; the file then fails the receiver's check.
+              The receiver writes into a private area of its node's local root
+              (``.step_N.tmp-<32 hex>/``: a leftover the next save reclaims if this dies), fsyncs,
+              then reads the file back through the same verified reader.
+  3. OUTCOME  one all-gather: which files each rank received and verified, or its error.
+  4. INSTALL  each node's leader moves its ranks' verified files into the node's step directory
+              (renames, then a directory fsync); a node that holds no copy of the step gets one
+              made like a save's: a fresh area with the MANIFEST's bytes, fsynced, renamed to
+              ``step_N`` (the MANIFEST is the reference save's, byte for byte). A node whose
+              directory holds another save of the step is left alone (reported).
+  5. VERDICT  one all-gather: every rank returns the files its node gained, or every rank raises
+              the same typed error.
+
+Every wait has the group's deadline: a peer that dies mid-transfer is a PeerLostError on its
+partners within DISTCKPT_TIMEOUT_S (the pieces are bounded, so a live peer always progresses).
+Memory per rank: two pieces being sent (read ahead by one) and one being received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import uuid
+from typing import Callable
+
+from .. import manifest as mf
+from .._dist import ControlGroup, _portable
+from ..errors import DistCkptError, TierIncompleteError, from_os_error
+from ..storage import Store, basename, dirname, join
+from .nodes import NodeLayout
+from .verified import piece_sizes, stream_verified
+
+__all__ = ["Transfer", "schedule", "replica_transfers", "fetch_transfers", "run_transfers", "PeerResult"]
+
+log = logging.getLogger("distckpt")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Transfer:
+    """Data file ``file`` of the step sent by rank ``src`` (whose node holds it) to rank ``dst``
+    (which installs it in its node's directory)."""
+
+    file: int
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerResult:
+    """What :func:`run_transfers` did: ``installed[n]``: the files node n gained (every rank
+    gets the whole list); ``sent``/``received``: this rank's bytes."""
+
+    installed: dict
+    sent: int
+    received: int
+
+
+def schedule(transfers: list[Transfer]) -> list[list[Transfer]]:
+    """The transfers cut into rounds in which each rank sends at most one file and receives at
+    most one, in a deterministic order (every rank computes the same rounds)."""
+    rounds: list[list[Transfer]] = []
+    busy: list[tuple[set, set]] = []
+    for t in sorted(transfers):
+        for k, (senders, receivers) in enumerate(busy):
+            if t.src not in senders and t.dst not in receivers:
+                rounds[k].append(t)
+                senders.add(t.src)
+                receivers.add(t.dst)
+                break
+        else:
+            rounds.append([t])
+            busy.append(({t.src}, {t.dst}))
+    return rounds
+
+
+def _spread(ranks: list[int], key: int) -> int:
+    return ranks[key % len(ranks)]
+
+
+def replica_transfers(layout: NodeLayout, header: mf.Manifest, held: list[frozenset], replicas: int) -> list[Transfer]:
+    """The transfers that give each data file ``replicas`` copies on nodes other than its
+    writer's: file i (rank i's, when rank i is in this job) goes to the next ``replicas`` nodes in
+    ring order after its writer's node, to the rank there with the same position in its node
+    (spread), from the rank that wrote it. ``held[n]``: the files node n holds already (skipped).
+    A file whose writer's node does not hold it is sent by no one (the caller's check reports it)."""
+    nodes = len(layout.leaders)
+    out = []
+    for i, entry in enumerate(header.files):
+        w = entry.rank if entry.rank is not None and entry.rank < len(layout.node_of) else None
+        if w is None or i not in held[layout.node_of[w]]:
+            continue
+        home = layout.node_of[w]
+        pos = layout.ranks_of(home).index(w)
+        for j in range(1, min(replicas, nodes - 1) + 1):
+            target = (home + j) % nodes
+            if i not in held[target]:
+                out.append(Transfer(i, w, _spread(layout.ranks_of(target), pos)))
+    return out
+
+
+def fetch_transfers(layout: NodeLayout, wanted: list[set], held: list[frozenset]) -> tuple[list[Transfer], set]:
+    """The transfers that give every node the files its ranks want (``wanted[r]``: file indexes
+    rank r needs that its node lacks) from a node that holds them (``held[n]``), each from the
+    holder's rank chosen by the file's number (spread) to the wanting node's rank likewise.
+    Returns (transfers, the files no node holds)."""
+    need: dict[int, set] = {}
+    for r, files in enumerate(wanted):
+        need.setdefault(layout.node_of[r], set()).update(files)
+    out, nowhere = [], set()
+    for node in sorted(need):
+        for i in sorted(need[node]):
+            holders = [n for n in range(len(layout.leaders)) if n != node and i in held[n]]
+            if not holders:
+                nowhere.add(i)
+                continue
+            src_node = holders[i % len(holders)]
+            out.append(Transfer(i, _spread(layout.ranks_of(src_node), i), _spread(layout.ranks_of(node), i)))
+    return out, nowhere
+
+
+# ------------------------------------------------------------------------------------------------
+# run_transfers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """One rank's report after the rounds: the files it received and verified, in ``area``
+    (None when it received none), or its error."""
+
+    area: str | None
+    files: tuple[int, ...]
+    error: BaseException | None
+
+
+def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: NodeLayout, store: Store,
+                  step_path: str, header: mf.Manifest, manifest: bytes, timeout_s: float,
+                  progress: Callable[[int], None] | None = None) -> PeerResult:
+    """Move ``transfers`` (module docstring), collective over ``group`` (every rank passes the same
+    list, and its own node's ``step_path``). ``store``: the local tier's store; ``header``/
+    ``manifest``: the step's MANIFEST (decoded, and its bytes for a node that has no copy).
+    ``progress(n)``: called with each piece this rank sends. ``timeout_s``: the bound on each
+    piece's send and receive (a peer that stops answering is a PeerLostError after it).
+
+    Returns the same PeerResult on every rank. Raises on every rank (the failing ranks' common
+    class, distckpt.errors.collective_error): ChecksumMismatchError (a sender's local byte, or a
+    received file that does not match), TierIncompleteError (a node holds another save of the
+    step), PeerLostError (a peer died or did not answer within DISTCKPT_TIMEOUT_S), the local
+    store's typed errors (a full disk...). Nothing is installed unless verified; a failed rank's
+    area is removed.
+    """
+    rank = group.rank
+    area, got, sent, received, error = None, [], 0, 0, None
+    try:
+        for rnd in schedule(transfers):
+            out = next((t for t in rnd if t.src == rank), None)
+            into = next((t for t in rnd if t.dst == rank), None)
+            if out is None and into is None:
+                continue
+            if into is not None and area is None:
+                area = join(dirname(step_path), f".{basename(step_path)}.tmp-{uuid.uuid4().hex}")
+                _mkdir(area)
+            s, r = _move(group, out, into, store, step_path, area, header, progress, timeout_s)
+            sent, received = sent + s, received + r
+            if into is not None:
+                got.append(into.file)
+        for i in got:  # read back: what landed on this node's disk is what was saved
+            stream_verified(store, area, header, i, lambda _pos, _piece: None)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = exc
+    try:
+        outcomes = group.all_gather(_Outcome(area, tuple(got), _portable(error) if group.world_size > 1 else error))
+        installed, install_error = {}, None
+        try:
+            if not any(o.error is not None for o in outcomes):
+                installed = {n: sorted(i for r in layout.ranks_of(n) for i in outcomes[r].files)
+                             for n in range(len(layout.leaders))}
+                if layout.is_leader and installed[layout.node]:
+                    # The leader moves files out of its node's ranks' areas: each rank removes its
+                    # own area only after the exchange below, which the leader joins after this.
+                    _install(store, step_path, header, manifest,
+                             [(outcomes[r].area, outcomes[r].files) for r in layout.ranks_of(layout.node)])
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            install_error = exc
+        group.raise_failures([o.error for o in outcomes], error, operation="peer transfer")
+        group.exchange_outcome(install_error, operation="peer transfer")
+    finally:
+        if area is not None:
+            _remove_tree(area)
+    return PeerResult(installed, sent, received)
+
+
+def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, store: Store, step_path: str,
+          area: str | None, header: mf.Manifest, progress: Callable[[int], None] | None,
+          timeout_s: float) -> tuple[int, int]:
+    """One round on this rank: send ``out``'s file, receive ``into``'s, piece by piece. Returns
+    (bytes sent, bytes received). Raises the sender's read error only after every piece was sent."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    bound = datetime.timedelta(seconds=timeout_s)  # a wait without one could outlive a dead peer
+
+    send_sizes = piece_sizes(header.files[out.file].size) if out is not None else []
+    recv_sizes = piece_sizes(header.files[into.file].size) if into is not None else []
+    pieces: queue.Queue = queue.Queue(maxsize=2)
+    read_error: list[BaseException] = []
+    stop = threading.Event()
+
+    def read() -> None:  # the sender's reads and checks, one piece ahead of the network
+        try:
+            def consume(_pos: int, piece: memoryview) -> None:
+                if stop.is_set():
+                    raise _Stopped()
+                pieces.put(bytearray(piece))
+
+            stream_verified(store, step_path, header, out.file, consume)
+        except _Stopped:
+            pass
+        except Exception as exc:  # noqa: BLE001 - sent as zeros, raised after the round
+            read_error.append(exc)
+        finally:
+            pieces.put(None)
+
+    reader = None
+    if out is not None:
+        reader = threading.Thread(target=read, name="distckpt-peer-read", daemon=True)
+        reader.start()
+    fd = -1
+    sent = received = 0
+    try:
+        if into is not None:
+            target = join(area, header.files[into.file].name)
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise from_os_error(exc, path=target, operation="create") from exc
+        rbuf = bytearray(max(recv_sizes, default=0))
+        done_reading = False
+        for k in range(max(len(send_sizes), len(recv_sizes))):
+            rreq = sreq = None
+            if k < len(recv_sizes):
+                rview = torch.frombuffer(rbuf, dtype=torch.uint8, count=recv_sizes[k]) if recv_sizes[k] else None
+                if rview is not None:
+                    rreq = group._wrap("peer receive", dist.irecv, rview, group._global(into.src), group.pg)
+            if k < len(send_sizes):
+                data = None if done_reading else pieces.get()
+                if data is None:  # the read failed or ended early: zeros keep the receiver in step
+                    done_reading = True
+                    data = bytearray(send_sizes[k])
+                payload = torch.frombuffer(data, dtype=torch.uint8) if send_sizes[k] else None
+                if payload is not None:
+                    sreq = group._wrap("peer send", dist.isend, payload, group._global(out.dst), group.pg)
+            if rreq is not None:
+                group._wrap("peer receive", rreq.wait, bound)
+                _write_all(fd, memoryview(rbuf)[:recv_sizes[k]], target)
+                received += recv_sizes[k]
+            if sreq is not None:
+                group._wrap("peer send", sreq.wait, bound)
+                sent += send_sizes[k]
+                if progress is not None:
+                    progress(send_sizes[k])
+        if fd >= 0:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise from_os_error(exc, path=target, operation="fsync") from exc
+    finally:
+        stop.set()
+        if fd >= 0:
+            os.close(fd)
+        if reader is not None:
+            while reader.is_alive():  # unblock a reader waiting on a full queue
+                try:
+                    pieces.get_nowait()
+                except queue.Empty:
+                    reader.join(0.05)
+    if read_error:
+        raise read_error[0]
+    return sent, received
+
+
+class _Stopped(Exception):
+    """The round ended before the reader did (an error elsewhere)."""
+
+
+def _write_all(fd: int, data: memoryview, path: str) -> None:
+    while data.nbytes:
+        try:
+            n = os.write(fd, data)
+        except OSError as exc:
+            raise from_os_error(exc, path=path, operation="write") from exc
+        data = data[n:]
+
+
+def _mkdir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o755)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="mkdir") from exc
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="fsync") from exc
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _install(store: Store, step_path: str, header: mf.Manifest, manifest: bytes,
+             received: list[tuple[str | None, tuple[int, ...]]]) -> None:
+    """The node leader's INSTALL (module docstring): the verified files of this node's ranks into
+    its step directory, or a new copy of the step made around them.
+
+    Raises TierIncompleteError when the directory holds another save of the step, and the
+    store's typed errors."""
+    try:
+        there = store.committed_save_id(step_path)
+    except DistCkptError:
+        there = None
+    moves = [(join(a, header.files[i].name), header.files[i].name) for a, files in received if a for i in files]
+    if there is not None and there != header.save_id:
+        raise TierIncompleteError(
+            f"{step_path} holds save {there} of the step, not {header.save_id}: the files received from peers were "
+            f"not installed there", path=step_path, step=basename(step_path),
+            files=[name for _, name in moves], tiers={"local": there},
+            remedy="Remove the stale copy of the step from this node's local tier, or load another step.")
+    if there is not None:
+        for src, name in moves:
+            _rename(src, join(step_path, name))
+        _fsync_dir(step_path)
+        return
+    # No copy on this node: one made like a save's, MANIFEST last, published by a rename.
+    if store.exists(step_path):
+        # A step directory without a MANIFEST (a crashed install, never a committed copy): replaced.
+        _remove_tree(step_path)
+    fresh = join(dirname(step_path), f".{basename(step_path)}.tmp-{uuid.uuid4().hex}")
+    _mkdir(fresh)
+    try:
+        for src, name in moves:
+            _rename(src, join(fresh, name))
+        target = join(fresh, mf.MANIFEST_NAME)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, memoryview(manifest), target)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(fresh)
+        _rename(fresh, step_path)
+        _fsync_dir(dirname(step_path))
+    except OSError as exc:
+        _remove_tree(fresh)
+        raise from_os_error(exc, path=step_path, operation="install") from exc
+    except BaseException:
+        _remove_tree(fresh)
+        raise
+
+
+def _rename(src: str, dst: str) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        raise from_os_error(exc, path=dst, operation="rename") from exc
+

@@ -1,0 +1,103 @@
+"""Peer replicas of a TieredCheckpointManager (``replicas=k``): the resiliency extension's own
+test, done here. Two or three "nodes" on this machine (torchrun agents, ``--nnodes``, c10d on
+127.0.0.1), each with a private local tier; the remote tier is the SeaweedFS server, which is
+stopped (killed) before the restores that must not need it.
+
+  * a node's directory wiped, the server stopped: the job restarts with a fresh node and resumes
+    bit-exact from its peers' replicas (bytes received from peers, none from the remote tier);
+  * onto fewer nodes: three nodes save with replicas=1, two nodes restore (resharded 3 -> 2) from
+    local copies and replicas alone;
+  * two nodes' directories wiped with replicas=1 (the only copies of a file gone): the restore
+    falls back to the remote tier, typed and logged, bit-exact;
+  * a node killed while it replicates a step: that step never counts as replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from .test_tiers_manager import _job
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+
+@pytest.fixture
+def tiers_private(s3_private_server, tmp_path):
+    bucket = s3_private_server
+    url = f"{bucket.url}/run7"
+    extra = {"TIERS_REMOTE": url, "TIERS_OPTIONS": json.dumps(bucket.storage_options), "TIERS_REPLICAS": "1",
+             "TIERS_KEEP_REMOTE": "5"}
+    return bucket, url, extra, tmp_path
+
+
+def _names(step_dir) -> list[str]:
+    return sorted(p.name for p in step_dir.glob("*.bin"))
+
+
+def test_a_wiped_node_resumes_from_its_peers_with_the_remote_tier_down(tiers_private):
+    bucket, url, extra, tmp = tiers_private
+    n0, n1 = tmp / "node0", tmp / "node1"
+    nodes = [(n0, 1), (n1, 1)]
+    recs, _ = _job("train", nodes, tmp, extra, "10,20")
+    for r in (0, 1):
+        assert recs[r]["status"]["20"] == ["committed", "committed", "replicated"], recs[r]
+    # Each node holds its own file and its peer's replica.
+    assert _names(n0 / "local" / "step_00000020") == _names(n1 / "local" / "step_00000020") == \
+        ["rank00000.bin", "rank00001.bin"]
+    shutil.rmtree(n1 / "local")     # node 1 replaced
+    bucket.server.kill()            # and the remote tier gone
+    recs, _ = _job("restore", nodes, tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})
+    for r in (0, 1):
+        assert recs[r]["step"] == 20 and recs[r]["ok"], recs[r]
+        assert recs[r]["by_tier"]["remote"] == 0, recs[r]
+    assert recs[1]["from_peers"] > 0 and recs[0]["from_peers"] == 0, recs
+    # The fresh node holds a copy of the step again, made from its peer's replica, checked.
+    assert (n1 / "local" / "step_00000020" / "MANIFEST").read_bytes() == \
+        (n0 / "local" / "step_00000020" / "MANIFEST").read_bytes()
+    assert not [p for p in (n1 / "local").iterdir() if ".tmp-" in p.name]
+
+
+def test_three_nodes_restore_onto_two_from_replicas_with_the_remote_tier_down(tiers_private):
+    bucket, url, extra, tmp = tiers_private
+    nodes3 = [(tmp / f"node{n}", 1) for n in range(3)]
+    recs, _ = _job("train", nodes3, tmp, extra, "10")
+    assert all(recs[r]["status"]["10"][2] == "replicated" for r in range(3)), recs
+    bucket.server.kill()
+    # Node 2 is gone for good; the job restarts on nodes 0 and 1 (2 ranks: resharded 3 -> 2).
+    recs, _ = _job("restore", nodes3[:2], tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})
+    assert sorted(recs) == [0, 1] and all(recs[r]["step"] == 10 and recs[r]["ok"] for r in (0, 1)), recs
+    assert all(recs[r]["by_tier"]["remote"] == 0 for r in (0, 1)), recs
+
+
+def test_two_wiped_nodes_with_one_replica_fall_back_to_the_remote_tier(tiers_private):
+    bucket, url, extra, tmp = tiers_private
+    nodes3 = [(tmp / f"node{n}", 1) for n in range(3)]
+    _job("train", nodes3, tmp, extra, "10")
+    # Rank 1's file lived on nodes 1 and 2 (its replica): both wiped, only the remote tier has it.
+    shutil.rmtree(tmp / "node1" / "local")
+    shutil.rmtree(tmp / "node2" / "local")
+    recs, outs = _job("restore", nodes3, tmp, extra)
+    assert all(recs[r]["step"] == 10 and recs[r]["ok"] for r in range(3)), recs
+    assert sum(recs[r]["by_tier"]["remote"] for r in range(3)) > 0, recs
+    assert any("on no node: read from the remote tier" in out for out in outs), outs[0][-3000:]
+
+
+def test_a_node_killed_mid_replication_never_counts_as_replicated(tiers_private):
+    bucket, url, extra, tmp = tiers_private
+    nodes = [(tmp / "node0", 1), (tmp / "node1", 1)]
+    env = extra | {"TIERS_BIG_ROWS": str(1 << 20), "DISTCKPT_TIMEOUT_S": "20", "DISTCKPT_DRAIN_TIMEOUT_S": "20"}
+    t0 = time.monotonic()
+    recs, outs = _job("killrep", nodes, tmp, env, check=False, timeout=150)
+    assert 0 in recs, outs[0][-6000:]
+    assert recs[0]["replicas10"] == "replicated", recs
+    # The survivor learns of the loss within the drain's deadline (20 s here), not at a timeout of
+    # its own waits (240 s), and its job ends.
+    assert recs[0]["waited_s"] < 120 and recs[0]["closed_s"] < 150, recs
+    assert time.monotonic() - t0 < 240
+    assert recs[0]["replicas20"] in ("failed", "pending"), recs
+    # No replica of rank 1's step-20 file reached node 0, and no partial file is left in its step.
+    assert _names(tmp / "node0" / "local" / "step_00000020") == ["rank00000.bin"]
