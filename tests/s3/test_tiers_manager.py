@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,35 +51,50 @@ def _start(phase: str, nodes: list[tuple[Path, int]], out: Path, extra: dict[str
     return agents
 
 
-def _finish(agents, timeout: float = 600, check: bool = True) -> tuple[dict[int, dict], list[str]]:
-    """Wait for the agents (a job that lost a node: torchrun's exit barrier would hold the
-    survivor's agent for minutes, so ``check=False`` jobs are killed at ``timeout`` and what they
-    printed is kept)."""
-    outputs = []
+def _finish(agents, timeout: float = 600, check: bool = True, expect: int | None = None
+            ) -> tuple[dict[int, dict], list[str]]:
+    """Wait for the agents and parse the ranks' JSON records. A job that lost a node passes
+    ``check=False`` and ``expect`` (the number of records its ranks print): torchrun's exit
+    barrier would hold the survivor's agent for minutes, so the agents are killed as soon as every
+    record is in (or at ``timeout``), and what they printed is kept."""
+    outputs = [[] for _ in agents]
+    done = threading.Event()
+
+    def pump(k: int, agent) -> None:
+        for line in agent.stdout:
+            outputs[k].append(line)
+            if expect is not None and sum(x.startswith('{"rank"') for o in outputs for x in o) >= expect:
+                done.set()
+
+    pumps = [threading.Thread(target=pump, args=(k, a), daemon=True) for k, a in enumerate(agents)]
+    for t in pumps:
+        t.start()
+    deadline = time.monotonic() + timeout
     try:
         for agent in agents:
-            try:
-                out, _ = agent.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                if check:
-                    raise
-                os.killpg(agent.pid, signal.SIGKILL)
-                out, _ = agent.communicate()
-            outputs.append(out)
+            while agent.poll() is None and not done.is_set():
+                if time.monotonic() > deadline:
+                    if check:
+                        raise TimeoutError(f"the job did not end within {timeout} s")
+                    break
+                time.sleep(0.2)
     finally:
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
+        for t in pumps:
+            t.join(10)
+    texts = ["".join(o) for o in outputs]
     if check:
-        for agent, out in zip(agents, outputs):
+        for agent, out in zip(agents, texts):
             assert agent.returncode == 0, out[-8000:]
-    recs = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith('{"rank"')]
-    return {r["rank"]: r for r in recs}, outputs
+    recs = [json.loads(line) for out in texts for line in out.splitlines() if line.startswith('{"rank"')]
+    return {r["rank"]: r for r in recs}, texts
 
 
-def _job(phase, nodes, out, extra, steps="", check=True, timeout=600):
-    return _finish(_start(phase, nodes, out, extra, steps), check=check, timeout=timeout)
+def _job(phase, nodes, out, extra, steps="", check=True, timeout=600, expect=None):
+    return _finish(_start(phase, nodes, out, extra, steps), check=check, timeout=timeout, expect=expect)
 
 
 @pytest.fixture
@@ -143,7 +159,7 @@ def test_a_node_killed_mid_drain_then_the_job_restarts(tiers):
     nodes = [(n0, 1), (n1, 1)]
     big = {"TIERS_BIG_ROWS": str(1 << 20), "DISTCKPT_TIMEOUT_S": "30",  # 64 MiB: the drain takes a while
            "DISTCKPT_DRAIN_TIMEOUT_S": "30"}  # the survivor's drain notices the lost peer soon
-    _job("kill", nodes, tmp, extra | big, check=False, timeout=240)
+    _job("kill", nodes, tmp, extra | big, check=False, timeout=240, expect=2)
     from distckpt import CheckpointManager
     remote = CheckpointManager(url, storage_options=bucket.storage_options)
     # Node 1 left right after its local commit of step 20, and rank00001.bin of step 20 is on its

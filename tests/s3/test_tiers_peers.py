@@ -91,13 +91,13 @@ def test_a_node_killed_mid_replication_never_counts_as_replicated(tiers_private)
     nodes = [(tmp / "node0", 1), (tmp / "node1", 1)]
     env = extra | {"TIERS_BIG_ROWS": str(1 << 20), "DISTCKPT_TIMEOUT_S": "20", "DISTCKPT_DRAIN_TIMEOUT_S": "20"}
     t0 = time.monotonic()
-    recs, outs = _job("killrep", nodes, tmp, env, check=False, timeout=150)
+    recs, outs = _job("killrep", nodes, tmp, env, check=False, timeout=200, expect=2)
     assert 0 in recs, outs[0][-6000:]
     assert recs[0]["replicas10"] == "replicated", recs
     # The survivor learns of the loss within the drain's deadline (20 s here), not at a timeout of
     # its own waits (240 s), and its job ends.
     assert recs[0]["waited_s"] < 120 and recs[0]["closed_s"] < 150, recs
-    assert time.monotonic() - t0 < 240
+    assert time.monotonic() - t0 < 180
     assert recs[0]["replicas20"] in ("failed", "pending"), recs
     # No replica of rank 1's step-20 file reached node 0, and no partial file is left in its step.
     assert _names(tmp / "node0" / "local" / "step_00000020") == ["rank00000.bin"]
