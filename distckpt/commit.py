@@ -47,7 +47,7 @@ from .errors import CommittedButPeerLostError, DistCkptError, PeerLostError, fil
 from .saveplan import GlobalPlan, PlannedSave
 from .storage import Store, is_url, open_store
 
-__all__ = ["SaveResult", "finish_save", "Prepared", "WriteOutcome", "Verdict"]
+__all__ = ["SaveResult", "finish_save", "discard_replaced", "Prepared", "WriteOutcome", "Verdict"]
 
 log = logging.getLogger("distckpt")
 
@@ -209,14 +209,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
                 manifest = _build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata)
                 replaced = store.publish(tmp_dir, final_dir, mf.encode(manifest), overwrite)  # the commit point
                 published = True
-                if replaced is not None:
-                    # The old checkpoint now sits under the hidden tmp name: deleting it is
-                    # housekeeping (reclaim_tmp_dirs finishes it at the next save of this name),
-                    # so its failure must not turn a committed save into a reported failure.
-                    try:
-                        store.discard(replaced)
-                    except DistCkptError as cleanup_exc:
-                        log.warning("distckpt: could not remove the replaced checkpoint %s: %s", replaced, cleanup_exc)
+                discard_replaced(store, replaced)
                 if after_commit is not None:
                     after_commit()
         except Exception as exc:
@@ -261,6 +254,18 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         bytes_per_rank=told.sizes, total_bytes=sum(told.sizes),
         seconds=marks[3] - t0, backend=result.backend, backend_reason=result.reason, save_id=save_id,
         plan_cached=planned.plan_cached, plan_seconds=planned.plan_seconds, phase_seconds=phases)
+
+
+def discard_replaced(store: Store, replaced: str | None) -> None:
+    """Delete what a publish returned (a replaced checkpoint, no longer reachable under its name).
+    Housekeeping: the next save's reclaim finishes it, so a failure is logged, never raised (it
+    must not turn a committed save into a reported failure)."""
+    if replaced is None:
+        return
+    try:
+        store.discard(replaced)
+    except DistCkptError as cleanup_exc:
+        log.warning("distckpt: could not remove the replaced checkpoint %s: %s", replaced, cleanup_exc)
 
 
 def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str, tmp_dir: str,

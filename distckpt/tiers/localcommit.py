@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from .. import manifest as mf
 from .._dist import ControlGroup, _portable, control_group
-from ..commit import Prepared, SaveResult, Verdict, WriteOutcome, _build_manifest
+from ..commit import Prepared, SaveResult, Verdict, WriteOutcome, _build_manifest, discard_replaced
 from ..coordinator import SAVE_GATE
 from ..errors import (CommittedButPeerLostError, ConfigError, DistCkptError, PeerLostError, collective_error,
                       fill_rank)
@@ -411,13 +411,7 @@ def _publish_node(store: Store, area: str, final_dir: str, manifest: bytes, over
             state.area_gone = True
         return NodeOutcome(committed=False, visible=visible, error=portable(fill_rank(exc, rank)))
     state.node_visible = True
-    if replaced is not None:
-        # The old checkpoint is no longer reachable: deleting it is housekeeping (the next save's
-        # reclaim finishes it), so its failure must not turn a committed node into a failed one.
-        try:
-            store.discard(replaced)
-        except DistCkptError as cleanup_exc:
-            log.warning("distckpt: could not remove the replaced checkpoint %s: %s", replaced, cleanup_exc)
+    discard_replaced(store, replaced)  # housekeeping: never turns a committed node into a failed one
     if after_commit is not None:
         try:
             after_commit()
