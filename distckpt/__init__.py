@@ -31,7 +31,7 @@ _LAZY = {
     "load": ".restore", "read": ".restore", "read_manifest": ".restore", "LoadResult": ".restore",
     "CheckpointManager": ".manager",
     "async_save": ".save_async", "AsyncSaveHandle": ".save_async",
-    "release_staging_memory": ".staging.pool",
+    "release_staging_memory": ".staging.pool", "reserve_staging_memory": ".staging.pool",
 }
 
 
@@ -59,6 +59,7 @@ __all__ = [
     "read_manifest",
     "CheckpointManager",
     "release_staging_memory",
+    "reserve_staging_memory",
     "SaveResult",
     "LoadResult",
     "DistCkptError",

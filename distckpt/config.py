@@ -25,8 +25,8 @@ about once per process, naming the closest known variable: a silently ignored se
 | DISTCKPT_PREFLIGHT          | 1        | 1: save() runs the cheap pre-flight checks; 0: skip them   |
 | DISTCKPT_ARRIVAL_TIMEOUT_S  | 60       | how long the ranks that called save/load wait for the rest (0: no check) |
 |                             |          | before RanksMissingError (a call made on some ranks only)  |
-| DISTCKPT_STAGING_POOL_BYTES | (none)   | largest idle async staging arena kept for reuse; 0: free   |
-|                             |          | every arena when its save ends (none: keep one, any size)  |
+| DISTCKPT_STAGING_POOL_BYTES | (none)   | idle + reserved async staging memory kept for reuse; 0:    |
+|                             |          | keep and reserve none (none: up to 2x the last save's)     |
 | DISTCKPT_DEVICE_STAGING     | 64M      | pinned host memory a sync save of GPU tensors streams them |
 |                             |          | through (2 slots; copies overlap writes: staging/ring.py)  |
 

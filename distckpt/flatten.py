@@ -20,6 +20,7 @@ taken from the shard metadata itself.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -141,6 +142,10 @@ class ObjectItem:
 
 
 def _dtensor_type():
+    # Not imported yet: no DTensor can exist, and importing it costs 1-1.5 s (sympy) on the first
+    # save or load of a job that never uses one.
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
@@ -149,6 +154,8 @@ def _dtensor_type():
 
 
 def _sharded_tensor_type():
+    if "torch.distributed._shard.sharded_tensor" not in sys.modules:
+        return None  # not imported: none exists (as for DTensor above)
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
     except ImportError:

@@ -1,106 +1,363 @@
-"""Host staging memory of async saves: one arena of aligned (pinned when CUDA is available) host
-memory per save in flight, kept for the next save when it fits.
+"""Host staging memory of async saves: aligned host segments (pinned when CUDA is available) that
+an async save copies its pieces into, kept for the next save, reserved ahead of the first one.
+
+Why segments and a background reservation: the first async save of a job used to allocate one
+arena of its state's size on the caller's critical path. Pinning GiBs (cudaHostAlloc, through
+torch's caching host allocator, which also rounds every request up to a power of two) took 2-5 s
+on an H100/H200, and on a CPU host the first copy faulted in every page of a fresh arena (0.8 s
+per GiB on a 2-core VM), while later saves blocked 0.05-0.2 s. Now:
+
+  * :func:`reserve_staging_memory` prepares the memory a state will need on a background thread
+    (allocated, every page faulted in, pinned by ``cudaHostRegister`` at its exact size when CUDA
+    is available), so the first save finds it ready.
+  * A save never allocates pinned memory on the caller's path: pieces go into the idle segments
+    that fit them, and what does not fit goes into one fresh pageable overflow segment (a plain
+    allocation: no pinning). After the save the pool keeps the overflow segment (CPU hosts) or
+    reserves a pinned segment of its size in the background (CUDA hosts), so the next save of the
+    same state stages without overflow: a state that grows (optimizer states created at the first
+    step) costs one slower save, never a pinning stall.
 
 Invariants:
-  * Bounded: one arena per save in flight (at most one: saves are serialized), kept for the next
-    save when it fits (the same model gets the same layout, so the same memory), replaced when it
-    does not; DISTCKPT_STAGING_POOL_BYTES caps the idle arena kept between saves (0: keep none), and
-    :func:`release_staging_memory` frees it now.
+  * Bounded: the segments in use by the save in flight (at most one: saves are serialized), plus
+    the idle and reserving segments, whose total DISTCKPT_STAGING_POOL_BYTES caps (0: keep none,
+    reserve none); :func:`release_staging_memory` frees the idle ones now. After a save, idle
+    segments it did not use are freed (the state shrank), and the pool never keeps more than twice
+    the last save's bytes plus 1 MiB.
   * Large pieces start at 4 KiB boundaries, so the O_DIRECT writer can write them without another
     copy.
   * After :func:`stage` returns, every staged piece points at its copy: changing the caller's
     tensors no longer changes what is written.
+  * A pinned segment is unregistered before its memory is freed; a reservation that fails to pin
+    (RLIMIT_MEMLOCK, no driver) keeps the memory pageable and logs why, once: correct, slower.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
+import time
+from typing import Any
 
 import torch
 
 from ..config import get_config
 
-__all__ = ["StagingPool", "staging_pool", "release_staging_memory", "stage"]
+__all__ = ["StagingPool", "StagingReservation", "staging_pool", "release_staging_memory",
+           "reserve_staging_memory", "stage"]
+
+log = logging.getLogger("distckpt")
 
 # Pieces of at least this many bytes start on a page boundary (O_DIRECT can write them in place);
 # smaller ones only on a cache line (the writer copies small writes into its staging anyway).
 _PAGE = 4096
 _BIG = 64 << 10
 _SMALL_ALIGN = 64
+_SLACK = 1 << 20  # a pool may keep 2 x the last save's bytes plus this
 
 
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-class _Arena:
-    """One aligned host buffer; pieces are carved out of it at aligned offsets."""
+def _piece_align(n: int) -> int:
+    return _PAGE if n >= _BIG else _SMALL_ALIGN
 
-    def __init__(self, capacity: int, pin: bool) -> None:
+
+def layout_bytes(sizes: list[int]) -> int:
+    """The bytes one segment needs to hold pieces of ``sizes`` bytes, in order, aligned as
+    :func:`stage` aligns them."""
+    cursor = 0
+    for n in sizes:
+        cursor = _round_up(cursor, _piece_align(n)) + n
+    return _round_up(cursor, _PAGE)
+
+
+# Segments are at most this large unless one piece is larger (it gets a segment of its own size):
+# pinning is one cudaHostRegister call per segment, and the driver holds a lock through the call
+# that stalls the training thread's CUDA calls (2 GiB in one call: a 0.6 s stall on an H200).
+_CHUNK = 64 << 20
+
+
+def _place(sizes: list[int], caps: list[int]) -> tuple[list[tuple[int, int] | None], list[int]]:
+    """First fit decreasing: place pieces of ``sizes`` (visited largest first, ties in order) into
+    segments of capacities ``caps`` (tried in order). Returns each piece's (segment index, offset),
+    None for a piece that fits nowhere, and each segment's used bytes. Deterministic, so the same
+    sizes placed over segments :func:`_pack` made for them fit exactly as packed."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    cursors = [0] * len(caps)
+    open_ = list(range(len(caps)))  # segments with room for at least a small piece
+    places: list[tuple[int, int] | None] = [None] * len(sizes)
+    for i in order:
+        n = sizes[i]
+        if n == 0:  # an empty view: any segment's start
+            places[i] = (0, 0) if caps else None
+            continue
+        align = _piece_align(n)
+        for j in open_:
+            off = _round_up(cursors[j], align)
+            if off + n <= caps[j]:
+                cursors[j] = off + n
+                places[i] = (j, off)
+                if caps[j] - cursors[j] < _SMALL_ALIGN:
+                    open_.remove(j)
+                break
+    return places, cursors
+
+
+def _pack(sizes: list[int]) -> list[int]:
+    """Segment capacities that hold pieces of ``sizes`` as :func:`_place` places them: segments of
+    up to _CHUNK, and a segment of its own for a piece larger than that."""
+    order = sorted((n for n in sizes if n > 0), reverse=True)
+    caps: list[int] = []
+    cursors: list[int] = []
+    for n in order:
+        align = _piece_align(n)
+        for j, c in enumerate(cursors):  # the same first fit as _place, over the bins so far
+            if _round_up(c, align) + n <= caps[j]:
+                cursors[j] = _round_up(c, align) + n
+                break
+        else:
+            caps.append(_round_up(n, _PAGE) if n > _CHUNK else _CHUNK)
+            cursors.append(n)
+    # Trim each segment to what it holds: _place then finds the same fit (a piece that did not fit
+    # a segment untrimmed does not fit it trimmed, at the same cursor; one that did still does).
+    return [_round_up(cur, _PAGE) for cur in cursors]
+
+
+_PIN_WARNED = False
+
+
+def _cudart():
+    return torch.cuda.cudart()
+
+
+class Segment:
+    """One page-aligned host buffer of ``capacity`` bytes; pinned (registered with the CUDA driver
+    at its exact size) when ``pinned``. ``prefault`` touches every page now, so copies into it do
+    not fault."""
+
+    def __init__(self, capacity: int, *, pin: bool, prefault: bool) -> None:
+        global _PIN_WARNED
         self.capacity = capacity
-        self.pinned = pin
-        self._raw = torch.empty(capacity + _PAGE, dtype=torch.uint8, pin_memory=pin)
+        self._raw = torch.empty(capacity + _PAGE, dtype=torch.uint8)
         start = -self._raw.data_ptr() % _PAGE
         self.buf = self._raw[start:start + capacity]
+        self.pinned = False
+        if pin and capacity:
+            # cudaHostRegister faults in and locks every page itself (without the GIL).
+            err = _cudart().cudaHostRegister(self.buf.data_ptr(), capacity, 0)
+            if int(err) == 0:
+                self.pinned = True
+            elif not _PIN_WARNED:
+                _PIN_WARNED = True
+                log.warning("distckpt: cudaHostRegister of %d bytes of async staging memory failed "
+                            "(cudaError %d; RLIMIT_MEMLOCK?): device copies into it are not DMAs",
+                            capacity, int(err))
+        if prefault and not self.pinned and capacity:
+            # Zero it all: a page-strided fill would fault the same pages but runs 3-4x slower
+            # (one thread, one fault at a time); zero_ is a parallel memset.
+            self.buf.zero_()
 
-    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-        flat = self.buf[offset:offset + nbytes]
-        return flat.view(dtype).view(shape)
+    def free(self) -> None:
+        """Unpin (if pinned) and drop this segment's memory reference. Idempotent."""
+        if self.pinned:
+            self.pinned = False
+            try:
+                _cudart().cudaHostUnregister(self.buf.data_ptr())
+            except Exception as exc:  # noqa: BLE001 - the memory is freed either way
+                log.warning("distckpt: cudaHostUnregister failed: %s", exc)
+        self._raw = self.buf = None
+
+    def __del__(self) -> None:
+        # At interpreter exit torch.cuda may be gone, and the process's pages go with it anyway.
+        if getattr(self, "pinned", False) and not sys.is_finalizing():
+            self.free()
 
 
-def _layout(sizes: list[int]) -> tuple[list[int], int]:
-    offsets, cursor = [], 0
-    for n in sizes:
-        cursor = _round_up(cursor, _PAGE if n >= _BIG else _SMALL_ALIGN)
-        offsets.append(cursor)
-        cursor += n
-    return offsets, _round_up(cursor, _PAGE)
+class Arena:
+    """The segments one save staged into: ``used`` maps each segment to the bytes it holds."""
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self.used: dict[int, int] = {}  # id(segment) -> bytes laid out in it
+        self.overflow: Segment | None = None
+        self.overflow_sizes: list[int] = []  # the pieces that did not fit the idle segments
+
+    @property
+    def capacity(self) -> int:
+        return sum(s.capacity for s in self.segments)
+
+
+class StagingReservation:
+    """Staging memory being prepared in the background by :func:`reserve_staging_memory`."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the memory is ready (or its allocation failed: see ``error``). Returns
+        whether it finished within ``timeout`` seconds."""
+        return self._done.wait(timeout)
+
+    def __repr__(self) -> str:
+        state = "ready" if self.done() and self.error is None else ("failed" if self.done() else "pending")
+        return f"StagingReservation({self.nbytes} bytes, {state})"
 
 
 class StagingPool:
-    """Aligned host staging memory reused across async saves of one process.
-
-    Holds at most one idle arena. ``acquire(n)`` reuses it when it holds ``n`` bytes and is not more
-    than twice as large (so a shrinking state does not pin a stale peak forever); otherwise the idle
-    one is dropped first and a new one allocated, so memory never holds two arenas because of the
-    pool. Pinned (page-locked) when CUDA is available: device-to-host copies are then DMAs.
-    """
+    """Aligned host staging segments reused across async saves of one process (see the module's
+    docstring for the bounds). Thread-safe: saves take and give back segments on different
+    threads, reservations fill the pool from their own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: _Arena | None = None
-        self.allocations = 0  # arenas allocated so far (tests / benchmarks: reuse is visible)
+        self._idle: list[Segment] = []
+        self._pending = 0  # bytes of reservations still being prepared
+        self.allocations = 0  # segments allocated so far (tests / benchmarks: reuse is visible)
 
-    def acquire(self, nbytes: int, pin: bool) -> _Arena:
+    # -- reservations ------------------------------------------------------------------------
+    def reserve(self, sizes: list[int], *, pin: bool | None = None) -> StagingReservation:
+        """Prepare idle segments that hold pieces of ``sizes`` bytes (as :func:`_pack` packs them)
+        on a background thread, each added to the pool as soon as it is ready. Cut (whole
+        segments, from the smallest) so that idle, pending and new memory stay within
+        DISTCKPT_STAGING_POOL_BYTES: nothing when the bound is 0."""
+        if pin is None:
+            pin = torch.cuda.is_available()
+        caps = _pack([int(n) for n in sizes if n > 0])
+        bound = get_config().staging_pool_bytes
         with self._lock:
-            arena, self._idle = self._idle, None
-        if arena is not None and arena.pinned == pin and nbytes <= arena.capacity <= 2 * nbytes + (1 << 20):
-            return arena
-        del arena  # free the old one before allocating the new one
-        self.allocations += 1
-        return _Arena(nbytes, pin)
+            have = sum(s.capacity for s in self._idle) + self._pending
+            if bound is not None:
+                while caps and have + sum(caps) > bound:
+                    caps.pop()
+            total = sum(caps)
+            res = StagingReservation(total)
+            if total == 0:
+                res._done.set()
+                return res
+            self._pending += total
 
-    def release(self, arena: _Arena | None) -> None:
-        """Take ``arena`` back after its save. It is kept for the next save only if no larger one
-        is idle and it is within DISTCKPT_STAGING_POOL_BYTES (when set); otherwise it is freed."""
+        def work() -> None:
+            left = total
+            try:
+                for cap in caps:
+                    t0 = time.perf_counter()
+                    seg = Segment(cap, pin=pin, prefault=True)
+                    if pin:
+                        # Pinning holds a driver lock that the training thread's CUDA calls wait
+                        # on; a pause after each segment lets them through (no lock is fair).
+                        time.sleep(min(0.05, max(0.002, (time.perf_counter() - t0) / 4)))
+                    with self._lock:
+                        self._pending -= cap
+                        left -= cap
+                        self._idle.append(seg)
+                        self.allocations += 1
+            except BaseException as exc:  # noqa: BLE001 - reported on the reservation, logged
+                res.error = exc
+                log.warning("distckpt: reserving %d bytes of async staging memory failed: %s: %s",
+                            total, type(exc).__name__, exc)
+            finally:
+                with self._lock:
+                    self._pending -= left
+                res._done.set()
+
+        threading.Thread(target=work, name="distckpt-staging-reserve", daemon=True).start()
+        return res
+
+    # -- one save's arena --------------------------------------------------------------------
+    def take(self, sizes: list[int]) -> tuple[Arena, list[tuple[Segment, int]]]:
+        """Lay pieces of ``sizes`` bytes out over the idle segments (:func:`_place`: the fit they
+        were reserved for) and one fresh pageable overflow segment for what does not fit. Returns
+        the arena (its segments are no longer idle) and each piece's (segment, offset). Never
+        pins."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        placed, cursors = _place(sizes, [seg.capacity for seg in idle])
+        arena = Arena()
+        for seg, used in zip(idle, cursors):
+            arena.segments.append(seg)
+            arena.used[id(seg)] = used
+        missing = [i for i, p in enumerate(placed) if p is None]
+        places: list[tuple[Segment, int]] = [(idle[p[0]], p[1]) if p is not None else None  # type: ignore[misc]
+                                             for p in placed]
+        if missing:
+            over_sizes = [sizes[i] for i in missing]
+            # Laid out by the same first fit as every segment, so the next save's _place fits
+            # these pieces into this segment exactly as here.
+            over_places, (cursor,) = _place(over_sizes, [1 << 62])
+            over = Segment(_round_up(cursor, _PAGE), pin=False, prefault=False)
+            with self._lock:
+                self.allocations += 1
+            arena.overflow = over
+            arena.segments.append(over)
+            arena.overflow_sizes = over_sizes
+            for i, p in zip(missing, over_places):
+                places[i] = (over, p[1])
+            arena.used[id(over)] = cursor
+        return arena, places
+
+    def release(self, arena: Arena | None, *, pin: bool | None = None) -> None:
+        """Take ``arena``'s segments back after its save. Segments the save did not use are freed;
+        an overflow segment is kept when it is already what the next save wants (no CUDA), else
+        freed and pinned segments for its pieces reserved in the background; the pool then keeps
+        at most DISTCKPT_STAGING_POOL_BYTES and at most 2 x the save's bytes + 1 MiB (segments in
+        the order the next save tries them, the save's own first)."""
         if arena is None:
             return
+        if pin is None:
+            pin = torch.cuda.is_available()
+        used_total = sum(arena.used.values())
+        keep: list[Segment] = []
+        for seg in arena.segments:
+            if arena.used.get(id(seg), 0) == 0:
+                seg.free()
+            elif seg is arena.overflow and pin:
+                seg.free()  # pageable: replaced by pinned segments reserved below
+            else:
+                keep.append(seg)
         bound = get_config().staging_pool_bytes
-        if bound is not None and arena.capacity > bound:
-            return  # freed when the caller drops its reference
+        limit = 2 * used_total + _SLACK
+        if bound is not None:
+            limit = min(limit, bound)
         with self._lock:
-            if self._idle is None or self._idle.capacity < arena.capacity:
-                self._idle = arena
+            kept, total = [], 0
+            for seg in keep + self._idle:
+                if total + seg.capacity <= limit:
+                    kept.append(seg)
+                    total += seg.capacity
+                else:
+                    seg.free()
+            self._idle = kept
+            pending = self._pending
+        if pin and arena.overflow is not None and pending == 0:
+            # (A reservation still being prepared is an earlier overflow's, for the same pieces.)
+            self.reserve(arena.overflow_sizes, pin=True)
+        arena.segments.clear()
+        arena.overflow = None
 
     def idle_bytes(self) -> int:
         with self._lock:
-            return self._idle.capacity if self._idle is not None else 0
+            return sum(s.capacity for s in self._idle)
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._pending
 
     def clear(self) -> int:
-        """Free the idle arena (an arena in use is freed when its save finishes). Returns its bytes."""
+        """Free the idle segments (those of a save in flight are freed or kept when it ends).
+        Returns their bytes. A reservation still being prepared adds its segment when done."""
         with self._lock:
-            arena, self._idle = self._idle, None
-        return arena.capacity if arena is not None else 0
+            idle, self._idle = self._idle, []
+        freed = sum(s.capacity for s in idle)
+        for seg in idle:
+            seg.free()
+        return freed
 
 
 _POOL = StagingPool()
@@ -112,43 +369,100 @@ def staging_pool() -> StagingPool:
 
 
 def release_staging_memory() -> int:
-    """Give back the host memory async saves keep for reuse (the idle staging arena of this
-    process), now. An async save still in flight keeps its arena until it finishes (then it is
-    kept again, within DISTCKPT_STAGING_POOL_BYTES, unless released once more). Returns the bytes
-    freed. The next async save allocates a new arena (one copy of its state's size)."""
+    """Give back the host memory async saves keep for reuse (the idle staging segments of this
+    process), now. An async save still in flight keeps its segments until it finishes (then they
+    are kept again, within DISTCKPT_STAGING_POOL_BYTES, unless released once more). Returns the
+    bytes freed. The next async save stages through a plain allocation (see
+    :func:`reserve_staging_memory` to have it ready)."""
     return _POOL.clear()
 
 
-def stage(mine: list, pool: StagingPool) -> tuple[_Arena | None, int]:
-    """Copy each of ``mine``'s pieces ((fqn, Piece) pairs) into one arena of ``pool`` and point the
+def _local_tensor_bytes(state_dict: Any) -> list[int]:
+    """The size of each of this rank's local tensor pieces in ``state_dict`` (DTensor /
+    ShardedTensor: local shards): an upper bound of what this rank stages (a replicated tensor is
+    written by one rank)."""
+    from ..flatten import TensorItem, flatten
+    _tree, items = flatten(state_dict)
+    sizes = []
+    for item in items.values():
+        if isinstance(item, TensorItem):
+            for piece in item.pieces:
+                t = piece.tensor
+                sizes.append(t.numel() * t.element_size())
+    return sizes
+
+
+def reserve_staging_memory(state_dict: Any = None, *, nbytes: int | None = None) -> StagingReservation:
+    """Prepare, on a background thread, the host memory an async save of ``state_dict`` (or of
+    ``nbytes`` bytes) will stage into, so that the first :func:`distckpt.async_save` does not pay
+    for allocating it: allocated, every page faulted in, and pinned at its exact size when CUDA is
+    available. Returns at once; the reservation's ``wait()`` waits for the memory.
+
+    Call it once the model and optimizer exist (after the first optimizer step, when the
+    optimizer's states exist: a state that grows later is staged through a plain allocation once
+    and the difference reserved in the background). When the pool already holds that much (idle
+    or being prepared) nothing more is reserved; otherwise its idle memory is replaced by segments
+    packed for these pieces (at most 64 MiB each unless one piece is larger, each pinned by its own
+    call), as much as DISTCKPT_STAGING_POOL_BYTES allows (whole segments);
+    :func:`release_staging_memory` frees it. Not collective: each rank reserves for its own tensors (the local shards; an upper
+    bound where replicated tensors are written by one rank).
+
+    Raises:
+        ValueError: neither or both of ``state_dict`` and ``nbytes`` given, or ``nbytes`` < 0.
+        Errors of flattening ``state_dict`` (as :func:`distckpt.save` raises them).
+    """
+    if (state_dict is None) == (nbytes is None):
+        raise ValueError("reserve_staging_memory() takes a state_dict or nbytes=, not both or neither")
+    if nbytes is not None:
+        if int(nbytes) < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        n = int(nbytes)
+        sizes = [_CHUNK] * (n // _CHUNK) + ([n % _CHUNK] if n % _CHUNK else [])
+    else:
+        sizes = _local_tensor_bytes(state_dict)
+    pool = _POOL
+    # Memory already idle or being prepared counts toward the request.
+    have = pool.idle_bytes() + pool.pending_bytes()
+    if have >= sum(_pack(sizes)):
+        done = StagingReservation(0)
+        done._done.set()
+        return done
+    if have:
+        pool.clear()  # then reserve the whole fit: segments packed for these pieces
+    return pool.reserve(sizes)
+
+
+def stage(mine: list, pool: StagingPool) -> tuple[Arena | None, int]:
+    """Copy each of ``mine``'s pieces ((fqn, Piece) pairs) into ``pool``'s segments and point the
     piece at its copy; device tensors are copied with non-blocking DMAs, then one synchronize per
     device. Returns the arena (None when there is nothing to stage) and the bytes staged.
 
-    Raises whatever the allocation or a copy raises (e.g. out of memory); the arena then goes back
+    Raises whatever an allocation or a copy raises (e.g. out of memory); the arena then goes back
     to the pool."""
     specs = []
     for _fqn, piece in mine:
         t = piece.tensor
         specs.append(t.numel() * t.element_size())
-    offsets, capacity = _layout(specs)
-    if capacity == 0:
+    if sum(specs) == 0:
         return None, 0
     pin = torch.cuda.is_available()
-    arena = pool.acquire(capacity, pin)
+    arena, places = pool.take(specs)
     devices = set()
     cpu_dst, cpu_src = [], []
     try:
-        for (_fqn, piece), off, nbytes in zip(mine, offsets, specs):
+        for (_fqn, piece), (seg, off), nbytes in zip(mine, places, specs):
             src = piece.tensor.detach()
-            dst = arena.view(off, nbytes, src.dtype, tuple(src.shape))
-            if src.device.type == "cpu":
-                if src.is_conj() or src.is_neg():
-                    dst.copy_(src)
-                else:
-                    cpu_dst.append(dst)
-                    cpu_src.append(src)
+            dst = seg.buf[off:off + nbytes].view(src.dtype).view(tuple(src.shape))
+            if src.is_conj() or src.is_neg():
+                # Blocking: a non_blocking device-to-host copy of a conj/neg view applies the
+                # conjugation on the host before the DMA has landed (the DMA then overwrites it).
+                dst.copy_(src)
+            elif src.device.type == "cpu":
+                cpu_dst.append(dst)
+                cpu_src.append(src)
             else:
-                # One DMA per tensor into pinned memory, all queued before a single wait.
+                # One DMA per tensor into pinned memory (a synchronous copy into a pageable
+                # overflow segment), all queued before a single wait.
                 dst.copy_(src, non_blocking=True)
                 devices.add(src.device)
             piece.tensor = dst
@@ -161,6 +475,6 @@ def stage(mine: list, pool: StagingPool) -> tuple[_Arena | None, int]:
             elif hasattr(torch, dev.type) and hasattr(getattr(torch, dev.type), "synchronize"):
                 getattr(torch, dev.type).synchronize()
     except BaseException:
-        pool.release(arena)
+        pool.release(arena, pin=pin)
         raise
     return arena, sum(specs)

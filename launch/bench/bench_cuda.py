@@ -157,7 +157,7 @@ def main(argv=None) -> int:
             rec("distckpt.save (cuda)", s)
             extra.setdefault("phases cuda", []).append(res.phase_seconds)
             # The path before the pinned ring: one blocking device-to-host copy per piece, then its write.
-            import distckpt.storage.posix.saving as co
+            import distckpt.datafile as co  # the module that decides which pieces take the ring
             orig, co.needs_staging = co.needs_staging, lambda t: False
             try:
                 rec("distckpt.save (cuda), no ring",

@@ -131,6 +131,45 @@ def test_async_save_snapshots_gpu_tensors(tmp_path):
     assert torch.equal(out["x"], want)
 
 
+def test_async_staging_is_pinned_ahead_and_never_on_the_callers_path(tmp_path, monkeypatch):
+    """Nothing reserved: the first async save of GPU tensors stages through a plain (pageable)
+    allocation and the pool then pins one of that size in the background (cudaHostRegister, exact
+    size); reserved: the save stages into the pinned segment with DMAs. Both bit-exact."""
+    from distckpt.staging import pool as pool_mod
+    import distckpt.save_async as sa
+    pool = pool_mod.StagingPool()
+    monkeypatch.setattr(pool_mod, "_POOL", pool)
+    monkeypatch.setattr(sa, "staging_pool", lambda: pool)
+    sd = _state("cuda")
+    want = {k: v.detach().cpu().clone() for k, v in _flat(sd).items()}
+    distckpt.async_save(sd, str(tmp_path / "plain")).result()
+    for _ in range(600):
+        if pool.pending_bytes() == 0:
+            break
+        import time
+        time.sleep(0.1)
+    assert pool.pending_bytes() == 0 and pool.idle_bytes() > 0
+    assert all(seg.pinned for seg in pool._idle), "the overflow was not replaced by pinned memory"
+    with torch.cuda.device(0):
+        distckpt.async_save(sd, str(tmp_path / "pinned")).result()
+    for name in ("plain", "pinned"):
+        back = _flat(distckpt.read(str(tmp_path / name)))
+        assert set(back) == set(want)
+        for k, v in want.items():
+            assert _same(back[k], v), (name, k)
+    assert pool.clear() > 0 and pool.idle_bytes() == 0
+    res = distckpt.reserve_staging_memory(sd)
+    assert res.wait(120) and res.error is None
+    assert all(seg.pinned for seg in pool._idle)
+    before = pool.allocations
+    distckpt.async_save(sd, str(tmp_path / "reserved")).result()
+    assert pool.allocations == before
+    back = _flat(distckpt.read(str(tmp_path / "reserved")))
+    for k, v in want.items():
+        assert _same(back[k], v), ("reserved", k)
+    pool.clear()
+
+
 def _nccl_fsdp2(rank, world, tmp):
     import datetime
 

@@ -118,6 +118,96 @@ def test_staging_pool_is_reused_for_the_same_model(tmp_path):
     assert pool.allocations == before and pool.idle_bytes() == idle
 
 
+def _fresh_pool(monkeypatch):
+    """A private pool (the process-wide one is shared by every test of this process)."""
+    from distckpt.staging import pool as pool_mod
+    pool = pool_mod.StagingPool()
+    monkeypatch.setattr(pool_mod, "_POOL", pool)
+    import distckpt.save_async as sa
+    monkeypatch.setattr(sa, "staging_pool", lambda: pool)
+    return pool
+
+
+def test_reserved_memory_is_what_the_first_save_stages_into(tmp_path, monkeypatch):
+    """reserve_staging_memory prepares the arena on a thread; the first save then allocates
+    nothing (no overflow), writes the right bytes, and the memory is kept for the next save."""
+    pool = _fresh_pool(monkeypatch)
+    sd = _state(4 << 20)
+    want = _expected(sd)
+    res = distckpt.reserve_staging_memory(sd)
+    assert res.wait(60) and res.error is None and res.nbytes >= (16 << 20)
+    assert pool.allocations == 1 and pool.idle_bytes() == res.nbytes
+    # Idle memory counts toward a second request: nothing more is reserved.
+    assert distckpt.reserve_staging_memory(sd).nbytes == 0
+    distckpt.async_save(sd, tmp_path / "a").result()
+    assert pool.allocations == 1 and pool.idle_bytes() == res.nbytes
+    _assert_same(distckpt.read(tmp_path / "a"), want)
+    assert distckpt.release_staging_memory() == res.nbytes and pool.idle_bytes() == 0
+
+
+def test_a_grown_state_overflows_once_then_fits(tmp_path, monkeypatch):
+    """A state that grows after the reservation (optimizer states created at the first step):
+    the save stages what does not fit through one plain overflow allocation, which the pool keeps
+    (CPU: it is already what the next save wants), so the save after that allocates nothing."""
+    pool = _fresh_pool(monkeypatch)
+    sd = _state(1 << 20)
+    distckpt.reserve_staging_memory(sd).wait(60)
+    first = pool.idle_bytes()
+    sd["exp_avg"] = torch.randn(1 << 20)  # 4 MiB more
+    want = _expected(sd)
+    distckpt.async_save(sd, tmp_path / "a").result()
+    assert pool.allocations == 2 and pool.idle_bytes() > first
+    _assert_same(distckpt.read(tmp_path / "a"), want)
+    distckpt.async_save(sd, tmp_path / "b").result()
+    assert pool.allocations == 2
+    _assert_same(distckpt.read(tmp_path / "b"), want)
+    # The state shrinks back: segments the save leaves unused are freed, at most 2x + 1 MiB kept.
+    del sd["exp_avg"], want["exp_avg"]
+    distckpt.async_save(sd, tmp_path / "c").result()
+    _assert_same(distckpt.read(tmp_path / "c"), want)
+    assert pool.idle_bytes() <= 2 * first + (1 << 20)
+
+
+def test_reservations_stay_within_the_pool_bound(tmp_path, monkeypatch):
+    pool = _fresh_pool(monkeypatch)
+    from distckpt.config import get_config
+    monkeypatch.setenv("DISTCKPT_STAGING_POOL_BYTES", "0")
+    get_config.cache_clear()
+    try:
+        res = distckpt.reserve_staging_memory(nbytes=8 << 20)
+        assert res.done() and res.nbytes == 0 and pool.idle_bytes() == 0
+        monkeypatch.setenv("DISTCKPT_STAGING_POOL_BYTES", str(1 << 20))
+        get_config.cache_clear()
+        res = distckpt.reserve_staging_memory(nbytes=8 << 20)  # one 8 MiB segment: over the bound
+        assert res.done() and res.nbytes == 0 and pool.idle_bytes() == 0
+        res = distckpt.reserve_staging_memory(nbytes=512 << 10)
+        assert res.wait(60) and res.nbytes == 512 << 10 and pool.idle_bytes() == 512 << 10
+        with pytest.raises(ValueError):
+            distckpt.reserve_staging_memory()
+        with pytest.raises(ValueError):
+            distckpt.reserve_staging_memory({"w": torch.ones(3)}, nbytes=4)
+        with pytest.raises(ValueError):
+            distckpt.reserve_staging_memory(nbytes=-1)
+        with pytest.raises(UnsupportedValueError):
+            distckpt.reserve_staging_memory({"x": object()})
+    finally:
+        monkeypatch.delenv("DISTCKPT_STAGING_POOL_BYTES")
+        get_config.cache_clear()
+        pool.clear()
+
+
+def test_a_failed_reservation_is_reported_not_raised(monkeypatch):
+    pool = _fresh_pool(monkeypatch)
+    from distckpt.staging import pool as pool_mod
+
+    def boom(*a, **k):
+        raise MemoryError("no memory for the test")
+    monkeypatch.setattr(pool_mod, "Segment", boom)
+    res = distckpt.reserve_staging_memory(nbytes=1 << 20)
+    assert res.wait(60) and isinstance(res.error, MemoryError)
+    assert pool.idle_bytes() == 0 and pool.pending_bytes() == 0 and "failed" in repr(res)
+
+
 def test_errors_are_the_typed_errors_of_a_sync_save(tmp_path):
     sd = _state()
     distckpt.save(sd, tmp_path / "c")

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (a GPU machine's own Python with torch; no network):
+# build the C core in place, tests/gpu, then the first-async-save and CUDA-path benchmarks.
+# Usage: bash launch/gpu_check.sh [OUTDIR]   (logs go to OUTDIR, default ./gpu-check)
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT_DIR=${1:-$ROOT/gpu-check}
+PY=${PYTHON:-python3}
+WORK=${GPU_CHECK_DIR:-/tmp/distckpt-gpu-check}
+mkdir -p "$OUT_DIR" "$WORK"
+cd "$ROOT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nproc; uptime
+    "$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'
+} 2>&1 | tee "$OUT_DIR/machine.txt"
+echo "== build"
+"$PY" setup.py -q build_ext --inplace > "$OUT_DIR/build.log" 2>&1 || { tail -30 "$OUT_DIR/build.log"; exit 1; }
+echo "== tests/gpu"
+timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rfEs tests/gpu 2>&1 | tee "$OUT_DIR/tests_gpu.log" | tail -25
+echo "== bench_first_save (cuda, 2 GiB)"
+timeout 300 "$PY" launch/bench/bench_first_save.py "$WORK/first" --device cuda --size 2G --repeat 3 --train 2 \
+    2>&1 | tee "$OUT_DIR/bench_first_save.txt"
+echo "== bench_cuda (2 GiB, 1 repeat)"
+timeout 240 "$PY" launch/bench/bench_cuda.py "$WORK/cuda" --size 2G --repeat 1 2>&1 | tee "$OUT_DIR/bench_cuda.txt" | tail -40
+rm -rf "$WORK"
