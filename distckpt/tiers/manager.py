@@ -47,7 +47,7 @@ from ..sizes import format_bytes
 from ..manager import CheckpointManager, step_dirname
 from ..restore import LoadResult
 from ..storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
-from ..storage.posix.guards import check_save_space
+from ..storage.posix.guards import check_memory_room, check_save_space
 from .drain import drain_step
 from .drainer import Drainer, wait_for
 from .load import load_tiered, step_availability
@@ -293,7 +293,8 @@ class TieredCheckpointManager:
     def _check_local_room(self, sizes: list[int]) -> None:
         """The local tier's pre-flight, once, after the first save told the size of a step: each
         node's leader checks that its disk has room for keep_last_local more steps of its ranks'
-        bytes (the steady state holds keep_last_local steps while the next is written). Collective,
+        bytes and of the peers' replicas it holds (the steady state holds keep_last_local steps while
+        the next is written). Collective,
         in the caller's thread.
 
         Raises DiskFullError on every rank (``committed = True``: the step just saved is committed)
@@ -302,17 +303,25 @@ class TieredCheckpointManager:
         self._room_checked = True
         error = None
         if self._layout.is_leader:
-            node_bytes = sum(sizes[r] for r in self._layout.ranks_of(self._layout.node))
+            layout = self._layout
+            node_bytes = sum(sizes[r] for r in layout.ranks_of(layout.node))
+            from .peers import replica_bytes_of_node
+            replica_bytes = replica_bytes_of_node(layout, sizes, self.replicas, layout.node)
+            step_bytes = node_bytes + replica_bytes
+            what = (f"this node's {format_bytes(node_bytes)} and {format_bytes(replica_bytes)} of its peers' "
+                    f"replicas (replicas={self.replicas})" if replica_bytes else f"this node's {format_bytes(node_bytes)}")
             try:
-                check_save_space(self.local_root, self.keep_last_local * node_bytes, rank=self._group.rank)
+                check_save_space(self.local_root, self.keep_last_local * step_bytes, rank=self._group.rank)
+                # A local tier in host memory (tmpfs): its pages come out of RAM, not a disk.
+                check_memory_room(self.local_root, self.keep_last_local * step_bytes, rank=self._group.rank)
             except DiskFullError as exc:
                 error = DiskFullError(
                     f"{exc.message}: the local tier needs room for keep_last_local={self.keep_last_local} more steps "
-                    f"of this node's {format_bytes(node_bytes)} each (the first is saved and committed)",
+                    f"of {what} each (the first is saved and committed)",
                     path=self.local_root, rank=self._group.rank, errno=exc.errno, committed=True,
                     needed=exc.details.get("needed"), free=exc.details.get("free"),
-                    remedy="Free space on the local disk or lower keep_last_local; the steps saved so far are "
-                           "committed and draining.")
+                    remedy="Free space on the local disk or lower keep_last_local (or replicas); the steps saved "
+                           "so far are committed and draining.")
                 log.error("distckpt: %s", error)
             except Exception as exc:  # noqa: BLE001 - a failed statvfs: the saves themselves check space
                 log.warning("distckpt: could not check the room on %s: %s: %s", self.local_root, type(exc).__name__,

@@ -117,6 +117,15 @@ def replica_transfers(layout: NodeLayout, header: mf.Manifest, held: list[frozen
     return out
 
 
+def replica_bytes_of_node(layout: NodeLayout, sizes: list[int], replicas: int, node: int) -> int:
+    """The bytes of replicas ``node`` holds of one step whose rank r wrote ``sizes[r]`` bytes, by
+    :func:`replica_transfers`' placement: the files of the ranks on the ``replicas`` nodes before
+    it in ring order (for the local tier's room check)."""
+    nodes = len(layout.leaders)
+    return sum(sizes[r] for j in range(1, min(replicas, nodes - 1) + 1)
+               for r in layout.ranks_of((node - j) % nodes))
+
+
 def fetch_transfers(layout: NodeLayout, wanted: list[set], held: list[frozenset]) -> tuple[list[Transfer], set]:
     """The transfers that give every node the files its ranks want (``wanted[r]``: file indexes
     rank r needs that its node lacks) from a node that holds them (``held[n]``), each from the

@@ -2,7 +2,7 @@
 runs, and how fast a replaced node restores, side by side in one run against one local server.
 
     python launch/bench/bench_tiers.py [--size 512M] [--tensors 8] [--repeat 2] [--no-llama]
-                                       [--no-loop] [--no-restore] [--restore-size 512M] [--dir /tmp]
+                                       [--no-loop] [--no-restore] [--no-save-drain] [--restore-size 512M] [--dir /tmp]
 
 Started from the repository root: it starts the test suite's SeaweedFS server
 (tests/helpers/s3server.py) on 127.0.0.1 with free ports and stops it at the end. Every contender
@@ -24,11 +24,13 @@ machine loaded by other work slows each alike; the median and best round are pri
    same files runs (the server + client's share); while a drain to a second local directory runs
    (the drain's own read / crc32c / copy, no server). All of it with torch's default threads and
    with one torch thread.
-4. Restore of a replaced node: 2 gloo ranks (spawned), each with a private local directory
-   (node0, node1), DTensors sharded on dim 0 saved once by a TieredCheckpointManager and drained;
-   node1's local directory wiped; mgr.load (rank 0 from local, rank 1 from the remote tier) vs
-   distckpt.load of the remote step URL at 2 ranks (both from the remote tier), interleaved; the
-   intact restore (both nodes local) before the wipe for reference.
+4. Recovery of a lost node, three ways side by side: 2 gloo ranks (spawned), each with a private
+   local directory (node0, node1), DTensors sharded on dim 0 saved once by a
+   TieredCheckpointManager with replicas=1, replicated and drained. Interleaved in each round:
+   mgr.load with both nodes intact (local); with node1's copy of the step gone (rank 1 fetches its
+   file from node 0's replica: peers); with node0's replica moved aside too (rank 1 reads from the
+   remote tier); and distckpt.load of the remote step URL (both ranks remote). Goal: peers beat
+   remote.
 
 State shapes: (a) ``--tensors`` float32 tensors of ``--size`` bytes in all; (b) a LLaMA-like
 transformer's state_dict (transformers.LlamaConfig, random init; ``--llama-*``) plus its Adam
@@ -439,29 +441,60 @@ def _check(sd, full) -> None:
         assert torch.equal(v.full_tensor(), full[k]), f"restore of {k} is not bit-exact"
 
 
-def _restore_job(rank, world, tmp, url, opts, size, n, repeat, phase):
+def _lose_node1(tmp: str, replica_too: bool) -> None:
+    """Node 1 loses the step (its directory's copy gone, as on a replacement node); with
+    ``replica_too`` node 0's replica of rank 1's file is moved aside as well, so only the remote
+    tier holds it. Run on rank 0 between barriers."""
+    step = "step_00000001"
+    shutil.rmtree(os.path.join(tmp, "node1", step), ignore_errors=True)
+    if replica_too:
+        os.rename(os.path.join(tmp, "node0", step, "rank00001.bin"), os.path.join(tmp, "aside-rank00001.bin"))
+
+
+def _put_back(tmp: str) -> None:
+    aside = os.path.join(tmp, "aside-rank00001.bin")
+    if os.path.exists(aside):
+        os.rename(aside, os.path.join(tmp, "node0", "step_00000001", "rank00001.bin"))
+
+
+def _restore_job(rank, world, tmp, url, opts, size, n, repeat):
+    import torch.distributed as dist
+
     import distckpt
     from distckpt.tiers import TieredCheckpointManager
 
     full = _full(size, n)
     local = os.path.join(tmp, f"node{rank}")
     out: dict[str, list[float]] = {}
-    by_tier = {}
-    with TieredCheckpointManager(local=local, remote=url, keep_last_local=2, storage_options=opts) as mgr:
-        if phase == "save":
-            mgr.save(1, _sharded(full, False))
-            mgr.wait_durable(1)
-        for _ in range(repeat):
-            sd = _sharded(full, True)
-            s, res = _timed_collective(lambda: mgr.load(sd, 1))
-            _check(sd, full)
-            out.setdefault(f"tiered load ({'intact' if phase == 'save' else 'node1 wiped'})", []).append(s)
-            by_tier = dict(res.bytes_by_tier)
+    split: dict[str, dict] = {}
+    with TieredCheckpointManager(local=local, remote=url, keep_last_local=2, storage_options=opts,
+                                 replicas=1) as mgr:
+        mgr.save(1, _sharded(full, False))
+        mgr.wait_durable(1)
+        assert mgr.status(1).replicas == "replicated", mgr.status(1)
+        cases = (("tiered load, intact (local)", None), ("tiered load, node1 lost (peers)", False),
+                 ("tiered load, node1 lost, no replica (remote)", True))
+        for _ in range(repeat):  # interleaved
+            for name, replica_too in cases:
+                if replica_too is not None and rank == 0:
+                    _lose_node1(tmp, replica_too)
+                dist.barrier()
+                sd = _sharded(full, True)
+                s, res = _timed_collective(lambda: mgr.load(sd, 1))
+                _check(sd, full)
+                if rank == 0:
+                    _put_back(tmp)
+                out.setdefault(name, []).append(s)
+                split[name] = {"by_tier": dict(res.bytes_by_tier), "from_peers": res.bytes_from_peers}
+            if rank == 0:
+                _lose_node1(tmp, False)  # the remote-only case left node 1 without the step: it gets it back
+            dist.barrier()
+            mgr.load(_sharded(full, True), 1)  # (from its peer; untimed)
             sd = _sharded(full, True)
             s, _ = _timed_collective(lambda: distckpt.load(sd, f"{url}/step_00000001", storage_options=opts))
             _check(sd, full)
-            out.setdefault("remote-only load", []).append(s)
-    return out, by_tier
+            out.setdefault("distckpt.load of the remote step", []).append(s)
+    return out, split
 
 
 def run_restore(server, bucket: str, tmp: str, size: int, n: int, repeat: int) -> dict:
@@ -470,17 +503,10 @@ def run_restore(server, bucket: str, tmp: str, size: int, n: int, repeat: int) -
     os.makedirs(base)
     url = f"s3://{bucket}/restore"
     opts = server.storage_options()
-    a = run_ranks(_restore_job, 2, base, url, opts, size, n, repeat, "save", timeout=900)
-    shutil.rmtree(os.path.join(base, "node1"))
-    b = run_ranks(_restore_job, 2, base, url, opts, size, n, repeat, "wiped", timeout=900)
-    times: dict[str, list[float]] = {}
-    for rank_out in (a[0][0], b[0][0]):  # rank 0's barrier-to-barrier times (every rank's end)
-        for k, v in rank_out.items():
-            times.setdefault(k, []).extend(v)
+    res = run_ranks(_restore_job, 2, base, url, opts, size, n, repeat, timeout=1800)
     shutil.rmtree(base, ignore_errors=True)
     server.filesystem().rm(f"{bucket}/restore", recursive=True)
-    return {"times": times, "wiped_remote_only_split": [x[1] for x in b], "intact_split": [x[1] for x in a],
-            "remote_only_after_wipe": b[0][0]["remote-only load"]}
+    return {"times": res[0][0], "split": [x[1] for x in res]}  # rank 0's barrier-to-barrier times
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -499,6 +525,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--no-loop", action="store_true")
     p.add_argument("--no-restore", action="store_true")
+    p.add_argument("--no-save-drain", action="store_true", help="skip parts 1 and 2")
     p.add_argument("--restore-size", default="512M")
     p.add_argument("--restore-repeat", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the local tiers go (default: a temporary directory)")
@@ -517,7 +544,7 @@ def main(argv=None) -> int:
     try:
         with S3Server() as server:
             bucket = server.create_bucket()
-            for name, sd in shapes.items():
+            for name, sd in ({} if args.no_save_drain else shapes).items():
                 results[name] = run_save_drain(server, bucket, tmp, name, sd, args.repeat)
                 print(f"[{time.perf_counter() - t_start:6.1f} s] {name} done", flush=True)
             if not args.no_loop:
@@ -574,11 +601,14 @@ def main(argv=None) -> int:
               f"in {args.tensors} tensors; node0/node1 private local dirs; barrier-to-barrier")
         for k, v in restore["times"].items():
             print(f"{k:32} {fmt(v)}")
-        print("bytes by tier per rank, intact:", restore["intact_split"], "; node1 wiped:",
-              restore["wiped_remote_only_split"])
-        w = med(restore["times"]["tiered load (node1 wiped)"])
-        ro = med(restore["remote_only_after_wipe"])
-        print(f"node1 wiped: tiered load / remote-only load = {w / ro:.2f}x ({ro / w:.2f}x faster)")
+        for r, split in enumerate(restore["split"]):
+            print(f"rank {r}: " + "; ".join(f"{k}: {v['by_tier']}, from peers {v['from_peers']}" for k, v in split.items()))
+        t = restore["times"]
+        loc, peers, remote = (med(t["tiered load, intact (local)"]), med(t["tiered load, node1 lost (peers)"]),
+                              med(t["tiered load, node1 lost, no replica (remote)"]))
+        print(f"node1 lost: from peers {peers:.3f} s, from the remote tier {remote:.3f} s "
+              f"(peers {remote / peers:.2f}x faster; goal: peers beat remote); intact, local {loc:.3f} s "
+              f"(peers / local = {peers / loc:.2f}x)")
     return 0
 
 

@@ -4,6 +4,7 @@ real small tmpfs. The object-store tiers and the multi-node cases: tests/s3/test
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -85,6 +86,32 @@ def test_first_save_checks_room_for_keep_last_local_steps(tmp_path, mounts):
         mgr.wait_durable(1, timeout=120)
     finally:
         mgr.close()
+
+
+def test_a_memory_tier_is_checked_against_the_hosts_memory(tmp_path, mounts):
+    """A local tier in host memory: a tmpfs sized far beyond the RAM left (its size check passes)
+    is refused at the first save when keep_last_local steps would not fit in available memory,
+    since a full tmpfs ends in the OOM killer, not ENOSPC. Typed, the step itself committed."""
+    from distckpt.storage.posix.guards import memory_available
+    step_bytes = 1 << 20
+    keep = memory_available() // step_bytes + 64  # keep x 1 MiB: more than the host has
+    big = mounts.tmpfs(tmp_path / "shm", size=f"{2 * keep * step_bytes}")  # the tmpfs allows it
+    mgr = TieredCheckpointManager(big, tmp_path / "remote", keep_last_local=keep)
+    try:
+        with pytest.raises(errors.DiskFullError) as info:
+            mgr.save(1, _state(1, n=1 << 18))
+        err = info.value
+        assert err.committed is True and err.errno == errno.ENOMEM and err.needed > err.free
+        assert "memory tier" in str(err) and "tmpfs" in str(err) and f"keep_last_local={keep}" in str(err)
+        assert mgr.status(1).local == "committed"
+        mgr.wait_durable(1, timeout=120)
+    finally:
+        mgr.close()
+    # Within memory: no error, and the same tmpfs holds the tier.
+    with TieredCheckpointManager(mounts.tmpfs(tmp_path / "shm2", size="64m"), tmp_path / "remote2",
+                                 keep_last_local=2) as mgr:
+        mgr.save(1, _state(1, n=1 << 18))
+        mgr.wait_durable(1, timeout=120)
 
 
 def test_bad_arguments_are_typed_and_write_nothing(tmp_path):

@@ -3,8 +3,10 @@ test, done here. Two or three "nodes" on this machine (torchrun agents, ``--nnod
 127.0.0.1), each with a private local tier; the remote tier is the SeaweedFS server, which is
 stopped (killed) before the restores that must not need it.
 
-  * a node's directory wiped, the server stopped: the job restarts with a fresh node and resumes
-    bit-exact from its peers' replicas (bytes received from peers, none from the remote tier);
+  * the in-memory tier (each node's local tier a tmpfs), the server stopped: the job restarts in
+    place and resumes from memory; then a node's memory is lost (a fresh empty tmpfs, as a
+    replacement node) and it resumes bit-exact from its peer's replica (bytes received from
+    peers, none from the remote tier);
   * onto fewer nodes: three nodes save with replicas=1, two nodes restore (resharded 3 -> 2) from
     local copies and replicas alone;
   * two nodes' directories wiped with replicas=1 (the only copies of a file gone): the restore
@@ -20,6 +22,7 @@ import time
 
 import pytest
 
+from ..helpers.faults import mounts  # noqa: F401  (pytest fixture)
 from .test_tiers_manager import _job
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -38,9 +41,16 @@ def _names(step_dir) -> list[str]:
     return sorted(p.name for p in step_dir.glob("*.bin"))
 
 
-def test_a_wiped_node_resumes_from_its_peers_with_the_remote_tier_down(tiers_private):
+def test_a_memory_tier_survives_a_restart_and_a_lost_node_resumes_from_its_peers(tiers_private, mounts):
+    """The in-memory tier (docs/TIERS.md): each node's local tier is a tmpfs of its own. The job
+    restarts in place with the remote tier down: it resumes from memory (no byte from the remote
+    tier or a peer). Then node 1's memory is lost (its tmpfs replaced by an empty one, as a
+    replacement node): it resumes bit-exact from node 0's replica, still without the remote
+    tier, and holds a checked copy again."""
     bucket, url, extra, tmp = tiers_private
     n0, n1 = tmp / "node0", tmp / "node1"
+    for n in (n0, n1):
+        mounts.tmpfs(n / "local", size="256m")
     nodes = [(n0, 1), (n1, 1)]
     recs, _ = _job("train", nodes, tmp, extra, "10,20")
     for r in (0, 1):
@@ -48,8 +58,14 @@ def test_a_wiped_node_resumes_from_its_peers_with_the_remote_tier_down(tiers_pri
     # Each node holds its own file and its peer's replica.
     assert _names(n0 / "local" / "step_00000020") == _names(n1 / "local" / "step_00000020") == \
         ["rank00000.bin", "rank00001.bin"]
-    shutil.rmtree(n1 / "local")     # node 1 replaced
-    bucket.server.kill()            # and the remote tier gone
+    bucket.server.kill()            # the remote tier gone
+    recs, _ = _job("restore", nodes, tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})  # restarted in place
+    for r in (0, 1):
+        assert recs[r]["step"] == 20 and recs[r]["ok"], recs[r]
+        assert recs[r]["by_tier"]["remote"] == 0 and recs[r]["from_peers"] == 0, recs[r]
+        assert recs[r]["by_tier"]["local"] > 0, recs[r]
+    mounts.tmpfs(n1 / "local", size="256m")  # node 1's memory lost: an empty tmpfs over the old one
+    assert not any((n1 / "local").iterdir())
     recs, _ = _job("restore", nodes, tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})
     for r in (0, 1):
         assert recs[r]["step"] == 20 and recs[r]["ok"], recs[r]

@@ -105,6 +105,46 @@ def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | 
                         fstype=mount.fstype, remedy=disk_remedy(mount, needed_bytes - free))
 
 
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def memory_available() -> int:
+    """MemAvailable + SwapFree from /proc/meminfo, in bytes (what more tmpfs pages can take
+    without the OOM killer); raises OSError when it cannot be read."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0]) * 1024
+    return fields["MemAvailable"] + fields.get("SwapFree", 0)
+
+
+def check_memory_room(path: str | os.PathLike, needed_bytes: int, *, rank: int | None = None) -> bool:
+    """When ``path`` is on a memory file system (tmpfs, ramfs: a tier in host memory), raise
+    unless the host's available memory holds ``needed_bytes`` more. Returns whether ``path`` is
+    on one. A tmpfs's own size limit is checked by :func:`check_save_space`; this is the other
+    bound: a tmpfs sized beyond the RAM left (its default is half of RAM, shared by every tmpfs)
+    would end in the OOM killer rather than ENOSPC.
+
+    Raises:
+        DiskFullError: errno ENOMEM, with ``needed``, ``free`` (the available memory),
+            ``mount_point`` and ``fstype``.
+    """
+    path = os.fspath(path)
+    mount, _st, _ = fs_summary(path)
+    if mount.fstype not in MEMORY_FILE_SYSTEMS:
+        return False
+    avail = memory_available()
+    if avail >= needed_bytes:
+        return True
+    raise DiskFullError(
+        f"the memory tier on {mount.mount_point} ({mount.fstype}) needs {format_bytes(needed_bytes)} more of host "
+        f"memory, {format_bytes(avail)} is available (MemAvailable + SwapFree)", path=path, rank=rank,
+        errno=_errno.ENOMEM, needed=needed_bytes, free=avail, mount_point=mount.mount_point, fstype=mount.fstype,
+        remedy="Lower keep_last_local (1 keeps the newest step) or replicas, give the job's hosts more memory, "
+               "or put the local tier on a disk.")
+
+
 def open_fd_count() -> int:
     """The number of fds this process has open now (0 when /proc/self/fd cannot be listed)."""
     try:
