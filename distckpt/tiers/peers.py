@@ -263,14 +263,25 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, stor
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except OSError as exc:
                 raise from_os_error(exc, path=target, operation="create") from exc
-        rbuf = bytearray(max(recv_sizes, default=0))
+        # Two receive buffers: piece k+1 arrives (gloo's own thread fills it) while piece k is
+        # written, so the network and the disk overlap instead of taking turns.
+        rbufs = [bytearray(max(recv_sizes, default=0)) for _ in range(2 if len(recv_sizes) > 1 else 1)]
+        pending = None  # (request, buffer, size) of the piece received before this round's
         done_reading = False
+
+        def land(req, buf, size) -> None:
+            nonlocal received
+            group._wrap("peer receive", req.wait, bound)
+            _write_all(fd, memoryview(buf)[:size], target)
+            received += size
+
         for k in range(max(len(send_sizes), len(recv_sizes))):
             rreq = sreq = None
-            if k < len(recv_sizes):
-                rview = torch.frombuffer(rbuf, dtype=torch.uint8, count=recv_sizes[k]) if recv_sizes[k] else None
-                if rview is not None:
-                    rreq = group._wrap("peer receive", dist.irecv, rview, group._global(into.src), group.pg)
+            if k < len(recv_sizes) and recv_sizes[k]:
+                buf = rbufs[k % len(rbufs)]  # its last piece (k - 2) was written in the last round
+                rview = torch.frombuffer(buf, dtype=torch.uint8, count=recv_sizes[k])
+                rreq = (group._wrap("peer receive", dist.irecv, rview, group._global(into.src), group.pg),
+                        buf, recv_sizes[k])
             if k < len(send_sizes):
                 data = None if done_reading else pieces.get()
                 if data is None:  # the read failed or ended early: zeros keep the receiver in step
@@ -279,15 +290,16 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, stor
                 payload = torch.frombuffer(data, dtype=torch.uint8) if send_sizes[k] else None
                 if payload is not None:
                     sreq = group._wrap("peer send", dist.isend, payload, group._global(out.dst), group.pg)
-            if rreq is not None:
-                group._wrap("peer receive", rreq.wait, bound)
-                _write_all(fd, memoryview(rbuf)[:recv_sizes[k]], target)
-                received += recv_sizes[k]
+            if pending is not None:
+                land(*pending)
+            pending = rreq
             if sreq is not None:
                 group._wrap("peer send", sreq.wait, bound)
                 sent += send_sizes[k]
                 if progress is not None:
                     progress(send_sizes[k])
+        if pending is not None:
+            land(*pending)
         if fd >= 0:
             try:
                 os.fsync(fd)

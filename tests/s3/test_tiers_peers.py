@@ -44,33 +44,36 @@ def _names(step_dir) -> list[str]:
 def test_a_memory_tier_survives_a_restart_and_a_lost_node_resumes_from_its_peers(tiers_private, mounts):
     """The in-memory tier (docs/TIERS.md): each node's local tier is a tmpfs of its own. The job
     restarts in place with the remote tier down: it resumes from memory (no byte from the remote
-    tier or a peer). Then node 1's memory is lost (its tmpfs replaced by an empty one, as a
+    tier or a peer). Two ranks per node, so each node sends and receives two files at once. Then
+    node 1's memory is lost (its tmpfs replaced by an empty one, as a
     replacement node): it resumes bit-exact from node 0's replica, still without the remote
     tier, and holds a checked copy again."""
     bucket, url, extra, tmp = tiers_private
     n0, n1 = tmp / "node0", tmp / "node1"
     for n in (n0, n1):
         mounts.tmpfs(n / "local", size="256m")
-    nodes = [(n0, 1), (n1, 1)]
+    nodes = [(n0, 2), (n1, 2)]  # two ranks per node: two files sent to and received by each node
     recs, _ = _job("train", nodes, tmp, extra, "10,20")
-    for r in (0, 1):
+    for r in range(4):
         assert recs[r]["status"]["20"] == ["committed", "committed", "replicated"], recs[r]
     # Each node holds its own file and its peer's replica.
     assert _names(n0 / "local" / "step_00000020") == _names(n1 / "local" / "step_00000020") == \
-        ["rank00000.bin", "rank00001.bin"]
+        [f"rank{r:05d}.bin" for r in range(4)]
     bucket.server.kill()            # the remote tier gone
     recs, _ = _job("restore", nodes, tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})  # restarted in place
-    for r in (0, 1):
+    for r in range(4):
         assert recs[r]["step"] == 20 and recs[r]["ok"], recs[r]
         assert recs[r]["by_tier"]["remote"] == 0 and recs[r]["from_peers"] == 0, recs[r]
         assert recs[r]["by_tier"]["local"] > 0, recs[r]
     mounts.tmpfs(n1 / "local", size="256m")  # node 1's memory lost: an empty tmpfs over the old one
     assert not any((n1 / "local").iterdir())
     recs, _ = _job("restore", nodes, tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})
-    for r in (0, 1):
+    for r in range(4):
         assert recs[r]["step"] == 20 and recs[r]["ok"], recs[r]
         assert recs[r]["by_tier"]["remote"] == 0, recs[r]
-    assert recs[1]["from_peers"] > 0 and recs[0]["from_peers"] == 0, recs
+    # Both of node 1's ranks received their own file, each from a rank of node 0.
+    assert recs[2]["from_peers"] > 0 and recs[3]["from_peers"] > 0, recs
+    assert recs[0]["from_peers"] == recs[1]["from_peers"] == 0, recs
     # The fresh node holds a copy of the step again, made from its peer's replica, checked.
     assert (n1 / "local" / "step_00000020" / "MANIFEST").read_bytes() == \
         (n0 / "local" / "step_00000020" / "MANIFEST").read_bytes()
