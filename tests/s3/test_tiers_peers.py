@@ -8,9 +8,9 @@ stopped (killed) before the restores that must not need it.
     replacement node) and it resumes bit-exact from its peer's replica (bytes received from
     peers, none from the remote tier);
   * onto fewer nodes: three nodes save with replicas=1, two nodes restore (resharded 3 -> 2) from
-    local copies and replicas alone;
-  * two nodes' directories wiped with replicas=1 (the only copies of a file gone): the restore
-    falls back to the remote tier, typed and logged, bit-exact;
+    local copies and replicas alone; then, the server back, two nodes' directories wiped (the
+    only copies of a file gone): the restore falls back to the remote tier, typed and logged,
+    bit-exact;
   * a node killed while it replicates a step: that step never counts as replicated.
 """
 
@@ -80,25 +80,30 @@ def test_a_memory_tier_survives_a_restart_and_a_lost_node_resumes_from_its_peers
     assert not [p for p in (n1 / "local").iterdir() if ".tmp-" in p.name]
 
 
-def test_three_nodes_restore_onto_two_from_replicas_with_the_remote_tier_down(tiers_private):
+def test_three_nodes_onto_two_from_replicas_then_two_wiped_nodes_fall_back_to_the_remote_tier(tiers_private):
+    """Three nodes save with replicas=1. (a) With the server stopped, node 2 is gone for good and
+    the job restarts on nodes 0 and 1 (resharded 3 -> 2) from local copies and replicas alone.
+    (b) With the server back, nodes 1 and 2 are wiped: rank 1's file lived on both (its own and
+    its replica; the copy (a)'s repair made on node 0 is removed too), so only the remote tier
+    has it; the 3-node restore falls back to it, typed and
+    logged, bit-exact. One save for both (a 3-node job is the expensive part)."""
     bucket, url, extra, tmp = tiers_private
     nodes3 = [(tmp / f"node{n}", 1) for n in range(3)]
     recs, _ = _job("train", nodes3, tmp, extra, "10")
     assert all(recs[r]["status"]["10"][2] == "replicated" for r in range(3)), recs
     bucket.server.kill()
-    # Node 2 is gone for good; the job restarts on nodes 0 and 1 (2 ranks: resharded 3 -> 2).
     recs, _ = _job("restore", nodes3[:2], tmp, extra | {"TIERS_CLOSE_TIMEOUT": "5"})
     assert sorted(recs) == [0, 1] and all(recs[r]["step"] == 10 and recs[r]["ok"] for r in (0, 1)), recs
     assert all(recs[r]["by_tier"]["remote"] == 0 for r in (0, 1)), recs
 
-
-def test_two_wiped_nodes_with_one_replica_fall_back_to_the_remote_tier(tiers_private):
-    bucket, url, extra, tmp = tiers_private
-    nodes3 = [(tmp / f"node{n}", 1) for n in range(3)]
-    _job("train", nodes3, tmp, extra, "10")
-    # Rank 1's file lived on nodes 1 and 2 (its replica): both wiped, only the remote tier has it.
+    bucket.server.restart()  # same ports, same data
     shutil.rmtree(tmp / "node1" / "local")
     shutil.rmtree(tmp / "node2" / "local")
+    # The 2-node restore repaired node 0 with a copy of rank 1's file (its rank read half of it):
+    # that copy goes too, so no node holds the file.
+    repaired = tmp / "node0" / "local" / "step_00000010" / "rank00001.bin"
+    assert repaired.exists()
+    repaired.unlink()
     recs, outs = _job("restore", nodes3, tmp, extra)
     assert all(recs[r]["step"] == 10 and recs[r]["ok"] for r in range(3)), recs
     assert sum(recs[r]["by_tier"]["remote"] for r in range(3)) > 0, recs
