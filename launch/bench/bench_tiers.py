@@ -2,7 +2,7 @@
 runs, and how fast a replaced node restores, side by side in one run against one local server.
 
     python launch/bench/bench_tiers.py [--size 512M] [--tensors 8] [--repeat 2] [--no-llama]
-                                       [--no-loop] [--no-restore] [--no-save-drain] [--restore-size 512M] [--dir /tmp]
+                                       [--no-loop] [--no-restore] [--no-save-drain] [--no-replicas] [--restore-size 512M] [--dir /tmp]
 
 Started from the repository root: it starts the test suite's SeaweedFS server
 (tests/helpers/s3server.py) on 127.0.0.1 with free ports and stops it at the end. Every contender
@@ -31,6 +31,9 @@ machine loaded by other work slows each alike; the median and best round are pri
    file from node 0's replica: peers); with node0's replica moved aside too (rank 1 reads from the
    remote tier); and distckpt.load of the remote step URL (both ranks remote). Goal: peers beat
    remote.
+5. The blocked time of a tiered save with replicas=1 against replicas=0 (the same 2 ranks and
+   state, two managers with their own local roots, interleaved; each save then waited until
+   replicated and durable). Goal: <= 1.1x.
 
 State shapes: (a) ``--tensors`` float32 tensors of ``--size`` bytes in all; (b) a LLaMA-like
 transformer's state_dict (transformers.LlamaConfig, random init; ``--llama-*``) plus its Adam
@@ -509,6 +512,46 @@ def run_restore(server, bucket: str, tmp: str, size: int, n: int, repeat: int) -
     return {"times": res[0][0], "split": [x[1] for x in res]}  # rank 0's barrier-to-barrier times
 
 
+# ------------------------------------------------------------------------------------------------ 5
+
+
+def _replica_job(rank, world, tmp, url, opts, size, n, repeat):
+    """Blocked time of a tiered save with replicas=1 vs replicas=0, interleaved: two managers per
+    rank (one local root each), every save then waited until durable (replication, then drain)."""
+    from distckpt.tiers import TieredCheckpointManager
+
+    full = _full(size, n)
+    out: dict[str, list[float]] = {}
+    mgrs = {k: TieredCheckpointManager(local=os.path.join(tmp, f"{k}-node{rank}"), remote=f"{url}/{k}",
+                                       keep_last_local=2, keep_last_remote=2, storage_options=opts, replicas=k)
+            for k in (0, 1)}
+    try:
+        for step in range(1, repeat + 2):  # step 1: warm-up (first save: room check, plan)
+            for k, mgr in mgrs.items():
+                sd = _sharded(full, False)
+                s, _ = _timed_collective(lambda: mgr.save(step, sd))
+                mgr.wait_durable(step)
+                if step > 1:
+                    out.setdefault(f"tiered save, replicas={k}", []).append(s)
+                if k:
+                    assert mgr.status(step).replicas == "replicated", mgr.status(step)
+    finally:
+        for mgr in mgrs.values():
+            mgr.close()
+    return out
+
+
+def run_replica_blocked(server, bucket: str, tmp: str, size: int, n: int, repeat: int) -> dict:
+    from tests.helpers.distributed import run_ranks
+    base = os.path.join(tmp, "replicas")
+    os.makedirs(base)
+    res = run_ranks(_replica_job, 2, base, f"s3://{bucket}/replicas", server.storage_options(), size, n, repeat,
+                    timeout=1800)
+    shutil.rmtree(base, ignore_errors=True)
+    server.filesystem().rm(f"{bucket}/replicas", recursive=True)
+    return res[0]  # rank 0's barrier-to-barrier times
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -526,6 +569,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-loop", action="store_true")
     p.add_argument("--no-restore", action="store_true")
     p.add_argument("--no-save-drain", action="store_true", help="skip parts 1 and 2")
+    p.add_argument("--no-replicas", action="store_true", help="skip part 5")
     p.add_argument("--restore-size", default="512M")
     p.add_argument("--restore-repeat", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the local tiers go (default: a temporary directory)")
@@ -537,7 +581,7 @@ def main(argv=None) -> int:
     shapes = {"synthetic": synthetic(size, args.tensors)}
     if not args.no_llama:
         shapes["llama+adam"] = llama_state(args.llama_hidden, args.llama_layers, args.llama_inter, args.llama_vocab)
-    results, loops, restore = {}, [], None
+    results, loops, restore, replica_blocked = {}, [], None, None
 
     from tests.helpers.s3server import S3Server
     tmp = tempfile.mkdtemp(prefix="bench_tiers_", dir=args.dir)
@@ -557,6 +601,10 @@ def main(argv=None) -> int:
                 restore = run_restore(server, bucket, tmp, parse_size(args.restore_size), args.tensors,
                                       args.restore_repeat)
                 print(f"[{time.perf_counter() - t_start:6.1f} s] restore done", flush=True)
+            if not args.no_replicas:
+                replica_blocked = run_replica_blocked(server, bucket, tmp, parse_size(args.restore_size),
+                                                      args.tensors, args.restore_repeat)
+                print(f"[{time.perf_counter() - t_start:6.1f} s] replicas done", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -609,6 +657,13 @@ def main(argv=None) -> int:
         print(f"node1 lost: from peers {peers:.3f} s, from the remote tier {remote:.3f} s "
               f"(peers {remote / peers:.2f}x faster; goal: peers beat remote); intact, local {loc:.3f} s "
               f"(peers / local = {peers / loc:.2f}x)")
+    if replica_blocked:
+        print(f"\n== blocked time of a tiered save, 2 gloo ranks on 2 nodes, {format_bytes(parse_size(args.restore_size))} "
+              f"in {args.tensors} DTensors; each save then waited until durable")
+        for k, v in replica_blocked.items():
+            print(f"{k:32} {fmt(v)}")
+        r0, r1 = med(replica_blocked["tiered save, replicas=0"]), med(replica_blocked["tiered save, replicas=1"])
+        print(f"replicas=1 / replicas=0 = {r1 / r0:.2f}x (goal <= 1.1x)")
     return 0
 
 
