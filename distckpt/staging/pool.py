@@ -64,15 +64,6 @@ def _piece_align(n: int) -> int:
     return _PAGE if n >= _BIG else _SMALL_ALIGN
 
 
-def layout_bytes(sizes: list[int]) -> int:
-    """The bytes one segment needs to hold pieces of ``sizes`` bytes, in order, aligned as
-    :func:`stage` aligns them."""
-    cursor = 0
-    for n in sizes:
-        cursor = _round_up(cursor, _piece_align(n)) + n
-    return _round_up(cursor, _PAGE)
-
-
 # Segments are at most this large unless one piece is larger (it gets a segment of its own size):
 # pinning is one cudaHostRegister call per segment, and the driver holds a lock through the call
 # that stalls the training thread's CUDA calls (2 GiB in one call: a 0.6 s stall on an H200).
@@ -184,10 +175,6 @@ class Arena:
         self.overflow: Segment | None = None
         self.overflow_sizes: list[int] = []  # the pieces that did not fit the idle segments
 
-    @property
-    def capacity(self) -> int:
-        return sum(s.capacity for s in self.segments)
-
 
 class StagingReservation:
     """Staging memory being prepared in the background by :func:`reserve_staging_memory`."""
@@ -225,8 +212,8 @@ class StagingPool:
     def reserve(self, sizes: list[int], *, pin: bool | None = None) -> StagingReservation:
         """Prepare idle segments that hold pieces of ``sizes`` bytes (as :func:`_pack` packs them)
         on a background thread, each added to the pool as soon as it is ready. Cut (whole
-        segments, from the smallest) so that idle, pending and new memory stay within
-        DISTCKPT_STAGING_POOL_BYTES: nothing when the bound is 0."""
+        segments, the last packed first: the smallest pieces') so that idle, pending and new
+        memory stay within DISTCKPT_STAGING_POOL_BYTES: nothing when the bound is 0."""
         if pin is None:
             pin = torch.cuda.is_available()
         caps = _pack([int(n) for n in sizes if n > 0])
@@ -404,8 +391,8 @@ def reserve_staging_memory(state_dict: Any = None, *, nbytes: int | None = None)
     or being prepared) nothing more is reserved; otherwise its idle memory is replaced by segments
     packed for these pieces (at most 64 MiB each unless one piece is larger, each pinned by its own
     call), as much as DISTCKPT_STAGING_POOL_BYTES allows (whole segments);
-    :func:`release_staging_memory` frees it. Not collective: each rank reserves for its own tensors (the local shards; an upper
-    bound where replicated tensors are written by one rank).
+    :func:`release_staging_memory` frees it. Not collective: each rank reserves for its own
+    tensors (the local shards; an upper bound where replicated tensors are written by one rank).
 
     Raises:
         ValueError: neither or both of ``state_dict`` and ``nbytes`` given, or ``nbytes`` < 0.

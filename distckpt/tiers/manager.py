@@ -308,8 +308,9 @@ class TieredCheckpointManager:
             from .peers import replica_bytes_of_node
             replica_bytes = replica_bytes_of_node(layout, sizes, self.replicas, layout.node)
             step_bytes = node_bytes + replica_bytes
-            what = (f"this node's {format_bytes(node_bytes)} and {format_bytes(replica_bytes)} of its peers' "
-                    f"replicas (replicas={self.replicas})" if replica_bytes else f"this node's {format_bytes(node_bytes)}")
+            what = f"this node's {format_bytes(node_bytes)}"
+            if replica_bytes:
+                what += f" and {format_bytes(replica_bytes)} of its peers' replicas (replicas={self.replicas})"
             try:
                 check_save_space(self.local_root, self.keep_last_local * step_bytes, rank=self._group.rank)
                 # A local tier in host memory (tmpfs): its pages come out of RAM, not a disk.
