@@ -294,8 +294,8 @@ class TieredCheckpointManager:
         """The local tier's pre-flight, once, after the first save told the size of a step: each
         node's leader checks that its disk has room for keep_last_local more steps of its ranks'
         bytes and of the peers' replicas it holds (the steady state holds keep_last_local steps while
-        the next is written). Collective,
-        in the caller's thread.
+        the next is written); on a tmpfs also the host's available memory. Collective, in the
+        caller's thread.
 
         Raises DiskFullError on every rank (``committed = True``: the step just saved is committed)
         when a node's disk is too small, with the numbers and a remedy, so a run learns it at its

@@ -110,7 +110,8 @@ MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
 
 def memory_available() -> int:
     """MemAvailable + SwapFree from /proc/meminfo, in bytes (what more tmpfs pages can take
-    without the OOM killer); raises OSError when it cannot be read."""
+    without the OOM killer); raises OSError when it cannot be read, KeyError when it has no
+    MemAvailable line (kernels before 3.14)."""
     fields = {}
     with open("/proc/meminfo") as f:
         for line in f:
