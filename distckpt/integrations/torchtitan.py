@@ -1,0 +1,339 @@
+"""distckpt as torchtitan's checkpoint manager: one line in the job config.
+
+    from distckpt.integrations.torchtitan import DistckptCheckpointManager
+    config = Trainer.Config(..., checkpoint=DistckptCheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=500, keep_latest_k=3, async_mode="async"))
+    # the Trainer builds it: config.checkpoint.build(dataloader=..., model_parts=..., ...)
+
+Import explicitly; ``import distckpt`` never imports torchtitan. Written against torchtitan 0.3.0
+(``torchtitan.components.checkpointer.BaseCheckpointManager``): the same build keywords, the same
+``states`` (``model`` flattened into the top level as torchtitan's ModelWrapper gives it,
+``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` and any other Stateful the trainer
+passes), so a distckpt checkpoint has the keys torchtitan's DCP checkpoint has.
+
+Layout and what is loaded:
+  * Step N is ``<folder>/step_000000NN`` (distckpt's :class:`~distckpt.CheckpointManager` layout),
+    committed atomically: a save killed at any point leaves no directory that looks complete.
+  * torchtitan's own DCP manager writes ``<folder>/step-N``. This manager loads those too (through
+    distckpt's DCP reader), so a run can switch managers mid-run with the same ``folder``. With
+    ``load_step=-1`` the highest step number among complete checkpoints of both kinds is loaded
+    (a DCP folder counts when it has ``.metadata``, as torchtitan requires); when both kinds hold
+    the same step, distckpt's is loaded. The reverse switch is not possible: torchtitan's manager
+    neither sees ``step_*`` directories nor reads distckpt's format.
+  * ``keep_latest_k`` rotates distckpt's steps only (committed ones, inside the commit, never the
+    step just saved): DCP ``step-N`` folders left by torchtitan's manager are never deleted here.
+  * Step 0 (a seed checkpoint) and a ``last_save_model_only`` checkpoint load the model only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+try:
+    import torch
+    from torchtitan.components.checkpointer import MODEL, BaseCheckpointManager, ModelWrapper
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.tools import filesystem
+except ImportError as exc:  # pragma: no cover - exercised only without torchtitan
+    raise ImportError("distckpt.integrations.torchtitan needs torchtitan 0.3.0 (pip install "
+                      "torchtitan==0.3.0 --no-deps, plus tyro, einops, torchdata: launch/env.sh)") from exc
+
+from ..errors import CheckpointNotFoundError, ConfigError
+from ..manager import CheckpointManager
+from ..restore import load, load_manifest
+from ..storage import is_url
+
+__all__ = ["DistckptCheckpointManager", "AsyncMode", "FORMAT"]
+
+log = logging.getLogger("distckpt")
+
+#: ``meta["user"]["torchtitan"]["format"]`` of the checkpoints this manager writes.
+FORMAT = 1
+AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
+_ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+# torchtitan's own pattern for its DCP step folders (dcp.py, _find_load_step).
+_DCP_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class DistckptCheckpointManager(BaseCheckpointManager):
+    """torchtitan's checkpoint manager contract, saving and loading through distckpt.
+
+    Built by the trainer as ``config.checkpoint.build(dataloader=, model_parts=, optimizers=,
+    lr_schedulers=, states=, sd_adapter=, base_folder=)``, like torchtitan's DCP manager.
+    ``save(step, last_step)`` saves every ``interval`` steps (and at step 1 with
+    ``enable_first_step_checkpoint``, and at the last step); ``load(step)`` loads ``step`` or, at
+    -1, the newest complete checkpoint (distckpt's or DCP's, see the module docstring); with no
+    checkpoint in ``folder`` it loads ``initial_load_path`` (model only unless
+    ``initial_load_model_only=False``) or returns False (a fresh start).
+
+    Async modes (``async_mode``): ``"disabled"`` saves synchronously (returns once the step is
+    committed and durable); ``"async"`` and ``"async_with_pinned_mem"`` return once the state is
+    staged in host memory (distckpt's :func:`~distckpt.async_save`): ``save_future`` is then the
+    save's :class:`~distckpt.AsyncSaveHandle` (``result()`` waits and raises the save's typed
+    error) and the write and commit run in the background. ``"async_with_pinned_mem"`` also
+    reserves the staging memory (:func:`distckpt.reserve_staging_memory`, pinned where CUDA is
+    available) at the first ``save()`` call, after the first optimizer step, so the first
+    checkpoint does not pay for allocating it. Since distckpt's staging is finished when
+    ``save()`` returns, ``staging_future`` (pinned mode, as in torchtitan) is already done and
+    ``maybe_wait_for_staging()`` never blocks. A save waits for the previous one still in flight
+    first, as torchtitan's does. ``close()`` waits for the save in flight, raises its error, and
+    frees the staging memory.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):
+        """torchtitan's checkpoint fields (BaseCheckpointManager.Config) plus distckpt's.
+
+        Every field of torchtitan's DCP manager is honoured except the Hugging Face ones
+        (``last_save_in_hf``, ``initial_load_in_hf``, ``initial_load_in_hf_quantized``), which
+        raise ConfigError when set: that format goes through torchtitan's state-dict adapter and
+        DCP's safetensors writer/reader, which this manager does not drive. Every invalid value
+        raises ConfigError (a ValueError, as torchtitan's checks raise) when the config is
+        constructed and again when it is built.
+        """
+
+        async_mode: AsyncMode = "disabled"
+        """Synchronous save, async save, or async save into pinned staging memory reserved
+        up front (distckpt.async_save + distckpt.reserve_staging_memory)."""
+
+        storage_options: dict[str, Any] | None = None
+        """fsspec options for a URL ``folder`` (``s3://bucket/run7``); passed to every save and
+        load. Only for a URL folder."""
+
+        incremental: bool = False
+        """Write only the rows of the DTensor / ShardedTensor tensors that changed since the
+        previous step (distckpt.incremental: a chain of deltas on a full step). Local folders
+        only."""
+
+        incremental_full_every: int = 8
+        """With ``incremental``: a full checkpoint at least every this many saves."""
+
+        def __post_init__(self) -> None:
+            try:
+                BaseCheckpointManager.Config.__post_init__(self)
+            except ValueError as exc:  # torchtitan's own checks, typed
+                if isinstance(exc, ConfigError):
+                    raise
+                raise ConfigError(f"checkpoint config: {exc}") from exc
+            mode = str(self.async_mode).lower()
+            if mode not in _ASYNC_MODES:
+                raise ConfigError(f"checkpoint.async_mode={self.async_mode!r}: expected one of {_ASYNC_MODES}")
+            self.async_mode = mode
+            for name in ("last_save_in_hf", "initial_load_in_hf", "initial_load_in_hf_quantized"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"checkpoint.{name}=True: the Hugging Face safetensors format is written and read "
+                        "through torchtitan's state-dict adapter and DCP, which DistckptCheckpointManager does "
+                        "not drive", remedy="Use torchtitan's CheckpointManager for a Hugging Face export or "
+                        "import, or set the field to False (distckpt.read gives the model's tensors by name)")
+            if self.storage_options is not None and not isinstance(self.storage_options, dict):
+                raise ConfigError(f"checkpoint.storage_options={self.storage_options!r}: expected a dict")
+            if self.incremental and (not isinstance(self.incremental_full_every, int)
+                                     or self.incremental_full_every < 1):
+                raise ConfigError(f"checkpoint.incremental_full_every={self.incremental_full_every!r}: "
+                                  "expected an int >= 1")
+
+    def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module],
+                 optimizers: Any, lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any = None,
+                 base_folder: str = "") -> None:
+        """Set the manager up (no collective, nothing written). Raises ConfigError for a field
+        that cannot apply to these objects or this folder: ``exclude_from_loading`` naming a
+        state the trainer does not pass, ``storage_options`` with a local folder,
+        ``incremental`` with a URL folder."""
+        self.enable = config.enable
+        self.save_future: Any = None
+        self.staging_future: Future | None = None
+        if not self.enable:
+            return
+        self.folder = filesystem.join(base_folder, config.folder) if base_folder else config.folder
+        self.interval = config.interval
+        self.states = states
+        self.states.update({MODEL: ModelWrapper(model_parts), "optimizer": optimizers,
+                            "dataloader": dataloader, "lr_scheduler": lr_schedulers})
+        # torchtitan checks this at the first load; here it is known now, so it is said now.
+        unknown = [k for k in config.exclude_from_loading if k not in self.states]
+        if unknown:
+            raise ConfigError(f"checkpoint.exclude_from_loading={config.exclude_from_loading!r}: {unknown} "
+                              f"name no state of this trainer (it has {sorted(self.states)})")
+        self.load_only = config.load_only
+        self.exclude_from_loading = list(config.exclude_from_loading)
+        self.initial_load_path = config.initial_load_path
+        self.initial_load_model_only = config.initial_load_model_only
+        self.enable_first_step_checkpoint = config.enable_first_step_checkpoint
+        self.last_save_model_only = config.last_save_model_only
+        self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
+        self.async_mode = config.async_mode
+        self.keep_latest_k = config.keep_latest_k
+        self.storage_options = config.storage_options
+        self.sd_adapter = sd_adapter  # kept for parity; only the HF paths (refused) would use it
+        remote = is_url(self.folder)
+        if self.storage_options is not None and not remote:
+            raise ConfigError(f"checkpoint.storage_options is for an fsspec URL folder, not {self.folder}")
+        incremental = None
+        if config.incremental:
+            from ..incremental import IncrementalPolicy
+            incremental = IncrementalPolicy(full_every=config.incremental_full_every)
+        # keep_latest_k=0 is torchtitan's "keep all"; 1 is refused by its Config (kept as is).
+        self._mgr = CheckpointManager(self.folder, keep_last=self.keep_latest_k or None,
+                                      storage_options=self.storage_options, incremental=incremental)
+        self._reserved = False
+        log.info("distckpt: torchtitan checkpointing to %s (async_mode=%s, keep_latest_k=%d)",
+                 self.folder, self.async_mode, self.keep_latest_k)
+
+    # -----------------------------------------------------------------------------------------
+    # The contract's hooks.
+
+    @torch.no_grad()
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Save step ``curr_step`` when the policy says so (see the class docstring); returns
+        whether a save was started (sync: committed). Collective on the saving steps. Raises
+        what :meth:`distckpt.CheckpointManager.save` raises (sync mode), and the error of the
+        previous async save when it failed."""
+        if self.async_mode == "async_with_pinned_mem" and not self._reserved and not self.load_only:
+            # First call: after the first optimizer step, so the optimizer's states exist and are
+            # counted; reserving runs in the background and overlaps the next training steps.
+            from ..staging.pool import reserve_staging_memory
+            reserve_staging_memory(self._flattened(self.states))
+            self._reserved = True
+        if not self._should_save(curr_step, last_step):
+            return False
+        self.maybe_wait_for_saving()
+        if last_step:
+            self._save_last_step(curr_step)
+            return True
+        states = self._flattened(self.states)
+        meta = {"torchtitan": {"format": FORMAT, "step": curr_step, "model_only": False}}
+        if self.async_mode == "disabled":
+            self._mgr.save(curr_step, states, metadata=meta)
+            return True
+        self.save_future = self._mgr.save(curr_step, states, blocking=False, metadata=meta)
+        if self.async_mode == "async_with_pinned_mem":
+            # distckpt stages before async_save returns: the staging torchtitan overlaps with the
+            # next forward/backward is already over, so its future is resolved at once.
+            done: Future = Future()
+            done.set_result(None)
+            self.staging_future = done
+        return True
+
+    @torch.no_grad()
+    def _load(self, step: int = -1) -> bool:
+        """Load ``step`` (-1: the newest complete checkpoint in ``folder``, distckpt's or DCP's)
+        into the trainer's states; with none there, ``initial_load_path`` (model only unless
+        ``initial_load_model_only=False``). Returns False when there is nothing to load (a fresh
+        start). Collective.
+
+        Raises CheckpointNotFoundError (a FileNotFoundError, as torchtitan raises) for a
+        ``step`` with no complete checkpoint in ``folder`` or a missing ``initial_load_path``,
+        and what :func:`distckpt.load` raises (StateDictMismatchError, ChecksumMismatchError...).
+        """
+        found = self.checkpoints()
+        if step != -1 and step not in found:
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step={step}: no complete checkpoint of step {step} in {self.folder} "
+                f"(complete steps: {sorted(found)})", path=self.folder)
+        if step == -1 and found:
+            step = max(found)
+        if step == -1:
+            if not self.initial_load_path:
+                log.info("distckpt: no checkpoint in %s and no initial_load_path: a fresh start", self.folder)
+                return False
+            path, kind = self.initial_load_path, None
+            model_only = self.initial_load_model_only
+        else:
+            path, kind = found[step]
+            model_only = step == 0 or (kind == "distckpt" and self._model_only(path))
+        states = self._states_to_load(model_only)
+        log.info("distckpt: loading %s (%s)", path, "model only" if model_only else "full state")
+        if kind == "distckpt":  # through the manager: the step it resumed from is protected
+            self._mgr.load(states, step)
+        else:
+            load(states, path, process_group=self._mgr.process_group, storage_options=self.storage_options)
+        self.states[MODEL].load_state_dict(states)
+        return True
+
+    def _maybe_wait_for_staging(self) -> None:
+        # Staging is over when _save returns (see _save): clearing the resolved future is all.
+        if self.staging_future is not None:
+            self.staging_future.result()
+            self.staging_future = None
+
+    def _wait_for_saving(self) -> None:
+        """Wait for the async save in flight and clear ``save_future``. Raises the save's typed
+        error (the same class a sync save raises)."""
+        handle, self.save_future = self.save_future, None
+        handle.result()
+
+    def _close(self) -> None:
+        """Wait for the save in flight (raising its error), free the staging memory."""
+        try:
+            if self.save_future is not None:
+                self._wait_for_saving()
+        finally:
+            self.staging_future = None
+            self._mgr.close()
+
+    # -----------------------------------------------------------------------------------------
+    # Helpers.
+
+    def checkpoints(self) -> dict[int, tuple[str, str]]:
+        """The complete checkpoints in ``folder``: ``{step: (path, "distckpt" | "dcp")}``.
+        distckpt's committed steps, and torchtitan's DCP ``step-N`` folders holding ``.metadata``;
+        distckpt's wins when both hold a step. Never writes."""
+        found: dict[int, tuple[str, str]] = {}
+        try:
+            if filesystem.isdir(self.folder):
+                for name in filesystem.listdir(self.folder):
+                    m = _DCP_STEP_RE.match(name)
+                    if m and filesystem.isfile(filesystem.join(filesystem.join(self.folder, name), ".metadata")):
+                        found[int(m.group(1))] = (filesystem.join(self.folder, name), "dcp")
+        except FileNotFoundError:
+            pass  # the folder went away between the check and the listing: no DCP steps
+        for s in self._mgr.steps():
+            found[s] = (self._mgr.path(s), "distckpt")
+        return found
+
+    def _model_only(self, path: str) -> bool:
+        meta = load_manifest(path, self.storage_options).meta
+        meta = meta if isinstance(meta, dict) else {}
+        return bool(((meta.get("user") or {}).get("torchtitan") or {}).get("model_only"))
+
+    def _flattened(self, states: dict[str, Any]) -> dict[str, Any]:
+        # torchtitan's layout: the model's keys at the top level, the other states as subtrees.
+        sd = {k: v for k, v in states.items() if k != MODEL}
+        if MODEL in states:
+            sd.update(states[MODEL].state_dict())
+        return sd
+
+    def _states_to_load(self, model_only: bool) -> dict[str, Any]:
+        if model_only:
+            return dict(self.states[MODEL].state_dict())
+        return self._flattened({k: v for k, v in self.states.items() if k not in self.exclude_from_loading})
+
+    def _save_last_step(self, curr_step: int) -> None:
+        # As torchtitan: synchronous; model only (in export_dtype) unless last_save_model_only=False.
+        if self.last_save_model_only:
+            states = {k: v.to(self.export_dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                      and v.dtype != self.export_dtype else v
+                      for k, v in self.states[MODEL].state_dict().items()}
+        else:
+            states = self._flattened(self.states)
+        meta = {"torchtitan": {"format": FORMAT, "step": curr_step, "model_only": self.last_save_model_only,
+                               "export_dtype": str(self.export_dtype) if self.last_save_model_only else None}}
+        self._mgr.save(curr_step, states, metadata=meta)
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.load_only:
+            return False
+        if curr_step == 1 and self.enable_first_step_checkpoint:
+            return True
+        return last_step or curr_step % self.interval == 0
+
+    def path(self, step: int) -> str:
+        """The directory step ``step`` is (or would be) saved to by this manager."""
+        return self._mgr.path(step)
+
