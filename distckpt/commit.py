@@ -43,11 +43,12 @@ from typing import Callable
 
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
-from .errors import CommittedButPeerLostError, DistCkptError, PeerLostError, fill_rank
+from .errors import CommittedButPeerLostError, ConfigError, DistCkptError, PeerLostError, fill_rank
 from .saveplan import GlobalPlan, PlannedSave
 from .storage import Store, is_url, open_store
 
-__all__ = ["SaveResult", "finish_save", "discard_replaced", "Prepared", "WriteOutcome", "Verdict"]
+__all__ = ["SaveResult", "finish_save", "discard_replaced", "Prepared", "WriteOutcome", "Verdict", "WrittenSave",
+           "write_uncommitted"]
 
 log = logging.getLogger("distckpt")
 
@@ -162,34 +163,12 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
     # 2. PREPARE
     marks = [time.monotonic()]  # the end of each phase, for SaveResult.phase_seconds
     save_id = uuid.uuid4().hex
-    prepared = None
-    if rank == 0:
-        try:
-            needed = plan.total_bytes + 64 * 1024 * (plan.n_chunks + world) + (1 << 20)
-            tmp, lock = store.prepare(final_dir, save_id, overwrite, needed, rank, lock_path)
-            held.append(lock)
-            prepared = Prepared(tmp, None)
-        except Exception as exc:
-            prepared = Prepared(None, exc if world == 1 else _portable(exc))
-    prepared = group.broadcast(prepared)
-    tmp_dir = prepared.area
-    if prepared.error is not None:
-        raise fill_rank(prepared.error, 0)  # PREPARE runs on rank 0
+    tmp_dir = _prepare(group, store, plan, final_dir, save_id, overwrite, lock_path, held)
     marks.append(time.monotonic())
 
     # 3. WRITE
-    result, error = None, local_error
-    if error is None:
-        try:
-            index, size, backend, reason = store.write_rank(tmp_dir, rank, mine, plan.checksum_block)
-            result = WriteOutcome(tuple(index), size, backend, reason)
-        except Exception as exc:
-            error = exc
+    result, error, outcomes = _write(group, store, tmp_dir, plan, mine, local_error)
     marks.append(time.monotonic())
-    # Rank 0 alone needs every rank's index reference (for the MANIFEST): a gather, not an
-    # all-gather, so what a rank other than 0 receives does not grow with the number of ranks; and
-    # what each rank sends is a few numbers, whatever its number of chunks.
-    outcomes = group.gather(result if error is None else WriteOutcome(None, None, None, None, _portable(error)))
 
     # 4. COMMIT
     verdict = None
@@ -201,15 +180,10 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         try:
             if any(o.error is not None for o in outcomes):
                 failures = [o.error for o in outcomes]
-                try:  # the WRITE failures are the verdict; a failed clean-up is left to the next reclaim
-                    store.abort(tmp_dir, world)
-                except DistCkptError as cleanup_exc:
-                    log.warning("distckpt: could not remove %s after a failed save: %s", tmp_dir, cleanup_exc)
+                _abort_quietly(store, tmp_dir, world, "a failed save")  # the WRITE failures are the verdict
             else:
-                manifest = _build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata)
-                replaced = store.publish(tmp_dir, final_dir, mf.encode(manifest), overwrite)  # the commit point
+                _publish(store, plan, outcomes, save_id, tmp_dir, final_dir, overwrite, metadata)  # the commit point
                 published = True
-                discard_replaced(store, replaced)
                 if after_commit is not None:
                     after_commit()
         except Exception as exc:
@@ -225,10 +199,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             # A commit whose outcome is unknown, or whose MANIFEST may still land (an object
             # store's PUT that lost its answer), keeps its data: the store says so (``data_kept``).
             if not published and not getattr(exc, "data_kept", False):
-                try:
-                    store.abort(tmp_dir, world)
-                except DistCkptError as cleanup_exc:
-                    log.warning("distckpt: could not remove %s after a failed commit: %s", tmp_dir, cleanup_exc)
+                _abort_quietly(store, tmp_dir, world, "a failed commit")
         else:
             committed = published
         if failures is None and verdict is None:
@@ -254,6 +225,161 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
         bytes_per_rank=told.sizes, total_bytes=sum(told.sizes),
         seconds=marks[3] - t0, backend=result.backend, backend_reason=result.reason, save_id=save_id,
         plan_cached=planned.plan_cached, plan_seconds=planned.plan_seconds, phase_seconds=phases)
+
+
+def _prepare(group: ControlGroup, store: Store, plan: GlobalPlan, final_dir: str, save_id: str, overwrite: bool,
+             lock_path: str | None, held: list) -> str:
+    """PREPARE (collective): rank 0 takes the lock (into ``held``), checks space and creates the
+    save area; every rank returns the area or raises rank 0's typed error."""
+    prepared = None
+    if group.rank == 0:
+        try:
+            needed = plan.total_bytes + 64 * 1024 * (plan.n_chunks + group.world_size) + (1 << 20)
+            tmp, lock = store.prepare(final_dir, save_id, overwrite, needed, 0, lock_path)
+            held.append(lock)
+            prepared = Prepared(tmp, None)
+        except Exception as exc:
+            prepared = Prepared(None, exc if group.world_size == 1 else _portable(exc))
+    prepared = group.broadcast(prepared)
+    if prepared.error is not None:
+        raise fill_rank(prepared.error, 0)  # PREPARE runs on rank 0
+    return prepared.area
+
+
+def _write(group: ControlGroup, store: Store, tmp_dir: str, plan: GlobalPlan, mine, local_error):
+    """WRITE (collective): this rank's data file, durable on return, then a gather of every rank's
+    :class:`WriteOutcome` to rank 0. Returns (this rank's outcome or None, its error or None, the
+    gathered outcomes on rank 0). Never raises a write error: the verdict reports it."""
+    result, error = None, local_error
+    if error is None:
+        try:
+            index, size, backend, reason = store.write_rank(tmp_dir, group.rank, mine, plan.checksum_block)
+            result = WriteOutcome(tuple(index), size, backend, reason)
+        except Exception as exc:
+            error = exc
+    # Rank 0 alone needs every rank's index reference (for the MANIFEST): a gather, not an
+    # all-gather, so what a rank other than 0 receives does not grow with the number of ranks; and
+    # what each rank sends is a few numbers, whatever its number of chunks.
+    outcomes = group.gather(result if error is None else WriteOutcome(None, None, None, None, _portable(error)))
+    return result, error, outcomes
+
+
+def _publish(store: Store, plan: GlobalPlan, outcomes: list[WriteOutcome], save_id: str, tmp_dir: str,
+             final_dir: str, overwrite: bool, metadata: dict | None) -> None:
+    """COMMIT on rank 0: MANIFEST built and published (the commit point), then a replaced old
+    checkpoint discarded. Raises the store's publish errors (nothing committed unless the error
+    says ``published``)."""
+    manifest = _build_manifest(plan, outcomes, save_id, len(outcomes), plan.checksum_block, metadata)
+    replaced = store.publish(tmp_dir, final_dir, mf.encode(manifest), overwrite)  # the commit point
+    discard_replaced(store, replaced)
+
+
+def _abort_quietly(store: Store, tmp_dir: str, world: int, why: str) -> None:
+    """Remove a save area that will not be published; a failed clean-up is left to the next
+    reclaim (logged), so it never hides the error that stopped the save."""
+    try:
+        store.abort(tmp_dir, world)
+    except DistCkptError as cleanup_exc:
+        log.warning("distckpt: could not remove %s after %s: %s", tmp_dir, why, cleanup_exc)
+
+
+@dataclasses.dataclass
+class WrittenSave:
+    """A save split at its commit point, for a caller that commits later from another call (the
+    DCP storage writer: DCP's ``write_data`` on every rank, then ``finish`` on rank 0 alone).
+
+    :func:`write_uncommitted` returns it on every rank once every rank's data file is durable;
+    rank 0 then either :meth:`commit` s it or :meth:`abandon` s it. Until then rank 0 holds the
+    save's lock (or lease), so nothing else can publish at ``final_dir`` meanwhile; both methods
+    release it on every path, and calling either again does nothing."""
+
+    store: Store
+    plan: GlobalPlan
+    outcomes: list | None   # rank 0: every rank's WriteOutcome
+    save_id: str
+    tmp_dir: str
+    final_dir: str
+    overwrite: bool
+    held: list              # rank 0: the lock to release
+    size: int               # this rank's data file size
+    done: bool = False
+
+    def commit(self, metadata: dict | None) -> None:
+        """Publish the MANIFEST (rank 0 only; no collective). ``metadata`` as :func:`distckpt.save`'s.
+
+        Raises:
+            the store's publish errors (DiskFullError, StorageIOError, ...; PublishUnknownError
+            on an object store whose answer was lost); before the rename nothing is committed and
+            the area is removed, unless the error says ``published`` or ``data_kept``.
+            ConfigError: called twice, or on a rank other than 0.
+        """
+        if self.done or self.outcomes is None:
+            raise ConfigError("this save was already committed or abandoned, or this is not rank 0")
+        try:
+            _publish(self.store, self.plan, self.outcomes, self.save_id, self.tmp_dir, self.final_dir,
+                     self.overwrite, metadata)
+        except Exception as exc:
+            if not getattr(exc, "published", False) and not getattr(exc, "data_kept", False):
+                _abort_quietly(self.store, self.tmp_dir, len(self.outcomes), "a failed commit")
+            raise
+        finally:
+            self._release()
+
+    def abandon(self) -> None:
+        """Remove the written area without committing (rank 0; elsewhere nothing to do)."""
+        if self.done:
+            return
+        try:
+            if self.outcomes is not None:
+                _abort_quietly(self.store, self.tmp_dir, len(self.outcomes), "an abandoned save")
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self.done = True
+        while self.held:
+            self.held.pop().release()
+
+
+def write_uncommitted(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
+                      storage_options: dict | None = None) -> WrittenSave:
+    """Phases 2-3 (PREPARE, WRITE) on this rank, then a broadcast of the WRITE verdict: every rank
+    returns a :class:`WrittenSave` (rank 0's holds the lock and the outcomes), or every rank raises
+    the same typed error and rank 0 has removed the area and released the lock. Nothing is visible
+    at ``final_dir`` until rank 0 commits. Collective.
+
+    Raises:
+        What :func:`finish_save` raises before its commit point (CheckpointExistsError,
+        SaveInProgressError, DiskFullError, the WRITE errors through errors.collective_error,
+        PeerLostError with ``committed = False``).
+    """
+    held: list = []
+    store = open_store(final_dir, storage_options)
+    rank, world = group.rank, group.world_size
+    tmp_dir = None
+    try:
+        save_id = uuid.uuid4().hex
+        tmp_dir = _prepare(group, store, planned.plan, final_dir, save_id, overwrite, None, held)
+        result, error, outcomes = _write(group, store, tmp_dir, planned.plan, planned.mine, None)
+        failures = None
+        if rank == 0 and any(o.error is not None for o in outcomes):
+            failures = [o.error for o in outcomes]
+        try:
+            told = group.broadcast(failures)
+        except PeerLostError as lost:
+            lost.committed = False
+            raise
+        if told is not None:
+            group.raise_failures(told, error, operation="save")
+    except BaseException:
+        if rank == 0 and held:
+            if tmp_dir is not None:
+                _abort_quietly(store, tmp_dir, world, "a failed save")
+            for lock in held:
+                lock.release()
+        raise
+    return WrittenSave(store=store, plan=planned.plan, outcomes=outcomes if rank == 0 else None, save_id=save_id,
+                       tmp_dir=tmp_dir, final_dir=final_dir, overwrite=overwrite, held=held, size=result.size)
 
 
 def discard_replaced(store: Store, replaced: str | None) -> None:

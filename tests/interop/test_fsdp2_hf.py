@@ -1,4 +1,5 @@
-"""A torchtitan-style job swaps dcp.save/dcp.load for distckpt.save/distckpt.load and loses nothing.
+"""A torchtitan-style job swaps dcp.save/dcp.load for distckpt.save/distckpt.load, or keeps dcp.save
+with distckpt's StorageWriter/StorageReader, and loses nothing.
 
 FSDP2 (``fully_shard`` on CPU/gloo) over a small Hugging Face Llama built from a config (random
 init, no download). The state is torchtitan's: Stateful wrappers around the model and optimizer
@@ -6,7 +7,8 @@ that go through torch's get_state_dict/set_state_dict, an LR scheduler, a Statef
 per-rank keys (``dataloader.dp_rank_<r>``) and a train state. Saved at 2 ranks with distckpt and
 with DCP; loaded at 1 and 3 ranks (4 ranks costs another minute on a 2-core machine; the 3-rank
 case already exercises uneven resharding) into a fresh job whose model, optimizer hyper-parameters
-and scheduler differ; every tensor, hyper-parameter and Stateful value is checked, and the next
+and scheduler differ; every tensor, hyper-parameter and Stateful value is checked (the checkpoint
+dcp.save wrote through distckpt's writer holds the same tensors bit for bit), and the next
 losses equal those of the DCP-restored job bit for bit and those of the run that never stopped
 (to float tolerance: another world size reduces gradients in another order)."""
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import distckpt
+from distckpt.integrations.dcp import DistCkptStorageReader, DistCkptStorageWriter
 from tests.helpers.distributed import run_ranks
 
 pytest.importorskip("transformers")
@@ -126,13 +129,15 @@ def _save_body(rank, world, root):
     state["train_state"]["step"] = SAVE_STEP
     distckpt.save(state, f"{root}/distckpt")
     dcp.save(state, checkpoint_id=f"{root}/dcp")
+    # The same job keeping dcp.save, with distckpt as its storage layer (DCP's planner kept).
+    dcp.save(state, storage_writer=DistCkptStorageWriter(f"{root}/dcp_distckpt"))
     return [_step(model, optim, sched, loader, rank, world) for _ in range(MORE_STEPS)]
 
 
 def _resume_body(rank, world, root, saved_world):
     import torch.distributed.checkpoint as dcp
     out = {}
-    for how in ("distckpt", "dcp"):
+    for how in ("distckpt", "dcp", "dcp_distckpt"):
         # A fresh job: other weights, other hyper-parameters, no optimizer state yet.
         model, optim, sched, loader, state = _job(rank, world, seed=1 + rank, lr=0.5, betas=(0.8, 0.999),
                                                   resume_world=saved_world)
@@ -143,8 +148,10 @@ def _resume_body(rank, world, root, saved_world):
             state["dataloader"] = {"pos": loader.pos}
             distckpt.save(state, f"{root}/resaved{world}")
             state["dataloader"] = loader
-        else:
+        elif how == "dcp":
             dcp.load(state, checkpoint_id=f"{root}/dcp")
+        else:
+            dcp.load(state, storage_reader=DistCkptStorageReader(f"{root}/dcp_distckpt"))
         g = optim.param_groups[0]
         out[how] = {
             "hyper": (g["lr"], g["betas"], g["weight_decay"], g["initial_lr"], sched.last_epoch),
@@ -196,8 +203,17 @@ def test_fsdp2_llama_resumes_at_another_world_size_like_dcp(saved, world):
     again = distckpt.read(root / f"resaved{world}")
     for key in ("model", "optimizer", "lr_scheduler", "train_state"):
         _same_tree(ckpt[key], again[key], key)
+    # dcp.save through distckpt's writer: the same tensors as distckpt.save's, bit for bit.
+    through = distckpt.read(root / "dcp_distckpt")
+    native = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    native.update({f"optimizer.state.{p}.{k}": v for p, s in ckpt["optimizer"]["state"].items() for k, v in s.items()})
+    assert set(native) <= set(through)
+    for key, value in native.items():
+        _same_tree(value, through[key], key)
     for r in results:
-        d, c = r["distckpt"], r["dcp"]
+        d, c, w = r["distckpt"], r["dcp"], r["dcp_distckpt"]
+        # dcp.load through distckpt's reader: the same state as DCP's own reader gives.
+        assert w == c
         assert d["hyper"] == c["hyper"]
         lr, betas, wd, initial_lr, epoch = d["hyper"]
         assert betas == (0.9, 0.95) and wd == 0.1 and initial_lr == 1e-2 and epoch == SAVE_STEP
