@@ -1,0 +1,473 @@
+"""PyTorch Lightning: distckpt as the Trainer's ``CheckpointIO`` plugin.
+
+Import explicitly; ``import distckpt`` never imports lightning (PyPI ``lightning`` 2.6.6).
+
+    from distckpt.integrations.lightning import DistCkptCheckpointIO
+    trainer = Trainer(plugins=[DistCkptCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
+    trainer.fit(model, ckpt_path="last")                       # unchanged user code
+    # or, saving in the background:
+    Trainer(plugins=[DistCkptCheckpointIO(async_save=True)])   # or AsyncCheckpointIO(DistCkptCheckpointIO())
+
+What a checkpoint is: every path Lightning names (``.../epoch=3-step=400.ckpt``, ``last.ckpt``) is
+one distckpt checkpoint *directory* of that name, committed atomically (tmp directory, fsync,
+rename): a crash leaves the previous checkpoint of that name or the new one, never a torn file.
+Its tensors (weights, optimizer state, ``best_model_score``...) are in the data file, every other
+value of Lightning's dict (epoch, global_step, loops, callbacks, hyper_parameters, param_groups,
+lr_schedulers) in the MANIFEST as typed plain data, without pickle. ``distckpt.read(path)`` gives
+the same dict outside Lightning.
+
+Lightning's call paths (2.6.6) this follows:
+  * ``Strategy.save_checkpoint`` calls the plugin on global rank 0 only, with the full
+    (replicated) checkpoint dict; so each save here is a single-process save (``no_dist``), with
+    no collective. ``Strategy.load_checkpoint`` calls ``load_checkpoint`` on every rank; each
+    rank reads the whole checkpoint itself (no collective either).
+  * Lightning overwrites a name it saved before (``last.ckpt`` at every save): saves here replace
+    an existing checkpoint by distckpt's atomic exchange, never in place.
+  * ``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a relative symlink to the newest
+    checkpoint directory (and ``shutil.rmtree``s a previous ``last.ckpt`` directory itself, outside
+    this plugin). Loading through the link reads the checkpoint it points to; ``remove_checkpoint``
+    of a link removes the link only; rotation never deletes a checkpoint a link in its directory
+    points to (so ``ckpt_path="last"`` never finds a dangling ``last.ckpt``).
+  * ``ckpt_path="last"`` picks the newest ``last*.ckpt`` entry of the ModelCheckpoint directory by
+    modification time; a checkpoint directory qualifies like a file (distckpt's own entries there
+    are hidden: ``.NAME.tmp-*``, ``.NAME.lock``, ``.distckpt.lock``).
+
+Exactness (what torch.save would give back, checked at save, before any byte is written):
+  * Containers come back with their type: ``dict``, ``list``, ``tuple``, and
+    ``collections.OrderedDict`` with its ``_metadata`` (the module versions ``load_state_dict``
+    reads: ``state_dict`` is one). Any other dict subclass, a namedtuple or list subclass holding
+    tensors, or an object with ``state_dict()``/``load_state_dict()`` (a torchmetrics Metric put
+    in by ``on_save_checkpoint``) would come back as a plain container: UnsupportedValueError
+    naming its key, whatever ``allow_pickle`` says (store ``dict(x)`` / ``obj.state_dict()``).
+  * Other values: those of :mod:`distckpt.values` (scalars, str/bytes, containers of them, Enum,
+    dataclass, namedtuple, torch.dtype/device/Size, numpy) round-trip exactly; anything else (a
+    class object such as omegaconf's ``hyper_parameters_type``, a lambda) is an
+    UnsupportedValueError naming its key, unless ``allow_pickle=True``.
+  * Tensors come back on CPU (``map_location=None``), every rank reading its own copy; Lightning
+    copies them into the module's parameters and casts optimizer state to its parameters' devices.
+    TorchCheckpointIO instead puts every tensor back on the device it was saved from (``cuda:0``
+    on every rank of a DDP job).
+
+Saves in the background: ``async_save=True`` returns once the tensors are copied into distckpt's
+staging memory (the values are a snapshot: training may go on and change them); the write and
+commit run on distckpt's thread. The next ``save_checkpoint``, ``load_checkpoint``,
+``remove_checkpoint``, :meth:`~DistCkptCheckpointIO.wait` and ``teardown`` (Lightning calls it
+when fit/validate/test ends) first wait for it and raise its error, so no error is lost, and
+``ModelCheckpoint``'s removal of the previous checkpoint happens only after the newer one is
+committed. Lightning's ``AsyncCheckpointIO(DistCkptCheckpointIO())`` works too (tensors cloned
+on the caller, the whole save on its thread), but it removes the previous checkpoint while the
+newer one may still be unwritten (its ``remove_checkpoint`` is not queued) and reports a failed
+save only at the next save or at teardown; prefer ``async_save=True``, and never combine both
+(Lightning does not forward ``teardown`` through the wrapper).
+
+Rotation: ``keep_last=N`` keeps, in the directory of each save, the N newest checkpoints (commit
+order) written through this plugin; for the saves ModelCheckpoint never deletes: ``save_top_k=-1``
+(every checkpoint kept), ``every_n_train_steps`` / ``every_n_epochs`` with ``save_top_k=-1``,
+several ModelCheckpoint callbacks in one directory, direct ``trainer.save_checkpoint(path)``
+calls, and checkpoints of an earlier run of the job (ModelCheckpoint never deletes what the run
+resumed from). It deletes by age, not by score: do not combine it with a monitored ``save_top_k``
+in the same directory (it could delete the best checkpoint). Never deleted: the checkpoint just
+saved, the one this plugin loaded (resumed from), one a symlink in the directory points to, and
+anything not written through this plugin.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as _exc:  # pragma: no cover - exercised only without lightning
+    raise ImportError("distckpt.integrations.lightning needs PyTorch Lightning "
+                      "(pip install lightning==2.6.6)") from _exc
+
+from ..commit import SaveResult
+from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, DistCkptError,
+                      ManifestCorruptError, UnsupportedValueError)
+from ..flatten import _holds_dict, set_leaf
+from ..restore import read
+from ..save_async import AsyncSaveHandle, async_save_in_root
+from ..save_sync import save_in_root
+from ..source import open_source
+from ..storage import ROOT_LOCK_NAME, Store, dirname, is_url, join, normalize_path, open_store
+from ..values import _is_stateful, decode_value, encode_value, holds_tensor
+
+__all__ = ["DistCkptCheckpointIO", "FORMAT"]
+
+log = logging.getLogger("distckpt")
+
+#: ``meta["user"]["lightning"]["format"]`` of checkpoints written by :class:`DistCkptCheckpointIO`.
+FORMAT = 1
+_META = "lightning"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning's dict <-> what distckpt stores.
+
+
+def _fqn(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def _layout(checkpoint: Any) -> list[list]:
+    """The OrderedDicts of ``checkpoint`` as ``[[path..., kind, stored _metadata or None], ...]``
+    (plain data for the MANIFEST), after checking that every container distckpt walks comes back
+    with its own type.
+
+    Raises:
+        UnsupportedValueError: a container that would come back as another type (named by key).
+    """
+    ordered: list[list] = []
+
+    def refuse(path: tuple, what: str, remedy: str) -> None:
+        raise UnsupportedValueError(f"checkpoint value at {_fqn(path)!r} is {what}, which would load back as a "
+                                    f"plain container", key=_fqn(path), remedy=remedy)
+
+    def walk(obj: Any, path: tuple, depth: int) -> None:
+        if depth > 100:
+            return  # distckpt's own flatten reports the depth
+        if isinstance(obj, dict):
+            if type(obj) is collections.OrderedDict:
+                md = getattr(obj, "_metadata", None)
+                if md is None:
+                    ordered.append([list(path), None, None])
+                else:
+                    # torch's _metadata is an OrderedDict {prefix: {"version": n}}: stored as a
+                    # dict node (which keeps the order); anything else in it is refused by name.
+                    plain = {k: dict(v) if type(v) is collections.OrderedDict else v for k, v in md.items()} \
+                        if isinstance(md, dict) else md
+                    kind, stored = encode_value(f"{_fqn(path)}._metadata", plain, allow_pickle=False)
+                    ordered.append([list(path), kind, stored])
+            elif type(obj) is not dict:
+                refuse(path, f"a {type(obj).__module__}.{type(obj).__qualname__} (a dict subclass)",
+                       "Store dict(value) instead (in on_save_checkpoint / the callback's state_dict).")
+            for key, value in obj.items():
+                walk(value, path + (key,), depth + 1)
+            return
+        if _is_stateful(obj):
+            refuse(path, f"a {type(obj).__qualname__} object with state_dict()/load_state_dict()",
+                   "Store value.state_dict() and call load_state_dict() on load (on_load_checkpoint).")
+        if isinstance(obj, (list, tuple)) and (holds_tensor(obj) or (type(obj) is list and _holds_dict(obj))):
+            if type(obj) not in (list, tuple):
+                refuse(path, f"a {type(obj).__qualname__} holding tensors or dicts",
+                       "Store a plain list or tuple (or a dict) instead.")
+            for i, value in enumerate(obj):
+                walk(value, path + (i,), depth + 1)
+
+    walk(checkpoint, (), 0)
+    return ordered
+
+
+def _restore_layout(tree: Any, ordered: Any, path: str) -> Any:
+    """``tree`` with the OrderedDicts :func:`_layout` recorded put back (with their _metadata).
+
+    Raises:
+        ManifestCorruptError: the record does not describe containers of ``tree``.
+    """
+    if not isinstance(ordered, list):
+        raise ManifestCorruptError(f"meta.user.{_META}.ordered: expected a list, found {type(ordered).__name__}",
+                                   path=path)
+    for record in ordered:
+        try:
+            where, kind, stored = record
+            node = tree
+            for key in where:
+                node = node[key]
+        except (TypeError, ValueError, KeyError, IndexError):
+            raise ManifestCorruptError(f"meta.user.{_META}.ordered: {record!r} names no dict of the checkpoint",
+                                       path=path) from None
+        if not isinstance(node, dict):
+            raise ManifestCorruptError(f"meta.user.{_META}.ordered: {_fqn(tuple(where))} is not a dict", path=path)
+        od = collections.OrderedDict(node)
+        if kind is not None:
+            od._metadata = collections.OrderedDict(decode_value(kind, stored, fqn=f"{_fqn(tuple(where))}._metadata",
+                                                                path=path))
+        if not where:
+            tree = od
+        else:
+            set_leaf(tree, tuple(where), od)
+    return tree
+
+
+def _map_tensors(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):  # in place: keeps the (Ordered)dict and its _metadata
+        for key, value in tree.items():
+            tree[key] = _map_tensors(value, device)
+        return tree
+    if isinstance(tree, list):
+        tree[:] = [_map_tensors(v, device) for v in tree]
+        return tree
+    if type(tree) is tuple:
+        return tuple(_map_tensors(v, device) for v in tree)
+    return tree
+
+
+def _device(map_location: Any) -> torch.device | None:
+    """The device ``map_location`` names, None for "leave the tensors on CPU".
+
+    Raises:
+        ConfigError: a dict or a function (torch.load's remapping by saved location: the saved
+            devices are not recorded, every tensor is read into CPU memory).
+    """
+    if map_location is None:
+        return None
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            return torch.device(map_location)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"map_location={map_location!r} is not a device: {exc}") from None
+    raise ConfigError(f"map_location={map_location!r}: only a device (str or torch.device) or None is supported",
+                      remedy="Pass a device such as 'cpu' or 'cuda:0' (or None: the tensors stay on CPU); "
+                             "the saved devices are not recorded, so a remapping by location has nothing to map.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin.
+
+
+class DistCkptCheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` writing distckpt checkpoint directories (see the module's
+    docstring for what is stored where, and how it differs from TorchCheckpointIO).
+
+    Args:
+        storage_options: fsspec options for URL paths (``s3://bucket/run7/...``; s3fs ``key``,
+            ``secret``, ``endpoint_url``, ``client_kwargs``), used by every save, load and
+            removal. None: s3fs reads the AWS_* variables. Refused (ConfigError) for local paths.
+        keep_last: keep the newest ``keep_last`` checkpoints of this plugin in the directory of
+            each save (see "Rotation" in the module docstring); None: never delete.
+        allow_pickle: store values the value codec cannot (class objects, arbitrary objects) with
+            pickle, and unpickle them on load. Off by default: a save then raises
+            UnsupportedValueError naming the key, and a load never unpickles.
+        async_save: return from ``save_checkpoint`` once the state is staged; the next call (or
+            :meth:`wait`, ``teardown``) waits for the save and raises its error.
+        verify: check every data block's checksum on load (distckpt's default).
+
+    Raises:
+        ConfigError: ``keep_last`` is not a positive int or None, ``storage_options`` not a dict.
+    """
+
+    def __init__(self, *, storage_options: dict | None = None, keep_last: int | None = None,
+                 allow_pickle: bool = False, async_save: bool = False, verify: bool = True) -> None:
+        super().__init__()
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+            raise ConfigError(f"keep_last={keep_last!r}: expected a positive int or None")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+        self.storage_options = storage_options
+        self.keep_last = keep_last
+        self.allow_pickle = bool(allow_pickle)
+        self.async_save = bool(async_save)
+        self.verify = bool(verify)
+        #: The SaveResult of the last save that finished (None before).
+        self.last_result: SaveResult | None = None
+        # One operation at a time: under Lightning's AsyncCheckpointIO a save runs on its thread
+        # while ModelCheckpoint removes on the main thread; the removal waits for the save.
+        self._lock = threading.RLock()
+        self._pending: AsyncSaveHandle | None = None
+        # The checkpoint this plugin loaded last (the run resumed from it): rotation keeps it, as
+        # ModelCheckpoint never deletes the checkpoint a run resumed from.
+        self._resumed_from: str | None = None
+
+    # -- save ------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Save Lightning's ``checkpoint`` dict as the checkpoint directory ``path``, atomically,
+        replacing a checkpoint already there (Lightning rewrites ``last.ckpt``); the parent
+        directory is created. Single-process (Lightning calls it on global rank 0 only). Returns
+        once committed and durable, or with ``async_save`` once staged.
+
+        Args:
+            storage_options: fsspec options for this save only (in place of the plugin's).
+
+        Raises:
+            UnsupportedValueError: a value or container that would not come back exactly (named
+                by key; see the module docstring), nothing written.
+            The errors of :func:`distckpt.save` (DiskFullError, StoragePermissionError,
+            SaveInProgressError...), and the error of the previous async save, which comes first.
+        """
+        with self._lock:
+            self.wait()
+            options = self.storage_options if storage_options is None else storage_options
+            if options is not None and not isinstance(options, dict):
+                raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(options).__name__}")
+            final = normalize_path(path)
+            ordered = _layout(checkpoint)
+            metadata = {_META: {"format": FORMAT, "ordered": ordered}}
+            kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle, metadata=metadata,
+                                          no_dist=True, storage_options=options)
+            if self.keep_last is not None:
+                # Rotation runs inside the commit, under the directory's lock, so two savers into
+                # one directory never rotate each other's saves half-way.
+                parent = dirname(final)
+                store = open_store(final, options)
+                protect = self._resumed_from
+                kwargs.update(after_commit=lambda: self._rotate(store, parent, final, protect),
+                              lock_path=join(parent, ROOT_LOCK_NAME))
+            if self.async_save:
+                handle = async_save_in_root(checkpoint, final, **kwargs)
+                self._pending = handle
+                if handle.done():  # failed while planning (an unsupported value): say so now
+                    self.wait()
+            else:
+                self.last_result = save_in_root(checkpoint, final, **kwargs)
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the async save in flight, if any. Returns its SaveResult (None when there was
+        none). Raises that save's typed error (then it is no longer pending)."""
+        with self._lock:
+            handle, self._pending = self._pending, None
+            if handle is None:
+                return None
+            self.last_result = handle.result()
+            return self.last_result
+
+    def teardown(self) -> None:
+        """Lightning's end of fit/validate/test: wait for the async save in flight and raise its
+        error."""
+        self.wait()
+
+    def _rotate(self, store: Store, parent: str, just_saved: str, resumed_from: str | None) -> None:
+        # Rank 0, inside the commit of ``just_saved``, holding the directory's lock.
+        ours = sorted(_our_checkpoints(store, parent), key=lambda e: (e[1], e[0]))
+        keep = {_real(just_saved), _real(resumed_from)} | _link_targets(parent)
+        excess = ours[:max(0, len(ours) - self.keep_last)]
+        for name, _ in excess:
+            path = join(parent, name)
+            if _real(path) in keep:
+                continue
+            log.info("distckpt: keep_last=%d: removing %s", self.keep_last, path)
+            store.remove_checkpoint(path)
+
+    # -- load ------------------------------------------------------------------------------
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The dict saved at ``path`` (a checkpoint directory, or a symlink to one), every value as
+        saved, tensors on CPU or on ``map_location``. Read whole, every block's checksum checked,
+        before anything is returned: never a partly filled dict.
+
+        Args:
+            map_location: None (CPU), or a device (str / torch.device) for every tensor.
+            weights_only: True refuses pickled values even with ``allow_pickle`` (torch.load's
+                promise: tensors and plain values only). False does not allow them by itself.
+
+        Raises:
+            CheckpointNotFoundError: nothing, or no distckpt checkpoint, at ``path`` (a torch.save
+                file is named as such).
+            CheckpointIncompleteError: a directory that was never committed.
+            ManifestCorruptError, ChecksumMismatchError, DataFileMissingError,
+            DataFileTruncatedError (CheckpointCorruptError): a damaged checkpoint.
+            CheckpointRemovedError: it was removed or replaced while being read.
+            PickleNotAllowedError: it holds pickled values and ``allow_pickle`` is off (or
+                ``weights_only`` is True).
+            UnsupportedValueError: a value's class (Enum, dataclass, namedtuple) cannot be imported.
+            ConfigError: a ``map_location`` that is not a device.
+            The error of the previous async save, which comes first.
+        """
+        device = _device(map_location)
+        with self._lock:
+            self.wait()
+            final = normalize_path(path)
+            if not is_url(final) and os.path.islink(final):
+                # save_last="link": read the checkpoint the link names (distckpt never follows a
+                # symlink inside a checkpoint; the link itself is Lightning's pointer).
+                final = os.path.realpath(final)
+            allow_pickle = self.allow_pickle and weights_only is not True
+            source = open_source(final, self.storage_options)
+            # One guard around both reads: a checkpoint replaced between the MANIFEST read for the
+            # layout and the data read raises CheckpointRemovedError instead of mixing two saves.
+            with source.guard():
+                manifest = source.manifest()
+                tree = read(final, verify=self.verify, allow_pickle=allow_pickle,
+                            storage_options=self.storage_options)
+            user = manifest.meta.get("user")
+            ours = user.get(_META) if isinstance(user, dict) else None
+            if isinstance(ours, dict) and ours.get("format") == FORMAT:
+                tree = _restore_layout(tree, ours.get("ordered", []), final)
+            if device is not None:
+                tree = _map_tensors(tree, device)
+            self._resumed_from = final
+            return tree
+
+    # -- remove ----------------------------------------------------------------------------
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint directory at ``path``: it stops being a checkpoint in one step
+        (renamed aside, then deleted), so it never looks half-present. A symlink (save_last="link")
+        is unlinked, its target kept. Nothing at ``path``: nothing to do (as TorchCheckpointIO).
+
+        Raises:
+            CheckpointNotFoundError: ``path`` is a file (not a distckpt checkpoint; left alone).
+            CheckpointIncompleteError: a directory without MANIFEST (left alone).
+            StorageError subclasses; the error of the previous async save, which comes first.
+        """
+        with self._lock:
+            self.wait()
+            final = normalize_path(path)
+            if not is_url(final):
+                if os.path.islink(final):
+                    try:
+                        os.unlink(final)
+                    except FileNotFoundError:
+                        pass
+                    return
+                if os.path.lexists(final) and not os.path.isdir(final):
+                    raise CheckpointNotFoundError(
+                        f"{final} is a file, not a distckpt checkpoint directory; not removed", path=final,
+                        remedy="Remove it yourself if it is not needed (a torch.save file from another "
+                               "CheckpointIO, for example).")
+            store = open_store(final, self.storage_options)
+            if not store.exists(final):
+                log.debug("distckpt: remove_checkpoint(%s): nothing there", final)
+                return
+            if not store.has_manifest(final):
+                raise CheckpointIncompleteError(
+                    f"{final} is not a distckpt checkpoint (no MANIFEST); not removed", path=final,
+                    remedy="Remove it yourself if it is not needed.")
+            store.remove_checkpoint(final)
+            if final == self._resumed_from:
+                self._resumed_from = None
+
+
+def _our_checkpoints(store: Store, parent: str) -> list[tuple[str, float]]:
+    """(name, commit time) of every committed checkpoint of this plugin directly in ``parent``."""
+    out = []
+    for name in store.list_children(parent):  # symlinks are never listed: never deleted through
+        path = join(parent, name)
+        if not store.is_committed(path):
+            continue
+        try:
+            manifest = store.load_manifest(path)
+        except DistCkptError:
+            continue  # not ours to judge, never ours to delete
+        user = manifest.meta.get("user")
+        ours = user.get(_META) if isinstance(user, dict) else None
+        if isinstance(ours, dict) and ours.get("format") == FORMAT:
+            out.append((name, manifest.created_unix))
+    return out
+
+
+def _real(path: str | None) -> str | None:
+    """``path`` with symlinks resolved (local paths; a URL as it is), for comparing names."""
+    return path if path is None or is_url(path) else os.path.realpath(path)
+
+
+def _link_targets(parent: str) -> set[str]:
+    """The paths the symlinks directly in the local directory ``parent`` point to (none on an
+    object store)."""
+    if is_url(parent):
+        return set()
+    out = set()
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return out
+    for name in entries:
+        link = os.path.join(parent, name)
+        if os.path.islink(link):
+            out.add(os.path.realpath(link))
+    return out

@@ -1,0 +1,279 @@
+"""distckpt as PyTorch Lightning's CheckpointIO (distckpt.integrations.lightning), with the real
+lightning 2.6.6 on CPU; no mocks.
+
+One torchrun launch (tests/helpers/lightning_worker.py, 2 ranks, strategy "ddp", gloo) trains a
+reference run for 4 epochs, then for each way of saving (the plugin; Lightning's AsyncCheckpointIO
+around it; the plugin's own async_save) 2 epochs that checkpoint through it, then a new Trainer,
+model and plugin fit to 4 epochs with ckpt_path="last": weights, optimizer and lr scheduler state of
+every rank bit-exact equal to the reference. The other tests drive the plugin in this process (no
+Trainer: ddp inside pytest's process is not possible): exact round trip, typed errors, rotation,
+removal, and errors of background saves.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ..helpers.distributed import free_port, kill_tree
+
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("lightning is not installed (pip install lightning==2.6.6)", allow_module_level=True)
+
+from distckpt.errors import (CheckpointIncompleteError, CheckpointNotFoundError,  # noqa: E402
+                             ChecksumMismatchError, ConfigError, DataFileTruncatedError, PickleNotAllowedError,
+                             StorageError, UnsupportedValueError)
+from distckpt.integrations.lightning import DistCkptCheckpointIO  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "helpers", "lightning_worker.py")
+MODES = ("sync", "wrapped", "async")
+# The launch takes about 30 s on an idle 2-core machine (most of it importing Lightning twice at
+# once); the limit leaves room for a loaded one and still stops a hang.
+LAUNCH_TIMEOUT_S = 150
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("lightning"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTCKPT_TIMEOUT_S": "60",
+           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER, out, "first", "resume"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        pytest.fail(f"the torchrun launch did not finish within {LAUNCH_TIMEOUT_S} s (killed):\n{output[-6000:]}")
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{output[-6000:]}"
+    return out
+
+
+def _equal(a, b, where: str = "") -> None:
+    """Same types, same keys in the same order, tensors with equal dtype, shape and bytes."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for key in a:
+            _equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _final(out: str, name: str, rank: int) -> dict:
+    return torch.load(os.path.join(out, f"{name}_rank{rank}.pt"), weights_only=True)
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "MANIFEST"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer.fit on 2 ranks (ddp) and resume with ckpt_path="last".
+
+
+@pytest.mark.slow  # the torchrun launch: 15-25 s
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_fit_resumed_from_last_is_bit_exact(fitted, mode):
+    for rank in (0, 1):
+        reference = _final(fitted, "reference", rank)
+        first, resumed = _final(fitted, f"first_{mode}", rank), _final(fitted, f"resumed_{mode}", rank)
+        assert first["global_step"] == 8 and reference["global_step"] == resumed["global_step"] == 16
+        # The resumed model started from other weights: equal only if the checkpoint was loaded.
+        _equal(reference, resumed, f"{mode} rank {rank}")
+    ckdir = os.path.join(fitted, mode)
+    assert _is_checkpoint(os.path.join(ckdir, "last.ckpt"))  # a committed distckpt directory, no torch file
+    names = sorted(n for n in os.listdir(ckdir) if not n.startswith("."))
+    if mode == "sync":
+        # keep_last=2 with save_top_k=-1 (ModelCheckpoint deletes nothing): last.ckpt + the newest epoch.
+        assert names == ["epoch=3-step=16.ckpt", "last.ckpt"]
+    else:
+        assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt",
+                         "epoch=3-step=16.ckpt", "last.ckpt"]
+    assert all(_is_checkpoint(os.path.join(ckdir, n)) for n in names)
+
+
+@pytest.mark.slow  # needs the launch
+def test_checkpoint_reads_back_as_lightning_wrote_it(fitted):
+    ck = DistCkptCheckpointIO().load_checkpoint(os.path.join(fitted, "sync", "epoch=3-step=16.ckpt"))
+    assert ck["epoch"] == 3 and ck["global_step"] == 16 and ck["hyper_parameters"] == {"lr": 0.01}
+    assert type(ck["state_dict"]) is collections.OrderedDict and "" in ck["state_dict"]._metadata
+    assert ck["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)  # a tuple again
+    assert ck["lr_schedulers"][0]["step_size"] == 3
+    assert set(ck["loops"]) >= {"fit_loop", "validate_loop"}
+    assert all(t.device.type == "cpu" for t in ck["state_dict"].values())
+
+
+# ---------------------------------------------------------------------------------------------
+# In this process: exactness and typed errors.
+
+
+def _lightning_like() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    return {"epoch": 1, "global_step": 7, "pytorch-lightning_version": "2.6.6",
+            "state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "lr_schedulers": [],
+            "loops": {"fit_loop": {"state_dict": {}, "epoch_loop.state_dict": {"_batches_that_stepped": 7}}},
+            "callbacks": {"ModelCheckpoint{'monitor': 'loss'}": {
+                "best_model_score": torch.tensor(0.25), "best_k_models": {"/ck/epoch=0.ckpt": torch.tensor(0.25)},
+                "kth_value": torch.tensor(float("inf")), "dirpath": "/ck", "last_model_path": ""}},
+            "hyper_parameters": {"lr": 1e-3, "dims": (3, 4), "tags": {"a", "b"}, "big": 1 << 70, "none": None},
+            "empty": {}, "scalar": torch.tensor(3, dtype=torch.int64), "bf16": torch.ones(2, dtype=torch.bfloat16)}
+
+
+def test_round_trip_is_exact_and_leaves_no_torch_file(tmp_path):
+    io = DistCkptCheckpointIO()
+    ck = _lightning_like()
+    path = str(tmp_path / "run" / "epoch=1-step=7.ckpt")  # the parent is created, as torch IO does
+    io.save_checkpoint(ck, path)
+    io.save_checkpoint(ck, path)  # Lightning rewrites a name (last.ckpt): replaced atomically
+    assert _is_checkpoint(path)
+    back = io.load_checkpoint(path)
+    _equal(ck, back)
+    assert back["state_dict"]._metadata == ck["state_dict"]._metadata  # BatchNorm's version 2 kept
+    assert io.load_checkpoint(path, map_location="cpu")["scalar"].device.type == "cpu"
+    with pytest.raises(ConfigError):
+        io.load_checkpoint(path, map_location={"cuda:0": "cpu"})
+
+
+def test_unsupported_values_are_named_and_pickle_is_opt_in(tmp_path):
+    path = str(tmp_path / "a.ckpt")
+    ck = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters_type": collections.Counter}  # omegaconf's case
+    with pytest.raises(UnsupportedValueError) as err:
+        DistCkptCheckpointIO().save_checkpoint(ck, path)
+    assert err.value.key == "hyper_parameters_type" and not os.path.exists(path)
+    # Containers that would come back as another type: refused even with allow_pickle.
+    for bad, key in [({"cb": collections.defaultdict(int)}, "cb"),
+                     ({"m": torch.nn.Linear(1, 1)}, "m")]:  # state_dict()/load_state_dict(): not a dict
+        with pytest.raises(UnsupportedValueError) as err:
+            DistCkptCheckpointIO(allow_pickle=True).save_checkpoint(bad, path)
+        assert err.value.key == key and not os.path.exists(path)
+    DistCkptCheckpointIO(allow_pickle=True).save_checkpoint(ck, path)
+    with pytest.raises(PickleNotAllowedError):  # never unpickled unless asked
+        DistCkptCheckpointIO().load_checkpoint(path)
+    with pytest.raises(PickleNotAllowedError):  # weights_only=True refuses it even then
+        DistCkptCheckpointIO(allow_pickle=True).load_checkpoint(path, weights_only=True)
+    assert DistCkptCheckpointIO(allow_pickle=True).load_checkpoint(path)["hyper_parameters_type"] is collections.Counter
+
+
+def test_missing_and_damaged_checkpoints_raise_typed_errors(tmp_path):
+    io = DistCkptCheckpointIO()
+    with pytest.raises(CheckpointNotFoundError):
+        io.load_checkpoint(str(tmp_path / "nothing.ckpt"))
+    torch.save({"w": torch.ones(1)}, str(tmp_path / "torch.ckpt"))
+    with pytest.raises(CheckpointNotFoundError):  # a torch.save file: named, never unpickled
+        io.load_checkpoint(str(tmp_path / "torch.ckpt"))
+    path = str(tmp_path / "c.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4096, dtype=torch.float32)}, "epoch": 1}, path)
+    data = os.path.join(path, "rank00000.bin")
+    with open(data, "r+b") as f:  # flip one byte of the tensor's block
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ChecksumMismatchError):
+        io.load_checkpoint(path)
+    os.truncate(data, 1000)
+    with pytest.raises(DataFileTruncatedError):
+        io.load_checkpoint(path)
+    os.unlink(os.path.join(path, "MANIFEST"))
+    with pytest.raises(CheckpointIncompleteError):
+        io.load_checkpoint(path)
+
+
+def test_keep_last_rotates_only_this_plugins_checkpoints(tmp_path):
+    d = tmp_path / "ck"
+    ck = {"state_dict": {"w": torch.ones(3)}, "epoch": 0}
+    io = DistCkptCheckpointIO(keep_last=2)
+    io.save_checkpoint(ck, str(d / "epoch=0.ckpt"))
+    import distckpt
+    distckpt.save({"w": torch.ones(1)}, str(d / "foreign"), no_dist=True)  # not the plugin's: never rotated
+    os.symlink("epoch=0.ckpt", str(d / "last.ckpt"))  # save_last="link": its target is kept
+    io.load_checkpoint(str(d / "last.ckpt"))  # through the link
+    resumed = DistCkptCheckpointIO(keep_last=2)
+    resumed.save_checkpoint(ck, str(d / "epoch=1.ckpt"))
+    resumed.load_checkpoint(str(d / "epoch=1.ckpt"))  # the run resumed from it: kept
+    for e in (2, 3, 4):
+        resumed.save_checkpoint(ck, str(d / f"epoch={e}.ckpt"))
+    # Excess by age at the last save: epoch=0 (a link's target), 1 (resumed from), 2 (deleted).
+    assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == [
+        "epoch=0.ckpt", "epoch=1.ckpt", "epoch=3.ckpt", "epoch=4.ckpt", "foreign", "last.ckpt"]
+    with pytest.raises(ConfigError):
+        DistCkptCheckpointIO(keep_last=0)
+
+
+def test_remove_checkpoint_removes_only_checkpoints(tmp_path):
+    io = DistCkptCheckpointIO()
+    path = str(tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": torch.ones(1)}, path)
+    os.symlink("a.ckpt", str(tmp_path / "last.ckpt"))
+    io.remove_checkpoint(str(tmp_path / "last.ckpt"))  # the link only
+    assert _is_checkpoint(path) and not os.path.lexists(str(tmp_path / "last.ckpt"))
+    io.remove_checkpoint(path)
+    assert not os.path.exists(path)
+    io.remove_checkpoint(path)  # nothing there: nothing to do, as TorchCheckpointIO
+    (tmp_path / "file.ckpt").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError):
+        io.remove_checkpoint(str(tmp_path / "file.ckpt"))
+    (tmp_path / "dir.ckpt").mkdir()
+    (tmp_path / "dir.ckpt" / "keep").write_bytes(b"x")
+    with pytest.raises(CheckpointIncompleteError):
+        io.remove_checkpoint(str(tmp_path / "dir.ckpt"))
+    assert (tmp_path / "file.ckpt").exists() and (tmp_path / "dir.ckpt" / "keep").exists()
+
+
+def test_errors_of_background_saves_are_raised(tmp_path):
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    (tmp_path / "file").write_bytes(b"x")
+    under_a_file = str(tmp_path / "file" / "c.ckpt")
+    io = DistCkptCheckpointIO(async_save=True)
+    with pytest.raises(UnsupportedValueError):  # found while planning: raised by the call itself
+        io.save_checkpoint({"f": lambda: 0}, str(tmp_path / "x.ckpt"))
+    io.save_checkpoint({"w": torch.ones(2)}, under_a_file)  # fails on distckpt's thread
+    with pytest.raises(StorageError):
+        io.teardown()
+    io.teardown()  # reported once
+    good = str(tmp_path / "ok.ckpt")
+    io.save_checkpoint({"w": torch.ones(2)}, good)
+    assert io.load_checkpoint(good)["w"].sum() == 2  # a load waits for the save in flight
+    wrapped = AsyncCheckpointIO(DistCkptCheckpointIO())
+    # Lightning's wrapper raises it at its next save_checkpoint or at teardown, whichever comes
+    # first after its thread failed (here the save itself may already see it).
+    with pytest.raises(StorageError):
+        wrapped.save_checkpoint({"w": torch.ones(2)}, under_a_file)
+        wrapped.teardown()
+
+
+def test_storage_options_reach_an_object_store(s3_bucket):
+    opts = s3_bucket.storage_options
+    io = DistCkptCheckpointIO(storage_options=opts, keep_last=2)
+    ck = _lightning_like()
+    base = s3_bucket.url + "/run/checkpoints"
+    for e in range(3):
+        io.save_checkpoint(ck, f"{base}/epoch={e}.ckpt")
+    io.save_checkpoint(ck, f"{base}/epoch=2.ckpt")  # rewritten in place of the old one
+    _equal(ck, io.load_checkpoint(f"{base}/epoch=2.ckpt"))
+    tops = {k.split("/")[2] for k in s3_bucket.keys("run/checkpoints")}
+    assert {"epoch=1.ckpt", "epoch=2.ckpt"} <= tops and "epoch=0.ckpt" not in tops  # keep_last=2
+    io.remove_checkpoint(f"{base}/epoch=1.ckpt")
+    with pytest.raises(CheckpointNotFoundError):
+        io.load_checkpoint(f"{base}/epoch=1.ckpt")
+    with pytest.raises(ConfigError):  # fsspec options for a local path: refused, not ignored
+        DistCkptCheckpointIO(storage_options=opts).save_checkpoint(ck, "/tmp/never-written.ckpt")
