@@ -14,7 +14,7 @@ rename): a crash leaves the previous checkpoint of that name or the new one, nev
 Its tensors (weights, optimizer state, ``best_model_score``...) are in the data file, every other
 value of Lightning's dict (epoch, global_step, loops, callbacks, hyper_parameters, param_groups,
 lr_schedulers) in the MANIFEST as typed plain data, without pickle. ``distckpt.read(path)`` gives
-the same dict outside Lightning.
+the same values outside Lightning (OrderedDicts as plain dicts; ``load_checkpoint`` restores them).
 
 Lightning's call paths (2.6.6) this follows:
   * ``Strategy.save_checkpoint`` calls the plugin on global rank 0 only, with the full
