@@ -28,7 +28,6 @@ Layout and what is loaded:
 from __future__ import annotations
 
 import logging
-import os
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass

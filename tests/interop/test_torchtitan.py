@@ -14,7 +14,9 @@ and a train_state, the model sharded with FSDP2 on 2 gloo ranks.
   * in this process (no torch.distributed): build-time ConfigErrors, keep_latest_k rotation,
     load_step, both kinds of checkpoint in one folder, model-only last save in export_dtype,
     initial_load_path, exclude_from_loading, the async modes.
-Two launches of 2 ranks; each has its own time limit (LAUNCH_TIMEOUT_S), so nothing can hang.
+Two launches of 2 ranks (forked from a fork server that imported torch and torchtitan once:
+tests/helpers/torchtitan_worker.py, launch); each has its own time limit (LAUNCH_TIMEOUT_S), so
+nothing can hang.
 """
 
 from __future__ import annotations
@@ -198,7 +200,14 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     assert objs5["lr_schedulers"].state_dict() == objs3["lr_schedulers"].state_dict()
     nothing, _ = _mine(tmp_path / "none")
     assert nothing.load() is False  # a fresh start
-    for m in (mgr, again, full, init, nothing):
+
+    # A seed checkpoint (torchtitan's train.py: save(curr_step=0, last_step=True)) loads model only.
+    seed, objs6 = _mine(tmp_path / "seed", tw.build(seed=5))
+    assert seed.save(0, last_step=True) and sorted(seed.checkpoints()) == [0]
+    start, objs7 = _mine(tmp_path / "seed")
+    assert start.load() and objs7["train_state"].step == 0
+    assert all(torch.equal(v, _weights(objs6)[k]) for k, v in _weights(objs7).items())
+    for m in (mgr, again, full, init, nothing, seed, start):
         m.close()
 
 
