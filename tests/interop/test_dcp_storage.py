@@ -110,6 +110,20 @@ def test_dcp_save_writes_a_distckpt_checkpoint_that_dcp_loads_at_other_world_siz
                 _same(loaded, saved_state)
 
 
+def test_dcp_async_save_in_process_and_thread_modes(tmp_path):
+    """DCP's two async modes through torchrun (the process mode pickles the writer to a background
+    process per rank, which saves on a process group of its own)."""
+    worker = os.path.join(os.path.dirname(__file__), "..", "helpers", "dcp_async_worker.py")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", worker,
+                          str(tmp_path)], capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK "))
+    assert lines == sorted(f"OK {m} {r} 780.0 5" for m in ("process", "thread") for r in (0, 1)), out.stdout
+    for mode in ("process", "thread"):
+        assert sorted(os.listdir(tmp_path / mode)) == ["MANIFEST", "rank00000.bin", "rank00001.bin"]
+
+
 def test_dcp_load_through_the_reader_reads_native_and_filesystemwriter_checkpoints(tmp_path):
     """One process (DCP's no-process-group mode): the reader also serves a checkpoint written by
     distckpt.save and a directory written by DCP's own FileSystemWriter."""
