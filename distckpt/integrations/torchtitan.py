@@ -22,7 +22,9 @@ Layout and what is loaded:
     neither sees ``step_*`` directories nor reads distckpt's format.
   * ``keep_latest_k`` rotates distckpt's steps only (committed ones, inside the commit, never the
     step just saved): DCP ``step-N`` folders left by torchtitan's manager are never deleted here.
-  * Step 0 (a seed checkpoint) and a ``last_save_model_only`` checkpoint load the model only.
+  * Step 0 (a seed checkpoint) and a checkpoint holding no state but the model's (a
+    ``last_save_model_only`` save, by either manager) load the model only, the latter with a
+    warning; torchtitan's own manager fails on the missing keys there.
 """
 
 from __future__ import annotations
@@ -245,7 +247,11 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             model_only = self.initial_load_model_only
         else:
             path, kind = found[step]
-            model_only = step == 0 or (kind == "distckpt" and self._model_only(path))
+            model_only = step == 0 or self._model_only(path)
+            if model_only and step != 0:
+                log.warning("distckpt: %s holds the model only (a last save with last_save_model_only): "
+                            "loading the model; optimizer, LR scheduler, dataloader and train_state stay "
+                            "as they are", path)
         states = self._states_to_load(model_only)
         log.info("distckpt: loading %s (%s)", path, "model only" if model_only else "full state")
         if kind == "distckpt":  # through the manager: the step it resumed from is protected
@@ -297,9 +303,11 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         return found
 
     def _model_only(self, path: str) -> bool:
-        meta = load_manifest(path, self.storage_options).meta
-        meta = meta if isinstance(meta, dict) else {}
-        return bool(((meta.get("user") or {}).get("torchtitan") or {}).get("model_only"))
+        # A model-only checkpoint (torchtitan's last save, either manager's) holds no key of the
+        # trainer's other states; loading those would fail on the missing keys.
+        manifest = load_manifest(path, self.storage_options)
+        others = tuple(f"{name}." for name in self.states if name != MODEL)
+        return not any(k.startswith(others) for k in (*manifest.tensors, *manifest.objects))
 
     def _flattened(self, states: dict[str, Any]) -> dict[str, Any]:
         # torchtitan's layout: the model's keys at the top level, the other states as subtrees.

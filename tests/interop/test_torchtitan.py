@@ -188,6 +188,14 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     assert again.load() and objs2["train_state"].step == 0
     assert all(torch.equal(v, bf16[k].to(torch.bfloat16).float()) for k, v in _weights(objs2).items())
 
+    # The same from torchtitan's manager's model-only last save (DCP): its own load would fail.
+    theirs = _theirs(tmp_path / "dcp_run", objs, interval=100, export_dtype="bfloat16")
+    assert theirs.save(4, last_step=True)
+    theirs.close()
+    switched, objs2b = _mine(tmp_path / "dcp_run")
+    assert switched.load() and objs2b["train_state"].step == 0
+    assert all(torch.equal(v, bf16[k].to(torch.bfloat16).float()) for k, v in _weights(objs2b).items())
+
     # initial_load_path: used only while the folder holds no checkpoint; model only by default.
     full, objs3 = _mine(tmp_path / "full", interval=2, last_save_model_only=False)
     _train(objs3, [full], 2)
@@ -207,7 +215,7 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     start, objs7 = _mine(tmp_path / "seed")
     assert start.load() and objs7["train_state"].step == 0
     assert all(torch.equal(v, _weights(objs6)[k]) for k, v in _weights(objs7).items())
-    for m in (mgr, again, full, init, nothing, seed, start):
+    for m in (mgr, again, switched, full, init, nothing, seed, start):
         m.close()
 
 
