@@ -1,0 +1,181 @@
+"""dcp.save / dcp.load with distckpt's storage layer vs DCP's FileSystemWriter/Reader, one run.
+
+    .venv/bin/python launch/bench/bench_dcp_storage.py DIR [--world 2] [--repeat 3]
+        [--size 512M] [--small 200] [--llama-hidden 768 --llama-layers 4 ...] [--no-llama]
+
+Two state shapes, each saved by ``--world`` freshly spawned gloo ranks on this machine:
+
+  * ``synthetic``: large DTensor-sharded tensors (dim 0 over the ranks) plus ``--small`` replicated
+    small tensors (launch/bench/bench.py's make_state);
+  * ``llama``: an FSDP2 (``fully_shard``) Hugging Face Llama built from a config (random init) and
+    its AdamW state after one step, as ``get_state_dict`` returns them (torchtitan's layout).
+
+For each shape, ``--repeat`` times and interleaved (the slowest rank's time, median and min..max):
+``dcp.save`` with DCP's FileSystemWriter (its defaults: one thread, fsync per file);
+``dcp.save`` with DistCkptStorageWriter (DCP's planner, distckpt's writer and commit);
+``distckpt.save`` of the same state (distckpt's own plan), so the difference is what DCP's planner
+costs; ``dcp.load`` with DCP's FileSystemReader and with DistCkptStorageReader (warm page cache:
+each checkpoint was just written). Ratios are printed against FileSystemWriter/Reader. Every
+checkpoint written under DIR is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
+
+from bench import _barrier, make_state, parse_size, rm, spawn  # noqa: E402
+
+
+def _llama(rank, world, args):
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    heads = max(1, args["hidden"] // 64)
+    cfg = LlamaConfig(hidden_size=args["hidden"], num_hidden_layers=args["layers"],
+                      intermediate_size=args["inter"], vocab_size=args["vocab"], num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, args["vocab"], (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optimizer": osd}
+
+
+def _local_bytes(obj) -> int:
+    import torch
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    if isinstance(obj, dict):
+        return sum(_local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_local_bytes(v) for v in obj)
+    return 0
+
+
+def _zeros_like(obj):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(torch.zeros_like(obj.to_local()), obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: _zeros_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_zeros_like(v) for v in obj]
+    return obj
+
+
+def _body(rank, world, work, shape, size, small, llama, repeat):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import distckpt
+    from distckpt.integrations.dcp import DistCkptStorageReader, DistCkptStorageWriter
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if shape == "synthetic":
+        from torch.distributed.device_mesh import init_device_mesh
+        state = make_state(size, small, rank, world, init_device_mesh("cpu", (world,)) if world > 1 else None)
+    else:
+        state = _llama(rank, world, llama)
+    nbytes = _local_bytes(state)
+    rows: dict[str, list[float]] = {}
+
+    def timed(name, fn, cleanup):
+        _barrier(world)
+        t0 = time.perf_counter()
+        fn()
+        _barrier(world)
+        rows.setdefault(name, []).append(time.perf_counter() - t0)
+        if cleanup is not None and rank == 0:
+            cleanup()
+        _barrier(world)
+
+    # Warm-up: imports, the io back-end probe, DCP's planner caches.
+    dcp.save(state, storage_writer=DistCkptStorageWriter(f"{work}/warm"))
+    _barrier(world)
+    if rank == 0:
+        rm(f"{work}/warm")
+    for i in range(repeat):
+        fsw, dck, nat = f"{work}/fsw{i}", f"{work}/dck{i}", f"{work}/nat{i}"
+        timed("dcp.save FileSystemWriter", lambda: dcp.save(state, checkpoint_id=fsw), None)
+        timed("dcp.save DistCkptStorageWriter", lambda: dcp.save(state, storage_writer=DistCkptStorageWriter(dck)),
+              None)
+        timed("distckpt.save", lambda: distckpt.save(state, nat), lambda: rm(nat))
+        dst = _zeros_like(state)
+        timed("dcp.load FileSystemReader", lambda: dcp.load(dst, checkpoint_id=fsw), lambda: rm(fsw))
+        dst = _zeros_like(state)
+        timed("dcp.load DistCkptStorageReader", lambda: dcp.load(dst, storage_reader=DistCkptStorageReader(dck)),
+              lambda: rm(dck))
+    return {"rows": rows, "bytes": nbytes}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("directory")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--size", default="512M", help="synthetic state size (all ranks together)")
+    ap.add_argument("--small", type=int, default=200, help="replicated small tensors in the synthetic state")
+    ap.add_argument("--llama-hidden", type=int, default=768)
+    ap.add_argument("--llama-layers", type=int, default=4)
+    ap.add_argument("--llama-inter", type=int, default=2048)
+    ap.add_argument("--llama-vocab", type=int, default=8000)
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    work = os.path.join(os.path.abspath(args.directory), "bench_dcp_storage")
+    os.makedirs(work, exist_ok=True)
+    llama = {"hidden": args.llama_hidden, "layers": args.llama_layers, "inter": args.llama_inter,
+             "vocab": args.llama_vocab}
+    shapes = ["synthetic"] + ([] if args.no_llama else ["llama"])
+    out = {}
+    try:
+        for shape in shapes:
+            results = spawn(_body, args.world, work, shape, parse_size(args.size), args.small, llama, args.repeat)
+            total = sum(r["bytes"] for r in results)
+            names = results[0]["rows"].keys()
+            table = {}
+            for name in names:
+                secs = [max(r["rows"][name][i] for r in results) for i in range(args.repeat)]
+                table[name] = {"median": statistics.median(secs), "min": min(secs), "max": max(secs)}
+            out[shape] = {"bytes": total, "rows": table}
+            print(f"\n{shape}: {total / 2**20:.0f} MiB over {args.world} ranks, {args.repeat} repetitions "
+                  f"(slowest rank; median, min..max)")
+            for name, row in table.items():
+                base = table["dcp.save FileSystemWriter" if "save" in name else "dcp.load FileSystemReader"]
+                print(f"  {name:34s} {row['median']:7.3f} s  ({row['min']:.3f}..{row['max']:.3f})  "
+                      f"{total / 2**20 / row['median']:7.0f} MiB/s  {base['median'] / row['median']:5.2f}x vs DCP's")
+            plan = table["dcp.save DistCkptStorageWriter"]["median"] / table["distckpt.save"]["median"]
+            print(f"  dcp.save with DistCkptStorageWriter / distckpt.save: {plan:.2f}x (what DCP's planner and "
+                  f"its collectives add)")
+    finally:
+        rm(work)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
