@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import Callable
 
 from . import chain
 from .errors import CheckpointNotFoundError, DistCkptError
 from .manifest import MANIFEST_NAME as MANIFEST
 from .storage import Leftover, Store, basename, join, normalize_path, open_store
 
-__all__ = ["list_root", "RootListing", "StepInfo", "Leftover"]
+__all__ = ["list_root", "RootListing", "StepInfo", "Leftover", "owned_checkpoints"]
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -137,3 +138,24 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
              if store.has_manifest(join(root, n)) or (_STEP_RE.match(n) and store.exists(join(root, n)))]
     return _listing(root, infos, store.read_pointer(join(root, "latest")),
                     store.scan_leftovers(root, other_hosts=other_hosts))
+
+
+def owned_checkpoints(store: Store, parent: str, owned: Callable[[dict], bool]) -> list[tuple[str, float]]:
+    """(name, commit time) of every committed checkpoint directly in ``parent`` whose MANIFEST's
+    user metadata (``meta["user"]``, a dict or None) ``owned`` accepts: what an integration's
+    rotation may delete. Symlinks are never listed (never deleted through); a checkpoint whose
+    MANIFEST does not decode is skipped (not ours to judge, never ours to delete). Raises the
+    store's listing errors."""
+    out = []
+    for name in store.list_children(parent):
+        path = join(parent, name)
+        if not store.is_committed(path):
+            continue
+        try:
+            manifest = store.load_manifest(path)
+        except DistCkptError:
+            continue
+        user = manifest.meta.get("user")
+        if owned(user if isinstance(user, dict) else None):
+            out.append((name, manifest.created_unix))
+    return out

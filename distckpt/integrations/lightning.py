@@ -91,6 +91,7 @@ from ..commit import SaveResult
 from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, DistCkptError,
                       ManifestCorruptError, UnsupportedValueError)
 from ..flatten import _holds_dict, set_leaf
+from ..listing import owned_checkpoints
 from ..restore import read
 from ..save_async import AsyncSaveHandle, async_save_in_root
 from ..save_sync import save_in_root
@@ -435,20 +436,10 @@ class DistCkptCheckpointIO(CheckpointIO):
 
 def _our_checkpoints(store: Store, parent: str) -> list[tuple[str, float]]:
     """(name, commit time) of every committed checkpoint of this plugin directly in ``parent``."""
-    out = []
-    for name in store.list_children(parent):  # symlinks are never listed: never deleted through
-        path = join(parent, name)
-        if not store.is_committed(path):
-            continue
-        try:
-            manifest = store.load_manifest(path)
-        except DistCkptError:
-            continue  # not ours to judge, never ours to delete
-        user = manifest.meta.get("user")
-        ours = user.get(_META) if isinstance(user, dict) else None
-        if isinstance(ours, dict) and ours.get("format") == FORMAT:
-            out.append((name, manifest.created_unix))
-    return out
+    def ours(user: dict | None) -> bool:
+        meta = user.get(_META) if user is not None else None
+        return isinstance(meta, dict) and meta.get("format") == FORMAT
+    return owned_checkpoints(store, parent, ours)
 
 
 def _real(path: str | None) -> str | None:

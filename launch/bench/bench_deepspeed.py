@@ -26,11 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
-from launch.bench.bench import drop_caches  # noqa: E402  (the repository root is on sys.path now)
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+from launch.bench.bench import dir_bytes, drop_caches  # noqa: E402  (the repository root is on sys.path now)
 
 
 def main() -> None:

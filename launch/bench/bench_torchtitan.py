@@ -30,13 +30,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
-from tests.helpers import torchtitan_worker as tw  # noqa: E402  (the repository root is on sys.path now)
+from launch.bench.bench import dir_bytes  # noqa: E402  (the repository root is on sys.path now)
+from tests.helpers import torchtitan_worker as tw  # noqa: E402
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def main() -> None:

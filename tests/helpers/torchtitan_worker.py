@@ -20,12 +20,8 @@ Phases (functions run by tests.helpers.distributed.run_ranks):
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import pickle
-import queue as _queue
 import signal
-import time
 from typing import Any, Callable
 
 import torch
@@ -208,43 +204,7 @@ def resume(rank: int, world: int, out: str, variants: list[str]) -> dict[str, An
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float, env: dict[str, str] | None = None) -> list:
     """tests.helpers.distributed.run_ranks, with ranks forked from a fork server that has imported
-    PRELOAD (run_ranks spawns: every rank imports torch and torchtitan anew). Returns each rank's
-    result in rank order; raises RankError (tracebacks, or the exit code of a rank that died
-    without reporting) or TimeoutError (every rank killed first) past ``timeout`` seconds."""
-    from .distributed import RankError, _entry, free_port
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # effective when this process starts its fork server
-    results_q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, {}, env or {}, results_q, True), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, tuple[BaseException | None, str]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results) - set(errors))} did not "
-                                   f"finish within {timeout} s")
-            try:
-                rank, status, blob, tb = results_q.get(timeout=0.2)
-            except _queue.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in errors:
-                        errors[r] = (None, f"process exited with code {p.exitcode} before reporting")
-                continue
-            if status == "ok":
-                results[rank] = pickle.loads(blob)
-            else:
-                errors[rank] = (pickle.loads(blob) if blob else None, tb)
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RankError(errors)
-    return [results[r] for r in range(world)]
+    PRELOAD (run_ranks spawns by default: every rank imports torch and torchtitan anew). Returns
+    and raises what run_ranks does."""
+    from .distributed import run_ranks
+    return run_ranks(fn, world, *args, timeout=timeout, env=env, preload=list(PRELOAD))

@@ -82,6 +82,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from ... import manifest as mf
 from ..._dist import _portable, control_group
 from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError
+from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
 from ...save_sync import save_in_root
@@ -348,24 +349,18 @@ def read_latest(save_dir: str) -> str | None:
 
 def _ds_meta(manifest: "mf.Manifest") -> dict | None:
     user = manifest.meta.get("user")
-    ds = user.get("deepspeed") if isinstance(user, dict) else None
+    return _ds_user_meta(user if isinstance(user, dict) else None)
+
+
+def _ds_user_meta(user: dict | None) -> dict | None:
+    """This integration's entry of a MANIFEST's user metadata, or None when it did not write it."""
+    ds = user.get("deepspeed") if user is not None else None
     return ds if isinstance(ds, dict) and ds.get("engine") == FORMAT else None
 
 
 def _our_checkpoints(store: Store, save_dir: str) -> list[tuple[str, float]]:
     """(tag, commit time) of every committed checkpoint of this integration in ``save_dir``."""
-    out = []
-    for name in store.list_children(save_dir):  # symlinks are not followed: never deleted through
-        path = join(save_dir, name)
-        if not store.is_committed(path):
-            continue
-        try:
-            manifest = store.load_manifest(path)
-        except DistCkptError:
-            continue  # not ours to judge, never ours to delete
-        if _ds_meta(manifest) is not None:
-            out.append((name, manifest.created_unix))
-    return out
+    return owned_checkpoints(store, save_dir, lambda user: _ds_user_meta(user) is not None)
 
 
 # ---------------------------------------------------------------------------------------------
