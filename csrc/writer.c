@@ -91,6 +91,7 @@ typedef struct {
     unsigned ninflight;      /* staging + direct writes in flight (<= queue_depth) */
     int err;                 /* first deferred error (positive errno), sticky */
     size_t mem_align;        /* O_DIRECT memory alignment; 0 disables the zero-copy path */
+    size_t zc_min;           /* smallest source written zero-copy (>= block_size): see writer_append */
     /* Zero-copy writes straight from the caller's buffer, user_data nblocks + k. They are all
      * complete before write() returns, so the caller's memory is never referenced afterwards. */
     unsigned char *d_inflight;
@@ -386,22 +387,26 @@ static int writer_stage(WriterObject *w, const char *src, size_t n)
 /* Append n bytes from src (or zeros when src is NULL). GIL released by the caller. Returns 0 or a
  * positive errno; an error is sticky.
  *
- * A source of at least one block goes to the disk straight from its memory (zero-copy) from its
+ * A source of at least zc_min bytes goes to the disk straight from its memory (zero-copy) from its
  * first byte that is mem_align-aligned, provided that byte lands on an offset_align-aligned file
  * position: the bytes before it (the head) are staged. A caller places a chunk so (see
- * distckpt.storage.posix.Writer.pad_for); torch's large CPU tensors sit 64 bytes past a page. */
+ * distckpt.storage.posix.Writer.pad_for); torch's large CPU tensors sit 64 bytes past a page.
+ * Zero-copy writes are all complete when the call returns, so the disk's queue empties at the end
+ * of each such source; staged writes stay in flight across calls. A source of a few blocks is
+ * therefore faster staged (one memcpy) than zero-copy: zc_min (at least block_size, by
+ * default block_size x queue_depth) keeps zero-copy for sources that fill the queue many times. */
 static int writer_append(WriterObject *w, const char *src, size_t n)
 {
     if (src && w->mem_align && !w->err) {
         size_t head = (w->mem_align - (uintptr_t)src % w->mem_align) % w->mem_align;
-        if (head && n >= head + w->block_size && (w->fill + head) % w->offset_align == 0) {
+        if (head && n >= head + w->zc_min && (w->fill + head) % w->offset_align == 0) {
             int e = writer_stage(w, src, head);
             if (e)
                 return e;
             src += head;
             n -= head;
         }
-        if (n >= w->block_size && (uintptr_t)src % w->mem_align == 0 && w->fill % w->offset_align == 0) {
+        if (n >= w->zc_min && (uintptr_t)src % w->mem_align == 0 && w->fill % w->offset_align == 0) {
             size_t done = writer_direct(w, src, n);
             src += done;
             n -= done;
@@ -490,10 +495,12 @@ static int writer_enter_append(WriterObject *w)
 static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"path", "block_size", "queue_depth", "offset_align", "uring",
-                             "fixed_buffers", "prealloc_max", "mem_align", "stage_block", "stage_blocks", NULL};
+                             "fixed_buffers", "prealloc_max", "mem_align", "stage_block", "stage_blocks",
+                             "zero_copy_min", NULL};
     PyObject *path = NULL;
     Py_ssize_t block_size = 4 << 20, queue_depth = 8, offset_align = 4096;
     Py_ssize_t stage_block = 0, stage_blocks = 0; /* 0: block_size, queue_depth + 1 */
+    Py_ssize_t zero_copy_min = 0;                 /* 0: block_size */
     long long prealloc_max = (long long)PREALLOC_MAX;
     Py_ssize_t mem_align = 0;
     int use_uring = 1, fixed = 0, e = 0;
@@ -503,9 +510,10 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "Writer already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnppLnnn:Writer", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnppLnnnn:Writer", kwlist, PyUnicode_FSConverter,
                                      &path, &block_size, &queue_depth, &offset_align, &use_uring,
-                                     &fixed, &prealloc_max, &mem_align, &stage_block, &stage_blocks))
+                                     &fixed, &prealloc_max, &mem_align, &stage_block, &stage_blocks,
+                                     &zero_copy_min))
         return -1;
     w->path = path; /* owned; bytes */
     if (offset_align <= 0 || !is_pow2((size_t)offset_align) || block_size <= 0 ||
@@ -529,7 +537,14 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
                         "stage_blocks between 2 and queue_depth + 1");
         return -1;
     }
+    if (zero_copy_min == 0)
+        zero_copy_min = block_size;
+    if (zero_copy_min < block_size) {
+        PyErr_SetString(PyExc_ValueError, "zero_copy_min must be 0 (block_size) or >= block_size");
+        return -1;
+    }
     w->block_size = (size_t)block_size;
+    w->zc_min = (size_t)zero_copy_min;
     w->stage_block = (size_t)stage_block;
     w->offset_align = (size_t)offset_align;
     w->mem_align = (size_t)mem_align;

@@ -16,6 +16,9 @@ about once per process, naming the closest known variable: a silently ignored se
 |                             |          | write); at most DISTCKPT_BLOCK_SIZE                        |
 | DISTCKPT_STAGE_BLOCKS       | 4        | blocks in a writer's staging ring (2 .. QUEUE_DEPTH + 1);  |
 |                             |          | the ring (here 8 MiB) is all the memory a save adds        |
+| DISTCKPT_ZERO_COPY_MIN      | 16M      | sources at least this large are written from their own     |
+|                             |          | memory, smaller ones through the ring (default: half a     |
+|                             |          | queue, BLOCK_SIZE x QUEUE_DEPTH / 2; at least BLOCK_SIZE)  |
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | largest checksummed block; a save picks a smaller one (>= |
 |                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
@@ -62,7 +65,7 @@ KNOWN_VARIABLES = (
     # the library (this module)
     "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
     "DISTCKPT_TIMEOUT_S", "DISTCKPT_DRAIN_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
-    "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING",
+    "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING", "DISTCKPT_ZERO_COPY_MIN",
     # object stores (distckpt.storage.object.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
     "DISTCKPT_OBJECT_CONDITIONAL", "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "DISTCKPT_OBJECT_MIN_RATE",
@@ -79,6 +82,7 @@ class Config:
     block_size: int = 4 << 20
     stage_block: int = 2 << 20
     stage_blocks: int = 4
+    zero_copy_min: int = 16 << 20
     checksum_block: int = 1 << 20
     timeout_s: float = 300.0
     drain_timeout_s: float = 3600.0
@@ -186,12 +190,18 @@ def load_config(env: dict | None = None) -> Config:
     # Defaults follow a smaller DISTCKPT_BLOCK_SIZE / QUEUE_DEPTH; explicit values must fit them.
     stage_block = _size(env, "DISTCKPT_STAGE_BLOCK", min(2 << 20, block_size), lo=64 << 10, hi=block_size)
     stage_blocks = _int(env, "DISTCKPT_STAGE_BLOCKS", min(4, queue_depth + 1), lo=2, hi=queue_depth + 1)
+    # A zero-copy source drains the disk queue when its call returns; below about half a queue of
+    # blocks the staged path (one memcpy, writes in flight across tensors) is faster (measured on
+    # an FSDP2 Llama state of 137 pieces of 1.7 MiB on average per rank: docs/BENCHMARKS.md).
+    zero_copy_min = _size(env, "DISTCKPT_ZERO_COPY_MIN", max(block_size, block_size * queue_depth // 2),
+                          lo=block_size, hi=1 << 40)
     return Config(
         io_backend=backend,
         queue_depth=queue_depth,
         block_size=block_size,
         stage_block=stage_block,
         stage_blocks=stage_blocks,
+        zero_copy_min=zero_copy_min,
         checksum_block=_size(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30),
         timeout_s=timeout,
         drain_timeout_s=drain_timeout,

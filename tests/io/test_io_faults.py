@@ -77,6 +77,7 @@ def test_enospc_small_tmpfs(small_tmpfs, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_enospc_loop_ext4(small_ext4, backend, aligned, monkeypatch):
     monkeypatch.setenv("DISTCKPT_BLOCK_SIZE", str(256 << 10))  # a 1 MiB source spans blocks
+    monkeypatch.setenv("DISTCKPT_ZERO_COPY_MIN", str(256 << 10))  # and is written zero-copy when aligned
     _fill_until_error(small_ext4, backend, aligned)
 
 

@@ -44,6 +44,7 @@ def ext4_dir(tmp_path):
 @pytest.fixture(params=BACKENDS)
 def choice(request, ext4_dir, monkeypatch):
     monkeypatch.setenv("DISTCKPT_BLOCK_SIZE", str(SMALL_BLOCK))
+    monkeypatch.setenv("DISTCKPT_ZERO_COPY_MIN", str(SMALL_BLOCK))  # the zero-copy path from one block
     dio.reset_choices()
     return dio.choose_backend(ext4_dir, backend=request.param)
 

@@ -42,8 +42,10 @@ class Writer:
         self.backend = choice.name
         self.alignment = choice.alignment
         self.durable = durable
-        # pad_for(): sources of at least this many bytes are written zero-copy (0: never).
-        self._zero_copy = choice.native_kwargs()["block_size"] if choice.name != "buffered" and choice.mem_align else 0
+        # pad_for(): sources of at least this many bytes are written zero-copy (0: never); the C
+        # writer gets the same threshold (DISTCKPT_ZERO_COPY_MIN, at least one block).
+        zero_copy_min = max(get_config().zero_copy_min, choice.native_kwargs()["block_size"])
+        self._zero_copy = zero_copy_min if choice.name != "buffered" and choice.mem_align else 0
         self._mem_align = choice.mem_align
         self._offset_align = choice.offset_align
         self._size: int | None = None
@@ -66,6 +68,7 @@ class Writer:
                     stage_block=max(min(cfg.stage_block, native["block_size"]), choice.offset_align,
                                     os.sysconf("SC_PAGESIZE")),
                     stage_blocks=min(cfg.stage_blocks, native["queue_depth"] + 1),
+                    zero_copy_min=zero_copy_min,
                     # Registered staging: pages pinned once, not per request (~5-10% on the copy
                     # path at 2 GB/s). If RLIMIT_MEMLOCK refuses it the C writer uses plain
                     # writes (self.fixed_buffers says which ran); the backend is unchanged.
