@@ -90,6 +90,32 @@ def _done(value: Any) -> Future:
     return fut
 
 
+def _pieces(plan, planner) -> tuple[dict[str, Any], list[WriteResult]]:
+    """This rank's items of DCP's plan as a distckpt state dict ({fqn: LocalPieces | bytes}) and
+    the WriteResults DCP expects. Raises what the planner's ``resolve_data`` raises, and
+    ConfigError for a resolved tensor whose shape is not its chunk's."""
+    state: dict[str, Any] = {}
+    results: list[WriteResult] = []
+    for item in plan.items:
+        fqn = item.index.fqn
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+            state[fqn] = raw
+            results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=None))
+            continue
+        td = item.tensor_data
+        tensor = data.detach()
+        if tuple(tensor.shape) != tuple(td.chunk.sizes):
+            raise ConfigError(f"{fqn}: the planner resolved a tensor of shape {list(tensor.shape)} for a chunk "
+                              f"of sizes {list(td.chunk.sizes)}")
+        entry = state.setdefault(fqn, LocalPieces(tuple(td.size), td.properties.dtype, []))
+        entry.pieces.append(Piece(tuple(td.chunk.offsets), tuple(td.chunk.sizes), tensor))
+        results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
+                                   storage_data=None))
+    return state, results
+
+
 class DistCkptStorageWriter(StorageWriter):
     """A DCP StorageWriter that saves through distckpt (module docstring).
 
@@ -166,30 +192,20 @@ class DistCkptStorageWriter(StorageWriter):
         """Write this rank's items (DCP's plan) into its distckpt data file, durable, uncommitted.
 
         Collective over the process group. Raises on every rank the typed error of the rank(s)
-        that failed (distckpt.save's errors before its commit point); nothing is then visible."""
-        state: dict[str, Any] = {}
-        results: list[WriteResult] = []
-        for item in plan.items:
-            fqn = item.index.fqn
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
-                state[fqn] = raw
-                results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=None))
-                continue
-            td = item.tensor_data
-            tensor = data.detach()
-            if tuple(tensor.shape) != tuple(td.chunk.sizes):
-                raise ConfigError(f"{fqn}: the planner resolved a tensor of shape {list(tensor.shape)} for a chunk "
-                                  f"of sizes {list(td.chunk.sizes)}")
-            entry = state.setdefault(fqn, LocalPieces(tuple(td.size), td.properties.dtype, []))
-            entry.pieces.append(Piece(tuple(td.chunk.offsets), tuple(td.chunk.sizes), tensor))
-            results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
-                                       storage_data=None))
+        that failed (distckpt.save's errors before its commit point; an item this rank could not
+        resolve, such as a value DCP cannot serialize, included); nothing is then visible."""
         from ..save_async import raise_background_failure, wait_for_saves
         wait_for_saves()  # distckpt's own async save in flight issues collectives too: it goes first
         raise_background_failure()
         group = self._group()
+        state, results, error = {}, [], None
+        try:
+            state, results = _pieces(plan, planner)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank just below
+            error = exc
+        # A rank that failed here must not leave the others waiting in the save's collectives
+        # until their timeout: every rank learns of it first, and all raise.
+        group.exchange_outcome(error, operation="dcp.save")
         with SAVE_GATE, gc_paused():
             # Every value here is bytes DCP serialized or a tensor piece: replicas were already
             # deduplicated by DCP's planner, so each key has one holder ("check" finds a planner

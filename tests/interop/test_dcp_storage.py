@@ -66,7 +66,16 @@ def _save_then_load_body(rank, world, root):
         exists = None
     except CheckpointException as exc:
         exists = type(_failure(exc)).__name__
-    return _full(state), exists
+    # A value only rank 1 holds that DCP cannot serialize: rank 1 fails before distckpt's
+    # collectives, rank 0 must not wait for it until a timeout: both raise at once, nothing saved.
+    bad = dict(state, meta={**state["meta"], "fn": (lambda: 0) if rank == 1 else 0})
+    t0 = time.monotonic()
+    try:
+        dcp.save(bad, storage_writer=DistCkptStorageWriter(f"{root}/bad"))
+        unpicklable = None
+    except CheckpointException as exc:
+        unpicklable = (sorted(exc.failures), type(exc.failures[rank][0]).__name__, time.monotonic() - t0)
+    return _full(state), exists, unpicklable
 
 
 def _load_body(rank, world, root):
@@ -93,8 +102,11 @@ def saved(tmp_path_factory):
 
 def test_dcp_save_writes_a_distckpt_checkpoint_that_dcp_loads_at_other_world_sizes(saved):
     root, results = saved
-    (saved_state, exists), _ = results
+    (saved_state, exists, unpicklable), (_, _, unpicklable1) = results
     assert exists == "CheckpointExistsError"  # on every rank; the checkpoint untouched
+    for ranks, kind, seconds in (unpicklable, unpicklable1):
+        assert ranks == [0, 1] and kind in ("DistCkptError", "RankFailureError") and seconds < 30, (ranks, kind, seconds)
+    assert not (root / "bad").exists()
     # A distckpt checkpoint: MANIFEST + one data file per rank, verify passes, read gives DCP's fqns.
     assert sorted(os.listdir(root / "ck")) == ["MANIFEST", "rank00000.bin", "rank00001.bin"]
     assert not [n for n in os.listdir(root) if n.startswith(".")], os.listdir(root)  # no leftovers
