@@ -185,11 +185,17 @@ def _same_tables(a_path, b_path):
     assert a["extra"] == b["extra"]
 
 
+# The four jobs' ranks fork from one server that imported these once (spawned ranks import torch
+# and torchrec anew: seconds each on this 2-core machine); each job's ranks are fresh processes still.
+_TORCHREC_PRELOAD = ["torch", "torchrec", "distckpt.integrations.torchrec", "tests.helpers.distributed",
+                     "tests.protocol.test_incremental"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="needs torchrec")
 def test_torchrec_chain_crash_restore(tmp_path):
     root = str(tmp_path)
     with pytest.raises(RankError) as ei:
-        run_ranks(_train_and_crash, 2, root, timeout=300)
+        run_ranks(_train_and_crash, 2, root, timeout=300, preload=_TORCHREC_PRELOAD)
     assert all("exited with code -9" in tb for _e, tb in ei.value.errors.values()), ei.value
     with open(os.path.join(root, "kinds.json")) as f:
         record = json.load(f)
@@ -209,7 +215,7 @@ def test_torchrec_chain_crash_restore(tmp_path):
     assert sizes[12] < sizes[10] and sizes[14] < sizes[10], sizes
 
     # Restore at 2 ranks on another plan, train on, save a delta against the restored step.
-    kinds_after = run_ranks(_restore, 2, root, REPLAN2, "two", True, timeout=300)
+    kinds_after = run_ranks(_restore, 2, root, REPLAN2, "two", True, timeout=300, preload=_TORCHREC_PRELOAD)
     _same_tables(os.path.join(root, "re_two"), os.path.join(root, "ref"))
     assert kinds_after == ["delta", "delta"]
     _same_tables(os.path.join(ckpt, "step_00000016"), os.path.join(root, "ref_after"))
@@ -217,10 +223,10 @@ def test_torchrec_chain_crash_restore(tmp_path):
 
     # Restore the original chain's step 14 at 1 rank: remove step 16 so that 14 is latest again.
     shutil.rmtree(os.path.join(ckpt, "step_00000016"))
-    run_ranks(_restore, 1, root, PLAN1, "one", False, timeout=300)
+    run_ranks(_restore, 1, root, PLAN1, "one", False, timeout=300, preload=_TORCHREC_PRELOAD)
     _same_tables(os.path.join(root, "re_one"), os.path.join(root, "ref"))
     # The same chain onto a merged column split (approximate_rowwise): as the full reference does.
-    run_ranks(_restore_merged, 1, root, timeout=300)
+    run_ranks(_restore_merged, 1, root, timeout=300, preload=_TORCHREC_PRELOAD)
     _same_tables(os.path.join(root, "merged_chain"), os.path.join(root, "merged_ref"))
     merged = dtr_read(os.path.join(root, "merged_ref"))["optim"]["sparse.embedding_bags.t0.weight"]
     assert merged["momentum1"].shape[0] == 1    # one column block: the conversion did run
