@@ -185,8 +185,10 @@ def _same_tables(a_path, b_path):
     assert a["extra"] == b["extra"]
 
 
-# The four jobs' ranks fork from one server that imported these once (spawned ranks import torch
-# and torchrec anew: seconds each on this 2-core machine); each job's ranks are fresh processes still.
+# The jobs' ranks fork from one server that imported these once (spawned ranks import torch and
+# torchrec anew: seconds each on this 2-core machine); each job's ranks are fresh processes still.
+# The server is the pytest process's, started by the first run_ranks(preload=...) (its preload and
+# environment fixed then): the jobs that use it here set no environment beforehand.
 _TORCHREC_PRELOAD = ["torch", "torchrec", "distckpt.integrations.torchrec", "tests.helpers.distributed",
                      "tests.protocol.test_incremental"]
 
@@ -569,7 +571,7 @@ def _dtensor_chain(rank, world, root):
 
 
 def test_dtensor_rows_any_sharding(tmp_path, monkeypatch):
-    res = run_ranks(_dtensor_chain, 2, str(tmp_path), timeout=180)
+    res = run_ranks(_dtensor_chain, 2, str(tmp_path), timeout=180, preload=_TORCHREC_PRELOAD)
     assert [r[0] for r in res] == [["full", "delta", "delta", "delta"]] * 2
     assert all(r[1] for r in res)
     emb2, emb = res[0][2]
@@ -784,7 +786,8 @@ def test_watch_writes_sees_fused_optimizer_steps(tmp_path):
     the step did not touch (t2) is not hashed at all."""
     _watch_or_skip()
     (kind, written, changed, hashed, status, same), = run_ranks(_fused_watch, 1, str(tmp_path), timeout=180,
-                                                                       env={"DISTCKPT_TEST_RUN_COST": "0"})
+                                                                       env={"DISTCKPT_TEST_RUN_COST": "0"},
+                                                                       preload=_TORCHREC_PRELOAD)
     assert status == {} and kind == "delta" and same
     assert changed == {"model.embedding_bags.t0.weight": 3, "optim.embedding_bags.t0.weight.momentum1": 3,
                        "model.embedding_bags.t1.weight": 1, "model.embedding_bags.t2.weight": 0,
