@@ -10,6 +10,12 @@ import torch
 
 from ..helpers.distributed import RankError, run_ranks
 
+# The ranks of run_ranks fork from one server that imported these once instead of being spawned (a
+# spawned rank imports torch anew: seconds each on this 2-core machine); each job's ranks are still
+# fresh processes. The server is the pytest process's, started by the first run_ranks(preload=...)
+# (its preload and environment fixed then): what a job needs in its environment it passes as env=.
+_PRELOAD = ["torch", "torch.distributed", "tests.helpers.distributed", "tests.protocol.test_distributed"]
+
 
 
 def _globals() -> dict[str, torch.Tensor]:
@@ -89,10 +95,10 @@ def _load_body(rank, world, path, layout):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_round_trip_dtensor(tmp_path, world):
     path = str(tmp_path / "ckpt")
-    sizes = run_ranks(_save_body, world, path, "shard0")[0]
+    sizes = run_ranks(_save_body, world, path, "shard0", preload=_PRELOAD)[0]
     assert len(sizes) == world and all(s > 0 for s in sizes)
     assert sorted(os.listdir(path)) == ["MANIFEST"] + [f"rank{r:05d}.bin" for r in range(world)]
-    run_ranks(_load_body, world, path, "shard0")
+    run_ranks(_load_body, world, path, "shard0", preload=_PRELOAD)
 
 
 @pytest.mark.parametrize("save_world,save_layout,load_world,load_layout", [
@@ -108,8 +114,8 @@ def test_round_trip_dtensor(tmp_path, world):
 ])
 def test_resharding(tmp_path, save_world, save_layout, load_world, load_layout):
     path = str(tmp_path / "ckpt")
-    run_ranks(_save_body, save_world, path, save_layout)
-    run_ranks(_load_body, load_world, path, load_layout)
+    run_ranks(_save_body, save_world, path, save_layout, preload=_PRELOAD)
+    run_ranks(_load_body, load_world, path, load_layout, preload=_PRELOAD)
     import distckpt  # and the one-process reader agrees
     full = distckpt.read(path)
     for key, value in _globals().items():
@@ -143,11 +149,11 @@ def test_resharding_reads_only_needed_bytes(tmp_path):
     With verification each range is widened to whole checksum blocks (64 KiB here, set at save
     time), which must stay within 1.1x of the bytes needed; without it the ranges are exact."""
     path = str(tmp_path / "ckpt")
-    run_ranks(_save_one_big, 2, path, env={"DISTCKPT_CHECKSUM_BLOCK": str(64 << 10)})
+    run_ranks(_save_one_big, 2, path, env={"DISTCKPT_CHECKSUM_BLOCK": str(64 << 10)}, preload=_PRELOAD)
     needed = (1 << 12) * (1 << 8) * 4
-    assert sum(run_ranks(_reshard_bytes_body, 1, path, True)) == needed
-    assert sum(run_ranks(_reshard_bytes_body, 3, path, False)) == needed
-    read = sum(run_ranks(_reshard_bytes_body, 3, path, True))
+    assert sum(run_ranks(_reshard_bytes_body, 1, path, True, preload=_PRELOAD)) == needed
+    assert sum(run_ranks(_reshard_bytes_body, 3, path, False, preload=_PRELOAD)) == needed
+    read = sum(run_ranks(_reshard_bytes_body, 3, path, True, preload=_PRELOAD))
     assert needed <= read <= 1.1 * needed, (read, needed)
 
 
@@ -159,7 +165,7 @@ def _replica_body(rank, world, path):
 
 def test_replicated_tensors_written_once_and_spread(tmp_path):
     path = str(tmp_path / "ckpt")
-    sizes = run_ranks(_replica_body, 2, path)[0]
+    sizes = run_ranks(_replica_body, 2, path, preload=_PRELOAD)[0]
     one = (1 << 16) * 4
     assert sum(sizes) < 9 * one, "replicas must be written once, not once per rank"
     assert abs(sizes[0] - sizes[1]) <= one + 8192, sizes
@@ -205,7 +211,7 @@ def _failing_body(rank, world, root):
 
 def test_one_rank_fails_everyone_raises_nothing_committed(tmp_path):
     root = str(tmp_path / "root")
-    listings = run_ranks(_failing_body, 2, root, timeout=120)
+    listings = run_ranks(_failing_body, 2, root, timeout=120, preload=_PRELOAD)
     assert listings[0] == ["latest", "step_00000001"], listings
 
 
@@ -230,7 +236,7 @@ def _dying_body(rank, world, path):
 def test_dead_peer_is_reported_not_waited_for(tmp_path):
     path = str(tmp_path / "ckpt")
     with pytest.raises(RankError) as ei:
-        run_ranks(_dying_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "15"}, timeout=90)
+        run_ranks(_dying_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "15"}, timeout=90, preload=_PRELOAD)
     assert set(ei.value.errors) == {1}, "only the killed rank may be missing; rank 0 must return"
     assert not os.path.exists(path)
 
@@ -255,7 +261,7 @@ def _inconsistent_dtensor_body(rank, world, path):
 def test_dtensor_whose_local_tensor_is_not_its_box_is_refused(tmp_path):
     # A DTensor built with from_local(shape=) whose local tensors are not the boxes its placements
     # give used to fail at COMMIT with an untyped ValueError, after every rank had written its data.
-    results = run_ranks(_inconsistent_dtensor_body, 4, str(tmp_path / "ck"))
+    results = run_ranks(_inconsistent_dtensor_body, 4, str(tmp_path / "ck"), preload=_PRELOAD)
     want = {r: ("UnsupportedValueError", "w", True) for r in range(4)}
     assert results == [(want, False)] * 4
 
@@ -328,7 +334,7 @@ def _collective_class_body(rank, world, root):
 def test_a_collective_raises_the_class_every_failing_rank_raised(tmp_path):
     """Every rank failing with CheckpointNotFoundError raises CheckpointNotFoundError (a
     FileNotFoundError) carrying each rank's error; only mixed classes give RankFailureError."""
-    outs = run_ranks(_collective_class_body, 2, str(tmp_path))
+    outs = run_ranks(_collective_class_body, 2, str(tmp_path), preload=_PRELOAD)
     for out in outs:
         assert out["missing"] == ("CheckpointNotFoundError", True, [0, 1], ["CheckpointNotFoundError"] * 2, True)
         assert out["mixed"] == ([0, 1], {0: "StateDictMismatchError", 1: "UnsupportedValueError"})
