@@ -2,6 +2,7 @@
 
     .venv/bin/python launch/bench/bench_dcp_storage.py DIR [--world 2] [--repeat 3]
         [--size 512M] [--small 200] [--llama-hidden 768 --llama-layers 4 ...] [--no-llama]
+        [--setting NAME=VAR=VALUE[,VAR=VALUE]] ...
 
 Two state shapes, each saved by ``--world`` freshly spawned gloo ranks on this machine:
 
@@ -15,7 +16,9 @@ For each shape, ``--repeat`` times and interleaved (the slowest rank's time, med
 ``dcp.save`` with DistCkptStorageWriter (DCP's planner, distckpt's writer and commit);
 ``distckpt.save`` of the same state (distckpt's own plan), so the difference is what DCP's planner
 costs; ``dcp.load`` with DCP's FileSystemReader and with DistCkptStorageReader (warm page cache:
-each checkpoint was just written). Ratios are printed against FileSystemWriter/Reader. Every
+each checkpoint was just written). Ratios are printed against FileSystemWriter/Reader. Each
+``--setting`` adds a ``distckpt.save [NAME]`` row to the same interleaved rounds, saved with those
+DISTCKPT_* variables set (for example ``--setting zc4M=DISTCKPT_ZERO_COPY_MIN=4M``). Every
 checkpoint written under DIR is removed at the end.
 """
 
@@ -86,7 +89,28 @@ def _zeros_like(obj):
     return obj
 
 
-def _body(rank, world, work, shape, size, small, llama, repeat):
+def _with_env(env: dict, fn):
+    """Run ``fn`` with the DISTCKPT_* variables ``env`` set (distckpt's config and I/O choices
+    re-read), then restore them."""
+    from distckpt.config import get_config
+    from distckpt.storage.posix.probe import reset_choices
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    get_config.cache_clear()
+    reset_choices()
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        get_config.cache_clear()
+        reset_choices()
+
+
+def _body(rank, world, work, shape, size, small, llama, repeat, settings):
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -122,6 +146,9 @@ def _body(rank, world, work, shape, size, small, llama, repeat):
         timed("dcp.save DistCkptStorageWriter", lambda: dcp.save(state, storage_writer=DistCkptStorageWriter(dck)),
               None)
         timed("distckpt.save", lambda: distckpt.save(state, nat), lambda: rm(nat))
+        for name, env in settings.items():
+            timed(f"distckpt.save [{name}]", lambda: _with_env(env, lambda: distckpt.save(state, nat)),
+                  lambda: rm(nat))
         dst = _zeros_like(state)
         timed("dcp.load FileSystemReader", lambda: dcp.load(dst, checkpoint_id=fsw), lambda: rm(fsw))
         dst = _zeros_like(state)
@@ -142,8 +169,14 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-inter", type=int, default=2048)
     ap.add_argument("--llama-vocab", type=int, default=8000)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--setting", action="append", default=[],
+                    help="NAME=VAR=VALUE[,VAR=VALUE]: an extra distckpt.save row with these variables")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    settings = {}
+    for text in args.setting:
+        name, _, assigns = text.partition("=")
+        settings[name] = dict(a.split("=", 1) for a in assigns.split(","))
     work = os.path.join(os.path.abspath(args.directory), "bench_dcp_storage")
     os.makedirs(work, exist_ok=True)
     llama = {"hidden": args.llama_hidden, "layers": args.llama_layers, "inter": args.llama_inter,
@@ -152,7 +185,8 @@ def main(argv=None) -> int:
     out = {}
     try:
         for shape in shapes:
-            results = spawn(_body, args.world, work, shape, parse_size(args.size), args.small, llama, args.repeat)
+            results = spawn(_body, args.world, work, shape, parse_size(args.size), args.small, llama, args.repeat,
+                            settings)
             total = sum(r["bytes"] for r in results)
             names = results[0]["rows"].keys()
             table = {}
