@@ -65,6 +65,12 @@ def open_fds() -> dict[int, str]:
     return out
 
 
+def highest_fd() -> int:
+    """The highest fd this process has open, of any kind (sockets and pipes included): the base
+    of an RLIMIT_NOFILE that leaves a known number of fds spare."""
+    return max(int(name) for name in os.listdir("/proc/self/fd"))
+
+
 # --------------------------------------------------------------------------------------------
 # A real S3 server (SeaweedFS, tests/helpers/s3server.py): one per session, a fresh bucket per test.
 

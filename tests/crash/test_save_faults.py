@@ -145,7 +145,7 @@ import os, sys, signal
 import torch, distckpt
 from distckpt.storage.posix import reset_choices
 from distckpt.config import get_config
-from tests.conftest import open_fds
+from tests.conftest import highest_fd, open_fds
 
 def big_state(nbytes):
     return {"model": {"w": torch.full((nbytes // 4,), 1.5), "b": torch.zeros(77, dtype=torch.bfloat16)},
@@ -507,7 +507,7 @@ for backend in backends:
         before = open_fds()
         out = {"path": path, "backend": f"{backend}/{'probe' if reprobe else 'cached'}", "spare": spare}
         # fds are allocated lowest first: about `spare` more may open
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 1 + spare, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest_fd() + 1 + spare, hard))
         try:
             distckpt.save(big_state(1 << 20), path)
             out["ok"] = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import distckpt
 from distckpt.errors import (CheckpointExistsError, ChecksumMismatchError, ConfigError, PickleNotAllowedError)
 from distckpt.integrations.dcp import DistCkptStorageReader, DistCkptStorageWriter
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import free_port, run_ranks
 
 
 def _failure(exc: CheckpointException) -> BaseException:
@@ -126,11 +127,14 @@ def test_dcp_async_save_in_process_and_thread_modes(tmp_path):
     """DCP's two async modes through torchrun (the process mode pickles the writer to a background
     process per rank, which saves on a process group of its own)."""
     worker = os.path.join(os.path.dirname(__file__), "..", "helpers", "dcp_async_worker.py")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", worker,
+    # A port of its own: torchrun's default (29500) may be held by another job on the machine.
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), worker,
                           str(tmp_path)], capture_output=True, text=True, timeout=240,
                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("OK "))
+    # torchrun merges the ranks' stdout: two ranks' lines may share one line of it.
+    lines = sorted(re.findall(r"OK \w+ \d+ \S+ \d+", out.stdout))
     assert lines == sorted(f"OK {m} {r} 780.0 5" for m in ("process", "thread") for r in (0, 1)), out.stdout
     for mode in ("process", "thread"):
         assert sorted(os.listdir(tmp_path / mode)) == ["MANIFEST", "rank00000.bin", "rank00001.bin"]
