@@ -90,24 +90,19 @@ def _zeros_like(obj):
 
 
 def _with_env(env: dict, fn):
-    """Run ``fn`` with the DISTCKPT_* variables ``env`` set (distckpt's config and I/O choices
-    re-read), then restore them."""
-    from distckpt.config import get_config
+    """Run ``fn`` with the DISTCKPT_* variables ``env`` set (distckpt's config and I/O back-end
+    choices re-read; distckpt.bench's override context), then restore them."""
+    from distckpt.bench import _env
     from distckpt.storage.posix.probe import reset_choices
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    get_config.cache_clear()
-    reset_choices()
-    try:
-        return fn()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        get_config.cache_clear()
+    bad = [k for k in env if not k.startswith("DISTCKPT_")]
+    if bad:
+        raise SystemExit(f"--setting takes DISTCKPT_* variables only, not {bad}")
+    with _env(**{k[len("DISTCKPT_"):].lower(): v for k, v in env.items()}):
         reset_choices()
+        try:
+            return fn()
+        finally:
+            reset_choices()
 
 
 def _body(rank, world, work, shape, size, small, llama, repeat, settings):
