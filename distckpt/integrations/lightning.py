@@ -88,7 +88,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without lightni
                       "(pip install lightning==2.6.6)") from _exc
 
 from ..commit import SaveResult
-from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, DistCkptError,
+from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       ManifestCorruptError, UnsupportedValueError)
 from ..flatten import _holds_dict, set_leaf
 from ..listing import owned_checkpoints

@@ -9,7 +9,6 @@ test_fsdp2_hf.py (the same job, a third way of saving)."""
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import re
@@ -25,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import distckpt
-from distckpt.errors import (CheckpointExistsError, ChecksumMismatchError, ConfigError, PickleNotAllowedError)
+from distckpt.errors import ChecksumMismatchError, ConfigError, PickleNotAllowedError
 from distckpt.integrations.dcp import DistCkptStorageReader, DistCkptStorageWriter
 from tests.helpers.distributed import free_port, run_ranks
 

@@ -81,7 +81,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
 from ... import manifest as mf
 from ..._dist import _portable, control_group
-from ...errors import CheckpointNotFoundError, ConfigError, DistCkptError, ReshardError, StateDictMismatchError
+from ...errors import CheckpointNotFoundError, ConfigError, ReshardError, StateDictMismatchError
 from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
