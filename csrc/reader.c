@@ -9,8 +9,8 @@
  * through ring_setup(); a second __init__ is refused. The file fd and the ring fd are closed only by
  * reader_release(): from close(), from dealloc, or from Reader_init's failure path (close(2)'s
  * result is ignored: the fd is read-only). fill()'s cached_fd (a buffered fd of the same file, for
- * segments whose pages are all in the page cache; -1 for none) is the caller's: borrowed for the
- * call, never closed here. `fileno` is a view for fstat callers.
+ * segments whose pages are all in the page cache, and with through_cache for every segment, so
+ * a load fills the cache; -1 for none) is the caller's: borrowed for the call, never closed here. `fileno` is a view for fstat callers.
  *
  * Invariants: read_into() and fill() never return with a request in flight, so release never
  * waits. The buffer fill() registered with the ring stays exported (reg_view) until the reader
@@ -400,12 +400,13 @@ struct fill_job {
     const struct fill_dest *dests;
     unsigned char *done;
     int cached_fd;
+    int through_cache; /* uncached segments too are read from cached_fd (buffered, filling the cache) */
     int fixed; /* slots registered with the ring: READ_FIXED, no per-read page pinning */
     int reg_drop, reg_new; /* unregister the reader's previous buffer / register this one first */
     int mismatch;
     size_t bad_seg, bad_check;
     uint32_t got;
-    uint64_t cached_bytes, direct_bytes;
+    uint64_t cached_bytes, direct_bytes, buffered_bytes;
 };
 
 /* pread until `len` bytes or EOF; *got = bytes read. Returns 0 or a positive errno. */
@@ -448,12 +449,15 @@ static int fill_process(struct fill_job *j, size_t si, const char *b)
     return 0;
 }
 
-/* Submit (the rest of) slot sl's read: `g` bytes of segment s already arrived. */
-static int fill_submit(struct fill_job *j, unsigned sl, const struct fill_seg *s, uint32_t g)
+/* Submit (the rest of) slot sl's read: `g` bytes of segment s already arrived. A buffered read
+ * (through_cache) asks the buffered fd for exactly the wanted bytes; an O_DIRECT one for the
+ * aligned length. */
+static int fill_submit(struct fill_job *j, unsigned sl, const struct fill_seg *s, uint32_t g, int buffered)
 {
     char *b = j->buf + (size_t)sl * j->slot;
-    return ring_submit(&j->r->ring, j->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ, j->r->fd, b + g,
-                       s->len - g, s->off + g, sl, j->fixed ? (int)sl : -1);
+    return ring_submit(&j->r->ring, j->fixed ? IORING_OP_READ_FIXED : IORING_OP_READ,
+                       buffered ? j->cached_fd : j->r->fd, b + g, (buffered ? s->want : s->len) - g,
+                       s->off + g, sl, j->fixed ? (int)sl : -1);
 }
 
 static int fill_loop(struct fill_job *j, size_t *bad);
@@ -485,6 +489,7 @@ static int fill_loop(struct fill_job *j, size_t *bad)
     unsigned free_slots[FILL_MAX_SLOTS], nfree = j->nslots, inflight = 0;
     size_t slot_seg[FILL_MAX_SLOTS];
     uint32_t slot_got[FILL_MAX_SLOTS];
+    unsigned char slot_buffered[FILL_MAX_SLOTS];
     size_t next = 0;
     int err = 0, stop = 0;
 
@@ -503,7 +508,8 @@ static int fill_loop(struct fill_job *j, size_t *bad)
             if (cached || !r->use_uring) {
                 /* All pages cached (a buffered pread touches no disk), or no io_uring here. */
                 size_t got = 0;
-                e = pread_full(cached ? j->cached_fd : r->fd, b, cached ? s->want : s->len, s->off, &got);
+                int buffered = cached || (j->through_cache && j->cached_fd >= 0);
+                e = pread_full(buffered ? j->cached_fd : r->fd, b, buffered ? s->want : s->len, s->off, &got);
                 free_slots[nfree++] = sl;
                 if (e || got < s->want) {
                     err = e ? e : -1;
@@ -513,6 +519,8 @@ static int fill_loop(struct fill_job *j, size_t *bad)
                 }
                 if (cached)
                     j->cached_bytes += s->want;
+                else if (buffered)
+                    j->buffered_bytes += s->want;
                 else
                     j->direct_bytes += s->want;
                 if (fill_process(j, next, b))
@@ -520,7 +528,8 @@ static int fill_loop(struct fill_job *j, size_t *bad)
                 next++;
                 continue;
             }
-            e = fill_submit(j, sl, s, 0);
+            slot_buffered[sl] = j->through_cache && j->cached_fd >= 0;
+            e = fill_submit(j, sl, s, 0, slot_buffered[sl]);
             if (e) {
                 free_slots[nfree++] = sl;
                 err = e;
@@ -557,9 +566,10 @@ static int fill_loop(struct fill_job *j, size_t *bad)
                     continue;
                 }
                 slot_got[sl] += (uint32_t)res;
-                if (res > 0 && slot_got[sl] < s->want && slot_got[sl] % r->offset_align == 0 && !stop) {
-                    /* A short but aligned read: ask for the rest. */
-                    e = fill_submit(j, sl, s, slot_got[sl]);
+                if (res > 0 && slot_got[sl] < s->want && !stop &&
+                    (slot_buffered[sl] || slot_got[sl] % r->offset_align == 0)) {
+                    /* A short read (aligned, for O_DIRECT): ask for the rest. */
+                    e = fill_submit(j, sl, s, slot_got[sl], slot_buffered[sl]);
                     if (!e)
                         continue;
                     if (!err) {
@@ -578,7 +588,10 @@ static int fill_loop(struct fill_job *j, size_t *bad)
                     stop = 1;
                     continue;
                 }
-                j->direct_bytes += s->want;
+                if (slot_buffered[sl])
+                    j->buffered_bytes += s->want;
+                else
+                    j->direct_bytes += s->want;
                 if (!stop && fill_process(j, si, b))
                     stop = 1;
             }
@@ -608,12 +621,12 @@ static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
     PyObject *bufobj, *segobj, *chkobj, *cpyobj, *dstobj, *doneobj, *result = NULL;
     Py_buffer vb = {0}, vs = {0}, vc = {0}, vp = {0}, vd = {0}, vdone = {0};
     Py_ssize_t slot;
-    int cached_fd, err;
+    int cached_fd, through_cache = 0, err;
     size_t nsegs = 0, nchecks = 0, ncopies = 0, ndests = 0, bad = 0;
     struct fill_job j;
 
-    if (!PyArg_ParseTuple(args, "OnOOOOOi:fill", &bufobj, &slot, &segobj, &chkobj, &cpyobj, &dstobj,
-                          &doneobj, &cached_fd))
+    if (!PyArg_ParseTuple(args, "OnOOOOOi|p:fill", &bufobj, &slot, &segobj, &chkobj, &cpyobj, &dstobj,
+                          &doneobj, &cached_fd, &through_cache))
         return NULL;
     if (!reader_usable(r))
         return NULL;
@@ -637,6 +650,7 @@ static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
     j.dests = vd.buf;
     j.done = vdone.buf;
     j.cached_fd = cached_fd;
+    j.through_cache = through_cache;
     /* Everything is checked before any I/O: a wrong plan is a ValueError, never a stray write. */
     if (slot <= 0 || (size_t)slot % r->offset_align || (size_t)slot % r->mem_align ||
         (uintptr_t)vb.buf % r->mem_align || (size_t)slot > ((size_t)1 << 31)) {
@@ -709,12 +723,13 @@ static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
     } else if (err) {
         raise_errno_path(err, r->path);
     } else if (j.mismatch) {
-        result = Py_BuildValue("(KK(nnk))", (unsigned long long)j.cached_bytes,
-                               (unsigned long long)j.direct_bytes, (Py_ssize_t)j.bad_seg,
+        result = Py_BuildValue("(KKK(nnk))", (unsigned long long)j.cached_bytes,
+                               (unsigned long long)j.direct_bytes, (unsigned long long)j.buffered_bytes,
+                               (Py_ssize_t)j.bad_seg,
                                (Py_ssize_t)j.bad_check, (unsigned long)j.got);
     } else {
-        result = Py_BuildValue("(KKO)", (unsigned long long)j.cached_bytes,
-                               (unsigned long long)j.direct_bytes, Py_None);
+        result = Py_BuildValue("(KKKO)", (unsigned long long)j.cached_bytes,
+                               (unsigned long long)j.direct_bytes, (unsigned long long)j.buffered_bytes, Py_None);
     }
 out:
     if (vb.obj)
@@ -769,8 +784,8 @@ static PyMethodDef Reader_methods[] = {
      "read_into([(offset, nbytes, writable_buffer), ...]): read every range, queue_depth in "
      "flight. Raises OSError, or EOFError when the file ends before a requested byte."},
     {"fill", (PyCFunction)Reader_fill, METH_VARARGS,
-     "fill(buffer, slot, segments, checks, copies, dests, done, cached_fd) -> (cached_bytes, "
-     "direct_bytes, mismatch): read segments into slots of buffer (reads in flight on every free "
+     "fill(buffer, slot, segments, checks, copies, dests, done, cached_fd, through_cache=False) -> "
+     "(cached_bytes, direct_bytes, buffered_bytes, mismatch): read segments into slots of buffer (reads in flight on every free "
      "slot), check each segment's crc32c blocks, then copy its runs into the destinations; "
      "mismatch is None or (segment, check, crc found), after which nothing more was copied. "
      "Records are packed structs (see csrc/reader.c); done[i] becomes 1 when segment i was copied. "

@@ -10,6 +10,9 @@ about once per process, naming the closest known variable: a silently ignored se
 | variable                    | default  | meaning                                                   |
 |-----------------------------|----------|-----------------------------------------------------------|
 | DISTCKPT_IO_BACKEND         | auto     | auto, uring, pwrite or buffered (see distckpt.storage.posix)          |
+| DISTCKPT_READ_CACHE         | auto     | loads: auto (uncached pages of a data file that fits the  |
+|                             |          | page cache are read through it), cache, or direct         |
+|                             |          | (O_DIRECT; storage/posix/readcache.py)                    |
 | DISTCKPT_QUEUE_DEPTH        | 8        | writes/reads kept in flight per file                      |
 | DISTCKPT_BLOCK_SIZE         | 4M       | bytes per O_DIRECT request (reads; zero-copy writes)       |
 | DISTCKPT_STAGE_BLOCK        | 2M       | bytes per block of a writer's staging ring (one staged     |
@@ -58,12 +61,13 @@ from .sizes import CONVENTION, format_bytes, parse_size
 __all__ = ["Config", "get_config", "BACKENDS", "KNOWN_VARIABLES"]
 
 BACKENDS = ("auto", "uring", "pwrite", "buffered")
+READ_CACHE_MODES = ("auto", "cache", "direct")
 
 #: Every DISTCKPT_* name distckpt or its scripts read. A variable is added here together with the
 #: code that reads it; anything else with the prefix is reported as a probable typo.
 KNOWN_VARIABLES = (
     # the library (this module)
-    "DISTCKPT_IO_BACKEND", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
+    "DISTCKPT_IO_BACKEND", "DISTCKPT_READ_CACHE", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
     "DISTCKPT_TIMEOUT_S", "DISTCKPT_DRAIN_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
     "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING", "DISTCKPT_ZERO_COPY_MIN",
     # object stores (distckpt.storage.object.settings)
@@ -78,6 +82,7 @@ KNOWN_VARIABLES = (
 @dataclasses.dataclass(frozen=True)
 class Config:
     io_backend: str = "auto"
+    read_cache: str = "auto"
     queue_depth: int = 8
     block_size: int = 4 << 20
     stage_block: int = 2 << 20
@@ -155,6 +160,10 @@ def load_config(env: dict | None = None) -> Config:
             f"DISTCKPT_IO_BACKEND={backend!r} is not one of {', '.join(BACKENDS)}",
             variable="DISTCKPT_IO_BACKEND",
         )
+    read_cache = env.get("DISTCKPT_READ_CACHE", "auto") or "auto"
+    if read_cache not in READ_CACHE_MODES:
+        raise ConfigError(f"DISTCKPT_READ_CACHE={read_cache!r} is not one of {', '.join(READ_CACHE_MODES)}",
+                          variable="DISTCKPT_READ_CACHE")
     preflight_raw = env.get("DISTCKPT_PREFLIGHT", "1")
     if preflight_raw not in ("0", "1"):
         raise ConfigError(f"DISTCKPT_PREFLIGHT={preflight_raw!r} must be 0 or 1", variable="DISTCKPT_PREFLIGHT")
@@ -197,6 +206,7 @@ def load_config(env: dict | None = None) -> Config:
                           lo=block_size, hi=1 << 40)
     return Config(
         io_backend=backend,
+        read_cache=read_cache,
         queue_depth=queue_depth,
         block_size=block_size,
         stage_block=stage_block,

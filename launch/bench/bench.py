@@ -84,6 +84,63 @@ def state_bytes(size: int, small: int) -> int:
     return N_BIG * big_rows(size, small) * ROW_ELEMS * 4 + small * ROW_ELEMS * 4
 
 
+def llama_fsdp_state(world: int, args: dict) -> dict:
+    """The outside client's shape: an HF Llama built from a config (random init, seed 0), every
+    decoder layer and the model ``fully_shard``ed over ``world`` CPU ranks, one AdamW step taken;
+    returns ``{"model": ..., "optimizer": ...}`` from ``get_state_dict`` (DTensors). ``args``:
+    hidden, layers, inter, vocab."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    heads = max(1, args["hidden"] // 64)
+    cfg = LlamaConfig(hidden_size=args["hidden"], num_hidden_layers=args["layers"],
+                      intermediate_size=args["inter"], vocab_size=args["vocab"], num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, args["vocab"], (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optimizer": osd}
+
+
+def local_bytes(obj) -> int:
+    """Bytes of the local shards of every tensor in a nested state."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    if isinstance(obj, dict):
+        return sum(local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(local_bytes(v) for v in obj)
+    return 0
+
+
+def zeros_like_state(obj):
+    """A nested state of zero tensors shaped (and placed, for DTensors) like ``obj``."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(torch.zeros_like(obj.to_local()), obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
+        return torch.zeros_like(obj)
+    if isinstance(obj, dict):
+        return {k: zeros_like_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [zeros_like_state(v) for v in obj]
+    return obj
+
+
 # -------------------------------------------------------------------------------------------------
 # Helpers
 

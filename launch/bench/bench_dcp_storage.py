@@ -35,58 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
-from bench import _barrier, make_state, parse_size, rm, spawn  # noqa: E402
-
-
-def _llama(rank, world, args):
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    heads = max(1, args["hidden"] // 64)
-    cfg = LlamaConfig(hidden_size=args["hidden"], num_hidden_layers=args["layers"],
-                      intermediate_size=args["inter"], vocab_size=args["vocab"], num_attention_heads=heads,
-                      num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, args["vocab"], (2, 16))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optim.step()
-    msd, osd = get_state_dict(model, optim)
-    return {"model": msd, "optimizer": osd}
-
-
-def _local_bytes(obj) -> int:
-    import torch
-    if isinstance(obj, torch.Tensor):
-        t = obj.to_local() if hasattr(obj, "to_local") else obj
-        return t.numel() * t.element_size()
-    if isinstance(obj, dict):
-        return sum(_local_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_local_bytes(v) for v in obj)
-    return 0
-
-
-def _zeros_like(obj):
-    import torch
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "to_local"):
-            from torch.distributed.tensor import DTensor
-            return DTensor.from_local(torch.zeros_like(obj.to_local()), obj.device_mesh, obj.placements,
-                                      run_check=False, shape=obj.shape, stride=obj.stride())
-        return torch.zeros_like(obj)
-    if isinstance(obj, dict):
-        return {k: _zeros_like(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_zeros_like(v) for v in obj]
-    return obj
+from bench import _barrier, llama_fsdp_state, local_bytes, make_state, parse_size, rm, spawn, zeros_like_state  # noqa: E402
 
 
 def _with_env(env: dict, fn):
@@ -116,8 +65,8 @@ def _body(rank, world, work, shape, size, small, llama, repeat, settings):
         from torch.distributed.device_mesh import init_device_mesh
         state = make_state(size, small, rank, world, init_device_mesh("cpu", (world,)) if world > 1 else None)
     else:
-        state = _llama(rank, world, llama)
-    nbytes = _local_bytes(state)
+        state = llama_fsdp_state(world, llama)
+    nbytes = local_bytes(state)
     rows: dict[str, list[float]] = {}
 
     def timed(name, fn, cleanup):
@@ -144,9 +93,9 @@ def _body(rank, world, work, shape, size, small, llama, repeat, settings):
         for name, env in settings.items():
             timed(f"distckpt.save [{name}]", lambda: _with_env(env, lambda: distckpt.save(state, nat)),
                   lambda: rm(nat))
-        dst = _zeros_like(state)
+        dst = zeros_like_state(state)
         timed("dcp.load FileSystemReader", lambda: dcp.load(dst, checkpoint_id=fsw), lambda: rm(fsw))
-        dst = _zeros_like(state)
+        dst = zeros_like_state(state)
         timed("dcp.load DistCkptStorageReader", lambda: dcp.load(dst, storage_reader=DistCkptStorageReader(dck)),
               lambda: rm(dck))
     return {"rows": rows, "bytes": nbytes}

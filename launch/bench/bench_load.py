@@ -1,14 +1,20 @@
 """Load benchmark: distckpt.load vs torch.distributed.checkpoint.load vs fio, one run.
 
     .venv/bin/python launch/bench/bench_load.py DIR [--size 512M] [--small 1000] [--repeat 3]
+    .venv/bin/python launch/bench/bench_load.py DIR --shape llama [--cases 2->2,4->4] [--llama-* ...]
 
-Two cases, each in freshly spawned gloo ranks on this machine:
+Cases (``--cases``), each in freshly spawned gloo ranks on this machine. ``--shape synthetic``
+(the default): 8 large float32 tensors plus ``--small`` tensors of 16 KiB;
 
   * ``1 -> 1``: a checkpoint saved by 1 rank, loaded by 1 rank;
   * ``2 -> 3``: saved by 2 ranks (large tensors DTensor-sharded on dim 0, small ones replicated),
     loaded by 3 ranks (a resharding load).
 
-Both libraries save the same state into DIR first. Then, ``--repeat`` times and interleaved:
+``--shape llama``: the outside client's state, an FSDP2 (``fully_shard``) HF Llama built from a
+config (random init) plus AdamW, ``get_state_dict`` of it, saved and loaded at 2 and at 4 ranks.
+
+Both libraries save the same state into DIR first. Then, ``--repeat`` times, interleaved, the
+library that goes first alternating between repetitions:
 fio O_DIRECT read of distckpt's data files (io_uring, 4 MiB blocks, iodepth 8, after
 ``sync; echo 3 > /proc/sys/vm/drop_caches``); distckpt.load cold (caches dropped) and warm (its
 data files read once with buffered reads, so every page is cached); DCP load cold and warm (DCP's
@@ -34,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
-from bench import _barrier, _rchar, drop_caches, make_state, parse_size, rm, spawn, state_bytes  # noqa: E402
+from bench import (_barrier, _rchar, drop_caches, llama_fsdp_state, local_bytes, make_state, parse_size,  # noqa: E402
+                   rm, spawn, state_bytes, zeros_like_state)
 
 
 def _status(key: str) -> int:
@@ -81,17 +88,34 @@ def _fio_read(files: list[str]) -> tuple[float, int]:
     return job["runtime"] / 1000.0, job["io_bytes"]
 
 
-def _load(rank, world, dc_path, dcp_path, size, small, repeat):
+def _state(shape: str, rank: int, world: int, size: int, small: int, llama: dict, zeros: bool) -> dict:
+    if shape == "llama":
+        return llama_fsdp_state(world, llama)
+    return make_state(size, small, rank, world, _mesh(world), zeros=zeros)
+
+
+def _load(rank, world, dc_path, dcp_path, shape, size, small, llama, repeat, save_here, modes):
     import torch
     import torch.distributed.checkpoint as dcp
 
     import distckpt
+    from distckpt.bench import _env
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    mesh = _mesh(world)
-    dst = make_state(size, small, rank, world, mesh, zeros=True)
-    needed = sum((v.to_local() if hasattr(v, "to_local") else v).numel() * 4 for v in dst.values())
+    if save_here:  # the llama state: FSDP2 shards exist only in the ranks that built them
+        src = _state(shape, rank, world, size, small, llama, zeros=False)
+        distckpt.save(src, dc_path)
+        dcp.save(src, checkpoint_id=dcp_path)
+        dst = zeros_like_state(src)
+        del src
+        warm_dst = zeros_like_state(dst)
+    else:
+        dst = _state(shape, rank, world, size, small, llama, zeros=True)
+        warm_dst = _state(shape, rank, world, size, small, llama, zeros=True)
+    needed = local_bytes(dst)
     data_files = sorted(os.path.join(dc_path, f) for f in os.listdir(dc_path) if f.endswith(".bin"))
-    distckpt.load(make_state(size, small, rank, world, mesh, zeros=True), dc_path)  # warm-up: imports, probe
+    distckpt.load(warm_dst, dc_path)  # warm-up: imports, the I/O back-end probe
+    dcp.load(warm_dst, checkpoint_id=dcp_path)
+    del warm_dst
     rows: dict[str, list] = {}
 
     def timed(name, fn, prepare=None):
@@ -108,14 +132,27 @@ def _load(rank, world, dc_path, dcp_path, size, small, repeat):
         rows.setdefault(name, []).append({"s": dt, "rss": _status("VmHWM") - before, "rchar": _rchar() - rc0,
                                           "read": getattr(res, "bytes_read", None)})
 
-    for _ in range(repeat):
+    for i in range(repeat):
         if rank == 0:
             s, n = _fio_read(data_files)
             rows.setdefault("fio", []).append({"s": s, "read": n})
-        timed("distckpt cold", lambda: distckpt.load(dst, dc_path), drop_caches)
-        timed("distckpt warm", lambda: distckpt.load(dst, dc_path), lambda: _warm_files(dc_path))
-        timed("DCP cold", lambda: dcp.load(dst, checkpoint_id=dcp_path), drop_caches)
-        timed("DCP warm", lambda: dcp.load(dst, checkpoint_id=dcp_path))
+        # Alternate which library goes first, so drift of the shared disk hits both alike.
+        # "warm" is the load right after the same library's cold load (what a second load of the
+        # checkpoint finds: an evaluation job, a restart in place); "cached" (distckpt only) is a
+        # load after every page of its files was read with buffered reads.
+        order = ("distckpt", "DCP") if i % 2 == 0 else ("DCP", "distckpt")
+        for lib in order:
+            if lib == "DCP":
+                timed("DCP cold", lambda: dcp.load(dst, checkpoint_id=dcp_path), drop_caches)
+                timed("DCP warm", lambda: dcp.load(dst, checkpoint_id=dcp_path))
+                continue
+            for mode in modes:
+                with _env(read_cache=mode):
+                    timed(f"distckpt cold [{mode}]", lambda: distckpt.load(dst, dc_path), drop_caches)
+                    timed(f"distckpt warm [{mode}]", lambda: distckpt.load(dst, dc_path))
+                    if mode == modes[0]:
+                        timed(f"distckpt cached [{mode}]", lambda: distckpt.load(dst, dc_path),
+                              lambda: _warm_files(dc_path))
     return {"rows": rows, "needed": needed}
 
 
@@ -146,24 +183,43 @@ def _summary(results: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("directory")
+    ap.add_argument("--shape", choices=("synthetic", "llama"), default="synthetic")
+    ap.add_argument("--cases", default=None,
+                    help="SAVED->LOADED rank counts, comma separated (synthetic default 1->1,2->3; "
+                         "llama default 2->2,4->4, and it only loads at the world size it saved with)")
     ap.add_argument("--size", default="512M")
     ap.add_argument("--small", type=int, default=1000)
+    ap.add_argument("--llama-hidden", type=int, default=768)
+    ap.add_argument("--llama-layers", type=int, default=4)
+    ap.add_argument("--llama-inter", type=int, default=2048)
+    ap.add_argument("--llama-vocab", type=int, default=8000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--read-cache", default="auto,direct",
+                    help="DISTCKPT_READ_CACHE modes distckpt.load runs with, each its own rows (first: the default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if shutil.which("fio") is None:
         print("fio is not installed: apt-get install -y fio", file=sys.stderr)
         return 2
+    cases_text = args.cases or ("1->1,2->3" if args.shape == "synthetic" else "2->2,4->4")
+    cases = [tuple(int(x) for x in c.split("->")) for c in cases_text.split(",")]
+    if args.shape == "llama" and any(a != b for a, b in cases):
+        raise SystemExit("--shape llama loads at the world size it saved with (FSDP2 shards are built per rank)")
+    modes = tuple(args.read_cache.split(","))
     size = parse_size(args.size)
+    llama = {"hidden": args.llama_hidden, "layers": args.llama_layers, "inter": args.llama_inter,
+             "vocab": args.llama_vocab}
     work = os.path.join(os.path.abspath(args.directory), f".distckpt-bench-load-{os.getpid()}")
     os.makedirs(work)
     t_start = time.time()
     table = {}
     try:
-        for saved, loaded in ((1, 1), (2, 3)):
+        for saved, loaded in cases:
             dc, dp = os.path.join(work, f"dc{saved}"), os.path.join(work, f"dcp{saved}")
-            spawn(_save, saved, dc, dp, size, args.small)
-            table[f"{saved} -> {loaded}"] = _summary(spawn(_load, loaded, dc, dp, size, args.small, args.repeat))
+            if args.shape == "synthetic":
+                spawn(_save, saved, dc, dp, size, args.small)
+            table[f"{saved} -> {loaded}"] = _summary(spawn(_load, loaded, dc, dp, args.shape, size, args.small,
+                                                           llama, args.repeat, args.shape == "llama", modes))
             rm(dc)
             rm(dp)
     finally:
@@ -171,20 +227,29 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)
-    total = state_bytes(size, args.small)
-    print(f"load benchmark: state {total / (1 << 30):.2f} GiB (8 large float32 tensors + {args.small} x 16 KiB), "
-          f"median of {args.repeat} (min..max), seconds of the slowest rank")
-    print("| case | measurement | seconds | MB/s read | vs fio (MB/s) | vs DCP same cache | bytes read / needed | peak RSS added |")
+    if args.shape == "synthetic":
+        total = state_bytes(size, args.small)
+        what = f"8 large float32 tensors + {args.small} x 16 KiB"
+    else:
+        total = max(t["needed"] for t in table.values())
+        what = (f"FSDP2 get_state_dict of an HF Llama (hidden {args.llama_hidden}, {args.llama_layers} layers, "
+                f"intermediate {args.llama_inter}, vocab {args.llama_vocab}) + AdamW")
+    print(f"load benchmark: state {total / (1 << 20):.0f} MiB ({what}), load average "
+          f"{os.getloadavg()[0]:.1f}, median of {args.repeat} (min..max), seconds of the slowest rank")
+    print("| case | measurement | seconds | MB/s read | vs fio (MB/s) | time / DCP's (goal <= 1.00x) | "
+          "bytes read / needed | peak RSS added |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
+    names = (["fio", "DCP cold"] + [f"distckpt cold [{m}]" for m in modes] + ["DCP warm"]
+             + [f"distckpt warm [{m}]" for m in modes] + [f"distckpt cached [{modes[0]}]"])
     for case, t in table.items():
         fio_bw = t["fio"]["read"] / t["fio"]["median"]
-        for name in ("fio", "distckpt cold", "DCP cold", "distckpt warm", "DCP warm"):
+        for name in names:
             r = t[name]
             bw = r["read"] / r["median"]
             label = "fio O_DIRECT read of distckpt's files, cold" if name == "fio" else name
             vs_fio = f"{bw / fio_bw:.2f}x" if name != "fio" else ""
-            peer = {"distckpt cold": "DCP cold", "distckpt warm": "DCP warm"}.get(name)
-            vs_dcp = f"{t[peer]['median'] / r['median']:.2f}x faster" if peer else ""
+            peer = "DCP cold" if " cold" in name else "DCP warm"
+            vs_dcp = f"{r['median'] / t[peer]['median']:.2f}x" if name.startswith("distckpt") else ""
             ratio = f"{r['read'] / t['needed']:.3f}x" if name != "fio" else ""
             rss = f"{r['rss'] / (1 << 20):.1f} MiB" if name != "fio" else ""
             print(f"| {case} | {label} | {r['median']:.3f} ({r['min']:.2f}..{r['max']:.2f}) | {bw / 1e6:.0f} | "

@@ -109,20 +109,78 @@ def test_record_layout_matches_the_c_structs():
     assert (F._SEG.size, F._CHECK.size, F._COPY.size, F._DEST.size) == (32, 12, 24, 16)
 
 
-def test_fill_checks_then_copies_every_segment(choice, ext4_dir):  # noqa: F811
+def _cached_fraction(path: str) -> tuple[int, int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _uring.cached_pages(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _drop_pages(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("through_cache", (False, True), ids=("direct", "through-cache"))
+def test_fill_checks_then_copies_every_segment(choice, ext4_dir, through_cache):  # noqa: F811
+    """O_DIRECT reads leave the file's pages uncached; reads through the cache (what a load of a
+    file that fits the page cache does) are in flight the same way and leave every page cached,
+    so the next load is served from memory."""
     path, data = _file(ext4_dir, choice)
+    _drop_pages(path)
     dest = torch.zeros(SIZE, dtype=torch.uint8)
     buf = mmap.mmap(-1, 3 * SLOT)  # three slots: several reads in flight
     done = bytearray(6)
     before = open_fds()
-    with dio.open_reader(path, choice=choice) as r:
-        assert r.supports_fill
+    with dio.open_reader(path, choice=choice, through_cache=through_cache) as r:
+        assert r.supports_fill and r.through_cache is through_cache
         assert r.fill_segments(buf, SLOT, *_plan(data, dest), done) is None
-        # (the writer may leave the unaligned tail's page cached: then that segment is buffered)
-        assert r.direct_bytes + r.cached_bytes == SIZE and r.direct_bytes >= 5 * SLOT
+        if through_cache:  # the kernel's readahead may have cached later segments by their turn
+            assert r.buffered_bytes + r.cached_bytes == SIZE and r.buffered_bytes >= SLOT and r.direct_bytes == 0
+        else:  # (the writer may leave the unaligned tail's page cached: then that segment is cached)
+            assert r.direct_bytes + r.cached_bytes == SIZE and r.direct_bytes >= 5 * SLOT and r.buffered_bytes == 0
     assert open_fds() == before
     assert bytes(done) == b"\x01" * 6
     assert bytes(dest.numpy()) == data
+    cached, total = _cached_fraction(path)
+    if through_cache:
+        assert cached == total
+    else:
+        assert cached <= 1  # at most the tail's page
+
+
+def test_fill_through_cache_still_checks_before_copying(choice, ext4_dir):  # noqa: F811
+    """A bit flipped on the device (pages dropped, so the buffered read fetches it) is caught by
+    the crc32c before anything of its segment is copied, exactly as on the O_DIRECT path."""
+    path, data = _file(ext4_dir, choice)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes([data[2 * SLOT + 5] ^ 0x10]), 2 * SLOT + 5)
+    finally:
+        os.close(fd)
+    _drop_pages(path)
+    dest = torch.zeros(SIZE, dtype=torch.uint8)
+    done = bytearray(6)
+    with dio.open_reader(path, choice=choice, through_cache=True) as r:
+        bad = r.fill_segments(mmap.mmap(-1, 2 * SLOT), SLOT, *_plan(data, dest), done)
+    assert bad is not None and bad[0] == 2
+    assert done[2] == 0 and bytes(dest.numpy())[2 * SLOT:3 * SLOT] == bytes(SLOT)
+
+
+def test_fill_through_cache_of_a_truncated_file_is_typed(choice, ext4_dir):  # noqa: F811
+    path, data = _file(ext4_dir, choice)
+    os.truncate(path, 3 * SLOT + 100)
+    _drop_pages(path)
+    dest = torch.zeros(SIZE, dtype=torch.uint8)
+    r = dio.open_reader(path, choice=choice, through_cache=True)
+    with pytest.raises(E.DataFileTruncatedError):
+        r.fill_segments(mmap.mmap(-1, 2 * SLOT), SLOT, *_plan(data, dest), bytearray(6))
+    assert r.closed
 
 
 def test_fill_mismatch_copies_nothing_of_that_segment_or_after(choice, ext4_dir):  # noqa: F811
@@ -137,9 +195,11 @@ def test_fill_mismatch_copies_nothing_of_that_segment_or_after(choice, ext4_dir)
     seg, check, crc = got
     assert (seg, check) == (1, bad)
     assert crc == crc32c(data[SLOT + 2 * BLOCK:SLOT + 3 * BLOCK])
-    assert bytes(done) == b"\x01" + b"\x00" * 5
+    # Segment 0 was copied if its read landed before segment 1's (completion order is the
+    # kernel's: a buffered read may finish second); done says which, and its bytes agree.
+    assert bytes(done[1:]) == b"\x00" * 5 and done[0] in (0, 1)
     out = bytes(dest.numpy())
-    assert out[:SLOT] == data[:SLOT]
+    assert out[:SLOT] == (data[:SLOT] if done[0] else bytes(SLOT))
     assert out[SLOT:] == bytes(SIZE - SLOT)  # segment 1 verified blocks included: nothing copied
 
 
@@ -192,7 +252,7 @@ def test_fill_reads_cached_pages_with_buffered_reads(ext4_dir):  # noqa: F811
     dest = torch.zeros(SIZE, dtype=torch.uint8)
     with dio.open_reader(path, choice=choice) as r:
         assert r.fill_segments(mmap.mmap(-1, 2 * SLOT), SLOT, *_plan(data, dest), bytearray(6)) is None
-        assert r.cached_bytes == SIZE and r.direct_bytes == 0
+        assert r.cached_bytes == SIZE and r.direct_bytes == 0 and r.buffered_bytes == 0
     assert bytes(dest.numpy()) == data
 
 

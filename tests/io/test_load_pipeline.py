@@ -5,7 +5,8 @@
   resident, so within 32 MiB), at 1, 2 and 3 gloo ranks, and nothing is held after it returns;
   measured in fresh spawned processes from /proc/self/status (VmHWM reset through clear_refs).
 * A resharding load reads at most 1.1x the bytes it needs, for chunks smaller than a MiB too.
-* Pages already in the page cache are read without O_DIRECT.
+* Pages already in the page cache are read without O_DIRECT; a load of a checkpoint that fits
+  the page cache leaves it cached (DISTCKPT_READ_CACHE=auto), so a second load reads memory.
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def test_cached_pages_are_read_without_o_direct(tmp_path):
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop this file's clean pages
         buf = bytearray(size)
-        with open_reader(fpath, choice=choice) as r:
+        with open_reader(fpath, choice=choice, through_cache=False) as r:
             r.read_into([(0, size, buf)])
             assert (r.direct_bytes, r.cached_bytes) == (size, 0)
         assert os.pread(fd, size, 0) == bytes(buf)  # buffered: now the pages are cached
@@ -418,3 +419,40 @@ def test_kept_readers_survive_a_change_of_slot_size(tmp_path):
         assert len(open_fds()) > len(before)  # the kept reader
     assert open_fds() == before
     assert torch.equal(a, state["a"]) and torch.equal(b, state["b"]) and torch.equal(c, state["c"])
+
+
+@pytest.mark.parametrize("mode", ("auto", "direct", "cache"))
+def test_a_load_leaves_what_fits_in_the_page_cache(tmp_path, monkeypatch, mode):
+    """DISTCKPT_READ_CACHE: ``auto`` and ``cache`` read the uncached pages of a checkpoint that
+    fits the page cache through it, so the next load (an evaluation job, a restart in place)
+    reads memory, not the device; ``direct`` reads them with O_DIRECT and leaves nothing cached.
+    Every mode restores the same bytes."""
+    from distckpt import _uring
+    from distckpt.config import get_config
+    from distckpt.storage.posix import choose_backend
+    monkeypatch.setenv("DISTCKPT_READ_CACHE", mode)
+    get_config.cache_clear()
+    path = str(tmp_path / "ckpt")
+    src = _state(3)
+    distckpt.save(src, path)
+    if choose_backend(path).name == "buffered":
+        pytest.skip("this file system refuses O_DIRECT: every read is buffered")
+    files = [os.path.join(path, f["name"]) for f in distckpt.read_manifest(path)["files"]]
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    try:
+        for fd in fds:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        distckpt.load(dst, path)
+        assert all(torch.equal(dst[k], src[k]) for k in src)
+        cached = sum(_uring.cached_pages(fd, 0, os.fstat(fd).st_size)[0] for fd in fds)
+        total = sum(_uring.cached_pages(fd, 0, os.fstat(fd).st_size)[1] for fd in fds)
+        if mode == "direct":
+            assert cached <= len(fds)  # at most a tail page a buffered read of the index touched
+        else:
+            assert cached == total
+    finally:
+        for fd in fds:
+            os.close(fd)
+        get_config.cache_clear()

@@ -8,8 +8,10 @@ Invariants:
     alignment (a ``dest`` may be longer than ``nbytes``); otherwise through aligned staging.
   * Page cache first: with an O_DIRECT backend, a request whose pages are all in the page cache
     (cachestat, else mincore) is read with a buffered pread from a second fd on the same inode
-    (the disk is not touched again); the rest use O_DIRECT, which never fills the cache.
-    ``cached_bytes`` / ``direct_bytes`` count which way the bytes came.
+    (the disk is not touched again). The rest are read through the cache too (buffered, filling
+    it for the next load) when ``through_cache`` (by default :func:`readcache.reads_through_cache`
+    of the file's size: what fits the cache), else with O_DIRECT, which never fills the cache.
+    ``cached_bytes`` / ``buffered_bytes`` / ``direct_bytes`` count which way the bytes came.
   * Every OSError is translated by :func:`errors.from_os_error` (operation "open"/"read") after
     the reader closed its fds; after ``close()`` the reader holds no fd.
 """
@@ -23,6 +25,7 @@ from typing import Iterable, Sequence
 from ... import _uring
 from ...errors import DataFileTruncatedError, from_os_error
 from .probe import BackendChoice, choose_backend
+from .readcache import reads_through_cache
 
 __all__ = ["Reader", "open_reader"]
 
@@ -34,14 +37,18 @@ class Reader:
         path: The file.
         backend: "uring", "pwrite" (synchronous O_DIRECT pread) or "buffered".
         size: The file size when it was opened.
+        through_cache: Uncached pages are read through the page cache (buffered) rather than
+            with O_DIRECT (always True for the "buffered" backend).
     """
 
     def __init__(self, path: str, choice: BackendChoice, *, block_size: int | None = None,
-                 use_cache: bool = True) -> None:
+                 use_cache: bool = True, through_cache: bool | None = None) -> None:
         self.path = path
         self.backend = choice.name
         self.cached_bytes = 0
+        self.buffered_bytes = 0
         self.direct_bytes = 0
+        self.through_cache = choice.name == "buffered" or (bool(through_cache) and use_cache)
         self._c = None
         self._fd = -1
         self._use_cache = use_cache and choice.name != "buffered"
@@ -54,6 +61,8 @@ class Reader:
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             st = os.fstat(self._fd)
             self.size = st.st_size
+            if through_cache is None and choice.name != "buffered":
+                self.through_cache = use_cache and reads_through_cache(self.size)
             if choice.name != "buffered":
                 kwargs = choice.native_kwargs()
                 if block_size is not None:
@@ -117,15 +126,19 @@ class Reader:
                     if req[1] and cached == total:
                         self._pread_into(*req)
                         self.cached_bytes += req[1]
+                    elif self.through_cache:
+                        self._pread_into(*req)
+                        self.buffered_bytes += req[1]
                     else:
                         direct.append(req)
             if self._c is not None:
                 if direct:
                     self._c.read_into(direct)
                     self.direct_bytes += sum(n for _, n, _ in direct)
-            else:
+            else:  # the buffered backend
                 for offset, nbytes, dest in direct:
                     self._pread_into(offset, nbytes, dest)
+                    self.buffered_bytes += nbytes
         except EOFError as exc:
             found = self._current_size()
             self.close()
@@ -146,7 +159,8 @@ class Reader:
                       done: bytearray):
         """Run the C read pipeline (``_uring.Reader.fill``, see csrc/reader.c): read every segment
         into a slot of ``buffer`` (every free slot's read in flight; a segment whose pages are all
-        cached is read with a buffered pread instead), check its crc32c blocks, and only then copy
+        cached is read with a buffered pread instead, and with ``through_cache`` the others are
+        buffered reads in flight rather than O_DIRECT ones), check its crc32c blocks, and only then copy
         its byte runs into the destinations. ``done[i]`` becomes 1 once segment ``i`` was copied.
 
         Returns None, or ``(segment, check, crc found)`` for the first checksum mismatch (nothing
@@ -161,8 +175,9 @@ class Reader:
         if self._c is None:
             raise ValueError(f"reader for {self.path} is closed or has no O_DIRECT backend")
         try:
-            cached, direct, bad = self._c.fill(buffer, slot, segments, checks, copies, dests, done,
-                                               self._fd if self._use_cache else -1)
+            cached, direct, buffered, bad = self._c.fill(buffer, slot, segments, checks, copies, dests, done,
+                                                         self._fd if self._use_cache else -1,
+                                                         self.through_cache and self._use_cache)
         except EOFError as exc:
             found = self._current_size()
             self.close()
@@ -174,6 +189,7 @@ class Reader:
             self.close()
             raise from_os_error(exc, path=self.path, operation="read") from exc
         self.cached_bytes += cached
+        self.buffered_bytes += buffered
         self.direct_bytes += direct
         return bad
 
@@ -209,12 +225,14 @@ class Reader:
 
 
 def open_reader(path: str | os.PathLike, *, choice: BackendChoice | None = None, block_size: int | None = None,
-                use_cache: bool = True) -> Reader:
+                use_cache: bool = True, through_cache: bool | None = None) -> Reader:
     """Open ``path`` for ranged reads with the backend chosen for its file system.
 
     ``block_size``: the largest single O_DIRECT request (default DISTCKPT_BLOCK_SIZE); a request
     is split into pieces of this size that run in parallel. ``use_cache=False``: never read
     through the page cache, even where the pages are cached (benchmarks of cold reads).
+    ``through_cache``: read uncached pages through the cache (True) or with O_DIRECT (False);
+    None (default): :func:`readcache.reads_through_cache` of the file's size.
 
     Raises:
         IOBackendUnavailableError: a forced backend cannot run here.
@@ -223,4 +241,4 @@ def open_reader(path: str | os.PathLike, *, choice: BackendChoice | None = None,
     path = os.fspath(path)
     if choice is None:
         choice = choose_backend(os.path.dirname(os.path.abspath(path)), read_only=True)  # reading writes nothing
-    return Reader(path, choice, block_size=block_size, use_cache=use_cache)
+    return Reader(path, choice, block_size=block_size, use_cache=use_cache, through_cache=through_cache)

@@ -1,0 +1,71 @@
+"""Whether a load reads a data file through the page cache or around it (O_DIRECT).
+
+Pages that are already cached are always read from the cache (storage/posix/reader.py); this
+module decides the rest. ``DISTCKPT_READ_CACHE``:
+
+  * ``auto`` (default): through the cache when the file fits it with room to spare, i.e. it is at
+    most 1/``FIT_FRACTION`` of the memory the kernel can give the cache now (MemAvailable); larger
+    files with O_DIRECT.
+  * ``cache``: every data file through the cache.
+  * ``direct``: O_DIRECT whenever the backend has it (uncached pages are never cached by a load).
+
+Why ``auto`` prefers the cache for what fits (docs/BENCHMARKS.md "Load vs DCP and fio" has the
+numbers): a checkpoint that fits is read again more often than not (the next load of an evaluation
+job, a restart in place, the other ranks of a node that need the same replicated bytes), and an
+O_DIRECT load leaves nothing behind for it, so every load of such a checkpoint paid the device's
+speed; on the virtio disks measured, a cold buffered read was also as fast as or faster than an
+O_DIRECT one. A file too large to stay cached gains nothing from it and would evict the training
+job's own pages, so it keeps O_DIRECT. Verification does not change: every byte a load uses is
+checked against its crc32c after it lands in the bounce buffer, whichever way it came.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...config import READ_CACHE_MODES, get_config
+
+__all__ = ["MODES", "FIT_FRACTION", "reads_through_cache", "page_cache_room"]
+
+MODES = READ_CACHE_MODES
+# A file is read through the cache by "auto" when it is at most this fraction of MemAvailable: the
+# node's other ranks load their files too, and the job needs the rest of memory for itself.
+FIT_FRACTION = 8
+# /proc/meminfo is read at most this often (a load opens one reader per data file and pass).
+_ROOM_TTL_S = 1.0
+_room: tuple[float, int] | None = None
+
+
+def page_cache_room() -> int:
+    """MemAvailable in bytes (memory the kernel can give the page cache without swapping), read
+    from /proc/meminfo at most once a second; 0 when it cannot be read (then ``auto`` reads with
+    O_DIRECT)."""
+    global _room
+    now = time.monotonic()
+    if _room is not None and now - _room[0] < _ROOM_TTL_S:
+        return _room[1]
+    room = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        room = 0
+    _room = (now, room)
+    return room
+
+
+def reads_through_cache(file_size: int, mode: str | None = None) -> bool:
+    """True when a load should read the uncached pages of a data file of ``file_size`` bytes
+    through the page cache (buffered), False for O_DIRECT. ``mode`` defaults to
+    ``DISTCKPT_READ_CACHE``."""
+    mode = get_config().read_cache if mode is None else mode
+    if mode == "cache":
+        return True
+    if mode == "direct":
+        return False
+    if mode != "auto":
+        raise ValueError(f"read cache mode {mode!r} is not one of {', '.join(MODES)}")
+    return file_size * FIT_FRACTION <= page_cache_room()

@@ -1,0 +1,49 @@
+"""DISTCKPT_READ_CACHE: how a load reads the uncached pages of a data file
+(distckpt.storage.posix.readcache), read and validated like the other variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from distckpt.config import KNOWN_VARIABLES, load_config
+from distckpt.errors import ConfigError
+from distckpt.storage.posix import readcache
+
+
+def test_read_cache_default_and_values():
+    assert load_config({}).read_cache == "auto"
+    assert load_config({"DISTCKPT_READ_CACHE": ""}).read_cache == "auto"
+    for mode in ("auto", "cache", "direct"):
+        assert load_config({"DISTCKPT_READ_CACHE": mode}).read_cache == mode
+    assert "DISTCKPT_READ_CACHE" in KNOWN_VARIABLES
+
+
+@pytest.mark.parametrize("raw", ["buffered", "AUTO", "1", "o_direct"])
+def test_read_cache_bad_values_are_config_errors(raw):
+    with pytest.raises(ConfigError) as info:
+        load_config({"DISTCKPT_READ_CACHE": raw})
+    assert "DISTCKPT_READ_CACHE" in str(info.value) and "auto, cache, direct" in str(info.value)
+
+
+def test_auto_reads_through_the_cache_only_what_fits(monkeypatch):
+    room = 8 << 30
+    monkeypatch.setattr(readcache, "page_cache_room", lambda: room)
+    fit = room // readcache.FIT_FRACTION
+    assert readcache.reads_through_cache(fit, "auto")
+    assert not readcache.reads_through_cache(fit + 1, "auto")
+    assert readcache.reads_through_cache(1 << 40, "cache")
+    assert not readcache.reads_through_cache(0, "direct")
+    with pytest.raises(ValueError):
+        readcache.reads_through_cache(0, "sometimes")
+
+
+def test_auto_without_meminfo_reads_direct(monkeypatch):
+    monkeypatch.setattr(readcache, "page_cache_room", lambda: 0)
+    assert not readcache.reads_through_cache(1, "auto")
+
+
+def test_page_cache_room_is_memavailable():
+    readcache._room = None
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(readcache.page_cache_room() - avail) < avail // 4 + (256 << 20)
