@@ -11,14 +11,17 @@ Cases (``--cases``), each in freshly spawned gloo ranks on this machine. ``--sha
     loaded by 3 ranks (a resharding load).
 
 ``--shape llama``: the outside client's state, an FSDP2 (``fully_shard``) HF Llama built from a
-config (random init) plus AdamW, ``get_state_dict`` of it, saved and loaded at 2 and at 4 ranks.
+config (random init) plus AdamW, ``get_state_dict`` of it, saved and loaded at the same world
+size (``--cases``; default 2 and 4 ranks).
 
 Both libraries save the same state into DIR first. Then, ``--repeat`` times, interleaved, the
 library that goes first alternating between repetitions:
 fio O_DIRECT read of distckpt's data files (io_uring, 4 MiB blocks, iodepth 8, after
-``sync; echo 3 > /proc/sys/vm/drop_caches``); distckpt.load cold (caches dropped) and warm (its
-data files read once with buffered reads, so every page is cached); DCP load cold and warm (DCP's
-own cold load leaves its files cached). Medians are printed with the min..max, plus: bytes read /
+``sync; echo 3 > /proc/sys/vm/drop_caches``); DCP load cold (caches dropped) and warm (right after
+its cold load, which leaves its files cached); for each ``--read-cache`` mode
+(DISTCKPT_READ_CACHE), distckpt.load cold and warm (right after its own cold load: what a second
+load finds), and for the first mode also "cached" (after its data files were read once with
+buffered reads, so every page is cached). Medians are printed with the min..max, plus: bytes read /
 bytes needed (distckpt: LoadResult.bytes_read; DCP: rchar from /proc/self/io), and the peak RSS
 the load added on the worst rank (VmHWM reset through /proc/self/clear_refs just before it; the
 destination tensors exist and are resident before). Needs root for drop_caches and fio
