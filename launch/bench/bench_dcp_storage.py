@@ -15,8 +15,9 @@ For each shape, ``--repeat`` times and interleaved (the slowest rank's time, med
 ``dcp.save`` with DCP's FileSystemWriter (its defaults: one thread, fsync per file);
 ``dcp.save`` with DistCkptStorageWriter (DCP's planner, distckpt's writer and commit);
 ``distckpt.save`` of the same state (distckpt's own plan), so the difference is what DCP's planner
-costs; ``dcp.load`` with DCP's FileSystemReader and with DistCkptStorageReader (warm page cache:
-each checkpoint was just written). Ratios are printed against FileSystemWriter/Reader. Each
+costs; ``dcp.load`` with DCP's FileSystemReader and with DistCkptStorageReader, each cold (after
+``drop_caches``: needs root) and then warm (right after its cold load, as it left the page cache).
+Ratios are printed against FileSystemWriter/Reader (loads: in the same cache state). Each
 ``--setting`` adds a ``distckpt.save [NAME]`` row to the same interleaved rounds, saved with those
 DISTCKPT_* variables set (for example ``--setting zc4M=DISTCKPT_ZERO_COPY_MIN=4M``). Every
 checkpoint written under DIR is removed at the end.
@@ -35,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
-from bench import _barrier, llama_fsdp_state, local_bytes, make_state, parse_size, rm, spawn, zeros_like_state  # noqa: E402
+from bench import _barrier, drop_caches, llama_fsdp_state, local_bytes, make_state, parse_size, rm, spawn, zeros_like_state  # noqa: E402
 
 
 def _with_env(env: dict, fn):
@@ -93,11 +94,19 @@ def _body(rank, world, work, shape, size, small, llama, repeat, settings):
         for name, env in settings.items():
             timed(f"distckpt.save [{name}]", lambda: _with_env(env, lambda: distckpt.save(state, nat)),
                   lambda: rm(nat))
+        # Loads cold (caches dropped) and warm (right after the cold load, as each reader left the
+        # page cache), the two readers alternating which goes first.
         dst = zeros_like_state(state)
-        timed("dcp.load FileSystemReader", lambda: dcp.load(dst, checkpoint_id=fsw), lambda: rm(fsw))
-        dst = zeros_like_state(state)
-        timed("dcp.load DistCkptStorageReader", lambda: dcp.load(dst, storage_reader=DistCkptStorageReader(dck)),
-              lambda: rm(dck))
+        readers = [("FileSystemReader", lambda: dcp.load(dst, checkpoint_id=fsw)),
+                   ("DistCkptStorageReader", lambda: dcp.load(dst, storage_reader=DistCkptStorageReader(dck)))]
+        for name, fn in (readers if i % 2 == 0 else readers[::-1]):
+            if rank == 0:
+                drop_caches()
+            timed(f"dcp.load {name} cold", fn, None)
+            timed(f"dcp.load {name} warm", fn, None)
+        if rank == 0:
+            rm(fsw)
+            rm(dck)
     return {"rows": rows, "bytes": nbytes}
 
 
@@ -141,8 +150,11 @@ def main(argv=None) -> int:
             print(f"\n{shape}: {total / 2**20:.0f} MiB over {args.world} ranks, {args.repeat} repetitions "
                   f"(slowest rank; median, min..max)")
             for name, row in table.items():
-                base = table["dcp.save FileSystemWriter" if "save" in name else "dcp.load FileSystemReader"]
-                print(f"  {name:34s} {row['median']:7.3f} s  ({row['min']:.3f}..{row['max']:.3f})  "
+                if "save" in name:
+                    base = table["dcp.save FileSystemWriter"]
+                else:
+                    base = table["dcp.load FileSystemReader " + name.rsplit(" ", 1)[1]]
+                print(f"  {name:40s} {row['median']:7.3f} s  ({row['min']:.3f}..{row['max']:.3f})  "
                       f"{total / 2**20 / row['median']:7.0f} MiB/s  {base['median'] / row['median']:5.2f}x vs DCP's")
             plan = table["dcp.save DistCkptStorageWriter"]["median"] / table["distckpt.save"]["median"]
             print(f"  dcp.save with DistCkptStorageWriter / distckpt.save: {plan:.2f}x (what DCP's planner and "
