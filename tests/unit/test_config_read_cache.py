@@ -47,3 +47,21 @@ def test_page_cache_room_is_memavailable():
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     assert abs(readcache.page_cache_room() - avail) < avail // 4 + (256 << 20)
+
+
+def test_a_memory_cgroup_limit_bounds_the_room(monkeypatch):
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert avail > 64 << 20
+    readcache._room = None
+    monkeypatch.setattr(readcache, "_cgroup_limit", lambda: 64 << 20)
+    assert readcache.page_cache_room() == 64 << 20  # the smaller of the two
+    readcache._room = None
+    monkeypatch.setattr(readcache, "_cgroup_limit", lambda: 1 << 50)
+    assert abs(readcache.page_cache_room() - avail) < avail // 4 + (256 << 20)  # MemAvailable
+    readcache._room = None
+
+
+def test_cgroup_limit_reads_this_machine_without_error():
+    limit = readcache._cgroup_limit()
+    assert limit is None or limit > 0

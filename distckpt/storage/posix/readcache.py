@@ -4,8 +4,9 @@ Pages that are already cached are always read from the cache (storage/posix/read
 module decides the rest. ``DISTCKPT_READ_CACHE``:
 
   * ``auto`` (default): through the cache when the file fits it with room to spare, i.e. it is at
-    most 1/``FIT_FRACTION`` of the memory the kernel can give the cache now (MemAvailable); larger
-    files with O_DIRECT.
+    most 1/``FIT_FRACTION`` of the memory the kernel can give the cache now (MemAvailable, or the
+    process's memory cgroup limit when that is smaller: a container's cache pages are charged to
+    it); larger files with O_DIRECT.
   * ``cache``: every data file through the cache.
   * ``direct``: O_DIRECT whenever the backend has it (uncached pages are never cached by a load).
 
@@ -36,10 +37,36 @@ _ROOM_TTL_S = 1.0
 _room: tuple[float, int] | None = None
 
 
+def _cgroup_limit() -> int | None:
+    """The memory limit of this process's cgroup (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), or None when there is none or it cannot be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = f"/sys/fs/cgroup{path.rstrip('/')}/memory.max"
+        elif "memory" in controllers.split(","):
+            candidate = f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            with open(candidate) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < (1 << 62):  # "max" or v1's near-2^63: no limit
+            return int(raw)
+    return None
+
+
 def page_cache_room() -> int:
-    """MemAvailable in bytes (memory the kernel can give the page cache without swapping), read
-    from /proc/meminfo at most once a second; 0 when it cannot be read (then ``auto`` reads with
-    O_DIRECT)."""
+    """Memory the kernel can give the page cache: MemAvailable in bytes, or the memory cgroup's
+    limit when smaller; read at most once a second; 0 when /proc/meminfo cannot be read (then
+    ``auto`` reads with O_DIRECT)."""
     global _room
     now = time.monotonic()
     if _room is not None and now - _room[0] < _ROOM_TTL_S:
@@ -53,6 +80,9 @@ def page_cache_room() -> int:
                     break
     except (OSError, ValueError, IndexError):
         room = 0
+    limit = _cgroup_limit()
+    if limit is not None:
+        room = min(room, limit)
     _room = (now, room)
     return room
 
