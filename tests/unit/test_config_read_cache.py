@@ -63,6 +63,21 @@ def test_a_memory_cgroup_limit_bounds_the_room(monkeypatch):
     readcache._room = None
 
 
-def test_cgroup_limit_reads_this_machine_without_error():
-    limit = readcache._cgroup_limit()
-    assert limit is None or limit > 0
+@pytest.mark.parametrize("files, want", [
+    ({"/proc/self/cgroup": "0::/job7\n", "/sys/fs/cgroup/job7/memory.max": "1073741824\n"}, 1 << 30),
+    ({"/proc/self/cgroup": "0::/job7\n", "/sys/fs/cgroup/job7/memory.max": "max\n"}, None),
+    ({"/proc/self/cgroup": "5:cpu:/\n4:memory:/job7\n",
+      "/sys/fs/cgroup/memory/job7/memory.limit_in_bytes": "2147483648\n"}, 2 << 30),
+    ({"/proc/self/cgroup": "4:memory:/job7\n",
+      "/sys/fs/cgroup/memory/job7/memory.limit_in_bytes": "9223372036854771712\n"}, None),
+    ({"/proc/self/cgroup": "4:memory:/job7\n"}, None),  # the limit file cannot be read
+], ids=("v2", "v2-max", "v1", "v1-unlimited", "unreadable"))
+def test_cgroup_limit_parses_v1_and_v2(monkeypatch, files, want):
+    import io
+
+    def fake_open(path, *a, **k):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+    monkeypatch.setattr(readcache, "open", fake_open, raising=False)
+    assert readcache._cgroup_limit() == want
