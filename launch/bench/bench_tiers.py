@@ -60,6 +60,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+from bench import local_bytes  # noqa: E402  (bytes of a nested state's tensors)
+
 MiB = 1 << 20
 
 
@@ -94,16 +97,6 @@ def llama_state(hidden: int, layers: int, inter: int, vocab: int) -> dict:
     loss.backward()
     opt.step()
     return {"model": model.state_dict(), "optim": opt.state_dict()}
-
-
-def tensor_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 def count_tensors(obj) -> int:
@@ -410,7 +403,7 @@ def _run_loop(server, bucket: str, tmp: str, sd, repeat: int) -> dict:
         posix.close()
     fs.rm(f"{bucket}/loop", recursive=True)
     shutil.rmtree(base, ignore_errors=True)
-    return {"steps": steps, "meds": meds, "batch": loop.batch, "bytes": tensor_bytes(sd), "calibrated": loop.calibrated,
+    return {"steps": steps, "meds": meds, "batch": loop.batch, "bytes": local_bytes(sd), "calibrated": loop.calibrated,
             "threads": torch.get_num_threads()}
 
 
@@ -614,7 +607,7 @@ def main(argv=None) -> int:
     for name, res in results.items():
         sd = shapes[name]
         t = res["times"]
-        print(f"\n== {name}: {format_bytes(tensor_bytes(sd))} in {count_tensors(sd)} tensors, one process "
+        print(f"\n== {name}: {format_bytes(local_bytes(sd))} in {count_tensors(sd)} tensors, one process "
               f"(data files {format_bytes(res['file_bytes'])})")
         print(f"{'':32} {'median s':>8} {'best s':>8} {'worst s':>8}")
         for k, v in t.items():

@@ -71,7 +71,8 @@ def test_a_memory_cgroup_limit_bounds_the_room(monkeypatch):
     ({"/proc/self/cgroup": "4:memory:/job7\n",
       "/sys/fs/cgroup/memory/job7/memory.limit_in_bytes": "9223372036854771712\n"}, None),
     ({"/proc/self/cgroup": "4:memory:/job7\n"}, None),  # the limit file cannot be read
-], ids=("v2", "v2-max", "v1", "v1-unlimited", "unreadable"))
+    ({"/proc/self/cgroup": "garbage\n0::/job7\n", "/sys/fs/cgroup/job7/memory.max": "4096\n"}, 4096),
+], ids=("v2", "v2-max", "v1", "v1-unlimited", "unreadable", "malformed-line"))
 def test_cgroup_limit_parses_v1_and_v2(monkeypatch, files, want):
     import io
 

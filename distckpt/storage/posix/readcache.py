@@ -26,9 +26,8 @@ import time
 
 from ...config import READ_CACHE_MODES, get_config
 
-__all__ = ["MODES", "FIT_FRACTION", "reads_through_cache", "page_cache_room"]
+__all__ = ["FIT_FRACTION", "reads_through_cache", "page_cache_room"]
 
-MODES = READ_CACHE_MODES
 # A file is read through the cache by "auto" when it is at most this fraction of MemAvailable: the
 # node's other ranks load their files too, and the job needs the rest of memory for itself.
 FIT_FRACTION = 8
@@ -46,7 +45,10 @@ def _cgroup_limit() -> int | None:
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":
             candidate = f"/sys/fs/cgroup{path.rstrip('/')}/memory.max"
         elif "memory" in controllers.split(","):
@@ -97,5 +99,5 @@ def reads_through_cache(file_size: int, mode: str | None = None) -> bool:
     if mode == "direct":
         return False
     if mode != "auto":
-        raise ValueError(f"read cache mode {mode!r} is not one of {', '.join(MODES)}")
+        raise ValueError(f"read cache mode {mode!r} is not one of {', '.join(READ_CACHE_MODES)}")
     return file_size * FIT_FRACTION <= page_cache_room()

@@ -48,7 +48,7 @@ class Reader:
         self.cached_bytes = 0
         self.buffered_bytes = 0
         self.direct_bytes = 0
-        self.through_cache = choice.name == "buffered" or (bool(through_cache) and use_cache)
+        self.through_cache = choice.name == "buffered"  # decided below, once the size is known
         self._c = None
         self._fd = -1
         self._use_cache = use_cache and choice.name != "buffered"
@@ -61,8 +61,9 @@ class Reader:
             self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             st = os.fstat(self._fd)
             self.size = st.st_size
-            if through_cache is None and choice.name != "buffered":
-                self.through_cache = use_cache and reads_through_cache(self.size)
+            if choice.name != "buffered" and use_cache:
+                self.through_cache = (reads_through_cache(self.size) if through_cache is None
+                                      else bool(through_cache))
             if choice.name != "buffered":
                 kwargs = choice.native_kwargs()
                 if block_size is not None:
