@@ -125,6 +125,17 @@ class Server:
         os.close(res_w)
         return pid, res_r
 
+    def _evict_template(self) -> None:
+        """Drop the template's pages from the page cache, so that every trial reads it as the count
+        run did: cold, its data file's reads carried by io_uring_enter calls. (A trial after a warm
+        one would copy cached pages instead and make fewer io_uring_enter calls than counted.)"""
+        for name in os.listdir(self.local):
+            fd = os.open(os.path.join(self.local, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     def _drainer(self, res_w: int, remote: str, ready_w: int, go_r: int) -> None:
         from distckpt._dist import control_group
         from distckpt.storage import open_store
@@ -227,6 +238,7 @@ class Server:
         kill it ``kill_after`` seconds after its release. Returns what happened."""
         self.trial_no += 1
         trial_root = f"{self.url}/t{self.trial_no:03d}"
+        self._evict_template()
         ready_r, ready_w = os.pipe()
         go_r, go_w = os.pipe()
         pid, res_r = self._child(self._drainer, f"{trial_root}/{STEP_DIR}", ready_w, go_r)
@@ -329,17 +341,19 @@ class Server:
         landed = None
         with open(trace) as f:
             lines = f.read().splitlines()
-        last = None
+        last, made = None, 0
         for line in lines:
             if not _ENTRY.match(line) and not _KILLED.match(line):
                 line = f"{run['pid']} {line}"
             m = _ENTRY.match(line)
             if m:
                 last = _label(m.group("name"), m.group("args"), self.local)
+                made += m.group("name") == name
             if _KILLED.match(line) and landed is None:
                 landed = last
         acked = bool(run["outcome"]) and run["outcome"].get("outcome") == "ok"
-        return {"point": f"{name}#{k} {label}", "local": is_local(name, label), "killed": run["killed"],
+        # ``made``: how many calls of that name the trial made (said beside a point not killed).
+        return {"point": f"{name}#{k} {label}", "made": made, "local": is_local(name, label), "killed": run["killed"],
                 "landed": landed, "landed_as_counted": landed == label, "acked": acked,
                 "pending": self.check(run["root"], acked)}
 
@@ -453,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         "committed_after_kill": sum(bool(r["committed"]) for r in results if r["killed"]),
         "violations": [(r["point"], r["violations"]) for r in results if r["violations"]],
         "not_killed": [r["point"] for r in results if not r["killed"]],
-        "local_not_killed": [r["point"] for r in results if not r["killed"] and r["local"]],
+        "local_not_killed": [f"{r['point']} (the trial made {r['made']})" for r in results
+                             if not r["killed"] and r["local"]],
         "leftovers": sorted({k.split("/")[-1][:16] for r in results + timed for k in r["leftovers"]}),
         "points": [(r["point"], r["landed_as_counted"], r["committed"]) for r in results],
         "timed": timed,
