@@ -161,17 +161,13 @@ def _cpu(fn, *args):
         return result, time.process_time() - t0
 
 
-def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dict:
-    """One configuration, in this process. Returns the figures as a dict. ``manifest=False``
-    skips the WRITE records and the MANIFEST (one object per piece; too slow at the largest
-    sizes), reported as None."""
+def plan_all(layout: str, world: int, tensors: int) -> dict:
+    """Every rank's PLAN message and rank 0's planning of them, cold and cached (see the module
+    docstring). Returns the figures and, under ``"plan"`` / ``"grid"``, the merged plan and the
+    grid descriptions (for :func:`rank_index`)."""
     sys.path.insert(0, ROOT)
-    from distckpt import commit
-    from distckpt import manifest as mf
     from distckpt import saveplan as co
-    from distckpt.checksum import crc32c
 
-    rss0 = _rss_kib()
     t_sim = time.monotonic()
     shared: dict = {}
     msgs, keys, sent = [], [], []
@@ -196,35 +192,61 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
     (replies2, _), cached_s = _cpu(co._coordinate_plan, group, same, lambda fqn: True)
     assert isinstance(replies2[0], co.PlanReply) and replies2[0].cached, replies2[0]
     sent_cached = max(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in same)
-    out = {"layout": layout, "ranks": world, "tensors": tensors, "pieces": plan.n_chunks,
-           "compact": plan.compact, "send_per_rank": max(sent[1:] or sent), "send_rank0": sent[0], "recv_per_rank": max(recv[1:] or recv),
-           "coord_recv": sum(sent), "merge_s": plan_s, "cached_s": cached_s, "send_cached": sent_cached,
-           "manifest_s": None, "manifest_bytes": None, "sim_s": time.monotonic() - t_sim}
+    owned: dict[int, list] = {}
+    for (fqn, off, sizes), r in plan.owners.items():
+        owned.setdefault(r, []).append((fqn, off, sizes))
+    return {"layout": layout, "ranks": world, "tensors": tensors, "pieces": plan.n_chunks,
+            "compact": plan.compact, "send_per_rank": max(sent[1:] or sent), "send_rank0": sent[0],
+            "recv_per_rank": max(recv[1:] or recv), "coord_recv": sum(sent), "merge_s": plan_s, "cached_s": cached_s,
+            "send_cached": sent_cached, "sim_s": time.monotonic() - t_sim,
+            "plan": plan, "grid": shared["grid"] if plan.compact else {}, "owned": owned}
+
+
+def rank_index(planned: dict, rank: int) -> tuple[list, int]:
+    """Rank ``rank``'s data-file index as WRITE builds it: ``(fqn, ChunkRecord)`` for every chunk
+    it writes (its grid chunks and the general pieces the plan gave it), and the data bytes
+    before the index."""
+    from distckpt import manifest as mf
+    layout, world, tensors, plan = planned["layout"], planned["ranks"], planned["tensors"], planned["plan"]
+    written = [(fqn, tuple(o), tuple(sz)) for fqn, _shape, boxes in _pieces(layout, world, tensors, rank)
+               if fqn in planned["grid"] for o, sz in boxes if sz[0] and sz[1]]  # empty grid chunks are not written
+    written += planned["owned"].get(rank, [])
+    records, offset = [], 0
+    for fqn, off, sizes in sorted(written):
+        nbytes = 4
+        for n in sizes:
+            nbytes *= n
+        nblocks = -(-nbytes // plan.checksum_block)
+        records.append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=rank, offset=offset,
+                                            nbytes=nbytes, crcs=tuple(range(nblocks)))))
+        offset += -(-nbytes // 4096) * 4096
+    return records, offset
+
+
+def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dict:
+    """One configuration, in this process. Returns the figures as a dict. ``manifest=False``
+    skips the WRITE records and the MANIFEST (one object per piece; too slow at the largest
+    sizes), reported as None."""
+    sys.path.insert(0, ROOT)
+    from distckpt import commit
+    from distckpt import manifest as mf
+    from distckpt.checksum import crc32c
+
+    rss0 = _rss_kib()
+    planned = plan_all(layout, world, tensors)
+    plan, owned = planned["plan"], planned["owned"]
+    out = {k: v for k, v in planned.items() if k not in ("plan", "grid", "owned")}
+    out.update(manifest_s=None, manifest_bytes=None)
     if manifest:
         # WRITE on a rank: its chunk records go into its data file's index (format version 3),
         # each rank's own work. Built for a sample of ranks (0, 1, the last, and the one owning
         # most pieces by the plan): building all 20 M records of 4,096 x 5,000 in one process would
         # measure the simulation, not any rank. The grid layouts give every rank the same count.
-        grid = shared["grid"] if plan.compact else {}
-        owned: dict[int, list] = {}
-        for (fqn, off, sizes), r in plan.owners.items():
-            owned.setdefault(r, []).append((fqn, off, sizes))
         busiest = max(owned, key=lambda r: len(owned[r])) if owned else 0
         sample = sorted({0, min(1, world - 1), world - 1, busiest})
         index_s, index_bytes, refs = 0.0, 0, {}
         for r in sample:
-            written = [(fqn, tuple(o), tuple(sz)) for fqn, _shape, boxes in _pieces(layout, world, tensors, r)
-                       if fqn in grid for o, sz in boxes if sz[0] and sz[1]]  # empty grid chunks are not written
-            written += owned.get(r, [])
-            records, offset = [], 0
-            for fqn, off, sizes in sorted(written):
-                nbytes = 4
-                for n in sizes:
-                    nbytes *= n
-                nblocks = -(-nbytes // plan.checksum_block)
-                records.append((fqn, mf.ChunkRecord(offsets=off, sizes=sizes, file=r, offset=offset,
-                                                    nbytes=nbytes, crcs=tuple(range(nblocks)))))
-                offset += -(-nbytes // 4096) * 4096
+            records, offset = rank_index(planned, r)
             index, seconds = _cpu(mf.encode_index, records)
             crc, crc_seconds = _cpu(crc32c, index)
             index_s = max(index_s, seconds + crc_seconds)

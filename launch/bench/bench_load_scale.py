@@ -1,0 +1,219 @@
+"""Control-plane cost of a load at 1 to 4,096 ranks, simulated in one process, and a real gloo load.
+
+The save side's control plane is launch/bench/bench_scale.py; this is the load side as the code
+runs it today (format version 3), to measure what a rank receives and decodes before it reads a
+byte of data. What runs is distckpt's own code:
+
+* the save is planned as bench_scale plans it (every rank's PLAN message, rank 0's merge), and
+  every rank's data-file index is built as WRITE builds it (one ChunkRecord per chunk written,
+  ``manifest.encode_index``), and the MANIFEST with ``commit._build_manifest``;
+* a load's metadata step is ``Source.manifest``: rank 0 reads the MANIFEST and every data file's
+  index and broadcasts them, pickled as gloo's broadcast_object_list carries them (``recv/rank``
+  is that payload); every other rank decodes and validates all of it (``manifest.decode``,
+  ``decode s``);
+* then a rank plans its reads (``fill.box_tasks``, which runs ``plan.plan_reads`` per wanted box)
+  for its own pieces at the same world size (``plan s``), as a restart does.
+
+Layouts as bench_scale's (``fsdp``, ``tp_fsdp``, ``torchrec``). The simulation has to build all
+ranks x tensors chunk records (bench_scale builds a sample), so a configuration estimated (from
+the per-record rate measured so far) to take longer than ``--budget`` seconds is not run and is
+printed as an estimate, marked ``~``: nothing estimated is presented as measured.
+
+With ``--real N`` it also runs N real gloo ranks under torchrun: an FSDP-like state dict of
+``--real-tensors`` row-sharded DTensors is saved once and loaded three times; each rank reports
+the bytes it received in the load's metadata broadcast (pickled, as gloo carries them), its time
+in ``Source.manifest`` and its whole load time.
+
+Usage: python launch/bench/bench_load_scale.py [--ranks 8,64,512,4096] [--tensors 200,5000]
+                                         [--layouts fsdp,tp_fsdp,torchrec] [--budget 60] [--real 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_scale import ROOT, _cpu, _fmt_bytes, _pieces, _rss_kib, plan_all, rank_index  # noqa: E402
+
+
+def run_one(layout: str, world: int, tensors: int) -> dict:
+    """One configuration, in this process: the figures as a dict (see the module docstring)."""
+    sys.path.insert(0, ROOT)
+    from distckpt import commit
+    from distckpt import manifest as mf
+    from distckpt.checksum import crc32c
+    from distckpt.fill import box_tasks
+
+    rss0 = _rss_kib()
+    t_sim = time.monotonic()
+    planned = plan_all(layout, world, tensors)
+    plan = planned["plan"]
+    indexes, outcomes, records_n = {}, [], 0
+    for r in range(world):
+        records, offset = rank_index(planned, r)
+        records_n += len(records)
+        index = mf.encode_index(records)
+        indexes[r] = index
+        outcomes.append(commit.WriteOutcome((offset, len(index), crc32c(index)), offset + len(index), "uring",
+                                            "simulated"))
+    data = mf.encode(commit._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None))
+    # What Source.manifest broadcasts from rank 0: the MANIFEST, every index, no error.
+    payload = len(pickle.dumps((data, indexes, None), protocol=pickle.HIGHEST_PROTOCOL))
+    sim_s = time.monotonic() - t_sim
+    rank = min(1, world - 1)
+    manifest, decode_s = _cpu(lambda: mf.decode(data, path="MANIFEST", read_index=lambda header, i: indexes[i]))
+    requests = [(fqn, o, s, None) for fqn, _shape, boxes in _pieces(layout, world, tensors, rank) for o, s in boxes]
+    tasks, plan_s = _cpu(box_tasks, "ckpt", manifest, requests)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"layout": layout, "ranks": world, "tensors": tensors, "records": records_n, "manifest_bytes": len(data),
+            "index_bytes": sum(len(i) for i in indexes.values()), "recv_per_rank": payload,
+            "decode_s": decode_s, "plan_s": plan_s, "tasks": len(tasks), "sim_s": sim_s,
+            "peak_rss_mib": (peak - rss0) / 1024}
+
+
+def real_worker(tensors: int, out: str) -> None:
+    """One rank of the real run (under torchrun, gloo): saves an FSDP-like state dict of ``tensors``
+    row-sharded DTensors once, loads it three times. Rank 0 writes the figures."""
+    sys.path.insert(0, ROOT)
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    import distckpt
+    from distckpt import _dist, source
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh("cpu", list(range(world)))
+    sd = {f"layers.{i}.weight": distribute_tensor(torch.randn(world * 4, 16), mesh, [Shard(0)])
+          for i in range(tensors)}
+    got = {"recv": 0, "manifest_s": 0.0}
+    real_broadcast, real_manifest = _dist.ControlGroup.broadcast, source.Source.manifest
+
+    def broadcast(self, obj=None, src=0):  # what this rank receives in the load's metadata step
+        value = real_broadcast(self, obj, src)
+        if self.rank != src:
+            got["recv"] += len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return value
+
+    def manifest(self, group=None):
+        t0 = time.perf_counter()
+        try:
+            return real_manifest(self, group)
+        finally:
+            got["manifest_s"] += time.perf_counter() - t0
+
+    root = tempfile.mkdtemp(prefix="distckpt-load-scale-") if rank == 0 else None
+    box = [root]
+    dist.broadcast_object_list(box)
+    path = os.path.join(box[0], "s")
+    distckpt.save(sd, path)
+    _dist.ControlGroup.broadcast, source.Source.manifest = broadcast, manifest
+    rows = []
+    for _ in range(3):
+        target = {k: distribute_tensor(torch.zeros(world * 4, 16), mesh, [Shard(0)]) for k in sd}
+        got.update(recv=0, manifest_s=0.0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        distckpt.load(target, path)
+        rows.append({"load_s": time.perf_counter() - t0, **got})
+        assert all(torch.equal(target[k].to_local(), sd[k].to_local()) for k in sd)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ranks": everyone, "manifest_bytes": os.path.getsize(os.path.join(path, "MANIFEST")),
+                       "data_file": os.path.getsize(os.path.join(path, "rank00001.bin" if world > 1 else
+                                                                 "rank00000.bin"))}, f)
+        shutil.rmtree(box[0], ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_real(world: int, tensors: int) -> None:
+    """Launch ``world`` real gloo ranks with torchrun and print what they measured."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "real.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               os.path.abspath(__file__), "--real-worker", f"{tensors},{out}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            doc = json.load(f)
+    ranks = doc["ranks"]
+    print(f"real run: {world} gloo ranks x {tensors} row-sharded tensors, saved once, loaded 3 times; "
+          f"MANIFEST {_fmt_bytes(doc['manifest_bytes'])}, a data file {_fmt_bytes(doc['data_file'])}")
+    print(f"{'load':>4} {'recv/rank':>10} {'manifest s (max)':>16} {'load s (min..max)':>18}")
+    for i in range(3):
+        others = [r[i] for r in ranks[1:]] or [ranks[0][i]]
+        loads = [r[i]["load_s"] for r in ranks]
+        print(f"{i:>4} {_fmt_bytes(max(o['recv'] for o in others)):>10} "
+              f"{max(r[i]['manifest_s'] for r in ranks):>16.3f} {min(loads):>8.3f}..{max(loads):.3f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="8,64,512,4096")
+    ap.add_argument("--tensors", default="200,5000")
+    ap.add_argument("--layouts", default="fsdp,tp_fsdp,torchrec")
+    ap.add_argument("--budget", type=float, default=60.0, help="skip (estimate) configurations whose simulation "
+                    "is estimated to take longer than this many seconds")
+    ap.add_argument("--real", type=int, default=0, help="also run this many real gloo ranks under torchrun")
+    ap.add_argument("--real-tensors", type=int, default=200)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--real-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.real_worker:
+        tensors, out = args.real_worker.split(",", 1)
+        real_worker(int(tensors), out)
+        return 0
+    if args.one:
+        layout, world, tensors = args.one.split(",")
+        print(json.dumps(run_one(layout, int(world), int(tensors))))
+        return 0
+    print(f"{'layout':9} {'ranks':>5} {'tensors':>7} {'records':>10} {'MANIFEST':>10} {'indexes':>10} "
+          f"{'recv/rank':>10} {'decode s':>8} {'plan s':>7} {'per rank s':>10} {'peak RSS':>10}")
+    for layout in args.layouts.split(","):
+        # Per chunk record, the highest measured so far: the simulation (building every index) and
+        # a rank's decode + plan, which decide what is run and what is estimated.
+        sim_rate = rank_rate = None
+        for tensors in (int(t) for t in args.tensors.split(",")):
+            for world in (int(w) for w in args.ranks.split(",")):
+                records = tensors * world + (50 if layout == "torchrec" else 0)
+                if sim_rate is not None and sim_rate * records > args.budget:
+                    print(f"{layout:9} {world:>5} {tensors:>7} {records:>10}   not run (simulation ~"
+                          f"{sim_rate * records:.0f} s): a rank's decode + plan ~{rank_rate * records:.1f} s")
+                    continue
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{layout},{world},{tensors}"],
+                                     capture_output=True, text=True)
+                if out.returncode != 0:
+                    print(f"{layout:9} {world:>5} {tensors:>7} failed: {out.stderr.strip()[-300:]}")
+                    continue
+                r = json.loads(out.stdout)
+                if r["records"] >= 10000:  # below that, fixed costs would inflate the per-record rate
+                    sim_rate = max(sim_rate or 0.0, r["sim_s"] / r["records"])
+                    rank_rate = max(rank_rate or 0.0, (r["decode_s"] + r["plan_s"]) / r["records"])
+                print(f"{layout:9} {world:>5} {tensors:>7} {r['records']:>10} {_fmt_bytes(r['manifest_bytes']):>10} "
+                      f"{_fmt_bytes(r['index_bytes']):>10} {_fmt_bytes(r['recv_per_rank']):>10} "
+                      f"{r['decode_s']:>8.2f} {r['plan_s']:>7.2f} {r['decode_s'] + r['plan_s']:>10.2f} "
+                      f"{r['peak_rss_mib']:>7.0f} MiB", flush=True)
+    if args.real:
+        run_real(args.real, args.real_tensors)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
