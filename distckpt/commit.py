@@ -442,12 +442,13 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
 
 def _build_manifest(plan: GlobalPlan, outcomes: list[WriteOutcome], save_id: str, world: int, checksum_block: int,
                     metadata: dict | None) -> "mf.Manifest":
-    """The version-3 MANIFEST of a save: tensors, objects, tree and each data file's index
-    reference. No chunk record: each rank wrote its own into its data file's index, so what rank 0
+    """The version-4 MANIFEST of a save: tensors, objects, tree, each data file's index reference,
+    and where each tensor's chunks are (the plan's grid descriptions, or the ranks that wrote its
+    pieces). No chunk record: each rank wrote its own into its data file's index, so what rank 0
     receives and writes grows with the ranks plus the tensors, not with their product."""
     files = [mf.FileEntry(name=mf.data_file_name(r), size=o.size, rank=r, index=o.index)
              for r, o in enumerate(outcomes)]
-    tensors = {fqn: mf.TensorEntry(dtype=dtype, shape=tuple(shape), kind=kind, chunks=None)
+    tensors = {fqn: mf.TensorEntry(dtype=dtype, shape=tuple(shape), kind=kind, chunks=None, where=plan.where[fqn])
                for fqn, (kind, dtype, shape) in plan.tensors.items()}
     objects = {fqn: mf.ObjectEntry(kind=kind, value=value) for fqn, (kind, value) in plan.objects.items()}
     from . import __version__
@@ -456,4 +457,5 @@ def _build_manifest(plan: GlobalPlan, outcomes: list[WriteOutcome], save_id: str
         meta["user"] = metadata
     return mf.Manifest(format_version=mf.FORMAT_VERSION, save_id=save_id, world_size=world,
                        created_unix=time.time(), checksum_algo="crc32c", checksum_block=checksum_block,
-                       files=tuple(files), tensors=tensors, objects=objects, tree=plan.tree, meta=meta)
+                       files=tuple(files), tensors=tensors, objects=objects, tree=plan.tree, meta=meta,
+                       meshes=plan.meshes)

@@ -50,6 +50,7 @@ import msgpack
 
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, DataFileTruncatedError, ManifestCorruptError, UnsupportedValueError
+from . import where as wh
 from .plan import Box, find_tiling_defect, is_row_tiling
 from .values import check_node
 
@@ -78,14 +79,15 @@ __all__ = [
     "decode_header",
     "parse_index",
     "with_chunks",
+    "files_for",
     "validate",
     "to_plain",
     "commit_time_of_prefix",
 ]
 
 MAGIC = b"DCKPTMF1"
-FORMAT_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 #: First bytes of a version-3 data file's index.
 INDEX_MAGIC = b"DCKPTIX3"
 #: Upper bound on one data file's index, checked before it is read (like MAX_MANIFEST_BYTES).
@@ -275,12 +277,15 @@ class TensorEntry:
             that a writer builds for :func:`encode` (its chunks are in the data files' indexes);
             every manifest :func:`decode` returns has them.
         kind: How it was saved: one of :data:`TENSOR_KINDS` (informational).
+        where: Version 4: which data files hold its chunks (:mod:`distckpt.where`), as tuples:
+            ``("grid", mesh, dims)`` or ``("ranks", ((start, stop), ...))``; None before.
     """
 
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkRecord, ...] | None
     kind: str = "tensor"
+    where: tuple | None = None
 
     def __post_init__(self) -> None:
         for name in ("shape", "chunks"):
@@ -354,6 +359,11 @@ class Manifest:
             ``{"t": "tuple", "v": [...]}`` and leaves ``{"t": "ref", "fqn": str}``; every tensor
             and object is referenced exactly once.
         meta: Plain data: io backend, distckpt version, step, user metadata.
+        meshes: Version 4: the meshes grid ``where`` entries refer to, each ``(shape, ranks)``
+            (a mesh shape and the writer rank at each coordinate, row-major); empty before.
+        files_read: None when every data file's chunks are attached; else the indexes of the
+            files whose chunks are (:func:`with_chunks` of a subset, version 4): only boxes
+            whose files are all among them may be planned (:func:`files_for`).
     """
 
     format_version: int
@@ -367,6 +377,8 @@ class Manifest:
     objects: dict[str, ObjectEntry]
     tree: Any
     meta: dict[str, Any]
+    meshes: tuple = ()
+    files_read: frozenset | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.files, list):
@@ -454,6 +466,16 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
             f"{where}: shape {list(shape)} of {t.dtype} is too large: the product of its non-zero "
             f"dimensions is {extent} bytes, more than a tensor can address (2**63 - 1)", path
         )
+    if m.format_version >= 4:
+        problem = wh.problem(t.where, m.meshes, shape, m.world_size)
+        if problem is not None:
+            raise _corrupt(f"{where}: {problem}", path)
+        missing = [r for r in wh.holders(t.where, m.meshes) if r not in _rank_files(m)]
+        if missing:
+            raise _corrupt(f"{where}: its chunks are said to be in the files of ranks {missing[:5]}, which the "
+                           f"manifest does not list", path)
+    elif t.where is not None:
+        raise _corrupt(f"{where}: a where needs format version 4, the manifest is version {m.format_version}", path)
     if t.chunks is None:  # a writer's version-3 manifest: the chunks are in the files' indexes
         return
     block = m.checksum_block
@@ -503,11 +525,40 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
                 raise _corrupt(f"{cw}: checksum {crc!r} is not a 32-bit unsigned integer", path)
         if nbytes:
             file_spans[fi].append((off, off + nbytes, fqn, j))
+        if t.where is not None:
+            problem = wh.chunk_problem(t.where, m.meshes, shape, f.rank, Box(offsets, sizes))
+            if problem is not None:
+                raise _corrupt(f"{cw} (in {f.name}): {problem}", path)
         boxes.append((offsets, sizes))
-    if is_row_tiling(boxes, shape):  # row slabs: proven exact without the general sweep
+    if m.files_read is None:
+        _check_tiling(where, boxes, Box.full(shape), f"the shape {list(shape)}", path)
         return
-    boxes = [Box(o, s) for o, s in boxes]
-    defect = find_tiling_defect(boxes, Box.full(shape))
+    # Only some files' chunks are attached (version 4): each read file's chunks of a grid tensor
+    # must tile its rank's cell exactly; a tensor listed by ranks is checked whole once every one
+    # of its holders' files is among them (a load reads them all before planning it).
+    if t.where[0] == "grid":
+        by_file: dict[int, list] = {fi: [] for fi in m.files_read}
+        for c, box in zip(t.chunks, boxes):
+            by_file[c.file].append(box)
+        for fi, got in by_file.items():
+            cell = wh.rank_cell(t.where, m.meshes, shape, m.files[fi].rank)
+            if cell is not None and cell.volume:
+                _check_tiling(f"{where} in {m.files[fi].name}", got, cell, f"its cell {cell}", path)
+    elif all(_rank_files(m)[r] in m.files_read for r in wh.holders(t.where, m.meshes)):
+        _check_tiling(where, boxes, Box.full(shape), f"the shape {list(shape)}", path)
+
+
+def _check_tiling(where: str, boxes: list, full: Box, what: str, path: Any) -> None:
+    """``boxes`` ((offsets, sizes) pairs) tile ``full`` (``what``, for the message) exactly, else
+    ManifestCorruptError."""
+    if full.offsets == (0,) * len(full.offsets) and is_row_tiling(boxes, full.sizes):
+        return  # row slabs: proven exact without the general sweep
+    if len(boxes) == 1 and tuple(boxes[0][0]) == full.offsets and tuple(boxes[0][1]) == full.sizes:
+        return
+    boxes = [Box(tuple(o), tuple(s)) for o, s in boxes]
+    if not boxes and full.volume == 0:
+        return
+    defect = find_tiling_defect(boxes, full)
     if defect is not None:
         if defect.kind == "overlap":
             a, b = defect.indices
@@ -515,8 +566,17 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
                 f"{where}: chunks {a} {boxes[a]} and {b} {boxes[b]} overlap (both hold {defect.region})", path
             )
         raise _corrupt(
-            f"{where}: chunks do not cover the shape {list(shape)}: no chunk holds region {defect.region}", path
+            f"{where}: chunks do not cover {what}: no chunk holds region {defect.region}", path
         )
+
+
+def _rank_files(m: Manifest) -> dict[int, int]:
+    """Writer rank -> file index (version 4: one file per rank, checked by _validate_files)."""
+    got = m.__dict__.get("_rank_files")
+    if got is None:
+        got = {f.rank: i for i, f in enumerate(m.files)}
+        object.__setattr__(m, "_rank_files", got)
+    return got
 
 
 def _validate_files(m: Manifest, path: Any) -> None:
@@ -555,6 +615,26 @@ def _validate_files(m: Manifest, path: Any) -> None:
         if not _is_int(f.rank) or not 0 <= f.rank < m.world_size:
             raise _corrupt(f"files[{i}] ({f.name}): rank {f.rank!r} is not in [0, world_size={m.world_size})", path)
         _validate_index_ref(i, f, m.format_version, path)
+
+
+def _validate_meshes(m: Manifest, path: Any) -> None:
+    """Version 4: the meshes grid tensors refer to, one file per writer rank; before: none."""
+    if m.format_version < 4:
+        if m.meshes != () or m.files_read is not None:
+            raise _corrupt(f"meshes and a partial read need format version 4, the manifest is version "
+                           f"{m.format_version}", path)
+        return
+    if len({f.rank for f in m.files}) != len(m.files):
+        raise _corrupt("files: two files of one rank (version 4 has one file per writer rank)", path)
+    if not isinstance(m.meshes, tuple) or len(m.meshes) > wh.MAX_RANGES:
+        raise _corrupt(f"meshes: expected at most {wh.MAX_RANGES} [shape, ranks] pairs", path)
+    for i, mesh in enumerate(m.meshes):
+        problem = wh.mesh_problem(mesh, m.world_size)
+        if problem is not None:
+            raise _corrupt(f"meshes[{i}]: {problem}", path)
+    if m.files_read is not None and not (isinstance(m.files_read, frozenset)
+                                         and all(_is_int(i) and 0 <= i < len(m.files) for i in m.files_read)):
+        raise _corrupt("files_read must be a set of file indexes", path)
 
 
 def _validate_index_ref(i: int, f: FileEntry, version: int, path: Any) -> None:
@@ -636,6 +716,7 @@ def validate(m: Manifest, *, path: Any = None) -> None:
         ManifestCorruptError: the first violation found, with ``path`` and expected vs found.
     """
     _validate_files(m, path)
+    _validate_meshes(m, path)
     if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
         raise _corrupt("tensors and objects must be dicts", path)
     # The index of a version-3 file takes bytes of it too: no chunk may overlap them.
@@ -694,6 +775,8 @@ _FILE_KEYS = ("name", "size", "rank")
 _FILE_KEYS_V3 = ("name", "size", "rank", "index")
 _TENSOR_KEYS = ("dtype", "shape", "kind", "chunks")
 _TENSOR_KEYS_V3 = ("dtype", "shape", "kind")
+_BODY_KEYS_V4 = _BODY_KEYS + ("meshes",)
+_TENSOR_KEYS_V4 = _TENSOR_KEYS_V3 + ("where",)
 _CHUNK_KEYS = ("offsets", "sizes", "file", "offset", "nbytes", "crcs")
 _OBJECT_KEYS = ("kind", "value")
 
@@ -707,7 +790,8 @@ def _to_body(m: Manifest, *, plain: bool = False) -> dict[str, Any]:
     """The body map of ``m``. Version 3 lists no chunks (they are in the files' indexes) unless
     ``plain`` (the logical view of :func:`to_plain`, which shows them where it has them)."""
     v3 = m.format_version >= 3
-    return {
+    v4 = m.format_version >= 4
+    body = {
         "save_id": m.save_id,
         "world_size": m.world_size,
         # Always a float64 on disk, so an int timestamp and its float encode to the same bytes.
@@ -721,6 +805,7 @@ def _to_body(m: Manifest, *, plain: bool = False) -> dict[str, Any]:
                 "dtype": t.dtype,
                 "shape": list(t.shape),
                 "kind": t.kind,
+                **({"where": _plain_tuple(t.where)} if v4 else {}),
                 **({"chunks": _chunk_maps(t)} if not v3 or (plain and t.chunks is not None) else {}),
             }
             for fqn, t in sorted(m.tensors.items())
@@ -729,6 +814,22 @@ def _to_body(m: Manifest, *, plain: bool = False) -> dict[str, Any]:
         "tree": m.tree,  # canonical already: Manifest.__post_init__
         "meta": m.meta,
     }
+    if v4:
+        body["meshes"] = _plain_tuple(m.meshes)
+    return body
+
+
+def _plain_tuple(v: Any) -> Any:
+    """Nested tuples as lists (what msgpack writes; a where or the meshes)."""
+    return [_plain_tuple(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+
+def _tuples(v: Any, depth: int = 0) -> Any:
+    """Nested lists as tuples (a decoded where or mesh), at most 3 levels; anything else as it is
+    (validate() rejects what does not fit the schema)."""
+    if isinstance(v, list) and depth < 3:
+        return tuple(_tuples(x, depth + 1) for x in v)
+    return v
 
 
 def encode(m: Manifest) -> bytes:
@@ -805,7 +906,8 @@ def _from_body(body: Any, version: int, path: Any) -> Manifest:
     """Structure of the body -> dataclasses; value checks are left to validate(). A version-3
     body gives tensors without chunks (None) and files with their index references."""
     v3 = version >= 3
-    _expect_map(body, _BODY_KEYS, "body", path)
+    v4 = version >= 4
+    _expect_map(body, _BODY_KEYS_V4 if v4 else _BODY_KEYS, "body", path)
     files = []
     for i, f in enumerate(_expect_list(body["files"], "files", path)):
         _expect_map(f, _FILE_KEYS_V3 if v3 else _FILE_KEYS, f"files[{i}]", path)
@@ -817,10 +919,11 @@ def _from_body(body: Any, version: int, path: Any) -> Manifest:
     tensors = {}
     for fqn, t in tensors_raw.items():
         where = f"tensor {fqn!r}"
-        _expect_map(t, _TENSOR_KEYS_V3 if v3 else _TENSOR_KEYS, where, path)
+        _expect_map(t, _TENSOR_KEYS_V4 if v4 else _TENSOR_KEYS_V3 if v3 else _TENSOR_KEYS, where, path)
         shape = tuple(_expect_list(t["shape"], f"{where} shape", path))
         if v3:
-            tensors[fqn] = TensorEntry(dtype=t["dtype"], shape=shape, chunks=None, kind=t["kind"])
+            tensors[fqn] = TensorEntry(dtype=t["dtype"], shape=shape, chunks=None, kind=t["kind"],
+                                       where=_tuples(t["where"]) if v4 else None)
             continue
         chunks = []
         for j, c in enumerate(_expect_list(t["chunks"], f"{where} chunks", path)):
@@ -856,6 +959,7 @@ def _from_body(body: Any, version: int, path: Any) -> Manifest:
         objects=objects,
         tree=body["tree"],
         meta=body["meta"],
+        meshes=_tuples(_expect_list(body["meshes"], "meshes", path)) if v4 else (),
     )
 
 
@@ -995,16 +1099,26 @@ def parse_index(header: Manifest, i: int, data: bytes | bytearray | memoryview, 
     return _decode_index(data, i, f.name, path)
 
 
-def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None, *, check: bool = True) -> Manifest:
-    """``header`` (version 3) with the chunk records of ``records`` ({file index: (fqn, ChunkRecord)
-    from :func:`parse_index`}) attached, each tensor's chunks sorted by their offsets (a version-2
-    writer's order). With ``check`` (the default) the result is validated: every file's records
-    must be given, and they must tile every tensor. ``check=False`` is for ``distckpt verify``,
-    which checks the bytes of the files whose index it could read and reports the others.
+def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None, *, check: bool = True,
+                partial: bool = False) -> Manifest:
+    """``header`` (version 3 or 4) with the chunk records of ``records`` ({file index: (fqn,
+    ChunkRecord) from :func:`parse_index`}) attached, each tensor's chunks sorted by their offsets
+    (a version-2 writer's order). With ``check`` (the default) the result is validated: every
+    file's records must be given, and they must tile every tensor. ``check=False`` is for
+    ``distckpt verify``, which checks the bytes of the files whose index it could read and
+    reports the others.
+
+    ``partial`` (version 4, with ``check``): ``records`` may cover some files only, typically
+    those :func:`files_for` names for the boxes a rank wants. The result's ``files_read`` says
+    which; it is validated as far as they tell: every record against its tensor's ``where``, each
+    read file's chunks of a grid tensor tiling that file's cell exactly, and a tensor listed by
+    ranks whole once all its holders' files are read. Every box whose :func:`files_for` are among
+    them is then exactly covered by the attached chunks.
 
     Raises:
         ManifestCorruptError: a record names a tensor the MANIFEST does not list, or (``check``)
             any rule of :func:`validate`.
+        ValueError: ``partial`` for a manifest before version 4 (a caller's bug).
     """
     chunks: dict[str, list] = {fqn: [] for fqn in header.tensors}
     for i in sorted(records):
@@ -1013,16 +1127,34 @@ def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None,
                 raise _corrupt(f"index of {header.files[i].name}: a chunk of {fqn!r}, which is not a tensor of the "
                                "MANIFEST", path)
             chunks[fqn].append(rec)
-    tensors = {fqn: TensorEntry(t.dtype, t.shape, tuple(sorted(chunks[fqn], key=_chunk_order)), t.kind)
+    tensors = {fqn: TensorEntry(t.dtype, t.shape, tuple(sorted(chunks[fqn], key=_chunk_order)), t.kind, t.where)
                for fqn, t in header.tensors.items()}
     m = copy.copy(header)  # not dataclasses.replace: its __post_init__ would canonicalize the tree again
     object.__setattr__(m, "tensors", tensors)
+    if partial:
+        if header.format_version < 4:
+            raise ValueError("with_chunks(partial=True) needs a version-4 manifest (its where entries)")
+        object.__setattr__(m, "files_read", frozenset(records))
+        if check:
+            validate(m, path=path)
+        return m
     if check:
         missing = [header.files[i].name for i in range(len(header.files)) if i not in records]
         if missing:
             raise ValueError(f"with_chunks(check=True) needs every file's records; missing {missing}")
         validate(m, path=path)
     return m
+
+
+def files_for(m: Manifest, fqn: str, box: Box) -> list[int]:
+    """The indexes of the data files that may hold elements of ``box`` of tensor ``fqn``, sorted:
+    from its ``where`` in version 4 (a grid: only the cells ``box`` intersects), every file
+    before. ``m`` must have passed :func:`validate` (any decoded or header manifest has)."""
+    if m.format_version < 4:
+        return list(range(len(m.files)))
+    t = m.tensors[fqn]
+    rank_files = _rank_files(m)
+    return sorted(rank_files[r] for r in wh.ranks_for(t.where, m.meshes, t.shape, box))
 
 
 def _chunk_order(c: ChunkRecord) -> Any:

@@ -385,12 +385,16 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _load_local(source: Source, manifest: "mf.Manifest", state_dict: Any, strict: bool, verify: bool,
-                allow_pickle: bool, cast: str, t0: float,
+def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Manifest]", state_dict: Any,
+                strict: bool, verify: bool, allow_pickle: bool, cast: str, t0: float,
                 parts_for: Callable[[list[Task]], list[Part]] | None = None) -> LoadResult:
     """Plan, read and place one rank's part of a load from ``source`` (whose manifest is
     ``manifest``): for a delta of an incremental chain, the tracked tensors from the base and the
     deltas' rows (:func:`_fill_chain`), everything else from the newest link.
+
+    ``manifest`` may be a function of the ``(fqn, box)`` pairs this rank wants, called once the
+    state dict is flattened (:meth:`Source.manifest`'s ``wanted``: a version-4 checkpoint then
+    gives the chunks of the files holding them only).
 
     ``parts_for``: where the planned read tasks are read from, for a checkpoint whose data files
     are not all under ``source.path`` (a tiered load, distckpt.tiers.load: each file from the
@@ -398,13 +402,16 @@ def _load_local(source: Source, manifest: "mf.Manifest", state_dict: Any, strict
     ``task.chunk.file``) and returns the fill parts that read them, all in one pass; it may raise
     (a file no copy holds) before any byte of the state dict changed. Default: one part, every
     file from ``source``. Not for a delta of a chain (ConfigError)."""
-    links = source.links(manifest)
-    if links is not None and parts_for is not None:
-        raise ConfigError(f"{source.path} is a delta of an incremental chain: it loads from its own directory "
-                          f"and its chain's only")
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
+        if callable(manifest):
+            manifest = manifest([(fqn, Box(tuple(p.offsets), tuple(p.sizes))) for fqn, item in items.items()
+                                 if isinstance(item, TensorItem) for p in item.pieces])
+        links = source.links(manifest)
+        if links is not None and parts_for is not None:
+            raise ConfigError(f"{source.path} is a delta of an incremental chain: it loads from its own directory "
+                              f"and its chain's only")
         tracked: dict[str, int] = {}
         if links is not None:
             if not isinstance(state_dict, dict):
@@ -562,8 +569,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     try:
         source = open_source(path, storage_options)
         with source.guard(), gc_paused():
-            manifest = source.manifest(group)
-            result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0)
+            result = _load_local(source, lambda wanted: source.manifest(group, wanted), state_dict, strict, verify,
+                                 allow_pickle, cast, t0)
     except Exception as exc:
         # its rank is recorded by raise_failures
         error = exc

@@ -40,6 +40,7 @@ from .checksum import crc32c
 from .config import get_config
 from .errors import ConfigError, StateDictMismatchError, UnsupportedValueError
 from .flatten import ObjectItem, TensorItem, flatten, object_entry
+from . import where as wh
 from .manifest import DTYPE_ITEMSIZE
 from .plan import (Box, assign_owners, choose_checksum_block_counted, find_tiling_defect, grid_box,
                    grid_chunk_counts, is_row_tiling)
@@ -333,6 +334,10 @@ class GlobalPlan:
     checksum_block: int = 1 << 20
     n_chunks: int = 0   # distinct boxes written; ``owners`` is empty when a cached plan was reused
     compact: bool = False  # grid tensors (the ranks' ``grid``) were planned from their descriptions
+    # Which ranks' files hold each tensor's chunks, as the MANIFEST says (distckpt.where, format
+    # version 4), and the meshes grid entries refer to: kept with a cached plan (O(keys + ranks)).
+    where: dict = dataclasses.field(default_factory=dict)
+    meshes: tuple = ()
 
 
 def _merge_trees(trees: list[dict], problems: list[str]) -> dict:
@@ -392,6 +397,8 @@ class _Layout:
     late: list[str]
     n_chunks: int = 0   # distinct boxes written (len(owners) when the owners are kept)
     compact: bool = False  # merged from compact descriptions (see _merge_compact)
+    where: dict = dataclasses.field(default_factory=dict)  # as GlobalPlan's
+    meshes: tuple = ()
 
 
 def _merge_layout(summaries: list[RankLayout], parts: dict[bytes, tuple] | None = None) -> _Layout | None:
@@ -407,11 +414,13 @@ def _merge_layout(summaries: list[RankLayout], parts: dict[bytes, tuple] | None 
     grid_keys: set[str] = set()
     grid_counts: dict[int, int] = {}  # chunk bytes -> number of chunks, over the grid tensors
     total = n_grid = 0
+    where: dict[str, tuple] = {}
+    meshes: tuple = ()
     if parts is not None:
         merged = _merge_compact(summaries, parts, meta, early)
         if merged is None:
             return None
-        grid_keys, grid_counts, total, n_grid = merged
+        grid_keys, grid_counts, total, n_grid, where, meshes = merged
     candidates: dict[tuple, list[tuple[int, int]]] = {}
     for r, s in enumerate(summaries):
         for fqn, (kind, dtype, shape, pieces) in s.tensors.items():
@@ -452,15 +461,19 @@ def _merge_layout(summaries: list[RankLayout], parts: dict[bytes, tuple] | None 
         return _Layout(meta, {}, 0, tree, 0, early, late)
     owners = assign_owners(candidates)
     counts = dict(grid_counts)
-    for key in owners:
+    holders: dict[str, set[int]] = {fqn: set() for fqn in meta if fqn not in grid_keys}
+    for key, r in owners.items():
         n = candidates[key][0][1]  # one box, one dtype: every holder's bytes are equal
         total += n
         counts[n] = counts.get(n, 0) + 1
+        holders[key[0]].add(r)
+    for fqn, ranks in holders.items():
+        where[fqn] = ("ranks", wh.ranges(ranks))
     # The checksum block follows the chunk sizes (plan.choose_checksum_block): small chunks get
     # small blocks, so a resharding load reads little more than it needs.
     block = choose_checksum_block_counted(counts, get_config().checksum_block)
     return _Layout(meta, owners, total, tree, block, early, late, n_chunks=len(owners) + n_grid,
-                   compact=parts is not None)
+                   compact=parts is not None, where=where, meshes=meshes)
 
 
 def _merge_compact(summaries: list[RankLayout], parts: dict[bytes, tuple], meta: dict, early: list[str]):
@@ -472,8 +485,10 @@ def _merge_compact(summaries: list[RankLayout], parts: dict[bytes, tuple], meta:
     compact part describes the key differently: each of those ranks checked its own piece against
     the description (:func:`_summarize`), so together their pieces are the grid's chunks, each
     held by exactly one rank, which writes it. Fills ``meta`` (and ``early`` with dtype/shape
-    conflicts) and returns ``(grid keys, {chunk bytes: count}, total bytes, chunks)``, or None
-    when a description is not confirmed (then a full plan decides, as without compact layouts)."""
+    conflicts) and returns ``(grid keys, {chunk bytes: count}, total bytes, chunks, where,
+    meshes)`` (each grid key's ``("grid", mesh, dims)`` and the meshes as ``(shape, ranks)``, for
+    the MANIFEST), or None when a description is not confirmed (then a full plan decides, as
+    without compact layouts)."""
     rank_part = [s.compact for s in summaries]
     # Meshes by content: parts number them separately. mesh id -> the parts its ranks sent.
     mesh_ids: dict[tuple, int] = {}
@@ -513,7 +528,9 @@ def _merge_compact(summaries: list[RankLayout], parts: dict[bytes, tuple], meta:
                 counts[elements * itemsize] = counts.get(elements * itemsize, 0) + c * n
                 total += elements * itemsize * c * n
                 n_chunks += c * n
-    return set(described), counts, total, n_chunks
+    where = {fqn: ("grid", mi, tuple(dims)) for fqn, (_k, _d, _s, mi, dims) in described.items()}
+    meshes = tuple((tuple(shape_), tuple(ranks)) for (shape_, ranks), _i in sorted(mesh_ids.items(), key=lambda kv: kv[1]))
+    return set(described), counts, total, n_chunks, where, meshes
 
 
 def _merge_plan(summaries: list[RankLayout | SameLayoutMessage], checked: Callable[[str], bool] = lambda fqn: True,
@@ -564,7 +581,7 @@ def _merge_plan(summaries: list[RankLayout | SameLayoutMessage], checked: Callab
                     "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
                     "that holds it, with one dtype and shape."))
     return GlobalPlan(meta, layout.owners, layout.total_bytes, objects, layout.tree, layout.checksum_block,
-                       n_chunks=layout.n_chunks, compact=layout.compact)
+                       n_chunks=layout.n_chunks, compact=layout.compact, where=layout.where, meshes=layout.meshes)
 
 
 @dataclasses.dataclass
@@ -686,7 +703,7 @@ def _coordinate_plan(group: ControlGroup, gathered: list[LayoutMessage | SameLay
         # The cached layout drops the owners (one entry per piece of the job): a reuse needs only
         # the keys' metadata, the total bytes, the tree, the checksum block and the count.
         layout = _Layout(plan.tensors, {}, plan.total_bytes, plan.tree, plan.checksum_block, [], [],
-                         n_chunks=plan.n_chunks, compact=plan.compact)
+                         n_chunks=plan.n_chunks, compact=plan.compact, where=plan.where, meshes=plan.meshes)
         _PLAN_CACHE[group.pg] = _PlanCache(plan_id, keys[0], bits[0], keys, layout)
     return [PlanReply(plan_id, bits[r], plan.checksum_block, reuse, plan.compact) for r in range(world)], plan
 

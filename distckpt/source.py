@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from . import dcp, hf
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .chain import ChainLink, chain_info, chain_of
 from .errors import ConfigError
+from .plan import Box
 from .storage import Store, is_url, join, open_store
 from .storage.posix.locate import check_checkpoint_dir, checkpoint_path
 
@@ -41,13 +42,21 @@ class Source:
     store: Store
     format: str
 
-    def manifest(self, group: ControlGroup | None = None) -> "mf.Manifest":
+    def manifest(self, group: ControlGroup | None = None,
+                 wanted: Iterable[tuple[str, Box]] | None = None) -> "mf.Manifest":
         """The decoded, validated manifest of the checkpoint (chunks included).
 
-        With a ``group`` of several ranks (collective then), rank 0 reads a distckpt MANIFEST and
-        its data files' indexes once and broadcasts the bytes (or its typed error); every rank
-        decodes and validates them itself, so a shared file system is not hit once per rank. A
-        DCP or Hugging Face directory is read by every rank (a few KiB per file).
+        With a ``group`` of several ranks (collective then), rank 0 reads a distckpt MANIFEST once
+        and broadcasts its bytes (or its typed error); every rank decodes and validates it
+        itself, so a shared file system is not hit once per rank. A DCP or Hugging Face
+        directory is read by every rank (a few KiB per file).
+
+        Chunk records: format version 4 says which data files hold which boxes, so with
+        ``wanted`` (the ``(fqn, box)`` pairs this rank will read) each rank reads and checks
+        only the indexes of the files holding them (:func:`distckpt.manifest.files_for`), and
+        the manifest carries only their chunks (``files_read``; every wanted box is exactly
+        covered). Without ``wanted``, and before version 4, every index is read: by rank 0,
+        broadcast with the MANIFEST.
 
         Raises:
             CheckpointNotFoundError, CheckpointIncompleteError: no committed checkpoint at the path.
@@ -61,29 +70,57 @@ class Source:
             return dcp.load_manifest(self.path) if self.format == "dcp" else hf.load_manifest(self.path)
         name = join(self.path, mf.MANIFEST_NAME)
         if group is None or group.world_size == 1:
-            return self.store.load_manifest(self.path)
+            if wanted is None:
+                return self.store.load_manifest(self.path)
+            return self._partial(mf.decode_header(self.store.manifest_bytes(self.path), path=name), wanted)
         payload, manifest = None, None
         if group.rank == 0:
             try:
                 data = self.store.manifest_bytes(self.path)
-                indexes: dict[int, bytes] = {}
+                if wanted is not None and mf.decode_header(data, path=name).format_version >= 4:
+                    payload = (data, None, None)  # each rank reads the indexes it needs
+                else:
+                    indexes: dict[int, bytes] = {}
 
-                def read_index(header: "mf.Manifest", i: int) -> bytes:
-                    indexes[i] = self.store.read_index(self.path, header, i)
-                    return indexes[i]
+                    def read_index(header: "mf.Manifest", i: int) -> bytes:
+                        indexes[i] = self.store.read_index(self.path, header, i)
+                        return indexes[i]
 
-                manifest = mf.decode(data, path=name, read_index=read_index)
-                payload = (data, indexes, None)
+                    manifest = mf.decode(data, path=name, read_index=read_index)
+                    payload = (data, indexes, None)
             except Exception as exc:  # noqa: BLE001 - every rank raises it, below
                 payload = (None, None, _portable(exc))
-        # The data files' indexes (format version 3) travel with the MANIFEST: every rank needs
+        # Before version 4 the data files' indexes travel with the MANIFEST: every rank needs
         # every chunk record to plan, and the storage is read once, not once per rank.
         data, indexes, error = group.broadcast(payload)
         if error is not None:
             raise error
+        if indexes is None:
+            # Version 4: this rank's indexes only. A failure here is this rank's; the load's
+            # outcome exchange gives it to every rank.
+            return self._partial(mf.decode_header(data, path=name), wanted)
         if manifest is not None:
             return manifest
         return mf.decode(data, path=name, read_index=lambda header, i: indexes[i])
+
+    def _partial(self, header: "mf.Manifest", wanted: Iterable[tuple[str, Box]]) -> "mf.Manifest":
+        """``header`` with the chunks of the data files that hold the ``wanted`` boxes (version 4;
+        before it, every file's)."""
+        name = join(self.path, mf.MANIFEST_NAME)
+        if header.format_version < 4:
+            return mf.decode(self.store.manifest_bytes(self.path), path=name,
+                             read_index=lambda h, i: self.store.read_index(self.path, h, i))
+        files: set[int] = set()
+        for fqn, box in wanted:
+            t = header.tensors.get(fqn)
+            # A key the checkpoint lacks, or a box that does not fit it, is the planner's error
+            # to report (missing key, shape mismatch): no file is needed for it here.
+            if t is not None and len(box.offsets) == len(t.shape) and all(
+                    o + s <= n for o, s, n in zip(box.offsets, box.sizes, t.shape)):
+                files.update(mf.files_for(header, fqn, box))
+        records = {i: mf.parse_index(header, i, self.store.read_index(self.path, header, i), name)
+                   for i in sorted(files)}
+        return mf.with_chunks(header, records, name, partial=True)
 
     def links(self, manifest: "mf.Manifest") -> list[ChainLink] | None:
         """For a delta of an incremental chain whose manifest is ``manifest``: every link it needs,

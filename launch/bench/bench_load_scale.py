@@ -45,39 +45,83 @@ sys.path.insert(0, HERE)
 from bench_scale import ROOT, _cpu, _fmt_bytes, _pieces, _rss_kib, plan_all, rank_index  # noqa: E402
 
 
-def run_one(layout: str, world: int, tensors: int) -> dict:
-    """One configuration, in this process: the figures as a dict (see the module docstring)."""
+def run_one(layout: str, world: int, tensors: int, every_index: bool = True) -> dict:
+    """One configuration, in this process: the figures as a dict (see the module docstring).
+    ``every_index=False`` builds only the indexes the sampled rank reads under format 4 (the
+    others' references are copied from one built index: nothing reads them), so the largest
+    configurations fit; the format-3 figures are then None."""
     sys.path.insert(0, ROOT)
     from distckpt import commit
     from distckpt import manifest as mf
     from distckpt.checksum import crc32c
     from distckpt.fill import box_tasks
+    from distckpt.plan import Box
 
     rss0 = _rss_kib()
     t_sim = time.monotonic()
     planned = plan_all(layout, world, tensors)
     plan = planned["plan"]
-    indexes, outcomes, records_n = {}, [], 0
-    for r in range(world):
+    rank = min(1, world - 1)
+    wanted = [(fqn, Box(tuple(o), tuple(s))) for fqn, _shape, boxes in _pieces(layout, world, tensors, rank)
+              for o, s in boxes]
+    indexes, refs, records_n = {}, {}, 0
+
+    def build(r: int) -> None:
+        nonlocal records_n
         records, offset = rank_index(planned, r)
         records_n += len(records)
         index = mf.encode_index(records)
         indexes[r] = index
-        outcomes.append(commit.WriteOutcome((offset, len(index), crc32c(index)), offset + len(index), "uring",
-                                            "simulated"))
+        refs[r] = ((offset, len(index), crc32c(index)), offset + len(index))
+
+    if every_index:
+        for r in range(world):
+            build(r)
+    else:
+        build(rank)
+        like = refs[rank]
+        header = commit._build_manifest(plan, [commit.WriteOutcome(*refs.get(r, like), "uring", "simulated")
+                                               for r in range(world)], "0" * 32, world, plan.checksum_block, None)
+        for fqn, box in wanted:  # the files the sampled rank will read
+            for i in mf.files_for(header, fqn, box):
+                if i not in indexes:
+                    build(i)
+    like = refs[rank]
+    outcomes = [commit.WriteOutcome(*refs.get(r, like), "uring", "simulated") for r in range(world)]
     data = mf.encode(commit._build_manifest(plan, outcomes, "0" * 32, world, plan.checksum_block, None))
-    # What Source.manifest broadcasts from rank 0: the MANIFEST, every index, no error.
-    payload = len(pickle.dumps((data, indexes, None), protocol=pickle.HIGHEST_PROTOCOL))
     sim_s = time.monotonic() - t_sim
-    rank = min(1, world - 1)
-    manifest, decode_s = _cpu(lambda: mf.decode(data, path="MANIFEST", read_index=lambda header, i: indexes[i]))
-    requests = [(fqn, o, s, None) for fqn, _shape, boxes in _pieces(layout, world, tensors, rank) for o, s in boxes]
-    tasks, plan_s = _cpu(box_tasks, "ckpt", manifest, requests)
+    out = {"layout": layout, "ranks": world, "tensors": tensors, "records": records_n if every_index else None,
+           "manifest_bytes": len(data), "sim_s": sim_s}
+    if every_index:
+        # Format 3's load: rank 0 broadcasts the MANIFEST and every index; each rank decodes all.
+        out["index_bytes"] = sum(len(i) for i in indexes.values())
+        out["recv_v3"] = len(pickle.dumps((data, indexes, None), protocol=pickle.HIGHEST_PROTOCOL))
+        m3, out["decode_v3_s"] = _cpu(lambda: mf.decode(data, path="MANIFEST",
+                                                        read_index=lambda header, i: indexes[i]))
+        requests = [(fqn, box.offsets, box.sizes, None) for fqn, box in wanted]
+        _, out["plan_v3_s"] = _cpu(box_tasks, "ckpt", m3, requests)
+        del m3
+    else:
+        out.update(index_bytes=None, recv_v3=None, decode_v3_s=None, plan_v3_s=None)
+
+    # Format 4's: the MANIFEST from rank 0, then this rank's own reads of the indexes it needs.
+    def v4():
+        header = mf.decode_header(data, path="MANIFEST")
+        files = set()
+        for fqn, box in wanted:
+            files.update(mf.files_for(header, fqn, box))
+        records = {i: mf.parse_index(header, i, indexes[i]) for i in sorted(files)}
+        return mf.with_chunks(header, records, "MANIFEST", partial=True), files
+
+    (m4, files), out["decode_v4_s"] = _cpu(v4)
+    out["files_v4"] = len(files)
+    out["recv_v4"] = len(data) + sum(len(indexes[i]) for i in files)
+    requests = [(fqn, box.offsets, box.sizes, None) for fqn, box in wanted]
+    tasks, out["plan_v4_s"] = _cpu(box_tasks, "ckpt", m4, requests)
+    out["tasks"] = len(tasks)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"layout": layout, "ranks": world, "tensors": tensors, "records": records_n, "manifest_bytes": len(data),
-            "index_bytes": sum(len(i) for i in indexes.values()), "recv_per_rank": payload,
-            "decode_s": decode_s, "plan_s": plan_s, "tasks": len(tasks), "sim_s": sim_s,
-            "peak_rss_mib": (peak - rss0) / 1024}
+    out["peak_rss_mib"] = (peak - rss0) / 1024
+    return out
 
 
 def real_worker(tensors: int, out: str) -> None:
@@ -181,35 +225,33 @@ def main(argv=None) -> int:
         real_worker(int(tensors), out)
         return 0
     if args.one:
-        layout, world, tensors = args.one.split(",")
-        print(json.dumps(run_one(layout, int(world), int(tensors))))
+        layout, world, tensors, *rest = args.one.split(",")
+        print(json.dumps(run_one(layout, int(world), int(tensors), every_index="v4only" not in rest)))
         return 0
-    print(f"{'layout':9} {'ranks':>5} {'tensors':>7} {'records':>10} {'MANIFEST':>10} {'indexes':>10} "
-          f"{'recv/rank':>10} {'decode s':>8} {'plan s':>7} {'per rank s':>10} {'peak RSS':>10}")
+    print(f"{'layout':9} {'ranks':>5} {'tensors':>7} {'MANIFEST':>10} | {'v3 recv/rank':>12} {'v3 s':>7} | "
+          f"{'v4 files':>8} {'v4 read/rank':>12} {'v4 s':>7} | {'peak RSS':>9}")
     for layout in args.layouts.split(","):
-        # Per chunk record, the highest measured so far: the simulation (building every index) and
-        # a rank's decode + plan, which decide what is run and what is estimated.
-        sim_rate = rank_rate = None
+        # Per chunk record, the highest simulation rate measured so far decides whether building
+        # every index (format 3's figures) fits the budget; format 4's run at any size.
+        sim_rate = None
         for tensors in (int(t) for t in args.tensors.split(",")):
             for world in (int(w) for w in args.ranks.split(",")):
                 records = tensors * world + (50 if layout == "torchrec" else 0)
-                if sim_rate is not None and sim_rate * records > args.budget:
-                    print(f"{layout:9} {world:>5} {tensors:>7} {records:>10}   not run (simulation ~"
-                          f"{sim_rate * records:.0f} s): a rank's decode + plan ~{rank_rate * records:.1f} s")
-                    continue
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{layout},{world},{tensors}"],
+                every = sim_rate is None or sim_rate * records <= args.budget
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one",
+                                      f"{layout},{world},{tensors}" + ("" if every else ",v4only")],
                                      capture_output=True, text=True)
                 if out.returncode != 0:
                     print(f"{layout:9} {world:>5} {tensors:>7} failed: {out.stderr.strip()[-300:]}")
                     continue
                 r = json.loads(out.stdout)
-                if r["records"] >= 10000:  # below that, fixed costs would inflate the per-record rate
+                if every and r["records"] >= 10000:  # below that, fixed costs inflate the rate
                     sim_rate = max(sim_rate or 0.0, r["sim_s"] / r["records"])
-                    rank_rate = max(rank_rate or 0.0, (r["decode_s"] + r["plan_s"]) / r["records"])
-                print(f"{layout:9} {world:>5} {tensors:>7} {r['records']:>10} {_fmt_bytes(r['manifest_bytes']):>10} "
-                      f"{_fmt_bytes(r['index_bytes']):>10} {_fmt_bytes(r['recv_per_rank']):>10} "
-                      f"{r['decode_s']:>8.2f} {r['plan_s']:>7.2f} {r['decode_s'] + r['plan_s']:>10.2f} "
-                      f"{r['peak_rss_mib']:>7.0f} MiB", flush=True)
+                v3 = (f"{_fmt_bytes(r['recv_v3']):>12} {r['decode_v3_s'] + r['plan_v3_s']:>7.2f}" if every
+                      else f"{'(not run)':>12} {'':>7}")
+                print(f"{layout:9} {world:>5} {tensors:>7} {_fmt_bytes(r['manifest_bytes']):>10} | {v3} | "
+                      f"{r['files_v4']:>8} {_fmt_bytes(r['recv_v4']):>12} {r['decode_v4_s'] + r['plan_v4_s']:>7.3f} | "
+                      f"{r['peak_rss_mib']:>5.0f} MiB", flush=True)
     if args.real:
         run_real(args.real, args.real_tensors)
     return 0

@@ -6,7 +6,8 @@ Usage (from the repository root)::
 
 Writes ``tests/golden/manifest_v1.bin``, ``tests/golden/manifest_v2.bin`` (format 2: the typed value
 nodes of object kind ``value``), ``tests/golden/v3/`` (format 3: a whole checkpoint directory,
-MANIFEST plus the two data files whose indexes hold the chunk records) and
+MANIFEST plus the two data files whose indexes hold the chunk records), ``tests/golden/v4/``
+(format 4: the same data files, the MANIFEST saying where each tensor's chunks are) and
 ``tests/golden/corrupt/*.bin`` plus
 ``tests/golden/corrupt/EXPECTED.json`` ({file name: a phrase its ManifestCorruptError message must
 contain}). The tests never run this script: they compare the stored bytes with what the code
@@ -180,6 +181,29 @@ def golden_manifest_v3() -> Manifest:
                     tensors=m.tensors, objects=m.objects, tree=m.tree, meta=m.meta)
 
 
+#: Where each golden tensor's chunks are (format 4): the grid tensors are split evenly over one
+#: 2-rank mesh, the others listed by the ranks whose files hold them.
+V4_MESHES = (((2,), (0, 1)),)
+V4_WHERE = {
+    "model.w": ("grid", 0, (0,)),
+    "opt.0.exp_avg": ("grid", 0, (1,)),
+    "model.b": ("ranks", ((0, 1),)),
+    "cplx": ("ranks", ((0, 1),)),
+    "step_t": ("ranks", ((1, 2),)),
+    "empty": ("ranks", ()),
+}
+
+
+def golden_manifest_v4() -> Manifest:
+    """tests/golden/v4/MANIFEST as decode() returns it: the v3 golden checkpoint (same data files)
+    as format 4, each tensor with its ``where`` and the manifest with its meshes."""
+    m = golden_manifest_v3()
+    tensors = {fqn: TensorEntry(t.dtype, t.shape, t.chunks, t.kind, V4_WHERE[fqn]) for fqn, t in m.tensors.items()}
+    return Manifest(format_version=4, save_id="golden-0004", world_size=m.world_size, created_unix=m.created_unix,
+                    checksum_algo=m.checksum_algo, checksum_block=m.checksum_block, files=m.files,
+                    tensors=tensors, objects=m.objects, tree=m.tree, meta=m.meta, meshes=V4_MESHES)
+
+
 def wrap(body: bytes, *, version: int = 1, flags: int = 0, length: int | None = None) -> bytes:
     """Header + body + crc32c, with a valid checksum over whatever header fields are given."""
     head = b"DCKPTMF1" + struct.pack("<IIQ", version, flags, len(body) if length is None else length) + body
@@ -237,7 +261,7 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
     return {
         "bad_magic.bin": (b"DCKPTMF0" + good[8:], "bad magic"),
         "empty.bin": (b"", "bad magic"),
-        "version4.bin": (wrap(body, version=4), "format version 4 is not supported by this reader (supported: 1, 2, 3)"),
+        "version5.bin": (wrap(body, version=5), "format version 5 is not supported by this reader (supported: 1, 2, 3, 4)"),
         "value_kind_in_v1.bin": (_schema_case(_set(["objects", "name"], {"kind": "value", "value": "x"})),
                                  "kind 'value' needs format version 2"),
         "bad_value_node.bin": (_v2_case(_set(["objects", "v.size", "value", "v"], ["x"])),
@@ -297,6 +321,12 @@ def main() -> None:
     for i, data in enumerate(golden_v3_files()):
         with open(os.path.join(HERE, "v3", f"rank{i:05d}.bin"), "wb") as f:
             f.write(data)
+    os.makedirs(os.path.join(HERE, "v4"), exist_ok=True)
+    with open(os.path.join(HERE, "v4", "MANIFEST"), "wb") as f:
+        f.write(encode(golden_manifest_v4()))
+    for i, data in enumerate(golden_v3_files()):  # the v3 data files, unchanged
+        with open(os.path.join(HERE, "v4", f"rank{i:05d}.bin"), "wb") as f:
+            f.write(data)
     out = os.path.join(HERE, "corrupt")
     os.makedirs(out, exist_ok=True)
     expected = {}
@@ -307,7 +337,7 @@ def main() -> None:
     with open(os.path.join(out, "EXPECTED.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
         f.write("\n")
-    print(f"wrote manifest_v1.bin, manifest_v2.bin, v3/ and {len(expected)} corrupt files under {HERE}")
+    print(f"wrote manifest_v1.bin, manifest_v2.bin, v3/, v4/ and {len(expected)} corrupt files under {HERE}")
 
 
 if __name__ == "__main__":

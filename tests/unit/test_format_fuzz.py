@@ -47,7 +47,7 @@ def good(tmp_path_factory):
 def _write_manifest(path: str, body: dict) -> None:
     """A MANIFEST with a valid header and crc32c around ``body`` (past the byte-level checks)."""
     raw = msgpack.packb(body, use_bin_type=True)
-    head = mf._HEADER.pack(mf.MAGIC, 3, 0, len(raw)) + raw
+    head = mf._HEADER.pack(mf.MAGIC, mf.FORMAT_VERSION, 0, len(raw)) + raw
     with open(os.path.join(path, "MANIFEST"), "wb") as f:
         f.write(head + struct.pack("<I", crc32c(head)))
 

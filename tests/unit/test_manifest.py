@@ -296,7 +296,7 @@ def test_corrupt_corpus_is_complete_and_matches_generator():
         with open(os.path.join(GOLDEN, "corrupt", name), "rb") as f:
             assert f.read() == data, f"{name} differs from make_golden.py: regenerate only on a version bump"
         assert _expected_corpus()[name] == phrase
-    required = {"bad_magic", "version4", "value_kind_in_v1", "flipped_body_byte", "truncated", "extra_byte", "path_traversal",
+    required = {"bad_magic", "version5", "value_kind_in_v1", "flipped_body_byte", "truncated", "extra_byte", "path_traversal",
                 "offset_beyond_file", "overlapping_chunks", "non_covering_chunks", "nbytes_mismatch",
                 "unknown_dtype", "huge_length"}
     assert {n[:-4] for n in stored} >= required
