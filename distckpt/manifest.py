@@ -39,6 +39,7 @@ No torch import: dtypes are names, with their item sizes in :data:`DTYPE_ITEMSIZ
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import math
@@ -470,10 +471,14 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         problem = wh.problem(t.where, m.meshes, shape, m.world_size)
         if problem is not None:
             raise _corrupt(f"{where}: {problem}", path)
-        missing = [r for r in wh.holders(t.where, m.meshes) if r not in _rank_files(m)]
-        if missing:
-            raise _corrupt(f"{where}: its chunks are said to be in the files of ranks {missing[:5]}, which the "
-                           f"manifest does not list", path)
+        # Every holder has a file: a mesh's ranks are checked once (_validate_meshes), a range
+        # of ranks by counting the files' ranks inside it (O(log ranks) per range).
+        if t.where[0] == "ranks":
+            ranks = _file_ranks(m)
+            for start, stop in t.where[1]:
+                if bisect.bisect_left(ranks, stop) - bisect.bisect_left(ranks, start) != stop - start:
+                    raise _corrupt(f"{where}: its chunks are said to be in the files of ranks [{start}, {stop}), "
+                                   f"some of which the manifest does not list", path)
     elif t.where is not None:
         raise _corrupt(f"{where}: a where needs format version 4, the manifest is version {m.format_version}", path)
     if t.chunks is None:  # a writer's version-3 manifest: the chunks are in the files' indexes
@@ -526,7 +531,7 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         if nbytes:
             file_spans[fi].append((off, off + nbytes, fqn, j))
         if t.where is not None:
-            problem = wh.chunk_problem(t.where, m.meshes, shape, f.rank, Box(offsets, sizes))
+            problem = wh.chunk_problem(t.where, m.meshes, shape, f.rank, Box(offsets, sizes), _positions(m))
             if problem is not None:
                 raise _corrupt(f"{cw} (in {f.name}): {problem}", path)
         boxes.append((offsets, sizes))
@@ -541,7 +546,7 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         for c, box in zip(t.chunks, boxes):
             by_file[c.file].append(box)
         for fi, got in by_file.items():
-            cell = wh.rank_cell(t.where, m.meshes, shape, m.files[fi].rank)
+            cell = wh.rank_cell(t.where, m.meshes, shape, m.files[fi].rank, _positions(m))
             if cell is not None and cell.volume:
                 _check_tiling(f"{where} in {m.files[fi].name}", got, cell, f"its cell {cell}", path)
     elif all(_rank_files(m)[r] in m.files_read for r in wh.holders(t.where, m.meshes)):
@@ -568,6 +573,24 @@ def _check_tiling(where: str, boxes: list, full: Box, what: str, path: Any) -> N
         raise _corrupt(
             f"{where}: chunks do not cover {what}: no chunk holds region {defect.region}", path
         )
+
+
+def _positions(m: Manifest) -> list[dict[int, int]]:
+    """:func:`distckpt.where.positions` of ``m.meshes`` (cached on ``m``)."""
+    got = m.__dict__.get("_positions")
+    if got is None:
+        got = wh.positions(m.meshes)
+        object.__setattr__(m, "_positions", got)
+    return got
+
+
+def _file_ranks(m: Manifest) -> list[int]:
+    """The files' writer ranks, sorted (cached on ``m``)."""
+    got = m.__dict__.get("_file_ranks")
+    if got is None:
+        got = sorted(f.rank for f in m.files)
+        object.__setattr__(m, "_file_ranks", got)
+    return got
 
 
 def _rank_files(m: Manifest) -> dict[int, int]:
@@ -617,6 +640,30 @@ def _validate_files(m: Manifest, path: Any) -> None:
         _validate_index_ref(i, f, m.format_version, path)
 
 
+def _validate_tensors(m: Manifest, path: Any) -> None:
+    """Every tensor entry and its chunks, and no two byte ranges of a file overlapping."""
+    # The index of a version-3 file takes bytes of it too: no chunk may overlap them.
+    file_spans: list[list] = [[(f.index[0], f.index[0] + f.index[1], None, None)] if f.index else []
+                              for f in m.files]
+    for fqn, t in m.tensors.items():
+        if not isinstance(fqn, str):
+            raise _corrupt(f"tensors: key {fqn!r} is not a str", path)
+        _validate_tensor(fqn, t, m, path, file_spans)
+
+    def what(k, j):
+        return "its index" if k is None else f"tensor {k!r} chunk {j}"
+
+    for fi, spans in enumerate(file_spans):
+        spans.sort(key=lambda span: span[:2])
+        for (s0, e0, k0, j0), (s1, e1, k1, j1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise _corrupt(
+                    f"{m.files[fi].name}: bytes of {what(k0, j0)} [{s0}, {e0}) and {what(k1, j1)} "
+                    f"[{s1}, {e1}) overlap",
+                    path,
+                )
+
+
 def _validate_meshes(m: Manifest, path: Any) -> None:
     """Version 4: the meshes grid tensors refer to, one file per writer rank; before: none."""
     if m.format_version < 4:
@@ -632,6 +679,9 @@ def _validate_meshes(m: Manifest, path: Any) -> None:
         problem = wh.mesh_problem(mesh, m.world_size)
         if problem is not None:
             raise _corrupt(f"meshes[{i}]: {problem}", path)
+        missing = [r for r in mesh[1] if r not in _rank_files(m)]
+        if missing:
+            raise _corrupt(f"meshes[{i}]: ranks {missing[:5]} have no data file in the manifest", path)
     if m.files_read is not None and not (isinstance(m.files_read, frozenset)
                                          and all(_is_int(i) and 0 <= i < len(m.files) for i in m.files_read)):
         raise _corrupt("files_read must be a set of file indexes", path)
@@ -719,25 +769,7 @@ def validate(m: Manifest, *, path: Any = None) -> None:
     _validate_meshes(m, path)
     if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
         raise _corrupt("tensors and objects must be dicts", path)
-    # The index of a version-3 file takes bytes of it too: no chunk may overlap them.
-    file_spans: list[list] = [[(f.index[0], f.index[0] + f.index[1], None, None)] if f.index else []
-                              for f in m.files]
-    for fqn, t in m.tensors.items():
-        if not isinstance(fqn, str):
-            raise _corrupt(f"tensors: key {fqn!r} is not a str", path)
-        _validate_tensor(fqn, t, m, path, file_spans)
-    def what(k, j):
-        return "its index" if k is None else f"tensor {k!r} chunk {j}"
-
-    for fi, spans in enumerate(file_spans):
-        spans.sort(key=lambda span: span[:2])
-        for (s0, e0, k0, j0), (s1, e1, k1, j1) in zip(spans, spans[1:]):
-            if s1 < e0:
-                raise _corrupt(
-                    f"{m.files[fi].name}: bytes of {what(k0, j0)} [{s0}, {e0}) and {what(k1, j1)} "
-                    f"[{s1}, {e1}) overlap",
-                    path,
-                )
+    _validate_tensors(m, path)
     for fqn, o in m.objects.items():
         where = f"object {fqn!r}"
         if not isinstance(fqn, str):
@@ -1108,12 +1140,13 @@ def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None,
     ``distckpt verify``, which checks the bytes of the files whose index it could read and
     reports the others.
 
-    ``partial`` (version 4, with ``check``): ``records`` may cover some files only, typically
-    those :func:`files_for` names for the boxes a rank wants. The result's ``files_read`` says
-    which; it is validated as far as they tell: every record against its tensor's ``where``, each
-    read file's chunks of a grid tensor tiling that file's cell exactly, and a tensor listed by
-    ranks whole once all its holders' files are read. Every box whose :func:`files_for` are among
-    them is then exactly covered by the attached chunks.
+    ``partial`` (version 4, with ``check``; ``header`` as :func:`decode_header` returns it,
+    already validated): ``records`` may cover some files only, typically those
+    :func:`files_for` names for the boxes a rank wants. The result's ``files_read`` says which;
+    its tensors and chunks are validated as far as those files tell: every record against its
+    tensor's ``where``, each read file's chunks of a grid tensor tiling that file's cell exactly,
+    and a tensor listed by ranks whole once all its holders' files are read. Every box whose
+    :func:`files_for` are among them is then exactly covered by the attached chunks.
 
     Raises:
         ManifestCorruptError: a record names a tensor the MANIFEST does not list, or (``check``)
@@ -1136,7 +1169,9 @@ def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None,
             raise ValueError("with_chunks(partial=True) needs a version-4 manifest (its where entries)")
         object.__setattr__(m, "files_read", frozenset(records))
         if check:
-            validate(m, path=path)
+            # The header's other parts (tree, objects, meta, files) were checked by decode_header.
+            _validate_meshes(m, path)
+            _validate_tensors(m, path)
         return m
     if check:
         missing = [header.files[i].name for i in range(len(header.files)) if i not in records]

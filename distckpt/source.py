@@ -55,8 +55,10 @@ class Source:
         ``wanted`` (the ``(fqn, box)`` pairs this rank will read) each rank reads and checks
         only the indexes of the files holding them (:func:`distckpt.manifest.files_for`), and
         the manifest carries only their chunks (``files_read``; every wanted box is exactly
-        covered). Without ``wanted``, and before version 4, every index is read: by rank 0,
-        broadcast with the MANIFEST.
+        covered); when some rank needs more than half of the files, rank 0 reads every index
+        once and broadcasts them instead (one all_gather of a count per rank decides). Without
+        ``wanted``, and before version 4, every index is read: by rank 0, broadcast with the
+        MANIFEST.
 
         Raises:
             CheckpointNotFoundError, CheckpointIncompleteError: no committed checkpoint at the path.
@@ -95,21 +97,33 @@ class Source:
         data, indexes, error = group.broadcast(payload)
         if error is not None:
             raise error
-        if indexes is None:
-            # Version 4: this rank's indexes only. A failure here is this rank's; the load's
-            # outcome exchange gives it to every rank.
-            return self._partial(mf.decode_header(data, path=name), wanted)
-        if manifest is not None:
-            return manifest
-        return mf.decode(data, path=name, read_index=lambda header, i: indexes[i])
+        if indexes is not None:
+            return manifest if manifest is not None else \
+                mf.decode(data, path=name, read_index=lambda header, i: indexes[i])
+        # Version 4: every rank decodes the MANIFEST (the same bytes: a corrupt one fails
+        # everywhere, before the collective below) and finds the files its boxes need.
+        header = mf.decode_header(data, path=name)
+        files = self._needed(header, wanted)
+        # Each rank reads its own files' indexes, unless some rank needs more than half of them
+        # (layouts listed by ranks that every rank holds: ZeRO partitions, non-grid shards):
+        # then rank 0 reads every index once and broadcasts them, as before version 4, rather
+        # than the storage serving every index to every rank.
+        if 2 * max(group.all_gather(len(files))) <= len(header.files):
+            # A failure here is this rank's; the load's outcome exchange gives it to every rank.
+            return self._read_some(header, files)
+        payload = None
+        if group.rank == 0:
+            try:
+                payload = ({i: self.store.read_index(self.path, header, i) for i in range(len(header.files))}, None)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, below
+                payload = (None, _portable(exc))
+        indexes, error = group.broadcast(payload)
+        if error is not None:
+            raise error
+        return mf.decode(data, path=name, read_index=lambda h, i: indexes[i])
 
-    def _partial(self, header: "mf.Manifest", wanted: Iterable[tuple[str, Box]]) -> "mf.Manifest":
-        """``header`` with the chunks of the data files that hold the ``wanted`` boxes (version 4;
-        before it, every file's)."""
-        name = join(self.path, mf.MANIFEST_NAME)
-        if header.format_version < 4:
-            return mf.decode(self.store.manifest_bytes(self.path), path=name,
-                             read_index=lambda h, i: self.store.read_index(self.path, h, i))
+    def _needed(self, header: "mf.Manifest", wanted: Iterable[tuple[str, Box]]) -> set[int]:
+        """The data files holding the ``wanted`` boxes (by :func:`distckpt.manifest.files_for`)."""
         files: set[int] = set()
         for fqn, box in wanted:
             t = header.tensors.get(fqn)
@@ -118,6 +132,19 @@ class Source:
             if t is not None and len(box.offsets) == len(t.shape) and all(
                     o + s <= n for o, s, n in zip(box.offsets, box.sizes, t.shape)):
                 files.update(mf.files_for(header, fqn, box))
+        return files
+
+    def _partial(self, header: "mf.Manifest", wanted: Iterable[tuple[str, Box]]) -> "mf.Manifest":
+        """One process: ``header`` with the chunks of the data files that hold the ``wanted``
+        boxes (version 4; before it, every file's)."""
+        if header.format_version < 4:
+            return mf.decode(self.store.manifest_bytes(self.path), path=join(self.path, mf.MANIFEST_NAME),
+                             read_index=lambda h, i: self.store.read_index(self.path, h, i))
+        return self._read_some(header, self._needed(header, wanted))
+
+    def _read_some(self, header: "mf.Manifest", files: set[int]) -> "mf.Manifest":
+        """``header`` (version 4) with the chunks of data files ``files`` attached and checked."""
+        name = join(self.path, mf.MANIFEST_NAME)
         records = {i: mf.parse_index(header, i, self.store.read_index(self.path, header, i), name)
                    for i in sorted(files)}
         return mf.with_chunks(header, records, name, partial=True)

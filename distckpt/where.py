@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 
 from .plan import Box, grid_box
 
-__all__ = ["problem", "mesh_problem", "holders", "ranks_for", "rank_cell", "chunk_problem", "ranges"]
+__all__ = ["problem", "mesh_problem", "holders", "ranks_for", "positions", "rank_cell", "chunk_problem", "ranges"]
 
 #: The most ranges a ``("ranks", ...)`` where may list (one per writer rank at worst).
 MAX_RANGES = 1 << 20
@@ -100,13 +100,20 @@ def holders(where: tuple, meshes: Sequence) -> list[int]:
     return [r for start, stop in where[1] for r in range(start, stop)]
 
 
-def rank_cell(where: tuple, meshes: Sequence, shape: Sequence[int], rank: int) -> Box | None:
+def positions(meshes: Sequence) -> list[dict[int, int]]:
+    """Per mesh, ``{rank: its row-major coordinate index}``: what :func:`rank_cell` looks up
+    (built once per manifest, so a lookup does not scan the mesh)."""
+    return [{r: k for k, r in enumerate(ranks)} for _shape, ranks in meshes]
+
+
+def rank_cell(where: tuple, meshes: Sequence, shape: Sequence[int], rank: int,
+              where_is: list[dict[int, int]] | None = None) -> Box | None:
     """For a grid ``where``: the box whose elements ``rank``'s file holds (possibly empty), or
-    None when ``rank`` is not in the mesh (its file holds no chunk of the tensor)."""
+    None when ``rank`` is not in the mesh (its file holds no chunk of the tensor). ``where_is``:
+    :func:`positions` of ``meshes``, when the caller has it."""
     mesh_shape, ranks = meshes[where[1]]
-    try:
-        linear = ranks.index(rank)
-    except ValueError:
+    linear = (where_is[where[1]] if where_is is not None else positions([meshes[where[1]]])[0]).get(rank)
+    if linear is None:
         return None
     offsets, sizes = grid_box(shape, mesh_shape, where[2], _coord(mesh_shape, linear))
     return Box(offsets, sizes)
@@ -133,11 +140,13 @@ def ranks_for(where: tuple, meshes: Sequence, shape: Sequence[int], box: Box) ->
     return sorted(ranks[_linear(mesh_shape, c)] for c in _cells(shape, mesh_shape, where[2], box))
 
 
-def chunk_problem(where: tuple, meshes: Sequence, shape: Sequence[int], rank: int, box: Box) -> str | None:
+def chunk_problem(where: tuple, meshes: Sequence, shape: Sequence[int], rank: int, box: Box,
+                  where_is: list[dict[int, int]] | None = None) -> str | None:
     """What is wrong with a chunk ``box`` found in the file of writer ``rank``, or None: for a grid
-    it must lie inside that rank's cell; otherwise the rank must be a holder."""
+    it must lie inside that rank's cell; otherwise the rank must be a holder. ``where_is`` as
+    :func:`rank_cell` takes it."""
     if where[0] == "grid":
-        cell = rank_cell(where, meshes, shape, rank)
+        cell = rank_cell(where, meshes, shape, rank, where_is)
         if cell is None:
             return f"rank {rank} is not in the tensor's mesh {where[1]}, so its file holds none of it"
         if any(o < co or o + s > co + cs for o, s, co, cs in zip(box.offsets, box.sizes, cell.offsets, cell.sizes)):
