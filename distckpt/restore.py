@@ -393,8 +393,8 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
     deltas' rows (:func:`_fill_chain`), everything else from the newest link.
 
     ``manifest`` may be a function of the ``(fqn, box)`` pairs this rank wants, called once the
-    state dict is flattened (:meth:`Source.manifest`'s ``wanted``: a version-4 checkpoint then
-    gives the chunks of the files holding them only).
+    state dict is flattened (:meth:`Source.manifest_for_boxes`: a version-4 checkpoint then gives
+    the chunks of the files holding them only; no collective).
 
     ``parts_for``: where the planned read tasks are read from, for a checkpoint whose data files
     are not all under ``source.path`` (a tiered load, distckpt.tiers.load: each file from the
@@ -569,8 +569,9 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     try:
         source = open_source(path, storage_options)
         with source.guard(), gc_paused():
-            result = _load_local(source, lambda wanted: source.manifest(group, wanted), state_dict, strict, verify,
-                                 allow_pickle, cast, t0)
+            # Collective, so before anything of this rank's own can fail (flattening its state).
+            manifest = source.manifest_for_boxes(group)
+            result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0)
     except Exception as exc:
         # its rank is recorded by raise_failures
         error = exc

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from . import dcp, hf
 from . import manifest as mf
@@ -42,23 +42,13 @@ class Source:
     store: Store
     format: str
 
-    def manifest(self, group: ControlGroup | None = None,
-                 wanted: Iterable[tuple[str, Box]] | None = None) -> "mf.Manifest":
-        """The decoded, validated manifest of the checkpoint (chunks included).
+    def manifest(self, group: ControlGroup | None = None) -> "mf.Manifest":
+        """The decoded, validated manifest of the checkpoint, every tensor's chunks included.
 
-        With a ``group`` of several ranks (collective then), rank 0 reads a distckpt MANIFEST once
-        and broadcasts its bytes (or its typed error); every rank decodes and validates it
-        itself, so a shared file system is not hit once per rank. A DCP or Hugging Face
-        directory is read by every rank (a few KiB per file).
-
-        Chunk records: format version 4 says which data files hold which boxes, so with
-        ``wanted`` (the ``(fqn, box)`` pairs this rank will read) each rank reads and checks
-        only the indexes of the files holding them (:func:`distckpt.manifest.files_for`), and
-        the manifest carries only their chunks (``files_read``; every wanted box is exactly
-        covered); when some rank needs more than half of the files, rank 0 reads every index
-        once and broadcasts them instead (one all_gather of a count per rank decides). Without
-        ``wanted``, and before version 4, every index is read: by rank 0, broadcast with the
-        MANIFEST.
+        With a ``group`` of several ranks (collective then), rank 0 reads a distckpt MANIFEST and
+        its data files' indexes once and broadcasts the bytes (or its typed error); every rank
+        decodes and validates them itself, so a shared file system is not hit once per rank. A
+        DCP or Hugging Face directory is read by every rank (a few KiB per file).
 
         Raises:
             CheckpointNotFoundError, CheckpointIncompleteError: no committed checkpoint at the path.
@@ -67,19 +57,46 @@ class Source:
                 index cannot be read; and the errors of :func:`distckpt.dcp.load_manifest` /
                 :func:`distckpt.hf.load_manifest`, StorageError subclasses.
         """
+        return self._open(group, by_boxes=False)
+
+    def manifest_for_boxes(self, group: ControlGroup | None = None
+                           ) -> "mf.Manifest | Callable[[Iterable[tuple[str, Box]]], mf.Manifest]":
+        """For a load: :meth:`manifest`, or, for a format-4 checkpoint, a function of the
+        ``(fqn, box)`` pairs this rank wants that reads and checks the indexes of the data files
+        holding them only (:func:`distckpt.manifest.files_for`) and returns the manifest with
+        their chunks (``files_read``; every wanted box exactly covered). The function is this
+        rank's alone (no collective): a failure in it is this rank's, which the load's outcome
+        exchange gives to every rank.
+
+        Collective like :meth:`manifest` (rank 0 reads the MANIFEST and broadcasts it): every
+        rank calls it before any step of its own that may fail. The whole manifest comes back
+        instead, every index read once by rank 0 and broadcast as before format 4, when a
+        tensor's chunks are spread over more than half of the data files without a grid (ZeRO's
+        flat partitions, shards listed by ranks): then most ranks would read most indexes, and
+        the storage would serve each of them to every rank.
+
+        Raises: as :meth:`manifest` (the function: its index errors).
+        """
+        return self._open(group, by_boxes=True)
+
+    def _open(self, group: ControlGroup | None, by_boxes: bool):
         if self.format != "distckpt":
             check_checkpoint_dir(self.path)  # a save's tmp directory is no checkpoint, whatever it holds
             return dcp.load_manifest(self.path) if self.format == "dcp" else hf.load_manifest(self.path)
         name = join(self.path, mf.MANIFEST_NAME)
         if group is None or group.world_size == 1:
-            if wanted is None:
+            if not by_boxes:
                 return self.store.load_manifest(self.path)
-            return self._partial(mf.decode_header(self.store.manifest_bytes(self.path), path=name), wanted)
+            data = self.store.manifest_bytes(self.path)
+            header = mf.decode_header(data, path=name)
+            if header.format_version >= 4:  # one process: reading only what it needs always pays
+                return lambda wanted: self._read_some(header, self._needed(header, wanted))
+            return mf.decode(data, path=name, read_index=lambda h, i: self.store.read_index(self.path, h, i))
         payload, manifest = None, None
         if group.rank == 0:
             try:
                 data = self.store.manifest_bytes(self.path)
-                if wanted is not None and mf.decode_header(data, path=name).format_version >= 4:
+                if by_boxes and _by_boxes(mf.decode_header(data, path=name)):
                     payload = (data, None, None)  # each rank reads the indexes it needs
                 else:
                     indexes: dict[int, bytes] = {}
@@ -92,35 +109,17 @@ class Source:
                     payload = (data, indexes, None)
             except Exception as exc:  # noqa: BLE001 - every rank raises it, below
                 payload = (None, None, _portable(exc))
-        # Before version 4 the data files' indexes travel with the MANIFEST: every rank needs
-        # every chunk record to plan, and the storage is read once, not once per rank.
+        # Unless each rank reads its own (format 4), the data files' indexes travel with the
+        # MANIFEST: every rank needs every chunk record to plan, and the storage is read once.
         data, indexes, error = group.broadcast(payload)
         if error is not None:
             raise error
-        if indexes is not None:
-            return manifest if manifest is not None else \
-                mf.decode(data, path=name, read_index=lambda header, i: indexes[i])
-        # Version 4: every rank decodes the MANIFEST (the same bytes: a corrupt one fails
-        # everywhere, before the collective below) and finds the files its boxes need.
-        header = mf.decode_header(data, path=name)
-        files = self._needed(header, wanted)
-        # Each rank reads its own files' indexes, unless some rank needs more than half of them
-        # (layouts listed by ranks that every rank holds: ZeRO partitions, non-grid shards):
-        # then rank 0 reads every index once and broadcasts them, as before version 4, rather
-        # than the storage serving every index to every rank.
-        if 2 * max(group.all_gather(len(files))) <= len(header.files):
-            # A failure here is this rank's; the load's outcome exchange gives it to every rank.
-            return self._read_some(header, files)
-        payload = None
-        if group.rank == 0:
-            try:
-                payload = ({i: self.store.read_index(self.path, header, i) for i in range(len(header.files))}, None)
-            except Exception as exc:  # noqa: BLE001 - every rank raises it, below
-                payload = (None, _portable(exc))
-        indexes, error = group.broadcast(payload)
-        if error is not None:
-            raise error
-        return mf.decode(data, path=name, read_index=lambda h, i: indexes[i])
+        if indexes is None:
+            header = mf.decode_header(data, path=name)  # the same bytes: the same outcome on every rank
+            return lambda wanted: self._read_some(header, self._needed(header, wanted))
+        if manifest is not None:
+            return manifest
+        return mf.decode(data, path=name, read_index=lambda header, i: indexes[i])
 
     def _needed(self, header: "mf.Manifest", wanted: Iterable[tuple[str, Box]]) -> set[int]:
         """The data files holding the ``wanted`` boxes (by :func:`distckpt.manifest.files_for`)."""
@@ -133,14 +132,6 @@ class Source:
                     o + s <= n for o, s, n in zip(box.offsets, box.sizes, t.shape)):
                 files.update(mf.files_for(header, fqn, box))
         return files
-
-    def _partial(self, header: "mf.Manifest", wanted: Iterable[tuple[str, Box]]) -> "mf.Manifest":
-        """One process: ``header`` with the chunks of the data files that hold the ``wanted``
-        boxes (version 4; before it, every file's)."""
-        if header.format_version < 4:
-            return mf.decode(self.store.manifest_bytes(self.path), path=join(self.path, mf.MANIFEST_NAME),
-                             read_index=lambda h, i: self.store.read_index(self.path, h, i))
-        return self._read_some(header, self._needed(header, wanted))
 
     def _read_some(self, header: "mf.Manifest", files: set[int]) -> "mf.Manifest":
         """``header`` (version 4) with the chunks of data files ``files`` attached and checked."""
@@ -179,6 +170,16 @@ class Source:
             for link in links[1:]:
                 stack.enter_context(self.store.guard_reads(link.path))
             yield
+
+
+def _by_boxes(header: "mf.Manifest") -> bool:
+    """Whether the ranks of a load read the indexes their boxes need themselves: format 4, and no
+    tensor spread over more than half of the data files without a grid."""
+    if header.format_version < 4:
+        return False
+    half = len(header.files) / 2
+    return all(t.where[0] == "grid" or sum(stop - start for start, stop in t.where[1]) <= half
+               for t in header.tensors.values())
 
 
 def open_source(path: str | os.PathLike, storage_options: dict | None = None) -> Source:

@@ -1,28 +1,33 @@
 """Control-plane cost of a load at 1 to 4,096 ranks, simulated in one process, and a real gloo load.
 
-The save side's control plane is launch/bench/bench_scale.py; this is the load side as the code
-runs it today (format version 3), to measure what a rank receives and decodes before it reads a
-byte of data. What runs is distckpt's own code:
+The save side's control plane is launch/bench/bench_scale.py; this is the load side: what a rank
+receives and decodes before it reads a byte of data, as format version 3 loaded (every index to
+every rank) and as format version 4 loads (each rank the indexes its boxes need), side by side on
+the same checkpoint. What runs is distckpt's own code:
 
-* the save is planned as bench_scale plans it (every rank's PLAN message, rank 0's merge), and
-  every rank's data-file index is built as WRITE builds it (one ChunkRecord per chunk written,
-  ``manifest.encode_index``), and the MANIFEST with ``commit._build_manifest``;
-* a load's metadata step is ``Source.manifest``: rank 0 reads the MANIFEST and every data file's
-  index and broadcasts them, pickled as gloo's broadcast_object_list carries them (``recv/rank``
-  is that payload); every other rank decodes and validates all of it (``manifest.decode``,
-  ``decode s``);
-* then a rank plans its reads (``fill.box_tasks``, which runs ``plan.plan_reads`` per wanted box)
-  for its own pieces at the same world size (``plan s``), as a restart does.
+* the save is planned as bench_scale plans it (every rank's PLAN message, rank 0's merge), every
+  rank's data-file index is built as WRITE builds it (one ChunkRecord per chunk written,
+  ``manifest.encode_index``), and the MANIFEST with ``commit._build_manifest`` (format 4);
+* format 3's metadata step: rank 0 read the MANIFEST and every index and broadcast them, pickled
+  as gloo's broadcast_object_list carries them (``v3 recv/rank``), and every rank decoded and
+  validated all of it (``manifest.decode`` with every index); then it planned its reads
+  (``fill.box_tasks``) for its own pieces at the same world size, as a restart does (``v3 s``:
+  both, CPU seconds);
+* format 4's (``Source.manifest`` with the boxes the rank wants): the MANIFEST from rank 0, then
+  ``manifest.files_for`` those boxes, ``parse_index`` of those files' indexes only and
+  ``with_chunks(partial=True)``, then the same planning (``v4 files``, ``v4 read/rank``: the
+  MANIFEST plus those indexes, ``v4 s``).
 
-Layouts as bench_scale's (``fsdp``, ``tp_fsdp``, ``torchrec``). The simulation has to build all
-ranks x tensors chunk records (bench_scale builds a sample), so a configuration estimated (from
-the per-record rate measured so far) to take longer than ``--budget`` seconds is not run and is
-printed as an estimate, marked ``~``: nothing estimated is presented as measured.
+Layouts as bench_scale's (``fsdp``, ``tp_fsdp``, ``torchrec``). Format 3's figures need every
+index built (bench_scale builds a sample), so a configuration whose simulation is estimated (from
+the per-record rate measured so far) to take longer than ``--budget`` seconds gets format 4's
+figures only (the other indexes' references are copied: nothing reads them), marked "not run".
 
 With ``--real N`` it also runs N real gloo ranks under torchrun: an FSDP-like state dict of
 ``--real-tensors`` row-sharded DTensors is saved once and loaded three times; each rank reports
-the bytes it received in the load's metadata broadcast (pickled, as gloo carries them), its time
-in ``Source.manifest`` and its whole load time.
+the bytes it received in the load's metadata broadcasts (pickled, as gloo carries them), the
+indexes it read from storage itself (format 4) and their bytes, its time in ``Source.manifest``
+and its whole load time.
 
 Usage: python launch/bench/bench_load_scale.py [--ranks 8,64,512,4096] [--tensors 200,5000]
                                          [--layouts fsdp,tp_fsdp,torchrec] [--budget 60] [--real 16]
@@ -143,8 +148,8 @@ def real_worker(tensors: int, out: str) -> None:
     mesh = DeviceMesh("cpu", list(range(world)))
     sd = {f"layers.{i}.weight": distribute_tensor(torch.randn(world * 4, 16), mesh, [Shard(0)])
           for i in range(tensors)}
-    got = {"recv": 0, "manifest_s": 0.0}
-    real_broadcast, real_manifest = _dist.ControlGroup.broadcast, source.Source.manifest
+    got = {"recv": 0, "manifest_s": 0.0, "index_reads": 0, "index_bytes": 0}
+    real_broadcast, real_manifest = _dist.ControlGroup.broadcast, source.Source.manifest_for_boxes
 
     def broadcast(self, obj=None, src=0):  # what this rank receives in the load's metadata step
         value = real_broadcast(self, obj, src)
@@ -152,23 +157,38 @@ def real_worker(tensors: int, out: str) -> None:
             got["recv"] += len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         return value
 
-    def manifest(self, group=None):
+    def timed(fn, *args):
         t0 = time.perf_counter()
         try:
-            return real_manifest(self, group)
+            return fn(*args)
         finally:
             got["manifest_s"] += time.perf_counter() - t0
+
+    def manifest(self, group=None):  # the collective step, then (format 4) this rank's index reads
+        opened = timed(real_manifest, self, group)
+        return (lambda wanted: timed(opened, wanted)) if callable(opened) else opened
 
     root = tempfile.mkdtemp(prefix="distckpt-load-scale-") if rank == 0 else None
     box = [root]
     dist.broadcast_object_list(box)
     path = os.path.join(box[0], "s")
     distckpt.save(sd, path)
-    _dist.ControlGroup.broadcast, source.Source.manifest = broadcast, manifest
+    from distckpt.storage import open_store
+    store_cls = type(open_store(path))
+    real_read_index = store_cls.read_index
+
+    def read_index(self, p, header, i):  # the indexes this rank reads from storage itself
+        data = real_read_index(self, p, header, i)
+        got["index_reads"] += 1
+        got["index_bytes"] += len(data)
+        return data
+
+    _dist.ControlGroup.broadcast, source.Source.manifest_for_boxes = broadcast, manifest
+    store_cls.read_index = read_index
     rows = []
     for _ in range(3):
         target = {k: distribute_tensor(torch.zeros(world * 4, 16), mesh, [Shard(0)]) for k in sd}
-        got.update(recv=0, manifest_s=0.0)
+        got.update(recv=0, manifest_s=0.0, index_reads=0, index_bytes=0)
         dist.barrier()
         t0 = time.perf_counter()
         distckpt.load(target, path)
@@ -200,11 +220,14 @@ def run_real(world: int, tensors: int) -> None:
     ranks = doc["ranks"]
     print(f"real run: {world} gloo ranks x {tensors} row-sharded tensors, saved once, loaded 3 times; "
           f"MANIFEST {_fmt_bytes(doc['manifest_bytes'])}, a data file {_fmt_bytes(doc['data_file'])}")
-    print(f"{'load':>4} {'recv/rank':>10} {'manifest s (max)':>16} {'load s (min..max)':>18}")
+    print(f"{'load':>4} {'recv/rank':>10} {'indexes/rank':>12} {'index bytes/rank':>16} {'manifest s (max)':>16} "
+          f"{'load s (min..max)':>18}")
     for i in range(3):
         others = [r[i] for r in ranks[1:]] or [ranks[0][i]]
         loads = [r[i]["load_s"] for r in ranks]
         print(f"{i:>4} {_fmt_bytes(max(o['recv'] for o in others)):>10} "
+              f"{max(r[i]['index_reads'] for r in ranks):>12} "
+              f"{_fmt_bytes(max(r[i]['index_bytes'] for r in ranks)):>16} "
               f"{max(r[i]['manifest_s'] for r in ranks):>16.3f} {min(loads):>8.3f}..{max(loads):.3f}")
 
 

@@ -45,6 +45,9 @@ def _rewrite_manifest(path: str, edit) -> None:
     body = copy.deepcopy(body)
     for f in body["files"]:  # written as version 1: the chunks in the MANIFEST, no file index
         del f["index"]
+    body.pop("meshes", None)  # nor where each tensor's chunks are (version 4)
+    for t in body["tensors"].values():
+        t.pop("where", None)
     edit(body)
     raw = msgpack.packb(body, use_bin_type=True)
     head = mf._HEADER.pack(mf.MAGIC, 1, 0, len(raw)) + raw

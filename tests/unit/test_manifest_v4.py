@@ -206,3 +206,14 @@ def test_ranges_and_holders():
     assert wh.holders(("grid", 0, (0,)), (((2,), (3, 1)),)) == [1, 3]
     m = copy.deepcopy(gen.golden_manifest_v4())
     assert m.meshes == gen.V4_MESHES
+
+
+def test_a_load_reads_by_boxes_unless_a_tensor_is_spread_over_most_files_without_a_grid():
+    """distckpt.source decides from the MANIFEST alone (the same on every rank, no collective):
+    each rank reads its own indexes, unless some tensor listed by ranks has more than half of the
+    files as holders (then rank 0 reads every index once and broadcasts them, as before)."""
+    from distckpt.source import _by_boxes
+    assert _by_boxes(mf.decode_header(_stored()))  # grids, and tensors held by one file of two
+    assert not _by_boxes(mf.decode_header(_edited(_set_where("model.b", ["ranks", [[0, 2]]]))))
+    with open(os.path.join(GOLDEN, "v3", "MANIFEST"), "rb") as f:
+        assert not _by_boxes(mf.decode_header(f.read()))
