@@ -35,7 +35,6 @@ Usage: python launch/bench/bench_load_scale.py [--ranks 8,64,512,4096] [--tensor
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
@@ -47,7 +46,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_scale import ROOT, _cpu, _fmt_bytes, _pieces, _rss_kib, plan_all, rank_index  # noqa: E402
+from bench_scale import (ROOT, _cpu, _fmt_bytes, _pieces, _rss_kib, launch_real, plan_all, rank_index,  # noqa: E402
+                         parse_args, real_finish, real_setup)
 
 
 def run_one(layout: str, world: int, tensors: int, every_index: bool = True) -> dict:
@@ -132,22 +132,14 @@ def run_one(layout: str, world: int, tensors: int, every_index: bool = True) -> 
 def real_worker(tensors: int, out: str) -> None:
     """One rank of the real run (under torchrun, gloo): saves an FSDP-like state dict of ``tensors``
     row-sharded DTensors once, loads it three times. Rank 0 writes the figures."""
-    sys.path.insert(0, ROOT)
-    import shutil
-    import tempfile
-
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
+    rank, world, mesh, sd, directory = real_setup(tensors, torch.randn)
     import distckpt
     from distckpt import _dist, source
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = DeviceMesh("cpu", list(range(world)))
-    sd = {f"layers.{i}.weight": distribute_tensor(torch.randn(world * 4, 16), mesh, [Shard(0)])
-          for i in range(tensors)}
     got = {"recv": 0, "manifest_s": 0.0, "index_reads": 0, "index_bytes": 0}
     real_broadcast, real_manifest = _dist.ControlGroup.broadcast, source.Source.manifest_for_boxes
 
@@ -168,10 +160,7 @@ def real_worker(tensors: int, out: str) -> None:
         opened = timed(real_manifest, self, group)
         return (lambda wanted: timed(opened, wanted)) if callable(opened) else opened
 
-    root = tempfile.mkdtemp(prefix="distckpt-load-scale-") if rank == 0 else None
-    box = [root]
-    dist.broadcast_object_list(box)
-    path = os.path.join(box[0], "s")
+    path = os.path.join(directory, "s")
     distckpt.save(sd, path)
     from distckpt.storage import open_store
     store_cls = type(open_store(path))
@@ -194,29 +183,13 @@ def real_worker(tensors: int, out: str) -> None:
         distckpt.load(target, path)
         rows.append({"load_s": time.perf_counter() - t0, **got})
         assert all(torch.equal(target[k].to_local(), sd[k].to_local()) for k in sd)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, rows)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ranks": everyone, "manifest_bytes": os.path.getsize(os.path.join(path, "MANIFEST")),
-                       "data_file": os.path.getsize(os.path.join(path, "rank00001.bin" if world > 1 else
-                                                                 "rank00000.bin"))}, f)
-        shutil.rmtree(box[0], ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    real_finish(rank, world, rows, out, directory, manifest_bytes=os.path.getsize(os.path.join(path, "MANIFEST")),
+                data_file=os.path.getsize(os.path.join(path, "rank00001.bin" if world > 1 else "rank00000.bin")))
 
 
 def run_real(world: int, tensors: int) -> None:
     """Launch ``world`` real gloo ranks with torchrun and print what they measured."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "real.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               os.path.abspath(__file__), "--real-worker", f"{tensors},{out}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        with open(out) as f:
-            doc = json.load(f)
+    doc = launch_real(__file__, world, tensors)
     ranks = doc["ranks"]
     print(f"real run: {world} gloo ranks x {tensors} row-sharded tensors, saved once, loaded 3 times; "
           f"MANIFEST {_fmt_bytes(doc['manifest_bytes'])}, a data file {_fmt_bytes(doc['data_file'])}")
@@ -232,17 +205,10 @@ def run_real(world: int, tensors: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="8,64,512,4096")
-    ap.add_argument("--tensors", default="200,5000")
-    ap.add_argument("--layouts", default="fsdp,tp_fsdp,torchrec")
-    ap.add_argument("--budget", type=float, default=60.0, help="skip (estimate) configurations whose simulation "
-                    "is estimated to take longer than this many seconds")
-    ap.add_argument("--real", type=int, default=0, help="also run this many real gloo ranks under torchrun")
-    ap.add_argument("--real-tensors", type=int, default=200)
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--real-worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, argv, ranks="8,64,512,4096", tensors="200,5000",
+                      budget_help="give only format 4's figures for configurations whose format-3 simulation "
+                                  "is estimated to take longer than this many seconds",
+                      real_help="also run this many real gloo ranks under torchrun")
     if args.real_worker:
         tensors, out = args.real_worker.split(",", 1)
         real_worker(int(tensors), out)

@@ -59,6 +59,7 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -263,26 +264,51 @@ def run_one(layout: str, world: int, tensors: int, manifest: bool = True) -> dic
     return out
 
 
-def real_worker(tensors: int, out: str) -> None:
-    """One rank of the real run (under torchrun, gloo): an FSDP-like state dict of ``tensors``
-    row-sharded DTensors, saved three times with unchanged layouts. Rank 0 writes the figures."""
+def real_setup(tensors: int, make) -> tuple[int, int, Any, dict, str]:
+    """A real run's rank (under torchrun): the gloo group, a 1-D mesh over every rank, an
+    FSDP-like state dict of ``tensors`` row-sharded DTensors made by ``make(shape)`` (world x 4
+    rows of 16), and a scratch directory rank 0 made. Returns (rank, world, mesh, sd, directory)."""
     sys.path.insert(0, ROOT)
-    import shutil
     import tempfile
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
-
-    import distckpt
-    from distckpt import _dist
-    from distckpt.commit import WriteOutcome
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = DeviceMesh("cpu", list(range(world)))
-    sd = {f"layers.{i}.weight": distribute_tensor(torch.zeros(world * 4, 16), mesh, [Shard(0)])
-          for i in range(tensors)}
+    sd = {f"layers.{i}.weight": distribute_tensor(make((world * 4, 16)), mesh, [Shard(0)]) for i in range(tensors)}
+    box = [tempfile.mkdtemp(prefix="distckpt-scale-") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    return rank, world, mesh, sd, box[0]
+
+
+def real_finish(rank: int, world: int, rows: list, out: str, directory: str, **extra) -> None:
+    """Gather every rank's ``rows``; rank 0 writes them (and ``extra``) to ``out`` as JSON and
+    removes ``directory``; then the group ends."""
+    import shutil
+
+    import torch.distributed as dist
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ranks": everyone, **extra}, f)
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def real_worker(tensors: int, out: str) -> None:
+    """One rank of the real run (under torchrun, gloo): an FSDP-like state dict of ``tensors``
+    row-sharded DTensors, saved three times with unchanged layouts. Rank 0 writes the figures."""
+    import torch
+
+    rank, world, _mesh, sd, directory = real_setup(tensors, torch.zeros)
+    import distckpt
+    from distckpt import _dist
+    from distckpt.commit import WriteOutcome
+
     sizes = {"gather": 0, "scatter": 0, "write": 0}
     real_gather, real_scatter = _dist.ControlGroup.gather, _dist.ControlGroup.scatter
 
@@ -297,39 +323,35 @@ def real_worker(tensors: int, out: str) -> None:
         return got
 
     _dist.ControlGroup.gather, _dist.ControlGroup.scatter = gather, scatter
-    root = tempfile.mkdtemp(prefix="distckpt-scale-") if rank == 0 else None
-    box = [root]
-    dist.broadcast_object_list(box)
     rows = []
     for i in range(3):
         sizes.update(gather=0, scatter=0, write=0)
-        res = distckpt.save(sd, os.path.join(box[0], f"s{i}"))
+        res = distckpt.save(sd, os.path.join(directory, f"s{i}"))
         rows.append({"plan_s": res.plan_seconds, "cached": res.plan_cached, "save_s": res.seconds,
                      "sent": sizes["gather"], "recv": sizes["scatter"], "write": sizes["write"],
                      "phases": res.phase_seconds})
-    manifest_bytes = os.path.getsize(os.path.join(box[0], "s2", "MANIFEST"))
-    everyone = [None] * world
-    dist.all_gather_object(everyone, rows)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ranks": everyone, "manifest_bytes": manifest_bytes}, f)
-        shutil.rmtree(box[0], ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    real_finish(rank, world, rows, out, directory,
+                manifest_bytes=os.path.getsize(os.path.join(directory, "s2", "MANIFEST")))
 
 
-def run_real(world: int, tensors: int) -> None:
-    """Launch ``world`` real gloo ranks with torchrun and print what they measured."""
+def launch_real(script: str, world: int, tensors: int) -> dict:
+    """Run ``script --real-worker TENSORS,OUT`` on ``world`` real gloo ranks under torchrun and
+    return the JSON its rank 0 wrote to OUT."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "real.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               os.path.abspath(__file__), "--real-worker", f"{tensors},{out}"]
+               os.path.abspath(script), "--real-worker", f"{tensors},{out}"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         with open(out) as f:
-            doc = json.load(f)
-        ranks = doc["ranks"]
+            return json.load(f)
+
+
+def run_real(world: int, tensors: int) -> None:
+    """Launch ``world`` real gloo ranks with torchrun and print what they measured."""
+    doc = launch_real(__file__, world, tensors)
+    ranks = doc["ranks"]
     print(f"real run: {world} gloo ranks x {tensors} row-sharded tensors (3 saves, same layout)")
     print(f"{'save':>4} {'cached':>6} {'rank0 plan s':>12} {'max plan s':>10} {'save s':>7} "
           f"{'sent/rank':>10} {'recv/rank':>10} {'rank0 recv':>10} {'WRITE/rank':>10}")
@@ -372,19 +394,27 @@ def _manifest_estimate(layout: str, world: int, tensors: int) -> int:
     return 100 * (tensors + (50 if layout == "torchrec" else 0)) + 40 * world
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="1,8,64,512,4096")
-    ap.add_argument("--tensors", default="200,5000,20000")
+def parse_args(doc: str, argv, *, ranks: str, tensors: str, budget_help: str, real_help: str) -> argparse.Namespace:
+    """The command line both scale benchmarks share (``--one`` and ``--real-worker`` are their
+    internal modes)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--ranks", default=ranks)
+    ap.add_argument("--tensors", default=tensors)
     ap.add_argument("--layouts", default="fsdp,tp_fsdp,torchrec")
-    ap.add_argument("--budget", type=float, default=60.0, help="skip (extrapolate) configurations whose "
-                    "merge is estimated to take longer than this many seconds")
-    ap.add_argument("--real", type=int, default=0, help="also run this many real gloo ranks under torchrun "
-                    "(each saves --real-tensors row-sharded DTensors three times) and print their figures")
+    ap.add_argument("--budget", type=float, default=60.0, help=budget_help)
+    ap.add_argument("--real", type=int, default=0, help=real_help)
     ap.add_argument("--real-tensors", type=int, default=200)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--real-worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(__doc__, argv, ranks="1,8,64,512,4096", tensors="200,5000,20000",
+                      budget_help="skip (extrapolate) configurations whose merge is estimated to take longer "
+                                  "than this many seconds",
+                      real_help="also run this many real gloo ranks under torchrun (each saves --real-tensors "
+                                "row-sharded DTensors three times) and print their figures")
     if args.real_worker:
         tensors, out = args.real_worker.split(",", 1)
         real_worker(int(tensors), out)
