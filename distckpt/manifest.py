@@ -471,7 +471,7 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         problem = wh.problem(t.where, m.meshes, shape, m.world_size)
         if problem is not None:
             raise _corrupt(f"{where}: {problem}", path)
-        # Every holder has a file: a mesh's ranks are checked once (_validate_meshes), a range
+        # Every holder has a file: a mesh's ranks are checked once (_validate_v4), a range
         # of ranks by counting the files' ranks inside it (O(log ranks) per range).
         if t.where[0] == "ranks":
             ranks = _file_ranks(m)
@@ -575,31 +575,30 @@ def _check_tiling(where: str, boxes: list, full: Box, what: str, path: Any) -> N
         )
 
 
-def _positions(m: Manifest) -> list[dict[int, int]]:
-    """:func:`distckpt.where.positions` of ``m.meshes`` (cached on ``m``)."""
-    got = m.__dict__.get("_positions")
+def _derived(m: Manifest, name: str, build: Callable[[Manifest], Any]) -> Any:
+    """``build(m)``, computed once per manifest and kept on it: lookups the per-tensor checks make
+    (rank -> file, mesh positions) would otherwise cost O(files) for every tensor. ``m.files``
+    and ``m.meshes`` never change after construction (a copy carries the same values)."""
+    got = m.__dict__.get(name)
     if got is None:
-        got = wh.positions(m.meshes)
-        object.__setattr__(m, "_positions", got)
+        got = build(m)
+        object.__setattr__(m, name, got)
     return got
+
+
+def _positions(m: Manifest) -> list[dict[int, int]]:
+    """:func:`distckpt.where.positions` of ``m.meshes``."""
+    return _derived(m, "_positions", lambda m: wh.positions(m.meshes))
 
 
 def _file_ranks(m: Manifest) -> list[int]:
-    """The files' writer ranks, sorted (cached on ``m``)."""
-    got = m.__dict__.get("_file_ranks")
-    if got is None:
-        got = sorted(f.rank for f in m.files)
-        object.__setattr__(m, "_file_ranks", got)
-    return got
+    """The files' writer ranks, sorted."""
+    return _derived(m, "_file_ranks", lambda m: sorted(f.rank for f in m.files))
 
 
 def _rank_files(m: Manifest) -> dict[int, int]:
-    """Writer rank -> file index (version 4: one file per rank, checked by _validate_files)."""
-    got = m.__dict__.get("_rank_files")
-    if got is None:
-        got = {f.rank: i for i, f in enumerate(m.files)}
-        object.__setattr__(m, "_rank_files", got)
-    return got
+    """Writer rank -> file index (version 4: one file per rank, checked by _validate_v4)."""
+    return _derived(m, "_rank_files", lambda m: {f.rank: i for i, f in enumerate(m.files)})
 
 
 def _validate_files(m: Manifest, path: Any) -> None:
@@ -664,8 +663,9 @@ def _validate_tensors(m: Manifest, path: Any) -> None:
                 )
 
 
-def _validate_meshes(m: Manifest, path: Any) -> None:
-    """Version 4: the meshes grid tensors refer to, one file per writer rank; before: none."""
+def _validate_v4(m: Manifest, path: Any) -> None:
+    """Version 4's own fields: one file per writer rank, the meshes grid tensors refer to, and a
+    partial read's ``files_read``; before version 4 none of them."""
     if m.format_version < 4:
         if m.meshes != () or m.files_read is not None:
             raise _corrupt(f"meshes and a partial read need format version 4, the manifest is version "
@@ -766,7 +766,7 @@ def validate(m: Manifest, *, path: Any = None) -> None:
         ManifestCorruptError: the first violation found, with ``path`` and expected vs found.
     """
     _validate_files(m, path)
-    _validate_meshes(m, path)
+    _validate_v4(m, path)
     if not isinstance(m.tensors, dict) or not isinstance(m.objects, dict):
         raise _corrupt("tensors and objects must be dicts", path)
     _validate_tensors(m, path)
@@ -1170,7 +1170,7 @@ def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None,
         object.__setattr__(m, "files_read", frozenset(records))
         if check:
             # The header's other parts (tree, objects, meta, files) were checked by decode_header.
-            _validate_meshes(m, path)
+            _validate_v4(m, path)
             _validate_tensors(m, path)
         return m
     if check:
