@@ -62,12 +62,13 @@ __all__ = ["Config", "get_config", "BACKENDS", "KNOWN_VARIABLES"]
 
 BACKENDS = ("auto", "uring", "pwrite", "buffered")
 READ_CACHE_MODES = ("auto", "cache", "direct")
+READ_ONCE_MODES = ("auto", "on", "off")
 
 #: Every DISTCKPT_* name distckpt or its scripts read. A variable is added here together with the
 #: code that reads it; anything else with the prefix is reported as a probable typo.
 KNOWN_VARIABLES = (
     # the library (this module)
-    "DISTCKPT_IO_BACKEND", "DISTCKPT_READ_CACHE", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
+    "DISTCKPT_IO_BACKEND", "DISTCKPT_READ_CACHE", "DISTCKPT_READ_ONCE", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
     "DISTCKPT_TIMEOUT_S", "DISTCKPT_DRAIN_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
     "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING", "DISTCKPT_ZERO_COPY_MIN",
     # object stores (distckpt.storage.object.settings)
@@ -83,6 +84,7 @@ KNOWN_VARIABLES = (
 class Config:
     io_backend: str = "auto"
     read_cache: str = "auto"
+    read_once: str = "auto"
     queue_depth: int = 8
     block_size: int = 4 << 20
     stage_block: int = 2 << 20
@@ -164,6 +166,10 @@ def load_config(env: dict | None = None) -> Config:
     if read_cache not in READ_CACHE_MODES:
         raise ConfigError(f"DISTCKPT_READ_CACHE={read_cache!r} is not one of {', '.join(READ_CACHE_MODES)}",
                           variable="DISTCKPT_READ_CACHE")
+    read_once = env.get("DISTCKPT_READ_ONCE", "auto") or "auto"
+    if read_once not in READ_ONCE_MODES:
+        raise ConfigError(f"DISTCKPT_READ_ONCE={read_once!r} is not one of {', '.join(READ_ONCE_MODES)}",
+                          variable="DISTCKPT_READ_ONCE")
     preflight_raw = env.get("DISTCKPT_PREFLIGHT", "1")
     if preflight_raw not in ("0", "1"):
         raise ConfigError(f"DISTCKPT_PREFLIGHT={preflight_raw!r} must be 0 or 1", variable="DISTCKPT_PREFLIGHT")
@@ -207,6 +213,7 @@ def load_config(env: dict | None = None) -> Config:
     return Config(
         io_backend=backend,
         read_cache=read_cache,
+        read_once=read_once,
         queue_depth=queue_depth,
         block_size=block_size,
         stage_block=stage_block,

@@ -639,13 +639,16 @@ def _pipeline_kept(paths, plans, open_reader, bufsize, blocks, verify, outcome, 
 
 
 def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int | Mapping[int, int],
-         verify: bool, open_reader: Callable[[str], Any], align: int) -> FillStats:
+         verify: bool, open_reader: Callable[[str], Any], align: int, exchange: Any = None) -> FillStats:
     """Read, verify and copy every task's bytes. ``paths[i]`` is the path of data file ``i``; ``by_file`` maps
     a file index to its tasks (:class:`Task`: fqn, chunk, inter, dest, dest_box, itemsize,
     dtype, and ``after``: None, or the fqn of tasks of this call that must be copied first);
     ``block`` is the checksum block of every file, or a map from file index to the block of that
     file's checkpoint (files of several checkpoints read in one pass);
     ``open_reader(path)`` opens a :class:`distckpt.storage.posix.Reader` (one per worker and file).
+    ``exchange``: a :class:`distckpt.readonce.Exchange` (collective: every rank of its group fills
+    with it, or joins it otherwise): the segments other ranks need too are read once in the job
+    and moved between ranks first (verified on arrival, recorded like a read), then the rest is read.
 
     Raises:
         ChecksumMismatchError: a block differs from its checksum; nothing of the segment holding it
@@ -681,6 +684,12 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
         deps = {u.task.after for u in s.units if getattr(u.task, "after", None) is not None}
         s.deps = frozenset(deps & firsts)
     outcome = _Outcome(counts, [])
+    if exchange is not None:
+        # Before this fill maps its slots or buffers: the exchange's own are released by then.
+        segments = exchange.run(segments, outcome, paths, open_reader, blocks, verify, bufsize)
+        if outcome.error is not None:
+            stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
+            raise _typed(outcome)
     session = _SESSION.get()
     own = session is None
     if own:
@@ -794,13 +803,16 @@ class Part:
     tasks: list[Task]
 
 
-def fill_parts(parts: Sequence[Part], *, verify: bool) -> tuple[int, str | None]:
+def fill_parts(parts: Sequence[Part], *, verify: bool, exchange: Any = None) -> tuple[int, str | None]:
     """Read, verify and copy the tasks of every part in one pass over their files, each file
     verified with its own checkpoint's checksum block (a DCP or Hugging Face checkpoint, which has
     none, in a pass of its own: nothing to verify). A task's ``after`` may name an fqn of another
     part's tasks. Every data file is checked against its manifest (the store's ``data_readers``)
     before the first byte is read, so a missing or truncated file fails with every destination
     untouched. Returns (file bytes read, backend of the first part with tasks, or None).
+    ``exchange`` (a load's read-once exchange, see :func:`fill`) is used by the pass over the
+    checksummed files when every task is of one part (file keys are then the manifest's, the same
+    on every rank); otherwise the caller joins it afterwards.
 
     Raises the errors of :func:`fill` (their ``path`` names the data file) and of the stores'
     ``data_readers``."""
@@ -831,8 +843,9 @@ def fill_parts(parts: Sequence[Part], *, verify: bool) -> tuple[int, str | None]
     for fpaths, own, block, open_reader, falign in unchecked:
         nbytes += fill(fpaths, own, block=block, verify=False, align=falign, open_reader=open_reader).bytes_read
     if by_file:
+        one_part = len({key >> 32 for key in by_file}) == 1
         nbytes += fill(paths, by_file, block=blocks, verify=verify, align=align,
-                       open_reader=lambda p: openers[p](p)).bytes_read
+                       open_reader=lambda p: openers[p](p), exchange=exchange if one_part else None).bytes_read
     return nbytes, backend
 
 

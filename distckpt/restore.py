@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import manifest as mf
+from . import readonce
 from ._dist import ControlGroup, control_group, is_distributed
 from .chain import ChainLink
 from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
@@ -75,8 +76,10 @@ class LoadResult:
         bytes_by_tier: for a tiered load (distckpt.tiers.load), {"local": n, "remote": m}: the
             bytes of the caller's tensors each tier served (``bytes_read`` counts the file bytes
             read, checksum blocks and alignment included); empty for any other load.
-        bytes_from_peers: for a tiered load, the data-file bytes this rank received from other
-            nodes (files its node lacked, fetched before the read: distckpt.tiers.peers).
+        bytes_from_peers: the data-file bytes this rank received from other ranks instead of
+            reading them: segments another rank read for it too (distckpt.readonce, counted once
+            received and verified), or, for a tiered load, files its node lacked, fetched from
+            other nodes before the read (distckpt.tiers.peers).
     """
 
     path: str
@@ -387,7 +390,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Manifest]", state_dict: Any,
                 strict: bool, verify: bool, allow_pickle: bool, cast: str, t0: float,
-                parts_for: Callable[[list[Task]], list[Part]] | None = None) -> LoadResult:
+                parts_for: Callable[[list[Task]], list[Part]] | None = None,
+                exchange: "readonce.Exchange | None" = None) -> LoadResult:
     """Plan, read and place one rank's part of a load from ``source`` (whose manifest is
     ``manifest``): for a delta of an incremental chain, the tracked tensors from the base and the
     deltas' rows (:func:`_fill_chain`), everything else from the newest link.
@@ -401,7 +405,10 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
     local or the remote copy of the same save). It gets every task (each names its data file in
     ``task.chunk.file``) and returns the fill parts that read them, all in one pass; it may raise
     (a file no copy holds) before any byte of the state dict changed. Default: one part, every
-    file from ``source``. Not for a delta of a chain (ConfigError)."""
+    file from ``source``. Not for a delta of a chain (ConfigError).
+
+    ``exchange``: the load's read-once exchange (distckpt.readonce), used by the fill of a plain
+    load; a chain's load leaves it to the caller to join."""
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
@@ -428,7 +435,7 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
             nbytes, backend = _fill_chain(source, links, parts, {f: items[f] for f in tracked}, strict,
                                           allow_pickle, cast, verify, casts, cast_names, mismatched)
         else:
-            nbytes, backend = fill_parts(parts, verify=verify)
+            nbytes, backend = fill_parts(parts, verify=verify, exchange=exchange)
         with torch.no_grad():
             for tmp, dest in casts:
                 dest.copy_(tmp)
@@ -565,17 +572,28 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
-    result, error = None, None
+    result, error, exchange = None, None, None
     try:
+        # Collectives first, before anything of this rank's own can fail (flattening its state).
+        exchange = readonce.for_load(group, os.fspath(path))
         source = open_source(path, storage_options)
         with source.guard(), gc_paused():
-            # Collective, so before anything of this rank's own can fail (flattening its state).
             manifest = source.manifest_for_boxes(group)
-            result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0)
+            result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0,
+                                 exchange=exchange)
+    except readonce.Aborted:
+        pass   # another rank failed before any byte moved: its error is raised below
     except Exception as exc:
         # its rank is recorded by raise_failures
         error = exc
+    if exchange is not None:
+        try:
+            exchange.finish(error)
+        except Exception as exc:  # noqa: BLE001 - a peer lost while joining: reported below
+            error = error or exc
     group.exchange_outcome(error, operation="load")
+    if result is not None and exchange is not None:
+        result = dataclasses.replace(result, bytes_from_peers=exchange.received)
     return result
 
 

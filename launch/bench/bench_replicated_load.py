@@ -1,7 +1,7 @@
 """Replicated loads on one node: bytes read from the device vs the checkpoint's size, one run.
 
     .venv/bin/python launch/bench/bench_replicated_load.py DIR [--size 256M] [--repeat 3]
-        [--read-cache auto,direct]
+        [--modes auto,direct,auto+once,direct+once]
 
 Data-parallel ranks need the same bytes: a DDP job's every rank loads the whole model, an HSDP
 job's replicas load the same shards. This measures how many bytes the device under DIR delivered
@@ -15,9 +15,13 @@ Cases (spawned gloo ranks, 8 float32 tensors making up ``--size``):
     mesh (``Replicate`` over the outer dim, ``Shard(0)`` over the inner): two replicas of each
     shard.
 
-For each ``--read-cache`` mode (DISTCKPT_READ_CACHE) and for DCP (``dcp.load`` of the same state
-saved by ``dcp.save``), interleaved: device bytes read / checkpoint bytes and the slowest rank's
-time, median of ``--repeat``. Needs root (drop_caches). Removes what it created under DIR.
+For each of ``--modes`` (a DISTCKPT_READ_CACHE mode; ``+once``: with DISTCKPT_READ_ONCE=on, each
+replicated segment read by one rank and sent to the others over gloo, distckpt.readonce; without
+it DISTCKPT_READ_ONCE=off) and for DCP (``dcp.load`` of the same state saved by ``dcp.save``),
+interleaved: device bytes read / checkpoint bytes, the bytes the ranks asked the storage for
+(LoadResult.bytes_read summed: what an object store or a remote file system would serve) and the
+slowest rank's time, median of ``--repeat``. Needs root (drop_caches). Removes what it created
+under DIR.
 """
 
 from __future__ import annotations
@@ -115,10 +119,10 @@ def _load(rank, world, case, size, dc, dp, dev, modes, repeat):
         _barrier(world)
         s0 = _sectors_read(dev)
         t0 = time.perf_counter()
-        fn()
+        asked = getattr(fn(), "bytes_read", None)   # distckpt's LoadResult; DCP returns None
         _barrier(world)
         dt = time.perf_counter() - t0
-        rows.setdefault(name, []).append((dt, (_sectors_read(dev) - s0) * 512))
+        rows.setdefault(name, []).append((dt, (_sectors_read(dev) - s0) * 512, asked))
         ok = all(torch.equal((v.full_tensor() if hasattr(v, "full_tensor") else v), full[k]) for k, v in dst.items())
         if not ok:
             raise AssertionError(f"{name}: rank {rank} loaded other bytes")
@@ -131,7 +135,8 @@ def _load(rank, world, case, size, dc, dp, dev, modes, repeat):
             if mode is None:
                 timed(name, lambda: dcp.load(dst, checkpoint_id=dp))
             else:
-                with _env(read_cache=mode):
+                cache, _, once = mode.partition("+")
+                with _env(read_cache=cache, read_once="on" if once else "off"):
                     timed(name, lambda: distckpt.load(dst, dc))
     return rows
 
@@ -141,18 +146,19 @@ def main(argv=None) -> int:
     ap.add_argument("directory")
     ap.add_argument("--size", default="256M")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--read-cache", default="auto,direct")
+    ap.add_argument("--modes", default="auto,direct,auto+once,direct+once")
     args = ap.parse_args(argv)
     size = parse_size(args.size)
-    modes = tuple(args.read_cache.split(","))
+    modes = tuple(args.modes.split(","))
     work = os.path.join(os.path.abspath(args.directory), f".distckpt-bench-replicated-{os.getpid()}")
     os.makedirs(work)
     dev = _device_of(work)
     t_start = time.time()
     print(f"replicated loads: {size / 2**20:.0f} MiB of float32, device {dev}, load average "
           f"{os.getloadavg()[0]:.1f}, median of {args.repeat}, seconds of the slowest rank")
-    print("| case | loader | device bytes read / checkpoint bytes | seconds (min..max) |")
-    print("|---|---|---:|---:|")
+    print("| case | loader | device bytes read / checkpoint bytes | bytes asked of storage, all ranks / checkpoint "
+          "| seconds (min..max) |")
+    print("|---|---|---:|---:|---:|")
     try:
         for case, saved in (("ddp", 1), ("hsdp", 2)):
             dc, dp = os.path.join(work, f"dc_{case}"), os.path.join(work, f"dcp_{case}")
@@ -165,8 +171,10 @@ def main(argv=None) -> int:
                 secs = [max(r[name][i][0] for r in results) for i in range(reps)]
                 read = statistics.median(results[0][name][i][1] for i in range(reps))  # the device's, same on every rank
                 ckpt = sizes["DCP" if name == "DCP" else "distckpt"]
+                asked = [sum(r[name][i][2] for r in results) for i in range(reps)] if name != "DCP" else None
+                asked_s = f"{statistics.median(asked) / ckpt:.2f}x" if asked else "n/a"
                 print(f"| {label} | {name} | {read / ckpt:.2f}x ({read / 2**20:.0f} / {ckpt / 2**20:.0f} MiB) | "
-                      f"{statistics.median(secs):.3f} ({min(secs):.2f}..{max(secs):.2f}) |")
+                      f"{asked_s} | {statistics.median(secs):.3f} ({min(secs):.2f}..{max(secs):.2f}) |")
             rm(dc)
             rm(dp)
     finally:

@@ -110,7 +110,7 @@ LAYERS = [
     # 2: storage: the Store seam and its back ends
     {"storage", "storage.*"},
     # 3: the engine: the save protocol, the load path, chains, verification, listing
-    {"saveplan", "commit", "coordinator", "save_sync", "save_async", "fill", "chain", "source", "restore",
+    {"saveplan", "commit", "coordinator", "save_sync", "save_async", "fill", "readonce", "chain", "source", "restore",
      "incremental", "verify", "listing"},
     # 4: the doors: manager, conversion, pre-flight report, CLI, benchmarks, integrations, the package
     {"", "__main__", "manager", "convert", "bench", "cli", "checks", "checks.*", "integrations", "integrations.*",
