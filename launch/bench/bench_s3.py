@@ -19,8 +19,14 @@ Resharded load (unless --no-reshard): 2 gloo ranks save DTensors sharded on dim 
 them with other boundaries; the bytes each rank GETs from the server (counted by a botocore
 hook on every GetObject response) against the bytes its shards need.
 
+Replicated load (unless --no-replicated): 2 gloo ranks save plain tensors (each written once),
+4 ranks each load all of it (DDP), with DISTCKPT_READ_ONCE off (every rank GETs every byte) and on
+(distckpt.readonce: each byte GET once in the job, sent to the others over gloo), and DCP's
+FsspecReader, interleaved: GET bytes and requests of all ranks against the checkpoint's size, and
+the slowest rank's time, median of --repeat.
+
 Goals: distckpt >= 0.9x raw s3fs and >= 2x DCP for save and load; resharded load reads
-<= 1.1x the bytes it needs.
+<= 1.1x the bytes it needs; a replicated load GETs <= 1.05x the checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -181,6 +187,63 @@ def run_reshard(server, bucket: str, size: int) -> dict:
     return {"per_rank": got, "read": sum(g[0] for g in got), "needed": sum(g[1] for g in got)}
 
 
+# ------------------------------------------------------------------------------------------------ replicated
+
+
+def _replicated_save(rank, world, url, dcp_url, opts, size):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    import distckpt
+    sd = _reshard_full(size)
+    distckpt.save(sd, url, storage_options=opts)
+    dcp.save(sd, storage_writer=FsspecWriter(dcp_url, **opts))
+
+
+def _replicated_load(rank, world, url, dcp_url, opts, size, repeat):
+    counter = _count_get_bytes()  # before any client of this process exists
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    import distckpt
+    from distckpt.bench import _env
+    torch.set_num_threads(1)
+    full = _reshard_full(size)
+    out = {k: torch.zeros_like(v) for k, v in full.items()}
+    distckpt.load(out, url, storage_options=opts)   # warm-up: imports, clients
+    rows: dict[str, list] = {}
+    contenders = ["distckpt, read-once off", "distckpt, read-once on", "DCP"]
+    for i in range(repeat):
+        for name in (contenders if i % 2 == 0 else contenders[::-1]):
+            for v in out.values():
+                v.zero_()
+            dist.barrier()
+            counter["bytes"] = counter["requests"] = 0
+            t0 = time.perf_counter()
+            if name == "DCP":
+                dcp.load(out, storage_reader=FsspecReader(dcp_url, **opts))
+            else:
+                with _env(read_once="on" if name.endswith("on") else "off"):
+                    distckpt.load(out, url, storage_options=opts)
+            dt = time.perf_counter() - t0
+            assert all(torch.equal(out[k], full[k]) for k in full), f"{name}: rank {rank} loaded other bytes"
+            rows.setdefault(name, []).append((dt, counter["bytes"], counter["requests"]))
+    return rows
+
+
+def run_replicated(server, bucket: str, size: int, repeat: int) -> dict:
+    from tests.helpers.distributed import run_ranks
+    url, dcp_url = f"s3://{bucket}/replicated", f"s3://{bucket}/replicated-dcp"
+    opts = server.storage_options()
+    run_ranks(_replicated_save, 2, url, dcp_url, opts, size, timeout=600)
+    fs = server.filesystem()
+    sizes = {"distckpt": fs.du(f"{bucket}/replicated", total=True),
+             "DCP": fs.du(f"{bucket}/replicated-dcp", total=True)}
+    got = run_ranks(_replicated_load, 4, url, dcp_url, opts, size, repeat, timeout=900)
+    return {"per_rank": got, "sizes": sizes}
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -192,14 +255,37 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--reshard-size", default="64M")
     p.add_argument("--no-reshard", action="store_true")
+    p.add_argument("--replicated-size", default="64M")
+    p.add_argument("--no-replicated", action="store_true")
+    p.add_argument("--only-replicated", action="store_true", help="skip the one-process and resharded runs")
     args = p.parse_args(argv)
     size = parse_size(args.size)
 
     from tests.helpers.s3server import S3Server
     with S3Server() as server:
         bucket = server.create_bucket()
-        res = run_speed(server, bucket, size, args.tensors, args.repeat)
-        reshard = None if args.no_reshard else run_reshard(server, bucket, parse_size(args.reshard_size))
+        res = None if args.only_replicated else run_speed(server, bucket, size, args.tensors, args.repeat)
+        reshard = None if args.no_reshard or args.only_replicated else run_reshard(
+            server, bucket, parse_size(args.reshard_size))
+        replicated = None if args.no_replicated else run_replicated(
+            server, bucket, parse_size(args.replicated_size), args.repeat)
+    if replicated:
+        print(f"\nreplicated load from S3: saved by 2 ranks, each of 4 ranks loads all of it; median of "
+              f"{args.repeat} interleaved rounds, load average {os.getloadavg()[0]:.1f}")
+        print("| loader | GET bytes, all ranks / checkpoint bytes | GET requests, all ranks | seconds, slowest rank |")
+        print("|---|---:|---:|---:|")
+        per = replicated["per_rank"]
+        for name in per[0]:
+            reps = len(per[0][name])
+            secs = [max(r[name][i][0] for r in per) for i in range(reps)]
+            got = [sum(r[name][i][1] for r in per) for i in range(reps)]
+            reqs = [sum(r[name][i][2] for r in per) for i in range(reps)]
+            ckpt = replicated["sizes"]["DCP" if name == "DCP" else "distckpt"]
+            print(f"| {name} | {statistics.median(got) / ckpt:.2f}x ({format_bytes(statistics.median(got))} / "
+                  f"{format_bytes(ckpt)}) | {statistics.median(reqs):.0f} | {statistics.median(secs):.3f} "
+                  f"({min(secs):.2f}..{max(secs):.2f}) |")
+    if res is None:
+        return 0
 
     nbytes, times = res["bytes"], res["times"]
     print(f"\nS3 (SeaweedFS on 127.0.0.1), {format_bytes(nbytes)} in {args.tensors} tensors, one process, "

@@ -25,7 +25,7 @@ def _load(rank, world, url, opts):
     res = distckpt.load(sd, url, storage_options=opts)
     for k, v in _model().items():
         assert torch.equal(sd[k], v), k
-    m = distckpt.load_manifest(url, storage_options=opts)
+    m = distckpt.restore.load_manifest(url, storage_options=opts)
     size = sum(f.size for f in m.files)
     return res.bytes_read, res.bytes_from_peers, size, res.backend
 
