@@ -84,11 +84,12 @@ def state_bytes(size: int, small: int) -> int:
     return N_BIG * big_rows(size, small) * ROW_ELEMS * 4 + small * ROW_ELEMS * 4
 
 
-def llama_fsdp_state(world: int, args: dict) -> dict:
+def llama_fsdp_state(world: int, args: dict, mesh_shape: tuple[int, ...] | None = None) -> dict:
     """The outside client's shape: an HF Llama built from a config (random init, seed 0), every
     decoder layer and the model ``fully_shard``ed over ``world`` CPU ranks, one AdamW step taken;
     returns ``{"model": ..., "optimizer": ...}`` from ``get_state_dict`` (DTensors). ``args``:
-    hidden, layers, inter, vocab."""
+    hidden, layers, inter, vocab. ``mesh_shape`` (replicas, shards): HSDP, ``fully_shard`` on a
+    2-D mesh (each shard held by ``replicas`` ranks)."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -100,7 +101,8 @@ def llama_fsdp_state(world: int, args: dict) -> dict:
                       intermediate_size=args["inter"], vocab_size=args["vocab"], num_attention_heads=heads,
                       num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = (init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape
+            else init_device_mesh("cpu", (world,)))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

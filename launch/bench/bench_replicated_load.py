@@ -13,7 +13,11 @@ Cases (spawned gloo ranks, 8 float32 tensors making up ``--size``):
   * ``ddp 4``: saved by 1 rank (plain tensors), loaded by 4 ranks that each want all of it;
   * ``hsdp 2x2``: saved by 2 ranks (DTensors ``Shard(0)`` over 2), loaded by 4 ranks on a 2 x 2
     mesh (``Replicate`` over the outer dim, ``Shard(0)`` over the inner): two replicas of each
-    shard.
+    shard;
+  * ``llama-hsdp 2x2`` (``--llama``): the users' shape, an HF Llama (random init from a config,
+    ``--llama-*``) ``fully_shard``ed on a 2 x 2 mesh (HSDP) with one AdamW step, its
+    ``get_state_dict`` (model + optimizer) saved and loaded by the same 4 ranks: two replicas of
+    each shard, a few hundred tensors.
 
 For each of ``--modes`` (a DISTCKPT_READ_CACHE mode; ``+once``: with DISTCKPT_READ_ONCE=on, each
 replicated segment read by one rank and sent to the others over gloo, distckpt.readonce; without
@@ -36,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
-from bench import _barrier, dir_bytes, drop_caches, parse_size, rm, spawn  # noqa: E402
+from bench import _barrier, dir_bytes, drop_caches, llama_fsdp_state, parse_size, rm, spawn  # noqa: E402
 
 N = 8
 
@@ -95,17 +99,39 @@ def _save(rank, world, case, size, dc, dp):
     dcp.save(sd, checkpoint_id=dp)
 
 
-def _load(rank, world, case, size, dc, dp, dev, modes, repeat):
+def _locals(obj, path=""):
+    """(path, local tensor) of every tensor of a nested state (a DTensor's local shard)."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield path, (obj.to_local() if hasattr(obj, "to_local") else obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _locals(v, f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _locals(v, f"{path}/{i}")
+
+
+def _load(rank, world, case, size, dc, dp, dev, modes, repeat, llama=None):
     import torch
     import torch.distributed.checkpoint as dcp
 
     import distckpt
     from distckpt.bench import _env
     torch.set_num_threads(1)
-    full = _tensors(size)
-    if case == "ddp":
+    if case == "llama-hsdp":
+        # FSDP2 shards exist only in the ranks that built them: saved here, by these 4 ranks.
+        src = llama_fsdp_state(world, llama, mesh_shape=(2, 2))
+        distckpt.save(src, dc)
+        dcp.save(src, checkpoint_id=dp)
+        full = {p: t.clone() for p, t in _locals(src)}
+        dst = llama_fsdp_state(world, llama, mesh_shape=(2, 2))
+        del src
+    elif case == "ddp":
+        full = _tensors(size)
         dst = {k: torch.zeros_like(v) for k, v in full.items()}
     else:
+        full = _tensors(size)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
         dst = _mesh_state(full, init_device_mesh("cpu", (2, 2)), [Replicate(), Shard(0)], zeros=True)
@@ -123,11 +149,14 @@ def _load(rank, world, case, size, dc, dp, dev, modes, repeat):
         _barrier(world)
         dt = time.perf_counter() - t0
         rows.setdefault(name, []).append((dt, (_sectors_read(dev) - s0) * 512, asked))
-        ok = all(torch.equal((v.full_tensor() if hasattr(v, "full_tensor") else v), full[k]) for k, v in dst.items())
+        if case == "llama-hsdp":
+            ok = all(torch.equal(t, full[p]) for p, t in _locals(dst))
+        else:
+            ok = all(torch.equal((v.full_tensor() if hasattr(v, "full_tensor") else v), full[k]) for k, v in dst.items())
         if not ok:
             raise AssertionError(f"{name}: rank {rank} loaded other bytes")
-        for v in dst.values():
-            (v.to_local() if hasattr(v, "to_local") else v).zero_()
+        for _p, t in _locals(dst):
+            t.zero_()
 
     contenders = [(f"distckpt [{m}]", m) for m in modes] + [("DCP", None)]
     for i in range(repeat):
@@ -147,6 +176,12 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="256M")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--modes", default="auto,direct,auto+once,direct+once")
+    ap.add_argument("--llama", action="store_true", help="add the llama-hsdp case (needs transformers)")
+    ap.add_argument("--only-llama", action="store_true", help="the llama-hsdp case alone")
+    ap.add_argument("--llama-hidden", type=int, default=768)
+    ap.add_argument("--llama-layers", type=int, default=4)
+    ap.add_argument("--llama-inter", type=int, default=2048)
+    ap.add_argument("--llama-vocab", type=int, default=8000)
     args = ap.parse_args(argv)
     size = parse_size(args.size)
     modes = tuple(args.modes.split(","))
@@ -160,12 +195,20 @@ def main(argv=None) -> int:
           "| seconds (min..max) |")
     print("|---|---|---:|---:|---:|")
     try:
-        for case, saved in (("ddp", 1), ("hsdp", 2)):
+        llama = {"hidden": args.llama_hidden, "layers": args.llama_layers, "inter": args.llama_inter,
+                 "vocab": args.llama_vocab}
+        cases = [] if args.only_llama else [("ddp", 1), ("hsdp", 2)]
+        if args.llama or args.only_llama:
+            cases.append(("llama-hsdp", 0))
+        labels = {"ddp": "ddp: saved by 1, loaded by 4", "hsdp": "hsdp: saved by 2, loaded by 2 x 2",
+                  "llama-hsdp": "HF Llama FSDP2 HSDP 2 x 2, model + AdamW"}
+        for case, saved in cases:
             dc, dp = os.path.join(work, f"dc_{case}"), os.path.join(work, f"dcp_{case}")
-            spawn(_save, saved, case, size, dc, dp)
+            if saved:
+                spawn(_save, saved, case, size, dc, dp)
+            results = spawn(_load, 4, case, size, dc, dp, dev, modes, args.repeat, llama)
             sizes = {"distckpt": dir_bytes(dc), "DCP": dir_bytes(dp)}
-            results = spawn(_load, 4, case, size, dc, dp, dev, modes, args.repeat)
-            label = "ddp: saved by 1, loaded by 4" if case == "ddp" else "hsdp: saved by 2, loaded by 2 x 2"
+            label = labels[case]
             for name in results[0]:
                 reps = len(results[0][name])
                 secs = [max(r[name][i][0] for r in results) for i in range(reps)]

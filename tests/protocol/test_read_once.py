@@ -193,3 +193,24 @@ def _mismatch_on_rank2(rank, world, path):
 def test_a_rank_failing_before_the_moves_stops_everyone_before_a_byte_is_read(replicated):
     got = run_ranks(_mismatch_on_rank2, 4, replicated, env=_ON, timeout=120, preload=_PRELOAD)
     assert got == [([2], True, [])] * 4, got
+
+
+def _load_on_hosts(rank, world, path, hosts):
+    import socket
+
+    import distckpt
+    # Two machines cannot run here: each rank answers the host name it would have on its node.
+    socket.gethostname = lambda: f"node{rank * hosts // world}"
+    sd = _zeros()
+    res = distckpt.load(sd, path)
+    for k, v in _model().items():
+        assert torch.equal(sd[k], v), k
+    return res.bytes_read, res.bytes_from_peers
+
+
+def test_auto_shares_across_hosts_and_leaves_one_host_to_its_page_cache(replicated):
+    size = _data_bytes(replicated)
+    two = run_ranks(_load_on_hosts, 4, replicated, 2, env={"DISTCKPT_TIMEOUT_S": "30"}, preload=_PRELOAD)
+    assert sum(r for r, _ in two) <= 1.05 * size and all(p > 0 for _, p in two), two
+    one = run_ranks(_load_on_hosts, 4, replicated, 1, env={"DISTCKPT_TIMEOUT_S": "30"}, preload=_PRELOAD)
+    assert all(p == 0 for _, p in one) and sum(r for r, _ in one) >= 0.95 * 4 * size, one
