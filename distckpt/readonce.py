@@ -20,16 +20,20 @@ plans a rank's read segments first):
             byte is read (:class:`Aborted`), and the load's outcome exchange raises that failure.
   2. MOVE   Every rank walks its shared keys in the global order. The reader reads the segment
             (verifying its checksum blocks as a local read does), copies it into its own tensors
-            and sends it, followed by an 8-byte status, to each receiver. A receiver receives it
-            into a bounce buffer, checks every checksum block itself against the index, and only
-            then copies it: no byte reaches a tensor unverified, whatever happened on the way.
+            and sends it, followed by an 8-byte status, down a tree of fan-out FAN_OUT over the
+            ranks that need it: each receiver receives it into a bounce buffer, forwards it as it
+            came to its own children, then checks every checksum block itself against the index
+            and only then copies it (no byte reaches a tensor unverified, whatever happened on the
+            way). No rank sends more than FAN_OUT copies of a segment, however many replicas.
             Walking one global order is what keeps it free of deadlock: the lowest key any rank
-            waits on has every rank it involves there (each finished everything below it).
+            waits on has every rank it involves there (each finished everything below it), and
+            a tree's ranks only wait on their parent.
   3. REST   The segments only this rank needs are read by the ordinary fill, after the moves.
 
 Failures: every planned message is still exchanged, so no rank waits for a message that will not
 come. A reader that failed (or fails on this key) sends the status without usable bytes, naming
-its error's class; the receiver raises that class (a ChecksumMismatchError for a bad block on the
+its error's class (a relay whose sender died forwards a PeerLostError status); the receiver raises
+that class (a ChecksumMismatchError for a bad block on the
 reading rank's storage), marks the key unfilled and goes on. A receiver that failed still
 receives and discards. Every wait has the control group's DISTCKPT_TIMEOUT_S: a peer that died is
 a PeerLostError and is skipped afterwards. The load then raises on every rank (the outcome
@@ -78,13 +82,21 @@ class Aborted(Exception):
     outcome exchange raises the other rank's error here too)."""
 
 
+#: How many ranks one rank sends a shared segment to: the reader sends it to FAN_OUT receivers,
+#: each of which forwards it to FAN_OUT more (a tree), so no rank sends more than FAN_OUT copies
+#: of a segment however many replicas need it, and a segment reaches D ranks in log2(D) hops.
+FAN_OUT = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Move:
-    """One shared key on this rank: ``tag`` (its number in the global order, the messages' tag),
-    ``src`` (the rank that reads it) and ``dst`` (the ranks that receive it; only on ``src``)."""
+    """One shared key on one rank: ``tag`` (its number in the global order, the messages' tag),
+    ``reader`` (the rank that reads it from storage), ``src`` (the rank this one receives it from;
+    ``reader`` itself on the reader) and ``dst`` (the ranks this one sends or forwards it to)."""
 
     key: Key
     tag: int
+    reader: int
     src: int
     dst: tuple[int, ...]
 
@@ -93,7 +105,9 @@ def assign(needs: Sequence[Sequence[Key] | None]) -> list[list[Move]]:
     """Rank 0's plan: ``needs[r]``, the segment keys rank r plans to read, to each rank's moves in
     the global (key) order. Each shared key is read by the rank that needs it with the fewest bytes
     to read so far (its unshared segments counted first), ties broken by rotating over the ranks by
-    the key's number. Deterministic."""
+    the key's number; the other ranks that need it form a tree of fan-out FAN_OUT below the reader
+    (receivers in rank order, starting after the reader's, so the relays change from key to key).
+    Deterministic."""
     holders: dict[Key, list[int]] = {}
     for r, keys in enumerate(needs):
         for k in keys or ():
@@ -106,12 +120,12 @@ def assign(needs: Sequence[Sequence[Key] | None]) -> list[list[Move]]:
     world = len(needs)
     for tag, k in enumerate(sorted(k for k, rs in holders.items() if len(rs) > 1)):
         rs = holders[k]
-        src = min(rs, key=lambda r: (load[r], (r - tag) % world))
-        load[src] += k[2] - k[1]
-        dst = tuple(r for r in rs if r != src)
-        out[src].append(Move(k, tag, src, dst))
-        for r in dst:
-            out[r].append(Move(k, tag, src, ()))
+        reader = min(rs, key=lambda r: (load[r], (r - tag) % world))
+        load[reader] += k[2] - k[1]
+        order = [reader] + sorted((r for r in rs if r != reader), key=lambda r: (r - reader) % world)
+        for i, r in enumerate(order):
+            children = tuple(order[c] for c in range(FAN_OUT * i + 1, min(FAN_OUT * i + FAN_OUT + 1, len(order))))
+            out[r].append(Move(k, tag, reader, order[(i - 1) // FAN_OUT] if i else reader, children))
     return out
 
 
@@ -201,7 +215,7 @@ class Exchange:
         group = self.group
         bound = datetime.timedelta(seconds=get_config().timeout_s)
         lost: set[int] = set()   # peers found dead: skipped from then on
-        reads = [m for m in moves if m.src == group.rank]
+        reads = [m for m in moves if m.reader == group.rank]
         ready: queue.Queue = queue.Queue()
         free: queue.Queue = queue.Queue()
         for b in bufs[:2]:
@@ -249,7 +263,7 @@ class Exchange:
             for m in moves:
                 seg = mine[m.key]
                 size = seg.end - seg.offset
-                if m.src == group.rank:
+                if m.reader == group.rank:
                     self._send(m, seg, size, ready, free, outcome, lost, bound)
                 else:
                     self._receive(m, seg, size, rbuf, outcome, lost, bound, paths, blocks, verify)
@@ -263,25 +277,37 @@ class Exchange:
     def _send(self, m: Move, seg: Any, size: int, ready: queue.Queue, free: queue.Queue, outcome: Any,
               lost: set, bound: datetime.timedelta) -> None:
         """The reader's side of one move: the read-ahead's next buffer copied into this rank's own
-        tensors (when good) and sent, with its status, to every receiver still alive."""
+        tensors (when good) and sent, with its status, to its receivers (``m.dst``)."""
         import torch
-        import torch.distributed as dist
 
         from .fill import _copy
 
-        group = self.group
         got = ready.get()
         if got is None:
             raise RuntimeError("read-once: the read-ahead thread ended before its last move")  # a bug
         _m, buf, err, n = got
-        status = 0 if err is None else 1 + _class_index(err)
-        if err is not None:
-            outcome.fail(err)
-        elif not outcome.failed():
-            with torch.no_grad():
-                _copy(seg, buf.tensor)
-            outcome.copied([u.task.fqn for u in seg.units], n)
-        buf.view[size:size + _STATUS.size] = _STATUS.pack(status)
+        try:
+            status = 0 if err is None else 1 + _class_index(err)
+            if err is not None:
+                outcome.fail(err)
+            elif not outcome.failed():
+                with torch.no_grad():
+                    _copy(seg, buf.tensor)
+                outcome.copied([u.task.fqn for u in seg.units], n)
+            buf.view[size:size + _STATUS.size] = _STATUS.pack(status)
+            self._forward(m, buf, size, outcome, lost, bound)
+        finally:
+            free.put(buf)
+
+    def _forward(self, m: Move, buf: Any, size: int, outcome: Any, lost: set, bound: datetime.timedelta) -> None:
+        """Send ``buf`` (the segment's ``size`` bytes and the status after them) to ``m.dst``, one
+        after the other, each wait bounded; a receiver found dead is skipped from then on."""
+        if not m.dst:
+            return
+        import torch
+        import torch.distributed as dist
+
+        group = self.group
         payload = torch.frombuffer(buf.view[:size + _STATUS.size], dtype=torch.uint8)
         try:
             for d in m.dst:
@@ -296,34 +322,39 @@ class Exchange:
                     outcome.fail(exc)
         finally:
             del payload
-            free.put(buf)
 
     def _receive(self, m: Move, seg: Any, size: int, rbuf: Any, outcome: Any, lost: set,
                  bound: datetime.timedelta, paths: Mapping[int, str], blocks: Mapping[int, int],
                  verify: bool) -> None:
-        """A receiver's side of one move: the bytes and status received into ``rbuf``, every
-        checksum block verified here, then copied into this rank's tensors. After this rank
-        failed it still receives (the reader must not wait), and uses nothing."""
+        """A receiver's side of one move: the bytes and status received from ``m.src`` into
+        ``rbuf`` and forwarded as they came to ``m.dst`` (this rank's children in the move's tree;
+        each checks them itself), then every checksum block verified here and the segment copied
+        into this rank's tensors. After this rank failed it still receives and forwards (no rank
+        must wait for a message that will not come) and uses nothing. When its sender is dead it
+        forwards a PeerLostError status instead."""
         import torch
         import torch.distributed as dist
 
         from .fill import _copy, _verify
 
         group = self.group
-        if m.src in lost:
-            return
-        view = torch.frombuffer(rbuf.view[:size + _STATUS.size], dtype=torch.uint8)
-        try:
-            req = group._wrap("read-once receive", dist.irecv, view, group._global(m.src), group.pg, m.tag)
-            group._wrap("read-once receive", req.wait, bound)
-        except PeerLostError as exc:
-            lost.add(m.src)
-            outcome.fail(exc)
-            return
-        finally:
-            del view
+        got = m.src not in lost
+        if got:
+            view = torch.frombuffer(rbuf.view[:size + _STATUS.size], dtype=torch.uint8)
+            try:
+                req = group._wrap("read-once receive", dist.irecv, view, group._global(m.src), group.pg, m.tag)
+                group._wrap("read-once receive", req.wait, bound)
+            except PeerLostError as exc:
+                lost.add(m.src)
+                outcome.fail(exc)
+                got = False
+            finally:
+                del view
+        if not got:
+            rbuf.view[size:size + _STATUS.size] = _STATUS.pack(1 + _CLASSES.index(PeerLostError))
+        self._forward(m, rbuf, size, outcome, lost, bound)
         (status,) = _STATUS.unpack(rbuf.view[size:size + _STATUS.size])
-        if outcome.failed():
+        if not got or outcome.failed():
             return
         try:
             if status != 0:
@@ -356,9 +387,11 @@ def _peer_error(status: int, m: Move, seg: Any, fpath: str) -> DistCkptError:
 
     cls = _CLASSES[min(status - 1, len(_CLASSES) - 1)]
     name = os.path.basename(fpath)
-    what = (f"rank {m.src}, which reads bytes [{seg.offset}, {seg.end}) of {name} for this rank too "
-            f"(DISTCKPT_READ_ONCE), failed on them or before them with {cls.__name__}; its own error says why")
+    via = f" (forwarded by rank {m.src})" if m.src != m.reader else ""
+    what = (f"rank {m.reader}, which reads bytes [{seg.offset}, {seg.end}) of {name} for this rank too "
+            f"(DISTCKPT_READ_ONCE){via}, failed on them or before them with {cls.__name__}; the failing rank's "
+            f"own error says why")
     if cls is ChecksumMismatchError:
         return ChecksumMismatchError(what, path=fpath, file=name, key=seg.units[0].task.fqn, offset=seg.offset,
-                                     reader=m.src)
-    return cls(what, path=fpath, reader=m.src)
+                                     reader=m.reader)
+    return cls(what, path=fpath, reader=m.reader)

@@ -141,21 +141,24 @@ def test_a_corrupt_block_on_the_reading_rank_is_a_checksum_error_on_every_rank(r
     assert got == [("ChecksumMismatchError", [0, 1, 2, 3])] * 4, got
 
 
-def _dying_reader(rank, world, path):
+def _dying_reader(rank, world, path, where):
     import time
 
     import distckpt
     from distckpt import errors, readonce
     if rank == 1:
-        orig = readonce.Exchange._send
+        orig = getattr(readonce.Exchange, where)
         calls = [0]
 
-        def die(self, *a, **k):
+        def die(self, m, *a, **k):
             calls[0] += 1
-            if calls[0] == 2:
+            # _send: as the reader of its first segment, the other moves going on around it;
+            # _forward: the first time it relays a segment another rank read (a tree's inner
+            # node, with a child waiting on it).
+            if (where == "_send" and calls[0] == 1) or (where == "_forward" and m.reader != rank and m.dst):
                 os._exit(3)   # killed while it serves its group, without a word
-            return orig(self, *a, **k)
-        readonce.Exchange._send = die
+            return orig(self, m, *a, **k)
+        setattr(readonce.Exchange, where, die)
     t0 = time.monotonic()
     try:
         distckpt.load(_zeros(), path)
@@ -166,9 +169,10 @@ def _dying_reader(rank, world, path):
     raise AssertionError(f"rank {rank}: the load must fail when a serving rank dies")
 
 
-def test_a_rank_dying_while_it_serves_bytes_is_a_typed_error_on_the_others(replicated):
+@pytest.mark.parametrize("where", ["_send", "_forward"])
+def test_a_rank_dying_while_it_serves_bytes_is_a_typed_error_on_the_others(replicated, where):
     with pytest.raises(RankError) as ei:
-        run_ranks(_dying_reader, 3, replicated, env={**_ON, "DISTCKPT_TIMEOUT_S": "15"}, timeout=150,
+        run_ranks(_dying_reader, 4, replicated, where, env={**_ON, "DISTCKPT_TIMEOUT_S": "15"}, timeout=150,
                   preload=_PRELOAD)
     assert set(ei.value.errors) == {1}, "only the killed rank may be missing: the others must return"
 

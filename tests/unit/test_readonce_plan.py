@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from distckpt.config import load_config
 from distckpt.errors import ConfigError
-from distckpt.readonce import assign
+from distckpt.readonce import FAN_OUT, assign
 
 MiB = 1 << 20
 
@@ -20,8 +20,13 @@ def test_replicas_split_the_reads_evenly_and_every_receiver_hears_from_its_reade
     assert reads == [16 * MiB] * 4
     for r, ms in enumerate(moves):
         assert [m.key for m in ms] == sorted(keys)   # every shared key, in the global order
-        for m in ms:
-            assert (m.dst == tuple(x for x in range(4) if x != m.src)) if m.src == r else m.dst == ()
+    for i in range(len(keys)):
+        tree = {r: moves[r][i] for r in range(4)}
+        reader = tree[0].reader
+        # The reader sends FAN_OUT copies; the fourth rank hears from a relay, not from it.
+        assert tree[reader].src == reader and len(tree[reader].dst) == FAN_OUT
+        assert sorted(d for m in tree.values() for d in m.dst) == sorted(set(range(4)) - {reader})
+        assert all(tree[d].src == r for r, m in tree.items() for d in m.dst)
 
 
 def test_a_key_one_rank_needs_is_not_moved_and_counts_against_its_reads():
@@ -36,8 +41,10 @@ def test_a_rank_without_keys_takes_no_part():
     k = (0, 0, 4096)
     moves = assign([[k], None, [k]])
     assert moves[1] == [] and len(moves[0]) == len(moves[2]) == 1
-    (m,) = moves[0]
-    assert m.src in (0, 2) and moves[2][0].src == m.src and set(m.dst if m.src == 0 else moves[2][0].dst) == {0, 2} - {m.src}
+    (a,), (b,) = moves[0], moves[2]
+    assert a.reader == b.reader in (0, 2)
+    reader, other = (a, b) if a.reader == 0 else (b, a)
+    assert reader.dst == (2 if reader is a else 0,) and other.src == reader.reader and other.dst == ()
 
 
 @settings(max_examples=60, deadline=None)
@@ -50,14 +57,26 @@ def test_every_shared_key_has_one_reader_among_those_that_need_it(needs):
         for k in ks:
             holders.setdefault(k, set()).add(r)
     shared = {k: rs for k, rs in holders.items() if len(rs) > 1}
-    tags = {}
+    tags, edges = {}, {}
     for r, ms in enumerate(moves):
         assert [m.key for m in ms] == sorted(k for k in shared if r in shared[k])
         for m in ms:
-            assert m.src in shared[m.key] and tags.setdefault(m.key, (m.tag, m.src)) == (m.tag, m.src)
-            if m.src == r:
-                assert set(m.dst) == shared[m.key] - {r}
+            assert m.reader in shared[m.key] and tags.setdefault(m.key, (m.tag, m.reader)) == (m.tag, m.reader)
+            assert len(m.dst) <= FAN_OUT and (m.src == r) == (m.reader == r)
+            for d in m.dst:
+                edges.setdefault(m.key, []).append((r, d))
     assert len({t for t, _ in tags.values()}) == len(tags)   # one tag per key
+    for k, rs in shared.items():
+        # A tree: every rank but the reader has exactly one parent, and it is reached from the reader.
+        kids = {}
+        for a, b in edges.get(k, []):
+            kids.setdefault(a, []).append(b)
+        seen, todo = set(), [tags[k][1]]
+        while todo:
+            x = todo.pop()
+            seen.add(x)
+            todo.extend(kids.get(x, []))
+        assert seen == rs and len(edges[k]) == len(rs) - 1
 
 
 def test_the_switch():
