@@ -441,8 +441,15 @@ def _check_plain(value: Any, where: str, path: Any) -> None:
             raise _corrupt(f"{where}: {type(v).__name__} is not plain data", path)
 
 
-def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[list]) -> None:
+def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[list],
+                     header_checked: bool = False) -> None:
+    """One tensor entry and its chunks. ``header_checked``: its own fields (dtype, kind, shape,
+    where) are those of a header that passed these checks (with_chunks' partial read): only the
+    chunks are checked."""
     where = f"tensor {fqn!r}"
+    if header_checked:
+        _validate_chunks(fqn, t, m, path, file_spans, t.shape)
+        return
     if not isinstance(t, TensorEntry):
         raise _corrupt(f"{where}: expected a TensorEntry, found {type(t).__name__}", path)
     # isinstance first: a hostile list or map here is unhashable and must not raise TypeError.
@@ -481,8 +488,18 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
                                    f"some of which the manifest does not list", path)
     elif t.where is not None:
         raise _corrupt(f"{where}: a where needs format version 4, the manifest is version {m.format_version}", path)
+    _validate_chunks(fqn, t, m, path, file_spans, shape)
+
+
+def _validate_chunks(fqn: str, t: TensorEntry, m: Manifest, path: Any, file_spans: list[list],
+                     shape: tuple[int, ...]) -> None:
+    """A tensor's chunks (its own fields already checked): inside its shape and their files,
+    their sizes and checksums, against its ``where``, and tiling what they must tile."""
+    where = f"tensor {fqn!r}"
     if t.chunks is None:  # a writer's version-3 manifest: the chunks are in the files' indexes
         return
+    itemsize = DTYPE_ITEMSIZE[t.dtype]
+    cells: dict[int, Box | None] = {}   # writer rank -> its cell of a grid tensor, computed once
     block = m.checksum_block
     nd = len(shape)
     boxes = []
@@ -531,12 +548,12 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         if nbytes:
             file_spans[fi].append((off, off + nbytes, fqn, j))
         if t.where is not None:
-            problem = wh.chunk_problem(t.where, m.meshes, shape, f.rank, Box(offsets, sizes), _positions(m))
+            problem = wh.chunk_problem(t.where, m.meshes, shape, f.rank, Box(offsets, sizes), _positions(m), cells)
             if problem is not None:
                 raise _corrupt(f"{cw} (in {f.name}): {problem}", path)
         boxes.append((offsets, sizes))
     if m.files_read is None:
-        _check_tiling(where, boxes, Box.full(shape), f"the shape {list(shape)}", path)
+        _check_tiling(where, boxes, Box.full(shape), lambda: f"the shape {list(shape)}", path)
         return
     # Only some files' chunks are attached (version 4): each read file's chunks of a grid tensor
     # must tile its rank's cell exactly; a tensor listed by ranks is checked whole once every one
@@ -546,16 +563,17 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
         for c, box in zip(t.chunks, boxes):
             by_file[c.file].append(box)
         for fi, got in by_file.items():
-            cell = wh.rank_cell(t.where, m.meshes, shape, m.files[fi].rank, _positions(m))
+            rank = m.files[fi].rank
+            cell = cells[rank] if rank in cells else wh.rank_cell(t.where, m.meshes, shape, rank, _positions(m))
             if cell is not None and cell.volume:
-                _check_tiling(f"{where} in {m.files[fi].name}", got, cell, f"its cell {cell}", path)
+                _check_tiling(f"{where} in {m.files[fi].name}", got, cell, lambda c=cell: f"its cell {c}", path)
     elif all(_rank_files(m)[r] in m.files_read for r in wh.holders(t.where, m.meshes)):
-        _check_tiling(where, boxes, Box.full(shape), f"the shape {list(shape)}", path)
+        _check_tiling(where, boxes, Box.full(shape), lambda: f"the shape {list(shape)}", path)
 
 
-def _check_tiling(where: str, boxes: list, full: Box, what: str, path: Any) -> None:
-    """``boxes`` ((offsets, sizes) pairs) tile ``full`` (``what``, for the message) exactly, else
-    ManifestCorruptError."""
+def _check_tiling(where: str, boxes: list, full: Box, what: str | Callable[[], str], path: Any) -> None:
+    """``boxes`` ((offsets, sizes) pairs) tile ``full`` (``what``, for the message, or a function
+    making it only when it is needed) exactly, else ManifestCorruptError."""
     if full.offsets == (0,) * len(full.offsets) and is_row_tiling(boxes, full.sizes):
         return  # row slabs: proven exact without the general sweep
     if len(boxes) == 1 and tuple(boxes[0][0]) == full.offsets and tuple(boxes[0][1]) == full.sizes:
@@ -571,7 +589,8 @@ def _check_tiling(where: str, boxes: list, full: Box, what: str, path: Any) -> N
                 f"{where}: chunks {a} {boxes[a]} and {b} {boxes[b]} overlap (both hold {defect.region})", path
             )
         raise _corrupt(
-            f"{where}: chunks do not cover {what}: no chunk holds region {defect.region}", path
+            f"{where}: chunks do not cover {what() if callable(what) else what}: no chunk holds region "
+            f"{defect.region}", path
         )
 
 
@@ -639,15 +658,16 @@ def _validate_files(m: Manifest, path: Any) -> None:
         _validate_index_ref(i, f, m.format_version, path)
 
 
-def _validate_tensors(m: Manifest, path: Any) -> None:
-    """Every tensor entry and its chunks, and no two byte ranges of a file overlapping."""
+def _validate_tensors(m: Manifest, path: Any, header_checked: bool = False) -> None:
+    """Every tensor entry and its chunks, and no two byte ranges of a file overlapping
+    (``header_checked``: see :func:`_validate_tensor`)."""
     # The index of a version-3 file takes bytes of it too: no chunk may overlap them.
     file_spans: list[list] = [[(f.index[0], f.index[0] + f.index[1], None, None)] if f.index else []
                               for f in m.files]
     for fqn, t in m.tensors.items():
         if not isinstance(fqn, str):
             raise _corrupt(f"tensors: key {fqn!r} is not a str", path)
-        _validate_tensor(fqn, t, m, path, file_spans)
+        _validate_tensor(fqn, t, m, path, file_spans, header_checked)
 
     def what(k, j):
         return "its index" if k is None else f"tensor {k!r} chunk {j}"
@@ -1169,9 +1189,10 @@ def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None,
             raise ValueError("with_chunks(partial=True) needs a version-4 manifest (its where entries)")
         object.__setattr__(m, "files_read", frozenset(records))
         if check:
-            # The header's other parts (tree, objects, meta, files) were checked by decode_header.
+            # The header's other parts (tree, objects, meta, files) and every tensor's own fields
+            # were checked by decode_header: only the chunks now attached are.
             _validate_v4(m, path)
-            _validate_tensors(m, path)
+            _validate_tensors(m, path, header_checked=True)
         return m
     if check:
         missing = [header.files[i].name for i in range(len(header.files)) if i not in records]

@@ -141,12 +141,18 @@ def ranks_for(where: tuple, meshes: Sequence, shape: Sequence[int], box: Box) ->
 
 
 def chunk_problem(where: tuple, meshes: Sequence, shape: Sequence[int], rank: int, box: Box,
-                  where_is: list[dict[int, int]] | None = None) -> str | None:
+                  where_is: list[dict[int, int]] | None = None, cells: dict | None = None) -> str | None:
     """What is wrong with a chunk ``box`` found in the file of writer ``rank``, or None: for a grid
     it must lie inside that rank's cell; otherwise the rank must be a holder. ``where_is`` as
-    :func:`rank_cell` takes it."""
+    :func:`rank_cell` takes it; ``cells``: {rank: its cell} of this tensor, filled here (a caller
+    checking many chunks of one tensor computes each cell once)."""
     if where[0] == "grid":
-        cell = rank_cell(where, meshes, shape, rank, where_is)
+        if cells is None:
+            cell = rank_cell(where, meshes, shape, rank, where_is)
+        elif rank in cells:
+            cell = cells[rank]
+        else:
+            cell = cells[rank] = rank_cell(where, meshes, shape, rank, where_is)
         if cell is None:
             return f"rank {rank} is not in the tensor's mesh {where[1]}, so its file holds none of it"
         if any(o < co or o + s > co + cs for o, s, co, cs in zip(box.offsets, box.sizes, cell.offsets, cell.sizes)):
