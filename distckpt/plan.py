@@ -299,20 +299,38 @@ def _stable_order_key(key: Hashable) -> str:
     return repr(key)
 
 
-def assign_owners(candidates: Mapping[K, Sequence[tuple[int, int]]]) -> dict[K, int]:
-    """Pick exactly one writing rank per item so that bytes written per rank are balanced.
+#: The least bytes a group of small replicated items may hold (see :func:`assign_owners`).
+MIN_GROUP = 256 << 10
+
+
+def assign_owners(candidates: Mapping[K, Sequence[tuple[int, int]]], *, other_bytes: int = 0,
+                  world: int | None = None) -> dict[K, int]:
+    """Pick exactly one writing rank per item so that bytes written per rank are balanced, and
+    small replicated items land in few files.
 
     Items with one candidate (a rank's own shard) are fixed and count toward that rank's load
-    first. Items with several candidates (replicated tensors, DTensor ``Replicate``) are placed
-    greedily, largest first, on the candidate with the least load so far; ties go to the lower
-    rank. Items of equal size are taken in ``repr(key)`` order, so the result depends only on the
-    content of ``candidates``: every rank computes the same answer from the same gathered input.
-    For items replicated on every rank this is LPT scheduling: the largest load exceeds the
-    smallest by at most the largest item.
+    first. Items with several candidates (replicated tensors, DTensor ``Replicate``) smaller than
+    the group size G are first put in groups: those with the same candidate ranks, in
+    ``repr(key)`` order, cut into groups of at most G bytes; G is an eighth of the mean bytes a
+    rank writes (these items, plus ``other_bytes`` written besides them over ``world`` ranks:
+    a plan's even grids), but at least MIN_GROUP. A group is placed as one item. Then every item
+    with several candidates (groups included) is placed greedily, largest first, on the candidate
+    with the least load so far; ties go to the lower rank. Items of equal size are taken in
+    ``repr(key)`` order, so the result depends only on the content of ``candidates``: every rank
+    computes the same answer from the same gathered input. For items replicated on every rank this
+    is LPT scheduling: the largest load exceeds the smallest by at most the largest item or group.
+
+    Why groups: a load reads the index of every data file holding a box it wants (format 4), and
+    every rank wants each replicated tensor whole. Spread one by one, a model's many small
+    replicated tensors (norms, biases, TorchRec's dense layers beside its sharded tables) land in
+    up to every file, and every rank of a load then reads up to every index; grouped, a few. The
+    cost is balance, bounded by G: an eighth of a rank's mean write (or 256 KiB).
 
     Args:
         candidates: ``{key: [(rank, nbytes), ...]}``; keys should have a deterministic ``repr``
             (str, int or tuples of them). A rank listed twice for one key counts once.
+        other_bytes, world: bytes the ranks write besides these items, and how many ranks write
+            (default: the ranks named in ``candidates``); only G depends on them.
 
     Returns:
         ``{key: owner_rank}`` with every key of ``candidates``.
@@ -323,6 +341,7 @@ def assign_owners(candidates: Mapping[K, Sequence[tuple[int, int]]]) -> dict[K, 
     load: dict[int, int] = {}
     multi: list[tuple[int, str, Any, list[tuple[int, int]]]] = []
     owners: dict[K, int] = {}
+    total = 0
     for key, cands in candidates.items():
         cands = list(cands)
         if not cands:
@@ -334,14 +353,38 @@ def assign_owners(candidates: Mapping[K, Sequence[tuple[int, int]]]) -> dict[K, 
         if len({r for r, _ in cands}) == 1:
             owners[key] = cands[0][0]
             load[cands[0][0]] += cands[0][1]
+            total += cands[0][1]
         else:
             size = max(n for _, n in cands)
             multi.append((-size, _stable_order_key(key), key, sorted(set(cands))))
-    multi.sort(key=lambda t: (t[0], t[1]))
-    for _, _, key, cands in multi:
-        rank, nbytes = min(cands, key=lambda c: (load[c[0]], c[0]))
-        owners[key] = rank
-        load[rank] += nbytes
+            total += size
+    group = max(MIN_GROUP, (total + other_bytes) // max(1, world or len(load)) // 8)
+    units: list[tuple[int, str, list, list[int]]] = []   # (-bytes, order key, item keys, candidate ranks)
+    small: dict[tuple[int, ...], list[tuple[str, Any, int]]] = {}
+    for neg, order, key, cands in multi:
+        ranks = sorted({r for r, _ in cands})
+        if -neg < group:
+            small.setdefault(tuple(ranks), []).append((order, key, -neg))
+        else:
+            units.append((neg, order, [key], ranks))
+    for ranks, items in small.items():
+        items.sort(key=lambda it: it[0])
+        cur: list = []
+        cur_bytes = 0
+        for order, key, n in items:
+            if cur and cur_bytes + n > group:
+                units.append((-cur_bytes, cur[0][0], [k for _, k in cur], list(ranks)))
+                cur, cur_bytes = [], 0
+            cur.append((order, key))
+            cur_bytes += n
+        if cur:
+            units.append((-cur_bytes, cur[0][0], [k for _, k in cur], list(ranks)))
+    units.sort(key=lambda u: (u[0], u[1]))
+    for neg, _, keys, ranks in units:
+        rank = min(ranks, key=lambda r: (load[r], r))
+        for key in keys:
+            owners[key] = rank
+        load[rank] += -neg
     # Preserve the caller's key order in the result (handy for logs); values are order-independent.
     return {key: owners[key] for key in candidates}
 

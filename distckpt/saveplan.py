@@ -459,7 +459,9 @@ def _merge_layout(summaries: list[RankLayout], parts: dict[bytes, tuple] | None 
     tree = _merge_trees(trees, late)
     if early or late:
         return _Layout(meta, {}, 0, tree, 0, early, late)
-    owners = assign_owners(candidates)
+    # The grids' bytes (``total`` so far) are written evenly by every rank: they size the groups
+    # small replicated tensors are written in.
+    owners = assign_owners(candidates, other_bytes=total, world=len(summaries))
     counts = dict(grid_counts)
     holders: dict[str, set[int]] = {fqn: set() for fqn in meta if fqn not in grid_keys}
     for key, r in owners.items():

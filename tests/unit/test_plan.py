@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from distckpt.errors import ReshardError
 from distckpt.plan import (
     ALIGNMENT,
+    MIN_GROUP,
     Box,
     assign_offsets,
     assign_owners,
@@ -305,7 +306,8 @@ keys = st.text(alphabet="abcdefgh.", min_size=1, max_size=6)
 
 
 @PROPS
-@given(st.integers(1, 8), st.dictionaries(keys, st.integers(0, 1000), min_size=1, max_size=40), st.randoms())
+@given(st.integers(1, 8), st.dictionaries(keys, st.sampled_from([0, 1, 1000, 100 << 10, 300 << 10, 2 << 20]),
+                                          min_size=1, max_size=40), st.randoms())
 def test_assign_owners_all_replicated_is_balanced_and_deterministic(world, sizes, rnd):
     cands = {k: [(r, n) for r in range(world)] for k, n in sizes.items()}
     owners = assign_owners(cands)
@@ -313,7 +315,14 @@ def test_assign_owners_all_replicated_is_balanced_and_deterministic(world, sizes
     load = [0] * world
     for k, r in owners.items():
         load[r] += sizes[k]
-    assert max(load) <= min(load) + max(sizes.values())
+    # LPT over the large items and the groups of small ones: off by at most the largest of them.
+    group = max(MIN_GROUP, sum(sizes.values()) // world // 8)
+    small = sum(n for n in sizes.values() if n < group)
+    assert max(load) <= min(load) + max(max(sizes.values()), min(small, group)), (load, sizes)
+    # Small items share few writers, one per group at most: a group closed by the next item and
+    # that next group hold more than G bytes together, so there are fewer than 2 small / G + 2.
+    writers = {owners[k] for k, n in sizes.items() if n < group}
+    assert len(writers) < 2 * small / group + 2, (writers, small, group)
     # Same content, different dict and candidate order: same answer on every rank.
     items = list(cands.items())
     rnd.shuffle(items)
@@ -339,9 +348,21 @@ def test_assign_owners_mixed(world, data):
 def test_assign_owners_examples():
     # Fixed shards count toward the load: rank 1 already holds 100 bytes, so both replicas go to 0
     # until it catches up; ties go to the lower rank.
-    cands = {"s1": [(1, 100)], "r1": [(0, 60), (1, 60)], "r2": [(0, 30), (1, 30)], "r3": [(0, 10), (1, 10)]}
+    M = 1 << 20
+    cands = {"s1": [(1, 100 * M)], "r1": [(0, 60 * M), (1, 60 * M)], "r2": [(0, 30 * M), (1, 30 * M)],
+             "r3": [(0, 10 * M), (1, 10 * M)]}
     assert assign_owners(cands) == {"s1": 1, "r1": 0, "r2": 0, "r3": 0}
-    assert assign_owners({"a": [(0, 5), (1, 5)], "b": [(0, 5), (1, 5)]}) == {"a": 0, "b": 1}
+    assert assign_owners({"a": [(0, 5 * M), (1, 5 * M)], "b": [(0, 5 * M), (1, 5 * M)]}) == {"a": 0, "b": 1}
+    # Small replicated items go together (one file for a load to read), not one per rank ...
+    assert assign_owners({"a": [(0, 5), (1, 5)], "b": [(0, 5), (1, 5)]}) == {"a": 0, "b": 0}
+    # ... in groups of at most G = max(MIN_GROUP, mean write / 8) bytes: 40 x 4 KiB over 4 ranks
+    # make one group; 6 x 200 KiB (G = 256 KiB) six, spread over the 4 ranks.
+    many = {f"n{i:02d}": [(r, 4 << 10) for r in range(4)] for i in range(40)}
+    assert set(assign_owners(many).values()) == {0}
+    six = {f"m{i}": [(r, 200 << 10) for r in range(4)] for i in range(6)}
+    assert len(set(assign_owners(six).values())) == 4
+    # Bytes written besides the items (a plan's grids) make the groups larger: one writer here.
+    assert len(set(assign_owners(six, other_bytes=4 << 30, world=4).values())) == 1
     with pytest.raises(ValueError, match="no candidate"):
         assign_owners({"a": []})
     with pytest.raises(ValueError):
