@@ -120,8 +120,22 @@ class ControlGroup:
 
     def exchange_outcome(self, error: BaseException | None, *, operation: str) -> None:
         """All-gather every rank's error (or None); raise the same typed error on every rank when
-        any rank failed (see :meth:`raise_failures`)."""
-        errors = [error] if self.world_size == 1 else self.all_gather(_portable(error))
+        any rank failed (see :meth:`raise_failures`).
+
+        When the exchange itself fails (a peer died: PeerLostError) on a rank that had failed
+        already, the PeerLostError raised there keeps what that rank knows: its own error in the
+        message and in ``failures`` (``{this rank: error}``), its typed fields ``filled`` and
+        ``partly_filled`` (a load's tensors already filled with verified bytes) copied, and the
+        error as ``__cause__``."""
+        if self.world_size == 1:
+            errors = [error]
+        else:
+            try:
+                errors = self.all_gather(_portable(error))
+            except PeerLostError as lost:
+                if error is None:
+                    raise
+                raise _lost_after(lost, error, self.rank, operation) from error
         self.raise_failures(errors, error, operation=operation)
 
     def raise_failures(self, errors: list, local_error: BaseException | None, *, operation: str) -> None:
@@ -140,6 +154,18 @@ class ControlGroup:
         if self.world_size == 1:
             raise fill_rank(local_error, 0) if local_error is not None else failures[0]
         raise collective_error(failures, operation=operation, rank=self.rank) from local_error
+
+
+def _lost_after(lost: PeerLostError, error: BaseException, rank: int, operation: str) -> PeerLostError:
+    """The PeerLostError of an outcome exchange that failed on a rank that had failed already
+    (see :meth:`ControlGroup.exchange_outcome`)."""
+    fields = {k: getattr(error, k) for k in ("filled", "partly_filled") if getattr(error, k, None) is not None}
+    out = PeerLostError(
+        f"{operation} failed on this rank with {type(error).__name__}: {getattr(error, 'message', error)}; then the "
+        f"exchange of every rank's outcome failed too ({getattr(lost, 'message', lost)}), so the other ranks' "
+        f"outcomes are unknown", rank=rank, **fields)
+    out.failures, out.failed_ranks, out.operation = {rank: error}, [rank], operation
+    return out
 
 
 def _portable(error: BaseException | None) -> BaseException | None:

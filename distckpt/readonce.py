@@ -72,7 +72,9 @@ __all__ = ["Exchange", "Aborted", "assign", "for_load"]
 _CLASSES: tuple[type[DistCkptError], ...] = (ChecksumMismatchError, DataFileMissingError, DataFileTruncatedError,
                                               CheckpointCorruptError, CheckpointNotFoundError, StorageError,
                                               PeerLostError, DistCkptError)
-_STATUS = struct.Struct("<q")
+# After a segment's bytes: the status (0: good, else 1 + the index of the reader's error class in
+# _CLASSES) and a detail (for a checksum mismatch, the bad block's file offset; else -1).
+_STATUS = struct.Struct("<qq")
 
 Key = tuple[int, int, int]   # (data file index, aligned offset, aligned end)
 
@@ -264,7 +266,7 @@ class Exchange:
                 seg = mine[m.key]
                 size = seg.end - seg.offset
                 if m.reader == group.rank:
-                    self._send(m, seg, size, ready, free, outcome, lost, bound)
+                    self._send(m, seg, size, ready, free, outcome, lost, bound, paths[seg.file_index])
                 else:
                     self._receive(m, seg, size, rbuf, outcome, lost, bound, paths, blocks, verify)
         finally:
@@ -275,7 +277,7 @@ class Exchange:
                 thread.join()
 
     def _send(self, m: Move, seg: Any, size: int, ready: queue.Queue, free: queue.Queue, outcome: Any,
-              lost: set, bound: datetime.timedelta) -> None:
+              lost: set, bound: datetime.timedelta, fpath: str) -> None:
         """The reader's side of one move: the read-ahead's next buffer copied into this rank's own
         tensors (when good) and sent, with its status, to its receivers (``m.dst``)."""
         import torch
@@ -288,18 +290,20 @@ class Exchange:
         _m, buf, err, n = got
         try:
             status = 0 if err is None else 1 + _class_index(err)
+            detail = getattr(err, "offset", -1) if err is not None else -1
             if err is not None:
                 outcome.fail(err)
             elif not outcome.failed():
                 with torch.no_grad():
                     _copy(seg, buf.tensor)
                 outcome.copied([u.task.fqn for u in seg.units], n)
-            buf.view[size:size + _STATUS.size] = _STATUS.pack(status)
-            self._forward(m, buf, size, outcome, lost, bound)
+            buf.view[size:size + _STATUS.size] = _STATUS.pack(status, detail if isinstance(detail, int) else -1)
+            self._forward(m, buf, size, outcome, lost, bound, fpath, seg)
         finally:
             free.put(buf)
 
-    def _forward(self, m: Move, buf: Any, size: int, outcome: Any, lost: set, bound: datetime.timedelta) -> None:
+    def _forward(self, m: Move, buf: Any, size: int, outcome: Any, lost: set, bound: datetime.timedelta,
+                 fpath: str, seg: Any) -> None:
         """Send ``buf`` (the segment's ``size`` bytes and the status after them) to ``m.dst``, one
         after the other, each wait bounded; a receiver found dead is skipped from then on."""
         if not m.dst:
@@ -319,7 +323,7 @@ class Exchange:
                     self.sent += size
                 except PeerLostError as exc:
                     lost.add(d)
-                    outcome.fail(exc)
+                    outcome.fail(_peer_lost(exc, d, "receiving", m, seg, fpath))
         finally:
             del payload
 
@@ -346,19 +350,19 @@ class Exchange:
                 group._wrap("read-once receive", req.wait, bound)
             except PeerLostError as exc:
                 lost.add(m.src)
-                outcome.fail(exc)
+                outcome.fail(_peer_lost(exc, m.src, "sending", m, seg, paths[seg.file_index]))
                 got = False
             finally:
                 del view
         if not got:
-            rbuf.view[size:size + _STATUS.size] = _STATUS.pack(1 + _CLASSES.index(PeerLostError))
-        self._forward(m, rbuf, size, outcome, lost, bound)
-        (status,) = _STATUS.unpack(rbuf.view[size:size + _STATUS.size])
+            rbuf.view[size:size + _STATUS.size] = _STATUS.pack(1 + _CLASSES.index(PeerLostError), -1)
+        self._forward(m, rbuf, size, outcome, lost, bound, paths[seg.file_index], seg)
+        status, detail = _STATUS.unpack(rbuf.view[size:size + _STATUS.size])
         if not got or outcome.failed():
             return
         try:
             if status != 0:
-                raise _peer_error(status, m, seg, paths[seg.file_index])
+                raise _peer_error(status, detail, m, seg, paths[seg.file_index])
             if verify:
                 _verify(paths[seg.file_index], seg, rbuf.view, blocks[seg.file_index])
             with torch.no_grad():
@@ -381,7 +385,17 @@ def _class_index(exc: BaseException) -> int:
     return len(_CLASSES) - 1
 
 
-def _peer_error(status: int, m: Move, seg: Any, fpath: str) -> DistCkptError:
+def _peer_lost(exc: PeerLostError, peer: int, doing: str, m: Move, seg: Any, fpath: str) -> PeerLostError:
+    """A lost peer of a move, named: which rank, doing what, with which bytes."""
+    import os
+
+    return PeerLostError(
+        f"rank {peer}, {doing} bytes [{seg.offset}, {seg.end}) of {os.path.basename(fpath)} in this load's read-once "
+        f"exchange (read by rank {m.reader}), died or did not answer within DISTCKPT_TIMEOUT_S: {exc.message}",
+        path=fpath, peer=peer)
+
+
+def _peer_error(status: int, detail: int, m: Move, seg: Any, fpath: str) -> DistCkptError:
     """The error a receiver raises for a reader's failed status: the reader's class."""
     import os
 
@@ -392,6 +406,9 @@ def _peer_error(status: int, m: Move, seg: Any, fpath: str) -> DistCkptError:
             f"(DISTCKPT_READ_ONCE){via}, failed on them or before them with {cls.__name__}; the failing rank's "
             f"own error says why")
     if cls is ChecksumMismatchError:
-        return ChecksumMismatchError(what, path=fpath, file=name, key=seg.units[0].task.fqn, offset=seg.offset,
-                                     reader=m.reader)
+        # The bad block's offset, as the reader found it (the segment's start if it did not say).
+        at = detail if detail >= 0 else seg.offset
+        key = next((u.task.fqn for u in seg.units if u.at <= at < u.at + u.hi - u.lo), seg.units[0].task.fqn)
+        return ChecksumMismatchError(what + f" (the bad block starts at byte {at})", path=fpath, file=name, key=key,
+                                     offset=at, reader=m.reader)
     return cls(what, path=fpath, reader=m.reader)

@@ -27,10 +27,12 @@ __all__ = ["run_ranks", "RankError", "free_port", "kill_tree"]
 
 
 class RankError(AssertionError):
-    """One or more ranks raised. ``errors``: {rank: (exception or None, traceback text)}."""
+    """One or more ranks raised. ``errors``: {rank: (exception or None, traceback text)};
+    ``results``: {rank: what it returned} for the ranks that did not."""
 
-    def __init__(self, errors: dict[int, tuple[BaseException | None, str]]):
+    def __init__(self, errors: dict[int, tuple[BaseException | None, str]], results: dict[int, Any] | None = None):
         self.errors = errors
+        self.results = dict(results or {})
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, (_, tb) in sorted(errors.items()))
         super().__init__(f"rank(s) {sorted(errors)} failed:\n{text}")
 
@@ -122,7 +124,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
                 p.join()
     if errors:
-        raise RankError(errors)
+        raise RankError(errors, results)
     return [results[r] for r in range(world_size)]
 
 

@@ -120,7 +120,8 @@ def _load_expecting_checksum(rank, world, path):
         assert torch.all((bad == good) | (bad == 0)), "a corrupt byte reached the state dict"
         own = exc.failures[rank]
         assert "big.1" not in own.filled and "big.0" in own.filled + own.partly_filled, (own.filled, own.partly_filled)
-        return type(exc).__name__, sorted(exc.failed_ranks or [])
+        # Every rank names the same bad block: the reader found it, its receivers were told where.
+        return type(exc).__name__, sorted(exc.failed_ranks or []), (own.key, own.offset)
     raise AssertionError(f"rank {rank}: the load did not raise")
 
 
@@ -138,7 +139,9 @@ def test_a_corrupt_block_on_the_reading_rank_is_a_checksum_error_on_every_rank(r
         f.seek(chunk.offset + 12345)
         f.write(bytes([b[0] ^ 0xFF]))
     got = run_ranks(_load_expecting_checksum, 4, bad, env=_ON, preload=_PRELOAD)
-    assert got == [("ChecksumMismatchError", [0, 1, 2, 3])] * 4, got
+    block = m.checksum_block
+    at = chunk.offset + 12345 // block * block
+    assert got == [("ChecksumMismatchError", [0, 1, 2, 3], ("big.1", at))] * 4, got
 
 
 def _dying_reader(rank, world, path, where):
@@ -165,7 +168,10 @@ def _dying_reader(rank, world, path, where):
     except (errors.PeerLostError, errors.RankFailureError) as exc:
         elapsed = time.monotonic() - t0
         assert elapsed < 60, f"rank {rank} waited {elapsed:.1f} s for a dead peer"
-        return type(exc).__name__
+        # A rank whose own part failed keeps it (the outcome exchange lost the dead rank too):
+        # what it had filled, and which peer it lost.
+        own = (exc.failures or {}).get(rank)
+        return type(exc).__name__, own is not None and "rank 1," in str(own), getattr(exc, "filled", None) is not None
     raise AssertionError(f"rank {rank}: the load must fail when a serving rank dies")
 
 
@@ -175,6 +181,9 @@ def test_a_rank_dying_while_it_serves_bytes_is_a_typed_error_on_the_others(repli
         run_ranks(_dying_reader, 4, replicated, where, env={**_ON, "DISTCKPT_TIMEOUT_S": "15"}, timeout=150,
                   preload=_PRELOAD)
     assert set(ei.value.errors) == {1}, "only the killed rank may be missing: the others must return"
+    got = ei.value.results
+    assert sorted(got) == [0, 2, 3] and all(cls == "PeerLostError" for cls, _, _ in got.values()), got
+    assert any(named and filled for _cls, named, filled in got.values()), got
 
 
 def _mismatch_on_rank2(rank, world, path):
