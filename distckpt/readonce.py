@@ -43,7 +43,9 @@ When (``DISTCKPT_READ_ONCE``): ``on`` shares whenever two ranks need the same se
 never (no extra collective); ``auto`` (default) shares for an object store (no two ranks share a
 page cache there) and for a local path when the group spans more than one host; on a single host
 a local file that fits the page cache is read from the device once anyway (distckpt's read-cache
-rule), so ``auto`` leaves it off there (docs/BENCHMARKS.md has both measured).
+rule), so ``auto`` leaves it off there (docs/BENCHMARKS.md has both measured). The setting must be
+the same on every rank of the job, like every DISTCKPT_* setting: a rank with ``off`` skips the
+plan's collective, and the others then fail at DISTCKPT_TIMEOUT_S with a PeerLostError.
 
 Memory: two bounce buffers of the fill's segment size read ahead for sending and one for
 receiving, all released before the rest of the fill maps its own.
