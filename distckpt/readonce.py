@@ -20,8 +20,8 @@ plans a rank's read segments first):
             byte is read (:class:`Aborted`), and the load's outcome exchange raises that failure.
   2. MOVE   Every rank walks its shared keys in the global order. The reader reads the segment
             (verifying its checksum blocks as a local read does), copies it into its own tensors
-            and sends it, followed by a 16-byte status (_STATUS), down a tree of fan-out FAN_OUT over the
-            ranks that need it: each receiver receives it into a bounce buffer, forwards it as it
+            and sends it, followed by a 16-byte status (_STATUS), down a tree of fan-out FAN_OUT
+            over the ranks that need it: each receiver receives it into a bounce buffer, forwards it as it
             came to its own children, then checks every checksum block itself against the index
             and only then copies it (no byte reaches a tensor unverified, whatever happened on the
             way). No rank sends more than FAN_OUT copies of a segment, however many replicas.
