@@ -688,7 +688,6 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
         # Before this fill maps its slots or buffers: the exchange's own are released by then.
         segments = exchange.run(segments, outcome, paths, open_reader, blocks, verify, bufsize)
         if outcome.error is not None:
-            stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
             raise _typed(outcome)
     session = _SESSION.get()
     own = session is None

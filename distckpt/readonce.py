@@ -20,24 +20,25 @@ plans a rank's read segments first):
             byte is read (:class:`Aborted`), and the load's outcome exchange raises that failure.
   2. MOVE   Every rank walks its shared keys in the global order. The reader reads the segment
             (verifying its checksum blocks as a local read does), copies it into its own tensors
-            and sends it, followed by a 16-byte status (_STATUS), down a tree of fan-out FAN_OUT
-            over the ranks that need it: each receiver receives it into a bounce buffer, forwards it as it
-            came to its own children, then checks every checksum block itself against the index
-            and only then copies it (no byte reaches a tensor unverified, whatever happened on the
-            way). No rank sends more than FAN_OUT copies of a segment, however many replicas.
-            Walking one global order is what keeps it free of deadlock: the lowest key any rank
-            waits on has every rank it involves there (each finished everything below it), and
-            a tree's ranks only wait on their parent.
+            and sends it, followed by a 16-byte status (_STATUS), down a tree of fan-out
+            FAN_OUT over the ranks that need it: each receiver receives it into a bounce buffer,
+            forwards it as it came to its own children, then checks every checksum block itself
+            against the index and only then copies it (no byte reaches a tensor unverified,
+            whatever happened on the way). No rank sends more than FAN_OUT copies of a segment,
+            however many replicas. Walking one global order is what keeps it free of deadlock:
+            the lowest key any rank waits on has every rank it involves there (each finished
+            everything below it), and a tree's ranks only wait on their parent.
   3. REST   The segments only this rank needs are read by the ordinary fill, after the moves.
 
 Failures: every planned message is still exchanged, so no rank waits for a message that will not
 come. A reader that failed (or fails on this key) sends the status without usable bytes, naming
 its error's class (a relay whose sender died forwards a PeerLostError status); the receiver raises
-that class (a ChecksumMismatchError for a bad block on the
-reading rank's storage), marks the key unfilled and goes on. A receiver that failed still
-receives and discards. Every wait has the control group's DISTCKPT_TIMEOUT_S: a peer that died is
-a PeerLostError and is skipped afterwards. The load then raises on every rank (the outcome
-exchange), with ``filled`` / ``partly_filled`` naming what was filled with verified bytes.
+that class (a ChecksumMismatchError for a bad block on the reading rank's storage, with its
+offset), marks the key unfilled and goes on. A receiver that failed still receives, forwards and
+discards. Every wait has the control group's DISTCKPT_TIMEOUT_S: a peer that died is a
+PeerLostError naming it, and is skipped afterwards. The load then raises on every rank (the
+outcome exchange), with ``filled`` / ``partly_filled`` naming what was filled with verified bytes
+(kept on a rank whose outcome exchange itself lost the dead peer: ControlGroup.exchange_outcome).
 
 When (``DISTCKPT_READ_ONCE``): ``on`` shares whenever two ranks need the same segment; ``off``
 never (no extra collective); ``auto`` (default) shares for an object store (no two ranks share a
@@ -164,7 +165,6 @@ class Exchange:
     def __init__(self, group: ControlGroup) -> None:
         self.group = group
         self.joined = False
-        self.sent = 0        # bytes this rank sent (each receiver counted)
         self.received = 0    # bytes this rank received and used
 
     # -- the plan ---------------------------------------------------------------------------------
@@ -322,7 +322,6 @@ class Exchange:
                 try:
                     req = group._wrap("read-once send", dist.isend, payload, group._global(d), group.pg, m.tag)
                     group._wrap("read-once send", req.wait, bound)
-                    self.sent += size
                 except PeerLostError as exc:
                     lost.add(d)
                     outcome.fail(_peer_lost(exc, d, "receiving", m, seg, fpath))
