@@ -14,8 +14,13 @@
  * then frees the ring, then unmaps staging. `fileno` is a view for fstat/fsync callers: the
  * caller never closes it.
  *
- * Invariants: zero-copy writes are all complete before write() returns (the caller's memory is
- * never referenced afterwards, error or not); staged writes may stay in flight between calls, and
+ * Invariants: zero-copy writes are complete before write() returns (the caller's memory is never
+ * referenced afterwards, error or not), except for a write_checksummed() given `hold`: the caller
+ * then promises the bytes stay unchanged until flush(), and the writer keeps `hold` (and the
+ * buffer) referenced while that source's writes are in flight, so the disk's queue does not drain
+ * at the end of each large source. At most one held source has writes in flight after any call
+ * returns; a held call waits for the previous one's writes before it returns, and flush(), close()
+ * and an error wait for all. Staged writes may stay in flight between calls, and
  * the first error of any completion is sticky (w->err) and raised by the next call; flush() writes
  * the padded tail, waits for everything and truncates the file to its exact size, after which
  * appends are refused. See core.h for the module-wide invariants (GIL, busy flag, close()).
@@ -98,7 +103,13 @@ typedef struct {
     const char **d_src;
     uint64_t *d_off;
     unsigned *d_len;
+    unsigned *d_gen;         /* per direct slot: the append call (w->gen) that submitted it */
     unsigned d_count;
+    unsigned gen;            /* append calls so far */
+    /* The held source (write_checksummed(..., hold)): referenced while its zero-copy writes are in
+     * flight across calls; released (GIL held) once none is. */
+    PyObject *held;
+    Py_buffer held_view;
     struct wcrc *crc;        /* write_checksummed(): checksums of the bytes being appended */
 } WriterObject;
 
@@ -314,6 +325,7 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
                 w->d_src[k] = src + done;
                 w->d_off[k] = w->blk_start;
                 w->d_len[k] = (unsigned)len;
+                w->d_gen[k] = w->gen;
                 w->d_count++;
                 w->ninflight++;
             }
@@ -328,15 +340,69 @@ static size_t writer_direct(WriterObject *w, const char *src, size_t n)
     }
     if (w->crc && !w->err)
         wcrc_advance(w->crc, (size_t)(src + done - w->crc->base));
-    /* The caller's buffer must not be referenced once write() returns, error or not. */
-    while (w->d_count) {
+    return done; /* writes may still be in flight: writer_settle() decides how long they may stay */
+}
+
+/* Which direct writes are in flight: *cur those of this call (w->gen), *old earlier calls'. */
+static void writer_direct_gens(WriterObject *w, int *cur, int *old)
+{
+    *cur = *old = 0;
+    for (unsigned k = 0; k < w->queue_depth && (!*cur || !*old); k++) {
+        if (w->d_inflight[k]) {
+            if (w->d_gen[k] == w->gen)
+                *cur = 1;
+            else
+                *old = 1;
+        }
+    }
+}
+
+/* End of an append call (GIL released): the only direct writes left in flight are those of one
+ * source whose memory the caller promised (hold) and the writer will keep referenced. Without
+ * hold, this call's own writes complete (the caller's buffer is never referenced after return,
+ * error or not); an earlier held source's may stay. With hold, this call's writes may stay, so
+ * the earlier held source's must complete (one held source at a time). After an error nothing is
+ * left in flight. */
+static void writer_settle(WriterObject *w, int hold)
+{
+    while (w->use_uring && w->d_count) {
+        int cur, old, e;
+        writer_direct_gens(w, &cur, &old);
+        if (!(w->err ? (cur || old) : hold ? (cur && old) : cur))
+            return;
         if ((e = writer_wait_one(w)) != 0) {
             if (!w->err)
                 w->err = e;
-            break;
+            return; /* io_uring_enter itself failed: writer_release() waits again */
         }
     }
-    return done;
+}
+
+/* After an append call, with the GIL: take over `view` (and a reference to `hold`) as the held
+ * source if this call left writes in flight, releasing the previous held source, whose writes
+ * writer_settle() completed; otherwise release `view` and, once nothing direct is in flight, the
+ * previous held source. */
+static void writer_keep(WriterObject *w, PyObject *hold, Py_buffer *view)
+{
+    int cur = 0, old = 0;
+    if (w->use_uring && w->d_inflight)
+        writer_direct_gens(w, &cur, &old);
+    if (hold && cur && !old) {
+        if (w->held) {
+            PyBuffer_Release(&w->held_view);
+            Py_CLEAR(w->held);
+        }
+        Py_INCREF(hold);
+        w->held = hold;
+        w->held_view = *view; /* ownership moves: released when the writes are done */
+        return;
+    }
+    if (view)
+        PyBuffer_Release(view);
+    if (w->held && !cur && !old) {
+        PyBuffer_Release(&w->held_view);
+        Py_CLEAR(w->held);
+    }
 }
 
 /* Copy n bytes from src (or zeros when src is NULL) into staging, submitting each full block.
@@ -391,18 +457,20 @@ static int writer_stage(WriterObject *w, const char *src, size_t n)
  * first byte that is mem_align-aligned, provided that byte lands on an offset_align-aligned file
  * position: the bytes before it (the head) are staged. A caller places a chunk so (see
  * distckpt.storage.posix.Writer.pad_for); torch's large CPU tensors sit 64 bytes past a page.
- * Zero-copy writes are all complete when the call returns, so the disk's queue empties at the end
- * of each such source; staged writes stay in flight across calls. A source of a few blocks is
- * therefore faster staged (one memcpy) than zero-copy: zc_min (at least block_size, by
- * default block_size x queue_depth) keeps zero-copy for sources that fill the queue many times. */
-static int writer_append(WriterObject *w, const char *src, size_t n)
+ * Without `hold`, zero-copy writes are all complete when the call returns, so the disk's queue
+ * empties at the end of each such source; with `hold` they may stay in flight (writer_settle), as
+ * staged writes always do. Sources under zc_min (at least block_size; Python passes
+ * DISTCKPT_ZERO_COPY_MIN, by default one request) are staged. */
+static int writer_append(WriterObject *w, const char *src, size_t n, int hold)
 {
+    w->gen++;
     if (src && w->mem_align && !w->err) {
         size_t head = (w->mem_align - (uintptr_t)src % w->mem_align) % w->mem_align;
         if (head && n >= head + w->zc_min && (w->fill + head) % w->offset_align == 0) {
-            int e = writer_stage(w, src, head);
-            if (e)
-                return e;
+            if (writer_stage(w, src, head)) {
+                writer_settle(w, 0);
+                return w->err;
+            }
             src += head;
             n -= head;
         }
@@ -412,10 +480,10 @@ static int writer_append(WriterObject *w, const char *src, size_t n)
             n -= done;
         }
     }
-    if (writer_stage(w, src, n))
-        return w->err;
+    (void)writer_stage(w, src, n);
     if (w->use_uring)
         writer_reap(w); /* surface completed errors early; never blocks */
+    writer_settle(w, hold);
     return w->err;
 }
 
@@ -446,6 +514,8 @@ static int writer_release(WriterObject *w)
     PyMem_RawFree((void *)w->d_src);
     PyMem_RawFree(w->d_off);
     PyMem_RawFree(w->d_len);
+    PyMem_RawFree(w->d_gen);
+    w->d_gen = NULL;
     w->inflight = NULL;
     w->blk_off = NULL;
     w->blk_len = NULL;
@@ -454,6 +524,15 @@ static int writer_release(WriterObject *w)
     w->d_off = NULL;
     w->d_len = NULL;
     return err;
+}
+
+/* After writer_release() (GIL held): nothing is in flight any more; let the held source go. */
+static void writer_drop_held(WriterObject *w)
+{
+    if (w->held) {
+        PyBuffer_Release(&w->held_view);
+        Py_CLEAR(w->held);
+    }
 }
 
 static int writer_enter(WriterObject *w)
@@ -568,8 +647,9 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
     w->d_src = PyMem_RawCalloc(w->queue_depth, sizeof(char *));
     w->d_off = PyMem_RawCalloc(w->queue_depth, sizeof(uint64_t));
     w->d_len = PyMem_RawCalloc(w->queue_depth, sizeof(unsigned));
+    w->d_gen = PyMem_RawCalloc(w->queue_depth, sizeof(unsigned));
     if (!w->inflight || !w->blk_off || !w->blk_len || !w->d_inflight || !w->d_src || !w->d_off ||
-        !w->d_len) {
+        !w->d_len || !w->d_gen) {
         writer_release(w);
         PyErr_NoMemory();
         return -1;
@@ -598,10 +678,10 @@ static PyObject *Writer_write(WriterObject *w, PyObject *arg)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    e = writer_append(w, (const char *)view.buf, (size_t)view.len);
+    e = writer_append(w, (const char *)view.buf, (size_t)view.len, 0);
     Py_END_ALLOW_THREADS
     w->busy = 0;
-    PyBuffer_Release(&view);
+    writer_keep(w, NULL, &view);
     if (e)
         return raise_errno_path(e, w->path);
     return PyLong_FromUnsignedLongLong(w->pos);
@@ -612,10 +692,12 @@ static PyObject *Writer_write_checksummed(WriterObject *w, PyObject *args)
     Py_buffer view;
     Py_ssize_t block;
     struct wcrc c;
-    PyObject *crcs = NULL, *result = NULL;
+    PyObject *crcs = NULL, *result = NULL, *hold = Py_None;
     int e;
-    if (!PyArg_ParseTuple(args, "y*n:write_checksummed", &view, &block))
+    if (!PyArg_ParseTuple(args, "y*n|O:write_checksummed", &view, &block, &hold))
         return NULL;
+    if (hold == Py_None)
+        hold = NULL;
     if (block <= 0) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "block must be positive");
@@ -636,7 +718,7 @@ static PyObject *Writer_write_checksummed(WriterObject *w, PyObject *args)
     }
     w->crc = &c;
     Py_BEGIN_ALLOW_THREADS
-    e = writer_append(w, (const char *)view.buf, (size_t)view.len);
+    e = writer_append(w, (const char *)view.buf, (size_t)view.len, hold != NULL);
     if (!e) {
         wcrc_advance(&c, (size_t)view.len);
         if (c.in)
@@ -645,7 +727,7 @@ static PyObject *Writer_write_checksummed(WriterObject *w, PyObject *args)
     Py_END_ALLOW_THREADS
     w->crc = NULL;
     w->busy = 0;
-    PyBuffer_Release(&view);
+    writer_keep(w, hold, &view);
     if (e) {
         PyMem_Free(c.out);
         return raise_errno_path(e, w->path);
@@ -679,7 +761,7 @@ static PyObject *Writer_zeros(WriterObject *w, PyObject *arg)
     if (writer_enter_append(w) != 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    e = writer_append(w, NULL, (size_t)n);
+    e = writer_append(w, NULL, (size_t)n, 0);
     Py_END_ALLOW_THREADS
     w->busy = 0;
     if (e)
@@ -755,6 +837,7 @@ static PyObject *Writer_flush(WriterObject *w, PyObject *Py_UNUSED(ignored))
         w->err = e;
     Py_END_ALLOW_THREADS
     w->busy = 0;
+    writer_keep(w, NULL, NULL);
     if (e)
         return raise_errno_path(e, w->path);
     return PyLong_FromUnsignedLongLong(w->pos);
@@ -787,6 +870,7 @@ static PyObject *Writer_close(WriterObject *w, PyObject *Py_UNUSED(ignored))
     Py_BEGIN_ALLOW_THREADS
     e = writer_release(w);
     Py_END_ALLOW_THREADS
+    writer_drop_held(w);
     if (e)
         return raise_errno_path(e, w->path);
     Py_RETURN_NONE;
@@ -795,10 +879,19 @@ static PyObject *Writer_close(WriterObject *w, PyObject *Py_UNUSED(ignored))
 static PyObject *Writer_get_closed(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->closed); }
 static PyObject *Writer_get_fileno(WriterObject *w, void *Py_UNUSED(c)) { return PyLong_FromLong(w->fd); }
 static PyObject *Writer_get_fixed(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->fixed); }
+static PyObject *Writer_get_holding(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->held != NULL); }
+static PyObject *Writer_get_direct_sources(WriterObject *w, void *Py_UNUSED(c))
+{
+    int cur = 0, old = 0;
+    if (w->use_uring && w->d_inflight)
+        writer_direct_gens(w, &cur, &old);
+    return PyLong_FromLong(cur + old);
+}
 
 static void Writer_dealloc(WriterObject *w)
 {
     writer_release(w);
+    writer_drop_held(w);
     Py_CLEAR(w->path);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
@@ -807,8 +900,11 @@ static PyMethodDef Writer_methods[] = {
     {"write", (PyCFunction)Writer_write, METH_O,
      "write(buffer) -> int: append a C-contiguous buffer; returns the new position. Raises OSError."},
     {"write_checksummed", (PyCFunction)Writer_write_checksummed, METH_VARARGS,
-     "write_checksummed(buffer, block) -> (position, crcs): write(buffer), and the crc32c of each "
-     "block bytes of it (the last one partial), computed while the bytes are being written."},
+     "write_checksummed(buffer, block, hold=None) -> (position, crcs): write(buffer), and the crc32c "
+     "of each block bytes of it (the last one partial), computed while the bytes are being written. "
+     "With hold (any object that keeps buffer's memory alive; the caller promises the bytes stay "
+     "unchanged until flush()), zero-copy writes of buffer may stay in flight after return: the "
+     "writer references hold and buffer until they are done (at most one such source at a time)."},
     {"zeros", (PyCFunction)Writer_zeros, METH_O, "zeros(n) -> int: append n zero bytes."},
     {"tell", (PyCFunction)Writer_tell, METH_NOARGS, "tell() -> int: bytes appended so far."},
     {"reserve", (PyCFunction)Writer_reserve, METH_O,
@@ -825,6 +921,12 @@ static PyGetSetDef Writer_getset[] = {
     {"closed", (getter)Writer_get_closed, NULL, "True once close() ran.", NULL},
     {"fileno", (getter)Writer_get_fileno, NULL, "The file fd, -1 when closed.", NULL},
     {"fixed_buffers", (getter)Writer_get_fixed, NULL, "Staging registered with the ring.", NULL},
+    {"holding", (getter)Writer_get_holding, NULL,
+     "True while the writer references a held source (write_checksummed's hold): set when a call "
+     "returns with its writes in flight, cleared by a later call once they are done.", NULL},
+    {"direct_sources", (getter)Writer_get_direct_sources, NULL,
+     "How many sources (0, 1, or 2 meaning more) have zero-copy writes in flight now: for tests of "
+     "the rule that only the held source may.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -841,7 +943,7 @@ PyTypeObject WriterType = {
               "bytes (its whole memory) and writes full ones with io_uring (stage_blocks - 1 in flight) "
               "or, with uring=False, with synchronous pwrite. Sources "
               "aligned to mem_align (non-zero) of at least one block are written from the caller's "
-              "memory directly, all complete before write() returns. prealloc_max=0 disables "
+              "memory directly, complete before the call returns unless write_checksummed got hold. prealloc_max=0 disables "
               "fallocate-ahead. Methods: write, zeros, reserve, tell, flush, fsync, close.",
     .tp_new = Writer_new,
     .tp_init = (initproc)Writer_init,

@@ -19,9 +19,9 @@ about once per process, naming the closest known variable: a silently ignored se
 |                             |          | write); at most DISTCKPT_BLOCK_SIZE                        |
 | DISTCKPT_STAGE_BLOCKS       | 4        | blocks in a writer's staging ring (2 .. QUEUE_DEPTH + 1);  |
 |                             |          | the ring (here 8 MiB) is all the memory a save adds        |
-| DISTCKPT_ZERO_COPY_MIN      | 16M      | sources at least this large are written from their own     |
-|                             |          | memory, smaller ones through the ring (default: half a     |
-|                             |          | queue, BLOCK_SIZE x QUEUE_DEPTH / 2; at least BLOCK_SIZE)  |
+| DISTCKPT_ZERO_COPY_MIN      | 8M       | sources at least this large are written from their own     |
+|                             |          | memory, smaller ones through the ring (default: one        |
+|                             |          | zero-copy request, 2 x BLOCK_SIZE; at least BLOCK_SIZE)    |
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | largest checksummed block; a save picks a smaller one (>= |
 |                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
@@ -89,7 +89,7 @@ class Config:
     block_size: int = 4 << 20
     stage_block: int = 2 << 20
     stage_blocks: int = 4
-    zero_copy_min: int = 16 << 20
+    zero_copy_min: int = 8 << 20
     checksum_block: int = 1 << 20
     timeout_s: float = 300.0
     drain_timeout_s: float = 3600.0
@@ -205,11 +205,11 @@ def load_config(env: dict | None = None) -> Config:
     # Defaults follow a smaller DISTCKPT_BLOCK_SIZE / QUEUE_DEPTH; explicit values must fit them.
     stage_block = _size(env, "DISTCKPT_STAGE_BLOCK", min(2 << 20, block_size), lo=64 << 10, hi=block_size)
     stage_blocks = _int(env, "DISTCKPT_STAGE_BLOCKS", min(4, queue_depth + 1), lo=2, hi=queue_depth + 1)
-    # A zero-copy source drains the disk queue when its call returns; below about half a queue of
-    # blocks the staged path (one memcpy, writes in flight across tensors) is faster (measured on
-    # an FSDP2 Llama state of 137 pieces of 1.7 MiB on average per rank: docs/BENCHMARKS.md).
-    zero_copy_min = _size(env, "DISTCKPT_ZERO_COPY_MIN", max(block_size, block_size * queue_depth // 2),
-                          lo=block_size, hi=1 << 40)
+    # Zero-copy from one request (the writer's requests are twice the block size): a save's
+    # zero-copy writes stay in flight from one tensor to the next (write_checksummed's hold), so a
+    # source of one request no longer drains the disk queue and skips the staging memcpy
+    # (docs/BENCHMARKS.md, "Zero-copy writes in flight across tensors").
+    zero_copy_min = _size(env, "DISTCKPT_ZERO_COPY_MIN", 2 * block_size, lo=block_size, hi=1 << 40)
     return Config(
         io_backend=backend,
         read_cache=read_cache,

@@ -73,9 +73,13 @@ class Sink(Protocol):
         """Append ``data`` (a C-contiguous buffer, not referenced after return); return the new position
         (where the next byte lands: after the index, the file's size)."""
 
-    def write_checksummed(self, data: Any, block: int) -> tuple[int, ...]:
+    def write_checksummed(self, data: Any, block: int, hold: Any = None) -> tuple[int, ...]:
         """:meth:`write` ``data`` and return the crc32c of each ``block`` bytes of it, the last
-        one partial (:func:`distckpt.manifest.block_crcs`)."""
+        one partial (:func:`distckpt.manifest.block_crcs`). ``hold`` (an object keeping ``data``'s
+        memory alive) promises the bytes stay unchanged until the sink is finished: a sink may then
+        keep referencing them after return (the O_DIRECT writer leaves a large chunk's writes in
+        flight while the next chunk is written); without it, ``data`` is not referenced after
+        return."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +147,11 @@ def write_data_file(sink: Sink, rank: int, pieces: Sequence[tuple[str, Any]], ch
             else:
                 view, keep = host_bytes(piece.tensor)
                 offset = sink.pad_for(view, alignment)
-                # One write per chunk, its block checksums computed in the same pass.
-                chunk_crcs, nbytes = sink.write_checksummed(view, checksum_block), len(view)
-                del keep  # the sink copied or wrote the bytes before returning
+                # One write per chunk, its block checksums computed in the same pass. The pieces
+                # are not changed until the file is finished (the caller's state during a save, or
+                # a staged copy), so the sink may keep writing from them after it returns.
+                chunk_crcs, nbytes = sink.write_checksummed(view, checksum_block, hold=keep), len(view)
+                del keep  # the sink holds its own reference while it still needs the bytes
             records.append((fqn, mf.ChunkRecord(offsets=tuple(piece.offsets), sizes=tuple(piece.sizes), file=rank,
                                                 offset=offset, nbytes=nbytes, crcs=chunk_crcs)))
     # The index goes last, once every crc is known.

@@ -4,9 +4,11 @@ errno, and leaves the fd table exactly as it was. Backend choice with io_uring r
 from __future__ import annotations
 
 import errno
+import gc
 import mmap
 import os
 import subprocess
+import weakref
 
 import pytest
 
@@ -43,13 +45,23 @@ def small_ext4(tmp_path):
     umount(d)
 
 
-def _fill_until_error(directory: str, backend: str, aligned: bool = False) -> None:
+class _Held:
+    """What a save passes as ``hold``: an object keeping the source alive (weakly referenceable)."""
+
+    def __init__(self, src) -> None:
+        self.src = src
+
+
+def _fill_until_error(directory: str, backend: str, aligned: bool = False, held: bool = False) -> None:
     """Write 200 MiB into a much smaller file system; from a page-aligned source the O_DIRECT
-    backends take the zero-copy path, so its error handling is exercised too."""
+    backends take the zero-copy path, so its error handling is exercised too. ``held``: as a save
+    writes, with ``write_checksummed(..., hold=)``; the source must not stay referenced."""
     src = CHUNK
     if aligned:
         src = mmap.mmap(-1, len(CHUNK))
         src.write(CHUNK)
+    holder = _Held(src) if held else None
+    held_ref = weakref.ref(holder) if held else None
     dio.reset_choices()
     choice = dio.choose_backend(directory, backend=backend)
     path = os.path.join(directory, "fill.bin")
@@ -57,11 +69,18 @@ def _fill_until_error(directory: str, backend: str, aligned: bool = False) -> No
     with pytest.raises(E.DiskFullError) as ei:
         with dio.open_writer(path, choice=choice) as w:
             for _ in range(200):
-                w.write(src)
+                if held:
+                    w.write_checksummed(src, 64 << 10, hold=holder)
+                else:
+                    w.write(src)
     assert ei.value.errno == errno.ENOSPC and isinstance(ei.value, OSError)
     assert ei.value.path == path and ei.value.operation in ("write", "fsync")
     assert w.closed
     assert open_fds() == before
+    if held:  # the failed writer kept no reference to the source it was writing from
+        del holder, ei
+        gc.collect()
+        assert held_ref() is None
     os.unlink(path)  # the caller removes the partial file; the space comes back
     assert os.statvfs(directory).f_bfree > 0
 
@@ -73,12 +92,13 @@ def test_enospc_small_tmpfs(small_tmpfs, backend):
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "zerocopy"])
+@pytest.mark.parametrize("aligned,held", [(False, False), (True, False), (True, True)],
+                         ids=["staged", "zerocopy", "zerocopy-held"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_enospc_loop_ext4(small_ext4, backend, aligned, monkeypatch):
+def test_enospc_loop_ext4(small_ext4, backend, aligned, held, monkeypatch):
     monkeypatch.setenv("DISTCKPT_BLOCK_SIZE", str(256 << 10))  # a 1 MiB source spans blocks
     monkeypatch.setenv("DISTCKPT_ZERO_COPY_MIN", str(256 << 10))  # and is written zero-copy when aligned
-    _fill_until_error(small_ext4, backend, aligned)
+    _fill_until_error(small_ext4, backend, aligned, held)
 
 
 _EFBIG_CHILD = """

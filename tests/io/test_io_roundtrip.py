@@ -413,3 +413,101 @@ def test_pad_for_places_misaligned_sources_for_zero_copy(choice, ext4_dir, lead)
     for off, want, crcs in chunks:
         assert out[off:off + len(want)] == want
         assert crcs == mf.block_crcs(want, 16 << 10)
+
+
+class _Holder:
+    """What a save passes as ``hold``: the only thing keeping a source's memory alive."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.mem = mmap.mmap(-1, n)
+        self.mem[:] = random.Random(seed).randbytes(n)
+
+
+def test_held_sources_stay_in_flight_one_at_a_time_and_are_released(choice, ext4_dir):
+    """write_checksummed(..., hold=obj): zero-copy writes of a source may outlive the call, so the
+    writer references ``obj`` while they are in flight, never more than one held source at a time
+    (a new held source is taken only once the previous one's writes are done, and the previous one
+    is then let go), and none after close. The test overwrites each source as soon as the writer
+    has let it go: the file still holds the bytes as they were."""
+    import gc
+    import sys
+    import weakref
+    from distckpt import manifest as mf
+    path = os.path.join(ext4_dir, "h.bin")
+    n = 64 * 2 * SMALL_BLOCK  # 64 zero-copy requests: the queue is full when the call returns
+    expect, refs, holding = bytearray(), [], []
+    prev = None
+    with dio.open_writer(path, choice=choice) as w:
+        for i in range(6):
+            expect += bytes(w.pad_to(4096) - len(expect))
+            holder = _Holder(n + 4096 * (i % 2), seed=i)
+            view = memoryview(holder.mem)
+            want = bytes(view)
+            base = sys.getrefcount(holder)
+            prev_refs = sys.getrefcount(prev)
+            assert w.write_checksummed(view, 16 << 10, hold=holder) == mf.block_crcs(want, 16 << 10)
+            expect += want
+            holding.append(w._c.holding if w._c is not None else False)
+            # referenced by the writer exactly while it is the held source
+            assert sys.getrefcount(holder) - base == int(holding[-1])
+            if prev is not None and (holding[-1] or not holding[-2]):
+                # one held source at a time: taking this one let the previous one go
+                assert sys.getrefcount(prev) == prev_refs - int(holding[-2])
+                prev.mem[:] = bytes(len(prev.mem))  # a write still reading it would be caught
+            del view  # (the writer holds its own export of the buffer while it writes from it)
+            refs.append(weakref.ref(holder))
+            prev = holder
+            del holder
+            gc.collect()
+        if choice.name == "uring":
+            assert any(holding)  # the queue really stays full from one source to the next
+        else:
+            assert not any(holding)  # pwrite and buffered finish every write in the call
+    del prev
+    gc.collect()
+    assert all(r() is None for r in refs)  # nothing is kept after close
+    with open(path, "rb") as f:
+        assert f.read() == bytes(expect)
+
+
+def test_held_source_released_when_the_writer_is_aborted(choice, ext4_dir):
+    """A writer aborted (or collected) with a held source in flight waits for its writes and
+    releases it: no reference outlives the writer, no fd stays open."""
+    import gc
+    import weakref
+    before = open_fds()
+    w = dio.open_writer(os.path.join(ext4_dir, "a.bin"), choice=choice)
+    holder = _Holder(64 * 2 * SMALL_BLOCK, seed=7)
+    w.write_checksummed(memoryview(holder.mem), 16 << 10, hold=holder)
+    ref = weakref.ref(holder)
+    del holder
+    w.abort()
+    gc.collect()
+    assert ref() is None and w.closed and open_fds() == before
+
+
+def test_only_the_held_source_has_writes_in_flight_between_calls(choice, ext4_dir):
+    """Sources of two requests each, so a call returns while the previous source's writes may
+    still be in flight: after every call the zero-copy writes in flight all come from one source,
+    the one the writer holds."""
+    path = os.path.join(ext4_dir, "s.bin")
+    holders = [_Holder(2 * 2 * SMALL_BLOCK, seed=i) for i in range(4)]
+    with dio.open_writer(path, choice=choice) as w:
+        for i in range(200):
+            h = holders[i % 4]
+            w.write_checksummed(memoryview(h.mem), 16 << 10, hold=h)
+            if w._c is not None:
+                sources = w._c.direct_sources
+                assert sources <= 1 and (sources == 0 or w._c.holding), (i, sources)
+            if i % 7 == 3:
+                w.write(b"z" * 1000)  # a staged write between two held ones takes nothing over
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    for i in range(200):
+        assert data[pos:pos + 4 * SMALL_BLOCK] == holders[i % 4].mem[:], i
+        pos += 4 * SMALL_BLOCK
+        if i % 7 == 3:
+            assert data[pos:pos + 1000] == b"z" * 1000
+            pos += 1000
+    assert pos == len(data)

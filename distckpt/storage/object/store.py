@@ -799,7 +799,8 @@ class _Upload:
             view = view[n:]
         return self.written
 
-    def write_checksummed(self, data, block: int) -> tuple[int, ...]:
+    def write_checksummed(self, data, block: int, hold=None) -> tuple[int, ...]:
+        # hold is not needed: the bytes are copied into the part buffer before this returns.
         crcs = mf.block_crcs(data, block)
         self.write(data)
         return crcs

@@ -13,6 +13,10 @@ Invariants:
     aligned staging (tensor memory need not be aligned), or, for an O_DIRECT backend when the
     buffer is aligned to the file system's DIO memory alignment, written straight from it with
     every such write complete before ``write`` returns. Callers may reuse or free it at once.
+    ``write_checksummed(..., hold=obj)`` is the one exception the caller opts into: it promises
+    the bytes stay unchanged until ``close()``, and the C writer references ``obj`` while that
+    source's zero-copy writes are in flight, so the disk's queue stays full from one large chunk
+    to the next (one held source at a time; the checksums are computed during the call).
 """
 
 from __future__ import annotations
@@ -150,11 +154,17 @@ class Writer:
             raise self._fail(exc, "write") from exc
         return self._pos
 
-    def write_checksummed(self, data, block: int) -> tuple[int, ...]:
+    def write_checksummed(self, data, block: int, hold=None) -> tuple[int, ...]:
         """:meth:`write` ``data``, and return the crc32c of each ``block`` bytes of it (the last
         one partial; ``()`` for empty data), as ``manifest.block_crcs`` computes them. With an
         O_DIRECT backend the checksums are computed in C while the bytes are written (one pass
-        over them, none while the disk waits). Raises what :meth:`write` raises."""
+        over them, none while the disk waits). Raises what :meth:`write` raises.
+
+        ``hold``: an object that keeps ``data``'s memory alive (the tensor it views). Given, the
+        caller promises the bytes stay unchanged until :meth:`close`, and zero-copy writes from
+        them may still be in flight when this returns (the writer keeps ``hold`` referenced until
+        they are done; the next held call waits for them). Without it, nothing of ``data`` is
+        referenced after return."""
         self._check_open()
         if self._c is None:
             view = memoryview(data).cast("B")
@@ -162,7 +172,7 @@ class Writer:
             self.write(view)
             return crcs
         try:
-            self._pos, crcs = self._c.write_checksummed(data, block)
+            self._pos, crcs = self._c.write_checksummed(data, block, hold)
         except OSError as exc:
             raise self._fail(exc, "write") from exc
         return crcs
