@@ -54,18 +54,21 @@ N_BIG = 8
 # State
 
 
-def big_rows(size: int, small: int) -> int:
-    rest = max(size - small * ROW_ELEMS * 4, N_BIG * 12 * ROW_ELEMS * 4)
-    rows = rest // (N_BIG * ROW_ELEMS * 4)
+def big_rows(size: int, small: int, big: int = N_BIG) -> int:
+    rest = max(size - small * ROW_ELEMS * 4, big * 12 * ROW_ELEMS * 4)
+    rows = rest // (big * ROW_ELEMS * 4)
     return max(12, rows - rows % 12)  # divisible by 2, 3 and 4: even shards for 2-, 3- and 4-rank layouts
 
 
-def make_state(size: int, small: int, rank: int, world: int, mesh=None, zeros: bool = False) -> dict:
+def make_state(size: int, small: int, rank: int, world: int, mesh=None, zeros: bool = False,
+               big: int = N_BIG) -> dict:
+    """``big`` float32 tensors of ROW_ELEMS columns (``size`` bytes with the small ones; sharded by
+    rows over ``world`` as DTensors on ``mesh``) plus ``small`` replicated ones of one row."""
     import torch
-    rows = big_rows(size, small)
+    rows = big_rows(size, small, big)
     sd = {}
     g = torch.Generator().manual_seed(1234 + rank)
-    for i in range(N_BIG):
+    for i in range(big):
         chunk = -(-rows // world)  # torch.chunk's split, as a DTensor's Shard(0) places it
         local_rows = max(0, min(chunk, rows - rank * chunk))
         local = torch.zeros(local_rows, ROW_ELEMS) if zeros else torch.rand(local_rows, ROW_ELEMS, generator=g)
@@ -80,8 +83,8 @@ def make_state(size: int, small: int, rank: int, world: int, mesh=None, zeros: b
     return sd
 
 
-def state_bytes(size: int, small: int) -> int:
-    return N_BIG * big_rows(size, small) * ROW_ELEMS * 4 + small * ROW_ELEMS * 4
+def state_bytes(size: int, small: int, big: int = N_BIG) -> int:
+    return big * big_rows(size, small, big) * ROW_ELEMS * 4 + small * ROW_ELEMS * 4
 
 
 def llama_fsdp_state(world: int, args: dict, mesh_shape: tuple[int, ...] | None = None) -> dict:

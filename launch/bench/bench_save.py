@@ -1,9 +1,10 @@
 """Save profile: one rank, distckpt.save vs fio's O_DIRECT write of the same bytes.
 
-    .venv/bin/python launch/bench/bench_save.py DIR [--size 1G] [--small 2000] [--repeat 7]
+    .venv/bin/python launch/bench/bench_save.py DIR [--size 1G] [--small 2000] [--large 8] [--repeat 7]
                                           [--baseline-repo OLD_CHECKOUT]
 
-The state is launch/bench/bench.py's (8 large float32 tensors + ``--small`` tensors of 16 KiB). For
+The state is launch/bench/bench.py's (``--large`` float32 tensors, 8 by default, + ``--small``
+tensors of 16 KiB; ``--large 32 --size 1G`` gives tensors of 32 MiB, a 7B model's matrices). For
 ``--repeat`` repetitions, interleaved with the order rotated: fio writes the same number of bytes
 into DIR (io_uring, O_DIRECT, 4 MiB blocks, iodepth 8, end_fsync; its own runtime), and
 distckpt.save writes a checkpoint into DIR (then removed). ``--baseline-repo`` also times the same
@@ -58,13 +59,13 @@ def _cpu() -> float:
 class _Saver:
     """distckpt.save of one state into fresh directories under ``directory``."""
 
-    def __init__(self, directory: str, size: int, small: int) -> None:
+    def __init__(self, directory: str, size: int, small: int, large: int) -> None:
         import torch
 
         import distckpt
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         self.distckpt = distckpt
-        self.state = make_state(size, small, 0, 1)
+        self.state = make_state(size, small, 0, 1, big=large)
         self.directory = directory
         self.n = 0
         self.save()  # warm-up: imports, backend probe, first-touch of the writer's staging
@@ -82,9 +83,9 @@ class _Saver:
         return {"s": wall, "cpu": cpu, **getattr(r, "phase_seconds", {})}
 
 
-def _serve(directory: str, size: int, small: int) -> None:
+def _serve(directory: str, size: int, small: int, large: int) -> None:
     """--serve: the --baseline-repo child; one save per "save" line on stdin, one JSON line back."""
-    saver = _Saver(directory, size, small)
+    saver = _Saver(directory, size, small, large)
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() != "save":
@@ -97,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("directory")
     ap.add_argument("--size", default="1G")
     ap.add_argument("--small", type=int, default=2000)
+    ap.add_argument("--large", type=int, default=8, help="large tensors sharing --size")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--baseline-repo", default=None, help="another checkout of the repository to time side by side")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -104,18 +106,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     size = parse_size(args.size)
     if args.serve:
-        _serve(args.directory, size, args.small)
+        _serve(args.directory, size, args.small, args.large)
         return 0
     work = os.path.join(os.path.abspath(args.directory), f"bench-save-{os.getpid()}")
     os.makedirs(work)
     baseline = None
     try:
-        nbytes = state_bytes(size, args.small)
-        saver = _Saver(work, size, args.small)
+        nbytes = state_bytes(size, args.small, args.large)
+        saver = _Saver(work, size, args.small, args.large)
         names = ["fio O_DIRECT write", "distckpt.save"]
         if args.baseline_repo:
             baseline = BaselineChild(__file__, "BENCH_SAVE_REPO", args.baseline_repo,
-                                     [work, "--serve", "--size", args.size, "--small", str(args.small)])
+                                     [work, "--serve", "--size", args.size, "--small", str(args.small),
+                                      "--large", str(args.large)])
             names.append(f"distckpt.save, {os.path.basename(os.path.normpath(args.baseline_repo))}")
         rows: dict[str, list[dict]] = {n: [] for n in names}
         loadavg = []
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
             with open("/proc/loadavg") as f:
                 loadavg.append(float(f.read().split()[0]))
         fio_s = statistics.median(r["s"] for r in rows[names[0]])
-        print(f"save of {nbytes / 2**30:.2f} GiB (8 large + {args.small} small tensors), 1 rank, "
+        print(f"save of {nbytes / 2**30:.2f} GiB ({args.large} large + {args.small} small tensors), 1 rank, "
               f"{args.repeat} repetitions interleaved; load average {min(loadavg):.1f}..{max(loadavg):.1f}; "
               f"{os.cpu_count()} cores")
         print("| measurement | seconds, median (min..max) | MB/s | vs fio | plan | prepare | write | commit "
