@@ -31,7 +31,10 @@ _LAZY = {
     "load": ".restore", "read": ".restore", "read_manifest": ".restore", "LoadResult": ".restore",
     "CheckpointManager": ".manager",
     "async_save": ".save_async", "AsyncSaveHandle": ".save_async",
-    "release_staging_memory": ".staging.pool", "reserve_staging_memory": ".staging.pool",
+    "release_staging_memory": ".staging.pool",
+    # staging.pool's, reached through save_async: a job that reserves staging memory ahead also
+    # loads the save path's modules then, not on its first async_save's blocked time.
+    "reserve_staging_memory": ".save_async",
 }
 
 

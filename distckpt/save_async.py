@@ -49,10 +49,13 @@ from ._dist import ControlGroup, control_group
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
 from .saveplan import plan_save
-from .staging.pool import stage, staging_pool
+from .staging.pool import reserve_staging_memory, stage, staging_pool
 from .storage.posix.probe import ensure_sigxfsz_ignored
 
-__all__ = ["async_save", "async_save_in_root", "AsyncSaveHandle", "raise_background_failure", "wait_for_saves"]
+# reserve_staging_memory is staging.pool's own, exported here too: distckpt.reserve_staging_memory
+# resolves through this module, so reserving ahead also imports the save path (distckpt/__init__).
+__all__ = ["async_save", "async_save_in_root", "AsyncSaveHandle", "raise_background_failure", "wait_for_saves",
+           "reserve_staging_memory"]
 
 log = logging.getLogger("distckpt")
 
