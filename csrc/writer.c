@@ -387,7 +387,14 @@ static void writer_keep(WriterObject *w, PyObject *hold, Py_buffer *view)
     int cur = 0, old = 0;
     if (w->use_uring && w->d_inflight)
         writer_direct_gens(w, &cur, &old);
-    if (hold && cur && !old) {
+    if (cur && (!hold || old)) {
+        /* Only after io_uring_enter itself failed, so writer_settle() could not wait: the kernel
+         * may still read this buffer. It is never released: a leak, never a use after free. */
+        if (hold)
+            Py_INCREF(hold);
+        return;
+    }
+    if (cur) {
         if (w->held) {
             PyBuffer_Release(&w->held_view);
             Py_CLEAR(w->held);
