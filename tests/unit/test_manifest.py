@@ -404,6 +404,15 @@ def test_chunk_rules():
     assert "nbytes is 15, expected 16" in _corrupt_msg(t([dataclasses.replace(_chunk([0], [4]), nbytes=15)]))
     assert "2 checksums, expected 1" in _corrupt_msg(t([dataclasses.replace(_chunk([0], [4]), crcs=(0, 0))]))
     assert "not a 32-bit" in _corrupt_msg(t([dataclasses.replace(_chunk([0], [4]), crcs=(1 << 32,))]))
+    # Every kind of bad checksum is named, wherever it sits among good ones (checked in bulk).
+    for bad in (-1, 1 << 32, True, 1.0, "1", None, (1,)):
+        for at in range(3):
+            crcs = [7, 8, 9]
+            crcs[at] = bad
+            sixteen = dataclasses.replace(_chunk([0], [12]), crcs=tuple(crcs))  # 48 bytes: 3 blocks
+            assert f"checksum {bad!r} is not a 32-bit" in _corrupt_msg(t([sixteen], shape=(12,))), (bad, at)
+    validate(t([dataclasses.replace(_chunk([0], [12]), crcs=(0, (1 << 32) - 1, 5))], shape=(12,)),
+             path="/ckpt/MANIFEST")  # the bounds themselves are fine
     assert "overlap" in _corrupt_msg(t([_chunk([0], [3]), _chunk([2], [2], offset=64)]))
     assert "no chunk holds region [3:4]" in _corrupt_msg(t([_chunk([0], [3])]))
     assert "kind" in _corrupt_msg(_manifest({"x": TensorEntry("float32", (4,), (_chunk([0], [4]),), "weird")}))
