@@ -77,7 +77,9 @@ def one_process(directory: str, size: int, large: int, repeat: int, cases: list[
         request, hold, source = CASES[case]
         if source == "fio":
             return _fio(directory, total)
-        srcs = bufs if source == "state" else [reused] * (total // (32 * MIB))
+        # "reused": exactly the state's byte count, the last pass over the buffer partial
+        whole, rest = divmod(total, 32 * MIB)
+        srcs = bufs if source == "state" else [reused] * whole + ([memoryview(reused)[:rest]] if rest else [])
         os.sync()
         t0 = time.perf_counter()
         w = _uring.Writer(path, block_size=request or 4 * MIB, queue_depth=8, offset_align=choice.offset_align,
