@@ -9,7 +9,11 @@ buffer of its multipart upload. :func:`size_bound` is what a back end reserves o
 first byte (a fallocate, an upload's part size).
 
 The placement rule, the same for both back ends:
-  * chunks are written in the pieces' order; each starts at the next multiple of the sink's
+  * chunks are written in :func:`write_order`: the pieces' order, except that for a sink whose
+    large chunks' writes stay in flight after their call returns (the O_DIRECT writer's held
+    zero-copy writes) the smaller pieces are spread over the gaps after the large ones, so that
+    their per-piece work (a copy into staging, a checksum, Python) runs while the disk is still
+    writing a large chunk instead of after the last one; each chunk starts at the next multiple of the sink's
     ``alignment`` (:data:`distckpt.plan.ALIGNMENT`, 4096, or the larger O_DIRECT offset alignment
     of a file system that needs one), so an O_DIRECT writer writes and a reader reads whole pages;
   * except that a sink which writes a chunk straight from the tensor's memory may start it up to
@@ -44,7 +48,7 @@ from .plan import ALIGNMENT, assign_offsets
 from .staging.ring import DeviceStager, needs_staging
 from .tensorbytes import host_bytes
 
-__all__ = ["Sink", "DataFile", "write_data_file", "size_bound"]
+__all__ = ["Sink", "DataFile", "write_data_file", "write_order", "size_bound"]
 
 
 class Sink(Protocol):
@@ -57,6 +61,10 @@ class Sink(Protocol):
     #: Chunks and the index start on multiples of this: :data:`distckpt.plan.ALIGNMENT` or a
     #: multiple of it.
     alignment: int
+
+    #: Chunks of at least this many bytes, given ``hold``, may still be being written when
+    #: :meth:`write_checksummed` returns (0: none are); :func:`write_order` fills those gaps.
+    hold_min: int
 
     def tell(self) -> int:
         """Bytes appended so far (where the next byte lands)."""
@@ -99,6 +107,38 @@ def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def write_order(sizes: Sequence[int], hold_min: int) -> list[int]:
+    """The order (indexes into ``sizes``, the pieces' byte counts) in which :func:`write_data_file`
+    writes them into a sink whose :attr:`Sink.hold_min` is ``hold_min``.
+
+    With ``hold_min`` 0, or no piece of at least ``hold_min`` bytes, the pieces' own order.
+    Otherwise the large pieces keep their order, and after the k-th of L of them come the smaller
+    pieces, in their order, until k/L of the smaller pieces' bytes are placed. Why: a large
+    piece's call returns with up to a queue of its writes in flight (tens of MiB, tens of ms of
+    disk time), and the smaller pieces' work (a Python call each, a copy into staging, a checksum)
+    then runs while the disk is busy. Written last, as in the pieces' order, they ran after the
+    disk had drained: 2,000 pieces of 16 KiB added 55-65 ms to a 0.45 s write of 7 large ones, and
+    15-25 ms spread. Readers take every chunk's place from the index and sort a tensor's chunks
+    by their offsets, so the order is free; it is a function of the sizes alone (a save writes the
+    same file for the same state)."""
+    n = len(sizes)
+    large = [i for i in range(n) if hold_min and sizes[i] >= hold_min]
+    if not large:
+        return list(range(n))
+    small = [i for i in range(n) if sizes[i] < hold_min]
+    total = sum(sizes[i] for i in small)
+    order: list[int] = []
+    placed, j = 0, 0
+    for k, i in enumerate(large, 1):
+        order.append(i)
+        share = total * k // len(large)
+        while j < len(small) and (placed < share or k == len(large)):
+            placed += sizes[small[j]]
+            order.append(small[j])
+            j += 1
+    return order
+
+
 def size_bound(pieces: Sequence[tuple[str, Any]], checksum_block: int, alignment: int, *,
                moves_chunks: bool) -> int:
     """An upper bound on the size of the data file :func:`write_data_file` writes for ``pieces``
@@ -134,8 +174,12 @@ def write_data_file(sink: Sink, rank: int, pieces: Sequence[tuple[str, Any]], ch
     stager = (DeviceStager(tensors, block=checksum_block, staging_bytes=get_config().device_staging)
               if any(needs_staging(t) for t in tensors) else contextlib.nullcontext())
     records: list[tuple[str, mf.ChunkRecord]] = []
+    # A device piece's parts come from the stager in the pieces' order: then the order is kept.
+    order = (range(len(pieces)) if isinstance(stager, DeviceStager)
+             else write_order([_nbytes(t) for t in tensors], sink.hold_min))
     with stager:
-        for i, (fqn, piece) in enumerate(pieces):
+        for i in order:
+            fqn, piece = pieces[i]
             if needs_staging(piece.tensor):
                 offset = sink.pad_to(alignment)
                 crcs: list[int] = []

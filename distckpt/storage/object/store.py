@@ -738,6 +738,9 @@ class _Upload:
 
     #: Chunk and index starts (a data object is laid out as a local data file would be).
     alignment = ALIGNMENT
+    #: Every byte is copied into a part buffer before write_checksummed returns: nothing of a
+    #: chunk is referenced after its call, so the pieces are written in their own order.
+    hold_min = 0
 
     def __init__(self, store: ObjectStore, url: str, *, part_size: int, in_flight: int, size_bound: int,
                  rank: int | None) -> None:

@@ -57,6 +57,9 @@ class Writer:
         # writer gets the same threshold (DISTCKPT_ZERO_COPY_MIN, at least one request).
         zero_copy_min = max(get_config().zero_copy_min, direct_request)
         self._zero_copy = zero_copy_min if choice.name != "buffered" and choice.mem_align else 0
+        # Sink.hold_min: held zero-copy writes stay in flight after write_checksummed returns
+        # (io_uring only: pwrite's are done when it returns).
+        self.hold_min = self._zero_copy if choice.name == "uring" else 0
         self._mem_align = choice.mem_align
         self._offset_align = choice.offset_align
         self._size: int | None = None
