@@ -13,7 +13,7 @@ itself; together the nodes hold the whole step (and the drain copies it to the r
               area or error. A failed node: every leader aborts its area, every rank raises.
   3. WRITE    each rank writes its data file into its node's area (``Store.write_rank``); G.gather
               of :class:`distckpt.commit.WriteOutcome` to rank 0.
-  4. COMMIT   rank 0 builds the MANIFEST from every rank's outcome (``commit._build_manifest``);
+  4. COMMIT   rank 0 builds the MANIFEST from every rank's outcome (``commit.manifest_bytes``);
               G.scatter of a :class:`PublishOrder`: the MANIFEST bytes to every leader, or the
               WRITE failures (every leader aborts its area, every rank raises them). Every leader
               publishes the same bytes in its own directory (the node's commit point), discards a
@@ -40,9 +40,8 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .. import manifest as mf
 from .._dist import ControlGroup, _portable, control_group
-from ..commit import Prepared, SaveResult, Verdict, WriteOutcome, _build_manifest, discard_replaced
+from ..commit import Prepared, SaveResult, Verdict, WriteOutcome, discard_replaced, manifest_bytes
 from ..coordinator import SAVE_GATE
 from ..errors import (CommittedButPeerLostError, ConfigError, DistCkptError, PeerLostError, collective_error,
                       fill_rank)
@@ -353,7 +352,7 @@ def _write_and_commit(group: ControlGroup, planned: PlannedSave, *, final_dir: s
             stop = PublishOrder(None, failures=[o.error for o in outcomes])
         else:
             try:
-                manifest = mf.encode(_build_manifest(plan, outcomes, save_id, world, plan.checksum_block, metadata))
+                manifest = manifest_bytes(plan, outcomes, save_id, world, plan.checksum_block, metadata)
                 sizes = [o.size for o in outcomes]
             except Exception as exc:
                 stop = PublishOrder(None, error=portable(fill_rank(exc, 0)))

@@ -112,7 +112,7 @@ def _train_and_crash(rank, world, root):
                 def die(*a, **k):
                     open(marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
-                co._build_manifest = die
+                co.manifest_bytes = die
             else:
                 def watch():
                     while not os.path.exists(marker):
@@ -469,16 +469,16 @@ def test_chain_broken(tmp_path, capsys):
     # A crash in the middle of the next save: a dead tmp dir, nothing committed; the chain still loads.
     _touch(sd, 4)
     import distckpt.commit as co
-    real = co._build_manifest
+    real = co.manifest_bytes
 
     def boom(*a, **k):
         raise OSError(5, "simulated crash before the commit")
-    co._build_manifest = boom
+    co.manifest_bytes = boom
     try:
         with pytest.raises(Exception):
             saver.save(sd, os.path.join(root, "c4"))
     finally:
-        co._build_manifest = real
+        co.manifest_bytes = real
     assert not os.path.exists(os.path.join(root, "c4"))
     _expect(os.path.join(root, "c3"), snaps[3])
     saver.save(sd, os.path.join(root, "c4"))           # still a delta against c3

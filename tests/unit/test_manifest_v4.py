@@ -214,3 +214,39 @@ def test_a_load_reads_by_boxes_unless_a_tensor_is_spread_over_most_files_without
     assert not _by_boxes(mf.decode_header(_edited(_set_where("model.b", ["ranks", [[0, 2]]]))))
     with open(os.path.join(GOLDEN, "v3", "MANIFEST"), "rb") as f:
         assert not _by_boxes(mf.decode_header(f.read()))
+
+
+def test_encode_next_writes_what_encode_writes_and_checks_what_changed():
+    """mf.encode_next (the commit of a save whose plan reuses the last layout) gives the bytes
+    mf.encode gives for the whole new manifest, and validates every field it replaces, against
+    the new files (nothing derived from the previous manifest's files survives)."""
+    import dataclasses
+
+    first = gen.golden_manifest_v4()
+    enc = mf.encode_manifest(first)
+    assert enc.data == mf.encode(first) == _stored()
+    files = tuple(dataclasses.replace(f, size=f.size + 8192, index=(f.index[0] + 8192, f.index[1], i + 7))
+                  for i, f in enumerate(first.files))
+    objects = dict(first.objects, step=mf.ObjectEntry("int", 101), name=mf.ObjectEntry("str", "next run"))
+    meta = {"io_backend": "uring", "user": {"xs": (1, [2, (3,)])}}  # tuples written as lists, as encode does
+    fields = dict(save_id="b" * 32, created_unix=1234, files=files, objects=objects, meta=meta)
+    nxt = mf.encode_next(enc, **fields)
+    assert nxt.data == mf.encode(dataclasses.replace(first, **fields))
+    back = mf.decode_header(nxt.data)
+    assert back.files == files and back.objects == objects and back.save_id == "b" * 32
+    assert mf.encode_next(nxt, **dict(fields, save_id="c" * 32)).data == mf.encode(
+        dataclasses.replace(first, **dict(fields, save_id="c" * 32)))       # chained: the sections carry over
+
+    bad = [
+        dict(files=files[:1]),                                           # the mesh's rank 1 has no file
+        dict(files=(files[0], dataclasses.replace(files[1], rank=2))),   # a rank outside the world
+        dict(files=(files[0], dataclasses.replace(files[1], index=(2**40, 91, 0)))),  # index past the end
+        dict(objects=dict(objects, step=mf.ObjectEntry("int", 2**64))),  # not a 64-bit int
+        dict(objects=dict(objects, step=mf.ObjectEntry("bytes", "x"))),  # a value of another kind
+        dict(meta={"x": object()}),                                      # meta not plain data
+        dict(objects={k: v for k, v in objects.items() if k != "step"}),  # the tree names "step" still
+        dict(created_unix=float("nan")),
+    ]
+    for edit in bad:
+        with pytest.raises(ValueError, match="refusing to encode an invalid manifest"):
+            mf.encode_next(enc, **dict(fields, **edit))

@@ -92,3 +92,28 @@ def test_single_process_saves_use_the_cache_too(tmp_path):
     assert torch.equal(back["w"], sd["w"]) and back["meta"] == {"lr": 0.2}
     sd["w2"] = torch.zeros(2)
     assert distckpt.save(sd, tmp_path / "c").plan_cached is False
+
+
+def test_a_reused_plan_re_encodes_only_what_changes_per_save(tmp_path, monkeypatch):
+    """A save whose plan comes from the cache commits a MANIFEST re-encoded only in its per-save
+    fields (commit.manifest_bytes -> mf.encode_next): the bytes are those of a whole encode, and
+    a changed layout encodes whole again."""
+    import distckpt
+    from distckpt import manifest as mf
+    calls = []
+    whole = mf.encode_manifest
+    monkeypatch.setattr(mf, "encode_manifest", lambda m: calls.append(m.save_id) or whole(m))
+    sd = {"w": torch.arange(6.0), "opt": {"step": 1, "lr": 0.1, "name": "a"}}
+    for i, name in enumerate("abc"):
+        sd["w"] += 1
+        sd["opt"].update(step=i, name=name * (i + 1))
+        res = distckpt.save(sd, tmp_path / name)
+        assert res.plan_cached is (i > 0)
+        data = (tmp_path / name / "MANIFEST").read_bytes()
+        assert whole(mf.decode_header(data)).data == data   # what a whole encode writes
+        back = distckpt.read(tmp_path / name)
+        assert torch.equal(back["w"], sd["w"]) and back["opt"] == sd["opt"]
+    assert len(calls) == 1                      # only the first save encoded everything
+    sd["w2"] = torch.zeros(2)
+    distckpt.save(sd, tmp_path / "d")
+    assert len(calls) == 2 and distckpt.read(tmp_path / "d")["w2"].shape == (2,)
