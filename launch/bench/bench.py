@@ -41,8 +41,11 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Appended, not inserted first: a --baseline-repo child (BaselineChild) has put the other checkout
+# on sys.path before importing this module, and that checkout must stay the one imported. (It was
+# inserted first until 2026-11-29, so every --baseline-repo child ran this checkout's code.)
 if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+    sys.path.append(REPO)
 
 from distckpt.sizes import parse_size  # noqa: E402  (binary units: 1G = 1 GiB, as everywhere)
 
@@ -166,11 +169,18 @@ class BaselineChild:
     then answers each ``call(verb)`` with one JSON line; closing its stdin ends it."""
 
     def __init__(self, script: str, env_var: str, repo: str, argv: list[str]) -> None:
-        env = dict(os.environ, **{env_var: os.path.abspath(repo)})
+        repo = os.path.realpath(repo)
+        env = dict(os.environ, **{env_var: repo})
         self.p = subprocess.Popen([sys.executable, os.path.abspath(script), *argv], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if self.p.stdout.readline().strip() != "ready":
+        line = self.p.stdout.readline().split(maxsplit=1)
+        if not line or line[0] != "ready":
             raise RuntimeError("the --baseline-repo child did not start")
+        # A baseline that is this checkout after all would compare the code with itself.
+        where = line[1].strip() if len(line) > 1 else "?"
+        if not where.startswith(repo + os.sep):
+            self.p.kill()
+            raise RuntimeError(f"the --baseline-repo child imported distckpt from {where}, not from {repo}")
 
     def call(self, verb: str) -> dict:
         self.p.stdin.write(verb + "\n")
@@ -180,6 +190,12 @@ class BaselineChild:
     def close(self) -> None:
         self.p.stdin.close()
         self.p.wait(timeout=60)
+
+
+def ready() -> None:
+    """What a --baseline-repo child prints once set up: "ready" and the distckpt it imported."""
+    import distckpt
+    print("ready", os.path.realpath(distckpt.__file__), flush=True)
 
 
 def dir_bytes(path: str) -> int:

@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
 sys.path.insert(1, os.environ.get("BENCH_COLD_REPO") or os.path.dirname(os.path.dirname(HERE)))
 
-from bench import BaselineChild, drop_caches, make_state, parse_size  # noqa: E402
+from bench import BaselineChild, ready, drop_caches, make_state, parse_size  # noqa: E402
 
 
 def _fio(files: list[str]) -> float:
@@ -133,7 +133,7 @@ def _serve(path: str, size: int, small: int) -> None:
     dst = make_state(size, small, 0, 1, zeros=True)
     distckpt.load(dst, path)  # warm-up: imports, backend probe
     phases = _Phases()
-    print("ready", flush=True)
+    ready()
     for line in sys.stdin:
         if line.strip() != "load":
             break

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
 sys.path.insert(1, os.environ.get("BENCH_SAVE_REPO") or os.path.dirname(os.path.dirname(HERE)))
 
-from bench import BaselineChild, make_state, parse_size, state_bytes  # noqa: E402
+from bench import BaselineChild, ready, make_state, parse_size, state_bytes  # noqa: E402
 
 
 def _fio(directory: str, nbytes: int) -> float:
@@ -86,7 +86,7 @@ class _Saver:
 def _serve(directory: str, size: int, small: int, large: int) -> None:
     """--serve: the --baseline-repo child; one save per "save" line on stdin, one JSON line back."""
     saver = _Saver(directory, size, small, large)
-    print("ready", flush=True)
+    ready()
     for line in sys.stdin:
         if line.strip() != "save":
             break
