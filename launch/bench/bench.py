@@ -223,6 +223,22 @@ def fio(directory: str, rw: str, world: int, per_job: int, tag: str) -> float:
     return job["write" if rw == "write" else "read"]["bw_bytes"]
 
 
+def fio_write_seconds(directory: str, nbytes: int, tag: str) -> float:
+    """fio's O_DIRECT io_uring write of ``nbytes`` into one new file under ``directory`` (4 MiB
+    blocks, iodepth 8, end_fsync), after an ``os.sync``: seconds of fio's own runtime, from its
+    first write to the end of its fsync (its file layout excluded). Removes its file."""
+    os.sync()
+    cmd = ["fio", f"--name=bench{tag}", f"--directory={directory}", "--rw=write", "--direct=1",
+           "--ioengine=io_uring", "--bs=4M", "--iodepth=8", f"--size={nbytes}", "--end_fsync=1",
+           "--output-format=json"]
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    finally:
+        for path in fio_files(directory, tag):
+            os.unlink(path)
+    return json.loads(out[out.index("{"):])["jobs"][0]["write"]["runtime"] / 1000.0
+
+
 def fio_files(directory: str, tag: str) -> list[str]:
     return [os.path.join(directory, f) for f in os.listdir(directory) if f.startswith(f"bench{tag}.")]
 

@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
 sys.path.insert(1, os.environ.get("BENCH_COLD_REPO") or os.path.dirname(os.path.dirname(HERE)))
 
-from bench import BaselineChild, ready, drop_caches, make_state, parse_size  # noqa: E402
+from bench import BaselineChild, drop_caches, make_state, parse_size, ready  # noqa: E402
 
 
 def _fio(files: list[str]) -> float:

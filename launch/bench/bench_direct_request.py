@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
 
-from bench import make_state, parse_size  # noqa: E402
+from bench import fio_write_seconds, make_state, parse_size  # noqa: E402
 
 MIB = 1 << 20
 # name -> (request size, or None: the staging ring alone; hold; source)
@@ -45,18 +45,6 @@ CASES = {"zero-copy 4 MiB": (4 * MIB, False, "state"), "zero-copy 8 MiB": (8 * M
          "zero-copy 16 MiB": (16 * MIB, False, "state"), "held 8 MiB": (8 * MIB, True, "state"),
          "staged 2 MiB x 4": (None, False, "state"), "reused 32 MiB buffer": (8 * MIB, True, "reused"),
          "fio 4 MiB x 8": (None, False, "fio")}
-
-
-def _fio(directory: str, nbytes: int) -> float:
-    os.sync()
-    out = subprocess.run(["fio", "--name=benchdr", f"--directory={directory}", "--rw=write", "--direct=1",
-                          "--ioengine=io_uring", "--bs=4M", "--iodepth=8", f"--size={nbytes}", "--end_fsync=1",
-                          "--output-format=json"], check=True, capture_output=True, text=True).stdout
-    for f in os.listdir(directory):
-        if f.startswith("benchdr."):
-            os.unlink(os.path.join(directory, f))
-    # fio's own runtime: from its first write to the end of its fsync (its file layout excluded)
-    return json.loads(out[out.index("{"):])["jobs"][0]["write"]["runtime"] / 1000.0
 
 
 def one_process(directory: str, size: int, large: int, repeat: int, cases: list[str]) -> dict:
@@ -76,7 +64,7 @@ def one_process(directory: str, size: int, large: int, repeat: int, cases: list[
     def run(case: str) -> float:
         request, hold, source = CASES[case]
         if source == "fio":
-            return _fio(directory, total)
+            return fio_write_seconds(directory, total, "dr")
         # "reused": exactly the state's byte count, the last pass over the buffer partial
         whole, rest = divmod(total, 32 * MIB)
         srcs = bufs if source == "state" else [reused] * whole + ([memoryview(reused)[:rest]] if rest else [])

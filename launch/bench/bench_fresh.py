@@ -60,20 +60,6 @@ def _child(repo: str, directory: str, shape: str, size: str, small: int, large: 
     print(json.dumps({k: statistics.median(r[k] for r in runs) for k in runs[0]}), flush=True)
 
 
-def _fio(directory: str, nbytes: int) -> float:
-    os.sync()
-    cmd = ["fio", "--name=benchfresh", f"--directory={directory}", "--rw=write", "--direct=1",
-           "--ioengine=io_uring", "--bs=4M", "--iodepth=8", f"--size={nbytes}", "--end_fsync=1",
-           "--output-format=json"]
-    try:
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    finally:
-        for f in os.listdir(directory):
-            if f.startswith("benchfresh."):
-                os.unlink(os.path.join(directory, f))
-    return json.loads(out[out.index("{"):])["jobs"][0]["write"]["runtime"] / 1000.0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("directory")
@@ -91,6 +77,8 @@ def main(argv=None) -> int:
     if args.child:
         _child(args.child, directory, args.shape, args.size, args.small, args.large, args.saves)
         return 0
+    sys.path.insert(0, HERE)  # the parent only; a child imports its own checkout first
+    from bench import fio_write_seconds
     cases = [("now", NOW, {})]
     for spec in args.repo:
         name, _, repo = spec.partition("=")
@@ -106,7 +94,7 @@ def main(argv=None) -> int:
         for name in order:
             if name == "fio":
                 if nbytes is not None:
-                    rows[name].append({"s": _fio(directory, nbytes)})
+                    rows[name].append({"s": fio_write_seconds(directory, nbytes, "fresh")})
                 continue
             _, repo, env = next(c for c in cases if c[0] == name)
             out = subprocess.run([sys.executable, os.path.abspath(__file__), directory, "--child", repo,
@@ -117,7 +105,7 @@ def main(argv=None) -> int:
             nbytes = nbytes or row["bytes"]
             rows[name].append(row)
         if nbytes is not None and not rows["fio"]:
-            rows["fio"].append({"s": _fio(directory, nbytes)})
+            rows["fio"].append({"s": fio_write_seconds(directory, nbytes, "fresh")})
     fio = statistics.median(x["s"] for x in rows["fio"])
     print(f"whole saves of {nbytes / 2**30:.2f} GiB ({args.shape}), 1 rank, {args.rounds} rounds of fresh processes "
           f"({args.saves} saves each, the first a warm-up); load average {os.getloadavg()[0]:.1f}")

@@ -25,7 +25,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,21 +33,7 @@ sys.path.insert(0, HERE)
 # The --baseline-repo child imports distckpt from the other checkout.
 sys.path.insert(1, os.environ.get("BENCH_SAVE_REPO") or os.path.dirname(os.path.dirname(HERE)))
 
-from bench import BaselineChild, ready, make_state, parse_size, state_bytes  # noqa: E402
-
-
-def _fio(directory: str, nbytes: int) -> float:
-    os.sync()
-    cmd = ["fio", "--name=benchsave", f"--directory={directory}", "--rw=write", "--direct=1",
-           "--ioengine=io_uring", "--bs=4M", "--iodepth=8", f"--size={nbytes}", "--end_fsync=1",
-           "--output-format=json"]
-    try:
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    finally:
-        for f in os.listdir(directory):
-            if f.startswith("benchsave."):
-                os.unlink(os.path.join(directory, f))
-    return json.loads(out[out.index("{"):])["jobs"][0]["write"]["runtime"] / 1000.0
+from bench import BaselineChild, fio_write_seconds, make_state, parse_size, ready, state_bytes  # noqa: E402
 
 
 def _cpu() -> float:
@@ -126,7 +111,7 @@ def main(argv=None) -> int:
             k = rep % len(names)
             for name in names[k:] + names[:k]:
                 if name == names[0]:
-                    rows[name].append({"s": _fio(work, nbytes)})
+                    rows[name].append({"s": fio_write_seconds(work, nbytes, "save")})
                 elif name == names[1]:
                     rows[name].append(saver.save())
                 else:
