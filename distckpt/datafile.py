@@ -116,9 +116,10 @@ def write_order(sizes: Sequence[int], hold_min: int) -> list[int]:
     pieces, in their order, until k/L of the smaller pieces' bytes are placed. Why: a large
     piece's call returns with up to a queue of its writes in flight (tens of MiB, tens of ms of
     disk time), and the smaller pieces' work (a Python call each, a copy into staging, a checksum)
-    then runs while the disk is busy. Written last, as in the pieces' order, they ran after the
-    disk had drained: 2,000 pieces of 16 KiB added 55-65 ms to a 0.45 s write of 7 large ones, and
-    15-25 ms spread. Readers take every chunk's place from the index and sort a tensor's chunks
+    then runs while the disk is busy. Written last, as in the pieces' order, the calls of 2,000
+    pieces of 16 KiB after 7 large ones took 34-37 ms, much of it waiting for the drained queue;
+    spread, 12-19 ms, and the save 7-15 ms less (docs/BENCHMARKS.md, "Small pieces in the gaps").
+    Readers take every chunk's place from the index and sort a tensor's chunks
     by their offsets, so the order is free; it is a function of the sizes alone (a save writes the
     same file for the same state)."""
     n = len(sizes)
