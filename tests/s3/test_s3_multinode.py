@@ -121,7 +121,9 @@ def _save_while_server_dies(rank, world, url, options, pid_file):
     import distckpt
 
     g = torch.Generator().manual_seed(rank)
-    sd = {f"r{rank}": torch.randn(6 << 20, generator=g)}  # 24 MiB per rank: several parts
+    # 64 MiB per rank: many parts, so the uploads outlast the killer's reaction by far (with 24 MiB
+    # a save on an idle loopback server could finish between two of its polls and commit).
+    sd = {f"r{rank}": torch.randn(16 << 20, generator=g)}
     if rank == 0:
         Path(pid_file + ".started").touch()
     t0 = time.monotonic()
@@ -162,7 +164,7 @@ def test_server_killed_mid_save_every_rank_typed_error(s3_private_server, tmp_pa
                     break
             except Exception:  # noqa: BLE001 - the listing itself may race
                 pass
-            time.sleep(0.05)
+            time.sleep(0.01)
         killed.append(time.monotonic())
         server.kill()
 
