@@ -174,12 +174,13 @@ class BaselineChild:
         self.p = subprocess.Popen([sys.executable, os.path.abspath(script), *argv], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.p.stdout.readline().split(maxsplit=1)
-        if not line or line[0] != "ready":
-            raise RuntimeError("the --baseline-repo child did not start")
         # A baseline that is this checkout after all would compare the code with itself.
         where = line[1].strip() if len(line) > 1 else "?"
-        if not where.startswith(repo + os.sep):
+        if not line or line[0] != "ready" or not where.startswith(repo + os.sep):
             self.p.kill()
+            self.p.wait(timeout=60)
+            if not line or line[0] != "ready":
+                raise RuntimeError("the --baseline-repo child did not start")
             raise RuntimeError(f"the --baseline-repo child imported distckpt from {where}, not from {repo}")
 
     def call(self, verb: str) -> dict:

@@ -103,9 +103,7 @@ def main(argv=None) -> int:
                                  env=dict(os.environ, **env), check=True, capture_output=True, text=True).stdout
             row = json.loads(out.strip().splitlines()[-1])
             nbytes = nbytes or row["bytes"]
-            rows[name].append(row)
-        if nbytes is not None and not rows["fio"]:
-            rows["fio"].append({"s": fio_write_seconds(directory, nbytes, "fresh")})
+            rows[name].append(row)  # round 0 starts with a save, so fio knows its byte count
     fio = statistics.median(x["s"] for x in rows["fio"])
     print(f"whole saves of {nbytes / 2**30:.2f} GiB ({args.shape}), 1 rank, {args.rounds} rounds of fresh processes "
           f"({args.saves} saves each, the first a warm-up); load average {os.getloadavg()[0]:.1f}")
