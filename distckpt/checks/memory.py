@@ -1,6 +1,7 @@
 """Memory the job needs from this node: /dev/shm (NCCL's shared-memory transport between local
-ranks, DataLoader workers) and RLIMIT_MEMLOCK (pinned staging buffers, io_uring registered buffers,
-InfiniBand registration)."""
+ranks, DataLoader workers), RLIMIT_MEMLOCK (pinned staging buffers, io_uring registered buffers,
+InfiniBand registration), and whether host memory can sit on transparent huge pages (the speed of
+O_DIRECT requests from it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .environment import env_of, int_or_none, rank_of
 from .nccl import backend_parts
 from .report import OK, WARNING, CheckResult, finish
 
-__all__ = ["nccl_shm_bytes_per_rank", "shm_check", "memlock_check"]
+__all__ = ["nccl_shm_bytes_per_rank", "shm_check", "memlock_check", "huge_pages_check"]
 
 # NCCL's shared-memory transport (used between local ranks when CUDA P2P is unavailable, as is
 # common in containers) maps one /dev/shm segment per connection and channel, holding one buffer
@@ -136,3 +137,48 @@ def memlock_check(*, pinned: bool | None = None, min_bytes: int = 64 << 20) -> C
                            "`ulimit -l unlimited` (docker --ulimit memlock=-1)", details)
     return CheckResult("memlock", OK, f"RLIMIT_MEMLOCK {fmt(soft)} (hard {fmt(hard)})", details)
 
+
+
+_THP = "/sys/kernel/mm/transparent_hugepage"
+
+
+def _bracketed(path: str) -> str | None:
+    """The selected value of a sysfs choice file (``always [madvise] never`` -> ``madvise``)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text and "]" in text else None
+
+
+def huge_pages_check(env: Mapping[str, str] | None = None, *, sysfs: str = _THP) -> CheckResult:
+    """Report whether host memory can sit on 2 MiB transparent huge pages (never fails: a speed
+    note, status ok).
+
+    An O_DIRECT request pins its buffer's pages one by one; from 4 KiB pages that costs far more
+    than from 2 MiB ones. distckpt's async staging memory asks for huge pages
+    (distckpt/staging/pool.py); a sync save writes a CPU state's large tensors from their own
+    memory, which is torch's: on huge pages only with ``THP_MEM_ALLOC_ENABLE=1`` (read by torch
+    at its first allocation) when the kernel is in ``madvise`` mode. ``details``: ``mode``
+    (always / madvise / never / None: no THP in this kernel) and ``torch_thp`` (the variable set).
+    """
+    env = env_of(env)
+    mode = _bracketed(os.path.join(sysfs, "enabled"))
+    per_size = _bracketed(os.path.join(sysfs, "hugepages-2048kB", "enabled"))
+    if mode is not None and per_size not in (None, "inherit"):
+        mode = per_size  # the 2 MiB size's own setting (kernels with per-size THP) overrides
+    torch_thp = env.get("THP_MEM_ALLOC_ENABLE", "").strip() == "1"
+    details = {"mode": mode, "torch_thp": torch_thp}
+    if mode in (None, "never"):
+        msg = (f"transparent huge pages {'not in this kernel' if mode is None else 'off (never)'}: "
+               "a CPU state's tensors and async staging memory use 4 KiB pages, and O_DIRECT requests "
+               "pin each one (saves of a CPU state ran faster from huge pages, docs/BENCHMARKS.md "
+               "\"Huge pages\"); madvise mode (echo madvise > " + sysfs + "/enabled) enables them")
+    elif mode == "always" or torch_thp:
+        msg = f"transparent huge pages ({mode}): large CPU tensors and async staging memory use 2 MiB pages"
+    else:
+        msg = ("transparent huge pages (madvise): async staging memory uses 2 MiB pages; a CPU state's "
+               "tensors use 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1 is set before the job starts "
+               "(sync saves of a CPU state ran faster with it, docs/BENCHMARKS.md \"Huge pages\")")
+    return CheckResult("huge_pages", OK, msg, details)

@@ -39,7 +39,7 @@ def preflight(
     nccl_ib_hca, nccl_vars, backend_devices, shm; then for a local path disk, tmpdir,
     deleted_open_files, writable, or for an object-store URL (``s3://bucket/prefix``)
     object_credentials, object_endpoint, object_bucket, object_writable; then fd_limit,
-    io_backend (local paths only) and memlock.
+    io_backend (local paths only), memlock and huge_pages.
 
     Args:
         path: The checkpoint directory (it need not exist yet), or an object-store URL.
@@ -93,7 +93,8 @@ def preflight(
     steps += [("fd_limit", lambda: filesystem.fd_limit_check(fds, rank=rank))]
     if not object_store:
         steps += [("io_backend", lambda: filesystem.io_backend_check(path))]
-    steps += [("memlock", lambda: memory.memlock_check())]
+    steps += [("memlock", lambda: memory.memlock_check()),
+              ("huge_pages", lambda: memory.huge_pages_check(env_map))]
     results: list[CheckResult] = []
     for name, run in steps:
         try:

@@ -567,6 +567,30 @@ def test_low_memlock_with_pinned_memory_warns():
     assert unpinned["status"] == "ok"
 
 
+def test_huge_pages_check_reads_the_kernels_mode_and_torchs_variable(tmp_path):
+    def sysfs(mode: str, per_size: str | None) -> str:
+        d = tmp_path / f"{mode}-{per_size}"
+        (d / "hugepages-2048kB").mkdir(parents=True, exist_ok=True)
+        (d / "enabled").write_text({"always": "[always] madvise never", "madvise": "always [madvise] never",
+                                    "never": "always madvise [never]"}[mode] + "\n")
+        if per_size is not None:
+            (d / "hugepages-2048kB" / "enabled").write_text(
+                " ".join(f"[{m}]" if m == per_size else m for m in ("always", "inherit", "madvise", "never")))
+        return str(d)
+
+    r = memory.huge_pages_check({}, sysfs=sysfs("madvise", "inherit"))
+    assert r.status == "ok" and r.details == {"mode": "madvise", "torch_thp": False}
+    assert "THP_MEM_ALLOC_ENABLE=1" in r.message and "4 KiB" in r.message
+    r = memory.huge_pages_check({"THP_MEM_ALLOC_ENABLE": "1"}, sysfs=sysfs("madvise", "inherit"))
+    assert r.details["torch_thp"] and "large CPU tensors and async staging memory use 2 MiB" in r.message
+    assert memory.huge_pages_check({}, sysfs=sysfs("always", None)).details["mode"] == "always"
+    # The 2 MiB size's own setting wins over the global one (kernels with per-size THP).
+    r = memory.huge_pages_check({}, sysfs=sysfs("madvise", "never"))
+    assert r.status == "ok" and r.details["mode"] == "never" and "off (never)" in r.message
+    r = memory.huge_pages_check({}, sysfs=str(tmp_path / "absent"))
+    assert r.status == "ok" and r.details["mode"] is None and "not in this kernel" in r.message
+
+
 # ------------------------------------------------------------------------------------------------
 # Report, CLI
 
@@ -580,7 +604,7 @@ def test_report_table_json_and_raise_first(tmp_path):
     assert "nccl_vars" in {c.name for c in rep.warnings}
     text = str(rep)
     names = ["torchrun_env", "socket_ifname", "nccl_ib_hca", "nccl_vars", "backend_devices", "shm",
-             "disk", "tmpdir", "deleted_open_files", "writable", "fd_limit", "io_backend", "memlock"]
+             "disk", "tmpdir", "deleted_open_files", "writable", "fd_limit", "io_backend", "memlock", "huge_pages"]
     assert [c.name for c in rep.checks] == names
     assert all(n in text for n in names) and "remedy:" in text and "MASTER_PORT=70000" in text
     data = json.loads(json.dumps(rep.to_dict(), default=str))
