@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import sys
+import time
 
 from . import __version__
 from .clijson import JSON_FORMAT  # the version every --json document carries (a leaf: preflight reads it too)
@@ -35,7 +36,6 @@ def _cmd_ls(args) -> int:
     """Print :func:`distckpt.listing.list_root` (the library builds the listing; this only formats
     it). Never writes: no directory is created, nothing is reclaimed. Imports no torch
     (distckpt.listing is torch-free), so it answers as fast as ``inspect``."""
-    import time
     from .errors import CheckpointNotFoundError
     from .listing import list_root
     from .storage import open_store
@@ -59,8 +59,6 @@ def _cmd_ls(args) -> int:
         print(json.dumps({"json_format": JSON_FORMAT, **listing.to_dict()}, indent=1, sort_keys=True))
         return 0
 
-    def when(t):
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else "-"
 
     def chain(e):  # an incremental chain's link: "full", or "delta 2 <- step_00000150"
         c = e.chain
@@ -71,7 +69,7 @@ def _cmd_ls(args) -> int:
     rows = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "CHAIN", "LATEST", "STATUS")]
     for e in listing.entries:
         rows.append((str(e.step) if e.step is not None else e.name,
-                     format_bytes(e.size_bytes) if e.size_bytes is not None else "-", when(e.created_unix),
+                     format_bytes(e.size_bytes) if e.size_bytes is not None else "-", _when(e.created_unix),
                      str(e.ranks) if e.ranks is not None else "-", chain(e), "latest" if e.is_latest else "",
                      e.status if e.problem is None else f"{e.status}: {e.problem}"))
     print(f"{listing.path} ({'checkpoint' if listing.kind == 'checkpoint' else 'checkpoint root'})")
@@ -89,7 +87,7 @@ def _cmd_ls(args) -> int:
         print("saves in flight, and what interrupted saves left:")
         for lo in saves:
             o = lo.owner or {}
-            who = (f"host {o.get('host', '?')} pid {o.get('pid', '?')}, started {when(o.get('started_unix'))}"
+            who = (f"host {o.get('host', '?')} pid {o.get('pid', '?')}, started {_when(o.get('started_unix'))}"
                    if o else "owner unknown")
             alive = lo.state == "alive"
             what = {"tmp": "save in progress" if alive else "interrupted save", "del": "deletion",
@@ -108,7 +106,6 @@ def _cmd_ls(args) -> int:
 def _ls_tiers(args) -> int:
     """``distckpt ls LOCAL --remote URL``: :func:`distckpt.tiers.listing.list_tiers`, one row per
     step, a column per tier. Never writes; imports no torch."""
-    import time
     from .tiers.listing import list_tiers
     rows, loc, rem = list_tiers(args.root, args.remote)
     if loc is None and rem is None:
@@ -120,8 +117,6 @@ def _ls_tiers(args) -> int:
                           "steps": [dataclasses.asdict(r) for r in rows]}, indent=1, sort_keys=True))
         return 0
 
-    def when(t):
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else "-"
 
     def local(r):
         if r.local is None:
@@ -131,7 +126,7 @@ def _ls_tiers(args) -> int:
     table = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "LOCAL (this node)", "REMOTE", "LATEST", "NOTE")]
     for r in rows:
         table.append((str(r.step), format_bytes(r.size_bytes) if r.size_bytes is not None else "-",
-                      when(r.created_unix), str(r.ranks) if r.ranks is not None else "-", local(r),
+                      _when(r.created_unix), str(r.ranks) if r.ranks is not None else "-", local(r),
                       r.remote or "-", "latest" if r.latest else "", r.problem or ""))
     print(f"{args.root} (local tier) -> {args.remote} (remote tier)")
     if len(table) == 1:
@@ -156,6 +151,15 @@ def _plain_json(value):
     if isinstance(value, (list, tuple)):
         return [_plain_json(v) for v in value]
     return value
+
+
+def _when(t: float | None) -> str:
+    """A commit time as "YYYY-MM-DD HH:MM:SS" (UTC); "-" when there is none or it is no date (a
+    value no MANIFEST that decodes holds, from a header read without validation)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else "-"
+    except (OverflowError, OSError, ValueError):
+        return "-"
 
 
 def _created(unix: float) -> str:

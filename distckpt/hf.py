@@ -173,6 +173,9 @@ def read_header(fd: int, fpath: str, size: int) -> tuple[dict[str, tuple[str, tu
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise CheckpointCorruptError(f"{where}: expected exactly dtype, shape and data_offsets", path=fpath, key=key)
         st_dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if not isinstance(st_dtype, str):  # a list or object is unhashable: checked before the lookups
+            raise CheckpointCorruptError(f"{where}: dtype {st_dtype!r} is not a safetensors dtype (a string)",
+                                         path=fpath, key=key)
         if st_dtype in _ST_SUBBYTE:
             raise UnsupportedValueError(f"{where} has the sub-byte dtype {st_dtype}, which distckpt does not read",
                                         path=fpath, key=key, remedy="Load it with the safetensors library.")
@@ -187,6 +190,15 @@ def read_header(fd: int, fpath: str, size: int) -> tuple[dict[str, tuple[str, tu
             raise CheckpointCorruptError(f"{where}: data_offsets {offs!r} is not [begin, end] with begin <= end",
                                          path=fpath, key=key)
         dtype = ST_DTYPES[st_dtype]
+        # As the MANIFEST's rule (docs/FORMAT.md): torch sizes a tensor's strides and storage from
+        # the product of its non-zero dimensions, so [0, 2**62, 2**62] holds no byte and still
+        # cannot be made; refused here, not as torch's RuntimeError (or a converted file that
+        # torch.load cannot open).
+        extent = math.prod(max(x, 1) for x in shape) * mf.DTYPE_ITEMSIZE[dtype]
+        if extent >= 1 << 63:
+            raise CheckpointCorruptError(f"{where}: shape {shape} of {st_dtype} is too large: the product of its "
+                                         f"non-zero dimensions is {extent} bytes, more than a tensor can address "
+                                         f"(2**63 - 1)", path=fpath, key=key)
         nbytes = math.prod(shape) * mf.DTYPE_ITEMSIZE[dtype]
         if offs[1] - offs[0] != nbytes:
             raise CheckpointCorruptError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, its shape "

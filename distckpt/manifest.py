@@ -82,6 +82,7 @@ __all__ = [
     "decode",
     "decode_header",
     "parse_index",
+    "check_index_bytes",
     "with_chunks",
     "files_for",
     "validate",
@@ -117,6 +118,15 @@ MAX_DEPTH = 100
 
 _FILE_NAME_RE = re.compile(r"rank[0-9]{5}\.bin")  # ASCII digits only (\d would accept any Unicode digit)
 _U64 = 1 << 64
+# created_unix: a commit time, 1970-01-01 to 9999-12-31 UTC (what a date can be printed as; a
+# forged 1e300 would otherwise pass as the newest checkpoint and break every listing's date).
+MAX_CREATED_UNIX = 253402300800
+
+
+def _is_commit_time(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and 0 <= v < MAX_CREATED_UNIX
+
+
 _I64_MIN = -(1 << 63)
 #: Sizes, offsets and byte counts a reader hands to torch and to the kernel are int64 / off_t:
 #: every one must fit, or torch raises untyped errors (or tries to allocate absurd sizes).
@@ -640,8 +650,9 @@ def _validate_files(m: Manifest, path: Any) -> None:
     if not isinstance(m.save_id, str):
         raise _corrupt(f"save_id: expected a str, found {type(m.save_id).__name__}", path)
     _check_uint(m.world_size, "world_size", path, lo=1)
-    if type(m.created_unix) not in (int, float) or not math.isfinite(m.created_unix):
-        raise _corrupt(f"created_unix: expected a finite number, found {m.created_unix!r}", path)
+    if not _is_commit_time(m.created_unix):
+        raise _corrupt(f"created_unix: expected seconds since 1970 before the year 10000 (0 <= t < "
+                       f"{MAX_CREATED_UNIX}), found {m.created_unix!r}", path)
     if m.checksum_algo != "crc32c":
         raise _corrupt(f"checksum_algo: expected 'crc32c', found {m.checksum_algo!r}", path)
     if not _is_int(m.checksum_block) or not 1 <= m.checksum_block <= MAX_CHECKSUM_BLOCK:
@@ -1226,19 +1237,31 @@ def parse_index(header: Manifest, i: int, data: bytes | bytearray | memoryview, 
         ChecksumMismatchError: its crc32c differs from the MANIFEST's.
         ManifestCorruptError: it is not an index (magic, msgpack, entry shape).
     """
+    data = bytes(data)
+    check_index_bytes(header, i, data, _sibling(path, header.files[i].name))
+    return _decode_index(data, i, header.files[i].name, path)
+
+
+def check_index_bytes(header: Manifest, i: int, data: bytes | bytearray | memoryview, location: Any) -> None:
+    """Check data file ``i``'s index bytes ``data`` against the length and crc32c ``header``
+    gives; ``location`` is where the data file is (its path or URL), named by the errors. A store
+    calls it where it reads an index, so an error names the copy that was read (a tiered load
+    reads each index from one of two tiers); :func:`parse_index` calls it again.
+
+    Raises:
+        DataFileTruncatedError: ``data`` is not the index's length.
+        ChecksumMismatchError: its crc32c differs from the MANIFEST's."""
     f = header.files[i]
     off, length, crc = f.index
-    data = bytes(data)
     if len(data) != length:  # a reader's contract; a short read is a truncated file
         raise DataFileTruncatedError(f"index of {f.name}: read {len(data)} bytes, expected {length}",
-                                     path=_sibling(path, f.name), expected=length, found=len(data))
+                                     path=location, expected=length, found=len(data))
     found = crc32c(data)
     if found != crc:
         raise ChecksumMismatchError(
             f"index of {f.name} (bytes [{off}, {off + length})): crc32c 0x{found:08x}, the MANIFEST says "
-            f"0x{crc:08x}", path=_sibling(path, f.name), file=f.name, key=None, offset=off,
+            f"0x{crc:08x}", path=location, file=f.name, key=None, offset=off,
             expected=crc, found=found)
-    return _decode_index(data, i, f.name, path)
 
 
 def with_chunks(header: Manifest, records: Mapping[int, list], path: Any = None, *, check: bool = True,
@@ -1336,9 +1359,7 @@ def commit_time_of_prefix(data: bytes | bytearray | memoryview) -> float | None:
             key = unpacker.unpack()
             if key == "created_unix":
                 value = unpacker.unpack()
-                if type(value) in (int, float) and math.isfinite(value):
-                    return float(value)
-                return None
+                return float(value) if _is_commit_time(value) else None
             unpacker.skip()
     except Exception:  # noqa: BLE001 - out of data or garbage: the prefix does not tell
         return None

@@ -177,10 +177,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def read_index(self, path: str, header: Any, i: int) -> bytes:
         """The index bytes of data file ``i`` of the checkpoint at ``path`` (format version 3),
-        after checking the file's size against ``header`` (a decoded MANIFEST).
+        after checking the file's size against ``header`` (a decoded MANIFEST) and the bytes
+        against the index's length and crc32c there (:func:`distckpt.manifest.check_index_bytes`,
+        so the error names this store's copy of the file).
 
         Raises DataFileMissingError, DataFileTruncatedError, CheckpointCorruptError (longer than
-        the MANIFEST says, or not a regular file), StorageError subclasses / request errors."""
+        the MANIFEST says, or not a regular file), ChecksumMismatchError (the index's bytes),
+        StorageError subclasses / request errors."""
 
     def load_manifest(self, path: str) -> Any:
         """The decoded, validated Manifest of the committed checkpoint at ``path``, chunks included

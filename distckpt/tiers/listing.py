@@ -84,7 +84,12 @@ def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *,
         if lo is not None and lo.status == "committed":
             here, named = _files_here(lo)
             if here < named:
-                problem = f"this node holds {here} of the {named} data files (the others' nodes hold theirs)"
+                # One node's view: in a job of several nodes each holds its own ranks' files, so
+                # fewer here is normal; whether the others hold the rest only a load can tell.
+                problem = (f"this node holds {here} of the {named} data files" +
+                           (" (the remote tier holds them all)" if re_ is not None and re_.status == "committed"
+                            else "; the remote tier does not hold the step, so it is complete only if other "
+                                 "nodes' local directories hold the rest"))
         same = None
         if lo is not None and re_ is not None and lo.save_id and re_.save_id:
             same = lo.save_id == re_.save_id

@@ -128,6 +128,25 @@ class StepTiers:
         sid = self.local_save_id
         return next((c.created_unix for c in self.local if c is not None and c.save_id == sid), None)
 
+    def why_incomplete(self) -> str | None:
+        """None when a tier holds a complete copy of the step (the remote tier committed it, or
+        the nodes' copies of one save hold every data file between them); else one line saying
+        what is missing, by name, for a warning."""
+        if self.remote_save_id is not None or self.local_complete:
+            return None
+        copies = [c for c in self.local if c is not None]
+        if not copies:
+            why = "no tier holds a MANIFEST of it that decodes"
+        elif self.local_save_id is None:
+            why = f"the nodes hold different saves of it ({sorted({c.save_id for c in copies})})"
+        else:
+            held = frozenset().union(*(c.files for c in copies))
+            names = [mf.data_file_name(i) for i in range(copies[0].nfiles) if i not in held]
+            why = (f"data file(s) {names[:20]}{' ...' if len(names) > 20 else ''} are in no node's local "
+                   f"directory (absent, or not the size the MANIFEST gives)")
+        problems = f"; {'; '.join(self.problems)}" if self.problems else ""
+        return f"{why}, and the remote tier has not committed it{problems}"
+
     def missing(self, rank: int, files: Iterable[int]) -> list[int]:
         """The data files among ``files`` that ``rank`` cannot read from any tier: not in its
         node's copy of the reference save and not committed remotely (all of them when there is no

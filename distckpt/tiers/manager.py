@@ -445,6 +445,10 @@ class TieredCheckpointManager:
         out = []
         for step in sorted(avail):
             t = avail[step]
+            if t.remote_save_id is None and any(c is not None for c in t.local) and not t.local_complete:
+                log.warning("distckpt: step %d is committed on the local tier but cannot be drained to %s or "
+                            "loaded: %s", step, self.remote_root, t.why_incomplete())
+                continue
             if t.local_complete and t.remote_save_id != t.local_save_id:
                 if t.remote_save_id is not None:
                     log.warning("distckpt: not draining step %d: the remote tier holds another save of it (%s; "
@@ -588,10 +592,23 @@ class TieredCheckpointManager:
                                  layout=self._layout), False
 
     def _candidates(self) -> tuple[list[int], bool]:
+        """(the steps with a complete copy on a tier, newest first; whether the remote tier
+        answered). Every step with a higher number than the newest of them that is not complete
+        (a lost local data file of a step never drained, copies of different saves) is named in a
+        warning with what it lacks: a load that goes back to an older step must say which newer
+        one it passed over and why, never return older state silently."""
         avail, remote_up = self._availability()
         good = [(t.created_unix or 0.0, s) for s, t in avail.items()
                 if t.remote_save_id is not None or t.local_complete]
-        return [s for _, s in sorted(good, reverse=True)], remote_up
+        steps = [s for _, s in sorted(good, reverse=True)]
+        newest = max(steps, default=-1)
+        for s in sorted((s for s in avail if s > newest), reverse=True):
+            why = avail[s].why_incomplete()
+            if why is not None:
+                log.warning("distckpt: step %d on %s / %s has no complete copy, passed over%s: %s", s,
+                            self.local_root, self.remote_root,
+                            f" for step {steps[0]}" if steps else "", why)
+        return steps, remote_up
 
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
         """Load ``step`` (default: the newest step with a complete copy) into ``state_dict``

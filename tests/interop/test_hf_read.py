@@ -210,6 +210,9 @@ def _entry(dtype="F32", shape=(2, 2), offs=(0, 16)):
     ("gap", CheckpointCorruptError, "gap"),
     ("trailing bytes", CheckpointCorruptError, "belong to no tensor"),
     ("bad dtype", CheckpointCorruptError, "not a safetensors dtype"),
+    ("list dtype", CheckpointCorruptError, "not a safetensors dtype"),
+    ("object dtype", CheckpointCorruptError, "not a safetensors dtype"),
+    ("empty but unaddressable", CheckpointCorruptError, "more than a tensor can address"),
     ("sub-byte dtype", UnsupportedValueError, "sub-byte"),
     ("size mismatch", CheckpointCorruptError, "needs 16"),
     ("negative shape", CheckpointCorruptError, "non-negative"),
@@ -240,6 +243,12 @@ def test_hostile_header_is_a_typed_error(tmp_path, case, error, match):
         _write(p, {"a": _entry(shape=(2,), offs=(0, 8))}, data)
     elif case == "bad dtype":
         _write(p, {"a": _entry(dtype="F99")}, data)
+    elif case == "list dtype":
+        _write(p, {"a": _entry(dtype=["F32"])}, data)
+    elif case == "object dtype":
+        _write(p, {"a": _entry(dtype={"F32": 1})}, data)
+    elif case == "empty but unaddressable":  # no byte, yet torch cannot make it (docs/FORMAT.md rule)
+        _write(p, {"z": _entry(shape=(0, 1 << 62, 1 << 62), offs=(0, 0)), "a": _entry(offs=(0, 16))}, data)
     elif case == "sub-byte dtype":
         _write(p, {"a": _entry(dtype="F4", shape=(32,))}, data)
     elif case == "size mismatch":

@@ -73,6 +73,57 @@ def test_an_undrained_local_step_is_drained_by_the_next_manager(tmp_path):
     assert tm.TierStatus  # the public status type
 
 
+def test_a_newer_step_with_no_complete_copy_is_named_when_the_load_goes_back(tmp_path, caplog):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s))
+        mgr.wait_durable(3, timeout=120)
+    # Step 3 never reached the remote tier (its drain lost), and its local data file is gone.
+    import shutil
+    shutil.rmtree(remote / "step_00000003")
+    os.unlink(local / "step_00000003" / "rank00000.bin")
+    caplog.set_level("WARNING", logger="distckpt")
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        # At start: it cannot be drained, and the warning says what it lacks.
+        start = [r.getMessage() for r in caplog.records]
+        assert any("step 3 is committed on the local tier but cannot be drained" in m and "rank00000.bin" in m
+                   for m in start), start
+        caplog.clear()
+        assert mgr.latest_step() == 2
+        mgr.load(out)
+    assert out["step"] == 2 and torch.equal(out["w"], _state(2)["w"])
+    # The load went back a step: it names the step it passed over and the file it lacks.
+    said = [r.getMessage() for r in caplog.records]
+    assert any("step 3" in m and "passed over for step 2" in m and "rank00000.bin" in m for m in said), said
+    with pytest.raises(errors.TierIncompleteError, match="rank00000.bin"):
+        with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+            mgr.load(out, step=3)
+
+
+def test_a_damaged_local_index_is_named_by_its_local_path(tmp_path):
+    from distckpt import manifest as mf
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_durable(1, timeout=120)
+    step = local / "step_00000001"
+    header = mf.decode_header((step / "MANIFEST").read_bytes())
+    off = header.files[0].index[0]
+    with open(step / "rank00000.bin", "r+b") as f:  # one bit of the local copy's index
+        f.seek(off + 5)
+        b = f.read(1)
+        f.seek(off + 5)
+        f.write(bytes([b[0] ^ 1]))
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        with pytest.raises(errors.ChecksumMismatchError) as info:
+            mgr.load(out, step=1)
+    # The copy that was read is the damaged one, not the remote tier's intact file.
+    assert info.value.path == str(step / "rank00000.bin"), info.value.path
+
+
 def test_first_save_checks_room_for_keep_last_local_steps(tmp_path, mounts):
     small = mounts.tmpfs(tmp_path / "nvme", size="6m")
     remote = tmp_path / "remote"

@@ -208,6 +208,7 @@ class ObjectStore(Store):
         off, length, _ = header.files[i].index
         buf = bytearray(length)
         open_reader(urls[i]).read_into([(off, length, memoryview(buf))])
+        mf.check_index_bytes(header, i, buf, urls[i])
         return bytes(buf)
 
     @contextlib.contextmanager

@@ -83,7 +83,9 @@ class PosixStore(Store):
         return loading.manifest_bytes(path)
 
     def read_index(self, path: str, header: "mf.Manifest", i: int) -> bytes:
-        return manifests.read_local_index(path, header.files[i])
+        data = manifests.read_local_index(path, header.files[i])
+        mf.check_index_bytes(header, i, data, os.path.join(path, header.files[i].name))
+        return data
 
     def peek_commit_time(self, path: str) -> float | None:
         return manifests.peek_commit_time(path)
