@@ -51,7 +51,47 @@ from .errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedVa
 from .plan import Box, find_tiling_defect
 
 __all__ = ["METADATA_NAME", "is_dcp_checkpoint", "read_metadata", "load_manifest", "DcpMetadata",
-           "DcpTensor", "DcpValue"]
+           "DcpTensor", "DcpValue", "WRITER_META_KEY", "writer_meta", "decode_writer_value"]
+
+#: Key under the MANIFEST's user metadata where distckpt's DCP StorageWriter
+#: (distckpt.integrations.dcp) keeps DCP's own metadata; its presence also says that every
+#: non-tensor value of the checkpoint is DCP's ``torch.save`` bytes (:func:`decode_writer_value`).
+WRITER_META_KEY = "distckpt.dcp"
+
+
+def writer_meta(manifest: "mf.Manifest") -> Any:
+    """DCP's metadata that distckpt's DCP StorageWriter stored in ``manifest`` (None for a
+    checkpoint it did not write)."""
+    user = (manifest.meta or {}).get("user")
+    return user.get(WRITER_META_KEY) if isinstance(user, dict) else None
+
+
+def decode_writer_value(data: Any, *, fqn: str, path: str | None, allow_pickle: bool = False) -> Any:
+    """A non-tensor value of a checkpoint written through distckpt's DCP StorageWriter: DCP hands
+    the writer every value as ``torch.save`` bytes, which the writer stores as they are. Decoded
+    as DCP's own load decodes them, with ``torch.load(weights_only=True)`` (torch's restricted
+    unpickler; ``allow_pickle=True``: ``weights_only=False``, for a checkpoint the caller trusts).
+
+    Raises:
+        PickleNotAllowedError: the value needs more than the restricted unpickler allows.
+        CheckpointCorruptError: the bytes are not a ``torch.save`` archive.
+    """
+    import torch
+
+    if not isinstance(data, (bytes, bytearray)):
+        raise CheckpointCorruptError(f"value {fqn!r} of a checkpoint written through DCP is a "
+                                     f"{type(data).__name__}, not DCP's torch.save bytes", path=path, key=fqn)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        raise PickleNotAllowedError(
+            f"DCP value {fqn!r} needs more than torch.load(weights_only=True) allows: {exc}".split("\n")[0],
+            path=path, keys=[fqn],
+            remedy="If you trust this checkpoint, pass allow_pickle=True, or allow the type with "
+                   "torch.serialization.add_safe_globals.") from None
+    except Exception as exc:
+        raise CheckpointCorruptError(f"DCP value {fqn!r} is not a readable torch.save archive: "
+                                     f"{type(exc).__name__}: {exc}", path=path, key=fqn) from None
 
 METADATA_NAME = ".metadata"
 #: Upper bound on .metadata and on a data.pkl inside a chunk archive, checked before reading.

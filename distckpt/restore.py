@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import manifest as mf
-from . import readonce
+from . import dcp, readonce
 from ._dist import ControlGroup, control_group, is_distributed
 from .chain import ChainLink
 from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
@@ -370,15 +370,21 @@ def _keying_text(keyed: list[tuple[str, str, str]]) -> str:
         f" keys it), so none of its per-parameter state can match" for key, saved, wanted in keyed)
 
 
-def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None) -> Any:
+def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None, allow_pickle: bool = False) -> Any:
+    """The value an object entry of ``manifest`` holds, decoded. A checkpoint written through
+    distckpt's DCP StorageWriter holds DCP's torch.save bytes for every value: they are decoded as
+    DCP decodes them (:func:`distckpt.dcp.decode_writer_value`), never handed back as bytes."""
     if isinstance(entry, tuple) and entry[0] == "container":  # see _container_entry
-        values = {r: _object_value(manifest.objects[r], manifest, r, path) for r in _refs(entry[1])}
+        values = {r: _object_value(manifest.objects[r], manifest, r, path, allow_pickle) for r in _refs(entry[1])}
         return _rebuild(entry[1], values, lambda f: True)
     if entry.kind == "pickle":
         return pickle.loads(entry.value)  # only reached with allow_pickle=True
     if entry.kind == "dcp":  # a DCP value: torch.load(weights_only=True) or PickleNotAllowedError
         return entry.value.load()
-    return decode_value(entry.kind, entry.value, fqn=fqn, path=path)
+    value = decode_value(entry.kind, entry.value, fqn=fqn, path=path)
+    if manifest is not None and dcp.writer_meta(manifest) is not None:
+        return dcp.decode_writer_value(value, fqn=fqn, path=path, allow_pickle=allow_pickle)
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -429,7 +435,7 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
         tasks, objects, missing, unexpected, mismatched, casts, cast_names, uninitialized = _plan_tasks(
             manifest, own, strict, allow_pickle, source.path, cast, _optimizer_paths(state_dict))
         # Decoded before any byte is read: a class that cannot be rebuilt fails the load early.
-        values = [(item, _object_value(entry, manifest, item.fqn, source.path)) for item, entry in objects]
+        values = [(item, _object_value(entry, manifest, item.fqn, source.path, allow_pickle)) for item, entry in objects]
         parts = parts_for(tasks) if parts_for is not None else [Part(source.store, source.path, manifest, tasks)]
         if tracked:
             nbytes, backend = _fill_chain(source, links, parts, {f: items[f] for f in tracked}, strict,
@@ -724,7 +730,8 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
         _fill_read_chain(source, links, parts, values[1], verify)
     trees = []
     for (path, m, keep), vals in zip(plans, values):
-        vals.update({fqn: _object_value(entry, m, fqn, path) for fqn, entry in m.objects.items() if fqn in keep})
+        vals.update({fqn: _object_value(entry, m, fqn, path, allow_pickle) for fqn, entry in m.objects.items()
+                     if fqn in keep})
         tree = _rebuild(m.tree, vals, keep.__contains__)
         trees.append({} if tree is _SKIP else tree)
     for tree in trees[1:]:   # a chain's base tensors into its newest link's state (a dict: a saver's rule)

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .. import dcp as dcp_format
 from .. import manifest as mf
 from .._dist import ControlGroup, control_group
 from ..commit import WrittenSave, write_uncommitted
@@ -67,13 +68,10 @@ from ..values import decode_value, encode_value
 __all__ = ["DistCkptStorageWriter", "DistCkptStorageReader"]
 
 # The key of the MANIFEST's user metadata (``meta["user"]``) holding what DCP's Metadata has
-# beyond the tensors' layout; its presence also marks values as DCP's serialized bytes.
-_META_KEY = "distckpt.dcp"
-
-
-def _dcp_meta(manifest: "mf.Manifest") -> Any:
-    user = (manifest.meta or {}).get("user")
-    return user.get(_META_KEY) if isinstance(user, dict) else None
+# beyond the tensors' layout; its presence also marks values as DCP's serialized bytes, which
+# every load decodes (distckpt.dcp.decode_writer_value).
+_META_KEY = dcp_format.WRITER_META_KEY
+_dcp_meta = dcp_format.writer_meta
 
 
 def _checkpoint_path(checkpoint_id: str | os.PathLike | None, current: str | None) -> str:
@@ -116,6 +114,14 @@ def _pieces(plan, planner) -> tuple[dict[str, Any], list[WriteResult]]:
     return state, results
 
 
+def _group_size(process_group: Any) -> int:
+    """Ranks of ``process_group`` (the default group for None); 1 without torch.distributed."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
 class DistCkptStorageWriter(StorageWriter):
     """A DCP StorageWriter that saves through distckpt (module docstring).
 
@@ -143,6 +149,7 @@ class DistCkptStorageWriter(StorageWriter):
         self.save_id: str | None = None
         self._use_collectives = True
         self._is_coordinator = False
+        self._alone = False  # dcp.save(no_dist=True) in a job of several ranks (prepare_global_plan)
         self._written: WrittenSave | None = None
 
     # A writer travels to DCP's background process in its "process" async mode: only the
@@ -162,6 +169,7 @@ class DistCkptStorageWriter(StorageWriter):
         """Start a new save (DCP calls it first). A save left written but not committed by an
         earlier, failed ``dcp.save`` is removed and its lock released."""
         self._abandon()
+        self._alone = False
         self.path = _checkpoint_path(checkpoint_id, self.path)
         self.save_id = uuid.uuid4().hex
 
@@ -177,10 +185,17 @@ class DistCkptStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans):
+        # DCP calls this on its coordinator with every rank's plan. One plan while the process
+        # group has several ranks is dcp.save(no_dist=True): DCP then makes every calling process
+        # a coordinator of rank 0 and passes use_collectives=True all the same, so this is the one
+        # place the writer can tell. It must then save alone: a collective over the group would
+        # wait for ranks that are not saving until DISTCKPT_TIMEOUT_S (or, on a rank other than
+        # 0, refuse it as a misplaced coordinator).
+        self._alone = len(plans) == 1 and _group_size(self.process_group) > 1
         return plans
 
     def _group(self) -> ControlGroup:
-        if not self._use_collectives:
+        if not self._use_collectives or self._alone:
             return ControlGroup(None, 0, 1)
         group = control_group(self.process_group, channel="dcp", operation="dcp.save()")
         if (group.rank == 0) != self._is_coordinator:
@@ -330,23 +345,15 @@ class DistCkptStorageReader(StorageReader):
         return plans
 
     def _object_bytes(self, manifest: "mf.Manifest", fqn: str) -> io.BytesIO:
-        """The bytes DCP's planner will ``torch.load``: a value this writer stored (DCP's own bytes)
-        is decoded by torch's restricted unpickler and re-serialized; a value of another
-        checkpoint (distckpt.save's typed values, a DCP directory's) is decoded by distckpt."""
+        """The bytes DCP's planner will ``torch.load``: the value decoded by distckpt (a value this
+        writer stored, DCP's own bytes, by torch's restricted unpickler: distckpt.dcp's
+        decode_writer_value) and re-serialized."""
         entry = manifest.objects[fqn]
         if entry.kind == "pickle" and not self.allow_pickle:
             raise PickleNotAllowedError(f"{fqn} was saved as a pickle; loading it would run code from the checkpoint",
                                         path=self.path, keys=[fqn],
                                         remedy="Pass allow_pickle=True to DistCkptStorageReader for a checkpoint you trust.")
-        value = _object_value(entry, manifest, fqn, self.path)
-        if _dcp_meta(manifest) is not None and isinstance(value, bytes):
-            try:
-                value = torch.load(io.BytesIO(value), weights_only=not self.allow_pickle)
-            except Exception as exc:
-                raise PickleNotAllowedError(
-                    f"{fqn}: torch's restricted unpickler refused this value ({type(exc).__name__}: {exc}); loading "
-                    f"it would run code from the checkpoint", path=self.path, keys=[fqn],
-                    remedy="Pass allow_pickle=True to DistCkptStorageReader for a checkpoint you trust.") from exc
+        value = _object_value(entry, manifest, fqn, self.path, self.allow_pickle)
         out = io.BytesIO()
         torch.save(value, out)
         out.seek(0)

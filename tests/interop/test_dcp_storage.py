@@ -115,11 +115,43 @@ def test_dcp_save_writes_a_distckpt_checkpoint_that_dcp_loads_at_other_world_siz
     assert out.returncode == 0, out.stdout + out.stderr
     flat = distckpt.read(root / "ck")
     assert torch.equal(flat["w"], saved_state["w"]) and torch.equal(flat["shared"], saved_state["shared"])
-    assert isinstance(flat["meta.step"], bytes)  # DCP's own serialized value, stored as bytes
+    # Values are stored as DCP's torch.save bytes and read back decoded, as dcp.load decodes them.
+    assert flat["meta.step"] == 5 and flat["meta.betas"] == (0.9, 0.95)
     for world in (1, 3):
         for per_rank in run_ranks(_load_body, world, str(root), timeout=240):
             for loaded in per_rank:
                 _same(loaded, saved_state)
+
+
+def _no_dist_body(rank, world, root):
+    import torch.distributed as dist
+    os.environ["DISTCKPT_TIMEOUT_S"] = "20"  # a wrong collective would fail at 20 s, not pass
+    from distckpt.config import get_config
+    get_config.cache_clear()
+    t0 = time.monotonic()
+    if rank == 0:  # one process of the job saves alone (DCP's no_dist), the other is elsewhere
+        dcp.save({"x": torch.arange(4.0), "step": 3}, storage_writer=DistCkptStorageWriter(f"{root}/alone"),
+                 no_dist=True)
+    dist.barrier()
+    # Every rank saves its own checkpoint alone.
+    dcp.save({"x": torch.full((3,), float(rank)), "rank": rank},
+             storage_writer=DistCkptStorageWriter(f"{root}/own{rank}"), no_dist=True)
+    took = time.monotonic() - t0
+    dist.barrier()
+    loaded = {"x": torch.zeros(3), "rank": -1}
+    distckpt.load(loaded, f"{root}/own{1 - rank}", no_dist=True)
+    return took, loaded["rank"], loaded["x"].tolist()
+
+
+def test_dcp_save_with_no_dist_in_a_running_job_saves_alone(tmp_path):
+    """dcp.save(no_dist=True) inside a job of two ranks: DCP makes each caller a coordinator of
+    rank 0 with use_collectives=True; the writer must save alone, not wait for the other rank."""
+    results = run_ranks(_no_dist_body, 2, str(tmp_path), timeout=120)
+    for rank, (took, other, x) in enumerate(results):
+        assert took < 15 and other == 1 - rank and x == [float(1 - rank)] * 3, (rank, took)
+    out = {"x": torch.zeros(4), "step": 0}
+    distckpt.load(out, tmp_path / "alone", no_dist=True)
+    assert out["step"] == 3 and out["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_dcp_async_save_in_process_and_thread_modes(tmp_path):
@@ -150,6 +182,26 @@ def test_dcp_load_through_the_reader_reads_native_and_filesystemwriter_checkpoin
         dcp.load(dst, storage_reader=DistCkptStorageReader(tmp_path / name))
         assert torch.equal(dst["a"], src["a"]) and torch.equal(dst["b"], src["b"]), name
         assert (dst["n"], dst["s"]) == (3, "x"), name
+
+
+def test_distckpt_load_and_read_decode_the_values_the_writer_stored_as_dcp_does(tmp_path):
+    """The writer stores DCP's torch.save bytes for each value; distckpt.load and read hand back
+    the values (as dcp.load does), never the archive's bytes."""
+    src = {"w": torch.arange(4.0), "step": 7, "lst": [1, "two"], "nested": {"a": [1, 2], "b": b"raw"},
+           "cfg": {"lr": 0.5, "betas": (0.9, 0.99)}}
+    dcp.save(src, storage_writer=DistCkptStorageWriter(tmp_path / "ck"))
+    dst = {"w": torch.zeros(4), "step": 0, "lst": [], "nested": {"a": [], "b": b""}, "cfg": {"lr": 0.0, "betas": ()}}
+    distckpt.load(dst, tmp_path / "ck", no_dist=True)
+    assert torch.equal(dst["w"], src["w"])
+    assert (dst["step"], dst["lst"], dst["nested"], dst["cfg"]) == (7, [1, "two"], {"a": [1, 2], "b": b"raw"},
+                                                                    {"lr": 0.5, "betas": (0.9, 0.99)})
+    flat = distckpt.read(tmp_path / "ck")
+    assert flat["step"] == 7 and flat["nested.b"] == b"raw" and flat["cfg.betas"] == (0.9, 0.99)
+    # A value the restricted unpickler refuses is refused by name, not returned as bytes.
+    dcp.save({"t": torch.ones(2), "evil": _Evil()}, storage_writer=DistCkptStorageWriter(tmp_path / "bad"))
+    with pytest.raises(PickleNotAllowedError) as info:
+        distckpt.load({"t": torch.zeros(2), "evil": None}, tmp_path / "bad", no_dist=True)
+    assert info.value.keys == ["evil"]
 
 
 class _Evil:
