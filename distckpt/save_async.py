@@ -258,7 +258,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                        process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
                        metadata: dict | None = None, replicated: Any = "check", no_dist: bool = False,
                        storage_options: dict | None = None,
-                       finish: Callable[..., SaveResult] = finish_save) -> AsyncSaveHandle:
+                       finish: Callable[..., SaveResult] = finish_save, shared_path: bool = True) -> AsyncSaveHandle:
     """:func:`async_save` for a caller that owns the checkpoint's root (CheckpointManager, an
     IncrementalSaver): the other arguments are :func:`async_save`'s.
 
@@ -274,6 +274,8 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             protocol binds its extra arguments itself (the tiered save passes
             ``functools.partial(distckpt.tiers.localcommit.finish_node_save, layout=...)``), so the
             staging and the thread are not duplicated.
+        shared_path: as :func:`distckpt.saveplan.plan_save` (False for a tiered save's node-local
+            directories).
 
     Returns and raises what :func:`async_save` does.
     """
@@ -293,7 +295,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
             ensure_sigxfsz_ignored()
             planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
-                                path=final_dir, replicated=replicated)
+                                path=final_dir, replicated=replicated, shared_path=shared_path)
         except Exception as exc:
             handle._finish(None, exc)
             handle.blocked_seconds = time.perf_counter() - t_call

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import pickle
 import time
 import uuid
@@ -249,6 +250,7 @@ class LayoutMessage:
     layout: RankLayout | None
     key: bytes | None
     error: BaseException | None = None
+    path: str | None = None   # where this rank saves (compared by rank 0: one checkpoint, one path)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -260,6 +262,7 @@ class SameLayoutMessage:
     plan_id: str
     objects: dict
     digests: dict
+    path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -661,6 +664,17 @@ def _coordinate_plan(group: ControlGroup, gathered: list[LayoutMessage | SameLay
     errors = [m.error if isinstance(m, LayoutMessage) else None for m in gathered]
     if any(e is not None for e in errors):
         return [RanksFailed(errors)] * world, None
+    paths = [m.path for m in gathered]
+    if len(set(paths)) > 1:
+        # Rank 0's path decides where every rank's data goes: a rank that named another one would
+        # be told its save succeeded at a path that holds nothing.
+        by_path: dict = {}
+        for r, p in enumerate(paths):
+            by_path.setdefault(p, []).append(r)
+        said = "; ".join(f"ranks {rs[:8]}{' ...' if len(rs) > 8 else ''}: {p!r}" for p, rs in by_path.items())
+        return [PlanRejected(ConfigError(f"the ranks of one save passed different paths ({said})",
+                                         remedy="Pass every rank the same checkpoint path (one checkpoint is one "
+                                                "directory or URL; each rank writes its own file in it)."))] * world, None
     cache = _PLAN_CACHE.get(group.pg)
     full = [isinstance(m, LayoutMessage) for m in gathered]
     keys = [m.key for m in gathered]
@@ -711,7 +725,7 @@ def _coordinate_plan(group: ControlGroup, gathered: list[LayoutMessage | SameLay
 
 
 def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metadata: dict | None,
-              path: str | None = None, replicated: Any = "check") -> PlannedSave:
+              path: str | None = None, replicated: Any = "check", shared_path: bool = True) -> PlannedSave:
     """Phase 1 (PLAN) on this rank. Collective; raises the same typed error on every rank.
 
     Control plane (what scales with ranks): each rank sends its summary to rank 0 only (a gather),
@@ -726,7 +740,10 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     layout at the last plan on this group sends only a fingerprint and its values; when every rank
     did, rank 0 skips the layout merge and every rank reuses its bitmap. Values (non-tensor
     objects, replica digests) are merged and checked at every save. Any difference, or any doubt
-    (a collective of the last plan failed midway), gives a full plan, never a stale one."""
+    (a collective of the last plan failed midway), gives a full plan, never a stale one.
+    ``shared_path`` (default): ``path`` names the one checkpoint every rank saves, and ranks
+    that passed different paths get a ConfigError (rank 0's path would silently win); False for a
+    tiered save's node-local directories, which may differ from node to node."""
     t0 = time.monotonic()
     rank = group.rank
     summary, error, items, checked, key = None, None, {}, None, None
@@ -747,10 +764,12 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
     mine_cache = _PLAN_CACHE.get(group.pg)
     compact = True
     msg: LayoutMessage | SameLayoutMessage
+    said_path = os.fspath(path) if shared_path and path is not None else None
     if summary is not None and mine_cache is not None and mine_cache.key == key:
-        msg = SameLayoutMessage(key, mine_cache.plan_id, summary["objects"], summary["digests"])
+        msg = SameLayoutMessage(key, mine_cache.plan_id, summary["objects"], summary["digests"], said_path)
     else:
-        msg = LayoutMessage(_plan_message(summary, compact=True, with_part=rank == 0), key, _portable(error))
+        msg = LayoutMessage(_plan_message(summary, compact=True, with_part=rank == 0), key, _portable(error),
+                            said_path)
     # Rounds: at most "same" -> layouts -> compact parts asked for -> full layouts; rank 0 asks
     # for full layouts at most once and never for anything after them.
     for _round in range(4):
@@ -760,7 +779,8 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
         if not isinstance(reply, Resend):
             break
         compact = compact and reply.what != "full"
-        msg = LayoutMessage(_plan_message(summary, compact=compact, with_part=rank == 0 or reply.what == "part"), key)
+        msg = LayoutMessage(_plan_message(summary, compact=compact, with_part=rank == 0 or reply.what == "part"), key,
+                            path=said_path)
     if isinstance(reply, RanksFailed):
         group.raise_failures(reply.errors, error, operation="save")
     if isinstance(reply, PlanRejected):

@@ -111,9 +111,15 @@ class Source:
                 payload = (None, None, _portable(exc))
         # Unless each rank reads its own (format 4), the data files' indexes travel with the
         # MANIFEST: every rank needs every chunk record to plan, and the storage is read once.
-        data, indexes, error = group.broadcast(payload)
+        data, indexes, error, rank0_path = group.broadcast(None if payload is None else (*payload, self.path))
         if error is not None:
             raise error
+        if rank0_path != self.path:
+            # Rank 0's MANIFEST with this rank's data files would be a checksum error that blames
+            # healthy checkpoints (or a "removed while read" for a path that never existed).
+            raise ConfigError(f"the ranks of one load passed different paths: rank 0 {rank0_path!r}, rank "
+                              f"{group.rank} {self.path!r}", path=self.path,
+                              remedy="Pass every rank the same checkpoint path.")
         if indexes is None:
             header = mf.decode_header(data, path=name)  # the same bytes: the same outcome on every rank
             return lambda wanted: self._read_some(header, self._needed(header, wanted))

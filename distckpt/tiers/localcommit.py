@@ -178,7 +178,7 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
         return async_save_in_root(state_dict, path, after_commit=after_commit, lock_path=lock_path,
                                   on_outcome=on_outcome, process_group=process_group, overwrite=overwrite,
                                   allow_pickle=allow_pickle, metadata=metadata, replicated=replicated,
-                                  finish=functools.partial(finish_node_save, layout=layout))
+                                  finish=functools.partial(finish_node_save, layout=layout), shared_path=False)
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
     raise_background_failure()
     group = control_group(process_group, operation="save()")
@@ -186,7 +186,7 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
     try:
         with SAVE_GATE, gc_paused():
             planned = plan_save(group, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
-                                path=path, replicated=replicated)
+                                path=path, replicated=replicated, shared_path=False)
             result = finish_node_save(group, planned, final_dir=path, overwrite=overwrite, metadata=metadata,
                                       after_commit=after_commit, lock_path=lock_path, layout=layout)
         return result

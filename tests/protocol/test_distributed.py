@@ -212,6 +212,37 @@ def _failing_body(rank, world, root):
     return sorted(os.listdir(root))
 
 
+def _different_paths_body(rank, world, root):
+    import distckpt
+    from distckpt import errors
+    t0 = time.monotonic()
+    # One save whose ranks name different directories: rank 0's would silently win.
+    try:
+        distckpt.save({"x": torch.full((8,), float(rank))}, f"{root}/save_rank{rank}")
+        saved = None
+    except errors.ConfigError as exc:
+        saved = str(exc)
+    # Two healthy checkpoints of one layout, each rank loading another: not a checksum error.
+    for step in (1, 2):
+        distckpt.save({"x": torch.full((8,), float(step))}, f"{root}/step{step}")
+    try:
+        distckpt.load({"x": torch.zeros(8)}, f"{root}/step{rank + 1}")
+        loaded = None
+    except errors.ConfigError as exc:
+        loaded = str(exc)
+    return saved, loaded, time.monotonic() - t0
+
+
+def test_ranks_that_pass_different_paths_get_a_config_error_on_every_rank(tmp_path):
+    root = str(tmp_path)
+    for saved, loaded, took in run_ranks(_different_paths_body, 2, root, timeout=120, preload=_PRELOAD):
+        assert saved is not None and "passed different paths" in saved and "save_rank1" in saved, saved
+        assert loaded is not None and "passed different paths" in loaded and "step2" in loaded, loaded
+        assert took < 30
+    # Nothing was saved at either path.
+    assert not os.path.exists(f"{root}/save_rank0/MANIFEST") and not os.path.exists(f"{root}/save_rank1")
+
+
 def test_one_rank_fails_everyone_raises_nothing_committed(tmp_path):
     root = str(tmp_path / "root")
     listings = run_ranks(_failing_body, 2, root, timeout=120, preload=_PRELOAD)
