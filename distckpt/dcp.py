@@ -36,6 +36,7 @@ Safety (I7, "loading never runs code from the checkpoint"):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import math
 import os
@@ -617,6 +618,11 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
             except FileNotFoundError:
                 raise DataFileMissingError(f"DCP data file {name} named in .metadata is missing", path=fpath) from None
             except OSError as exc:
+                if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: refused, not a broken disk
+                    raise CheckpointCorruptError(
+                        f"DCP data file {name} is a symlink; distckpt reads only regular files inside the "
+                        f"checkpoint directory (a link could point anywhere)", path=fpath,
+                        remedy="Copy the checkpoint with its links dereferenced (`cp -rL`), then load the copy.") from None
                 raise from_os_error(exc, path=fpath, operation="open") from exc
             fds[name] = fd
             st = os.fstat(fd)

@@ -83,6 +83,7 @@ __all__ = [
     "decode_header",
     "parse_index",
     "check_index_bytes",
+    "tree_paths",
     "with_chunks",
     "files_for",
     "validate",
@@ -1337,6 +1338,24 @@ def _sibling(path: Any, name: str) -> Any:
     if isinstance(path, str) and path.endswith(MANIFEST_NAME):
         return path[: -len(MANIFEST_NAME)] + name
     return path
+
+
+def tree_paths(tree: Any) -> dict[str, tuple]:
+    """{fqn: its key path} for every leaf of a validated MANIFEST ``tree``: dict keys as they
+    are, list and tuple positions as ints (what DCP's planner_data maps each flat key to, so a
+    checkpoint DCP did not write can be rebuilt with its nesting by DCP's load planners). Empty
+    for a manifest without a tree."""
+    out: dict[str, tuple] = {}
+    stack = [(tree, ())] if isinstance(tree, dict) else []
+    while stack:
+        node, path = stack.pop()
+        if node["t"] == "ref":
+            out[node["fqn"]] = path
+        elif node["t"] == "dict":
+            stack.extend((child, path + (key,)) for key, child in node["k"])
+        else:  # list, tuple
+            stack.extend((child, path + (i,)) for i, child in enumerate(node["v"]))
+    return out
 
 
 def commit_time_of_prefix(data: bytes | bytearray | memoryview) -> float | None:

@@ -319,7 +319,11 @@ class DistCkptStorageReader(StorageReader):
             md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = None
         dcp_meta = _dcp_meta(manifest)
-        planner_data = None
+        # A checkpoint DCP did not write (distckpt.save's, a FileSystemWriter directory's, whose
+        # .metadata paths are the MANIFEST's tree): DCP's planner_data from the tree, so a load
+        # planner that rebuilds the state dict from the metadata (_EmptyStateDictLoadPlanner,
+        # behind dcp's load-everything helpers) nests it as FileSystemReader does, not flat.
+        planner_data = {f: p for f, p in mf.tree_paths(manifest.tree).items() if f in md} or None
         version = None
         if dcp_meta is not None:
             try:

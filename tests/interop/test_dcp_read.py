@@ -192,6 +192,17 @@ def test_truncated_dcp_data_file_is_typed(dcp_ckpt, tmp_path):
         distckpt.read(path)
 
 
+def test_a_symlinked_dcp_data_file_is_refused_as_a_symlink(dcp_ckpt, tmp_path):
+    from distckpt.errors import CheckpointCorruptError
+    path = _copy_ckpt(dcp_ckpt, str(tmp_path / "link"))
+    f = os.path.join(path, "__1_0.distcp")
+    os.rename(f, f + ".real")
+    os.symlink("__1_0.distcp.real", f)  # inside the directory, and still refused (I7: never followed)
+    with pytest.raises(CheckpointCorruptError, match="is a symlink") as info:
+        distckpt.read(path)
+    assert info.value.path == f and "cp -rL" in info.value.remedy
+
+
 def test_dcp_safetensors_serialization_is_refused_not_misread(tmp_path):
     """FileSystemWriter(serialization_format=SAFETENSORS) records offsets that do not point at the
     bytes: reading them raw would give wrong values, so it is a typed refusal."""

@@ -204,6 +204,24 @@ def test_distckpt_load_and_read_decode_the_values_the_writer_stored_as_dcp_does(
     assert info.value.keys == ["evil"]
 
 
+def test_a_planner_that_rebuilds_the_state_dict_from_the_metadata_gets_its_nesting(tmp_path):
+    """DCP's load-everything helpers (_EmptyStateDictLoadPlanner) nest keys by the metadata's
+    planner_data: the reader gives it for every kind of checkpoint, as FileSystemReader does."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    src = {"model": {"w": torch.arange(4.0), "sub": {"b": torch.ones(2)}, "layers": [torch.zeros(1), torch.ones(1)]},
+           "step": 3}
+    distckpt.save(src, tmp_path / "native")
+    dcp.save(src, checkpoint_id=str(tmp_path / "fsw"))
+    dcp.save(src, storage_writer=DistCkptStorageWriter(tmp_path / "writer"))
+    want = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(str(tmp_path / "fsw")))
+    assert set(want) == {"model", "step"} and set(want["model"]) == {"w", "sub", "layers"}
+    for name in ("native", "fsw", "writer"):
+        got = _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(tmp_path / name))
+        assert set(got) == {"model", "step"} and got["step"] == 3, (name, list(got))
+        assert torch.equal(got["model"]["sub"]["b"], torch.ones(2)) and torch.equal(got["model"]["w"], src["model"]["w"])
+        assert [t.item() for t in got["model"]["layers"]] == [0.0, 1.0], name
+
+
 class _Evil:
     """A value whose unpickling would call os.system: torch's restricted unpickler refuses it."""
 
