@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
+import sys
 import threading
 
 import msgpack
@@ -150,6 +151,36 @@ def test_bad_magic_does_not_quote_the_file(tmp_path):
     with pytest.raises(E.ManifestCorruptError) as ei:
         distckpt.read(path)
     assert "bad magic" in ei.value.message and "root:x" not in str(ei.value)
+
+
+_SPARSE_MANIFEST = """
+import os, resource, sys
+import distckpt
+from distckpt import errors as E
+path = sys.argv[1]
+try:
+    distckpt.read(path)
+except E.ManifestCorruptError as exc:
+    print("typed", "checksum mismatch" in exc.message)
+print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_manifest_declaring_the_largest_body_is_read_into_memory_once(tmp_path):
+    """A 28-byte MANIFEST made sparse to the largest body the format allows (1 GiB of zeros, a
+    wrong checksum): refused with its checksum error after holding the file once, not twice."""
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    header = mf._HEADER.pack(mf.MAGIC, mf.FORMAT_VERSION, 0, mf.MAX_MANIFEST_BYTES)
+    with open(os.path.join(path, "MANIFEST"), "wb") as f:
+        f.write(header)
+        f.truncate(mf._OVERHEAD + mf.MAX_MANIFEST_BYTES)
+    out = subprocess.run([sys.executable, "-c", _SPARSE_MANIFEST, path], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert said["typed"] == "True", out.stdout
+    # The interpreter and torch take a few hundred MiB; the file 1 GiB; twice that is over 2 GiB.
+    assert int(said["peak_kib"]) < (mf.MAX_MANIFEST_BYTES + (600 << 20)) >> 10, said
 
 
 # ------------------------------------------------------------------------------------------------

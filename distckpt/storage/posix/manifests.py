@@ -63,8 +63,12 @@ def read_manifest_bytes(path: str | os.PathLike) -> bytes:
             raise _corrupt("is not a regular file", path)
         if st.st_size > limit:
             raise _corrupt(f"is {st.st_size} bytes, larger than the {limit}-byte limit", path)
-        parts, got = [], 0
-        while got <= limit:  # read to EOF, but never more than the limit even if the file grows
+        # The whole file in one read, into one buffer of its size (reading in parts and joining
+        # them held it twice: 2 GiB for a MANIFEST declaring the largest body); then read on to
+        # EOF, never past the limit even if the file grows.
+        first = os.read(fd, st.st_size + 1)
+        parts, got = [first], len(first)
+        while first and got <= limit:
             part = os.read(fd, min(limit + 1 - got, 1 << 24))
             if not part:
                 break
@@ -72,7 +76,7 @@ def read_manifest_bytes(path: str | os.PathLike) -> bytes:
             got += len(part)
         if got > limit:
             raise _corrupt(f"is larger than the {limit}-byte limit", path)
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
     except OSError as e:
         raise from_os_error(e, path=path, operation="read MANIFEST") from e
     finally:
