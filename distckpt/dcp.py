@@ -70,26 +70,35 @@ def writer_meta(manifest: "mf.Manifest") -> Any:
 def decode_writer_value(data: Any, *, fqn: str, path: str | None, allow_pickle: bool = False) -> Any:
     """A non-tensor value of a checkpoint written through distckpt's DCP StorageWriter: DCP hands
     the writer every value as ``torch.save`` bytes, which the writer stores as they are. Decoded
-    as DCP's own load decodes them, with ``torch.load(weights_only=True)`` (torch's restricted
-    unpickler; ``allow_pickle=True``: ``weights_only=False``, for a checkpoint the caller trusts).
+    as a DCP directory's values are (:func:`_torch_load_value`); ``allow_pickle=True`` lifts
+    the restricted unpickler, for a checkpoint the caller trusts.
 
     Raises:
         PickleNotAllowedError: the value needs more than the restricted unpickler allows.
         CheckpointCorruptError: the bytes are not a ``torch.save`` archive.
     """
-    import torch
-
     if not isinstance(data, (bytes, bytearray)):
         raise CheckpointCorruptError(f"value {fqn!r} of a checkpoint written through DCP is a "
                                      f"{type(data).__name__}, not DCP's torch.save bytes", path=path, key=fqn)
+    return _torch_load_value(data, fqn, path, allow_pickle=allow_pickle,
+                             remedy="If you trust this checkpoint, pass allow_pickle=True, or allow the type with "
+                                    "torch.serialization.add_safe_globals.")
+
+
+def _torch_load_value(data: bytes | bytearray, fqn: str, path: str | None, *, allow_pickle: bool,
+                      remedy: str) -> Any:
+    """DCP's ``torch.save`` bytes of a non-tensor value, decoded as DCP's load does but with
+    ``torch.load(weights_only=True)`` (torch's restricted unpickler) unless ``allow_pickle``.
+    Raises PickleNotAllowedError (with ``remedy``) for what that unpickler refuses,
+    CheckpointCorruptError for bytes that are not a torch.save archive."""
+    import torch
+
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         raise PickleNotAllowedError(
             f"DCP value {fqn!r} needs more than torch.load(weights_only=True) allows: {exc}".split("\n")[0],
-            path=path, keys=[fqn],
-            remedy="If you trust this checkpoint, pass allow_pickle=True, or allow the type with "
-                   "torch.serialization.add_safe_globals.") from None
+            path=path, keys=[fqn], remedy=remedy) from None
     except Exception as exc:
         raise CheckpointCorruptError(f"DCP value {fqn!r} is not a readable torch.save archive: "
                                      f"{type(exc).__name__}: {exc}", path=path, key=fqn) from None
@@ -518,21 +527,11 @@ class DcpValue:
             PickleNotAllowedError: the value needs more than torch's weights-only unpickler allows.
             DataFileTruncatedError / CheckpointCorruptError: its bytes are missing or unreadable.
         """
-        import torch
-
         fpath = os.path.join(self.ckpt, self.storage.file)
-        data = _read_range(fpath, self.storage, self.fqn)
-        try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise PickleNotAllowedError(
-                f"DCP value {self.fqn!r} needs more than torch.load(weights_only=True) allows: {exc}".split("\n")[0],
-                path=fpath, keys=[self.fqn],
-                remedy="If you trust this checkpoint, allow the type with torch.serialization.add_safe_globals, "
-                       "or load it with torch.distributed.checkpoint.load.") from None
-        except Exception as exc:
-            raise CheckpointCorruptError(f"DCP value {self.fqn!r} is not a readable torch.save archive: "
-                                         f"{type(exc).__name__}: {exc}", path=fpath, key=self.fqn) from None
+        return _torch_load_value(_read_range(fpath, self.storage, self.fqn), self.fqn, fpath, allow_pickle=False,
+                                 remedy="If you trust this checkpoint, allow the type with "
+                                        "torch.serialization.add_safe_globals, or load it with "
+                                        "torch.distributed.checkpoint.load.")
 
     def __str__(self) -> str:
         return f"<DCP value in {self.storage.file} at {self.storage.offset}+{self.storage.length}>"

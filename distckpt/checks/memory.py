@@ -138,7 +138,6 @@ def memlock_check(*, pinned: bool | None = None, min_bytes: int = 64 << 20) -> C
     return CheckResult("memlock", OK, f"RLIMIT_MEMLOCK {fmt(soft)} (hard {fmt(hard)})", details)
 
 
-
 _THP = "/sys/kernel/mm/transparent_hugepage"
 
 

@@ -130,12 +130,13 @@ def _mapping(nbytes: int, *, huge: bool) -> mmap.mmap:
     asks for transparent huge pages before its first touch.
 
     Why huge pages for segments reserved ahead: the kernel pins an O_DIRECT request's pages one by
-    one, and the save's writes run from these segments: from 2 MiB pages they ran 1.4-1.6x faster
-    than from 4 KiB ones on the project's VM (docs/BENCHMARKS.md, "Huge pages"), and faulting in or
-    pinning (cudaHostRegister) walks 512x fewer pages. Why not for the overflow segment faulted
-    in by a save's copy on the caller's path: on a VM that hands free 2 MiB blocks back to its
-    host, a fresh huge page costs 3-4x more to touch first (1.8-2.4 s per GiB against 0.5-0.8 s
-    there); a reservation pays that in the background, once, for memory kept across saves.
+    one, and the save's writes run from these segments: the C writer wrote 1.5-1.6x faster from
+    2 MiB pages than from 4 KiB ones on the project's VM (docs/BENCHMARKS.md, "Huge pages"), and
+    faulting in or pinning (cudaHostRegister) walks 512x fewer pages. Why not for the overflow
+    segment faulted in by a save's copy on the caller's path: on a VM whose host backs guest
+    memory lazily a fresh huge page costs several times more to touch first (with the overflow
+    asking too, the first unreserved save there blocked 1.65-1.86 s against 0.64-0.72 s); a
+    reservation pays that in the background, once, for memory kept across saves.
     Most kernels give huge pages only to memory that asks (``madvise`` mode); where THP is off,
     the request is refused and the memory is 4 KiB pages, as correct and only slower.
     ``mmap.mmap(-1, n)`` alone would map shared memory (shmem: no huge pages there).

@@ -125,10 +125,9 @@ def test_dcp_save_writes_a_distckpt_checkpoint_that_dcp_loads_at_other_world_siz
 
 def _no_dist_body(rank, world, root):
     import torch.distributed as dist
-    os.environ["DISTCKPT_TIMEOUT_S"] = "20"  # a wrong collective would fail at 20 s, not pass
+    os.environ["DISTCKPT_TIMEOUT_S"] = "20"  # a collective over the job fails (PeerLostError) at 20 s
     from distckpt.config import get_config
     get_config.cache_clear()
-    t0 = time.monotonic()
     if rank == 0:  # one process of the job saves alone (DCP's no_dist), the other is elsewhere
         dcp.save({"x": torch.arange(4.0), "step": 3}, storage_writer=DistCkptStorageWriter(f"{root}/alone"),
                  no_dist=True)
@@ -136,19 +135,18 @@ def _no_dist_body(rank, world, root):
     # Every rank saves its own checkpoint alone.
     dcp.save({"x": torch.full((3,), float(rank)), "rank": rank},
              storage_writer=DistCkptStorageWriter(f"{root}/own{rank}"), no_dist=True)
-    took = time.monotonic() - t0
     dist.barrier()
     loaded = {"x": torch.zeros(3), "rank": -1}
     distckpt.load(loaded, f"{root}/own{1 - rank}", no_dist=True)
-    return took, loaded["rank"], loaded["x"].tolist()
+    return loaded["rank"], loaded["x"].tolist()
 
 
 def test_dcp_save_with_no_dist_in_a_running_job_saves_alone(tmp_path):
     """dcp.save(no_dist=True) inside a job of two ranks: DCP makes each caller a coordinator of
     rank 0 with use_collectives=True; the writer must save alone, not wait for the other rank."""
     results = run_ranks(_no_dist_body, 2, str(tmp_path), timeout=120)
-    for rank, (took, other, x) in enumerate(results):
-        assert took < 15 and other == 1 - rank and x == [float(1 - rank)] * 3, (rank, took)
+    for rank, (other, x) in enumerate(results):
+        assert other == 1 - rank and x == [float(1 - rank)] * 3, rank
     out = {"x": torch.zeros(4), "step": 0}
     distckpt.load(out, tmp_path / "alone", no_dist=True)
     assert out["step"] == 3 and out["x"].tolist() == [0.0, 1.0, 2.0, 3.0]

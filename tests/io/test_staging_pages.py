@@ -8,21 +8,15 @@ import gc
 
 import pytest
 
+from distckpt.checks.memory import huge_pages_check
 from distckpt.staging.pool import Segment
 
 MIB = 1 << 20
 
 
-def _thp_mode() -> str:
-    """The kernel's THP mode for 2 MiB pages (the per-size setting wins unless it inherits)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read().split("[")[1].split("]")[0]
-        with open("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/enabled") as f:
-            size = f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "never"
-    return mode if size == "inherit" else size
+def _thp_mode() -> str | None:
+    """The kernel's THP mode for 2 MiB pages, as the preflight check reads it."""
+    return huge_pages_check({}).details["mode"]
 
 
 def _mapping_of(addr: int) -> dict:

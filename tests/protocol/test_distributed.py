@@ -215,7 +215,6 @@ def _failing_body(rank, world, root):
 def _different_paths_body(rank, world, root):
     import distckpt
     from distckpt import errors
-    t0 = time.monotonic()
     # One save whose ranks name different directories: rank 0's would silently win.
     try:
         distckpt.save({"x": torch.full((8,), float(rank))}, f"{root}/save_rank{rank}")
@@ -230,15 +229,14 @@ def _different_paths_body(rank, world, root):
         loaded = None
     except errors.ConfigError as exc:
         loaded = str(exc)
-    return saved, loaded, time.monotonic() - t0
+    return saved, loaded
 
 
 def test_ranks_that_pass_different_paths_get_a_config_error_on_every_rank(tmp_path):
     root = str(tmp_path)
-    for saved, loaded, took in run_ranks(_different_paths_body, 2, root, timeout=120, preload=_PRELOAD):
+    for saved, loaded in run_ranks(_different_paths_body, 2, root, timeout=120, preload=_PRELOAD):
         assert saved is not None and "passed different paths" in saved and "save_rank1" in saved, saved
         assert loaded is not None and "passed different paths" in loaded and "step2" in loaded, loaded
-        assert took < 30
     # Nothing was saved at either path.
     assert not os.path.exists(f"{root}/save_rank0/MANIFEST") and not os.path.exists(f"{root}/save_rank1")
 
