@@ -29,7 +29,9 @@ absent or still draining (uncommitted).
      reference's and holds the file, else the remote tier (ranged GETs). A file on neither raises
      TierIncompleteError before any byte of the state dict changed. The fill (distckpt.fill) reads
      both parts in one pass and verifies every checksum block: a damaged local byte raises
-     ChecksumMismatchError like any load, it never falls back to the remote copy silently.
+     ChecksumMismatchError like any load, it never falls back to the remote copy silently (the
+     manager's load then loads the step again from the remote tier alone, with a warning naming
+     the damaged files: TieredCheckpointManager.load).
 
 :func:`step_availability` (collective) is the manager's view of every step on both tiers: what the
 remote tier committed and what each node holds, for ``latest`` across tiers and for its status.

@@ -41,7 +41,8 @@ from typing import Any
 from .._dist import _portable, control_group
 from ..config import get_config
 from ..commit import SaveResult
-from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, DiskFullError, EndpointUnreachableError, NotDurableError,
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError,
+                      DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
                       ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError)
 from ..sizes import format_bytes
 from ..manager import CheckpointManager, step_dirname
@@ -616,10 +617,14 @@ class TieredCheckpointManager:
         the same save, else from the remote tier (distckpt.tiers.load); resharding works as in
         :func:`distckpt.load`. With no ``step``, a newest step that turns out not to be complete
         for this job (a file on no tier a rank can reach) is skipped with a warning naming it,
-        before any byte is read, and the next one is loaded.
+        before any byte is read, and the next one is loaded. A load that finds local data files
+        damaged (a checksum or truncation error in a file outside the remote tier, on any rank)
+        loads the step again from the remote tier alone when it holds the step, with a warning
+        naming the damaged files (only verified bytes reach the state dict either way).
 
         Raises CheckpointNotFoundError when no step has a complete copy; TierIncompleteError for
-        a given ``step`` without one; and what :func:`distckpt.load` raises.
+        a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
+        copy's ChecksumMismatchError when the remote tier does not hold the step).
         """
         if step is not None:
             steps, remote_up = [step], True
@@ -631,10 +636,27 @@ class TieredCheckpointManager:
         last = None
         for s in steps:
             try:
-                return load_tiered(state_dict, local_path=self.local_path(s),
-                                   remote_path=self.remote_path(s) if remote_up else None,
-                                   storage_options=self.storage_options, process_group=self.process_group,
-                                   layout=self._layout, **kwargs)
+                try:
+                    return load_tiered(state_dict, local_path=self.local_path(s),
+                                       remote_path=self.remote_path(s) if remote_up else None,
+                                       storage_options=self.storage_options, process_group=self.process_group,
+                                       layout=self._layout, **kwargs)
+                except (ChecksumMismatchError, DataFileTruncatedError) as exc:
+                    damaged = self._damaged_local_files(exc) if remote_up else None
+                    if not damaged:
+                        raise
+                    # Verified bytes only ever reached the state dict, and the remote tier holds the
+                    # step: read it all from there (the same save: a tiered load's reference is the
+                    # remote's when it committed the step). Said by name, never silent.
+                    log.warning("distckpt: step %d: the local copy of %s is damaged (%s: %s); loading the step "
+                                "from the remote tier %s", s, damaged, type(exc).__name__, exc.message,
+                                self.remote_path(s))
+                    try:
+                        return load_tiered(state_dict, local_path=None, remote_path=self.remote_path(s),
+                                           storage_options=self.storage_options, process_group=self.process_group,
+                                           **kwargs)
+                    except (TierIncompleteError, CheckpointNotFoundError):
+                        raise exc from None  # the remote tier does not hold the step: the damage stands
             except TierIncompleteError as exc:
                 if step is not None:
                     raise
@@ -643,6 +665,22 @@ class TieredCheckpointManager:
                 last = exc
         raise CheckpointNotFoundError(f"no step on {self.local_root} or {self.remote_root} has a complete copy this job "
                                       f"can read (the newest failed with: {last})", path=self.remote_root)
+
+    def _damaged_local_files(self, exc: BaseException) -> list[str] | None:
+        """The local data files a failed tiered load found damaged, when every failure of it (on
+        every rank: a collective error carries them all, the same on each) is a checksum or
+        truncation error of a file outside the remote tier; else None. The same answer on every
+        rank, so every rank retries from the remote tier together or none does."""
+        failures = list(getattr(exc, "failures", None) or {0: exc}.values())
+        remote = normalize_path(self.remote_root).rstrip("/") + "/"
+        paths = []
+        for e in failures:
+            path = getattr(e, "path", None)
+            if not isinstance(e, (ChecksumMismatchError, DataFileTruncatedError)) or not isinstance(path, str) \
+                    or path.startswith(remote):
+                return None
+            paths.append(path)
+        return sorted(set(paths))
 
     # -- closing ----------------------------------------------------------------------------------
 

@@ -116,12 +116,47 @@ def test_a_damaged_local_index_is_named_by_its_local_path(tmp_path):
         b = f.read(1)
         f.seek(off + 5)
         f.write(bytes([b[0] ^ 1]))
+    from distckpt.tiers.load import load_tiered
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with pytest.raises(errors.ChecksumMismatchError) as info:
+        load_tiered(out, local_path=str(step), remote_path=str(remote / "step_00000001"))
+    # The copy that was read is the damaged one, not the remote tier's intact file (the manager's
+    # load relies on it: a damaged local file is read again from the remote tier).
+    assert info.value.path == str(step / "rank00000.bin"), info.value.path
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        mgr.load(out, step=1)
+    assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"])
+
+
+def test_a_damaged_local_data_file_is_named_and_the_step_loaded_from_the_remote_tier(tmp_path, caplog):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_durable(1, timeout=120)
+
+    def flip(path):
+        raw = bytearray(path.read_bytes())
+        raw[100] ^= 1  # inside the first chunk
+        path.write_bytes(bytes(raw))
+
+    flip(local / "step_00000001" / "rank00000.bin")
+    caplog.set_level("WARNING", logger="distckpt")
     out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
     with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        result = mgr.load(out)
+    assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"]) and torch.equal(out["b"], _state(1)["b"])
+    assert result.bytes_by_tier["local"] == 0 < result.bytes_by_tier["remote"]
+    said = [r.getMessage() for r in caplog.records]
+    damaged = str(local / "step_00000001" / "rank00000.bin")
+    assert any("is damaged" in m and damaged in m and "from the remote tier" in m for m in said), said
+    # Both copies damaged: the remote copy's error, by its path; nothing unverified was copied.
+    flip(remote / "step_00000001" / "rank00000.bin")
+    out = {"w": torch.full((1 << 16,), 7.0), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
         with pytest.raises(errors.ChecksumMismatchError) as info:
-            mgr.load(out, step=1)
-    # The copy that was read is the damaged one, not the remote tier's intact file.
-    assert info.value.path == str(step / "rank00000.bin"), info.value.path
+            mgr.load(out)
+    assert info.value.path == str(remote / "step_00000001" / "rank00000.bin")
+    assert bool((out["w"] == 7.0).all())
 
 
 def test_first_save_checks_room_for_keep_last_local_steps(tmp_path, mounts):
