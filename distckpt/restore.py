@@ -176,16 +176,8 @@ def _subtree_node(tree: dict, path: tuple) -> dict | None:
 
 
 def _refs(node: dict) -> list[str]:
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        if n["t"] == "ref":
-            out.append(n["fqn"])
-        elif n["t"] == "dict":
-            stack.extend(child for _, child in n["k"])
-        else:
-            stack.extend(n["v"])
-    return out
+    """The fqns of every leaf under a tree ``node``."""
+    return list(mf.tree_paths(node))
 
 
 def _container_entry(manifest, item: ObjectItem):

@@ -52,7 +52,7 @@ from torch.futures import Future
 
 from .. import dcp as dcp_format
 from .. import manifest as mf
-from .._dist import ControlGroup, control_group
+from .._dist import ControlGroup, control_group, is_distributed
 from ..commit import WrittenSave, write_uncommitted
 from ..coordinator import SAVE_GATE
 from ..errors import CheckpointCorruptError, ConfigError, PickleNotAllowedError
@@ -67,11 +67,6 @@ from ..values import decode_value, encode_value
 
 __all__ = ["DistCkptStorageWriter", "DistCkptStorageReader"]
 
-# The key of the MANIFEST's user metadata (``meta["user"]``) holding what DCP's Metadata has
-# beyond the tensors' layout; its presence also marks values as DCP's serialized bytes, which
-# every load decodes (distckpt.dcp.decode_writer_value).
-_META_KEY = dcp_format.WRITER_META_KEY
-_dcp_meta = dcp_format.writer_meta
 
 
 def _checkpoint_path(checkpoint_id: str | os.PathLike | None, current: str | None) -> str:
@@ -116,9 +111,9 @@ def _pieces(plan, planner) -> tuple[dict[str, Any], list[WriteResult]]:
 
 def _group_size(process_group: Any) -> int:
     """Ranks of ``process_group`` (the default group for None); 1 without torch.distributed."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return 1
+    import torch.distributed as dist
     return dist.get_world_size(process_group)
 
 
@@ -139,8 +134,8 @@ class DistCkptStorageWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike | None = None, *, process_group: Any = None,
                  overwrite: bool = False, storage_options: dict | None = None, metadata: dict | None = None):
         super().__init__()
-        if metadata is not None and _META_KEY in metadata:
-            raise ConfigError(f"metadata key {_META_KEY!r} is reserved for DCP's own metadata")
+        if metadata is not None and dcp_format.WRITER_META_KEY in metadata:
+            raise ConfigError(f"metadata key {dcp_format.WRITER_META_KEY!r} is reserved for DCP's own metadata")
         self.path = normalize_path(path) if path is not None else None
         self.process_group = process_group
         self.overwrite = overwrite
@@ -242,7 +237,7 @@ class DistCkptStorageWriter(StorageWriter):
         try:
             kind, stored = encode_value("dcp.planner_data", metadata.planner_data, allow_pickle=False)
             meta = dict(self.metadata or {})
-            meta[_META_KEY] = {"version": metadata.version, "planner_data": [kind, stored]}
+            meta[dcp_format.WRITER_META_KEY] = {"version": metadata.version, "planner_data": [kind, stored]}
         except BaseException:
             written.abandon()
             raise
@@ -318,7 +313,7 @@ class DistCkptStorageReader(StorageReader):
         for fqn in manifest.objects:
             md[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = None
-        dcp_meta = _dcp_meta(manifest)
+        dcp_meta = dcp_format.writer_meta(manifest)
         # A checkpoint DCP did not write (distckpt.save's, a FileSystemWriter directory's, whose
         # .metadata paths are the MANIFEST's tree): DCP's planner_data from the tree, so a load
         # planner that rebuilds the state dict from the metadata (_EmptyStateDictLoadPlanner,
