@@ -191,11 +191,13 @@ class CheckpointManager:
         store a save's leftovers are dead when no live lease names them (``other_hosts`` is moot)."""
         return self._store.reclaim(self.root, other_hosts=other_hosts)
 
-    def save(self, step: int, state_dict: Any, *, blocking: bool = True,
+    def save(self, step: int, state_dict: Any, *, blocking: bool = True, rotate: bool = True,
              **kwargs: Any) -> "SaveResult | AsyncSaveHandle":
         """Save ``state_dict`` as step ``step`` (collective), then point ``latest`` at it and rotate.
 
-        Keyword arguments go to :func:`distckpt.save`. With ``blocking=False`` this is
+        Keyword arguments go to :func:`distckpt.save`. ``rotate=False`` deletes no older step
+        after this one (an export beside the newest ``keep_last`` steps: torchtitan's last-step
+        save); the next rotating save counts it like any other step. With ``blocking=False`` this is
         :func:`distckpt.async_save`: it returns an :class:`~distckpt.save_async.AsyncSaveHandle` as
         soon as the state is staged; ``latest``, the abandoned-branch policy and the rotation happen
         inside that save's commit, in the background. Saves are serialized per process (a later
@@ -224,7 +226,7 @@ class CheckpointManager:
             kwargs["overwrite"] = True
         with self._lock:
             protect, gen = self._resumed_from, self._resume_gen
-        after = lambda: self._after_commit(step, protect)  # noqa: E731
+        after = lambda: self._after_commit(step, protect, rotate)  # noqa: E731
         lock = join(self.root, ROOT_LOCK_NAME)
         if self._saver is not None:
             if not blocking:   # staged before it returns: the changed rows, then everything to write
@@ -276,7 +278,7 @@ class CheckpointManager:
         Raises the store's typed errors (the step itself stays committed)."""
         self._after_commit(step, None)
 
-    def _after_commit(self, step: int, protect: int | None) -> None:
+    def _after_commit(self, step: int, protect: int | None, rotate: bool = True) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         pointer = (step_dirname(step) + "\n").encode()
         self._store.replace_pointer(join(self.root, "latest"), pointer)
@@ -307,7 +309,7 @@ class CheckpointManager:
                         "steps)", self.path(old), step, step_dirname(old))
             self._store.remove_checkpoint(self.path(old))
         # The protection of the resumed-from step lasts one save: _settle ends it on every rank.
-        if self.keep_last is None:
+        if self.keep_last is None or not rotate:
             return
         branch = [s for s in steps if s <= step]
         # Keep the newest keep_last steps; the one just committed is always among them, and the

@@ -14,7 +14,8 @@ rename): a crash leaves the previous checkpoint of that name or the new one, nev
 Its tensors (weights, optimizer state, ``best_model_score``...) are in the data file, every other
 value of Lightning's dict (epoch, global_step, loops, callbacks, hyper_parameters, param_groups,
 lr_schedulers) in the MANIFEST as typed plain data, without pickle. ``distckpt.read(path)`` gives
-the same values outside Lightning (OrderedDicts as plain dicts; ``load_checkpoint`` restores them).
+the same values outside Lightning (OrderedDicts and Counters as plain dicts; ``load_checkpoint``
+restores them).
 
 Lightning's call paths (2.6.6) this follows:
   * ``Strategy.save_checkpoint`` calls the plugin on global rank 0 only, with the full
@@ -33,12 +34,14 @@ Lightning's call paths (2.6.6) this follows:
     are hidden: ``.NAME.tmp-*``, ``.NAME.lock``, ``.distckpt.lock``).
 
 Exactness (what torch.save would give back, checked at save, before any byte is written):
-  * Containers come back with their type: ``dict``, ``list``, ``tuple``, and
-    ``collections.OrderedDict`` with its ``_metadata`` (the module versions ``load_state_dict``
-    reads: ``state_dict`` is one). Any other dict subclass, a namedtuple or list subclass holding
-    tensors, or an object with ``state_dict()``/``load_state_dict()`` (a torchmetrics Metric put
-    in by ``on_save_checkpoint``) would come back as a plain container: UnsupportedValueError
-    naming its key, whatever ``allow_pickle`` says (store ``dict(x)`` / ``obj.state_dict()``).
+  * Containers come back with their type (:mod:`distckpt.containers`): ``dict``, ``list``,
+    ``tuple``, ``collections.OrderedDict`` with its ``_metadata`` (the module versions
+    ``load_state_dict`` reads: ``state_dict`` is one), ``collections.Counter`` (a stock
+    ``MultiStepLR``'s milestones) and a ``collections.defaultdict`` of a builtin type. Any other
+    dict subclass (or defaultdict factory), a namedtuple or list subclass holding tensors, or an
+    object with ``state_dict()``/``load_state_dict()`` (a torchmetrics Metric put in by
+    ``on_save_checkpoint``) would come back as a plain container: UnsupportedValueError naming
+    its key, whatever ``allow_pickle`` says (store ``dict(x)`` / ``obj.state_dict()``).
   * Other values: those of :mod:`distckpt.values` (scalars, str/bytes, containers of them, Enum,
     dataclass, namedtuple, torch.dtype/device/Size, numpy) round-trip exactly; anything else (a
     class object such as omegaconf's ``hyper_parameters_type``, a lambda) is an
@@ -73,7 +76,6 @@ anything not written through this plugin.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
@@ -87,17 +89,15 @@ except ImportError as _exc:  # pragma: no cover - exercised only without lightni
     raise ImportError("distckpt.integrations.lightning needs PyTorch Lightning "
                       "(pip install lightning==2.6.6)") from _exc
 
+from .. import containers
 from ..commit import SaveResult
-from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
-                      ManifestCorruptError, UnsupportedValueError)
-from ..flatten import _holds_dict, set_leaf
+from ..errors import CheckpointIncompleteError, CheckpointNotFoundError, ConfigError
 from ..listing import owned_checkpoints
 from ..restore import read
 from ..save_async import AsyncSaveHandle, async_save_in_root
 from ..save_sync import save_in_root
 from ..source import open_source
 from ..storage import ROOT_LOCK_NAME, Store, dirname, is_url, join, normalize_path, open_store
-from ..values import _is_stateful, decode_value, encode_value, holds_tensor
 
 __all__ = ["DistCkptCheckpointIO", "FORMAT"]
 
@@ -110,90 +110,6 @@ _META = "lightning"
 
 # ---------------------------------------------------------------------------------------------
 # Lightning's dict <-> what distckpt stores.
-
-
-def _fqn(path: tuple) -> str:
-    return ".".join(str(p) for p in path) or "<root>"
-
-
-def _layout(checkpoint: Any) -> list[list]:
-    """The OrderedDicts of ``checkpoint`` as ``[[path..., kind, stored _metadata or None], ...]``
-    (plain data for the MANIFEST), after checking that every container distckpt walks comes back
-    with its own type.
-
-    Raises:
-        UnsupportedValueError: a container that would come back as another type (named by key).
-    """
-    ordered: list[list] = []
-
-    def refuse(path: tuple, what: str, remedy: str) -> None:
-        raise UnsupportedValueError(f"checkpoint value at {_fqn(path)!r} is {what}, which would load back as a "
-                                    f"plain container", key=_fqn(path), remedy=remedy)
-
-    def walk(obj: Any, path: tuple, depth: int) -> None:
-        if depth > 100:
-            return  # distckpt's own flatten reports the depth
-        if isinstance(obj, dict):
-            if type(obj) is collections.OrderedDict:
-                md = getattr(obj, "_metadata", None)
-                if md is None:
-                    ordered.append([list(path), None, None])
-                else:
-                    # torch's _metadata is an OrderedDict {prefix: {"version": n}}: stored as a
-                    # dict node (which keeps the order); anything else in it is refused by name.
-                    plain = {k: dict(v) if type(v) is collections.OrderedDict else v for k, v in md.items()} \
-                        if isinstance(md, dict) else md
-                    kind, stored = encode_value(f"{_fqn(path)}._metadata", plain, allow_pickle=False)
-                    ordered.append([list(path), kind, stored])
-            elif type(obj) is not dict:
-                refuse(path, f"a {type(obj).__module__}.{type(obj).__qualname__} (a dict subclass)",
-                       "Store dict(value) instead (in on_save_checkpoint / the callback's state_dict).")
-            for key, value in obj.items():
-                walk(value, path + (key,), depth + 1)
-            return
-        if _is_stateful(obj):
-            refuse(path, f"a {type(obj).__qualname__} object with state_dict()/load_state_dict()",
-                   "Store value.state_dict() and call load_state_dict() on load (on_load_checkpoint).")
-        if isinstance(obj, (list, tuple)) and (holds_tensor(obj) or (type(obj) is list and _holds_dict(obj))):
-            if type(obj) not in (list, tuple):
-                refuse(path, f"a {type(obj).__qualname__} holding tensors or dicts",
-                       "Store a plain list or tuple (or a dict) instead.")
-            for i, value in enumerate(obj):
-                walk(value, path + (i,), depth + 1)
-
-    walk(checkpoint, (), 0)
-    return ordered
-
-
-def _restore_layout(tree: Any, ordered: Any, path: str) -> Any:
-    """``tree`` with the OrderedDicts :func:`_layout` recorded put back (with their _metadata).
-
-    Raises:
-        ManifestCorruptError: the record does not describe containers of ``tree``.
-    """
-    if not isinstance(ordered, list):
-        raise ManifestCorruptError(f"meta.user.{_META}.ordered: expected a list, found {type(ordered).__name__}",
-                                   path=path)
-    for record in ordered:
-        try:
-            where, kind, stored = record
-            node = tree
-            for key in where:
-                node = node[key]
-        except (TypeError, ValueError, KeyError, IndexError):
-            raise ManifestCorruptError(f"meta.user.{_META}.ordered: {record!r} names no dict of the checkpoint",
-                                       path=path) from None
-        if not isinstance(node, dict):
-            raise ManifestCorruptError(f"meta.user.{_META}.ordered: {_fqn(tuple(where))} is not a dict", path=path)
-        od = collections.OrderedDict(node)
-        if kind is not None:
-            od._metadata = collections.OrderedDict(decode_value(kind, stored, fqn=f"{_fqn(tuple(where))}._metadata",
-                                                                path=path))
-        if not where:
-            tree = od
-        else:
-            set_leaf(tree, tuple(where), od)
-    return tree
 
 
 def _map_tensors(tree: Any, device: torch.device) -> Any:
@@ -299,7 +215,7 @@ class DistCkptCheckpointIO(CheckpointIO):
             if options is not None and not isinstance(options, dict):
                 raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(options).__name__}")
             final = normalize_path(path)
-            ordered = _layout(checkpoint)
+            ordered = containers.record(checkpoint)
             metadata = {_META: {"format": FORMAT, "ordered": ordered}}
             kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle, metadata=metadata,
                                           no_dist=True, storage_options=options)
@@ -389,7 +305,8 @@ class DistCkptCheckpointIO(CheckpointIO):
             user = manifest.meta.get("user")
             ours = user.get(_META) if isinstance(user, dict) else None
             if isinstance(ours, dict) and ours.get("format") == FORMAT:
-                tree = _restore_layout(tree, ours.get("ordered", []), final)
+                tree = containers.rebuild(tree, ours.get("ordered", []), where=f"meta.user.{_META}.ordered",
+                                          path=final)
             if device is not None:
                 tree = _map_tensors(tree, device)
             self._resumed_from = final

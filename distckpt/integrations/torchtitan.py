@@ -22,9 +22,13 @@ Layout and what is loaded:
     neither sees ``step_*`` directories nor reads distckpt's format.
   * ``keep_latest_k`` rotates distckpt's steps only (committed ones, inside the commit, never the
     step just saved): DCP ``step-N`` folders left by torchtitan's manager are never deleted here.
-  * Step 0 (a seed checkpoint) and a checkpoint holding no state but the model's (a
-    ``last_save_model_only`` save, by either manager) load the model only, the latter with a
-    warning; torchtitan's own manager fails on the missing keys there.
+    As in torchtitan, the last step's save rotates nothing: the newest ``keep_latest_k`` steps
+    stay beside a model-only export.
+  * Step 0 (a seed checkpoint) loads the model only. A checkpoint holding no state but the
+    model's (a ``last_save_model_only`` save, by either manager) loads the model only when asked
+    for by its step, with a warning; as the newest checkpoint of a ``load_step=-1`` load it is a
+    StateDictMismatchError naming the newest full-state step (torchtitan's manager fails on the
+    missing keys there too): a relaunch never quietly restarts the optimizer and train_state.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     raise ImportError("distckpt.integrations.torchtitan needs torchtitan 0.3.0 (pip install "
                       "torchtitan==0.3.0 --no-deps, plus tyro, einops, torchdata: launch/env.sh)") from exc
 
-from ..errors import CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointNotFoundError, ConfigError, StateDictMismatchError
 from ..manager import CheckpointManager
 from ..restore import load, load_manifest
 from ..storage import is_url
@@ -237,7 +241,8 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             raise CheckpointNotFoundError(
                 f"checkpoint.load_step={step}: no complete checkpoint of step {step} in {self.folder} "
                 f"(complete steps: {sorted(found)})", path=self.folder)
-        if step == -1 and found:
+        newest = step == -1 and bool(found)
+        if newest:
             step = max(found)
         if step == -1:
             if not self.initial_load_path:
@@ -248,6 +253,20 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         else:
             path, kind = found[step]
             model_only = step == 0 or self._model_only(path)
+            if model_only and step != 0 and newest:
+                # torchtitan's manager fails here too (the other states' keys are missing). A resume
+                # that quietly restarted the optimizer, dataloader and train_state from scratch on
+                # exported weights would retrain from step 0: said, not done.
+                full = [s for s in sorted(found) if s != 0 and s < step and not self._model_only(found[s][0])]
+                raise StateDictMismatchError(
+                    f"the newest checkpoint in {self.folder}, step {step}, holds the model only (a last save "
+                    f"with last_save_model_only): resuming from it would start the optimizer, LR scheduler, "
+                    f"dataloader and train_state afresh", path=path,
+                    missing=sorted(k for k in self.states if k != MODEL), unexpected=[], shape_mismatch={},
+                    dtype_mismatch={},
+                    remedy=(f"Set checkpoint.load_step={full[-1]} to resume from the newest full state"
+                            if full else "Save with last_save_model_only=False to be able to resume")
+                    + f", or load_step={step} to load the model only (a warning says what stays as it is).")
             if model_only and step != 0:
                 log.warning("distckpt: %s holds the model only (a last save with last_save_model_only): "
                             "loading the model; optimizer, LR scheduler, dataloader and train_state stay "
@@ -331,7 +350,9 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             states = self._flattened(self.states)
         meta = {"torchtitan": {"format": FORMAT, "step": curr_step, "model_only": self.last_save_model_only,
                                "export_dtype": str(self.export_dtype) if self.last_save_model_only else None}}
-        self._mgr.save(curr_step, states, metadata=meta)
+        # As torchtitan: the last save purges nothing (with last_save_model_only, the newest
+        # keep_latest_k full-state steps stay resumable beside the export).
+        self._mgr.save(curr_step, states, metadata=meta, rotate=False)
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.load_only:

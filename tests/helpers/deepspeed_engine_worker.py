@@ -5,6 +5,7 @@ test pays DeepSpeed's import and start-up a few times, not once per check.
     torchrun --nproc_per_node N tests/helpers/deepspeed_engine_worker.py OUT PHASE [PHASE ...]
 
 Phases (results go to OUT/<phase>.rank<R>.pt, read back with torch.load(weights_only=True)):
+    edges            parity with DeepSpeed's own engine at the edges (see edges())
     train:<cfg>      train 3 steps, save tag "s3" through the engine, train 2 more: losses + state
     resume:<cfg>     new processes: load "s3" (through `latest`), train the same 2 steps
     rotate           200 saves with keep_last=3 into OUT_ROTATE (a tmpfs): fds and disk use
@@ -123,12 +124,12 @@ def _differences(a, b, where: str = "") -> list[str]:
     """Where two values DeepSpeed returned differ: nested dicts, sequences, tensors (dtype, shape,
     bits), objects by class and attributes (loss scalers, dataclasses, enums), else ==."""
     out = []
-    if type(a) is collections.OrderedDict and type(b) is dict:
-        # distckpt stores no class: DeepSpeed's OrderedDicts come back as dicts, keys in order
-        if list(a) != [k for k in b if k in a]:
-            out.append(f"{where}: keys in another order")
-    elif type(a) is not type(b):
+    if type(a) is not type(b):  # an OrderedDict, Counter or defaultdict comes back as one
         return [f"{where}: {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, collections.defaultdict) and a.default_factory is not b.default_factory:
+        out.append(f"{where}: default_factory {a.default_factory!r} != {b.default_factory!r}")
+    if isinstance(a, collections.OrderedDict) and list(a) != list(b):  # its order is part of its value
+        out.append(f"{where}: keys in another order")
     if isinstance(a, dict):
         out += [f"{where}.{k}: only in {'the first' if k in a else 'the second'}" for k in sorted(a.keys() ^ b.keys(), key=str)]
         for k in a.keys() & b.keys():
@@ -385,6 +386,135 @@ def native(out: str, cfg: str) -> None:
         module_only_zero3 = {k: v for k, v in _state(e).items() if k.startswith("param.")}
     _dump(out, f"native:{cfg}", {"saved": saved, "fresh": fresh, "results": results,
                                  "module_only_zero3": module_only_zero3})
+
+
+def _edge_engine(stage: int, *, tied: bool = False, frozen_seed: int | None = None):
+    """A small engine with what the native phases do not have: a torch MultiStepLR (its
+    milestones are a Counter), and either tied weights (an embedding and the head sharing one
+    parameter: DeepSpeed's ``shared_params``) or a frozen first layer whose value is set by
+    ``frozen_seed`` (a LoRA-style base)."""
+    import deepspeed
+    torch.manual_seed(99)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.mid = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(torch.relu(self.mid(x @ self.emb.weight.t() @ self.emb.weight)))
+
+    if tied:
+        model = Tied()
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 32))
+        with torch.no_grad():
+            model[0].weight.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(frozen_seed)))
+        model[0].weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.Adam(params, lr=1e-2)
+    sched = torch.optim.lr_scheduler.MultiStepLR(optim, milestones=[2, 4], gamma=0.1)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=sched, config={
+        "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 9,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    return engine
+
+
+def _edge_step(engine, step: int) -> float:
+    g = torch.Generator().manual_seed(1000 * step + torch.distributed.get_rank())
+    loss = engine(torch.randn(4, 16, generator=g)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def edges(out: str) -> None:
+    """Parity with DeepSpeed's own engine where the native:<cfg> phases do not look:
+    a MultiStepLR's Counter milestones and client_state containers (OrderedDict, Counter,
+    defaultdict) through install() and through the standalone zero.save/zero.load; a save with
+    exclude_frozen_parameters=True loaded onto a new frozen base; a ZeRO-3 model with tied
+    weights loaded without optimizer states. Every comparison is made here (_differences) and
+    the lists of differences are dumped."""
+    import deepspeed
+    import distckpt.integrations.deepspeed as dsd
+    root = os.path.join(out, "edges")
+    client = {"od": collections.OrderedDict([("b", 1), ("a", 2)]), "cnt": collections.Counter({3: 2, 7: 1}),
+              "counts": collections.defaultdict(int, {"seen": 3})}
+    report = {}
+    # 1. MultiStepLR + client containers, through install() and through zero.save / zero.load.
+    e = _edge_engine(2, frozen_seed=1)
+    for s in range(1, 4):  # past the first milestone
+        _edge_step(e, s)
+    e.save_checkpoint(os.path.join(root, "ds"), "t", client_state=client)
+    e.save_checkpoint(os.path.join(root, "ds_ex"), "t", exclude_frozen_parameters=True)
+    dsd.zero.save(e, os.path.join(root, "zero"))
+    dsd.install(e)
+    e.save_checkpoint(os.path.join(root, "dc"), "t", client_state=client)
+    e.save_checkpoint(os.path.join(root, "dc_ex"), "t", exclude_frozen_parameters=True)
+    got = {}
+    for kind in ("ds", "dc", "zero"):
+        f = _edge_engine(2, frozen_seed=1)
+        if kind == "dc":
+            dsd.install(f)
+        if kind == "zero":
+            dsd.zero.load(f, os.path.join(root, "zero"))
+            cs = None
+        else:
+            _, cs = f.load_checkpoint(os.path.join(root, kind), "t")
+            cs = {k: cs[k] for k in client}
+        milestones = f.lr_scheduler.milestones
+        lrs = []
+        for s in range(4, 7):  # across the second milestone
+            _edge_step(f, s)
+            lrs.append(f.get_lr()[0])
+        got[kind] = {"client": cs, "milestones": milestones, "lrs": lrs}
+    report["scheduler_and_client"] = _differences(got["ds"], got["dc"])
+    report["zero_scheduler"] = _differences({k: got["ds"][k] for k in ("milestones", "lrs")},
+                                            {k: got["zero"][k] for k in ("milestones", "lrs")})
+    report["milestones_type"] = type(got["dc"]["milestones"]).__name__
+    # 2. exclude_frozen_parameters=True: a load keeps the new engine's own frozen weights, a strict
+    #    load fails on the missing key as DeepSpeed's does.
+    frozen = {}
+    for kind in ("ds", "dc"):
+        f = _edge_engine(2, frozen_seed=2)
+        live = f.module[0].weight.detach().clone()
+        if kind == "dc":
+            dsd.install(f)
+        f.load_checkpoint(os.path.join(root, f"{kind}_ex"), "t", load_module_strict=False)
+        frozen[kind] = torch.equal(f.module[0].weight, live)
+        try:
+            g = _edge_engine(2, frozen_seed=2)
+            if kind == "dc":
+                dsd.install(g)
+            g.load_checkpoint(os.path.join(root, f"{kind}_ex"), "t")
+            frozen[f"{kind}_strict"] = "loaded"
+        except RuntimeError as exc:
+            frozen[f"{kind}_strict"] = "Missing key" in str(exc)
+    report["frozen"] = frozen
+    # 3. ZeRO-3, tied weights, load_optimizer_states=False (and load_module_only): the weights.
+    t = _edge_engine(3, tied=True)
+    for s in range(1, 3):
+        _edge_step(t, s)
+    t.save_checkpoint(os.path.join(root, "ds3"), "t")
+    dsd.install(t)
+    t.save_checkpoint(os.path.join(root, "dc3"), "t")
+    tied = {}
+    for opts in ({"load_optimizer_states": False}, {"load_optimizer_states": False, "load_module_only": True}):
+        weights = {}
+        for kind in ("ds3", "dc3"):
+            f = _edge_engine(3, tied=True)
+            if kind == "dc3":
+                dsd.install(f)
+            f.load_checkpoint(os.path.join(root, kind), "t", **opts)
+            params = list(f.module.named_parameters())
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                weights[kind] = {n: p.detach().clone() for n, p in params}
+        tied[json.dumps(opts)] = _differences(weights["ds3"], weights["dc3"])
+    report["tied_zero3"] = tied
+    _dump(out, "edges", report)
 
 
 def _without_shm_op() -> None:

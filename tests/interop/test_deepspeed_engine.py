@@ -1,7 +1,7 @@
 """distckpt as DeepSpeed's checkpoint engine (distckpt.integrations.deepspeed.install), with real
 DeepSpeed 0.19.8 on CPU (DS_ACCELERATOR=cpu, gloo) under torchrun; no mocks.
 
-Five torchrun launches (tests/helpers/deepspeed_engine_worker.py), each a fixture or test of its own:
+Six torchrun launches (tests/helpers/deepspeed_engine_worker.py), each a fixture or test of its own:
   1. `trained`, 2 ranks: for ZeRO stages 0, 1, 2, 3 (fp32 and bf16 mixed; stage 3 with every
      parameter partitioned): train 3 steps, save through engine.save_checkpoint, train 2 more.
      Then 200 saves with keep_last=3 on a tmpfs; ENOSPC on a small tmpfs; finally rank 1 is
@@ -11,6 +11,8 @@ Five torchrun launches (tests/helpers/deepspeed_engine_worker.py), each a fixtur
      stopped; the killed save's directory loads its previous tag.
   3. `resharded`, 3 ranks: a checkpoint saved at 2 ranks, loaded through the engine at 3.
   4-5. DeepSpeed's own checkpoint engine and distckpt's side by side, every load option.
+  6. The same at the edges: scheduler and client_state container types, frozen parameters left
+     out, ZeRO-3 tied weights.
 pytest-timeout's limit covers a test's fixture set-up too: the tests are ordered so that each pays
 for one launch at most, and every launch has its own, shorter, time limit (LAUNCH_TIMEOUT_S).
 """
@@ -261,6 +263,28 @@ def test_load_checkpoint_returns_and_restores_what_deepspeeds_own_engine_does(tm
             if cfg.startswith("3-"):
                 # DeepSpeed's own ZeRO-3 load_module_only (optimizer states left on) loads no weight
                 _assert_same({k: fresh[k] for k in params}, r["module_only_zero3"], f"{cfg}: DeepSpeed's module-only")
+
+
+def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
+    """Where the side-by-side test above does not look (tests/helpers/deepspeed_engine_worker.py
+    edges; every comparison against DeepSpeed's own engine in the same launch, 2 ranks):
+      * a torch MultiStepLR (milestones: a Counter) and client_state holding an OrderedDict, a
+        Counter and a defaultdict(int), through install() and through the standalone
+        zero.save/zero.load: the same types and values, the same lr at the next milestone (the
+        JSON metadata of format 1 turned the milestones' int keys into strings: lr never decayed);
+      * exclude_frozen_parameters=True: a load onto a new frozen base keeps it, and a strict load
+        fails on the missing key as DeepSpeed's does;
+      * ZeRO-3 with tied weights loaded without optimizer states (and module only): the same
+        weights (distckpt's load raised on the tied head's missing key)."""
+    out = str(tmp_path)
+    proc = _torchrun(2, out, ["edges"])
+    assert proc.returncode == 0, _tail(proc)
+    for rank in (0, 1):
+        r = _load(out, "edges", rank)
+        assert r["scheduler_and_client"] == [] and r["zero_scheduler"] == [], r
+        assert r["milestones_type"] == "Counter", r
+        assert r["frozen"] == {"ds": True, "ds_strict": True, "dc": True, "dc_strict": True}, r["frozen"]
+        assert len(r["tied_zero3"]) == 2 and all(d == [] for d in r["tied_zero3"].values()), r["tied_zero3"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

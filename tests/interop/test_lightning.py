@@ -160,7 +160,7 @@ def test_unsupported_values_are_named_and_pickle_is_opt_in(tmp_path):
         DistCkptCheckpointIO().save_checkpoint(ck, path)
     assert err.value.key == "hyper_parameters_type" and not os.path.exists(path)
     # Containers that would come back as another type: refused even with allow_pickle.
-    for bad, key in [({"cb": collections.defaultdict(int)}, "cb"),
+    for bad, key in [({"cb": collections.defaultdict(lambda: 0)}, "cb"),  # a factory that is code
                      ({"m": torch.nn.Linear(1, 1)}, "m")]:  # state_dict()/load_state_dict(): not a dict
         with pytest.raises(UnsupportedValueError) as err:
             DistCkptCheckpointIO(allow_pickle=True).save_checkpoint(bad, path)
@@ -171,6 +171,27 @@ def test_unsupported_values_are_named_and_pickle_is_opt_in(tmp_path):
     with pytest.raises(PickleNotAllowedError):  # weights_only=True refuses it even then
         DistCkptCheckpointIO(allow_pickle=True).load_checkpoint(path, weights_only=True)
     assert DistCkptCheckpointIO(allow_pickle=True).load_checkpoint(path)["hyper_parameters_type"] is collections.Counter
+
+
+def test_a_stock_multisteplr_and_builtin_defaultdicts_come_back_with_their_types(tmp_path):
+    """torch's MultiStepLR keeps its milestones in a Counter: Lightning's checkpoint of any job
+    using it held one, which this plugin refused; it comes back as the Counter (int keys), and a
+    defaultdict of a builtin type with its factory, as torch.save gives them back."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+    ck = {"state_dict": {"w": torch.ones(2)}, "lr_schedulers": [sched.state_dict()],
+          "callbacks": {"Tally": {"seen": collections.defaultdict(int, {"a": 2})}}}
+    path = str(tmp_path / "m.ckpt")
+    DistCkptCheckpointIO().save_checkpoint(ck, path)
+    back = DistCkptCheckpointIO().load_checkpoint(path)
+    milestones = back["lr_schedulers"][0]["milestones"]
+    assert type(milestones) is collections.Counter and milestones == collections.Counter({2: 1, 4: 1})
+    seen = back["callbacks"]["Tally"]["seen"]
+    assert type(seen) is collections.defaultdict and seen.default_factory is int and seen["new"] == 0
+    fresh = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+                                                 milestones=[9])
+    fresh.load_state_dict(back["lr_schedulers"][0])
+    assert fresh.milestones == sched.milestones
 
 
 def test_missing_and_damaged_checkpoints_raise_typed_errors(tmp_path):

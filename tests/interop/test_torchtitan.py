@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("torchtitan.components.checkpointer")
 
 import distckpt  # noqa: E402
-from distckpt.errors import CheckpointNotFoundError, ConfigError  # noqa: E402
+from distckpt.errors import CheckpointNotFoundError, ConfigError, StateDictMismatchError  # noqa: E402
 
 from ..helpers import torchtitan_worker as tw  # noqa: E402
 from ..helpers.distributed import RankError  # noqa: E402
@@ -183,18 +183,35 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     assert {v.dtype for v in saved.values() if isinstance(v, torch.Tensor)} == {torch.bfloat16}
     bf16 = _weights(objs)
 
-    # load(-1) of a model-only last save restores the model only (in fp32, from bf16).
+    # load(-1) of a model-only last save fails, as torchtitan's manager does (a resume would
+    # restart every other state); load(step=4) asks for it: the model only (in fp32, from bf16).
     again, objs2 = _mine(tmp_path / "run")
-    assert again.load() and objs2["train_state"].step == 0
+    with pytest.raises(StateDictMismatchError, match="holds the model only") as info:
+        again.load()
+    assert "load_step=4" in str(info.value) and "optimizer" in info.value.missing
+    assert objs2["train_state"].step == 0 and not any(torch.equal(v, bf16[k]) for k, v in _weights(objs2).items())
+    assert again.load(step=4) and objs2["train_state"].step == 0
     assert all(torch.equal(v, bf16[k].to(torch.bfloat16).float()) for k, v in _weights(objs2).items())
 
-    # The same from torchtitan's manager's model-only last save (DCP): its own load would fail.
+    # The same from torchtitan's manager's model-only last save (DCP).
     theirs = _theirs(tmp_path / "dcp_run", objs, interval=100, export_dtype="bfloat16")
     assert theirs.save(4, last_step=True)
     theirs.close()
     switched, objs2b = _mine(tmp_path / "dcp_run")
-    assert switched.load() and objs2b["train_state"].step == 0
+    with pytest.raises(StateDictMismatchError, match="holds the model only"):
+        switched.load()
+    assert switched.load(step=4) and objs2b["train_state"].step == 0
     assert all(torch.equal(v, bf16[k].to(torch.bfloat16).float()) for k, v in _weights(objs2b).items())
+
+    # keep_latest_k: the last save purges nothing (torchtitan's too), so with keep_latest_k=2 the
+    # two newest full-state steps stay resumable beside the export, and the error names the newest.
+    kept, objs8 = _mine(tmp_path / "kept", interval=2, keep_latest_k=2)
+    _train(objs8, [kept], 6)
+    assert kept.save(7, last_step=True) and sorted(kept.checkpoints()) == [4, 6, 7]
+    resumed, objs9 = _mine(tmp_path / "kept")
+    with pytest.raises(StateDictMismatchError, match="load_step=6 to resume"):
+        resumed.load()
+    assert resumed.load(step=6) and objs9["train_state"].step == 6
 
     # initial_load_path: used only while the folder holds no checkpoint; model only by default.
     full, objs3 = _mine(tmp_path / "full", interval=2, last_save_model_only=False)
@@ -215,7 +232,7 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     start, objs7 = _mine(tmp_path / "seed")
     assert start.load() and objs7["train_state"].step == 0
     assert all(torch.equal(v, _weights(objs6)[k]) for k, v in _weights(objs7).items())
-    for m in (mgr, again, switched, full, init, nothing, seed, start):
+    for m in (mgr, again, switched, full, init, nothing, seed, start, kept, resumed):
         m.close()
 
 

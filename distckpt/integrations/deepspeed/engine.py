@@ -16,7 +16,10 @@ model-states file lookup (a glob on disk) and the ZeRO optimizer load):
     once every rank has written its own data file. Each DeepSpeed "file" is the subtree
     ``files.<name without .pt>``: its tensors in the data files, its plain values (ints, strings,
     ``ds_config``, ``client_state``, torch.Size, ZeroStageEnum, ``fragment_address`` dataclasses)
-    in the MANIFEST. No torch.save and no pickle, on save or load.
+    in the MANIFEST. No torch.save and no pickle, on save or load. Its OrderedDicts
+    (``param_shapes``), Counters (a ``MultiStepLR``'s milestones) and defaultdicts of builtin types
+    come back as such: ``containers.<name>`` records them (:mod:`distckpt.containers`); any other
+    dict subclass fails the save.
   * ZeRO stages 1-3: the fp32 master weights and every optimizer state are stored once, in the
     reshardable form of :mod:`.zero` (``model.<param>``, ``optim.<param>.<state>``: global tensors,
     each rank writing the element ranges of its partition; ``deepspeed``: its layout as JSON).
@@ -68,6 +71,7 @@ ReshardError (the standalone :func:`.zero.load` has ``allow_stage_change``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -75,13 +79,15 @@ import os
 import re
 from typing import Any
 
+import msgpack
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
+from ... import containers
 from ... import manifest as mf
 from ..._dist import _portable, control_group
-from ...errors import CheckpointNotFoundError, ConfigError, ReshardError, StateDictMismatchError
+from ...errors import CheckpointNotFoundError, ConfigError, ManifestCorruptError, ReshardError, StateDictMismatchError
 from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
@@ -100,6 +106,10 @@ FORMAT = 1
 REBUILDABLE = {"LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler}
 _OBJ = "__deepspeed_object__"
 _FILES = "files"
+# {file name: msgpack of its container records (distckpt.containers)}: each rank records the files
+# it saves (ZeRO-3's model states are per rank), so the records travel with the state, not in
+# rank 0's metadata.
+_CONTAINERS = "containers"
 # A tag becomes a directory name beside `latest` and distckpt's hidden tmp/lock entries.
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 
@@ -118,19 +128,43 @@ class _LoadPlanned:
     nothing: bool
 
 def _encode(value: Any) -> Any:
-    """DeepSpeed's state dict as distckpt stores it: loss scalers as allow-listed plain records,
-    OrderedDicts as dicts. Everything else is left as it is: what distckpt cannot store without
-    pickle then fails the (collective) save with UnsupportedValueError on every rank."""
+    """DeepSpeed's state dict as distckpt stores it: loss scalers as allow-listed plain records.
+    Containers keep their types (an OrderedDict, Counter or defaultdict is rebuilt after the read
+    from the records :func:`distckpt.containers.record` takes at save; any other dict subclass
+    fails the save). Everything else is left as it is: what distckpt cannot store without pickle
+    then fails the (collective) save with UnsupportedValueError on every rank."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
+        items = {k: _encode(v) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        out = copy.copy(value)  # the same type, _metadata and default_factory
+        out.clear()
+        out.update(items)
+        return out
     if type(value) in (list, tuple):
         return type(value)(_encode(v) for v in value)
     for name, cls in REBUILDABLE.items():
         if type(value) is cls:
             return {_OBJ: name, "state": _encode(dict(vars(value)))}
     return value
+
+
+def _records(files: dict[str, Any]) -> dict[str, bytes]:
+    """{file name: its container records, packed} (see _CONTAINERS). Raises UnsupportedValueError
+    for a container that would not load back as its own type."""
+    return {name: msgpack.packb(containers.record(sd), use_bin_type=True) for name, sd in files.items()}
+
+
+def _unpack_records(raw: Any, name: str, path: str) -> list:
+    try:
+        if not isinstance(raw, bytes):
+            raise TypeError(f"a {type(raw).__name__}, not bytes")
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise ManifestCorruptError(f"{_CONTAINERS}.{name}: the container records are malformed: {exc}",
+                                   path=path) from None
 
 
 def _decode(value: Any) -> Any:
@@ -143,7 +177,9 @@ def _decode(value: Any) -> Any:
             obj = cls.__new__(cls)  # no __init__: its attributes are the saved ones, nothing else
             obj.__dict__.update(_decode(value["state"]))
             return obj
-        return {k: _decode(v) for k, v in value.items()}
+        for k, v in value.items():  # in place: the container was rebuilt with its type
+            value[k] = _decode(v)
+        return value
     if type(value) in (list, tuple):
         return type(value)(_decode(v) for v in value)
     return value
@@ -169,6 +205,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self.name = "DistckptCheckpointEngine"
         self.keep_last = keep_last
         self.save_latest = True
+        self.exclude_frozen_parameters = False  # save_checkpoint's option, for the save in progress
         self.last_result: SaveResult | None = None
         self._info: CheckpointCommitInfo | None = None
         self._files: dict[str, Any] = {}
@@ -241,8 +278,10 @@ class DistckptCheckpointEngine(CheckpointEngine):
         second time. Stage 0 holds nothing partitioned: DeepSpeed's files as they are.
         """
         if int(self.engine.zero_optimization_stage()) == 0:
-            return {_FILES: {name: _encode(sd) for name, sd in files.items()}}, {}
-        zsd, zmeta = zero.state_dict(self.engine)
+            out = {name: _encode(sd) for name, sd in files.items()}
+            return {_FILES: out, _CONTAINERS: _records(out)}, {"containers": True}
+        zsd, zmeta = zero.state_dict(self.engine, lr_scheduler=False,
+                                     exclude_frozen_parameters=self.exclude_frozen_parameters)
         stage = int(zmeta["stage"])
         trained = {name for name, _ in zmeta["params"]}
         out = {}
@@ -253,12 +292,16 @@ class DistckptCheckpointEngine(CheckpointEngine):
             elif name.endswith("_model_states") and stage in (1, 2) and isinstance(sd.get("module"), dict):
                 # ZeRO 1/2 module weights are the fp32 masters cast to the model dtype (DeepSpeed
                 # copies them so after every step): stored once, as the masters (model.*).
-                sd = {**sd, "module": {k: v for k, v in sd["module"].items() if k not in trained}}
+                module = copy.copy(sd["module"])  # its type and torch's _metadata kept
+                for k in trained:
+                    module.pop(k, None)
+                sd = {**sd, "module": module}
             out[name] = _encode(sd)
         meta = {"format": zero.FORMAT, "stage": stage, "dp_size": zmeta["dp_size"],
                 "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
-                "module_from_masters": stage in (1, 2)}
-        return {_FILES: out, **zsd}, meta
+                "module_from_masters": stage in (1, 2),
+                "containers": True}
+        return {_FILES: out, _CONTAINERS: _records(out), **zsd}, meta
 
     def _after_commit(self, store: Store, save_dir: str, tag: str, save_latest: bool) -> None:
         # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
@@ -304,7 +347,16 @@ class DistckptCheckpointEngine(CheckpointEngine):
             name = self.model_states_name
         else:
             name = self._name(path, self._load_path)
-        sd = _decode(read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name])
+        keys = [f"{_FILES}.{name}"]
+        if self.load_meta.get("containers"):
+            keys.append(f"{_CONTAINERS}.{name}")
+        got = read(self._load_path, keys=keys)
+        sd = got[_FILES][name]
+        if _CONTAINERS in got:
+            # Containers first (their records name paths of the stored tree), then loss scalers.
+            sd = containers.rebuild(sd, _unpack_records(got[_CONTAINERS][name], name, self._load_path),
+                                    where=f"{_CONTAINERS}.{name}", path=self._load_path)
+        sd = _decode(sd)
         if name.endswith("_model_states") and self.load_meta.get("module_from_masters"):
             # The weights were stored once, as fp32 masters (see _state). A weight without a saved
             # master is not filled here: DeepSpeed's strict module load reports it.
@@ -327,8 +379,20 @@ class DistckptCheckpointEngine(CheckpointEngine):
     def consolidated_module(self) -> dict:
         """The checkpoint's consolidated module state (``model.*``: fp32 masters, frozen
         parameters and persistent buffers in the module's dtype): what DeepSpeed reads with
-        ``zero_to_fp32`` for a ZeRO-3 load without optimizer states."""
-        return read(self._load_path, keys=["model"])["model"]
+        ``zero_to_fp32`` for a ZeRO-3 load without optimizer states. Tied parameters get their
+        aliases as ``zero_to_fp32`` gives them (``shared_params`` of rank 0's model states, the
+        only rank DeepSpeed records them on: a tied ``lm_head.weight`` is the saved
+        ``wte.weight``), so a strict module load finds them."""
+        model = read(self._load_path, keys=["model"])["model"]
+        first = [n for n in ("zero_pp_rank_0_mp_rank_00_model_states", "mp_rank_00_model_states")
+                 if n in self._load_names]
+        name = first[0] if first else self.model_states_name
+        stored = read(self._load_path, keys=[f"{_FILES}.{name}"])[_FILES][name] if name else {}
+        shared = stored.get("shared_params") or {}
+        for alias, source in shared.items():
+            if source in model:
+                model[alias] = model[source]
+        return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,13 +554,14 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                           "zero_stage": int(engine.zero_optimization_stage()),
                           "bf16": bool(engine.bfloat16_enabled())}
         ce.save_latest = bool(save_latest)
+        ce.exclude_frozen_parameters = bool(exclude_frozen_parameters)
         try:
             # save_latest=False: DeepSpeed would write `latest` in place after our commit; the
             # commit writes it atomically instead (ce.save_latest).
             return orig_save(save_dir, tag_s, client_state=client_state, save_latest=False,
                              exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
-            ce.save_latest = True
+            ce.save_latest, ce.exclude_frozen_parameters = True, False
             ce._files, ce._info = {}, None
 
     @functools.wraps(cls.load_checkpoint)

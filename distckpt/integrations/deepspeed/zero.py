@@ -18,7 +18,11 @@ What is stored (keys of the checkpoint)::
     optim.<param name>.<scalar>   per-parameter scalar state (Adam step), one value per parameter
     deepspeed                     JSON: format, stage, dp size, dtypes, parameter order and shapes,
                                   optimizer class and param-group hyper-parameters, engine counters,
-                                  lr-scheduler state
+                                  where the lr-scheduler state is
+    lr_scheduler                  the lr scheduler's ``state_dict()`` (typed values, no pickle; its
+                                  OrderedDict / Counter / defaultdict containers rebuilt on load by
+                                  :mod:`distckpt.containers`: a ``MultiStepLR``'s milestones come
+                                  back as the Counter it steps by)
     client                        the caller's ``client_state`` (typed values, no pickle)
 
 so ``distckpt.read(path, keys=["model"])["model"]`` is the consolidated fp32 state dict, on one
@@ -58,12 +62,16 @@ from typing import Any
 
 import torch
 
+from ... import containers
 from ...errors import ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces
 
 __all__ = ["save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
 
-FORMAT = "distckpt.deepspeed/1"
+FORMAT = "distckpt.deepspeed/2"
+# Format 1 kept the lr-scheduler state inside the JSON metadata, which turned int dict keys into
+# strings (a MultiStepLR's milestones then never matched a step again); it still loads, as it was.
+_READS = ("distckpt.deepspeed/1", FORMAT)
 _META = "deepspeed"
 
 
@@ -349,14 +357,6 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
             except TypeError:
                 pass  # not a hyper-parameter a restart needs (DeepSpeed bookkeeping objects)
         groups.append(hp)
-    sched = getattr(engine, "lr_scheduler", None)
-    sched_state = None
-    if sched is not None and hasattr(sched, "state_dict"):
-        try:
-            sched_state = json.loads(json.dumps(sched.state_dict()))
-        except (TypeError, ValueError):
-            raise UnsupportedValueError(f"the lr scheduler {type(sched).__name__}'s state is not plain data",
-                                        key=_META) from None
     return {
         "format": FORMAT,
         "stage": lay.stage,
@@ -372,7 +372,7 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
         "group_of": {name: owner.group for owner in lay.owners for name in owner.names},
         "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
                    "skipped_steps": int(getattr(engine, "skipped_steps", 0))},
-        "lr_scheduler": sched_state,
+        "lr_scheduler": None,  # state_dict() sets where the scheduler's state is
         "loss_scaler": _scaler_state(engine.optimizer),
     }
 
@@ -451,14 +451,23 @@ def _leaf_shape(leaf: Any) -> list[int]:
     return list(leaf.shape)
 
 
-def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
+def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
+               exclude_frozen_parameters: bool = False) -> tuple[dict, dict]:
     """(state dict for :func:`distckpt.save`, plain ``deepspeed`` metadata) of this rank's ZeRO state.
 
     The state dict's tensors are views of the engine's own buffers (nothing is copied).
+    ``lr_scheduler``: include the engine's lr scheduler state (key ``lr_scheduler``; DeepSpeed's
+    checkpoint engine stores it in DeepSpeed's own model-states entry instead).
+    ``exclude_frozen_parameters``: leave the parameters no optimizer steps out, as DeepSpeed's
+    ``save_checkpoint`` option does (a load then keeps the engine's own frozen weights).
     Collective only in what :func:`distckpt.save` does with it.
+
+    Raises:
+        UnsupportedValueError: a container of the scheduler's state that would not load back as
+            its own type (:func:`distckpt.containers.record`); an engine layout this cannot describe.
     """
     lay = _layout(engine)
-    frozen = _frozen(engine, lay)
+    frozen = {} if exclude_frozen_parameters else _frozen(engine, lay)
     flat_keys, scalar_keys = _state_keys(lay)
     parts = _pieces_for(lay, writing=True)
     owner_of = {name: owner for owner in lay.owners for name in owner.names}
@@ -478,14 +487,20 @@ def state_dict(engine, *, client_state: Any = None) -> tuple[dict, dict]:
         model[name] = buf
     meta = _meta(engine, lay, flat_keys, scalar_keys)
     meta["frozen"] = [[name, _leaf_shape(leaf)] for name, leaf in frozen.items()]
-    sd = {"model": model, "optim": optim, _META: json.dumps(meta, sort_keys=True)}
+    meta["frozen_excluded"] = bool(exclude_frozen_parameters)
+    sd = {"model": model, "optim": optim}
+    sched = getattr(engine, "lr_scheduler", None)
+    if lr_scheduler and sched is not None and hasattr(sched, "state_dict"):
+        sd["lr_scheduler"] = sched.state_dict()
+        meta["lr_scheduler"] = {"key": "lr_scheduler", "containers": containers.record(sd["lr_scheduler"])}
+    sd[_META] = json.dumps(meta, sort_keys=True)
     if client_state is not None:
         sd["client"] = client_state
     return sd, meta
 
 
 def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite: bool = False,
-         metadata: dict | None = None):
+         metadata: dict | None = None, exclude_frozen_parameters: bool = False):
     """Save the engine's fp32 master weights, optimizer state and counters to ``path``, reshardable.
 
     Collective: every rank of the job calls it. Every rank writes only the elements its ZeRO
@@ -497,6 +512,8 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
             data-parallel group spanning the job).
         path: the checkpoint directory to create.
         client_state: plain values saved under ``client`` (as ``engine.save_checkpoint``'s).
+        exclude_frozen_parameters: leave out the parameters no optimizer steps (DeepSpeed's
+            option of that name); a load keeps the engine's own.
         overwrite, metadata: as :func:`distckpt.save` (``metadata["deepspeed"]`` is set here).
 
     Returns:
@@ -508,7 +525,7 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
             scalar). The errors of :func:`distckpt.save`.
     """
     from ... import save as _save
-    sd, meta = state_dict(engine, client_state=client_state)
+    sd, meta = state_dict(engine, client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
     md = dict(metadata or {})
     md["deepspeed"] = {"format": FORMAT, "stage": meta["stage"], "dp_size": meta["dp_size"],
                        "model_dtype": meta["model_dtype"], "optimizer": meta["optimizer"],
@@ -549,8 +566,8 @@ def _saved_meta(path: str) -> dict:
                            path=path, key=_META, remedy="Load it with distckpt.load/read, or save with "
                            "distckpt.integrations.deepspeed.save.")
     meta = json.loads(raw)
-    if meta.get("format") != FORMAT:
-        raise ReshardError(f"checkpoint format {meta.get('format')!r}, this reads {FORMAT!r}", path=path, key=_META)
+    if meta.get("format") not in _READS:
+        raise ReshardError(f"checkpoint format {meta.get('format')!r}, this reads {list(_READS)}", path=path, key=_META)
     return meta
 
 
@@ -666,7 +683,14 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     path = os.path.abspath(os.fspath(path))
     meta = _saved_meta(path)
     lay = _layout(engine)
-    _reconcile(path, meta, lay, allow_stage_change, _frozen(engine, lay))
+    # Frozen parameters left out at save (exclude_frozen_parameters) keep the engine's own values.
+    frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
+    _reconcile(path, meta, lay, allow_stage_change, frozen)
+    sched = getattr(engine, "lr_scheduler", None)
+    sched_state = None
+    if load_optimizer_states and load_lr_scheduler_states and sched is not None \
+            and meta.get("lr_scheduler") is not None:
+        sched_state = _scheduler_state(path, meta)  # read before anything in the engine changes
     if load_optimizer_states:
         # scalar state (step) first: checked before anything in the engine changes
         scalars = _owner_scalars(lay, meta, path)
@@ -682,7 +706,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
         if load_optimizer_states:
             optim[name] = {k: _leaf(shape, torch.float32, parts[name],
                                     lambda o, k=k: lay.base.state[o.key][k].view(-1)) for k in meta["state_keys"]}
-    model.update(_frozen(engine, lay))
+    model.update(frozen)
     for name, buf in _module_buffers(engine).items():
         model[name] = buf
     sd: dict[str, Any] = {"model": model}
@@ -703,15 +727,25 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
         engine.global_steps = meta["engine"]["global_steps"]
         engine.global_samples = meta["engine"]["global_samples"]
         engine.skipped_steps = meta["engine"]["skipped_steps"]
-        sched = getattr(engine, "lr_scheduler", None)
-        if load_lr_scheduler_states and sched is not None and meta.get("lr_scheduler") is not None:
-            sched.load_state_dict(meta["lr_scheduler"])
+        if sched_state is not None:
+            sched.load_state_dict(sched_state)
     lay.refresh()
     client = None
     if _has_key(path, "client"):
         from ...restore import read
         client = read(path, keys=["client"])["client"]
     return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
+
+
+def _scheduler_state(path: str, meta: dict) -> dict:
+    """The saved lr scheduler state, with its containers' types (format 1: the JSON copy)."""
+    saved = meta["lr_scheduler"]
+    if meta["format"] == "distckpt.deepspeed/1":
+        return saved
+    from ...restore import read
+    key = saved["key"]
+    return containers.rebuild(read(path, keys=[key])[key], saved["containers"],
+                              where=f"{_META}.lr_scheduler.containers", path=path)
 
 
 def _has_key(path: str, key: str) -> bool:
