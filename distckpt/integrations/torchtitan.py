@@ -233,8 +233,10 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         start). Collective.
 
         Raises CheckpointNotFoundError (a FileNotFoundError, as torchtitan raises) for a
-        ``step`` with no complete checkpoint in ``folder`` or a missing ``initial_load_path``,
-        and what :func:`distckpt.load` raises (StateDictMismatchError, ChecksumMismatchError...).
+        ``step`` with no complete checkpoint in ``folder``; ConfigError (a ValueError, as
+        torchtitan raises) for an ``initial_load_path`` that is not a directory;
+        StateDictMismatchError for a model-only newest checkpoint at ``step=-1`` (module
+        docstring); and what :func:`distckpt.load` raises (ChecksumMismatchError...).
         """
         found = self.checkpoints()
         if step != -1 and step not in found:
@@ -249,6 +251,9 @@ class DistckptCheckpointManager(BaseCheckpointManager):
                 log.info("distckpt: no checkpoint in %s and no initial_load_path: a fresh start", self.folder)
                 return False
             path, kind = self.initial_load_path, None
+            if not filesystem.isdir(path):  # torchtitan's check and class (a ValueError)
+                raise ConfigError(f"checkpoint.initial_load_path={path!r} is not a directory",
+                                  remedy="Point it at a checkpoint directory (distckpt's or DCP's).")
             model_only = self.initial_load_model_only
         else:
             path, kind = found[step]

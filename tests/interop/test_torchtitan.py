@@ -225,6 +225,10 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     assert objs5["lr_schedulers"].state_dict() == objs3["lr_schedulers"].state_dict()
     nothing, _ = _mine(tmp_path / "none")
     assert nothing.load() is False  # a fresh start
+    wrong, _ = _mine(tmp_path / "none", initial_load_path=str(tmp_path / "no_such_dir"))
+    with pytest.raises(ConfigError, match="initial_load_path"):  # torchtitan: a ValueError too
+        wrong.load()
+    assert isinstance(ConfigError("x"), ValueError)
 
     # A seed checkpoint (torchtitan's train.py: save(curr_step=0, last_step=True)) loads model only.
     seed, objs6 = _mine(tmp_path / "seed", tw.build(seed=5))
@@ -232,7 +236,7 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
     start, objs7 = _mine(tmp_path / "seed")
     assert start.load() and objs7["train_state"].step == 0
     assert all(torch.equal(v, _weights(objs6)[k]) for k, v in _weights(objs7).items())
-    for m in (mgr, again, switched, full, init, nothing, seed, start, kept, resumed):
+    for m in (mgr, again, switched, full, init, nothing, wrong, seed, start, kept, resumed):
         m.close()
 
 
