@@ -95,7 +95,8 @@ def _cmd_ls(args) -> int:
             used = store.bytes_under(lo.path) if lo.kind != "lock" else None
             size = f" ({format_bytes(used)})" if used is not None else ""
             verdict = {"alive": "ALIVE (in flight)", "dead": "dead: reclaimable",
-                       "unknown": "unknown (another host's; left alone)"}[lo.state]
+                       "unknown": "unknown (another host's; left alone)",
+                       "settling": "failed commit whose request may still land: kept for DISTCKPT_OBJECT_LATE_S"}[lo.state]
             print(f"  {lo.entry}{size}  {what}  {who}  {verdict}")
         if any(lo.state == "dead" for lo in saves):
             print(f"  reclaim the dead ones: the next save of the same name does, or "

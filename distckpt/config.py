@@ -44,6 +44,7 @@ Object stores (read by distckpt.storage.object.store at each save):
 | DISTCKPT_OBJECT_CONDITIONAL     | 1   | 1: MANIFEST by conditional create (If-None-Match: *); 0: HEAD + PUT + read-back |
 | DISTCKPT_OBJECT_REQUEST_TIMEOUT_S | 30 | distckpt's own deadline of one object-store request (plus its body at the rate below) |
 | DISTCKPT_OBJECT_MIN_RATE        | 4M  | bytes/s a request body must at least move at before its deadline (objrequest)  |
+| DISTCKPT_OBJECT_LATE_S          | 900 | how late a request given up on may still land: a failed commit's data is kept that long |
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ KNOWN_VARIABLES = (
     # object stores (distckpt.storage.object.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
     "DISTCKPT_OBJECT_CONDITIONAL", "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "DISTCKPT_OBJECT_MIN_RATE",
+    "DISTCKPT_OBJECT_LATE_S",
     # launch/env.sh (where the venv goes) and the tests (crash sweeps, the S3 server's switches)
     "DISTCKPT_VENV", "DISTCKPT_ROOT", "DISTCKPT_CRASH_SEED", "DISTCKPT_CRASH_KILLS",
     "DISTCKPT_TEST_S3_IGNORE_IF_NONE_MATCH",

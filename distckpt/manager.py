@@ -44,9 +44,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import chain
-from ._dist import is_distributed
+from ._dist import control_group, is_distributed
 from .commit import SaveResult
-from .errors import CheckpointNotFoundError, ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, DistCkptError
 from .restore import LoadResult, load
 from .save_sync import save_in_root
 from .storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
@@ -215,11 +215,20 @@ class CheckpointManager:
         raise_background_failure()
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
+        # Rank 0 alone, before the save's collective: nothing here may raise on one rank only (the
+        # others would wait at the collective for a rank that already left). Reclaim is
+        # housekeeping: when the store does not answer, the save's own first request on rank 0
+        # fails and every rank raises it. The abandoned-branch overwrite is rank 0's to decide
+        # (only rank 0 prepares and publishes).
         if self._rank() == 0:
-            # Dead leftovers of any step (never those of a live save), before our lock is taken.
-            self._store.reclaim(self.root)
-        if (self._resumed_from is not None and step > self._resumed_from and not self.keep_abandoned
-                and not kwargs.get("overwrite") and self._store.is_committed(self.path(step))):
+            try:
+                # Dead leftovers of any step (never those of a live save), before our lock is taken.
+                self._store.reclaim(self.root)
+            except DistCkptError as exc:
+                log.warning("distckpt: could not reclaim leftovers under %s before saving step %d: %s", self.root,
+                            step, exc)
+        if (self._rank() == 0 and self._resumed_from is not None and step > self._resumed_from
+                and not self.keep_abandoned and not kwargs.get("overwrite") and self._committed_quietly(step)):
             log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
                         "step %d and saves step %d again); pass keep_abandoned=True to refuse instead",
                         self.path(step), self._resumed_from, step)
@@ -255,6 +264,15 @@ class CheckpointManager:
             raise
         self._settle(gen, result, None)
         return result
+
+    def _committed_quietly(self, step: int) -> bool:
+        """Whether ``step`` is committed; False (with a warning) when the store cannot tell: the
+        save then refuses an existing step itself (CheckpointExistsError, on every rank)."""
+        try:
+            return self._store.is_committed(self.path(step))
+        except DistCkptError as exc:
+            log.warning("distckpt: cannot tell whether %s is committed: %s", self.path(step), exc)
+            return False
 
     def _settle(self, gen: int, result: "SaveResult | None", error: BaseException | None) -> None:
         """Every rank, once a save's outcome is known: a committed save (it returned, or its error
@@ -348,9 +366,7 @@ class CheckpointManager:
         from .save_async import raise_background_failure
         raise_background_failure()
         if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
+            step = self._agreed_latest_step()
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
@@ -360,6 +376,24 @@ class CheckpointManager:
             self._resumed_from = step
             self._resume_gen += 1
         return result
+
+    def _agreed_latest_step(self) -> int:
+        """:meth:`latest_step` as rank 0 finds it, on every rank (one listing, not one per rank:
+        ranks listing on their own could see a save commit in between, or fail alone and leave the
+        others waiting at the load's collective). Collective.
+
+        Raises CheckpointNotFoundError (no committed step) or the listing's error, on every rank."""
+        group = control_group(self.process_group, operation="CheckpointManager.load()")
+        found, error = None, None
+        if group.rank == 0:
+            try:
+                found = self.latest_step()
+                if found is None:
+                    raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        group.exchange_outcome(error, operation="CheckpointManager.load()")
+        return found if group.world_size == 1 else group.broadcast(found)
 
     def close(self) -> None:
         """Wait for the async saves of this process still in flight (this manager's among them;

@@ -139,6 +139,14 @@ class Store(abc.ABC):
         published checkpoint. Raises StorageError subclasses / request errors (a caller logs them:
         the next reclaim finishes the job)."""
 
+    def abort_for_retry(self, area: str, world: int) -> None:
+        """Give up on an unpublished save area that a later try of the same save id writes again
+        (a drain's retry: distckpt.tiers.drain). By default :meth:`abort`. A store whose requests
+        can land after the client gave up on them (an object store) must not delete what the
+        retry will write: a deletion that landed late would remove the retry's objects after its
+        commit. Raises as :meth:`abort`."""
+        self.abort(area, world)
+
     @abc.abstractmethod
     def discard(self, replaced: str) -> None:
         """Delete what :meth:`publish` returned (a replaced checkpoint, no longer visible).

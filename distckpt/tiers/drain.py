@@ -27,8 +27,8 @@ committed there with the remote store's own protocol (docs/TIERS.md).
 
 The area's save id is the local save's, not a fresh one, so a drain retried after a failed one
 writes into the same prefix (on an object store ``STEP/<save id>/``) as the failed one, and the
-prefix of a committed step is the committed data itself: an area is aborted only when the remote
-MANIFEST does not name its save id (:func:`_abort_area`). Two drains of one step at once must use
+prefix of a committed step is the committed data itself: an area is given up only when the remote
+MANIFEST does not name its save id, and then only as a retry may write it again (:func:`_abort_area`). Two drains of one step at once must use
 the same ``lock_path`` (the manager passes its remote root's lock), so that the lease keeps one of
 them out.
 
@@ -419,13 +419,14 @@ def _assign(header: mf.Manifest, reports: list[_Holding], world: int, local_path
 
 
 def _abort_area(store: Store, area: str, remote_path: str, save_id: str, n_files: int) -> None:
-    """Delete the remote area of a failed drain, unless the remote MANIFEST names its save id:
-    then the area is that committed step's data (a drain's area reuses the local save id). A
-    failure is logged: the next drain's or save's reclaim removes a dead area."""
+    """Give up on the remote area of a failed drain (``Store.abort_for_retry``: the next try
+    writes the same area, since a drain's area reuses the local save id; on an object store the
+    completed objects stay for it), unless the remote MANIFEST names its save id: then the area
+    is that committed step's data. A failure is logged: a reclaim removes a dead area."""
     try:
         if store.committed_save_id(remote_path) == save_id:
             return
-        store.abort(area, n_files)
+        store.abort_for_retry(area, n_files)
     except DistCkptError as exc:
         log.warning("distckpt: could not remove %s after a failed drain: %s", area, exc)
 

@@ -341,19 +341,20 @@ class TieredCheckpointManager:
         """Delete this node's local steps beyond keep_last_local that no tier needs locally: the
         remote tier holds the same save, or the remote tier's own keep_last_remote dropped it
         (keep_last_remote newer steps are committed there). Any other step stays (the only copy).
-        Returns the steps deleted."""
+        Returns the steps deleted.
+
+        What the remote tier holds is what this manager knows (``_remote_held``: found at
+        construction, drained since), never asked of the remote tier here: this runs inside the
+        local commit, which must not wait on a remote tier that does not answer. A step this
+        manager does not know to be remote stays until it does (the next manager start finds it)."""
         steps = self._local.steps()
         doomed = [s for s in steps[:-self.keep_last_local] if s != keep]
         if not doomed:
             return []
         removed = []
         keep_remote = self._remote.keep_last
-        try:
-            remote_steps = self._remote.steps()
-        except Exception as exc:  # noqa: BLE001 - cannot tell: the only copy may be local, keep them all
-            log.warning("distckpt: keeping local steps %s beyond keep_last_local=%d: cannot list the remote tier "
-                        "(%s: %s)", doomed, self.keep_last_local, type(exc).__name__, exc)
-            return []
+        held = dict(self._remote_held)  # the drain thread adds to it
+        remote_steps = sorted(held)
         for s in doomed:
             # Only the remote steps of this branch count (numbered up to this node's newest step): a
             # rolled-back run's later steps on the remote tier say nothing about this one.
@@ -364,14 +365,13 @@ class TieredCheckpointManager:
                 continue
             try:
                 local_id = self._local_store.committed_save_id(self.local_path(s))
-                remote_id = self._remote_store.committed_save_id(self.remote_path(s))
-            except Exception as exc:  # noqa: BLE001 - cannot tell: the only copy may be local, keep it
-                log.warning("distckpt: keeping local step %d beyond keep_last_local=%d: cannot tell whether the "
-                            "remote tier holds it (%s: %s)", s, self.keep_last_local, type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - cannot tell: keep it
+                log.warning("distckpt: keeping local step %d beyond keep_last_local=%d: its MANIFEST does not "
+                            "read (%s: %s)", s, self.keep_last_local, type(exc).__name__, exc)
                 continue
-            if local_id is None or remote_id != local_id:
-                log.info("distckpt: keeping local step %d beyond keep_last_local=%d: the remote tier does not hold "
-                         "it yet", s, self.keep_last_local)
+            if local_id is None or held.get(s) != local_id:
+                log.info("distckpt: keeping local step %d beyond keep_last_local=%d: the remote tier is not known "
+                         "to hold it yet", s, self.keep_last_local)
                 continue
             self._local_store.remove_checkpoint(self.local_path(s))
             removed.append(s)

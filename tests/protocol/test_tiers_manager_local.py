@@ -52,6 +52,31 @@ def test_directory_remote_drains_rotates_and_restores(tmp_path):
     assert result.bytes_by_tier["local"] == 0 < result.bytes_by_tier["remote"]
 
 
+def test_a_local_save_never_asks_the_remote_tier(tmp_path):
+    """Local rotation runs inside the local commit: it decides from what the manager knows the
+    remote tier holds (drained by it), never by asking the remote tier, which may not answer
+    (before, a black-holed remote made every local save wait a request deadline). A step the
+    remote tier holds is rotated away locally all the same; one it does not is kept."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+        mgr.save(1, _state(1))
+        assert mgr.wait_durable(1, timeout=120).durable
+
+        def asked(*args, **kwargs):
+            raise AssertionError("a local save asked the remote tier")
+
+        mgr._remote.steps = asked
+        mgr._remote_store.committed_save_id = asked
+        mgr._drainer.enqueue = lambda step, save_id: None  # step 2 is never drained
+        mgr.save(2, _state(2))  # rotates step 1 away: drained, so the remote tier holds it
+        mgr.save(3, _state(3))  # keeps step 2: not known to be on the remote tier
+        assert sorted(n for n in os.listdir(local) if n.startswith("step_")) == ["step_00000002", "step_00000003"]
+        del mgr._remote.steps, mgr._remote_store.committed_save_id, mgr._drainer.enqueue
+    # The next manager finds steps 2 and 3 undrained and drains them.
+    with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+        assert mgr.wait_durable(3, timeout=120).durable
+
+
 def test_an_undrained_local_step_is_drained_by_the_next_manager(tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     # A run whose drains never happened: steps committed on the local tier only (as after a crash).

@@ -13,7 +13,9 @@ reset, or by silence), or delay it. What is held here:
   late renewal lands after another save took over (it never overwrites the new lease), a
   heartbeat that stops renewing while a request is stuck past its deadline;
 * a MANIFEST that landed while its answer was lost and the endpoint then went silent: the save
-  says the outcome is unknown and its data is kept, so the committed checkpoint is complete.
+  says the outcome is unknown and its data is kept, so the committed checkpoint is complete;
+* a MANIFEST request that lands after its client gave up (the proxy holds it whole and forwards
+  it late): a late overwrite never replaces a newer commit, a late create finds its data.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def _save_retrying_lease(state, url, opts):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fault_at_every_request_of_an_overwriting_save(s3_bucket, proxy, monkeypatch, mode):
     monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(LEASE_S))
+    # A save whose MANIFEST request was faulted keeps its data while that request could land
+    # (test_a_late_* below); here the next save must find no leftover at all.
+    monkeypatch.setenv("DISTCKPT_OBJECT_LATE_S", "0")
     monkeypatch.setenv("DISTCKPT_OBJECT_PART_SIZE", "5M")
     if mode != "stall":  # the pre-flight's requests (a listing, a probe object) are swept once, with stalls
         monkeypatch.setenv("DISTCKPT_PREFLIGHT", "0")
@@ -331,9 +336,81 @@ def test_manifest_landed_answer_lost_endpoint_silent_keeps_the_data(s3_bucket, p
     assert distckpt.read_manifest(url, storage_options=s3_bucket.storage_options)["save_id"] == err.save_id
 
 
-def _try_save(state, url, opts):
+LATE_S = 6.0  # how long after its client's deadline a delayed request lands (the proxy holds it whole)
+
+
+def _late(path_suffix: str, method: str = "PUT"):
+    """A proxy rule that holds the first ``method`` of a path ending in ``path_suffix`` whole and
+    forwards it LATE_S later, after the client gave up on it (a gateway buffering a request in
+    front of a slow backend); every other request passes."""
+    held = threading.Event()
+
+    def rule(i, m, path):
+        if not held.is_set() and m == method and path.split("?")[0].endswith(path_suffix):
+            held.set()
+            return ("delay", LATE_S)
+        return None
+    return rule
+
+
+def test_a_late_overwrite_never_replaces_the_newer_commit(s3_bucket, proxy, monkeypatch):
+    """S1's overwriting MANIFEST PUT is held past its deadline: S1 says the outcome is unknown.
+    S2 (the retry) overwrites and returns. S1's PUT then lands: it is conditional on the
+    MANIFEST S1 read (If-Match), so it fails, and the checkpoint stays S2's, bit-exact; S1's data
+    is kept while its request could still land (settling), never named by a MANIFEST."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "4")
+    direct = s3_bucket.storage_options
+    url = f"{s3_bucket.url}/late/ck"
+    distckpt.save(_state(1.0), url, storage_options=direct, no_dist=True)
+    proxy.rule = _late("/late/ck/MANIFEST")
+    t0 = time.monotonic()
+    err = _try_save(_state(2.0), url, _proxied(direct, proxy), overwrite=True)
+    assert isinstance(err, DistCkptError) and err.commit_unknown is True and err.committed is None, err
+    s2 = distckpt.save(_state(3.0), url, storage_options=direct, overwrite=True, no_dist=True)
+    time.sleep(max(0.0, LATE_S + 2 - (time.monotonic() - t0)))  # S1's PUT has reached the server now
+    assert distckpt.read_manifest(url, storage_options=direct)["save_id"] == s2.save_id
+    assert _equal(distckpt.read(url, storage_options=direct), _state(3.0))
+    leftovers = open_store(url, direct).leftovers(url)
+    assert [state for _, state in leftovers] == ["settling"] and leftovers[0][0].endswith(err.save_id)
+
+
+def test_a_late_manifest_create_finds_its_data(s3_bucket, proxy, monkeypatch):
+    """A new step's MANIFEST PUT is held past its deadline (the save says the outcome is unknown);
+    the next save's reclaim keeps that save's data (its request was sent: settling) instead of
+    deleting it as dead; the late MANIFEST lands and the step loads bit-exact. Before, the
+    reclaim deleted the data and the late MANIFEST made a step that looked committed and was not
+    loadable."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "4")
+    direct = s3_bucket.storage_options
+    root = f"{s3_bucket.url}/late_create"
+    distckpt.CheckpointManager(root, storage_options=direct).save(4, _state(4.0))
+    proxy.rule = _late("/step_00000005/MANIFEST")
+    t0 = time.monotonic()
+    mgr = distckpt.CheckpointManager(root, storage_options=_proxied(direct, proxy))
     try:
-        distckpt.save(state, url, storage_options=opts, no_dist=True)
+        mgr.save(5, _state(5.0))
+        err = None
+    except DistCkptError as exc:
+        err = exc
+    assert err is not None and err.commit_unknown is True and err.data_kept is True, err
+    again = distckpt.CheckpointManager(root, storage_options=direct)
+    assert again.reclaim() == []  # settling, not dead
+    time.sleep(max(0.0, LATE_S + 2 - (time.monotonic() - t0)))
+    assert again.steps() == [4, 5]
+    assert _equal(distckpt.read(again.path(5), storage_options=direct), _state(5.0))
+    # Once DISTCKPT_OBJECT_LATE_S has passed, a leftover whose request was sent is dead like any other.
+    monkeypatch.setenv("DISTCKPT_OBJECT_LATE_S", "0")
+    store = open_store(root, direct)
+    store._call("put", f"{root}/step_00000004/{'0' * 32}/.publishing", "pipe_file",
+                store._key(f"{root}/step_00000004/{'0' * 32}/.publishing"), b"x")
+    assert [p.rsplit("/", 1)[-1] for p in again.reclaim()] == ["0" * 32]
+
+
+def _try_save(state, url, opts, **kwargs):
+    try:
+        distckpt.save(state, url, storage_options=opts, no_dist=True, **kwargs)
         return None
     except Exception as exc:  # noqa: BLE001 - the test looks at it
         return exc

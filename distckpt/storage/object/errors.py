@@ -154,7 +154,8 @@ def _connection_failure(exc: BaseException) -> BaseException | None:
         boto_conn = ()
     try:
         import aiohttp
-        aio_conn: tuple = (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError)
+        # ClientPayloadError: the answer's body was cut off (a reset connection mid-response)
+        aio_conn: tuple = (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, aiohttp.ClientPayloadError)
     except ImportError:  # pragma: no cover
         aio_conn = ()
     try:
@@ -230,7 +231,7 @@ def translate(
         return exc
     code, status, server_message = error_code(exc)
     where = f" (endpoint {endpoint})" if endpoint else ""
-    said = f"{code}" + (f" (HTTP {status})" if status and str(status) != code else "")
+    said = (f"{code}" if code else "") + (f" (HTTP {status})" if status and str(status) != code else "")
     said += f": {server_message}" if server_message else ""
     common: dict[str, Any] = {"path": url, "rank": rank, "url": url, "operation": operation,
                               "code": code, "status": status, "endpoint": endpoint}

@@ -30,7 +30,9 @@ def settings() -> dict:
     DISTCKPT_OBJECT_PARTS_IN_FLIGHT (default 4: upload parts in flight per rank, which with one
     being filled bounds a rank's upload memory to 5 parts), DISTCKPT_OBJECT_LEASE_S (default 30: a
     save lease not renewed for this long is dead), DISTCKPT_OBJECT_CONDITIONAL (1: MANIFEST by
-    conditional create, default; 0: HEAD + PUT + read-back, for servers without If-None-Match)."""
+    conditional create, default; 0: HEAD + PUT + read-back, for servers without If-None-Match),
+    DISTCKPT_OBJECT_LATE_S (default 900: how long after a MANIFEST request distckpt gave up on it
+    the request may still land; a failed save's data is kept that long, see docs/OBJECT_STORES.md)."""
     cond = os.environ.get("DISTCKPT_OBJECT_CONDITIONAL", "1") or "1"
     if cond not in ("0", "1"):
         raise ConfigError(f"DISTCKPT_OBJECT_CONDITIONAL={cond!r} must be 0 or 1", variable="DISTCKPT_OBJECT_CONDITIONAL")
@@ -39,4 +41,5 @@ def settings() -> dict:
         "in_flight": int(objrequest.env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
         "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
         "conditional": cond == "1",
+        "late_s": objrequest.env_float("DISTCKPT_OBJECT_LATE_S", 900.0, 0.0, 7 * 86400.0),
     }

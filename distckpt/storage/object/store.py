@@ -18,16 +18,25 @@ Protocol and the promises it keeps:
     flight from a bounded pool of part buffers; a shard smaller than one part is one PUT). An
     object is visible only once its upload completes, so a crashed rank leaves at most an
     incomplete upload (aborted by the next reclaim) and never a short object.
-  * COMMIT (rank 0): MANIFEST is written last, with a conditional create: the save that loses a
-    race gets CheckpointExistsError and its data is deleted. An overwrite replaces MANIFEST in
-    one PUT (readers see the old MANIFEST and its complete old data, or the new one and its
-    complete new data: the two saves' data live under different save-id prefixes), then deletes
-    the old save's prefix. A server that does not honour conditional creates
-    (``DISTCKPT_OBJECT_CONDITIONAL=0``) gets a HEAD check before the PUT and a read-back after it
-    (the MANIFEST must carry this save's id), so a lost race is still detected.
+  * COMMIT (rank 0): ``C/<save-id>/.publishing`` is written (the time the MANIFEST's request is
+    sent; deleted once the commit is known), then MANIFEST last, with a conditional create: the save that loses a race gets
+    CheckpointExistsError and its data is deleted. An overwrite replaces MANIFEST in one PUT
+    conditional on the ETag of the MANIFEST it read (``If-Match``: an overwrite that lands late,
+    after another save replaced that MANIFEST, fails instead of replacing the newer commit);
+    readers see the old MANIFEST and its complete old data, or the new one and its complete new
+    data (the two saves' data live under different save-id prefixes); then the old save's prefix
+    is deleted. A server that does not honour conditional writes (``DISTCKPT_OBJECT_CONDITIONAL=0``)
+    gets a HEAD check before the PUT and a read-back after it (the MANIFEST must carry this save's
+    id), so a lost race is still detected.
+  * A request distckpt gave up on can still land (a gateway that buffered it forwards it late).
+    So the MANIFEST's request is the only one whose late landing could matter, and it is fenced:
+    an overwrite by its ``If-Match``, a create by its ``If-None-Match`` plus the data it names
+    being kept for ``DISTCKPT_OBJECT_LATE_S`` after ``.publishing`` (below).
   * Reclaim (the next save of C, a manager's save and ``reclaim()``): a ``C/<id>/`` prefix is
     deleted, and incomplete multipart uploads under it aborted, only when MANIFEST does not name
-    ``<id>`` and no live lease (C/.lock or the root's) names it; so a save in flight is never touched.
+    ``<id>``, no live lease (C/.lock or the root's) names it, and it holds no ``.publishing``
+    younger than ``DISTCKPT_OBJECT_LATE_S`` (state ``settling``: its MANIFEST may still land); so a
+    save in flight is never touched, and no late MANIFEST ever lands on deleted data.
   * Reads: ranged GETs of exactly the bytes the load plan asks for (:mod:`distckpt.fill` runs
     several in flight, coalesces neighbours across small gaps and verifies every checksum block).
 """
@@ -38,6 +47,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import time
 from typing import Any, Callable, Iterator, Mapping
 
 from ... import datafile
@@ -59,6 +69,8 @@ __all__ = ["ObjectStore", "translate_error"]
 log = logging.getLogger("distckpt")
 
 LOCK_NAME = ".lock"
+#: Written into a save's data prefix just before its MANIFEST's request is sent (module docstring).
+PUBLISHING_NAME = ".publishing"
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
 
@@ -169,6 +181,13 @@ class ObjectStore(Store):
 
     def _read_small(self, url: str, limit: int) -> bytes | None:
         """The whole object at ``url`` (None when absent), refusing one above ``limit`` bytes."""
+        got = self._read_small_tagged(url, limit)
+        return None if got is None else got[0]
+
+    def _read_small_tagged(self, url: str, limit: int) -> tuple[bytes, str | None] | None:
+        """(the whole object at ``url``, the ETag its HEAD gave) or None when absent, refusing one
+        above ``limit`` bytes. Two requests, each under the deadline of its own size. Should the
+        object change between them, a write conditional on that ETag fails, as it should."""
         try:
             info = self._call("head", url, "info", self._key(url))
             if info.get("type") == "directory":
@@ -176,7 +195,8 @@ class ObjectStore(Store):
             if info["size"] > limit:
                 raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
                                               path=url, expected=f"<= {limit}", found=info["size"])
-            return self._call("get", url, "cat_file", self._key(url), nbytes=info["size"])
+            data = self._call("get", url, "cat_file", self._key(url), nbytes=info["size"])
+            return data, info.get("ETag")
         except NoSuchKey:
             return None
 
@@ -406,14 +426,19 @@ class ObjectStore(Store):
         save_id = _basename(area)
         m = mf.decode_header(manifest)
         self.data_readers(_parent(area), m, list(range(len(m.files))))
-        old = self._read_small(url, mf.MAX_MANIFEST_FILE_BYTES)
-        old_id = None
-        if old is not None:
+        got = self._read_small_tagged(url, mf.MAX_MANIFEST_FILE_BYTES)
+        old_id, old_etag = None, None
+        if got is not None:
             if not overwrite:
                 raise CheckpointExistsError(f"another save committed {final} while this one was writing",
                                             path=final, remedy="Save to another path, or pass overwrite=True.")
-            old_id = mf.decode_header(old, path=url).save_id
-        conditional = settings()["conditional"] and old is None
+            old_id, old_etag = mf.decode_header(got[0], path=url).save_id, got[1]
+        conditional = settings()["conditional"] and (got is None or old_etag is not None)
+        # The time this MANIFEST's request is sent, where a reclaim finds it: until
+        # DISTCKPT_OBJECT_LATE_S later, the request may still land, so the data stays.
+        marker = join(area, PUBLISHING_NAME)
+        self._call("mark the commit", marker, "pipe_file", self._key(marker), save_id.encode(), rank=0,
+                   nbytes=len(save_id))
         timeout = objrequest.request_timeout(len(manifest))
         lease = getattr(self, "_lease", None)
         if lease is not None:
@@ -425,19 +450,30 @@ class ObjectStore(Store):
                     remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S (the endpoint answers slowly).")
             timeout = min(timeout, window)
         try:
-            self._call("write MANIFEST", url, "pipe_file", self._key(url), manifest,
-                       mode="create" if conditional else "overwrite", rank=0, conditional=conditional,
-                       nbytes=len(manifest), timeout_s=timeout)
-        except CheckpointExistsError:
-            # The create lost, or a retried create found the object its own first try wrote
-            # (the answer was lost): only the save id in the MANIFEST there can tell.
-            if self.committed_save_id(final) != save_id:
-                raise
+            if conditional and got is not None:
+                # An overwrite of the MANIFEST read above, and of nothing newer (If-Match).
+                bucket, key, _ = self.fs.split_path(self._key(url))
+                self._s3("write MANIFEST", url, "put_object", Bucket=bucket, Key=key, Body=manifest, IfMatch=old_etag,
+                         rank=0, conditional=True, nbytes=len(manifest), timeout_s=timeout)
+            else:
+                self._call("write MANIFEST", url, "pipe_file", self._key(url), manifest,
+                           mode="create" if conditional else "overwrite", rank=0, conditional=conditional,
+                           nbytes=len(manifest), timeout_s=timeout)
+        except CheckpointExistsError as exc:
+            # The create (or the overwrite of the MANIFEST read) lost, or a retried request found
+            # what its own first try wrote (the answer was lost): only the save id there can tell.
+            there = self.committed_save_id(final)
+            if there != save_id:
+                if got is None:
+                    raise
+                raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} while this one was "
+                                            f"writing (save {there} is there)", path=final, rank=0,
+                                            remedy="Save to another path, or overwrite again.") from exc
         except DistCkptError as exc:
             self._resolve_lost_answer(final, save_id, old_id, exc)
         if not conditional:
-            # Read back: the MANIFEST now there must be this save's. Without a conditional create
-            # (or when two overwrites race) the last PUT wins; the loser learns it here. The PUT
+            # Read back: the MANIFEST now there must be this save's. Without conditional writes
+            # the last PUT wins; the loser learns it here. The PUT
             # succeeded, so a read-back that fails leaves the save committed unless another raced.
             try:
                 back = self.committed_save_id(final)
@@ -446,6 +482,11 @@ class ObjectStore(Store):
             if back != save_id:
                 raise CheckpointExistsError(f"another save replaced the MANIFEST of {final} (read-back found another "
                                             f"save id)", path=final, remedy="Save to another path.")
+        # Committed: the mark has done its job (a deletion that lands late removes nothing else).
+        try:
+            self._call("delete", marker, "rm_file", self._key(marker), rank=0)
+        except (DistCkptError, NoSuchKey) as exc:
+            log.info("distckpt: %s stays after the commit (harmless): %s", marker, exc)
         return join(final, old_id) if old_id and old_id != save_id else None
 
     def _resolve_lost_answer(self, final: str, save_id: str, old_id: str | None, exc: DistCkptError) -> None:
@@ -453,9 +494,10 @@ class ObjectStore(Store):
         may still land: a request can reach the server after the client gave up on it). Read the
         MANIFEST back: this save's id there means committed (return). Otherwise raise, with the
         data kept (``data_kept``): deleting it now could leave a late-landing MANIFEST without its
-        data, and the next save's reclaim deletes it once no MANIFEST names it. Nothing (or the
-        replaced save's id) there: ``exc``, ``committed = False``. Another save's id:
-        CheckpointExistsError. The read-back fails too: ``exc`` marked ``commit_unknown``."""
+        data; a reclaim deletes it once no MANIFEST names it and DISTCKPT_OBJECT_LATE_S has passed.
+        Nothing (or the replaced save's id) there, or the read-back fails: ``exc`` marked
+        ``commit_unknown`` (``committed = None``). Another save's id: CheckpointExistsError (its
+        conditional create or overwrite fences this request off)."""
         try:
             there = self.committed_save_id(final)
         except (DistCkptError, NoSuchKey) as check:
@@ -465,8 +507,10 @@ class ObjectStore(Store):
                         final, exc)
             return
         if there is None or there == old_id:
-            exc.committed, exc.data_kept, exc.save_id = False, True, save_id
-            raise exc
+            # Not there now, but the request may still land (until DISTCKPT_OBJECT_LATE_S; its data
+            # is kept that long): the outcome is not known.
+            raise _outcome_unknown(exc, final, save_id, "the MANIFEST is not there yet, but its request may still "
+                                   f"land within DISTCKPT_OBJECT_LATE_S ({settings()['late_s']:.0f} s)")
         err = CheckpointExistsError(f"another save committed {final} while this one was writing (its MANIFEST, "
                                     f"save {there}, is there; this save's request failed: {exc.message})",
                                     path=final, rank=0, remedy="Save to another path, or pass overwrite=True.")
@@ -478,6 +522,13 @@ class ObjectStore(Store):
 
     def abort(self, area: str, world: int) -> None:
         self.delete_prefix(area)
+
+    def abort_for_retry(self, area: str, world: int) -> None:
+        """Abort the area's incomplete multipart uploads only (each by its upload id: a late abort
+        cannot touch another try's objects). Its completed objects stay: the retry overwrites
+        them under the same keys, or a reclaim deletes them once no save holds the area. A
+        deletion of the prefix now could land after the retry committed and remove its data."""
+        self.abort_uploads(area)
 
     def committed_save_id(self, final: str) -> str | None:
         data = self._read_small(join(final, mf.MANIFEST_NAME), mf.MAX_MANIFEST_FILE_BYTES)
@@ -550,7 +601,8 @@ class ObjectStore(Store):
 
     def leftovers(self, final: str, root_lock: str | None = None) -> list[tuple[str, str]]:
         """(prefix URL, state) of every save-id prefix under ``final`` that MANIFEST does not
-        name: ``alive`` (a live lease names it) or ``dead``. Never writes."""
+        name: ``alive`` (a live lease names it), ``settling`` (its MANIFEST's request was sent less
+        than DISTCKPT_OBJECT_LATE_S ago and may still land) or ``dead``. Never writes."""
         prefixes = {r.split("/", 1)[0] for r in self.objects(final) if "/" in r}
         ids = set(prefixes) | {u.split("/", 1)[0] for u in self._upload_keys(final) if "/" in u}
         ids = {i for i in ids if len(i) == _SAVE_ID_LEN and all(c in "0123456789abcdef" for c in i)}
@@ -561,7 +613,27 @@ class ObjectStore(Store):
         # listed above is named by one of the two if its save is alive or committed.
         live = self._live_ids([join(final, LOCK_NAME)] + ([root_lock] if root_lock else []))
         committed = self.committed_save_id(final)
-        return [(join(final, i), "alive" if i in live else "dead") for i in sorted(ids) if i != committed]
+        out = []
+        for i in sorted(ids):
+            if i != committed:
+                state = "alive" if i in live else "settling" if self._settling(join(final, i)) else "dead"
+                out.append((join(final, i), state))
+        return out
+
+    def _settling(self, prefix: str) -> bool:
+        """Whether the save of ``prefix`` sent its MANIFEST's request less than
+        DISTCKPT_OBJECT_LATE_S ago (its ``.publishing``, by the server's clock): the request may
+        still land, so its data must stay."""
+        url = join(prefix, PUBLISHING_NAME)
+        bucket, key, _ = self.fs.split_path(self._key(url))
+        try:
+            head = self._s3("head", url, "head_object", Bucket=bucket, Key=key)
+        except NoSuchKey:
+            return False
+        when = head.get("LastModified")
+        if when is None:
+            return True  # cannot tell: keep it
+        return time.time() - when.timestamp() < settings()["late_s"]
 
     def reclaim_checkpoint(self, final: str, root_lock: str | None = None, own_id: str | None = None) -> list[str]:
         """Delete the dead leftovers of ``final`` (:meth:`leftovers`); returns their prefixes.
