@@ -779,7 +779,7 @@ static PyObject *Writer_zeros(WriterObject *w, PyObject *arg)
 /* Preallocate the whole file at once when the caller knows its size: one fallocate instead of
  * growing it in steps (each of which waits for the writes in flight). ENOSPC here is a real and
  * early answer (the file cannot fit), so it is raised; a file system without fallocate
- * (EOPNOTSUPP) just gets no preallocation. */
+ * (EOPNOTSUPP) just gets no preallocation. After a reservation nothing is preallocated ahead. */
 static PyObject *Writer_reserve(WriterObject *w, PyObject *arg)
 {
     long long n = PyLong_AsLongLong(arg);
@@ -795,6 +795,10 @@ static PyObject *Writer_reserve(WriterObject *w, PyObject *arg)
     if (n > 0 && (uint64_t)n > w->alloc_end) {
         if (fallocate(w->fd, 0, 0, (off_t)n) == 0) {
             w->alloc_end = (uint64_t)n;
+            /* The file's size is known and allocated: growing it further ahead would only take
+             * free space that the other ranks' files (and every other writer of this file system)
+             * need, and fail their exact allocations on a nearly full disk. */
+            w->prealloc = 0;
         } else if (errno == EOPNOTSUPP || errno == ENOSYS) {
             w->prealloc = 0;
         } else {

@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import io
 import json
+import logging
 import math
 import os
 import pickle
@@ -49,6 +50,8 @@ from typing import Any, Iterator
 from .sizes import size_arg  # argparse type of the size options: the parse error's reason, exit 2
 
 __all__ = ["convert", "ConvertResult", "FORMATS", "add_parser"]
+
+log = logging.getLogger("distckpt")
 
 FORMATS = ("dcp", "torch", "safetensors", "distckpt")
 DEFAULT_MEMORY_LIMIT = 1 << 30
@@ -506,6 +509,8 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
         with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
             f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
         files = files + ["model.safetensors.index.json"]
     result["files"] = [os.path.join(dst, f) for f in files]
     result["tensors"] = len(specs)
@@ -681,7 +686,9 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
     try:
         # each tensor at a 64-byte aligned offset, so every dtype can view its bytes
         total = sum(-(-math.prod(t.shape) * _dtype(t.dtype).itemsize // 64) * 64 for t in src.tensors.values())
-        os.ftruncate(fd, max(total, 1))
+        # Allocated, not sparse: a page of a sparse mapping that the full file system cannot back
+        # is a SIGBUS when touched; here it is ENOSPC now (DiskFullError, from convert()).
+        os.posix_fallocate(fd, 0, max(total, 1))
         mm = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(max(total, 1),))
         os.unlink(tmp)  # the mapping keeps the pages; nothing is left behind on a crash
         tmp = None
@@ -751,7 +758,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
     memory bound does not hold.
 
     Raises:
-        CheckpointExistsError: ``dst`` exists. The errors of :func:`distckpt.read` for the source;
+        CheckpointExistsError: ``dst`` exists. DiskFullError: the destination's file system lacks
+            room for the output (twice its tensor bytes for ``to="distckpt"``: a scratch copy is
+            staged beside it), checked first; other OS errors of the destination as their typed
+            StorageError (StoragePermissionError for a read-only one). The errors of
+            :func:`distckpt.read` for the source;
         UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
         non-tensor value torch.load(weights_only=True) would refuse); ValueError for bad options.
     """
@@ -774,10 +785,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
                                     remedy="Choose a new destination or remove the old one first.")
     _pin_mmap_threshold()
     source = _Source(src_s, allow_pickle=allow_pickle, verify=verify)
+    _check_room(source, dst_s, to)
     try:
         return _convert(source, src_s, dst_s, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
                         dtype=dtype, memory_limit=memory_limit, progress=progress)
-    except BaseException:
+    except BaseException as exc:
         # DST did not exist: whatever is there now is this conversion's unfinished output.
         import shutil
         for leftover in (dst_s, dst_s + ".tmp"):
@@ -785,7 +797,20 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
                 shutil.rmtree(leftover, ignore_errors=True)
             elif os.path.lexists(leftover):
                 os.unlink(leftover)
+        if isinstance(exc, OSError):  # the destination's file system: typed (ENOSPC, EROFS, EACCES...)
+            from .errors import from_os_error
+            raise from_os_error(exc, path=os.path.dirname(dst_s), operation=f"convert --to {to}") from exc
         raise
+
+
+def _check_room(source: _Source, dst_s: str, to: str) -> None:
+    """DiskFullError up front when the destination's file system cannot hold the output (its
+    tensor bytes; twice that for ``--to distckpt``, which stages every tensor in a scratch file
+    beside the destination before saving it), instead of a failure half-way (torch's own zip
+    writer reports a full disk as an unrelated RuntimeError)."""
+    from .storage.posix.guards import check_save_space
+    needed = _tensor_bytes(source, source.tensors) * (2 if to == "distckpt" else 1)
+    check_save_space(os.path.dirname(dst_s), needed)
 
 
 def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max_shard_size: int,
@@ -796,6 +821,11 @@ def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max
     result: dict[str, Any] = {"files": [], "skipped": {}, "tensors": len(source.tensors)}
     total = _tensor_bytes(source, source.tensors)
     bar = _Progress(total, f"{os.path.basename(src_s)} -> {to}", progress)
+    # A directory output is written under DST.tmp and renamed into place once complete, so a
+    # conversion killed half-way never leaves a partial directory under DST (a torch file is
+    # written as DST.tmp and renamed the same way). What a killed run left there goes first.
+    work = dst_s + ".tmp"
+    _remove_stale(work)
     try:
         if to == "distckpt":  # keeps its read buffers open only while it reads (not during the save)
             _to_distckpt(source, dst_s, slice_bytes, bar, result)
@@ -806,15 +836,44 @@ def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max
                 if to == "torch":
                     _to_torch(source, dst_s, slice_bytes, bar, result)
                 elif to == "safetensors":
-                    _to_safetensors(source, dst_s, slice_bytes, bar, result, max_shard_size=max_shard_size,
+                    _to_safetensors(source, work, slice_bytes, bar, result, max_shard_size=max_shard_size,
                                     prefix=prefix, cast=dtype)
                 else:
-                    _to_dcp(source, dst_s, slice_bytes, bar, result)
+                    _to_dcp(source, work, slice_bytes, bar, result)
+            if to in ("safetensors", "dcp"):
+                _publish_dir(work, dst_s)
+                result["files"] = [os.path.join(dst_s, os.path.relpath(f, work)) for f in result["files"]]
     finally:
         bar.close()
     written = sum(_size_of(f) for f in result["files"])
     return ConvertResult(src_s, dst_s, to, result["tensors"], written, result["files"], result["skipped"],
                          time.monotonic() - t0)
+
+
+def _remove_stale(work: str) -> None:
+    """Delete what a killed conversion to the same destination left under its work name."""
+    import shutil
+    if os.path.isdir(work) and not os.path.islink(work):
+        log.warning("distckpt: removing %s, left by a conversion that did not finish", work)
+        shutil.rmtree(work)
+    elif os.path.lexists(work):
+        log.warning("distckpt: removing %s, left by a conversion that did not finish", work)
+        os.unlink(work)
+
+
+def _publish_dir(work: str, dst: str) -> None:
+    """Rename the finished directory ``work`` (its files already fsynced) to ``dst``, durably."""
+    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(work, dst)
+    fd = os.open(os.path.dirname(dst), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _size_of(path: str) -> int:

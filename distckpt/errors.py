@@ -191,7 +191,8 @@ class StorageIOError(StorageError):
     """EIO (at write, read or fsync). Never retried: after a failed fsync the page cache may
     already have dropped the data, so the only safe answer is to fail the save."""
 
-    default_remedy = "The device reported an I/O error: check dmesg and the disk; the save was not committed."
+    default_remedy = ("The device reported an I/O error: check dmesg and the disk. A save that raised it was not "
+                      "committed; a read that raised it left the checkpoint as it was.")
 
 
 class SharedMemoryError(DistCkptError, OSError):

@@ -39,8 +39,8 @@ from . import manifest as mf
 from . import dcp, readonce
 from ._dist import ControlGroup, control_group, is_distributed
 from .chain import ChainLink
-from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError,
-                     DistCkptError, PickleNotAllowedError, ReshardError, StateDictMismatchError, fill_rank)
+from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, CheckpointRemovedError,
+                     ConfigError, DistCkptError, PickleNotAllowedError, ReshardError, StateDictMismatchError, fill_rank)
 from .fill import Part, Task, box_tasks, fill_boxes_of, fill_parts, reading, side_reads
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
 from .gcpause import gc_paused
@@ -584,6 +584,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     except Exception as exc:
         # its rank is recorded by raise_failures
         error = exc
+        if result is not None and isinstance(exc, CheckpointRemovedError):
+            _filled_before_removal(exc, state_dict, result)
     if exchange is not None:
         try:
             exchange.finish(error)
@@ -593,6 +595,22 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     if result is not None and exchange is not None:
         result = dataclasses.replace(result, bytes_from_peers=exchange.received)
     return result
+
+
+def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result: LoadResult) -> None:
+    """The load had finished when the checkpoint was found removed or replaced (the guard's last
+    look): every tensor it was asked for holds verified bytes of the checkpoint as its MANIFEST
+    said at the start, and its values are in place. The error says so (``filled``), as a failed
+    fill's does, so the caller knows its state dict changed."""
+    skipped = set(result.missing) | set(result.mismatched) | set(result.uninitialized)
+    _, items = flatten(state_dict, check_objects=False)
+    filled = sorted(f for f, item in items.items() if isinstance(item, TensorItem) and f not in skipped)
+    exc.filled, exc.partly_filled = filled, []
+    exc.details.update(filled=filled, partly_filled=[])
+    exc.message = (f"{exc.message}; the load had finished before this was seen: {len(filled)} tensor(s) "
+                   f"{filled[:10]} hold verified bytes of the checkpoint as it was when the load began, and its "
+                   f"non-tensor values were put in place")
+    exc.args = (exc.message,)
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:

@@ -67,7 +67,7 @@ class BadBlock:
 
 @dataclasses.dataclass(frozen=True)
 class FileProblem:
-    """A data file that is missing, not a regular file, or of the wrong size."""
+    """A data file that is missing, not a regular file, of the wrong size, or unreadable (EIO...)."""
 
     file: str
     problem: str
@@ -156,7 +156,7 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
     whose index is unreadable, damaged or names an unknown tensor is a file problem: its chunks
     cannot be located, so its bytes are not checked. With every index read, the records must
     tile every tensor (ManifestCorruptError otherwise, as for a damaged MANIFEST)."""
-    from .errors import CheckpointCorruptError
+    from .errors import CheckpointCorruptError, StorageError
     records, kept = {}, []
     for i, entry, (fpath, size) in readable:
         off, length, _ = entry.index
@@ -165,21 +165,25 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
             problem = f"its index (bytes [{off}, {off + length})) lies past the end of the file"
         else:
             buf = mmap.mmap(-1, max(4096, -(-length // 4096) * 4096))  # page-aligned, for O_DIRECT
+            view = memoryview(buf)[:length]
+            raw = None
             try:
                 with opener(fpath) as reader:
-                    view = memoryview(buf)[:length]
                     reader.read_into([(off, length, view)])
-                    raw = bytes(view)
-                    view.release()
+                raw = bytes(view)
+            except StorageError as exc:  # EIO...: this file is a problem, the others are checked
+                problem = f"its index (bytes [{off}, {off + length})) cannot be read ({exc.message})"
             finally:
+                view.release()
                 buf.close()
-            try:
-                recs = mf.parse_index(header, i, raw, mpath)
-                unknown = sorted({fqn for fqn, _ in recs} - set(header.tensors))
-                if unknown:
-                    problem = f"its index names tensors the MANIFEST does not list: {unknown[:5]}"
-            except CheckpointCorruptError as exc:
-                problem = f"its index is damaged ({exc.message})"
+            if raw is not None:
+                try:
+                    recs = mf.parse_index(header, i, raw, mpath)
+                    unknown = sorted({fqn for fqn, _ in recs} - set(header.tensors))
+                    if unknown:
+                        problem = f"its index names tensors the MANIFEST does not list: {unknown[:5]}"
+                except CheckpointCorruptError as exc:
+                    problem = f"its index is damaged ({exc.message})"
         if problem is not None:
             report.file_problems.append(FileProblem(entry.name, problem + ": its chunks cannot be located or checked"))
             continue
@@ -206,6 +210,7 @@ def _iter_blocks(chunks: list, block: int) -> Iterator[_Block]:
 def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, opener,
                 report: VerifyReport, progress: Callable[[int], None] | None,
                 pool: concurrent.futures.Executor) -> None:
+    from .errors import StorageError
     blocks = _iter_blocks(chunks, block)
     cur = next(blocks, None)
     running = 0
@@ -224,7 +229,14 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
             pending = pool.submit(read, 0) if n_windows else None
             try:
                 for k in range(n_windows):
-                    start, n, view = pending.result()
+                    try:
+                        start, n, view = pending.result()
+                    except StorageError as exc:  # EIO...: reported, and the other files are checked
+                        pending = None
+                        report.file_problems.append(FileProblem(
+                            name, f"unreadable from byte {k * window} ({exc.message}): the rest of the file "
+                                  f"is not checked"))
+                        return
                     pending = pool.submit(read, k + 1) if k + 1 < n_windows else None
                     end = start + n
                     while cur is not None and cur.start < end:
@@ -289,7 +301,8 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
         ChainBrokenError: ``path`` is a delta whose chain is broken: a link is missing, not
             committed, does not decode, was replaced by another save or belongs to another chain
             (its field ``link`` names it).
-        StorageError subclass: an I/O error while reading (EIO...).
+        StorageError subclass: an I/O error reading the MANIFEST. An I/O error reading a data
+            file (EIO...) is that file's problem in the report, and the other files are checked.
     """
     if window < 4096 or window % 4096:
         raise ValueError(f"window must be a positive multiple of 4096 bytes, not {window}")

@@ -17,6 +17,8 @@ import distckpt
 from distckpt.convert import _slices, convert, parse_size
 from distckpt.errors import CheckpointExistsError
 
+from ..helpers.faults import mounts  # noqa: F401  (a fixture)
+
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(7)
@@ -223,6 +225,47 @@ def test_failed_conversion_leaves_nothing(tmp_path):
         with pytest.raises(DataFileTruncatedError):
             convert(src, str(dst), to=to)
         assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".tmp"), to
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
+def test_output_appears_whole_and_a_killed_runs_leftover_is_cleared(src, tmp_path, monkeypatch, to):
+    """Directory outputs are written under DST.tmp and renamed into place complete (a conversion
+    killed half-way left a partial DST that a rerun refused as existing); what a killed run left
+    under DST.tmp is removed by the next conversion to DST."""
+    import distckpt.convert as conv
+    dst = str(tmp_path / "out")
+    os.makedirs(dst + ".tmp") if to != "torch" else open(dst + ".tmp", "wb").close()
+    seen = {}
+    real = conv._publish_dir
+
+    def publish(work, final):
+        seen["before"] = os.path.exists(final)
+        real(work, final)
+
+    monkeypatch.setattr(conv, "_publish_dir", publish)
+    convert(src, dst, to=to)
+    assert os.path.exists(dst) and not os.path.exists(dst + ".tmp")
+    if to != "torch":
+        assert seen == {"before": False}  # nothing under DST until the output was complete
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors", "dcp", "distckpt"])
+def test_a_destination_without_room_or_read_only_is_a_typed_error(tmp_path, mounts, to):
+    """A destination that cannot hold the output is DiskFullError before a byte is written
+    (``--to distckpt`` needs twice the tensor bytes: its scratch copy; before, a sparse scratch
+    mapping died of SIGBUS when the disk filled, and torch's zip writer said "unexpected pos"); a
+    read-only one is StoragePermissionError, not a bare OSError. Nothing is left behind."""
+    from distckpt.errors import DiskFullError, StoragePermissionError
+    src = str(tmp_path / "src")
+    distckpt.save({"model": {f"t{i}": torch.randn(1 << 19) for i in range(4)}}, src)  # 8 MiB of tensors
+    small = mounts.tmpfs(tmp_path / "small", size="12m" if to == "distckpt" else "6m")
+    with pytest.raises(DiskFullError) as ei:
+        convert(src, str(small / "out"), to=to)
+    assert ei.value.details["needed"] == (16 << 20 if to == "distckpt" else 8 << 20)
+    assert os.listdir(small) == []
+    ro = mounts.tmpfs(tmp_path / "ro", size="32m", readonly=True)
+    with pytest.raises(StoragePermissionError):
+        convert(src, str(ro / "out"), to=to)
 
 
 def test_convert_module_has_no_heavy_top_level_import():

@@ -383,6 +383,32 @@ def test_read_racing_overwrite_is_reported_as_replaced(tmp_path, monkeypatch, ve
     assert exc.replaced is True and "another directory now has its name" in exc.message
 
 
+def test_a_replacement_seen_after_the_fill_says_what_the_load_filled(tmp_path, monkeypatch):
+    """The overwrite lands after every byte was read and verified (the guard's last look sees
+    it): the caller's tensors and values already hold the checkpoint as it was, and the error
+    says so (``filled``), as a failed fill's does, instead of reading as "nothing changed"."""
+    from distckpt import restore
+    path, other = str(tmp_path / "c"), str(tmp_path / "other")
+    saved = {k: v for k, v in _state().items() if isinstance(v, torch.Tensor)}
+    distckpt.save({**saved, "step": 1}, path)
+    distckpt.save({**saved, "w": saved["w"] + 1, "step": 2}, other)
+    real = restore.fill_parts
+
+    def fill_then_replace(*args, **kwargs):
+        out = real(*args, **kwargs)
+        os.rename(path, path + ".old")
+        os.rename(other, path)  # another job's overwrite lands now
+        return out
+
+    monkeypatch.setattr(restore, "fill_parts", fill_then_replace)
+    mine = {**{k: torch.full_like(v, 7) for k, v in saved.items()}, "step": 0}
+    with pytest.raises(E.CheckpointRemovedError) as ei:
+        distckpt.load(mine, path)
+    assert ei.value.filled == sorted(saved) and ei.value.partly_filled == []
+    assert "the load had finished" in str(ei.value)
+    assert all(torch.equal(mine[k], v) for k, v in saved.items()) and mine["step"] == 1
+
+
 def test_missing_data_file_in_place_is_still_damage(tmp_path):
     """The directory is still there, unchanged: a missing data file is damage, as before."""
     path = str(tmp_path / "c")
@@ -391,3 +417,44 @@ def test_missing_data_file_in_place_is_still_damage(tmp_path):
     with pytest.raises(E.DataFileMissingError) as ei:
         distckpt.read(path)
     assert not isinstance(ei.value, E.CheckpointRemovedError)
+
+
+@pytest.mark.parametrize("where", ["index", "data"])
+def test_verify_reports_an_unreadable_file_and_checks_the_others(tmp_path, monkeypatch, where):
+    """EIO reading one data file (its index at the end, or its data): verify reports that file as a
+    problem, names the error, and still checks the other file, whose blocks all pass; an index
+    that cannot be read no longer surfaces as a BufferError."""
+    import shutil
+    from distckpt.storage.posix.store import PosixStore
+    from distckpt.verify import verify
+    golden = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "v4")
+    path = str(tmp_path / "c")
+    shutil.copytree(golden, path)
+    whole = verify(path)
+    assert whole.ok and whole.files == 2
+    with open(os.path.join(path, "MANIFEST"), "rb") as f:
+        index_at = mf.decode_header(f.read()).files[0].index[0]
+    real = PosixStore.whole_file_readers
+
+    def failing(self, sizes):
+        opener, backend = real(self, sizes)
+
+        def open_one(p):
+            reader = opener(p)
+            if os.path.basename(p) == "rank00000.bin":
+                inner = reader.read_into
+
+                def read_into(requests):
+                    if any((off >= index_at) == (where == "index") for off, _, _ in requests):
+                        raise E.StorageIOError("read failed: [Errno 5] Input/output error", path=p, errno=5)
+                    return inner(requests)
+                reader.read_into = read_into
+            return reader
+        return open_one, backend
+
+    monkeypatch.setattr(PosixStore, "whole_file_readers", failing)
+    report = verify(path)
+    assert not report.ok and [p.file for p in report.file_problems] == ["rank00000.bin"]
+    assert "Input/output error" in report.file_problems[0].problem
+    assert report.bad_blocks == []
+    assert 1 <= report.blocks_checked < whole.blocks_checked  # rank00001.bin's, all good
