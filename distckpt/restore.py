@@ -411,8 +411,13 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
     try:
         _tree, items = flatten(state_dict, check_objects=False)
         if callable(manifest):
-            manifest = manifest([(fqn, Box(tuple(p.offsets), tuple(p.sizes))) for fqn, item in items.items()
-                                 if isinstance(item, TensorItem) for p in item.pieces])
+            try:
+                manifest = manifest([(fqn, Box(tuple(p.offsets), tuple(p.sizes))) for fqn, item in items.items()
+                                     if isinstance(item, TensorItem) for p in item.pieces])
+            except DistCkptError as exc:  # reading the indexes: no byte of the state dict moved yet
+                exc.filled, exc.partly_filled = [], []
+                exc.details.update(filled=[], partly_filled=[])
+                raise
         links = source.links(manifest)
         if links is not None and parts_for is not None:
             raise ConfigError(f"{source.path} is a delta of an incremental chain: it loads from its own directory "

@@ -514,6 +514,22 @@ def edges(out: str) -> None:
                 weights[kind] = {n: p.detach().clone() for n, p in params}
         tied[json.dumps(opts)] = _differences(weights["ds3"], weights["dc3"])
     report["tied_zero3"] = tied
+    # 4. A scheduler state with no value in it (nested empty dicts): zero.save/zero.load round-trip.
+
+    class NoState:
+        def state_dict(self):
+            return {"inner": {}}
+
+        def load_state_dict(self, sd):
+            self.loaded = sd
+
+    f = _edge_engine(2, frozen_seed=1)
+    f.lr_scheduler = NoState()
+    dsd.zero.save(f, os.path.join(root, "zero_empty"))
+    g = _edge_engine(2, frozen_seed=1)
+    g.lr_scheduler = NoState()
+    dsd.zero.load(g, os.path.join(root, "zero_empty"))
+    report["empty_scheduler"] = getattr(g.lr_scheduler, "loaded", None)
     _dump(out, "edges", report)
 
 

@@ -275,7 +275,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
       * exclude_frozen_parameters=True: a load onto a new frozen base keeps it, and a strict load
         fails on the missing key as DeepSpeed's does;
       * ZeRO-3 with tied weights loaded without optimizer states (and module only): the same
-        weights (distckpt's load raised on the tied head's missing key)."""
+        weights (distckpt's load raised on the tied head's missing key);
+      * a scheduler whose state holds no value (nested empty dicts) round-trips through zero."""
     out = str(tmp_path)
     proc = _torchrun(2, out, ["edges"])
     assert proc.returncode == 0, _tail(proc)
@@ -285,6 +286,7 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["milestones_type"] == "Counter", r
         assert r["frozen"] == {"ds": True, "ds_strict": True, "dc": True, "dc_strict": True}, r["frozen"]
         assert len(r["tied_zero3"]) == 2 and all(d == [] for d in r["tied_zero3"].values()), r["tied_zero3"]
+        assert r["empty_scheduler"] == {"inner": {}}, r["empty_scheduler"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

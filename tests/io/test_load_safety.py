@@ -458,3 +458,22 @@ def test_verify_reports_an_unreadable_file_and_checks_the_others(tmp_path, monke
     assert "Input/output error" in report.file_problems[0].problem
     assert report.bad_blocks == []
     assert 1 <= report.blocks_checked < whole.blocks_checked  # rank00001.bin's, all good
+
+
+def test_a_load_that_fails_reading_an_index_says_it_filled_nothing(tmp_path, monkeypatch):
+    """EIO reading a data file's index (before any byte moves): the error says what it filled,
+    nothing (``filled`` / ``partly_filled`` empty, as README promises of a load's read errors),
+    and the caller's state dict is untouched."""
+    from distckpt.storage.posix.store import PosixStore
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+
+    def eio(self, *args, **kwargs):
+        raise E.StorageIOError("read failed: [Errno 5] Input/output error", path=path, errno=5)
+
+    monkeypatch.setattr(PosixStore, "read_index", eio)
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+    with pytest.raises(E.StorageIOError) as ei:
+        distckpt.load(into, path)
+    assert ei.value.filled == [] and ei.value.partly_filled == []
+    assert not into["w"].any() and into["step"] == 0

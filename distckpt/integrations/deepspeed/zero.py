@@ -64,7 +64,7 @@ import torch
 
 from ... import containers
 from ...errors import ReshardError, UnsupportedValueError
-from ...flatten import LocalPieces
+from ...flatten import LocalPieces, flatten
 
 __all__ = ["save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
 
@@ -491,9 +491,16 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
     sd = {"model": model, "optim": optim}
     sched = getattr(engine, "lr_scheduler", None)
     if lr_scheduler and sched is not None and hasattr(sched, "state_dict"):
-        sd["lr_scheduler"] = sched.state_dict()
-        meta["lr_scheduler"] = {"key": "lr_scheduler", "containers": containers.record(sd["lr_scheduler"])}
-    sd[_META] = json.dumps(meta, sort_keys=True)
+        state = sched.state_dict()
+        meta["lr_scheduler"] = {"key": "lr_scheduler", "containers": containers.record(state)}
+        if flatten(state, check_objects=False)[1]:
+            sd["lr_scheduler"] = state
+        else:  # nothing but (nested) empty dicts: no key to read back, so kept here as JSON
+            meta["lr_scheduler"] = {"key": None, "json": state, "containers": meta["lr_scheduler"]["containers"]}
+    try:
+        sd[_META] = json.dumps(meta, sort_keys=True)
+    except (TypeError, ValueError) as exc:  # a leafless scheduler state, or records, JSON cannot hold
+        raise UnsupportedValueError(f"the DeepSpeed metadata is not plain JSON data: {exc}", key=_META) from None
     if client_state is not None:
         sd["client"] = client_state
     return sd, meta
@@ -744,8 +751,8 @@ def _scheduler_state(path: str, meta: dict) -> dict:
         return saved
     from ...restore import read
     key = saved["key"]
-    return containers.rebuild(read(path, keys=[key])[key], saved["containers"],
-                              where=f"{_META}.lr_scheduler.containers", path=path)
+    state = saved["json"] if key is None else read(path, keys=[key])[key]
+    return containers.rebuild(state, saved["containers"], where=f"{_META}.lr_scheduler.containers", path=path)
 
 
 def _has_key(path: str, key: str) -> bool:
