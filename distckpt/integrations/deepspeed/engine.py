@@ -259,7 +259,15 @@ class DistckptCheckpointEngine(CheckpointEngine):
         save_latest = self.save_latest  # the user's save_latest (DeepSpeed's own write is off)
         if _rank() == 0:
             store.reclaim(save_dir)  # leftovers of crashed saves (dead ones only)
-        state, meta = self._state(files)
+        # Every rank builds its own state (ZeRO-3's model states differ per rank): one that cannot
+        # (a container that would not load back as its own type) must fail every rank here, not
+        # leave the others waiting at the save's collective.
+        state = meta = error = None
+        try:
+            state, meta = self._state(files)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        control_group(operation="save_checkpoint()").exchange_outcome(error, operation="save_checkpoint")
         meta.update(engine=FORMAT, tag=str(info.tag), **self._extra_meta)
         self.last_result = save_in_root(state, final,
                                         overwrite=True, metadata={"deepspeed": meta},
