@@ -785,7 +785,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
                                     remedy="Choose a new destination or remove the old one first.")
     _pin_mmap_threshold()
     source = _Source(src_s, allow_pickle=allow_pickle, verify=verify)
-    _check_room(source, dst_s, to)
+    _check_room(source, dst_s, to, prefix, dtype)
     try:
         return _convert(source, src_s, dst_s, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
                         dtype=dtype, memory_limit=memory_limit, progress=progress)
@@ -803,14 +803,24 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
         raise
 
 
-def _check_room(source: _Source, dst_s: str, to: str) -> None:
-    """DiskFullError up front when the destination's file system cannot hold the output (its
-    tensor bytes; twice that for ``--to distckpt``, which stages every tensor in a scratch file
+def _check_room(source: _Source, dst_s: str, to: str, prefix: str | None, dtype: str | None) -> None:
+    """DiskFullError up front when the destination's file system cannot hold the output (the
+    tensor bytes it will write: for safetensors only the tensors under ``prefix``, cast to
+    ``dtype``; twice the bytes for ``--to distckpt``, which stages every tensor in a scratch file
     beside the destination before saving it), instead of a failure half-way (torch's own zip
     writer reports a full disk as an unrelated RuntimeError)."""
+    from . import manifest as mf
     from .storage.posix.guards import check_save_space
-    needed = _tensor_bytes(source, source.tensors) * (2 if to == "distckpt" else 1)
-    check_save_space(os.path.dirname(dst_s), needed)
+    needed = 0
+    for fqn, t in source.tensors.items():
+        d = t.dtype
+        if to == "safetensors":
+            if prefix is not None and not fqn.startswith(prefix):
+                continue
+            if dtype is not None and _dtype(d).is_floating_point:
+                d = dtype
+        needed += math.prod(t.shape) * mf.DTYPE_ITEMSIZE[d]
+    check_save_space(os.path.dirname(dst_s), needed * (2 if to == "distckpt" else 1))
 
 
 def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max_shard_size: int,

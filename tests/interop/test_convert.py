@@ -266,6 +266,9 @@ def test_a_destination_without_room_or_read_only_is_a_typed_error(tmp_path, moun
     ro = mounts.tmpfs(tmp_path / "ro", size="32m", readonly=True)
     with pytest.raises(StoragePermissionError):
         convert(src, str(ro / "out"), to=to)
+    if to == "safetensors":  # what it writes counts: one tensor of the four, cast to bf16, fits
+        res = convert(src, str(small / "out"), to=to, prefix="model.t0", dtype="bf16")
+        assert res.bytes >= 1 << 20 and len(os.listdir(small / "out")) == 1
 
 
 def test_convert_module_has_no_heavy_top_level_import():

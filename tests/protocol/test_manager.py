@@ -373,15 +373,12 @@ def test_save_on_one_rank_only_fails_fast_and_typed(tmp_path):
 def _one_rank_store_fails_before_the_collective(rank, world_size, root):
     """Rank 0's reclaim before a save fails (its store does not answer), then rank 1's own
     listing for a load would fail: neither may leave the other rank waiting at the collective."""
-    import time
     from distckpt.errors import EndpointUnreachableError
     mgr = distckpt.CheckpointManager(root)
     boom = EndpointUnreachableError("list failed: the endpoint did not answer", path=root)
     if rank == 0:
         mgr._store.reclaim = lambda *a, **k: (_ for _ in ()).throw(boom)
-    t0 = time.monotonic()
     mgr.save(3, {"w": torch.arange(4.0)})   # reclaim is housekeeping: the save goes on
-    saved_in = time.monotonic() - t0
     if rank == 1:
         mgr.latest_step = lambda: (_ for _ in ()).throw(boom)  # rank 0 alone lists for a load
     out = {"w": torch.zeros(4)}
@@ -389,13 +386,12 @@ def _one_rank_store_fails_before_the_collective(rank, world_size, root):
     loaded = out["w"].tolist()
     if rank == 0:
         mgr.latest_step = lambda: (_ for _ in ()).throw(boom)
-    t0 = time.monotonic()
     try:
         mgr.load({"w": torch.zeros(4)})
         error = None
     except Exception as exc:  # noqa: BLE001 - the test looks at it
         error = type(exc).__name__
-    return saved_in, loaded, error, time.monotonic() - t0
+    return loaded, error
 
 
 def test_a_store_failing_on_one_rank_before_the_collective_fails_every_rank_at_once(tmp_path):
@@ -405,10 +401,11 @@ def test_a_store_failing_on_one_rank_before_the_collective_fails_every_rank_at_o
     everyone: its failure is every rank's, at once."""
     env = {"DISTCKPT_ARRIVAL_TIMEOUT_S": "30", "DISTCKPT_TIMEOUT_S": "60"}
     res = run_ranks(_one_rank_store_fails_before_the_collective, 2, str(tmp_path), env=env, timeout=150)
-    for rank, (saved_in, loaded, error, failed_in) in enumerate(res):
-        assert saved_in < 20, res
+    # Before: the save raised RanksMissingError on rank 1 (and the listing's error on rank 0 alone);
+    # a rank that waited for the other would raise RanksMissingError, not the store's error.
+    for rank, (loaded, error) in enumerate(res):
         assert loaded == [0.0, 1.0, 2.0, 3.0], res
-        assert error == "EndpointUnreachableError" and failed_in < 20, (rank, res)
+        assert error == "EndpointUnreachableError", (rank, res)
 
 
 # ------------------------------------------------------------------------------------------------
