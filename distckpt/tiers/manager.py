@@ -169,7 +169,7 @@ class TieredCheckpointManager:
         # drained since): the steps a save must not reuse (:meth:`_check_step_free`).
         self._remote_held: dict[int, str] = {}
         try:
-            self._check_remote()
+            remote_up = self._check_remote()
         except BaseException:
             self._release_owner()
             raise
@@ -184,7 +184,7 @@ class TieredCheckpointManager:
         self._saving: set[int] = set()  # steps whose local save is in flight on this rank
         self._first_async = None  # the handle of a first save made with blocking=False
         self._drainer = Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}")
-        for step, save_id in self._undrained():
+        for step, save_id in self._undrained(remote_up):
             log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
                         step, self.remote_root)
             self._drainer.enqueue(step, save_id)
@@ -438,10 +438,16 @@ class TieredCheckpointManager:
     def _vote(self, closing: bool) -> bool:
         return any(self._drain_group.all_gather(closing))
 
-    def _undrained(self) -> list[tuple[int, str]]:
+    def _undrained(self, remote_up: bool) -> list[tuple[int, str]]:
         """(step, save id) of the steps every node's copy makes complete locally and the remote tier
-        does not hold, ascending (collective: the same list on every rank)."""
-        avail, _ = self._availability()  # the remote tier down: every complete local step (each drain checks)
+        does not hold, ascending (collective: the same list on every rank). ``remote_up`` False (the
+        pre-flight found the remote tier dark): the remote tier is not listed, which would wait
+        for a second request deadline, and every complete local step is queued (each drain asks
+        the remote tier first whether it already holds the save)."""
+        if remote_up:
+            avail, _ = self._availability()  # listing fails too: every complete local step
+        else:
+            avail = step_availability(self._group, local_root=self.local_root, remote_root=None, layout=self._layout)
         self._remote_held.update({s: t.remote_save_id for s, t in avail.items() if t.remote_save_id is not None})
         out = []
         for step in sorted(avail):
@@ -494,13 +500,14 @@ class TieredCheckpointManager:
         if lock is not None:
             lock.release()
 
-    def _check_remote(self) -> None:
+    def _check_remote(self) -> bool:
         """The remote tier's pre-flight on rank 0 (an object store: endpoint, credentials, bucket,
         a probe object created and removed). A configuration error (no such bucket, refused
         credentials) is raised on every rank; an outage (the endpoint does not answer, throttling,
         a server error) only warns: local saves and restores from local copies go on, and the
-        drains retry until the remote tier answers."""
-        error = None
+        drains retry until the remote tier answers. Collective. Returns whether the remote tier
+        answered (the same on every rank)."""
+        error, up = None, True
         if self._group.rank == 0 and is_url(self.remote_root):
             from ..storage.object.check import check_object_store
             try:
@@ -508,9 +515,11 @@ class TieredCheckpointManager:
             except (EndpointUnreachableError, ThrottledError) as exc:
                 log.warning("distckpt: the remote tier %s does not answer (%s: %s): saving to the local tier only "
                             "until it does (drains retry)", self.remote_root, type(exc).__name__, exc)
+                up = False
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc
         self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
+        return up if self._group.world_size == 1 else bool(self._group.broadcast(up))
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -690,8 +699,9 @@ class TieredCheckpointManager:
         Collective (every rank closes). Idempotent.
 
         Raises:
-            NotDurableError: steps that did not reach the remote tier (``steps``), each still
-                committed locally; the next manager start drains them.
+            NotDurableError: steps not known to be on the remote tier (``steps``: their drains
+                failed or did not finish in time), each still committed locally; the next manager
+                start drains them (a drain whose save the remote tier already holds is a no-op).
             The error of a local async save that failed unseen (as CheckpointManager.close).
         """
         if self._closed:
@@ -710,7 +720,8 @@ class TieredCheckpointManager:
         if pending:
             states = self._drainer.states()
             first = next((states[s].error for s in pending if states[s].error is not None), None)
-            raise NotDurableError(f"steps {pending} did not reach the remote tier {self.remote_root} "
+            # "Not known to be": a request the remote tier never answered may still have landed.
+            raise NotDurableError(f"steps {pending} are not known to be on the remote tier {self.remote_root} "
                                   f"({', '.join(f'{s}: {states[s].state}' for s in pending)}); they stay committed "
                                   f"locally under {self.local_root}", path=self.remote_root, steps=pending, cause=first,
                                   remedy="Start a TieredCheckpointManager on the same tiers once the remote tier "

@@ -376,3 +376,41 @@ def test_is_retryable_classifies_the_drain_errors():
              e.ManifestCorruptError("bad"), e.ConfigError("bad"), e.PeerLostError("gone"), ValueError("bug")]
     assert [type(x).__name__ for x in retried if not is_retryable(x)] == []
     assert [type(x).__name__ for x in final if is_retryable(x)] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A remote tier that is dark (every request held unanswered) when a manager starts
+
+
+def test_a_manager_started_on_a_dark_remote_waits_one_request_deadline_then_drains_when_it_answers(
+        s3_bucket, s3_server, tmp_path):
+    """The pre-flight finds the remote tier dark: construction warns and goes on after one request
+    deadline (it used to list the remote tier as well, a second deadline), queues every local step
+    not known to be remote, and drains them once the remote tier answers. close() on a dark remote
+    says the steps are *not known* to be there (a held request may still land)."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    opts = _via(s3_bucket.storage_options, px.endpoint)
+    deadline = float(os.environ["DISTCKPT_OBJECT_REQUEST_TIMEOUT_S"])
+    try:
+        px.rule = lambda n, method, path: "stall"
+        mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+        mgr.save(1, _state(1))
+        with pytest.raises(NotDurableError, match="not known to be on the remote tier") as info:
+            mgr.close(timeout=1.0)
+        assert info.value.steps == [1]
+        px.reset_log()
+        t0 = time.monotonic()
+        again = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+        took = time.monotonic() - t0
+        assert took < 1.8 * deadline, f"construction on a dark remote took {took:.1f} s (request deadline {deadline} s)"
+        assert again.status(1).remote in ("queued", "draining", "retrying"), again.status(1)
+        px.rule = lambda n, method, path: None  # the remote tier answers again
+        assert again.wait_durable(1, timeout=60).durable
+        again.close(timeout=60)
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+    assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
+    assert s3_bucket.multipart_uploads() == []
