@@ -680,7 +680,9 @@ class TieredCheckpointManager:
         every rank: a collective error carries them all, the same on each) is a checksum or
         truncation error of a file outside the remote tier; else None. The same answer on every
         rank, so every rank retries from the remote tier together or none does."""
-        failures = list(getattr(exc, "failures", None) or {0: exc}.values())
+        # A collective error carries {rank: error}; its values are the failures (its keys are ranks).
+        by_rank = getattr(exc, "failures", None)
+        failures = list(by_rank.values()) if by_rank else [exc]
         remote = normalize_path(self.remote_root).rstrip("/") + "/"
         paths = []
         for e in failures:
