@@ -102,6 +102,9 @@ def chain_of(path: str | os.PathLike, *, chunks: bool = True) -> list[ChainLink]
             raise _broken(ppath, f"it belongs to another chain than {os.path.basename(child.path)}")
         if pinfo.get("seq") != meta.get("seq", 0) - 1 or pinfo.get("tracked") != meta.get("tracked"):
             raise _broken(ppath, "its position or tracked tensors do not match its child's")
+        if pinfo.get("shapes") != meta.get("shapes"):   # absent from both in chains of older savers
+            raise _broken(ppath, f"its tracked tensors' shapes or dtypes ({pinfo.get('shapes')}) are not its "
+                                 f"child's ({meta.get('shapes')}): the child's rows cannot be composed into it")
         links.append(ChainLink(ppath, pm, pinfo))
     if links[-1].kind != "full":
         raise _broken(links[-1].path, f"the chain ends in a {links[-1].kind!r} link, not a full checkpoint")

@@ -45,7 +45,7 @@ from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, d
 from .verify import verify_chain
 from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
 from .fill import fill_boxes_of
-from .tensorbytes import dtype_from_name
+from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 from .values import decode_value
 
 log = logging.getLogger("distckpt")
@@ -144,7 +144,8 @@ class _DeltaStats:
     """What each rank tells the others before a link is written: its tracked bytes and rows, changed
     and total, whether its tracked tensors or their sharding changed (``unknown``), and (rank 0)
     whether the previous link is still the one this saver wrote (``parent_ok``). Together they decide,
-    the same way on every rank, whether the link is a delta or a full checkpoint."""
+    the same way on every rank, whether the link is a delta or a full checkpoint. ``replicas``: a
+    delta leaves its tracked tensors out of the save, so their replicas are checked here."""
 
     changed_bytes: int
     total_bytes: int
@@ -152,6 +153,7 @@ class _DeltaStats:
     total_rows: int
     unknown: bool
     parent_ok: bool
+    replicas: dict   # {fqn: digest} of this rank's plain tracked tensors that save's ``replicated`` checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +315,13 @@ def _rehash_written(t: torch.Tensor, row_dim: int, prev: torch.Tensor,
 # Saving
 
 
+def _shapes(items: dict, rows: dict) -> dict[str, list]:
+    """{fqn: [global shape, dtype name]} of the tracked tensors: a link records them, and a delta
+    is written only against a link whose tensors had the same (a delta's rows are composed into
+    its base's tensor: another shape or dtype would be cut or rounded to the base's)."""
+    return {f: [[int(v) for v in items[f].shape], dtype_name(items[f].dtype)] for f in sorted(rows)}
+
+
 def _link_path(path: str | os.PathLike, operation: str) -> str:
     """A link's absolute local path (``file://`` URLs accepted). Raises ConfigError for an object
     store URL: chains are resolved and composed from sibling local directories (``os.path`` on an
@@ -404,11 +413,13 @@ class IncrementalSaver:
         group = control_group(process_group, operation="IncrementalSaver.resume()")
         path = _link_path(path, "IncrementalSaver.resume()")
         links = chain_of(path)
-        _items, rows, pieces = self._local(state_dict, group)
+        items, rows, pieces = self._local(state_dict, group)
         meta = links[0].meta
         if meta.get("chain") is None or sorted(rows) != [f for f, _d in meta.get("tracked", [])] \
-                or any(rows[f] != d for f, d in meta.get("tracked", [])):
-            self._digests, self._refs, self._link = {}, {}, None   # not a chain of these tensors: next save is full
+                or any(rows[f] != d for f, d in meta.get("tracked", [])) or meta.get("shapes") != _shapes(items, rows):
+            # Not a chain of these tensors (other keys, row dims, global shapes or dtypes: a model
+            # loaded onto another plan or in another dtype): the next save is full.
+            self._digests, self._refs, self._link = {}, {}, None
             return
         self._digests = {_piece_key(f, p.offsets, p.sizes): dg for f, _j, _i, p, dg, _r in pieces}
         self._refs = {_piece_key(f, p.offsets, p.sizes): r for f, _j, _i, p, _dg, r in pieces}
@@ -432,7 +443,7 @@ class IncrementalSaver:
         """
         from .save_sync import save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
-                                                          "IncrementalSaver.save()")
+                                                          "IncrementalSaver.save()", save_kwargs.get("replicated", "check"))
         try:
             result = save_in_root(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
         except DistCkptError as exc:
@@ -462,7 +473,8 @@ class IncrementalSaver:
         """
         from .save_async import async_save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
-                                                          "IncrementalSaver.async_save()")
+                                                          "IncrementalSaver.async_save()",
+                                                          save_kwargs.get("replicated", "check"))
 
         def outcome(result, error) -> None:   # on the save's thread, before its handle reports done
             if result is not None or getattr(error, "committed", False) is True:
@@ -482,17 +494,24 @@ class IncrementalSaver:
             pending.wait()
 
     def _prepare(self, state_dict: Any, path: str | os.PathLike, process_group: Any, metadata: dict | None,
-                 force_full: bool, operation: str) -> tuple[str, dict, dict, list, dict]:
+                 force_full: bool, operation: str, replicated: Any) -> tuple[str, dict, dict, list, dict]:
         """The full/delta decision (collective) and what to save: (the link's absolute path, state
         dict to save, chain metadata, this rank's pieces with their digests, the MANIFEST's user
-        metadata). Raises ConfigError for an object store URL before any collective."""
+        metadata). ``replicated``: save's option of that name (which plain tensors must be equal on
+        every rank holding them).
+
+        Raises ConfigError for an object store URL before any collective; StateDictMismatchError
+        (on every rank) when a delta's plain tracked tensor differs between ranks, as a full save
+        would."""
         from ._dist import control_group
-        from .storage.posix.manifests import load_manifest
+        from .saveplan import check_replicated_option, inconsistent_ranks, replica_problems, tensor_digests
+        checked = check_replicated_option(replicated)
         self._wait_pending()
         path = _link_path(path, operation)
         group = control_group(process_group, operation=operation)
         items, rows, pieces = self._local(state_dict, group)
         tracked = [[f, rows[f]] for f in sorted(rows)]
+        shapes = _shapes(items, rows)
         changed_bytes = total_bytes = changed_rows = total_rows = 0
         unknown = False
         selections = []
@@ -516,12 +535,16 @@ class IncrementalSaver:
         link = self._link
         parent_ok = False
         if link is not None and group.rank == 0 and os.path.dirname(link["path"]) == os.path.dirname(path):
+            # The whole chain, not only the parent: a delta on a chain whose older link was
+            # deleted or replaced would be committed, listed, and never load.
             try:
-                parent_ok = load_manifest(link["path"]).save_id == link["save_id"]
+                parent_ok = chain_of(link["path"], chunks=False)[0].manifest.save_id == link["save_id"]
             except DistCkptError:
                 parent_ok = False
+        plain = [f for f in sorted(rows) if items[f].kind == "tensor" and checked(f)] if group.world_size > 1 else []
+        replicas = dict(zip(plain, tensor_digests([items[f].pieces[0].tensor for f in plain])))
         stats = group.all_gather(_DeltaStats(changed_bytes, total_bytes, changed_rows, total_rows, bool(unknown),
-                                             parent_ok))
+                                             parent_ok, replicas))
         c_bytes, t_bytes = sum(s.changed_bytes for s in stats), sum(s.total_bytes for s in stats)
         pol = self.policy
         why = None
@@ -530,11 +553,14 @@ class IncrementalSaver:
         elif link is None:
             why = "no previous link"
         elif not stats[0].parent_ok:
-            why = f"the previous link {link['path']} is gone, replaced or in another directory"
+            why = f"the previous link {link['path']} or a link it depends on is gone, replaced or in another directory"
         elif any(s.unknown for s in stats):
             why = "tracked tensors or their sharding changed since the previous link"
         elif link.get("tracked") != tracked:
             why = "the tracked tensors changed"
+        elif link.get("shapes") != shapes:
+            why = ("the tracked tensors' global shapes or dtypes changed" if "shapes" in link
+                   else "the previous link does not record its tensors' shapes and dtypes (an older distckpt)")
         elif link["seq"] + 1 >= pol.full_every:
             why = f"full_every={pol.full_every}"
         elif c_bytes > pol.max_delta_fraction * t_bytes:
@@ -543,9 +569,12 @@ class IncrementalSaver:
             why = f"the chain's deltas would exceed max_chain_fraction={pol.max_chain_fraction}"
         name = os.path.basename(path)
         if why is None:
+            problems = replica_problems([st.replicas for st in stats])
+            if problems:   # the same on every rank: each raises before the save's collective
+                raise inconsistent_ranks(problems)
             info = {"format": FORMAT, "kind": "delta", "chain": link["chain"], "seq": link["seq"] + 1,
                     "base": link["base"], "parent": os.path.basename(link["path"]),
-                    "parent_save_id": link["save_id"], "tracked": tracked,
+                    "parent_save_id": link["save_id"], "tracked": tracked, "shapes": shapes,
                     "chain_bytes": link.get("chain_bytes", 0) + c_bytes, "link_bytes": c_bytes,
                     "tracked_bytes": t_bytes, "rows_written": sum(s.changed_rows for s in stats),
                     "rows_total": sum(s.total_rows for s in stats)}
@@ -565,7 +594,7 @@ class IncrementalSaver:
             to_save[DELTA_ROOT] = records
         else:
             info = {"format": FORMAT, "kind": "full", "chain": uuid.uuid4().hex, "seq": 0, "base": name,
-                    "parent": None, "parent_save_id": None, "tracked": tracked, "chain_bytes": 0,
+                    "parent": None, "parent_save_id": None, "tracked": tracked, "shapes": shapes, "chain_bytes": 0,
                     "link_bytes": t_bytes, "tracked_bytes": t_bytes, "rows_written": sum(s.total_rows for s in stats),
                     "rows_total": sum(s.total_rows for s in stats), "why": why}
             info = group.broadcast(info)   # one chain id for every rank
@@ -811,6 +840,12 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
                 mask = torch.zeros(szs[0], dtype=torch.bool)
                 mask[keep - first] = True
             dtype = dtype_from_name(link.manifest.tensors[parts["rows"]].dtype, path=link.path)
+            if dtype != tv.dtype and dtype_name(tv.dtype) not in EXACT_CASTS.get(dtype_name(dtype), ()):
+                # Rows composed into the base's tensor would be rounded to its dtype: a chain whose
+                # tensors changed dtype mid-way, written before links recorded their dtypes (a
+                # saver now starts a full link instead).
+                raise _broken(link.path, f"{fqn}: its rows are {dtype_name(dtype)}, the chain's base holds "
+                                         f"{dtype_name(tv.dtype)}: they cannot be composed without rounding")
             reqs.append((parts["rows"], tuple(offs), tuple(szs),
                          _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype, mask), fqn))
         reads.append((link.path, link.manifest, reqs))

@@ -47,7 +47,7 @@ from .gcpause import gc_paused
 from .incremental import DELTA_ROOT, Target, link_error, plan_deltas
 from .plan import Box, plan_reads
 from .source import Source, open_source
-from .tensorbytes import dtype_from_name, dtype_name
+from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 from .values import decode_value
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "read_box", "read_boxes", "fill_boxes",
@@ -120,25 +120,6 @@ def _describe(entry) -> str:
         return f"{entry.dtype}{list(entry.shape)}"
     return f"object({entry.kind})"
 
-
-#: Saved dtype -> dtypes that hold every one of its values exactly: load converts these without
-#: being asked (``cast="exact"``, the default). Anything else needs ``cast="allow"``.
-EXACT_CASTS: dict[str, frozenset[str]] = {
-    "float16": frozenset({"float32", "float64"}),
-    "bfloat16": frozenset({"float32", "float64"}),
-    "float32": frozenset({"float64"}),
-    "float8_e4m3fn": frozenset({"float16", "bfloat16", "float32", "float64"}),
-    "float8_e5m2": frozenset({"float16", "bfloat16", "float32", "float64"}),
-    "complex64": frozenset({"complex128"}),
-    "bool": frozenset({"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}),
-    "uint8": frozenset({"int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
-                        "float32", "float64"}),
-    "int8": frozenset({"int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}),
-    "int16": frozenset({"int32", "int64", "float32", "float64"}),
-    "uint16": frozenset({"int32", "int64", "uint32", "uint64", "float32", "float64"}),
-    "int32": frozenset({"int64", "float64"}),
-    "uint32": frozenset({"int64", "uint64", "float64"}),
-}
 
 # TorchRec's raw fused-optimizer state of row-wise optimizers is 1-D, [rows * column blocks]: its
 # global shape depends on the sharding plan, so no plan-independent box math can reshard it.

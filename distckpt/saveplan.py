@@ -48,7 +48,8 @@ from .plan import (Box, assign_owners, choose_checksum_block_counted, find_tilin
 from .tensorbytes import dtype_name, host_bytes
 from .values import value_digest
 
-__all__ = ["GlobalPlan", "PlannedSave", "plan_save", "check_replicated_option", "RankLayout", "LayoutMessage",
+__all__ = ["GlobalPlan", "PlannedSave", "plan_save", "check_replicated_option", "tensor_digests", "replica_problems",
+           "inconsistent_ranks", "RankLayout", "LayoutMessage",
            "SameLayoutMessage", "PlanReply", "Resend", "PlanRejected", "RanksFailed"]
 
 # fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes,
@@ -86,7 +87,7 @@ def check_replicated_option(replicated: Any) -> Callable[[str], bool]:
                       remedy="Pass replicated='check' (default), 'rank0', or a set of fqns that are rank-0-wins.")
 
 
-def _tensor_digests(tensors: list) -> list[int]:
+def tensor_digests(tensors: list) -> list[int]:
     """A digest of each tensor's bytes, to tell a real replica from a tensor that only shares a key.
     CPU: crc32c of the bytes. Other devices: a position-weighted sum computed on the device (no
     copy of the whole tensor to the host), all of one device's digests read back with one
@@ -204,7 +205,7 @@ def _summarize(items: dict[str, TensorItem | ObjectItem], tree: dict, rank: int,
             # Every rank encodes its own values: a key may exist on some ranks only (per-rank
             # dataloader state), and values under a shared key are compared in _merge_plan.
             objects[fqn] = object_entry(fqn, item.value, allow_pickle=allow_pickle)
-    digests = dict(zip((f for f, _ in to_digest), _tensor_digests([t for _, t in to_digest])))
+    digests = dict(zip((f for f, _ in to_digest), tensor_digests([t for _, t in to_digest])))
     return {"tensors": tensors, "objects": objects, "tree": tree, "digests": digests, "grid": grid,
             "meshes": meshes}
 
@@ -555,14 +556,7 @@ def _merge_plan(summaries: list[RankLayout | SameLayoutMessage], checked: Callab
     meta = layout.tensors
     problems = list(layout.early)
     # Plain tensors under one key on several ranks are written once: they must be real replicas.
-    digests: dict[str, dict[int, list[int]]] = {}
-    for r, s in enumerate(summaries):
-        for fqn, d in s.digests.items():
-            digests.setdefault(fqn, {}).setdefault(d, []).append(r)
-    for fqn, groups in sorted(digests.items()):
-        if len(groups) > 1:
-            problems.append(f"plain tensor {fqn!r} differs between ranks ({_ranks_text(groups)}), so it is not a "
-                            f"replica")
+    problems += replica_problems([s.digests for s in summaries])
     objects: dict[str, tuple[str, Any]] = {}
     values: dict[str, dict[bytes, list[int]]] = {}
     for r, s in enumerate(summaries):
@@ -577,16 +571,32 @@ def _merge_plan(summaries: list[RankLayout | SameLayoutMessage], checked: Callab
             problems.append(f"value {fqn!r} differs between ranks ({_ranks_text(groups)})")
     problems += layout.late
     if problems:
-        differ = any("differs between ranks" in p for p in problems)
-        raise StateDictMismatchError(
-            "the ranks' state dicts do not describe one consistent checkpoint: " + "; ".join(problems[:10]),
-            remedy=("A value that is legitimately different per rank needs a per-rank key (e.g. "
-                    "f'rng.rank_{rank}'); to keep the lowest rank's value as DCP does, pass "
-                    "replicated='rank0' or replicated={'key', ...} to save." if differ else
-                    "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
-                    "that holds it, with one dtype and shape."))
+        raise inconsistent_ranks(problems)
     return GlobalPlan(meta, layout.owners, layout.total_bytes, objects, layout.tree, layout.checksum_block,
                        n_chunks=layout.n_chunks, compact=layout.compact, where=layout.where, meshes=layout.meshes)
+
+
+def replica_problems(digests: list[dict[str, int]]) -> list[str]:
+    """The plain tensors whose digests (one {fqn: digest} per rank, ranks not holding or not
+    checking a key leave it out) differ between ranks, each as a problem naming the ranks."""
+    by_fqn: dict[str, dict[int, list[int]]] = {}
+    for r, d in enumerate(digests):
+        for fqn, v in d.items():
+            by_fqn.setdefault(fqn, {}).setdefault(v, []).append(r)
+    return [f"plain tensor {fqn!r} differs between ranks ({_ranks_text(groups)}), so it is not a replica"
+            for fqn, groups in sorted(by_fqn.items()) if len(groups) > 1]
+
+
+def inconsistent_ranks(problems: list[str]) -> StateDictMismatchError:
+    """The error of a save whose ranks' state dicts do not describe one checkpoint."""
+    differ = any("differs between ranks" in p for p in problems)
+    return StateDictMismatchError(
+        "the ranks' state dicts do not describe one consistent checkpoint: " + "; ".join(problems[:10]),
+        remedy=("A value that is legitimately different per rank needs a per-rank key (e.g. "
+                "f'rng.rank_{rank}'); to keep the lowest rank's value as DCP does, pass "
+                "replicated='rank0' or replicated={'key', ...} to save." if differ else
+                "Sharded tensors must tile their global shape; a key must be a tensor on every rank "
+                "that holds it, with one dtype and shape."))
 
 
 @dataclasses.dataclass

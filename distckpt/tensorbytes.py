@@ -20,7 +20,7 @@ import torch
 
 from .errors import ManifestCorruptError
 
-__all__ = ["dtype_name", "dtype_from_name", "host_bytes", "writable_bytes"]
+__all__ = ["EXACT_CASTS", "dtype_name", "dtype_from_name", "host_bytes", "writable_bytes"]
 
 _DTYPES: dict[str, torch.dtype] = {}
 for _name in dir(torch):
@@ -79,3 +79,23 @@ def writable_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("writable_bytes needs a contiguous CPU tensor")
     return _view_of(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+#: Saved dtype -> dtypes that hold every one of its values exactly: load converts these without
+#: being asked (``cast="exact"``, the default). Anything else needs ``cast="allow"``.
+EXACT_CASTS: dict[str, frozenset[str]] = {
+    "float16": frozenset({"float32", "float64"}),
+    "bfloat16": frozenset({"float32", "float64"}),
+    "float32": frozenset({"float64"}),
+    "float8_e4m3fn": frozenset({"float16", "bfloat16", "float32", "float64"}),
+    "float8_e5m2": frozenset({"float16", "bfloat16", "float32", "float64"}),
+    "complex64": frozenset({"complex128"}),
+    "bool": frozenset({"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}),
+    "uint8": frozenset({"int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
+                        "float32", "float64"}),
+    "int8": frozenset({"int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"}),
+    "int16": frozenset({"int32", "int64", "float32", "float64"}),
+    "uint16": frozenset({"int32", "int64", "uint32", "uint64", "float32", "float64"}),
+    "int32": frozenset({"int64", "float64"}),
+    "uint32": frozenset({"int64", "uint64", "float64"}),
+}

@@ -293,106 +293,118 @@ def _dense_table_pieces(table: _Table, param: torch.Tensor, value: torch.Tensor,
 
 
 def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group: Any) -> _Canon:
+    """The model's and optimizers' state in a plan-independent form, the same description on
+    every rank. Collective (one all-gather over distckpt's control group, bounded by
+    DISTCKPT_TIMEOUT_S). Raises UnsupportedValueError (a layout it cannot describe) or another
+    rank's error on every rank: a rank that fails alone never leaves the others waiting."""
     _require()
-    import torch.distributed as dist
+    from .._dist import _portable, control_group
 
-    model_sd = model.state_dict()
-    tables = _tables(model, model_sd)
-    entries: dict[str, dict[str, _Entry]] = {}
-    opt_meta: dict[str, dict] = {}
+    def describe():   # this rank's part, before the exchange
+        model_sd = model.state_dict()
+        tables = _tables(model, model_sd)
+        entries: dict[str, dict[str, _Entry]] = {}
+        opt_meta: dict[str, dict] = {}
 
-    # Fused (TorchRec) optimizer state.
-    fused = getattr(model, "fused_optimizer", None)
-    if fused is not None:
-        for prefix, leaf in _fused_leaves(fused):
-            if not _is_fused(leaf):
-                continue
-            kind = _fused_kind(leaf)
-            state = leaf.state_dict()["state"]
-            for pkey in leaf.params:
-                fqn = _join(prefix, pkey)
-                table = tables.get(fqn)
-                if table is None:
-                    raise UnsupportedValueError(f"fused optimizer parameter {fqn!r} is not a table of the plan", key=fqn)
-                opt_meta[fqn] = {"kind": kind, "hyper": {}}
-                for skey, value in state.get(pkey, {}).items():
-                    name = skey.rsplit(".", 1)[-1]
-                    shape = _gshape(value)
-                    pieces = _pieces(value)
-                    if shape == (table.rows, table.dim):
-                        ent = _Entry("elementwise", shape, _gdtype(value), pieces)
-                    elif len(shape) == 1 and shape[0] == table.rows * (len(table.cols) - 1 if not table.row_split else 1):
-                        ent = _Entry("rowwise", (len(table.cols) - 1, table.rows), _gdtype(value),
-                                     _rowwise_pieces(table, pieces, fused=True))
-                    else:
-                        raise UnsupportedValueError(f"fused optimizer state {skey!r} of {fqn!r} has global shape "
-                                                    f"{list(shape)}: layout not supported", key=fqn)
-                    entries.setdefault(fqn, {})[name] = ent
+        # Fused (TorchRec) optimizer state.
+        fused = getattr(model, "fused_optimizer", None)
+        if fused is not None:
+            for prefix, leaf in _fused_leaves(fused):
+                if not _is_fused(leaf):
+                    continue
+                kind = _fused_kind(leaf)
+                state = leaf.state_dict()["state"]
+                for pkey in leaf.params:
+                    fqn = _join(prefix, pkey)
+                    table = tables.get(fqn)
+                    if table is None:
+                        raise UnsupportedValueError(f"fused optimizer parameter {fqn!r} is not a table of the plan", key=fqn)
+                    opt_meta[fqn] = {"kind": kind, "hyper": {}}
+                    for skey, value in state.get(pkey, {}).items():
+                        name = skey.rsplit(".", 1)[-1]
+                        shape = _gshape(value)
+                        pieces = _pieces(value)
+                        if shape == (table.rows, table.dim):
+                            ent = _Entry("elementwise", shape, _gdtype(value), pieces)
+                        elif len(shape) == 1 and shape[0] == table.rows * (len(table.cols) - 1 if not table.row_split else 1):
+                            ent = _Entry("rowwise", (len(table.cols) - 1, table.rows), _gdtype(value),
+                                         _rowwise_pieces(table, pieces, fused=True))
+                        else:
+                            raise UnsupportedValueError(f"fused optimizer state {skey!r} of {fqn!r} has global shape "
+                                                        f"{list(shape)}: layout not supported", key=fqn)
+                        entries.setdefault(fqn, {})[name] = ent
 
-    # Dense optimizers (DDP parts, data-parallel tables, dense-kernel tables).
-    names = {id(p): n for n, p in model.named_parameters()}
-    dense_opts = []
-    groups_meta = []
-    for oi, top in enumerate(optimizers):
-        leaves = [leaf for _p, leaf in _fused_leaves(top) if not _is_fused(leaf)]
-        for leaf in leaves:
-            kind = _dense_kind(leaf)
-            keyed = getattr(leaf, "params", None)
-            extra_names = {id(p): n for n, p in keyed.items()} if isinstance(keyed, dict) else {}
-            pmap = {}
-            hyper_of = {}
-            for group in leaf.param_groups:
-                for p in group["params"]:
-                    hyper_of[id(p)] = _hyper(group)
-            groups_meta.append([_hyper(g) for g in leaf.param_groups])
-            for p, pstate in leaf.state.items():
-                fqn = names.get(id(p)) or extra_names.get(id(p))
-                if fqn is None:
-                    raise UnsupportedValueError("a dense optimizer holds state for a parameter that is not in the model",
-                                                remedy="Pass only optimizers over this model's parameters.")
-                pmap[fqn] = p
-                opt_meta[fqn] = {"kind": kind, "hyper": hyper_of.get(id(p), {})}
-                table = tables.get(fqn)
-                for name, value in pstate.items():
-                    if not isinstance(value, torch.Tensor):
-                        continue
-                    if value.numel() == 1 and value.dim() <= 1:
-                        ent = _Entry("scalar", tuple(value.shape), value.dtype, [((0,) * value.dim(), tuple(value.shape), value)])
-                    elif table is not None and table.sharding != "data_parallel":
-                        layout, pieces = _dense_table_pieces(table, p, value, name)
-                        shape = (table.rows, table.dim) if layout == "elementwise" else (len(table.cols) - 1, table.rows)
-                        ent = _Entry(layout, shape, _gdtype(value), pieces)
-                    elif table is not None and value.dim() == 1 and value.shape[0] == table.rows:
-                        ent = _Entry("rowwise", (1, table.rows), _gdtype(value),
-                                     [((0, 0), (1, table.rows), value.reshape(1, table.rows))])
-                    elif table is not None and tuple(value.shape) == (table.rows, table.dim):
-                        ent = _Entry("elementwise", tuple(value.shape), value.dtype, [((0, 0), tuple(value.shape), value)])
-                    else:
-                        ent = _Entry("plain", tuple(value.shape), value.dtype, [((0,) * value.dim(), tuple(value.shape), value)])
-                    entries.setdefault(fqn, {})[name] = ent
-            dense_opts.append((leaf, pmap))
+        # Dense optimizers (DDP parts, data-parallel tables, dense-kernel tables).
+        names = {id(p): n for n, p in model.named_parameters()}
+        dense_opts = []
+        groups_meta = []
+        for oi, top in enumerate(optimizers):
+            leaves = [leaf for _p, leaf in _fused_leaves(top) if not _is_fused(leaf)]
+            for leaf in leaves:
+                kind = _dense_kind(leaf)
+                keyed = getattr(leaf, "params", None)
+                extra_names = {id(p): n for n, p in keyed.items()} if isinstance(keyed, dict) else {}
+                pmap = {}
+                hyper_of = {}
+                for group in leaf.param_groups:
+                    for p in group["params"]:
+                        hyper_of[id(p)] = _hyper(group)
+                groups_meta.append([_hyper(g) for g in leaf.param_groups])
+                for p, pstate in leaf.state.items():
+                    fqn = names.get(id(p)) or extra_names.get(id(p))
+                    if fqn is None:
+                        raise UnsupportedValueError("a dense optimizer holds state for a parameter that is not in the model",
+                                                    remedy="Pass only optimizers over this model's parameters.")
+                    pmap[fqn] = p
+                    opt_meta[fqn] = {"kind": kind, "hyper": hyper_of.get(id(p), {})}
+                    table = tables.get(fqn)
+                    for name, value in pstate.items():
+                        if not isinstance(value, torch.Tensor):
+                            continue
+                        if value.numel() == 1 and value.dim() <= 1:
+                            ent = _Entry("scalar", tuple(value.shape), value.dtype, [((0,) * value.dim(), tuple(value.shape), value)])
+                        elif table is not None and table.sharding != "data_parallel":
+                            layout, pieces = _dense_table_pieces(table, p, value, name)
+                            shape = (table.rows, table.dim) if layout == "elementwise" else (len(table.cols) - 1, table.rows)
+                            ent = _Entry(layout, shape, _gdtype(value), pieces)
+                        elif table is not None and value.dim() == 1 and value.shape[0] == table.rows:
+                            ent = _Entry("rowwise", (1, table.rows), _gdtype(value),
+                                         [((0, 0), (1, table.rows), value.reshape(1, table.rows))])
+                        elif table is not None and tuple(value.shape) == (table.rows, table.dim):
+                            ent = _Entry("elementwise", tuple(value.shape), value.dtype, [((0, 0), tuple(value.shape), value)])
+                        else:
+                            ent = _Entry("plain", tuple(value.shape), value.dtype, [((0,) * value.dim(), tuple(value.shape), value)])
+                        entries.setdefault(fqn, {})[name] = ent
+                dense_opts.append((leaf, pmap))
 
-    # DTensor output mode: the core recognizes torch's LocalShardsWrapper but not TorchRec's own
-    # class (torchrec.distributed.shards_wrapper.LocalShardsWrapper), and would fall back to the
-    # (wrong) placements. Describe those values by their local shard offsets here instead.
-    from torch.distributed.tensor import DTensor
-    dt_model = {k: _Entry("weight", _gshape(v), _gdtype(v), _pieces(v))
-                for k, v in model_sd.items() if isinstance(v, DTensor)}
+        # DTensor output mode: the core recognizes torch's LocalShardsWrapper but not TorchRec's own
+        # class (torchrec.distributed.shards_wrapper.LocalShardsWrapper), and would fall back to the
+        # (wrong) placements. Describe those values by their local shard offsets here instead.
+        from torch.distributed.tensor import DTensor
+        dt_model = {k: _Entry("weight", _gshape(v), _gdtype(v), _pieces(v))
+                    for k, v in model_sd.items() if isinstance(v, DTensor)}
 
-    # Every rank must describe the same keys: gather the description and take the union.
-    local = {
-        "dt": {k: [(list(o), list(s)) for o, s, _t in e.pieces] for k, e in dt_model.items()},
-        "opt": opt_meta,
-        "ent": {f: {n: (e.layout, list(e.shape), str(e.dtype).replace("torch.", ""),
-                        [(list(o), list(s)) for o, s, _t in e.pieces]) for n, e in st.items()}
-                for f, st in entries.items()},
-    }
-    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
-    gathered = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, local, group=process_group)
-    else:
-        gathered = [local]
+        # Every rank must describe the same keys: gather the description and take the union.
+        local = {
+            "dt": {k: [(list(o), list(s)) for o, s, _t in e.pieces] for k, e in dt_model.items()},
+            "opt": opt_meta,
+            "ent": {f: {n: (e.layout, list(e.shape), str(e.dtype).replace("torch.", ""),
+                            [(list(o), list(s)) for o, s, _t in e.pieces]) for n, e in st.items()}
+                    for f, st in entries.items()},
+        }
+        return model_sd, tables, entries, opt_meta, dense_opts, groups_meta, dt_model, local
+
+    group = control_group(process_group, operation="distckpt.integrations.torchrec")
+    error, described = None, None
+    try:
+        described = describe()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange below
+        error = exc
+    gathered = group.all_gather((described[-1] if described else None, _portable(error)))
+    group.raise_failures([e for _l, e in gathered], error, operation="distckpt.integrations.torchrec")
+    model_sd, tables, entries, opt_meta, dense_opts, groups_meta, dt_model, _local = described
+    world = group.world_size
+    gathered = [g for g, _e in gathered]
     all_opt: dict[str, dict] = {}
     all_ent: dict[str, dict[str, list]] = {}
     for k, e in dt_model.items():
@@ -571,8 +583,11 @@ def _saved_meta(path: str, process_group: Any) -> dict:
     return meta
 
 
-def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str) -> dict[str, str | None]:
-    """{target state name: saved state name, or None (keep the target's value)} for one parameter."""
+def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str,
+               in_model: bool = True) -> dict[str, str | None]:
+    """{target state name: saved state name, or None (keep the target's value)} for one parameter.
+    ``in_model``: whether the target model has the parameter (else its saved state has nowhere to
+    go because the table or parameter itself is gone, which the error says)."""
     tstates = (target or {}).get("states", {})
     sstates = (saved or {}).get("states", {})
     if saved is None and target is None:
@@ -582,10 +597,17 @@ def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str) -> 
             return {}
         raise ReshardError(f"the checkpoint has no optimizer state for {fqn!r}; the target's {target['kind']} "
                            f"has {sorted(tstates)}", path=path, key=fqn,
-                           remedy="Restore with the optimizer setup the checkpoint was saved with.")
+                           remedy="Restore with the optimizer setup the checkpoint was saved with (a table "
+                                  "or parameter the checkpoint lacks altogether is named by the model's "
+                                  "own error with strict=True).")
     if target is None:
         if not sstates:
             return {}
+        if not in_model:
+            raise ReshardError(f"the checkpoint has {fqn!r} with {saved['kind']} state {sorted(sstates)}, and the "
+                               f"model has no such table or parameter", path=path, key=fqn,
+                               remedy="Restore into a model with the checkpoint's tables (distckpt inspect "
+                                      "lists them).")
         raise ReshardError(f"the checkpoint has {saved['kind']} state {sorted(sstates)} for {fqn!r}, but no "
                            f"optimizer passed to load owns that parameter", path=path, key=fqn,
                            remedy="Pass the dense optimizer(s) that own it (optimizers=[...]).")
@@ -635,7 +657,7 @@ def _rowwise_plan(fqn: str, saved_cols: list[int], target_cols: list[int], appro
 
 def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequence[Any] = (),
          extra: dict | None = None, approximate_rowwise: bool = False, process_group: Any = None,
-         verify: bool = True):
+         verify: bool = True, strict: bool = True, cast: str = "exact"):
     """Restore a checkpoint written from :func:`state_dict` into ``model`` (any plan, any world size)
     and its optimizers, in place. Collective over ``process_group``.
 
@@ -645,6 +667,13 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
         extra: a dict whose values are replaced/filled from the saved ``extra`` (same keys).
         approximate_rowwise: allow per-row optimizer state to be converted between different column
             splits by an overlap-width-weighted mean (documented approximation; default: raise).
+        strict, cast: as for :func:`distckpt.load` (``strict=False``: model keys the checkpoint
+            lacks keep their values and are listed in ``missing``; ``cast="allow"``: narrowing
+            dtype conversions, rounding as DCP does).
+
+    A dense optimizer that has not stepped yet (Adam, AdamW: their state is created at the first
+    step) is given its state first, as DCP's ``set_state_dict`` does (one step with zero
+    gradients and a learning rate of 0), when the checkpoint holds state for its parameters.
 
     Returns:
         distckpt.LoadResult.
@@ -659,13 +688,15 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
     from ..restore import load as _load
     path = os.path.abspath(os.fspath(path))
     saved = _saved_meta(path, process_group)
+    _init_lazy_optimizers(model, list(optimizers), saved)
     canon = _canonical(model, list(optimizers), process_group)
     tmeta = canon.meta
     load_optim: dict[str, dict[str, Any]] = {}
     approx_jobs = []
+    in_model = set(tmeta["tables"]) | {n for n, _p in model.named_parameters()}
     for fqn in sorted(set(saved["optim"]) | set(tmeta["optim"])):
         smeta, tm = saved["optim"].get(fqn), tmeta["optim"].get(fqn)
-        mapping = _state_map(fqn, smeta, tm, path)
+        mapping = _state_map(fqn, smeta, tm, path, in_model=fqn in in_model)
         used = set()
         for tname, sname in mapping.items():
             if sname is None:
@@ -698,7 +729,7 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
         sd["extra"] = extra
     elif saved.get("has_extra"):
         sd["extra"] = saved["_saved_extra"]
-    result = _load(sd, path, process_group=process_group, verify=verify)
+    result = _load(sd, path, process_group=process_group, verify=verify, strict=strict, cast=cast)
     with torch.no_grad():
         for entry, full, weights in approx_jobs:
             for (b, r0), (_one, n), t in entry.pieces:
@@ -713,6 +744,25 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
         model.load_state_dict(canon.model_sd)
         _restore_groups(canon, saved)
     return result
+
+
+def _init_lazy_optimizers(model: torch.nn.Module, optimizers: list, saved: dict) -> None:
+    """Give each dense optimizer leaf that has no state yet, while the checkpoint holds state for
+    one of its parameters, the state its first step would create (torch's own
+    ``_init_optim_state``, which DCP's ``set_state_dict`` uses: zero gradients, lr 0, one step):
+    its state is then described and filled like any other. Same on every rank (each checks its
+    own leaves against the same saved metadata)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    names = {id(p): n for n, p in model.named_parameters()}
+    for top in optimizers:
+        for _prefix, leaf in _fused_leaves(top):
+            if _is_fused(leaf) or leaf.state:
+                continue
+            keyed = getattr(leaf, "params", None)
+            extra_names = {id(p): n for n, p in keyed.items()} if isinstance(keyed, dict) else {}
+            owned = {names.get(id(p)) or extra_names.get(id(p)) for g in leaf.param_groups for p in g["params"]}
+            if any(saved["optim"].get(f, {}).get("states") for f in owned if f is not None):
+                _init_optim_state(leaf)
 
 
 def _restore_groups(canon: _Canon, saved: dict) -> None:

@@ -231,10 +231,10 @@ def test_nccl_fsdp2_resume_is_bit_identical(tmp_path):
 def test_replica_digest_of_lazy_views_on_the_gpu():
     # The replica check digests plain tensors on their device; a conj/neg view digests the values
     # it stands for (it used to raise an untyped view error for a conj view on a GPU).
-    from distckpt.saveplan import _tensor_digests
+    from distckpt.saveplan import tensor_digests
     c = torch.complex(torch.randn(100), torch.randn(100)).cuda()
     x = torch.randn(1001).cuda()
-    got = _tensor_digests([c.conj(), c.conj().resolve_conj(), x._neg_view(), -x, x])
+    got = tensor_digests([c.conj(), c.conj().resolve_conj(), x._neg_view(), -x, x])
     assert got[0] == got[1] and got[2] == got[3] and got[3] != got[4]
 
 

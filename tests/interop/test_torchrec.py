@@ -392,3 +392,48 @@ def test_dense_kernel_row_sharded_optimizer_state(tmp_path):
     # rank 0: a, b, d (row halves), c (dim 4 is one column block: TorchRec's minimum), e; rank 1: a, b, d, f
     assert [r[0] for r in res] == [5, 4], res
     run_ranks(_dense_kernel_one, 1, str(tmp_path), timeout=240)
+
+
+def _lazy_adam_and_one_rank_failure_body(rank, world, root):
+    """(1) A dense Adam (its state created at the first step) over the DDP part and the
+    data-parallel table: a fresh model and a fresh Adam load the checkpoint (the state is created
+    first, as DCP's set_state_dict does) and re-save it bit-identical. (2) A description error on
+    one rank alone (rank 0 passes an optimizer over a parameter the model does not have) is raised
+    on every rank, typed, instead of leaving the other rank waiting in the collective."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from distckpt.errors import UnsupportedValueError
+    from distckpt.integrations import torchrec as dtr
+
+    def adam(dmp):
+        return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                     lambda ps: torch.optim.Adam(ps, lr=0.01))
+    dmp, _ = build(rank, world, P_SAVE2)
+    dense = adam(dmp)
+    train(dmp, dense, 0, rank, world)
+    dtr.save(dmp, os.path.join(root, "adam"), optimizers=[dense])
+    fresh, _ = build(rank, world, P_SAVE2)   # a restarted job: the same plan, a fresh model
+    fresh_adam = adam(fresh)
+    assert not fresh_adam.state   # Adam has no state before its first step
+    dtr.load(fresh, os.path.join(root, "adam"), optimizers=[fresh_adam])
+    dtr.save(fresh, os.path.join(root, "adam_again"), optimizers=[fresh_adam])
+    a, b = read_all(os.path.join(root, "adam")), read_all(os.path.join(root, "adam_again"))
+    assert any("exp_avg" in st for st in a["optim"].values())
+    assert_same_state(a, b)
+
+    stray = torch.nn.Parameter(torch.ones(3))
+    other = torch.optim.Adagrad([stray], lr=0.1)
+    stray.grad = torch.ones(3)
+    other.step()
+    try:
+        dtr.save(dmp, os.path.join(root, "bad"), optimizers=[dense, other] if rank == 0 else [dense])
+    except UnsupportedValueError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_lazy_dense_optimizer_loads_and_a_one_rank_failure_fails_every_rank(tmp_path):
+    out = run_ranks(_lazy_adam_and_one_rank_failure_body, 2, str(tmp_path), timeout=300)
+    assert all("not in the model" in o for o in out), out
+    assert not os.path.exists(os.path.join(str(tmp_path), "bad"))

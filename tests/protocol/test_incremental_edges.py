@@ -1,0 +1,147 @@
+"""Incremental chains at their edges (distckpt.incremental, docs/INCREMENTAL.md): a delta is
+written only against a chain it can be composed into exactly.
+
+* a tracked tensor whose dtype or global shape changed (a model loaded in another dtype or onto
+  another column split, then resumed) starts a full link: a delta's rows are composed into the
+  base's tensor, so they would be rounded to its dtype or cut to its shape;
+* a chain written before links recorded their tensors' shapes and dtypes, whose delta rows are
+  wider than its base's dtype, is refused at load (ChainBrokenError), never rounded;
+* a chain whose older link was deleted makes the next save full (the previous link alone being
+  there is not enough);
+* a delta checks the replicas of plain tracked tensors across ranks, as a full save does
+  (StateDictMismatchError on every rank; ``replicated="rank0"`` opts out).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import distckpt
+import distckpt.incremental as inc
+from distckpt.errors import ChainBrokenError, StateDictMismatchError
+from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of
+from tests.helpers.distributed import RankError, run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+POLICY = dict(rows={"emb": 0}, full_every=10, max_delta_fraction=0.9, max_chain_fraction=5.0)
+
+
+def _emb(dtype=torch.float16, cols: int = 8) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"emb": torch.randn(200, cols, generator=g).to(dtype), "step": 0}
+
+
+def _kinds(path: str) -> list[str]:
+    return [link.meta["kind"] for link in chain_of(path)]
+
+
+def test_a_dtype_change_starts_a_full_link(tmp_path):
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    sd = _emb(torch.float16)
+    saver.save(sd, tmp_path / "s1")
+    sd["emb"][3] += 1
+    saver.save(sd, tmp_path / "s2")
+    assert saver.last_kind == "delta"
+    # The job restarts in fp32 (loaded with an exact widening cast, then resumed: the digests are
+    # the fp32 rows'), and writes values fp16 cannot hold.
+    wide = {"emb": sd["emb"].float(), "step": 3}
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    saver.resume(wide, tmp_path / "s2")
+    wide["emb"][5] = 1.0 + 2.0 ** -20
+    saver.save(wide, tmp_path / "s3")
+    assert saver.last_kind == "full"
+    assert _kinds(str(tmp_path / "s3")) == ["full"]
+    wide["emb"][7] = 3.0 + 2.0 ** -19
+    saver.save(wide, tmp_path / "s4")
+    assert saver.last_kind == "delta"
+    got = distckpt.read(str(tmp_path / "s4"))["emb"]
+    assert got.dtype == torch.float32 and torch.equal(got, wide["emb"])
+
+
+def test_a_chain_that_changed_dtype_before_links_recorded_it_is_refused(tmp_path, monkeypatch):
+    """Chains written by savers that did not record shapes and dtypes (monkeypatched here) may
+    hold fp32 rows over an fp16 base: the load refuses them rather than round the rows."""
+    monkeypatch.setattr(inc, "_shapes", lambda items, rows: None)
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    sd = _emb(torch.float16)
+    saver.save(sd, tmp_path / "s1")
+    wide = {"emb": sd["emb"].float(), "step": 1}
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    saver.resume(wide, tmp_path / "s1")
+    wide["emb"][5] = 1.0 + 2.0 ** -20
+    saver.save(wide, tmp_path / "s2")
+    assert saver.last_kind == "delta"   # what the old saver did
+    monkeypatch.undo()
+    with pytest.raises(ChainBrokenError, match="cannot be composed without rounding"):
+        distckpt.read(str(tmp_path / "s2"))
+    target = {"emb": torch.zeros(200, 8), "step": -1}
+    with pytest.raises(ChainBrokenError, match="cannot be composed without rounding"):
+        distckpt.load(target, str(tmp_path / "s2"))
+
+
+def test_a_shape_change_starts_a_full_link_also_after_resume(tmp_path):
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    sd = _emb(torch.float32, cols=8)
+    saver.save(sd, tmp_path / "s1")
+    sd["emb"][3] += 1
+    saver.save(sd, tmp_path / "s2")
+    assert saver.last_kind == "delta"
+    # The same rows, fewer columns (per-row state of another column split): the same saver...
+    narrow = {"emb": sd["emb"][:, :4].clone(), "step": 2}
+    saver.save(narrow, tmp_path / "s3")
+    assert saver.last_kind == "full"
+    # ...and a new saver resumed from the wide chain onto the narrow state.
+    again = IncrementalSaver(IncrementalPolicy(**POLICY))
+    again.resume(narrow, tmp_path / "s2")
+    narrow["emb"][9] += 1
+    again.save(narrow, tmp_path / "s4")
+    assert again.last_kind == "full"
+    assert torch.equal(distckpt.read(str(tmp_path / "s4"))["emb"], narrow["emb"])
+
+
+def test_a_deleted_older_link_makes_the_next_save_full(tmp_path):
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    sd = _emb(torch.float32)
+    for i in (1, 2, 3):
+        sd["emb"][i] += 1
+        saver.save(sd, tmp_path / f"s{i}")
+    assert _kinds(str(tmp_path / "s3")) == ["delta", "delta", "full"]
+    shutil.rmtree(tmp_path / "s2")   # s3, the previous link, is still there; its chain is not
+    sd["emb"][4] += 1
+    saver.save(sd, tmp_path / "s4")
+    assert saver.last_kind == "full"
+    assert torch.equal(distckpt.read(str(tmp_path / "s4"))["emb"], sd["emb"])
+
+
+def _diverging_replica(rank: int, world: int, root: str, replicated: str) -> str:
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    sd = _emb(torch.float32)   # a plain tensor: a replica on every rank
+    saver.save(sd, f"{root}/s1")
+    sd["emb"][3] += 1
+    if rank == 1:
+        sd["emb"][4] += 1   # rank 1's copy is no replica any more
+    try:
+        saver.save(sd, f"{root}/s2", replicated=replicated)
+    except StateDictMismatchError as exc:
+        return f"StateDictMismatchError: {exc}"
+    return saver.last_kind
+
+
+def test_a_delta_checks_plain_tensor_replicas_like_a_full_save(tmp_path):
+    out = run_ranks(_diverging_replica, 2, str(tmp_path / "check"), "check", timeout=240)
+    assert all(o.startswith("StateDictMismatchError") and "'emb' differs between ranks" in o for o in out), out
+    assert _kinds(str(tmp_path / "check" / "s1")) == ["full"]
+    assert not (tmp_path / "check" / "s2").exists()
+    try:
+        out = run_ranks(_diverging_replica, 2, str(tmp_path / "rank0"), "rank0", timeout=240)
+    except RankError as exc:  # pragma: no cover - the message is the diagnosis
+        pytest.fail(str(exc))
+    assert out == ["delta", "delta"]
+    got = distckpt.read(str(tmp_path / "rank0" / "s2"))["emb"]
+    want = _emb(torch.float32)["emb"]
+    want[3] += 1
+    assert torch.equal(got, want)   # rank 0's copy, as asked
