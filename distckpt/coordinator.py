@@ -17,6 +17,7 @@ its staging, then phases 2-4 on a thread of its own, holding :data:`SAVE_GATE` t
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
@@ -27,10 +28,44 @@ from .saveplan import plan_save
 
 __all__ = ["SAVE_GATE", "save_collective"]
 
+class _SaveGate:
+    """A lock (``acquire``/``release``, or ``with``) that a forked child gets fresh.
+
+    Why not a plain Lock: a child forked while an async save holds the gate (a DataLoader
+    worker, a multiprocessing fork) would inherit it held, with no thread left in the child to
+    release it, and a save in the child would wait forever. The child did not start the
+    parent's save, so it starts with the gate free (``os.register_at_fork`` below). Modules bind
+    the name ``SAVE_GATE`` at import, so the object stays and only its lock is replaced."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> "_SaveGate":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    def _reset_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+
 # One save at a time per process: a save issues collectives on the control group, and every rank
 # must issue them in the same order. An async save holds the gate from its PLAN until its verdict
 # (released by its background thread), so a later save, sync or async, waits for it.
-SAVE_GATE = threading.Lock()
+SAVE_GATE = _SaveGate()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=SAVE_GATE._reset_in_child)
 
 
 def save_collective(

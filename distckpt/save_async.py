@@ -33,6 +33,9 @@ Invariants:
     (``result()`` joins it) and every fd of the save is closed. At interpreter exit a save in
     flight is finished (its thread is non-daemon, and an exit hook says it is waiting), never left
     half-committed: the commit protocol makes a killed save invisible.
+  * A forked child (DataLoader workers, multiprocessing fork) inherits none of it: not the saves in
+    flight (its exit does not wait for them, their failures are not raised in it), not the save
+    gate, not the staging segments; it can save on its own.
 """
 
 from __future__ import annotations
@@ -145,6 +148,21 @@ _exit_hook_registered = False
 # the handle; the error must still surface).
 _UNSEEN_FAILURES: list[AsyncSaveHandle] = []
 _FAILED_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (DataLoader worker, multiprocessing fork) forgets the parent's async saves:
+    it did not start them, their threads do not exist in it (waiting for them at its exit would
+    never end), and their outcome is the parent's to report. The lock may have been inherited
+    held. The save gate and the staging pool reset themselves (coordinator, staging.pool)."""
+    global _INFLIGHT, _FAILED_LOCK
+    _INFLIGHT = weakref.WeakSet()
+    _UNSEEN_FAILURES.clear()
+    _FAILED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def wait_for_saves() -> None:

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -236,6 +238,20 @@ class StagingPool:
         self._idle: list[Segment] = []
         self._pending = 0  # bytes of reservations still being prepared
         self.allocations = 0  # segments allocated so far (tests / benchmarks: reuse is visible)
+        # Segments inherited from the parent by a forked child: referenced forever, never freed
+        # or reused (see _forget_after_fork).
+        self._inherited: list[Segment] = []
+        _POOLS.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: start empty, with a fresh lock. The idle segments are the parent's
+        (pinned ones registered with the parent's CUDA context, which the child must not call);
+        the child keeps them referenced, so their ``__del__`` never runs, and never hands them to
+        a save. Reservation threads do not exist in the child: nothing is pending."""
+        self._lock = threading.Lock()
+        self._inherited.extend(self._idle)
+        self._idle = []
+        self._pending = 0
 
     # -- reservations ------------------------------------------------------------------------
     def reserve(self, sizes: list[int], *, pin: bool | None = None) -> StagingReservation:
@@ -375,6 +391,18 @@ class StagingPool:
             seg.free()
         return freed
 
+
+# Every pool of this process (the process-wide one; tests make private ones), for the fork hook.
+_POOLS: "weakref.WeakSet[StagingPool]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _POOL = StagingPool()
 

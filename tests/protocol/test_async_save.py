@@ -4,6 +4,7 @@ flight, 2 real gloo ranks, and CheckpointManager.save(blocking=False) with rotat
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -347,6 +348,74 @@ def test_killed_with_a_save_in_flight_is_all_or_nothing(tmp_path, delay):
         # The leftover tmp dir (if any) is never loadable and is reclaimed by the next save.
         distckpt.save({"a": torch.arange(64 << 20, dtype=torch.int32), "b": torch.ones(1000)}, path)
         _check_all_or_nothing(path, expect_committed=True)
+
+
+_FORK_CHILD = """
+import json, os, sys, threading, time, multiprocessing as mp
+import torch, distckpt
+import distckpt.save_async as sa
+from distckpt.commit import finish_save
+from distckpt.staging.pool import staging_pool
+root = {root!r}
+distckpt.async_save({{"w": torch.arange(1 << 16)}}, root + "/warm", no_dist=True).result()  # the pool keeps segments
+release = threading.Event()
+
+def slow_finish(*args, **kwargs):  # the parent's save stays in flight (gate held) until released
+    assert release.wait(120)
+    return finish_save(*args, **kwargs)
+
+h = sa.async_save_in_root({{"w": torch.arange(1 << 16)}}, root + "/parent", finish=slow_finish, no_dist=True)
+
+def child_saves(name):  # small tensors: a forked child must not use the parent's OpenMP pool
+    info = {{"idle": staging_pool().idle_bytes()}}
+    distckpt.async_save({{"c": torch.ones(1000)}}, root + "/" + name + "_async", no_dist=True).result(timeout=60)
+    distckpt.save({{"c": torch.ones(10)}}, root + "/" + name, no_dist=True)
+    with open(root + "/" + name + ".json", "w") as f:
+        json.dump(info, f)
+
+def wait_child(pid):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+pid = os.fork()
+if pid == 0:
+    try:
+        child_saves("fork")
+    except BaseException:
+        os._exit(2)
+    sys.exit(0)  # a normal interpreter exit: runs the exit hooks
+fork_rc = wait_child(pid)
+p = mp.get_context("fork").Process(target=child_saves, args=("mp",))
+p.start()
+mp_rc = wait_child(p.pid)
+emit({{"fork": fork_rc, "mp": mp_rc, "parent_done": h.done()}})
+release.set()
+h.result(timeout=60)
+"""
+
+
+def test_a_forked_child_does_not_inherit_saves_in_flight(tmp_path):
+    """A child forked while an async save is in flight (DataLoader workers, multiprocessing fork,
+    os.fork) exits at once (its exit hook does not wait for the parent's save), can save itself
+    (the save gate and the staging pool are not inherited held or shared), and the parent's save
+    still commits."""
+    root = str(tmp_path)
+    r = run_python(_FORK_CHILD.format(root=root), timeout=150)
+    r.check()
+    assert r.data == {"fork": 0, "mp": 0, "parent_done": False}
+    for name in ("fork", "mp"):
+        with open(os.path.join(root, name + ".json")) as f:
+            assert json.load(f) == {"idle": 0}  # the parent's idle segments are not the child's
+        assert torch.equal(distckpt.read(os.path.join(root, name))["c"], torch.ones(10))
+        assert torch.equal(distckpt.read(os.path.join(root, name + "_async"))["c"], torch.ones(1000))
+    assert torch.equal(distckpt.read(os.path.join(root, "parent"))["w"], torch.arange(1 << 16))
 
 
 # -------------------------------------------------------------------------------------------------
