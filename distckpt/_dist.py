@@ -114,6 +114,14 @@ class ControlGroup:
 
         return self._wrap("scatter", run)
 
+    def members(self) -> tuple[int, ...]:
+        """The global ranks of this group in group-rank order; ``()`` for a one-rank group. The
+        same on every rank of the group, whatever its channel: a key for "this group of ranks"."""
+        if self.world_size == 1 or self.pg is None:
+            return ()
+        import torch.distributed as dist
+        return tuple(dist.get_process_group_ranks(self.pg))
+
     def _global(self, group_rank: int) -> int:
         import torch.distributed as dist
         return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank

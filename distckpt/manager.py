@@ -211,8 +211,12 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
-        from .save_async import raise_background_failure
-        raise_background_failure()
+        from .save_async import raise_background_failure, wait_for_saves
+        # Decided with every rank before anything of this save runs (all raise, or none does),
+        # once the save still in flight has finished: it may yet fail.
+        wait_for_saves()
+        raise_background_failure(None if kwargs.get("no_dist") else
+                                 control_group(self.process_group, operation="CheckpointManager.save()"))
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
         # Rank 0 alone, before the save's collective: nothing here may raise on one rank only (the
@@ -364,7 +368,8 @@ class CheckpointManager:
         :func:`distckpt.load` raises, and first the error of an earlier async save of this process
         that nobody waited for."""
         from .save_async import raise_background_failure
-        raise_background_failure()
+        raise_background_failure(None if kwargs.get("no_dist") else
+                                 control_group(self.process_group, operation="CheckpointManager.load()"))
         if step is None:
             step = self._agreed_latest_step()
         if self.storage_options is not None:

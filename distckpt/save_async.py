@@ -29,6 +29,10 @@ Invariants:
     ``result()`` / ``exception()`` returned its error) is raised -- the same exception object, its
     original class -- at this process's next ``save`` / ``async_save`` / CheckpointManager call
     (:func:`raise_background_failure`), and logged as an error at interpreter exit if still unseen.
+    The failure of a collective save (several ranks) is decided with every rank, at the next
+    collective save or load on the same ranks: it counts as seen when any rank took it from its
+    handle; otherwise every rank raises it at that same call. A rank never skips a save its peers
+    run (which would pair different saves across ranks).
   * Nothing is left behind: once :meth:`~AsyncSaveHandle.done` is true the worker thread has ended
     (``result()`` joins it) and every fd of the save is closed. At interpreter exit a save in
     flight is finished (its thread is non-daemon, and an exit hook says it is waiting), never left
@@ -48,9 +52,10 @@ import time
 import weakref
 from typing import Any, Callable
 
-from ._dist import ControlGroup, control_group
+from ._dist import ControlGroup, _portable, control_group
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
+from .errors import collective_error
 from .saveplan import plan_save
 from .staging.pool import reserve_staging_memory, stage, staging_pool
 from .storage.posix.probe import ensure_sigxfsz_ignored
@@ -81,6 +86,9 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._observed = False  # result()/exception() handed its outcome to someone
+        # A save of several ranks: (the group's global ranks, its number among this process's
+        # collective async saves on them), the same on every rank; None for a one-rank save.
+        self._collective: tuple[tuple[int, ...], int] | None = None
 
     def done(self) -> bool:
         """True once the save has committed or failed (its thread has no more work)."""
@@ -132,7 +140,11 @@ class AsyncSaveHandle:
         self._result, self._error = result, error
         if error is not None:
             with _FAILED_LOCK:
-                if not self._observed:
+                if self._collective is not None:
+                    # Whether it was seen is decided with the other ranks (raise_background_failure),
+                    # whatever this rank does with its handle.
+                    _COLLECTIVE_FAILURES.append(self)
+                elif not self._observed:
                     _UNSEEN_FAILURES.append(self)
         self._event.set()
 
@@ -144,9 +156,13 @@ class AsyncSaveHandle:
 # In-flight handles (weak: a finished save does not keep its handle alive).
 _INFLIGHT: "weakref.WeakSet[AsyncSaveHandle]" = weakref.WeakSet()
 _exit_hook_registered = False
-# Failed saves whose error nobody has taken yet (strong references: the caller may have dropped
-# the handle; the error must still surface).
+# Failed one-rank saves whose error nobody has taken yet (strong references: the caller may have
+# dropped the handle; the error must still surface).
 _UNSEEN_FAILURES: list[AsyncSaveHandle] = []
+# Failed collective saves not yet decided with the other ranks (seen or not by this rank).
+_COLLECTIVE_FAILURES: list[AsyncSaveHandle] = []
+# group members -> how many collective async saves this process started on them.
+_COLLECTIVE_SEQ: dict[tuple[int, ...], int] = {}
 _FAILED_LOCK = threading.Lock()
 
 
@@ -158,6 +174,8 @@ def _after_fork_in_child() -> None:
     global _INFLIGHT, _FAILED_LOCK
     _INFLIGHT = weakref.WeakSet()
     _UNSEEN_FAILURES.clear()
+    _COLLECTIVE_FAILURES.clear()
+    _COLLECTIVE_SEQ.clear()
     _FAILED_LOCK = threading.Lock()
 
 
@@ -171,23 +189,85 @@ def wait_for_saves() -> None:
         h._event.wait()
 
 
-def raise_background_failure() -> None:
+def raise_background_failure(group: ControlGroup | None = None) -> None:
     """Raise the error of an async save of this process that failed with nobody waiting on its
     handle: the same exception object (its original class), with a note saying where it came
     from. Every such failure is reported once (the oldest is raised; the others are named in its
     note). Does nothing when there is none; does not wait for saves in flight.
 
+    ``group`` None or of one rank: this process alone decides, and only the failures of its
+    one-rank saves (``no_dist``, a one-rank group) are raised; a collective save's failure waits
+    for a call with its group.
+
+    ``group`` of several ranks: collective (every rank of ``group`` calls it, at the same call: the
+    start of a collective save or load, after this process's saves on it have finished). One
+    all-gather of what each rank has unseen, then every rank takes the same decision:
+
+      * a failed collective save on these ranks counts as seen when any rank took its error from
+        its handle (nothing is raised for it); otherwise every rank raises its own error of that
+        save (the same class everywhere: its verdict was broadcast);
+      * a failed one-rank save of some rank: that rank raises its error, every other rank a
+        collective error naming it (:func:`distckpt.errors.collective_error`), so that no rank
+        goes on into a collective its peers skip.
+
     Called by ``save``, ``async_save`` and the CheckpointManager's calls, so a background failure
-    reaches the training loop at its next checkpoint call at the latest."""
-    with _FAILED_LOCK:
-        failed = list(_UNSEEN_FAILURES)
-        _UNSEEN_FAILURES.clear()
-        for h in failed:
-            h._observed = True
-    if not failed:
+    reaches the training loop at its next checkpoint call at the latest.
+
+    Raises:
+        The failed save's own error (see above); a collective error naming the ranks whose own
+        failure is raised; PeerLostError when the exchange itself fails (nothing is marked seen).
+    """
+    if group is None or group.world_size == 1:
+        with _FAILED_LOCK:
+            failed = list(_UNSEEN_FAILURES)
+            _UNSEEN_FAILURES.clear()
+            for h in failed:
+                h._observed = True
+        if failed:
+            _raise_oldest(failed)
         return
+    key = group.members()
+    with _FAILED_LOCK:
+        local = list(_UNSEEN_FAILURES)
+        pending = [h for h in _COLLECTIVE_FAILURES if h._collective is not None and h._collective[0] == key]
+    report = None  # the common case: nothing to tell (a few bytes)
+    if local or pending:
+        report = ({h._collective[1]: h._observed for h in pending},  # type: ignore[index]
+                  _portable(local[0]._error) if local else None)
+    reports = group.all_gather(report)
+    with _FAILED_LOCK:  # decided: none of these is reported again
+        for h in local:
+            h._observed = True
+            if h in _UNSEEN_FAILURES:
+                _UNSEEN_FAILURES.remove(h)
+        for h in pending:
+            if h in _COLLECTIVE_FAILURES:
+                _COLLECTIVE_FAILURES.remove(h)
+    # Raised only when every rank reported the save failed and none had seen it: every rank then
+    # holds an error of that save to raise, and all decide alike from the same reports.
+    unseen_everywhere = [h for h in pending
+                         if all(rep is not None and rep[0].get(h._collective[1]) is False  # type: ignore[index]
+                                for rep in reports)]
+    mine = unseen_everywhere + local
+    if mine:
+        _raise_oldest(mine)
+    peers = {r: rep[1] for r, rep in enumerate(reports) if rep is not None and rep[1] is not None}
+    if peers:
+        exc = collective_error(peers, operation="an earlier async save", rank=group.rank)
+        note = (f"distckpt: rank(s) {sorted(peers)} raise the error of an async save of their own that failed in "
+                f"the background with nobody taking its error; every rank raises at this call, so that none "
+                f"goes on into a collective its peers skip")
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        log.error(note)
+        raise exc
+
+
+def _raise_oldest(failed: list[AsyncSaveHandle]) -> None:
+    """Raise the first of ``failed`` (its own error object), the others named in its note."""
     first = failed[0]
     exc = first._error
+    assert exc is not None
     note = (f"distckpt: the async save to {first.path} failed in the background and nobody took its error "
             f"from the handle (result()/exception()); raised at this process's next checkpoint call")
     if len(failed) > 1:
@@ -204,8 +284,9 @@ def _at_exit() -> None:
         log.warning("distckpt: waiting for the async save to %s to finish before exiting", h.path)
         h._event.wait()
     with _FAILED_LOCK:
-        failed = list(_UNSEEN_FAILURES)
+        failed = list(_UNSEEN_FAILURES) + [h for h in _COLLECTIVE_FAILURES if not h._observed]
         _UNSEEN_FAILURES.clear()
+        _COLLECTIVE_FAILURES.clear()
     for h in failed:
         log.error("distckpt: the async save to %s FAILED and its error was never retrieved (nobody called "
                   "result() on its handle, and no later checkpoint call raised it): %s: %s",
@@ -262,8 +343,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises.
         A KeyboardInterrupt during staging propagates (nothing is committed).
         The error of an *earlier* async save that failed with nobody waiting on its handle is
-        raised here (its own class; see :func:`raise_background_failure`) and this save is not
-        started.
+        raised here (its own class; see :func:`raise_background_failure`: for a collective save,
+        on every rank or on none) and this save is not started.
     """
     return async_save_in_root(state_dict, path, process_group=process_group, overwrite=overwrite,
                               allow_pickle=allow_pickle, metadata=metadata, replicated=replicated, no_dist=no_dist,
@@ -305,9 +386,20 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
     SAVE_GATE.acquire()  # released by the worker thread, or below if no worker starts
     started = False
     try:
-        raise_background_failure()  # the previous save has finished: the gate is ours
         try:
             fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()")
+        except Exception as exc:
+            handle._finish(None, exc)
+            handle.blocked_seconds = time.perf_counter() - t_call
+            return handle
+        # The previous save has finished (the gate is ours): its failure, if unseen, is raised
+        # here, decided with every rank of fg (they all raise, or none does).
+        raise_background_failure(fg)
+        if fg.world_size > 1:
+            key = fg.members()
+            _COLLECTIVE_SEQ[key] = _COLLECTIVE_SEQ.get(key, 0) + 1
+            handle._collective = (key, _COLLECTIVE_SEQ[key])
+        try:
             bg = _background_group(process_group, fg)
             metadata = copy.deepcopy(metadata)
             # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
@@ -340,13 +432,15 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                     piece.tensor = None
                 planned.mine.clear()
                 staging_pool().release(arena)
-                SAVE_GATE.release()
                 if on_outcome is not None:
                     try:
                         on_outcome(result, error)
                     except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the outcome
                         log.error("distckpt: after the async save to %s: %s: %s", final_dir, type(exc).__name__, exc)
+                # Recorded before the gate opens: the next save (which takes the gate) finds the
+                # failure on every rank, whichever thread runs first.
                 handle._finish(result, error)
+                SAVE_GATE.release()
 
         thread = threading.Thread(target=work, name=f"distckpt-async-save:{os.path.basename(final_dir)}",
                                   daemon=False)

@@ -206,8 +206,8 @@ class DistCkptStorageWriter(StorageWriter):
         resolve, such as a value DCP cannot serialize, included); nothing is then visible."""
         from ..save_async import raise_background_failure, wait_for_saves
         wait_for_saves()  # distckpt's own async save in flight issues collectives too: it goes first
-        raise_background_failure()
         group = self._group()
+        raise_background_failure(group)  # with every rank of the group: all raise, or none does
         state, results, error = {}, [], None
         try:
             state, results = _pieces(plan, planner)

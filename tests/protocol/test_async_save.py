@@ -491,3 +491,46 @@ def test_two_ranks_async_save(tmp_path):
     assert all(o["threads"] == [] for o in out)
     # PREPARE's error is rank 0's, broadcast: every rank raises exactly it
     assert {o["err"] for o in out} == {"CheckpointExistsError"}
+
+
+def _unread_failure_body(rank, world, tmp):
+    """A collective async save fails on every rank; what each rank then does with its handle
+    differs, and every rank makes the same next call."""
+    mgr = distckpt.CheckpointManager(os.path.join(tmp, "root"), keep_last=5)
+    sd = {f"w{rank}": torch.full((1000,), float(rank))}
+    distckpt.save(sd, mgr.path(2))  # step 2 taken outside the manager: its save fails at PREPARE
+    out = {}
+    # 1. Rank 0 takes the error from the handle, rank 1 only waits (a logging pattern): the failure
+    #    counts as seen, and no rank raises it at the next save (rank 1 used to, alone, and then
+    #    paired its step 4 with rank 0's step 3).
+    h = mgr.save(2, sd, blocking=False)
+    if rank == 0:
+        out["read"] = type(h.exception(timeout=120)).__name__
+    else:
+        h.wait(120)
+    try:
+        out["next"] = os.path.basename(mgr.save(3, sd, blocking=False).result(timeout=120).path)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["next"] = type(exc).__name__
+    # 2. Nobody reads it: every rank raises it at the same next call (sync save), none saves.
+    h = distckpt.async_save(sd, mgr.path(2))
+    h.wait(120)
+    try:
+        distckpt.save(sd, os.path.join(tmp, "after"))
+        out["unread"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["unread"] = type(exc).__name__
+    out["after_exists"] = os.path.exists(os.path.join(tmp, "after"))
+    distckpt.save(sd, os.path.join(tmp, "after"))  # reported once; saves go on
+    return out
+
+
+def test_an_unread_collective_failure_is_decided_by_every_rank_alike(tmp_path):
+    out = run_ranks(_unread_failure_body, 2, str(tmp_path), timeout=240,
+                    env={"DISTCKPT_ARRIVAL_TIMEOUT_S": "15", "DISTCKPT_TIMEOUT_S": "30"})
+    assert out[0]["read"] == "CheckpointExistsError"
+    assert [o["next"] for o in out] == ["step_00000003"] * 2
+    assert [o["unread"] for o in out] == ["CheckpointExistsError"] * 2
+    assert [o["after_exists"] for o in out] == [False, False]
+    got = distckpt.read(tmp_path / "root" / "step_00000003")
+    assert torch.equal(got["w0"], torch.zeros(1000)) and torch.equal(got["w1"], torch.ones(1000))
