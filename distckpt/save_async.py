@@ -55,7 +55,7 @@ from typing import Any, Callable
 from ._dist import ControlGroup, _portable, control_group
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
-from .errors import collective_error
+from .errors import DistCkptError, collective_error
 from .saveplan import plan_save
 from .staging.pool import reserve_staging_memory, stage, staging_pool
 from .storage.posix.probe import ensure_sigxfsz_ignored
@@ -341,7 +341,9 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError (ranks
         failing with different classes),
         PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises.
-        A KeyboardInterrupt during staging propagates (nothing is committed).
+        A KeyboardInterrupt (any BaseException) during staging propagates (nothing is
+        committed); the other ranks' handles fail at once with a RankFailureError naming this
+        rank, not after DISTCKPT_TIMEOUT_S.
         The error of an *earlier* async save that failed with nobody waiting on its handle is
         raised here (its own class; see :func:`raise_background_failure`: for a collective save,
         on every rank or on none) and this save is not started.
@@ -410,11 +412,24 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             handle._finish(None, exc)
             handle.blocked_seconds = time.perf_counter() - t_call
             return handle
-        arena, stage_error = None, None
+        arena, stage_error, interrupted = None, None, None
         try:
             arena, handle.staged_bytes = stage(planned.mine, staging_pool())
         except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
             stage_error = exc
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: re-raised below
+            # This rank stops here, but its peers are already in this save: the background save
+            # still runs to report it at WRITE (they fail at once, naming this rank, instead of
+            # waiting DISTCKPT_TIMEOUT_S for a rank that left), then the caller gets ``exc``.
+            interrupted = exc
+            stage_error = DistCkptError(f"staging the async save to {final_dir} was interrupted on this rank by "
+                                        f"{type(exc).__name__}; nothing is committed",
+                                        remedy="That rank's caller received the interruption; save again on every "
+                                               "rank once it is handled.")
+            stage_error.__cause__ = exc
+            # This rank's caller is told (``exc``), so the failure counts as seen: no rank raises
+            # it again at the next checkpoint call.
+            handle._observed = True
 
         def work() -> None:
             result, error = None, None
@@ -448,6 +463,8 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
         _INFLIGHT.add(handle)
         thread.start()
         started = True
+        if interrupted is not None:
+            raise interrupted
     finally:
         if not started:
             SAVE_GATE.release()

@@ -534,3 +534,39 @@ def test_an_unread_collective_failure_is_decided_by_every_rank_alike(tmp_path):
     assert [o["after_exists"] for o in out] == [False, False]
     got = distckpt.read(tmp_path / "root" / "step_00000003")
     assert torch.equal(got["w0"], torch.zeros(1000)) and torch.equal(got["w1"], torch.ones(1000))
+
+
+def _interrupted_staging_body(rank, world, tmp):
+    import distckpt.save_async as sa
+    sd = {f"w{rank}": torch.full((1 << 16,), float(rank))}
+    real_stage = sa.stage
+    if rank == 1:
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt()
+        sa.stage = interrupted
+    out = {}
+    t0 = time.monotonic()
+    try:
+        h = distckpt.async_save(sd, os.path.join(tmp, "s1"))
+        exc = h.exception(timeout=120)
+        out["s1"] = {"type": type(exc).__name__, "failed_ranks": getattr(exc, "failed_ranks", None)}
+    except KeyboardInterrupt:
+        out["s1"] = "KeyboardInterrupt"
+    out["s1_seconds"] = time.monotonic() - t0
+    sa.stage = real_stage
+    # The next save runs on both ranks (rank 1's caller was told; rank 0 read the error).
+    out["s2"] = os.path.basename(distckpt.async_save(sd, os.path.join(tmp, "s2")).result(timeout=120).path)
+    out["threads"] = [t.name for t in _worker_threads()]
+    return out
+
+
+def test_an_interrupt_during_staging_is_reported_to_the_peers(tmp_path):
+    """KeyboardInterrupt while one rank stages: that rank's caller gets it, and the peer's handle
+    fails at once with a typed error naming the rank (not PeerLostError after DISTCKPT_TIMEOUT_S)."""
+    out = run_ranks(_interrupted_staging_body, 2, str(tmp_path), timeout=240,
+                    env={"DISTCKPT_TIMEOUT_S": "30"})
+    assert out[1]["s1"] == "KeyboardInterrupt"
+    assert out[0]["s1"] == {"type": "RankFailureError", "failed_ranks": [1]}
+    assert out[0]["s1_seconds"] < 15
+    assert not os.path.exists(tmp_path / "s1")
+    assert [o["s2"] for o in out] == ["s2", "s2"] and all(o["threads"] == [] for o in out)
