@@ -213,6 +213,9 @@ class StagingReservation:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.error: BaseException | None = None
+        #: True when :func:`release_staging_memory` (the pool's ``clear``) stopped it: what it had
+        #: prepared is freed, the rest never allocated.
+        self.superseded = False
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -224,7 +227,8 @@ class StagingReservation:
         return self._done.wait(timeout)
 
     def __repr__(self) -> str:
-        state = "ready" if self.done() and self.error is None else ("failed" if self.done() else "pending")
+        state = ("pending" if not self.done() else "failed" if self.error is not None
+                 else "superseded" if self.superseded else "ready")
         return f"StagingReservation({self.nbytes} bytes, {state})"
 
 
@@ -237,6 +241,9 @@ class StagingPool:
         self._lock = threading.Lock()
         self._idle: list[Segment] = []
         self._pending = 0  # bytes of reservations still being prepared
+        # Bumped by clear(): a reservation prepared under an older generation is superseded (its
+        # worker frees what it makes instead of adding it, and stops).
+        self._generation = 0
         self.allocations = 0  # segments allocated so far (tests / benchmarks: reuse is visible)
         # Segments inherited from the parent by a forked child: referenced forever, never freed
         # or reused (see _forget_after_fork).
@@ -252,6 +259,7 @@ class StagingPool:
         self._inherited.extend(self._idle)
         self._idle = []
         self._pending = 0
+        self._generation += 1
 
     # -- reservations ------------------------------------------------------------------------
     def reserve(self, sizes: list[int], *, pin: bool | None = None) -> StagingReservation:
@@ -274,11 +282,16 @@ class StagingPool:
                 res._done.set()
                 return res
             self._pending += total
+            gen = self._generation
 
         def work() -> None:
             left = total
             try:
                 for cap in caps:
+                    with self._lock:
+                        if self._generation != gen:  # released meanwhile: allocate no more
+                            res.superseded = True
+                            break
                     t0 = time.perf_counter()
                     seg = Segment(cap, pin=pin, prefault=True)
                     if pin:
@@ -286,17 +299,24 @@ class StagingPool:
                         # on; a pause after each segment lets them through (no lock is fair).
                         time.sleep(min(0.05, max(0.002, (time.perf_counter() - t0) / 4)))
                     with self._lock:
-                        self._pending -= cap
-                        left -= cap
-                        self._idle.append(seg)
                         self.allocations += 1
+                        current = self._generation == gen
+                        if current:
+                            self._pending -= cap
+                            left -= cap
+                            self._idle.append(seg)
+                    if not current:  # released while it was being made: "frees it now" holds
+                        seg.free()
+                        res.superseded = True
+                        break
             except BaseException as exc:  # noqa: BLE001 - reported on the reservation, logged
                 res.error = exc
                 log.warning("distckpt: reserving %d bytes of async staging memory failed: %s: %s",
                             total, type(exc).__name__, exc)
             finally:
                 with self._lock:
-                    self._pending -= left
+                    if self._generation == gen:  # (clear() already dropped a superseded one's)
+                        self._pending -= left
                 res._done.set()
 
         threading.Thread(target=work, name="distckpt-staging-reserve", daemon=True).start()
@@ -382,10 +402,14 @@ class StagingPool:
             return self._pending
 
     def clear(self) -> int:
-        """Free the idle segments (those of a save in flight are freed or kept when it ends).
-        Returns their bytes. A reservation still being prepared adds its segment when done."""
+        """Free the idle segments (those of a save in flight are freed or kept when it ends) and
+        supersede every reservation still being prepared: it adds nothing more to the pool, frees
+        the segment it is making once made, and allocates no further one. Returns the idle bytes
+        freed here."""
         with self._lock:
             idle, self._idle = self._idle, []
+            self._generation += 1
+            self._pending = 0
         freed = sum(s.capacity for s in idle)
         for seg in idle:
             seg.free()
@@ -414,10 +438,12 @@ def staging_pool() -> StagingPool:
 
 def release_staging_memory() -> int:
     """Give back the host memory async saves keep for reuse (the idle staging segments of this
-    process), now. An async save still in flight keeps its segments until it finishes (then they
-    are kept again, within DISTCKPT_STAGING_POOL_BYTES, unless released once more). Returns the
-    bytes freed. The next async save stages through a plain allocation (see
-    :func:`reserve_staging_memory` to have it ready)."""
+    process), now. A reservation still being prepared (:func:`reserve_staging_memory`) stops: the
+    segment it is making is freed as soon as it is made, nothing more is allocated
+    (``StagingReservation.superseded``). An async save still in flight keeps its segments until
+    it finishes (then they are kept again, within DISTCKPT_STAGING_POOL_BYTES, unless released
+    once more). Returns the bytes freed. The next async save stages through a plain allocation
+    (see :func:`reserve_staging_memory` to have it ready)."""
     return _POOL.clear()
 
 

@@ -570,3 +570,32 @@ def test_an_interrupt_during_staging_is_reported_to_the_peers(tmp_path):
     assert out[0]["s1_seconds"] < 15
     assert not os.path.exists(tmp_path / "s1")
     assert [o["s2"] for o in out] == ["s2", "s2"] and all(o["threads"] == [] for o in out)
+
+
+def test_release_frees_a_reservation_still_being_prepared(monkeypatch):
+    """release_staging_memory() (CheckpointManager.close()) while reserve_staging_memory() still
+    prepares segments: the reservation is superseded; nothing it makes stays in the pool."""
+    pool = _fresh_pool(monkeypatch)
+    from distckpt.staging import pool as pool_mod
+    monkeypatch.setattr(pool_mod, "_CHUNK", 1 << 20)  # 3 segments of 1 MiB
+    go, made = threading.Event(), []
+    real_segment = pool_mod.Segment
+
+    def held_segment(*args, **kwargs):  # the reservation is in flight until `go`
+        assert go.wait(60)
+        seg = real_segment(*args, **kwargs)
+        made.append(seg)
+        return seg
+    monkeypatch.setattr(pool_mod, "Segment", held_segment)
+    res = distckpt.reserve_staging_memory(nbytes=3 << 20)
+    assert not res.done() and pool.pending_bytes() == 3 << 20
+    assert distckpt.release_staging_memory() == 0
+    assert pool.pending_bytes() == 0
+    go.set()
+    assert res.wait(60) and res.error is None and res.superseded and "superseded" in repr(res)
+    assert pool.idle_bytes() == 0 and pool.pending_bytes() == 0
+    assert len(made) == 1 and made[0].buf is None  # the segment in the making was freed, no other made
+    # A reservation after the release is a normal one.
+    res = distckpt.reserve_staging_memory(nbytes=2 << 20)
+    assert res.wait(60) and not res.superseded and pool.idle_bytes() == 2 << 20
+    pool.clear()
