@@ -152,7 +152,11 @@ class ControlGroup:
         Several ranks: on every rank, :func:`distckpt.errors.collective_error`: an instance of the
         failing ranks' common typed class (``except CheckpointNotFoundError`` catches a tag missing
         on every rank), else a :class:`RankFailureError`; both carry every rank's error in
-        ``failures``. One rank: the error itself, unchanged. The io/storage layers that raised the errors do not
+        ``failures``. When *every* rank failed with the same class that is not one of distckpt's
+        (a Stateful's ``state_dict()`` raising RuntimeError on every rank), each rank raises its own
+        error itself, that class, as in a single process, with ``failures`` and ``failed_ranks``
+        set on it, a note naming every rank's error, and the collective error as ``__cause__``
+        when it had none. One rank: the error itself, unchanged. The io/storage layers that raised the errors do not
         know their rank (RANK is only set under torchrun), so it is recorded here, where it is
         known: ``failures[r].rank == r``, and a single-process error reports rank 0.
         """
@@ -161,7 +165,25 @@ class ControlGroup:
             return
         if self.world_size == 1:
             raise fill_rank(local_error, 0) if local_error is not None else failures[0]
-        raise collective_error(failures, operation=operation, rank=self.rank) from local_error
+        collective = collective_error(failures, operation=operation, rank=self.rank)
+        if (local_error is not None and not isinstance(local_error, DistCkptError)
+                and len(failures) == self.world_size
+                and all(getattr(e, "original_class", None) == _class_name(local_error) for e in failures.values())):
+            # Every rank raises this same class: the caller's ``except RuntimeError`` (or its own
+            # class) catches it on every rank, as the docs promise (docs/SEMANTICS.md, "Errors in
+            # a job"); a collective error could only be a RankFailureError here.
+            try:
+                local_error.failures, local_error.failed_ranks = failures, sorted(failures)
+                local_error.operation = operation
+            except AttributeError:  # a class with __slots__: the note and the cause still say it
+                pass
+            if hasattr(local_error, "add_note"):
+                local_error.add_note(f"distckpt: {operation} failed on every rank with {type(local_error).__name__} "
+                                     f"({collective.message})")
+            if local_error.__cause__ is None:
+                local_error.__cause__ = collective
+            raise local_error
+        raise collective from local_error
 
 
 def _lost_after(lost: PeerLostError, error: BaseException, rank: int, operation: str) -> PeerLostError:
@@ -178,12 +200,21 @@ def _lost_after(lost: PeerLostError, error: BaseException, rank: int, operation:
 
 def _portable(error: BaseException | None) -> BaseException | None:
     """An error that will unpickle on the other ranks: typed errors as they are, anything else as
-    a DistCkptError carrying the original type name and message."""
+    a DistCkptError carrying the original type name and message (and ``original_class``: its
+    module-qualified class name)."""
     if error is None or isinstance(error, DistCkptError):
         return error
     wrapped = DistCkptError(f"{type(error).__name__}: {error}")
     wrapped.__cause__ = None
+    # The class travels by name (the object itself may not unpickle elsewhere), so that every rank
+    # can tell that all failed alike (ControlGroup.raise_failures).
+    wrapped.original_class = _class_name(error)
     return wrapped
+
+
+def _class_name(error: BaseException) -> str:
+    cls = type(error)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # (process group, channel) -> our gloo side group. Strong references: side groups live as long as

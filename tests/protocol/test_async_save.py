@@ -599,3 +599,50 @@ def test_release_frees_a_reservation_still_being_prepared(monkeypatch):
     res = distckpt.reserve_staging_memory(nbytes=2 << 20)
     assert res.wait(60) and not res.superseded and pool.idle_bytes() == 2 << 20
     pool.clear()
+
+
+class _FailingStateful:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def state_dict(self):
+        raise self.exc
+
+    def load_state_dict(self, sd) -> None:
+        pass
+
+
+def _stateful_class_body(rank, world, tmp):
+    from distckpt import errors
+    out = {}
+
+    def outcome(exc):
+        return {"type": type(exc).__name__, "failed_ranks": getattr(exc, "failed_ranks", None),
+                "is_rank_failure": isinstance(exc, errors.RankFailureError)}
+
+    every = {"w": torch.ones(4), "bad": _FailingStateful(RuntimeError(f"boom on {rank}"))}
+    try:
+        distckpt.save(every, os.path.join(tmp, "sync"))
+    except Exception as exc:  # noqa: BLE001
+        out["sync"] = outcome(exc)
+        out["sync_own"] = str(exc) == f"boom on {rank}"
+    out["async"] = outcome(distckpt.async_save(every, os.path.join(tmp, "async")).exception(timeout=120))
+    # One rank fails, or the classes differ: RankFailureError on every rank (no one class to raise).
+    one = {"w": torch.ones(4), "bad": _FailingStateful(RuntimeError("boom"))} if rank == 1 else {"w": torch.ones(4)}
+    out["one"] = outcome(distckpt.async_save(one, os.path.join(tmp, "one")).exception(timeout=120))
+    mixed = {"w": torch.ones(4), "bad": _FailingStateful(RuntimeError("x") if rank == 0 else ValueError("y"))}
+    out["mixed"] = outcome(distckpt.async_save(mixed, os.path.join(tmp, "mixed")).exception(timeout=120))
+    return out
+
+
+def test_every_rank_failing_with_one_class_raises_that_class(tmp_path):
+    """docs/SEMANTICS.md ("Errors in a job"): when every rank raised the same class -- here a
+    Stateful's RuntimeError, not a distckpt error -- a save raises that class on every rank (the
+    rank's own error), sync or async, with every rank's error in ``failures``."""
+    out = run_ranks(_stateful_class_body, 2, str(tmp_path), timeout=240)
+    for o in out:
+        assert o["sync"] == {"type": "RuntimeError", "failed_ranks": [0, 1], "is_rank_failure": False}
+        assert o["sync_own"] and o["async"] == o["sync"]
+        assert o["one"] == {"type": "RankFailureError", "failed_ranks": [1], "is_rank_failure": True}
+        assert o["mixed"] == {"type": "RankFailureError", "failed_ranks": [0, 1], "is_rank_failure": True}
+    assert not [n for n in ("sync", "async", "one", "mixed") if os.path.exists(tmp_path / n)]
