@@ -346,7 +346,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         rank, not after DISTCKPT_TIMEOUT_S.
         The error of an *earlier* async save that failed with nobody waiting on its handle is
         raised here (its own class; see :func:`raise_background_failure`: for a collective save,
-        on every rank or on none) and this save is not started.
+        on every rank or on none) and this save is not started; PeerLostError when that decision's
+        exchange with the other ranks fails.
     """
     return async_save_in_root(state_dict, path, process_group=process_group, overwrite=overwrite,
                               allow_pickle=allow_pickle, metadata=metadata, replicated=replicated, no_dist=no_dist,
