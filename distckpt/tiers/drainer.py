@@ -9,7 +9,7 @@ run :func:`distckpt.tiers.drain.drain_step` for it together over a control group
 Retries are collective: after a failed drain every rank holds the same typed error (the drain's
 verdict), waits the same back-off, then all ranks vote (one all_gather) on whether to go on; a rank
 that is closing stops them all at that point. Errors that a retry cannot cure (a local copy that
-is damaged or incomplete, another save already committed remotely under the step) are final for
+is damaged, incomplete or gone, another save already committed remotely under the step) are final for
 the step: it is marked failed and the queue moves on. Errors a server outage gives (unreachable,
 throttled, a 5xx, a lease held by another save) are retried with back-off until the drain succeeds
 or the manager closes. A lost peer stops the drainer (nothing can be agreed any more).
@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, ConfigError,
-                      DistCkptError, PeerLostError, SaveInProgressError)
+from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError,
+                      CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError, SaveInProgressError)
 
 __all__ = ["Drainer", "DrainState", "is_retryable"]
 
@@ -42,14 +42,16 @@ _MAX_BACKOFF_S = 30.0
 
 def is_retryable(error: BaseException) -> bool:
     """Whether a later try of the same drain can succeed: False for a damaged or incomplete local
-    copy, another save committed under the step remotely, a configuration error; True for the
+    copy, a local copy that is gone (CheckpointNotFoundError: no rank holds the step any more, e.g.
+    deleted by hand; nothing brings it back, and retrying it would hold every later step's drain
+    behind it), another save committed under the step remotely, a configuration error; True for the
     errors of a server or network outage, a lease held by another save, and the object store's
     refusals that someone outside may cure meanwhile: credentials refused or expired
     (ObjectStoreAccessError: refreshed, rotated back), a bucket over quota or not found."""
     if isinstance(error, SaveInProgressError):
         return True
-    if isinstance(error, (CheckpointCorruptError, CheckpointIncompleteError, CheckpointExistsError, ConfigError,
-                          PeerLostError)):
+    if isinstance(error, (CheckpointCorruptError, CheckpointIncompleteError, CheckpointExistsError,
+                          CheckpointNotFoundError, ConfigError, PeerLostError)):
         return False
     return isinstance(error, (DistCkptError, OSError))
 

@@ -338,31 +338,26 @@ class TieredCheckpointManager:
         self._rotate_local(keep=step)
 
     def _rotate_local(self, keep: int | None) -> list[int]:
-        """Delete this node's local steps beyond keep_last_local that no tier needs locally: the
-        remote tier holds the same save, or the remote tier's own keep_last_remote dropped it
-        (keep_last_remote newer steps are committed there). Any other step stays (the only copy).
-        Returns the steps deleted.
+        """Delete this node's local steps beyond keep_last_local whose same save (same save id) the
+        remote tier is known to hold: found there at construction or drained by this manager
+        (``_remote_held``; a step drained and then dropped by the remote tier's own
+        keep_last_remote rotation counts: neither tier's policy keeps it). Any other step stays,
+        whatever keep_last_local says: it may be the only copy. Returns the steps deleted.
 
-        What the remote tier holds is what this manager knows (``_remote_held``: found at
-        construction, drained since), never asked of the remote tier here: this runs inside the
-        local commit, which must not wait on a remote tier that does not answer. A step this
-        manager does not know to be remote stays until it does (the next manager start finds it)."""
+        What the remote tier holds is what this manager knows, never asked of the remote tier here:
+        this runs inside the local commit, which must not wait on a remote tier that does not
+        answer. A step this manager does not know to be remote stays until it does (the next
+        manager start finds it)."""
         steps = self._local.steps()
         doomed = [s for s in steps[:-self.keep_last_local] if s != keep]
         if not doomed:
             return []
         removed = []
-        keep_remote = self._remote.keep_last
         held = dict(self._remote_held)  # the drain thread adds to it
-        remote_steps = sorted(held)
         for s in doomed:
-            # Only the remote steps of this branch count (numbered up to this node's newest step): a
-            # rolled-back run's later steps on the remote tier say nothing about this one.
-            if keep_remote is not None and sum(s < r <= steps[-1] for r in remote_steps) >= keep_remote:
-                # Older than every step the remote tier keeps: neither tier's policy wants it.
-                self._local_store.remove_checkpoint(self.local_path(s))
-                removed.append(s)
-                continue
+            # No count of newer remote steps decides here: after a rollback those include steps of
+            # the abandoned branch (numbered above the resumed one), which say nothing about
+            # whether this branch's step ever reached the remote tier.
             try:
                 local_id = self._local_store.committed_save_id(self.local_path(s))
             except Exception as exc:  # noqa: BLE001 - cannot tell: keep it
@@ -371,7 +366,7 @@ class TieredCheckpointManager:
                 continue
             if local_id is None or held.get(s) != local_id:
                 log.info("distckpt: keeping local step %d beyond keep_last_local=%d: the remote tier is not known "
-                         "to hold it yet", s, self.keep_last_local)
+                         "to hold it (this save of it)", s, self.keep_last_local)
                 continue
             self._local_store.remove_checkpoint(self.local_path(s))
             removed.append(s)
@@ -572,11 +567,12 @@ class TieredCheckpointManager:
                                   path=self.remote_path(step), steps=[step], cause=st.error,
                                   remedy="Wait longer, or check the remote tier (status(step).error).")
         if st.state != "committed":
+            remedy = ("It is still committed locally; a new TieredCheckpointManager drains it at construction "
+                      "once the cause is fixed." if self._held_locally(step) else
+                      f"It is not on this node's local tier ({self.local_root}) either: save the state again.")
             raise NotDurableError(f"step {step} did not reach the remote tier: its drain {st.state}"
                                   f"{f' ({type(st.error).__name__}: {st.error})' if st.error else ''}",
-                                  path=self.remote_path(step), steps=[step], cause=st.error,
-                                  remedy="It is still committed locally; a new TieredCheckpointManager drains it "
-                                         "at construction once the cause is fixed.")
+                                  path=self.remote_path(step), steps=[step], cause=st.error, remedy=remedy)
         return self.status(step)
 
     # -- loading ----------------------------------------------------------------------------------
@@ -722,12 +718,26 @@ class TieredCheckpointManager:
         if pending:
             states = self._drainer.states()
             first = next((states[s].error for s in pending if states[s].error is not None), None)
+            kept = [s for s in pending if self._held_locally(s)]
+            gone = [s for s in pending if s not in kept]
+            where = f"{kept} stay committed locally under {self.local_root}" if kept else ""
+            if gone:
+                # Never claim a copy that is not there: such a step is on neither tier this manager knows.
+                where += ("; " if where else "") + f"{gone} are not on this node's local tier either ({self.local_root})"
             # "Not known to be": a request the remote tier never answered may still have landed.
             raise NotDurableError(f"steps {pending} are not known to be on the remote tier {self.remote_root} "
-                                  f"({', '.join(f'{s}: {states[s].state}' for s in pending)}); they stay committed "
-                                  f"locally under {self.local_root}", path=self.remote_root, steps=pending, cause=first,
+                                  f"({', '.join(f'{s}: {states[s].state}' for s in pending)}); {where}",
+                                  path=self.remote_root, steps=pending, cause=first,
                                   remedy="Start a TieredCheckpointManager on the same tiers once the remote tier "
-                                         "answers: it drains them at construction.")
+                                         "answers: it drains the steps committed locally at construction.")
+
+    def _held_locally(self, step: int) -> bool:
+        """Whether this node's local tier holds a committed copy of ``step`` (False when it cannot
+        tell: a message must not promise a copy it could not read)."""
+        try:
+            return self._local_store.committed_save_id(self.local_path(step)) is not None
+        except Exception:  # noqa: BLE001 - unreadable: not known to be there
+            return False
 
     def __enter__(self) -> "TieredCheckpointManager":
         return self

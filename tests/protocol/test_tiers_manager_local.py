@@ -77,6 +77,79 @@ def test_a_local_save_never_asks_the_remote_tier(tmp_path):
         assert mgr.wait_durable(3, timeout=120).durable
 
 
+def _steps(root) -> list[int]:
+    return sorted(int(n[len("step_"):]) for n in os.listdir(root) if n.startswith("step_"))
+
+
+def _lag_drains(mgr):
+    """Hold every later drain of ``mgr`` until the returned event is set (a drain that lags)."""
+    import threading
+    gate, real = threading.Event(), mgr._drainer._drain
+
+    def lagging(*args):
+        assert gate.wait(120), "the test never released the drains"
+        return real(*args)
+
+    mgr._drainer._drain = lagging
+    return gate
+
+
+def test_after_a_rollback_a_local_step_the_remote_tier_never_held_is_kept(tmp_path):
+    """Job 1 saves 30, 40, 50 (the remote tier keeps 50, the local tier 40 and 50); job 2 rolls back
+    to 40 and saves 41 and 42 while the drains lag. Step 41 is on no other tier: 42's local rotation
+    must keep it (it used to count the abandoned branch's remote step 50 as "newer remote steps of
+    this branch" and delete it: lost on every tier). Once drained, rotation may take it."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=1) as mgr:
+        for s in (30, 40, 50):
+            mgr.save(s, _state(s))
+            mgr.wait_durable(s, timeout=120)
+    assert _steps(local) == [40, 50] and _steps(remote) == [50]
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=1) as mgr:
+        mgr.wait_durable(40, timeout=120)  # queued at construction: local, not (any more) remote
+        mgr.load(out, step=40)
+        assert out["step"] == 40
+        gate = _lag_drains(mgr)
+        try:
+            mgr.save(41, _state(41))
+            mgr.save(42, _state(42))
+            assert 41 in _steps(local) and mgr.status(41).local == "committed", _steps(local)
+        finally:
+            gate.set()
+        assert mgr.wait_durable(42, timeout=120).durable and mgr.status(41).remote != "failed"
+    # Drained, then dropped by the remote tier's keep_last_remote: neither tier's policy keeps it.
+    assert 42 in _steps(local) and 41 not in _steps(local) and 42 in _steps(remote)
+
+
+def test_a_drain_whose_local_copy_vanished_fails_and_the_queue_moves_on(tmp_path):
+    """A queued step whose local copy is gone before its drain (deleted by hand, a lost disk)
+    cannot be drained by any retry: it fails for good (CheckpointNotFoundError as the cause) and the
+    next step drains (it used to be retried forever, holding every later drain behind it). close()
+    names it without claiming it stays committed locally."""
+    import shutil
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    mgr = TieredCheckpointManager(local, remote, keep_last_local=5)
+    try:
+        gate = _lag_drains(mgr)
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        shutil.rmtree(local / "step_00000001")
+        gate.set()
+        assert mgr.wait_durable(2, timeout=60).durable
+        with pytest.raises(errors.NotDurableError) as info:
+            mgr.wait_durable(1, timeout=60)
+        assert isinstance(info.value.cause, errors.CheckpointNotFoundError), info.value
+        assert mgr.status(1).remote == "failed" and mgr.status(1).local == "absent"
+        assert "still committed locally" not in str(info.value)
+    finally:
+        gate.set()
+        with pytest.raises(errors.NotDurableError) as closed:
+            mgr.close(timeout=5)   # bounded: before the fix, step 1 was retried until close's timeout
+    assert closed.value.steps == [1]
+    assert "stay committed locally" not in str(closed.value) and "not on this node's local tier" in str(closed.value)
+
+
 def test_an_undrained_local_step_is_drained_by_the_next_manager(tmp_path):
     local, remote = tmp_path / "local", tmp_path / "remote"
     # A run whose drains never happened: steps committed on the local tier only (as after a crash).
