@@ -462,7 +462,8 @@ class RankFailureError(DistCkptError, RuntimeError):
 
 
 def _failures_message(failures: Mapping[int, BaseException], operation: str) -> str:
-    causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
+    # A cause's text may end in a period; the message adds its own (". Remedy: ...").
+    causes = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).rstrip('.')}" for r, e in sorted(failures.items()))
     return f"{operation} failed on rank(s) {sorted(failures)}: {causes}"
 
 

@@ -507,12 +507,14 @@ class TieredCheckpointManager:
             from ..storage.object.check import check_object_store
             try:
                 check_object_store(self.remote_root, storage_options=self.storage_options, rank=0)
-            except (EndpointUnreachableError, ThrottledError) as exc:
-                log.warning("distckpt: the remote tier %s does not answer (%s: %s): saving to the local tier only "
-                            "until it does (drains retry)", self.remote_root, type(exc).__name__, exc)
-                up = False
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                error = exc
+            except Exception as exc:  # noqa: BLE001 - an outage warns; anything else is raised on every rank below
+                if isinstance(exc, (EndpointUnreachableError, ThrottledError)) or (
+                        isinstance(exc, ObjectStoreError) and (getattr(exc, "status", None) or 0) >= 500):
+                    log.warning("distckpt: the remote tier %s does not answer (%s: %s): saving to the local tier "
+                                "only until it does (drains retry)", self.remote_root, type(exc).__name__, exc)
+                    up = False
+                else:
+                    error = exc
         self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
         return up if self._group.world_size == 1 else bool(self._group.broadcast(up))
 

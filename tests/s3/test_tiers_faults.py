@@ -79,6 +79,8 @@ class CredentialProxy(s3proxy.FaultProxy):
     def __init__(self, upstream) -> None:
         self.revoked = threading.Event()
         self.denied = 0
+        # What a "revoked" request is answered: (status, reason, S3 error code).
+        self.answer = (403, "Forbidden", b"InvalidAccessKeyId")
         super().__init__(upstream)
 
     def _serve(self, client: socket.socket) -> None:
@@ -93,9 +95,10 @@ class CredentialProxy(s3proxy.FaultProxy):
                 method = start.split()[0]
                 if self.revoked.is_set():
                     self.denied += 1
-                    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code><Message>'
+                    status, reason, code = self.answer
+                    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>' + code + b'</Code><Message>'
                             b'The access key ID you provided does not exist in our records.</Message></Error>')
-                    head = (f"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nx-amz-request-id: deny\r\n"
+                    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\nx-amz-request-id: deny\r\n"
                             f"Content-Length: {0 if method == 'HEAD' else len(body)}\r\n\r\n").encode()
                     client.sendall(head + (b"" if method == "HEAD" else body))
                     continue
@@ -414,3 +417,28 @@ def test_a_manager_started_on_a_dark_remote_waits_one_request_deadline_then_drai
         px.close()
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
     assert s3_bucket.multipart_uploads() == []
+
+
+def test_a_remote_answering_5xx_at_construction_is_an_outage_not_an_error(s3_bucket, cred_proxy, tmp_path,
+                                                                          monkeypatch, caplog):
+    """A server error (HTTP 500 to every request) at the pre-flight warns, as the docstring says of
+    an outage: saves go on locally, and the step drains once the server answers again. (With a
+    request deadline shorter than botocore's retries of the 500s, it surfaced as
+    EndpointUnreachableError, which hid that the 500 itself was raised.)"""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "30")
+    url = f"{s3_bucket.url}/run"
+    cred_proxy.answer = (500, "Internal Server Error", b"InternalError")
+    cred_proxy.revoked.set()
+    caplog.set_level("WARNING", logger="distckpt")
+    mgr = TieredCheckpointManager(tmp_path / "local", url, storage_options=_via(s3_bucket.storage_options,
+                                                                                 cred_proxy.endpoint))
+    try:
+        assert any("does not answer" in r.getMessage() for r in caplog.records)
+        mgr.save(1, _state(1))
+        assert mgr.status(1).local == "committed"
+        cred_proxy.revoked.clear()
+        assert mgr.wait_durable(1, timeout=90).durable
+    finally:
+        cred_proxy.revoked.clear()
+        mgr.close(timeout=60)
+    assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
