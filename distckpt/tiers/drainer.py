@@ -94,6 +94,11 @@ class Drainer:
         self._states: dict[int, DrainState] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        # Set (under the lock) once the thread has left its loop: a step queued later would never
+        # be drained, so enqueue finishes it at once instead. ``_stop_cause``: the error that
+        # stopped the thread (a lost peer), None when the manager closed it.
+        self._stopped = False
+        self._stop_cause: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -101,11 +106,23 @@ class Drainer:
 
     def enqueue(self, step: int, save_id: str | None) -> DrainState:
         """Queue ``step`` (committed locally with ``save_id``) for draining. Must be called in the
-        same order on every rank. A step queued again (saved again) gets a fresh state."""
+        same order on every rank. A step queued again (saved again) gets a fresh state.
+
+        Once the drain thread has stopped (a peer lost during a drain: nothing can be agreed on
+        that channel any more), the step is ``stopped`` at once with that error as its cause, and
+        a warning says so: a wait on it returns at once instead of waiting for a thread that is
+        gone. It stays committed locally; the next manager start drains it."""
         st = DrainState(step, save_id)
         with self._lock:
             self._states[step] = st
-        self._queue.put(st)
+            if not self._stopped:
+                self._queue.put(st)
+                return st
+            cause = self._stop_cause
+        log.warning("distckpt: step %d will not be drained by this manager: its drain thread stopped (%s); the "
+                    "step stays committed locally and the next manager start drains it", step,
+                    f"{type(cause).__name__}: {cause}" if cause is not None else "closed")
+        self._finish(st, "stopped", cause)
         return st
 
     def state(self, step: int) -> DrainState | None:
@@ -141,7 +158,10 @@ class Drainer:
             if item is _STOP:
                 break
             if not self._drain_with_retries(item):
+                self._stop_cause = item.error   # a lost peer (or the error of the try before a vote to stop)
                 break
+        with self._lock:   # no enqueue puts a step on the queue after this
+            self._stopped = True
         # Whatever is still queued did not drain: say so (the next manager start resumes it).
         while True:
             try:
@@ -149,7 +169,7 @@ class Drainer:
             except queue.Empty:
                 break
             if item is not _STOP:
-                self._finish(item, "stopped", None)
+                self._finish(item, "stopped", self._stop_cause)
 
     def _drain_with_retries(self, st: DrainState) -> bool:
         """One step, tried until it commits, fails for good, or the ranks vote to stop. Returns

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -321,3 +322,38 @@ def test_bad_arguments_are_typed_and_write_nothing(tmp_path):
     with pytest.raises(errors.ConfigError):
         mgr.save(1, _state(1))  # closed
     mgr.close()  # idempotent
+
+
+def test_a_drain_thread_stopped_by_a_lost_peer_never_leaves_a_later_wait_hanging(tmp_path):
+    """A drain that loses a peer stops the drain thread (nothing can be agreed on its channel any
+    more) while training goes on. A step saved after that used to be queued for a thread that was
+    gone: `queued` forever, and wait_durable(step) without a timeout never returned. Now it is
+    `stopped` at once with the PeerLostError as its cause; it stays committed locally and the next
+    manager drains it."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    mgr = TieredCheckpointManager(local, remote, keep_last_local=5)
+    real = mgr._drainer._drain
+
+    def lose_a_peer(*args):
+        raise errors.PeerLostError("all_gather among 2 ranks failed: a peer was paused past the drain timeout")
+
+    mgr._drainer._drain = lose_a_peer
+    try:
+        mgr.save(1, _state(1))
+        with pytest.raises(errors.NotDurableError):
+            mgr.wait_durable(1, timeout=30)
+        assert not mgr._drainer.alive
+        mgr._drainer._drain = real
+        mgr.save(2, _state(2))
+        t0 = time.monotonic()
+        with pytest.raises(errors.NotDurableError) as info:
+            mgr.wait_durable(2, timeout=30)
+        assert time.monotonic() - t0 < 5, "wait_durable waited for a drain thread that is gone"
+        assert isinstance(info.value.cause, errors.PeerLostError), info.value
+        assert mgr.status(2).remote == "stopped" and mgr.status(2).local == "committed"
+    finally:
+        with pytest.raises(errors.NotDurableError) as closed:
+            mgr.close(timeout=5)
+    assert closed.value.steps == [1, 2]
+    with TieredCheckpointManager(local, remote, keep_last_local=5) as again:
+        assert again.wait_durable(1, timeout=60).durable and again.wait_durable(2, timeout=60).durable
