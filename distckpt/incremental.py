@@ -144,8 +144,15 @@ class _DeltaStats:
     """What each rank tells the others before a link is written: its tracked bytes and rows, changed
     and total, whether its tracked tensors or their sharding changed (``unknown``), and (rank 0)
     whether the previous link is still the one this saver wrote (``parent_ok``). Together they decide,
-    the same way on every rank, whether the link is a delta or a full checkpoint. ``replicas``: a
-    delta leaves its tracked tensors out of the save, so their replicas are checked here."""
+    the same way on every rank, whether the link is a delta or a full checkpoint. ``why``: this
+    rank's own reason for a full link (``force_full``, no previous link, other tracked tensors,
+    shapes or dtypes, ``full_every``), ``parent``: the save id of the link this rank would extend.
+    Both are exchanged because ranks can disagree (``force_full`` passed on one rank, a rank whose
+    saver was rebuilt): a rank deciding alone would save a delta while another saves the full
+    state, and each would wait for the other in a different collective. ``plain``: whether this
+    rank has plain tracked tensors whose replicas a delta must check (it leaves them out of the
+    save); their digests are exchanged only once a delta is decided, so a full link never
+    digests them twice."""
 
     changed_bytes: int
     total_bytes: int
@@ -153,7 +160,9 @@ class _DeltaStats:
     total_rows: int
     unknown: bool
     parent_ok: bool
-    replicas: dict   # {fqn: digest} of this rank's plain tracked tensors that save's ``replicated`` checks
+    why: str | None
+    parent: str | None
+    plain: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,21 +550,12 @@ class IncrementalSaver:
                 parent_ok = chain_of(link["path"], chunks=False)[0].manifest.save_id == link["save_id"]
             except DistCkptError:
                 parent_ok = False
-        plain = [f for f in sorted(rows) if items[f].kind == "tensor" and checked(f)] if group.world_size > 1 else []
-        replicas = dict(zip(plain, tensor_digests([items[f].pieces[0].tensor for f in plain])))
-        stats = group.all_gather(_DeltaStats(changed_bytes, total_bytes, changed_rows, total_rows, bool(unknown),
-                                             parent_ok, replicas))
-        c_bytes, t_bytes = sum(s.changed_bytes for s in stats), sum(s.total_bytes for s in stats)
         pol = self.policy
-        why = None
+        why = None   # this rank's own reason for a full link: known before any exchange
         if force_full:
             why = "asked"
         elif link is None:
             why = "no previous link"
-        elif not stats[0].parent_ok:
-            why = f"the previous link {link['path']} or a link it depends on is gone, replaced or in another directory"
-        elif any(s.unknown for s in stats):
-            why = "tracked tensors or their sharding changed since the previous link"
         elif link.get("tracked") != tracked:
             why = "the tracked tensors changed"
         elif link.get("shapes") != shapes:
@@ -563,15 +563,35 @@ class IncrementalSaver:
                    else "the previous link does not record its tensors' shapes and dtypes (an older distckpt)")
         elif link["seq"] + 1 >= pol.full_every:
             why = f"full_every={pol.full_every}"
+        plain = [f for f in sorted(rows) if items[f].kind == "tensor" and checked(f)] if group.world_size > 1 else []
+        stats = group.all_gather(_DeltaStats(changed_bytes, total_bytes, changed_rows, total_rows, bool(unknown),
+                                             parent_ok, why, None if link is None else link["save_id"], bool(plain)))
+        c_bytes, t_bytes = sum(s.changed_bytes for s in stats), sum(s.total_bytes for s in stats)
+        # From here on every input is the same on every rank, and so is the decision.
+        reasons = [(r, s.why) for r, s in enumerate(stats) if s.why is not None]
+        if reasons:
+            r, why = reasons[0]
+            if any(s.why != why for s in stats):
+                why = f"{why} (on rank {r}; not on every rank)"
+        elif len({s.parent for s in stats}) > 1:
+            why = "the ranks' previous links differ (a saver rebuilt or resumed on some ranks only)"
+        elif not stats[0].parent_ok:
+            why = f"the previous link {link['path']} or a link it depends on is gone, replaced or in another directory"
+        elif any(s.unknown for s in stats):
+            why = "tracked tensors or their sharding changed since the previous link"
         elif c_bytes > pol.max_delta_fraction * t_bytes:
             why = f"{c_bytes} changed bytes > max_delta_fraction={pol.max_delta_fraction} of {t_bytes}"
         elif link.get("chain_bytes", 0) + c_bytes > pol.max_chain_fraction * t_bytes:
             why = f"the chain's deltas would exceed max_chain_fraction={pol.max_chain_fraction}"
         name = os.path.basename(path)
         if why is None:
-            problems = replica_problems([st.replicas for st in stats])
-            if problems:   # the same on every rank: each raises before the save's collective
-                raise inconsistent_ranks(problems)
+            if any(st.plain for st in stats):
+                # A delta leaves its plain tracked tensors out of the save: check their replicas
+                # here, as a full save's plan would (digested only once the link is a delta).
+                replicas = dict(zip(plain, tensor_digests([items[f].pieces[0].tensor for f in plain])))
+                problems = replica_problems(group.all_gather(replicas))
+                if problems:   # the same on every rank: each raises before the save's collective
+                    raise inconsistent_ranks(problems)
             info = {"format": FORMAT, "kind": "delta", "chain": link["chain"], "seq": link["seq"] + 1,
                     "base": link["base"], "parent": os.path.basename(link["path"]),
                     "parent_save_id": link["save_id"], "tracked": tracked, "shapes": shapes,

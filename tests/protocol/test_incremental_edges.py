@@ -9,7 +9,10 @@ written only against a chain it can be composed into exactly.
 * a chain whose older link was deleted makes the next save full (the previous link alone being
   there is not enough);
 * a delta checks the replicas of plain tracked tensors across ranks, as a full save does
-  (StateDictMismatchError on every rank; ``replicated="rank0"`` opts out).
+  (StateDictMismatchError on every rank; ``replicated="rank0"`` opts out);
+* ranks that disagree about the link (``force_full`` on one rank, a saver rebuilt on one rank)
+  all write a full link, instead of one rank saving a delta while another saves in full, each
+  waiting for the other in a different collective.
 """
 
 from __future__ import annotations
@@ -145,3 +148,33 @@ def test_a_delta_checks_plain_tensor_replicas_like_a_full_save(tmp_path):
     want = _emb(torch.float32)["emb"]
     want[3] += 1
     assert torch.equal(got, want)   # rank 0's copy, as asked
+
+
+def _disagreeing(rank: int, world: int, root: str, how: str) -> str:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    emb = distribute_tensor(torch.arange(800.).reshape(200, 4), mesh, [Shard(0)])
+    sd = {"emb": emb, "step": 0}
+    policy = IncrementalPolicy(**dict(POLICY, rows=None))
+    saver = IncrementalSaver(policy)
+    saver.save(sd, f"{root}/s1")
+    emb.to_local()[3] += 1
+    if how == "rebuilt" and rank == 1:
+        saver = IncrementalSaver(policy)   # this rank lost its saver (and its chain) alone
+    saver.save(sd, f"{root}/s2", force_full=(how == "force_full" and rank == 1))
+    return saver.last_kind
+
+
+@pytest.mark.parametrize("how", ["force_full", "rebuilt"])
+def test_ranks_that_disagree_about_the_link_all_write_it_full(tmp_path, how):
+    try:
+        out = run_ranks(_disagreeing, 2, str(tmp_path), how, timeout=240)
+    except RankError as exc:  # pragma: no cover - the message is the diagnosis
+        pytest.fail(str(exc))
+    assert out == ["full", "full"]
+    assert _kinds(str(tmp_path / "s2")) == ["full"]
+    why = chain_of(str(tmp_path / "s2"))[0].meta["why"]
+    assert "on rank 1; not on every rank" in why, why
+    want = torch.arange(800.).reshape(200, 4)
+    want[[3, 103]] += 1   # local row 3 of each rank's shard of 100 rows
+    assert torch.equal(distckpt.read(str(tmp_path / "s2"))["emb"], want)
