@@ -62,6 +62,7 @@ __all__ = [
     "PeerLostError",
     "CommittedButPeerLostError",
     "RanksMissingError",
+    "ProcessGroupDestroyedError",
     "ConfigError",
     "from_os_error",
     "fill_rank",
@@ -534,6 +535,23 @@ class RanksMissingError(PeerLostError):
 
     default_remedy = ("Every rank of the process group must call it (each with its own shard); to save from "
                       "one process inside a job, pass no_dist=True (a single-process save).")
+
+
+class ProcessGroupDestroyedError(DistributedEnvError):
+    """This process destroyed the process group (``torch.distributed.destroy_process_group()``)
+    while a collective async save on it was still in flight; its background phases could not run
+    their collectives.
+
+    Not a :class:`PeerLostError`: no peer died, the group was taken away under the save (a
+    subclass of :class:`DistributedEnvError`: the distributed environment the save ran in is
+    gone). Fields: ``committed`` (False: nothing was committed, the save stopped before its commit
+    point; True: rank 0 had committed before the group went away; None: this rank cannot tell,
+    ``save_id`` is the id the MANIFEST at ``path`` carries if it committed), ``path``, ``save_id``
+    (when known). The :class:`PeerLostError` the broken collective raised is ``__cause__``.
+    """
+
+    default_remedy = ("Wait for every async save (handle.result(), CheckpointManager.close()) before "
+                      "destroy_process_group(); save again once a process group is initialized.")
 
 
 def fill_rank(exc: BaseException, rank: int | None) -> BaseException:

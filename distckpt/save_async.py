@@ -24,7 +24,10 @@ Invariants:
     :func:`~distckpt.staging.pool.release_staging_memory` (and ``CheckpointManager.close()``) frees
     it now.
   * Errors reach :meth:`AsyncSaveHandle.result` as the same typed errors a sync save raises (the
-    same exception objects); a failed save commits nothing.
+    same exception objects); a failed save commits nothing. One exception to "the same": a
+    collective save whose group this process destroyed under it fails with
+    :class:`~distckpt.errors.ProcessGroupDestroyedError` (not the PeerLostError its broken
+    collective raised: no peer was lost).
   * A failure is never silent: an async save that fails while nobody waits on its handle (no
     ``result()`` / ``exception()`` returned its error) is raised -- the same exception object, its
     original class -- at this process's next ``save`` / ``async_save`` / CheckpointManager call
@@ -55,7 +58,7 @@ from typing import Any, Callable
 from ._dist import ControlGroup, _portable, control_group
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
-from .errors import DistCkptError, collective_error
+from .errors import DistCkptError, PeerLostError, ProcessGroupDestroyedError, collective_error
 from .saveplan import plan_save
 from .staging.pool import reserve_staging_memory, stage, staging_pool
 from .storage.posix.probe import ensure_sigxfsz_ignored
@@ -197,7 +200,10 @@ def raise_background_failure(group: ControlGroup | None = None) -> None:
 
     ``group`` None or of one rank: this process alone decides, and only the failures of its
     one-rank saves (``no_dist``, a one-rank group) are raised; a collective save's failure waits
-    for a call with its group.
+    for a call with its group -- except a collective save that failed with
+    :class:`~distckpt.errors.ProcessGroupDestroyedError` (this process destroyed its group under
+    it) when no process group is initialized any more: it is raised here too, by this rank alone
+    (no group is left to decide it on, and no collective for the ranks to disagree on).
 
     ``group`` of several ranks: collective (every rank of ``group`` calls it, at the same call: the
     start of a collective save or load, after this process's saves on it have finished). One
@@ -218,9 +224,21 @@ def raise_background_failure(group: ControlGroup | None = None) -> None:
         failure is raised; PeerLostError when the exchange itself fails (nothing is marked seen).
     """
     if group is None or group.world_size == 1:
+        from ._dist import is_distributed
+        no_group = not is_distributed()
         with _FAILED_LOCK:
             failed = list(_UNSEEN_FAILURES)
             _UNSEEN_FAILURES.clear()
+            if no_group:
+                # A collective save whose group this process destroyed under it can never be
+                # decided with its peers (there is no group left to decide on): left pending, it
+                # would surface only as a log line at exit. With no process group at all there is
+                # no collective for the ranks to disagree on either, so this rank raises it alone.
+                gone = [h for h in _COLLECTIVE_FAILURES
+                        if isinstance(h._error, ProcessGroupDestroyedError) and not h._observed]
+                for h in gone:
+                    _COLLECTIVE_FAILURES.remove(h)
+                failed += gone
             for h in failed:
                 h._observed = True
         if failed:
@@ -311,6 +329,49 @@ def _register_exit_hook() -> None:
         pass
 
 
+def _group_destroyed(group: ControlGroup) -> bool:
+    """Whether ``group``'s gloo group is gone from this process: destroy_process_group() (of the
+    world, or of every group) unregisters it, and the world stops being initialized."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.get_process_group_ranks(group.pg)
+    except (KeyError, ValueError, RuntimeError):  # KeyError in torch 2.x: not registered
+        return True
+    return False
+
+
+def _destroyed_group_error(error: BaseException, group: ControlGroup, final_dir: str) -> BaseException:
+    """``error`` of a collective save's background phases, or a ProcessGroupDestroyedError in its
+    place when this process destroyed the group under the save.
+
+    Why: a collective over a destroyed group fails ("Group ... is not registered", or the pairs
+    closed by a peer's destroy), and ControlGroup reports every failing collective as a
+    PeerLostError -- which would tell the caller a peer died and send them to other ranks' logs,
+    when it was their own ``destroy_process_group()`` with the save in flight. Decided on the save's
+    thread right after the failure, from this process's own state only: a rank whose peer
+    destroyed the group but that did not destroy it itself has really lost that peer (its
+    PeerLostError stands). The commit state is the PeerLostError's (``committed`` True on a
+    CommittedButPeerLostError, None where this rank cannot tell, else False: a PeerLostError
+    before the commit point commits nothing)."""
+    if group.world_size == 1 or not isinstance(error, PeerLostError) or not _group_destroyed(group):
+        return error
+    committed = getattr(error, "committed", False)
+    save_id = getattr(error, "save_id", None)
+    state = {True: "it IS committed (rank 0 committed it before the group went away)",
+             False: "nothing is committed",
+             None: "this rank cannot tell whether it committed"
+                   + (f" (it did if the MANIFEST at the path carries save id {save_id})" if save_id else "")
+             }.get(committed, "nothing is committed")
+    out = ProcessGroupDestroyedError(
+        f"the process group was destroyed (torch.distributed.destroy_process_group()) while the async save to "
+        f"{final_dir} was in flight: its background phases could not finish their collectives, {state}",
+        path=final_dir, rank=getattr(error, "rank", None), committed=committed, save_id=save_id)
+    out.__cause__ = error
+    return out
+
+
 def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
     """The channel for the background phases (created once per process group; a collective the
     first time, run by every rank in the caller's thread)."""
@@ -340,7 +401,10 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         Nothing for a failed save: every save error (CheckpointExistsError,
         UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError (ranks
         failing with different classes),
-        PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises.
+        PeerLostError) is raised by ``handle.result()``, as the same class a sync save raises;
+        ProcessGroupDestroyedError when this process destroyed the process group
+        (``torch.distributed.destroy_process_group()``) with the save in flight (its ``committed``
+        says the commit state: False, nothing committed, where such a save stops).
         A KeyboardInterrupt (any BaseException) during staging propagates (nothing is
         committed); the other ranks' handles fail at once with a RankFailureError naming this
         rank, not after DISTCKPT_TIMEOUT_S.
@@ -439,7 +503,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                                 after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
                                 storage_options=storage_options)
             except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
-                error = exc
+                error = _destroyed_group_error(exc, bg, final_dir)
             finally:
                 # Drop the views into the arena before it is reused or freed: the pieces may sit in
                 # reference cycles of the flattened state (freed only by a later gc pass), and a
