@@ -22,7 +22,11 @@ Invariants:
     the idle and reserving segments, whose total DISTCKPT_STAGING_POOL_BYTES caps (0: keep none,
     reserve none); :func:`release_staging_memory` frees the idle ones now. After a save, idle
     segments it did not use are freed (the state shrank), and the pool never keeps more than twice
-    the last save's bytes plus 1 MiB.
+    the last save's bytes plus 1 MiB. One copy of a state's fit, not two: a save that needs an
+    overflow segment while a reservation is still being prepared supersedes it (using the
+    segments it already made), and a reservation counts the segments of a save in flight as
+    there; so a reservation right before or during a save does not leave its segments beside the
+    save's own (``StagingPool.held_bytes``: everything the pool holds).
   * Large pieces start at 4 KiB boundaries, so the O_DIRECT writer can write them without another
     copy.
   * After :func:`stage` returns, every staged piece points at its copy: changing the caller's
@@ -241,6 +245,9 @@ class StagingPool:
         self._lock = threading.Lock()
         self._idle: list[Segment] = []
         self._pending = 0  # bytes of reservations still being prepared
+        # Bytes of the segments handed to a save by take() and not yet given back by release():
+        # memory the pool will get back, so a reservation made meanwhile counts it as there.
+        self._in_use = 0
         # Bumped by clear(): a reservation prepared under an older generation is superseded (its
         # worker frees what it makes instead of adding it, and stops).
         self._generation = 0
@@ -259,6 +266,7 @@ class StagingPool:
         self._inherited.extend(self._idle)
         self._idle = []
         self._pending = 0
+        self._in_use = 0  # the parent's save in flight: its arena is not the child's
         self._generation += 1
 
     # -- reservations ------------------------------------------------------------------------
@@ -327,10 +335,24 @@ class StagingPool:
         """Lay pieces of ``sizes`` bytes out over the idle segments (:func:`_place`: the fit they
         were reserved for) and one fresh pageable overflow segment for what does not fit. Returns
         the arena (its segments are no longer idle) and each piece's (segment, offset). Never
-        pins."""
+        pins, never waits.
+
+        A reservation still being prepared when the save needs an overflow segment (a save right
+        after :func:`reserve_staging_memory`, or right after a save whose overflow is being
+        re-reserved pinned) is superseded: its segments already made are used here, the rest is
+        never added (the segment in the making is freed once made; ``superseded`` on it). Why:
+        otherwise its segments land in the pool beside this save's overflow, which holds the
+        same pieces, and the pool kept both (2x the state, within its 2x + 1 MiB bound); waiting
+        for it instead would put its allocation and pinning on the caller's path. After this
+        save, the overflow is kept (CPU) or re-reserved pinned (CUDA), so the pool converges on
+        one copy of what the state needs."""
         with self._lock:
             idle, self._idle = self._idle, []
-        placed, cursors = _place(sizes, [seg.capacity for seg in idle])
+            placed, cursors = _place(sizes, [seg.capacity for seg in idle])
+            if self._pending and any(p is None for p in placed):
+                self._generation += 1
+                self._pending = 0
+            self._in_use += sum(seg.capacity for seg in idle)
         arena = Arena()
         for seg, used in zip(idle, cursors):
             arena.segments.append(seg)
@@ -346,6 +368,7 @@ class StagingPool:
             over = Segment(_round_up(cursor, _PAGE), pin=False, prefault=False)
             with self._lock:
                 self.allocations += 1
+                self._in_use += over.capacity
             arena.overflow = over
             arena.segments.append(over)
             arena.overflow_sizes = over_sizes
@@ -364,6 +387,8 @@ class StagingPool:
             return
         if pin is None:
             pin = torch.cuda.is_available()
+        with self._lock:
+            self._in_use = max(0, self._in_use - sum(seg.capacity for seg in arena.segments))
         used_total = sum(arena.used.values())
         keep: list[Segment] = []
         for seg in arena.segments:
@@ -400,6 +425,17 @@ class StagingPool:
     def pending_bytes(self) -> int:
         with self._lock:
             return self._pending
+
+    def in_use_bytes(self) -> int:
+        """Bytes of the segments a save in flight holds (given back to the pool when it ends)."""
+        with self._lock:
+            return self._in_use
+
+    def held_bytes(self) -> int:
+        """All the staging memory of this pool: idle, being reserved, and held by a save in
+        flight."""
+        with self._lock:
+            return sum(s.capacity for s in self._idle) + self._pending + self._in_use
 
     def clear(self) -> int:
         """Free the idle segments (those of a save in flight are freed or kept when it ends) and
@@ -471,10 +507,14 @@ def reserve_staging_memory(state_dict: Any = None, *, nbytes: int | None = None)
     Call it once the model and optimizer exist (after the first optimizer step, when the
     optimizer's states exist: a state that grows later is staged through a plain allocation once
     and the difference reserved in the background). When the pool already holds that much (idle
-    or being prepared) nothing more is reserved; otherwise its idle memory is replaced by segments
-    packed for these pieces (at most 64 MiB each unless one piece is larger, each pinned by its own
-    call), as much as DISTCKPT_STAGING_POOL_BYTES allows (whole segments);
-    :func:`release_staging_memory` frees it. Not collective: each rank reserves for its own
+    or being prepared, or held by a save in flight) nothing more is reserved; otherwise its idle
+    memory is replaced by segments packed for these pieces (at most 64 MiB each unless one piece
+    is larger, each pinned by its own call), as much as DISTCKPT_STAGING_POOL_BYTES allows (whole
+    segments);
+    :func:`release_staging_memory` frees it. An async save that starts before the reservation is
+    ready stages into the segments already made and the rest through its overflow segment, and
+    supersedes the reservation (``superseded``: nothing more of it is added), rather than keeping
+    both or waiting for it on the caller's path. Not collective: each rank reserves for its own
     tensors (the local shards; an upper bound where replicated tensors are written by one rank).
 
     Raises:
@@ -491,8 +531,10 @@ def reserve_staging_memory(state_dict: Any = None, *, nbytes: int | None = None)
     else:
         sizes = _local_tensor_bytes(state_dict)
     pool = _POOL
-    # Memory already idle or being prepared counts toward the request.
-    have = pool.idle_bytes() + pool.pending_bytes()
+    # Memory already idle, being prepared, or held by a save in flight (the pool gets it back
+    # when the save ends) counts toward the request: reserving beside a save in flight of the
+    # same state would leave two copies in the pool after it.
+    have = pool.held_bytes()
     if have >= sum(_pack(sizes)):
         done = StagingReservation(0)
         done._done.set()

@@ -70,3 +70,80 @@ def test_destroying_the_group_under_a_save_is_not_a_lost_peer(tmp_path):
         assert o["next"] == "ProcessGroupDestroyedError" and o["alone_exists"] is False
     assert not (tmp_path / "read").exists() and not (tmp_path / "unread").exists()
     assert issubclass(ProcessGroupDestroyedError, distckpt.errors.DistributedEnvError)
+
+
+_MIB = 1 << 20
+
+
+def _weights(rank: int) -> torch.Tensor:
+    return torch.arange(12 << 20, dtype=torch.float32) + rank
+
+
+def _reservation_body(rank, world, tmp):
+    from distckpt.staging import pool as pool_mod
+    from distckpt.staging.pool import staging_pool
+    pool = staging_pool()
+    go = threading.Event()
+    real_segment, real_take = pool_mod.Segment, pool.take
+
+    def slow_reserved_segment(*args, **kwargs):  # a reservation's segment is made only after `go`
+        if kwargs.get("prefault"):
+            assert go.wait(60)
+        return real_segment(*args, **kwargs)
+
+    def take_then_go(sizes):  # the reservation finishes once the save has taken its segments
+        out = real_take(sizes)
+        go.set()
+        return out
+
+    pool_mod.Segment = slow_reserved_segment
+    pool.take = take_then_go
+    sd = {f"w{rank}": _weights(rank)}  # 48 MiB on each rank, written by that rank
+    out = {}
+    # 1. Reserve, then save at once (the reservation is still being prepared at the save's take).
+    res = distckpt.reserve_staging_memory(sd)
+    h = distckpt.async_save(sd, os.path.join(tmp, "a"))
+    h.result(timeout=120)
+    assert res.wait(60) and res.error is None
+    out["reserved"] = res.nbytes
+    out["superseded"] = res.superseded
+    out["held_after_a"] = pool.held_bytes()
+    out["idle_after_a"] = pool.idle_bytes()
+    # 2. Reserve while a save of the same state is in flight: the save's segments count.
+    go.clear()
+    pool.take = real_take
+    import distckpt.save_async as sa
+    from distckpt.commit import finish_save
+    release = threading.Event()
+
+    def held_finish(*args, **kwargs):
+        assert release.wait(60)
+        return finish_save(*args, **kwargs)
+
+    h = sa.async_save_in_root(sd, os.path.join(tmp, "b"), finish=held_finish)
+    out["in_use_during_b"] = pool.in_use_bytes()
+    res2 = distckpt.reserve_staging_memory(sd)
+    go.set()
+    release.set()
+    h.result(timeout=120)
+    assert res2.wait(60)
+    out["reserved_during_b"] = res2.nbytes
+    out["held_after_b"] = pool.held_bytes()
+    pool_mod.Segment = real_segment
+    return out
+
+
+def test_a_save_right_after_a_reservation_keeps_one_copy(tmp_path):
+    """reserve_staging_memory(state) then at once async_save(state), on 2 gloo ranks of 48 MiB
+    each: the pool ends holding one copy of the state's staging (48 MiB), not the reservation's
+    beside the save's own overflow (96 MiB). Same when reserving while a save is in flight."""
+    out = run_ranks(_reservation_body, 2, str(tmp_path), timeout=240)
+    for o in out:
+        assert o["reserved"] == 48 * _MIB, o
+        assert o["held_after_a"] == o["idle_after_a"] and 48 * _MIB <= o["held_after_a"] <= 49 * _MIB, o
+        assert o["superseded"], o
+        assert o["in_use_during_b"] >= 48 * _MIB and o["reserved_during_b"] == 0, o
+        assert 48 * _MIB <= o["held_after_b"] <= 49 * _MIB, o
+    for name in ("a", "b"):
+        got = distckpt.read(tmp_path / name)
+        assert all(torch.equal(got[f"w{r}"], _weights(r)) for r in range(2))
