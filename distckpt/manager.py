@@ -78,7 +78,7 @@ class CheckpointManager:
 
     Constructing a manager writes nothing (the root is created by the first save).
     Use it as a context manager (or call :meth:`close`) to wait for its async saves, surface their
-    errors and give back the async staging memory.
+    errors and give back the async staging memory (collective in a job, like save and load).
 
     Args:
         root: directory holding the steps (created by the first save if missing).
@@ -116,6 +116,11 @@ class CheckpointManager:
         self._resumed_from: int | None = None
         self._resume_gen = 0
         self._saver = None
+        # Whether close() decides unread background failures with every rank, as save()/load() do
+        # (collective unless ``no_dist``): True until this manager's only calls were no_dist ones
+        # (a manager that one process of a job uses alone closes alone; its peers never call it).
+        self._collective_calls = 0
+        self._no_dist_calls = 0
         # Chains are read and written in local directories only (distckpt.incremental).
         if incremental is not None and is_url(self.root):
             raise ConfigError(f"incremental=: incremental chains are written to local roots only, not to "
@@ -211,6 +216,7 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
+        self._count_call(kwargs)
         from .save_async import raise_background_failure, wait_for_saves
         # Decided with every rank before anything of this save runs (all raise, or none does),
         # once the save still in flight has finished: it may yet fail.
@@ -367,6 +373,7 @@ class CheckpointManager:
         Raises CheckpointNotFoundError when there is no committed step, plus what
         :func:`distckpt.load` raises, and first the error of an earlier async save of this process
         that nobody waited for."""
+        self._count_call(kwargs)
         from .save_async import raise_background_failure
         raise_background_failure(None if kwargs.get("no_dist") else
                                  control_group(self.process_group, operation="CheckpointManager.load()"))
@@ -400,16 +407,53 @@ class CheckpointManager:
         group.exchange_outcome(error, operation="CheckpointManager.load()")
         return found if group.world_size == 1 else group.broadcast(found)
 
+    def _count_call(self, kwargs: dict) -> None:
+        with self._lock:
+            if kwargs.get("no_dist"):
+                self._no_dist_calls += 1
+            else:
+                self._collective_calls += 1
+
+    def _closes_collectively(self) -> bool:
+        """Whether :meth:`close` is collective: in a job (an initialized process group), unless
+        every save/load of this manager so far passed ``no_dist=True``."""
+        with self._lock:
+            alone = self._no_dist_calls > 0 and self._collective_calls == 0
+        return not alone and is_distributed()
+
     def close(self) -> None:
         """Wait for the async saves of this process still in flight (this manager's among them;
         saves are serialized per process, and the staging memory is the process's), raise the
         error of any that failed unseen (its own class), and free the async staging memory
-        (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable."""
+        (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable.
+
+        Collective in a job, like :meth:`save` and :meth:`load` (every rank of ``process_group``
+        calls it), unless every save/load of this manager passed ``no_dist=True``: the unread
+        failures are decided with every rank (:func:`distckpt.save_async.raise_background_failure`),
+        so every rank raises or none does -- an unread failure of a collective save on every rank
+        (the same class), a failed one-rank save of one rank on that rank (its own error) and a
+        collective error naming it on the others. Used as a context manager, a ``with`` block left
+        by an exception decides on this rank alone (its peers may not be closing; the exception in
+        flight is not masked).
+
+        Raises:
+            The error of an async save that failed unseen (above); RanksMissingError /
+            PeerLostError when some ranks do not close (bounded by DISTCKPT_ARRIVAL_TIMEOUT_S) or
+            the exchange fails.
+        """
+        self._close(collective=True)
+
+    def _close(self, *, collective: bool) -> None:
         from .save_async import raise_background_failure, wait_for_saves
         from .staging.pool import release_staging_memory
         try:
             wait_for_saves()  # the one registry of saves in flight (distckpt.async_save)
-            raise_background_failure()
+            # With the group, as save()/load() do: decided on this rank alone, a failure of one
+            # rank's own save made only that rank raise here (its peers went on as if nothing
+            # failed), and an unread collective failure was raised by no rank at all.
+            group = (control_group(self.process_group, operation="CheckpointManager.close()")
+                     if collective and self._closes_collectively() else None)
+            raise_background_failure(group)
         finally:
             release_staging_memory()
 
@@ -421,6 +465,8 @@ class CheckpointManager:
             self.close()
         else:  # do not mask the error in flight; still wait and free the memory
             try:
-                self.close()
+                # On this rank alone: an exception may have left this block on some ranks only,
+                # and a collective here would wait for peers that are not closing.
+                self._close(collective=False)
             except Exception as close_exc:  # noqa: BLE001
                 log.error("distckpt: while closing the CheckpointManager after %s: %s", exc_type.__name__, close_exc)

@@ -170,7 +170,9 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
 
     Raises (blocking; ``handle.result()`` otherwise): what :func:`finish_node_save` raises, the
     PLAN errors of :func:`distckpt.save` (StateDictMismatchError, UnsupportedValueError, ...), and
-    first the error of an earlier async save that failed with nobody waiting on its handle.
+    first the error of an earlier async save that failed with nobody waiting on its handle
+    (blocking: decided with every rank of the group, so every rank raises or none does, as
+    :func:`distckpt.save`; see :func:`distckpt.save_async.raise_background_failure`).
     """
     from ..save_async import async_save_in_root, raise_background_failure, wait_for_saves
     path = normalize_path(final_dir)
@@ -180,8 +182,12 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
                                   allow_pickle=allow_pickle, metadata=metadata, replicated=replicated,
                                   finish=functools.partial(finish_node_save, layout=layout), shared_path=False)
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
-    raise_background_failure()
     group = control_group(process_group, operation="save()")
+    # With every rank of the group, as distckpt.save does: decided on this rank alone, a failure of
+    # one rank's own save made that rank raise here while its peers went on into the save's
+    # collectives and waited for it (RanksMissingError / PeerLostError after a timeout), and an
+    # unread failure of a collective save was raised by no rank.
+    raise_background_failure(group)
     result, error = None, None
     try:
         with SAVE_GATE, gc_paused():

@@ -147,3 +147,61 @@ def test_a_save_right_after_a_reservation_keeps_one_copy(tmp_path):
     for name in ("a", "b"):
         got = distckpt.read(tmp_path / name)
         assert all(torch.equal(got[f"w{r}"], _weights(r)) for r in range(2))
+
+
+def _outcome(call):
+    t0 = time.monotonic()
+    try:
+        call()
+        return {"type": None, "seconds": time.monotonic() - t0}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"type": type(exc).__name__, "failed_ranks": getattr(exc, "failed_ranks", None),
+                "seconds": time.monotonic() - t0}
+
+
+def _close_body(rank, world, tmp):
+    from distckpt._dist import control_group
+    from distckpt.tiers.localcommit import save_node_local
+    from distckpt.tiers.nodes import node_layout
+    mgr = distckpt.CheckpointManager(os.path.join(tmp, "root"))
+    sd = {f"w{rank}": torch.full((1000,), float(rank))}
+    mgr.save(1, sd)
+    out = {}
+
+    def own_failure():  # rank 1 alone: a one-rank async save that fails, its error unread
+        if rank == 1:
+            h = distckpt.async_save(sd, mgr.path(1), no_dist=True)  # exists: CheckpointExistsError
+            assert h.wait(120)
+
+    # 1. Only rank 1's background save failed: close() raises on both ranks.
+    own_failure()
+    out["own"] = _outcome(mgr.close)
+    out["own_again"] = _outcome(mgr.close)  # reported once
+    # 2. A collective async save failed on every rank, nobody read it: close() raises on both.
+    h = mgr.save(1, sd, blocking=False)  # step 1 exists
+    assert h.wait(120)
+    out["collective"] = _outcome(mgr.close)
+    # 3. The tiered local save's blocking path decides it with every rank too.
+    layout = node_layout(control_group(), os.path.join(tmp, f"node{rank}"))
+    own_failure()
+    out["node_local"] = _outcome(lambda: save_node_local(sd, os.path.join(tmp, f"node{rank}", "s"),
+                                                         layout=layout))
+    out["node_local_exists"] = os.path.exists(os.path.join(tmp, f"node{rank}", "s"))
+    return out
+
+
+def test_close_decides_an_unread_failure_with_every_rank(tmp_path):
+    """CheckpointManager.close() (and the tiered local save's blocking path) decide an unread
+    background failure with every rank, as save/load do: when only rank 1's own async save failed,
+    both ranks raise (rank 1 its error, rank 0 the collective error naming rank 1); an unread
+    collective failure is raised on both; nothing waits for a timeout."""
+    out = run_ranks(_close_body, 2, str(tmp_path), timeout=240,
+                    env={"DISTCKPT_ARRIVAL_TIMEOUT_S": "10", "DISTCKPT_TIMEOUT_S": "20"})
+    for o in out:
+        for what in ("own", "collective", "node_local"):
+            assert o[what]["type"] == "CheckpointExistsError", (what, out)
+            assert o[what]["seconds"] < 8, (what, out)
+        assert o["own_again"]["type"] is None
+        assert o["node_local_exists"] is False
+    assert [o["own"]["failed_ranks"] for o in out] == [[1], None]
+    assert [o["node_local"]["failed_ranks"] for o in out] == [[1], None]
