@@ -36,6 +36,8 @@ import functools
 import logging
 import os
 import dataclasses
+import threading
+import time
 from typing import Any
 
 from .._dist import _portable, control_group
@@ -182,6 +184,11 @@ class TieredCheckpointManager:
         # The local tier's room is checked once, when the first save tells a step's size.
         self._room_checked: bool | None = None
         self._saving: set[int] = set()  # steps whose local save is in flight on this rank
+        # step -> the AsyncSaveHandle of its async local save, from save() until it commits (its
+        # drain is then queued and the drain's state says the rest); a failed one stays, so that
+        # wait_durable raises its error. Written by the caller's and the save's threads.
+        self._async_saves: dict[int, Any] = {}
+        self._async_lock = threading.Lock()
         self._first_async = None  # the handle of a first save made with blocking=False
         self._drainer = Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}")
         for step, save_id in self._undrained(remote_up):
@@ -226,10 +233,18 @@ class TieredCheckpointManager:
         lock = join(self.local_root, ROOT_LOCK_NAME)
         self._saving.add(step)
 
+        outcome: dict[str, bool] = {}  # "ok": how the local save ended, once it has
+
         def settled(result: SaveResult | None, error: BaseException | None) -> None:
             self._saving.discard(step)
             if result is not None:
+                # Queued before the handle is dropped: a wait_durable that finds no handle finds
+                # the drain's state.
                 self._drainer.enqueue(step, result.save_id)
+            with self._async_lock:
+                outcome["ok"] = result is not None
+                if result is not None:
+                    self._async_saves.pop(step, None)  # a failed earlier save of the step, too
 
         if self._room_checked is None and self._first_async is not None:
             # The first save was async: its outcome is known on every rank once its handle is done
@@ -243,6 +258,10 @@ class TieredCheckpointManager:
             handle = save_node_local(state_dict, self.local_path(step), layout=self._layout,
                                      process_group=self.process_group, blocking=False, after_commit=after,
                                      lock_path=lock, on_outcome=settled, **kwargs)
+            with self._async_lock:
+                # The save's thread may have settled already: a committed save needs no handle here.
+                if not outcome.get("ok"):
+                    self._async_saves[step] = handle
             if self._room_checked is None:
                 self._first_async = handle
             return handle
@@ -548,11 +567,31 @@ class TieredCheckpointManager:
     def wait_durable(self, step: int, timeout: float | None = None) -> TierStatus:
         """Wait until the remote tier holds ``step`` (its drain committed); returns its status.
 
+        A step whose async local save (``save(step, ..., blocking=False)``) is still in flight is
+        waited for first: its drain is queued when it commits. ``timeout`` bounds both waits
+        together.
+
         Raises:
             NotDurableError: the drain failed for good or was stopped (``error`` its cause), or
-                ``timeout`` seconds passed first (the drain goes on).
+                ``timeout`` seconds passed first (the drain, or the local save, goes on).
             CheckpointNotFoundError: the step is neither queued nor on either tier.
+            The local save's own error (its class, as ``handle.result()`` raises it; it then
+            counts as seen) when the async local save of ``step`` failed: nothing was queued.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._async_lock:
+            handle = self._async_saves.get(step)
+        if handle is not None:
+            if not handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise NotDurableError(f"step {step} is not on the remote tier after {timeout} s: its local save is "
+                                      f"still in flight (its drain is queued when it commits)",
+                                      path=self.remote_path(step), steps=[step],
+                                      remedy="Wait longer (the local save and then the drain go on).")
+            error = handle.exception()  # done: returns at once; the caller is told, so it counts as seen
+            if error is not None:
+                raise error
+            # Committed: its drain was queued before the handle reported done.
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         st = self._drainer.state(step)
         if st is None:
             status = self.status(step)

@@ -357,3 +357,71 @@ def test_a_drain_thread_stopped_by_a_lost_peer_never_leaves_a_later_wait_hanging
     assert closed.value.steps == [1, 2]
     with TieredCheckpointManager(local, remote, keep_last_local=5) as again:
         assert again.wait_durable(1, timeout=60).durable and again.wait_durable(2, timeout=60).durable
+
+
+def _hold_local_commits(mgr):
+    """Hold every later local commit of ``mgr`` (inside the commit, before its drain is queued)
+    until the returned event is set: an async local save still in flight."""
+    import threading
+    gate, real = threading.Event(), mgr._after_local_commit
+
+    def holding(step):
+        assert gate.wait(120), "the test never released the local commit"
+        return real(step)
+
+    mgr._after_local_commit = holding
+    return gate
+
+
+def test_wait_durable_right_after_an_async_save_waits_for_the_local_commit(tmp_path):
+    """wait_durable(step) called while the async local save of step is still in flight used to
+    raise NotDurableError "never queued for draining" at once. It waits for the local commit
+    (within its timeout), then for the drain."""
+    import threading
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        gate = _hold_local_commits(mgr)
+        try:
+            handle = mgr.save(1, _state(1), blocking=False)
+            assert not handle.done() and mgr.status(1).local == "saving"
+            # Within its timeout: the local save is still in flight (the timeout's error, not "never queued").
+            t0 = time.monotonic()
+            with pytest.raises(errors.NotDurableError, match="local save is still in flight") as info:
+                mgr.wait_durable(1, timeout=0.5)
+            assert 0.4 < time.monotonic() - t0 < 5 and info.value.steps == [1]
+            threading.Timer(0.5, gate.set).start()  # the local commit completes while wait_durable waits
+            status = mgr.wait_durable(1, timeout=120)
+        finally:
+            gate.set()
+        assert status.durable and status.local == "committed", status
+        assert handle.result().save_id == status.save_id
+        assert (remote / "step_00000001" / "MANIFEST").exists()
+
+
+def test_wait_durable_raises_the_error_of_a_failed_async_local_save(tmp_path, monkeypatch):
+    """An async local save that fails in the background: wait_durable raises that save's own error
+    (its class), which then counts as seen (the next save does not raise it again)."""
+    import threading
+    from distckpt.tiers import localcommit
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    gate, real = threading.Event(), localcommit.finish_node_save
+
+    def failing(*args, **kwargs):
+        assert gate.wait(120)
+        raise errors.DiskFullError("no room left for the test", path=str(local), needed=2, free=1)
+
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        monkeypatch.setattr(localcommit, "finish_node_save", failing)
+        handle = mgr.save(1, _state(1), blocking=False)
+        threading.Timer(0.5, gate.set).start()
+        with pytest.raises(errors.DiskFullError, match="no room left for the test"):
+            mgr.wait_durable(1, timeout=60)
+        assert handle.done()
+        with pytest.raises(errors.DiskFullError):  # asked again: the same answer
+            mgr.wait_durable(1, timeout=5)
+        monkeypatch.setattr(localcommit, "finish_node_save", real)
+        mgr.save(2, _state(2))  # the failure was handed to the caller: not raised again here
+        assert mgr.wait_durable(2, timeout=120).durable
+        # The step saved again (blocking) replaces the failed save: its drain is what wait_durable waits for.
+        mgr.save(1, _state(1))
+        assert mgr.wait_durable(1, timeout=120).durable
