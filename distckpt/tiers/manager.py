@@ -170,6 +170,9 @@ class TieredCheckpointManager:
         # step -> save id of what this manager knows the remote tier holds (found at construction,
         # drained since): the steps a save must not reuse (:meth:`_check_step_free`).
         self._remote_held: dict[int, str] = {}
+        # Whether the remote tier's steps were listed at construction (else ``_remote_held`` may
+        # lack steps it holds, which its keep_last_remote rotation counts): see _known_remote_id.
+        self._remote_listed = False
         try:
             remote_up = self._check_remote()
         except BaseException:
@@ -459,7 +462,7 @@ class TieredCheckpointManager:
         for a second request deadline, and every complete local step is queued (each drain asks
         the remote tier first whether it already holds the save)."""
         if remote_up:
-            avail, _ = self._availability()  # listing fails too: every complete local step
+            avail, self._remote_listed = self._availability()  # listing fails too: every complete local step
         else:
             avail = step_availability(self._group, local_root=self.local_root, remote_root=None, layout=self._layout)
         self._remote_held.update({s: t.remote_save_id for s, t in avail.items() if t.remote_save_id is not None})
@@ -539,10 +542,42 @@ class TieredCheckpointManager:
 
     # -- state ------------------------------------------------------------------------------------
 
+    def _known_remote_id(self, step: int) -> str | None:
+        """The save id of ``step`` that the remote tier is known to hold without asking it: this
+        manager drained it (its drain committed, or found that very save there), and the remote
+        tier's keep_last_remote rotation, which runs after each drain, cannot have dropped it
+        since. None when that is not known (then the remote tier is asked, as for any step this
+        manager did not drain).
+
+        The rotation keeps the newest keep_last_remote steps at or below the step just drained.
+        What the manager knows of the remote tier (``_remote_held``: listed at construction,
+        drained since) is a subset of what the rotation counts, so fewer than keep_last_remote
+        known steps above ``step`` proves it kept only when the remote tier was listed at
+        construction (else steps the manager never saw count too); more may or may not have
+        dropped it (a newer step above the one drained does not count), so that case asks. Steps
+        queued or draining count as newer too: a drain rotates the remote tier before this
+        manager records that it holds the drained step."""
+        st = self._drainer.state(step)
+        held = self._remote_held.get(step)
+        if st is None or st.state != "committed" or held is None:
+            return None
+        keep = self._remote.keep_last
+        if keep is None:
+            return held  # the remote tier never rotates: what was drained stays
+        if not self._remote_listed:
+            return None
+        known = set(list(self._remote_held)) | set(self._drainer.states())  # the drain thread adds to both
+        newer = sum(1 for s in known if s > step)
+        return held if newer < keep else None
+
     def status(self, step: int) -> TierStatus:
         """Where ``step`` stands on each tier, seen from this rank: its node's local copy, and the
-        drain's state (or, for a step this manager did not drain, what the remote tier holds).
-        Local: reads one MANIFEST header per tier, writes nothing.
+        drain's state; for a step this manager drained, what it knows (the remote tier holds that
+        save, unless keep_last_remote may have dropped it since: :meth:`_known_remote_id`), so the
+        remote tier is not asked and a remote tier gone dark since does not make this raise; for
+        any other step (found at construction, never queued, rotated away since), what the remote
+        tier holds, asked. Local: reads this node's MANIFEST header, and the remote one only in
+        the last case; writes nothing.
 
         Raises StorageError subclasses / object-store request errors for a failed look."""
         local_id = self._local_store.committed_save_id(self.local_path(step))
@@ -554,7 +589,9 @@ class TieredCheckpointManager:
         if st is not None and st.state != "committed":
             return TierStatus(step, "committed" if local_id else "absent", st.state, st.save_id or local_id,
                               st.sent, st.total, st.tries, st.error, replicas, replica_error)
-        remote_id = self._remote_store.committed_save_id(self.remote_path(step))
+        remote_id = self._known_remote_id(step)
+        if remote_id is None:
+            remote_id = self._remote_store.committed_save_id(self.remote_path(step))
         if remote_id is None:
             remote = "absent"
         else:
@@ -565,7 +602,8 @@ class TieredCheckpointManager:
                           replica_error)
 
     def wait_durable(self, step: int, timeout: float | None = None) -> TierStatus:
-        """Wait until the remote tier holds ``step`` (its drain committed); returns its status.
+        """Wait until the remote tier holds ``step`` (its drain committed); returns its status
+        (:meth:`status`: for a step this manager drained, from what it knows, without a request).
 
         A step whose async local save (``save(step, ..., blocking=False)``) is still in flight is
         waited for first: its drain is queued when it commits. ``timeout`` bounds both waits

@@ -425,3 +425,37 @@ def test_wait_durable_raises_the_error_of_a_failed_async_local_save(tmp_path, mo
         # The step saved again (blocking) replaces the failed save: its drain is what wait_durable waits for.
         mgr.save(1, _state(1))
         assert mgr.wait_durable(1, timeout=120).durable
+
+
+def test_status_of_a_step_this_manager_drained_is_known_without_asking_the_remote_tier(tmp_path):
+    """A step this manager drained is on the remote tier as far as it knows: status and
+    wait_durable answer without a request (they used to ask, and raised once the remote tier went
+    dark). Where the manager does not know, it still asks: a step found there at construction, and
+    one its keep_last_remote rotation may have dropped since (then ``absent`` when it did)."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+
+    def dark(*args, **kwargs):
+        raise errors.EndpointUnreachableError("the remote tier went dark (test)")
+
+    with TieredCheckpointManager(local, remote, keep_last_local=5) as mgr:
+        mgr.save(1, _state(1))
+        drained = mgr.wait_durable(1, timeout=120)
+        mgr._remote_store.committed_save_id = dark
+        st = mgr.status(1)
+        assert st.durable and st.local == "committed" and st.save_id == drained.save_id, st
+        assert mgr.wait_durable(1, timeout=5).durable
+        del mgr._remote_store.committed_save_id
+    with TieredCheckpointManager(local, remote, keep_last_local=5, keep_last_remote=1) as mgr:
+        mgr._remote_store.committed_save_id = dark
+        with pytest.raises(errors.EndpointUnreachableError):  # found at construction: not drained here, asked
+            mgr.status(1)
+        del mgr._remote_store.committed_save_id
+        mgr.save(2, _state(2))
+        assert mgr.wait_durable(2, timeout=120).durable
+        mgr._remote_store.committed_save_id = dark
+        assert mgr.status(2).durable  # drained here, the newest: kept by keep_last_remote=1
+        with pytest.raises(errors.EndpointUnreachableError):
+            mgr.status(1)   # step 2's drain may have rotated it away: asked
+        del mgr._remote_store.committed_save_id
+        assert mgr.status(1).remote == "absent" and mgr.status(1).local == "committed"  # it did
+    assert _steps(remote) == [2]

@@ -442,3 +442,35 @@ def test_a_remote_answering_5xx_at_construction_is_an_outage_not_an_error(s3_buc
         cred_proxy.revoked.clear()
         mgr.close(timeout=60)
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
+
+
+def test_a_step_this_manager_drained_is_durable_without_a_request_once_the_remote_goes_dark(
+        s3_bucket, s3_server, tmp_path):
+    """status(step) and wait_durable(step) of a step this manager drained answer from what it knows
+    (it committed that save there): no request, so a remote tier that goes dark afterwards (every
+    request held unanswered) neither slows them nor makes them raise EndpointUnreachableError, as
+    they did when they asked the remote tier again."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    try:
+        mgr = TieredCheckpointManager(local, url, storage_options=_via(s3_bucket.storage_options, px.endpoint))
+        try:
+            mgr.save(1, _state(1))
+            drained = mgr.wait_durable(1, timeout=60)
+            assert drained.durable
+            px.rule = lambda n, method, path: "stall"  # the remote tier goes dark
+            px.reset_log()
+            t0 = time.monotonic()
+            st = mgr.status(1)
+            again = mgr.wait_durable(1, timeout=30)
+            took = time.monotonic() - t0
+            assert st.durable and again.durable and st.save_id == drained.save_id, (st, again)
+            assert took < 1.0, f"status/wait_durable of a drained step took {took:.1f} s"
+            assert px.log == [], f"requests sent for a step this manager drained: {px.log}"
+        finally:
+            mgr.close(timeout=10)
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+    assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
