@@ -38,6 +38,11 @@ log = logging.getLogger("distckpt")
 # Back-off between tries of a drain a server outage stopped: doubling, capped.
 _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 30.0
+# How long close() waits, past its timeout, for the thread to leave at the vote to stop: a thread
+# in its back-off wakes at once (the wait is on ``_closing``), so this covers the vote only. A
+# thread still busy after it is inside a request or a collective that only its own deadline ends
+# (DISTCKPT_OBJECT_REQUEST_TIMEOUT_S, 30 s by default, per request): close does not wait for it.
+_CLOSE_GRACE_S = 5.0
 
 
 def is_retryable(error: BaseException) -> bool:
@@ -136,13 +141,25 @@ class Drainer:
     def close(self, timeout: float | None) -> list[int]:
         """Let the queue drain (at most ``timeout`` seconds, None: no bound), then stop the
         thread: retries stop at the next collective vote. Must be called on every rank. Returns
-        the steps whose drain did not commit (failed, stopped or still running at the timeout)."""
+        within ``timeout`` plus a few seconds (:data:`_CLOSE_GRACE_S`) the steps whose drain did
+        not commit (failed, stopped, or still running at the timeout).
+
+        A thread still busy then is inside a request that the remote tier holds unanswered (or a
+        collective waiting for a peer in one): it is not waited for. It is a daemon; its try ends
+        at that request's own deadline, and it stops at the next vote (after a try that failed)
+        or at the end of the queue. Its step is returned here, so it is never reported durable
+        by close, although the held request may still land (the next manager finds it there)."""
         self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
             # Stop retrying: every rank's thread leaves at the same vote.
             self._closing.set()
-            self._thread.join(_MAX_BACKOFF_S + 5)
+            # Not "until the thread leaves": it may be inside a request held up to its deadline
+            # (the join used to wait 35 s for it, far past the caller's timeout).
+            self._thread.join(_CLOSE_GRACE_S)
+            if self._thread.is_alive():
+                log.warning("distckpt: the drain thread is still inside a request or a collective at close; "
+                            "not waiting for it (it stops when its request's deadline ends it)")
         with self._lock:
             return sorted(s for s, st in self._states.items() if st.state != "committed")
 

@@ -773,7 +773,11 @@ class TieredCheckpointManager:
     def close(self, timeout: float | None = None) -> None:
         """Wait for the local async saves and for the drains queued (at most ``timeout`` seconds,
         default ``drain_timeout_s``), then stop the drain thread and rotate the local tier.
-        Collective (every rank closes). Idempotent.
+        Collective (every rank closes). Idempotent. Returns or raises within ``timeout`` plus a
+        few seconds (distckpt.tiers.drainer's grace for the vote that stops retries), also while
+        the remote tier holds a request of a drain unanswered: that drain is left to its daemon
+        thread, which ends at the request's own deadline; its step is named below (not known to
+        be remote, although the held request may still land).
 
         Raises:
             NotDurableError: steps not known to be on the remote tier (``steps``: their drains

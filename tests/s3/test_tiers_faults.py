@@ -474,3 +474,128 @@ def test_a_step_this_manager_drained_is_durable_without_a_request_once_the_remot
         px.rule = lambda n, method, path: None
         px.close()
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# close(timeout) while a request of the drain is held unanswered
+
+
+_CLOSE_WHILE_HELD = r"""
+import json, os, sys, time
+from distckpt.errors import NotDurableError
+from distckpt.tiers import TieredCheckpointManager
+from tests.s3.test_tiers_faults import _state
+mgr = TieredCheckpointManager(sys.argv[1], sys.argv[2], storage_options=json.loads(sys.argv[3]))
+mgr.save(1, _state(1))
+print("saved", flush=True)
+sys.stdin.readline()  # the test stalls the remote tier, then says go
+deadline = time.monotonic() + 60
+while mgr.status(1).remote != "draining":
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+time.sleep(0.5)  # the drain's request is held by now
+t0 = time.monotonic()
+try:
+    mgr.close(timeout=1.0)
+    print(json.dumps({"raised": None}), flush=True)
+except NotDurableError as exc:
+    print(json.dumps({"raised": type(exc).__name__, "steps": exc.steps, "took": time.monotonic() - t0,
+                      "alive": mgr._drainer.alive, "state": mgr.status(1).remote}), flush=True)
+"""
+
+
+def test_close_returns_within_its_timeout_while_a_drain_request_is_held(s3_bucket, s3_server, tmp_path):
+    """close(timeout) while the drain's request is held by a stalled server (a proxy that never
+    answers) returns within its timeout plus a small slack, raising NotDurableError for the step
+    (not known to be remote), and the process exits at once after it. It used to join the drain
+    thread for up to 35 s more: as long as the held request's deadline
+    (DISTCKPT_OBJECT_REQUEST_TIMEOUT_S, 20 s here). The abandoned drain never reports the step
+    durable, and a new manager drains it once the remote tier answers."""
+    import json
+    import subprocess
+    import sys
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    opts = _via(s3_bucket.storage_options, px.endpoint)
+    env = {**os.environ, "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S": "20", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", _CLOSE_WHILE_HELD, str(local), url, json.dumps(opts)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd())
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        px.rule = lambda n, method, path: "stall"  # every request from now on is held unanswered
+        t0 = time.monotonic()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        said = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=60) == 0
+        lived = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        px.rule = lambda n, method, path: None
+    try:
+        assert said["raised"] == "NotDurableError" and said["steps"] == [1], said
+        from distckpt.tiers.drainer import _CLOSE_GRACE_S
+        assert said["took"] < 1.0 + _CLOSE_GRACE_S + 2, f"close(timeout=1.0) took {said['took']:.1f} s with a request held"
+        assert said["state"] != "committed", said  # never reported durable: it is not
+        # Nothing held the exit either (the held request's deadline is 20 s).
+        assert lived < 15, f"the process lived {lived:.1f} s after the drain's request was held"
+        # The step stayed committed locally; the next manager drains it.
+        with TieredCheckpointManager(local, url, storage_options=opts) as again:
+            assert again.wait_durable(1, timeout=60).durable
+    finally:
+        px.close()
+    assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
+
+
+def _close_while_held(rank, world, local_base, url, opts, flag):
+    import torch.distributed as dist
+    out = {}
+    mgr = TieredCheckpointManager(f"{local_base}-{rank}", url, storage_options=opts)
+    if rank == 0:
+        open(flag, "w").close()  # the proxy holds every request from now on
+    dist.barrier()
+    mgr.save(1, _state(1))
+    deadline = time.monotonic() + 60
+    while mgr.status(1).remote != "draining":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0's first request of the drain is held by now; rank 1 waits for it
+    t0 = time.monotonic()
+    try:
+        mgr.close(timeout=1.0)
+        out["raised"] = None
+    except NotDurableError as exc:
+        out.update(raised=type(exc).__name__, steps=exc.steps)
+    out.update(took=time.monotonic() - t0, state=mgr.status(1).remote)
+    out["end"] = time.time()  # then run_ranks destroys the process group and the rank exits
+    return out
+
+
+def test_close_on_two_ranks_returns_within_its_timeout_while_a_drain_request_is_held(s3_bucket, s3_server,
+                                                                                      tmp_path):
+    """The same on two gloo ranks: rank 0's drain request is held, rank 1's drain thread waits for
+    it in the drain's collective. close(timeout) returns on both within the timeout plus a small
+    slack, and neither the held request (deadline 60 s) nor the collective in flight
+    (DISTCKPT_DRAIN_TIMEOUT_S) holds the ranks' exit (run_ranks destroys the process group first)."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    flag = tmp_path / "dark"
+    url = f"{s3_bucket.url}/run"
+    opts = _via(s3_bucket.storage_options, px.endpoint)
+    px.rule = lambda n, method, path: "stall" if flag.exists() else None
+    env = {"DISTCKPT_OBJECT_REQUEST_TIMEOUT_S": "60", "DISTCKPT_DRAIN_TIMEOUT_S": "300"}
+    try:
+        res = run_ranks(_close_while_held, 2, str(tmp_path / "local"), url, opts, str(flag), env=env, timeout=240)
+        exited = time.time()
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+    from distckpt.tiers.drainer import _CLOSE_GRACE_S
+    for r in res:
+        assert r["raised"] == "NotDurableError" and r["steps"] == [1], res
+        assert r["took"] < 1.0 + _CLOSE_GRACE_S + 2, res
+        assert r["state"] != "committed", res
+    assert exited - max(r["end"] for r in res) < 30, f"the ranks exited {exited - max(r['end'] for r in res):.1f} s " \
+                                                     f"after close returned"
