@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from . import chain
 from ._dist import control_group, is_distributed
 from .commit import SaveResult
-from .errors import CheckpointNotFoundError, ConfigError, DistCkptError
+from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
 from .restore import LoadResult, load
 from .save_sync import save_in_root
 from .storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
@@ -121,6 +121,10 @@ class CheckpointManager:
         # (a manager that one process of a job uses alone closes alone; its peers never call it).
         self._collective_calls = 0
         self._no_dist_calls = 0
+        # Set once a collective of this manager met a lost peer (PeerLostError, RanksMissingError):
+        # the group can decide nothing more, so close() decides on this rank alone instead of
+        # waiting DISTCKPT_ARRIVAL_TIMEOUT_S for a rank that is gone.
+        self._group_lost = False
         # Chains are read and written in local directories only (distckpt.incremental).
         if incremental is not None and is_url(self.root):
             raise ConfigError(f"incremental=: incremental chains are written to local roots only, not to "
@@ -217,6 +221,14 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
         self._count_call(kwargs)
+        try:
+            return self._save(step, state_dict, blocking, rotate, kwargs)
+        except PeerLostError:
+            self._note_group_lost()
+            raise
+
+    def _save(self, step: int, state_dict: Any, blocking: bool, rotate: bool,
+              kwargs: dict) -> "SaveResult | AsyncSaveHandle":
         from .save_async import raise_background_failure, wait_for_saves
         # Decided with every rank before anything of this save runs (all raise, or none does),
         # once the save still in flight has finished: it may yet fail.
@@ -290,6 +302,8 @@ class CheckpointManager:
         rotation) ends the protection of the step load() resumed from, unless a newer load()
         happened since the save started (``gen``). An uncommitted save, or one whose outcome this
         rank cannot tell (``committed = None``), keeps the protection for the next save."""
+        if isinstance(error, PeerLostError):  # an async save's too (its thread settles it)
+            self._note_group_lost()
         committed = result is not None or (error is not None and getattr(error, "committed", None) is True)
         if not committed:
             return
@@ -374,6 +388,13 @@ class CheckpointManager:
         :func:`distckpt.load` raises, and first the error of an earlier async save of this process
         that nobody waited for."""
         self._count_call(kwargs)
+        try:
+            return self._load(state_dict, step, kwargs)
+        except PeerLostError:
+            self._note_group_lost()
+            raise
+
+    def _load(self, state_dict: Any, step: int | None, kwargs: dict) -> LoadResult:
         from .save_async import raise_background_failure
         raise_background_failure(None if kwargs.get("no_dist") else
                                  control_group(self.process_group, operation="CheckpointManager.load()"))
@@ -414,10 +435,19 @@ class CheckpointManager:
             else:
                 self._collective_calls += 1
 
+    def _note_group_lost(self) -> None:
+        """Remember that a peer of ``process_group`` was lost (a PeerLostError of this manager's
+        collectives, or of a caller that shares its group: distckpt.tiers' drain)."""
+        with self._lock:
+            self._group_lost = True
+
     def _closes_collectively(self) -> bool:
         """Whether :meth:`close` is collective: in a job (an initialized process group), unless
-        every save/load of this manager so far passed ``no_dist=True``."""
+        every save/load of this manager so far passed ``no_dist=True``, or a peer was lost (the
+        group can no longer decide anything; waiting for the lost rank would only time out)."""
         with self._lock:
+            if self._group_lost:
+                return False
             alone = self._no_dist_calls > 0 and self._collective_calls == 0
         return not alone and is_distributed()
 
@@ -434,7 +464,8 @@ class CheckpointManager:
         (the same class), a failed one-rank save of one rank on that rank (its own error) and a
         collective error naming it on the others. Used as a context manager, a ``with`` block left
         by an exception decides on this rank alone (its peers may not be closing; the exception in
-        flight is not masked).
+        flight is not masked); so does a close after a collective of this manager raised
+        PeerLostError (the lost rank will never close).
 
         Raises:
             The error of an async save that failed unseen (above); RanksMissingError /
@@ -454,6 +485,9 @@ class CheckpointManager:
             group = (control_group(self.process_group, operation="CheckpointManager.close()")
                      if collective and self._closes_collectively() else None)
             raise_background_failure(group)
+        except PeerLostError:
+            self._note_group_lost()  # a second close() decides alone, at once
+            raise
         finally:
             release_staging_memory()
 

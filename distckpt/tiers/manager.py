@@ -785,19 +785,31 @@ class TieredCheckpointManager:
                 start drains them (a drain whose save the remote tier already holds is a no-op).
             The error of a local async save that failed unseen (as CheckpointManager.close).
         """
+        self._close(timeout, collective=True)
+
+    def _close(self, timeout: float | None, *, collective: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        # collective=False: a ``with`` block left by an exception (maybe on this rank only), which
+        # the local manager's close decides alone.
+        if any(isinstance(st.error, PeerLostError) for st in self._drainer.states().values()):
+            # A drain met a lost peer: the group decides nothing more, and the local manager's
+            # close would wait DISTCKPT_ARRIVAL_TIMEOUT_S for a rank that is gone.
+            self._local._note_group_lost()
         try:
-            self._local.close()  # the async local saves; their drains are queued when they commit
-        finally:
-            pending = self._drainer.close(self.drain_timeout_s if timeout is None else timeout)
-        if self._layout.is_leader:
             try:
-                self._rotate_local(keep=None)
-            except Exception as exc:  # noqa: BLE001 - housekeeping: the next save rotates again
-                log.warning("distckpt: rotating %s at close: %s: %s", self.local_root, type(exc).__name__, exc)
-        self._release_owner()
+                # The async local saves; their drains are queued when they commit.
+                self._local._close(collective=collective)
+            finally:
+                pending = self._drainer.close(self.drain_timeout_s if timeout is None else timeout)
+            if self._layout.is_leader:
+                try:
+                    self._rotate_local(keep=None)
+                except Exception as exc:  # noqa: BLE001 - housekeeping: the next save rotates again
+                    log.warning("distckpt: rotating %s at close: %s: %s", self.local_root, type(exc).__name__, exc)
+        finally:
+            self._release_owner()  # also when a close raised: the local root is free for the next manager
         if pending:
             states = self._drainer.states()
             first = next((states[s].error for s in pending if states[s].error is not None), None)
@@ -830,7 +842,7 @@ class TieredCheckpointManager:
             self.close()
         else:
             try:
-                self.close()
+                self._close(None, collective=False)
             except Exception as close_exc:  # noqa: BLE001 - do not mask the error in flight
                 log.error("distckpt: while closing the TieredCheckpointManager after %s: %s",
                           exc_type.__name__, close_exc)

@@ -205,3 +205,32 @@ def test_close_decides_an_unread_failure_with_every_rank(tmp_path):
         assert o["node_local_exists"] is False
     assert [o["own"]["failed_ranks"] for o in out] == [[1], None]
     assert [o["node_local"]["failed_ranks"] for o in out] == [[1], None]
+
+
+def _lost_peer_body(rank, world, tmp):
+    mgr = distckpt.CheckpointManager(os.path.join(tmp, "root"))
+    sd = {f"w{rank}": torch.full((1000,), float(rank))}
+    mgr.save(1, sd)
+    if rank == 1:
+        os._exit(9)  # a rank lost between two saves
+    out = {"save": _outcome(lambda: mgr.save(2, sd))}
+    out["close"] = _outcome(mgr.close)
+    out["steps"] = mgr.steps()
+    return out
+
+
+def test_close_after_a_lost_peer_decides_alone(tmp_path):
+    """A rank whose save met a lost peer (PeerLostError) closes its CheckpointManager at once and
+    on its own: the group can decide nothing more, and a collective close would wait
+    DISTCKPT_ARRIVAL_TIMEOUT_S for the dead rank, then raise RanksMissingError."""
+    from ..helpers.distributed import RankError
+    try:
+        run_ranks(_lost_peer_body, 2, str(tmp_path), timeout=240,
+                  env={"DISTCKPT_ARRIVAL_TIMEOUT_S": "15", "DISTCKPT_TIMEOUT_S": "15"})
+        raise AssertionError("rank 1 exited: run_ranks must report it")
+    except RankError as exc:
+        assert sorted(exc.errors) == [1], exc
+        out = exc.results[0]
+    assert out["save"]["type"] in ("PeerLostError", "RanksMissingError"), out
+    assert out["close"]["type"] is None and out["close"]["seconds"] < 10, out
+    assert out["steps"] == [1], out
