@@ -177,6 +177,11 @@ class Drainer:
             if not self._drain_with_retries(item):
                 self._stop_cause = item.error   # a lost peer (or the error of the try before a vote to stop)
                 break
+            if self._closing.is_set():
+                # close() gave up on this thread (its request was held past the timeout) and has
+                # returned the queued steps as not durable: drain nothing more after it (its
+                # caller may have released the local root to a new manager, which drains them).
+                break
         with self._lock:   # no enqueue puts a step on the queue after this
             self._stopped = True
         # Whatever is still queued did not drain: say so (the next manager start resumes it).
