@@ -172,6 +172,19 @@ def _container_entry(manifest, item: ObjectItem):
     return ("container", node)
 
 
+def _overlapping_destinations(items) -> list[str]:
+    """The tensors of the state dict some of whose elements share memory (stride 0 from expand(),
+    or an as_strided view): a load cannot store distinct values into them, and torch's copy would
+    raise an untyped RuntimeError halfway through the fill. Checked before any byte is read."""
+    found = []
+    for fqn, item in items.items():
+        if isinstance(item, TensorItem) and any(
+                isinstance(p.tensor, torch.Tensor) and p.tensor.numel() > 1
+                and torch._debug_has_internal_overlap(p.tensor) == 1 for p in item.pieces):
+            found.append(fqn)
+    return found
+
+
 def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, cast: str = "exact",
                 optimizer_paths: list[tuple] = ()):
     missing, unexpected = [], []
@@ -182,6 +195,14 @@ def _plan_tasks(manifest, items, strict: bool, allow_pickle: bool, path: str, ca
     objects: list[tuple[ObjectItem, Any]] = []
     pickled = []
     reshard = []
+    overlapping = _overlapping_destinations(items)
+    if overlapping:
+        raise ConfigError(
+            f"{len(overlapping)} destination tensor(s) of the state dict have elements that share memory (an "
+            f"expand()ed or as_strided view), so they cannot hold distinct saved values: {overlapping[:10]}; "
+            f"nothing was read", path=path, key=overlapping[0],
+            remedy="Load into tensors that own their elements (for example t.clone() or "
+                   "torch.empty(shape)) and expand them after the load.")
     for fqn, item in items.items():
         saved = manifest.tensors.get(fqn) or manifest.objects.get(fqn)
         if saved is None and isinstance(item, ObjectItem):

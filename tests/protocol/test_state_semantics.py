@@ -313,3 +313,20 @@ def test_key_union_replica_checks_and_single_process_saves(tmp_path):
     assert r0["solo"][0] == 1 and r0["solo_back"] == ([1.0, 1.0], "export")
     assert r0["own"] == (1, [0]) and r1["own"] == (1, [1])
     assert not os.path.exists(tmp_path / "diff") and not os.path.exists(tmp_path / "tensor_diff")
+
+
+def test_a_destination_whose_elements_share_memory_is_refused_before_any_read(tmp_path):
+    """An expand()ed destination (stride 0) cannot hold distinct saved values: the load raises
+    ConfigError naming the key before reading anything (torch's copy would raise an untyped
+    RuntimeError halfway through the fill). Every tensor of the state dict stays as it was."""
+    saved = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
+    distckpt.save(saved, tmp_path / "c")
+    base = torch.full((4,), -1.0)
+    into = {"a": base.expand(3, 4), "b": torch.zeros(5)}
+    with pytest.raises(errors.ConfigError, match="share memory") as info:
+        distckpt.load(into, tmp_path / "c")
+    assert info.value.details.get("key") == "a" and "'a'" in str(info.value)
+    assert torch.equal(base, torch.full((4,), -1.0)) and torch.equal(into["b"], torch.zeros(5))
+    into = {"a": torch.empty(3, 4), "b": torch.zeros(5)}  # the remedy: a tensor owning its elements
+    distckpt.load(into, tmp_path / "c")
+    assert torch.equal(into["a"], saved["a"]) and torch.equal(into["b"], saved["b"])
