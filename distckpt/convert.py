@@ -779,7 +779,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
     if memory_limit < 1 << 20:
         raise ValueError("memory_limit must be at least 1 MiB")
-    src_s, dst_s = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    from .storage.posix.locate import checkpoint_path
+    # A MANIFEST file stands for its directory, as in load, read, inspect and verify.
+    src_s, dst_s = os.path.abspath(checkpoint_path(src)), os.path.abspath(os.fspath(dst))
     if os.path.lexists(dst_s):
         raise CheckpointExistsError(f"{dst_s} already exists", path=dst_s,
                                     remedy="Choose a new destination or remove the old one first.")

@@ -188,6 +188,11 @@ def test_cli_convert(src, tmp_path, capsys):
         main(["convert", src, str(tmp_path / "x"), "--to", "nope"])
     assert main(["convert", src, str(tmp_path / "x"), "--to", "dcp", "--prefix", "model."]) == 2
     assert "safetensors only" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
+    # A MANIFEST file stands for its directory, as in inspect and verify (it used to be refused
+    # with a misleading "cannot be created there" StorageError).
+    dst = str(tmp_path / "from_manifest.pt")
+    assert main(["convert", os.path.join(src, "MANIFEST"), dst, "--to", "torch"]) == 0, capsys.readouterr().err
+    _same(_state(), torch.load(dst, weights_only=True))
 
 
 def test_progress_bar_on_a_terminal(src, tmp_path, monkeypatch):
