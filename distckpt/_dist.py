@@ -302,6 +302,16 @@ def _let_gloo_workers_finish() -> None:
     time.sleep(_GIL_HANDOFF_S)
 
 
+def group_members(process_group: Any | None = None) -> tuple[int, ...]:
+    """:meth:`ControlGroup.members` of ``process_group`` (default: the world), without a
+    collective: ``()`` outside a job or for a group of one rank."""
+    if not is_distributed():
+        return ()
+    import torch.distributed as dist
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return tuple(dist.get_process_group_ranks(pg)) if dist.get_world_size(pg) > 1 else ()
+
+
 def control_group(process_group: Any | None = None, *, channel: str = "control",
                   operation: str = "save()/load()", timeout_s: float | None = None) -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of

@@ -44,7 +44,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import chain
-from ._dist import control_group, is_distributed
+from ._dist import control_group, group_members, is_distributed
 from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
 from .restore import LoadResult, load
@@ -442,13 +442,16 @@ class CheckpointManager:
             self._group_lost = True
 
     def _closes_collectively(self) -> bool:
-        """Whether :meth:`close` is collective: in a job (an initialized process group), unless
-        every save/load of this manager so far passed ``no_dist=True``, or a peer was lost (the
-        group can no longer decide anything; waiting for the lost rank would only time out)."""
+        """Whether :meth:`close` is collective: in a job (an initialized process group), once
+        this manager made a collective save or load (not only ``no_dist=True`` ones, or none),
+        unless a peer was lost since (the group can no longer decide anything; waiting for the
+        lost rank would only time out)."""
         with self._lock:
             if self._group_lost:
                 return False
-            alone = self._no_dist_calls > 0 and self._collective_calls == 0
+            # No collective call yet (a manager only listed steps, or used on one rank to
+            # inspect): nothing of it to decide with the peers, who may never call close().
+            alone = self._collective_calls == 0
         return not alone and is_distributed()
 
     def close(self) -> None:
@@ -458,14 +461,16 @@ class CheckpointManager:
         (:func:`distckpt.release_staging_memory`). Idempotent; the manager stays usable.
 
         Collective in a job, like :meth:`save` and :meth:`load` (every rank of ``process_group``
-        calls it), unless every save/load of this manager passed ``no_dist=True``: the unread
+        calls it) once this manager made a collective save or load (not for one that only
+        listed steps, or passed ``no_dist=True`` to every call): the unread
         failures are decided with every rank (:func:`distckpt.save_async.raise_background_failure`),
         so every rank raises or none does -- an unread failure of a collective save on every rank
         (the same class), a failed one-rank save of one rank on that rank (its own error) and a
         collective error naming it on the others. Used as a context manager, a ``with`` block left
         by an exception decides on this rank alone (its peers may not be closing; the exception in
         flight is not masked); so does a close after a collective of this manager raised
-        PeerLostError (the lost rank will never close).
+        PeerLostError (the lost rank will never close), which also raises this rank's own error
+        of a collective async save on that group that nobody read.
 
         Raises:
             The error of an async save that failed unseen (above); RanksMissingError /
@@ -484,7 +489,12 @@ class CheckpointManager:
             # failed), and an unread collective failure was raised by no rank at all.
             group = (control_group(self.process_group, operation="CheckpointManager.close()")
                      if collective and self._closes_collectively() else None)
-            raise_background_failure(group)
+            with self._lock:
+                lost = self._group_lost
+            # A group that lost a peer decides nothing more: this rank's own error of a collective
+            # save on it that nobody read is raised here, alone (else close would return as if
+            # that save had committed, and the error would surface only as a log line at exit).
+            raise_background_failure(group, lost=group_members(self.process_group) if lost else None)
         except PeerLostError:
             self._note_group_lost()  # a second close() decides alone, at once
             raise

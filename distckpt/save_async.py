@@ -192,7 +192,7 @@ def wait_for_saves() -> None:
         h._event.wait()
 
 
-def raise_background_failure(group: ControlGroup | None = None) -> None:
+def raise_background_failure(group: ControlGroup | None = None, *, lost: tuple[int, ...] | None = None) -> None:
     """Raise the error of an async save of this process that failed with nobody waiting on its
     handle: the same exception object (its original class), with a note saying where it came
     from. Every such failure is reported once (the oldest is raised; the others are named in its
@@ -204,6 +204,9 @@ def raise_background_failure(group: ControlGroup | None = None) -> None:
     :class:`~distckpt.errors.ProcessGroupDestroyedError` (this process destroyed its group under
     it) when no process group is initialized any more: it is raised here too, by this rank alone
     (no group is left to decide it on, and no collective for the ranks to disagree on).
+    ``lost``: the members (:meth:`ControlGroup.members`) of a group known to have lost a peer
+    (the caller met PeerLostError on it): its collective saves' unseen failures can never be
+    decided with the peers either, so this rank raises its own error of them, alone.
 
     ``group`` of several ranks: collective (every rank of ``group`` calls it, at the same call: the
     start of a collective save or load, after this process's saves on it have finished). One
@@ -236,6 +239,14 @@ def raise_background_failure(group: ControlGroup | None = None) -> None:
                 # no collective for the ranks to disagree on either, so this rank raises it alone.
                 gone = [h for h in _COLLECTIVE_FAILURES
                         if isinstance(h._error, ProcessGroupDestroyedError) and not h._observed]
+            else:
+                gone = []
+            if lost:
+                # That group decides nothing more: left pending, the failure would surface only
+                # as a log line at exit, and a close would return as if the save had committed.
+                gone += [h for h in _COLLECTIVE_FAILURES if h not in gone and not h._observed
+                         and h._collective is not None and h._collective[0] == tuple(lost)]
+            if gone:
                 for h in gone:
                     _COLLECTIVE_FAILURES.remove(h)
                 failed += gone

@@ -365,7 +365,13 @@ class StagingPool:
             # Laid out by the same first fit as every segment, so the next save's _place fits
             # these pieces into this segment exactly as here.
             over_places, (cursor,) = _place(over_sizes, [1 << 62])
-            over = Segment(_round_up(cursor, _PAGE), pin=False, prefault=False)
+            try:
+                over = Segment(_round_up(cursor, _PAGE), pin=False, prefault=False)
+            except BaseException:
+                # Out of memory: the idle segments taken above go back (and out of _in_use), or
+                # the pool would count them in use for good and never reserve again.
+                self.release(arena, pin=False)
+                raise
             with self._lock:
                 self.allocations += 1
                 self._in_use += over.capacity

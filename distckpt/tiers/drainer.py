@@ -4,7 +4,10 @@ to the remote tier, in commit order, and retries what a server outage stopped.
 Every rank runs one :class:`Drainer`. The manager queues each step once it is committed on the
 local tier, in the same order on every rank (saves are serialized per process), and the drainers
 run :func:`distckpt.tiers.drain.drain_step` for it together over a control group of their own
-(channel ``"drain"``), so the drain never interleaves with the collectives of the training thread.
+(a ``"drain:N"`` channel per manager), so the drain never interleaves with the collectives of the
+training thread, nor with those of a thread an earlier manager's close left inside a held request.
+After each step the ranks vote (one all_gather) on whether to go on: every rank stops after the
+same step once close() gave up waiting on any of them.
 
 Retries are collective: after a failed drain every rank holds the same typed error (the drain's
 verdict), waits the same back-off, then all ranks vote (one all_gather) on whether to go on; a rank
@@ -177,10 +180,7 @@ class Drainer:
             if not self._drain_with_retries(item):
                 self._stop_cause = item.error   # a lost peer (or the error of the try before a vote to stop)
                 break
-            if self._closing.is_set():
-                # close() gave up on this thread (its request was held past the timeout) and has
-                # returned the queued steps as not durable: drain nothing more after it (its
-                # caller may have released the local root to a new manager, which drains them).
+            if self._stop_after_step(item):
                 break
         with self._lock:   # no enqueue puts a step on the queue after this
             self._stopped = True
@@ -192,6 +192,23 @@ class Drainer:
                 break
             if item is not _STOP:
                 self._finish(item, "stopped", self._stop_cause)
+
+    def _stop_after_step(self, st: DrainState) -> bool:
+        """Whether to drain nothing more after ``st`` (its drain ended): when close() gave up on
+        some rank's thread (a request held past its timeout), it has already named the queued
+        steps not durable there and may have released the local root to a new manager, which
+        drains them. Decided by a collective vote (every rank's thread reaches it after the same
+        step), never by this rank's own flag alone: a rank that stopped while a peer began the
+        next step's drain would leave that peer waiting in its collectives for
+        DISTCKPT_DRAIN_TIMEOUT_S. Always voted (one all-gather of a bool per step, the ranks are
+        in step after the drain's collectives): whether more is queued differs between ranks
+        whose training threads enqueue at slightly different times."""
+        try:
+            return self._vote(self._closing.is_set())
+        except Exception as exc:  # noqa: BLE001 - a peer lost during the vote
+            log.error("distckpt: the drain thread stopped after step %d: %s", st.step, exc)
+            self._stop_cause = exc
+            return True
 
     def _drain_with_retries(self, st: DrainState) -> bool:
         """One step, tried until it commits, fails for good, or the ranks vote to stop. Returns

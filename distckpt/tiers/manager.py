@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-from .._dist import _portable, control_group
+from .._dist import _portable, control_group, group_members
 from ..config import get_config
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError,
@@ -96,6 +96,31 @@ class TierStatus:
     def durable(self) -> bool:
         """True when the remote tier holds the step."""
         return self.remote == "committed"
+
+
+def _notes_lost_peer(method):
+    """A collective method of the manager: a PeerLostError it raises tells the local manager that
+    its group lost a peer, so that close() then decides on this rank alone."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except PeerLostError:
+            self._local._note_group_lost()
+            raise
+    return wrapper
+
+
+_DRAIN_CHANNELS: dict[tuple[int, ...], int] = {}
+_DRAIN_CHANNELS_LOCK = threading.Lock()
+
+
+def _drain_channel(process_group: Any) -> str:
+    """The control-group channel of the next tiered manager's drain on ``process_group``."""
+    key = group_members(process_group)
+    with _DRAIN_CHANNELS_LOCK:
+        n = _DRAIN_CHANNELS[key] = _DRAIN_CHANNELS.get(key, -1) + 1
+    return f"drain:{n}"
 
 
 class TieredCheckpointManager:
@@ -181,8 +206,11 @@ class TieredCheckpointManager:
         # The drain's own channel: its collectives never interleave with the training thread's.
         # Bounded by DISTCKPT_DRAIN_TIMEOUT_S, not DISTCKPT_TIMEOUT_S: a rank with less to upload
         # waits at the drain's gather for the slowest rank's upload, which is no lost peer.
+        # A channel per manager (built collectively, so the count agrees on every rank): a drain
+        # thread an earlier manager's close left inside a held request may still run collectives
+        # on its own channel, and they must never pair with this manager's.
         self._drain_group = self._group if self._group.world_size == 1 else control_group(
-            process_group, channel="drain", timeout_s=get_config().drain_timeout_s)
+            process_group, channel=_drain_channel(process_group), timeout_s=get_config().drain_timeout_s)
         self._closed = False
         # The local tier's room is checked once, when the first save tells a step's size.
         self._room_checked: bool | None = None
@@ -211,6 +239,7 @@ class TieredCheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------------
 
+    @_notes_lost_peer
     def save(self, step: int, state_dict: Any, *, blocking: bool = True, **kwargs: Any):
         """Save ``state_dict`` as ``step`` on the local tier (collective), then queue its drain.
 
@@ -240,6 +269,8 @@ class TieredCheckpointManager:
 
         def settled(result: SaveResult | None, error: BaseException | None) -> None:
             self._saving.discard(step)
+            if isinstance(error, PeerLostError):  # an async save's (the blocking one's: the decorator)
+                self._local._note_group_lost()
             if result is not None:
                 # Queued before the handle is dropped: a wait_durable that finds no handle finds
                 # the drain's state.
@@ -656,6 +687,7 @@ class TieredCheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
 
+    @_notes_lost_peer
     def latest_step(self) -> int | None:
         """The step :meth:`load` loads by default: the newest (by commit time) with a complete
         copy on the tiers: the remote tier holds it, or every node's local copy of the same save
@@ -695,6 +727,7 @@ class TieredCheckpointManager:
                             f" for step {steps[0]}" if steps else "", why)
         return steps, remote_up
 
+    @_notes_lost_peer
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
         """Load ``step`` (default: the newest step with a complete copy) into ``state_dict``
         (collective). Each rank reads each file from its node's local copy when it belongs to
@@ -773,11 +806,14 @@ class TieredCheckpointManager:
     def close(self, timeout: float | None = None) -> None:
         """Wait for the local async saves and for the drains queued (at most ``timeout`` seconds,
         default ``drain_timeout_s``), then stop the drain thread and rotate the local tier.
-        Collective (every rank closes). Idempotent. Returns or raises within ``timeout`` plus a
+        Collective (every rank closes). Idempotent. The drains take at most ``timeout`` plus a
         few seconds (distckpt.tiers.drainer's grace for the vote that stops retries), also while
         the remote tier holds a request of a drain unanswered: that drain is left to its daemon
         thread, which ends at the request's own deadline; its step is named below (not known to
-        be remote, although the held request may still land).
+        be remote, although the held request may still land). Before them, a local async save
+        still in flight is waited for (its own collectives are bounded by DISTCKPT_TIMEOUT_S),
+        and the ranks' arrival at close by DISTCKPT_ARRIVAL_TIMEOUT_S (skipped after a lost peer:
+        this rank then decides alone).
 
         Raises:
             NotDurableError: steps not known to be on the remote tier (``steps``: their drains

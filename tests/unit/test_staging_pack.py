@@ -46,3 +46,29 @@ def test_pieces_that_do_not_fit_are_reported():
     placed, cursors = _place([100, 5000, 200], [4096])
     assert placed[1] is None and placed[0] is not None and placed[2] is not None
     assert _place([], [4096]) == ([], [0])
+
+
+def test_an_overflow_that_cannot_be_allocated_gives_the_idle_segments_back(monkeypatch):
+    """take() with reserved segments too small for the save and an overflow segment that cannot
+    be allocated (out of memory): the error propagates, and the segments it took go back to the
+    pool, so in_use_bytes() returns to 0 and the next reservation is not quietly skipped."""
+    import pytest
+
+    from distckpt.staging import pool as pool_mod
+    pool = pool_mod.StagingPool()
+    res = pool.reserve([1 << 20], pin=False)
+    assert res.wait(30) and res.error is None
+    held = pool.held_bytes()
+    assert held >= 1 << 20 and pool.in_use_bytes() == 0
+    real = pool_mod.Segment
+
+    def no_memory(capacity, *, pin, prefault):
+        raise MemoryError("no room for the overflow")
+
+    monkeypatch.setattr(pool_mod, "Segment", no_memory)
+    with pytest.raises(MemoryError):
+        pool.take([1 << 20, 4 << 20])  # the second piece needs an overflow segment
+    monkeypatch.setattr(pool_mod, "Segment", real)
+    assert pool.in_use_bytes() == 0
+    assert pool.held_bytes() == held  # the reserved segment is idle again
+    pool.clear()

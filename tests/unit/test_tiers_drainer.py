@@ -32,3 +32,57 @@ def test_a_thread_close_gave_up_on_drains_no_further_step(monkeypatch):
     assert not d.alive
     assert drained == [1], drained
     assert d.state(1).state == "committed" and d.state(2).state == "stopped"
+
+
+class _Gather:
+    """An all_gather among ``n`` threads standing for ranks: call k of each rank meets call k of
+    the others (AssertionError when a peer never comes within 10 s)."""
+
+    def __init__(self, n: int):
+        self.n, self.cond = n, threading.Condition()
+        self.calls, self.values = [0] * n, {}
+
+    def __call__(self, rank: int, value):
+        with self.cond:
+            k = self.calls[rank]
+            self.calls[rank] += 1
+            self.values.setdefault(k, {})[rank] = value
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: len(self.values[k]) == self.n, timeout=10), "a peer never voted"
+            return [self.values[k][r] for r in range(self.n)]
+
+
+def test_every_rank_stops_after_the_same_step(monkeypatch):
+    """Two ranks' drain threads (the drain's collectives stood for by a barrier): close() gave up
+    on rank 0's thread (its step-1 request held) while rank 1's close waits longer. When the
+    held request lands, both threads stop after step 1 by their vote: rank 1's thread does not
+    begin step 2 alone, where it would wait in the drain's collectives for a rank that stopped."""
+    monkeypatch.setattr(drainer_mod, "_CLOSE_GRACE_S", 0.2)
+    release = threading.Event()
+    drained = {0: [], 1: []}
+    collective = threading.Barrier(2, timeout=10)
+    votes = _Gather(2)
+
+    def drain_of(rank):
+        def drain(step, save_id, progress, assigned):
+            if step == 1 and rank == 0:
+                assert release.wait(30)  # rank 0's request is held
+            collective.wait()  # the drain's collectives: both ranks or neither
+            drained[rank].append(step)
+            return 0
+        return drain
+
+    ds = [Drainer(drain_of(r), lambda closing, r=r: any(votes(r, closing)), name=f"test-drain-{r}")
+          for r in (0, 1)]
+    for d in ds:
+        d.enqueue(1, "s1")
+        d.enqueue(2, "s2")
+    assert ds[0].close(0.2) == [1, 2]   # gave up on the thread: closing is set on rank 0 only
+    ds[1]._queue.put(drainer_mod._STOP)  # rank 1 has not reached close's timeout yet
+    release.set()
+    for d in ds:
+        d._thread.join(30)
+        assert not d.alive
+    assert drained == {0: [1], 1: [1]}, drained
+    assert not collective.broken
+    assert [d.state(2).state for d in ds] == ["stopped", "stopped"]
