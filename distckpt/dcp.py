@@ -85,6 +85,18 @@ def decode_writer_value(data: Any, *, fqn: str, path: str | None, allow_pickle: 
                                     "torch.serialization.add_safe_globals.")
 
 
+def _unpickler_reason(exc: BaseException) -> str:
+    """What torch's restricted unpickler refused, from its long message: its "WeightsUnpickler
+    error" line (which global), else its first line; terminal escapes (bold) stripped, since the
+    message goes to logs and files."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("WeightsUnpickler error:"):
+            return line.removeprefix("WeightsUnpickler error:").strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
 def _torch_load_value(data: bytes | bytearray, fqn: str, path: str | None, *, allow_pickle: bool,
                       remedy: str) -> Any:
     """DCP's ``torch.save`` bytes of a non-tensor value, decoded as DCP's load does but with
@@ -96,8 +108,9 @@ def _torch_load_value(data: bytes | bytearray, fqn: str, path: str | None, *, al
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
+        reason = _unpickler_reason(exc)
         raise PickleNotAllowedError(
-            f"DCP value {fqn!r} needs more than torch.load(weights_only=True) allows: {exc}".split("\n")[0],
+            f"DCP value {fqn!r} needs more than torch.load(weights_only=True) allows: {reason}",
             path=path, keys=[fqn], remedy=remedy) from None
     except Exception as exc:
         raise CheckpointCorruptError(f"DCP value {fqn!r} is not a readable torch.save archive: "

@@ -9,6 +9,7 @@ test_fsdp2_hf.py (the same job, a third way of saving)."""
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -200,6 +201,12 @@ def test_distckpt_load_and_read_decode_the_values_the_writer_stored_as_dcp_does(
     with pytest.raises(PickleNotAllowedError) as info:
         distckpt.load({"t": torch.zeros(2), "evil": None}, tmp_path / "bad", no_dist=True)
     assert info.value.keys == ["evil"]
+    # What the restricted unpickler refused, named; torch's terminal escapes stripped.
+    dcp.save({"t": torch.ones(2), "bio": io.BytesIO(b"raw")}, storage_writer=DistCkptStorageWriter(tmp_path / "bio"))
+    with pytest.raises(PickleNotAllowedError) as info:
+        distckpt.load({"t": torch.zeros(2), "bio": None}, tmp_path / "bio", no_dist=True)
+    assert info.value.keys == ["bio"] and "BytesIO" in str(info.value), str(info.value)
+    assert "\x1b" not in str(info.value), repr(str(info.value))
 
 
 def test_a_planner_that_rebuilds_the_state_dict_from_the_metadata_gets_its_nesting(tmp_path):
