@@ -91,7 +91,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only without lightni
 
 from .. import containers
 from ..commit import SaveResult
-from ..errors import CheckpointIncompleteError, CheckpointNotFoundError, ConfigError
+from ..errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
+                      PickleNotAllowedError)
 from ..listing import owned_checkpoints
 from ..restore import read
 from ..save_async import AsyncSaveHandle, async_save_in_root
@@ -148,6 +149,31 @@ def _device(map_location: Any) -> torch.device | None:
 
 # ---------------------------------------------------------------------------------------------
 # The plugin.
+
+
+def _load_torch_file(path: str, device: Any, allow_pickle: bool) -> dict[str, Any]:
+    """A torch.save checkpoint file (Lightning's TorchCheckpointIO wrote it), read as Lightning's
+    default plugin would but with torch's restricted unpickler unless ``allow_pickle``: a run that
+    switches to this plugin resumes from its last ``.ckpt`` file without running code from it.
+
+    Raises PickleNotAllowedError (the global it refused, named) or CheckpointCorruptError."""
+    import pickle
+
+    from ..dcp import _unpickler_reason
+    log.warning("distckpt: %s is a torch.save file (Lightning's TorchCheckpointIO): reading it with torch.load(%s); "
+                "this plugin's own saves are distckpt checkpoint directories", path,
+                "weights_only=False" if allow_pickle else "weights_only=True")
+    try:
+        return torch.load(path, map_location=device if device is not None else "cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        raise PickleNotAllowedError(
+            f"the torch.save file {path} holds values torch.load(weights_only=True) refuses: "
+            f"{_unpickler_reason(exc)}", path=path,
+            remedy="Pass allow_pickle=True to DistCkptCheckpointIO for a checkpoint you trust, or allow the type "
+                   "with torch.serialization.add_safe_globals.") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointCorruptError(f"the torch.save file {path} cannot be read: {type(exc).__name__}: {exc}",
+                                     path=path) from None
 
 
 class DistCkptCheckpointIO(CheckpointIO):
@@ -274,8 +300,10 @@ class DistCkptCheckpointIO(CheckpointIO):
                 promise: tensors and plain values only). False does not allow them by itself.
 
         Raises:
-            CheckpointNotFoundError: nothing, or no distckpt checkpoint, at ``path`` (a torch.save
-                file is named as such).
+            CheckpointNotFoundError: nothing, or no distckpt checkpoint, at ``path``. A torch.save
+                file there (a ``.ckpt`` Lightning's default TorchCheckpointIO wrote: a run that
+                switches plugins) is read with ``torch.load``, ``weights_only=True`` unless
+                ``allow_pickle`` (and ``weights_only`` is not True), with a warning.
             CheckpointIncompleteError: a directory that was never committed.
             ManifestCorruptError, ChecksumMismatchError, DataFileMissingError,
             DataFileTruncatedError (CheckpointCorruptError): a damaged checkpoint.
@@ -295,6 +323,16 @@ class DistCkptCheckpointIO(CheckpointIO):
                 # symlink inside a checkpoint; the link itself is Lightning's pointer).
                 final = os.path.realpath(final)
             allow_pickle = self.allow_pickle and weights_only is not True
+            if not is_url(final) and os.path.isfile(final):
+                from ..storage.posix.locate import check_checkpoint_dir
+                try:
+                    check_checkpoint_dir(final)
+                except CheckpointNotFoundError as exc:
+                    if getattr(exc, "found", None) != "torch.save":
+                        raise
+                    tree = _load_torch_file(final, device, allow_pickle)
+                    self._resumed_from = final
+                    return tree
             source = open_source(final, self.storage_options)
             # One guard around both reads: a checkpoint replaced between the MANIFEST read for the
             # layout and the data read raises CheckpointRemovedError instead of mixing two saves.

@@ -33,6 +33,7 @@ Layout and what is loaded:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from concurrent.futures import Future
@@ -48,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     raise ImportError("distckpt.integrations.torchtitan needs torchtitan 0.3.0 (pip install "
                       "torchtitan==0.3.0 --no-deps, plus tyro, einops, torchdata: launch/env.sh)") from exc
 
-from ..errors import CheckpointNotFoundError, ConfigError, StateDictMismatchError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, StateDictMismatchError
 from ..manager import CheckpointManager
 from ..restore import load, load_manifest
 from ..storage import is_url
@@ -63,6 +64,23 @@ AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 # torchtitan's own pattern for its DCP step folders (dcp.py, _find_load_step).
 _DCP_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+@contextlib.contextmanager
+def _torchtitan_remedy():
+    """A step that exists (an earlier run's, in a folder this manager did not resume from) is
+    refused, where torchtitan's DCP manager overwrites it: give the remedy this manager's
+    configuration offers (distckpt.CheckpointManager's own names ``overwrite=True``, which
+    torchtitan's Config has no field for)."""
+    try:
+        yield
+    except CheckpointExistsError as exc:
+        if type(exc) is CheckpointExistsError:
+            exc.remedy = ("The folder holds this step from an earlier run, and this manager did not load it "
+                          "(torchtitan's DCP manager would overwrite it; distckpt never replaces a committed step "
+                          "it was not told to, docs/SEMANTICS.md). Resume from the folder (checkpoint.load(), "
+                          "load_step), point checkpoint.folder at a new directory, or delete that step first.")
+        raise
 
 
 class DistckptCheckpointManager(BaseCheckpointManager):
@@ -214,9 +232,11 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         states = self._flattened(self.states)
         meta = {"torchtitan": {"format": FORMAT, "step": curr_step, "model_only": False}}
         if self.async_mode == "disabled":
-            self._mgr.save(curr_step, states, metadata=meta)
+            with _torchtitan_remedy():
+                self._mgr.save(curr_step, states, metadata=meta)
             return True
-        self.save_future = self._mgr.save(curr_step, states, blocking=False, metadata=meta)
+        with _torchtitan_remedy():
+            self.save_future = self._mgr.save(curr_step, states, blocking=False, metadata=meta)
         if self.async_mode == "async_with_pinned_mem":
             # distckpt stages before async_save returns: the staging torchtitan overlaps with the
             # next forward/backward is already over, so its future is resolved at once.
@@ -295,7 +315,8 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         """Wait for the async save in flight and clear ``save_future``. Raises the save's typed
         error (the same class a sync save raises)."""
         handle, self.save_future = self.save_future, None
-        handle.result()
+        with _torchtitan_remedy():
+            handle.result()
 
     def _close(self) -> None:
         """Wait for the save in flight (raising its error), free the staging memory."""
@@ -357,7 +378,8 @@ class DistckptCheckpointManager(BaseCheckpointManager):
                                "export_dtype": str(self.export_dtype) if self.last_save_model_only else None}}
         # As torchtitan: the last save purges nothing (with last_save_model_only, the newest
         # keep_latest_k full-state steps stay resumable beside the export).
-        self._mgr.save(curr_step, states, metadata=meta, rotate=False)
+        with _torchtitan_remedy():
+            self._mgr.save(curr_step, states, metadata=meta, rotate=False)
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.load_only:

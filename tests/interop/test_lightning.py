@@ -198,9 +198,9 @@ def test_missing_and_damaged_checkpoints_raise_typed_errors(tmp_path):
     io = DistCkptCheckpointIO()
     with pytest.raises(CheckpointNotFoundError):
         io.load_checkpoint(str(tmp_path / "nothing.ckpt"))
-    torch.save({"w": torch.ones(1)}, str(tmp_path / "torch.ckpt"))
-    with pytest.raises(CheckpointNotFoundError):  # a torch.save file: named, never unpickled
-        io.load_checkpoint(str(tmp_path / "torch.ckpt"))
+    open(tmp_path / "plain.ckpt", "wb").write(b"not a checkpoint")
+    with pytest.raises(CheckpointNotFoundError):
+        io.load_checkpoint(str(tmp_path / "plain.ckpt"))
     path = str(tmp_path / "c.ckpt")
     io.save_checkpoint({"state_dict": {"w": torch.arange(4096, dtype=torch.float32)}, "epoch": 1}, path)
     data = os.path.join(path, "rank00000.bin")
@@ -300,3 +300,35 @@ def test_storage_options_reach_an_object_store(s3_bucket):
         io.load_checkpoint(f"{base}/epoch=1.ckpt")
     with pytest.raises(ConfigError):  # fsspec options for a local path: refused, not ignored
         DistCkptCheckpointIO(storage_options=opts).save_checkpoint(ck, "/tmp/never-written.ckpt")
+
+
+class _Marker:
+    """Unpickling it would create a file: proof that code from the checkpoint ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_torch_save_file_from_torch_checkpoint_io_is_read_without_running_code(tmp_path):
+    """A run that switches from Lightning's default TorchCheckpointIO resumes from its last .ckpt
+    file: DistCkptCheckpointIO reads it with torch.load(weights_only=True), equal to what
+    TorchCheckpointIO gives back. A file holding a global the restricted unpickler refuses is a
+    PickleNotAllowedError naming it, and nothing of it runs (allow_pickle=True reads it)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    ck = _lightning_like()
+    ck["hyper_parameters"].pop("tags")  # a set: weights_only=True refuses it (as it does in Lightning)
+    path = str(tmp_path / "last.ckpt")
+    TorchCheckpointIO().save_checkpoint(ck, path)
+    _equal(TorchCheckpointIO().load_checkpoint(path, weights_only=True), DistCkptCheckpointIO().load_checkpoint(path))
+    marker = tmp_path / "ran"
+    TorchCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "evil": _Marker(str(marker))},
+                                        str(tmp_path / "evil.ckpt"))
+    with pytest.raises(PickleNotAllowedError) as info:
+        DistCkptCheckpointIO().load_checkpoint(str(tmp_path / "evil.ckpt"))
+    assert "open" in str(info.value) and "\x1b" not in str(info.value), str(info.value)
+    assert not marker.exists()
+    DistCkptCheckpointIO(allow_pickle=True).load_checkpoint(str(tmp_path / "evil.ckpt"))
+    assert marker.exists()

@@ -261,3 +261,26 @@ def test_async_modes_follow_torchtitans_futures(tmp_path, mode):
     assert back.load(step=2) and objs2["train_state"].step == 2
     assert all(torch.equal(v, expected[k]) for k, v in _weights(objs2).items())
     back.close()
+
+
+def test_an_earlier_runs_step_is_refused_with_a_remedy_this_manager_offers(tmp_path):
+    """A new run saves a step an earlier run left in the folder without loading first: torchtitan's
+    DCP manager overwrites it; this manager refuses (the earlier run's step stays, bit-exact) with
+    CheckpointExistsError whose remedy names what its Config offers, not overwrite=True (which
+    torchtitan's Config has no field for)."""
+    from distckpt.errors import CheckpointExistsError
+    first, objs = _mine(tmp_path / "f", interval=1)
+    tw.train_step(objs, [])
+    first.save(1)
+    first.close()
+    before = distckpt.read(tmp_path / "f" / "step_00000001")
+    second, objs2 = _mine(tmp_path / "f", tw.build(seed=1), interval=1)
+    tw.train_step(objs2, [])
+    with pytest.raises(CheckpointExistsError) as info:
+        second.save(1)
+    second.close()
+    assert "overwrite=True" not in info.value.remedy and "load" in info.value.remedy, info.value.remedy
+    after = distckpt.read(tmp_path / "f" / "step_00000001")
+    assert before.keys() == after.keys()
+    tensors = [k for k, v in before.items() if isinstance(v, torch.Tensor)]
+    assert tensors and all(torch.equal(before[k], after[k]) for k in tensors)
