@@ -383,6 +383,42 @@ def test_read_racing_overwrite_is_reported_as_replaced(tmp_path, monkeypatch, ve
     assert exc.replaced is True and "another directory now has its name" in exc.message
 
 
+def test_an_overwrite_whose_directory_reuses_the_inode_is_reported_as_replaced(tmp_path, monkeypatch):
+    """ext4 reuses a freed inode number at once: after two overwrites in a row, the directory now
+    at the name can have the inode of the one the load began in. The files are swapped in place
+    here (same directory inode, another save's MANIFEST and data): that is a replacement, not
+    damage (it was a ChecksumMismatchError telling the user to restore an older checkpoint)."""
+    path, other = str(tmp_path / "c"), str(tmp_path / "other")
+    distckpt.save(_state(), path)
+    changed = _state()
+    changed["w"] = changed["w"] + 1
+    distckpt.save(changed, other)
+    reached, done = _race(monkeypatch, "data")
+    outcome = {}
+
+    def reader():
+        try:
+            distckpt.read(path)
+            outcome["error"] = None
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        assert reached.wait(60)
+        before = os.stat(path).st_ino
+        for name in os.listdir(other):
+            os.replace(os.path.join(other, name), os.path.join(path, name))
+        assert os.stat(path).st_ino == before
+    finally:
+        done.set()
+        t.join(60)
+    exc = outcome["error"]
+    assert isinstance(exc, E.CheckpointRemovedError), repr(exc)
+    assert exc.replaced is True and "damaged" not in str(exc)
+
+
 def test_a_replacement_seen_after_the_fill_says_what_the_load_filled(tmp_path, monkeypatch):
     """The overwrite lands after every byte was read and verified (the guard's last look sees
     it): the caller's tensors and values already hold the checkpoint as it was, and the error

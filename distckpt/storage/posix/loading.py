@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from typing import Any, Callable, Iterator, Mapping
 
 from ... import manifest as mf
@@ -94,22 +95,43 @@ def data_readers(path: str, manifest: "mf.Manifest", file_indexes: list[int], *,
             choice.name)
 
 
-def _dir_identity(path: str) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of the checkpoint directory, or None when nothing is at ``path``."""
+def _dir_identity(path: str) -> tuple | None:
+    """What tells one checkpoint directory at ``path`` from another that took its name: the
+    directory's (st_dev, st_ino), then its MANIFEST's inode, size and trailing crc32c (None when it
+    has none). None when nothing is at ``path``.
+
+    The directory's inode alone is not enough: a file system reuses a freed inode number at once
+    (ext4 does), so a directory deleted by an overwrite and the one the next save publishes can
+    share it; their MANIFESTs' checksums differ (every save's body has its own save id)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, _manifest_identity(os.path.join(path, mf.MANIFEST_NAME))
 
 
-def _removed_while_reading(path: str, identity: tuple[int, int] | None,
+def _manifest_identity(path: str) -> tuple[int, int, bytes] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return st.st_ino, st.st_size, os.pread(fd, 4, max(0, st.st_size - 4)) if stat.S_ISREG(st.st_mode) else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _removed_while_reading(path: str, identity: tuple | None,
                            exc: BaseException | None) -> BaseException | None:
     """``exc``, or a CheckpointRemovedError when ``exc`` is what a step vanishing mid-load looks like
     (``exc`` None: a load that succeeded, failed only if another directory took the name).
-    ``identity`` is the directory's (st_dev, st_ino) when the load began."""
+    ``identity`` is the directory's :func:`_dir_identity` when the load began. ESTALE: a data
+    file replaced between the two opens of its reader (:mod:`distckpt.storage.posix.reader`)."""
     suspect = exc is None or isinstance(exc, (CheckpointIncompleteError, CheckpointCorruptError)) or (
-        isinstance(exc, StorageError) and exc.errno == errno.ENOENT)
+        isinstance(exc, StorageError) and exc.errno in (errno.ENOENT, errno.ESTALE))
     if not suspect or isinstance(exc, CheckpointNotFoundError):
         return exc
     now = _dir_identity(path)
@@ -126,7 +148,7 @@ def _removed_while_reading(path: str, identity: tuple[int, int] | None,
                     m = TMP_RE.match(entry.name)
                     if m and m.group("name") == name:
                         st = entry.stat(follow_symlinks=False)
-                        if (st.st_dev, st.st_ino) == identity:
+                        if (st.st_dev, st.st_ino) == identity[:2]:
                             renamed_to = entry.path
                             break
         except OSError:
