@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
+import inspect
 import pickle
+import sys
 from typing import Any
 
 import msgpack
@@ -176,15 +177,24 @@ def value_digest(kind: str, stored: Any) -> bytes:
 
 
 def _resolve(name: str, want: str, fqn: str, path: Any) -> type:
-    """The class ``module:qualname``, imported by path; refused unless it is a ``want`` type."""
+    """The class ``module:qualname`` from a module this process has already imported; refused
+    unless it is a ``want`` type.
+
+    Nothing is imported, and no attribute hook runs (``inspect.getattr_static``: no module
+    ``__getattr__``, no descriptor): the name comes from the checkpoint, and importing a module it
+    names runs that module's code (one shipped beside the checkpoint is importable when Python
+    was started from its directory), which loading must never do. A process that loads a value
+    of its own classes has imported them already."""
     module, _, qual = name.partition(":")
-    err = None
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:  # ImportError, AttributeError, or an error raised by the import
-        obj, err = None, f"{type(exc).__name__}: {exc}"
+    obj: Any = sys.modules.get(module) if module and qual else None
+    err = None if obj is not None else (
+        f"module {module!r} is not imported in this process (distckpt imports nothing a checkpoint names)")
+    for part in qual.split(".") if obj is not None else ():
+        try:
+            obj = inspect.getattr_static(obj, part)
+        except AttributeError:
+            obj, err = None, f"{module} has no attribute {qual!r}"
+            break
     ok = isinstance(obj, type) and {
         "namedtuple": lambda c: issubclass(c, tuple) and isinstance(getattr(c, "_fields", None), tuple),
         "enum": lambda c: issubclass(c, enum.Enum),
@@ -195,8 +205,8 @@ def _resolve(name: str, want: str, fqn: str, path: Any) -> type:
         raise UnsupportedValueError(
             f"value at {fqn!r} was saved as a {want} of class {name}, which cannot be rebuilt here: {found}",
             key=fqn, path=path,
-            remedy=f"Make {module} importable (with the same class) in this process, or read the value "
-                   f"with distckpt.read_manifest(path) as plain data.")
+            remedy=f"Import {module} (with the same class) in this process before the load, or read the "
+                   f"value with distckpt.read_manifest(path) as plain data.")
     return obj
 
 

@@ -8,7 +8,9 @@ import collections
 import dataclasses
 import enum
 import os
+import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -97,6 +99,36 @@ def test_unimportable_namedtuple_is_a_typed_error_on_load(tmp_path):
     with pytest.raises(errors.UnsupportedValueError):
         distckpt.load({"x": None, "t": t}, tmp_path / "ck")
     assert t.item() == 0  # refused before any byte was read
+
+
+def test_a_class_name_from_the_checkpoint_never_imports_or_runs_code(tmp_path, monkeypatch):
+    """A MANIFEST naming ``evilmod:Pt`` with evilmod.py shipped beside it (importable when Python
+    runs from that directory) made the load import it: its top-level code ran. Only modules the
+    process already imported are looked in, without module ``__getattr__`` hooks."""
+    distckpt.save({"cfg": Pair(1, 2.5), "t": torch.ones(1)}, tmp_path / "ck")
+    marker = tmp_path / "ran"
+    (tmp_path / "dk_evilmod.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                            "import collections\nPt = collections.namedtuple('Pt', 'lo hi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooked = types.ModuleType("dk_hooked")
+    hooked.__getattr__ = lambda name: (marker.write_text(name), Pair)[1]
+    monkeypatch.setitem(sys.modules, "dk_hooked", hooked)
+    saved = load_manifest(str(tmp_path / "ck"))
+
+    def name_class(name):
+        entry = saved.objects["cfg"]
+        objects = {**saved.objects, "cfg": mf.ObjectEntry(entry.kind, dict(entry.value, c=name))}
+        (tmp_path / "ck" / "MANIFEST").write_bytes(mf.encode(dataclasses.replace(saved, objects=objects)))
+
+    for name in ("dk_evilmod:Pt", "dk_hooked:Pt"):
+        name_class(name)
+        with pytest.raises(errors.UnsupportedValueError, match="cannot be rebuilt") as ei:
+            distckpt.read(tmp_path / "ck")
+        assert "'cfg'" in str(ei.value) and "Import " in ei.value.remedy
+        assert not marker.exists() and "dk_evilmod" not in sys.modules
+    # a class of a module already imported is found as before
+    name_class(f"{Pair.__module__}:{Pair.__qualname__}")
+    assert distckpt.read(tmp_path / "ck")["cfg"] == Pair(1, 2.5)
 
 
 def test_class_that_is_not_the_saved_sort_is_refused(tmp_path):
