@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedValueError
+from .manifest import MAX_DEPTH
 from .values import _is_stateful, _is_namedtuple, encode_value, holds_tensor
 
 __all__ = ["Piece", "TensorItem", "ObjectItem", "LocalPieces", "flat_range_boxes", "flatten", "set_leaf",
@@ -179,7 +180,41 @@ def _mesh_key(mesh, cache: dict | None) -> tuple:
 
 def tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | None = None) -> TensorItem:
     """Describe one tensor leaf by its global shape and the local pieces this rank holds.
-    ``mesh_cache``: a dict kept across the leaves of one state dict (see :func:`_mesh_key`)."""
+    ``mesh_cache``: a dict kept across the leaves of one state dict (see :func:`_mesh_key`).
+
+    Raises:
+        UnsupportedValueError: a piece that is not a dense tensor of elements in memory (see
+            :func:`_check_dense`), for a save and for a load's destination alike.
+    """
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        _check_dense(fqn, value)  # before its shape is asked for: torch raises an internal error
+    item = _tensor_item(fqn, value, path, mesh_cache)
+    for piece in item.pieces:
+        if isinstance(piece.tensor, torch.Tensor):
+            _check_dense(fqn, piece.tensor)
+    return item
+
+
+def _check_dense(fqn: str, t: torch.Tensor) -> None:
+    """Refuse what has no row-major elements to write or to fill: a meta tensor (a model built on
+    the meta device and not materialized: a load into it would return with nothing filled), a
+    sparse, mkldnn, nested or quantized tensor (torch's own untyped errors midway otherwise)."""
+    if t.is_meta:
+        raise UnsupportedValueError(
+            f"tensor {fqn!r} is on the meta device: it has no elements to save or to load into", key=fqn,
+            remedy="Materialize the model first (module.to_empty(device=...), then initialize it or load).")
+    kind = ("nested" if t.is_nested else "quantized" if t.is_quantized
+            else None if t.layout == torch.strided else f"{t.layout}")
+    if kind is not None:
+        raise UnsupportedValueError(
+            f"tensor {fqn!r} is a {kind} tensor; only dense (strided) tensors are saved and loaded", key=fqn,
+            remedy={"nested": "Store its components (t.unbind()) as a list of tensors.",
+                    "quantized": "Store t.int_repr() with its scale and zero point (t.q_scale(), "
+                                 "t.q_zero_point()) as plain values."}.get(
+                kind, "Store t.to_dense() (or its indices and values as tensors)."))
+
+
+def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | None) -> TensorItem:
     if isinstance(value, LocalPieces):
         # Explicit disjoint pieces, exactly like a ShardedTensor's local shards.
         return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.shape), list(value.pieces), path)
@@ -283,6 +318,13 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
     meshes: dict = {}
 
     def walk(obj: Any, path: tuple) -> dict:
+        if len(path) > MAX_DEPTH:
+            # The MANIFEST's tree holds at most MAX_DEPTH levels (and Python's recursion would
+            # end first for a container that holds itself).
+            raise UnsupportedValueError(
+                f"the state dict is nested more than {MAX_DEPTH} levels deep under {_fqn(path[:3])!r}... "
+                f"(a dict or list that contains itself?)", key=_fqn(path[:3]),
+                remedy=f"Store at most {MAX_DEPTH} levels of dicts and lists, and no container inside itself.")
         if isinstance(obj, dict):
             entries = []
             for key, value in obj.items():

@@ -47,6 +47,7 @@ from .gcpause import gc_paused
 from .incremental import DELTA_ROOT, Target, link_error, plan_deltas
 from .plan import Box, plan_reads
 from .source import Source, open_source
+from .storage import path_text
 from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 from .values import decode_value
 
@@ -580,7 +581,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     result, error, exchange = None, None, None
     try:
         # Collectives first, before anything of this rank's own can fail (flattening its state).
-        exchange = readonce.for_load(group, os.fspath(path))
+        exchange = readonce.for_load(group, path_text(path))
         source = open_source(path, storage_options)
         with source.guard(), gc_paused():
             manifest = source.manifest_for_boxes(group)
@@ -658,6 +659,8 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
     incremental chain is read composed: its base's tracked tensors with every delta's rows.
     """
     try:
+        if keys is not None:
+            keys = _key_list(keys)
         source = open_source(path, storage_options)
         with source.guard():
             return _read(source, keys, verify, allow_pickle)
@@ -686,6 +689,23 @@ def _close_keys(unknown: list[str], fqns: list[str]) -> str:
 
 def _selects(fqn: str, keys: list[str]) -> bool:
     return any(fqn == k or fqn.startswith(k + ".") for k in keys)
+
+
+def _key_list(keys: Iterable[str]) -> list[str]:
+    """``read``'s ``keys`` as a list of str. Raises ConfigError for a bare str (it would select
+    its characters) or a key that is not a str."""
+    if isinstance(keys, (str, bytes)):
+        raise ConfigError(f"keys={keys!r} is one string; keys takes a list of keys",
+                          remedy=f"Pass keys=[{keys!r}].")
+    try:
+        out = list(keys)
+    except TypeError:
+        raise ConfigError(f"keys={keys!r} is not a list of keys", remedy="Pass a list of str keys, or None.") from None
+    bad = [k for k in out if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"keys {bad[:5]!r} are not str: keys are the checkpoint's dotted names",
+                          remedy="Pass str keys ('model.layer.weight', '0.weight'); `distckpt inspect PATH` lists them.")
+    return out
 
 
 def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle: bool) -> dict:

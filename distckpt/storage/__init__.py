@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from ..errors import ConfigError
 from .base import ROOT_LOCK_NAME, Leftover, Store
 
-__all__ = ["Store", "Leftover", "ROOT_LOCK_NAME", "open_store", "is_url", "normalize_path", "join", "basename",
+__all__ = ["Store", "Leftover", "ROOT_LOCK_NAME", "open_store", "is_url", "path_text", "normalize_path", "join", "basename",
            "dirname"]
 
 
@@ -34,12 +35,29 @@ def is_url(path: Any) -> bool:
     return bool(sep) and scheme.lower() not in ("file", "local") and scheme.isidentifier()
 
 
-def normalize_path(path: str | os.PathLike) -> str:
-    """The canonical form of a checkpoint path: an absolute local path (``file://`` stripped),
-    or a URL without trailing slashes."""
-    path = os.fspath(path)
+def path_text(path: str | os.PathLike) -> str:
+    """``path`` as a str (``os.fspath``, bytes decoded).
+
+    Raises:
+        ConfigError: not a str, bytes or os.PathLike, or it holds a NUL character.
+    """
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise ConfigError(f"checkpoint path {path!r} is a {type(path).__name__}, not a str or os.PathLike",
+                          remedy="Pass the checkpoint's path as a str or pathlib.Path.") from None
     if isinstance(path, bytes):
         path = os.fsdecode(path)
+    if "\0" in path:
+        raise ConfigError(f"checkpoint path {path!r} holds a NUL character, which no file system name can",
+                          remedy="Pass the checkpoint's path without NUL characters.")
+    return path
+
+
+def normalize_path(path: str | os.PathLike) -> str:
+    """The canonical form of a checkpoint path: an absolute local path (``file://`` stripped),
+    or a URL without trailing slashes. Raises ConfigError as :func:`path_text` does."""
+    path = path_text(path)
     scheme, sep, rest = path.partition("://")
     if sep and scheme.lower() in ("file", "local"):
         return os.path.abspath(rest if rest.startswith("/") else "/" + rest)

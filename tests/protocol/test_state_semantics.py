@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -362,3 +363,64 @@ def test_a_destination_whose_elements_share_memory_is_refused_before_any_read(tm
     into = {"a": torch.empty(3, 4), "b": torch.zeros(5)}  # the remedy: a tensor owning its elements
     distckpt.load(into, tmp_path / "c")
     assert torch.equal(into["a"], saved["a"]) and torch.equal(into["b"], saved["b"])
+
+
+def _odd_tensor(kind):
+    if kind == "meta":
+        return torch.empty(4, device="meta")
+    if kind == "sparse":
+        return torch.ones(4).to_sparse()
+    if kind == "nested":
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+        return torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse", "nested", "quantized"])
+def test_a_tensor_without_dense_elements_is_refused_by_save_and_load(tmp_path, kind):
+    """A model built on the meta device and loaded before to_empty(): the load returned normally
+    with nothing filled (silent loss). Sparse, nested and quantized tensors raised torch's untyped
+    errors (or an invalid-MANIFEST ValueError) midway. Now UnsupportedValueError naming the key,
+    before anything is written or read; the other tensors stay as they were."""
+    distckpt.save({"w": torch.ones(4), "b": torch.ones(2)}, tmp_path / "c")
+    with pytest.raises(errors.UnsupportedValueError, match=f"'w' is .*{kind}") as info:
+        distckpt.save({"w": _odd_tensor(kind), "b": torch.ones(2)}, tmp_path / "new")
+    assert info.value.details.get("key") == "w" and not os.path.exists(tmp_path / "new")
+    into = {"w": _odd_tensor(kind), "b": torch.zeros(2)}
+    with pytest.raises(errors.UnsupportedValueError, match=f"'w' is .*{kind}"):
+        distckpt.load(into, tmp_path / "c")
+    assert torch.equal(into["b"], torch.zeros(2))
+
+
+def test_a_state_nested_too_deep_or_holding_itself_is_a_typed_error(tmp_path):
+    deep = torch.ones(1)
+    for _ in range(mf.MAX_DEPTH):
+        deep = {"k": deep}
+    distckpt.save(deep, tmp_path / "ok")   # MAX_DEPTH levels are stored
+    with pytest.raises(errors.UnsupportedValueError, match="nested more than"):
+        distckpt.save({"k": deep}, tmp_path / "deep")  # was an invalid-MANIFEST ValueError
+    loop = {"a": 1}
+    loop["self"] = loop
+    with pytest.raises(errors.UnsupportedValueError, match="contains itself"):
+        distckpt.save(loop, tmp_path / "loop")  # was RecursionError
+    assert not os.path.exists(tmp_path / "deep") and not os.path.exists(tmp_path / "loop")
+
+
+@pytest.mark.parametrize("path", [5, None, "c\0x"])
+def test_a_path_of_the_wrong_type_is_a_config_error(tmp_path, path):
+    distckpt.save({"w": torch.ones(1)}, tmp_path / "c")
+    path = path if not isinstance(path, str) else str(tmp_path / path)
+    for call in (lambda: distckpt.save({"w": torch.ones(1)}, path), lambda: distckpt.read(path),
+                 lambda: distckpt.load({"w": torch.ones(1)}, path),
+                 lambda: distckpt.async_save({"w": torch.ones(1)}, path).result()):
+        with pytest.raises(errors.ConfigError, match="checkpoint path"):
+            call()
+
+
+@pytest.mark.parametrize("keys", [[1], "w", 5])
+def test_read_keys_that_are_not_a_list_of_str_are_a_config_error(tmp_path, keys):
+    distckpt.save({"w": torch.ones(1)}, tmp_path / "c")
+    with pytest.raises(errors.ConfigError, match="keys"):
+        distckpt.read(tmp_path / "c", keys=keys)
+    assert list(distckpt.read(tmp_path / "c", keys=["w"])) == ["w"]
