@@ -37,13 +37,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import math
 import pickle
 import sys
 from typing import Any
 
 import msgpack
 
-from .errors import UnsupportedValueError
+from .errors import DistCkptError, ManifestCorruptError, UnsupportedValueError
 
 __all__ = ["SCALAR_KINDS", "VALUE_KIND", "encode_value", "decode_value", "check_node", "holds_tensor",
            "value_digest", "describe"]
@@ -225,12 +226,31 @@ def decode_value(kind: str, stored: Any, *, fqn: str = "", path: Any = None) -> 
 def _value(node: Any, fqn: str, path: Any) -> Any:
     if not isinstance(node, dict):
         return node
+    try:
+        return _build(node, fqn, path)
+    except DistCkptError:
+        raise   # a typed error of its own (a class not imported here, a node within)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        # A node that check_node's structural rules let through but no saver writes (a set of
+        # lists, a device string torch cannot parse, numpy bytes that are not its shape): the
+        # MANIFEST passed its checksum, so it was written so, not damaged in transit.
+        raise ManifestCorruptError(f"value at {fqn!r}: a {node.get('t')!r} value node that no save writes: "
+                                   f"{type(exc).__name__}: {exc}", key=fqn, path=path) from None
+
+
+def _build(node: dict, fqn: str, path: Any) -> Any:
     t = node["t"]
     if t in ("list", "tuple", "set", "frozenset"):
         items = [_value(v, fqn, path) for v in node["v"]]
-        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[t](items)
+        out = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[t](items)
+        if len(out) != len(items):
+            raise ValueError(f"the {t} holds equal elements twice")
+        return out
     if t == "dict":
-        return {_value(k, fqn, path): _value(v, fqn, path) for k, v in node["k"]}
+        out = {_value(k, fqn, path): _value(v, fqn, path) for k, v in node["k"]}
+        if len(out) != len(node["k"]):
+            raise ValueError("the dict holds a key twice")
+        return out
     if t == "int":
         return int(node["v"])
     import torch
@@ -275,6 +295,11 @@ def _value(node: Any, fqn: str, path: Any) -> Any:
         if dt.kind not in "biufc":
             raise UnsupportedValueError(f"value at {fqn!r}: numpy dtype {node['d']!r} is not numeric",
                                         key=fqn, path=path)
+        if dt.byteorder == ">":
+            raise ValueError(f"numpy dtype {node['d']!r} is big-endian; values are stored little-endian")
+        count = 1 if node["s"] is None else math.prod(node["s"])
+        if len(node["v"]) != count * dt.itemsize:
+            raise ValueError(f"{len(node['v'])} bytes for {count} element(s) of {dt.itemsize} byte(s)")
         arr = np.frombuffer(node["v"], dtype=dt)
         if node["s"] is None:
             return arr[0]

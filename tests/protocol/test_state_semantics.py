@@ -424,3 +424,27 @@ def test_read_keys_that_are_not_a_list_of_str_are_a_config_error(tmp_path, keys)
     with pytest.raises(errors.ConfigError, match="keys"):
         distckpt.read(tmp_path / "c", keys=keys)
     assert list(distckpt.read(tmp_path / "c", keys=["w"])) == ["w"]
+
+
+@pytest.mark.parametrize("node", [
+    {"t": "device", "v": "nonsense:99"},                                # torch's RuntimeError
+    {"t": "set", "v": [{"t": "list", "v": [1]}]},                       # unhashable: TypeError
+    {"t": "dict", "k": [[{"t": "list", "v": [1]}, 1]]},
+    {"t": "numpy", "d": "<f8", "s": [100], "v": b"\0" * 8},             # reshape: ValueError
+    {"t": "dict", "k": [[1, "first"], [1, "second"]]},                  # the last one won silently
+    {"t": "set", "v": [1, 1]},
+    {"t": "numpy", "d": ">f8", "s": [1], "v": b"\0" * 7 + b"\x01"},     # FORMAT: little-endian only
+], ids=["device", "set-unhashable", "dict-unhashable", "numpy-short", "dict-dup", "set-dup", "numpy-big-endian"])
+def test_a_forged_value_node_is_manifest_corrupt(tmp_path, node):
+    """A MANIFEST written (checksum and all) with a value node no save writes: a typed
+    ManifestCorruptError naming the key from read and load, never torch's or Python's own error,
+    never a value quietly built from part of it."""
+    distckpt.save({"cfg": (1, 2), "w": torch.ones(2)}, tmp_path / "ck")
+    saved = load_manifest(str(tmp_path / "ck"))
+    objects = {**saved.objects, "cfg": mf.ObjectEntry("value", node)}
+    (tmp_path / "ck" / "MANIFEST").write_bytes(mf.encode(dataclasses.replace(saved, objects=objects)))
+    with pytest.raises(errors.ManifestCorruptError, match="'cfg'"):
+        distckpt.read(tmp_path / "ck")
+    w = torch.zeros(2)
+    with pytest.raises(errors.ManifestCorruptError, match="'cfg'"):
+        distckpt.load({"cfg": None, "w": w}, tmp_path / "ck")
