@@ -186,7 +186,9 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | N
         UnsupportedValueError: a piece that is not a dense tensor of elements in memory (see
             :func:`_check_dense`), for a save and for a load's destination alike.
     """
-    if isinstance(value, torch.Tensor) and value.is_nested:
+    ShardedTensor = _sharded_tensor_type()
+    if (isinstance(value, torch.Tensor) and not (ShardedTensor is not None and isinstance(value, ShardedTensor))
+            and value.is_nested):  # (a ShardedTensor refuses the attribute)
         _check_dense(fqn, value)  # before its shape is asked for: torch raises an internal error
     item = _tensor_item(fqn, value, path, mesh_cache)
     for piece in item.pieces:
