@@ -657,6 +657,11 @@ def _dcp_leaves(src: _Source) -> tuple[list, list]:
             for i, child in enumerate(node["v"]):
                 walk(child, path + (i,))
         elif node["t"] == "ref" and node["fqn"] in src.tensors:
+            if node["fqn"] != fqn:
+                # Every save names a tensor by its keys joined with "."; DCP's key is that name.
+                from .errors import ManifestCorruptError
+                raise ManifestCorruptError(f"the MANIFEST's tree places tensor {node['fqn']!r} under the keys "
+                                           f"{fqn!r}; no save writes that", path=src.path, key=fqn)
             tensors.append((fqn, path))
         else:
             values.append((fqn, path, node))
@@ -676,7 +681,6 @@ def _dcp_leaves(src: _Source) -> tuple[list, list]:
 def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict) -> None:
     import tempfile
 
-    import numpy as np
     import torch
 
     from .fill import reading
@@ -689,10 +693,12 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
         # Allocated, not sparse: a page of a sparse mapping that the full file system cannot back
         # is a SIGBUS when touched; here it is ENOSPC now (DiskFullError, from convert()).
         os.posix_fallocate(fd, 0, max(total, 1))
-        mm = np.memmap(tmp, dtype=np.uint8, mode="r+", shape=(max(total, 1),))
+        # torch's shared file mapping closes its own descriptor once mapped (a numpy memmap keeps
+        # a dup of it open for as long as any view lives, one fd and the scratch file's disk
+        # space per conversion when a view is kept in a reference cycle).
+        flat = torch.from_file(tmp, shared=True, size=max(total, 1), dtype=torch.uint8)
         os.unlink(tmp)  # the mapping keeps the pages; nothing is left behind on a crash
         tmp = None
-        flat = torch.from_numpy(mm)
         tensors, at = {}, 0
         for fqn, t in src.tensors.items():
             dtype = _dtype(t.dtype)
@@ -716,9 +722,9 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
                 src.fill(batch)
                 progress.update(size)
 
-        state = src.nested(lambda fqn: tensors[fqn])
+        state = src.nested(tensors.__getitem__)
         save(state, dst, allow_pickle=src.allow_pickle)
-        del flat, tensors, state, mm
+        del flat, tensors, state, batch
     finally:
         os.close(fd)
         if tmp is not None:

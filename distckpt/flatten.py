@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedValueError
-from .manifest import MAX_DEPTH
-from .values import _is_stateful, _is_namedtuple, encode_value, holds_tensor
+from .values import MAX_DEPTH, _is_stateful, _is_namedtuple, encode_value, holds_tensor
 
 __all__ = ["Piece", "TensorItem", "ObjectItem", "LocalPieces", "flat_range_boxes", "flatten", "set_leaf",
            "object_entry", "expand_statefuls"]
@@ -357,6 +356,10 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
         return {"t": "ref", "fqn": fqn}
 
     tree = walk(state_dict, root)
+    # walk is a closure over itself: left alone, the cycle keeps ``items`` (every tensor of the
+    # state dict) alive until the cyclic garbage collector runs (a deleted scratch mapping of
+    # convert held its disk space until then).
+    walk = None  # noqa: F841 - breaks the cycle (see above)
     return tree, items
 
 
@@ -408,6 +411,7 @@ def expand_statefuls(state_dict: Any) -> list[tuple[Any, Any, Any]]:
                 walk(value, f"{where}.{i}")
 
     walk(state_dict, "")
+    walk = None  # noqa: F841 - a closure over itself: the cycle would keep the state dict alive
     return found
 
 

@@ -53,7 +53,7 @@ from .checksum import crc32c
 from .errors import ChecksumMismatchError, DataFileTruncatedError, ManifestCorruptError, UnsupportedValueError
 from . import where as wh
 from .plan import Box, find_tiling_defect, is_row_tiling
-from .values import check_node
+from .values import MAX_DEPTH as _VALUE_MAX_DEPTH, check_node
 
 __all__ = [
     "MAGIC",
@@ -115,7 +115,7 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_MANIFEST_FILE_BYTES = MAX_MANIFEST_BYTES + _OVERHEAD
 #: Bounds that keep validation and consumers' recursion safe on hostile input.
 MAX_NDIM = 64
-MAX_DEPTH = 100
+MAX_DEPTH = _VALUE_MAX_DEPTH  # value nodes and the tree nest alike
 
 _FILE_NAME_RE = re.compile(r"rank[0-9]{5}\.bin")  # ASCII digits only (\d would accept any Unicode digit)
 _U64 = 1 << 64

@@ -61,7 +61,8 @@ NODE_KEYS = {
     "namedtuple": {"t", "c", "f", "v"}, "enum": {"t", "c", "v"}, "dataclass": {"t", "c", "f"},
     "numpy": {"t", "d", "s", "v"},
 }
-_MAX_DEPTH = 100
+#: The deepest nesting of a value node, and of the MANIFEST's tree (manifest.MAX_DEPTH).
+MAX_DEPTH = 100
 
 
 class _NeedsPickle(Exception):
@@ -82,7 +83,7 @@ def holds_tensor(value: Any, _depth: int = 0) -> bool:
     import torch
     if isinstance(value, torch.Tensor) or _is_stateful(value):
         return True
-    if _depth > _MAX_DEPTH:
+    if _depth > MAX_DEPTH:
         return False
     if isinstance(value, dict):
         return any(holds_tensor(v, _depth + 1) for v in value.values())
@@ -102,8 +103,8 @@ def _is_stateful(value: Any) -> bool:
 
 
 def _node(value: Any, where: str, depth: int) -> Any:
-    if depth > _MAX_DEPTH:
-        raise _NeedsPickle(f"{where}: nested deeper than {_MAX_DEPTH} levels")
+    if depth > MAX_DEPTH:
+        raise _NeedsPickle(f"{where}: nested deeper than {MAX_DEPTH} levels")
     t = type(value)
     if value is None or t in (bool, float, str, bytes):
         return value
@@ -352,8 +353,8 @@ def check_node(node: Any, where: str) -> str | None:
     stack = [(node, 0)]
     while stack:
         n, depth = stack.pop()
-        if depth > _MAX_DEPTH:
-            return f"{where}: value nested deeper than {_MAX_DEPTH} levels"
+        if depth > MAX_DEPTH:
+            return f"{where}: value nested deeper than {MAX_DEPTH} levels"
         if n is None or isinstance(n, (bool, float, str, bytes)):
             continue
         if type(n) is int:
