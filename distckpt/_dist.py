@@ -269,9 +269,10 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
             global_missing = [dist.get_global_rank(pg, r) if pg is not dist.group.WORLD else r for r in missing]
             raise RanksMissingError(
                 f"{operation} was called on this rank but group rank(s) {missing} (global rank(s) "
-                f"{global_missing}) of the {world}-rank group did not call it within "
-                f"DISTCKPT_ARRIVAL_TIMEOUT_S={timeout:g} s: every rank of the group must call {operation}, "
-                f"in the same order", rank=rank, missing=missing, operation=operation)
+                f"{global_missing}) of the {world}-rank group did not reach it within "
+                f"DISTCKPT_ARRIVAL_TIMEOUT_S={timeout:g} s: such a rank exited or crashed, is stuck, or did "
+                f"not call it (every rank of the group must call {operation}, in the same order)",
+                rank=rank, missing=missing, operation=operation)
         if rank == 0 and seq > 1:  # everyone has passed the previous check: drop its keys
             for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done"):
                 try:

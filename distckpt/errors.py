@@ -459,13 +459,33 @@ class RankFailureError(DistCkptError, RuntimeError):
         self.failures = dict(failures)
         self.failed_ranks = sorted(self.failures)
         self.operation = operation
+        if kw.get("remedy") is None:
+            # each typed failure's own remedy, once per class (the causes in the message omit them)
+            own = {}
+            for r, e in sorted(self.failures.items()):
+                if isinstance(e, DistCkptError) and not getattr(e, "original_class", None) \
+                        and e.remedy != DistCkptError.default_remedy:
+                    own.setdefault(type(e).__name__, (r, e.remedy))
+            kw["remedy"] = " ".join([self.default_remedy] + [f"Rank {r} ({name}): {remedy}"
+                                                             for name, (r, remedy) in own.items()])
         super().__init__(_failures_message(self.failures, operation), **kw)
 
 
 def _failures_message(failures: Mapping[int, BaseException], operation: str) -> str:
     # A cause's text may end in a period; the message adds its own (". Remedy: ...").
-    causes = "; ".join(f"rank {r}: {type(e).__name__}: {str(e).rstrip('.')}" for r, e in sorted(failures.items()))
+    causes = "; ".join(f"rank {r}: {_cause(e).rstrip('.')}" for r, e in sorted(failures.items()))
     return f"{operation} failed on rank(s) {sorted(failures)}: {causes}"
+
+
+def _cause(e: BaseException) -> str:
+    """``Class: message`` of one rank's failure: a typed error's message without its rank prefix
+    and remedy (the collective error has its own), an error of another class that crossed ranks
+    (``original_class``, see ``_dist._portable``) under its own class name."""
+    if not isinstance(e, DistCkptError):
+        return f"{type(e).__name__}: {e}"
+    if getattr(e, "original_class", None):
+        return e.message   # already "RuntimeError: ..."
+    return f"{type(e).__name__}: {e.message}"
 
 
 def collective_error(failures: Mapping[int, BaseException], *, operation: str, rank: int | None) -> DistCkptError:
@@ -533,8 +553,9 @@ class RanksMissingError(PeerLostError):
 
     Fields: ``missing``: the group ranks that did not arrive; ``operation``: what was called."""
 
-    default_remedy = ("Every rank of the process group must call it (each with its own shard); to save from "
-                      "one process inside a job, pass no_dist=True (a single-process save).")
+    default_remedy = ("Look at the missing ranks' logs: a rank that died or is stuck is the cause; otherwise "
+                      "every rank of the process group must call it (each with its own shard), and to save "
+                      "from one process inside a job, pass no_dist=True (a single-process save).")
 
 
 class ProcessGroupDestroyedError(DistributedEnvError):
@@ -676,6 +697,9 @@ def from_os_error(
                                or (code in _PATH_ERRNOS_CREATE and operation in _CREATE_OPS)):
         # The path is at fault, not the file system: say which part of it.
         message, remedy = _path_problem(code, os.fspath(path), message)
+    elif cls is DiskFullError and details.get("free_inodes") == 0 and details["free"] > 0:
+        remedy = ("Free inodes (files) on that file system: it has bytes left but no inodes; delete old "
+                  "checkpoints or lower keep_last, or save to a file system with more inodes.")
     elif code == _errno.EIO and operation == "fsync":
         remedy = ("fsync reported an I/O error: the data may be lost from the page cache, so the save "
                   "was failed, not retried; check dmesg and the disk.")

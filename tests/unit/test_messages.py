@@ -173,3 +173,19 @@ def test_no_warnings_from_our_lines_with_sharded_tensors(tmp_path):
 
     (ours,) = run_ranks(_sharded_tensor_warnings, 1, str(tmp_path / "ck"))
     assert ours == []
+
+
+def test_a_collective_failure_names_each_ranks_class_and_one_remedy_each():
+    """One rank's state_dict() raised RuntimeError, another's disk was full: the message read
+    "rank 1: DistCkptError: [rank 1] RuntimeError: ... Remedy: See docs/ERRORS.md ..." with a
+    second "Remedy:" after it. Each rank's cause now reads as its own class and message, and the
+    typed failures' remedies follow the collective one, once each."""
+    from distckpt._dist import _portable
+    failures = {1: _portable(RuntimeError("boom in state_dict")),
+                0: errors.DiskFullError("disk full", path="/x", rank=0)}
+    err = errors.RankFailureError(failures, operation="save", rank=0)
+    text = str(err)
+    assert "rank 0: DiskFullError: disk full; rank 1: RuntimeError: boom in state_dict." in text
+    assert text.count("Remedy:") == 1 and "[rank 1]" not in text and "DistCkptError" not in text
+    assert "Rank 0 (DiskFullError): Free space" in err.remedy
+

@@ -67,9 +67,11 @@ def refuse_pseudo_fs(path: str | os.PathLike, *, rank: int | None = None) -> Non
         raise pseudo_fs_error(os.fspath(path), mount, rank)
 
 
-def disk_remedy(mount: MountInfo, short_by: int) -> str:
-    """The remedy sentence of a DiskFullError on ``mount``, ``short_by`` bytes missing."""
-    amount = f"at least {format_bytes(short_by)} " if short_by > 0 else ""
+def disk_remedy(mount: MountInfo, short_by: int, *, inodes: bool = False) -> str:
+    """The remedy sentence of a DiskFullError on ``mount``, ``short_by`` bytes missing
+    (``inodes``: it is out of inodes, files rather than bytes)."""
+    amount = (f"at least {format_bytes(short_by)} " if short_by > 0
+              else "inodes (files) " if inodes else "space ")
     return (f"Free {amount}on {mount.mount_point}: delete old checkpoints or lower keep_last "
             "(rotation frees space only after a new checkpoint is durable), make processes close "
             "deleted files they still hold (see the deleted_open_files check), or save to a larger "
@@ -77,7 +79,8 @@ def disk_remedy(mount: MountInfo, short_by: int) -> str:
 
 
 def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | None = None) -> None:
-    """Raise unless the file system holding ``path`` has ``needed_bytes`` free (and an inode).
+    """Raise unless the file system holding ``path`` has ``needed_bytes`` free (and
+    :data:`SAVE_INODES` inodes).
 
     Cheap (one statvfs and one read of /proc/self/mountinfo): PREPARE calls it before the save
     area is created.
@@ -93,16 +96,22 @@ def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | 
     if mount.fstype in PSEUDO_FILE_SYSTEMS:
         raise pseudo_fs_error(path, mount, rank)
     free = st.f_bavail * st.f_frsize
-    no_inodes = st.f_files > 0 and st.f_favail == 0
+    # f_files 0: a file system without an inode count (btrfs, some network ones)
+    no_inodes = st.f_files > 0 and st.f_favail < SAVE_INODES
     if free >= needed_bytes and not no_inodes:
         return
     short = (f"checkpoint needs {format_bytes(needed_bytes)} on {mount.mount_point} ({mount.fstype}), "
              f"{format_bytes(free)} free")
     if no_inodes:
-        short += f" and 0 of {st.f_files} inodes free"
+        short += f" and {st.f_favail} of {st.f_files} inodes free (a save needs {SAVE_INODES})"
     raise DiskFullError(short, path=path, rank=rank, errno=_errno.ENOSPC, needed=needed_bytes,
                         free=free, free_inodes=st.f_favail, mount_point=mount.mount_point,
-                        fstype=mount.fstype, remedy=disk_remedy(mount, needed_bytes - free))
+                        fstype=mount.fstype, remedy=disk_remedy(mount, needed_bytes - free, inodes=no_inodes))
+
+
+#: Inodes one rank's save may create: its temporary directory, its data file, the MANIFEST, the
+#: root's lock and ``latest`` files and their temporary names, with a margin.
+SAVE_INODES = 8
 
 
 MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
