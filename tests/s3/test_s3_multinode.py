@@ -130,7 +130,7 @@ def _save_while_server_dies(rank, world, url, options, pid_file):
     try:
         distckpt.save(sd, url, storage_options=options)
     except errors.DistCkptError as exc:
-        return type(exc).__name__, repr(exc)[:2000], time.monotonic() - t0, _failure_classes(exc)
+        return type(exc).__name__, str(exc), time.monotonic() - t0, _failure_classes(exc)
     return "saved", "", time.monotonic() - t0, []
 
 
