@@ -189,3 +189,26 @@ def test_a_collective_failure_names_each_ranks_class_and_one_remedy_each():
     assert text.count("Remedy:") == 1 and "[rank 1]" not in text and "DistCkptError" not in text
     assert "Rank 0 (DiskFullError): Free space" in err.remedy
 
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "directory"])
+def test_a_save_lock_name_taken_by_something_else_says_what_is_in_the_way(tmp_path, kind):
+    """A symlink (followed nowhere) or a directory at a manager root's lock name: the error said
+    "[Errno 40] Too many levels of symbolic links ... Check the file system's health"."""
+    mgr = distckpt.CheckpointManager(str(tmp_path / "root"))
+    mgr.save(1, {"w": torch.ones(2)}, no_dist=True)
+    lock = tmp_path / "root" / ".distckpt.lock"
+    if lock.exists():
+        lock.unlink()
+    target = tmp_path / "target"
+    target.write_text("keep me")
+    if kind == "directory":
+        lock.mkdir()
+    else:
+        os.symlink(target if kind == "symlink" else tmp_path / "nowhere", lock)
+    with pytest.raises(errors.StorageError) as info:
+        mgr.save(2, {"w": torch.ones(2)}, no_dist=True)
+    word = "a directory" if kind == "directory" else "a symbolic link"
+    assert f"is {word}" in info.value.message and "health" not in info.value.remedy
+    assert str(lock) in info.value.remedy and target.read_text() == "keep me"
+    assert mgr.steps() == [1]

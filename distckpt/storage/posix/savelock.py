@@ -38,7 +38,7 @@ import os
 import socket
 import time
 
-from ...errors import SaveInProgressError, from_os_error
+from ...errors import SaveInProgressError, StorageError, from_os_error
 
 __all__ = ["SaveLock", "LockState", "acquire", "probe", "remove_if_dead", "this_host"]
 
@@ -127,6 +127,15 @@ def acquire(path: str, *, save_id: str, what: str) -> SaveLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
+            what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}.get(exc.errno)
+            if what is not None:
+                # O_NOFOLLOW: a symlink planted at the lock's name is never followed (it could
+                # point anywhere). Say what is in the way, not "check the file system's health".
+                raise StorageError(
+                    f"the save lock {path} is {what}, not the regular file distckpt creates there",
+                    path=path, errno=exc.errno, operation="create save lock",
+                    remedy=f"Remove {path} (no save is using it: distckpt's lock is a regular file it "
+                           f"creates itself).") from exc
             raise from_os_error(exc, path=path, operation="create save lock") from exc
         try:
             try:
