@@ -114,7 +114,9 @@ class _Source:
         entry = self.manifest.objects[fqn]
         if entry.kind == "pickle" and not self.allow_pickle:
             raise PickleNotAllowedError(f"the checkpoint stores {fqn!r} as a pickle", path=self.path, keys=[fqn])
-        return _object_value(entry)
+        # the manifest, so a value written through distckpt's DCP StorageWriter (DCP's torch.save
+        # bytes) is decoded as load() decodes it, not copied out as those bytes
+        return _object_value(entry, self.manifest, fqn, self.path, self.allow_pickle)
 
     def read(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
         from .restore import read_box
@@ -411,18 +413,22 @@ def _plain(obj: Any) -> bool:
 
 def _check_weights_only(path: str, src: str) -> None:
     """Load the written file the way its users will: torch.load(weights_only=True), memory-mapped
-    so no tensor byte is read. A value that needs more (only possible with allow_pickle sources)
-    is a typed error, not a file that fails later."""
+    so no tensor byte is read. A value that needs more (an Enum, dataclass or namedtuple of the
+    user's, a pickled value) is a typed error naming what torch refused, not a file that fails
+    later."""
     import torch
 
+    from .dcp import _unpickler_reason
     from .errors import UnsupportedValueError
 
     try:
         torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         raise UnsupportedValueError(
-            f"the export would not load with torch.load(weights_only=True): {str(exc).splitlines()[0]}",
-            path=src, remedy="Export without those values, or load the file with weights_only=False if you trust it.") from None
+            f"the export would not load with torch.load(weights_only=True): {_unpickler_reason(exc).rstrip('.')}",
+            path=src, remedy="Convert to dcp or distckpt (both keep such values), or let the file's users allow "
+                             "the type with torch.serialization.add_safe_globals, or load it with "
+                             "weights_only=False if they trust it.") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -905,6 +911,14 @@ def _size_of(path: str) -> int:
 
 
 def _cmd_convert(args) -> int:
+    import importlib
+    for module in args.imports:
+        # the user names these, never the checkpoint (values.py imports nothing a checkpoint names)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's module is reported as such
+            print(f"distckpt convert: --import {module}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     try:
         res = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, prefix=args.prefix,
                       dtype=args.dtype, memory_limit=args.memory_limit, allow_pickle=args.allow_pickle,
@@ -938,6 +952,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=size_arg, default=DEFAULT_MEMORY_LIMIT, metavar="SIZE",
                    help="working memory for the conversion (default 1GiB)")
     p.add_argument("--allow-pickle", action="store_true", help="allow values the source stores as pickles")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (repeatable), so that values of its namedtuple, Enum and dataclass "
+                        "classes can be rebuilt: distckpt never imports a module the checkpoint names")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     p.set_defaults(func=_cmd_convert)
     return p

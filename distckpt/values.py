@@ -24,8 +24,9 @@ string hashing differs per process); other containers keep their order.
 Invariants:
   * Encoding never pickles; a value this module cannot rebuild exactly raises
     :class:`UnsupportedValueError` naming its fqn and type (unless the caller allows pickle).
-  * Decoding never runs code from the checkpoint: classes named by ``"c"`` are imported by their
-    module path and used only if they really are a namedtuple / Enum / dataclass type; instances
+  * Decoding never runs code from the checkpoint: classes named by ``"c"`` are looked up in the
+    modules this process has already imported (nothing is imported) and used only if they really
+    are a namedtuple / Enum / dataclass type; instances
     are rebuilt without calling the class's ``__init__``/``__new__`` (``tuple.__new__``,
     ``Enum[name]``, ``object.__new__`` + field assignment). numpy dtypes are numeric only.
   * :func:`check_node` validates a node's shape without importing torch, numpy or any class, so
@@ -204,11 +205,13 @@ def _resolve(name: str, want: str, fqn: str, path: Any) -> type:
     }[want](obj)
     if not ok:
         found = err or f"it is {obj!r}, not a {want} class"
+        article = "an" if want == "enum" else "a"
         raise UnsupportedValueError(
-            f"value at {fqn!r} was saved as a {want} of class {name}, which cannot be rebuilt here: {found}",
+            f"value at {fqn!r} was saved as {article} {want} of class {name}, which cannot be rebuilt here: {found}",
             key=fqn, path=path,
-            remedy=f"Import {module} (with the same class) in this process before the load, or read the "
-                   f"value with distckpt.read_manifest(path) as plain data.")
+            remedy=f"Import {module} (with the same class) in this process before the load (on the command "
+                   f"line: distckpt convert --import {module}), or read the value as plain data with "
+                   f"distckpt.read_manifest(path).")
     return obj
 
 
@@ -216,7 +219,7 @@ def decode_value(kind: str, stored: Any, *, fqn: str = "", path: Any = None) -> 
     """The Python value of a (kind, stored) object entry, for every kind but ``pickle``.
 
     Raises:
-        UnsupportedValueError: a namedtuple / Enum / dataclass class that cannot be imported or is
+        UnsupportedValueError: a namedtuple / Enum / dataclass class that is not imported here or is
             not of that sort, an Enum member or dataclass field it lacks.
     """
     if kind != VALUE_KIND:

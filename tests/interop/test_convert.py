@@ -476,3 +476,62 @@ def test_to_dcp_of_a_tree_that_misplaces_a_tensor_is_manifest_corrupt(tmp_path):
     with pytest.raises(ManifestCorruptError, match="'model.u8' under the keys 'model.x'"):
         convert(path, str(tmp_path / "out"), to="dcp", progress=False)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_checkpoint_written_through_dcp_converts_with_its_values(tmp_path):
+    """dcp.save through DistCkptStorageWriter stores each value as DCP's torch.save bytes: convert
+    decodes them as load() does (it wrote those bytes out as the values, a silent difference)."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrations.dcp import DistCkptStorageWriter
+
+    def state():
+        return {"w": torch.arange(6.0).view(2, 3), "step": 7, "lr": 0.5, "name": "x"}
+
+    src = str(tmp_path / "ck")
+    dcp.save(state(), storage_writer=DistCkptStorageWriter(src), no_dist=True)
+    convert(src, str(tmp_path / "out.pt"), to="torch", progress=False)
+    _same(state(), torch.load(str(tmp_path / "out.pt"), weights_only=True))
+    convert(src, str(tmp_path / "out_d"), to="distckpt", progress=False)
+    _same(state(), distckpt.read(str(tmp_path / "out_d")))
+    convert(src, str(tmp_path / "out_dcp"), to="dcp", progress=False)
+    back = {"w": torch.zeros(2, 3), "step": 0, "lr": 0.0, "name": ""}
+    dcp.load(back, checkpoint_id=str(tmp_path / "out_dcp"), no_dist=True)
+    _same(state(), back)
+
+
+def test_cli_convert_rebuilds_user_classes_only_with_import(tmp_path):
+    """A value of the user's own Enum / namedtuple / dataclass: a fresh `distckpt convert` process
+    has not imported its module and distckpt imports nothing a checkpoint names, so the error
+    names the key and the option to follow; `--import MODULE` imports it, by the user's word."""
+    (tmp_path / "mymod.py").write_text(textwrap.dedent("""\
+        import collections, dataclasses, enum
+        class Color(enum.Enum):
+            RED = 1
+        P = collections.namedtuple("P", "a b")
+        @dataclasses.dataclass
+        class D:
+            x: int = 1
+    """))
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    save = ("import torch, distckpt, mymod; distckpt.save({'w': torch.ones(2), 'c': mymod.Color.RED, "
+            "'p': mymod.P(1, 2), 'd': mymod.D(3)}, 'ck', no_dist=True)")
+    assert run("-c", save).returncode == 0
+    r = run("-m", "distckpt", "convert", "ck", "out", "--to", "distckpt", "--no-progress")
+    assert r.returncode == 1 and "UnsupportedValueError" in r.stderr, r.stderr
+    assert "value at 'c'" in r.stderr and "distckpt convert --import mymod" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    r = run("-m", "distckpt", "convert", "ck", "out", "--to", "distckpt", "--import", "mymod", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    check = ("import distckpt, mymod; v = distckpt.read('out'); "
+             "assert (v['c'], v['p'], v['d']) == (mymod.Color.RED, mymod.P(1, 2), mymod.D(3)), v")
+    assert run("-c", check).returncode == 0
+    # torch.load(weights_only=True) refuses the user's classes: a typed error naming the global
+    r = run("-m", "distckpt", "convert", "ck", "out.pt", "--to", "torch", "--import", "mymod", "--no-progress")
+    assert r.returncode == 1 and "mymod.Color" in r.stderr and "add_safe_globals" in r.stderr, r.stderr
+    assert not (tmp_path / "out.pt").exists()
+    r = run("-m", "distckpt", "convert", "ck", "out2", "--to", "distckpt", "--import", "no_such_mod_x")
+    assert r.returncode == 2 and "--import no_such_mod_x: ModuleNotFoundError" in r.stderr, r.stderr
