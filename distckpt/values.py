@@ -40,6 +40,7 @@ import enum
 import inspect
 import math
 import pickle
+import re
 import sys
 from typing import Any
 
@@ -264,7 +265,7 @@ def _build(node: dict, fqn: str, path: Any) -> Any:
         from .tensorbytes import dtype_from_name
         return dtype_from_name(node["v"], path=path)
     if t == "device":
-        return torch.device(node["v"])
+        return _device(node["v"], fqn, path)
     if t == "namedtuple":
         cls = _resolve(node["c"], "namedtuple", fqn, path)
         if list(cls._fields) != list(node["f"]):
@@ -309,6 +310,29 @@ def _build(node: dict, fqn: str, path: Any) -> Any:
             return arr[0]
         return arr.reshape(node["s"]).copy()
     raise UnsupportedValueError(f"value at {fqn!r}: unknown value node {t!r}", key=fqn, path=path)
+
+
+_DEVICE_TEXT = re.compile(r"[a-z_][a-z0-9_]*(:(0|[1-9][0-9]*))?")
+
+
+def _device(text: Any, fqn: str, path: Any) -> Any:
+    """``torch.device(text)``. Text of the shape ``str(torch.device)`` writes whose type torch does
+    not know here is a backend this process lacks (a PrivateUse1 backend such as ``npu`` exists
+    only once its package renamed it): UnsupportedValueError with that remedy, not "damaged". Text
+    of any other shape no save writes (ValueError, which :func:`_value` reports as corrupt)."""
+    import torch
+
+    if not isinstance(text, str) or not _DEVICE_TEXT.fullmatch(text):
+        raise ValueError(f"{text!r} is not a device string")
+    try:
+        return torch.device(text)
+    except RuntimeError as exc:
+        raise UnsupportedValueError(
+            f"value at {fqn!r} holds torch.device({text!r}), whose device type this process does not know: {exc}",
+            key=fqn, path=path,
+            remedy="Import the package of that backend first (a PrivateUse1 backend such as 'npu' is named by "
+                   "its package, e.g. torch_npu), or read the value as plain data with "
+                   "distckpt.read_manifest(path).") from None
 
 
 def describe(node: Any, limit: int = 200) -> str:

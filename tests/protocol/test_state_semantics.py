@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import enum
 import os
+import subprocess
 import sys
 import time
 import types
@@ -407,6 +408,19 @@ def test_a_state_nested_too_deep_or_holding_itself_is_a_typed_error(tmp_path):
     assert not os.path.exists(tmp_path / "deep") and not os.path.exists(tmp_path / "loop")
 
 
+def test_a_device_of_a_backend_this_process_lacks_is_unsupported_not_corrupt(tmp_path):
+    """torch.device("npu:0") saved where torch_npu renamed the PrivateUse1 backend, read where
+    it did not: the checkpoint is sound, so the error says to import the backend's package (it
+    was a ManifestCorruptError saying the checkpoint was damaged)."""
+    save = ("import sys, torch, distckpt; torch.utils.rename_privateuse1_backend('npu'); "
+            "distckpt.save({'w': torch.ones(2), 'cfg': {'device': torch.device('npu:0')}}, sys.argv[1], no_dist=True)")
+    subprocess.run([sys.executable, "-c", save, str(tmp_path / "ck")], check=True, timeout=300)
+    with pytest.raises(errors.UnsupportedValueError, match="'cfg.device'") as info:
+        distckpt.read(tmp_path / "ck")
+    assert "npu" in str(info.value) and "package of that backend" in info.value.remedy
+    assert distckpt.read(tmp_path / "ck", keys=["w"])["w"].tolist() == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("path", [5, None, "c\0x"])
 def test_a_path_of_the_wrong_type_is_a_config_error(tmp_path, path):
     distckpt.save({"w": torch.ones(1)}, tmp_path / "c")
@@ -427,7 +441,7 @@ def test_read_keys_that_are_not_a_list_of_str_are_a_config_error(tmp_path, keys)
 
 
 @pytest.mark.parametrize("node", [
-    {"t": "device", "v": "nonsense:99"},                                # torch's RuntimeError
+    {"t": "device", "v": "cuda:x"},                                     # no str(torch.device) is so
     {"t": "set", "v": [{"t": "list", "v": [1]}]},                       # unhashable: TypeError
     {"t": "dict", "k": [[{"t": "list", "v": [1]}, 1]]},
     {"t": "numpy", "d": "<f8", "s": [100], "v": b"\0" * 8},             # reshape: ValueError
