@@ -647,7 +647,10 @@ def _path_problem(code: int, path: str, message: str) -> tuple[str, str]:
     return message, f"{path} is a directory where a file was expected: choose another path."
 
 
-def _free_space(path: str) -> tuple[int, int] | None:
+def _free_space(path: str) -> tuple[int, int | None] | None:
+    """(free bytes, free inodes) of the file system holding ``path``, the inodes None where it
+    keeps no inode count (btrfs, tmpfs with nr_inodes=0, some network ones: f_files 0); None when
+    statvfs fails."""
     probe = path
     while probe and not os.path.isdir(probe):
         parent = os.path.dirname(probe)
@@ -658,7 +661,7 @@ def _free_space(path: str) -> tuple[int, int] | None:
         st = os.statvfs(probe or ".")
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize, st.f_favail
+    return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files > 0 else None)
 
 
 def from_os_error(
@@ -687,7 +690,8 @@ def from_os_error(
         free = _free_space(os.fspath(path))
         if free is not None:
             details["free"], details["free_inodes"] = free
-            message += f"; {format_bytes(free[0])} and {free[1]} inodes free on that file system"
+            inodes = "no inode limit" if free[1] is None else f"{free[1]} inodes free"
+            message += f"; {format_bytes(free[0])} and {inodes} on that file system"
         if needed is not None:
             details["needed"] = needed
             message += f", {format_bytes(needed)} needed"
@@ -697,7 +701,12 @@ def from_os_error(
                                or (code in _PATH_ERRNOS_CREATE and operation in _CREATE_OPS)):
         # The path is at fault, not the file system: say which part of it.
         message, remedy = _path_problem(code, os.fspath(path), message)
-    elif cls is DiskFullError and details.get("free_inodes") == 0 and details["free"] > 0:
+    elif code == _errno.EDQUOT:
+        # the file system may have room: it is this user's (or group's, project's) share that is spent
+        remedy = ("A disk quota is exhausted (bytes or files) for this user, group or project: delete old "
+                  "checkpoints you own or lower keep_last, ask for a larger quota (`quota -s` shows it), "
+                  "or save elsewhere.")
+    elif code == _errno.ENOSPC and details.get("free_inodes") == 0 and details["free"] > 0:
         remedy = ("Free inodes (files) on that file system: it has bytes left but no inodes; delete old "
                   "checkpoints or lower keep_last, or save to a file system with more inodes.")
     elif code == _errno.EIO and operation == "fsync":

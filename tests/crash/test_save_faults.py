@@ -389,6 +389,20 @@ def test_inode_exhaustion_preflight(tmp_path, monkeypatch, free_inodes):
         _assert_prev_intact(root)
 
 
+@pytest.mark.root
+def test_no_inode_remedy_where_the_file_system_counts_no_inodes(tmp_path):
+    """tmpfs with nr_inodes=0 (like btrfs) reports f_files == f_favail == 0: an ENOSPC there is
+    out of bytes, never "free inodes", and EDQUOT (a quota spent) says so, not "free inodes"
+    (both read "it has bytes left but no inodes")."""
+    with tmpfs_mount(tmp_path / "m", "4m", options=["nr_inodes=0"]) as d:
+        assert os.statvfs(d).f_files == 0 and os.statvfs(d).f_bavail > 0
+        enospc = E.from_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), path=str(d / "x"))
+        assert isinstance(enospc, E.DiskFullError) and enospc.free_inodes is None, enospc.details
+        assert "no inode limit" in enospc.message and "inodes" not in (enospc.remedy or ""), enospc.remedy
+        edquot = E.from_os_error(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), path=str(d / "x"))
+        assert isinstance(edquot, E.DiskFullError) and "quota" in edquot.remedy, edquot.remedy
+
+
 # ------------------------------------------------------------------------------------------------
 # EIO / ENOSPC at fsync (strace fault injection on the real syscall)
 #

@@ -3,7 +3,7 @@
 * :func:`refuse_pseudo_fs`: a local target is not on a kernel pseudo file system (/proc, /sys,
   ...); checked for a root before its first save, and in PREPARE on the checkpoint's parent.
 * :func:`check_save_space` (PREPARE, rank 0, local paths): the file system has the bytes of every
-  rank, and an inode.
+  rank, and the :data:`SAVE_INODES` inodes of a one-rank save.
 * :func:`check_fd_limit` (the save plan, every rank, whatever the store): RLIMIT_NOFILE leaves room
   for the fds a save opens (its writer and ring, reader probes, directory fsyncs).
 
@@ -87,8 +87,8 @@ def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | 
 
     Raises:
         StorageError: ``path`` is on a kernel pseudo file system (see :func:`refuse_pseudo_fs`).
-        DiskFullError: errno ENOSPC, with ``needed``, ``free``, ``free_inodes``, ``mount_point``
-            and ``fstype``.
+        DiskFullError: errno ENOSPC, with ``needed``, ``free``, ``free_inodes`` (None where the
+            file system keeps no inode count), ``needed_inodes``, ``mount_point`` and ``fstype``.
         OSError: statvfs itself failed.
     """
     path = os.fspath(path)
@@ -105,12 +105,17 @@ def check_save_space(path: str | os.PathLike, needed_bytes: int, *, rank: int | 
     if no_inodes:
         short += f" and {st.f_favail} of {st.f_files} inodes free (a save needs {SAVE_INODES})"
     raise DiskFullError(short, path=path, rank=rank, errno=_errno.ENOSPC, needed=needed_bytes,
-                        free=free, free_inodes=st.f_favail, mount_point=mount.mount_point,
+                        free=free, free_inodes=st.f_favail if st.f_files > 0 else None,
+                        needed_inodes=SAVE_INODES, mount_point=mount.mount_point,
                         fstype=mount.fstype, remedy=disk_remedy(mount, needed_bytes - free, inodes=no_inodes))
 
 
-#: Inodes one rank's save may create: its temporary directory, its data file, the MANIFEST, the
-#: root's lock and ``latest`` files and their temporary names, with a margin.
+#: Inodes a one-rank save may create: its temporary directory, its data file, the MANIFEST, the
+#: root's lock and ``latest`` files and their temporary names, with a margin. A save of N ranks
+#: into one directory creates N - 1 more data files, which this check does not count (rank 0
+#: checks before the plan's writers are known to the store): a file system that runs out at one
+#: of them fails that rank's create with the same DiskFullError and inode remedy
+#: (:func:`distckpt.errors.from_os_error`), before anything is committed.
 SAVE_INODES = 8
 
 
