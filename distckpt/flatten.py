@@ -185,9 +185,13 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | N
         UnsupportedValueError: a piece that is not a dense tensor of elements in memory (see
             :func:`_check_dense`), for a save and for a load's destination alike.
     """
-    ShardedTensor = _sharded_tensor_type()
-    if (isinstance(value, torch.Tensor) and not (ShardedTensor is not None and isinstance(value, ShardedTensor))
-            and value.is_nested):  # (a ShardedTensor refuses the attribute)
+    if isinstance(value, torch.nn.parameter.UninitializedTensorMixin):
+        # a lazy module's parameter before its first forward: asking its shape is torch's RuntimeError
+        raise UnsupportedValueError(
+            f"tensor {fqn!r} is an uninitialized parameter or buffer of a lazy module (torch.nn.Lazy*): it has "
+            f"no shape yet", key=fqn,
+            remedy="Run one forward pass (or module.initialize_parameters(...)) before saving or loading it.")
+    if isinstance(value, torch.Tensor) and _is_nested(value):
         _check_dense(fqn, value)  # before its shape is asked for: torch raises an internal error
     item = _tensor_item(fqn, value, path, mesh_cache)
     for piece in item.pieces:
@@ -196,11 +200,22 @@ def tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | N
     return item
 
 
+def _is_nested(t: torch.Tensor) -> bool:
+    ShardedTensor = _sharded_tensor_type()
+    if ShardedTensor is not None and isinstance(t, ShardedTensor):
+        return False  # its attribute goes through a deprecated __torch_function__ (a FutureWarning per call)
+    try:
+        return bool(t.is_nested)
+    except Exception:  # noqa: BLE001 - a wrapper subclass that refuses the attribute is not nested
+        return False
+
+
 def _check_dense(fqn: str, t: torch.Tensor) -> None:
-    """Refuse what has no row-major elements to write or to fill: a meta tensor (a model built on
-    the meta device and not materialized: a load into it would return with nothing filled), a
-    sparse, mkldnn, nested or quantized tensor (torch's own untyped errors midway otherwise)."""
-    if t.is_meta:
+    """Refuse what has no row-major elements to write or to fill: a meta tensor with elements (a
+    model built on the meta device and not materialized: a load into it would return with nothing
+    filled; an empty one has nothing to miss), a sparse, mkldnn, nested or quantized tensor
+    (torch's own untyped errors midway otherwise)."""
+    if t.is_meta and t.numel() > 0:
         raise UnsupportedValueError(
             f"tensor {fqn!r} is on the meta device: it has no elements to save or to load into", key=fqn,
             remedy="Materialize the model first (module.to_empty(device=...), then initialize it or load).")

@@ -63,6 +63,8 @@ def host_bytes(tensor: torch.Tensor) -> tuple[memoryview, Any]:
     (one copy); a device tensor is copied to host once, into pinned memory when CUDA is available.
     """
     t = tensor.detach()
+    if t.numel() == 0:
+        return memoryview(b""), None  # no bytes, wherever it lives (an empty meta tensor has no data to copy)
     if t.device.type != "cpu":
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
         host.copy_(t, non_blocking=False)

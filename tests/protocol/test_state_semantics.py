@@ -369,6 +369,8 @@ def test_a_destination_whose_elements_share_memory_is_refused_before_any_read(tm
 def _odd_tensor(kind):
     if kind == "meta":
         return torch.empty(4, device="meta")
+    if kind == "uninitialized":
+        return torch.nn.parameter.UninitializedParameter()  # a torch.nn.Lazy* module's, before forward
     if kind == "sparse":
         return torch.ones(4).to_sparse()
     if kind == "nested":
@@ -378,7 +380,7 @@ def _odd_tensor(kind):
         return torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
 
 
-@pytest.mark.parametrize("kind", ["meta", "sparse", "nested", "quantized"])
+@pytest.mark.parametrize("kind", ["meta", "uninitialized", "sparse", "nested", "quantized"])
 def test_a_tensor_without_dense_elements_is_refused_by_save_and_load(tmp_path, kind):
     """A model built on the meta device and loaded before to_empty(): the load returned normally
     with nothing filled (silent loss). Sparse, nested and quantized tensors raised torch's untyped
@@ -392,6 +394,17 @@ def test_a_tensor_without_dense_elements_is_refused_by_save_and_load(tmp_path, k
     with pytest.raises(errors.UnsupportedValueError, match=f"'w' is .*{kind}"):
         distckpt.load(into, tmp_path / "c")
     assert torch.equal(into["b"], torch.zeros(2))
+
+
+def test_an_empty_meta_tensor_has_nothing_to_miss(tmp_path):
+    """A meta tensor without elements holds nothing a load could leave unfilled: saved and loaded
+    like any empty tensor (it was refused as meta, and the save raised torch's NotImplementedError
+    copying it)."""
+    distckpt.save({"m": torch.empty(0, 2, device="meta"), "w": torch.ones(2)}, tmp_path / "c")
+    back = distckpt.read(tmp_path / "c")
+    assert back["m"].shape == (0, 2) and back["w"].tolist() == [1.0, 1.0]
+    into = {"m": torch.empty(0, 2, device="meta"), "w": torch.zeros(2)}
+    assert not distckpt.load(into, tmp_path / "c").missing and into["w"].tolist() == [1.0, 1.0]
 
 
 def test_a_state_nested_too_deep_or_holding_itself_is_a_typed_error(tmp_path):
