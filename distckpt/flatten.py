@@ -370,11 +370,13 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
             items[fqn] = ObjectItem(fqn, obj, path)
         return {"t": "ref", "fqn": fqn}
 
-    tree = walk(state_dict, root)
-    # walk is a closure over itself: left alone, the cycle keeps ``items`` (every tensor of the
-    # state dict) alive until the cyclic garbage collector runs (a deleted scratch mapping of
-    # convert held its disk space until then).
-    walk = None  # noqa: F841 - breaks the cycle (see above)
+    try:
+        tree = walk(state_dict, root)
+    finally:
+        # walk is a closure over itself: left alone, the cycle keeps ``items`` (every tensor of
+        # the state dict) alive until the cyclic garbage collector runs (a deleted scratch mapping
+        # of convert held its disk space until then), after an error as after a return.
+        walk = None  # noqa: F841 - breaks the cycle (see above)
     return tree, items
 
 
@@ -425,8 +427,10 @@ def expand_statefuls(state_dict: Any) -> list[tuple[Any, Any, Any]]:
                                                 remedy="Put it in a dict or a list.")
                 walk(value, f"{where}.{i}")
 
-    walk(state_dict, "")
-    walk = None  # noqa: F841 - a closure over itself: the cycle would keep the state dict alive
+    try:
+        walk(state_dict, "")
+    finally:
+        walk = None  # noqa: F841 - a closure over itself: the cycle would keep the state dict alive
     return found
 
 

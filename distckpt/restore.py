@@ -695,8 +695,10 @@ def _key_list(keys: Iterable[str]) -> list[str]:
     """``read``'s ``keys`` as a list of str. Raises ConfigError for a bare str (it would select
     its characters) or a key that is not a str."""
     if isinstance(keys, (str, bytes)):
+        # keys are str: a bytes key is suggested decoded ([b'w'] would be refused next)
+        one = keys if isinstance(keys, str) else keys.decode("utf-8", "replace")
         raise ConfigError(f"keys={keys!r} is one string; keys takes a list of keys",
-                          remedy=f"Pass keys=[{keys!r}].")
+                          remedy=f"Pass keys=[{one!r}].")
     try:
         out = list(keys)
     except TypeError:

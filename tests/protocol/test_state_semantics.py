@@ -445,11 +445,13 @@ def test_a_path_of_the_wrong_type_is_a_config_error(tmp_path, path):
             call()
 
 
-@pytest.mark.parametrize("keys", [[1], "w", 5])
+@pytest.mark.parametrize("keys", [[1], "w", b"w", 5])
 def test_read_keys_that_are_not_a_list_of_str_are_a_config_error(tmp_path, keys):
     distckpt.save({"w": torch.ones(1)}, tmp_path / "c")
-    with pytest.raises(errors.ConfigError, match="keys"):
+    with pytest.raises(errors.ConfigError, match="keys") as info:
         distckpt.read(tmp_path / "c", keys=keys)
+    if isinstance(keys, (str, bytes)):
+        assert info.value.remedy == "Pass keys=['w']."  # a remedy that works (it said [b'w'] for bytes)
     assert list(distckpt.read(tmp_path / "c", keys=["w"])) == ["w"]
 
 
@@ -475,3 +477,30 @@ def test_a_forged_value_node_is_manifest_corrupt(tmp_path, node):
     w = torch.zeros(2)
     with pytest.raises(errors.ManifestCorruptError, match="'cfg'"):
         distckpt.load({"cfg": None, "w": w}, tmp_path / "ck")
+
+
+def test_a_refused_flatten_keeps_no_tensor_alive():
+    """A state refused while it was being walked (a bad key after a tensor) must not stay alive
+    until the cyclic GC runs: the walker's self-referencing closure held every tensor described so
+    far, on the error path as well (the return path was mended before)."""
+    import gc
+    import weakref
+
+    from distckpt.flatten import flatten
+
+    big = torch.ones(4)
+    alive = weakref.ref(big)
+    state = {"a": big, "b": {1.5: 2}}  # a float key: refused after "a" was described
+    gc.disable()
+    try:
+        try:
+            flatten(state)
+        except errors.UnsupportedValueError as exc:
+            assert "float" in str(exc)
+            exc.__traceback__ = None  # the frames the traceback holds are the test's, not a leak
+        else:
+            pytest.fail("the float key was accepted")
+        del big, state
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -3,6 +3,7 @@ user makes first (each was reported with a misleading message before)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -212,3 +213,16 @@ def test_a_save_lock_name_taken_by_something_else_says_what_is_in_the_way(tmp_pa
     assert f"is {word}" in info.value.message and "health" not in info.value.remedy
     assert str(lock) in info.value.remedy and target.read_text() == "keep me"
     assert mgr.steps() == [1]
+
+
+def test_a_symlink_loop_above_a_save_lock_is_not_called_the_lock(tmp_path):
+    """ELOOP from a loop in a parent directory: the lock is not "a symbolic link" to remove (it
+    does not exist); the error names the path's problem instead."""
+    from distckpt.storage.posix import savelock
+
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    lock = tmp_path / "loop" / ".x.lock"
+    with pytest.raises(errors.StorageError) as info:
+        savelock.acquire(str(lock), save_id="0" * 32, what=str(tmp_path / "loop" / "x"))
+    assert info.value.errno == errno.ELOOP and "is a symbolic link, not" not in info.value.message
+    assert f"Remove {lock}" not in (info.value.remedy or ""), info.value.remedy

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 
 from ...errors import SaveInProgressError, StorageError, from_os_error
@@ -113,6 +114,15 @@ def _read_owner(fd: int) -> dict | None:
     return owner if isinstance(owner, dict) else None
 
 
+def _in_the_way(path: str) -> str | None:
+    """"a symbolic link" / "a directory" when that is what stands at ``path`` itself, else None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else None
+
+
 def acquire(path: str, *, save_id: str, what: str) -> SaveLock:
     """Take the lock at ``path`` for the save ``save_id`` of ``what`` (the final directory).
 
@@ -127,12 +137,14 @@ def acquire(path: str, *, save_id: str, what: str) -> SaveLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
-            what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}.get(exc.errno)
-            if what is not None:
+            # ELOOP is also a symlink loop in a parent directory: name the lock only when lstat
+            # says the lock itself is what is in the way
+            in_the_way = _in_the_way(path) if exc.errno in (errno.ELOOP, errno.EISDIR) else None
+            if in_the_way is not None:
                 # O_NOFOLLOW: a symlink planted at the lock's name is never followed (it could
                 # point anywhere). Say what is in the way, not "check the file system's health".
                 raise StorageError(
-                    f"the save lock {path} is {what}, not the regular file distckpt creates there",
+                    f"the save lock {path} is {in_the_way}, not the regular file distckpt creates there",
                     path=path, errno=exc.errno, operation="create save lock",
                     remedy=f"Remove {path} (no save is using it: distckpt's lock is a regular file it "
                            f"creates itself).") from exc
