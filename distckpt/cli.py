@@ -183,8 +183,11 @@ def inspect_document(m, path: str) -> dict:
         tensor_bytes += nbytes
         elements += t.numel
     values = {}
+    through_dcp = _written_through_dcp(m)
     for fqn, o in m.objects.items():
-        if o.kind == "pickle":
+        if through_dcp and o.kind == "bytes":
+            values[fqn] = _dcp_writer_value(o.value, fqn, path)
+        elif o.kind == "pickle":
             values[fqn] = {"kind": "pickle", "bytes": len(o.value)}
         elif o.kind in _PLAIN_KINDS:
             values[fqn] = {"kind": o.kind, "value": _plain_json(o.value)}
@@ -215,6 +218,26 @@ def inspect_document(m, path: str) -> dict:
         "values": values,
         "meta": _plain_json(meta),
     }
+
+
+def _written_through_dcp(m) -> bool:
+    from .dcp import writer_meta  # (no torch import)
+    return writer_meta(m) is not None
+
+
+def _dcp_writer_value(data: bytes, fqn: str, path: str) -> dict:
+    """A value of a checkpoint written through distckpt's DCP StorageWriter (DCP's torch.save
+    bytes), shown as load() decodes it: torch's restricted unpickler, which runs no code; what it
+    refuses is shown as refused, never unpickled."""
+    from .dcp import decode_writer_value
+    from .errors import PickleNotAllowedError
+
+    entry = {"kind": "dcp", "bytes": len(data)}
+    try:
+        entry["text"] = _short(decode_writer_value(data, fqn=fqn, path=path), 200)
+    except PickleNotAllowedError as exc:
+        entry["refused"] = exc.message
+    return entry
 
 
 def _short(value, width: int = 70) -> str:
@@ -263,6 +286,8 @@ def _print_inspect(doc: dict) -> None:
         for fqn, v in doc["values"].items():
             if v["kind"] == "pickle":
                 shown = f"<pickled object, {v['bytes']} bytes, not unpickled>"
+            elif v["kind"] == "dcp" and "bytes" in v:  # written through distckpt's DCP StorageWriter
+                shown = v.get("text") or f"<DCP value, {v['bytes']} bytes, not loaded: {v['refused']}>"
             elif "value" not in v:
                 shown = f"<{v['kind']} value, not loaded>"
             elif v["kind"] == "bytes":

@@ -136,6 +136,28 @@ def test_inspect_and_verify_never_unpickle(tmp_path):
     assert not marker.exists()
 
 
+def test_inspect_shows_values_written_through_dcp_as_dcp_reads_them(tmp_path):
+    """dcp.save through DistCkptStorageWriter stores each value as DCP's torch.save bytes: inspect
+    showed `<1261 bytes>`; it shows the value as torch's restricted unpickler gives it, and what
+    that unpickler refuses as refused (nothing is unpickled with code)."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrations.dcp import DistCkptStorageWriter
+
+    marker = tmp_path / "unpickled"
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.ones(2), "step": 7, "name": "run-a", "evil": _Evil(marker)},
+                 storage_writer=DistCkptStorageWriter(str(ck)), no_dist=True)
+    out = _run("-m", "distckpt", "inspect", str(ck))
+    assert out.returncode == 0, out.stderr
+    assert "  step: 7\n" in out.stdout and "  name: 'run-a'\n" in out.stdout, out.stdout
+    assert "  evil: <DCP value, " in out.stdout and "not loaded" in out.stdout and not marker.exists()
+    doc = json.loads(_run("-m", "distckpt", "inspect", "--json", str(ck)).stdout)
+    assert doc["values"]["step"]["text"] == "7" and "refused" in doc["values"]["evil"]
+
+
 # --------------------------------------------------------------------------------------------
 # verify
 
