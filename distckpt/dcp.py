@@ -574,7 +574,8 @@ def _tree(meta: DcpMetadata) -> dict:
     does) as a manifest tree; keys without a usable path sit flat at the root."""
     root: dict = {}
     flat: list[str] = []
-    for fqn in [*meta.tensors, *meta.objects]:
+    # in the saved order (planner_data's, which is the state dict's), as DCP's own unflatten nests it
+    for fqn in [*meta.paths, *(f for f in [*meta.tensors, *meta.objects] if f not in meta.paths)]:
         p = meta.paths.get(fqn)
         if p is None:
             flat.append(fqn)

@@ -341,14 +341,20 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
                 f"the state dict is nested more than {MAX_DEPTH} levels deep under {_fqn(path[:3])!r}... "
                 f"(a dict or list that contains itself?)", key=_fqn(path[:3]),
                 remedy=f"Store at most {MAX_DEPTH} levels of dicts and lists, and no container inside itself.")
-        if isinstance(obj, dict):
-            entries = []
-            for key, value in obj.items():
-                if not isinstance(key, (str, int)) or isinstance(key, bool):
-                    raise UnsupportedValueError(
-                        f"dict key {key!r} under {_fqn(path) or '<root>'!r} is a {type(key).__name__}; "
-                        f"only str and int keys are saved", key=_fqn(path))
-                entries.append([key, walk(value, path + (key,))])
+        odd = [k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool)] if isinstance(obj, dict) else []
+        if odd and (not path or holds_tensor(obj)):
+            # Entries are named by their keys joined with '.': a tuple, None, float or bool key
+            # names nothing. A dict of plain values with such keys is one value (below), stored
+            # with its keys exactly; one holding tensors (or the root) cannot be.
+            raise UnsupportedValueError(
+                f"dict key {odd[0]!r} under {_fqn(path) or '<root>'!r} is a {type(odd[0]).__name__}; a dict "
+                f"{'at the root' if not path else 'holding tensors'} takes only str and int keys (they name "
+                f"the checkpoint's entries)", key=_fqn(path),
+                remedy=("Use str or int keys (str(key)), or wrap the state: {'state': your_dict}" if not path else
+                        "Use str or int keys (str(key)), or keep the tensors apart from that dict (a dict of plain "
+                        "values with any keys is stored as one value)") + "; allow_pickle does not change this.")
+        if isinstance(obj, dict) and not odd:
+            entries = [[key, walk(value, path + (key,))] for key, value in obj.items()]
             return {"t": "dict", "k": entries}
         if _is_stateful(obj):
             return walk(obj.state_dict(), path)

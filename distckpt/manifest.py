@@ -1341,7 +1341,7 @@ def _sibling(path: Any, name: str) -> Any:
 
 
 def tree_paths(tree: Any) -> dict[str, tuple]:
-    """{fqn: its key path} for every leaf of a validated MANIFEST ``tree``: dict keys as they
+    """{fqn: its key path} for every leaf of a validated MANIFEST ``tree``, in the saved order: dict keys as they
     are, list and tuple positions as ints (what DCP's planner_data maps each flat key to, so a
     checkpoint DCP did not write can be rebuilt with its nesting by DCP's load planners). Empty
     for a manifest without a tree."""
@@ -1351,10 +1351,10 @@ def tree_paths(tree: Any) -> dict[str, tuple]:
         node, path = stack.pop()
         if node["t"] == "ref":
             out[node["fqn"]] = path
-        elif node["t"] == "dict":
-            stack.extend((child, path + (key,)) for key, child in node["k"])
+        elif node["t"] == "dict":  # pushed last first: the leaves come out in the saved order
+            stack.extend(reversed([(child, path + (key,)) for key, child in node["k"]]))
         else:  # list, tuple
-            stack.extend((child, path + (i,)) for i, child in enumerate(node["v"]))
+            stack.extend(reversed([(child, path + (i,)) for i, child in enumerate(node["v"])]))
     return out
 
 

@@ -73,7 +73,9 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike | None, current: str | Non
     if checkpoint_id is not None:
         return normalize_path(checkpoint_id)
     if current is None:
-        raise ConfigError("no checkpoint path: pass it to the storage writer/reader or as dcp's checkpoint_id")
+        raise ConfigError("no checkpoint path: pass it to the storage writer/reader or as dcp's checkpoint_id",
+                          remedy="Pass the path: DistCkptStorageWriter(path) / DistCkptStorageReader(path), or "
+                                 "dcp.save(..., checkpoint_id=path) / dcp.load(..., checkpoint_id=path).")
     return current
 
 
@@ -172,7 +174,9 @@ class DistCkptStorageWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id or "")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Raises ConfigError when DCP's coordinator is not rank 0 of the process group."""
+        """Raises ConfigError when no path was given (DCP calls reset() only with a
+        checkpoint_id); the coordinator's check is in :meth:`_group`."""
+        self.path = _checkpoint_path(None, self.path)
         self._is_coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
 
@@ -330,6 +334,11 @@ class DistCkptStorageReader(StorageReader):
             except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 raise CheckpointCorruptError(f"the MANIFEST's DCP planner data is malformed: {exc!r}",
                                              path=self.path) from exc
+        # In the saved order (DCP's planner data, else the MANIFEST's tree), as FileSystemReader's
+        # metadata is: a planner that builds the state dict from it (_EmptyStateDictLoadPlanner)
+        # returns its keys in that order (tensors then values, otherwise).
+        order = list(planner_data) if isinstance(planner_data, dict) else []
+        md = {**{f: md[f] for f in order if f in md}, **md}
         return Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id or ""),
                         version=version)

@@ -2,9 +2,10 @@
 
 Import explicitly; ``import distckpt`` never imports lightning (PyPI ``lightning`` 2.6.6).
 
-    from distckpt.integrations.lightning import DistCkptCheckpointIO
+    from distckpt.integrations.lightning import DistCkptCheckpointIO, load_from_checkpoint
     trainer = Trainer(plugins=[DistCkptCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
     trainer.fit(model, ckpt_path="last")                       # unchanged user code
+    model = load_from_checkpoint(MyModule, "ckpt/last.ckpt")   # for MyModule.load_from_checkpoint
     # or, saving in the background:
     Trainer(plugins=[DistCkptCheckpointIO(async_save=True)])   # or AsyncCheckpointIO(DistCkptCheckpointIO())
 
@@ -46,6 +47,10 @@ Exactness (what torch.save would give back, checked at save, before any byte is 
     dataclass, namedtuple, torch.dtype/device/Size, numpy) round-trip exactly; anything else (a
     class object such as omegaconf's ``hyper_parameters_type``, a lambda) is an
     UnsupportedValueError naming its key, unless ``allow_pickle=True``.
+  * ``nn.Parameter``s come back as Parameters (with ``requires_grad``), one tensor under two keys
+    as one object, tied weights (two tensors over the same elements) over one memory: recorded
+    at save (:func:`_tensor_records`) and put back after the read. A partial view of another
+    tensor's memory comes back as its own tensor, logged by name at save.
   * Tensors come back on CPU (``map_location=None``), every rank reading its own copy; Lightning
     copies them into the module's parameters and casts optimizer state to its parameters' devices.
     TorchCheckpointIO instead puts every tensor back on the device it was saved from (``cuda:0``
@@ -100,7 +105,7 @@ from ..save_sync import save_in_root
 from ..source import open_source
 from ..storage import ROOT_LOCK_NAME, Store, dirname, is_url, join, normalize_path, open_store
 
-__all__ = ["DistCkptCheckpointIO", "FORMAT"]
+__all__ = ["DistCkptCheckpointIO", "FORMAT", "load_from_checkpoint"]
 
 log = logging.getLogger("distckpt")
 
@@ -125,6 +130,96 @@ def _map_tensors(tree: Any, device: torch.device) -> Any:
         return tree
     if type(tree) is tuple:
         return tuple(_map_tensors(v, device) for v in tree)
+    return tree
+
+
+def _tensor_records(checkpoint: Any) -> list[list]:
+    """What a whole-tree read would not give back as torch.save does, as plain data: each
+    ``nn.Parameter`` (``["param", path, requires_grad]``; a read gives a plain tensor), and each
+    tensor with the same memory as one met before, element for element (``["alias", path,
+    first_path, same_object, requires_grad or None]``; a read gives two copies: tied weights,
+    one tensor under two keys). Paths are key lists from the root. Tensors that overlap another's
+    memory only in part (a slice of it) load as their own copy: logged by name, values exact."""
+    out: list[list] = []
+    seen: dict[tuple, tuple[list, Any]] = {}     # (storage address, dtype, offset, shape, stride) -> first
+    spans: dict[tuple, list[tuple[int, int, list]]] = {}  # (device, storage address) -> byte spans
+
+    def walk(obj: Any, path: list, depth: int) -> None:
+        if depth > 100:
+            return  # flatten reports the depth
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, path + [key], depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(value, path + [i], depth + 1)
+        elif type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta and obj.numel() > 0:
+            rg = bool(obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else None
+            base = obj.untyped_storage().data_ptr()
+            key = (str(obj.device), base, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride())
+            if key in seen:
+                first, first_obj = seen[key]
+                out.append(["alias", path, first, obj is first_obj, rg])
+                return
+            seen[key] = (path, obj)
+            start = obj.storage_offset() * obj.element_size()
+            end = start + (1 + sum((n - 1) * st for n, st in zip(obj.shape, obj.stride()))) * obj.element_size()
+            for s0, e0, other in spans.setdefault((str(obj.device), base), []):
+                if start < e0 and s0 < end:
+                    log.warning("distckpt: %s shares memory with %s in part (a view of it): it is saved and "
+                                "loaded as its own tensor with the same values, no longer sharing memory",
+                                ".".join(map(str, path)), ".".join(map(str, other)))
+                    break
+            spans[(str(obj.device), base)].append((start, end, path))
+            if rg is not None:
+                out.append(["param", path, rg])
+
+    walk(checkpoint, [], 0)
+    return out
+
+
+def _restore_tensors(tree: Any, records: Any, path: str) -> Any:
+    """``tree`` with the Parameters and shared tensors of :func:`_tensor_records` put back.
+
+    Raises ManifestCorruptError for a record that is malformed or names no tensor of ``tree``."""
+    from ..errors import ManifestCorruptError
+    from ..flatten import set_leaf
+
+    def bad(rec: Any) -> ManifestCorruptError:
+        return ManifestCorruptError(f"meta.user.{_META}.tensors: {rec!r} names no tensor of the checkpoint",
+                                    path=path)
+
+    def at(keys: Any) -> torch.Tensor:
+        node = tree
+        try:
+            for key in keys:
+                node = node[key]
+        except (TypeError, KeyError, IndexError):
+            node = None
+        if not isinstance(node, torch.Tensor):
+            raise bad(keys)
+        return node
+
+    if not isinstance(records, list):
+        raise bad(records)
+    for rec in records:  # Parameters first: an alias of one is then the same Parameter
+        if isinstance(rec, list) and len(rec) == 3 and rec[0] == "param" and isinstance(rec[1], list) and rec[1]:
+            set_leaf(tree, tuple(rec[1]), torch.nn.Parameter(at(rec[1]), requires_grad=bool(rec[2])))
+        elif not (isinstance(rec, list) and len(rec) == 5 and rec[0] == "alias" and isinstance(rec[1], list)
+                  and rec[1] and isinstance(rec[2], list)):
+            raise bad(rec)
+    for rec in records:
+        if rec[0] == "alias":
+            first, mine = at(rec[2]), at(rec[1])
+            if first.shape != mine.shape or first.dtype != mine.dtype or not torch.equal(first, mine):
+                raise bad(rec)  # the bytes of the two differ: the record does not describe this tree
+            if rec[3]:
+                value = first
+            else:
+                value = first.detach()  # another tensor object over the same memory
+                if rec[4] is not None:
+                    value = torch.nn.Parameter(value, requires_grad=bool(rec[4]))
+            set_leaf(tree, tuple(rec[1]), value)
     return tree
 
 
@@ -242,7 +337,7 @@ class DistCkptCheckpointIO(CheckpointIO):
                 raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(options).__name__}")
             final = normalize_path(path)
             ordered = containers.record(checkpoint)
-            metadata = {_META: {"format": FORMAT, "ordered": ordered}}
+            metadata = {_META: {"format": FORMAT, "ordered": ordered, "tensors": _tensor_records(checkpoint)}}
             kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle, metadata=metadata,
                                           no_dist=True, storage_options=options)
             if self.keep_last is not None:
@@ -347,6 +442,8 @@ class DistCkptCheckpointIO(CheckpointIO):
                                           path=final)
             if device is not None:
                 tree = _map_tensors(tree, device)
+            if isinstance(ours, dict) and ours.get("format") == FORMAT and "tensors" in ours:
+                tree = _restore_tensors(tree, ours["tensors"], final)
             self._resumed_from = final
             return tree
 
@@ -417,3 +514,51 @@ def _link_targets(parent: str) -> set[str]:
         if os.path.islink(link):
             out.add(os.path.realpath(link))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# LightningModule.load_from_checkpoint for this plugin's checkpoints.
+
+
+def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, *, allow_pickle: bool = False,
+                         storage_options: dict | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a checkpoint written through
+    :class:`DistCkptCheckpointIO` (or a torch.save ``.ckpt``), for a LightningModule or a
+    LightningDataModule class ``cls``: Lightning's own classmethod reads the path with torch.load
+    and never asks the CheckpointIO (IsADirectoryError on a checkpoint directory). The steps are
+    Lightning 2.6.6's (``lightning.pytorch.core.saving._load_from_checkpoint``): legacy migration,
+    ``hparams_file`` over the saved hyper-parameters, ``kwargs`` over both, the module built from
+    them and the ``state_dict`` loaded (``strict``), moved to the device of its tensors.
+
+    ``map_location``: None (CPU) or one device. ``allow_pickle``/``storage_options``: as for the
+    plugin.
+
+    Raises: the errors of :meth:`DistCkptCheckpointIO.load_checkpoint`; Lightning's own for the
+    module (a missing key under ``strict``, a constructor argument missing).
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.core import saving
+
+    checkpoint = DistCkptCheckpointIO(allow_pickle=allow_pickle, storage_options=storage_options).load_checkpoint(
+        checkpoint_path, map_location=map_location)
+    checkpoint = saving._pl_migrate_checkpoint(
+        checkpoint, checkpoint_path=checkpoint_path if isinstance(checkpoint_path, (str, os.PathLike)) else None)
+    if hparams_file is not None:
+        extension = str(hparams_file).rsplit(".", 1)[-1].lower()
+        if extension == "csv":
+            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = saving.load_hparams_from_tags_csv(hparams_file)
+        elif extension in ("yml", "yaml"):
+            checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = saving.load_hparams_from_yaml(hparams_file)
+        else:
+            raise ConfigError(f"hparams_file={hparams_file!r}: a .csv, .yml or .yaml file is required")
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return saving._load_state(cls, checkpoint, **kwargs)
+    if not issubclass(cls, pl.LightningModule):
+        raise ConfigError(f"{cls!r} is not a LightningModule or LightningDataModule class")
+    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    state_dict = checkpoint.get("state_dict") or {}
+    device = next((t.device for t in state_dict.values() if isinstance(t, torch.Tensor)), None)
+    return model.to(device) if device is not None else model

@@ -211,20 +211,44 @@ def test_distckpt_load_and_read_decode_the_values_the_writer_stored_as_dcp_does(
 
 def test_a_planner_that_rebuilds_the_state_dict_from_the_metadata_gets_its_nesting(tmp_path):
     """DCP's load-everything helpers (_EmptyStateDictLoadPlanner) nest keys by the metadata's
-    planner_data: the reader gives it for every kind of checkpoint, as FileSystemReader does."""
+    planner_data: the reader gives it for every kind of checkpoint, as FileSystemReader does, and
+    in the saved order (it gave tensors first, and a distckpt.save checkpoint's leaves reversed)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-    src = {"model": {"w": torch.arange(4.0), "sub": {"b": torch.ones(2)}, "layers": [torch.zeros(1), torch.ones(1)]},
-           "step": 3}
+    src = {"step": 3, "model": {"w": torch.arange(4.0), "sub": {"b": torch.ones(2)}, "name": "m",
+                                "layers": [torch.zeros(1), torch.ones(1)]}}
     distckpt.save(src, tmp_path / "native")
     dcp.save(src, checkpoint_id=str(tmp_path / "fsw"))
     dcp.save(src, storage_writer=DistCkptStorageWriter(tmp_path / "writer"))
     want = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(str(tmp_path / "fsw")))
-    assert set(want) == {"model", "step"} and set(want["model"]) == {"w", "sub", "layers"}
+    assert list(want) == ["step", "model"] and list(want["model"]) == ["w", "sub", "name", "layers"]
     for name in ("native", "fsw", "writer"):
         got = _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(tmp_path / name))
-        assert set(got) == {"model", "step"} and got["step"] == 3, (name, list(got))
+        assert list(got) == ["step", "model"] and got["step"] == 3, (name, list(got))
+        assert list(got["model"]) == ["w", "sub", "name", "layers"], (name, list(got["model"]))
         assert torch.equal(got["model"]["sub"]["b"], torch.ones(2)) and torch.equal(got["model"]["w"], src["model"]["w"])
         assert [t.item() for t in got["model"]["layers"]] == [0.0, 1.0], name
+
+
+def test_no_path_and_a_dcp_directory_in_the_way_are_typed_errors_saying_so(tmp_path):
+    """The writer without a path said "checkpoint path None is a NoneType" (the reader: "no
+    checkpoint path"); overwrite=True over a FileSystemWriter directory is refused (distckpt
+    replaces only its own checkpoints), its message saying what is there and the old files kept."""
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"t": torch.ones(1)}, storage_writer=DistCkptStorageWriter(), no_dist=True)
+    err = _failure(info.value)
+    assert isinstance(err, ConfigError) and "no checkpoint path" in err.message, err
+    assert "checkpoint_id=path" in err.remedy
+    dcp.save({"t": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    before = sorted(os.listdir(tmp_path / "ck"))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"t": torch.zeros(2)}, storage_writer=DistCkptStorageWriter(tmp_path / "ck", overwrite=True),
+                 no_dist=True)
+    err = _failure(info.value)
+    assert isinstance(err, distckpt.errors.CheckpointExistsError) and "torch.distributed.checkpoint" in err.message
+    assert sorted(os.listdir(tmp_path / "ck")) == before
+    back = {"t": torch.zeros(2)}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(back["t"], torch.ones(2))
 
 
 class _Evil:

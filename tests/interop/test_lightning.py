@@ -194,6 +194,85 @@ def test_a_stock_multisteplr_and_builtin_defaultdicts_come_back_with_their_types
     assert fresh.milestones == sched.milestones
 
 
+def _sharing(ck: dict) -> tuple:
+    """What torch.save keeps of a checkpoint's tensors besides their values: types, requires_grad,
+    which keys are one object, which share memory with which."""
+    flat = {"p": ck["p"], "q": ck["extra"][0], "a": ck["a"], "b": ck["b"], "tied1": ck["state_dict"]["enc.weight"],
+            "tied2": ck["state_dict"]["dec.weight"]}
+    kinds = {k: (type(t).__name__, t.requires_grad) for k, t in flat.items()}
+    same = {(x, y) for x in flat for y in flat if x < y and flat[x] is flat[y]}
+    shared = {(x, y) for x in flat for y in flat if x < y and flat[x].data_ptr() == flat[y].data_ptr()}
+    return kinds, same, shared
+
+
+def test_parameters_and_shared_tensors_come_back_as_torch_checkpoint_io_gives_them(tmp_path, caplog):
+    """nn.Parameter came back a plain tensor (requires_grad False) and one tensor under two keys
+    (or tied weights: two tensors over one memory) as two copies; TorchCheckpointIO, in the same
+    run, is the reference. A partial view is its own copy, logged by name."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    w = torch.randn(3, 2)
+    x = torch.arange(4.0)
+    p = torch.nn.Parameter(torch.ones(2))
+    ck = {"p": p, "extra": [p, torch.nn.Parameter(torch.zeros(1), requires_grad=False)], "a": x, "b": x,
+          "view": x[1:], "state_dict": {"enc.weight": w.detach(), "dec.weight": w.detach()}}
+    torch_io = TorchCheckpointIO()
+    torch_io.save_checkpoint(ck, str(tmp_path / "torch.ckpt"))
+    want = torch_io.load_checkpoint(str(tmp_path / "torch.ckpt"), weights_only=False)
+    with caplog.at_level("WARNING", logger="distckpt"):
+        DistCkptCheckpointIO().save_checkpoint(ck, str(tmp_path / "d.ckpt"))
+    assert "view shares memory with a in part" in caplog.text
+    got = DistCkptCheckpointIO().load_checkpoint(str(tmp_path / "d.ckpt"))
+    assert _sharing(got) == _sharing(want), (_sharing(got), _sharing(want))
+    assert _sharing(want)[1] == {("a", "b"), ("p", "q")} and ("tied1", "tied2") in _sharing(want)[2]
+    for key in ("a", "view"):
+        assert torch.equal(got[key], ck[key])
+    assert torch.equal(got["state_dict"]["dec.weight"], w) and got["extra"][1].requires_grad is False
+
+
+def test_load_from_checkpoint_reads_this_plugins_checkpoints_as_lightning_reads_its_own(tmp_path):
+    """LightningModule.load_from_checkpoint reads with torch.load and never asks the CheckpointIO
+    (IsADirectoryError on this plugin's directory); distckpt's load_from_checkpoint follows
+    Lightning's steps. Reference: Lightning's own classmethod on TorchCheckpointIO's file, from the
+    same fit, in the same run (hyper-parameters, a kwarg override, the weights)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from distckpt.integrations.lightning import load_from_checkpoint
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, width: int = 3, lr: float = 0.1):
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(width, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 5)), batch_size=4)
+    paths = {}
+    for name, plugin in (("torch", TorchCheckpointIO()), ("distckpt", DistCkptCheckpointIO())):
+        torch.manual_seed(0)
+        trainer = pl.Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             accelerator="cpu", plugins=[plugin],
+                             callbacks=[ModelCheckpoint(dirpath=str(tmp_path / name), save_last=True)])
+        trainer.fit(Tiny(width=5, lr=0.05), data)
+        paths[name] = str(tmp_path / name / "last.ckpt")
+    assert _is_checkpoint(paths["distckpt"])
+    with pytest.raises(IsADirectoryError):  # Lightning's classmethod: why the function exists
+        Tiny.load_from_checkpoint(paths["distckpt"])
+    want = Tiny.load_from_checkpoint(paths["torch"], lr=0.5)
+    got = load_from_checkpoint(Tiny, paths["distckpt"], lr=0.5)
+    assert type(got) is Tiny and dict(got.hparams) == dict(want.hparams) == {"width": 5, "lr": 0.5}
+    _equal(dict(want.state_dict()), dict(got.state_dict()))
+    with pytest.raises(ConfigError):
+        load_from_checkpoint(Tiny, paths["distckpt"], hparams_file=str(tmp_path / "h.json"))
+
+
 def test_missing_and_damaged_checkpoints_raise_typed_errors(tmp_path):
     io = DistCkptCheckpointIO()
     with pytest.raises(CheckpointNotFoundError):

@@ -490,7 +490,7 @@ def test_a_refused_flatten_keeps_no_tensor_alive():
 
     big = torch.ones(4)
     alive = weakref.ref(big)
-    state = {"a": big, "b": {1.5: 2}}  # a float key: refused after "a" was described
+    state = {"a": big, "b": {1.5: torch.ones(1)}}  # a float key over a tensor: refused after "a"
     gc.disable()
     try:
         try:

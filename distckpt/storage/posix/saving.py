@@ -64,9 +64,17 @@ def _prepare_locked(final_dir: str, parent: str, name: str, save_id: str, overwr
             except OSError as exc:
                 raise from_os_error(exc, path=final_dir, operation="replace empty directory") from exc
             if not empty:
+                # overwrite=True replaces a committed distckpt checkpoint only: removing a directory
+                # distckpt did not write could take files it knows nothing of
+                dcp_dir = os.path.isfile(os.path.join(final_dir, ".metadata"))
+                what = ("a torch.distributed.checkpoint directory (DCP's .metadata), not a distckpt checkpoint"
+                        if dcp_dir else "not a distckpt checkpoint (no MANIFEST)")
                 raise CheckpointExistsError(
-                    f"{final_dir} exists and is not a distckpt checkpoint (no MANIFEST); refusing to replace it",
-                    path=final_dir, rank=rank, remedy="Choose another path or remove it yourself.")
+                    f"{final_dir} exists and is {what}; refusing to replace it (overwrite=True replaces only a "
+                    f"committed distckpt checkpoint)", path=final_dir, rank=rank,
+                    remedy="Choose another path or remove it yourself" + (
+                        " (distckpt.read/load and DistCkptStorageReader read it, if you need it first)."
+                        if dcp_dir else "."))
         elif not overwrite:
             raise CheckpointExistsError(f"a committed checkpoint already exists at {final_dir}",
                                         path=final_dir, rank=rank)
