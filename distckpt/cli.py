@@ -230,13 +230,12 @@ def _dcp_writer_value(data: bytes, fqn: str, path: str) -> dict:
     bytes), shown as load() decodes it: torch's restricted unpickler, which runs no code; what it
     refuses is shown as refused, never unpickled."""
     from .dcp import decode_writer_value
-    from .errors import PickleNotAllowedError
 
     entry = {"kind": "dcp", "bytes": len(data)}
     try:
         entry["text"] = _short(decode_writer_value(data, fqn=fqn, path=path), 200)
-    except PickleNotAllowedError as exc:
-        entry["refused"] = exc.message
+    except DistCkptError as exc:  # refused by the unpickler, or not torch.save bytes: shown, not fatal
+        entry["refused"] = f"{type(exc).__name__}: {exc.message}"
     return entry
 
 

@@ -30,7 +30,7 @@ import collections
 from typing import Any
 
 from .errors import ManifestCorruptError, UnsupportedValueError
-from .flatten import _holds_dict, set_leaf
+from .flatten import _holds_dict, odd_keys, set_leaf
 from .values import _is_stateful, decode_value, encode_value, holds_tensor
 
 __all__ = ["FACTORIES", "record", "rebuild"]
@@ -92,6 +92,8 @@ def record(tree: Any) -> list[list]:
     def walk(obj: Any, path: tuple, depth: int) -> None:
         if depth > _MAX_DEPTH:
             return  # distckpt's own flatten reports the depth
+        if odd_keys(obj, path):
+            return  # a dict of plain values stored as one value, its type and keys kept (values.py)
         if isinstance(obj, dict):
             rec = _record_of(obj, path)
             if rec is not None:

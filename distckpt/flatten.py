@@ -341,18 +341,7 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
                 f"the state dict is nested more than {MAX_DEPTH} levels deep under {_fqn(path[:3])!r}... "
                 f"(a dict or list that contains itself?)", key=_fqn(path[:3]),
                 remedy=f"Store at most {MAX_DEPTH} levels of dicts and lists, and no container inside itself.")
-        odd = [k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool)] if isinstance(obj, dict) else []
-        if odd and (not path or holds_tensor(obj)):
-            # Entries are named by their keys joined with '.': a tuple, None, float or bool key
-            # names nothing. A dict of plain values with such keys is one value (below), stored
-            # with its keys exactly; one holding tensors (or the root) cannot be.
-            raise UnsupportedValueError(
-                f"dict key {odd[0]!r} under {_fqn(path) or '<root>'!r} is a {type(odd[0]).__name__}; a dict "
-                f"{'at the root' if not path else 'holding tensors'} takes only str and int keys (they name "
-                f"the checkpoint's entries)", key=_fqn(path),
-                remedy=("Use str or int keys (str(key)), or wrap the state: {'state': your_dict}" if not path else
-                        "Use str or int keys (str(key)), or keep the tensors apart from that dict (a dict of plain "
-                        "values with any keys is stored as one value)") + "; allow_pickle does not change this.")
+        odd = odd_keys(obj, path)
         if isinstance(obj, dict) and not odd:
             entries = [[key, walk(value, path + (key,))] for key, value in obj.items()]
             return {"t": "dict", "k": entries}
@@ -386,6 +375,30 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
     return tree, items
 
 
+def odd_keys(obj: Any, path: tuple) -> list:
+    """The keys of the dict ``obj`` that are not str or int (bool excluded): such a dict of plain
+    values is one value, stored with its keys exactly; [] for a dict walked key by key (or not a
+    dict). Save and load's destination alike (:func:`flatten`, :func:`expand_statefuls`).
+
+    Raises:
+        UnsupportedValueError: such keys in the root dict or in one holding tensors or Stateful
+            objects: entries are named by their keys joined with '.', which a tuple, None, float
+            or bool key cannot do."""
+    if not isinstance(obj, dict):
+        return []
+    odd = [k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool)]
+    if odd and (not path or holds_tensor(obj)):
+        what = "at the root" if not path else "holding tensors or Stateful objects"
+        raise UnsupportedValueError(
+            f"dict key {odd[0]!r} under {_fqn(path) or '<root>'!r} is a {type(odd[0]).__name__}; a dict {what} "
+            f"takes only str and int keys (they name the checkpoint's entries)", key=_fqn(path),
+            remedy=("Use str or int keys at the root (str(key))" if not path else
+                    "Use str or int keys (str(key)), or keep the tensors and Stateful objects apart from that dict "
+                    "(a dict of plain values with any keys is stored as one value)")
+            + "; allow_pickle does not change this.")
+    return odd
+
+
 def set_leaf(state_dict: Any, path: tuple, value: Any) -> bool:
     """Replace the leaf at ``path`` in place. A tuple on the way (immutable) is rebuilt with the
     new element, with its own type (namedtuple, torch.Size), and put back into its parent.
@@ -415,7 +428,9 @@ def expand_statefuls(state_dict: Any) -> list[tuple[Any, Any, Any]]:
     """
     found: list[tuple[Any, Any, Any]] = []
 
-    def walk(obj: Any, where: str) -> None:
+    def walk(obj: Any, where: str, path: tuple) -> None:
+        if odd_keys(obj, path):  # one value, as flatten stores it (raises where that cannot be)
+            return
         if isinstance(obj, (dict, list)):
             pairs = list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
             for key, value in pairs:
@@ -424,17 +439,17 @@ def expand_statefuls(state_dict: Any) -> list[tuple[Any, Any, Any]]:
                     obj[key] = sd
                     found.append((obj, key, value))
                 else:
-                    walk(value, f"{where}.{key}")
+                    walk(value, f"{where}.{key}", path + (key,))
         elif isinstance(obj, tuple):
             for i, value in enumerate(obj):
                 if _is_stateful(value):
                     raise UnsupportedValueError(f"a Stateful object sits inside a tuple at {where}.{i}",
                                                 key=f"{where}.{i}".lstrip("."),
                                                 remedy="Put it in a dict or a list.")
-                walk(value, f"{where}.{i}")
+                walk(value, f"{where}.{i}", path + (i,))
 
     try:
-        walk(state_dict, "")
+        walk(state_dict, "", ())
     finally:
         walk = None  # noqa: F841 - a closure over itself: the cycle would keep the state dict alive
     return found

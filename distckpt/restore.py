@@ -166,7 +166,9 @@ def _container_entry(manifest, item: ObjectItem):
     """A value the checkpoint stored element by element (format 1 saved lists and tuples of plain
     values that way) asked for as one value: a pseudo entry that rebuilds it, or None."""
     node = _subtree_node(manifest.tree, item.path)
-    if node is None or node["t"] == "ref":
+    # lists and tuples only: a dict the checkpoint walked key by key, asked for as one value (a
+    # destination dict with None/tuple keys), is a different entry, reported as missing/unexpected
+    if node is None or node["t"] not in ("list", "tuple"):
         return None
     if not all(r in manifest.objects for r in _refs(node)):
         return None

@@ -75,6 +75,10 @@ def disk_check(path: str | os.PathLike, expected_bytes: int | None = None, *,
         "checked_dir": existing, "free": free, "total": total, "free_inodes": st.f_favail,
         "total_inodes": st.f_files, "needed": expected_bytes,
     }
+    # f_files == 0: the file system keeps no inode count (btrfs, tmpfs nr_inodes=0, some FUSE)
+    free_inodes = st.f_favail if st.f_files > 0 else None
+    details["free_inodes"] = free_inodes
+    inodes_text = f"{free_inodes} inodes free" if free_inodes is not None else "no inode limit"
     where = f"{mount.mount_point} ({mount.fstype})"
     errors: list[DistCkptError] = []
     warnings: list[str] = []
@@ -92,7 +96,7 @@ def disk_check(path: str | os.PathLike, expected_bytes: int | None = None, *,
     if expected_bytes is None:
         return finish("disk", errors, warnings,
                        f"{format_bytes(free)} free of {format_bytes(total)} on {where}, "
-                       f"{st.f_favail} inodes free (expected size not given)", details)
+                       f"{inodes_text} (expected size not given)", details)
     existing_ckpts = _count_committed(path)
     details["committed_checkpoints"] = existing_ckpts
     rotation = (f" (rotation to keep_last={keep_last} deletes old checkpoints only after the new one "
@@ -102,7 +106,7 @@ def disk_check(path: str | os.PathLike, expected_bytes: int | None = None, *,
             f"checkpoint needs {format_bytes(expected_bytes)} on {where}, {format_bytes(free)} free; "
             f"the new checkpoint must fit while the old ones still exist{rotation}",
             path=path, rank=rank, errno=_errno.ENOSPC, needed=expected_bytes, free=free,
-            free_inodes=st.f_favail, mount_point=mount.mount_point, fstype=mount.fstype,
+            free_inodes=free_inodes, mount_point=mount.mount_point, fstype=mount.fstype,
             remedy=disk_remedy(mount, expected_bytes - free)))
     elif keep_last:
         more = max(1, keep_last + 1 - existing_ckpts)
@@ -115,7 +119,7 @@ def disk_check(path: str | os.PathLike, expected_bytes: int | None = None, *,
                 f"{format_bytes(future)} needed on {where}, {format_bytes(free)} free; a later save "
                 "will run out of space")
     ok = (f"checkpoint needs {format_bytes(expected_bytes)} on {where}, {format_bytes(free)} free, "
-          f"{st.f_favail} inodes free; the new checkpoint fits while the old ones still exist")
+          f"{inodes_text}; the new checkpoint fits while the old ones still exist")
     return finish("disk", errors, warnings, ok, details)
 
 

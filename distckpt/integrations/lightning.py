@@ -138,11 +138,23 @@ def _tensor_records(checkpoint: Any) -> list[list]:
     ``nn.Parameter`` (``["param", path, requires_grad]``; a read gives a plain tensor), and each
     tensor with the same memory as one met before, element for element (``["alias", path,
     first_path, same_object, requires_grad or None]``; a read gives two copies: tied weights,
-    one tensor under two keys). Paths are key lists from the root. Tensors that overlap another's
-    memory only in part (a slice of it) load as their own copy: logged by name, values exact."""
+    one tensor under two keys). Paths are key lists from the root. A tensor that overlaps
+    another's memory otherwise (a slice, a transpose, an expansion of it) loads as its own copy:
+    logged by name, values exact. Tensors without strided memory of their own (sparse, nested,
+    meta...) are left to flatten's refusal. O(n log n) in the tensors."""
     out: list[list] = []
-    seen: dict[tuple, tuple[list, Any]] = {}     # (storage address, dtype, offset, shape, stride) -> first
+    seen: dict[tuple, tuple[list, Any]] = {}     # (device, storage address, dtype, offset, shape, stride) -> first
     spans: dict[tuple, list[tuple[int, int, list]]] = {}  # (device, storage address) -> byte spans
+
+    def memory(obj: torch.Tensor) -> tuple | None:
+        if obj.layout != torch.strided or obj.is_meta or obj.numel() == 0:
+            return None
+        try:
+            if obj.is_nested or obj.is_quantized:
+                return None
+            return str(obj.device), obj.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 - no storage to share (a wrapper subclass, XLA): nothing to record
+            return None
 
     def walk(obj: Any, path: list, depth: int) -> None:
         if depth > 100:
@@ -153,28 +165,33 @@ def _tensor_records(checkpoint: Any) -> list[list]:
         elif isinstance(obj, (list, tuple)):
             for i, value in enumerate(obj):
                 walk(value, path + [i], depth + 1)
-        elif type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta and obj.numel() > 0:
-            rg = bool(obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else None
-            base = obj.untyped_storage().data_ptr()
-            key = (str(obj.device), base, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride())
-            if key in seen:
-                first, first_obj = seen[key]
-                out.append(["alias", path, first, obj is first_obj, rg])
-                return
-            seen[key] = (path, obj)
-            start = obj.storage_offset() * obj.element_size()
-            end = start + (1 + sum((n - 1) * st for n, st in zip(obj.shape, obj.stride()))) * obj.element_size()
-            for s0, e0, other in spans.setdefault((str(obj.device), base), []):
-                if start < e0 and s0 < end:
-                    log.warning("distckpt: %s shares memory with %s in part (a view of it): it is saved and "
-                                "loaded as its own tensor with the same values, no longer sharing memory",
-                                ".".join(map(str, path)), ".".join(map(str, other)))
-                    break
-            spans[(str(obj.device), base)].append((start, end, path))
+        elif type(obj) in (torch.Tensor, torch.nn.Parameter):
+            rg = bool(obj.requires_grad) if type(obj) is torch.nn.Parameter else None
+            where = memory(obj)
+            if where is not None:
+                key = (*where, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride())
+                if key in seen:
+                    first, first_obj = seen[key]
+                    out.append(["alias", path, first, obj is first_obj, rg])
+                    return
+                seen[key] = (path, obj)
+                start = obj.storage_offset() * obj.element_size()
+                extent = 1 + sum((n - 1) * st for n, st in zip(obj.shape, obj.stride()))
+                spans.setdefault(where, []).append((start, start + extent * obj.element_size(), path))
             if rg is not None:
                 out.append(["param", path, rg])
 
     walk(checkpoint, [], 0)
+    for intervals in spans.values():  # one sweep per storage: any overlap between distinct layouts
+        intervals.sort(key=lambda span: span[0])
+        reach, owner = -1, None
+        for s0, e0, path in intervals:
+            if s0 < reach:
+                log.warning("distckpt: %s shares memory with %s but not element for element (a slice, transpose "
+                            "or expansion of it): it is saved and loaded as its own tensor with the same values, "
+                            "no longer sharing memory", ".".join(map(str, path)), ".".join(map(str, owner)))
+            if e0 > reach:
+                reach, owner = e0, path
     return out
 
 
@@ -208,10 +225,16 @@ def _restore_tensors(tree: Any, records: Any, path: str) -> Any:
         elif not (isinstance(rec, list) and len(rec) == 5 and rec[0] == "alias" and isinstance(rec[1], list)
                   and rec[1] and isinstance(rec[2], list)):
             raise bad(rec)
+    def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:  # NaN == NaN here, unlike torch.equal
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return a.numel() == 0 or torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                             b.contiguous().reshape(-1).view(torch.uint8))
+
     for rec in records:
         if rec[0] == "alias":
             first, mine = at(rec[2]), at(rec[1])
-            if first.shape != mine.shape or first.dtype != mine.dtype or not torch.equal(first, mine):
+            if not same_bytes(first, mine):
                 raise bad(rec)  # the bytes of the two differ: the record does not describe this tree
             if rec[3]:
                 value = first
@@ -521,8 +544,8 @@ def _link_targets(parent: str) -> set[str]:
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
-                         strict: bool | None = None, *, allow_pickle: bool = False,
-                         storage_options: dict | None = None, **kwargs: Any) -> Any:
+                         strict: bool | None = None, weights_only: bool | None = None, *,
+                         allow_pickle: bool = False, storage_options: dict | None = None, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a checkpoint written through
     :class:`DistCkptCheckpointIO` (or a torch.save ``.ckpt``), for a LightningModule or a
     LightningDataModule class ``cls``: Lightning's own classmethod reads the path with torch.load
@@ -531,17 +554,25 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
     ``hparams_file`` over the saved hyper-parameters, ``kwargs`` over both, the module built from
     them and the ``state_dict`` loaded (``strict``), moved to the device of its tensors.
 
-    ``map_location``: None (CPU) or one device. ``allow_pickle``/``storage_options``: as for the
-    plugin.
+    Differs from Lightning's in one way: the saved devices are not recorded, so the tensors, and
+    the module, are on CPU, or on ``map_location`` (one device; a dict or a function is a
+    ConfigError), where Lightning's default puts them back on the device they were saved from.
+    ``weights_only``: as for :meth:`DistCkptCheckpointIO.load_checkpoint`.
+    ``allow_pickle``/``storage_options``: as for the plugin.
 
-    Raises: the errors of :meth:`DistCkptCheckpointIO.load_checkpoint`; Lightning's own for the
-    module (a missing key under ``strict``, a constructor argument missing).
+    Raises: ConfigError for a ``cls`` that is not a LightningModule/LightningDataModule class
+    (before anything is read) or a bad ``map_location``/``hparams_file``; the errors of
+    :meth:`DistCkptCheckpointIO.load_checkpoint`; Lightning's own for the module (a missing key
+    under ``strict``, a constructor argument missing).
     """
     import lightning.pytorch as pl
     from lightning.pytorch.core import saving
 
+    if not (isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule))):
+        raise ConfigError(f"{cls!r} is not a LightningModule or LightningDataModule class",
+                          remedy="Pass the class itself: load_from_checkpoint(MyModule, path).")
     checkpoint = DistCkptCheckpointIO(allow_pickle=allow_pickle, storage_options=storage_options).load_checkpoint(
-        checkpoint_path, map_location=map_location)
+        checkpoint_path, map_location=map_location, weights_only=weights_only)
     checkpoint = saving._pl_migrate_checkpoint(
         checkpoint, checkpoint_path=checkpoint_path if isinstance(checkpoint_path, (str, os.PathLike)) else None)
     if hparams_file is not None:
@@ -556,9 +587,10 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     if issubclass(cls, pl.LightningDataModule):
         return saving._load_state(cls, checkpoint, **kwargs)
-    if not issubclass(cls, pl.LightningModule):
-        raise ConfigError(f"{cls!r} is not a LightningModule or LightningDataModule class")
     model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
     state_dict = checkpoint.get("state_dict") or {}
+    if not state_dict:
+        log.warning("distckpt: the state dict in %r contains no parameters", checkpoint_path)
+        return model
     device = next((t.device for t in state_dict.values() if isinstance(t, torch.Tensor)), None)
     return model.to(device) if device is not None else model

@@ -571,7 +571,9 @@ def stage(mine: list, pool: StagingPool) -> tuple[Arena | None, int]:
         for (_fqn, piece), (seg, off), nbytes in zip(mine, places, specs):
             src = piece.tensor.detach()
             dst = seg.buf[off:off + nbytes].view(src.dtype).view(tuple(src.shape))
-            if src.is_conj() or src.is_neg():
+            if src.numel() == 0:
+                pass  # nothing to copy, wherever it lives (an empty meta tensor has no data to copy)
+            elif src.is_conj() or src.is_neg():
                 # Blocking: a non_blocking device-to-host copy of a conj/neg view applies the
                 # conjugation on the host before the DMA has landed (the DMA then overwrites it).
                 dst.copy_(src)

@@ -401,6 +401,9 @@ def test_no_inode_remedy_where_the_file_system_counts_no_inodes(tmp_path):
         assert "no inode limit" in enospc.message and "inodes" not in (enospc.remedy or ""), enospc.remedy
         edquot = E.from_os_error(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), path=str(d / "x"))
         assert isinstance(edquot, E.DiskFullError) and "quota" in edquot.remedy, edquot.remedy
+        from distckpt.checks import filesystem
+        report = filesystem.disk_check(d, 1 << 20)  # `distckpt preflight`'s disk check alike
+        assert report.details["free_inodes"] is None and "no inode limit" in report.message, report.message
 
 
 # ------------------------------------------------------------------------------------------------

@@ -524,7 +524,10 @@ def test_cli_convert_rebuilds_user_classes_only_with_import(tmp_path):
     assert r.returncode == 1 and "UnsupportedValueError" in r.stderr, r.stderr
     assert "value at 'c'" in r.stderr and "distckpt convert --import mymod" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
-    r = run("-m", "distckpt", "convert", "ck", "out", "--to", "distckpt", "--import", "mymod", "--no-progress")
+    # the installed command (no current directory on its sys.path) finds it as `python -m` does
+    cli = os.path.join(os.path.dirname(sys.executable), "distckpt")
+    r = subprocess.run([cli, "convert", "ck", "out", "--to", "distckpt", "--import", "mymod", "--no-progress"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     check = ("import distckpt, mymod; v = distckpt.read('out'); "
              "assert (v['c'], v['p'], v['d']) == (mymod.Color.RED, mymod.P(1, 2), mymod.D(3)), v")

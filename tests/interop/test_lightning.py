@@ -212,22 +212,29 @@ def test_parameters_and_shared_tensors_come_back_as_torch_checkpoint_io_gives_th
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     w = torch.randn(3, 2)
+    w[0, 0] = float("nan")  # a diverged run's tied weights: NaN != NaN must not fail the load
     x = torch.arange(4.0)
     p = torch.nn.Parameter(torch.ones(2))
     ck = {"p": p, "extra": [p, torch.nn.Parameter(torch.zeros(1), requires_grad=False)], "a": x, "b": x,
-          "view": x[1:], "state_dict": {"enc.weight": w.detach(), "dec.weight": w.detach()}}
+          "view": x[1:], "state_dict": {"enc.weight": w.detach(), "dec.weight": w.detach()},
+          "empty": torch.nn.Parameter(torch.zeros(0))}
     torch_io = TorchCheckpointIO()
     torch_io.save_checkpoint(ck, str(tmp_path / "torch.ckpt"))
     want = torch_io.load_checkpoint(str(tmp_path / "torch.ckpt"), weights_only=False)
     with caplog.at_level("WARNING", logger="distckpt"):
         DistCkptCheckpointIO().save_checkpoint(ck, str(tmp_path / "d.ckpt"))
-    assert "view shares memory with a in part" in caplog.text
+    assert "view shares memory with a but not element for element" in caplog.text
     got = DistCkptCheckpointIO().load_checkpoint(str(tmp_path / "d.ckpt"))
     assert _sharing(got) == _sharing(want), (_sharing(got), _sharing(want))
     assert _sharing(want)[1] == {("a", "b"), ("p", "q")} and ("tied1", "tied2") in _sharing(want)[2]
     for key in ("a", "view"):
         assert torch.equal(got[key], ck[key])
-    assert torch.equal(got["state_dict"]["dec.weight"], w) and got["extra"][1].requires_grad is False
+    assert torch.equal(got["state_dict"]["dec.weight"].nan_to_num(), w.nan_to_num())
+    assert got["extra"][1].requires_grad is False and type(got["empty"]) is torch.nn.Parameter
+    for odd in (torch.ones(2).to_sparse(), torch.ones(2, 2).to_sparse_csr(),
+                torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)):
+        with pytest.raises(UnsupportedValueError):  # flatten's typed refusal, not torch's error
+            DistCkptCheckpointIO().save_checkpoint({"state_dict": {"x": odd}}, str(tmp_path / "odd.ckpt"))
 
 
 def test_load_from_checkpoint_reads_this_plugins_checkpoints_as_lightning_reads_its_own(tmp_path):
@@ -271,6 +278,9 @@ def test_load_from_checkpoint_reads_this_plugins_checkpoints_as_lightning_reads_
     _equal(dict(want.state_dict()), dict(got.state_dict()))
     with pytest.raises(ConfigError):
         load_from_checkpoint(Tiny, paths["distckpt"], hparams_file=str(tmp_path / "h.json"))
+    assert dict(load_from_checkpoint(Tiny, paths["distckpt"], weights_only=True).hparams) == {"width": 5, "lr": 0.05}
+    with pytest.raises(ConfigError, match="not a LightningModule"):  # before anything is read
+        load_from_checkpoint(torch.nn.Linear, paths["distckpt"])
 
 
 def test_missing_and_damaged_checkpoints_raise_typed_errors(tmp_path):

@@ -405,6 +405,8 @@ def test_an_empty_meta_tensor_has_nothing_to_miss(tmp_path):
     assert back["m"].shape == (0, 2) and back["w"].tolist() == [1.0, 1.0]
     into = {"m": torch.empty(0, 2, device="meta"), "w": torch.zeros(2)}
     assert not distckpt.load(into, tmp_path / "c").missing and into["w"].tolist() == [1.0, 1.0]
+    distckpt.async_save({"m": torch.empty(0, 2, device="meta"), "w": torch.ones(2)}, tmp_path / "a").result()
+    assert distckpt.read(tmp_path / "a")["m"].shape == (0, 2)  # staging copied nothing (it raised)
 
 
 def test_a_state_nested_too_deep_or_holding_itself_is_a_typed_error(tmp_path):
@@ -504,3 +506,39 @@ def test_a_refused_flatten_keeps_no_tensor_alive():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_dict_with_keys_other_than_str_or_int_is_one_value_kept_exactly(tmp_path):
+    """{None: 1}, {(1, 2): "x"}, {0.5: ...}: DCP turns keys into str() (the type is lost, 1 and
+    "1" collide). distckpt stores such a dict of plain values as one value with its keys; one
+    holding tensors or Stateful objects, or the root, is refused on save and on load alike (a
+    Stateful under such a key was silently loaded from a detached dict), and a saved dict walked
+    key by key is not handed to a destination that asks for one value."""
+    cfg = {None: 1, (1, 2): "x", 0.5: [1, 2], "a": {"b": 2}}
+    distckpt.save({"cfg": cfg, "w": torch.ones(2)}, tmp_path / "c")
+    assert distckpt.read(tmp_path / "c")["cfg"] == cfg
+    assert distckpt.read(tmp_path / "c", keys=["cfg"]) == {"cfg": cfg}
+    into = {"cfg": {None: 0}, "w": torch.zeros(2)}
+    res = distckpt.load(into, tmp_path / "c")
+    assert into["cfg"] == cfg and not res.missing and not res.unexpected
+    with pytest.raises(errors.UnsupportedValueError, match="at the root") as info:
+        distckpt.save({None: 1, "w": torch.ones(1)}, tmp_path / "root")
+    assert "allow_pickle does not change this" in info.value.remedy
+    with pytest.raises(errors.UnsupportedValueError, match="'m'"):
+        distckpt.save({"m": {None: torch.ones(1)}}, tmp_path / "t")
+
+    class Counter:
+        n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    distckpt.save({"w": torch.ones(1), "c": {None: {"n": 7}}}, tmp_path / "s")
+    with pytest.raises(errors.UnsupportedValueError, match="'c'"):
+        distckpt.load({"w": torch.zeros(1), "c": {None: Counter()}}, tmp_path / "s")
+    distckpt.save({"cfg": {"a": 1, "b": 2}}, tmp_path / "walked")
+    with pytest.raises(errors.StateDictMismatchError, match="missing"):
+        distckpt.load({"cfg": {None: 0}}, tmp_path / "walked")

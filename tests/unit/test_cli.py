@@ -156,6 +156,14 @@ def test_inspect_shows_values_written_through_dcp_as_dcp_reads_them(tmp_path):
     assert "  evil: <DCP value, " in out.stdout and "not loaded" in out.stdout and not marker.exists()
     doc = json.loads(_run("-m", "distckpt", "inspect", "--json", str(ck)).stdout)
     assert doc["values"]["step"]["text"] == "7" and "refused" in doc["values"]["evil"]
+    # bytes that are not torch.save's: that value is shown as such, the report goes on
+    from distckpt import manifest as mf
+    from distckpt.cli import inspect_document
+    from distckpt.restore import load_manifest
+    m = load_manifest(str(ck))
+    m.objects["step"] = mf.ObjectEntry("bytes", b"junk")
+    values = inspect_document(m, str(ck))["values"]
+    assert "CheckpointCorruptError" in values["step"]["refused"] and values["name"]["text"] == "'run-a'"
 
 
 # --------------------------------------------------------------------------------------------
