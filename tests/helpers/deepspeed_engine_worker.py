@@ -530,6 +530,32 @@ def edges(out: str) -> None:
     g.lr_scheduler = NoState()
     dsd.zero.load(g, os.path.join(root, "zero_empty"))
     report["empty_scheduler"] = getattr(g.lr_scheduler, "loaded", None)
+    # 5. ZeRO 1/2: module weights changed after the last step (a weight constraint) and
+    #    zero_optimization.load_from_fp32_weights=False. DeepSpeed's load gives back the saved
+    #    module weights (and builds the masters from them under that option); distckpt rebuilt
+    #    them from the masters (silently other weights, another next loss).
+    edited = {}
+    for cfg, from_fp32 in (("2-fp32", True), ("1-bf16", False)):
+        zero_cfg = {"zero_optimization": {"stage": int(cfg[0]), "reduce_bucket_size": 4096,
+                                          "allgather_bucket_size": 4096, "load_from_fp32_weights": from_fp32}}
+        e = _engine(cfg, extra=zero_cfg)
+        for s in range(1, 4):
+            _step(e, s)
+        with torch.no_grad():
+            e.module.l2.weight.clamp_(-0.05, 0.05)
+        e.save_checkpoint(os.path.join(root, f"w_ds_{cfg}"), "t")
+        dsd.install(e)
+        e.save_checkpoint(os.path.join(root, f"w_dc_{cfg}"), "t")
+        for opts in ({}, {"load_module_only": True}):
+            got = {}
+            for kind in ("ds", "dc"):
+                f = _engine(cfg, extra=zero_cfg)
+                if kind == "dc":
+                    dsd.install(f)
+                f.load_checkpoint(os.path.join(root, f"w_{kind}_{cfg}"), "t", **opts)
+                got[kind] = {"state": _state(f), "next": [_step(f, s) for s in (4, 5)]}
+            edited[f"{cfg} {json.dumps(opts)}"] = _differences(got["ds"], got["dc"])
+    report["edited_weights"] = edited
     _dump(out, "edges", report)
 
 

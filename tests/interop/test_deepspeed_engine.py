@@ -276,7 +276,10 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         fails on the missing key as DeepSpeed's does;
       * ZeRO-3 with tied weights loaded without optimizer states (and module only): the same
         weights (distckpt's load raised on the tied head's missing key);
-      * a scheduler whose state holds no value (nested empty dicts) round-trips through zero."""
+      * a scheduler whose state holds no value (nested empty dicts) round-trips through zero;
+      * ZeRO 1/2 module weights changed after the last step (a weight constraint), with and
+        without zero_optimization.load_from_fp32_weights: the saved weights come back and the
+        next losses are DeepSpeed's (distckpt rebuilt the weights from the masters)."""
     out = str(tmp_path)
     proc = _torchrun(2, out, ["edges"])
     assert proc.returncode == 0, _tail(proc)
@@ -287,6 +290,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["frozen"] == {"ds": True, "ds_strict": True, "dc": True, "dc_strict": True}, r["frozen"]
         assert len(r["tied_zero3"]) == 2 and all(d == [] for d in r["tied_zero3"].values()), r["tied_zero3"]
         assert r["empty_scheduler"] == {"inner": {}}, r["empty_scheduler"]
+        assert len(r["edited_weights"]) == 4 and all(d == [] for d in r["edited_weights"].values()), \
+            r["edited_weights"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

@@ -24,9 +24,12 @@ model-states file lookup (a glob on disk) and the ZeRO optimizer load):
     reshardable form of :mod:`.zero` (``model.<param>``, ``optim.<param>.<state>``: global tensors,
     each rank writing the element ranges of its partition; ``deepspeed``: its layout as JSON).
     DeepSpeed's ``*_optim_states`` entries keep only their plain values (loss scaler, overflow,
-    clip_grad, ...), and with ZeRO 1/2 the module weights in ``*_model_states`` are not stored a
-    second time: they are the masters cast to the model dtype (DeepSpeed copies them so after
-    every step) and are set from the loaded masters. So ``distckpt.read(path, keys=["model"])``
+    clip_grad, ...). With ZeRO 1/2 the module weights in ``*_model_states`` are stored as they are,
+    as DeepSpeed stores them: they equal the masters cast to the model dtype only until something
+    changes them between steps (a weight constraint), and the load gives back the saved ones, with
+    the masters built from them under ``zero_optimization.load_from_fp32_weights: false``, as
+    DeepSpeed's does. (Checkpoints of distckpt before this held only the masters; their module
+    weights are set from the loaded masters.) So ``distckpt.read(path, keys=["model"])``
     is the consolidated fp32 model, and a load at another data-parallel size reshards (each rank
     reads the byte ranges of its new partition). Stage 0 stores DeepSpeed's files as they are
     (nothing is partitioned: they load at any data-parallel size).
@@ -291,23 +294,20 @@ class DistckptCheckpointEngine(CheckpointEngine):
         zsd, zmeta = zero.state_dict(self.engine, lr_scheduler=False,
                                      exclude_frozen_parameters=self.exclude_frozen_parameters)
         stage = int(zmeta["stage"])
-        trained = {name for name, _ in zmeta["params"]}
         out = {}
         for name, sd in files.items():
             if name.endswith("_optim_states"):
                 osd = sd["optimizer_state_dict"]
                 sd = {**sd, "optimizer_state_dict": {k: v for k, v in osd.items() if not holds_tensor(v)}}
-            elif name.endswith("_model_states") and stage in (1, 2) and isinstance(sd.get("module"), dict):
-                # ZeRO 1/2 module weights are the fp32 masters cast to the model dtype (DeepSpeed
-                # copies them so after every step): stored once, as the masters (model.*).
-                module = copy.copy(sd["module"])  # its type and torch's _metadata kept
-                for k in trained:
-                    module.pop(k, None)
-                sd = {**sd, "module": module}
+            # ZeRO 1/2 module weights are stored as they are, beside the masters, as DeepSpeed
+            # does: they equal the masters cast to the model dtype only until something changes
+            # them between steps (a weight constraint, a re-initialization), and DeepSpeed's load
+            # gives back the saved ones (and, with load_from_fp32_weights=False, masters built
+            # from them).
             out[name] = _encode(sd)
         meta = {"format": zero.FORMAT, "stage": stage, "dp_size": zmeta["dp_size"],
                 "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
-                "module_from_masters": stage in (1, 2),
+                "module_from_masters": False,
                 "containers": True}
         return {_FILES: out, _CONTAINERS: _records(out), **zsd}, meta
 
@@ -662,7 +662,14 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         if ce._load_path is None:
             return orig_load_zero(load_dir, tag, load_optimizer_states=load_optimizer_states)
         # the lr scheduler and step counters came with the model states (DeepSpeed's own load)
-        zero.load(engine, ce._load_path, load_lr_scheduler_states=False)
+        stage12 = int(engine.zero_optimization_stage()) in (1, 2)
+        # DeepSpeed's load keeps the module weights its module load has just set from the
+        # checkpoint; so does this one where the checkpoint stores them (older ones hold only the
+        # masters: the weights are then rebuilt from them, as a step does).
+        zero.load(engine, ce._load_path, load_lr_scheduler_states=False,
+                  keep_module_weights=stage12 and not ce.load_meta.get("module_from_masters"))
+        if stage12 and not engine.zero_load_from_fp32_weights():
+            engine.optimizer.refresh_fp32_params()  # DeepSpeed's option 1: masters from the bit16 weights
         mine = os.path.basename(engine._get_zero_ckpt_name(load_dir, tag))[:-3]
         name = mine if mine in ce._load_names else os.path.basename(engine._get_rank_zero_ckpt_name(
             load_dir, tag, engine.checkpoint_mp_rank, 0, engine.bfloat16_enabled()))[:-3]

@@ -194,8 +194,9 @@ def _layout_zero12(engine, opt, stage: int, names) -> _Layout:
             if lo < hi:
                 segs.append(_Segment(name, lo - off, hi - off, lo - start))
         owners.append(_Owner(g, flat, flat.view(-1), gnames, segs))
-    def refresh():
-        opt.update_lp_params()  # masters -> bit16 partitions, all-gathered (what a step does)
+    def refresh(weights: bool = True):
+        if weights:
+            opt.update_lp_params()  # masters -> bit16 partitions, all-gathered (what a step does)
         if opt.optimizer.state:
             # DeepSpeed links each param's optimizer-state fragments (safe_get_full_optimizer_state,
             # universal checkpoints) once, lazily: relink to the state tensors as they are now.
@@ -227,7 +228,7 @@ def _layout_zero3(engine, opt, names) -> _Layout:
                                         key=_META)
         owners.append(_Owner(int(opt.sub_group_to_group_id.get(g, 0)), flat, flat.view(-1), gnames, segs))
 
-    def refresh():
+    def refresh(weights: bool = True):  # (ZeRO-3's weights are always rebuilt: weights is ignored)
         # DeepSpeed's own _rigid_load_state_dict, minus the file reading.
         with torch.no_grad():
             for g, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
@@ -264,7 +265,7 @@ def _layout_fp16(engine, opt, names) -> _Layout:
             at += p.numel()
         owners.append(_Owner(g, flat, flat.view(-1), gnames, segs))
 
-    def refresh():
+    def refresh(weights: bool = True):  # (weights is ignored: always rebuilt)
         with torch.no_grad():
             for g, params in enumerate(opt.fp16_groups):
                 for p, q in zip(params, _unflatten_dense_tensors(opt.fp32_groups_flat[g], params)):
@@ -668,7 +669,7 @@ def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
 
 def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, allow_stage_change: bool = False,
-         verify: bool = True) -> ZeroLoadResult:
+         verify: bool = True, keep_module_weights: bool = False) -> ZeroLoadResult:
     """Load a checkpoint written by :func:`save` into ``engine``, at any data-parallel size.
 
     Collective: every rank calls it. Each rank reads only the byte ranges its own partition needs
@@ -676,6 +677,10 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     masters the way a DeepSpeed step does. The fp32 masters and optimizer state are bit-identical
     to the saved ones; the engine's step counters, param-group hyper-parameters (lr, betas, ...)
     and lr-scheduler state are restored.
+
+    ``keep_module_weights`` (stage 1/2): keep the module weights the engine holds instead of
+    rebuilding them from the masters: the checkpoint engine (:mod:`.engine`) has just set them
+    from the checkpoint's own copy, as DeepSpeed's load does.
 
     Raises:
         ReshardError: the checkpoint is not such a checkpoint, or cannot be loaded exactly onto
@@ -736,7 +741,7 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
         engine.skipped_steps = meta["engine"]["skipped_steps"]
         if sched_state is not None:
             sched.load_state_dict(sched_state)
-    lay.refresh()
+    lay.refresh(weights=not keep_module_weights)
     client = None
     if _has_key(path, "client"):
         from ...restore import read
