@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -556,6 +557,22 @@ def edges(out: str) -> None:
                 got[kind] = {"state": _state(f), "next": [_step(f, s) for s in (4, 5)]}
             edited[f"{cfg} {json.dumps(opts)}"] = _differences(got["ds"], got["dc"])
     report["edited_weights"] = edited
+    # 6. save_16bit_model after install(): DeepSpeed's export (rank 0 writes pytorch_model.bin
+    #    through the checkpoint engine) is written as DeepSpeed's own engine writes it (it was a
+    #    ConfigError on rank 0 while rank 1 waited in the commit's collective).
+    e = _engine("2-fp32")
+    _step(e, 1)
+    native = e.save_16bit_model(os.path.join(root, "w16_ds"))
+    dsd.install(e)
+    t0 = time.monotonic()
+    ours = e.save_16bit_model(os.path.join(root, "w16_dc"))
+    seconds = time.monotonic() - t0
+    same = None
+    if torch.distributed.get_rank() == 0:
+        a = torch.load(os.path.join(root, "w16_ds", "pytorch_model.bin"), weights_only=True)
+        b = torch.load(os.path.join(root, "w16_dc", "pytorch_model.bin"), weights_only=True)
+        same = _differences(a, b) == [] and list(a) == list(b)
+    report["save_16bit_model"] = {"returned": [native, ours], "same_file": same, "fast": seconds < 20}
     _dump(out, "edges", report)
 
 

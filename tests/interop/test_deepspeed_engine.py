@@ -279,7 +279,9 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
       * a scheduler whose state holds no value (nested empty dicts) round-trips through zero;
       * ZeRO 1/2 module weights changed after the last step (a weight constraint), with and
         without zero_optimization.load_from_fp32_weights: the saved weights come back and the
-        next losses are DeepSpeed's (distckpt rebuilt the weights from the masters)."""
+        next losses are DeepSpeed's (distckpt rebuilt the weights from the masters);
+      * save_16bit_model after install(): the same pytorch_model.bin as DeepSpeed's (it was a
+        ConfigError on rank 0 while rank 1 waited in the commit's collective)."""
     out = str(tmp_path)
     proc = _torchrun(2, out, ["edges"])
     assert proc.returncode == 0, _tail(proc)
@@ -292,6 +294,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["empty_scheduler"] == {"inner": {}}, r["empty_scheduler"]
         assert len(r["edited_weights"]) == 4 and all(d == [] for d in r["edited_weights"].values()), \
             r["edited_weights"]
+        assert r["save_16bit_model"] == {"returned": [True, True], "same_file": True if rank == 0 else None,
+                                         "fast": True}, r["save_16bit_model"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

@@ -117,6 +117,40 @@ _CONTAINERS = "containers"
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 
 
+def _export_file(state_dict: Any, path: str) -> None:
+    """``torch.save(state_dict, path)`` made durable and atomic: a tmp file beside it, fsync,
+    rename, fsync of the directory; a failure leaves no partial file (the typed error of the OS
+    error, ConfigError for a path that is a directory)."""
+    import tempfile
+
+    from ...errors import from_os_error
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a directory: DeepSpeed's export writes one file there", path=path)
+    parent = os.path.dirname(path)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        raise from_os_error(exc, path=path, operation="export") from exc
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed's state <-> plain data.
 
@@ -219,6 +253,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self.load_meta: dict = {}
         self._masters: set[str] = set()
         self._weights_from_masters = False
+        self.in_save_checkpoint = False  # set by the installed save_checkpoint (else: an export)
 
     # -- save ------------------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -247,13 +282,25 @@ class DistckptCheckpointEngine(CheckpointEngine):
     def save(self, state_dict: Any, path: str) -> None:
         if self._info is None:
             raise ConfigError("DeepSpeed called save() outside save_checkpoint()", path=path)
+        if not self.in_save_checkpoint:
+            # DeepSpeed's exports through its checkpoint engine (save_16bit_model: rank 0 alone
+            # writes pytorch_model.bin for Hugging Face's from_pretrained): not a checkpoint, a
+            # torch.save file the user asked for, written as DeepSpeed's engine writes it but
+            # atomically (tmp + fsync + rename), and no collective at the commit.
+            _export_file(state_dict, path)
+            return
         self._files[self._name(path, self._tag_dir())] = state_dict
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Write every file recorded since ``create`` as one checkpoint (collective; every rank).
+        An export (``save_16bit_model``: no ``save_checkpoint`` around it) was written by
+        :meth:`save`: nothing to commit, no collective.
 
         Raises what :func:`distckpt.save` raises, on every rank; then nothing new is visible,
         ``latest`` is unchanged and earlier tags are intact."""
+        if not self.in_save_checkpoint:
+            self._files, self._info = {}, None
+            return True
         files, self._files = self._files, {}
         self._info = None
         save_dir = os.path.abspath(info.save_dir)
@@ -556,20 +603,24 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                         exclude_frozen_parameters=False):
         tag_s = f"global_step{engine.global_steps}" if tag is None else str(tag)
         if not _TAG_RE.match(tag_s) or tag_s == "latest":
-            raise ConfigError(f"checkpoint tag {tag_s!r}: expected a plain directory name (letters, digits, "
-                              "'_', '-', '.', '+', '='; not 'latest'; not starting with '.')")
+            raise ConfigError(f"checkpoint tag {tag_s!r}: expected a plain directory name of at most 200 "
+                              "characters: letters, digits, '_', '-', '.', '+', '=', starting with a letter, "
+                              "digit or '_'; not 'latest'",
+                              remedy="Pass such a tag (DeepSpeed's default is global_step<N>); the tag names a "
+                                     "directory of save_dir, so nothing that could be a path, an option or hidden.")
         ce._extra_meta = {"dp_world_size": int(engine.seq_dp_world_size),
                           "zero_stage": int(engine.zero_optimization_stage()),
                           "bf16": bool(engine.bfloat16_enabled())}
         ce.save_latest = bool(save_latest)
         ce.exclude_frozen_parameters = bool(exclude_frozen_parameters)
+        ce.in_save_checkpoint = True
         try:
             # save_latest=False: DeepSpeed would write `latest` in place after our commit; the
             # commit writes it atomically instead (ce.save_latest).
             return orig_save(save_dir, tag_s, client_state=client_state, save_latest=False,
                              exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
-            ce.save_latest, ce.exclude_frozen_parameters = True, False
+            ce.save_latest, ce.exclude_frozen_parameters, ce.in_save_checkpoint = True, False, False
             ce._files, ce._info = {}, None
 
     @functools.wraps(cls.load_checkpoint)
