@@ -92,7 +92,8 @@ def trained(tmp_path_factory):
     rot, nospace = os.path.join(out, "rotate"), os.path.join(out, "enospc")
     env = {"OUT_ROTATE": rot, "OUT_ENOSPC": nospace, "BALLAST_ELEMS": str(BALLAST_ELEMS), **RUN_ENV}
     with tmpfs_mount(rot, size="16m"), tmpfs_mount(nospace, size=ENOSPC_TMPFS):
-        first = _torchrun(2, out, [f"train:{c}" for c in CONFIGS] + ["rotate", "enospc", "kill"], env)
+        first = _torchrun(2, out, [f"train:{c}" for c in CONFIGS] + ["frozen3save", "rotate", "enospc", "kill"],
+                          env)
     # The kill phase ends the first launch: rank 1 dies by SIGKILL, torchrun stops rank 0.
     assert first.returncode != 0 and os.path.exists(os.path.join(out, "kill.rank0.pt")), _tail(first)
     return out
@@ -109,7 +110,7 @@ def resumed(trained):
 @pytest.fixture(scope="module")
 def resharded(trained):
     """Launch 3: 3 ranks load what launch 1 saved at 2."""
-    third = _torchrun(3, trained, [f"reshard:{c}" for c in RESHARD], RUN_ENV)
+    third = _torchrun(3, trained, [f"reshard:{c}" for c in RESHARD] + ["frozen3load"], RUN_ENV)
     assert third.returncode == 0, _tail(third)
     return trained
 
@@ -217,6 +218,11 @@ def test_load_at_another_data_parallel_size(resharded):
             assert all(map(math.isfinite, r["after"])), r["after"]
         cmp = _load(runs, f"reshard:{cfg}", 0)["compare"]
         assert cmp["keys"] > 0 and cmp["differ"] == [], cmp
+    # ZeRO-3 with a frozen layer: its partitions in DeepSpeed's model states do not reshard; a
+    # typed error before the engine changes (it was torch's RuntimeError from DeepSpeed's load)
+    for rank in range(3):
+        result = _load(runs, "frozen3load", rank)["result"]
+        assert result.startswith("ReshardError") and "data-parallel size 2" in result, result
 
 
 @pytest.mark.parametrize("group", NATIVE_GROUPS, ids=["+".join(g) for g in NATIVE_GROUPS])
@@ -296,6 +302,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
             r["edited_weights"]
         assert r["save_16bit_model"] == {"returned": [True, True], "same_file": True if rank == 0 else None,
                                          "fast": True}, r["save_16bit_model"]
+        assert r["native_through_install"].startswith("CheckpointNotFoundError") and \
+            "DeepSpeed's own checkpoint" in r["native_through_install"], r["native_through_install"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

@@ -95,7 +95,7 @@ from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
 from ...save_sync import save_in_root
-from ...storage import ROOT_LOCK_NAME, Store, join, open_store
+from ...storage import ROOT_LOCK_NAME, Store, is_url, join, open_store
 from ...values import holds_tensor
 from . import zero
 
@@ -519,6 +519,14 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
     path = join(load_dir, str(tag))
     store = open_store(path)
     if not store.is_committed(path):
+        native = sorted(n for n in (os.listdir(path) if not is_url(path) and os.path.isdir(path) else ())
+                        if n.endswith(("_model_states.pt", "_optim_states.pt")))
+        if native:
+            raise CheckpointNotFoundError(
+                f"{path} holds DeepSpeed's own checkpoint ({native[0]}, ...: torch.save files), not one written "
+                "through distckpt's install(), which reads only its own (DeepSpeed's files are pickles)", path=path,
+                remedy="Load it with DeepSpeed's own load_checkpoint before install() (it unpickles those files: "
+                       "only if you trust them), then install() and save: the next tags are distckpt's.")
         raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
     manifest = store.load_manifest(path)
     ds = _ds_meta(manifest)
@@ -534,6 +542,19 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
                            f"{engine.zero_optimization_stage()}", path=path,
                            remedy="Resume with the saved ZeRO stage, or load with "
                            "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
+    saved_dp, dp = ds.get("dp_world_size"), int(engine.seq_dp_world_size)
+    frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+    if int(engine.zero_optimization_stage()) == 3 and saved_dp != dp and frozen:
+        # ZeRO-3's model states hold each rank's partition of a frozen parameter; DeepSpeed's
+        # module load copies the served one into this rank's partition of another size (torch's
+        # RuntimeError, after parts of the engine changed). Refused first.
+        raise ReshardError(
+            f"{path} was saved by ZeRO-3 at data-parallel size {saved_dp} and this engine runs {dp} with frozen "
+            f"parameters ({frozen[0]}, ...): their partitions in DeepSpeed's model states do not reshard",
+            path=path, key=frozen[0],
+            remedy=f"Resume at data-parallel size {saved_dp}, or save with "
+                   "distckpt.integrations.deepspeed.save(engine, path) and load with .load(engine, path), which "
+                   "reshard frozen parameters too.")
     masters = {fqn.split(".", 1)[1] for fqn in manifest.tensors if fqn.startswith("model.")}
     return tag, path, names, ds, masters
 
