@@ -234,6 +234,21 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return
+    elif case == "client_rank":
+        # client_state that differs per rank: StateDictMismatchError naming it, and the remedy
+        # it gives (replicated="rank0", which save now takes) keeps rank 0's, as the engine does
+        engine = engine_for(stage, dtype, seed=1)
+        client = {"rank": dist.get_rank(), "same": 1}
+        try:
+            dds.save(engine, os.path.join(out, "client_rank"), client_state=client)
+            raised = None
+        except DistCkptError as exc:
+            raised = {"class": type(exc).__name__, "message": str(exc), "remedy": exc.remedy}
+        dds.save(engine, os.path.join(out, "client_rank0"), client_state=client, replicated="rank0")
+        got = distckpt.read(os.path.join(out, "client_rank0"), keys=["client"])["client"]
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": raised, "kept": got, "same": True, "untouched": True}, f)
+        return
     elif case in ("stage2", "stage3_allowed", "rollback"):
         # not an error: stage 1 -> 2 (one layout) always, stage 1 -> 3 when asked for; a rollback
         # into an engine that has trained (its optimizer state exists and is filled in place)

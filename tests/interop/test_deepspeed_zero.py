@@ -187,13 +187,17 @@ def test_reshard_errors_are_typed(saved):
     out2 = os.path.join(saved, "s2fp32", "out")
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
-              "2:fp32:client_adamw", "3:bf16+frozen:rollback")
+              "2:fp32:client_adamw,client_rank", "3:bf16+frozen:rollback")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
               "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed",
               "groups": "saved 1 optimizer param group(s), now 2"}
     for rank in (0, 1):
         # a client torch.optim.AdamW (0-d tensor step) round-trips exactly
         assert json.load(open(os.path.join(out2, f"err_client_adamw_rank{rank}.json")))["same"]
+        # client_state differing per rank: typed, and the remedy it gives works (rank 0's kept)
+        cr = json.load(open(os.path.join(out2, f"err_client_rank_rank{rank}.json")))
+        assert cr["raised"]["class"] == "StateDictMismatchError" and "client.rank" in cr["raised"]["message"], cr
+        assert "replicated='rank0'" in cr["raised"]["remedy"] and cr["kept"] == {"rank": 0, "same": 1}, cr
         # stage 1 -> 2 loads (one layout); stage 1 -> 3 when asked for; both exact
         for case in ("stage2", "stage3_allowed", "rollback"):
             assert json.load(open(os.path.join(out, f"err_{case}_rank{rank}.json")))["same"], case

@@ -508,7 +508,7 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
 
 
 def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite: bool = False,
-         metadata: dict | None = None, exclude_frozen_parameters: bool = False):
+         metadata: dict | None = None, exclude_frozen_parameters: bool = False, replicated: Any = "check"):
     """Save the engine's fp32 master weights, optimizer state and counters to ``path``, reshardable.
 
     Collective: every rank of the job calls it. Every rank writes only the elements its ZeRO
@@ -519,7 +519,11 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
         engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0-3, fp32 or bf16, no offload, one
             data-parallel group spanning the job).
         path: the checkpoint directory to create.
-        client_state: plain values saved under ``client`` (as ``engine.save_checkpoint``'s).
+        client_state: plain values and tensors saved under ``client``. A value that differs
+            between ranks is a StateDictMismatchError naming it, unless ``replicated="rank0"``
+            (rank 0's kept: what ``engine.save_checkpoint`` does, DeepSpeed's and distckpt's
+            engine alike, since rank 0 alone writes it there).
+        replicated: as :func:`distckpt.save` (``"check"``, ``"rank0"``, or a list of keys).
         exclude_frozen_parameters: leave out the parameters no optimizer steps (DeepSpeed's
             option of that name); a load keeps the engine's own.
         overwrite, metadata: as :func:`distckpt.save` (``metadata["deepspeed"]`` is set here).
@@ -538,7 +542,7 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
     md["deepspeed"] = {"format": FORMAT, "stage": meta["stage"], "dp_size": meta["dp_size"],
                        "model_dtype": meta["model_dtype"], "optimizer": meta["optimizer"],
                        "params": len(meta["params"])}
-    return _save(sd, path, overwrite=overwrite, metadata=md)
+    return _save(sd, path, overwrite=overwrite, metadata=md, replicated=replicated)
 
 
 # ------------------------------------------------------------------------------------------------
