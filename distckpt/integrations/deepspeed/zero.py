@@ -498,6 +498,10 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
             sd["lr_scheduler"] = state
         else:  # nothing but (nested) empty dicts: no key to read back, so kept here as JSON
             meta["lr_scheduler"] = {"key": None, "json": state, "containers": meta["lr_scheduler"]["containers"]}
+    if client_state is not None:
+        # its OrderedDicts, Counters and defaultdicts come back as such (load rebuilds them), as
+        # from engine.save_checkpoint
+        meta["client_containers"] = containers.record(client_state)
     try:
         sd[_META] = json.dumps(meta, sort_keys=True)
     except (TypeError, ValueError) as exc:  # a leafless scheduler state, or records, JSON cannot hold
@@ -750,6 +754,9 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     if _has_key(path, "client"):
         from ...restore import read
         client = read(path, keys=["client"])["client"]
+        if meta.get("client_containers"):
+            client = containers.rebuild(client, meta["client_containers"], where=f"{_META}.client_containers",
+                                        path=path)
     return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
 
 
