@@ -914,21 +914,22 @@ def _cmd_convert(args) -> int:
     import importlib
     # The user names these, never the checkpoint (values.py imports nothing a checkpoint names).
     # Found as `python -m distckpt` finds them: the current directory first, which the installed
-    # `distckpt` command's sys.path lacks; only for these imports.
-    here = os.getcwd()
-    added = here not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    try:
-        for module in args.imports:
-            try:
-                importlib.import_module(module)
-            except Exception as exc:  # noqa: BLE001 - any failure of the user's module is reported as such
-                print(f"distckpt convert: --import {module}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return 2
-    finally:
-        if added:
-            sys.path.remove(here)
+    # `distckpt` command's sys.path lacks (kept for the command: such a module may import more
+    # of its own later).
+    if args.imports and "" not in sys.path:
+        try:
+            here = os.getcwd()
+        except OSError as exc:
+            print(f"distckpt convert: --import: the current directory is gone: {exc}", file=sys.stderr)
+            return 2
+        if here not in sys.path:
+            sys.path.insert(0, here)
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's module is reported as such
+            print(f"distckpt convert: --import {module}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     try:
         res = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, prefix=args.prefix,
                       dtype=args.dtype, memory_limit=args.memory_limit, allow_pickle=args.allow_pickle,

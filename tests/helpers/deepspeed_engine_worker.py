@@ -84,13 +84,15 @@ def _engine(cfg: str, *, extra: dict | None = None, freeze: str | None = None):
 
 
 def frozen3save(out: str) -> None:
-    """ZeRO-3 with a frozen layer, saved through install() at this launch's size (2)."""
+    """ZeRO-3 with a frozen layer, saved through install() at this launch's size (2), with its
+    frozen partitions and without them (exclude_frozen_parameters)."""
     import distckpt.integrations.deepspeed as dsd
     e = _engine("3-fp32", freeze="l1")
     dsd.install(e)
     for s in range(1, STEPS_BEFORE + 1):
         _step(e, s)
     e.save_checkpoint(os.path.join(out, "frozen3"), "t")
+    e.save_checkpoint(os.path.join(out, "frozen3ex"), "t", exclude_frozen_parameters=True)
 
 
 def frozen3load(out: str) -> None:
@@ -104,7 +106,15 @@ def frozen3load(out: str) -> None:
         result = "loaded"
     except Exception as exc:  # noqa: BLE001 - the test checks which
         result = f"{type(exc).__name__}: {exc}"
-    _dump(out, "frozen3load", {"result": result})
+    # without frozen partitions there is nothing to reshard: it loads (the frozen layer kept)
+    f = _engine("3-fp32", freeze="l1")
+    dsd.install(f)
+    try:
+        f.load_checkpoint(os.path.join(out, "frozen3ex"), "t", load_module_strict=False)
+        excluded = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        excluded = f"{type(exc).__name__}: {exc}"
+    _dump(out, "frozen3load", {"result": result, "excluded": excluded})
 
 
 def _step(engine, step: int) -> float:
@@ -597,7 +607,9 @@ def edges(out: str) -> None:
     if torch.distributed.get_rank() == 0:
         a = torch.load(os.path.join(root, "w16_ds", "pytorch_model.bin"), weights_only=True)
         b = torch.load(os.path.join(root, "w16_dc", "pytorch_model.bin"), weights_only=True)
-        same = _differences(a, b) == [] and list(a) == list(b)
+        modes = [os.stat(os.path.join(root, d, "pytorch_model.bin")).st_mode & 0o777 for d in ("w16_ds", "w16_dc")]
+        same = (_differences(a, b) == [] and list(a) == list(b) and modes[0] == modes[1]
+                and sorted(os.listdir(os.path.join(root, "w16_dc"))) == ["pytorch_model.bin"])
     report["save_16bit_model"] = {"returned": [native, ours], "same_file": same, "fast": seconds < 20}
     # 7. DeepSpeed's own checkpoint loaded through install(): says what it is (it said "no
     #    committed checkpoint", remedy "check the path").

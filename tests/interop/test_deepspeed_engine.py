@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -221,8 +222,9 @@ def test_load_at_another_data_parallel_size(resharded):
     # ZeRO-3 with a frozen layer: its partitions in DeepSpeed's model states do not reshard; a
     # typed error before the engine changes (it was torch's RuntimeError from DeepSpeed's load)
     for rank in range(3):
-        result = _load(runs, "frozen3load", rank)["result"]
-        assert result.startswith("ReshardError") and "data-parallel size 2" in result, result
+        r = _load(runs, "frozen3load", rank)
+        assert r["result"].startswith("ReshardError") and "data-parallel size 2" in r["result"], r
+        assert r["excluded"] == "loaded", r  # saved without frozen partitions: nothing to reshard
 
 
 @pytest.mark.parametrize("group", NATIVE_GROUPS, ids=["+".join(g) for g in NATIVE_GROUPS])
@@ -314,3 +316,38 @@ def test_importing_the_integration_does_not_import_deepspeed():
             "d.install; assert 'deepspeed' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu",
                    "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}, timeout=300)
+
+
+def test_the_16bit_export_file_is_atomic_typed_and_has_torch_saves_mode(tmp_path):
+    """save_16bit_model's file (engine._export_file), in one process: the mode torch.save gives
+    (mkstemp's 0600 made it unreadable to a serving user), written through a symlink as torch.save
+    writes, and a failed write (EFBIG here) a typed error with nothing left behind (torch.save
+    turns it into its own RuntimeError)."""
+    script = textwrap.dedent(f"""
+        import os, resource, signal, stat, torch
+        from distckpt.errors import FileTooLargeError
+        from distckpt.integrations.deepspeed.engine import _export_file
+        d = {str(tmp_path)!r}
+        sd = {{"w": torch.randn(256, 256)}}
+        os.umask(0o022)
+        _export_file(sd, d + "/ours.bin")
+        torch.save(sd, d + "/torch.bin")
+        assert stat.S_IMODE(os.stat(d + "/ours.bin").st_mode) == stat.S_IMODE(os.stat(d + "/torch.bin").st_mode)
+        assert torch.equal(torch.load(d + "/ours.bin", weights_only=True)["w"], sd["w"])
+        os.mkdir(d + "/real")
+        os.symlink(d + "/real/target.bin", d + "/link.bin")
+        _export_file(sd, d + "/link.bin")
+        assert os.path.islink(d + "/link.bin") and os.path.isfile(d + "/real/target.bin")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        try:
+            _export_file(sd, d + "/big.bin")
+            raise SystemExit("no error")
+        except FileTooLargeError:
+            pass
+        assert sorted(os.listdir(d)) == ["link.bin", "ours.bin", "real", "torch.bin"], os.listdir(d)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

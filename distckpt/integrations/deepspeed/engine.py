@@ -16,7 +16,8 @@ model-states file lookup (a glob on disk) and the ZeRO optimizer load):
     once every rank has written its own data file. Each DeepSpeed "file" is the subtree
     ``files.<name without .pt>``: its tensors in the data files, its plain values (ints, strings,
     ``ds_config``, ``client_state``, torch.Size, ZeroStageEnum, ``fragment_address`` dataclasses)
-    in the MANIFEST. No torch.save and no pickle, on save or load. Its OrderedDicts
+    in the MANIFEST. No torch.save and no pickle, on save or load (the one torch.save is the
+    export ``save_16bit_model`` asks for: ``pytorch_model.bin``, not a checkpoint). Its OrderedDicts
     (``param_shapes``), Counters (a ``MultiStepLR``'s milestones) and defaultdicts of builtin types
     come back as such: ``containers.<name>`` records them (:mod:`distckpt.containers`); any other
     dict subclass fails the save.
@@ -60,8 +61,9 @@ the DeepSpeed file whose contents the checkpoint holds as ``files.<name>``: no s
 its dirname is the tag directory. ``load_module_only=True`` (weights only: no optimizer state, lr
 scheduler or step counters restored, the fp32 masters set from the loaded weights),
 ``load_optimizer_states=False`` and ``load_lr_scheduler_states=False`` behave as DeepSpeed's,
-with the module weights read from the stored masters where DeepSpeed reads its model-states file
-or, at ZeRO-3 without optimizer states, ``zero_to_fp32``. Two differences: at ZeRO-3
+with the module weights read from the stored model states (ZeRO 1/2; an older checkpoint that
+holds only the masters: from the masters) or, at ZeRO-3 without optimizer states, where
+DeepSpeed runs ``zero_to_fp32``, from the stored masters. Two differences: at ZeRO-3
 ``load_module_only=True`` loads the weights (DeepSpeed 0.19.8 loads them only together with
 ``load_optimizer_states=False``; otherwise its file holds placeholders and no weight is loaded),
 and a ZeRO-3 load without optimizer states reads the tag asked for (DeepSpeed reads the one
@@ -77,6 +79,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import logging
 import os
 import re
@@ -118,26 +121,59 @@ _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 
 
 def _export_file(state_dict: Any, path: str) -> None:
-    """``torch.save(state_dict, path)`` made durable and atomic: a tmp file beside it, fsync,
-    rename, fsync of the directory; a failure leaves no partial file (the typed error of the OS
-    error, ConfigError for a path that is a directory)."""
-    import tempfile
+    """``torch.save(state_dict, path)`` made durable and atomic: a tmp file beside the target (a
+    symlink's target: written through it, as torch.save does), created with the mode torch.save
+    gives (0666 less the umask), fsync, rename, fsync of the directory. A failure leaves no
+    partial file and raises the typed error of the OS error (torch.save turns a failed write into
+    its own RuntimeError: the OSError under it is what is raised); ConfigError for a URL or a
+    directory."""
+    import secrets
 
     from ...errors import from_os_error
-    path = os.path.abspath(path)
+    if is_url(str(path)):
+        raise ConfigError(f"DeepSpeed's export to {path}: distckpt's engine writes exports to a local path only",
+                          path=str(path), remedy="Export to a local directory and upload the file.")
+    path = os.path.realpath(path)
     if os.path.isdir(path):
         raise ConfigError(f"{path} is a directory: DeepSpeed's export writes one file there", path=path)
     parent = os.path.dirname(path)
-    tmp = None
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    created = False
+    failed: list[OSError] = []
+
+    class _Sink(io.RawIOBase):
+        """The file, remembering an OSError of write() (torch.save reports it as RuntimeError)."""
+
+        def __init__(self, fd: int):
+            self.fd = fd
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            try:
+                return os.write(self.fd, data)
+            except OSError as exc:
+                failed.append(exc)
+                raise
+
     try:
         os.makedirs(parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=parent)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state_dict, f)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        created = True
+        try:
+            with io.BufferedWriter(_Sink(fd), buffer_size=1 << 20) as f:
+                try:
+                    torch.save(state_dict, f)
+                except RuntimeError:
+                    if failed:
+                        raise failed[0] from None
+                    raise
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-        tmp = None
+        created = False
         dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -146,7 +182,7 @@ def _export_file(state_dict: Any, path: str) -> None:
     except OSError as exc:
         raise from_os_error(exc, path=path, operation="export") from exc
     finally:
-        if tmp is not None:
+        if created:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
@@ -519,8 +555,11 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
     path = join(load_dir, str(tag))
     store = open_store(path)
     if not store.is_committed(path):
-        native = sorted(n for n in (os.listdir(path) if not is_url(path) and os.path.isdir(path) else ())
-                        if n.endswith(("_model_states.pt", "_optim_states.pt")))
+        try:
+            names = os.listdir(path) if not is_url(path) and os.path.isdir(path) else []
+        except OSError:  # unreadable: the plain message below
+            names = []
+        native = sorted(n for n in names if n.endswith(("_model_states.pt", "_optim_states.pt")))
         if native:
             raise CheckpointNotFoundError(
                 f"{path} holds DeepSpeed's own checkpoint ({native[0]}, ...: torch.save files), not one written "
@@ -543,7 +582,10 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
                            remedy="Resume with the saved ZeRO stage, or load with "
                            "distckpt.integrations.deepspeed.load(engine, path, allow_stage_change=True).")
     saved_dp, dp = ds.get("dp_world_size"), int(engine.seq_dp_world_size)
-    frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+    # the frozen parameters' partitions DeepSpeed's ZeRO-3 model states hold (none when saved
+    # with exclude_frozen_parameters=True: then nothing is resharded and the load goes on)
+    frozen = sorted({fqn.split(".frozen_param_fragments.", 1)[1] for fqn in manifest.tensors
+                     if fqn.startswith(_FILES + ".") and ".frozen_param_fragments." in fqn})
     if int(engine.zero_optimization_stage()) == 3 and saved_dp != dp and frozen:
         # ZeRO-3's model states hold each rank's partition of a frozen parameter; DeepSpeed's
         # module load copies the served one into this rank's partition of another size (torch's

@@ -289,7 +289,7 @@ def _layout_stage0(engine, opt, names) -> _Layout:
                                             remedy="Enable bf16/fp16 in the DeepSpeed config (fp32 masters) or train in fp32.")
             shapes[name] = tuple(p.shape)
             owners.append(_Owner(g, p, p.data.view(-1), [name], [_Segment(name, 0, p.numel(), 0)] if p.numel() else []))
-    return _Layout(0, "stage0", rank, size, opt, owners, shapes, True, dtype, lambda: None)
+    return _Layout(0, "stage0", rank, size, opt, owners, shapes, True, dtype, lambda weights=True: None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,7 +501,8 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
     if client_state is not None:
         # its OrderedDicts, Counters and defaultdicts come back as such (load rebuilds them), as
         # from engine.save_checkpoint
-        meta["client_containers"] = containers.record(client_state)
+        # (recorded under the "client" key it is saved at: its own keys are not the root's)
+        meta["client_containers"] = containers.record({"client": client_state})
     try:
         sd[_META] = json.dumps(meta, sort_keys=True)
     except (TypeError, ValueError) as exc:  # a leafless scheduler state, or records, JSON cannot hold
@@ -527,7 +528,8 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
             between ranks is a StateDictMismatchError naming it, unless ``replicated="rank0"``
             (rank 0's kept: what ``engine.save_checkpoint`` does, DeepSpeed's and distckpt's
             engine alike, since rank 0 alone writes it there).
-        replicated: as :func:`distckpt.save` (``"check"``, ``"rank0"``, or a list of keys).
+        replicated: as :func:`distckpt.save` (``"check"``, ``"rank0"``, or keys of the saved
+            tree: a client_state entry ``k`` is ``"client.k"``).
         exclude_frozen_parameters: leave out the parameters no optimizer steps (DeepSpeed's
             option of that name); a load keeps the engine's own.
         overwrite, metadata: as :func:`distckpt.save` (``metadata["deepspeed"]`` is set here).
@@ -541,7 +543,15 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
             scalar). The errors of :func:`distckpt.save`.
     """
     from ... import save as _save
-    sd, meta = state_dict(engine, client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+    from ..._dist import control_group
+    # A state one rank cannot describe (a client_state value only it holds) fails every rank here,
+    # not only that one while the others wait at the save's first collective.
+    sd = meta = error = None
+    try:
+        sd, meta = state_dict(engine, client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+        error = exc
+    control_group(operation="deepspeed.save()").exchange_outcome(error, operation="deepspeed.save")
     md = dict(metadata or {})
     md["deepspeed"] = {"format": FORMAT, "stage": meta["stage"], "dp_size": meta["dp_size"],
                        "model_dtype": meta["model_dtype"], "optimizer": meta["optimizer"],
@@ -755,8 +765,8 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
         from ...restore import read
         client = read(path, keys=["client"])["client"]
         if meta.get("client_containers"):
-            client = containers.rebuild(client, meta["client_containers"], where=f"{_META}.client_containers",
-                                        path=path)
+            client = containers.rebuild({"client": client}, meta["client_containers"],
+                                        where=f"{_META}.client_containers", path=path)["client"]
     return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
 
 
