@@ -130,6 +130,7 @@ def _export_file(state_dict: Any, path: str) -> None:
     import secrets
 
     from ...errors import from_os_error
+    from ...storage.posix.paths import fsync_path
     if is_url(str(path)):
         raise ConfigError(f"DeepSpeed's export to {path}: distckpt's engine writes exports to a local path only",
                           path=str(path), remedy="Export to a local directory and upload the file.")
@@ -174,17 +175,13 @@ def _export_file(state_dict: Any, path: str) -> None:
             os.close(fd)
         os.replace(tmp, path)
         created = False
-        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
     except OSError as exc:
         raise from_os_error(exc, path=path, operation="export") from exc
     finally:
         if created:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+    fsync_path(parent)  # the rename, durable (typed errors of its own)
 
 
 # ---------------------------------------------------------------------------------------------
