@@ -15,7 +15,8 @@ import re
 from typing import Callable
 
 from . import chain
-from .errors import CheckpointNotFoundError, DistCkptError
+from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, DistCkptError,
+                     ObjectNotFoundError)
 from .manifest import MANIFEST_NAME as MANIFEST
 from .storage import Leftover, Store, basename, join, normalize_path, open_store
 
@@ -79,7 +80,11 @@ def _step_info(path: str, name: str, store: Store) -> StepInfo:
     try:
         data = store.manifest_bytes(path)
         man = mf.decode_header(data, path=join(path, MANIFEST))
-    except DistCkptError as exc:
+    except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIncompleteError, ObjectNotFoundError) as exc:
+        # What the MANIFEST is (damaged) or is not (there): the step is broken. Any other error
+        # (a timeout, a reset, throttling, no permission) says nothing about the step and
+        # propagates: calling it broken made load() fall back to an older step, after which the
+        # next save deleted this one as an abandoned branch.
         problem = "no MANIFEST: never committed (or its MANIFEST was deleted)" \
             if not store.has_manifest(path) else f"{type(exc).__name__}: {exc.message}"
         return StepInfo(name, path, step, "broken", problem)

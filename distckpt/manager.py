@@ -157,7 +157,12 @@ class CheckpointManager:
         Cost: one directory listing, the first 4 KiB of each step's MANIFEST (its commit time, for
         the order) and a full decode (checksum and validation) of the newest candidates only, newest
         first, until one is valid: usually one. The ``latest`` file cannot replace the listing: it
-        lags after a crash between a commit and its update, so it is not consulted here."""
+        lags after a crash between a commit and its update, so it is not consulted here.
+
+        Raises the store's typed error when a MANIFEST cannot be read for a reason other than its
+        content (a timeout, a reset, no permission): that step's state is unknown, and skipping it
+        would load an older step, after which the next save would delete it as an abandoned
+        branch."""
         timed, untimed = [], []
         for step in self.steps():
             # Where the store can peek cheaply (a local file's first 4 KiB); else the decode below.

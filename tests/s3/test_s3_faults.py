@@ -414,3 +414,30 @@ def _try_save(state, url, opts, **kwargs):
         return None
     except Exception as exc:  # noqa: BLE001 - the test looks at it
         return exc
+
+
+@pytest.mark.parametrize("mode", ["stall", "reset"])
+def test_an_unanswered_manifest_read_at_resume_never_rolls_the_manager_back(s3_bucket, proxy, monkeypatch, mode):
+    """Steps 100, 200 and 300 committed; at resume the GET of step 300's MANIFEST stalls (or is
+    reset). The manager called step 300 "damaged", loaded 200 with only a warning, and its next
+    save deleted the intact step 300 as an abandoned branch (an outside trial). The load must
+    raise the typed error of the request, and step 300 must stay the one a later load finds."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
+    root = f"{s3_bucket.url}/resume"
+    direct = distckpt.CheckpointManager(root, keep_last=5, storage_options=s3_bucket.storage_options)
+    for step in (100, 200, 300):
+        direct.save(step, _state(float(step)))
+    proxy.rule = lambda i, method, path: mode if method == "GET" and path.split("?")[0].endswith(
+        "step_00000300/MANIFEST") else None
+    mgr = distckpt.CheckpointManager(root, keep_last=5, storage_options=_proxied(s3_bucket.storage_options, proxy))
+    into = _state(0.0)
+    t0 = time.monotonic()
+    with pytest.raises(DistCkptError) as info:
+        mgr.load(into)
+    assert time.monotonic() - t0 < BOUND_S
+    assert isinstance(info.value, distckpt.errors.ObjectStoreError), repr(info.value)
+    assert into["step"] == 0 and torch.equal(into["w"], _state(0.0)["w"])  # nothing loaded from step 200
+    proxy.rule = lambda i, method, path: None
+    assert direct.steps() == [100, 200, 300] and direct.latest_step() == 300
+    back = _state(0.0)
+    assert mgr.load(back).path.endswith("step_00000300") and _equal(back, _state(300.0))
