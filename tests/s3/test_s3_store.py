@@ -107,6 +107,12 @@ def test_manager_rotation_async_and_overwrite(s3_bucket):
         s3_bucket.fs.pipe_file(f"{s3_bucket.name}/mgr/step_00000003/{dead}/rank00000.bin", b"x" * 100)
         s3_bucket.fs.call_s3("create_multipart_upload", Bucket=s3_bucket.name,
                              Key=f"mgr/step_00000003/{dead}/rank00001.bin")
+        # A step whose save crashed before any object completed: only an incomplete upload,
+        # no object (an outside trial's killed server left this, and no later save removed it)
+        up = s3_bucket.fs.call_s3("create_multipart_upload", Bucket=s3_bucket.name,
+                                  Key=f"mgr/step_00000009/{dead}/rank00000.bin")
+        s3_bucket.fs.call_s3("upload_part", Bucket=s3_bucket.name, Key=f"mgr/step_00000009/{dead}/rank00000.bin",
+                             UploadId=up["UploadId"], PartNumber=1, Body=b"y" * 1000)
         h = m.save(4, {"w": torch.full((3000,), 4.0), "step": 4}, blocking=False)
         h.result(timeout=60)
         assert not any(dead in k for k in s3_bucket.keys("mgr")) and s3_bucket.multipart_uploads() == []

@@ -700,9 +700,11 @@ class ObjectStore(Store):
                 manifests.add(parts[0])
             elif len(parts) >= 3:
                 prefixes.setdefault(parts[0], set()).add(parts[1])
-        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root)}
+        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root) if "/" in u}
         removed = []
-        for name in sorted(set(prefixes) | set(self.list_children(root))):
+        # a step whose only trace is an incomplete multipart upload (its save crashed before any
+        # object completed) has no object and may list as no directory: found by its uploads
+        for name in sorted(set(prefixes) | set(self.list_children(root)) | uploads):
             if name in manifests and len(prefixes.get(name, ())) == 1 and name not in uploads:
                 continue
             removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
