@@ -226,3 +226,21 @@ def test_a_symlink_loop_above_a_save_lock_is_not_called_the_lock(tmp_path):
         savelock.acquire(str(lock), save_id="0" * 32, what=str(tmp_path / "loop" / "x"))
     assert info.value.errno == errno.ELOOP and "is a symbolic link, not" not in info.value.message
     assert f"Remove {lock}" not in (info.value.remedy or ""), info.value.remedy
+
+
+def test_object_min_rate_takes_binary_units_like_every_size_variable(monkeypatch):
+    """README: sizes in DISTCKPT_* variables use binary units; DISTCKPT_OBJECT_MIN_RATE=64K was
+    "not a number" (an outside trial). A decimal suffix says what to write instead."""
+    from distckpt.storage.object.request import request_timeout
+
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "10")
+    monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", "64K")
+    assert request_timeout(64 << 10) == 11.0
+    monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", "4194304")
+    assert request_timeout(4 << 20) == 11.0
+    monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", "64KB")
+    with pytest.raises(errors.ConfigError, match="ambiguous"):
+        request_timeout(1)
+    monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", "1K")
+    with pytest.raises(errors.ConfigError, match="between"):
+        request_timeout(1)

@@ -76,8 +76,28 @@ def request_timeout(nbytes: int = 0) -> float:
         ConfigError: a variable is not a number or out of range.
     """
     base = env_float("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", 30.0, 0.5, 86400.0)
-    rate = env_float("DISTCKPT_OBJECT_MIN_RATE", float(4 << 20), float(64 << 10), float(1 << 40))
+    rate = _env_rate("DISTCKPT_OBJECT_MIN_RATE", 4 << 20, 64 << 10, 1 << 40)
     return base + max(0, nbytes) / rate
+
+
+def _env_rate(name: str, default: int, lo: int, hi: int) -> int:
+    """Bytes per second in ``name``, a size in binary units as every size variable takes (``64K``,
+    ``4M``, ``4194304``); ``default`` when unset or empty.
+
+    Raises:
+        ConfigError: not a size, or outside [lo, hi]."""
+    from ...sizes import parse_size
+
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        v = parse_size(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r}: {exc}", variable=name) from None
+    if not lo <= v <= hi:
+        raise ConfigError(f"{name}={raw!r} must be between {lo} and {hi} bytes per second", variable=name)
+    return v
 
 
 # Requests in flight in this process: id -> monotonic time by which each must have ended.
