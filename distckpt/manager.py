@@ -252,8 +252,12 @@ class CheckpointManager:
                 # Dead leftovers of any step (never those of a live save), before our lock is taken.
                 self._store.reclaim(self.root)
             except DistCkptError as exc:
-                log.warning("distckpt: could not reclaim leftovers under %s before saving step %d: %s", self.root,
-                            step, exc)
+                from .errors import BucketNotFoundError, ObjectStoreAccessError, StoragePermissionError
+                # a missing bucket or refused credentials: the save's first request raises the
+                # same error at once (a warning would say it twice)
+                quiet = isinstance(exc, (BucketNotFoundError, ObjectStoreAccessError, StoragePermissionError))
+                (log.debug if quiet else log.warning)(
+                    "distckpt: could not reclaim leftovers under %s before saving step %d: %s", self.root, step, exc)
         if (self._rank() == 0 and self._resumed_from is not None and step > self._resumed_from
                 and not self.keep_abandoned and not kwargs.get("overwrite") and self._committed_quietly(step)):
             log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "

@@ -21,7 +21,9 @@ import threading
 import time
 
 import pytest
+import torch
 
+import distckpt
 from distckpt import errors
 from distckpt.storage.object import errors as objerrors
 from distckpt.storage.object.errors import RetryPolicy, call_with_retry, translate
@@ -394,3 +396,15 @@ def test_save_runs_the_object_preflight_first(s3_bucket, s3_ignore_conditional, 
     distckpt.save(sd, url, storage_options=s3_bucket.storage_options)
     assert torch.equal(distckpt.read(url, storage_options=s3_bucket.storage_options)["w"], sd["w"])
     assert not [k for k in s3_bucket.keys() if ".distckpt-probe-" in k]
+
+
+def test_a_manager_save_into_a_missing_bucket_says_it_once(s3_bucket, caplog):
+    """The manager's reclaim before a save logged "could not reclaim leftovers" with the very
+    BucketNotFoundError the save then raised (an outside trial): the error is raised, not said
+    twice."""
+    opts = s3_bucket.storage_options
+    mgr = distckpt.CheckpointManager("s3://no-such-bucket-distckpt/run", storage_options=opts)
+    with caplog.at_level("WARNING", logger="distckpt"):
+        with pytest.raises(errors.BucketNotFoundError):
+            mgr.save(1, {"w": torch.ones(2)}, no_dist=True)
+    assert "could not reclaim" not in caplog.text, caplog.text
