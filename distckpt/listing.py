@@ -84,7 +84,10 @@ def _step_info(path: str, name: str, store: Store) -> StepInfo:
         # What the MANIFEST is (damaged) or is not (there): the step is broken. Any other error
         # (a timeout, a reset, throttling, no permission) says nothing about the step and
         # propagates: calling it broken made load() fall back to an older step, after which the
-        # next save deleted this one as an abandoned branch.
+        # next save deleted this one as an abandoned branch. So does a MANIFEST of a format
+        # version this reader does not know (a newer release wrote it): it is not damaged.
+        if exc.details.get("found_version") is not None:
+            raise
         problem = "no MANIFEST: never committed (or its MANIFEST was deleted)" \
             if not store.has_manifest(path) else f"{type(exc).__name__}: {exc.message}"
         return StepInfo(name, path, step, "broken", problem)

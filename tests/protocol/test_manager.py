@@ -502,6 +502,26 @@ def test_foreign_lock_files_are_not_touched(tmp_path):
     assert (tmp_path / ".tool.lock").exists()
 
 
+def test_a_newer_format_version_is_not_a_damaged_step(tmp_path):
+    """The newest step written by a newer release (a MANIFEST format version this reader does
+    not know) is not damaged: the manager skipped it as such, loaded the step before it, and its
+    next save deleted the newer step as an abandoned branch. It raises, naming the version."""
+    import struct
+
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root)
+    for step in (100, 200):
+        mgr.save(step, _state(step))
+    man = root / "step_00000200" / "MANIFEST"
+    data = bytearray(man.read_bytes())
+    struct.pack_into("<I", data, 8, 99)  # the header's format_version, after the 8-byte magic
+    man.write_bytes(bytes(data))
+    with pytest.raises(distckpt.errors.ManifestCorruptError, match="format version 99") as info:
+        mgr.load(_state(0))
+    assert "release" in info.value.remedy
+    assert mgr.steps() == [100, 200] and (root / "step_00000200" / "MANIFEST").exists()
+
+
 def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatch, caplog):
     """latest_step() orders the steps by the commit time in each MANIFEST's first bytes and fully
     decodes (checksum + validation) only from the newest down to the first valid one; it never
