@@ -84,7 +84,7 @@ def _cmd_ls(args) -> int:
     saves = [lo for lo in listing.leftovers if lo.kind != "lock" or lo.name == ""]
     store = open_store(listing.path)
     if saves:
-        print("saves in flight, and what interrupted saves left:")
+        print("saves in flight, and what interrupted saves and overwrites left:")
         for lo in saves:
             o = lo.owner or {}
             who = (f"host {o.get('host', '?')} pid {o.get('pid', '?')}, started {_when(o.get('started_unix'))}"
@@ -92,6 +92,8 @@ def _cmd_ls(args) -> int:
             alive = lo.state == "alive"
             what = {"tmp": "save in progress" if alive else "interrupted save", "del": "deletion",
                     "lock": "save lock"}[lo.kind]
+            if lo.kind == "tmp" and not alive and store.replaced_checkpoint(lo.path):
+                what = "checkpoint an overwrite replaced (its deletion did not finish)"
             used = store.bytes_under(lo.path) if lo.kind != "lock" else None
             size = f" ({format_bytes(used)})" if used is not None else ""
             verdict = {"alive": "ALIVE (in flight)", "dead": "dead: reclaimable",

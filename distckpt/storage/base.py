@@ -300,6 +300,13 @@ class Store(abc.ABC):
         """Bytes stored under ``path`` (a leftover's area), counted cheaply and boundedly, or None
         where the back end cannot tell without listing every object. Never raises, never writes."""
 
+    def replaced_checkpoint(self, path: str) -> bool | None:
+        """Whether the leftover area ``path`` holds a checkpoint that an overwrite replaced (its
+        deletion did not finish), as opposed to an interrupted save's data; None where the back
+        end cannot tell (object stores: neither has a MANIFEST any more). Never raises, never
+        writes."""
+        return None
+
     @abc.abstractmethod
     def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
         """Delete the leftovers of dead saves under ``root``, never one of a live save (whichever

@@ -88,6 +88,27 @@ def test_an_interrupted_save_is_named_by_read_and_ls(tmp_path, capsys):
     assert os.listdir(root) == []
 
 
+def test_ls_names_an_overwrites_unfinished_deletion_as_the_replaced_checkpoint(tmp_path, capsys, monkeypatch):
+    """An overwrite swaps the new checkpoint in and then deletes the old one, now under the new
+    save's tmp name; a kill between the two leaves the old checkpoint there. ls calls it what it
+    is (not an interrupted save), and reclaim removes it like any dead leftover."""
+    from distckpt.storage.posix.store import PosixStore
+    target = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(4)}, target)
+    monkeypatch.setattr(PosixStore, "discard", lambda self, replaced: None)  # the kill after the exchange
+    distckpt.save({"w": torch.zeros(4)}, target, overwrite=True)
+    monkeypatch.undo()
+    (left,) = [e for e in os.listdir(tmp_path) if e != "ck"]
+    capsys.readouterr()
+    assert cli(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if left in ln)
+    assert "overwrite replaced" in row and "interrupted save" not in row and "reclaimable" in row, out
+    distckpt.CheckpointManager(str(tmp_path)).reclaim()
+    assert os.listdir(tmp_path) == ["ck"]
+    assert torch.equal(distckpt.read(target)["w"], torch.zeros(4))
+
+
 # ------------------------------------------------------------------------------------------------
 # Arguments, units, ls, json (item 16)
 

@@ -169,5 +169,14 @@ class PosixStore(Store):
     def bytes_under(self, path: str) -> int | None:
         return leftovers.tree_bytes(path) if os.path.isdir(path) else None
 
+    def replaced_checkpoint(self, path: str) -> bool | None:
+        # RENAME_EXCHANGE leaves the old checkpoint under the new save's tmp name: its MANIFEST
+        # names another save than the area's. A save killed after writing its own MANIFEST but
+        # before the exchange leaves one that names itself: that is an interrupted save.
+        try:
+            return manifests.load_manifest_header(path).save_id != self.save_id_of_area(path)
+        except Exception:  # noqa: BLE001 - no MANIFEST, or an unreadable one: not a checkpoint
+            return False
+
     def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
         return leftovers.reclaim_tmp_dirs(root, other_hosts=other_hosts)
