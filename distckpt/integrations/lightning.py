@@ -133,7 +133,7 @@ def _map_tensors(tree: Any, device: torch.device) -> Any:
     return tree
 
 
-def _tensor_records(checkpoint: Any) -> list[list]:
+def _tensor_records(checkpoint: Any, warned: set | None = None) -> list[list]:
     """What a whole-tree read would not give back as torch.save does, as plain data: each
     ``nn.Parameter`` (``["param", path, requires_grad]``; a read gives a plain tensor), and each
     tensor with the same memory as one met before, element for element (``["alias", path,
@@ -141,7 +141,8 @@ def _tensor_records(checkpoint: Any) -> list[list]:
     one tensor under two keys). Paths are key lists from the root. A tensor that overlaps
     another's memory otherwise (a slice, a transpose, an expansion of it) loads as its own copy:
     logged by name, values exact. Tensors without strided memory of their own (sparse, nested,
-    meta...) are left to flatten's refusal. O(n log n) in the tensors."""
+    meta...) are left to flatten's refusal. O(n log n) in the tensors. ``warned``: the (view, owner)
+    pairs already logged, which are not logged again (a trainer saves the same state every epoch)."""
     out: list[list] = []
     seen: dict[tuple, tuple[list, Any]] = {}     # (device, storage address, dtype, offset, shape, stride) -> first
     spans: dict[tuple, list[tuple[int, int, list]]] = {}  # (device, storage address) -> byte spans
@@ -186,7 +187,9 @@ def _tensor_records(checkpoint: Any) -> list[list]:
         intervals.sort(key=lambda span: span[0])
         reach, owner = -1, None
         for s0, e0, path in intervals:
-            if s0 < reach:
+            if s0 < reach and (warned is None or (tuple(path), tuple(owner)) not in warned):
+                if warned is not None:
+                    warned.add((tuple(path), tuple(owner)))
                 log.warning("distckpt: %s shares memory with %s but not element for element (a slice, transpose "
                             "or expansion of it): it is saved and loaded as its own tensor with the same values, "
                             "no longer sharing memory", ".".join(map(str, path)), ".".join(map(str, owner)))
@@ -336,6 +339,8 @@ class DistCkptCheckpointIO(CheckpointIO):
         # The checkpoint this plugin loaded last (the run resumed from it): rotation keeps it, as
         # ModelCheckpoint never deletes the checkpoint a run resumed from.
         self._resumed_from: str | None = None
+        # The partial views already logged by a save of this plugin: logged once, not every epoch.
+        self._views_warned: set[tuple[tuple, tuple]] = set()
 
     # -- save ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -360,7 +365,7 @@ class DistCkptCheckpointIO(CheckpointIO):
                 raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(options).__name__}")
             final = normalize_path(path)
             ordered = containers.record(checkpoint)
-            metadata = {_META: {"format": FORMAT, "ordered": ordered, "tensors": _tensor_records(checkpoint)}}
+            metadata = {_META: {"format": FORMAT, "ordered": ordered, "tensors": _tensor_records(checkpoint, self._views_warned)}}
             kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle, metadata=metadata,
                                           no_dist=True, storage_options=options)
             if self.keep_last is not None:
