@@ -49,7 +49,7 @@ Exactness (what torch.save would give back, checked at save, before any byte is 
     UnsupportedValueError naming its key, unless ``allow_pickle=True``.
   * ``nn.Parameter``s come back as Parameters (with ``requires_grad``), one tensor under two keys
     as one object, tied weights (two tensors over the same elements) over one memory: recorded
-    at save (:func:`_tensor_records`) and put back after the read. A partial view of another
+    at save (:func:`distckpt.tensorrecords.record`) and put back after the read. A partial view of another
     tensor's memory comes back as its own tensor, logged by name at save.
   * Tensors come back on CPU (``map_location=None``), every rank reading its own copy; Lightning
     copies them into the module's parameters and casts optimizer state to its parameters' devices.
@@ -94,7 +94,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without lightni
     raise ImportError("distckpt.integrations.lightning needs PyTorch Lightning "
                       "(pip install lightning==2.6.6)") from _exc
 
-from .. import containers
+from .. import containers, tensorrecords
 from ..commit import SaveResult
 from ..errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
                       PickleNotAllowedError)
@@ -130,122 +130,6 @@ def _map_tensors(tree: Any, device: torch.device) -> Any:
         return tree
     if type(tree) is tuple:
         return tuple(_map_tensors(v, device) for v in tree)
-    return tree
-
-
-def _tensor_records(checkpoint: Any, warned: set | None = None) -> list[list]:
-    """What a whole-tree read would not give back as torch.save does, as plain data: each
-    ``nn.Parameter`` (``["param", path, requires_grad]``; a read gives a plain tensor), and each
-    tensor with the same memory as one met before, element for element (``["alias", path,
-    first_path, same_object, requires_grad or None]``; a read gives two copies: tied weights,
-    one tensor under two keys). Paths are key lists from the root. A tensor that overlaps
-    another's memory otherwise (a slice, a transpose, an expansion of it) loads as its own copy:
-    logged by name, values exact. Tensors without strided memory of their own (sparse, nested,
-    meta...) are left to flatten's refusal. O(n log n) in the tensors. ``warned``: the (view, owner)
-    pairs already logged, which are not logged again (a trainer saves the same state every epoch)."""
-    out: list[list] = []
-    seen: dict[tuple, tuple[list, Any]] = {}     # (device, storage address, dtype, offset, shape, stride) -> first
-    spans: dict[tuple, list[tuple[int, int, list]]] = {}  # (device, storage address) -> byte spans
-
-    def memory(obj: torch.Tensor) -> tuple | None:
-        if obj.layout != torch.strided or obj.is_meta or obj.numel() == 0:
-            return None
-        try:
-            if obj.is_nested or obj.is_quantized:
-                return None
-            return str(obj.device), obj.untyped_storage().data_ptr()
-        except Exception:  # noqa: BLE001 - no storage to share (a wrapper subclass, XLA): nothing to record
-            return None
-
-    def walk(obj: Any, path: list, depth: int) -> None:
-        if depth > 100:
-            return  # flatten reports the depth
-        if isinstance(obj, dict):
-            for key, value in obj.items():
-                walk(value, path + [key], depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for i, value in enumerate(obj):
-                walk(value, path + [i], depth + 1)
-        elif type(obj) in (torch.Tensor, torch.nn.Parameter):
-            rg = bool(obj.requires_grad) if type(obj) is torch.nn.Parameter else None
-            where = memory(obj)
-            if where is not None:
-                key = (*where, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride())
-                if key in seen:
-                    first, first_obj = seen[key]
-                    out.append(["alias", path, first, obj is first_obj, rg])
-                    return
-                seen[key] = (path, obj)
-                start = obj.storage_offset() * obj.element_size()
-                extent = 1 + sum((n - 1) * st for n, st in zip(obj.shape, obj.stride()))
-                spans.setdefault(where, []).append((start, start + extent * obj.element_size(), path))
-            if rg is not None:
-                out.append(["param", path, rg])
-
-    walk(checkpoint, [], 0)
-    for intervals in spans.values():  # one sweep per storage: any overlap between distinct layouts
-        intervals.sort(key=lambda span: span[0])
-        reach, owner = -1, None
-        for s0, e0, path in intervals:
-            if s0 < reach and (warned is None or (tuple(path), tuple(owner)) not in warned):
-                if warned is not None:
-                    warned.add((tuple(path), tuple(owner)))
-                log.warning("distckpt: %s shares memory with %s but not element for element (a slice, transpose "
-                            "or expansion of it): it is saved and loaded as its own tensor with the same values, "
-                            "no longer sharing memory", ".".join(map(str, path)), ".".join(map(str, owner)))
-            if e0 > reach:
-                reach, owner = e0, path
-    return out
-
-
-def _restore_tensors(tree: Any, records: Any, path: str) -> Any:
-    """``tree`` with the Parameters and shared tensors of :func:`_tensor_records` put back.
-
-    Raises ManifestCorruptError for a record that is malformed or names no tensor of ``tree``."""
-    from ..errors import ManifestCorruptError
-    from ..flatten import set_leaf
-
-    def bad(rec: Any) -> ManifestCorruptError:
-        return ManifestCorruptError(f"meta.user.{_META}.tensors: {rec!r} names no tensor of the checkpoint",
-                                    path=path)
-
-    def at(keys: Any) -> torch.Tensor:
-        node = tree
-        try:
-            for key in keys:
-                node = node[key]
-        except (TypeError, KeyError, IndexError):
-            node = None
-        if not isinstance(node, torch.Tensor):
-            raise bad(keys)
-        return node
-
-    if not isinstance(records, list):
-        raise bad(records)
-    for rec in records:  # Parameters first: an alias of one is then the same Parameter
-        if isinstance(rec, list) and len(rec) == 3 and rec[0] == "param" and isinstance(rec[1], list) and rec[1]:
-            set_leaf(tree, tuple(rec[1]), torch.nn.Parameter(at(rec[1]), requires_grad=bool(rec[2])))
-        elif not (isinstance(rec, list) and len(rec) == 5 and rec[0] == "alias" and isinstance(rec[1], list)
-                  and rec[1] and isinstance(rec[2], list)):
-            raise bad(rec)
-    def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:  # NaN == NaN here, unlike torch.equal
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        return a.numel() == 0 or torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                                             b.contiguous().reshape(-1).view(torch.uint8))
-
-    for rec in records:
-        if rec[0] == "alias":
-            first, mine = at(rec[2]), at(rec[1])
-            if not same_bytes(first, mine):
-                raise bad(rec)  # the bytes of the two differ: the record does not describe this tree
-            if rec[3]:
-                value = first
-            else:
-                value = first.detach()  # another tensor object over the same memory
-                if rec[4] is not None:
-                    value = torch.nn.Parameter(value, requires_grad=bool(rec[4]))
-            set_leaf(tree, tuple(rec[1]), value)
     return tree
 
 
@@ -365,7 +249,7 @@ class DistCkptCheckpointIO(CheckpointIO):
                 raise ConfigError(f"storage_options must be a dict of fsspec options, got {type(options).__name__}")
             final = normalize_path(path)
             ordered = containers.record(checkpoint)
-            metadata = {_META: {"format": FORMAT, "ordered": ordered, "tensors": _tensor_records(checkpoint, self._views_warned)}}
+            metadata = {_META: {"format": FORMAT, "ordered": ordered, "tensors": tensorrecords.record(checkpoint, warned=self._views_warned)}}
             kwargs: dict[str, Any] = dict(overwrite=True, allow_pickle=self.allow_pickle, metadata=metadata,
                                           no_dist=True, storage_options=options)
             if self.keep_last is not None:
@@ -471,7 +355,7 @@ class DistCkptCheckpointIO(CheckpointIO):
             if device is not None:
                 tree = _map_tensors(tree, device)
             if isinstance(ours, dict) and ours.get("format") == FORMAT and "tensors" in ours:
-                tree = _restore_tensors(tree, ours["tensors"], final)
+                tree = tensorrecords.restore(tree, ours["tensors"], where=f"meta.user.{_META}.tensors", path=final)
             self._resumed_from = final
             return tree
 

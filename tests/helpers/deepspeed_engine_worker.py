@@ -177,7 +177,8 @@ def _differences(a, b, where: str = "") -> list[str]:
             return [f"{where}: length {len(a)} != {len(b)}"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
     if isinstance(a, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        same = (a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
+                and torch.equal(a, b))
         return [] if same else [f"{where}: tensors differ"]
     if hasattr(a, "__dict__") and not isinstance(a, type):
         return _differences(vars(a), vars(b), f"{where}<{type(a).__name__}>")
@@ -480,6 +481,8 @@ def edges(out: str) -> None:
     root = os.path.join(out, "edges")
     client = {"od": collections.OrderedDict([("b", 1), ("a", 2)]), "cnt": collections.Counter({3: 2, 7: 1}),
               "counts": collections.defaultdict(int, {"seen": 3})}
+    client["param"] = torch.nn.Parameter(torch.ones(2))  # torch.save keeps a Parameter, and one object
+    client["param_again"] = client["param"]              # under two keys as one
     report = {}
     # 1. MultiStepLR + client containers, through install() and through zero.save / zero.load.
     e = _edge_engine(2, frozen_seed=1)
@@ -502,6 +505,7 @@ def edges(out: str) -> None:
         else:
             _, cs = f.load_checkpoint(os.path.join(root, kind), "t")
             cs = {k: cs[k] for k in client}
+            cs["one_object"] = cs["param_again"] is cs["param"]
         milestones = f.lr_scheduler.milestones
         lrs = []
         for s in range(4, 7):  # across the second milestone

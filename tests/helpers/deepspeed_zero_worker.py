@@ -247,13 +247,16 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
             raised = {"class": type(exc).__name__, "message": str(exc), "remedy": exc.remedy}
         client["od"] = collections.OrderedDict([("b", 1), ("a", 2)])
         client["odd"] = {None: 1, (1, 2): "x"}  # one value, kept exactly (its keys are not the root's)
+        client["param"] = torch.nn.Parameter(torch.ones(2))  # torch.save keeps a Parameter, and one
+        client["param_again"] = client["param"]              # object under two keys as one
         dds.save(engine, os.path.join(out, "client_rank0"), client_state=client, replicated="rank0")
         got = dds.load(engine, os.path.join(out, "client_rank0")).client_state
         # a client_state that is itself a dict with such keys (recorded as the root, it was refused)
         dds.save(engine, os.path.join(out, "client_odd"), client_state={None: 1, (1, 2): "x"})
         whole = dds.load(engine, os.path.join(out, "client_odd")).client_state
         kept = {"types": [type(got["od"]).__name__, list(got["od"])], "rank": got["rank"], "same": got["same"],
-                "odd": got["odd"] == {None: 1, (1, 2): "x"} and whole == {None: 1, (1, 2): "x"}}
+                "odd": got["odd"] == {None: 1, (1, 2): "x"} and whole == {None: 1, (1, 2): "x"},
+                "param": [type(got["param"]).__name__, got["param"].requires_grad, got["param_again"] is got["param"]]}
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": raised, "kept": kept, "same": True, "untouched": True}, f)
         return

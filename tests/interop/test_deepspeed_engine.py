@@ -277,7 +277,7 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
     """Where the side-by-side test above does not look (tests/helpers/deepspeed_engine_worker.py
     edges; every comparison against DeepSpeed's own engine in the same launch, 2 ranks):
       * a torch MultiStepLR (milestones: a Counter) and client_state holding an OrderedDict, a
-        Counter and a defaultdict(int), through install() and through the standalone
+        Counter, a defaultdict(int) and an nn.Parameter under two keys, through install() and through the standalone
         zero.save/zero.load: the same types and values, the same lr at the next milestone (the
         JSON metadata of format 1 turned the milestones' int keys into strings: lr never decayed);
       * exclude_frozen_parameters=True: a load onto a new frozen base keeps it, and a strict load

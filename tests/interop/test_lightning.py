@@ -198,7 +198,7 @@ def _sharing(ck: dict) -> tuple:
     """What torch.save keeps of a checkpoint's tensors besides their values: types, requires_grad,
     which keys are one object, which share memory with which."""
     flat = {"p": ck["p"], "q": ck["extra"][0], "a": ck["a"], "b": ck["b"], "tied1": ck["state_dict"]["enc.weight"],
-            "tied2": ck["state_dict"]["dec.weight"]}
+            "tied2": ck["state_dict"]["dec.weight"], "rg": ck["rg"]}
     kinds = {k: (type(t).__name__, t.requires_grad) for k, t in flat.items()}
     same = {(x, y) for x in flat for y in flat if x < y and flat[x] is flat[y]}
     shared = {(x, y) for x in flat for y in flat if x < y and flat[x].data_ptr() == flat[y].data_ptr()}
@@ -217,7 +217,7 @@ def test_parameters_and_shared_tensors_come_back_as_torch_checkpoint_io_gives_th
     p = torch.nn.Parameter(torch.ones(2))
     ck = {"p": p, "extra": [p, torch.nn.Parameter(torch.zeros(1), requires_grad=False)], "a": x, "b": x,
           "view": x[1:], "state_dict": {"enc.weight": w.detach(), "dec.weight": w.detach()},
-          "empty": torch.nn.Parameter(torch.zeros(0))}
+          "empty": torch.nn.Parameter(torch.zeros(0)), "rg": torch.ones(2, requires_grad=True)}
     torch_io = TorchCheckpointIO()
     torch_io.save_checkpoint(ck, str(tmp_path / "torch.ckpt"))
     want = torch_io.load_checkpoint(str(tmp_path / "torch.ckpt"), weights_only=False)

@@ -90,7 +90,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
-from ... import containers
+from ... import containers, tensorrecords
 from ... import manifest as mf
 from ..._dist import _portable, control_group
 from ...errors import CheckpointNotFoundError, ConfigError, ManifestCorruptError, ReshardError, StateDictMismatchError
@@ -116,6 +116,9 @@ _FILES = "files"
 # it saves (ZeRO-3's model states are per rank), so the records travel with the state, not in
 # rank 0's metadata.
 _CONTAINERS = "containers"
+# {file name: msgpack of its nn.Parameter and shared-tensor records (distckpt.tensorrecords)}:
+# torch.save keeps both (a Parameter in client_state, tied weights of the module's state dict).
+_TENSORS = "tensors"
 # A tag becomes a directory name beside `latest` and distckpt's hidden tmp/lock entries.
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
 
@@ -221,19 +224,23 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _records(files: dict[str, Any]) -> dict[str, bytes]:
-    """{file name: its container records, packed} (see _CONTAINERS). Raises UnsupportedValueError
-    for a container that would not load back as its own type."""
-    return {name: msgpack.packb(containers.record(sd), use_bin_type=True) for name, sd in files.items()}
+def _records(files: dict[str, Any]) -> dict[str, dict[str, bytes]]:
+    """{_CONTAINERS: {file name: its container records, packed}, _TENSORS: {file name: its
+    Parameter and shared-tensor records, packed}}. Raises UnsupportedValueError for a container
+    that would not load back as its own type."""
+    return {_CONTAINERS: {name: msgpack.packb(containers.record(sd), use_bin_type=True) for name, sd in files.items()},
+            _TENSORS: {name: msgpack.packb(tensorrecords.record(sd), use_bin_type=True) for name, sd in files.items()}}
 
 
-def _unpack_records(raw: Any, name: str, path: str) -> list:
+def _unpack_records(raw: Any, where: str, path: str) -> list:
+    """The records packed at ``where`` (``containers.NAME`` / ``tensors.NAME``). Raises
+    ManifestCorruptError when they are not msgpack bytes."""
     try:
         if not isinstance(raw, bytes):
             raise TypeError(f"a {type(raw).__name__}, not bytes")
         return msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except (TypeError, ValueError, msgpack.UnpackException) as exc:
-        raise ManifestCorruptError(f"{_CONTAINERS}.{name}: the container records are malformed: {exc}",
+        raise ManifestCorruptError(f"{where}: the records are malformed: {exc}",
                                    path=path) from None
 
 
@@ -370,7 +377,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         """
         if int(self.engine.zero_optimization_stage()) == 0:
             out = {name: _encode(sd) for name, sd in files.items()}
-            return {_FILES: out, _CONTAINERS: _records(out)}, {"containers": True}
+            return {_FILES: out, **_records(out)}, {"containers": True, "tensors": True}
         zsd, zmeta = zero.state_dict(self.engine, lr_scheduler=False,
                                      exclude_frozen_parameters=self.exclude_frozen_parameters)
         stage = int(zmeta["stage"])
@@ -388,8 +395,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
         meta = {"format": zero.FORMAT, "stage": stage, "dp_size": zmeta["dp_size"],
                 "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
                 "module_from_masters": False,
-                "containers": True}
-        return {_FILES: out, _CONTAINERS: _records(out), **zsd}, meta
+                "containers": True, "tensors": True}
+        return {_FILES: out, **_records(out), **zsd}, meta
 
     def _after_commit(self, store: Store, save_dir: str, tag: str, save_latest: bool) -> None:
         # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
@@ -438,12 +445,17 @@ class DistckptCheckpointEngine(CheckpointEngine):
         keys = [f"{_FILES}.{name}"]
         if self.load_meta.get("containers"):
             keys.append(f"{_CONTAINERS}.{name}")
+        if self.load_meta.get("tensors"):
+            keys.append(f"{_TENSORS}.{name}")
         got = read(self._load_path, keys=keys)
         sd = got[_FILES][name]
         if _CONTAINERS in got:
             # Containers first (their records name paths of the stored tree), then loss scalers.
-            sd = containers.rebuild(sd, _unpack_records(got[_CONTAINERS][name], name, self._load_path),
+            sd = containers.rebuild(sd, _unpack_records(got[_CONTAINERS][name], f"{_CONTAINERS}.{name}", self._load_path),
                                     where=f"{_CONTAINERS}.{name}", path=self._load_path)
+        if _TENSORS in got:
+            sd = tensorrecords.restore(sd, _unpack_records(got[_TENSORS][name], f"{_TENSORS}.{name}", self._load_path),
+                                       where=f"{_TENSORS}.{name}", path=self._load_path)
         sd = _decode(sd)
         if name.endswith("_model_states") and self.load_meta.get("module_from_masters"):
             # The weights were stored once, as fp32 masters (see _state). A weight without a saved

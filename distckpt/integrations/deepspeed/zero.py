@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ... import containers
+from ... import containers, tensorrecords
 from ...errors import ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces, flatten
 
@@ -503,6 +503,8 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
         # from engine.save_checkpoint
         # (recorded under the "client" key it is saved at: its own keys are not the root's)
         meta["client_containers"] = containers.record({"client": client_state})
+        # and its nn.Parameters and shared tensors too, as torch.save keeps them
+        meta["client_tensors"] = tensorrecords.record({"client": client_state})
     try:
         sd[_META] = json.dumps(meta, sort_keys=True)
     except (TypeError, ValueError) as exc:  # a leafless scheduler state, or records, JSON cannot hold
@@ -767,6 +769,9 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
         if meta.get("client_containers"):
             client = containers.rebuild({"client": client}, meta["client_containers"],
                                         where=f"{_META}.client_containers", path=path)["client"]
+        if meta.get("client_tensors"):
+            client = tensorrecords.restore({"client": client}, meta["client_tensors"],
+                                           where=f"{_META}.client_tensors", path=path)["client"]
     return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
 
 
