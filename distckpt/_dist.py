@@ -48,14 +48,23 @@ class ControlGroup:
         self.world_size = world_size
 
     def _wrap(self, what: str, fn, *args):
+        progress = _Progress.enter(self.pg, self.rank)
         try:
             return fn(*args)
         except DistCkptError:
             raise
         except Exception as exc:  # gloo reports a dead peer or a timeout as RuntimeError/DistError
+            behind = progress.behind(self.world_size) if progress is not None else None
+            fields: dict[str, Any] = {}
+            named = ""
+            if behind:
+                fields["lost_ranks"] = behind
+                named = (f"; group rank(s) {behind} (global rank(s) {[self._global(r) for r in behind]}) never reached this "
+                         f"{what}: such a rank died, is stuck (in I/O, a hung device, a debugger) or called "
+                         "something else; look at its log first")
             raise PeerLostError(
-                f"{what} among {self.world_size} ranks failed: {type(exc).__name__}: {exc}",
-                rank=self.rank) from exc
+                f"{what} among {self.world_size} ranks failed: {type(exc).__name__}: {exc}{named}",
+                rank=self.rank, **fields) from exc
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (a one-element list in a single process)."""
@@ -225,6 +234,47 @@ _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 # process group -> how many arrival checks this process has made on it (every rank counts alike;
 # a new world after destroy_process_group is a new key, with a new store).
 _ARRIVALS: dict[Any, int] = {}
+
+
+class _Progress:
+    """Which ranks reached a collective of a control group, for the message of one that failed.
+
+    Before each collective a rank writes how many collectives of that group it has entered
+    (``distckpt/coll/<group name>/<rank>`` in the job's store: one small set, a few microseconds).
+    When the collective fails, the ranks whose count is lower never reached it: gloo's timeout
+    does not say who, and "a peer died" is only useful with its rank."""
+
+    _SEQ: dict = {}
+
+    def __init__(self, store: Any, base: str, seq: int) -> None:
+        self.store, self.base, self.seq = store, base, seq
+
+    @classmethod
+    def enter(cls, pg: Any, rank: int) -> "_Progress | None":
+        """Record this rank's entry into the next collective of ``pg``; None where the store
+        cannot be reached (the collective then reports the failure without names)."""
+        try:
+            from torch.distributed import distributed_c10d as c10d
+            store = c10d._get_default_store()
+            base = f"distckpt/coll/{c10d._get_process_group_name(pg)}"
+            seq = cls._SEQ.get(pg, 0) + 1
+            cls._SEQ[pg] = seq
+            store.set(f"{base}/{rank}", str(seq))
+            return cls(store, base, seq)
+        except Exception:  # noqa: BLE001 - a diagnostic only; the collective itself reports a lost store
+            return None
+
+    def behind(self, world: int) -> list[int] | None:
+        """The group ranks that never entered this collective; None when the store cannot tell."""
+        try:
+            keys = [f"{self.base}/{r}" for r in range(world)]
+            if self.store.check(keys):
+                counts = [int(v) for v in self.store.multi_get(keys)]
+            else:  # a rank that never entered any collective of this group has no key yet
+                counts = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
+            return [r for r, n in enumerate(counts) if n < self.seq]
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be the lost one
+            return None
 
 
 def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:

@@ -402,7 +402,8 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
     MANIFEST (rank 0's save id is the tmp dir's suffix) at ``final_dir`` on the shared file system;
     finding it proves the commit, not finding it proves nothing (rank 0 may be slow, not dead).
     """
-    others = [r for r in range(world) if r != rank]
+    # The ranks that never reached the verdict's broadcast, when the control group could tell.
+    others = getattr(lost, "lost_ranks", None) or [r for r in range(world) if r != rank]
     who = f"rank {others[0]} was" if len(others) == 1 else f"one or more of ranks {others} were"
     if rank == 0:
         if not committed and getattr(after_error, "published", False):

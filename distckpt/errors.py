@@ -527,6 +527,8 @@ class PeerLostError(DistCkptError, RuntimeError):
     :class:`CommittedButPeerLostError`, and so does another rank that finds the commit on the
     shared file system; a plain PeerLostError at that point has ``committed = None`` (this rank
     cannot tell) and ``save_id`` (the save whose MANIFEST would be at ``path`` if it committed).
+    ``lost_ranks``: the group ranks that never reached the collective that failed (each rank
+    records its progress in the job's store), when the store could tell; the message names them.
     """
 
     default_remedy = "Check the other ranks' logs; restart the job from the newest committed checkpoint."

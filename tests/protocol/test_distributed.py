@@ -273,6 +273,36 @@ def test_dead_peer_is_reported_not_waited_for(tmp_path):
     assert not os.path.exists(path)
 
 
+def _stuck_body(rank, world, path):
+    import distckpt
+    import distckpt.storage.posix.saving as coord
+    from distckpt import errors
+    if rank == 1:
+        real = coord.write_rank_file
+
+        def stuck(*a, **k):
+            time.sleep(12)  # a rank stuck in I/O past DISTCKPT_TIMEOUT_S (a hung mount, a debugger)
+            return real(*a, **k)
+        coord.write_rank_file = stuck
+    try:
+        distckpt.save({"x": torch.ones(1000)}, path)
+    except errors.PeerLostError as exc:
+        return type(exc).__name__, getattr(exc, "lost_ranks", None), str(exc)
+    return None
+
+
+def test_a_stuck_peer_is_named_by_the_ranks_that_waited_for_it(tmp_path):
+    """gloo's timeout says only that a collective timed out; the survivors name the rank that
+    never reached it (each rank records its progress in the job's store before a collective)."""
+    path = str(tmp_path / "ckpt")
+    results = run_ranks(_stuck_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "4"}, timeout=120, preload=_PRELOAD)
+    cls, lost, message = results[0]
+    assert cls == "PeerLostError" and lost == [1], results[0]
+    assert "group rank(s) [1] (global rank(s) [1]) never reached this" in message, message
+    assert results[1] is not None and results[1][0] == "PeerLostError", results[1]  # typed there too, later
+    assert not os.path.exists(path)
+
+
 def _inconsistent_dtensor_body(rank, world, path):
     import distckpt
     from distckpt import errors
