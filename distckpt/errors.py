@@ -38,6 +38,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectStoreAccessError",
     "EndpointUnreachableError",
+    "ResponseIncompleteError",
     "ThrottledError",
     "QuotaExceededError",
     "CheckpointExistsError",
@@ -226,7 +227,9 @@ class ObjectStoreError(StorageError):
     exception's name), ``status`` (the HTTP status, or None without a response), ``endpoint``.
     """
 
-    default_remedy = "Check the object store's health and the error code above; the save was not committed."
+    default_remedy = ("Check the object store's health and the error code above, then retry. A failed read "
+                      "changed nothing; a failed save committed nothing unless its error says the outcome is "
+                      "unknown (commit_unknown).")
 
 
 class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
@@ -262,6 +265,16 @@ class EndpointUnreachableError(ObjectStoreError, ConnectionError):
 
     default_remedy = ("Check that the endpoint URL is right and the server is up and reachable from this node "
                       "(AWS_ENDPOINT_URL / storage_options client_kwargs endpoint_url; proxies, firewalls).")
+
+
+class ResponseIncompleteError(EndpointUnreachableError):
+    """The endpoint answered, but the answer's body arrived short (the connection closed or was
+    reset before its end) or did not match the checksum the store sent with it, through every
+    retry. The stored object is not known to be damaged: this is the network between this node
+    and the store (a proxy, a load balancer, a reset), not the checkpoint."""
+
+    default_remedy = ("Retry; the stored object is not known to be damaged. If it persists, check what sits "
+                      "between this node and the store (proxies, load balancers, TLS terminators).")
 
 
 class ThrottledError(ObjectStoreError):

@@ -14,6 +14,10 @@ chosen one. Every request gets a number in arrival order (``proxy.log``: (number
   * ``"act_then_stall"``: forwarded, the server acts, the answer is never returned and the
     connection stays silent;
   * ``("delay", seconds)``: forwarded after a pause.
+  * ``("cut", nbytes)``: forwarded, the server acts, then the answer is sent without its
+    Content-Length (``Connection: close``) and only its first ``nbytes`` of body, and the
+    connection is closed cleanly: a body cut short that the client cannot tell from a whole one
+    by its framing (a proxy or gateway that closes early).
 
 Real sockets, a real server: the client stack (s3fs / aiobotocore / aiohttp) sees exactly what it
 would see from a real faulty network.
@@ -191,6 +195,13 @@ class FaultProxy:
                     return
                 if action == "act_then_stall":
                     self._hold(client)
+                    return
+                if isinstance(action, tuple) and action[0] == "cut":
+                    head, _, body = resp.partition(b"\r\n\r\n")
+                    lines = [ln for ln in head.split(b"\r\n")
+                             if not ln.lower().startswith((b"content-length:", b"connection:"))]
+                    client.sendall(b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n" + body[:action[1]])
+                    client.shutdown(socket.SHUT_WR)
                     return
                 client.sendall(resp)
         except (EOFError, OSError):

@@ -441,3 +441,36 @@ def test_an_unanswered_manifest_read_at_resume_never_rolls_the_manager_back(s3_b
     assert direct.steps() == [100, 200, 300] and direct.latest_step() == 300
     back = _state(0.0)
     assert mgr.load(back).path.endswith("step_00000300") and _equal(back, _state(300.0))
+
+
+@pytest.mark.parametrize("what", ["data", "MANIFEST"])
+def test_a_body_cut_short_on_the_wire_is_asked_again_never_called_damage(s3_bucket, proxy, what):
+    """A proxy drops an answer's Content-Length and closes after part of its body: the client
+    cannot tell by framing that it is short. The object is intact, so this is the network's
+    doing: one such answer is asked again and the load is exact; when every answer is cut, the
+    error is ResponseIncompleteError (an EndpointUnreachableError), never DataFileTruncatedError
+    or ManifestCorruptError with "this one is damaged" (an outside trial: one cut answer failed
+    the whole load as a damaged checkpoint)."""
+    url = f"{s3_bucket.url}/cut"
+    distckpt.save(_state(7.0), url, storage_options=s3_bucket.storage_options, no_dist=True)
+    suffix = "rank00000.bin" if what == "data" else "MANIFEST"
+    cut = {"left": 1}
+
+    def once(i, method, path):
+        if method == "GET" and path.split("?")[0].endswith(suffix) and cut["left"] > 0:
+            cut["left"] -= 1
+            return ("cut", 100)
+        return None
+
+    proxy.rule = once
+    opts = _proxied(s3_bucket.storage_options, proxy)
+    got = _state(0.0)
+    distckpt.load(got, url, storage_options=opts)
+    assert cut["left"] == 0 and _equal(got, _state(7.0))
+    proxy.rule = lambda i, method, path: ("cut", 100) if method == "GET" and path.split("?")[0].endswith(suffix) else None
+    t0 = time.monotonic()
+    with pytest.raises(distckpt.errors.ResponseIncompleteError) as info:
+        distckpt.load(_state(0.0), url, storage_options=_proxied(s3_bucket.storage_options, proxy))
+    assert time.monotonic() - t0 < BOUND_S
+    assert isinstance(info.value, distckpt.errors.EndpointUnreachableError)
+    assert "is damaged" not in str(info.value) and "not known to be damaged" in info.value.remedy, info.value

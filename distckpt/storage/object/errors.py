@@ -11,6 +11,7 @@ NoSuchKey, 404 (or s3fs's bare FileNotFoundError)       ObjectNotFoundError
 AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, ObjectStoreAccessError
 ExpiredToken, 403, no / partial credentials
 connection refused / reset, DNS, connect/read timeout   EndpointUnreachableError
+a body cut short or not matching its checksum           ResponseIncompleteError (an EndpointUnreachableError)
 SlowDown, Throttling, 429, 503 ... (after the retries)  ThrottledError
 QuotaExceeded, XMinioStorageFull, 507 ...               QuotaExceededError
 PreconditionFailed / 412 on a conditional create        CheckpointExistsError (another writer won)
@@ -25,7 +26,9 @@ Retries: the client stack already retries connection errors (s3fs: 5 tries) and,
 ``standard`` mode, throttling. :func:`call_with_retry` / :func:`acall_with_retry` add distckpt's
 own bound on top for throttling only: exponential backoff with full jitter, at most
 ``RetryPolicy.attempts`` tries and ``RetryPolicy.total_s`` seconds, then :class:`ThrottledError`.
-Nothing else is retried here: a refused credential or a missing bucket does not get better.
+Nothing else is retried here: a refused credential or a missing bucket does not get better. (A read
+whose answer is shorter than the object's known size is asked again by its caller, at most
+``SHORT_ANSWER_TRIES`` times: :mod:`distckpt.storage.object.store`.)
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ...errors import (
     CheckpointExistsError,
     DistCkptError,
     EndpointUnreachableError,
+    ResponseIncompleteError,
     ObjectNotFoundError,
     ObjectStoreAccessError,
     ObjectStoreError,
@@ -171,6 +175,26 @@ def _connection_failure(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _incomplete_body(exc: BaseException) -> BaseException | None:
+    """The exception in the chain that says an answer's body arrived short or corrupted (the
+    endpoint answered, the network cut or garbled it), if any."""
+    kinds: tuple = ()
+    try:
+        import botocore.exceptions as bce
+        kinds += (bce.FlexibleChecksumError, bce.IncompleteReadError, bce.ResponseStreamingError)
+    except (ImportError, AttributeError):  # pragma: no cover - older botocore lacks some
+        pass
+    try:
+        import aiohttp
+        kinds += (aiohttp.ClientPayloadError,)
+    except ImportError:  # pragma: no cover
+        pass
+    for e in _chain(exc):
+        if kinds and isinstance(e, kinds) and not isinstance(e, DistCkptError):
+            return e
+    return None
+
+
 def _errno_in_chain(exc: BaseException) -> int | None:
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno in (_errno.ECONNREFUSED, _errno.ECONNRESET, _errno.EHOSTUNREACH,
@@ -278,6 +302,13 @@ def translate(
         return ObjectNotFoundError(f"{operation} {url} failed: no such object ({said or exc})",
                                    errno=_errno.ENOENT, **common)
     if code is None:
+        cut = _incomplete_body(exc)
+        if cut is not None:
+            common["code"] = type(cut).__name__
+            return ResponseIncompleteError(
+                f"{operation} {url} failed: the object store endpoint{' ' + endpoint if endpoint else ''} answered, but "
+                f"the body arrived cut short or corrupted in transit: {type(cut).__name__}: {cut}",
+                errno=_errno.EIO, **common)
         conn = _connection_failure(exc)
         if conn is not None:
             common["code"] = type(conn).__name__

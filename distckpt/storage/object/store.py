@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -54,8 +55,8 @@ from ... import datafile
 from ... import manifest as mf
 from ...errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError,
                       CheckpointRemovedError, ConfigError,
-                      DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError, SaveInProgressError,
-                      )
+                      DataFileMissingError, DataFileTruncatedError, DistCkptError, ManifestCorruptError,
+                      ResponseIncompleteError, SaveInProgressError)
 from ...config import get_config
 from ...plan import ALIGNMENT
 from .. import ROOT_LOCK_NAME, Leftover, Store, join
@@ -73,6 +74,10 @@ LOCK_NAME = ".lock"
 PUBLISHING_NAME = ".publishing"
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
+#: How many answers in a row may hold fewer bytes than the object is known to have before a read
+#: fails with ResponseIncompleteError. Such an answer is the network's doing (a connection closed
+#: before the end of a body sent without Content-Length), not a damaged object: asked again.
+SHORT_ANSWER_TRIES = 3
 
 
 def translate_error(exc: BaseException, url: str, rank: int | None, operation: str,
@@ -164,6 +169,11 @@ class ObjectStore(Store):
                 data = await body.read()
             finally:
                 body.close()
+            length = resp.get("ContentLength")
+            if length is not None and len(data) != int(length):
+                # aiohttp checks a declared length itself; this is the last guard before a cut
+                # MANIFEST would be decoded (and called damaged).
+                raise _short_answer(url, len(data), int(length), 0, self.endpoint)
             return data, resp.get("ETag")
         try:
             return objrequest.run(self.fs.loop, get, url=url, operation="get", endpoint=self.endpoint, nbytes=limit)
@@ -195,8 +205,16 @@ class ObjectStore(Store):
             if info["size"] > limit:
                 raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
                                               path=url, expected=f"<= {limit}", found=info["size"])
-            data = self._call("get", url, "cat_file", self._key(url), nbytes=info["size"])
-            return data, info.get("ETag")
+            for attempt in range(1, SHORT_ANSWER_TRIES + 1):
+                try:
+                    data = self._call("get", url, "cat_file", self._key(url), nbytes=info["size"])
+                except ResponseIncompleteError:  # cut short or garbled on the wire: asked again
+                    if attempt == SHORT_ANSWER_TRIES:
+                        raise
+                    continue
+                if len(data) >= info["size"]:
+                    return data, info.get("ETag")
+            raise _short_answer(url, len(data), info["size"], 0, self.endpoint)
         except NoSuchKey:
             return None
 
@@ -769,6 +787,13 @@ def _parent(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[0]
 
 
+def _short_answer(url: str, got: int, expected: int, offset: int, endpoint: str | None) -> ResponseIncompleteError:
+    return ResponseIncompleteError(
+        f"get {url} failed: {SHORT_ANSWER_TRIES} answers in a row held {got} of the {expected} bytes asked for at "
+        f"offset {offset}, which the object holds (the connection closed before the end of the body)",
+        path=url, url=url, operation="get", code="ShortAnswer", endpoint=endpoint, errno=errno.EIO)
+
+
 class _RangeReader:
     """What :func:`distckpt.fill.fill` needs of a reader: ``size`` and ``read_into`` (one ranged
     GET per request); nothing to close."""
@@ -779,12 +804,23 @@ class _RangeReader:
 
     def read_into(self, requests) -> None:
         for offset, nbytes, dest in requests:
-            try:
-                data = self.store._call("get", self.url, "cat_file", self.key, start=offset, end=offset + nbytes,
-                                        nbytes=nbytes)
-            except NoSuchKey:
-                raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
-                                           path=self.url) from None
+            for attempt in range(1, SHORT_ANSWER_TRIES + 1):
+                try:
+                    data = self.store._call("get", self.url, "cat_file", self.key, start=offset,
+                                            end=offset + nbytes, nbytes=nbytes)
+                except NoSuchKey:
+                    raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
+                                               path=self.url) from None
+                except ResponseIncompleteError:  # cut short or garbled on the wire: asked again
+                    if attempt == SHORT_ANSWER_TRIES:
+                        raise
+                    continue
+                if len(data) >= nbytes or offset + nbytes > self.size:
+                    break
+                # The object holds these bytes (its size was checked against the MANIFEST when
+                # this reader was opened): a short answer is the connection's, asked again.
+            else:
+                raise _short_answer(self.url, len(data), nbytes, offset, self.store.endpoint)
             if len(data) < nbytes:
                 raise DataFileTruncatedError(f"data object {_basename(self.url)}: {len(data)} bytes at offset "
                                              f"{offset}, expected {nbytes}", path=self.url, expected=nbytes,
