@@ -381,7 +381,7 @@ def _verify_and_print(args, path: str) -> int:
     returns the exit status."""
     from tqdm import tqdm
 
-    from .verify import verify
+    from .verify import not_damage, verify
 
     bar = None
 
@@ -403,6 +403,18 @@ def _verify_and_print(args, path: str) -> int:
 
     try:
         report = verify(path, progress=lambda n: bar.update(n), on_start=start, window=args.window)
+    except DistCkptError as exc:
+        if not not_damage(exc):
+            raise
+        # Not a verdict on the data: the store did not answer (or refused), so nothing was found
+        # wrong and nothing was proven right. Exit 3, never the "damaged" status 1 a cleaner acts on.
+        if args.json:
+            print(json.dumps({"json_format": JSON_FORMAT, "path": path, "ok": None,
+                              "unverified": {"class": type(exc).__name__, "message": str(exc)}}, indent=1))
+        else:
+            print(f"{path}: NOT VERIFIED: {type(exc).__name__}: {exc} (a failed request, not damage found in the "
+                  f"checkpoint; verify again when the store answers)")
+        return 3
     finally:
         if bar is not None:
             bar.close()

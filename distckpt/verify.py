@@ -172,6 +172,8 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
                     reader.read_into([(off, length, view)])
                 raw = bytes(view)
             except StorageError as exc:  # EIO...: this file is a problem, the others are checked
+                if not_damage(exc):
+                    raise
                 problem = f"its index (bytes [{off}, {off + length})) cannot be read ({exc.message})"
             finally:
                 view.release()
@@ -207,6 +209,15 @@ def _iter_blocks(chunks: list, block: int) -> Iterator[_Block]:
             yield _Block(offset + start, min(block, c.nbytes - start), crc, fqn, i)
 
 
+def not_damage(exc: BaseException) -> bool:
+    """True for a read failure that says nothing about the checkpoint's data: an object-store
+    request that failed (no answer, an answer cut short, throttled, refused), no permission, no
+    file descriptor left. verify then raises it (the checkpoint could not be verified) instead of
+    reporting the file as damaged; an I/O error of the device (EIO) is reported as a file problem."""
+    from .errors import ObjectStoreError, StoragePermissionError, TooManyOpenFilesError
+    return isinstance(exc, (ObjectStoreError, StoragePermissionError, TooManyOpenFilesError))
+
+
 def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, opener,
                 report: VerifyReport, progress: Callable[[int], None] | None,
                 pool: concurrent.futures.Executor) -> None:
@@ -233,6 +244,8 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
                         start, n, view = pending.result()
                     except StorageError as exc:  # EIO...: reported, and the other files are checked
                         pending = None
+                        if not_damage(exc):
+                            raise
                         report.file_problems.append(FileProblem(
                             name, f"unreadable from byte {k * window} ({exc.message}): the rest of the file "
                                   f"is not checked"))
@@ -301,6 +314,10 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
         ChainBrokenError: ``path`` is a delta whose chain is broken: a link is missing, not
             committed, does not decode, was replaced by another save or belongs to another chain
             (its field ``link`` names it).
+        ObjectStoreError (EndpointUnreachableError, ResponseIncompleteError, ...),
+            StoragePermissionError, TooManyOpenFilesError: a read failed for a reason that says
+            nothing about the data (:func:`not_damage`): the checkpoint could not be verified,
+            which is not reported as damage.
         StorageError subclass: an I/O error reading the MANIFEST. An I/O error reading a data
             file (EIO...) is that file's problem in the report, and the other files are checked.
     """

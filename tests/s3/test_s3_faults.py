@@ -474,3 +474,34 @@ def test_a_body_cut_short_on_the_wire_is_asked_again_never_called_damage(s3_buck
     assert time.monotonic() - t0 < BOUND_S
     assert isinstance(info.value, distckpt.errors.EndpointUnreachableError)
     assert "is damaged" not in str(info.value) and "not known to be damaged" in info.value.remedy, info.value
+
+
+def test_verify_through_a_silent_endpoint_says_not_verified_never_damaged(s3_bucket, proxy):
+    """`distckpt verify` of an intact checkpoint whose data GETs go unanswered said `DAMAGED`
+    (exit 1, `ok: false`, the request error listed as a file problem; an outside trial): a
+    cleaner acting on it deletes a good checkpoint. It says NOT VERIFIED with exit 3, and
+    `ok: null` in --json; with the endpoint back, OK."""
+    import subprocess
+    import sys
+    env = {**os.environ, **s3_bucket.env, "AWS_ENDPOINT_URL": proxy.endpoint, "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "distckpt", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    url = f"{s3_bucket.url}/verify"
+    distckpt.save(_state(3.0), url, storage_options=s3_bucket.storage_options, no_dist=True)
+    proxy.rule = lambda i, method, path: "stall" if method == "GET" and "rank00000.bin" in path else None
+    t0 = time.monotonic()
+    out = cli("verify", url, "--no-progress")
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "NOT VERIFIED: EndpointUnreachableError" in out.stdout and "DAMAGED" not in out.stdout, out.stdout
+    out = cli("verify", url, "--json")
+    assert out.returncode == 3, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is None and doc["unverified"]["class"] == "EndpointUnreachableError", doc
+    assert time.monotonic() - t0 < 2 * BOUND_S
+    proxy.rule = lambda i, method, path: None
+    out = cli("verify", url, "--no-progress")
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
