@@ -81,6 +81,9 @@ class LoadResult:
             reading them: segments another rank read for it too (distckpt.readonce, counted once
             received and verified), or, for a tiered load, files its node lacked, fetched from
             other nodes before the read (distckpt.tiers.peers).
+        remote_unchecked: for a TieredCheckpointManager load made while the remote tier did not
+            answer, its error: the local copies loaded could not be checked against the remote
+            tier (the reference when it answers). None otherwise.
     """
 
     path: str
@@ -95,6 +98,7 @@ class LoadResult:
     cast: dict[str, str] = dataclasses.field(default_factory=dict)
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_from_peers: int = 0
+    remote_unchecked: str | None = None
 
 
 def load_manifest(path: str | os.PathLike, storage_options: dict | None = None) -> "mf.Manifest":

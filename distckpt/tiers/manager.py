@@ -32,10 +32,10 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
-import dataclasses
 import threading
 import time
 from typing import Any
@@ -43,7 +43,7 @@ from typing import Any
 from .._dist import _portable, control_group, group_members
 from ..config import get_config
 from ..commit import SaveResult
-from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError,
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
                       DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
                       ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError)
 from ..sizes import format_bytes
@@ -198,6 +198,7 @@ class TieredCheckpointManager:
         # Whether the remote tier's steps were listed at construction (else ``_remote_held`` may
         # lack steps it holds, which its keep_last_remote rotation counts): see _known_remote_id.
         self._remote_listed = False
+        self._remote_down: str | None = None  # the remote tier's error when it last did not answer
         try:
             remote_up = self._check_remote()
         except BaseException:
@@ -700,11 +701,16 @@ class TieredCheckpointManager:
         remote tier cannot be listed (an outage: its typed error, the same on every rank), the
         local tier alone, with a warning: a load then reads only complete local copies."""
         try:
-            return step_availability(self._group, local_root=self.local_root, remote_root=self.remote_root,
-                                     storage_options=self.storage_options, layout=self._layout), True
+            avail = step_availability(self._group, local_root=self.local_root, remote_root=self.remote_root,
+                                      storage_options=self.storage_options, layout=self._layout)
+            self._remote_down = None
+            return avail, True
         except ObjectStoreError as exc:
-            log.warning("distckpt: the remote tier %s cannot be listed (%s: %s): choosing among the local tier's "
-                        "complete copies only", self.remote_root, type(exc).__name__, exc)
+            self._remote_down = f"{type(exc).__name__}: {exc.message}"
+            log.warning("distckpt: the remote tier %s cannot be listed (%s): choosing among the local tier's "
+                        "complete copies only, which cannot be checked against it (should it hold another save "
+                        "of the same step, that one would be loaded when it answers)", self.remote_root,
+                        self._remote_down)
         return step_availability(self._group, local_root=self.local_root, remote_root=None,
                                  layout=self._layout), False
 
@@ -739,6 +745,12 @@ class TieredCheckpointManager:
         loads the step again from the remote tier alone when it holds the step, with a warning
         naming the damaged files (only verified bytes reach the state dict either way).
 
+        When the remote tier does not answer (its typed error, on every rank), the step (the
+        newest complete local one, or the ``step`` asked for) is loaded from the local tier alone,
+        with a warning, and the result's ``remote_unchecked`` says why: those copies could not be
+        checked against the remote tier, which is the reference when it answers (a local copy of
+        another save of the same step, a stale disk, loses to it then).
+
         Raises CheckpointNotFoundError when no step has a complete copy; TierIncompleteError for
         a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
         copy's ChecksumMismatchError when the remote tier does not hold the step).
@@ -754,10 +766,32 @@ class TieredCheckpointManager:
         for s in steps:
             try:
                 try:
-                    return load_tiered(state_dict, local_path=self.local_path(s),
-                                       remote_path=self.remote_path(s) if remote_up else None,
-                                       storage_options=self.storage_options, process_group=self.process_group,
-                                       layout=self._layout, **kwargs)
+                    if remote_up and step is not None:
+                        try:
+                            return load_tiered(state_dict, local_path=self.local_path(s),
+                                               remote_path=self.remote_path(s), storage_options=self.storage_options,
+                                               process_group=self.process_group, layout=self._layout, **kwargs)
+                        except ObjectStoreError as exc:
+                            # The remote tier is down (the same typed error on every rank): the
+                            # step asked for is restored from the local tier, as load() restores
+                            # the newest, when its copies are complete (else TierIncompleteError).
+                            remote_up, self._remote_down = False, f"{type(exc).__name__}: {exc.message}"
+                            log.warning("distckpt: step %d: the remote tier %s does not answer (%s): loading the "
+                                        "local tier's copy, which cannot be checked against it", s,
+                                        self.remote_root, self._remote_down)
+                    try:
+                        result = load_tiered(state_dict, local_path=self.local_path(s),
+                                             remote_path=self.remote_path(s) if remote_up else None,
+                                             storage_options=self.storage_options, process_group=self.process_group,
+                                             layout=self._layout, **kwargs)
+                    except DistCkptError as exc:
+                        if not remote_up:
+                            exc.add_note(f"distckpt: the remote tier {self.remote_root} did not answer "
+                                         f"({self._remote_down}): only the local tier was read")
+                        raise
+                    if not remote_up:
+                        result = dataclasses.replace(result, remote_unchecked=self._remote_down)
+                    return result
                 except (ChecksumMismatchError, DataFileTruncatedError) as exc:
                     damaged = self._damaged_local_files(exc) if remote_up else None
                     if not damaged:

@@ -476,6 +476,40 @@ def test_a_step_this_manager_drained_is_durable_without_a_request_once_the_remot
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
 
 
+def test_a_dark_remote_loads_the_local_copy_for_a_given_step_too_and_says_it_was_not_checked(
+        s3_bucket, s3_server, tmp_path, caplog):
+    """With the remote tier dark and the local copy complete, load() restored the step from the
+    local tier but load(step=N) raised EndpointUnreachableError (an outside trial); and neither
+    said that the local copy could not be checked against the remote tier, the reference when it
+    answers (a stale local copy of another save of the step would be loaded silently). Both load
+    the local copy now, and the result's remote_unchecked says why."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    caplog.set_level("WARNING", logger="distckpt")
+    try:
+        mgr = TieredCheckpointManager(local, url, storage_options=_via(s3_bucket.storage_options, px.endpoint))
+        try:
+            mgr.save(1, _state(1))
+            assert mgr.wait_durable(1, timeout=60).durable
+            px.rule = lambda n, method, path: "stall"  # the remote tier goes dark
+            for step in (1, None):
+                got = _state(0)
+                res = mgr.load(got, step=step)
+                assert _same(got, 1), step
+                assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, (step, res)
+                assert res.bytes_by_tier.get("remote", 0) == 0, res.bytes_by_tier
+            assert any("cannot be checked against it" in r.getMessage() for r in caplog.records)
+            px.rule = lambda n, method, path: None
+            res = mgr.load(_state(0), step=1)
+            assert res.remote_unchecked is None, res
+        finally:
+            px.rule = lambda n, method, path: None
+            mgr.close(timeout=30)
+    finally:
+        px.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # close(timeout) while a request of the drain is held unanswered
 
