@@ -537,7 +537,18 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                                   daemon=False)
         handle._thread = thread
         _INFLIGHT.add(handle)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # "can't start new thread": out of memory, threads or address space
+            # Raising here would leave this handle in flight forever (every later save and the
+            # exit would wait for it) and the other ranks' background phases waiting for this
+            # rank's until DISTCKPT_TIMEOUT_S. The save's remaining phases run in this thread
+            # instead, paired with the other ranks; its outcome is the handle's, as always.
+            log.warning("distckpt: async save to %s: cannot start its background thread (%s); its write and "
+                        "commit run in the caller's thread, which blocks until they end", final_dir, exc)
+            handle._thread = None
+            started = True
+            work()
         started = True
         if interrupted is not None:
             raise interrupted

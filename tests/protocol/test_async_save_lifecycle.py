@@ -269,3 +269,38 @@ def test_a_manager_that_only_listed_closes_alone(tmp_path):
     out = run_ranks(_only_rank0_lists_body, 2, str(tmp_path), timeout=240,
                     env={"DISTCKPT_ARRIVAL_TIMEOUT_S": "15"})
     assert out[0] < 10, out
+
+
+def _no_thread_body(rank, world, tmp):
+    import distckpt.save_async as sa
+    real_start = threading.Thread.start
+
+    def start(self):  # what RLIMIT_AS / RLIMIT_NPROC give a process that is out of room
+        if self.name.startswith("distckpt-async-save") and rank == 1:
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+    sd = {f"w{rank}": torch.full((1 << 16,), float(rank) + 0.5), "step": 3}
+    threading.Thread.start = start
+    try:
+        t0 = time.monotonic()
+        h = distckpt.async_save(sd, os.path.join(tmp, "a"))
+    finally:
+        threading.Thread.start = real_start
+    res = h.result(timeout=60)
+    took = time.monotonic() - t0
+    pending = [x for x in list(sa._INFLIGHT) if not x.done()]
+    distckpt.save(sd, os.path.join(tmp, "b"))  # the next save neither waits for it nor fails
+    got = distckpt.read(os.path.join(tmp, "a"))
+    return {"path": res.path, "pending": len(pending), "took": took,
+            "exact": torch.equal(got[f"w{rank}"], sd[f"w{rank}"]) and got["step"] == 3}
+
+
+def test_an_async_save_whose_thread_cannot_start_runs_in_the_caller_and_nothing_waits_for_it(tmp_path):
+    """`threading.Thread.start` raising "can't start new thread" (a process out of address space
+    or threads; an outside trial used RLIMIT_AS) left the handle in flight forever: the next save
+    and the process's exit waited for it without end, and the other rank's background phases
+    waited for this rank's until DISTCKPT_TIMEOUT_S. The save's phases now run in the caller's
+    thread, paired with the other ranks: it commits, the next save and the exit go on."""
+    results = run_ranks(_no_thread_body, 2, str(tmp_path), timeout=120, env={"DISTCKPT_TIMEOUT_S": "30"})
+    for r in results:
+        assert r["pending"] == 0 and r["exact"] and r["took"] < 25, results
