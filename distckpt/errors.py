@@ -31,6 +31,7 @@ __all__ = [
     "TooManyOpenFilesError",
     "StorageIOError",
     "SharedMemoryError",
+    "HostMemoryError",
     "DistributedEnvError",
     "IOBackendUnavailableError",
     "ObjectStoreError",
@@ -66,6 +67,7 @@ __all__ = [
     "ProcessGroupDestroyedError",
     "ConfigError",
     "from_os_error",
+    "typed_memory_error",
     "fill_rank",
     "format_bytes",
 ]
@@ -204,6 +206,17 @@ class SharedMemoryError(DistCkptError, OSError):
         "Give the container more shared memory (docker --shm-size=8g, a larger /dev/shm mount) "
         "or set NCCL_SHM_DISABLE=1."
     )
+
+
+class HostMemoryError(StorageError, MemoryError):
+    """This process ran out of host memory or address space for something a save or load needs
+    (ENOMEM from mmap or open, a MemoryError): a staging arena of an async save, a read buffer, a
+    MANIFEST. Also a MemoryError. Field ``needed``: the bytes asked for, when known."""
+
+    default_remedy = ("Free host memory or raise this process's limit (the container's memory limit, `ulimit -v`); "
+                      "for async saves, lower DISTCKPT_STAGING_POOL_BYTES, call release_staging_memory(), or save "
+                      "synchronously. A save that raised it committed nothing; a load that raised it left the "
+                      "checkpoint as it was.")
 
 
 class IOBackendUnavailableError(DistCkptError, OSError):
@@ -616,6 +629,7 @@ _ERRNO_CLASS: dict[int, type[StorageError]] = {
     _errno.EMFILE: TooManyOpenFilesError,
     _errno.ENFILE: TooManyOpenFilesError,
     _errno.EIO: StorageIOError,
+    _errno.ENOMEM: HostMemoryError,
 }
 
 
@@ -677,6 +691,17 @@ def _free_space(path: str) -> tuple[int, int | None] | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files > 0 else None)
+
+
+def typed_memory_error(exc: BaseException) -> BaseException:
+    """``exc`` itself, unless it is Python's bare MemoryError: then a :class:`HostMemoryError`
+    (also a MemoryError) saying so, with ``exc`` as its cause."""
+    if not isinstance(exc, MemoryError) or isinstance(exc, DistCkptError):
+        return exc
+    out = HostMemoryError(f"out of host memory: MemoryError{': ' + str(exc) if str(exc) else ''}",
+                          errno=_errno.ENOMEM)
+    out.__cause__ = exc
+    return out
 
 
 def from_os_error(

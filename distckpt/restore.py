@@ -39,7 +39,7 @@ from . import manifest as mf
 from . import dcp, readonce
 from ._dist import ControlGroup, control_group, is_distributed
 from .chain import ChainLink
-from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, CheckpointRemovedError,
+from .errors import (typed_memory_error, ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, CheckpointRemovedError,
                      ConfigError, DistCkptError, PickleNotAllowedError, ReshardError, StateDictMismatchError, fill_rank)
 from .fill import Part, Task, box_tasks, fill_boxes_of, fill_parts, reading, side_reads
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
@@ -597,7 +597,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         pass   # another rank failed before any byte moved: its error is raised below
     except Exception as exc:
         # its rank is recorded by raise_failures
-        error = exc
+        error = typed_memory_error(exc)
         if result is not None and isinstance(exc, CheckpointRemovedError):
             _filled_before_removal(exc, state_dict, result)
     if exchange is not None:

@@ -212,10 +212,10 @@ def _iter_blocks(chunks: list, block: int) -> Iterator[_Block]:
 def not_damage(exc: BaseException) -> bool:
     """True for a read failure that says nothing about the checkpoint's data: an object-store
     request that failed (no answer, an answer cut short, throttled, refused), no permission, no
-    file descriptor left. verify then raises it (the checkpoint could not be verified) instead of
+    file descriptor or memory left. verify then raises it (the checkpoint could not be verified) instead of
     reporting the file as damaged; an I/O error of the device (EIO) is reported as a file problem."""
-    from .errors import ObjectStoreError, StoragePermissionError, TooManyOpenFilesError
-    return isinstance(exc, (ObjectStoreError, StoragePermissionError, TooManyOpenFilesError))
+    from .errors import HostMemoryError, ObjectStoreError, StoragePermissionError, TooManyOpenFilesError
+    return isinstance(exc, (ObjectStoreError, StoragePermissionError, TooManyOpenFilesError, HostMemoryError))
 
 
 def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, opener,

@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 
 from ..config import get_config
+from ..errors import HostMemoryError, from_os_error
 
 __all__ = ["StagingPool", "StagingReservation", "staging_pool", "release_staging_memory",
            "reserve_staging_memory", "stage"]
@@ -146,8 +148,14 @@ def _mapping(nbytes: int, *, huge: bool) -> mmap.mmap:
     Most kernels give huge pages only to memory that asks (``madvise`` mode); where THP is off,
     the request is refused and the memory is 4 KiB pages, as correct and only slower.
     ``mmap.mmap(-1, n)`` alone would map shared memory (shmem: no huge pages there).
-    Raises what mmap raises (OSError ENOMEM)."""
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    Raises HostMemoryError (ENOMEM: no memory or address space left for it)."""
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise HostMemoryError(f"staging memory: mapping {nbytes} bytes failed: [Errno {exc.errno}] "
+                                  f"{exc.strerror}", needed=nbytes, errno=exc.errno) from exc
+        raise from_os_error(exc, operation="mmap") from exc
     if huge and nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
