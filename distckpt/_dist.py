@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno as _errno
+import os
+import pickle
 import time
 from typing import Any
 
@@ -277,15 +280,47 @@ class _Progress:
             return None
 
 
-def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
+def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None:
+    """The TooManyOpenFilesError that creating a gloo side group among ``world`` ranks would meet
+    here (its event loop's epoll and pipe, a socket per peer, a few spare), or None. gloo reports
+    EMFILE from inside group creation, after which the other ranks wait for this one until
+    DISTCKPT_TIMEOUT_S; checked before it, the shortfall travels with the arrival check instead."""
+    import resource
+    from .errors import TooManyOpenFilesError
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        n_open = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own fd
+    except OSError:  # no /proc: let the group creation tell
+        return None
+    needed = 6 + world
+    if n_open + needed <= soft:
+        return None
+    hard_txt = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    return TooManyOpenFilesError(
+        f"{operation} needs about {needed} file descriptors for distckpt's gloo control group among {world} ranks "
+        f"but only {max(soft - n_open, 0)} are left ({n_open} open, RLIMIT_NOFILE soft limit {soft}, hard limit "
+        f"{hard_txt})", rank=rank, errno=_errno.EMFILE, needed=needed, open=n_open, limit=soft, hard=hard,
+        remedy=f"Raise the soft limit (`ulimit -n {hard_txt}` before launching, or resource.setrlimit) or close "
+               "files this process keeps open.")
+
+
+def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseException | None = None) -> None:
     """Wait until every rank of ``pg`` has entered this same call (its n-th arrival check on
     ``pg``), at most DISTCKPT_ARRIVAL_TIMEOUT_S. Uses the job's key-value store (a few small keys
     per call; the previous call's keys are deleted), not a collective, so a missing rank costs
     only this bound.
 
+    ``problem``: this rank's own reason not to go on (an error it met before the collective,
+    e.g. too few file descriptors to create the control group): it is recorded in the store
+    before this rank counts as arrived, and once every rank arrived every rank raises the failing
+    ranks' error (:func:`distckpt.errors.collective_error`), at once instead of after a timeout.
+
     Raises:
         RanksMissingError: on every rank that arrived, naming the group ranks that did not.
         PeerLostError: the store itself failed (its host, rank 0's, died).
+        The failing ranks' error (above), on every rank.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -301,6 +336,9 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
     base = f"distckpt/arrive/{name}"
     done = f"{base}/{seq}/done"
     try:
+        if problem is not None:  # recorded before this rank counts as arrived (see below)
+            store.set(f"{base}/{seq}/fail/{rank}", pickle.dumps(_portable(problem)))
+            store.add(f"{base}/{seq}/nfail", 1)
         store.set(f"{base}/last/{rank}", str(seq))
         if store.add(f"{base}/{seq}/n", 1) == world:
             verdict = store.compare_set(done, "", "ok")
@@ -323,8 +361,16 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str) -> None:
                 f"DISTCKPT_ARRIVAL_TIMEOUT_S={timeout:g} s: such a rank exited or crashed, is stuck, or did "
                 f"not call it (every rank of the group must call {operation}, in the same order)",
                 rank=rank, missing=missing, operation=operation)
+        # Every rank arrived, so every failing rank's record is in the store already.
+        if store.add(f"{base}/{seq}/nfail", 0) > 0:
+            failures = {}
+            for r in range(world):
+                key = f"{base}/{seq}/fail/{r}"
+                if store.check([key]):
+                    failures[r] = fill_rank(pickle.loads(store.get(key)), r)
+            raise collective_error(failures, operation=operation, rank=rank)
         if rank == 0 and seq > 1:  # everyone has passed the previous check: drop its keys
-            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done"):
+            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done", f"{base}/{seq - 1}/nfail"):
                 try:
                     store.delete_key(key)
                 except Exception:  # noqa: BLE001 - housekeeping only
@@ -389,7 +435,8 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     # DISTCKPT_ARRIVAL_TIMEOUT_S=0 turns the check off: a missing rank is then reported by the
     # first collective, after DISTCKPT_TIMEOUT_S.
     if channel == "control" and get_config().arrival_timeout_s > 0:
-        check_arrival(pg, rank, world, operation)
+        short = _fd_shortfall(world, rank, operation) if (pg, channel) not in _SIDE_GROUPS else None
+        check_arrival(pg, rank, world, operation, problem=short)
     # Always a side group of our own, even over a gloo world: it carries our bounded timeout
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
     side = _SIDE_GROUPS.get((pg, channel))

@@ -303,6 +303,37 @@ def test_a_stuck_peer_is_named_by_the_ranks_that_waited_for_it(tmp_path):
     assert not os.path.exists(path)
 
 
+def _few_fds_body(rank, world, path):
+    import resource
+
+    import distckpt
+    from distckpt import errors
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if rank == 1:  # two fds to spare: too few for distckpt's gloo control group
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1, hard))
+    t0 = time.monotonic()
+    try:
+        distckpt.save({"x": torch.ones(10)}, path)
+        out = None
+    except errors.DistCkptError as exc:
+        out = (type(exc).__name__, getattr(exc, "failed_ranks", None), time.monotonic() - t0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    distckpt.save({"x": torch.ones(10)}, path)  # with the limit back, the next save works
+    return out
+
+
+def test_a_rank_short_of_fds_for_the_control_group_fails_every_rank_at_once(tmp_path):
+    """gloo met EMFILE inside the control group's creation on one rank (a PeerLostError there),
+    and the other rank waited in the creation for DISTCKPT_TIMEOUT_S (an outside trial: 300 s by
+    default). The shortfall is found before the creation and travels with the arrival check:
+    every rank raises TooManyOpenFilesError naming rank 1, at once."""
+    path = str(tmp_path / "ckpt")
+    results = run_ranks(_few_fds_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "60"}, timeout=120, preload=_PRELOAD)
+    for cls, failed, took in results:
+        assert cls == "TooManyOpenFilesError" and failed == [1] and took < 20, results
+
+
 def _inconsistent_dtensor_body(rank, world, path):
     import distckpt
     from distckpt import errors
