@@ -441,6 +441,18 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
         path=final_dir, rank=rank, committed=None, save_id=save_id)
 
 
+def _backends(outcomes: list[WriteOutcome]) -> str | None:
+    """The io backend the ranks wrote with: one name, or, when ranks differ (one rank under a
+    seccomp profile that refuses io_uring), each name with its ranks: "pwrite (ranks [1]), uring
+    (ranks [0])"."""
+    by_name: dict = {}
+    for r, o in enumerate(outcomes):
+        by_name.setdefault(o.backend, []).append(r)
+    if len(by_name) <= 1:
+        return outcomes[0].backend if outcomes else None
+    return ", ".join(f"{name} (ranks {ranks})" for name, ranks in sorted(by_name.items(), key=lambda kv: str(kv[0])))
+
+
 def _per_save(plan: GlobalPlan, outcomes: list[WriteOutcome], metadata: dict | None) -> tuple[list, dict, dict]:
     """The MANIFEST fields that change from one save of a layout to the next: each data file's
     entry, the values, and meta."""
@@ -448,7 +460,7 @@ def _per_save(plan: GlobalPlan, outcomes: list[WriteOutcome], metadata: dict | N
              for r, o in enumerate(outcomes)]
     objects = {fqn: mf.ObjectEntry(kind=kind, value=value) for fqn, (kind, value) in plan.objects.items()}
     from . import __version__
-    meta = {"distckpt_version": __version__, "io_backend": outcomes[0].backend}
+    meta = {"distckpt_version": __version__, "io_backend": _backends(outcomes)}
     if metadata:
         meta["user"] = metadata
     return files, objects, meta

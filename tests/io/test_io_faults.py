@@ -173,7 +173,8 @@ def test_emfile_rlimit_nofile_in_child(tmp_path, backend):
 
 
 _SECCOMP_CHILD = """
-import errno, os
+import errno, logging, os
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 from tests.helpers import seccomp as _seccomp
 from distckpt import _uring, errors as E; from distckpt.storage import posix as dio
 _seccomp.deny_io_uring_setup()
@@ -209,6 +210,20 @@ def test_auto_falls_back_to_pwrite_when_io_uring_denied(tmp_path):
     assert lines[0].startswith("CHOICE pwrite |"), r.stdout
     assert "EPERM" in lines[0] and "io_uring" in lines[0]
     assert lines[1] == "ROUNDTRIP OK"
+    # said at WARNING, not only at INFO (an outside trial: a default setup showed nothing)
+    assert any(ln.startswith("WARNING distckpt io backend") and ": pwrite;" in ln for ln in r.stderr.splitlines()), \
+        r.stderr
+
+
+def test_a_checkpoint_whose_ranks_wrote_with_different_backends_records_each():
+    """The MANIFEST recorded rank 0's backend for the whole checkpoint (inspect said "uring"
+    where rank 1, under a seccomp profile, wrote with pwrite)."""
+    from distckpt.commit import WriteOutcome, _backends
+    same = [WriteOutcome(None, None, "uring", None)] * 2
+    mixed = [WriteOutcome(None, None, "uring", None), WriteOutcome(None, None, "pwrite", None),
+             WriteOutcome(None, None, "uring", None)]
+    assert _backends(same) == "uring"
+    assert _backends(mixed) == "pwrite (ranks [1]), uring (ranks [0, 2])"
 
 
 @pytest.mark.skipif(not _seccomp.supported(), reason="seccomp filter written for x86_64 syscall numbers")

@@ -9,7 +9,7 @@ Backends, in order of preference:
 
 Invariants:
   * The choice is made at most once per process per (file system, requested backend, read or
-    write): the result is cached by ``st_dev``, logged once at INFO on the ``distckpt.storage.posix`` logger,
+    write): the result is cached by ``st_dev``, logged once (at WARNING when ``auto`` fell back from io_uring, else INFO),
     and listed by :func:`last_choices`. Every choice carries the reason it was made.
   * Probes run the real code path: for a save, the O_DIRECT probe writes one block through the same
     C writer (io_uring or pwrite) that the save will use, into a temporary file that is always
@@ -324,7 +324,8 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None,
             (a non-empty data file when there is one), cached per file system like the rest.
 
     Returns:
-        The cached or new :class:`BackendChoice`; a new choice is logged at INFO with its reason.
+        The cached or new :class:`BackendChoice`; a new choice is logged with its reason: at WARNING when ``auto``
+        fell back from io_uring, else at INFO.
 
     Raises:
         IOBackendUnavailableError: a forced backend cannot run on this kernel / file system.
@@ -349,7 +350,12 @@ def choose_backend(directory: str | os.PathLike, *, backend: str | None = None,
         choice = _decide(directory, requested, read_only)
         _cache[key] = choice
         _history.append(choice)
-    log.info("distckpt io backend for %s (requested %s): %s; %s", directory, requested, choice.name, choice.reason)
+    # A fallback under "auto" is said at WARNING (once per file system and process): it is correct
+    # but slower, and its cause (a seccomp profile, RLIMIT_MEMLOCK, a file system without
+    # O_DIRECT) is the operator's to fix or accept. SaveResult.backend says it per save.
+    level = logging.WARNING if requested == "auto" and choice.name != BACKEND_ORDER[0] else logging.INFO
+    log.log(level, "distckpt io backend for %s (requested %s): %s; %s", directory, requested, choice.name,
+            choice.reason)
     return choice
 
 
