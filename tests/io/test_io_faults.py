@@ -314,3 +314,18 @@ def test_a_reserved_file_takes_no_space_beyond_its_size(tmp_path, mounts):
     assert allocated <= size + (1 << 20), f"{allocated} bytes allocated for a file of {size}"
     with open(path, "rb") as f:
         assert f.read() == data
+
+
+@pytest.mark.parametrize("extra", [1, 30, 39])
+def test_a_checkpoint_name_too_long_for_its_save_siblings_says_the_real_limit(tmp_path, extra):
+    """A 230-byte name fits ext4's 255, but the save's `.NAME.tmp-<32 hex>` does not: the error
+    named the tmp dir and said "each name must be at most 255 bytes" (an outside trial). It is a
+    ConfigError before anything is written, naming the limit for a checkpoint's name (217)."""
+    import distckpt
+    import torch
+    name = "n" * (255 - 38 + extra)
+    with pytest.raises(E.ConfigError) as ei:
+        distckpt.save({"w": torch.ones(2)}, str(tmp_path / name))
+    assert "at most 217 bytes" in str(ei.value) and "217" in ei.value.remedy, ei.value
+    assert os.listdir(tmp_path) == []
+    distckpt.save({"w": torch.ones(2)}, str(tmp_path / ("n" * 217)))  # the limit itself works

@@ -43,6 +43,7 @@ def prepare_save_dir(final_dir: str, save_id: str, overwrite: bool, needed: int,
     parent, name = os.path.split(os.path.abspath(final_dir))
     refuse_pseudo_fs(parent, rank=rank)
     local.make_dirs_durable(parent)
+    _check_name_length(parent, name, rank)
     # Reclaim before locking: while we hold our own lock every leftover of the name looks alive.
     reclaim_tmp_dirs(parent, name)
     lock = savelock.acquire(lock_path or lock_file(parent, name), save_id=save_id, what=final_dir)
@@ -51,6 +52,28 @@ def prepare_save_dir(final_dir: str, save_id: str, overwrite: bool, needed: int,
     except BaseException:
         lock.release()
         raise
+
+
+# What a save adds to a checkpoint's name for its siblings: ".NAME.tmp-<32 hex>" (and ".del-").
+_SIBLING_EXTRA = len(".") + len(".tmp-") + 32
+
+
+def _check_name_length(parent: str, name: str, rank: int) -> None:
+    """Raise ConfigError when ``name`` or its save's hidden siblings would not fit the file system's
+    names (they add 38 bytes): the file system's ENAMETOOLONG would name the sibling, and "each name
+    must be at most 255 bytes" would be no help for a name of 230."""
+    from ...errors import ConfigError
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    size = len(os.fsencode(name))
+    if size + _SIBLING_EXTRA > name_max:
+        raise ConfigError(
+            f"the checkpoint name {name[:40]!r}... is {size} bytes; a save also creates .NAME.tmp-<32 hex> beside it "
+            f"({_SIBLING_EXTRA} bytes more), so on this file system (names of at most {name_max} bytes) a "
+            f"checkpoint name may have at most {name_max - _SIBLING_EXTRA} bytes", path=os.path.join(parent, name),
+            rank=rank, remedy=f"Shorten the checkpoint's name to at most {name_max - _SIBLING_EXTRA} bytes.")
 
 
 def _prepare_locked(final_dir: str, parent: str, name: str, save_id: str, overwrite: bool, needed: int,
