@@ -82,6 +82,19 @@ def shm_check(*, backend: str | None = None, local_world_size: int | None = None
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     details.update(size=size, free=free)
     where = f"{shm_path} is {format_bytes(size)} with {format_bytes(free)} free"
+    if st.f_flag & os.ST_RDONLY:
+        # Its size says nothing then: no segment can be created in it (NCCL's "unhandled system
+        # error", a DataLoader worker's shared tensors failing).
+        details["read_only"] = True
+        if needed:
+            err = SharedMemoryError(
+                f"{shm_path} is mounted read-only but the job needs {format_bytes(needed)} of shared memory",
+                path=shm_path, rank=rank, errno=_errno.EROFS, needed=needed, free=0,
+                remedy=f"Mount {shm_path} read-write (a writable memory-backed volume in the container), or set "
+                       "NCCL_SHM_DISABLE=1.")
+            return finish("shm", [err], [], "", details)
+        return CheckResult("shm", WARNING, f"{where} but mounted read-only; not needed by this job's settings, "
+                           "but DataLoader workers and NCCL use it", details)
     if not needed:
         why = ("NCCL_SHM_DISABLE=1" if uses_nccl and env.get("NCCL_SHM_DISABLE", "").strip() == "1"
                else f"backend {backend or 'none'}, {lws} local rank(s)")

@@ -383,7 +383,7 @@ def run_python(code: str, *, rlimits: Mapping[int, tuple[int, int]] | None = Non
         drop_caps: capability names from :data:`CAPS` (or numbers) removed from the child's
             bounding set, so the exec'd interpreter never has them (root without
             cap_dac_override gets EACCES from permission bits).
-        private_shm: a tmpfs size ("1m"): the child runs in its own mount namespace
+        private_shm: a tmpfs size, with mount options after it ("1m", "1g,ro"): the child runs in its own mount namespace
             (``unshare -m --propagation private``) with a fresh /dev/shm of that size; the host's
             /dev/shm is not touched. Needs root and unshare.
         env: extra environment variables for the child.

@@ -287,6 +287,28 @@ def test_small_dev_shm_in_a_private_namespace():
     assert os.statvfs("/dev/shm").f_blocks == host_before  # the host's /dev/shm was not touched
 
 
+_SHM_RO_CHILD = """
+from distckpt.checks import memory
+from distckpt.errors import SharedMemoryError
+r = memory.shm_check(backend="nccl", local_world_size=2, env={})
+emit({"status": r.status, "error": type(r.error).__name__ if r.error else None,
+      "errno": getattr(r.error, "errno", None), "message": r.message})
+r = memory.shm_check(backend="gloo", env={})
+emit({"status": r.status, "message": r.message})
+"""
+
+
+def test_a_read_only_dev_shm_is_not_ok_whatever_its_size():
+    """A 1 GiB /dev/shm mounted read-only passed (`shm OK`) although NCCL cannot create a segment
+    there (an outside trial). It is a SharedMemoryError (EROFS) when the job needs shared memory,
+    a warning when it does not."""
+    res = run_python(_SHM_RO_CHILD, private_shm="1g,ro", timeout=60).check()
+    needed, not_needed = res.emitted
+    assert needed["status"] == "error" and needed["error"] == "SharedMemoryError", needed
+    assert needed["errno"] == errno.EROFS and "read-only" in needed["message"], needed
+    assert not_needed["status"] == "warning" and "read-only" in not_needed["message"], not_needed
+
+
 def test_shm_not_needed_is_ok():
     r = memory.shm_check(backend="gloo", local_world_size=4, env={})
     assert r.status == "ok" and "no shared-memory need" in r.message
