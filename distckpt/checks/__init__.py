@@ -9,6 +9,8 @@ From the shell: ``distckpt preflight PATH`` or ``python -m distckpt.checks PATH`
 The checks, in the order :func:`preflight` runs them, and the module of each:
 
 =====================  ==========================================================================
+distckpt_config        every DISTCKPT_* value parses (object-store knobs too, from this process's
+(environment)          environment); an unknown DISTCKPT_* name is a typo (warning). -> ConfigError
 torchrun_env           RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
 (environment)          all present when any is, integers, in range, MASTER_ADDR resolvable.
                        -> DistributedEnvError(variable=...)

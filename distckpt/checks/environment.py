@@ -183,3 +183,36 @@ def torchrun_env_check(env: Mapping[str, str] | None = None, *, world_size: int 
                f"{addr}:{present.get('MASTER_PORT')}")
     return finish("torchrun_env", errors, warnings, summary, details)
 
+
+
+def distckpt_config_check(env: Mapping[str, str] | None = None) -> CheckResult:
+    """Check distckpt's own variables: every DISTCKPT_* value parses (the ConfigError a save would
+    raise, named here in its own row instead of under whichever check reads it first), the
+    object-store knobs too when ``env`` is this process's environment (they are read from it at
+    each object-store save), and no DISTCKPT_* variable is one distckpt does not know (a typo: a
+    warning naming the closest known one). Never raises."""
+    import warnings
+
+    from ..config import load_config, warn_unknown_variables
+    from ..errors import ConfigError
+    env_map = dict(env_of(env))
+    errors: list[DistCkptError] = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        unknown = warn_unknown_variables(env_map)
+        try:
+            load_config(env_map)
+        except ConfigError as exc:
+            errors.append(exc)
+        if env is None or env is os.environ:
+            from ..storage.object import request as objrequest
+            from ..storage.object import settings as objsettings
+            for read in (objsettings.settings, objrequest.request_timeout):
+                try:
+                    read()
+                except ConfigError as exc:
+                    errors.append(exc)
+    hints = [str(w.message) for w in said if any(name in str(w.message) for name in unknown)]
+    notes = hints or [f"{name} is set but distckpt does not read it; it has no effect" for name in unknown]
+    return finish("distckpt_config", errors, notes, "every DISTCKPT_* variable is known and valid",
+                  {"unknown": unknown})

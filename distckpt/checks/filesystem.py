@@ -14,7 +14,7 @@ import tempfile
 import uuid
 from typing import Any, Mapping
 
-from ..errors import DiskFullError, DistCkptError, TooManyOpenFilesError, format_bytes, from_os_error
+from ..errors import ConfigError, DiskFullError, DistCkptError, TooManyOpenFilesError, format_bytes, from_os_error
 from ..manifest import MANIFEST_NAME
 from ..storage.posix import choose_backend
 from ..storage.posix.guards import (
@@ -315,6 +315,12 @@ def io_backend_check(path: str | os.PathLike) -> CheckResult:
     try:
         choice = choose_backend(target)
     except DistCkptError as exc:
+        variable = getattr(exc, "variable", None)
+        if isinstance(exc, ConfigError) and variable != "DISTCKPT_IO_BACKEND":
+            # Another variable's bad value: the distckpt_config row reports it; this one says
+            # only that it could not choose.
+            return CheckResult("io_backend", WARNING, f"not chosen: {variable or 'a DISTCKPT_* variable'} is invalid "
+                               "(see distckpt_config)", {"dir": target})
         return CheckResult("io_backend", ERROR, exc.message, {"dir": target}, exc)
     details = {k: getattr(choice, k, None) for k in ("name", "reason", "mem_align", "offset_align",
                                                      "directory")}

@@ -35,7 +35,7 @@ def preflight(
 
     Safe to call before ``init_process_group``; it never writes anything but a removed probe file
     (a removed probe object on an object store). A check that crashes becomes a warning naming it,
-    so one broken probe cannot hide the others. The checks, in order: torchrun_env, socket_ifname,
+    so one broken probe cannot hide the others. The checks, in order: distckpt_config, torchrun_env, socket_ifname,
     nccl_ib_hca, nccl_vars, backend_devices, shm; then for a local path disk, tmpdir,
     deleted_open_files, writable, or for an object-store URL (``s3://bucket/prefix``)
     object_credentials, object_endpoint, object_bucket, object_writable; then fd_limit,
@@ -70,6 +70,7 @@ def preflight(
     object_store = is_url(path)
 
     steps: list[tuple[str, Callable[[], CheckResult | list[CheckResult]]]] = [
+        ("distckpt_config", lambda: environment.distckpt_config_check(env)),
         ("torchrun_env", lambda: environment.torchrun_env_check(env_map, world_size=world_size,
                                                                 local_world_size=local_world_size)),
         ("socket_ifname", lambda: nccl.socket_ifname_check(env_map)),

@@ -625,7 +625,7 @@ def test_report_table_json_and_raise_first(tmp_path):
     assert {"torchrun_env", "disk"} <= {c.name for c in rep.errors}
     assert "nccl_vars" in {c.name for c in rep.warnings}
     text = str(rep)
-    names = ["torchrun_env", "socket_ifname", "nccl_ib_hca", "nccl_vars", "backend_devices", "shm",
+    names = ["distckpt_config", "torchrun_env", "socket_ifname", "nccl_ib_hca", "nccl_vars", "backend_devices", "shm",
              "disk", "tmpdir", "deleted_open_files", "writable", "fd_limit", "io_backend", "memlock", "huge_pages"]
     assert [c.name for c in rep.checks] == names
     assert all(n in text for n in names) and "remedy:" in text and "MASTER_PORT=70000" in text
@@ -692,3 +692,24 @@ def test_package_exports_the_function(tmp_path):
     import distckpt
     rep = distckpt.preflight(tmp_path, env={})
     assert isinstance(rep, checks.PreflightReport) and rep.ok
+
+
+def test_distckpt_variables_have_their_own_row_and_a_typo_is_counted(tmp_path, monkeypatch):
+    """A bad DISTCKPT_TIMEOUT_S was reported under the io_backend row, a misspelt variable only as
+    a Python warning on stderr (the report said 0 warnings), and a bad object-store knob not at all
+    for a local path (an outside trial). They are the distckpt_config row's, counted."""
+    from distckpt.checks import preflight
+    env = {"DISTCKPT_IO_BAKCEND": "pwrite"}
+    report = preflight(str(tmp_path), env=env)
+    row = next(c for c in report.checks if c.name == "distckpt_config")
+    assert row.status == "warning" and "DISTCKPT_IO_BACKEND" in row.message, row
+    report = preflight(str(tmp_path), env={"DISTCKPT_TIMEOUT_S": "nan"})
+    row = next(c for c in report.checks if c.name == "distckpt_config")
+    assert row.status == "error" and "DISTCKPT_TIMEOUT_S" in row.message and not report.ok, row
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "garbage")  # read from this process's environment
+    row = next(c for c in preflight(str(tmp_path)).checks if c.name == "distckpt_config")
+    assert row.status == "error" and "DISTCKPT_OBJECT_LEASE_S" in row.message, row
+    monkeypatch.delenv("DISTCKPT_OBJECT_LEASE_S")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DISTCKPT_")}
+    row = next(c for c in preflight(str(tmp_path), env=clean).checks if c.name == "distckpt_config")
+    assert row.status == "ok", row
