@@ -76,7 +76,9 @@ class TierStatus:
     ``retrying`` (the last try failed with ``error``; another follows), ``failed`` (for good:
     ``error``), ``stopped`` (the manager closed first), ``absent``, or ``other`` (the remote tier
     holds another save of this step number). ``sent``/``to_send``: this rank's bytes of the
-    drain in progress. ``save_id``: the save this rank's node holds (else the remote's).
+    drain in progress, ``sent`` counting what was read and handed to the upload (up to its part
+    buffers ahead of what the store acknowledged; ``sent == to_send`` is not "uploaded": the
+    step is on the remote tier only once ``remote`` is ``committed``). ``save_id``: the save this rank's node holds (else the remote's).
     ``replicas`` (with ``replicas=k``): ``pending``, ``replicated`` (every data file has its k
     copies on other nodes, each verified on arrival) or ``failed`` (``replica_error``); ``off``
     without replicas. Known to the manager that saved the step (a new manager says ``pending``)."""
