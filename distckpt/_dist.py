@@ -25,6 +25,7 @@ import datetime
 import errno as _errno
 import os
 import pickle
+import threading
 import time
 from typing import Any
 
@@ -62,9 +63,9 @@ class ControlGroup:
             named = ""
             if behind:
                 fields["lost_ranks"] = behind
-                named = (f"; group rank(s) {behind} (global rank(s) {[self._global(r) for r in behind]}) never reached this "
-                         f"{what}: such a rank died, is stuck (in I/O, a hung device, a debugger) or called "
-                         "something else; look at its log first")
+                named = (f"; group rank(s) {behind} (global rank(s) {[self._global(r) for r in behind]}) had not reached "
+                         f"this {what} when it failed here: the lost rank is among them (it died, is stuck in I/O, "
+                         "a hung device or a debugger, or called something else); look at their logs first")
             raise PeerLostError(
                 f"{what} among {self.world_size} ranks failed: {type(exc).__name__}: {exc}{named}",
                 rank=self.rank, **fields) from exc
@@ -202,6 +203,8 @@ def _lost_after(lost: PeerLostError, error: BaseException, rank: int, operation:
     """The PeerLostError of an outcome exchange that failed on a rank that had failed already
     (see :meth:`ControlGroup.exchange_outcome`)."""
     fields = {k: getattr(error, k) for k in ("filled", "partly_filled") if getattr(error, k, None) is not None}
+    if getattr(lost, "lost_ranks", None):
+        fields["lost_ranks"] = lost.lost_ranks
     out = PeerLostError(
         f"{operation} failed on this rank with {type(error).__name__}: {getattr(error, 'message', error)}; then the "
         f"exchange of every rank's outcome failed too ({getattr(lost, 'message', lost)}), so the other ranks' "
@@ -267,17 +270,31 @@ class _Progress:
         except Exception:  # noqa: BLE001 - a diagnostic only; the collective itself reports a lost store
             return None
 
+    #: How long the look may take: the store's host may be the frozen rank (a store request then
+    #: waits for the store's own timeout, the process group's: 30 minutes by default).
+    LOOK_S = 2.0
+
     def behind(self, world: int) -> list[int] | None:
-        """The group ranks that never entered this collective; None when the store cannot tell."""
-        try:
-            keys = [f"{self.base}/{r}" for r in range(world)]
-            if self.store.check(keys):
-                counts = [int(v) for v in self.store.multi_get(keys)]
-            else:  # a rank that never entered any collective of this group has no key yet
-                counts = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
-            return [r for r, n in enumerate(counts) if n < self.seq]
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be the lost one
-            return None
+        """The group ranks that had not entered this collective when it failed here (the lost
+        rank among them, a rank that is only slower possibly too); None when the store cannot
+        tell within LOOK_S (the look is left to a daemon thread then)."""
+        box: list = []
+
+        def look() -> None:
+            try:
+                keys = [f"{self.base}/{r}" for r in range(world)]
+                if self.store.check(keys):
+                    counts = [int(v) for v in self.store.multi_get(keys)]
+                else:  # a rank that never entered any collective of this group has no key yet
+                    counts = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
+                box.append([r for r, n in enumerate(counts) if n < self.seq])
+            except Exception:  # noqa: BLE001 - the store's host (rank 0) may be the lost one
+                box.append(None)
+
+        thread = threading.Thread(target=look, name="distckpt-progress-look", daemon=True)
+        thread.start()
+        thread.join(self.LOOK_S)
+        return box[0] if box else None
 
 
 def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None:

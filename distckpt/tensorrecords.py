@@ -38,6 +38,7 @@ def record(checkpoint: Any, *, warned: set | None = None) -> list[list]:
     meta...) are left to flatten's refusal. O(n log n) in the tensors. ``warned``: the (view, owner)
     pairs already logged, which are not logged again (a trainer saves the same state every epoch)."""
     out: list[list] = []
+    by_id: dict[int, list] = {}                  # id of a tensor met (alive: the tree holds it) -> its path
     seen: dict[tuple, tuple[list, Any]] = {}     # (device, storage address, dtype, offset, shape, stride) -> first
     spans: dict[tuple, list[tuple[int, int, list]]] = {}  # (device, storage address) -> byte spans
 
@@ -66,6 +67,10 @@ def record(checkpoint: Any, *, warned: set | None = None) -> list[list]:
             # A plain tensor that requires grad (an optimizer's fp32 copy) keeps the flag through
             # torch.save too.
             grad = not param and bool(obj.requires_grad)
+            if id(obj) in by_id:  # one object under two keys (also one without memory: numel 0)
+                out.append(["alias", path, by_id[id(obj)], True, rg])
+                return
+            by_id[id(obj)] = path
             where = memory(obj)
             if where is not None:
                 key = (*where, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride())
@@ -117,18 +122,26 @@ def restore(tree: Any, records: Any, *, where: str, path: str) -> Any:
         node = tree
         try:
             for key in keys:
+                if not isinstance(node, (dict, list, tuple)):  # never into a tensor (or a str)
+                    raise KeyError(key)
                 node = node[key]
-        except (TypeError, KeyError, IndexError):
+        except (TypeError, KeyError, IndexError, ValueError, OverflowError):
             node = None
         if not isinstance(node, torch.Tensor):
             raise bad(keys)
         return node
 
+    def parameter(value: torch.Tensor, requires_grad: bool, rec: Any) -> torch.nn.Parameter:
+        try:  # an integer tensor cannot require grad: a forged record
+            return torch.nn.Parameter(value, requires_grad=requires_grad)
+        except RuntimeError:
+            raise bad(rec) from None
+
     if not isinstance(records, list):
         raise bad(records)
     for rec in records:  # Parameters first: an alias of one is then the same Parameter
         if isinstance(rec, list) and len(rec) == 3 and rec[0] == "param" and isinstance(rec[1], list) and rec[1]:
-            set_leaf(tree, tuple(rec[1]), torch.nn.Parameter(at(rec[1]), requires_grad=bool(rec[2])))
+            set_leaf(tree, tuple(rec[1]), parameter(at(rec[1]), bool(rec[2]), rec))
         elif not (isinstance(rec, list) and len(rec) == 5 and rec[0] == "alias" and isinstance(rec[1], list)
                   and rec[1] and isinstance(rec[2], list)) and not (
                 isinstance(rec, list) and len(rec) == 2 and rec[0] == "grad" and isinstance(rec[1], list) and rec[1]):
@@ -149,7 +162,7 @@ def restore(tree: Any, records: Any, *, where: str, path: str) -> Any:
             else:
                 value = first.detach()  # another tensor object over the same memory
                 if rec[4] is not None:
-                    value = torch.nn.Parameter(value, requires_grad=bool(rec[4]))
+                    value = parameter(value, bool(rec[4]), rec)
             set_leaf(tree, tuple(rec[1]), value)
     for rec in records:  # after the aliases: a detached alias gets its own flag
         if rec[0] == "grad":

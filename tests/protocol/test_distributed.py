@@ -298,9 +298,51 @@ def test_a_stuck_peer_is_named_by_the_ranks_that_waited_for_it(tmp_path):
     results = run_ranks(_stuck_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "4"}, timeout=120, preload=_PRELOAD)
     cls, lost, message = results[0]
     assert cls == "PeerLostError" and lost == [1], results[0]
-    assert "group rank(s) [1] (global rank(s) [1]) never reached this" in message, message
+    assert "group rank(s) [1] (global rank(s) [1]) had not reached this gather when it failed here" in message, message
     assert results[1] is not None and results[1][0] == "PeerLostError", results[1]  # typed there too, later
     assert not os.path.exists(path)
+
+
+def _frozen_store_host_body(rank, world, path):
+    import json
+    import signal
+
+    import torch.distributed as dist
+
+    import distckpt
+    import distckpt.storage.posix.saving as coord
+    from distckpt import errors
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:  # rank 0 hosts the job's TCPStore: freezing it freezes the store too
+        def freeze(*a, **k):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        coord.write_rank_file = freeze
+    t0 = time.monotonic()
+    try:
+        distckpt.save({"x": torch.ones(10)}, path)
+        out = {"raised": None}
+    except errors.PeerLostError as exc:
+        out = {"raised": type(exc).__name__, "took": time.monotonic() - t0}
+    with open(path + ".rank1.json", "w") as f:
+        json.dump(out, f)
+    os.kill(pids[0], signal.SIGKILL)
+    return out
+
+
+def test_a_frozen_store_host_still_gives_peer_lost_within_the_timeout(tmp_path):
+    """Rank 0 (the host of the job's TCPStore) freezes mid-save (SIGSTOP: a debugger, a paused
+    container). Naming the ranks that had not reached the failed collective asks the store, which
+    then never answered: rank 1 waited past the store's own timeout instead of raising
+    PeerLostError after DISTCKPT_TIMEOUT_S (a review caught it). The look is bounded."""
+    import json
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(RankError) as ei:
+        run_ranks(_frozen_store_host_body, 2, path, env={"DISTCKPT_TIMEOUT_S": "5"}, timeout=90, preload=_PRELOAD)
+    assert set(ei.value.errors) == {0}, ei.value  # rank 0 killed by rank 1; rank 1 returned
+    with open(path + ".rank1.json") as f:
+        got = json.load(f)
+    assert got["raised"] == "PeerLostError" and got["took"] < 20, got
 
 
 def _few_fds_body(rank, world, path):
