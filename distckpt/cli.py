@@ -92,7 +92,7 @@ def _cmd_ls(args) -> int:
             alive = lo.state == "alive"
             what = {"tmp": "save in progress" if alive else "interrupted save", "del": "deletion",
                     "lock": "save lock"}[lo.kind]
-            if lo.kind == "tmp" and not alive and store.replaced_checkpoint(lo.path):
+            if lo.kind == "tmp" and lo.state == "dead" and store.replaced_checkpoint(lo.path):
                 what = "checkpoint an overwrite replaced (its deletion did not finish)"
             used = store.bytes_under(lo.path) if lo.kind != "lock" else None
             size = f" ({format_bytes(used)})" if used is not None else ""
