@@ -583,7 +583,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     t0 = time.monotonic()
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
-    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group)
+    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="load()")
     result, error, exchange = None, None, None
     try:
         # Collectives first, before anything of this rank's own can fail (flattening its state).

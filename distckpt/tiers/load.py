@@ -410,8 +410,9 @@ def _fetch_from_peers(group: ControlGroup, layout: NodeLayout, survey: list[_Sur
     held = [survey[leader].local.files if ref.usable[leader] else frozenset() for leader in layout.leaders]
     transfers, nowhere = fetch_transfers(layout, [set(a) for a in asked], held)
     if nowhere:
-        log.warning("distckpt: data files %s of %s are on no node: read from the remote tier",
-                 sorted(nowhere)[:20], local_path)
+        log.warning("distckpt: data files %s of %s are on no node as part of the save being loaded (%s; a node's "
+                    "copy of another save does not count): read from the remote tier", sorted(nowhere)[:20],
+                    local_path, manifest.save_id)
     if not transfers:
         return own, 0
     result = run_transfers(group, transfers, layout=layout, store=local_store, step_path=local_path,
