@@ -233,8 +233,14 @@ class Harness:
         msg = "?"
         try:
             import distckpt
+            import distckpt._dist
             from tests.helpers.crash_state import KEEP, apply_mutation, expected_state
             apply_mutation(self.mutation)
+            # Each collective's progress record is a store request whose socket traffic, like the
+            # arrival check's (CRASH_ENV), varies between runs on the store's host: the count
+            # run's numbering of the victim's calls would not hold in the trials. It touches no
+            # file: leaving it out loses no on-disk coverage.
+            distckpt._dist._Progress.enter = classmethod(lambda cls, pg, rank: None)
             if self.world > 1:
                 import datetime
 

@@ -117,7 +117,7 @@ def test_three_nodes_onto_two_from_replicas_then_two_wiped_nodes_fall_back_to_th
     recs, outs = _job("restore", nodes3, tmp, extra)
     assert all(recs[r]["step"] == 10 and recs[r]["ok"] for r in range(3)), recs
     assert sum(recs[r]["by_tier"]["remote"] for r in range(3)) > 0, recs
-    assert any("on no node: read from the remote tier" in out for out in outs), outs[0][-3000:]
+    assert any("on no node as part of the save being loaded" in out for out in outs), outs[0][-3000:]
 
 
 def test_a_node_killed_mid_replication_never_counts_as_replicated(tiers_private):
