@@ -173,7 +173,7 @@ class ObjectStore(Store):
             if length is not None and len(data) != int(length):
                 # aiohttp checks a declared length itself; this is the last guard before a cut
                 # MANIFEST would be decoded (and called damaged).
-                raise _short_answer(url, len(data), int(length), 0, self.endpoint)
+                raise _short_answer(url, len(data), int(length), 0, self.endpoint, answers=1)
             return data, resp.get("ETag")
         try:
             return objrequest.run(self.fs.loop, get, url=url, operation="get", endpoint=self.endpoint, nbytes=limit)
@@ -205,16 +205,9 @@ class ObjectStore(Store):
             if info["size"] > limit:
                 raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
                                               path=url, expected=f"<= {limit}", found=info["size"])
-            for attempt in range(1, SHORT_ANSWER_TRIES + 1):
-                try:
-                    data = self._call("get", url, "cat_file", self._key(url), nbytes=info["size"])
-                except ResponseIncompleteError:  # cut short or garbled on the wire: asked again
-                    if attempt == SHORT_ANSWER_TRIES:
-                        raise
-                    continue
-                if len(data) >= info["size"]:
-                    return data, info.get("ETag")
-            raise _short_answer(url, len(data), info["size"], 0, self.endpoint)
+            data = _get_whole(lambda: self._call("get", url, "cat_file", self._key(url), nbytes=info["size"]),
+                              url, info["size"], 0, self.endpoint)
+            return data, info.get("ETag")
         except NoSuchKey:
             return None
 
@@ -787,11 +780,29 @@ def _parent(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[0]
 
 
-def _short_answer(url: str, got: int, expected: int, offset: int, endpoint: str | None) -> ResponseIncompleteError:
+def _short_answer(url: str, got: int, expected: int, offset: int, endpoint: str | None,
+                  answers: int = SHORT_ANSWER_TRIES) -> ResponseIncompleteError:
+    said = "an answer" if answers == 1 else f"{answers} answers in a row"
     return ResponseIncompleteError(
-        f"get {url} failed: {SHORT_ANSWER_TRIES} answers in a row held {got} of the {expected} bytes asked for at "
-        f"offset {offset}, which the object holds (the connection closed before the end of the body)",
+        f"get {url} failed: {said} held {got} of the {expected} bytes asked for at offset {offset}, which the "
+        f"object holds (the connection closed before the end of the body)",
         path=url, url=url, operation="get", code="ShortAnswer", endpoint=endpoint, errno=errno.EIO)
+
+
+def _get_whole(get: Callable[[], bytes], url: str, nbytes: int, offset: int, endpoint: str | None) -> bytes:
+    """``get()`` (a GET of ``nbytes`` the object is known to hold), asked again while the answer
+    is cut short or garbled on the wire, at most SHORT_ANSWER_TRIES answers; then
+    ResponseIncompleteError. Other errors (NoSuchKey, the request's typed errors) pass through."""
+    for attempt in range(1, SHORT_ANSWER_TRIES + 1):
+        try:
+            data = get()
+        except ResponseIncompleteError:
+            if attempt == SHORT_ANSWER_TRIES:
+                raise
+            continue
+        if len(data) >= nbytes:
+            return data
+    raise _short_answer(url, len(data), nbytes, offset, endpoint)
 
 
 class _RangeReader:
@@ -804,23 +815,19 @@ class _RangeReader:
 
     def read_into(self, requests) -> None:
         for offset, nbytes, dest in requests:
-            for attempt in range(1, SHORT_ANSWER_TRIES + 1):
-                try:
-                    data = self.store._call("get", self.url, "cat_file", self.key, start=offset,
-                                            end=offset + nbytes, nbytes=nbytes)
-                except NoSuchKey:
-                    raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
-                                               path=self.url) from None
-                except ResponseIncompleteError:  # cut short or garbled on the wire: asked again
-                    if attempt == SHORT_ANSWER_TRIES:
-                        raise
-                    continue
-                if len(data) >= nbytes or offset + nbytes > self.size:
-                    break
-                # The object holds these bytes (its size was checked against the MANIFEST when
-                # this reader was opened): a short answer is the connection's, asked again.
-            else:
-                raise _short_answer(self.url, len(data), nbytes, offset, self.store.endpoint)
+            def get(offset=offset, nbytes=nbytes):
+                return self.store._call("get", self.url, "cat_file", self.key, start=offset, end=offset + nbytes,
+                                        nbytes=nbytes)
+            try:
+                # The object holds these bytes when they lie within its size (checked against the
+                # MANIFEST when this reader was opened): a short answer is the connection's.
+                if offset + nbytes <= self.size:
+                    data = _get_whole(get, self.url, nbytes, offset, self.store.endpoint)
+                else:
+                    data = get()
+            except NoSuchKey:
+                raise DataFileMissingError(f"data object {_basename(self.url)} disappeared while it was read",
+                                           path=self.url) from None
             if len(data) < nbytes:
                 raise DataFileTruncatedError(f"data object {_basename(self.url)}: {len(data)} bytes at offset "
                                              f"{offset}, expected {nbytes}", path=self.url, expected=nbytes,
