@@ -768,12 +768,16 @@ class TieredCheckpointManager:
         for s in steps:
             try:
                 try:
-                    if remote_up and step is not None:
+                    while True:
                         try:
-                            return load_tiered(state_dict, local_path=self.local_path(s),
-                                               remote_path=self.remote_path(s), storage_options=self.storage_options,
-                                               process_group=self.process_group, layout=self._layout, **kwargs)
+                            result = load_tiered(state_dict, local_path=self.local_path(s),
+                                                 remote_path=self.remote_path(s) if remote_up else None,
+                                                 storage_options=self.storage_options,
+                                                 process_group=self.process_group, layout=self._layout, **kwargs)
+                            break
                         except ObjectStoreError as exc:
+                            if not (remote_up and step is not None):
+                                raise
                             # The remote tier is down (the same typed error on every rank): the
                             # step asked for is restored from the local tier, as load() restores
                             # the newest, when its copies are complete (else TierIncompleteError).
@@ -781,16 +785,11 @@ class TieredCheckpointManager:
                             log.warning("distckpt: step %d: the remote tier %s does not answer (%s): loading the "
                                         "local tier's copy, which cannot be checked against it", s,
                                         self.remote_root, self._remote_down)
-                    try:
-                        result = load_tiered(state_dict, local_path=self.local_path(s),
-                                             remote_path=self.remote_path(s) if remote_up else None,
-                                             storage_options=self.storage_options, process_group=self.process_group,
-                                             layout=self._layout, **kwargs)
-                    except DistCkptError as exc:
-                        if not remote_up:
-                            exc.add_note(f"distckpt: the remote tier {self.remote_root} did not answer "
-                                         f"({self._remote_down}): only the local tier was read")
-                        raise
+                        except DistCkptError as exc:
+                            if not remote_up:
+                                exc.add_note(f"distckpt: the remote tier {self.remote_root} did not answer "
+                                             f"({self._remote_down}): only the local tier was read")
+                            raise
                     if not remote_up:
                         result = dataclasses.replace(result, remote_unchecked=self._remote_down)
                     return result
