@@ -17,6 +17,7 @@ tensor's bytes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 from typing import Callable, Iterable, Iterator
@@ -25,12 +26,13 @@ from . import dcp, hf
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .chain import ChainLink, chain_info, chain_of
-from .errors import ConfigError
+from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointRemovedError, ConfigError,
+                     StorageError)
 from .plan import Box
 from .storage import Store, is_url, join, open_store
 from .storage.posix.locate import check_checkpoint_dir, checkpoint_path
 
-__all__ = ["Source", "open_source"]
+__all__ = ["Source", "open_source", "pinned"]
 
 
 @dataclasses.dataclass
@@ -41,6 +43,8 @@ class Source:
     path: str
     store: Store
     format: str
+    # Set by pinned(): the MANIFEST's bytes, the indexes read with them, and their decoding.
+    _pin: "tuple[bytes, dict[int, bytes], mf.Manifest] | None" = dataclasses.field(default=None, repr=False)
 
     def manifest(self, group: ControlGroup | None = None) -> "mf.Manifest":
         """The decoded, validated manifest of the checkpoint, every tensor's chunks included.
@@ -77,13 +81,28 @@ class Source:
 
         Raises: as :meth:`manifest` (the function: its index errors).
         """
+        if self._pin is not None:
+            return self._open(group, by_boxes=False)  # decoded whole already: nothing left to save
         return self._open(group, by_boxes=True)
+
+    def _decode_whole(self) -> "tuple[bytes, dict[int, bytes], mf.Manifest]":
+        """(MANIFEST bytes, every data file's index bytes, the manifest they decode to)."""
+        data = self.store.manifest_bytes(self.path)
+        indexes: dict[int, bytes] = {}
+
+        def read_index(header: "mf.Manifest", i: int) -> bytes:
+            indexes[i] = self.store.read_index(self.path, header, i)
+            return indexes[i]
+
+        return data, indexes, mf.decode(data, path=join(self.path, mf.MANIFEST_NAME), read_index=read_index)
 
     def _open(self, group: ControlGroup | None, by_boxes: bool):
         if self.format != "distckpt":
             check_checkpoint_dir(self.path)  # a save's tmp directory is no checkpoint, whatever it holds
             return dcp.load_manifest(self.path) if self.format == "dcp" else hf.load_manifest(self.path)
         name = join(self.path, mf.MANIFEST_NAME)
+        if self._pin is not None and (group is None or group.world_size == 1):
+            return self._pin[2]
         if group is None or group.world_size == 1:
             if not by_boxes:
                 return self.store.load_manifest(self.path)
@@ -93,7 +112,9 @@ class Source:
                 return lambda wanted: self._read_some(header, self._needed(header, wanted))
             return mf.decode(data, path=name, read_index=lambda h, i: self.store.read_index(self.path, h, i))
         payload, manifest = None, None
-        if group.rank == 0:
+        if group.rank == 0 and self._pin is not None:
+            payload = (self._pin[0], self._pin[1], None)  # what this rank decoded: nothing read again
+        elif group.rank == 0:
             try:
                 data = self.store.manifest_bytes(self.path)
                 if by_boxes and _by_boxes(mf.decode_header(data, path=name)):
@@ -120,6 +141,14 @@ class Source:
             raise ConfigError(f"the ranks of one load passed different paths: rank 0 {rank0_path!r}, rank "
                               f"{group.rank} {self.path!r}", path=self.path,
                               remedy="Pass every rank the same checkpoint path.")
+        if self._pin is not None:
+            if data != self._pin[0]:  # the MANIFEST holds its indexes' checksums: its bytes say it all
+                # This rank's other reads of the block used its own copy: rank 0's would mix two saves.
+                raise CheckpointRemovedError(
+                    f"the checkpoint at {self.path} changed between the ranks' first reads of it (rank 0 read "
+                    f"another MANIFEST than rank {group.rank}): it was overwritten while it was being loaded",
+                    path=self.path, renamed_to=None, replaced=True)
+            return self._pin[2]
         if indexes is None:
             header = mf.decode_header(data, path=name)  # the same bytes: the same outcome on every rank
             return lambda wanted: self._read_some(header, self._needed(header, wanted))
@@ -166,8 +195,32 @@ class Source:
     def guard(self) -> contextlib.AbstractContextManager:
         """Around the reads of this checkpoint: an error that is what its removal or replacement
         mid-read looks like leaves as CheckpointRemovedError, and so does a read that succeeded
-        while another checkpoint took the name (the store's ``guard_reads``)."""
-        return self.store.guard_reads(self.path)
+        while another checkpoint took the name (the store's ``guard_reads``). For a pinned
+        source, replaced means since the pin: its reads use the MANIFEST read then."""
+        if self._pin is None:
+            return self.store.guard_reads(self.path)
+        return self._pinned_guard()
+
+    @contextlib.contextmanager
+    def _pinned_guard(self) -> Iterator[None]:
+        # The store's guard compares with what the name held when this read began; a pinned
+        # read may begin after another save took the name, and then reads that save's data
+        # files with the pin's MANIFEST: its checksum errors are the replacement, not damage.
+        with self.store.guard_reads(self.path):
+            try:
+                yield
+            except (CheckpointCorruptError, CheckpointIncompleteError, StorageError) as exc:
+                try:
+                    now = self.store.manifest_bytes(self.path)
+                except Exception:  # noqa: BLE001 - no MANIFEST to read any more: removed
+                    now = None
+                if now == self._pin[0]:
+                    raise
+                raise CheckpointRemovedError(
+                    f"the checkpoint at {self.path} was {'replaced by another save' if now else 'removed'} "
+                    f"after its MANIFEST was read for this block of reads; the read failed with "
+                    f"{type(exc).__name__}: {getattr(exc, 'message', exc)}", path=self.path,
+                    rank=getattr(exc, "rank", None), renamed_to=None, replaced=now is not None) from exc
 
     @contextlib.contextmanager
     def guard_links(self, links: list[ChainLink]) -> Iterator[None]:
@@ -188,16 +241,53 @@ def _by_boxes(header: "mf.Manifest") -> bool:
                for t in header.tensors.values())
 
 
+# The sources pinned by pinned() in this context, by canonical path.
+_PINNED: contextvars.ContextVar[dict[str, Source]] = contextvars.ContextVar("distckpt_pinned", default={})
+
+
+@contextlib.contextmanager
+def pinned(path: str | os.PathLike, storage_options: dict | None = None) -> Iterator[Source]:
+    """Several reads and loads of one checkpoint as one: inside the block, :func:`open_source` of
+    ``path`` gives one source whose MANIFEST (and every data file's index) was read and decoded
+    once, on entry, so a caller that reads a checkpoint key by key (DeepSpeed's engine loads its
+    files one after another) decodes it once, not once per call. The block is guarded as a whole
+    (:meth:`Source.guard`): if another save takes the name between two of its reads, the block
+    raises CheckpointRemovedError instead of returning state from two checkpoints. A load with a
+    group still exchanges the MANIFEST's bytes from rank 0, and a rank whose pinned copy differs
+    raises CheckpointRemovedError (every rank of a load pins, or none does). Nested for the same
+    path, the outer pin is used. A DCP or
+    Hugging Face directory is not pinned (its metadata is read per call, as before).
+
+    Raises: on entry, the errors of :meth:`Source.manifest`; CheckpointRemovedError as above.
+    """
+    source = open_source(path, storage_options)
+    pins = _PINNED.get()
+    if source.path in pins or source.format != "distckpt":
+        yield pins.get(source.path, source)
+        return
+    with source.guard():
+        source._pin = source._decode_whole()
+        token = _PINNED.set({**pins, source.path: source})
+        try:
+            yield source
+        finally:
+            _PINNED.reset(token)
+
+
 def open_source(path: str | os.PathLike, storage_options: dict | None = None) -> Source:
     """The source of the checkpoint at ``path``: a local path (a MANIFEST file stands for its
     directory) or an fsspec URL (``storage_options`` as :func:`distckpt.save`). Only looks at
-    what the path holds; the manifest is read by :meth:`Source.manifest`.
+    what the path holds; the manifest is read by :meth:`Source.manifest`. Inside :func:`pinned`
+    of the same path, its pinned source.
 
     Raises:
         ConfigError: ``storage_options`` for a local path, or a URL scheme fsspec does not know.
     """
     path = checkpoint_path(path)
     store = open_store(path, storage_options)
+    pin = _PINNED.get().get(path)
+    if pin is not None:
+        return pin
     fmt = "distckpt"
     if not is_url(path):
         if dcp.is_dcp_checkpoint(path):  # torch.distributed.checkpoint's layout: its .metadata

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -624,6 +625,38 @@ def edges(out: str) -> None:
         report["native_through_install"] = "loaded"
     except Exception as exc:  # noqa: BLE001 - the test checks which
         report["native_through_install"] = f"{type(exc).__name__}: {exc}"
+    # 8. The tag overwritten by another save between DeepSpeed's reads of its files (another job
+    #    saving under the same tag): the load fails as CheckpointRemovedError on every rank. Each
+    #    file was read by a read of its own, so the later files came from the other save.
+    a = _edge_engine(2, frozen_seed=1)
+    dsd.install(a)
+    _edge_step(a, 1)
+    a.save_checkpoint(os.path.join(root, "mid_a"), "t")
+    _edge_step(a, 2)
+    a.save_checkpoint(os.path.join(root, "mid_b"), "t")
+    g = _edge_engine(2, frozen_seed=1)
+    ce = dsd.install(g)
+    first_read = ce.load
+    swapped = []
+
+    def load_then_swap(path, map_location=None):
+        got = first_read(path, map_location)
+        if not swapped:
+            swapped.append(path)
+            torch.distributed.barrier()
+            if torch.distributed.get_rank() == 0:
+                tag_dir = os.path.join(root, "mid_a", "t")
+                os.rename(tag_dir, tag_dir + ".replaced")
+                shutil.copytree(os.path.join(root, "mid_b", "t"), tag_dir)
+            torch.distributed.barrier()
+        return got
+
+    ce.load = load_then_swap
+    try:
+        g.load_checkpoint(os.path.join(root, "mid_a"), "t")
+        report["overwritten_mid_load"] = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        report["overwritten_mid_load"] = f"{type(exc).__name__}: {exc}"
     _dump(out, "edges", report)
 
 

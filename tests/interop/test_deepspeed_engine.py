@@ -289,7 +289,10 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         without zero_optimization.load_from_fp32_weights: the saved weights come back and the
         next losses are DeepSpeed's (distckpt rebuilt the weights from the masters);
       * save_16bit_model after install(): the same pytorch_model.bin as DeepSpeed's (it was a
-        ConfigError on rank 0 while rank 1 waited in the commit's collective)."""
+        ConfigError on rank 0 while rank 1 waited in the commit's collective);
+      * the tag overwritten by another save between DeepSpeed's reads of its files: a
+        CheckpointRemovedError on every rank (each file was read alone, the later ones from the
+        other save: a silent mix of two checkpoints)."""
     out = str(tmp_path)
     proc = _torchrun(2, out, ["edges"])
     assert proc.returncode == 0, _tail(proc)
@@ -306,6 +309,7 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
                                          "fast": True}, r["save_16bit_model"]
         assert r["native_through_install"].startswith("CheckpointNotFoundError") and \
             "DeepSpeed's own checkpoint" in r["native_through_install"], r["native_through_install"]
+        assert r["overwritten_mid_load"].startswith("CheckpointRemovedError"), r["overwritten_mid_load"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

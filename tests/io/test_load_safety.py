@@ -513,3 +513,91 @@ def test_a_load_that_fails_reading_an_index_says_it_filled_nothing(tmp_path, mon
         distckpt.load(into, path)
     assert ei.value.filled == [] and ei.value.partly_filled == []
     assert not into["w"].any() and into["step"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. Several reads of one checkpoint as one (distckpt.source.pinned: DeepSpeed's engine load)
+
+
+def test_reads_inside_a_pin_decode_the_manifest_once_and_come_from_one_checkpoint(tmp_path, monkeypatch):
+    """Key-by-key reads inside ``pinned`` decode the MANIFEST once; an overwrite between two of
+    them fails the block as CheckpointRemovedError. Without the pin each read stands alone: the
+    second read returns the other save's value, and nothing says the two came from two saves."""
+    from distckpt.source import pinned
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+    decodes = []
+    real = mf.decode
+    monkeypatch.setattr(mf, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    with pinned(path):
+        w = distckpt.read(path, keys=["w"])["w"]
+        into = {"b": torch.zeros(10, dtype=torch.int64)}
+        distckpt.load(into, path, strict=False)
+        assert distckpt.read(path, keys=["step"])["step"] == 5
+    assert len(decodes) == 1, decodes
+    assert torch.equal(w, _state()["w"]) and torch.equal(into["b"], _state()["b"])
+
+    other = _state()
+    other["b"] = other["b"] + 100
+    with pytest.raises(E.CheckpointRemovedError) as ei:
+        with pinned(path):
+            distckpt.read(path, keys=["w"])
+            distckpt.save(other, path, overwrite=True)
+            distckpt.read(path, keys=["b"])
+    assert ei.value.replaced is True and "damaged" not in str(ei.value)
+    # outside a pin the same two reads return parts of two saves: what the pin is for
+    distckpt.save(_state(), path, overwrite=True)
+    distckpt.read(path, keys=["w"])
+    distckpt.save(other, path, overwrite=True)
+    assert torch.equal(distckpt.read(path, keys=["b"])["b"], other["b"])
+
+
+def _pinned_load_body(rank, world_size, root, swap):
+    import shutil
+    import torch.distributed as dist
+    from distckpt.source import pinned
+    path, other = os.path.join(root, "c"), os.path.join(root, "other")
+    decodes = []
+    real = mf.decode
+    mf.decode = lambda *a, **k: decodes.append(1) or real(*a, **k)
+    into = {"w": torch.zeros(256, 64), "b": torch.zeros(10, dtype=torch.int64), "empty": torch.empty(0, 3), "step": 0}
+    try:
+        if swap and rank == 0:
+            # rank 0 pins the checkpoint as it was; rank 1 pins the one that took its name
+            with pinned(path):
+                dist.barrier()
+                os.rename(path, path + ".old")
+                shutil.copytree(other, path)
+                dist.barrier()
+                distckpt.load(into, path)
+        else:
+            if swap:
+                dist.barrier()
+                dist.barrier()
+            with pinned(path):
+                distckpt.load(into, path)
+        return {"error": None, "decodes": len(decodes), "w": torch.equal(into["w"], _state()["w"]), "step": into["step"]}
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        return {"error": type(exc).__name__, "message": str(exc), "decodes": len(decodes)}
+    finally:
+        mf.decode = real
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["same", "overwritten-between-ranks"])
+def test_a_pinned_load_on_two_ranks_uses_each_ranks_pin_and_refuses_two_saves(tmp_path, swap):
+    """A 2-rank load inside every rank's pin: each rank decodes once (its pin's), rank 0's MANIFEST
+    still travels to every rank, and a rank whose pin holds another save (the checkpoint was
+    overwritten between the ranks' pins) raises CheckpointRemovedError; no rank hangs."""
+    from ..helpers.distributed import run_ranks
+    distckpt.save(_state(), str(tmp_path / "c"))
+    other = _state()
+    other["w"] = other["w"] + 1
+    distckpt.save(other, str(tmp_path / "other"))
+    results = run_ranks(_pinned_load_body, 2, str(tmp_path), swap, timeout=120)
+    if not swap:
+        assert [r["error"] for r in results] == [None, None], results
+        assert [r["decodes"] for r in results] == [1, 1] and all(r["w"] and r["step"] == 5 for r in results), results
+    else:
+        assert results[1]["error"] == "CheckpointRemovedError", results
+        assert "rank 0 read another MANIFEST than rank 1" in results[1]["message"], results
+        assert results[0]["error"] == "CheckpointRemovedError", results

@@ -98,6 +98,7 @@ from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
 from ...save_sync import save_in_root
+from ...source import pinned
 from ...storage import ROOT_LOCK_NAME, Store, is_url, join, open_store
 from ...values import holds_tensor
 from . import zero
@@ -706,10 +707,21 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         # ranks exchange their outcome: past this point DeepSpeed's collectives (with its own,
         # 30-minute timeout) would leave the other ranks waiting for a rank that already raised.
         planned, error = None, None
-        try:
-            planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag)
-        except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
-            error = exc
+        with contextlib.ExitStack() as pin:
+            try:
+                planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag)
+                if planned is not None:
+                    # DeepSpeed reads its files one by one, and the ZeRO load reads more: pinned,
+                    # the MANIFEST is decoded once for all of them, and all come from one
+                    # checkpoint (CheckpointRemovedError otherwise). Its first read can fail here.
+                    pin.enter_context(pinned(planned[1]))
+            except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
+                error = exc
+            return _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only)
+
+    def _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
+                      load_lr_scheduler_states, load_module_only):
         group = control_group(operation="load_checkpoint()")
         outcomes = group.all_gather(_LoadPlanned(_portable(error), planned is None)) if group.world_size > 1 \
             else [_LoadPlanned(error, planned is None)]

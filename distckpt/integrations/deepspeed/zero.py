@@ -711,8 +711,21 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
             flat group). Raised on every rank before the engine changes.
         UnsupportedValueError: as :func:`save`. The errors of :func:`distckpt.load`.
     """
-    from ...restore import load as _load
+    from ...source import pinned
     path = os.path.abspath(os.fspath(path))
+    # Its reads (metadata, scalars, tensors, client state) decode the MANIFEST once and all come
+    # from one checkpoint, or the load raises CheckpointRemovedError.
+    with pinned(path):
+        return _load_pinned(engine, path, load_optimizer_states=load_optimizer_states,
+                            load_lr_scheduler_states=load_lr_scheduler_states,
+                            allow_stage_change=allow_stage_change, verify=verify,
+                            keep_module_weights=keep_module_weights)
+
+
+def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                 allow_stage_change: bool, verify: bool, keep_module_weights: bool) -> ZeroLoadResult:
+    """:func:`load` inside its pin of ``path`` (an absolute path)."""
+    from ...restore import load as _load
     meta = _saved_meta(path)
     lay = _layout(engine)
     # Frozen parameters left out at save (exclude_frozen_parameters) keep the engine's own values.
