@@ -297,6 +297,12 @@ class _Progress:
         return box[0] if box else None
 
 
+def control_group_fds(world: int) -> int:
+    """The fds distckpt's gloo control group among ``world`` ranks takes in each process: its event
+    loop's epoll and pipe, a socket per peer, a few spare."""
+    return 6 + world
+
+
 def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None:
     """The TooManyOpenFilesError that creating a gloo side group among ``world`` ranks would meet
     here (its event loop's epoll and pipe, a socket per peer, a few spare), or None. gloo reports
@@ -311,7 +317,7 @@ def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None
         n_open = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own fd
     except OSError:  # no /proc: let the group creation tell
         return None
-    needed = 6 + world
+    needed = control_group_fds(world)
     if n_open + needed <= soft:
         return None
     hard_txt = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)

@@ -52,11 +52,6 @@ __all__ = ["GlobalPlan", "PlannedSave", "plan_save", "check_replicated_option", 
            "inconsistent_ranks", "RankLayout", "LayoutMessage",
            "SameLayoutMessage", "PlanReply", "Resend", "PlanRejected", "RanksFailed"]
 
-# fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced, probes,
-# and rank 0's save lock (held for the whole save).
-_FDS_PER_SAVE = 9
-
-
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
@@ -763,8 +758,8 @@ def plan_save(group: ControlGroup, *, state_dict: Any, allow_pickle: bool, metad
             # Cheap per-rank check before any byte is written: the writer, its ring, the reader
             # probes and directory fsyncs need a handful of fds. (Free space is checked by rank 0
             # in PREPARE with every rank's bytes; permissions by the tmp-dir mkdir there.)
-            from .storage.posix.guards import check_fd_limit
-            check_fd_limit(_FDS_PER_SAVE, rank=rank, path=path)
+            from .storage.posix.guards import SAVE_FDS, check_fd_limit
+            check_fd_limit(SAVE_FDS, rank=rank, path=path)
         # check_objects=False: _summarize encodes (and so checks) every value right below.
         tree, items = flatten(state_dict, allow_pickle=allow_pickle, check_objects=False)
         summary = _summarize(items, tree, rank, allow_pickle, metadata, checked, group.world_size)

@@ -190,7 +190,8 @@ def distckpt_config_check(env: Mapping[str, str] | None = None) -> CheckResult:
     raise, named here in its own row instead of under whichever check reads it first), the
     object-store knobs too when ``env`` is this process's environment (they are read from it at
     each object-store save), and no DISTCKPT_* variable is one distckpt does not know (a typo: a
-    warning naming the closest known one). Never raises."""
+    warning naming the closest known one). Every bad variable is reported, not only the first.
+    Never raises."""
     import warnings
 
     from ..config import load_config, warn_unknown_variables
@@ -200,10 +201,17 @@ def distckpt_config_check(env: Mapping[str, str] | None = None) -> CheckResult:
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         unknown = warn_unknown_variables(env_map)
-        try:
-            load_config(env_map)
-        except ConfigError as exc:
-            errors.append(exc)
+        # load_config stops at the first bad value: each one found is taken out and the rest
+        # parsed again, so one run of the check names every bad variable, not one per fix.
+        parsed = dict(env_map)
+        while True:
+            try:
+                load_config(parsed)
+                break
+            except ConfigError as exc:
+                errors.append(exc)
+                if parsed.pop(getattr(exc, "variable", None) or "", None) is None:
+                    break  # an error no one variable is to blame for: parsing again would repeat it
         if env is None or env is os.environ:
             from ..storage.object import request as objrequest
             from ..storage.object import settings as objsettings

@@ -13,8 +13,24 @@ from .report import WARNING, CheckResult, PreflightReport
 
 __all__ = ["preflight"]
 
-# fds a save holds besides its files: the writer and its ring, the reader probes, directory fsyncs.
-_FDS_BESIDES_FILES = 64
+
+
+def _save_fds(ranks: int, object_store: bool) -> int:
+    """The fds one rank's save opens: its own (the writer and its ring, the MANIFEST, directory
+    fsyncs, probes, the save lock), distckpt's control group among ``ranks``, and on an object
+    store the connections of its parts in flight. A rank opens its own data file only, so the
+    world's file count is no part of it."""
+    from .._dist import control_group_fds
+    from ..storage.posix.guards import SAVE_FDS
+    fds = SAVE_FDS + control_group_fds(ranks)
+    if object_store:
+        from ..errors import ConfigError
+        from ..storage.object import settings as objsettings
+        try:
+            fds += objsettings.settings()["in_flight"] + 2  # + the MANIFEST's and a listing's
+        except ConfigError:  # a bad DISTCKPT_OBJECT_* value: the distckpt_config row reports it
+            fds += 6
+    return fds
 
 
 def preflight(
@@ -51,7 +67,9 @@ def preflight(
         keep_last: Rotation setting; the new checkpoint must fit next to the old ones.
         raise_on_error: Raise the first failing check's typed error instead of returning.
         env: Environment to check instead of os.environ.
-        fds_needed: fds a save opens; default 64 + the number of files it writes.
+        fds_needed: fds one rank's save opens; default: what a save opens itself (9), plus
+            distckpt's control group among ``world_size`` ranks (6 + world_size), plus on an object
+            store its upload parts in flight (DISTCKPT_OBJECT_PARTS_IN_FLIGHT) and 2.
         storage_options: fsspec options for an object-store URL (``s3://...``), as save() takes;
             without them the standard AWS variables are used.
 
@@ -66,8 +84,8 @@ def preflight(
     rank = environment.rank_of(env_map)
     ranks = world_size or environment.int_or_none(env_map.get("WORLD_SIZE")) or 1
     n_files = ranks + filesystem.FILES_BESIDES_DATA
-    fds = fds_needed if fds_needed is not None else _FDS_BESIDES_FILES + n_files
     object_store = is_url(path)
+    fds = fds_needed if fds_needed is not None else _save_fds(ranks, object_store)
 
     steps: list[tuple[str, Callable[[], CheckResult | list[CheckResult]]]] = [
         ("distckpt_config", lambda: environment.distckpt_config_check(env)),

@@ -462,6 +462,41 @@ def test_tiny_rlimit_nofile_in_a_child():
     assert real["error"]["type"] == "TooManyOpenFilesError" and real["error"]["errno"] == errno.EMFILE
 
 
+_NOFILE_JUST_ENOUGH = """
+import os, resource, torch, distckpt
+from distckpt.checks import preflight
+from distckpt.storage.posix.guards import open_fd_count
+path = os.environ["CKPT"]
+distckpt.save({"w": torch.ones(8)}, path + "/warm")  # the first save's lazy imports open their files now
+free = int(os.environ["FREE"])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_fd_count() + free, hard))
+row = next(c for c in preflight(path + "/c", world_size=1).checks if c.name == "fd_limit")
+emit({"status": row.status, "needed": row.details["needed"], "message": row.message})
+try:
+    distckpt.save({"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(3)}, path + "/c")
+    emit({"saved": distckpt.read(path + "/c")["w"].sum().item() == float(sum(range(1 << 20)))})
+except Exception as exc:
+    emit_error(exc)
+"""
+
+
+@pytest.mark.parametrize("free", [16, 8])
+def test_fd_limit_asks_for_what_a_save_opens_not_more(tmp_path, free):
+    """pre-flight asked for 64 + the world's file count (69 fds at one rank); one rank's save opens
+    its own file only: 9, and 7 for distckpt's control group when there is a process group. With
+    16 fds free the row is ok and the save succeeds; with 8 the row is an error and the save
+    raises TooManyOpenFilesError before it writes."""
+    res = run_python(_NOFILE_JUST_ENOUGH, env={"CKPT": str(tmp_path), "FREE": str(free)}).check()
+    row, saved = res.emitted
+    assert row["needed"] == 16, row
+    if free == 16:
+        assert row["status"] == "ok" and saved == {"saved": True}, (row, saved)
+    else:
+        assert row["status"] == "error" and saved["error"]["type"] == "TooManyOpenFilesError", (row, saved)
+        assert not os.path.exists(tmp_path / "c")
+
+
 def test_fd_limit_remedy_when_hard_limit_allows():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1024:
@@ -713,3 +748,15 @@ def test_distckpt_variables_have_their_own_row_and_a_typo_is_counted(tmp_path, m
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DISTCKPT_")}
     row = next(c for c in preflight(str(tmp_path), env=clean).checks if c.name == "distckpt_config")
     assert row.status == "ok", row
+
+
+def test_every_bad_distckpt_variable_is_named_in_one_run(tmp_path):
+    """Three bad values: the row named only the first (the one load_config stops at), so a user
+    fixed them one run at a time."""
+    from distckpt.checks import preflight
+    env = {"DISTCKPT_IO_BACKEND": "fast", "DISTCKPT_TIMEOUT_S": "nan", "DISTCKPT_BLOCK_SIZE": "3x"}
+    row = next(c for c in preflight(str(tmp_path), env=env).checks if c.name == "distckpt_config")
+    assert row.status == "error", row
+    for name in env:
+        assert name in row.message, (name, row.message)
+    assert len(row.details["problems"]) == 3, row.details

@@ -160,6 +160,12 @@ def check_memory_room(path: str | os.PathLike, needed_bytes: int, *, rank: int |
                "or put the local tier on a disk.")
 
 
+# fds one rank's save may hold at once: data file + ring, MANIFEST, a directory being fsynced,
+# probes, and rank 0's save lock (held for the whole save). The save checks for them before it
+# writes; pre-flight adds the control group's (distckpt._dist.control_group_fds).
+SAVE_FDS = 9
+
+
 def open_fd_count() -> int:
     """The number of fds this process has open now (0 when /proc/self/fd cannot be listed)."""
     try:
