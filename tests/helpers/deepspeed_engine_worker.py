@@ -625,6 +625,24 @@ def edges(out: str) -> None:
         report["native_through_install"] = "loaded"
     except Exception as exc:  # noqa: BLE001 - the test checks which
         report["native_through_install"] = f"{type(exc).__name__}: {exc}"
+    # 8a. Each file of the tag is read once per load_checkpoint: DeepSpeed asks for the
+    #     model-states file twice (SDLoader's check_ckpt_list, then its load), and the second got
+    #     a second read and check of the same bytes.
+    import distckpt.integrations.deepspeed.engine as dse
+    counted = _edge_engine(2, frozen_seed=1)
+    dsd.install(counted)
+    real_read, reads = dse.read, []
+
+    def counting_read(path, keys=None, **kwargs):
+        reads.append(tuple(keys or ()))
+        return real_read(path, keys=keys, **kwargs)
+
+    dse.read = counting_read
+    try:
+        counted.load_checkpoint(os.path.join(root, "dc"), "t")
+    finally:
+        dse.read = real_read
+    report["engine_reads"] = [k for ks in reads for k in ks if k.startswith("files.")]
     # 8. The tag overwritten by another save between DeepSpeed's reads of its files (another job
     #    saving under the same tag): the load fails as CheckpointRemovedError on every rank. Each
     #    file was read by a read of its own, so the later files came from the other save.

@@ -290,6 +290,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         next losses are DeepSpeed's (distckpt rebuilt the weights from the masters);
       * save_16bit_model after install(): the same pytorch_model.bin as DeepSpeed's (it was a
         ConfigError on rank 0 while rank 1 waited in the commit's collective);
+      * each file of a tag read once per load_checkpoint (DeepSpeed asks for the model states
+        twice: the second request is served the state read for the first);
       * the tag overwritten by another save between DeepSpeed's reads of its files: a
         CheckpointRemovedError on every rank (each file was read alone, the later ones from the
         other save: a silent mix of two checkpoints)."""
@@ -310,6 +312,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["native_through_install"].startswith("CheckpointNotFoundError") and \
             "DeepSpeed's own checkpoint" in r["native_through_install"], r["native_through_install"]
         assert r["overwritten_mid_load"].startswith("CheckpointRemovedError"), r["overwritten_mid_load"]
+        files = r["engine_reads"]  # every file read once: the model states, this rank's optimizer file
+        assert len(files) == len(set(files)) == 2, files
 
 
 def test_importing_the_integration_does_not_import_deepspeed():

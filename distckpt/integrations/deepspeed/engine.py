@@ -294,6 +294,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self.load_meta: dict = {}
         self._masters: set[str] = set()
         self._weights_from_masters = False
+        # (name, state) of the file served last, for DeepSpeed's second request of it (below)
+        self._served: tuple[str, Any] | None = None
         self.in_save_checkpoint = False  # set by the installed save_checkpoint (else: an export)
 
     # -- save ------------------------------------------------------------------------------
@@ -431,6 +433,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
     def end_load(self) -> None:
         self._load_path, self._load_names = None, []
         self._weights_from_masters = False
+        self._served = None
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state DeepSpeed saved as ``path``, on CPU (every caller in DeepSpeed 0.19.8 maps to
@@ -443,6 +446,14 @@ class DistckptCheckpointEngine(CheckpointEngine):
             name = self.model_states_name
         else:
             name = self._name(path, self._load_path)
+        if self._served is not None and self._served[0] == name:
+            # DeepSpeed 0.19.8 asks for the model-states file twice in a row: SDLoader's
+            # check_ckpt_list reads one key (mp_world_size) of it and drops it, then its load
+            # takes it. The state read and verified for the first is handed to the second, once,
+            # instead of reading and checking the file again.
+            sd, self._served = self._served[1], None
+            return sd
+        self._served = None
         keys = [f"{_FILES}.{name}"]
         if self.load_meta.get("containers"):
             keys.append(f"{_CONTAINERS}.{name}")
@@ -475,6 +486,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
                 # load that follows sets them from the loaded masters, as a step does.
                 for key in wanted:
                     module[key] = current[key]
+        self._served = (name, sd)
         return sd
 
     def consolidated_module(self) -> dict:
