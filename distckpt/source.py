@@ -253,10 +253,10 @@ def pinned(path: str | os.PathLike, storage_options: dict | None = None) -> Iter
     files one after another) decodes it once, not once per call. The block is guarded as a whole
     (:meth:`Source.guard`): if another save takes the name between two of its reads, the block
     raises CheckpointRemovedError instead of returning state from two checkpoints. A load with a
-    group still exchanges the MANIFEST's bytes from rank 0, and a rank whose pinned copy differs
-    raises CheckpointRemovedError (every rank of a load pins, or none does). Nested for the same
-    path, the outer pin is used. A DCP or
-    Hugging Face directory is not pinned (its metadata is read per call, as before).
+    group still exchanges the MANIFEST's bytes from rank 0 (from its pin, if it pinned): a rank
+    that did not pin uses them as always, and a pinned rank whose copy differs raises
+    CheckpointRemovedError. Nested for the same path, the outer pin is used. A DCP or Hugging
+    Face directory is not pinned (its metadata is read per call, as before).
 
     Raises: on entry, the errors of :meth:`Source.manifest`; CheckpointRemovedError as above.
     """
