@@ -29,8 +29,10 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 class StepInfo:
     """One checkpoint directory found by :func:`list_root`.
 
-    ``status``: ``committed`` (MANIFEST decodes) or ``broken`` (a ``step_N`` directory without
-    MANIFEST, or a MANIFEST that does not decode: ``problem`` says which). ``step`` is None for a
+    ``status``: ``committed`` (MANIFEST decodes), ``broken`` (a ``step_N`` directory without
+    MANIFEST, or a MANIFEST that does not decode: ``problem`` says which) or ``unreadable`` (its
+    MANIFEST could not be read for a reason that says nothing about it: no permission, an I/O or
+    network error, a format version newer than this reader; ``problem`` says which). ``step`` is None for a
     checkpoint directory not named ``step_N``. ``size_bytes``: data files + MANIFEST, from the
     manifest. ``ranks``: the world size that saved it. ``chain``: for a link of an incremental
     chain (distckpt.incremental), ``{"kind": "full"|"delta", "seq", "parent", "base", "chain",
@@ -70,7 +72,10 @@ class RootListing:
         return dataclasses.asdict(self)
 
 
-def _step_info(path: str, name: str, store: Store) -> StepInfo:
+def _step_info(path: str, name: str, store: Store, *, strict: bool = True) -> StepInfo:
+    """The step at ``path``: "committed", "broken" (its MANIFEST is damaged or missing), or with
+    ``strict=False`` (a listing to show) "unreadable": its state is unknown (below). With
+    ``strict`` (a decision: which step load() takes) those errors are raised."""
     from . import manifest as mf
     m = _STEP_RE.match(name)
     step = int(m.group(1)) if m else None
@@ -78,19 +83,25 @@ def _step_info(path: str, name: str, store: Store) -> StepInfo:
     # a format-3 checkpoint's chunk records (in its data files' indexes) are checked by a load or
     # by verify, like its data.
     try:
-        data = store.manifest_bytes(path)
-        man = mf.decode_header(data, path=join(path, MANIFEST))
-    except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIncompleteError, ObjectNotFoundError) as exc:
-        # What the MANIFEST is (damaged) or is not (there): the step is broken. Any other error
-        # (a timeout, a reset, throttling, no permission) says nothing about the step and
-        # propagates: calling it broken made load() fall back to an older step, after which the
-        # next save deleted this one as an abandoned branch. So does a MANIFEST of a format
-        # version this reader does not know (a newer release wrote it): it is not damaged.
-        if exc.details.get("found_version") is not None:
+        try:
+            data = store.manifest_bytes(path)
+            man = mf.decode_header(data, path=join(path, MANIFEST))
+        except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIncompleteError, ObjectNotFoundError) as exc:
+            # What the MANIFEST is (damaged) or is not (there): the step is broken. Any other
+            # error (a timeout, a reset, throttling, no permission) says nothing about the step:
+            # calling it broken made load() fall back to an older step, after which the next save
+            # deleted this one as an abandoned branch. Nor does a MANIFEST of a format version
+            # this reader does not know (a newer release wrote it): it is not damaged.
+            if exc.details.get("found_version") is not None:
+                raise
+            problem = "no MANIFEST: never committed (or its MANIFEST was deleted)" \
+                if not store.has_manifest(path) else f"{type(exc).__name__}: {exc.message}"
+            return StepInfo(name, path, step, "broken", problem)
+    except DistCkptError as exc:
+        if strict:
             raise
-        problem = "no MANIFEST: never committed (or its MANIFEST was deleted)" \
-            if not store.has_manifest(path) else f"{type(exc).__name__}: {exc.message}"
-        return StepInfo(name, path, step, "broken", problem)
+        return StepInfo(name, path, step, "unreadable", f"{type(exc).__name__}: {exc.message} (not known to be "
+                        "damaged; CheckpointManager.load() raises this until the step can be read)")
     info = chain.chain_info(man)
     link = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
                                                                 "link_bytes", "tracked_bytes")}
@@ -105,7 +116,9 @@ def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
 
 def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: list) -> RootListing:
     newest = _newest_by_commit(infos)
-    latest = newest.step if newest is not None else None
+    # With a step whose MANIFEST cannot be read, no step is what load() would take: it raises.
+    unknown = any(i.status == "unreadable" for i in infos)
+    latest = newest.step if newest is not None and not unknown else None
     problem = None
     if pointer is not None and (newest is None or pointer != newest.name):
         target = next((i for i in infos if i.name == pointer), None)
@@ -117,7 +130,7 @@ def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: l
             problem = (f"the latest file names {pointer!r} but {newest.name} was committed after it "
                        "(a crash between that commit and the pointer update): load() loads "
                        f"{newest.name}")
-    infos = [dataclasses.replace(i, is_latest=(newest is not None and i.name == newest.name)) for i in infos]
+    infos = [dataclasses.replace(i, is_latest=(latest is not None and i.name == newest.name)) for i in infos]
     infos.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
     return RootListing(root, "root", infos, latest, pointer, problem, leftovers)
 
@@ -134,7 +147,7 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
     root = normalize_path(path)
     store = open_store(root, storage_options)
     if store.has_manifest(root):  # one checkpoint, not a root
-        info = _step_info(root, basename(root), store)
+        info = _step_info(root, basename(root), store, strict=False)
         return RootListing(root, "checkpoint", [info], None, None, None, [])
     names = store.list_children(root)
     if not names and not store.exists(root):
@@ -142,7 +155,7 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
                                       remedy="Check the path: pass a CheckpointManager root or a checkpoint directory.")
     # A name is a checkpoint when it has a MANIFEST, or a broken one when it is a step_N that holds
     # something (an empty "directory" an object store keeps after a deletion is nothing).
-    infos = [_step_info(join(root, n), n, store) for n in names
+    infos = [_step_info(join(root, n), n, store, strict=False) for n in names
              if store.has_manifest(join(root, n)) or (_STEP_RE.match(n) and store.exists(join(root, n)))]
     return _listing(root, infos, store.read_pointer(join(root, "latest")),
                     store.scan_leftovers(root, other_hosts=other_hosts))
@@ -152,13 +165,17 @@ def owned_checkpoints(store: Store, parent: str, owned: Callable[[dict], bool]) 
     """(name, commit time) of every committed checkpoint directly in ``parent`` whose MANIFEST's
     user metadata (``meta["user"]``, a dict or None) ``owned`` accepts: what an integration's
     rotation may delete. Symlinks are never listed (never deleted through); a checkpoint whose
-    MANIFEST does not decode is skipped (not ours to judge, never ours to delete). Raises the
+    MANIFEST does not decode, or that cannot be looked at, is skipped (not ours to judge, never
+    ours to delete). Raises the
     store's listing errors."""
     out = []
     for name in store.list_children(parent):
         path = join(parent, name)
-        if not store.is_committed(path):
-            continue
+        try:
+            if not store.is_committed(path):
+                continue
+        except DistCkptError:
+            continue  # it cannot be looked at: not ours to judge, never ours to delete
         try:
             manifest = store.load_manifest(path)
         except DistCkptError:

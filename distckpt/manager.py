@@ -145,7 +145,10 @@ class CheckpointManager:
         return join(self.root, step_dirname(step))
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending by number. Never writes."""
+        """Committed steps, ascending by number. Never writes. Raises the store's typed error
+        (StoragePermissionError, StorageIOError, ...) when a step's directory cannot be looked
+        at: a step it cannot see may be the newest (a save after a load without it would delete
+        it as an abandoned branch)."""
         return sorted(int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root))
                       if m and self._store.is_committed(self.path(int(m.group(1)))))
 

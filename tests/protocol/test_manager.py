@@ -522,6 +522,58 @@ def test_a_newer_format_version_is_not_a_damaged_step(tmp_path):
     assert mgr.steps() == [100, 200] and (root / "step_00000200" / "MANIFEST").exists()
 
 
+_UNREADABLE_STEP_CHILD = """
+import os, torch, distckpt
+root = os.environ["ROOT"]
+mgr = distckpt.CheckpointManager(root, keep_last=5)
+out = {}
+try:
+    mgr.load({"w": torch.zeros(4), "step": 0})
+    out["load"] = "loaded"
+except Exception as exc:
+    out["load"] = type(exc).__name__
+try:
+    mgr.save(210, {"w": torch.full((4,), 210.0), "step": 210})
+    out["save"] = "saved"
+except Exception as exc:
+    out["save"] = type(exc).__name__
+listing = mgr.describe()
+out["ls"] = [[e.name, e.status] for e in listing.entries]
+out["latest"] = listing.latest
+emit(out)
+"""
+
+
+def test_a_step_directory_that_cannot_be_entered_is_never_skipped(tmp_path):
+    """The newest step's directory cannot be entered (EACCES here; an NFS error reads the same):
+    the manager left it out of steps() as "not committed", loaded the step before it with no
+    warning, and once the directory was readable again the next save deleted it as an abandoned
+    branch. Now load() raises the permission error; a save commits and deletes nothing, but its
+    rotation raises it too; the listing shows the step as unreadable and marks no step latest."""
+    from ..helpers.faults import run_python
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root, keep_last=5)
+    for step in (100, 200, 300):
+        mgr.save(step, _state(step))
+        time.sleep(0.02)
+    s300 = root / "step_00000300"
+    os.chmod(s300, 0)
+    try:
+        res = run_python(_UNREADABLE_STEP_CHILD, env={"ROOT": str(root)},
+                         drop_caps=("cap_dac_override", "cap_dac_read_search"), timeout=120).check()
+    finally:
+        os.chmod(s300, 0o755)
+    out = res.emitted[0]
+    assert out["load"] == "StoragePermissionError", out
+    assert out["save"] == "StoragePermissionError", out  # raised by the rotation after the commit
+    assert ["step_00000300", "unreadable"] in out["ls"] and out["latest"] is None, out
+    assert mgr.steps() == [100, 200, 210, 300]
+    got = {"w": torch.zeros(4), "step": 0}
+    mgr.load(got)  # step 210 was committed last; 300 is intact
+    assert got["step"] == 210
+    assert distckpt.read(str(s300))["step"] == 300
+
+
 def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatch, caplog):
     """latest_step() orders the steps by the commit time in each MANIFEST's first bytes and fully
     decodes (checksum + validation) only from the newest down to the first valid one; it never

@@ -27,9 +27,23 @@ def _corrupt(message: str, path: str) -> ManifestCorruptError:
 
 def is_committed(path: str) -> bool:
     """True when ``path`` is a committed checkpoint directory (it has its MANIFEST and is not a
-    hidden tmp/del directory)."""
-    return (not TMP_RE.match(os.path.basename(os.path.normpath(path)))
-            and os.path.isfile(os.path.join(path, mf.MANIFEST_NAME)))
+    hidden tmp/del directory).
+
+    Raises StorageError (a subclass, via from_os_error) when the look itself fails: a directory
+    that cannot be entered (EACCES, an NFS error) may well hold a committed step, and answering
+    False made a manager skip it, load the step before it and then delete it as an abandoned
+    branch. Only "nothing there" (ENOENT, ENOTDIR) and a MANIFEST symlink loop (never a
+    checkpoint: its MANIFEST is never followed) are False."""
+    if TMP_RE.match(os.path.basename(os.path.normpath(path))):
+        return False
+    manifest = os.path.join(path, mf.MANIFEST_NAME)
+    try:
+        st = os.stat(manifest)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return False
+        raise from_os_error(exc, path=manifest, operation="stat MANIFEST") from exc
+    return stat.S_ISREG(st.st_mode)
 
 
 def read_manifest_bytes(path: str | os.PathLike) -> bytes:
