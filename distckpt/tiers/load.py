@@ -595,7 +595,9 @@ def step_availability(group: ControlGroup, *, local_root: str, remote_root: str 
     ``problems``; a step with data but no MANIFEST (a save or drain in flight) is absent.
 
     Raises (on every rank): StorageError subclasses and the object store's typed errors (a root
-    that cannot be listed, a remote tier that does not answer), PeerLostError.
+    that cannot be listed, a remote tier that does not answer), PeerLostError; ManifestCorruptError
+    for a MANIFEST of a format version this reader does not know (a newer release wrote it: not
+    damaged, and passing it over would load an older step, as CheckpointManager refuses too).
     """
     layout = layout if layout is not None else node_layout(group, local_root)
     local, remote, error = None, None, None
@@ -635,6 +637,8 @@ def _local_steps(root: str) -> dict[int, tuple[LocalCopy | None, str | None]]:
         try:
             copy, _data = _local_copy(store, join(root, name))
         except ManifestCorruptError as exc:
+            if exc.details.get("found_version") is not None:
+                raise  # a newer release's step is not damaged: passing it over loads an older one
             out[int(m.group(1))] = (None, f"{join(root, name)}: {exc.message}")
             continue
         if copy is not None:
@@ -655,6 +659,8 @@ def _remote_steps(root: str, storage_options: dict | None) -> dict[int, tuple[st
         try:
             data = _remote_manifest(store, path)
         except ManifestCorruptError as exc:
+            if exc.details.get("found_version") is not None:
+                raise  # as in _local_steps
             out[int(m.group(1))] = (None, None, f"remote {path}: {exc.message}")
             continue
         if data is not None:

@@ -201,6 +201,30 @@ def test_a_newer_step_with_no_complete_copy_is_named_when_the_load_goes_back(tmp
             mgr.load(out, step=3)
 
 
+def test_a_step_of_a_newer_format_version_is_not_passed_over(tmp_path, caplog):
+    """Step 3 written by a newer release (a MANIFEST format version this reader does not know),
+    on both tiers: the tiered manager counted it as damaged, warned, and loaded step 2 (the plain
+    CheckpointManager raises). It raises the typed error naming the version (when it is built: its
+    first drain scan reads every step of both tiers), and keeps step 3 on both."""
+    import struct
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=5) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s))
+        mgr.wait_durable(3, timeout=120)
+    for tier in (local, remote):
+        man = tier / "step_00000003" / "MANIFEST"
+        data = bytearray(man.read_bytes())
+        struct.pack_into("<I", data, 8, 99)  # the header's format_version, after the 8-byte magic
+        man.write_bytes(bytes(data))
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with pytest.raises(errors.ManifestCorruptError, match="format version 99"):
+        with TieredCheckpointManager(local, remote, keep_last_local=5) as mgr:
+            mgr.load(out)
+    assert out["step"] == -1
+    assert (local / "step_00000003" / "MANIFEST").exists() and (remote / "step_00000003" / "MANIFEST").exists()
+
+
 def test_a_damaged_local_index_is_named_by_its_local_path(tmp_path):
     from distckpt import manifest as mf
     local, remote = tmp_path / "local", tmp_path / "remote"
