@@ -520,6 +520,11 @@ def test_a_newer_format_version_is_not_a_damaged_step(tmp_path):
         mgr.load(_state(0))
     assert "release" in info.value.remedy
     assert mgr.steps() == [100, 200] and (root / "step_00000200" / "MANIFEST").exists()
+    # the listing (distckpt ls) lists every step and says which one it cannot read (it raised)
+    listing = mgr.describe()
+    assert [(e.name, e.status) for e in listing.entries] == [("step_00000100", "committed"),
+                                                              ("step_00000200", "unreadable")]
+    assert "format version 99" in listing.entries[1].problem and listing.latest is None
 
 
 _UNREADABLE_STEP_CHILD = """
