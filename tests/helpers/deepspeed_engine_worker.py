@@ -675,6 +675,22 @@ def edges(out: str) -> None:
         report["overwritten_mid_load"] = "loaded"
     except Exception as exc:  # noqa: BLE001 - the test checks which
         report["overwritten_mid_load"] = f"{type(exc).__name__}: {exc}"
+    # 9. ZeRO-3: a parameter frozen now that was trained when saved. DeepSpeed's module load looks
+    #    it up in the saved frozen fragments (a bare KeyError in DeepSpeed 0.19.8, its own engine
+    #    too): a typed error before the engine changes.
+    z = _engine("3-fp32")
+    dsd.install(z)
+    _step(z, 1)
+    z.save_checkpoint(os.path.join(root, "frozen_now"), "t")
+    f = _engine("3-fp32", freeze="l1")
+    dsd.install(f)
+    before = {n: p.ds_tensor.detach().clone() for n, p in f.module.named_parameters()}
+    try:
+        f.load_checkpoint(os.path.join(root, "frozen_now"), "t")
+        report["frozen_now"] = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        report["frozen_now"] = f"{type(exc).__name__}: {exc}"
+    report["frozen_now_unchanged"] = all(torch.equal(p.ds_tensor, before[n]) for n, p in f.module.named_parameters())
     _dump(out, "edges", report)
 
 

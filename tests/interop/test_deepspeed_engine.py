@@ -290,6 +290,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         next losses are DeepSpeed's (distckpt rebuilt the weights from the masters);
       * save_16bit_model after install(): the same pytorch_model.bin as DeepSpeed's (it was a
         ConfigError on rank 0 while rank 1 waited in the commit's collective);
+      * ZeRO-3, a parameter frozen at load that was trained at save: StateDictMismatchError
+        naming it, the engine unchanged (DeepSpeed raises a bare KeyError from its module load);
       * each file of a tag read once per load_checkpoint (DeepSpeed asks for the model states
         twice: the second request is served the state read for the first);
       * the tag overwritten by another save between DeepSpeed's reads of its files: a
@@ -312,6 +314,8 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["native_through_install"].startswith("CheckpointNotFoundError") and \
             "DeepSpeed's own checkpoint" in r["native_through_install"], r["native_through_install"]
         assert r["overwritten_mid_load"].startswith("CheckpointRemovedError"), r["overwritten_mid_load"]
+        assert r["frozen_now"].startswith("StateDictMismatchError") and "l1.weight" in r["frozen_now"], r["frozen_now"]
+        assert r["frozen_now_unchanged"] is True
         files = r["engine_reads"]  # every file read once: the model states, this rank's optimizer file
         assert len(files) == len(set(files)) == 2, files
 

@@ -469,6 +469,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
             sd = tensorrecords.restore(sd, _unpack_records(got[_TENSORS][name], f"{_TENSORS}.{name}", self._load_path),
                                        where=f"{_TENSORS}.{name}", path=self._load_path)
         sd = _decode(sd)
+        if name.endswith("_model_states"):
+            self._check_frozen(sd)
         if name.endswith("_model_states") and self.load_meta.get("module_from_masters"):
             # The weights were stored once, as fp32 masters (see _state). A weight without a saved
             # master is not filled here: DeepSpeed's strict module load reports it.
@@ -488,6 +490,26 @@ class DistckptCheckpointEngine(CheckpointEngine):
                     module[key] = current[key]
         self._served = (name, sd)
         return sd
+
+    def _check_frozen(self, sd: Any) -> None:
+        """Raise StateDictMismatchError when DeepSpeed's module load would look up a frozen
+        parameter of this engine in the checkpoint's frozen fragments that are not there (frozen
+        now, trained when saved): DeepSpeed 0.19.8 raises a bare KeyError there, after the module
+        weights changed. Every rank serves the same names, so every rank raises here alike."""
+        fragments = sd.get("frozen_param_fragments") if isinstance(sd, dict) else None
+        if fragments is None:  # saved with exclude_frozen_parameters=True: DeepSpeed skips them
+            return
+        from deepspeed.runtime.utils import is_optimized_parameter
+        names = getattr(self.engine, "param_names", {})
+        missing = [names.get(p, "?") for p in self.engine.module.parameters()
+                   if not is_optimized_parameter(p) and names.get(p) not in fragments]
+        if missing:
+            raise StateDictMismatchError(
+                f"this engine's frozen parameter(s) {missing[:5]} were not frozen when the checkpoint was saved "
+                "(it holds no frozen fragment of them)", path=self._load_path,
+                missing=missing, unexpected=[], shape_mismatch={}, dtype_mismatch={},
+                remedy="Freeze the parameters that were frozen at save (set requires_grad as then), or save with "
+                       "exclude_frozen_parameters=True so that a load keeps the engine's own frozen weights.")
 
     def consolidated_module(self) -> dict:
         """The checkpoint's consolidated module state (``model.*``: fp32 masters, frozen
