@@ -250,17 +250,24 @@ class CheckpointManager:
         # housekeeping: when the store does not answer, the save's own first request on rank 0
         # fails and every rank raises it. The abandoned-branch overwrite is rank 0's to decide
         # (only rank 0 prepares and publishes).
+        reclaim_error = None
         if self._rank() == 0:
             try:
                 # Dead leftovers of any step (never those of a live save), before our lock is taken.
                 self._store.reclaim(self.root)
             except DistCkptError as exc:
-                from .errors import BucketNotFoundError, ObjectStoreAccessError, StoragePermissionError
-                # a missing bucket or refused credentials: the save's first request raises the
-                # same error at once (a warning would say it twice)
-                quiet = isinstance(exc, (BucketNotFoundError, ObjectStoreAccessError, StoragePermissionError))
-                (log.debug if quiet else log.warning)(
-                    "distckpt: could not reclaim leftovers under %s before saving step %d: %s", self.root, step, exc)
+                from .errors import BucketNotFoundError, ObjectStoreAccessError
+                if isinstance(exc, (BucketNotFoundError, ObjectStoreAccessError)):
+                    # A missing bucket or refused credentials: the save's first request most
+                    # likely raises the same error (a warning now would say it twice). Should
+                    # the save commit all the same (a policy that refuses deletes only), its
+                    # commit says it, below.
+                    reclaim_error = exc
+                    log.debug("distckpt: could not reclaim leftovers under %s before saving step %d: %s",
+                              self.root, step, exc)
+                else:
+                    log.warning("distckpt: could not reclaim leftovers under %s before saving step %d: %s",
+                                self.root, step, exc)
         if (self._rank() == 0 and self._resumed_from is not None and step > self._resumed_from
                 and not self.keep_abandoned and not kwargs.get("overwrite") and self._committed_quietly(step)):
             log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
@@ -269,7 +276,13 @@ class CheckpointManager:
             kwargs["overwrite"] = True
         with self._lock:
             protect, gen = self._resumed_from, self._resume_gen
-        after = lambda: self._after_commit(step, protect, rotate)  # noqa: E731
+
+        def after() -> None:
+            if reclaim_error is not None:  # the save went through: the reclaim's error was its own
+                log.warning("distckpt: could not reclaim leftovers under %s before saving step %d: %s",
+                            self.root, step, reclaim_error)
+            self._after_commit(step, protect, rotate)
+
         lock = join(self.root, ROOT_LOCK_NAME)
         if self._saver is not None:
             if not blocking:   # staged before it returns: the changed rows, then everything to write

@@ -579,6 +579,40 @@ def test_a_step_directory_that_cannot_be_entered_is_never_skipped(tmp_path):
     assert distckpt.read(str(s300))["step"] == 300
 
 
+_RECLAIM_REFUSED_CHILD = """
+import logging, os, torch, distckpt
+root = os.environ["ROOT"]
+said = []
+handler = logging.Handler()
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("distckpt").addHandler(handler)
+mgr = distckpt.CheckpointManager(root)
+mgr.save(3, {"w": torch.ones(4)})
+emit({"said": said, "steps": mgr.steps()})
+"""
+
+
+def test_a_reclaim_refused_on_a_local_root_is_said_when_the_save_succeeds(tmp_path):
+    """A crashed save's leftover whose files cannot be deleted (EACCES) fails the reclaim before
+    a save, and the save succeeds: the warning was hidden at DEBUG with the object store's
+    errors (which the save then raises itself), so nothing said the space is not freed."""
+    from ..helpers.faults import run_python
+    root = tmp_path / "root"
+    distckpt.CheckpointManager(root).save(1, {"w": torch.ones(4)})
+    left = root / (".step_00000002.tmp-" + "ab" * 16)  # a crashed save's leftover
+    (left / "sub").mkdir(parents=True)
+    (left / "sub" / "rank00000.bin").write_bytes(b"x" * 4096)
+    os.chmod(left / "sub", 0o555)  # its file cannot be unlinked without cap_dac_override
+    try:
+        res = run_python(_RECLAIM_REFUSED_CHILD, env={"ROOT": str(root)},
+                         drop_caps=("cap_dac_override",), timeout=120).check()
+    finally:
+        os.chmod(left / "sub", 0o755)
+    out = res.emitted[0]
+    assert out["steps"] == [1, 3], out
+    assert any("could not reclaim leftovers" in m and "step 3" in m for m in out["said"]), out["said"]
+
+
 def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatch, caplog):
     """latest_step() orders the steps by the commit time in each MANIFEST's first bytes and fully
     decodes (checksum + validation) only from the newest down to the first valid one; it never
