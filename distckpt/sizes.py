@@ -51,7 +51,12 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 512M, 10G, 1.5TiB; {CONVENTION})")
     if "." in number and not unit:
         raise ValueError(f"a byte count must be a whole number: {text!r}")
-    return int(float(number) * _UNITS[unit]) if "." in number else int(number) * _UNITS[unit]
+    if "." in number:
+        value = float(number) * _UNITS[unit]
+        if value == float("inf"):  # more digits than a float holds: int() would raise OverflowError
+            raise ValueError(f"not a size: {text!r} is too large")
+        return int(value)
+    return int(number) * _UNITS[unit]
 
 
 def size_arg(text: str) -> int:

@@ -244,3 +244,25 @@ def test_object_min_rate_takes_binary_units_like_every_size_variable(monkeypatch
     monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", "1K")
     with pytest.raises(errors.ConfigError, match="between"):
         request_timeout(1)
+
+
+def test_object_min_rate_still_takes_the_plain_numbers_it_took_before(monkeypatch):
+    """Taking sizes refused the plain numbers the variable took before (``4194304.0``, ``4e6``:
+    a job's existing config), and a value of more digits than a float holds escaped as a bare
+    OverflowError from the size parser."""
+    from distckpt.sizes import parse_size
+    from distckpt.storage.object.request import request_timeout
+
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "10")
+    for raw in ("4194304.0", "4.194304e6"):
+        monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", raw)
+        assert request_timeout(4 << 20) == 11.0, raw
+    monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", "inf")
+    with pytest.raises(errors.ConfigError):
+        request_timeout(1)
+    huge = "1" + "0" * 400 + ".5K"
+    with pytest.raises(ValueError, match="too large"):
+        parse_size(huge)
+    monkeypatch.setenv("DISTCKPT_OBJECT_MIN_RATE", huge)
+    with pytest.raises(errors.ConfigError, match="too large"):
+        request_timeout(1)

@@ -82,10 +82,13 @@ def request_timeout(nbytes: int = 0) -> float:
 
 def _env_rate(name: str, default: int, lo: int, hi: int) -> int:
     """Bytes per second in ``name``, a size in binary units as every size variable takes (``64K``,
-    ``4M``, ``4194304``); ``default`` when unset or empty.
+    ``4M``, ``4194304``), or a plain number as the variable took before it took sizes
+    (``4194304.0``, ``4e6``: rounded down); ``default`` when unset or empty.
 
     Raises:
-        ConfigError: not a size, or outside [lo, hi]."""
+        ConfigError: neither, or outside [lo, hi]."""
+    import math
+
     from ...sizes import parse_size
 
     raw = os.environ.get(name, "")
@@ -94,7 +97,13 @@ def _env_rate(name: str, default: int, lo: int, hi: int) -> int:
     try:
         v = parse_size(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r}: {exc}", variable=name) from None
+        try:
+            number = float(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: {exc}", variable=name) from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}={raw!r}: {exc}", variable=name) from None
+        v = int(number)
     if not lo <= v <= hi:
         raise ConfigError(f"{name}={raw!r} must be between {lo} and {hi} bytes per second", variable=name)
     return v
