@@ -254,7 +254,14 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         # a client_state that is itself a dict with such keys (recorded as the root, it was refused)
         dds.save(engine, os.path.join(out, "client_odd"), client_state={None: 1, (1, 2): "x"})
         whole = dds.load(engine, os.path.join(out, "client_odd")).client_state
+        # an empty client_state, a dict and an OrderedDict (it came back as None: no key to read)
+        empty = []
+        for value in ({}, collections.OrderedDict()):
+            dds.save(engine, os.path.join(out, "client_empty"), client_state=value, overwrite=True)
+            back = dds.load(engine, os.path.join(out, "client_empty")).client_state
+            empty.append(type(back).__name__ if back == {} else repr(back))
         kept = {"types": [type(got["od"]).__name__, list(got["od"])], "rank": got["rank"], "same": got["same"],
+                "empty": empty,
                 "odd": got["odd"] == {None: 1, (1, 2): "x"} and whole == {None: 1, (1, 2): "x"},
                 "param": [type(got["param"]).__name__, got["param"].requires_grad, got["param_again"] is got["param"]]}
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:

@@ -201,7 +201,7 @@ def test_reshard_errors_are_typed(saved):
         # rank 0's kept; an OrderedDict comes back as one (it came back a dict)
         # an nn.Parameter too, and one object under two keys (they came back as two plain tensors)
         assert cr["kept"] == {"types": ["OrderedDict", ["b", "a"]], "rank": 0, "same": 1, "odd": True,
-                              "param": ["Parameter", True, True]}, cr
+                              "param": ["Parameter", True, True], "empty": ["dict", "OrderedDict"]}, cr
         # stage 1 -> 2 loads (one layout); stage 1 -> 3 when asked for; both exact
         for case in ("stage2", "stage3_allowed", "rollback"):
             assert json.load(open(os.path.join(out, f"err_{case}_rank{rank}.json")))["same"], case

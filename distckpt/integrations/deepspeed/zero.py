@@ -499,6 +499,8 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
         else:  # nothing but (nested) empty dicts: no key to read back, so kept here as JSON
             meta["lr_scheduler"] = {"key": None, "json": state, "containers": meta["lr_scheduler"]["containers"]}
     if client_state is not None:
+        # a client_state with no value in it ({}) has no key to read back: this says it was given
+        meta["client_saved"] = True
         # its OrderedDicts, Counters and defaultdicts come back as such (load rebuilds them), as
         # from engine.save_checkpoint
         # (recorded under the "client" key it is saved at: its own keys are not the root's)
@@ -779,6 +781,9 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
     if _has_key(path, "client"):
         from ...restore import read
         client = read(path, keys=["client"])["client"]
+    elif meta.get("client_saved"):
+        client = {}  # saved with no value in it (it came back as None)
+    if client is not None:
         if meta.get("client_containers"):
             client = containers.rebuild({"client": client}, meta["client_containers"],
                                         where=f"{_META}.client_containers", path=path)["client"]
