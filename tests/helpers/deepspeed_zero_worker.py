@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -234,6 +235,25 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         same = same and a.param_groups[0]["betas"] == b.param_groups[0]["betas"] == (0.8, 0.95)
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
+        return
+    elif case == "client_one_rank":
+        # a client_state value only rank 1 cannot store (a dict subclass): every rank raises it at
+        # once (rank 0 waited for rank 1 in the save's collective until DISTCKPT_TIMEOUT_S)
+        engine = engine_for(stage, dtype, seed=1)
+
+        class MyDict(dict):
+            pass
+
+        client = {"a": 1, "d": MyDict(x=1) if dist.get_rank() == 1 else {"x": 1}}
+        t0 = time.monotonic()
+        try:
+            dds.save(engine, os.path.join(out, "client_one_rank"), client_state=client)
+            raised = None
+        except DistCkptError as exc:
+            raised = {"class": type(exc).__name__, "message": str(exc), "remedy": exc.remedy}
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": raised, "seconds": time.monotonic() - t0,
+                       "written": os.path.exists(os.path.join(out, "client_one_rank"))}, f)
         return
     elif case == "client_rank":
         # client_state that differs per rank: StateDictMismatchError naming it, and the remedy

@@ -187,7 +187,7 @@ def test_reshard_errors_are_typed(saved):
     out2 = os.path.join(saved, "s2fp32", "out")
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
-              "2:fp32:client_adamw,client_rank", "3:bf16+frozen:rollback")
+              "2:fp32:client_adamw,client_rank,client_one_rank", "3:bf16+frozen:rollback")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
               "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed",
               "groups": "saved 1 optimizer param group(s), now 2"}
@@ -202,6 +202,10 @@ def test_reshard_errors_are_typed(saved):
         # an nn.Parameter too, and one object under two keys (they came back as two plain tensors)
         assert cr["kept"] == {"types": ["OrderedDict", ["b", "a"]], "rank": 0, "same": 1, "odd": True,
                               "param": ["Parameter", True, True], "empty": ["dict", "OrderedDict"]}, cr
+        # a value only rank 1 cannot store: every rank raises it at once, nothing is written
+        one = json.load(open(os.path.join(out2, f"err_client_one_rank_rank{rank}.json")))
+        assert one["raised"]["class"] == "UnsupportedValueError" and "client.d" in one["raised"]["message"], one
+        assert one["seconds"] < 30 and one["written"] is False, one
         # stage 1 -> 2 loads (one layout); stage 1 -> 3 when asked for; both exact
         for case in ("stage2", "stage3_allowed", "rollback"):
             assert json.load(open(os.path.join(out, f"err_{case}_rank{rank}.json")))["same"], case
