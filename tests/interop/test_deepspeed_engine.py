@@ -358,6 +358,14 @@ def test_the_16bit_export_file_is_atomic_typed_and_has_torch_saves_mode(tmp_path
         except FileTooLargeError:
             pass
         assert sorted(os.listdir(d)) == ["link.bin", "ours.bin", "real", "torch.bin"], os.listdir(d)
+        from distckpt.errors import ConfigError
+        for where in ("s3://bucket/model.bin", d + "/real"):  # a URL, a directory: typed, nothing written
+            try:
+                _export_file(sd, where)
+                raise SystemExit(f"no error for {{where}}")
+            except ConfigError:
+                pass
+        assert sorted(os.listdir(d + "/real")) == ["target.bin"]
         print("ok")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
