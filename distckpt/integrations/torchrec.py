@@ -385,11 +385,14 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
                     for k, v in model_sd.items() if isinstance(v, DTensor)}
 
         # Every rank must describe the same keys: gather the description and take the union.
+        # A scalar travels with its description: a rank without it takes it from one that has it.
         local = {
             "dt": {k: [(list(o), list(s)) for o, s, _t in e.pieces] for k, e in dt_model.items()},
             "opt": opt_meta,
             "ent": {f: {n: (e.layout, list(e.shape), str(e.dtype).replace("torch.", ""),
-                            [(list(o), list(s)) for o, s, _t in e.pieces]) for n, e in st.items()}
+                            [(list(o), list(s)) for o, s, _t in e.pieces],
+                            e.pieces[0][2].item() if e.layout == "scalar" and e.pieces else None)
+                        for n, e in st.items()}
                     for f, st in entries.items()},
         }
         return model_sd, tables, entries, opt_meta, dense_opts, groups_meta, dt_model, local
@@ -416,12 +419,25 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
                 raise UnsupportedValueError(f"parameter {fqn!r} has optimizer {prev['kind']} on one rank and "
                                             f"{om['kind']} on rank {r}", key=fqn)
         for fqn, st in g["ent"].items():
-            for name, (layout, shape, dtype, boxes) in st.items():
-                slot = all_ent.setdefault(fqn, {}).setdefault(name, [layout, shape, dtype, []])
+            for name, (layout, shape, dtype, boxes, value) in st.items():
+                slot = all_ent.setdefault(fqn, {}).setdefault(name, [layout, shape, dtype, [], value])
                 if slot[:3] != [layout, shape, dtype]:
                     raise UnsupportedValueError(f"optimizer state {fqn}.{name} is {slot[:3]} on one rank and "
                                                 f"{[layout, shape, dtype]} on rank {r}", key=fqn)
                 slot[3].append((r, boxes))
+    # Replicated state (a dense optimizer's non-table state) that some ranks lack: a dense
+    # optimizer creates state only for parameters that had a gradient, and a rank's empty slice
+    # of a table sharded table-wise has none. A scalar (Adam's step) is taken from the lowest rank
+    # that holds it (it is one value per parameter, as rank 0 writes it when every rank holds it);
+    # a larger value cannot be, and every rank raises that alike (the same gathered view).
+    for fqn, st in sorted(all_ent.items()):
+        for name, (layout, _shape, _dtype, per_rank, _value) in sorted(st.items()):
+            if layout == "plain" and len(per_rank) < world:
+                raise UnsupportedValueError(
+                    f"optimizer state {fqn}.{name} is held by rank(s) {[r for r, _b in per_rank]} only, and it is "
+                    f"not a table's (no shard of it belongs to the other ranks)", key=f"{fqn}.{name}",
+                    remedy="Give every rank's optimizer that parameter's state (take one optimizer step on every "
+                           "rank, or initialize it), or shard the table so that each rank holds part of it.")
     meta = {
         "format": FORMAT,
         "world": world,
@@ -434,10 +450,14 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
     }
     # Fill in the entries this rank lacks (no local shard), with the global shard list.
     for fqn, st in all_ent.items():
-        for name, (layout, shape, dtype, per_rank) in st.items():
+        for name, (layout, shape, dtype, per_rank, value) in st.items():
             e = entries.setdefault(fqn, {}).get(name)
             if e is None:
-                entries[fqn][name] = _Entry(layout, tuple(shape), getattr(torch, dtype), [])
+                pieces = []
+                if layout == "scalar":  # another rank's (above): saved from it, read into it
+                    t = torch.tensor(value, dtype=getattr(torch, dtype)).reshape(tuple(shape))
+                    pieces = [((0,) * len(shape), tuple(shape), t)]
+                entries[fqn][name] = _Entry(layout, tuple(shape), getattr(torch, dtype), pieces)
             entries[fqn][name].boxes = per_rank  # type: ignore[attr-defined]
     return _Canon(model_sd, tables, entries, meta, dense_opts, dt_model)
 
@@ -586,8 +606,8 @@ def _saved_meta(path: str, process_group: Any) -> dict:
 def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str,
                in_model: bool = True) -> dict[str, str | None]:
     """{target state name: saved state name, or None (keep the target's value)} for one parameter.
-    ``in_model``: whether the target model has the parameter (else its saved state has nowhere to
-    go because the table or parameter itself is gone, which the error says)."""
+    ``in_model``: whether the target model has the parameter (else the table or parameter itself
+    is gone: its saved state is not read, as its weight is not)."""
     tstates = (target or {}).get("states", {})
     sstates = (saved or {}).get("states", {})
     if saved is None and target is None:
@@ -597,17 +617,12 @@ def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str,
             return {}
         raise ReshardError(f"the checkpoint has no optimizer state for {fqn!r}; the target's {target['kind']} "
                            f"has {sorted(tstates)}", path=path, key=fqn,
-                           remedy="Restore with the optimizer setup the checkpoint was saved with (a table "
-                                  "or parameter the checkpoint lacks altogether is named by the model's "
-                                  "own error with strict=True).")
+                           remedy="Restore with the optimizer setup the checkpoint was saved with.")
     if target is None:
         if not sstates:
             return {}
-        if not in_model:
-            raise ReshardError(f"the checkpoint has {fqn!r} with {saved['kind']} state {sorted(sstates)}, and the "
-                               f"model has no such table or parameter", path=path, key=fqn,
-                               remedy="Restore into a model with the checkpoint's tables (distckpt inspect "
-                                      "lists them).")
+        if not in_model:  # gone from the model: load() does not read it (nor its weight)
+            return {}
         raise ReshardError(f"the checkpoint has {saved['kind']} state {sorted(sstates)} for {fqn!r}, but no "
                            f"optimizer passed to load owns that parameter", path=path, key=fqn,
                            remedy="Pass the dense optimizer(s) that own it (optimizers=[...]).")
@@ -696,6 +711,18 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
     in_model = set(tmeta["tables"]) | {n for n, _p in model.named_parameters()}
     for fqn in sorted(set(saved["optim"]) | set(tmeta["optim"])):
         smeta, tm = saved["optim"].get(fqn), tmeta["optim"].get(fqn)
+        if smeta is None and tm is not None and fqn in tmeta["tables"] and fqn not in saved["tables"]:
+            # A table the checkpoint lacks altogether (a feature added since): its optimizer state
+            # is asked for like its weight, so the load names both as missing (strict=True: the
+            # StateDictMismatchError; strict=False: kept as they are, listed in missing).
+            for tname, entry in canon.entries.get(fqn, {}).items():
+                load_optim.setdefault(fqn, {})[tname] = _as_tensor(entry, process_group)
+            continue
+        if tm is None and fqn not in in_model:
+            # The table or parameter is gone from the model: its weight and its optimizer state
+            # are saved keys this load does not read, listed in LoadResult.unexpected (as DCP and
+            # distckpt.load treat extra saved keys).
+            continue
         mapping = _state_map(fqn, smeta, tm, path, in_model=fqn in in_model)
         used = set()
         for tname, sname in mapping.items():

@@ -17,6 +17,7 @@ pass equals the original's, and one more training step equals the original's nex
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -431,6 +432,121 @@ def _lazy_adam_and_one_rank_failure_body(rank, world, root):
     except UnsupportedValueError as exc:
         return str(exc)
     return "saved"
+
+
+def _dense_adam_table_wise_body(rank, world, root):
+    """Dense-kernel tables under a dense Adam, one of them table-wise on rank 1: rank 0's Adam has
+    no state for it (torch creates state only for parameters that had a gradient, and rank 0's
+    slice is empty). The save failed on rank 0 alone ("a replicated optimizer state is missing on
+    this rank") and rank 1 waited 60 s; it saves Adam's step from rank 1, and a fresh model on
+    another plan loads it and saves it again bit-identical."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from distckpt.integrations import torchrec as dtr
+
+    def adam(dmp):
+        return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                     lambda ps: torch.optim.Adam(ps, lr=0.01))
+    plan = {"a": "row_wise", "b": "table_wise:1", "c": "column_wise:0,1", "d": "table_row_wise:0",
+            "e": "table_wise:0", "f": "table_wise:1"}
+    dmp, _ = build(rank, world, plan, dense_kernel=True)
+    dense = adam(dmp)
+    train(dmp, dense, 0, rank, world)
+    t0 = time.monotonic()
+    dtr.save(dmp, os.path.join(root, "dk_adam"), optimizers=[dense])
+    seconds = time.monotonic() - t0
+    replan = {"a": "table_wise:0", "b": "row_wise", "c": "table_wise:1", "d": "row_wise",
+              "e": "table_wise:1", "f": "table_wise:0"}
+    fresh, _ = build(rank, world, replan, dense_kernel=True)
+    fresh_adam = adam(fresh)
+    dtr.load(fresh, os.path.join(root, "dk_adam"), optimizers=[fresh_adam])
+    dtr.save(fresh, os.path.join(root, "dk_adam_again"), optimizers=[fresh_adam])
+    a, b = read_all(os.path.join(root, "dk_adam")), read_all(os.path.join(root, "dk_adam_again"))
+    assert_same_state(a, b)
+    return seconds, float(a["optim"]["ebc.embedding_bags.b.weight"]["step"])
+
+
+def test_dense_adam_over_a_table_one_rank_does_not_hold_saves_and_reshards(tmp_path):
+    out = run_ranks(_dense_adam_table_wise_body, 2, str(tmp_path), timeout=300)
+    assert all(sec < 30 for sec, _step in out), out
+    assert all(step == 1.0 for _sec, step in out), out
+
+
+def _added_and_removed_tables_body(rank, world, root, strict):
+    """A checkpoint of tables a-f loaded into a model with a new table g (fused optimizer) and
+    without table f. The new table's optimizer state was a ReshardError even with strict=False
+    (whose remedy blamed the optimizer setup), and the dropped table's state one too, where extra
+    saved keys are never an error: now g's weight and state are missing (strict: one
+    StateDictMismatchError naming both; else kept and listed), f's are listed as unexpected."""
+    import torchrec.optim as tro
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import torch.distributed as dist
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    from distckpt.errors import StateDictMismatchError
+    from distckpt.integrations import torchrec as dtr
+    dmp, dense = build(rank, world, P_SAVE2)
+    train(dmp, dense, 0, rank, world)
+    path = os.path.join(root, f"tables_{int(strict)}")
+    dtr.save(dmp, path, optimizers=[dense])
+
+    torch.manual_seed(0)
+    net = Net()
+    # the new model: ec holds e and g (f removed, g added)
+    net.ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="e", embedding_dim=DIMS["e"], num_embeddings=ROWS["e"], feature_names=["fe"]),
+        EmbeddingConfig(name="g", embedding_dim=8, num_embeddings=6, feature_names=["fg"])],
+        device=torch.device("meta"))
+    for coll, names in ((net.ebc.embedding_bags, EBC_T), (net.ec.embeddings, ["e", "g"])):
+        for t in names:
+            cls, kw = {"rowwise": (tro.RowWiseAdagrad, {"lr": 0.1, "eps": 1e-8}),
+                       "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
+                       "sgd": (torch.optim.SGD, {"lr": 0.1})}[{**OPT, "g": "rowwise"}[t]]
+            apply_optimizer_in_backward(cls, [coll[t].weight], kw)
+    specs = {"ebc": {t: P_SAVE2[t] for t in EBC_T}, "ec": {"e": P_SAVE2["e"], "g": "row_wise"}}
+    plan_obj = dtr.hand_plan({"ebc": net.ebc, "ec": net.ec}, specs, world_size=world)
+    new = DistributedModelParallel(net, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan_obj,
+                                   device=torch.device("cpu"))
+    new_dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(new.named_parameters())),
+                                      lambda ps: torch.optim.Adagrad(ps, lr=0.1, eps=1e-8))
+    def g_state():  # this rank's local values of table g's optimizer state
+        def local(v):
+            return (v.local_tensor() if hasattr(v, "local_tensor") else v).detach().clone()
+        return {f"{k}.{n}": local(v) for k, st in new.fused_optimizer.state_dict()["state"].items() if ".g." in k
+                for n, v in st.items() if torch.is_tensor(v) or hasattr(v, "local_tensor")}
+    with torch.no_grad():  # something the checkpoint does not hold, that a kept state keeps
+        for st in new.fused_optimizer.state_dict()["state"].values():
+            for v in st.values():
+                (v.local_tensor() if hasattr(v, "local_tensor") else v).fill_(0.25)
+    g_before = g_state()
+    try:
+        res = dtr.load(new, path, optimizers=[new_dense], strict=strict)
+    except StateDictMismatchError as exc:
+        return {"error": "StateDictMismatchError", "missing": sorted(exc.missing)}
+    g_after = g_state()
+    kept = bool(g_before) and g_before.keys() == g_after.keys() and all(
+        torch.equal(g_before[k], g_after[k]) for k in g_before)
+    return {"error": None, "missing": sorted(res.missing), "unexpected": sorted(res.unexpected), "kept": kept}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
+def test_a_table_added_or_removed_since_the_save(tmp_path, strict):
+    out = run_ranks(_added_and_removed_tables_body, 2, str(tmp_path), strict, timeout=300)
+    for r in out:
+        assert "model.ec.embeddings.g.weight" in r["missing"] and \
+            "optim.ec.embeddings.g.weight.momentum1" in r["missing"], r
+        if strict:
+            assert r["error"] == "StateDictMismatchError", r
+        else:
+            assert r["error"] is None and r["kept"], r
+            assert "model.ec.embeddings.f.weight" in r["unexpected"], r
+            assert any(k.startswith("optim.ec.embeddings.f.weight.") for k in r["unexpected"]), r
 
 
 def test_lazy_dense_optimizer_loads_and_a_one_rank_failure_fails_every_rank(tmp_path):
