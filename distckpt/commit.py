@@ -194,6 +194,7 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
             verdict = exc if world == 1 else _portable(exc)
             if published:  # after_commit failed: the checkpoint is committed all the same
                 verdict.committed = True
+                verdict.save_id = save_id  # which save it is (a tiered manager drains it all the same)
                 committed = True
             published = published or getattr(exc, "published", False)
             # A commit whose outcome is unknown, or whose MANIFEST may still land (an object

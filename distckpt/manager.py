@@ -149,8 +149,29 @@ class CheckpointManager:
         (StoragePermissionError, StorageIOError, ...) when a step's directory cannot be looked
         at: a step it cannot see may be the newest (a save after a load without it would delete
         it as an abandoned branch)."""
-        return sorted(int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root))
-                      if m and self._store.is_committed(self.path(int(m.group(1)))))
+        return self._steps(strict=True)
+
+    def _steps(self, *, strict: bool) -> list[int]:
+        """:meth:`steps`; with ``strict=False`` (rotation) a step that cannot be looked at is left
+        out with a warning instead: rotation never deletes what it does not list, and counting it
+        or not changes no other step's fate but its own (it is kept either way), while raising
+        would fail every save after its commit and stop rotation until the disk fills."""
+        out = []
+        for m in map(_STEP_RE.match, self._store.list_children(self.root)):
+            if not m:
+                continue
+            step = int(m.group(1))
+            try:
+                committed = self._store.is_committed(self.path(step))
+            except DistCkptError as exc:
+                if strict:
+                    raise
+                log.warning("distckpt: %s cannot be looked at (%s): left out of rotation, never deleted by it",
+                            self.path(step), exc.message)
+                continue
+            if committed:
+                out.append(step)
+        return sorted(out)
 
     def latest_step(self) -> int | None:
         """The step ``load()`` loads: the newest committed step by commit order (MANIFEST commit
@@ -349,7 +370,7 @@ class CheckpointManager:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         pointer = (step_dirname(step) + "\n").encode()
         self._store.replace_pointer(join(self.root, "latest"), pointer)
-        steps = self.steps()
+        steps = self._steps(strict=False)
         above = [s for s in steps if s > step]
         if above and protect is None:
             # Steps above this one are an abandoned branch only after a rollback through this

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import os
 from typing import Callable, Iterable, Iterator
 
@@ -26,8 +27,8 @@ from . import dcp, hf
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .chain import ChainLink, chain_info, chain_of
-from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointRemovedError, ConfigError,
-                     StorageError)
+from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
+                     CheckpointRemovedError, ConfigError, StorageError)
 from .plan import Box
 from .storage import Store, is_url, join, open_store
 from .storage.posix.locate import check_checkpoint_dir, checkpoint_path
@@ -210,10 +211,17 @@ class Source:
             try:
                 yield
             except (CheckpointCorruptError, CheckpointIncompleteError, StorageError) as exc:
+                # What a replacement looks like (the other save's files: sizes, checksums, a file
+                # gone); an outage (EIO, a timeout) is not, and says so itself.
+                if isinstance(exc, StorageError) and not isinstance(exc, CheckpointIncompleteError) \
+                        and exc.errno not in (errno.ENOENT, errno.ESTALE):
+                    raise
                 try:
                     now = self.store.manifest_bytes(self.path)
-                except Exception:  # noqa: BLE001 - no MANIFEST to read any more: removed
-                    now = None
+                except (CheckpointNotFoundError, CheckpointIncompleteError):
+                    now = None  # no MANIFEST there any more: removed
+                except Exception:  # noqa: BLE001 - cannot tell now: the read's own error stands
+                    raise exc from None
                 if now == self._pin[0]:
                     raise
                 raise CheckpointRemovedError(
@@ -272,6 +280,7 @@ def pinned(path: str | os.PathLike, storage_options: dict | None = None) -> Iter
             yield source
         finally:
             _PINNED.reset(token)
+            source._pin = None  # kept after the block, its MANIFEST could meet another save's files
 
 
 def open_source(path: str | os.PathLike, storage_options: dict | None = None) -> Source:

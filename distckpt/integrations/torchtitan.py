@@ -258,7 +258,7 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         StateDictMismatchError for a model-only newest checkpoint at ``step=-1`` (module
         docstring); and what :func:`distckpt.load` raises (ChecksumMismatchError...).
         """
-        found = self.checkpoints()
+        found = self._agreed_checkpoints()
         if step != -1 and step not in found:
             raise CheckpointNotFoundError(
                 f"checkpoint.load_step={step}: no complete checkpoint of step {step} in {self.folder} "
@@ -346,6 +346,22 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         for s in self._mgr.steps():
             found[s] = (self._mgr.path(s), "distckpt")
         return found
+
+    def _agreed_checkpoints(self) -> dict[int, tuple[str, str]]:
+        """:meth:`checkpoints` as rank 0 lists them, on every rank (collective): ranks listing on
+        their own could see a save commit in between and load different steps, or fail alone
+        (a step directory one node cannot look at) and leave the others waiting at the load's
+        collective. Raises the listing's error on every rank."""
+        from .._dist import control_group
+        group = control_group(self._mgr.process_group, operation="DistckptCheckpointManager.load()")
+        found, error = None, None
+        if group.rank == 0:
+            try:
+                found = self.checkpoints()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        group.exchange_outcome(error, operation="DistckptCheckpointManager.load()")
+        return found if group.world_size == 1 else group.broadcast(found)
 
     def _model_only(self, path: str) -> bool:
         # A model-only checkpoint (torchtitan's last save, either manager's) holds no key of the

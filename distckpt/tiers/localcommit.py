@@ -385,7 +385,7 @@ def _write_and_commit(group: ControlGroup, planned: PlannedSave, *, final_dir: s
     verdict = None
     if rank == 0:
         state.outcomes = [reports[leader] for leader in leaders]
-        verdict = _verdict(state.outcomes, leaders, world, sizes)
+        verdict = _verdict(state.outcomes, leaders, world, sizes, save_id)
     told = group.broadcast(verdict)
     if told.error is not None:
         raise told.error
@@ -425,15 +425,17 @@ def _publish_node(store: Store, area: str, final_dir: str, manifest: bytes, over
     return NodeOutcome(committed=True, visible=True)
 
 
-def _verdict(outcomes: list[NodeOutcome], leaders: tuple[int, ...], world: int, sizes: list[int]) -> Verdict:
-    """Rank 0's decision from every node's outcome: committed only when every node committed."""
+def _verdict(outcomes: list[NodeOutcome], leaders: tuple[int, ...], world: int, sizes: list[int],
+             save_id: str) -> Verdict:
+    """Rank 0's decision from every node's outcome: committed only when every node committed
+    (an ``after_commit`` error then says ``committed`` and the ``save_id``, which its drain needs)."""
     visible = [n for n, o in enumerate(outcomes) if o.visible]
     if all(o.committed for o in outcomes):
         errors = {leaders[n]: o.error for n, o in enumerate(outcomes) if o.error is not None}
         if not errors:
             return Verdict(None, None, sizes)
         err = _one_error(errors, world, 0)  # after_commit failed: the step is committed all the same
-        err.committed, err.published_nodes = True, visible
+        err.committed, err.published_nodes, err.save_id = True, visible, save_id
         return Verdict(None, err, None)
     errors = {leaders[n]: o.error for n, o in enumerate(outcomes) if not o.committed}
     err = _one_error(errors, world, 0)

@@ -278,6 +278,10 @@ class TieredCheckpointManager:
                 # Queued before the handle is dropped: a wait_durable that finds no handle finds
                 # the drain's state.
                 self._drainer.enqueue(step, result.save_id)
+            elif getattr(error, "committed", None) is True and getattr(error, "save_id", None):
+                # Committed locally, then an error after the commit (the `latest` pointer, the
+                # local rotation): the step is on this node's disk only until it is drained.
+                self._drainer.enqueue(step, error.save_id)
             with self._async_lock:
                 outcome["ok"] = result is not None
                 if result is not None:
@@ -306,6 +310,9 @@ class TieredCheckpointManager:
             result = save_node_local(state_dict, self.local_path(step), layout=self._layout,
                                      process_group=self.process_group, blocking=True, after_commit=after,
                                      lock_path=lock, **kwargs)
+        except BaseException as exc:
+            settled(None, exc)
+            raise
         finally:
             self._saving.discard(step)
         settled(result, None)
@@ -404,7 +411,7 @@ class TieredCheckpointManager:
         this runs inside the local commit, which must not wait on a remote tier that does not
         answer. A step this manager does not know to be remote stays until it does (the next
         manager start finds it)."""
-        steps = self._local.steps()
+        steps = self._local._steps(strict=False)  # a step it cannot look at is kept (a warning says so)
         doomed = [s for s in steps[:-self.keep_last_local] if s != keep]
         if not doomed:
             return []

@@ -601,3 +601,25 @@ def test_a_pinned_load_on_two_ranks_uses_each_ranks_pin_and_refuses_two_saves(tm
         assert results[1]["error"] == "CheckpointRemovedError", results
         assert "rank 0 read another MANIFEST than rank 1" in results[1]["message"], results
         assert results[0]["error"] == "CheckpointRemovedError", results
+
+
+def test_an_outage_inside_a_pin_is_not_called_a_removal(tmp_path, monkeypatch):
+    """EIO while reading inside a pin, with the MANIFEST unreadable too (the same outage): the
+    pin's guard called the intact checkpoint "removed" (remedy: load a newer step). The read's
+    own error stands."""
+    from distckpt.source import pinned
+    from distckpt.storage.posix.store import PosixStore
+    path = str(tmp_path / "c")
+    distckpt.save(_state(), path)
+
+    def eio(self, p):
+        raise E.StorageIOError("read MANIFEST failed: [Errno 5] Input/output error", path=p, errno=5)
+
+    with pytest.raises(E.StorageIOError) as info:
+        with pinned(path) as source:
+            monkeypatch.setattr(PosixStore, "manifest_bytes", eio)
+            with source.guard():
+                raise E.StorageIOError("read failed: [Errno 5] Input/output error", path=path, errno=5)
+    assert not isinstance(info.value, E.CheckpointRemovedError)
+    monkeypatch.undo()
+    assert torch.equal(distckpt.read(path)["w"], _state()["w"])

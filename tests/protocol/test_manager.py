@@ -537,11 +537,16 @@ try:
     out["load"] = "loaded"
 except Exception as exc:
     out["load"] = type(exc).__name__
+said = []
+handler = __import__("logging").Handler()
+handler.emit = lambda record: said.append(record.getMessage())
+__import__("logging").getLogger("distckpt").addHandler(handler)
 try:
     mgr.save(210, {"w": torch.full((4,), 210.0), "step": 210})
     out["save"] = "saved"
 except Exception as exc:
     out["save"] = type(exc).__name__
+out["said"] = said
 listing = mgr.describe()
 out["ls"] = [[e.name, e.status] for e in listing.entries]
 out["latest"] = listing.latest
@@ -553,8 +558,9 @@ def test_a_step_directory_that_cannot_be_entered_is_never_skipped(tmp_path):
     """The newest step's directory cannot be entered (EACCES here; an NFS error reads the same):
     the manager left it out of steps() as "not committed", loaded the step before it with no
     warning, and once the directory was readable again the next save deleted it as an abandoned
-    branch. Now load() raises the permission error; a save commits and deletes nothing, but its
-    rotation raises it too; the listing shows the step as unreadable and marks no step latest."""
+    branch. Now load() raises the permission error; a save commits, and its rotation leaves the
+    step out with a warning (it raised, failing every later save after its commit and stopping
+    rotation: a review); the listing shows the step as unreadable and marks no step latest."""
     from ..helpers.faults import run_python
     root = tmp_path / "root"
     mgr = distckpt.CheckpointManager(root, keep_last=5)
@@ -570,13 +576,50 @@ def test_a_step_directory_that_cannot_be_entered_is_never_skipped(tmp_path):
         os.chmod(s300, 0o755)
     out = res.emitted[0]
     assert out["load"] == "StoragePermissionError", out
-    assert out["save"] == "StoragePermissionError", out  # raised by the rotation after the commit
+    assert out["save"] == "saved", out
+    assert any("step_00000300 cannot be looked at" in m and "never deleted" in m for m in out["said"]), out
     assert ["step_00000300", "unreadable"] in out["ls"] and out["latest"] is None, out
     assert mgr.steps() == [100, 200, 210, 300]
     got = {"w": torch.zeros(4), "step": 0}
     mgr.load(got)  # step 210 was committed last; 300 is intact
     assert got["step"] == 210
     assert distckpt.read(str(s300))["step"] == 300
+
+
+_ROTATE_PAST_UNREADABLE_CHILD = """
+import os, torch, distckpt
+root = os.environ["ROOT"]
+mgr = distckpt.CheckpointManager(root, keep_last=2)
+out = {}
+for step in (3, 4):
+    try:
+        mgr.save(step, {"w": torch.ones(4) * step})
+        out[step] = "saved"
+    except Exception as exc:
+        out[step] = type(exc).__name__
+out["left"] = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+emit(out)
+"""
+
+
+def test_rotation_goes_on_past_a_step_it_cannot_look_at(tmp_path):
+    """An old step's directory cannot be entered: every save raised after its commit (its
+    rotation listed the steps strictly) and nothing was deleted any more, so the disk filled.
+    The saves succeed; the rotation keeps that step and deletes the others it should."""
+    from ..helpers.faults import run_python
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root, keep_last=2)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    os.chmod(root / "step_00000001", 0)
+    try:
+        res = run_python(_ROTATE_PAST_UNREADABLE_CHILD, env={"ROOT": str(root)},
+                         drop_caps=("cap_dac_override", "cap_dac_read_search"), timeout=120).check()
+    finally:
+        os.chmod(root / "step_00000001", 0o755)
+    out = res.emitted[0]
+    assert out["3"] == out["4"] == "saved", out
+    assert out["left"] == ["step_00000001", "step_00000003", "step_00000004"], out
 
 
 _RECLAIM_REFUSED_CHILD = """

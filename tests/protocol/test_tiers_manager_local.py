@@ -225,6 +225,26 @@ def test_a_step_of_a_newer_format_version_is_not_passed_over(tmp_path, caplog):
     assert (local / "step_00000003" / "MANIFEST").exists() and (remote / "step_00000003" / "MANIFEST").exists()
 
 
+def test_a_step_committed_before_an_error_after_its_commit_is_drained(tmp_path, monkeypatch):
+    """The local commit succeeded, then the work after it failed (the local rotation here; a
+    `latest` update could): the save raises with committed=True, and the step was never queued
+    for the drain, so it stayed on this node's disk only. It is drained like any other."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    failures = []
+
+    def failing_rotation(self, keep):
+        failures.append(keep)
+        raise errors.StorageIOError("rotation failed: [Errno 5] Input/output error", path=str(local), errno=errno.EIO)
+
+    with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+        monkeypatch.setattr(TieredCheckpointManager, "_rotate_local", failing_rotation)
+        with pytest.raises(errors.StorageIOError) as info:
+            mgr.save(1, _state(1))
+        assert info.value.committed is True and failures
+        mgr.wait_durable(1, timeout=120)
+    assert (remote / "step_00000001" / "MANIFEST").exists()
+
+
 def test_a_damaged_local_index_is_named_by_its_local_path(tmp_path):
     from distckpt import manifest as mf
     local, remote = tmp_path / "local", tmp_path / "remote"
