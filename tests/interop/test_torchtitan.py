@@ -57,9 +57,11 @@ def test_killed_run_resumes_at_2_ranks_like_torchtitans_dcp_manager(trained):
     out, reference = trained
     # torchtitan's manager rotated to keep_latest_k=2 too; distckpt left no incomplete entry.
     assert sorted(os.listdir(os.path.join(out, "distckpt"))) == ["latest", "step_00000003", "step_00000006"]
-    results = tw.launch(tw.resume, 2, out, VARIANTS, timeout=LAUNCH_TIMEOUT_S, env=ENV)
+    # and once more with rank 1's own listing failing: the ranks load what rank 0 lists
+    variants = VARIANTS + ["distckpt, rank 1 cannot list"]
+    results = tw.launch(tw.resume, 2, out, variants, timeout=LAUNCH_TIMEOUT_S, env=ENV)
     for rank, per_variant in enumerate(results):
-        for which in VARIANTS:
+        for which in variants:
             assert per_variant[which]["loaded"] == tw.LAST_SAVED, which
             # bit-identical: the same floats as the run that never stopped, and as torchtitan's
             assert per_variant[which]["losses"] == reference[rank], (rank, which)
