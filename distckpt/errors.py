@@ -752,6 +752,16 @@ def from_os_error(
     elif code == _errno.EIO and operation == "fsync":
         remedy = ("fsync reported an I/O error: the data may be lost from the page cache, so the save "
                   "was failed, not retried; check dmesg and the disk.")
+    elif cls is StoragePermissionError and _is_read(operation):
+        # the class's remedy is a writer's ("make it writable"): a read needs read permission
+        remedy = ("Make the checkpoint readable by this user: read permission on its files and search (x) "
+                  "permission on every directory down to it; or run as the user that can read it.")
     else:
         remedy = None
     return cls(message, path=path, rank=rank, remedy=remedy, errno=code, **details)
+
+
+def _is_read(operation: str) -> bool:
+    """Whether a from_os_error ``operation`` only reads ("open" alone may be a writer's open)."""
+    return operation.split(" ", 1)[0] in ("read", "stat", "lstat", "list") or operation in (
+        "open MANIFEST", "open data file")

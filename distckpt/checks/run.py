@@ -14,7 +14,6 @@ from .report import WARNING, CheckResult, PreflightReport
 __all__ = ["preflight"]
 
 
-
 def _save_fds(ranks: int, object_store: bool) -> int:
     """The fds one rank's save opens: its own (the writer and its ring, the MANIFEST, directory
     fsyncs, probes, the save lock), distckpt's control group among ``ranks``, and on an object
@@ -28,8 +27,8 @@ def _save_fds(ranks: int, object_store: bool) -> int:
         from ..storage.object import settings as objsettings
         try:
             fds += objsettings.settings()["in_flight"] + 2  # + the MANIFEST's and a listing's
-        except ConfigError:  # a bad DISTCKPT_OBJECT_* value: the distckpt_config row reports it
-            fds += 6
+        except ConfigError:  # a bad DISTCKPT_OBJECT_* value (the distckpt_config row reports it):
+            fds += 4 + 2       # the default parts in flight
     return fds
 
 

@@ -537,6 +537,7 @@ try:
     out["load"] = "loaded"
 except Exception as exc:
     out["load"] = type(exc).__name__
+    out["load_remedy"] = getattr(exc, "remedy", None)
 said = []
 handler = __import__("logging").Handler()
 handler.emit = lambda record: said.append(record.getMessage())
@@ -576,6 +577,7 @@ def test_a_step_directory_that_cannot_be_entered_is_never_skipped(tmp_path):
         os.chmod(s300, 0o755)
     out = res.emitted[0]
     assert out["load"] == "StoragePermissionError", out
+    assert "readable" in out["load_remedy"] and "writable" not in out["load_remedy"], out  # a read's remedy
     assert out["save"] == "saved", out
     assert any("step_00000300 cannot be looked at" in m and "never deleted" in m for m in out["said"]), out
     assert ["step_00000300", "unreadable"] in out["ls"] and out["latest"] is None, out
