@@ -675,6 +675,30 @@ def edges(out: str) -> None:
         report["overwritten_mid_load"] = "loaded"
     except Exception as exc:  # noqa: BLE001 - the test checks which
         report["overwritten_mid_load"] = f"{type(exc).__name__}: {exc}"
+    # 8b. The pin's last look fails on rank 1 alone (another save took the name as the load
+    #     ended, seen by one rank): every rank raises it (rank 0 returned and trained on).
+    import contextlib as _contextlib
+    real_pinned = dse.pinned
+
+    @_contextlib.contextmanager
+    def pinned_then_replaced(path, *args, **kwargs):
+        with real_pinned(path, *args, **kwargs) as source:
+            yield source
+        if torch.distributed.get_rank() == 1:
+            from distckpt.errors import CheckpointRemovedError
+            raise CheckpointRemovedError(f"{path} was replaced as the load ended", path=path,
+                                         renamed_to=None, replaced=True)
+
+    h = _edge_engine(2, frozen_seed=1)
+    dsd.install(h)
+    dse.pinned = pinned_then_replaced
+    try:
+        h.load_checkpoint(os.path.join(root, "dc"), "t")
+        report["replaced_at_the_end"] = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        report["replaced_at_the_end"] = type(exc).__name__
+    finally:
+        dse.pinned = real_pinned
     # 9. ZeRO-3: a parameter frozen now that was trained when saved. DeepSpeed's module load looks
     #    it up in the saved frozen fragments (a bare KeyError in DeepSpeed 0.19.8, its own engine
     #    too): a typed error before the engine changes.

@@ -294,6 +294,7 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         naming it, the engine unchanged (DeepSpeed raises a bare KeyError from its module load);
       * each file of a tag read once per load_checkpoint (DeepSpeed asks for the model states
         twice: the second request is served the state read for the first);
+      * a replacement seen by one rank's last look only: every rank raises it;
       * the tag overwritten by another save between DeepSpeed's reads of its files: a
         CheckpointRemovedError on every rank (each file was read alone, the later ones from the
         other save: a silent mix of two checkpoints)."""
@@ -314,6 +315,7 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["native_through_install"].startswith("CheckpointNotFoundError") and \
             "DeepSpeed's own checkpoint" in r["native_through_install"], r["native_through_install"]
         assert r["overwritten_mid_load"].startswith("CheckpointRemovedError"), r["overwritten_mid_load"]
+        assert r["replaced_at_the_end"] == "CheckpointRemovedError", r["replaced_at_the_end"]  # on both ranks
         assert r["frozen_now"].startswith("StateDictMismatchError") and "l1.weight" in r["frozen_now"], r["frozen_now"]
         assert r["frozen_now_unchanged"] is True
         files = r["engine_reads"]  # every file read once: the model states, this rank's optimizer file

@@ -740,19 +740,29 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         # Every check that can fail on one rank alone runs before DeepSpeed's own load, and the
         # ranks exchange their outcome: past this point DeepSpeed's collectives (with its own,
         # 30-minute timeout) would leave the other ranks waiting for a rank that already raised.
-        planned, error = None, None
-        with contextlib.ExitStack() as pin:
-            try:
-                planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag)
-                if planned is not None:
-                    # DeepSpeed reads its files one by one, and the ZeRO load reads more: pinned,
-                    # the MANIFEST is decoded once for all of them, and all come from one
-                    # checkpoint (CheckpointRemovedError otherwise). Its first read can fail here.
-                    pin.enter_context(pinned(planned[1]))
-            except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
-                error = exc
-            return _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only)
+        planned, error, returned, loaded = None, None, False, None
+        try:
+            with contextlib.ExitStack() as pin:
+                try:
+                    planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag)
+                    if planned is not None:
+                        # DeepSpeed reads its files one by one, and the ZeRO load reads more: pinned,
+                        # the MANIFEST is decoded once for all of them, and all come from one
+                        # checkpoint (CheckpointRemovedError otherwise). Its first read can fail here.
+                        pin.enter_context(pinned(planned[1]))
+                except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
+                    error = exc
+                loaded = _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
+                                       load_lr_scheduler_states, load_module_only)
+                returned = True
+        except Exception as exc:
+            if not returned:
+                raise
+            # The pin's last look (another save took the name as the load ended) is this rank's
+            # alone: every rank raises it, or the others would go on training from a load it failed.
+            control_group(operation="load_checkpoint()").exchange_outcome(exc, operation="load_checkpoint")
+        control_group(operation="load_checkpoint()").exchange_outcome(None, operation="load_checkpoint")
+        return loaded
 
     def _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
                       load_lr_scheduler_states, load_module_only):
