@@ -603,11 +603,9 @@ def _saved_meta(path: str, process_group: Any) -> dict:
     return meta
 
 
-def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str,
-               in_model: bool = True) -> dict[str, str | None]:
-    """{target state name: saved state name, or None (keep the target's value)} for one parameter.
-    ``in_model``: whether the target model has the parameter (else the table or parameter itself
-    is gone: its saved state is not read, as its weight is not)."""
+def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str) -> dict[str, str | None]:
+    """{target state name: saved state name, or None (keep the target's value)} for one parameter
+    the target model has (:func:`load` skips one it no longer has)."""
     tstates = (target or {}).get("states", {})
     sstates = (saved or {}).get("states", {})
     if saved is None and target is None:
@@ -620,8 +618,6 @@ def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str,
                            remedy="Restore with the optimizer setup the checkpoint was saved with.")
     if target is None:
         if not sstates:
-            return {}
-        if not in_model:  # gone from the model: load() does not read it (nor its weight)
             return {}
         raise ReshardError(f"the checkpoint has {saved['kind']} state {sorted(sstates)} for {fqn!r}, but no "
                            f"optimizer passed to load owns that parameter", path=path, key=fqn,
@@ -723,7 +719,7 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
             # are saved keys this load does not read, listed in LoadResult.unexpected (as DCP and
             # distckpt.load treat extra saved keys).
             continue
-        mapping = _state_map(fqn, smeta, tm, path, in_model=fqn in in_model)
+        mapping = _state_map(fqn, smeta, tm, path)
         used = set()
         for tname, sname in mapping.items():
             if sname is None:
