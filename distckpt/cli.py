@@ -81,7 +81,7 @@ def _cmd_ls(args) -> int:
             print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     if listing.pointer_problem:
         print(f"  note: {listing.pointer_problem}")
-    unreadable = [e.name for e in listing.entries if e.status == "unreadable"]
+    unreadable = [e.name for e in listing.entries if e.status == "unreadable" and e.step is not None]
     if unreadable and listing.kind == "root":
         print(f"  note: {', '.join(unreadable)} cannot be read (above): no step is marked latest, since "
               "CheckpointManager.load() raises until it can be read")

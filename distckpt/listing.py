@@ -32,9 +32,9 @@ class StepInfo:
     ``status``: ``committed`` (MANIFEST decodes), ``broken`` (a ``step_N`` directory without
     MANIFEST, or a MANIFEST that does not decode: ``problem`` says which) or ``unreadable`` (its
     MANIFEST could not be read for a reason that says nothing about it: no permission, an I/O or
-    network error, a format version newer than this reader; ``problem`` says which). ``step`` is None for a
-    checkpoint directory not named ``step_N``. ``size_bytes``: data files + MANIFEST, from the
-    manifest. ``ranks``: the world size that saved it. ``chain``: for a link of an incremental
+    network error, a format version newer than this reader; ``problem`` says which). ``step`` is
+    None for a checkpoint directory not named ``step_N``. ``size_bytes``: data files + MANIFEST,
+    from the manifest. ``ranks``: the world size that saved it. ``chain``: for a link of an incremental
     chain (distckpt.incremental), ``{"kind": "full"|"delta", "seq", "parent", "base", "chain",
     "link_bytes", "tracked_bytes"}`` (the parent and base by directory name), else None."""
 
@@ -116,8 +116,9 @@ def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
 
 def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: list) -> RootListing:
     newest = _newest_by_commit(infos)
-    # With a step whose MANIFEST cannot be read, no step is what load() would take: it raises.
-    unknown = any(i.status == "unreadable" for i in infos)
+    # With a step whose MANIFEST cannot be read, no step is what load() would take: it raises
+    # (a checkpoint directory not named step_N is no candidate of load()).
+    unknown = any(i.status == "unreadable" and i.step is not None for i in infos)
     latest = newest.step if newest is not None and not unknown else None
     problem = None
     if pointer is not None and (newest is None or pointer != newest.name):
