@@ -58,6 +58,7 @@ __all__ = [
     "UnsupportedValueError",
     "PickleNotAllowedError",
     "StateDictMismatchError",
+    "StateChangedError",
     "ReshardError",
     "RankFailureError",
     "collective_error",
@@ -461,6 +462,16 @@ class StateDictMismatchError(DistCkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message; keep it readable.
         return DistCkptError.__str__(self)
+
+
+class StateChangedError(DistCkptError, RuntimeError):
+    """An async save staging in the background (``stage_in_background=True``) found tensors of its
+    state changed in place before their copy ended: what it would write is not the state of the
+    call. Nothing is committed. Field: ``keys`` (the changed tensors' keys)."""
+
+    default_remedy = ("Call handle.wait_staged() (torchtitan: maybe_wait_for_staging()) before anything "
+                      "changes the state's tensors, or save with stage_in_background=False when something "
+                      "changes them during the step (e.g. BatchNorm's running statistics in forward).")
 
 
 class ReshardError(DistCkptError, ValueError):

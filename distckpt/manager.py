@@ -63,6 +63,13 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
+
+def check_staging_option(blocking: bool, kwargs: dict) -> None:
+    """``stage_in_background`` is an async save's option: refused (ConfigError) with
+    ``blocking=True``, where nothing is staged, rather than ignored."""
+    if blocking and kwargs.get("stage_in_background"):
+        raise ConfigError("stage_in_background=True is an option of an async save: pass blocking=False with it")
+
 class CheckpointManager:
     """Save numbered checkpoints under ``root`` and keep the newest ``keep_last`` of them.
 
@@ -233,7 +240,8 @@ class CheckpointManager:
              **kwargs: Any) -> "SaveResult | AsyncSaveHandle":
         """Save ``state_dict`` as step ``step`` (collective), then point ``latest`` at it and rotate.
 
-        Keyword arguments go to :func:`distckpt.save`. ``rotate=False`` deletes no older step
+        Keyword arguments go to :func:`distckpt.save` (with ``blocking=False`` also
+        ``stage_in_background``: :func:`distckpt.async_save`). ``rotate=False`` deletes no older step
         after this one (an export beside the newest ``keep_last`` steps: torchtitan's last-step
         save); the next rotating save counts it like any other step. With ``blocking=False`` this is
         :func:`distckpt.async_save`: it returns an :class:`~distckpt.save_async.AsyncSaveHandle` as
@@ -249,6 +257,7 @@ class CheckpointManager:
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int")
+        check_staging_option(blocking, kwargs)
         self._count_call(kwargs)
         try:
             return self._save(step, state_dict, blocking, rotate, kwargs)

@@ -47,6 +47,7 @@ from .gcpause import gc_paused
 from .incremental import DELTA_ROOT, Target, link_error, plan_deltas
 from .plan import Box, plan_reads
 from .source import Source, open_source
+from .staging.pool import wait_for_staging
 from .storage import path_text
 from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 from .values import decode_value
@@ -583,6 +584,9 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     t0 = time.monotonic()
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
+    # An async save still copying tensors off the caller's thread (stage_in_background) may be
+    # copying these very tensors: filling them now would stage a mix of two states.
+    wait_for_staging()
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="load()")
     result, error, exchange = None, None, None
     try:

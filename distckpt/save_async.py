@@ -58,9 +58,9 @@ from typing import Any, Callable
 from ._dist import ControlGroup, _portable, control_group
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
-from .errors import DistCkptError, PeerLostError, ProcessGroupDestroyedError, collective_error
+from .errors import DistCkptError, PeerLostError, ProcessGroupDestroyedError, StateChangedError, collective_error
 from .saveplan import plan_save
-from .staging.pool import reserve_staging_memory, stage, staging_pool
+from .staging.pool import reserve_staging_memory, stage, staging_ended, staging_pool, staging_started
 from .storage.posix.probe import ensure_sigxfsz_ignored
 
 # reserve_staging_memory is staging.pool's own, exported here too: distckpt.reserve_staging_memory
@@ -76,14 +76,20 @@ class AsyncSaveHandle:
 
     Attributes:
         path: the checkpoint directory being saved.
-        staged_bytes: bytes this rank copied into staging memory.
-        blocked_seconds: how long the call blocked the caller (gate wait + plan + staging).
+        staged_bytes: bytes this rank copied into staging memory (set once :meth:`staged`).
+        blocked_seconds: how long the call blocked the caller (gate wait + plan, + staging unless
+            ``stage_in_background``).
+        staging_seconds: how long the copy into staging memory took, on whichever thread ran it.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.staged_bytes = 0
         self.blocked_seconds = 0.0
+        self.staging_seconds = 0.0
+        self._staged = threading.Event()
+        self._staged_lock = threading.Lock()
+        self._staged_callbacks: list[Callable[[], None]] = []
         self._event = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -92,6 +98,40 @@ class AsyncSaveHandle:
         # A save of several ranks: (the group's global ranks, its number among this process's
         # collective async saves on them), the same on every rank; None for a one-rank save.
         self._collective: tuple[tuple[int, ...], int] | None = None
+
+    def staged(self) -> bool:
+        """True once the save no longer reads the state's tensors: its copy into staging memory is
+        over, or the save failed before it. From then on the caller may change them. Always true
+        when :func:`async_save` has returned, unless it was called with ``stage_in_background``."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until :meth:`staged` (not for the write). Returns :meth:`staged`. A failed staging
+        is not raised here: the save fails on every rank and ``result()`` raises it."""
+        self._staged.wait(timeout)
+        return self.staged()
+
+    def _set_staged(self) -> None:
+        """Mark the staging over (idempotent) and run the callbacks waiting for it."""
+        with self._staged_lock:
+            if self._staged.is_set():
+                return
+            self._staged.set()
+            callbacks, self._staged_callbacks = self._staged_callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - a waiter's bookkeeping must not stop the save
+                log.error("distckpt: a callback on the staging of %s failed: %s: %s", self.path,
+                          type(exc).__name__, exc)
+
+    def _on_staged(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the staging is over (now, if it is), on the thread that ends it."""
+        with self._staged_lock:
+            if not self._staged.is_set():
+                self._staged_callbacks.append(fn)
+                return
+        fn()
 
     def done(self) -> bool:
         """True once the save has committed or failed (its thread has no more work)."""
@@ -140,6 +180,7 @@ class AsyncSaveHandle:
                 _UNSEEN_FAILURES.remove(self)
 
     def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+        self._set_staged()  # (already, unless the save failed before its staging)
         self._result, self._error = result, error
         if error is not None:
             with _FAILED_LOCK:
@@ -383,6 +424,75 @@ def _destroyed_group_error(error: BaseException, group: ControlGroup, final_dir:
     return out
 
 
+_GUARD_WARNED = False
+
+
+class _StagingGuard:
+    """What a staging off the caller's thread checks its copies against: each staged source
+    tensor and its version counter at the call, and an event recorded on the caller's current
+    stream of each CUDA device holding one (the copies start after the work queued before the
+    call, on a side stream: :func:`distckpt.staging.pool.stage`).
+
+    Why version counters: every in-place torch operation on a tensor (or a view of it) moves its
+    counter when it is dispatched, so a counter that moved between the call and the end of the
+    copies means the copy may hold a mix of two values. On CUDA the check is exact: an operation
+    dispatched after the check is queued behind copies already finished. On the CPU an operation
+    still running on another thread when the copies end moves the counter only when it returns,
+    after the check; the contract (``wait_staged()`` before changing the state) is what rules
+    that out, the check catches every change that finished before the staging did."""
+
+    def __init__(self, path: str, sources: list, versions: list[int], events: dict) -> None:
+        self.path = path
+        self._sources = sources      # [(fqn, tensor)] as planned, before staging repoints them
+        self._versions = versions
+        self.events = events         # {CUDA device: event on the caller's stream at the call}
+        self.done = threading.Event()
+
+    @classmethod
+    def capture(cls, mine: list, path: str) -> "_StagingGuard | None":
+        """The guard of ``mine`` ((fqn, Piece) pairs) at the call, or None when a tensor has no
+        version counter (inference mode): such a state is staged on the caller's thread."""
+        global _GUARD_WARNED
+        import torch
+        sources, versions, devices = [], [], set()
+        for fqn, piece in mine:
+            t = piece.tensor
+            if t.is_inference():
+                if not _GUARD_WARNED:
+                    _GUARD_WARNED = True
+                    log.warning("distckpt: async save to %s: %r is an inference-mode tensor, which has no version "
+                                "counter to guard a copy off the caller's thread; staging on the caller's thread "
+                                "(stage_in_background is ignored for such states)", path, fqn)
+                return None
+            sources.append((fqn, t))
+            versions.append(t._version)
+            if t.device.type == "cuda":
+                devices.add(t.device)
+        events = {}
+        for dev in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            events[dev] = ev
+        return cls(path, sources, versions, events)
+
+    def changed_error(self) -> StateChangedError | None:
+        """A StateChangedError naming the tensors whose counter moved since the call, or None."""
+        changed = [fqn for (fqn, t), v in zip(self._sources, self._versions) if t._version != v]
+        if not changed:
+            return None
+        shown = ", ".join(repr(k) for k in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        return StateChangedError(
+            f"async save to {self.path} (stage_in_background): {len(changed)} tensor(s) of the state were changed "
+            f"in place before their copy into staging memory ended: {shown}; the copy may hold a mix of two "
+            f"values, so nothing is committed", path=self.path, keys=changed)
+
+    def close(self) -> None:
+        """Drop the references to the caller's tensors (the staging is over)."""
+        self._sources = []
+        self.events = {}
+        self.done.set()
+
+
 def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
     """The channel for the background phases (created once per process group; a collective the
     first time, run by every rank in the caller's thread)."""
@@ -393,7 +503,8 @@ def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None, overwrite: bool = False,
                allow_pickle: bool = False, metadata: dict | None = None, replicated: Any = "check",
-               no_dist: bool = False, storage_options: dict | None = None) -> AsyncSaveHandle:
+               no_dist: bool = False, storage_options: dict | None = None,
+               stage_in_background: bool = False) -> AsyncSaveHandle:
     """Save ``state_dict`` at ``path`` like :func:`distckpt.save`, returning once it is staged.
 
     Collective like :func:`distckpt.save` (every rank calls it, in the same order as its other
@@ -402,7 +513,20 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     memory. After it returns the caller may change any tensor of ``state_dict`` in place: the
     checkpoint holds the values at the time of the call.
 
-    Args: as :func:`distckpt.save`.
+    ``stage_in_background=True`` (torchtitan's ``async_with_pinned_mem``, DCP's
+    ``use_async_staging``): the call returns after the PLAN, and the copy into staging memory runs
+    on the save's thread (device copies on a side stream that starts after the work queued before
+    the call), so the next steps' forward and backward overlap it, and memory that is not reserved
+    yet is allocated there, never on the caller's path. The caller must not change the state's
+    tensors until ``handle.wait_staged()`` returns (a training loop: before its optimizer step).
+    Values other than tensors are taken at the call. Every staged tensor's version counter (which
+    every in-place torch operation moves) is compared after its copy: a tensor changed before its
+    copy ended fails the save with :class:`~distckpt.errors.StateChangedError` on every rank, and
+    nothing is committed, instead of a checkpoint holding a mix of two steps. A state with a tensor
+    that has no version counter (an inference-mode tensor) is staged on the caller's thread, as
+    without the option (logged once). :func:`distckpt.load` waits for such a staging first.
+
+    Args: as :func:`distckpt.save`, and ``stage_in_background`` (above).
 
     Returns:
         An :class:`AsyncSaveHandle`: ``result(timeout=None)`` waits and returns the SaveResult or
@@ -426,7 +550,7 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     """
     return async_save_in_root(state_dict, path, process_group=process_group, overwrite=overwrite,
                               allow_pickle=allow_pickle, metadata=metadata, replicated=replicated, no_dist=no_dist,
-                              storage_options=storage_options)
+                              storage_options=storage_options, stage_in_background=stage_in_background)
 
 
 def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit: Callable[[], None] | None = None,
@@ -435,7 +559,8 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                        process_group: Any = None, overwrite: bool = False, allow_pickle: bool = False,
                        metadata: dict | None = None, replicated: Any = "check", no_dist: bool = False,
                        storage_options: dict | None = None,
-                       finish: Callable[..., SaveResult] = finish_save, shared_path: bool = True) -> AsyncSaveHandle:
+                       finish: Callable[..., SaveResult] = finish_save, shared_path: bool = True,
+                       stage_in_background: bool = False) -> AsyncSaveHandle:
     """:func:`async_save` for a caller that owns the checkpoint's root (CheckpointManager, an
     IncrementalSaver): the other arguments are :func:`async_save`'s.
 
@@ -453,6 +578,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             staging and the thread are not duplicated.
         shared_path: as :func:`distckpt.saveplan.plan_save` (False for a tiered save's node-local
             directories).
+        stage_in_background: as :func:`async_save`.
 
     Returns and raises what :func:`async_save` does.
     """
@@ -489,8 +615,11 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             handle.blocked_seconds = time.perf_counter() - t_call
             return handle
         arena, stage_error, interrupted = None, None, None
+        guard = _StagingGuard.capture(planned.mine, final_dir) if stage_in_background else None
+        t_stage = time.perf_counter()
         try:
-            arena, handle.staged_bytes = stage(planned.mine, staging_pool())
+            if guard is None:
+                arena, handle.staged_bytes = stage(planned.mine, staging_pool())
         except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
             stage_error = exc
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: re-raised below
@@ -506,9 +635,25 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             # This rank's caller is told (``exc``), so the failure counts as seen: no rank raises
             # it again at the next checkpoint call.
             handle._observed = True
+        if guard is None:
+            handle.staging_seconds = time.perf_counter() - t_stage
+            handle._set_staged()
 
         def work() -> None:
+            nonlocal arena, stage_error
             result, error = None, None
+            if guard is not None:
+                t0 = time.perf_counter()
+                try:
+                    arena, handle.staged_bytes = stage(planned.mine, staging_pool(), after=guard.events)
+                    stage_error = guard.changed_error()
+                except Exception as exc:  # noqa: BLE001 - reported at WRITE, with every rank
+                    stage_error = exc
+                finally:
+                    guard.close()
+                    handle.staging_seconds = time.perf_counter() - t0
+                    handle._set_staged()
+                    staging_ended(guard.done)
             try:
                 result = finish(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
                                 after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
@@ -537,6 +682,8 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                                   daemon=False)
         handle._thread = thread
         _INFLIGHT.add(handle)
+        if guard is not None:
+            staging_started(guard.done)
         try:
             thread.start()
         except RuntimeError as exc:  # "can't start new thread": out of memory, threads or address space

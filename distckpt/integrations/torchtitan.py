@@ -101,10 +101,14 @@ class DistckptCheckpointManager(BaseCheckpointManager):
     error) and the write and commit run in the background. ``"async_with_pinned_mem"`` also
     reserves the staging memory (:func:`distckpt.reserve_staging_memory`, pinned where CUDA is
     available) at the first ``save()`` call, after the first optimizer step, so the first
-    checkpoint does not pay for allocating it. Since distckpt's staging is finished when
-    ``save()`` returns, ``staging_future`` (pinned mode, as in torchtitan) is already done and
-    ``maybe_wait_for_staging()`` never blocks. A save waits for the previous one still in flight
-    first, as torchtitan's does. ``close()`` waits for the save in flight, raises its error, and
+    checkpoint does not pay for allocating it, and stages in the background as torchtitan's DCP
+    manager does (``use_async_staging``): ``save()`` returns after the plan, the copy runs on the
+    save's thread beside the next forward and backward, and ``maybe_wait_for_staging()`` (which
+    the trainer calls before its optimizer step) waits for what is left of it, through
+    ``staging_future``. A tensor of the state changed before its copy ended fails that save with
+    StateChangedError (nothing committed; :func:`distckpt.async_save`, ``stage_in_background``).
+    ``"async"`` stages before ``save()`` returns. A save waits for the previous one still in
+    flight first, as torchtitan's does. ``close()`` waits for the save in flight, raises its error, and
     frees the staging memory.
     """
 
@@ -235,14 +239,20 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             with _torchtitan_remedy():
                 self._mgr.save(curr_step, states, metadata=meta)
             return True
+        pinned = self.async_mode == "async_with_pinned_mem"
         with _torchtitan_remedy():
-            self.save_future = self._mgr.save(curr_step, states, blocking=False, metadata=meta)
-        if self.async_mode == "async_with_pinned_mem":
-            # distckpt stages before async_save returns: the staging torchtitan overlaps with the
-            # next forward/backward is already over, so its future is resolved at once.
-            done: Future = Future()
-            done.set_result(None)
-            self.staging_future = done
+            # Pinned mode stages on the save's thread, as torchtitan's DCP manager does
+            # (use_async_staging): the next forward and backward overlap the copy, and the
+            # trainer's maybe_wait_for_staging() before its optimizer step waits for what is left.
+            self.save_future = self._mgr.save(curr_step, states, blocking=False, metadata=meta,
+                                              stage_in_background=pinned)
+        if pinned:
+            staged: Future = Future()
+            # Resolved, never failed: a failed staging fails the save on every rank, and
+            # save_future raises it (a staging future raising on one rank alone would stop that
+            # rank before its optimizer step while its peers go on).
+            self.save_future._on_staged(lambda: staged.set_result(None))
+            self.staging_future = staged
         return True
 
     @torch.no_grad()
@@ -306,7 +316,8 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         return True
 
     def _maybe_wait_for_staging(self) -> None:
-        # Staging is over when _save returns (see _save): clearing the resolved future is all.
+        """Wait until the pinned-mode save in flight has copied the state into staging memory
+        (its write goes on): from then on the optimizer may change the state."""
         if self.staging_future is not None:
             self.staging_future.result()
             self.staging_future = None

@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -53,7 +54,7 @@ from ..config import get_config
 from ..errors import HostMemoryError, from_os_error
 
 __all__ = ["StagingPool", "StagingReservation", "staging_pool", "release_staging_memory",
-           "reserve_staging_memory", "stage"]
+           "reserve_staging_memory", "stage", "staging_started", "staging_ended", "wait_for_staging"]
 
 log = logging.getLogger("distckpt")
 
@@ -558,10 +559,56 @@ def reserve_staging_memory(state_dict: Any = None, *, nbytes: int | None = None)
     return pool.reserve(sizes)
 
 
-def stage(mine: list, pool: StagingPool) -> tuple[Arena | None, int]:
+# Stagings running off the caller's thread (async saves with stage_in_background=True): the event
+# each sets once its copies are over. A load waits for them first (wait_for_staging): a load
+# fills the caller's tensors in place, and a copy still reading them would stage a mix.
+_STAGING: "set[threading.Event]" = set()
+_STAGING_LOCK = threading.Lock()
+
+
+def staging_started(done: threading.Event) -> None:
+    """Register a staging in flight off the caller's thread; ``done`` is set when it ends (the
+    caller sets it, then calls :func:`staging_ended`)."""
+    with _STAGING_LOCK:
+        _STAGING.add(done)
+
+
+def staging_ended(done: threading.Event) -> None:
+    with _STAGING_LOCK:
+        _STAGING.discard(done)
+
+
+def wait_for_staging() -> None:
+    """Wait until no staging of this process runs off the caller's thread (the copies of async
+    saves started with ``stage_in_background=True``). Their writes may go on."""
+    with _STAGING_LOCK:
+        pending = list(_STAGING)
+    for done in pending:
+        done.wait()
+
+
+def _forget_stagings_after_fork() -> None:
+    """A forked child has no staging threads: nothing of the parent's is in flight in it."""
+    global _STAGING_LOCK
+    _STAGING.clear()
+    _STAGING_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_stagings_after_fork)
+
+
+def stage(mine: list, pool: StagingPool, *, after: dict | None = None) -> tuple[Arena | None, int]:
     """Copy each of ``mine``'s pieces ((fqn, Piece) pairs) into ``pool``'s segments and point the
     piece at its copy; device tensors are copied with non-blocking DMAs, then one synchronize per
     device. Returns the arena (None when there is nothing to stage) and the bytes staged.
+
+    ``after``: {CUDA device: event recorded on the caller's stream when the save was called}, for
+    a copy off the caller's thread (an async save staging in the background): that device's
+    copies then run on a side stream that waits for the event, and only that stream is waited
+    for. Why: the values saved are those of the call (work the caller queued before it is done),
+    and the copies neither wait for nor delay the work the caller queues after it (the next
+    forward and backward); a synchronize of the whole device would wait for that work too.
 
     Raises whatever an allocation or a copy raises (e.g. out of memory); the arena then goes back
     to the pool."""
@@ -575,28 +622,44 @@ def stage(mine: list, pool: StagingPool) -> tuple[Arena | None, int]:
     arena, places = pool.take(specs)
     devices = set()
     cpu_dst, cpu_src = [], []
+    side: dict = {}  # CUDA device -> the side stream its copies run on (``after`` given)
     try:
         for (_fqn, piece), (seg, off), nbytes in zip(mine, places, specs):
             src = piece.tensor.detach()
             dst = seg.buf[off:off + nbytes].view(src.dtype).view(tuple(src.shape))
             if src.numel() == 0:
                 pass  # nothing to copy, wherever it lives (an empty meta tensor has no data to copy)
-            elif src.is_conj() or src.is_neg():
-                # Blocking: a non_blocking device-to-host copy of a conj/neg view applies the
-                # conjugation on the host before the DMA has landed (the DMA then overwrites it).
-                dst.copy_(src)
             elif src.device.type == "cpu":
-                cpu_dst.append(dst)
-                cpu_src.append(src)
+                if src.is_conj() or src.is_neg():
+                    dst.copy_(src)
+                else:
+                    cpu_dst.append(dst)
+                    cpu_src.append(src)
             else:
-                # One DMA per tensor into pinned memory (a synchronous copy into a pageable
-                # overflow segment), all queued before a single wait.
-                dst.copy_(src, non_blocking=True)
-                devices.add(src.device)
+                stream = None
+                if after is not None and src.device.type == "cuda" and src.device in after:
+                    stream = side.get(src.device)
+                    if stream is None:
+                        stream = side[src.device] = torch.cuda.Stream(device=src.device)
+                        stream.wait_event(after[src.device])
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if src.is_conj() or src.is_neg():
+                        # Blocking: a non_blocking device-to-host copy of a conj/neg view applies
+                        # the conjugation on the host before the DMA has landed (the DMA then
+                        # overwrites it).
+                        dst.copy_(src)
+                    else:
+                        # One DMA per tensor into pinned memory (a synchronous copy into a
+                        # pageable overflow segment), all queued before a single wait.
+                        dst.copy_(src, non_blocking=True)
+                if stream is None:
+                    devices.add(src.device)
             piece.tensor = dst
         if cpu_dst:
             # One call for all CPU tensors: no Python loop per copy (thousands of small tensors).
             torch._foreach_copy_(cpu_dst, cpu_src)
+        for stream in side.values():
+            stream.synchronize()
         for dev in devices:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)

@@ -151,7 +151,8 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
                     blocking: bool = True, after_commit: Callable[[], None] | None = None,
                     lock_path: str | None = None, overwrite: bool = False, allow_pickle: bool = False,
                     metadata: dict | None = None, replicated: Any = "check",
-                    on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None):
+                    on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None,
+                    stage_in_background: bool = False):
     """Save ``state_dict`` on the local tier: :func:`distckpt.save` (or, with ``blocking=False``,
     :func:`distckpt.async_save`) with :func:`finish_node_save` as phases 2-4. Collective over
     ``process_group`` (default: the world); ``final_dir`` is the step's path in this rank's own
@@ -160,7 +161,8 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
     The blocking form plans and commits under :data:`distckpt.coordinator.SAVE_GATE` with the
     cyclic GC paused (as :func:`distckpt.coordinator.save_collective`), after any async save of
     this process has finished; ``blocking=False`` goes through
-    :func:`distckpt.save_async.async_save_in_root` (its staging, its thread, its gate).
+    :func:`distckpt.save_async.async_save_in_root` (its staging, its thread, its gate;
+    ``stage_in_background`` is its option, refused by the caller for a blocking save).
     ``on_outcome(result, error)``: called with the outcome before this returns or raises (blocking)
     or before the handle reports done (async); an error it raises is logged, never hides the outcome.
 
@@ -180,7 +182,8 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
         return async_save_in_root(state_dict, path, after_commit=after_commit, lock_path=lock_path,
                                   on_outcome=on_outcome, process_group=process_group, overwrite=overwrite,
                                   allow_pickle=allow_pickle, metadata=metadata, replicated=replicated,
-                                  finish=functools.partial(finish_node_save, layout=layout), shared_path=False)
+                                  finish=functools.partial(finish_node_save, layout=layout), shared_path=False,
+                                  stage_in_background=stage_in_background)
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
     group = control_group(process_group, operation="save()")
     # With every rank of the group, as distckpt.save does: decided on this rank alone, a failure of

@@ -47,7 +47,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMi
                       DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
                       ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError)
 from ..sizes import format_bytes
-from ..manager import CheckpointManager, step_dirname
+from ..manager import CheckpointManager, check_staging_option, step_dirname
 from ..restore import LoadResult
 from ..storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
 from ..storage.posix.guards import check_memory_room, check_save_space
@@ -248,7 +248,8 @@ class TieredCheckpointManager:
 
         Returns the local save's SaveResult once every node committed it (``blocking=False``: an
         AsyncSaveHandle as soon as the state is staged; the drain is queued when it commits).
-        Keyword arguments are :func:`distckpt.save`'s (overwrite, metadata, allow_pickle, replicated).
+        Keyword arguments are :func:`distckpt.save`'s (overwrite, metadata, allow_pickle, replicated;
+        with ``blocking=False`` also :func:`distckpt.async_save`'s ``stage_in_background``).
 
         Raises what :func:`distckpt.save` raises; a commit that only some nodes completed raises
         with ``committed = False`` and ``published_nodes`` (not a complete local copy: never
@@ -259,6 +260,7 @@ class TieredCheckpointManager:
             raise ConfigError(f"step={step!r} must be a non-negative int")
         if self._closed:
             raise ConfigError("this TieredCheckpointManager is closed")
+        check_staging_option(blocking, kwargs)
         for bad in ("storage_options", "process_group", "incremental"):
             if bad in kwargs:
                 raise ConfigError(f"{bad}= is not a save option of a TieredCheckpointManager (give it to the "

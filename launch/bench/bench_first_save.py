@@ -14,9 +14,16 @@ fp32 on the CPU) plus ``--small`` tensors of 16 KiB, random data. Per process:
   seconds of) a training-like loop runs on the main thread beside it, then the save. The loop's
   step times with and without a reservation in the background are printed (on CUDA: a matmul
   and a synchronize per step), so the reservation's cost to training is visible.
+* ``stage_in_background``: nothing reserved; the save is called with ``stage_in_background=True``
+  (torchtitan's ``async_with_pinned_mem``): the call returns after the plan and the copy runs on
+  the save's thread.
 
-Each case also prints when its later saves are done (written from the staging memory and
-committed, ``handle.result()`` returned): the background write's time.
+Every save is followed by what a training loop does next: a forward and backward (``--fwd``
+seconds of the training-like work, calibrated alone first), then ``handle.wait_staged()`` (the
+trainer's ``maybe_wait_for_staging()``), then an optimizer step (every tensor of the state
+changed in place), then ``handle.result()``. Per save it prints the call's blocked time, the
+wait's, and how much slower the forward and backward ran beside the save than alone (the cores
+the staging and the write take from training): their sum is the training time the save cost.
 
 Every save is compared bit-exact once. Usage::
 
@@ -116,6 +123,25 @@ def train_steps(device: str, seconds: float) -> list[float]:
     return steps
 
 
+def fwd_work(device: str, iters: int) -> float:
+    """``iters`` iterations of :func:`train_steps`' work (a stand-in for a forward and backward
+    that does not touch the state); returns its seconds."""
+    import torch
+    if device == "cuda":
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    else:
+        a = torch.randn(512, 512)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        b = a
+        for _ in range(8):
+            b = b @ a
+            b = b / b.abs().max()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def child(args) -> dict:
     import torch
     import distckpt
@@ -140,20 +166,35 @@ def child(args) -> dict:
         res.wait()
         out["reserve_ready"] = time.perf_counter() - t0
         out["reserve_error"] = repr(res.error) if res.error else None
-    blocked, done, allocs = [], [], []
+    fwd_work(args.device, 1)  # warm-up
+    one = statistics.median(fwd_work(args.device, 1) for _ in range(5))
+    iters = max(1, round(args.fwd / one))
+    out["fwd_alone"] = statistics.median(fwd_work(args.device, iters) for _ in range(3))
+    blocked, waited, fwd_beside, done, allocs = [], [], [], [], []
+    tensors = list(sd.values())
     for i in range(3):
+        want = {k: t.clone() for k, t in sd.items()} if i == 0 else None
+        _sync(args.device)
         before = staging_pool().allocations
         t0 = time.perf_counter()
-        h = distckpt.async_save(sd, os.path.join(args.dir, f"{args.case}-{i}"))
+        h = distckpt.async_save(sd, os.path.join(args.dir, f"{args.case}-{i}"),
+                                stage_in_background=args.case == "background")
         blocked.append(time.perf_counter() - t0)
+        fwd_beside.append(fwd_work(args.device, iters))  # the next forward and backward
+        t1 = time.perf_counter()
+        h.wait_staged()                                   # maybe_wait_for_staging()
+        waited.append(time.perf_counter() - t1)
+        with torch.no_grad():
+            torch._foreach_add_(tensors, 1)               # the optimizer step
         h.result()
         done.append(time.perf_counter() - t0)  # staged, written from the staging memory, committed
         allocs.append(staging_pool().allocations - before)
         if i == 0:
             back = distckpt.read(os.path.join(args.dir, f"{args.case}-{i}"))
-            for k, t in sd.items():
+            for k, t in want.items():
                 if not torch.equal(back[k].to(t.device), t):
                     raise SystemExit(f"bench_first_save: {k} differs after the save")
+            del want, back
         shutil.rmtree(os.path.join(args.dir, f"{args.case}-{i}"))
         if args.case == "plain" and i == 0:
             # Wait for the pinned reservation the overflow starts, as a job's next steps would.
@@ -161,6 +202,8 @@ def child(args) -> dict:
             while staging_pool().pending_bytes() and time.time() < deadline:
                 time.sleep(0.05)
     out["blocked"] = blocked
+    out["waited"] = waited
+    out["fwd_beside"] = fwd_beside
     out["done"] = done
     out["segments_allocated"] = allocs
     return out
@@ -169,7 +212,7 @@ def child(args) -> dict:
 def run_case(args, case: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), args.dir, "--child", "--case", case,
            "--device", args.device, "--size", str(args.size), "--large", str(args.large),
-           "--small", str(args.small), "--train", str(args.train)]
+           "--small", str(args.small), "--train", str(args.train), "--fwd", str(args.fwd)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise SystemExit(f"bench_first_save: case {case} failed:\n{r.stderr[-4000:]}")
@@ -185,6 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--train", type=float, default=2.0, help="seconds of the training-like loop")
+    ap.add_argument("--fwd", type=float, default=1.0,
+                    help="seconds of the forward and backward after each save (calibrated alone)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -192,7 +237,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    runs: dict[str, list[dict]] = {"old": [], "plain": [], "reserve": []}
+    runs: dict[str, list[dict]] = {"old": [], "plain": [], "reserve": [], "background": []}
     try:
         for _ in range(args.repeat):
             for case in runs:  # interleaved
@@ -206,14 +251,24 @@ def main(argv=None) -> int:
           f"{args.repeat} fresh processes per case, medians")
     print(f"copy floor (one copy into ready {'pinned ' if args.device == 'cuda' else ''}memory): {floor:.3f} s")
     print(f"old path's arena allocation alone: {med([r['old_alloc'] for r in runs['old']]):.3f} s")
-    for case, label in (("plain", "nothing reserved"), ("reserve", "after reserve_staging_memory")):
-        b = [r["blocked"] for r in runs[case]]
+    for case, label in (("plain", "nothing reserved"), ("reserve", "after reserve_staging_memory"),
+                        ("background", "stage_in_background, nothing reserved")):
+        rs = runs[case]
+        b = [r["blocked"] for r in rs]
         first, later = [x[0] for x in b], [x for r in b for x in r[1:]]
-        print(f"async_save, {label}: first {med(first):.3f} s = {med(first) / floor:.2f}x floor "
-              f"(runs {', '.join(f'{x:.3f}' for x in first)}); later {med(later):.3f} s = "
+        print(f"async_save, {label}: call blocked first {med(first):.3f} s = {med(first) / floor:.2f}x floor "
+              f"(runs {', '.join(f'{x:.3f}' for x in first)}), later {med(later):.3f} s = "
               f"{med(later) / floor:.2f}x; later saves done (written, committed) after "
-              f"{med([x for r in runs[case] for x in r['done'][1:]]):.3f} s; "
-              f"segments allocated per save {runs[case][0]['segments_allocated']}")
+              f"{med([x for r in rs for x in r['done'][1:]]):.3f} s; "
+              f"segments allocated per save {rs[0]['segments_allocated']}")
+        for which, pick in (("first", lambda x: x[:1]), ("later", lambda x: x[1:])):
+            wait = [w for r in rs for w in pick(r["waited"])]
+            slow = [f - r["fwd_alone"] for r in rs for f in pick(r["fwd_beside"])]
+            cost = [c + w + (f - r["fwd_alone"]) for r in rs
+                    for c, w, f in zip(pick(r["blocked"]), pick(r["waited"]), pick(r["fwd_beside"]))]
+            print(f"    {which}: wait_staged {med(wait):.3f} s, forward/backward slower by {med(slow):+.3f} s "
+                  f"(alone {med([r['fwd_alone'] for r in rs]):.3f} s), training time lost "
+                  f"{med(cost):.3f} s = {med(cost) / floor:.2f}x floor (max {max(cost):.3f} s)")
     rs = runs["reserve"]
     alone = [s for r in rs for s in r["train_alone"]]
     beside = [s for r in rs for s in r["train_beside"]]

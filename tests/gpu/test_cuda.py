@@ -131,6 +131,42 @@ def test_async_save_snapshots_gpu_tensors(tmp_path):
     assert torch.equal(out["x"], want)
 
 
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_background_staging_copies_the_state_of_the_call_beside_later_kernels(tmp_path, side_stream):
+    """stage_in_background on CUDA: kernels queued before the call (on the caller's current stream,
+    unsynchronized) are in the checkpoint; kernels queued after it (the next forward) run beside
+    the copy without changing it; an in-place change queued before wait_staged() fails the save
+    with StateChangedError, one queued after it does not reach the checkpoint."""
+    from distckpt.errors import StateChangedError
+    x = torch.zeros(32 << 20, device="cuda")  # 128 MiB
+    y = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    sd = {"x": x, "y": y}
+    s = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        for _ in range(20):  # long enough that an unordered copy would see partial sums
+            x.add_(1.0)
+        h = distckpt.async_save(sd, str(tmp_path / "a"), stage_in_background=True)
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):  # the next forward and backward: does not touch the state
+            a = (a @ a) / 4096
+        assert h.wait_staged(120)
+        x.mul_(-1)  # the optimizer step, after the staging
+        y.zero_()
+    h.result()
+    out = {"x": torch.empty(32 << 20), "y": torch.empty(1 << 20)}
+    distckpt.load(out, str(tmp_path / "a"))
+    assert torch.all(out["x"] == 20.0) and torch.equal(out["y"], torch.arange(1 << 20, dtype=torch.float32))
+
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        h = distckpt.async_save(sd, str(tmp_path / "b"), stage_in_background=True)
+        x.add_(1.0)  # before wait_staged(): the optimizer did not wait
+    with pytest.raises(StateChangedError):
+        h.result()
+    assert not os.path.exists(str(tmp_path / "b"))
+
+
 def test_async_staging_is_pinned_ahead_and_never_on_the_callers_path(tmp_path, monkeypatch):
     """Nothing reserved: the first async save of GPU tensors stages through a plain (pageable)
     allocation and the pool then pins one of that size in the background (cudaHostRegister, exact

@@ -7,7 +7,9 @@ with torchtitan's ModelWrapper, OptimizersContainer, LRSchedulersContainer, Para
 and a train_state, the model sharded with FSDP2 on 2 gloo ranks.
 
   * `trained` (2 ranks): train 8 steps, both managers checkpoint every 3 steps (distckpt's in
-    "async" mode), then every rank SIGKILLs itself (no close).
+    "async_with_pinned_mem" mode: staged in the background beside the next forward and backward,
+    waited for by maybe_wait_for_staging() before the optimizer step), then every rank SIGKILLs
+    itself (no close).
   * resumed at 2 ranks (one more launch) and at 1 process (here, unsharded): through distckpt's
     manager, through torchtitan's, and through distckpt's reading torchtitan's DCP folder (the
     switch mid-run): the next losses are identical, and at 2 ranks equal to the run that went on.
@@ -46,7 +48,7 @@ def trained(tmp_path_factory):
     the steps after the last save."""
     out = str(tmp_path_factory.mktemp("torchtitan"))
     with pytest.raises(RankError) as info:
-        tw.launch(tw.train_and_die, 2, out, "async", timeout=LAUNCH_TIMEOUT_S, env=ENV)
+        tw.launch(tw.train_and_die, 2, out, "async_with_pinned_mem", timeout=LAUNCH_TIMEOUT_S, env=ENV)
     # Every rank died of its own SIGKILL after writing its losses: nothing else failed.
     assert all("code -9" in tb for _, tb in info.value.errors.values()), str(info.value)
     reference = [json.load(open(os.path.join(out, f"reference-{r}.json"))) for r in range(2)]
@@ -243,16 +245,41 @@ def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
-def test_async_modes_follow_torchtitans_futures(tmp_path, mode):
+def test_async_modes_follow_torchtitans_futures(tmp_path, mode, monkeypatch):
+    import threading
+
+    import distckpt.save_async as sa
+    gate, real = threading.Event(), sa.stage
+
+    def held(*args, **kwargs):  # the copy waits until the test lets it go
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sa, "stage", held)
     mgr, objs = _mine(tmp_path, interval=2, async_mode=mode)
+    gate.set()
     tw.train_step(objs, [mgr])
     assert mgr.save_future is None and mgr.staging_future is None
+    gate.clear()
+    pinned = mode == "async_with_pinned_mem"
+    if not pinned:
+        gate.set()  # "async" stages before save() returns
     tw.train_step(objs, [mgr])                     # step 2: an async save
-    assert mgr.save_future is not None
-    assert (mgr.staging_future is not None) == (mode == "async_with_pinned_mem")
-    mgr.maybe_wait_for_staging()                   # never blocks: distckpt staged before returning
-    assert mgr.staging_future is None
     expected = _weights(objs)
+    assert mgr.save_future is not None
+    assert (mgr.staging_future is not None) == pinned
+    if pinned:
+        # save() returned before the copy (torchtitan's use_async_staging): staging_future is
+        # resolved only once it ends, and maybe_wait_for_staging() waits for it.
+        assert not mgr.staging_future.done() and not mgr.save_future.staged()
+        waiter = threading.Thread(target=mgr.maybe_wait_for_staging)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive(), "maybe_wait_for_staging() returned before the state was staged"
+        gate.set()
+        waiter.join(60)
+        assert not waiter.is_alive() and mgr.save_future.staged()
+    mgr.maybe_wait_for_staging()
+    assert mgr.staging_future is None
     tw.train_step(objs, [mgr])                     # changes the weights after the snapshot
     mgr.maybe_wait_for_saving()
     assert mgr.save_future is None and mgr.checkpoints() == {2: (mgr.path(2), "distckpt")}
