@@ -287,12 +287,12 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             model_only = self.initial_load_model_only
         else:
             path, kind = found[step]
-            model_only = step == 0 or self._model_only(path)
+            model_only = step == 0 or self._agreed_model_only(path)
             if model_only and step != 0 and newest:
                 # torchtitan's manager fails here too (the other states' keys are missing). A resume
                 # that quietly restarted the optimizer, dataloader and train_state from scratch on
                 # exported weights would retrain from step 0: said, not done.
-                full = [s for s in sorted(found) if s != 0 and s < step and not self._model_only(found[s][0])]
+                full = [s for s in sorted(found) if s != 0 and s < step and not self._agreed_model_only(found[s][0])]
                 raise StateDictMismatchError(
                     f"the newest checkpoint in {self.folder}, step {step}, holds the model only (a last save "
                     f"with last_save_model_only): resuming from it would start the optimizer, LR scheduler, "
@@ -369,6 +369,22 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         if group.rank == 0:
             try:
                 found = self.checkpoints()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        group.exchange_outcome(error, operation="DistckptCheckpointManager.load()")
+        return found if group.world_size == 1 else group.broadcast(found)
+
+    def _agreed_model_only(self, path: str) -> bool:
+        """:meth:`_model_only` as rank 0 finds it, on every rank (collective), for the reason of
+        :meth:`_agreed_checkpoints`: a rank whose read of the MANIFEST failed alone raised while
+        its peers went on into the load's collectives and waited for it. Raises the read's error
+        on every rank."""
+        from .._dist import control_group
+        group = control_group(self._mgr.process_group, operation="DistckptCheckpointManager.load()")
+        found, error = None, None
+        if group.rank == 0:
+            try:
+                found = self._model_only(path)
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc
         group.exchange_outcome(error, operation="DistckptCheckpointManager.load()")

@@ -191,14 +191,16 @@ def resume(rank: int, world: int, out: str, variants: list[str]) -> dict[str, An
                          mine_folder="dcp" if which == "distckpt<-dcp" else "distckpt")
         mgr = mgrs["dcp"] if which == "dcp" else mgrs["distckpt"]
         if which == "distckpt, rank 1 cannot list" and rank == 1:
-            # this rank's own listing would fail (a step directory its node cannot look at): the
-            # ranks load what rank 0 lists (this rank raised alone, and rank 0 waited for it)
+            # this rank's own listing and MANIFEST reads would fail (a step directory its node
+            # cannot look at): the ranks load what rank 0 lists and finds (this rank raised
+            # alone, and rank 0 waited for it)
             from distckpt.errors import StorageIOError
 
-            def cannot_list():
+            def cannot_list(*_args):
                 raise StorageIOError("listing failed: [Errno 5] Input/output error", path=out, errno=5)
 
             mgr.checkpoints = cannot_list
+            mgr._model_only = cannot_list
         assert mgr.load(step=-1), "nothing was loaded"
         loaded = objs["train_state"].step
         losses = {}
