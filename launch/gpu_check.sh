@@ -20,7 +20,7 @@ echo "== build"
 echo "== tests/gpu"
 timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rfEs tests/gpu 2>&1 | tee "$OUT_DIR/tests_gpu.log" | tail -25
 echo "== bench_first_save (cuda, 2 GiB)"
-timeout 300 "$PY" launch/bench/bench_first_save.py "$WORK/first" --device cuda --size 2G --repeat 3 --train 2 \
+timeout 300 "$PY" launch/bench/bench_first_save.py "$WORK/first" --device cuda --size 2G --repeat 2 --train 2 --fwd 0.5 \
     2>&1 | tee "$OUT_DIR/bench_first_save.txt"
 echo "== bench_cuda (2 GiB, 1 repeat)"
 timeout 240 "$PY" launch/bench/bench_cuda.py "$WORK/cuda" --size 2G --repeat 1 2>&1 | tee "$OUT_DIR/bench_cuda.txt" | tail -40

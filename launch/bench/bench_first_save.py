@@ -14,9 +14,9 @@ fp32 on the CPU) plus ``--small`` tensors of 16 KiB, random data. Per process:
   seconds of) a training-like loop runs on the main thread beside it, then the save. The loop's
   step times with and without a reservation in the background are printed (on CUDA: a matmul
   and a synchronize per step), so the reservation's cost to training is visible.
-* ``stage_in_background``: nothing reserved; the save is called with ``stage_in_background=True``
-  (torchtitan's ``async_with_pinned_mem``): the call returns after the plan and the copy runs on
-  the save's thread.
+* ``stage_in_background``: nothing reserved; the save is called with ``stage_in_background=True``:
+  the call returns after the plan and the copy runs on the save's thread. ``reserve-bg``: both,
+  what torchtitan's ``async_with_pinned_mem`` does (reserved at its first ``save()`` call).
 
 Every save is followed by what a training loop does next: a forward and backward (``--fwd``
 seconds of the training-like work, calibrated alone first), then ``handle.wait_staged()`` (the
@@ -157,7 +157,7 @@ def child(args) -> dict:
     out["floor"] = copy_floor(sd, args.device)
     if args.case == "old":
         return out
-    if args.case == "reserve":
+    if args.case in ("reserve", "reserve-bg"):
         out["train_alone"] = train_steps(args.device, args.train)
         t0 = time.perf_counter()
         res = distckpt.reserve_staging_memory(sd)
@@ -178,7 +178,7 @@ def child(args) -> dict:
         before = staging_pool().allocations
         t0 = time.perf_counter()
         h = distckpt.async_save(sd, os.path.join(args.dir, f"{args.case}-{i}"),
-                                stage_in_background=args.case == "background")
+                                stage_in_background=args.case in ("background", "reserve-bg"))
         blocked.append(time.perf_counter() - t0)
         fwd_beside.append(fwd_work(args.device, iters))  # the next forward and backward
         t1 = time.perf_counter()
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    runs: dict[str, list[dict]] = {"old": [], "plain": [], "reserve": [], "background": []}
+    runs: dict[str, list[dict]] = {"old": [], "plain": [], "reserve": [], "background": [], "reserve-bg": []}
     try:
         for _ in range(args.repeat):
             for case in runs:  # interleaved
@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     print(f"copy floor (one copy into ready {'pinned ' if args.device == 'cuda' else ''}memory): {floor:.3f} s")
     print(f"old path's arena allocation alone: {med([r['old_alloc'] for r in runs['old']]):.3f} s")
     for case, label in (("plain", "nothing reserved"), ("reserve", "after reserve_staging_memory"),
-                        ("background", "stage_in_background, nothing reserved")):
+                        ("background", "stage_in_background, nothing reserved"),
+                        ("reserve-bg", "stage_in_background after reserve_staging_memory")):
         rs = runs[case]
         b = [r["blocked"] for r in rs]
         first, later = [x[0] for x in b], [x for r in b for x in r[1:]]
