@@ -466,8 +466,9 @@ class StateDictMismatchError(DistCkptError, KeyError):
 
 class StateChangedError(DistCkptError, RuntimeError):
     """An async save staging in the background (``stage_in_background=True``) found tensors of its
-    state changed in place before their copy ended: what it would write is not the state of the
-    call. Nothing is committed. Field: ``keys`` (the changed tensors' keys)."""
+    state (or their DTensors) changed in place by a torch operation before their copy ended (their
+    version counters moved): what it would write is not the state of the call. Nothing is
+    committed. Field: ``keys`` (the changed tensors' keys)."""
 
     default_remedy = ("Call handle.wait_staged() (torchtitan: maybe_wait_for_staging()) before anything "
                       "changes the state's tensors, or save with stage_in_background=False when something "

@@ -36,11 +36,19 @@ _PLAIN = (bool, int, float, str, bytes, type(None))
 
 @dataclasses.dataclass
 class Piece:
-    """A local tensor holding the global box ``offsets``/``sizes`` of its item."""
+    """A local tensor holding the global box ``offsets``/``sizes`` of its item.
+
+    For an async save that stages in the background (which checks that nothing changed the
+    tensor before its copy ended): ``owner`` is the DTensor whose local tensor this is (an
+    in-place DTensor operation moves the wrapper's version counter, not the local tensor's);
+    ``unguarded`` says that the tensor can change with no counter moving (TorchRec's sharded
+    tables, which its fused optimizer updates inside the backward kernels)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     tensor: torch.Tensor
+    owner: Any = None
+    unguarded: bool = False
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -239,7 +247,7 @@ def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | 
     if ShardedTensor is not None and isinstance(value, ShardedTensor):
         pieces = [
             Piece(tuple(int(o) for o in s.metadata.shard_offsets), tuple(int(n) for n in s.metadata.shard_sizes),
-                  s.tensor)
+                  s.tensor, unguarded=True)
             for s in value.local_shards()
         ]
         # shape and dtype from the metadata: value.dtype / value.size() go through ShardedTensor's
@@ -255,7 +263,7 @@ def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | 
         if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
             # TorchRec layouts: the placements can be wrong (table-wise says Replicate); the local
             # shard offsets are right, so they are the only thing trusted here.
-            pieces = [Piece(tuple(int(o) for o in off), tuple(t.shape), t)
+            pieces = [Piece(tuple(int(o) for o in off), tuple(t.shape), t, unguarded=True)
                       for off, t in zip(local.local_offsets(), local.local_shards())]
             return TensorItem(fqn, "dtensor", value.dtype, shape, pieces, path)
         from torch.distributed.tensor import Partial
@@ -284,8 +292,8 @@ def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | 
             grid = (_mesh_key(value.device_mesh, mesh_cache), dims,
                     tuple(int(c) for c in value.device_mesh.get_coordinate()))
         return TensorItem(fqn, "dtensor", value.dtype, shape,
-                          [Piece(tuple(int(o) for o in offsets), tuple(int(n) for n in local_shape), local)], path,
-                          grid)
+                          [Piece(tuple(int(o) for o in offsets), tuple(int(n) for n in local_shape), local,
+                                 owner=value)], path, grid)
     shape = tuple(value.shape)
     return TensorItem(fqn, "tensor", value.dtype, shape, [Piece((0,) * len(shape), shape, value)], path)
 

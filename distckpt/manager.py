@@ -65,10 +65,19 @@ def step_dirname(step: int) -> str:
 
 
 def check_staging_option(blocking: bool, kwargs: dict) -> None:
-    """``stage_in_background`` is an async save's option: refused (ConfigError) with
-    ``blocking=True``, where nothing is staged, rather than ignored."""
-    if blocking and kwargs.get("stage_in_background"):
-        raise ConfigError("stage_in_background=True is an option of an async save: pass blocking=False with it")
+    """Check ``kwargs``' ``stage_in_background`` (an async save's option) in place: a bool, and
+    True only with ``blocking=False`` (refused, not ignored, where nothing is staged); its False
+    is dropped from a blocking save's options. Raises ConfigError."""
+    if "stage_in_background" not in kwargs:
+        return
+    value = kwargs["stage_in_background"]
+    if not isinstance(value, bool):
+        raise ConfigError(f"stage_in_background={value!r} must be True or False")
+    if blocking:
+        if value:
+            raise ConfigError("stage_in_background=True is an option of an async save: pass blocking=False with it")
+        del kwargs["stage_in_background"]
+
 
 class CheckpointManager:
     """Save numbered checkpoints under ``root`` and keep the newest ``keep_last`` of them.

@@ -417,6 +417,10 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
 
     ``exchange``: the load's read-once exchange (distckpt.readonce), used by the fill of a plain
     load; a chain's load leaves it to the caller to join."""
+    # An async save still copying tensors off the caller's thread (stage_in_background) may be
+    # copying these very tensors, and filling them moves no version counter its check would see:
+    # every load that fills a state dict (distckpt.load, the tiered load) waits for it here.
+    wait_for_staging()
     statefuls = expand_statefuls(state_dict)
     try:
         _tree, items = flatten(state_dict, check_objects=False)
@@ -584,9 +588,6 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
     t0 = time.monotonic()
     if cast not in ("exact", "allow"):
         raise ConfigError(f"cast={cast!r}: expected 'exact' or 'allow'")
-    # An async save still copying tensors off the caller's thread (stage_in_background) may be
-    # copying these very tensors: filling them now would stage a mix of two states.
-    wait_for_staging()
     group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="load()")
     result, error, exchange = None, None, None
     try:

@@ -58,7 +58,8 @@ from typing import Any, Callable
 from ._dist import ControlGroup, _portable, control_group
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
-from .errors import DistCkptError, PeerLostError, ProcessGroupDestroyedError, StateChangedError, collective_error
+from .errors import (ConfigError, DistCkptError, PeerLostError, ProcessGroupDestroyedError, StateChangedError,
+                     collective_error)
 from .saveplan import plan_save
 from .staging.pool import reserve_staging_memory, stage, staging_ended, staging_pool, staging_started
 from .storage.posix.probe import ensure_sigxfsz_ignored
@@ -424,48 +425,69 @@ def _destroyed_group_error(error: BaseException, group: ControlGroup, final_dir:
     return out
 
 
+def _interruption(exc: BaseException, final_dir: str) -> DistCkptError:
+    """This rank's error of an async save whose staging ``exc`` (KeyboardInterrupt, SystemExit)
+    interrupted: reported at WRITE, so that the other ranks fail at once naming this rank."""
+    error = DistCkptError(f"staging the async save to {final_dir} was interrupted on this rank by "
+                          f"{type(exc).__name__}; nothing is committed",
+                          remedy="That rank's caller received the interruption; save again on every rank once "
+                                 "it is handled.")
+    error.__cause__ = exc
+    return error
+
+
 _GUARD_WARNED = False
 
 
 class _StagingGuard:
-    """What a staging off the caller's thread checks its copies against: each staged source
-    tensor and its version counter at the call, and an event recorded on the caller's current
-    stream of each CUDA device holding one (the copies start after the work queued before the
-    call, on a side stream: :func:`distckpt.staging.pool.stage`).
+    """What keeps a staging off the caller's thread from saving a mix of two states.
 
-    Why version counters: every in-place torch operation on a tensor (or a view of it) moves its
-    counter when it is dispatched, so a counter that moved between the call and the end of the
-    copies means the copy may hold a mix of two values. On CUDA the check is exact: an operation
-    dispatched after the check is queued behind copies already finished. On the CPU an operation
-    still running on another thread when the copies end moves the counter only when it returns,
-    after the check; the contract (``wait_staged()`` before changing the state) is what rules
-    that out, the check catches every change that finished before the staging did."""
+    * Each staged source tensor's version counter at the call (and, for a DTensor's local tensor,
+      the DTensor's: an in-place DTensor operation moves only the wrapper's), compared after the
+      copies: every in-place torch operation on a plain tensor or a view of it moves its counter
+      when it is dispatched, so a moved counter means the copy may hold a mix
+      (:class:`~distckpt.errors.StateChangedError`).
+    * A torch.optim step waits for the staging (:func:`distckpt.staging.pool._wait_before_step`):
+      optimizer steps through DTensors and fused kernels move no counter.
+    * A CUDA event recorded on the caller's current stream of each device holding a source: the
+      copies start after the work queued before the call, on a side stream
+      (:func:`distckpt.staging.pool.stage`).
 
-    def __init__(self, path: str, sources: list, versions: list[int], events: dict) -> None:
+    What no counter sees (writes through ``.data``, numpy or DLPack views, in-place collectives such
+    as DDP's buffer broadcast, extension kernels outside torch.optim) is ruled out only by the
+    contract: nothing changes the state before ``wait_staged()``. A state holding TorchRec's
+    sharded tables (updated inside the backward by fused kernels) or an inference-mode tensor (no
+    counter) is staged on the caller's thread instead. On CUDA the counter check is exact (an
+    operation queued after it runs behind copies already finished); on the CPU an operation still
+    running on another thread when the copies end moves the counter only when it returns."""
+
+    def __init__(self, path: str, watched: list, events: dict) -> None:
         self.path = path
-        self._sources = sources      # [(fqn, tensor)] as planned, before staging repoints them
-        self._versions = versions
+        self._watched = watched      # [(fqn, tensor, version at the call)]
         self.events = events         # {CUDA device: event on the caller's stream at the call}
         self.done = threading.Event()
 
     @classmethod
     def capture(cls, mine: list, path: str) -> "_StagingGuard | None":
-        """The guard of ``mine`` ((fqn, Piece) pairs) at the call, or None when a tensor has no
-        version counter (inference mode): such a state is staged on the caller's thread."""
+        """The guard of ``mine`` ((fqn, Piece) pairs) at the call, or None when a piece cannot be
+        guarded (see the class docstring): such a state is staged on the caller's thread."""
         global _GUARD_WARNED
         import torch
-        sources, versions, devices = [], [], set()
+        watched, devices = [], set()
         for fqn, piece in mine:
             t = piece.tensor
-            if t.is_inference():
+            why = ("a TorchRec sharded table (its fused optimizer updates it inside the backward, which no "
+                   "version counter shows)" if piece.unguarded else
+                   "an inference-mode tensor (it has no version counter)" if t.is_inference() else None)
+            if why is not None:
                 if not _GUARD_WARNED:
                     _GUARD_WARNED = True
-                    log.warning("distckpt: async save to %s: %r is an inference-mode tensor, which has no version "
-                                "counter to guard a copy off the caller's thread; staging on the caller's thread "
-                                "(stage_in_background is ignored for such states)", path, fqn)
+                    log.warning("distckpt: async save to %s: %r is %s; staging on the caller's thread "
+                                "(stage_in_background is not used for such states)", path, fqn, why)
                 return None
-            sources.append((fqn, t))
-            versions.append(t._version)
+            watched.append((fqn, t, t._version))
+            if piece.owner is not None:
+                watched.append((fqn, piece.owner, piece.owner._version))
             if t.device.type == "cuda":
                 devices.add(t.device)
         events = {}
@@ -473,11 +495,11 @@ class _StagingGuard:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             events[dev] = ev
-        return cls(path, sources, versions, events)
+        return cls(path, watched, events)
 
     def changed_error(self) -> StateChangedError | None:
         """A StateChangedError naming the tensors whose counter moved since the call, or None."""
-        changed = [fqn for (fqn, t), v in zip(self._sources, self._versions) if t._version != v]
+        changed = list(dict.fromkeys(fqn for fqn, t, v in self._watched if t._version != v))
         if not changed:
             return None
         shown = ", ".join(repr(k) for k in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
@@ -488,7 +510,7 @@ class _StagingGuard:
 
     def close(self) -> None:
         """Drop the references to the caller's tensors (the staging is over)."""
-        self._sources = []
+        self._watched = []
         self.events = {}
         self.done.set()
 
@@ -519,12 +541,15 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     the call), so the next steps' forward and backward overlap it, and memory that is not reserved
     yet is allocated there, never on the caller's path. The caller must not change the state's
     tensors until ``handle.wait_staged()`` returns (a training loop: before its optimizer step).
-    Values other than tensors are taken at the call. Every staged tensor's version counter (which
-    every in-place torch operation moves) is compared after its copy: a tensor changed before its
-    copy ended fails the save with :class:`~distckpt.errors.StateChangedError` on every rank, and
-    nothing is committed, instead of a checkpoint holding a mix of two steps. A state with a tensor
-    that has no version counter (an inference-mode tensor) is staged on the caller's thread, as
-    without the option (logged once). :func:`distckpt.load` waits for such a staging first.
+    Values other than tensors are taken at the call. Guarded, not trusted: a torch.optim
+    optimizer's ``step()`` waits for the staging (with a warning), a staged tensor changed in place
+    by any other torch operation before its copy ended fails the save with
+    :class:`~distckpt.errors.StateChangedError` on every rank (nothing committed), and
+    :func:`distckpt.load` waits for it first. Writes no version counter shows (``.data``, numpy
+    views, in-place collectives, extension kernels) are ruled out by the contract only. A state
+    holding a TorchRec sharded table or an inference-mode tensor is staged on the caller's thread,
+    as without the option (logged once). Best on a GPU, where the copy is DMA; on a CPU-only host
+    it takes the cores training runs on (docs/BENCHMARKS.md, "The first async save").
 
     Args: as :func:`distckpt.save`, and ``stage_in_background`` (above).
 
@@ -533,6 +558,7 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
         raises the save's typed error; ``done()`` says whether it finished.
 
     Raises:
+        ConfigError: ``stage_in_background`` is not a bool (before anything of the save runs).
         Nothing for a failed save: every save error (CheckpointExistsError,
         UnsupportedValueError, StateDictMismatchError, DiskFullError..., RankFailureError (ranks
         failing with different classes),
@@ -583,6 +609,8 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
     Returns and raises what :func:`async_save` does.
     """
     t_call = time.perf_counter()
+    if not isinstance(stage_in_background, bool):
+        raise ConfigError(f"stage_in_background={stage_in_background!r} must be True or False")
     from .storage import normalize_path
     final_dir = normalize_path(path)
     handle = AsyncSaveHandle(final_dir)
@@ -614,10 +642,10 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             handle._finish(None, exc)
             handle.blocked_seconds = time.perf_counter() - t_call
             return handle
-        arena, stage_error, interrupted = None, None, None
-        guard = _StagingGuard.capture(planned.mine, final_dir) if stage_in_background else None
+        arena, stage_error, interrupted, guard = None, None, None, None
         t_stage = time.perf_counter()
         try:
+            guard = _StagingGuard.capture(planned.mine, final_dir) if stage_in_background else None
             if guard is None:
                 arena, handle.staged_bytes = stage(planned.mine, staging_pool())
         except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
@@ -626,12 +654,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             # This rank stops here, but its peers are already in this save: the background save
             # still runs to report it at WRITE (they fail at once, naming this rank, instead of
             # waiting DISTCKPT_TIMEOUT_S for a rank that left), then the caller gets ``exc``.
-            interrupted = exc
-            stage_error = DistCkptError(f"staging the async save to {final_dir} was interrupted on this rank by "
-                                        f"{type(exc).__name__}; nothing is committed",
-                                        remedy="That rank's caller received the interruption; save again on every "
-                                               "rank once it is handled.")
-            stage_error.__cause__ = exc
+            interrupted, stage_error, guard = exc, _interruption(exc, final_dir), None
             # This rank's caller is told (``exc``), so the failure counts as seen: no rank raises
             # it again at the next checkpoint call.
             handle._observed = True
@@ -640,7 +663,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             handle._set_staged()
 
         def work() -> None:
-            nonlocal arena, stage_error
+            nonlocal arena, stage_error, interrupted
             result, error = None, None
             if guard is not None:
                 t0 = time.perf_counter()
@@ -649,6 +672,9 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                     stage_error = guard.changed_error()
                 except Exception as exc:  # noqa: BLE001 - reported at WRITE, with every rank
                     stage_error = exc
+                except BaseException as exc:  # noqa: BLE001 - only where work() runs in the caller's thread
+                    interrupted, stage_error = exc, _interruption(exc, final_dir)
+                    handle._observed = True
                 finally:
                     guard.close()
                     handle.staging_seconds = time.perf_counter() - t0
@@ -683,16 +709,30 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
         handle._thread = thread
         _INFLIGHT.add(handle)
         if guard is not None:
-            staging_started(guard.done)
+            staging_started(guard.done)  # ended by work(), wherever it runs
         try:
             thread.start()
-        except RuntimeError as exc:  # "can't start new thread": out of memory, threads or address space
-            # Raising here would leave this handle in flight forever (every later save and the
-            # exit would wait for it) and the other ranks' background phases waiting for this
-            # rank's until DISTCKPT_TIMEOUT_S. The save's remaining phases run in this thread
-            # instead, paired with the other ranks; its outcome is the handle's, as always.
-            log.warning("distckpt: async save to %s: cannot start its background thread (%s); its write and "
-                        "commit run in the caller's thread, which blocks until they end", final_dir, exc)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below unless the thread runs
+            if thread.ident is not None:  # interrupted once the thread ran: it finishes the save
+                started = True
+                raise
+            # "can't start new thread" (out of memory, threads or address space), or an interrupt
+            # before the thread existed. Raising here would leave this handle in flight forever
+            # (every later save, load and the exit would wait for it) and the other ranks'
+            # background phases waiting for this rank's until DISTCKPT_TIMEOUT_S. The save's
+            # remaining phases run in this thread instead, paired with the other ranks; its
+            # outcome is the handle's, as always (an interrupt: this rank's error, then raised).
+            if isinstance(exc, Exception):
+                log.warning("distckpt: async save to %s: cannot start its background thread (%s); its write and "
+                            "commit run in the caller's thread, which blocks until they end", final_dir, exc)
+            elif interrupted is None:
+                interrupted, stage_error = exc, _interruption(exc, final_dir)
+                handle._observed = True
+                if guard is not None:  # nothing of it is staged: the save fails at WRITE
+                    guard.close()
+                    handle._set_staged()
+                    staging_ended(guard.done)
+                    guard = None
             handle._thread = None
             started = True
             work()

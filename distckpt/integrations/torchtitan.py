@@ -105,8 +105,9 @@ class DistckptCheckpointManager(BaseCheckpointManager):
     manager does (``use_async_staging``): ``save()`` returns after the plan, the copy runs on the
     save's thread beside the next forward and backward, and ``maybe_wait_for_staging()`` (which
     the trainer calls before its optimizer step) waits for what is left of it, through
-    ``staging_future``. A tensor of the state changed before its copy ended fails that save with
-    StateChangedError (nothing committed; :func:`distckpt.async_save`, ``stage_in_background``).
+    ``staging_future``. An optimizer step taken before the copy ended waits for it; another
+    in-place change fails that save with StateChangedError (nothing committed;
+    :func:`distckpt.async_save`, ``stage_in_background``).
     ``"async"`` stages before ``save()`` returns. A save waits for the previous one still in
     flight first, as torchtitan's does. ``close()`` waits for the save in flight, raises its error, and
     frees the staging memory.

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -566,11 +567,45 @@ _STAGING: "set[threading.Event]" = set()
 _STAGING_LOCK = threading.Lock()
 
 
+_STEP_HOOK = None      # the optimizer step pre-hook below, registered at the first such staging
+_STEP_WARNED = False
+
+
 def staging_started(done: threading.Event) -> None:
     """Register a staging in flight off the caller's thread; ``done`` is set when it ends (the
-    caller sets it, then calls :func:`staging_ended`)."""
+    caller sets it, then calls :func:`staging_ended`). From the first one on, every torch.optim
+    optimizer's ``step()`` in this process waits for the stagings in flight first
+    (:func:`_wait_before_step`)."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _STEP_HOOK = register_optimizer_step_pre_hook(_wait_before_step)
     with _STAGING_LOCK:
         _STAGING.add(done)
+
+
+def _wait_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A global optimizer step pre-hook: wait for the stagings in flight before a step changes
+    the state they copy.
+
+    Why a hook as well as the version counters the staging compares: an optimizer step changes
+    parameters in ways no counter sees -- through a DTensor (FSDP2, TP: the local tensors' counters
+    stay put, and foreach steps do not move the wrapper's either) and through torch's fused
+    kernels (``fused=True``: none moves) -- so a step taken before ``wait_staged()`` would save a
+    mix of two steps, silently. Every torch.optim optimizer (and subclass: DeepSpeed's, apex's)
+    runs global pre-hooks; waiting turns the broken contract into a delay, said once."""
+    global _STEP_WARNED
+    if not _STAGING:  # (no lock: a set's truth is one read; a staging starting now began after this step)
+        return None
+    t0 = time.perf_counter()
+    wait_for_staging()
+    waited = time.perf_counter() - t0
+    if not _STEP_WARNED and waited > 0.001:
+        _STEP_WARNED = True
+        log.warning("distckpt: %s.step() waited %.3f s for an async save's staging (stage_in_background) to end "
+                    "before changing the state; call handle.wait_staged() (torchtitan: maybe_wait_for_staging()) "
+                    "before the optimizer step", type(optimizer).__name__, waited)
+    return None
 
 
 def staging_ended(done: threading.Event) -> None:
@@ -666,6 +701,14 @@ def stage(mine: list, pool: StagingPool, *, after: dict | None = None) -> tuple[
             elif hasattr(torch, dev.type) and hasattr(getattr(torch, dev.type), "synchronize"):
                 getattr(torch, dev.type).synchronize()
     except BaseException:
+        # DMAs already queued on a side stream may still be landing in the arena's segments:
+        # they end before the segments go back to the pool (or are freed).
+        for wait in [stream.synchronize for stream in side.values()] + [
+                functools.partial(torch.cuda.synchronize, dev) for dev in devices if dev.type == "cuda"]:
+            try:
+                wait()
+            except Exception:  # noqa: BLE001 - the copy's own error is the one raised
+                pass
         pool.release(arena, pin=pin)
         raise
     return arena, sum(specs)

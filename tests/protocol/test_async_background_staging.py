@@ -1,7 +1,9 @@
 """Async saves that stage in the background (``stage_in_background=True``, torchtitan's
 ``async_with_pinned_mem``): the call returns before the copy, the checkpoint holds the state of
-the call, a change made before the copy ended fails the save typed on every rank (never a mix of
-two steps), a load waits for the copy, and the managers pass the option through."""
+the call; an optimizer step before the copy ended waits for it (fused and foreach steps, DTensor
+parameters), another in-place change fails the save typed on every rank (never a mix of two
+steps), loads (plain and tiered) wait for the copy, states no counter can watch are staged at the
+call, an interrupt leaves nothing waiting, and the managers pass the option through."""
 
 from __future__ import annotations
 
@@ -139,19 +141,101 @@ def test_an_inference_tensor_is_staged_on_the_callers_thread(tmp_path, caplog, m
     assert torch.equal(distckpt.read(tmp_path / "c")["w"], torch.ones(1000))
 
 
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_an_optimizer_step_before_wait_staged_waits_for_the_staging(tmp_path, monkeypatch, caplog, impl):
+    """A fused step moves no version counter: without the step pre-hook this save reported
+    success holding the weights after the step."""
+    import distckpt.staging.pool as pool_mod
+    monkeypatch.setattr(pool_mod, "_STEP_WARNED", False)
+    held = _HeldStaging(monkeypatch)
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    opt = torch.optim.SGD([w], lr=0.5, **{impl: True})
+    w.grad = torch.ones_like(w)
+    want = w.detach().clone()
+    h = distckpt.async_save({"w": w}, tmp_path / "c", stage_in_background=True)
+    assert held.entered.wait(30)
+    threading.Timer(0.5, held.release).start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        opt.step()   # the trainer forgot maybe_wait_for_staging(): the step waits instead
+    assert time.monotonic() - t0 >= 0.4 and h.staged()
+    assert "waited" in caplog.text and "wait_staged" in caplog.text
+    h.result(timeout=120)
+    assert torch.equal(distckpt.read(tmp_path / "c")["w"], want)
+    assert torch.equal(w.detach(), want - 0.5)
+
+
+def test_a_tiered_load_waits_for_a_staging_in_flight(tmp_path, monkeypatch):
+    from distckpt.tiers import TieredCheckpointManager
+    sd = _state()
+    with TieredCheckpointManager(tmp_path / "local", tmp_path / "remote", keep_last_local=2) as tiered:
+        tiered.save(1, _clone(sd))
+        sd["big"].add_(3)
+        want = _clone(sd)
+        held = _HeldStaging(monkeypatch)
+        h = tiered.save(2, sd, blocking=False, stage_in_background=True)
+        assert held.entered.wait(30)
+        loaded = threading.Event()
+
+        def load_old():
+            tiered.load(sd, 1)
+            loaded.set()
+        t = threading.Thread(target=load_old)
+        t.start()
+        assert not loaded.wait(0.5), "the tiered load filled tensors a staging was still copying"
+        held.release()
+        t.join(60)
+        assert loaded.is_set()
+        h.result(timeout=120)
+        got = distckpt.read(tiered.local_path(2))
+    assert _same(got, want)
+
+
+def test_an_interrupt_before_the_save_thread_starts_leaves_nothing_waiting(tmp_path, monkeypatch):
+    """Ctrl-C as the save's thread is being started: the call raises it, the save fails (its
+    phases ran in the caller's thread), and no later load or save waits for it."""
+    sd = _state()
+    distckpt.save(sd, tmp_path / "old")
+    real_start = threading.Thread.start
+
+    def interrupted_start(self):
+        if self.name.startswith("distckpt-async-save"):
+            raise KeyboardInterrupt
+        return real_start(self)
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        distckpt.async_save(sd, tmp_path / "c", stage_in_background=True)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    done = threading.Event()
+
+    def after():
+        distckpt.load(sd, tmp_path / "old")
+        distckpt.async_save(sd, tmp_path / "next", stage_in_background=True).result(timeout=120)
+        done.set()
+    t = threading.Thread(target=after, daemon=True)
+    t.start()
+    assert done.wait(120), "a load or save after the interrupted one hangs"
+    assert not os.path.exists(tmp_path / "c") and _same(distckpt.read(tmp_path / "next"), sd)
+
+
 def test_the_managers_pass_the_option_and_refuse_it_on_a_blocking_save(tmp_path):
     sd = _state()
     mgr = distckpt.CheckpointManager(tmp_path / "root", keep_last=2)
     with pytest.raises(ConfigError, match="blocking=False"):
         mgr.save(1, sd, stage_in_background=True)
-    for step in (1, 2, 3):
+    with pytest.raises(ConfigError, match="True or False"):
+        mgr.save(1, sd, blocking=False, stage_in_background="no")
+    with pytest.raises(ConfigError, match="True or False"):
+        distckpt.async_save(sd, tmp_path / "x", stage_in_background=1)
+    mgr.save(1, sd, stage_in_background=False)   # a blocking save with the option off
+    for step in (2, 3, 4):
         h = mgr.save(step, sd, blocking=False, stage_in_background=True)
         h.wait_staged()
         sd["big"].add_(1)
     h.result(timeout=120)
     mgr.close()
-    assert mgr.steps() == [2, 3]
-    got = distckpt.read(mgr.path(3))
+    assert mgr.steps() == [3, 4]
+    got = distckpt.read(mgr.path(4))
     assert torch.equal(got["big"], sd["big"] - 1)
 
     from distckpt.tiers import TieredCheckpointManager
@@ -198,3 +282,67 @@ def test_a_change_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     out = run_ranks(_two_ranks_one_changes, 2, str(tmp_path), timeout=240)
     assert [o["err"] for o in out] == [("StateChangedError", [1])] * 2, out
     assert not os.path.exists(tmp_path / "c")
+
+
+def _dtensor_body(rank, world, tmp):
+    """FSDP2's layout: DTensor parameters. An optimizer step through DTensors moves no version
+    counter of the local tensors the save stages (foreach: not even the DTensor's), so the step
+    must wait; a direct in-place DTensor operation moves the DTensor's counter. A ShardedTensor
+    (TorchRec's tables) cannot be guarded: staged before the call returns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    import distckpt.save_async as sa_rank
+    real = sa_rank.stage
+    gate = threading.Event()
+
+    def held(*args, **kwargs):
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+    sa_rank.stage = held
+    mesh = init_device_mesh("cpu", (world,))
+    w = torch.nn.Parameter(distribute_tensor(torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32), mesh,
+                                             [Shard(0)]))
+    opt = torch.optim.SGD([w], lr=1.0, foreach=True)
+    w.grad = distribute_tensor(torch.ones(64, 32), mesh, [Shard(0)])
+    want = w.full_tensor().clone()
+    h = distckpt.async_save({"w": w}, os.path.join(tmp, "step"), stage_in_background=True)
+    threading.Timer(0.5, gate.set).start()
+    opt.step()   # before wait_staged(): waits for the staging
+    stepped = h.staged()
+    h.result(timeout=120)
+    saved = distckpt.read(os.path.join(tmp, "step"))["w"]
+
+    gate.clear()
+    h = distckpt.async_save({"w": w}, os.path.join(tmp, "direct"), stage_in_background=True)
+    with torch.no_grad():
+        w.mul_(2)   # an in-place DTensor operation: the DTensor's counter moves
+    gate.set()
+    try:
+        h.result(timeout=120)
+        direct = None
+    except distckpt.DistCkptError as exc:
+        direct = type(exc).__name__
+
+    from torch.distributed._shard.sharded_tensor import Shard as STShard, ShardMetadata, init_from_local_shards
+    local = torch.full((4, 8), float(rank))
+    st = init_from_local_shards([STShard(local, ShardMetadata([4 * rank, 0], [4, 8], f"rank:{rank}/cpu"))],
+                                [4 * world, 8])
+    gate.clear()
+    threading.Timer(0.5, gate.set).start()
+    h = distckpt.async_save({"table": st}, os.path.join(tmp, "table"), stage_in_background=True)
+    table_staged_at_return = h.staged()
+    local.fill_(-1.0)
+    h.result(timeout=120)
+    table = distckpt.read(os.path.join(tmp, "table"))["table"]
+    sa_rank.stage = real
+    return {"stepped_after_staging": stepped, "saved_ok": bool(torch.equal(saved, want)), "direct": direct,
+            "table_staged_at_return": table_staged_at_return,
+            "table_ok": bool(torch.equal(table, torch.arange(world).repeat_interleave(4)[:, None].expand(-1, 8)
+                                         .float()))}
+
+
+def test_dtensor_steps_wait_direct_changes_fail_and_sharded_tables_stage_at_the_call(tmp_path):
+    out = run_ranks(_dtensor_body, 2, str(tmp_path), timeout=240)
+    for o in out:
+        assert o == {"stepped_after_staging": True, "saved_ok": True, "direct": "StateChangedError",
+                     "table_staged_at_return": True, "table_ok": True}, out
