@@ -66,6 +66,23 @@ class _HeldStaging:
         self.gate.set()
 
 
+def _load_waits_for(held: _HeldStaging, load) -> None:
+    """Run ``load`` on a thread while ``held``'s staging is held: it must not fill anything until
+    the staging is released, then it finishes."""
+    assert held.entered.wait(30)
+    loaded = threading.Event()
+
+    def run():
+        load()
+        loaded.set()
+    t = threading.Thread(target=run)
+    t.start()
+    assert not loaded.wait(0.5), "the load filled tensors a staging was still copying"
+    held.release()
+    t.join(60)
+    assert loaded.is_set()
+
+
 def test_the_call_returns_before_the_copy_and_the_save_holds_the_state_of_the_call(tmp_path, monkeypatch):
     held = _HeldStaging(monkeypatch)
     sd = _state()
@@ -112,18 +129,7 @@ def test_a_load_waits_for_a_staging_in_flight(tmp_path, monkeypatch):
     want = _clone(sd)
     held = _HeldStaging(monkeypatch)
     h = distckpt.async_save(sd, tmp_path / "new", stage_in_background=True)
-    assert held.entered.wait(30)
-    loaded = threading.Event()
-
-    def load_old():
-        distckpt.load(sd, tmp_path / "old")   # into the very tensors being staged
-        loaded.set()
-    t = threading.Thread(target=load_old)
-    t.start()
-    assert not loaded.wait(0.5), "the load filled tensors a staging was still copying"
-    held.release()
-    t.join(60)
-    assert loaded.is_set()
+    _load_waits_for(held, lambda: distckpt.load(sd, tmp_path / "old"))   # into the very tensors staged
     h.result(timeout=120)   # not a StateChangedError: the load waited
     assert _same(distckpt.read(tmp_path / "new"), want)
     assert torch.equal(sd["big"], torch.arange(4 << 20, dtype=torch.int32))
@@ -174,18 +180,7 @@ def test_a_tiered_load_waits_for_a_staging_in_flight(tmp_path, monkeypatch):
         want = _clone(sd)
         held = _HeldStaging(monkeypatch)
         h = tiered.save(2, sd, blocking=False, stage_in_background=True)
-        assert held.entered.wait(30)
-        loaded = threading.Event()
-
-        def load_old():
-            tiered.load(sd, 1)
-            loaded.set()
-        t = threading.Thread(target=load_old)
-        t.start()
-        assert not loaded.wait(0.5), "the tiered load filled tensors a staging was still copying"
-        held.release()
-        t.join(60)
-        assert loaded.is_set()
+        _load_waits_for(held, lambda: tiered.load(sd, 1))
         h.result(timeout=120)
         got = distckpt.read(tiered.local_path(2))
     assert _same(got, want)
@@ -253,15 +248,20 @@ def test_the_managers_pass_the_option_and_refuse_it_on_a_blocking_save(tmp_path)
     assert _same(distckpt.read(tmp_path / "remote" / remote_step[0]), want)
 
 
-def _two_ranks_one_changes(rank, world, tmp):
-    import distckpt.save_async as sa_rank
-    real = sa_rank.stage
+def _hold_stagings() -> threading.Event:
+    """In a rank's process: every staging copy waits until the returned event is set."""
+    real = sa.stage
     gate = threading.Event()
 
     def held(*args, **kwargs):
         assert gate.wait(60)
         return real(*args, **kwargs)
-    sa_rank.stage = held
+    sa.stage = held
+    return gate
+
+
+def _two_ranks_one_changes(rank, world, tmp):
+    gate = _hold_stagings()
     sd = {f"r{rank}": torch.full((1 << 16,), float(rank)), "shared_step": 3}
     t0 = time.monotonic()
     h = distckpt.async_save(sd, os.path.join(tmp, "c"), stage_in_background=True)
@@ -274,7 +274,6 @@ def _two_ranks_one_changes(rank, world, tmp):
         err = None
     except distckpt.DistCkptError as exc:
         err = (type(exc).__name__, sorted(getattr(exc, "failed_ranks", None) or []))
-    sa_rank.stage = real
     return {"err": err, "blocked": blocked}
 
 
@@ -291,14 +290,7 @@ def _dtensor_body(rank, world, tmp):
     (TorchRec's tables) cannot be guarded: staged before the call returns."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    import distckpt.save_async as sa_rank
-    real = sa_rank.stage
-    gate = threading.Event()
-
-    def held(*args, **kwargs):
-        assert gate.wait(60)
-        return real(*args, **kwargs)
-    sa_rank.stage = held
+    gate = _hold_stagings()
     mesh = init_device_mesh("cpu", (world,))
     w = torch.nn.Parameter(distribute_tensor(torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32), mesh,
                                              [Shard(0)]))
@@ -334,7 +326,6 @@ def _dtensor_body(rank, world, tmp):
     local.fill_(-1.0)
     h.result(timeout=120)
     table = distckpt.read(os.path.join(tmp, "table"))["table"]
-    sa_rank.stage = real
     return {"stepped_after_staging": stepped, "saved_ok": bool(torch.equal(saved, want)), "direct": direct,
             "table_staged_at_return": table_staged_at_return,
             "table_ok": bool(torch.equal(table, torch.arange(world).repeat_interleave(4)[:, None].expand(-1, 8)
