@@ -443,9 +443,9 @@ class _StagingGuard:
     """What keeps a staging off the caller's thread from saving a mix of two states.
 
     * Each staged source tensor's version counter at the call (and, for a DTensor's local tensor,
-      the DTensor's: an in-place DTensor operation moves only the wrapper's), compared after the
-      copies: every in-place torch operation on a plain tensor or a view of it moves its counter
-      when it is dispatched, so a moved counter means the copy may hold a mix
+      the DTensor's: a single-tensor in-place DTensor operation moves only the wrapper's),
+      compared after the copies: every in-place torch operation on a plain tensor or a view of it
+      moves its counter when it is dispatched, so a moved counter means the copy may hold a mix
       (:class:`~distckpt.errors.StateChangedError`).
     * A torch.optim step waits for the staging (:func:`distckpt.staging.pool._wait_before_step`):
       optimizer steps through DTensors and fused kernels move no counter.
@@ -453,9 +453,9 @@ class _StagingGuard:
       copies start after the work queued before the call, on a side stream
       (:func:`distckpt.staging.pool.stage`).
 
-    What no counter sees (writes through ``.data``, numpy or DLPack views, in-place collectives such
-    as DDP's buffer broadcast, extension kernels outside torch.optim) is ruled out only by the
-    contract: nothing changes the state before ``wait_staged()``. A state holding TorchRec's
+    What no counter sees (``torch._foreach_*`` in-place operations on DTensors outside an
+    optimizer, writes through ``.data``, numpy or DLPack views, in-place collectives such as DDP's
+    buffer broadcast, extension kernels outside torch.optim) is ruled out only by the contract: nothing changes the state before ``wait_staged()``. A state holding TorchRec's
     sharded tables (updated inside the backward by fused kernels) or an inference-mode tensor (no
     counter) is staged on the caller's thread instead. On CUDA the counter check is exact (an
     operation queued after it runs behind copies already finished); on the CPU an operation still
@@ -546,7 +546,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
     by any other torch operation before its copy ended fails the save with
     :class:`~distckpt.errors.StateChangedError` on every rank (nothing committed), and
     :func:`distckpt.load` waits for it first. Writes no version counter shows (``.data``, numpy
-    views, in-place collectives, extension kernels) are ruled out by the contract only. A state
+    views, in-place collectives, ``_foreach_*`` on DTensors, extension kernels) are ruled out by
+    the contract only. A state
     holding a TorchRec sharded table or an inference-mode tensor is staged on the caller's thread,
     as without the option (logged once). Best on a GPU, where the copy is DMA; on a CPU-only host
     it takes the cores training runs on (docs/BENCHMARKS.md, "The first async save").
@@ -672,9 +673,15 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                     stage_error = guard.changed_error()
                 except Exception as exc:  # noqa: BLE001 - reported at WRITE, with every rank
                     stage_error = exc
-                except BaseException as exc:  # noqa: BLE001 - only where work() runs in the caller's thread
-                    interrupted, stage_error = exc, _interruption(exc, final_dir)
-                    handle._observed = True
+                except BaseException as exc:  # noqa: BLE001 - an interrupt: only where work() runs in the caller's thread
+                    if threading.current_thread() is caller:
+                        interrupted, stage_error = exc, _interruption(exc, final_dir)
+                        handle._observed = True
+                    else:  # the caller's thread returns the handle, which reports it
+                        stage_error = DistCkptError(f"staging the async save to {final_dir} raised "
+                                                    f"{type(exc).__name__} on the save's thread: {exc}; nothing is "
+                                                    f"committed")
+                        stage_error.__cause__ = exc
                 finally:
                     guard.close()
                     handle.staging_seconds = time.perf_counter() - t0
@@ -704,24 +711,36 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                 handle._finish(result, error)
                 SAVE_GATE.release()
 
-        thread = threading.Thread(target=work, name=f"distckpt-async-save:{os.path.basename(final_dir)}",
-                                  daemon=False)
-        handle._thread = thread
-        _INFLIGHT.add(handle)
-        if guard is not None:
-            staging_started(guard.done)  # ended by work(), wherever it runs
+        # work() runs once: on the save's thread, or in this one when that thread cannot start
+        # (whoever takes ``claim`` first). Why a claim and not thread.ident: an interrupt can land
+        # after the OS thread exists but before start() returns, and the thread then runs work()
+        # too (two WRITE and COMMIT rounds on one group, the gate released twice).
+        claim = threading.Lock()
+
+        def run() -> None:
+            if claim.acquire(blocking=False):
+                work()
+
+        caller = threading.current_thread()
+        thread = None
         try:
+            thread = threading.Thread(target=run, name=f"distckpt-async-save:{os.path.basename(final_dir)}",
+                                      daemon=False)
+            handle._thread = thread
+            _INFLIGHT.add(handle)
+            if guard is not None:
+                staging_started(guard.done)  # ended by work(), wherever it runs
             thread.start()
         except BaseException as exc:  # noqa: BLE001 - re-raised below unless the thread runs
-            if thread.ident is not None:  # interrupted once the thread ran: it finishes the save
+            if not claim.acquire(blocking=False):  # the thread took the save: it finishes it
                 started = True
                 raise
             # "can't start new thread" (out of memory, threads or address space), or an interrupt
-            # before the thread existed. Raising here would leave this handle in flight forever
-            # (every later save, load and the exit would wait for it) and the other ranks'
-            # background phases waiting for this rank's until DISTCKPT_TIMEOUT_S. The save's
-            # remaining phases run in this thread instead, paired with the other ranks; its
-            # outcome is the handle's, as always (an interrupt: this rank's error, then raised).
+            # before the thread could take the save. Raising here would leave this handle in
+            # flight forever (every later save, load and the exit would wait for it) and the other
+            # ranks' background phases waiting for this rank's until DISTCKPT_TIMEOUT_S. The
+            # save's remaining phases run in this thread instead, paired with the other ranks;
+            # its outcome is the handle's, as always (an interrupt: this rank's error, then raised).
             if isinstance(exc, Exception):
                 log.warning("distckpt: async save to %s: cannot start its background thread (%s); its write and "
                             "commit run in the caller's thread, which blocks until they end", final_dir, exc)
@@ -733,6 +752,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                     handle._set_staged()
                     staging_ended(guard.done)
                     guard = None
+            _INFLIGHT.add(handle)
             handle._thread = None
             started = True
             work()

@@ -592,8 +592,9 @@ def _wait_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     parameters in ways no counter sees -- through a DTensor (FSDP2, TP: the local tensors' counters
     stay put, and foreach steps do not move the wrapper's either) and through torch's fused
     kernels (``fused=True``: none moves) -- so a step taken before ``wait_staged()`` would save a
-    mix of two steps, silently. Every torch.optim optimizer (and subclass: DeepSpeed's, apex's)
-    runs global pre-hooks; waiting turns the broken contract into a delay, said once."""
+    mix of two steps, silently. Every torch.optim optimizer runs global pre-hooks (and so does a
+    wrapper that steps through one before changing anything: DeepSpeed's ZeRO optimizers,
+    GradScaler); waiting turns the broken contract into a delay, said once."""
     global _STEP_WARNED
     if not _STAGING:  # (no lock: a set's truth is one read; a staging starting now began after this step)
         return None

@@ -186,31 +186,69 @@ def test_a_tiered_load_waits_for_a_staging_in_flight(tmp_path, monkeypatch):
     assert _same(got, want)
 
 
-def test_an_interrupt_before_the_save_thread_starts_leaves_nothing_waiting(tmp_path, monkeypatch):
-    """Ctrl-C as the save's thread is being started: the call raises it, the save fails (its
-    phases ran in the caller's thread), and no later load or save waits for it."""
+@pytest.mark.parametrize("where", ["registered", "before_start", "after_start"])
+def test_an_interrupt_as_the_save_thread_starts_leaves_nothing_waiting(tmp_path, monkeypatch, where):
+    """Ctrl-C as the save's thread is being started (right after the staging is registered, before
+    the thread exists, or once it runs): the call raises it, the save's phases run exactly once
+    (in the caller's thread or the save's), and no later optimizer step, load or save waits for
+    it."""
     sd = _state()
     distckpt.save(sd, tmp_path / "old")
-    real_start = threading.Thread.start
+    real_start, real_started = threading.Thread.start, sa.staging_started
+    finished = []
+    real_finish = sa.AsyncSaveHandle._finish
+
+    def counted_finish(self, *args):
+        finished.append(threading.current_thread().name)
+        return real_finish(self, *args)
+    monkeypatch.setattr(sa.AsyncSaveHandle, "_finish", counted_finish)
 
     def interrupted_start(self):
         if self.name.startswith("distckpt-async-save"):
+            if where == "after_start":
+                real_start(self)
             raise KeyboardInterrupt
         return real_start(self)
-    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+
+    def interrupted_register(done):
+        real_started(done)
+        raise KeyboardInterrupt
+    if where == "registered":
+        monkeypatch.setattr(sa, "staging_started", interrupted_register)
+    else:
+        monkeypatch.setattr(threading.Thread, "start", interrupted_start)
     with pytest.raises(KeyboardInterrupt):
         distckpt.async_save(sd, tmp_path / "c", stage_in_background=True)
     monkeypatch.setattr(threading.Thread, "start", real_start)
+    monkeypatch.setattr(sa, "staging_started", real_started)
     done = threading.Event()
 
     def after():
+        w = torch.nn.Parameter(torch.ones(4))
+        w.grad = torch.ones(4)
+        torch.optim.SGD([w], lr=1.0).step()
         distckpt.load(sd, tmp_path / "old")
         distckpt.async_save(sd, tmp_path / "next", stage_in_background=True).result(timeout=120)
         done.set()
     t = threading.Thread(target=after, daemon=True)
     t.start()
-    assert done.wait(120), "a load or save after the interrupted one hangs"
-    assert not os.path.exists(tmp_path / "c") and _same(distckpt.read(tmp_path / "next"), sd)
+    assert done.wait(120), "an optimizer step, load or save after the interrupted save hangs"
+    assert len(finished) == 2, f"the interrupted save's phases ran {len(finished) - 1} times: {finished}"
+    assert _same(distckpt.read(tmp_path / "next"), sd)
+    if where != "after_start":
+        assert not os.path.exists(tmp_path / "c")
+
+
+def test_a_base_exception_on_the_save_thread_is_the_handles_not_the_callers(tmp_path, monkeypatch):
+    def exits(*args, **kwargs):
+        raise SystemExit(3)
+    monkeypatch.setattr(sa, "stage", exits)
+    sd = _state()
+    h = distckpt.async_save(sd, tmp_path / "c", stage_in_background=True)   # returns: not raised here
+    with pytest.raises(distckpt.DistCkptError, match="SystemExit"):
+        h.result(timeout=120)
+    monkeypatch.undo()
+    distckpt.async_save(sd, tmp_path / "c", stage_in_background=True).result(timeout=120)   # the gate is free
 
 
 def test_the_managers_pass_the_option_and_refuse_it_on_a_blocking_save(tmp_path):
