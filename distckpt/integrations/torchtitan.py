@@ -38,7 +38,7 @@ import logging
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 try:
     import torch
@@ -360,32 +360,25 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         return found
 
     def _agreed_checkpoints(self) -> dict[int, tuple[str, str]]:
-        """:meth:`checkpoints` as rank 0 lists them, on every rank (collective): ranks listing on
-        their own could see a save commit in between and load different steps, or fail alone
-        (a step directory one node cannot look at) and leave the others waiting at the load's
-        collective. Raises the listing's error on every rank."""
-        from .._dist import control_group
-        group = control_group(self._mgr.process_group, operation="DistckptCheckpointManager.load()")
-        found, error = None, None
-        if group.rank == 0:
-            try:
-                found = self.checkpoints()
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                error = exc
-        group.exchange_outcome(error, operation="DistckptCheckpointManager.load()")
-        return found if group.world_size == 1 else group.broadcast(found)
+        """:meth:`checkpoints` as rank 0 lists them, on every rank (:meth:`_from_rank0`): ranks
+        listing on their own could see a save commit in between and load different steps."""
+        return self._from_rank0(self.checkpoints)
 
     def _agreed_model_only(self, path: str) -> bool:
-        """:meth:`_model_only` as rank 0 finds it, on every rank (collective), for the reason of
-        :meth:`_agreed_checkpoints`: a rank whose read of the MANIFEST failed alone raised while
-        its peers went on into the load's collectives and waited for it. Raises the read's error
-        on every rank."""
+        """:meth:`_model_only` as rank 0 finds it, on every rank (:meth:`_from_rank0`)."""
+        return self._from_rank0(lambda: self._model_only(path))
+
+    def _from_rank0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` as rank 0 computes it, broadcast to every rank (collective on the manager's
+        group). Why: a rank whose own listing or MANIFEST read failed (a step directory one node
+        cannot look at) raised alone while its peers went on into the load's collectives and
+        waited for it. Raises ``fn``'s error on every rank."""
         from .._dist import control_group
         group = control_group(self._mgr.process_group, operation="DistckptCheckpointManager.load()")
         found, error = None, None
         if group.rank == 0:
             try:
-                found = self._model_only(path)
+                found = fn()
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc
         group.exchange_outcome(error, operation="DistckptCheckpointManager.load()")
