@@ -465,7 +465,6 @@ class _StagingGuard:
         self.path = path
         self._watched = watched      # [(fqn, tensor, version at the call)]
         self.events = events         # {CUDA device: event on the caller's stream at the call}
-        self.done = threading.Event()
 
     @classmethod
     def capture(cls, mine: list, path: str) -> "_StagingGuard | None":
@@ -512,7 +511,6 @@ class _StagingGuard:
         """Drop the references to the caller's tensors (the staging is over)."""
         self._watched = []
         self.events = {}
-        self.done.set()
 
 
 def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
@@ -686,7 +684,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                     guard.close()
                     handle.staging_seconds = time.perf_counter() - t0
                     handle._set_staged()
-                    staging_ended(guard.done)
+                    staging_ended(handle._staged)
             try:
                 result = finish(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
                                 after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
@@ -729,7 +727,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             handle._thread = thread
             _INFLIGHT.add(handle)
             if guard is not None:
-                staging_started(guard.done)  # ended by work(), wherever it runs
+                staging_started(handle._staged)  # ended by work(), wherever it runs
             thread.start()
         except BaseException as exc:  # noqa: BLE001 - re-raised below unless the thread runs
             if not claim.acquire(blocking=False):  # the thread took the save: it finishes it
@@ -750,7 +748,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                 if guard is not None:  # nothing of it is staged: the save fails at WRITE
                     guard.close()
                     handle._set_staged()
-                    staging_ended(guard.done)
+                    staging_ended(handle._staged)
                     guard = None
             _INFLIGHT.add(handle)
             handle._thread = None

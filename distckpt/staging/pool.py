@@ -584,6 +584,22 @@ def staging_started(done: threading.Event) -> None:
         _STAGING.add(done)
 
 
+def staging_ended(done: threading.Event) -> None:
+    """Unregister a staging :func:`staging_started` registered (``done`` is set by then; a
+    staging never registered is no error)."""
+    with _STAGING_LOCK:
+        _STAGING.discard(done)
+
+
+def wait_for_staging() -> None:
+    """Wait until no staging of this process runs off the caller's thread (the copies of async
+    saves started with ``stage_in_background=True``). Their writes may go on."""
+    with _STAGING_LOCK:
+        pending = list(_STAGING)
+    for done in pending:
+        done.wait()
+
+
 def _wait_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """A global optimizer step pre-hook: wait for the stagings in flight before a step changes
     the state they copy.
@@ -607,20 +623,6 @@ def _wait_before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                     "before changing the state; call handle.wait_staged() (torchtitan: maybe_wait_for_staging()) "
                     "before the optimizer step", type(optimizer).__name__, waited)
     return None
-
-
-def staging_ended(done: threading.Event) -> None:
-    with _STAGING_LOCK:
-        _STAGING.discard(done)
-
-
-def wait_for_staging() -> None:
-    """Wait until no staging of this process runs off the caller's thread (the copies of async
-    saves started with ``stage_in_background=True``). Their writes may go on."""
-    with _STAGING_LOCK:
-        pending = list(_STAGING)
-    for done in pending:
-        done.wait()
 
 
 def _forget_stagings_after_fork() -> None:
@@ -667,7 +669,7 @@ def stage(mine: list, pool: StagingPool, *, after: dict | None = None) -> tuple[
                 pass  # nothing to copy, wherever it lives (an empty meta tensor has no data to copy)
             elif src.device.type == "cpu":
                 if src.is_conj() or src.is_neg():
-                    dst.copy_(src)
+                    dst.copy_(src)  # resolved by copy_; kept out of the foreach batch, as before
                 else:
                     cpu_dst.append(dst)
                     cpu_src.append(src)
