@@ -49,7 +49,7 @@ from typing import Any
 
 from . import manifest as mf
 from .errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedValueError, from_os_error
-from .plan import Box, find_tiling_defect
+from .plan import Box, find_tiling_defect, is_dense_layout
 
 __all__ = ["METADATA_NAME", "is_dcp_checkpoint", "read_metadata", "load_manifest", "DcpMetadata",
            "DcpTensor", "DcpValue", "WRITER_META_KEY", "writer_meta", "decode_writer_value"]
@@ -445,9 +445,18 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-def _chunk_data_offset(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...], st: DcpStorage) -> int:
-    """The file offset of the chunk's raw C-contiguous bytes. Raises CheckpointCorruptError when
-    the archive does not hold exactly that tensor."""
+def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...],
+                st: DcpStorage) -> tuple[int, tuple[int, ...] | None]:
+    """(the file offset of the chunk's raw bytes, their element strides: None when C-contiguous).
+    FileSystemWriter ``torch.save``s each chunk as the tensor is laid out, so a chunk of a
+    channels_last or transposed tensor keeps that layout; any dense layout (a permutation of
+    row-major, :func:`distckpt.plan.is_dense_layout`) is read, through its strides.
+
+    Raises:
+        CheckpointCorruptError: the archive does not hold exactly that tensor.
+        UnsupportedValueError: it holds it in a layout distckpt does not read (overlapping or
+            with gaps), or big-endian, or as SAFETENSORS.
+    """
     itemsize = mf.DTYPE_ITEMSIZE[dtype]
     nbytes = math.prod(sizes) * itemsize
     where = f"chunk of {fqn!r} at bytes [{st.offset}, {st.offset + st.length}) of {os.path.basename(fpath)}"
@@ -491,9 +500,17 @@ def _chunk_data_offset(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[i
             raise _Bad(f"holds {saved_dtype}, the metadata says {dtype}")
         if _ints(size, "size") != tuple(sizes):
             raise _Bad(f"holds shape {list(size)}, the metadata says {list(sizes)}")
-        if math.prod(sizes) > 1 and _ints(stride, "stride") != _contiguous_strides(sizes):
-            # DCP writes contiguous chunks; a strided one would need an element-wise gather.
-            raise _Unsupported("a non-contiguous chunk")
+        strides: tuple[int, ...] | None = _ints(stride, "stride")
+        if len(strides) != len(sizes):
+            raise _Bad(f"stride {list(strides)} does not match shape {list(sizes)}")
+        if all(a == b for a, b, n in zip(strides, _contiguous_strides(sizes), sizes) if n > 1):
+            strides = None  # row-major (a dimension of size 1 may have any stride)
+        else:
+            if not is_dense_layout(sizes, strides):
+                # Overlapping elements or gaps (torch.save of a view DCP did not clone): its bytes
+                # are not the chunk's nbytes, and no such chunk has been seen from FileSystemWriter.
+                raise _Unsupported(f"a chunk with strides {list(strides)} that are not a dense layout of "
+                                   f"shape {list(sizes)}")
         info = infos.get(f"{prefix}data/{key}")
         if info is None or info.compress_type != zipfile.ZIP_STORED or info.file_size != storage_bytes:
             raise _Bad("storage record missing, compressed or of the wrong size")
@@ -504,7 +521,7 @@ def _chunk_data_offset(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[i
         start = info.header_offset + 30 + name_len + extra_len + storage_offset * itemsize
         if storage_offset < 0 or start + nbytes > st.length or storage_offset * itemsize + nbytes > storage_bytes:
             raise _Bad("tensor bytes lie outside the archive")
-        return st.offset + start
+        return st.offset + start, strides
     except _Unsupported as exc:
         raise UnsupportedValueError(f"DCP {where}: {exc} is not read by distckpt", path=fpath, key=fqn,
                                     remedy="Load it with torch.distributed.checkpoint.load.") from None
@@ -655,8 +672,9 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
             chunks = []
             for offsets, sizes, s in t.chunks:
                 nbytes = math.prod(sizes) * mf.DTYPE_ITEMSIZE[t.dtype]
-                start = _chunk_data_offset(fds[s.file], os.path.join(path, s.file), fqn, t.dtype, sizes, s) if nbytes else s.offset
-                chunks.append(mf.ChunkRecord(offsets, sizes, index[s.file], start, nbytes, ()))
+                start, strides = (_chunk_data(fds[s.file], os.path.join(path, s.file), fqn, t.dtype, sizes, s)
+                                  if nbytes else (s.offset, None))
+                chunks.append(mf.ChunkRecord(offsets, sizes, index[s.file], start, nbytes, (), strides))
             tensors[fqn] = mf.TensorEntry(t.dtype, t.shape, tuple(chunks), "tensor")
     finally:
         for fd in fds.values():

@@ -59,7 +59,7 @@ import torch
 
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, DistCkptError
-from .plan import Box, byte_range, expand_to_blocks, plan_reads, row_major_strides
+from .plan import Box, byte_range, expand_to_blocks, outermost_dim, plan_reads, row_major_strides
 from .storage import open_store
 from .tensorbytes import dtype_from_name
 
@@ -161,24 +161,26 @@ def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
     return dest, d0
 
 
-def _split_box(chunk: Box, box: Box, itemsize: int, limit: int) -> Iterator[Box]:
-    """Sub-boxes of ``box`` (inside ``chunk``) tiling it, each with a byte range of at most
-    ``limit`` bytes (a single element always fits)."""
-    lo, hi = byte_range(chunk, box, itemsize)
+def _split_box(chunk: Box, box: Box, itemsize: int, limit: int,
+               strides: Sequence[int] | None = None) -> Iterator[Box]:
+    """Sub-boxes of ``box`` (inside ``chunk``, laid out by ``strides``: None is row-major) tiling
+    it, each with a byte range of at most ``limit`` bytes (a single element always fits). Cut
+    along the box's outermost dimension in the layout, whose slices are disjoint byte runs."""
+    lo, hi = byte_range(chunk, box, itemsize, strides)
     if hi - lo <= limit:
         yield box
         return
-    d = next(i for i, s in enumerate(box.sizes) if s > 1)
+    d = outermost_dim(box.sizes, strides)
     one = Box(box.offsets, box.sizes[:d] + (1,) + box.sizes[d + 1:])
-    r0, r1 = byte_range(chunk, one, itemsize)
-    stride = row_major_strides(chunk.sizes)[d] * itemsize
+    r0, r1 = byte_range(chunk, one, itemsize, strides)
+    stride = (row_major_strides(chunk.sizes) if strides is None else strides)[d] * itemsize
     rows = 1 if r1 - r0 > limit else max(1, (limit - (r1 - r0)) // stride + 1)
     for i in range(0, box.sizes[d], rows):
         n = min(rows, box.sizes[d] - i)
         sub = Box(box.offsets[:d] + (box.offsets[d] + i,) + box.offsets[d + 1:],
                   box.sizes[:d] + (n,) + box.sizes[d + 1:])
         if n == 1 and r1 - r0 > limit:
-            yield from _split_box(chunk, sub, itemsize, limit)
+            yield from _split_box(chunk, sub, itemsize, limit, strides)
         else:
             yield sub
 
@@ -187,13 +189,15 @@ def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     """The units of task ``t``: its bytes (widened to checksum blocks) cut into parts that each
     fit ``limit`` bytes, cut at checksum block boundaries."""
     nbytes = t.chunk.nbytes
-    flat = _flat_dest(t)
+    strides = t.chunk.strides  # None: row-major; else another dense layout (a DCP chunk's)
+    # Bytes copied flat only from a row-major chunk: another layout's bytes are in another order.
+    flat = _flat_dest(t) if strides is None else None
     inter = t.inter
     if flat is not None and tuple(t.chunk.offsets) == inter.offsets and tuple(t.chunk.sizes) == inter.sizes:
         chunk, start, end = None, 0, nbytes  # the whole chunk (a load with the saved sharding)
     else:
         chunk = Box(tuple(t.chunk.offsets), tuple(t.chunk.sizes))
-        start, end = byte_range(chunk, inter, t.itemsize)
+        start, end = byte_range(chunk, inter, t.itemsize, strides)
     if flat is not None and end - start == inter.volume * t.itemsize:
         dest, d0 = flat
         lo, hi = expand_to_blocks(start, end, block, nbytes) if verify else (start, end)
@@ -213,8 +217,8 @@ def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
         yield _Unit(t, lo, hi, start, end, None, 0, t.inter, t.chunk.offset + lo)
         return
     inner = limit - 2 * block if verify else limit
-    for sub in _split_box(chunk, t.inter, t.itemsize, max(inner, t.itemsize)):
-        s, e = byte_range(chunk, sub, t.itemsize)
+    for sub in _split_box(chunk, t.inter, t.itemsize, max(inner, t.itemsize), strides):
+        s, e = byte_range(chunk, sub, t.itemsize, strides)
         lo, hi = expand_to_blocks(s, e, block, nbytes) if verify else (s, e)
         yield _Unit(t, lo, hi, s, e, None, 0, sub, t.chunk.offset + lo)
 
@@ -339,8 +343,10 @@ def _copy(seg: _Segment, buf: torch.Tensor) -> None:
         if x % t.itemsize:  # unaligned in the file (a DCP checkpoint packs chunks tight)
             flat = flat.clone()
         flat = flat.view(t.dtype)
-        # as_strided's offset is absolute in the storage: keep the slice's own offset.
-        src = flat.as_strided(tuple(u.box.sizes), row_major_strides(t.chunk.sizes), flat.storage_offset())
+        # as_strided's offset is absolute in the storage: keep the slice's own offset. The slice
+        # starts at the box's first element, in any dense layout (every stride is >= 0).
+        strides = t.chunk.strides if t.chunk.strides is not None else row_major_strides(t.chunk.sizes)
+        src = flat.as_strided(tuple(u.box.sizes), tuple(strides), flat.storage_offset())
         dest = t.dest
         for d, (o, base, s) in enumerate(zip(u.box.offsets, t.dest_box.offsets, u.box.sizes)):
             dest = dest.narrow(d, o - base, s)

@@ -52,7 +52,7 @@ import msgpack
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, DataFileTruncatedError, ManifestCorruptError, UnsupportedValueError
 from . import where as wh
-from .plan import Box, find_tiling_defect, is_row_tiling
+from .plan import Box, find_tiling_defect, is_dense_layout, is_row_tiling
 from .values import MAX_DEPTH as _VALUE_MAX_DEPTH, check_node
 
 __all__ = [
@@ -203,7 +203,10 @@ def encode_index(records: Any) -> bytes:
     """The index bytes a version-3 data file ends with: :data:`INDEX_MAGIC`, then one msgpack
     array of ``[fqn, offsets, sizes, offset, nbytes, crcs]`` per ``(fqn, ChunkRecord)`` of
     ``records`` (crcs as one bin of little-endian u32). Deterministic. A data file's layout, and
-    so where its index goes, is :mod:`distckpt.datafile`'s."""
+    so where its index goes, is :mod:`distckpt.datafile`'s. Raises ValueError for a chunk with
+    ``strides`` (:class:`ChunkRecord`)."""
+    for _fqn, c in records:
+        _refuse_strided(c)
     rows = [[fqn, list(c.offsets), list(c.sizes), c.offset, c.nbytes, struct.pack(f"<{len(c.crcs)}I", *c.crcs)]
             for fqn, c in records]
     return INDEX_MAGIC + msgpack.packb(rows, use_bin_type=True)
@@ -260,6 +263,12 @@ class ChunkRecord:
         offset: Byte offset of the chunk in that file.
         nbytes: ``prod(sizes) * itemsize``.
         crcs: crc32c of each ``checksum_block`` bytes of the chunk, the last one partial.
+        strides: None: the chunk is C-contiguous (every chunk distckpt writes). Set only for a
+            chunk of another format's checkpoint stored in another dense layout (a DCP chunk of
+            a channels_last or transposed tensor): its element strides, a permutation of a
+            row-major layout (the chunk still fills exactly ``nbytes`` bytes). Never encoded:
+            :func:`encode` and :func:`encode_index` refuse such a chunk, since a MANIFEST that
+            dropped the strides would describe other values.
     """
 
     offsets: tuple[int, ...]
@@ -268,9 +277,10 @@ class ChunkRecord:
     offset: int
     nbytes: int
     crcs: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("offsets", "sizes", "crcs"):
+        for name in ("offsets", "sizes", "crcs", "strides"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -556,6 +566,8 @@ def _validate_chunks(fqn: str, t: TensorEntry, m: Manifest, path: Any, file_span
             raise _corrupt(
                 f"{cw}: bytes [{off}, {off + nbytes}) lie beyond the end of {f.name} (size {f.size})", path
             )
+        if c.strides is not None and not (isinstance(c.strides, tuple) and is_dense_layout(sizes, c.strides)):
+            raise _corrupt(f"{cw}: strides {c.strides!r} do not lay sizes {list(sizes)} out densely", path)
         if not isinstance(c.crcs, tuple):
             raise _corrupt(f"{cw}: crcs must be a sequence, found {type(c.crcs).__name__}", path)
         want_crcs = -(-nbytes // block)
@@ -861,9 +873,23 @@ _CHUNK_KEYS = ("offsets", "sizes", "file", "offset", "nbytes", "crcs")
 _OBJECT_KEYS = ("kind", "value")
 
 
-def _chunk_maps(t: TensorEntry) -> list[dict[str, Any]]:
-    return [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
-             "nbytes": c.nbytes, "crcs": list(c.crcs)} for c in t.chunks]
+def _refuse_strided(c: ChunkRecord) -> None:
+    if c.strides is not None:
+        raise ValueError("a chunk stored in a strided layout (read from another format's checkpoint) cannot be "
+                         "written into a distckpt MANIFEST, whose chunks are C-contiguous")
+
+
+def _chunk_maps(t: TensorEntry, *, plain: bool = False) -> list[dict[str, Any]]:
+    """The chunks of ``t`` as maps; a strided chunk shows its ``strides`` in the ``plain`` view
+    and is refused (ValueError) otherwise."""
+    out = []
+    for c in t.chunks:
+        if not plain:
+            _refuse_strided(c)
+        out.append({"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
+                    "nbytes": c.nbytes, "crcs": list(c.crcs),
+                    **({"strides": list(c.strides)} if c.strides is not None else {})})
+    return out
 
 
 def _to_body(m: Manifest, *, plain: bool = False, layout: bool = True) -> dict[str, Any]:
@@ -888,7 +914,7 @@ def _to_body(m: Manifest, *, plain: bool = False, layout: bool = True) -> dict[s
                 "shape": list(t.shape),
                 "kind": t.kind,
                 **({"where": _plain_tuple(t.where)} if v4 else {}),
-                **({"chunks": _chunk_maps(t)} if not v3 or (plain and t.chunks is not None) else {}),
+                **({"chunks": _chunk_maps(t, plain=plain)} if not v3 or (plain and t.chunks is not None) else {}),
             }
             for fqn, t in sorted(m.tensors.items())
         },

@@ -6,7 +6,9 @@ math testable with property tests and lets every rank compute the same plan from
 Coordinates: a :class:`Box` is a half-open hyper-rectangle ``[offsets[d], offsets[d] + sizes[d])``
 in *global element* coordinates of one tensor. A saved *chunk* is a box whose elements are stored
 C-contiguous (row-major) in a data file; byte positions inside a chunk are therefore
-``flat_index * itemsize`` with the chunk's own row-major strides.
+``flat_index * itemsize`` with the chunk's own row-major strides. (A chunk of another format's
+checkpoint may be stored in another dense layout, a permutation of row-major: the functions that
+take ``strides`` handle it, see :func:`is_dense_layout`.)
 
 Invariants:
   * Boxes are immutable values (hashable, comparable); ``offsets`` and ``sizes`` are tuples of
@@ -39,6 +41,8 @@ __all__ = [
     "assign_offsets",
     "byte_range",
     "row_major_strides",
+    "is_dense_layout",
+    "outermost_dim",
     "ReadPiece",
     "plan_reads",
     "expand_to_blocks",
@@ -427,17 +431,48 @@ def row_major_strides(sizes: Sequence[int]) -> list[int]:
     return strides
 
 
-def byte_range(chunk: Box, sub: Box, itemsize: int) -> tuple[int, int]:
-    """The smallest contiguous byte range ``[start, end)`` of the row-major ``chunk`` holding ``sub``.
+def is_dense_layout(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether element ``strides`` lay an array of ``sizes`` out densely: its elements fill
+    exactly ``prod(sizes)`` consecutive slots, no two in one (a permutation of a row-major
+    layout, such as a transposed or channels_last tensor's). Dimensions of size 1 may have any
+    stride (they never move an index); the others, taken by decreasing stride, must have the
+    strides of a row-major array in that order."""
+    if len(sizes) != len(strides) or any(type(v) is not int or v < 0 for v in (*sizes, *strides)):
+        return False
+    acc = 1
+    for d in sorted((d for d in range(len(sizes)) if sizes[d] > 1), key=lambda d: strides[d]):  # innermost first
+        if strides[d] != acc:
+            return False
+        acc *= sizes[d]
+    return True
+
+
+def outermost_dim(sizes: Sequence[int], strides: Sequence[int] | None) -> int | None:
+    """The dimension of size > 1 with the largest stride (the first such one for a row-major
+    layout, ``strides`` None): slices along it are the layout's largest disjoint byte runs.
+    None when every size is 1."""
+    dims = [d for d in range(len(sizes)) if sizes[d] > 1]
+    if not dims:
+        return None
+    if strides is None:
+        return dims[0]
+    return max(dims, key=lambda d: strides[d])
+
+
+def byte_range(chunk: Box, sub: Box, itemsize: int, strides: Sequence[int] | None = None) -> tuple[int, int]:
+    """The smallest contiguous byte range ``[start, end)`` of ``chunk`` holding ``sub``.
 
     ``start`` is the byte of ``sub``'s first element, ``end`` one past its last element. The range
-    holds exactly ``sub``'s bytes when ``sub`` is contiguous in the chunk (it spans the chunk on
-    every dimension after its first one of size > 1), else it also holds bytes to skip.
+    holds exactly ``sub``'s bytes when ``sub`` is contiguous in the chunk (for a row-major chunk:
+    it spans the chunk on every dimension after its first one of size > 1), else it also holds
+    bytes to skip.
 
     Args:
         chunk: The saved chunk (global coordinates).
         sub: A non-empty box inside ``chunk`` (global coordinates).
         itemsize: Bytes per element.
+        strides: The chunk's element strides when it is not row-major (non-negative, as
+            :func:`is_dense_layout` accepts); None: row-major.
 
     Raises:
         ValueError: ``sub`` is empty or not inside ``chunk``, or ``itemsize`` < 1.
@@ -449,7 +484,8 @@ def byte_range(chunk: Box, sub: Box, itemsize: int) -> tuple[int, int]:
     if sub.volume == 0:
         raise ValueError(f"box {sub} is empty")
     first = last = 0
-    for st, co, so, ss in zip(row_major_strides(chunk.sizes), chunk.offsets, sub.offsets, sub.sizes):
+    for st, co, so, ss in zip(row_major_strides(chunk.sizes) if strides is None else strides, chunk.offsets,
+                              sub.offsets, sub.sizes):
         rel = so - co
         first += rel * st
         last += (rel + ss - 1) * st

@@ -115,6 +115,84 @@ def test_load_dcp_three_ranks_resharded(dcp_ckpt):
     assert run_ranks(_load_three_body, 3, dcp_ckpt) == [True] * 3
 
 
+# -- chunks in another dense layout: DCP stores a tensor as it is laid out ---------------------------
+
+
+def _layouts() -> dict:
+    g = torch.Generator().manual_seed(99)
+    return {
+        # A vision model trained channels_last: NHWC strides (27, 1, 9, 3).
+        "conv": torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last),
+        # Transposed, 5.6 MiB: more than one read segment (4 MiB), so its boxes are cut to fit.
+        "big_t": torch.randn(2100, 700, generator=g).t(),
+        "perm": torch.randn(5, 6, 7, generator=g).permute(2, 0, 1),
+        # 2-byte elements packed after odd-sized records: unaligned in the file.
+        "bf_t": torch.randn(33, 17, generator=g).to(torch.bfloat16).t(),
+        "one": torch.randn(1, 9, generator=g).t(),   # (9, 1): a size-1 dimension
+    }
+
+
+@pytest.fixture(scope="module")
+def dcp_layouts(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path_factory.mktemp("dcp_layouts") / "ckpt")
+    sd = _layouts()
+    assert not sd["conv"].is_contiguous() and not sd["big_t"].is_contiguous()
+    dcp.save(sd, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def test_chunks_stored_channels_last_or_transposed_are_read_exactly(dcp_layouts, tmp_path):
+    """FileSystemWriter torch.saves each chunk in its tensor's own layout. distckpt reads such a
+    chunk through its strides, into contiguous and into strided destinations, by read, load,
+    DCP's own load through DistCkptStorageReader, and convert (whose MANIFEST is row-major)."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.convert import convert
+    from distckpt.integrations.dcp import DistCkptStorageReader
+
+    strided = _layouts()
+    e = {k: t.clone(memory_format=torch.contiguous_format) for k, t in strided.items()}  # the values, row-major
+    chunks = distckpt.read_manifest(dcp_layouts)["tensors"]
+    assert chunks["conv"]["chunks"][0]["strides"] == [27, 1, 9, 3]
+    assert "strides" not in chunks["one"]["chunks"][0]   # row-major on every dimension of size > 1
+    got = distckpt.read(dcp_layouts)
+    for k, t in e.items():
+        assert _bits_equal(got[k], t) and got[k].is_contiguous(), k
+    for like in (lambda t: torch.zeros(t.shape, dtype=t.dtype), torch.zeros_like):   # contiguous / same strides
+        sd = {k: like(t) for k, t in strided.items()}
+        distckpt.load(sd, dcp_layouts)
+        for k, t in e.items():
+            assert _bits_equal(sd[k].clone(memory_format=torch.contiguous_format), t), k
+    sd = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in e.items()}
+    dcp.load(sd, storage_reader=DistCkptStorageReader(dcp_layouts))
+    for k, t in e.items():
+        assert _bits_equal(sd[k], t), k
+    out = str(tmp_path / "converted")
+    convert(dcp_layouts, out, to="distckpt")
+    got = distckpt.read(out)
+    for k, t in e.items():
+        assert _bits_equal(got[k], t), k
+
+
+def _load_layouts_three_body(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    e = _layouts()
+    # Every rank's box cuts the stored layout across its innermost dimension and its outermost.
+    sd = {k: distribute_tensor(torch.zeros(t.shape, dtype=t.dtype), mesh, [Shard(d)])
+          for (k, t), d in zip(e.items(), (2, 0, 1, 1, 0))}
+    distckpt.load(sd, path)
+    return all(_bits_equal(sd[k].full_tensor(), t.clone(memory_format=torch.contiguous_format)) for k, t in e.items())
+
+
+def test_strided_chunks_resharded_onto_three_ranks(dcp_layouts):
+    assert run_ranks(_load_layouts_three_body, 3, dcp_layouts) == [True] * 3
+
+
 # -- hostile or unsupported content ----------------------------------------------------------------
 
 
@@ -201,6 +279,20 @@ def test_a_symlinked_dcp_data_file_is_refused_as_a_symlink(dcp_ckpt, tmp_path):
     with pytest.raises(CheckpointCorruptError, match="is a symlink") as info:
         distckpt.read(path)
     assert info.value.path == f and "cp -rL" in info.value.remedy
+
+
+def test_an_overlapping_dcp_chunk_is_refused_not_misread(tmp_path):
+    """A view whose storage holds exactly numel elements is saved by DCP as it is, overlapping
+    strides included (its elements are not numel * itemsize bytes): refused, typed."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.errors import UnsupportedValueError
+
+    path = str(tmp_path / "ov")
+    dcp.save({"ov": torch.arange(4.0).as_strided((2, 2), (1, 1))}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(UnsupportedValueError, match=r"strides \[1, 1\] that are not a dense layout") as info:
+        distckpt.read(path)
+    assert info.value.key == "ov" and "torch.distributed.checkpoint.load" in info.value.remedy
 
 
 def test_dcp_safetensors_serialization_is_refused_not_misread(tmp_path):

@@ -420,6 +420,29 @@ def test_chunk_rules():
     assert "overlap" in _corrupt_msg(t([_chunk([0], [2]), _chunk([2], [2], offset=4)]))
 
 
+def test_a_strided_chunk_is_validated_and_never_encoded():
+    """Only a chunk read from another format's checkpoint (DCP's channels_last or transposed
+    chunks) carries strides: they must lay its box out densely, and no MANIFEST can be written
+    with one (the strides are not in the format: the bytes would be read as row-major)."""
+    from distckpt.manifest import encode_index
+
+    def t(strides, sizes=(2, 3)):
+        chunk = dataclasses.replace(_chunk([0] * len(sizes), list(sizes)), strides=strides)
+        return _manifest({"x": TensorEntry("float32", sizes, (chunk,))})
+
+    validate(t((1, 2)), path="/ckpt/MANIFEST")                 # transposed: dense
+    validate(t((5, 1), sizes=(1, 3)), path="/ckpt/MANIFEST")   # a size-1 dimension's stride is free
+    assert "do not lay sizes [2, 3] out densely" in _corrupt_msg(t((1, 3)))  # a gap
+    for bad in ((1, 1), (3,), (-1, 2), (1.0, 2), (True, 2)):   # overlapping, wrong length, not ints
+        assert "out densely" in _corrupt_msg(t(bad)), bad
+    assert to_plain(t((1, 2)))["tensors"]["x"]["chunks"][0]["strides"] == [1, 2]
+    assert "strides" not in to_plain(t(None))["tensors"]["x"]["chunks"][0]
+    with pytest.raises(ValueError, match="strided layout"):
+        encode(t((1, 2)))
+    with pytest.raises(ValueError, match="strided layout"):
+        encode_index([("x", dataclasses.replace(_chunk([0, 0], [2, 3]), strides=(1, 2)))])
+
+
 def test_unhashable_values_from_hostile_input_are_typed_errors():
     m = _manifest({"x": TensorEntry(["float32"], (4,), (_chunk([0], [4]),))})  # type: ignore[arg-type]
     assert "unknown dtype" in _corrupt_msg(m)

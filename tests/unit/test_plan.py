@@ -20,6 +20,7 @@ from distckpt.plan import (
     expand_to_blocks,
     find_tiling_defect,
     intersect,
+    is_dense_layout,
     is_row_tiling,
     plan_reads,
 )
@@ -274,6 +275,64 @@ def test_byte_range_examples():
         byte_range(chunk, Box((0, 0, 0), (1, 1, 1)), 1)
     with pytest.raises(ValueError, match="empty"):
         byte_range(chunk, Box((10, 0, 0), (0, 1, 1)), 1)
+
+
+def test_is_dense_layout_examples():
+    assert is_dense_layout((4, 5), (5, 1)) and is_dense_layout((4, 5), (1, 4))       # row-major, transposed
+    assert is_dense_layout((8, 3, 3, 3), (27, 1, 9, 3))                                # channels_last
+    assert is_dense_layout((1, 5), (99, 1)) and is_dense_layout((), ())                # size 1; a scalar
+    assert not is_dense_layout((4, 5), (1, 5))                                         # gaps
+    assert not is_dense_layout((4, 5), (1, 1)) and not is_dense_layout((4, 5), (0, 1))  # overlapping
+    assert not is_dense_layout((4, 5), (5,)) and not is_dense_layout((4, 5), (5, -1))
+
+
+@st.composite
+def strided_chunk(draw):
+    """(chunk box, dense strides of a random permutation of its dims, a box inside it, a limit)."""
+    sizes = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    offsets = tuple(draw(st.integers(0, 3)) for _ in sizes)
+    perm = draw(st.permutations(range(len(sizes))))      # perm[0]: the outermost dimension
+    strides, acc = [0] * len(sizes), 1
+    for d in reversed(perm):
+        strides[d] = acc
+        acc *= sizes[d]
+    lo = [draw(st.integers(0, n - 1)) for n in sizes]
+    sub = Box(tuple(o + a for o, a in zip(offsets, lo)), tuple(draw(st.integers(1, n - a)) for n, a in zip(sizes, lo)))
+    return Box(offsets, sizes), tuple(strides), sub, draw(st.integers(1, 64))
+
+
+@given(strided_chunk(), st.sampled_from([1, 2, 4]))
+@PROPS
+def test_strided_chunks_sub_boxes_and_byte_ranges_hold_exactly_their_values(case, itemsize):
+    """What a load does with a chunk stored in another dense layout (fill._split_box, byte_range,
+    then an as_strided view of the bytes read): every sub-box's byte range fits the limit (or is
+    one element), the sub-boxes tile the box, and the view over those bytes is the box's values."""
+    import torch
+
+    from distckpt.fill import _split_box
+
+    chunk, strides, sub, limit = case
+    assert is_dense_layout(chunk.sizes, strides)
+    n = chunk.volume
+    values = torch.arange(n, dtype=torch.int64).reshape(chunk.sizes)         # the chunk, logically
+    stored = torch.empty_strided(chunk.sizes, strides, dtype=torch.int64)
+    stored.copy_(values)
+    flat = torch.empty(n, dtype=torch.int64).as_strided((n,), (1,), 0)
+    flat.copy_(torch.as_strided(stored, (n,), (1,)))                           # its bytes, in file order
+    seen = torch.zeros(chunk.sizes, dtype=torch.int64)
+    for box in _split_box(chunk, sub, itemsize, limit * itemsize, strides):
+        assert sub.contains(box) and box.volume > 0
+        s, e = byte_range(chunk, box, itemsize, strides)
+        assert e - s <= max(limit * itemsize, itemsize) or box.volume == 1
+        assert s % itemsize == 0 and e % itemsize == 0
+        got = flat[s // itemsize:e // itemsize]
+        got = got.as_strided(box.sizes, strides, got.storage_offset())
+        rel = tuple(slice(o - c, o - c + z) for o, c, z in zip(box.offsets, chunk.offsets, box.sizes))
+        assert torch.equal(got, values[rel])
+        seen[rel] += 1
+    want = torch.zeros(chunk.sizes, dtype=torch.int64)
+    want[tuple(slice(o - c, o - c + z) for o, c, z in zip(sub.offsets, chunk.offsets, sub.sizes))] = 1
+    assert torch.equal(seen, want)   # a tiling of the box: every element once, nothing outside
 
 
 @given(st.integers(0, 10_000), st.integers(0, 10_000), st.sampled_from([1, 7, 16, 4096]), st.integers(0, 5000))
