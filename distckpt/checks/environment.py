@@ -5,6 +5,7 @@ mapping, or ``os.environ``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -82,6 +83,41 @@ def _resolve(host: str, port: int | None, timeout_s: float) -> tuple[list[str] |
     return box.get("addrs"), box.get("reason")
 
 
+def _port_in_use(addrs: list[str], port: int) -> str | None:
+    """The first of ``addrs`` that is an address of this host on which TCP ``port`` cannot be
+    bound because something holds it (EADDRINUSE); None when it is free on every local one
+    (addresses of other hosts are skipped: EADDRNOTAVAIL). The probe sets SO_REUSEADDR as
+    torch's TCPStore does, so a previous run's TIME_WAIT connections do not count."""
+    for a in addrs:
+        family = socket.AF_INET6 if ":" in a else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((a, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return a
+        finally:
+            sock.close()
+    return None
+
+
+def _own_store_may_hold_port(env: Mapping[str, str], rank: int | None) -> bool:
+    """Whether MASTER_PORT may be in use by this job itself: under torchrun's agent
+    (TORCHELASTIC_RUN_ID: its rendezvous store listens there), after init_process_group (rank 0's
+    store), or on a rank other than 0 (rank 0's store may be up already)."""
+    if env.get("TORCHELASTIC_RUN_ID") or (rank is not None and rank != 0):
+        return True
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_initialized()
+    except ImportError:
+        return False
+
+
 def torchrun_env_check(env: Mapping[str, str] | None = None, *, world_size: int | None = None,
                        local_world_size: int | None = None,
                        resolve_timeout_s: float = 5.0) -> CheckResult:
@@ -90,7 +126,11 @@ def torchrun_env_check(env: Mapping[str, str] | None = None, *, world_size: int 
     A plain single-process run with none of them set is fine. Once any is set, all six must be,
     the integer ones must parse, and 0 <= RANK < WORLD_SIZE, 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <=
     WORLD_SIZE, 1 <= MASTER_PORT <= 65535, MASTER_ADDR resolvable. ``world_size`` /
-    ``local_world_size``, when given, must agree with the environment.
+    ``local_world_size``, when given, must agree with the environment. Where the job's own store
+    cannot be holding it yet (not under torchrun's agent, rank 0 or no RANK, no process group
+    initialized: a launcher's shell, or rank 0 before ``init_process_group``), a MASTER_PORT that
+    is in use on a local MASTER_ADDR is a warning: the rendezvous would fail with "address
+    already in use" (a previous job still running).
 
     Each failure is a :class:`DistributedEnvError` whose ``variable`` field names the variable and
     whose message says expected vs found: this is the error that otherwise surfaces as
@@ -171,6 +211,15 @@ def torchrun_env_check(env: Mapping[str, str] | None = None, *, world_size: int 
             addrs, reason = _resolve(addr.strip(), port, resolve_timeout_s)
             if addrs:
                 details["master_addr_resolves_to"] = addrs
+                if port is not None and not _own_store_may_hold_port(env, r):
+                    held = _port_in_use(addrs, port)
+                    details["master_port_in_use"] = held is not None
+                    if held is not None:
+                        warnings.append(
+                            f"MASTER_PORT={port} is in use on this host ({held}), before this job's "
+                            f"rendezvous: its store would fail with 'address already in use' (a previous "
+                            f"job still running?). Stop that process, or pick a free port "
+                            f"(torchrun --master-port)")
             elif reason is not None:
                 errors.append(env_error(
                     "MASTER_ADDR", f"MASTER_ADDR={addr!r} does not resolve: {reason}",

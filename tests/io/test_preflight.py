@@ -77,6 +77,43 @@ def test_consistent_torchrun_env_is_ok():
     assert "127.0.0.1" in r.details["master_addr_resolves_to"]
 
 
+def test_a_master_port_held_by_another_process_is_a_warning_before_the_rendezvous():
+    """A port held on the master's host (a previous job still running) would fail the rendezvous
+    with 'address already in use'; flagged only where this job's own store cannot be the holder."""
+    import socket
+    import subprocess
+    import sys
+
+    # The holder is another process, listening as a leftover job's store would.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        env = {**GOOD_ENV, "RANK": "0", "MASTER_PORT": str(port)}
+        r = environment.torchrun_env_check(env)
+        assert r.status == "warning" and f"MASTER_PORT={port} is in use on this host" in r.message, r.message
+        assert r.details["master_port_in_use"] is True
+        # Where the job's own store may hold it, nothing is probed: torchrun's agent, a rank > 0.
+        for own in ({**env, "TORCHELASTIC_RUN_ID": "job7"}, {**env, "RANK": "1"}):
+            r = environment.torchrun_env_check(own)
+            assert r.status == "ok" and "master_port_in_use" not in r.details, r.message
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # Free now (SO_REUSEADDR: the closed listener's port is not "in use").
+    r = environment.torchrun_env_check({**GOOD_ENV, "RANK": "0", "MASTER_PORT": str(port)})
+    assert r.status == "ok" and r.details["master_port_in_use"] is False, r.message
+    # A master on another host is not probed as if local (EADDRNOTAVAIL).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert environment._port_in_use(["192.0.2.1"], s.getsockname()[1]) is None
+        assert environment._port_in_use(["127.0.0.1"], s.getsockname()[1]) == "127.0.0.1"
+
+
 def _without(key):
     return {k: v for k, v in GOOD_ENV.items() if k != key}
 
