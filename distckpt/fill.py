@@ -59,7 +59,7 @@ import torch
 
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, DistCkptError
-from .plan import Box, byte_range, expand_to_blocks, outermost_dim, plan_reads, row_major_strides
+from .plan import Box, byte_range, expand_to_blocks, is_dense_layout, outermost_dim, plan_reads, row_major_strides
 from .storage import open_store
 from .tensorbytes import dtype_from_name
 
@@ -148,9 +148,15 @@ def _align_up(v: int, a: int) -> int:
 
 def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
     """(the destination, byte offset of the task's box in it) when the task's box is one
-    contiguous byte run of a contiguous destination of the saved dtype; else None."""
+    contiguous byte run of a contiguous destination of the saved dtype, from a row-major chunk;
+    or (a 1-D view of the destination's memory, 0) when the destination is the whole chunk laid
+    out as the chunk is (:func:`_same_layout`); else None."""
     dest = t.dest
-    if dest.dtype != t.dtype or not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
+    if dest.dtype != t.dtype:
+        return None
+    if t.chunk.strides is not None or not dest.is_contiguous():
+        return _same_layout(t, dest)
+    if dest.is_conj() or dest.is_neg():
         return None  # a lazy conj/neg view has no plain bytes to copy into: copy_ through it
     if t.inter == t.dest_box:  # the whole destination (a load with the saved sharding)
         return dest, 0
@@ -159,6 +165,24 @@ def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
     if d1 - d0 != t.inter.volume * t.itemsize:
         return None
     return dest, d0
+
+
+def _same_layout(t, dest: Any) -> tuple[torch.Tensor, int] | None:
+    """(a 1-D view of ``dest``'s memory, 0) when ``dest`` is a tensor holding exactly the task's
+    chunk, densely, with the chunk's strides (a DCP chunk stored channels_last or transposed,
+    loaded into a model of that layout at the sharding it was saved from): its bytes are then the
+    chunk's bytes in the same order, a flat copy. None otherwise (a strided copy)."""
+    if not isinstance(dest, torch.Tensor) or dest.is_conj() or dest.is_neg():
+        return None
+    sizes = tuple(t.chunk.sizes)
+    if not (t.inter == t.dest_box and t.inter.offsets == tuple(t.chunk.offsets) and t.inter.sizes == sizes
+            and tuple(dest.shape) == sizes):
+        return None
+    mine = t.chunk.strides if t.chunk.strides is not None else row_major_strides(sizes)
+    got = tuple(dest.stride())
+    if not is_dense_layout(sizes, got) or any(a != b for a, b, n in zip(got, mine, sizes) if n > 1):
+        return None
+    return dest.as_strided((dest.numel(),), (1,)), 0
 
 
 def _split_box(chunk: Box, box: Box, itemsize: int, limit: int,
@@ -190,8 +214,7 @@ def _units(t, block: int, verify: bool, limit: int) -> Iterator[_Unit]:
     fit ``limit`` bytes, cut at checksum block boundaries."""
     nbytes = t.chunk.nbytes
     strides = t.chunk.strides  # None: row-major; else another dense layout (a DCP chunk's)
-    # Bytes copied flat only from a row-major chunk: another layout's bytes are in another order.
-    flat = _flat_dest(t) if strides is None else None
+    flat = _flat_dest(t)
     inter = t.inter
     if flat is not None and tuple(t.chunk.offsets) == inter.offsets and tuple(t.chunk.sizes) == inter.sizes:
         chunk, start, end = None, 0, nbytes  # the whole chunk (a load with the saved sharding)

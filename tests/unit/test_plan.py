@@ -335,6 +335,39 @@ def test_strided_chunks_sub_boxes_and_byte_ranges_hold_exactly_their_values(case
     assert torch.equal(seen, want)   # a tiling of the box: every element once, nothing outside
 
 
+def test_a_strided_chunk_is_copied_flat_only_into_the_same_box_laid_out_the_same_way():
+    """fill's choice between a flat copy (bytes in the same order: the C pipeline's memcpy) and a
+    strided one: flat only where the destination's memory is the chunk's bytes in their order."""
+    import torch
+
+    from distckpt.fill import Task, _flat_dest
+    from distckpt.manifest import ChunkRecord
+
+    def decide(chunk_strides, dest, offsets=(0, 0, 0, 0), inter=None):
+        sizes = (4, 3, 2, 5)
+        chunk = ChunkRecord(offsets, sizes, 0, 0, 4 * 120, (), chunk_strides)
+        box = Box(offsets, sizes)
+        return _flat_dest(Task("x", chunk, inter or box, dest, box, 4, torch.float32))
+
+    nhwc = (30, 1, 15, 3)
+    cl = torch.zeros(4, 3, 2, 5).to(memory_format=torch.channels_last)
+    assert cl.stride() == nhwc
+    flat, off = decide(nhwc, cl)
+    assert off == 0 and flat.dim() == 1 and flat.data_ptr() == cl.data_ptr() and flat.numel() == 120
+    assert decide(nhwc, torch.zeros(4, 3, 2, 5)) is None                     # row-major destination
+    assert decide(None, cl) is None                                          # row-major chunk
+    assert decide(nhwc, cl.double()) is None                                 # a cast
+    assert decide(nhwc, cl, inter=Box((0, 0, 0, 0), (2, 3, 2, 5))) is None   # part of the chunk
+    assert decide(nhwc, torch.zeros(4, 3, 2, 5).permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)) is None
+    conj = torch.zeros(4, 3, 2, 5, dtype=torch.complex64).to(memory_format=torch.channels_last).conj()
+    assert _flat_dest(Task("x", ChunkRecord((0,) * 4, (4, 3, 2, 5), 0, 0, 960, (), nhwc), Box((0,) * 4, (4, 3, 2, 5)),
+                           conj, Box((0,) * 4, (4, 3, 2, 5)), 8, torch.complex64)) is None
+    # A size-1 dimension's stride does not matter: the bytes are in the same order.
+    one = torch.zeros(1, 6).t()   # (6, 1) with strides (1, 6)
+    chunk = ChunkRecord((0, 0), (6, 1), 0, 0, 24, (), (1, 1))
+    assert _flat_dest(Task("y", chunk, Box((0, 0), (6, 1)), one, Box((0, 0), (6, 1)), 4, torch.float32)) is not None
+
+
 @given(st.integers(0, 10_000), st.integers(0, 10_000), st.sampled_from([1, 7, 16, 4096]), st.integers(0, 5000))
 @settings(max_examples=300, deadline=None)
 def test_expand_to_blocks(a, b, block, extra):
