@@ -483,6 +483,18 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
                 or len(rec.args) < 4:
             raise _Bad("data.pkl is not a single tensor")
         storage, storage_offset, size, stride = rec.args[:4]
+        # torch.save records a lazy conjugate or negative view (x.conj(), torch._neg_view) as its
+        # unresolved storage plus a flag in this dict ({'conj': True}): the bytes are not the
+        # values. Reading them raw would return them silently wrong: refuse any such flag.
+        flags_at = 7 if _is(rec, "torch._utils._rebuild_tensor_v3") else 6
+        flags = rec.args[flags_at] if len(rec.args) > flags_at else None
+        if flags is not None:
+            if not isinstance(flags, dict):
+                raise _Bad("tensor metadata is not a dict")
+            lazy = sorted(str(k) for k, v in flags.items() if v)
+            if lazy:
+                raise _Unsupported(f"a chunk stored as a lazy view with {lazy} set (torch.save keeps the view's "
+                                   f"flag, not its values)")
         if not _is(storage, "persistent") or not isinstance(storage.args[0], tuple) or len(storage.args[0]) != 5:
             raise _Bad("storage reference")
         kind, stype, key, _location, numel = storage.args[0]

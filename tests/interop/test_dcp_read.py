@@ -295,6 +295,29 @@ def test_an_overlapping_dcp_chunk_is_refused_not_misread(tmp_path):
     assert info.value.key == "ov" and "torch.distributed.checkpoint.load" in info.value.remedy
 
 
+def test_a_lazy_conj_or_neg_view_is_refused_not_misread(tmp_path):
+    """DCP torch.saves x.conj() (and a negative view) unresolved, with a flag beside the storage:
+    its bytes are not its values. Reading them raw returned them silently wrong; now a typed
+    refusal, in row-major and in transposed chunks alike."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.errors import UnsupportedValueError
+
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    y = torch.randn(3, 4)
+    for name, t, flag in [("c", x.conj(), "conj"), ("ct", x.t().conj(), "conj"), ("n", torch._neg_view(y), "neg"),
+                          ("nt", torch._neg_view(y.t()), "neg")]:
+        path = str(tmp_path / name)
+        dcp.save({"v": t, "ok": y}, checkpoint_id=path, no_dist=True)
+        with pytest.raises(UnsupportedValueError, match=f"lazy view with \\['{flag}'\\] set") as info:
+            distckpt.read(path)
+        assert info.value.key == "v"
+    # A resolved one reads exactly.
+    path = str(tmp_path / "resolved")
+    dcp.save({"v": x.conj().resolve_conj()}, checkpoint_id=path, no_dist=True)
+    assert torch.equal(distckpt.read(path)["v"], x.conj())
+
+
 def test_dcp_safetensors_serialization_is_refused_not_misread(tmp_path):
     """FileSystemWriter(serialization_format=SAFETENSORS) records offsets that do not point at the
     bytes: reading them raw would give wrong values, so it is a typed refusal."""
