@@ -25,7 +25,8 @@ What it promises (restore.load / restore.read rely on it):
     flight on every free one of ``PIPELINE_SLOTS`` bounce slots, and as each lands checks its
     crc32c blocks and then memcpys its runs into the destinations (one pass over bytes still in
     cache, no Python per segment or tensor). The rest (strided boxes, device destinations, readers
-    without the pipeline: object stores, the buffered backend) go to ``WORKERS`` threads that each
+    without the pipeline: object stores, the buffered backend) go to ``WORKERS`` threads (for
+    local files no more than the CPUs, at least 2: :func:`_workers`) that each
     read, verify and copy one segment at a time (reads, crc32c on blocks >= 32 KiB and torch's
     copies release the GIL).
   * Every reader is closed before :func:`fill` returns or raises, and every thread is joined and
