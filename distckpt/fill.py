@@ -155,9 +155,9 @@ def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
     dest = t.dest
     if dest.dtype != t.dtype:
         return None
-    if t.chunk.strides is not None or not dest.is_contiguous():
+    if t.chunk.strides is not None:
         return _same_layout(t, dest)
-    if dest.is_conj() or dest.is_neg():
+    if not dest.is_contiguous() or dest.is_conj() or dest.is_neg():
         return None  # a lazy conj/neg view has no plain bytes to copy into: copy_ through it
     if t.inter == t.dest_box:  # the whole destination (a load with the saved sharding)
         return dest, 0
@@ -169,19 +169,19 @@ def _flat_dest(t) -> tuple[torch.Tensor, int] | None:
 
 
 def _same_layout(t, dest: Any) -> tuple[torch.Tensor, int] | None:
-    """(a 1-D view of ``dest``'s memory, 0) when ``dest`` is a tensor holding exactly the task's
-    chunk, densely, with the chunk's strides (a DCP chunk stored channels_last or transposed,
-    loaded into a model of that layout at the sharding it was saved from): its bytes are then the
-    chunk's bytes in the same order, a flat copy. None otherwise (a strided copy)."""
+    """For a task whose chunk is stored strided: (a 1-D view of ``dest``'s memory, 0) when
+    ``dest`` is a tensor holding exactly that chunk, densely, with the chunk's strides (a DCP
+    chunk stored channels_last or transposed, loaded into a model of that layout at the sharding
+    it was saved from): its bytes are then the chunk's bytes in the same order, a flat copy.
+    None otherwise (a strided copy)."""
     if not isinstance(dest, torch.Tensor) or dest.is_conj() or dest.is_neg():
         return None
     sizes = tuple(t.chunk.sizes)
     if not (t.inter == t.dest_box and t.inter.offsets == tuple(t.chunk.offsets) and t.inter.sizes == sizes
             and tuple(dest.shape) == sizes):
         return None
-    mine = t.chunk.strides if t.chunk.strides is not None else row_major_strides(sizes)
     got = tuple(dest.stride())
-    if not is_dense_layout(sizes, got) or any(a != b for a, b, n in zip(got, mine, sizes) if n > 1):
+    if not is_dense_layout(sizes, got) or any(a != b for a, b, n in zip(got, t.chunk.strides, sizes) if n > 1):
         return None
     return dest.as_strided((dest.numel(),), (1,)), 0
 
