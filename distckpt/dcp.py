@@ -49,7 +49,7 @@ from typing import Any
 
 from . import manifest as mf
 from .errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedValueError, from_os_error
-from .plan import Box, find_tiling_defect, is_dense_layout
+from .plan import Box, find_tiling_defect, is_dense_layout, row_major_strides
 
 __all__ = ["METADATA_NAME", "is_dcp_checkpoint", "read_metadata", "load_manifest", "DcpMetadata",
            "DcpTensor", "DcpValue", "WRITER_META_KEY", "writer_meta", "decode_writer_value"]
@@ -515,7 +515,7 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
         strides: tuple[int, ...] | None = _ints(stride, "stride")
         if len(strides) != len(sizes):
             raise _Bad(f"stride {list(strides)} does not match shape {list(sizes)}")
-        if all(a == b for a, b, n in zip(strides, _contiguous_strides(sizes), sizes) if n > 1):
+        if all(a == b for a, b, n in zip(strides, row_major_strides(sizes), sizes) if n > 1):
             strides = None  # row-major (a dimension of size 1 may have any stride)
         else:
             if not is_dense_layout(sizes, strides):
@@ -540,14 +540,6 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
     except (_Bad, zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error) as exc:
         raise CheckpointCorruptError(f"DCP {where} is not a torch.save archive of that chunk: {exc}",
                                      path=fpath, key=fqn) from None
-
-
-def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for s in reversed(sizes):
-        out.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(out))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -435,8 +435,8 @@ def is_dense_layout(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether element ``strides`` lay an array of ``sizes`` out densely: its elements fill
     exactly ``prod(sizes)`` consecutive slots, no two in one (a permutation of a row-major
     layout, such as a transposed or channels_last tensor's). Dimensions of size 1 may have any
-    stride (they never move an index); the others, taken by decreasing stride, must have the
-    strides of a row-major array in that order."""
+    stride (they never move an index); the others, from the smallest stride up, must have the
+    strides of a row-major array whose dimensions run in that order, innermost first."""
     if len(sizes) != len(strides) or any(type(v) is not int or v < 0 for v in (*sizes, *strides)):
         return False
     acc = 1
