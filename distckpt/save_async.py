@@ -455,7 +455,8 @@ class _StagingGuard:
 
     What no counter sees (``torch._foreach_*`` in-place operations on DTensors outside an
     optimizer, writes through ``.data``, numpy or DLPack views, in-place collectives such as DDP's
-    buffer broadcast, extension kernels outside torch.optim) is ruled out only by the contract: nothing changes the state before ``wait_staged()``. A state holding TorchRec's
+    buffer broadcast, extension kernels outside torch.optim) is ruled out only by the contract:
+    nothing changes the state before ``wait_staged()``. A state holding TorchRec's
     sharded tables (updated inside the backward by fused kernels) or an inference-mode tensor (no
     counter) is staged on the caller's thread instead. On CUDA the counter check is exact (an
     operation queued after it runs behind copies already finished); on the CPU an operation still
