@@ -238,10 +238,42 @@ def _check_dense(fqn: str, t: torch.Tensor) -> None:
                 kind, "Store t.to_dense() (or its indices and values as tensors)."))
 
 
+def _checked_pieces(fqn: str, dtype: torch.dtype, shape: tuple[int, ...], pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` as given, once each is a tensor of ``dtype`` whose shape is its box and whose box
+    lies inside ``shape``. Pieces the caller assembles (LocalPieces, a ShardedTensor's or TorchRec's
+    local shards) are trusted for nothing else: a piece of another dtype would be written as raw
+    bytes under the declared one (an int32 piece read back as float32 garbage) or give a chunk
+    whose byte count the MANIFEST's reader refuses, after the save has committed it.
+
+    Raises:
+        UnsupportedValueError: naming the leaf and the first piece that does not fit.
+    """
+    for i, p in enumerate(pieces):
+        t = p.tensor
+        problem = None
+        if not isinstance(t, torch.Tensor):
+            problem = f"is a {type(t).__name__}, not a tensor"
+        elif t.dtype != dtype:
+            problem = f"is {t.dtype}, the tensor is declared {dtype}"
+        elif len(p.offsets) != len(shape) or len(p.sizes) != len(shape):
+            problem = f"has a box of {len(p.offsets)}/{len(p.sizes)} dimensions, the tensor {len(shape)}"
+        elif tuple(t.shape) != tuple(p.sizes):
+            problem = f"has shape {tuple(t.shape)}, its box sizes are {tuple(p.sizes)}"
+        elif any(o < 0 or n < 0 or o + n > d for o, n, d in zip(p.offsets, p.sizes, shape)):
+            problem = f"box at {tuple(p.offsets)} of sizes {tuple(p.sizes)} lies outside the shape {shape}"
+        if problem is not None:
+            raise UnsupportedValueError(f"{fqn!r}: local piece {i} {problem}", key=fqn,
+                                        remedy="Give each local piece a tensor of the declared dtype whose "
+                                        "shape is its box (offsets + sizes inside the global shape).")
+    return pieces
+
+
 def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | None) -> TensorItem:
     if isinstance(value, LocalPieces):
         # Explicit disjoint pieces, exactly like a ShardedTensor's local shards.
-        return TensorItem(fqn, "sharded_tensor", value.dtype, tuple(value.shape), list(value.pieces), path)
+        shape = tuple(int(d) for d in value.shape)
+        return TensorItem(fqn, "sharded_tensor", value.dtype, shape,
+                          _checked_pieces(fqn, value.dtype, shape, list(value.pieces)), path)
     DTensor = _dtensor_type()
     ShardedTensor = _sharded_tensor_type()
     if ShardedTensor is not None and isinstance(value, ShardedTensor):
@@ -253,8 +285,9 @@ def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | 
         # shape and dtype from the metadata: value.dtype / value.size() go through ShardedTensor's
         # deprecated __torch_function__ and warn on every call (a FutureWarning per tensor saved).
         md = value.metadata()
-        return TensorItem(fqn, "sharded_tensor", md.tensor_properties.dtype, tuple(int(n) for n in md.size),
-                          pieces, path)
+        shape = tuple(int(n) for n in md.size)
+        return TensorItem(fqn, "sharded_tensor", md.tensor_properties.dtype, shape,
+                          _checked_pieces(fqn, md.tensor_properties.dtype, shape, pieces), path)
     if DTensor is not None and isinstance(value, DTensor):
         local = value.to_local()
         shape = tuple(value.shape)
@@ -265,7 +298,8 @@ def _tensor_item(fqn: str, value: torch.Tensor, path: tuple, mesh_cache: dict | 
             # shard offsets are right, so they are the only thing trusted here.
             pieces = [Piece(tuple(int(o) for o in off), tuple(t.shape), t, unguarded=True)
                       for off, t in zip(local.local_offsets(), local.local_shards())]
-            return TensorItem(fqn, "dtensor", value.dtype, shape, pieces, path)
+            return TensorItem(fqn, "dtensor", value.dtype, shape, _checked_pieces(fqn, value.dtype, shape, pieces),
+                              path)
         from torch.distributed.tensor import Partial
         if any(isinstance(p, Partial) for p in value.placements):
             raise UnsupportedValueError(
