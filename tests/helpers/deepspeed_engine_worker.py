@@ -63,7 +63,7 @@ def _model() -> torch.nn.Module:
 
 def _engine(cfg: str, *, extra: dict | None = None, freeze: str | None = None):
     import deepspeed
-    stage, precision = cfg.split("-")
+    stage, precision, *flags = cfg.split("-")  # "-offload": ZeRO-Offload to the CPU (DeepSpeedCPUAdam)
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
@@ -77,6 +77,11 @@ def _engine(cfg: str, *, extra: dict | None = None, freeze: str | None = None):
         "steps_per_print": 10 ** 9,
         **(extra or {}),
     }
+    if "offload" in flags:
+        config["optimizer"]["params"].pop("torch_adam")
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if int(stage) == 3:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     model = _model()
     if freeze is not None:  # a frozen layer (a LoRA-style base)
         getattr(model, freeze).requires_grad_(False)

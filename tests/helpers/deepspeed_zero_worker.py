@@ -60,8 +60,12 @@ class Net(nn.Module):
 
 
 def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3,
-               two_groups: bool = False):
-    dtype, persist, frozen = dtype.split("+")[0], dtype.endswith("+persist"), dtype.endswith("+frozen")
+               two_groups: bool = False, adam_w_mode: bool | None = None, offload_ratio: float | None = None):
+    """A trained-from-scratch engine. ``dtype`` is fp32 or bf16 with flags: +persist, +frozen,
+    +offload (ZeRO-Offload to the CPU: DeepSpeedCPUAdam; at stage 3 the parameters too),
+    +bf16master (bf16 master weights and bf16 Adam states; needs +offload)."""
+    dtype, *flags = dtype.split("+")
+    persist, frozen, offload = "persist" in flags, "frozen" in flags, "offload" in flags
     torch.manual_seed(seed)
     model = Net(widths)
     if frozen:  # "+frozen": the first weight is not trained (a frozen base model, as under LoRA)
@@ -77,8 +81,18 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
                               "reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16},
         "steps_per_print": 1 << 30,
     }
+    if adam_w_mode is not None:  # DeepSpeed's "Adam" is AdamW (decoupled weight decay) unless this is False
+        cfg["optimizer"]["params"]["adam_w_mode"] = adam_w_mode
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if offload_ratio is not None:
+            cfg["zero_optimization"]["offload_optimizer"]["ratio"] = offload_ratio
+        if stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+        if "bf16master" in flags:
+            cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     params = model.parameters()
     if two_groups:  # biases without weight decay: two optimizer param groups
         params = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
@@ -200,6 +214,12 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         engine = engine_for(stage, dtype, seed=1, two_groups=True)
     elif case == "stage":
         engine = engine_for(3 if stage != 3 else 1, dtype, seed=1)
+    elif case == "adam_l2":  # DeepSpeed's Adam kernel in Adam (L2) mode; the saved one ran AdamW
+        engine = engine_for(stage, dtype, seed=1, adam_w_mode=False)
+    elif case == "partial":  # a share of the sub-groups stepped by a second optimizer
+        engine = engine_for(stage, dtype, seed=1, offload_ratio=0.5)
+    elif case == "master_bf16":  # saved with fp32 masters, loaded onto bf16 ones: would round them
+        engine = engine_for(stage, dtype + "+bf16master", seed=1)
     elif case == "optimizer":
         torch.manual_seed(1)
         model = Net()
@@ -287,17 +307,26 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": raised, "kept": kept, "same": True, "untouched": True}, f)
         return
-    elif case in ("stage2", "stage3_allowed", "rollback"):
+    elif case in ("stage2", "stage3_allowed", "rollback", "offload_on", "offload_off", "master_fp32"):
         # not an error: stage 1 -> 2 (one layout) always, stage 1 -> 3 when asked for; a rollback
-        # into an engine that has trained (its optimizer state exists and is filled in place)
-        engine = engine_for({"stage2": 2, "stage3_allowed": 3}.get(case, stage), dtype, seed=1)
+        # into an engine that has trained (its optimizer state exists and is filled in place);
+        # ZeRO-Offload turned on or off (FusedAdam <-> DeepSpeedCPUAdam); bf16 masters and Adam
+        # states loaded onto fp32 ones (widened exactly: every value equal, in float32)
+        target = {"offload_on": dtype + "+offload", "offload_off": dtype.replace("+offload", ""),
+                  "master_fp32": dtype.replace("+bf16master", "")}.get(case, dtype)
+        engine = engine_for({"stage2": 2, "stage3_allowed": 3}.get(case, stage), target, seed=1)
         if case == "rollback":
             train(engine, 4, 10)
         dds.load(engine, ckpt, allow_stage_change=case == "stage3_allowed")
         got = gather(engine)
         ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)["ref"]
-        same = all(torch.equal(got[n][k], v) if torch.is_tensor(v) else got[n][k] == v
-                   for n, e in ref.items() for k, v in e.items())
+        if case == "master_fp32":
+            same = all(got[n][k].dtype == torch.float32 and torch.equal(got[n][k], v.float())
+                       if torch.is_tensor(v) and k != "frozen" else got[n][k] == v
+                       for n, e in ref.items() for k, v in e.items())
+        else:
+            same = all(torch.equal(got[n][k], v) if torch.is_tensor(v) else got[n][k] == v
+                       for n, e in ref.items() for k, v in e.items())
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return

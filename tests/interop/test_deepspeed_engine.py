@@ -49,7 +49,7 @@ LAUNCH_TIMEOUT_S = 480
 # Side by side with DeepSpeed's own engine (tests/helpers/deepspeed_engine_worker.py native:<cfg>), two launches
 # the ENOSPC must come from the data write itself, not from the pre-flight space check
 RUN_ENV = {"DISTCKPT_PREFLIGHT": "0", "DISTCKPT_TIMEOUT_S": "60"}
-NATIVE_GROUPS = [["0-bf16", "2-bf16"], ["1-fp32", "3-bf16"]]
+NATIVE_GROUPS = [["0-bf16", "2-bf16"], ["1-fp32", "3-bf16"], ["2-bf16-offload", "3-bf16-offload"]]
 
 
 def _torchrun(n: int, out: str, phases: list[str], env: dict | None = None,

@@ -10,11 +10,12 @@ parameter, no conversion step runs.
 
 What is stored (keys of the checkpoint)::
 
-    model.<param name>            fp32 master weights, full parameter shape (what zero_to_fp32.py
-                                  gives); frozen (requires_grad=False) parameters and module
-                                  buffers in the module's dtype
+    model.<param name>            master weights (fp32, or bf16 under bf16_master_weights_and_grads),
+                                  full parameter shape (what zero_to_fp32.py gives); frozen
+                                  (requires_grad=False) parameters and module buffers in the
+                                  module's dtype
     optim.<param name>.<state>    every optimizer state tensor shaped like the master partition
-                                  (Adam exp_avg, exp_avg_sq, ...), full parameter shape, fp32
+                                  (Adam exp_avg, exp_avg_sq, ...), full parameter shape, in its dtype
     optim.<param name>.<scalar>   per-parameter scalar state (Adam step), one value per parameter
     deepspeed                     JSON: format, stage, dp size, dtypes, parameter order and shapes,
                                   optimizer class and param-group hyper-parameters, engine counters,
@@ -25,7 +26,7 @@ What is stored (keys of the checkpoint)::
                                   back as the Counter it steps by)
     client                        the caller's ``client_state`` (typed values, no pickle)
 
-so ``distckpt.read(path, keys=["model"])["model"]`` is the consolidated fp32 state dict, on one
+so ``distckpt.read(path, keys=["model"])["model"]`` is the consolidated master state dict, on one
 process, and ``distckpt inspect`` shows a ``deepspeed`` line from the manifest's metadata.
 
 Partition layouts this reads (DeepSpeed 0.19.8, read from its sources):
@@ -44,9 +45,13 @@ Partition layouts this reads (DeepSpeed 0.19.8, read from its sources):
     everything; a save splits each tensor so every rank writes a part).
   * Stage 0, bf16/fp16 (``FP16_Optimizer``): per group one unpadded flat fp32 master
     (``fp32_groups_flat``), replicated.
+  * ZeRO-Offload (``offload_optimizer`` / ``offload_param`` on ``cpu``): the same layouts, the
+    masters and optimizer state in host memory, stepped by DeepSpeedCPUAdam (whose checkpoints
+    load into FusedAdam and back: ``_ADAM_KERNELS``). NVMe and partial offload are refused.
 
 Where a load cannot be exact it raises :class:`distckpt.errors.ReshardError` before any byte is
-read: another parameter set or shapes, another optimizer class or state keys, another ZeRO stage
+read: another parameter set or shapes, another optimizer class (or Adam mode) or state keys,
+masters or state that a load would round (saved fp32, now bf16), another ZeRO stage
 (1 <-> 2 share one layout; others need ``allow_stage_change=True``), a different number of param
 groups, another loss-scaler class, or parameters of one flat group whose saved scalar state (step)
 differs. The loss scaler's counters (fp16 dynamic scale) are saved and restored.
@@ -65,6 +70,7 @@ import torch
 from ... import containers, tensorrecords
 from ...errors import ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces, flatten
+from ...tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 
 __all__ = ["save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
 
@@ -113,6 +119,24 @@ class _Layout:
     model_dtype: torch.dtype
     refresh: Any               # callable: push loaded masters into the module's weights
     wrapper: Any = None        # engine.optimizer (DeepSpeed's wrapper: loss scaler, partitions)
+    master_dtype: torch.dtype = torch.float32   # fp32, or bf16 (bf16_master_weights_and_grads)
+
+
+# DeepSpeed's two Adam kernels: FusedAdam (on the accelerator) and DeepSpeedCPUAdam (what
+# ZeRO-Offload steps with). Their state is the same (exp_avg, exp_avg_sq shaped like the master, an
+# int step) and so are their hyper-parameters, so a checkpoint of one loads exactly into the other:
+# a job can turn offload on or off between runs, as DeepSpeed's own load allows (torch's
+# Optimizer.load_state_dict checks no class). Adam vs AdamW is a constructor flag of both
+# (adam_w_mode), recorded and checked on its own.
+_ADAM_KERNELS = frozenset({"FusedAdam", "DeepSpeedCPUAdam"})
+
+
+def _adam_w_mode(base) -> bool | None:
+    """AdamW (decoupled weight decay) or Adam for DeepSpeed's Adam kernels; None for others (torch
+    optimizers say it by their class)."""
+    if type(base).__name__ not in _ADAM_KERNELS or not hasattr(base, "adam_w_mode"):
+        return None
+    return bool(base.adam_w_mode)
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -148,6 +172,12 @@ def _layout(engine) -> _Layout:
     """This rank's view of the engine's optimizer partitions."""
     lay = _layout_of(engine)
     lay.wrapper = engine.optimizer
+    dtypes = {owner.flat.dtype for owner in lay.owners}
+    if len(dtypes) > 1:
+        raise UnsupportedValueError(f"the ZeRO master partitions have several dtypes: {sorted(map(str, dtypes))}",
+                                    key=_META)
+    if dtypes:
+        lay.master_dtype = dtypes.pop()
     return lay
 
 
@@ -159,10 +189,7 @@ def _layout_of(engine) -> _Layout:
     stage = int(engine.zero_optimization_stage())
     names = _names(engine)
     cls = type(opt).__name__
-    if getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False) \
-            or getattr(opt, "offload_param", False):
-        raise UnsupportedValueError(f"ZeRO offload ({cls}) is not supported", key=_META,
-                                    remedy="Disable offload_optimizer / offload_param.")
+    _check_offload(engine, opt)
     if cls == "DeepSpeedZeroOptimizer":
         return _layout_zero12(engine, opt, stage, names)
     if cls == "DeepSpeedZeroOptimizer_Stage3":
@@ -172,7 +199,41 @@ def _layout_of(engine) -> _Layout:
     if stage == 0 and isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer"):
         return _layout_stage0(engine, opt, names)
     raise UnsupportedValueError(f"DeepSpeed optimizer wrapper {cls} (ZeRO stage {stage}) is not supported",
-                                key=_META, remedy="Use ZeRO stage 0-3 without offload, in fp32 or bf16.")
+                                key=_META, remedy="Use ZeRO stage 0-3 (DeepSpeed's ZeRO optimizers), in fp32 or bf16.")
+
+
+def _offload_device(config: Any) -> str:
+    """"cpu", "nvme" or "none": where a ZeRO offload section sends its tensors."""
+    if config is None:
+        return "none"
+    device = getattr(config, "device", "none")
+    return str(getattr(device, "value", device))
+
+
+def _check_offload(engine, opt) -> None:
+    """Refuse the offload modes whose state does not sit in this process's memory as ZeRO's
+    in-memory layouts describe it. CPU offload (ZeRO-Offload: ``offload_optimizer`` and, at stage
+    3, ``offload_param`` on ``cpu``) only moves the same flat masters and optimizer state into
+    host memory, and is read and written like the GPU-resident case.
+
+    Raises:
+        UnsupportedValueError: NVMe offload (state swapped out to files), partial offload (a share
+            of the sub-groups stepped by a second optimizer) or ZenFlow.
+    """
+    found = []
+    if _offload_device(engine.zero_offload_optimizer()) == "nvme" or getattr(opt, "swap_optimizer", False):
+        found.append("offload_optimizer to NVMe (the optimizer state is swapped out to files)")
+    if _offload_device(engine.zero_offload_param()) == "nvme" or getattr(opt, "params_in_nvme_and_cpu", False):
+        found.append("offload_param to NVMe (the parameter partitions are swapped out to files)")
+    if float(getattr(opt, "partial_offload", 1.0)) != 1.0:
+        found.append(f"partial optimizer offload (ratio {opt.partial_offload}: some sub-groups are stepped by a "
+                     f"second optimizer whose state this does not describe)")
+    if getattr(opt, "zenflow", False):
+        found.append("ZenFlow (overlapped, stale-gradient optimizer steps)")
+    if found:
+        raise UnsupportedValueError("DeepSpeed ZeRO " + "; ".join(found) + " is not supported", key=_META,
+                                    remedy="Offload to cpu (offload_optimizer / offload_param device 'cpu', ratio "
+                                    "1.0) or not at all; or save with DeepSpeed's own checkpoints.")
 
 
 def _layout_zero12(engine, opt, stage: int, names) -> _Layout:
@@ -364,8 +425,10 @@ def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
         "layout": lay.kind,
         "dp_size": lay.dp_size,
         "model_dtype": str(lay.model_dtype).replace("torch.", ""),
-        "master_dtype": "float32",
+        "master_dtype": dtype_name(lay.master_dtype),
+        "state_dtypes": {k: dtype_name(d) for k, d in _state_dtypes(lay, flat_keys).items()},
         "optimizer": type(lay.base).__name__,
+        "adam_w_mode": _adam_w_mode(lay.base),
         "params": [[name, list(shape)] for name, shape in lay.shapes.items()],
         "state_keys": flat_keys,
         "scalar_keys": scalar_keys,
@@ -408,6 +471,28 @@ def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
             raise UnsupportedValueError(f"optimizer state keys differ between parameter groups: {seen} and {keys}",
                                         key=_META)
     return seen or ([], [])
+
+
+def _state_dtypes(lay: _Layout, flat_keys: list[str]) -> dict[str, torch.dtype]:
+    """{state key: dtype} of the optimizer's per-element state (fp32, or bf16 under DeepSpeed's
+    ``bf16_optimizer_states``), the same for every owner."""
+    out: dict[str, torch.dtype] = {}
+    for k in flat_keys:
+        dtypes = {lay.base.state[owner.key][k].dtype for owner in lay.owners if k in lay.base.state.get(owner.key, {})}
+        if len(dtypes) > 1:
+            raise UnsupportedValueError(f"optimizer state {k!r} has several dtypes: {sorted(map(str, dtypes))}",
+                                        key=_META)
+        out[k] = dtypes.pop() if dtypes else _fresh_state_dtype(lay)
+    return out
+
+
+def _fresh_state_dtype(lay: _Layout) -> torch.dtype:
+    """The dtype the optimizer gives per-element state it creates at its first step: the master's
+    (``zeros_like``), except DeepSpeedCPUAdam's fp32 states over bf16 masters
+    (``fp32_optimizer_states``, its default)."""
+    if getattr(lay.base, "fp32_optimizer_states", False):
+        return torch.float32
+    return lay.master_dtype
 
 
 def _module_buffers(engine) -> dict[str, torch.Tensor]:
@@ -474,11 +559,12 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
     owner_of = {name: owner for owner in lay.owners for name in owner.names}
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
+    state_dtypes = _state_dtypes(lay, flat_keys)
     for name, shape in lay.shapes.items():
-        model[name] = _leaf(shape, torch.float32, parts[name], lambda o: o.flat)
+        model[name] = _leaf(shape, lay.master_dtype, parts[name], lambda o: o.flat)
         entry = {}
         for k in flat_keys:
-            entry[k] = _leaf(shape, torch.float32, parts[name], lambda o, k=k: lay.base.state[o.key][k].view(-1))
+            entry[k] = _leaf(shape, state_dtypes[k], parts[name], lambda o, k=k: lay.base.state[o.key][k].view(-1))
         for k in scalar_keys:
             v = lay.base.state[owner_of[name].key][k]
             entry[k] = v.detach().clone() if torch.is_tensor(v) else v
@@ -525,7 +611,8 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
     (:func:`distckpt.save`'s protocol and guarantees).
 
     Args:
-        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0-3, fp32 or bf16, no offload, one
+        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0-3, fp32 or bf16, optimizer and
+            parameters on the accelerator or offloaded to the CPU, one
             data-parallel group spanning the job).
         path: the checkpoint directory to create.
         client_state: plain values and tensors saved under ``client``. A value that differs
@@ -542,7 +629,7 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
         :class:`distckpt.SaveResult`.
 
     Raises:
-        UnsupportedValueError: an engine layout this cannot describe (offload, model/pipeline
+        UnsupportedValueError: an engine layout this cannot describe (NVMe or partial offload, model/pipeline
             parallel groups, an optimizer state that is neither per element nor
             scalar). The errors of :func:`distckpt.save`.
     """
@@ -601,7 +688,8 @@ def _saved_meta(path: str) -> dict:
     return meta
 
 
-def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, frozen_now: dict | None = None) -> None:
+def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, frozen_now: dict | None = None,
+               check_state: bool = True) -> None:
     """Raise ReshardError for every way the target differs from the saved job such that the load
     would not be exact."""
     saved = {name: tuple(shape) for name, shape in meta["params"]}
@@ -622,9 +710,14 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, fr
         problems.append(f"{len(extra)} saved parameter(s) the model does not have: {extra[:5]}")
     if reshaped:
         problems.append(f"{len(reshaped)} parameter(s) changed shape: {reshaped[:5]}")
-    if meta["optimizer"] != type(lay.base).__name__:
-        problems.append(f"saved optimizer {meta['optimizer']}, now {type(lay.base).__name__} (its state "
+    now_opt = type(lay.base).__name__
+    if meta["optimizer"] != now_opt and not {meta["optimizer"], now_opt} <= _ADAM_KERNELS:
+        problems.append(f"saved optimizer {meta['optimizer']}, now {now_opt} (its state "
                         f"does not carry over exactly)")
+    saved_mode, mode = meta.get("adam_w_mode"), _adam_w_mode(lay.base)
+    if saved_mode is not None and mode is not None and saved_mode != mode:
+        problems.append(f"saved with {'AdamW' if saved_mode else 'Adam'} (adam_w_mode={saved_mode}), this optimizer "
+                        f"is {'AdamW' if mode else 'Adam'}: the mode is the kernel's, a load cannot change it")
     if len(meta["param_groups"]) != len(lay.base.param_groups):
         problems.append(f"saved {len(meta['param_groups'])} optimizer param group(s), now {len(lay.base.param_groups)}")
     else:
@@ -633,6 +726,23 @@ def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, fr
         moved = [f"{n}: group {g} -> {now[n]}" for n, g in meta.get("group_of", {}).items() if n in now and now[n] != g]
         if moved:
             problems.append(f"{len(moved)} parameter(s) in another optimizer param group: {moved[:5]}")
+    # Masters and state may widen exactly (bf16 saved, fp32 now: bf16_master_weights_and_grads
+    # turned off); narrowing would round them.
+    saved_master = meta.get("master_dtype", "float32")
+    if not _widens(saved_master, dtype_name(lay.master_dtype)):
+        problems.append(f"saved master weights in {saved_master}, this engine's are {dtype_name(lay.master_dtype)} "
+                        f"(bf16_master_weights_and_grads differs; a load would round them)")
+    if check_state:
+        saved_states = meta.get("state_dtypes") or {k: "float32" for k in meta["state_keys"]}
+        have = _state_keys(lay)[0]
+        now_states = {k: dtype_name(d) for k, d in _state_dtypes(lay, have).items()}
+        if not have:  # no state yet: what the optimizer's first step would create
+            now_states = {k: dtype_name(_fresh_state_dtype(lay)) for k in saved_states}
+        changed = [f"{k}: saved {v}, now {now_states[k]}" for k, v in sorted(saved_states.items())
+                   if k in now_states and not _widens(v, now_states[k])]
+        if changed:
+            problems.append(f"optimizer state in a narrower dtype ({'; '.join(changed)}: fp32_optimizer_states or "
+                            f"bf16_optimizer_states differs; a load would round it)")
     saved_scaler = (meta.get("loss_scaler") or {}).get("class")
     scaler = getattr(lay.wrapper, "loss_scaler", None)
     if saved_scaler and scaler is not None and saved_scaler != type(scaler).__name__:
@@ -665,11 +775,15 @@ def _saved_tensors_of(path: str, identity: tuple) -> dict:
 def _scalar_slot(path: str, name: str, key: str) -> Any:
     """Where a fresh optimizer receives saved scalar state ``key``: a tensor of the saved dtype and
     shape when it was saved as a tensor (torch Adam's ``step``), else a plain value."""
-    from ...tensorbytes import dtype_from_name
     entry = _saved_tensors(path).get(f"optim.{name}.{key}")
     if entry is None:
         return 0
     return torch.zeros(tuple(entry.shape), dtype=dtype_from_name(entry.dtype, path=path))
+
+
+def _widens(saved: str, now: str) -> bool:
+    """Whether values saved in dtype ``saved`` load exactly into dtype ``now``."""
+    return saved == now or now in EXACT_CASTS.get(saved, ())
 
 
 def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
@@ -680,7 +794,7 @@ def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
         for owner in lay.owners:
             st = lay.base.state[owner.key]
             for k in flat_keys:
-                st[k] = torch.zeros_like(owner.key, dtype=torch.float32)
+                st[k] = torch.zeros_like(owner.key, dtype=_fresh_state_dtype(lay))
             for k in scalar_keys:
                 st[k] = _scalar_slot(path, owner.names[0], k)  # replaced below by the loaded value
         return
@@ -695,9 +809,9 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
     """Load a checkpoint written by :func:`save` into ``engine``, at any data-parallel size.
 
     Collective: every rank calls it. Each rank reads only the byte ranges its own partition needs
-    (stage 0: everything, it is replicated), then the module weights are rebuilt from the fp32
-    masters the way a DeepSpeed step does. The fp32 masters and optimizer state are bit-identical
-    to the saved ones; the engine's step counters, param-group hyper-parameters (lr, betas, ...)
+    (stage 0: everything, it is replicated), then the module weights are rebuilt from the
+    masters the way a DeepSpeed step does. The masters and optimizer state are bit-identical to
+    the saved ones (or widened exactly: bf16 saved, fp32 now); the engine's step counters, param-group hyper-parameters (lr, betas, ...)
     and lr-scheduler state are restored.
 
     ``keep_module_weights`` (stage 1/2): keep the module weights the engine holds instead of
@@ -706,8 +820,8 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
 
     Raises:
         ReshardError: the checkpoint is not such a checkpoint, or cannot be loaded exactly onto
-            this engine (other parameters or shapes, frozen parameters, optimizer class or state
-            keys, another number of param groups or a parameter in another group, another loss
+            this engine (other parameters or shapes, frozen parameters, optimizer class, Adam
+            mode or state keys, masters or state a load would round, another number of param groups or a parameter in another group, another loss
             scaler, another ZeRO stage without ``allow_stage_change`` (1 <-> 2 always loads),
             scalar state such as Adam's step that differs between parameters that now share one
             flat group). Raised on every rank before the engine changes.
@@ -732,7 +846,7 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
     lay = _layout(engine)
     # Frozen parameters left out at save (exclude_frozen_parameters) keep the engine's own values.
     frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
-    _reconcile(path, meta, lay, allow_stage_change, frozen)
+    _reconcile(path, meta, lay, allow_stage_change, frozen, check_state=load_optimizer_states)
     sched = getattr(engine, "lr_scheduler", None)
     sched_state = None
     if load_optimizer_states and load_lr_scheduler_states and sched is not None \
@@ -748,10 +862,12 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
     parts = _pieces_for(lay, writing=False)
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
+    # the dtypes this engine holds (the saved ones widen into them exactly: _reconcile)
+    state_dtypes = _state_dtypes(lay, meta["state_keys"]) if load_optimizer_states else {}
     for name, shape in lay.shapes.items():
-        model[name] = _leaf(shape, torch.float32, parts[name], lambda o: o.flat)
+        model[name] = _leaf(shape, lay.master_dtype, parts[name], lambda o: o.flat)
         if load_optimizer_states:
-            optim[name] = {k: _leaf(shape, torch.float32, parts[name],
+            optim[name] = {k: _leaf(shape, state_dtypes[k], parts[name],
                                     lambda o, k=k: lay.base.state[o.key][k].view(-1)) for k in meta["state_keys"]}
     model.update(frozen)
     for name, buf in _module_buffers(engine).items():
