@@ -330,6 +330,9 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return
+    elif case == "hostile":
+        _hostile(stage, dtype, ckpt, out)
+        return
     elif case == "not_deepspeed":
         engine = engine_for(stage, dtype, seed=1)
         ckpt = os.path.join(out, "plain")
@@ -344,6 +347,60 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
     doc["untouched"] = all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(doc, f)
+
+
+def _hostile(stage: int, dtype: str, ckpt: str, out: str) -> None:
+    """Copies of the checkpoint whose ``deepspeed`` metadata (or a step value) was damaged or
+    crafted, each loaded into one engine: record, per variant, the error class and whether the
+    engine (weights, masters, Adam state, counters, lr) was left exactly as it was."""
+    full = distckpt.read(ckpt)
+    meta = json.loads(full["deepspeed"])
+    group = meta["param_groups"][0]
+    variants = {
+        "not_json": "{not json", "a_list": [1, 2],
+        "no_params": {k: v for k, v in meta.items() if k != "params"},
+        "params_form": {**meta, "params": [["x"]]},
+        "state_keys_form": {**meta, "state_keys": 5},
+        "counters_form": {**meta, "engine": {"global_steps": "x", "global_samples": [], "skipped_steps": None}},
+        "lr_form": {**meta, "param_groups": [{**group, "lr": "abc"}]},
+        "betas_form": {**meta, "param_groups": [{**group, "betas": [0.9, 0.99, 0.5]}]},
+        "scaler_form": {**meta, "loss_scaler": {"class": (meta["loss_scaler"] or {}).get("class", "LossScaler"),
+                                                 "state": {"cur_scale": "big"}}},
+        "group_of_form": {**meta, "group_of": [1]},
+        "scheduler_form": {**meta, "lr_scheduler": 7},
+        "stage_form": {**meta, "stage": "two"},
+        "client_records_form": {**meta, "client_containers": {"x": 1}},
+        "step_form": "step",
+    }
+    engine = engine_for(stage, dtype, seed=1)
+    train(engine, 1, 0)
+    before = gather(engine) | {"counters": [engine.global_steps, engine.global_samples],
+                               "lr": engine.optimizer.param_groups[0]["lr"]}
+    results = {}
+    for name, value in variants.items():
+        sd = dict(full)
+        if value == "step":
+            sd["optim"] = {p: {**st, "step": "x"} for p, st in full["optim"].items()}
+        else:
+            sd["deepspeed"] = value if isinstance(value, str) else json.dumps(value)
+        path = os.path.join(out, f"hostile_{name}")
+        if dist.get_rank() == 0:
+            distckpt.save(sd, path, overwrite=True, no_dist=True)
+        dist.barrier()
+        try:
+            dds.load(engine, path)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - the class is what is recorded
+            raised = f"{type(exc).__module__}.{type(exc).__name__}: {str(exc)[:200]}"
+        now = gather(engine) | {"counters": [engine.global_steps, engine.global_samples],
+                                "lr": engine.optimizer.param_groups[0]["lr"]}
+        same = before.keys() == now.keys() and all(
+            all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in
+                zip(before[k].values(), now[k].values())) if isinstance(before[k], dict) else before[k] == now[k]
+            for k in before)
+        results[name] = {"raised": raised, "untouched": bool(same)}
+    with open(os.path.join(out, f"err_hostile_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(results, f)
 
 
 def _without_shm_op() -> None:

@@ -190,7 +190,8 @@ def test_reshard_errors_are_typed(saved):
     one: ReshardError on every rank, before the engine is touched; partial offload is an
     UnsupportedValueError. And what does load: stage 1 -> 2, stage 1 -> 3 with
     allow_stage_change, a client torch.optim.AdamW, a rollback into engines that trained on (stage
-    1 and 3: state filled in place), ZeRO-Offload turned on and off, fp32 masters for bf16 ones."""
+    1 and 3: state filled in place), ZeRO-Offload turned on and off, fp32 masters for bf16 ones.
+    Damaged or crafted metadata: ManifestCorruptError, the engine untouched."""
     out = os.path.join(_dir(saved, "1:fp32"), "out")
     distckpt.save({"x": torch.ones(3)}, os.path.join(out, "plain"), no_dist=True)
     cases = ["shape", "params", "groups", "stage", "optimizer", "not_deepspeed"]
@@ -198,7 +199,7 @@ def test_reshard_errors_are_typed(saved):
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
               "2:fp32:client_adamw,client_rank,client_one_rank", "3:bf16+frozen:rollback", "1:fp32:offload_on",
-              "2:bf16+offload:offload_off,adam_l2", "3:bf16+offload:offload_off,partial,master_bf16",
+              "2:bf16+offload:offload_off,adam_l2,hostile", "3:bf16+offload:offload_off,partial,master_bf16",
               "3:bf16+offload+bf16master:master_fp32")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
               "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed",
@@ -235,6 +236,14 @@ def test_reshard_errors_are_typed(saved):
                 ("3:bf16+offload", "partial", "UnsupportedValueError", "partial optimizer offload (ratio 0.5")):
             d = json.load(open(os.path.join(_dir(saved, cfg), "out", f"err_{case}_rank{rank}.json")))
             assert d["raised"] == cls and text in d["message"] and d["untouched"], (case, d)
+        # damaged or crafted metadata: typed, on every rank, the engine exactly as it was (it was
+        # an AttributeError, KeyError or ValueError midway, or a load that set the step counter to
+        # a string, the lr to "abc" and the loss scale to "big")
+        hostile = json.load(open(os.path.join(_dir(saved, "2:bf16+offload"), "out", f"err_hostile_rank{rank}.json")))
+        assert len(hostile) == 14
+        for name, d in hostile.items():
+            assert d["raised"] and d["raised"].startswith("distckpt.errors.ManifestCorruptError"), (name, d)
+            assert d["untouched"], (name, d)
     for case in cases:
         for rank in (0, 1):
             d = json.load(open(os.path.join(out, f"err_{case}_rank{rank}.json")))

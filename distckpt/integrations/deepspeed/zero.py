@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from ... import containers, tensorrecords
-from ...errors import ReshardError, UnsupportedValueError
+from ...errors import ManifestCorruptError, ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces, flatten
 from ...tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 
@@ -452,11 +452,15 @@ def _scaler_state(opt) -> dict | None:
 
 
 def _set_scaler(opt, saved: dict | None, path: str) -> None:
+    """Set the scaler's plain attributes that it has now (checked by :func:`_check_restorable`);
+    a saved attribute this DeepSpeed's scaler does not have is not created."""
     scaler = getattr(opt, "loss_scaler", None)
     if saved is None or scaler is None:
         return
+    now = vars(scaler)
     for k, v in saved["state"].items():
-        setattr(scaler, k, v)
+        if k in now:
+            setattr(scaler, k, v)
 
 
 def _state_keys(lay: _Layout) -> tuple[list[str], list[str]]:
@@ -682,10 +686,81 @@ def _saved_meta(path: str) -> dict:
         raise ReshardError("the checkpoint is not a distckpt DeepSpeed ZeRO checkpoint (no 'deepspeed' entry)",
                            path=path, key=_META, remedy="Load it with distckpt.load/read, or save with "
                            "distckpt.integrations.deepspeed.save.")
-    meta = json.loads(raw)
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestCorruptError(f"the '{_META}' entry is not JSON: {exc}", path=path, key=_META) from None
+    if not isinstance(meta, dict):
+        raise ManifestCorruptError(f"the '{_META}' entry is a JSON {type(meta).__name__}, not an object",
+                                   path=path, key=_META)
     if meta.get("format") not in _READS:
         raise ReshardError(f"checkpoint format {meta.get('format')!r}, this reads {list(_READS)}", path=path, key=_META)
+    _check_meta(meta, path)
     return meta
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _is_shapes(v: Any) -> bool:
+    """[[name, [dim, ...]], ...]"""
+    return isinstance(v, list) and all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], list)
+        and all(_is_int(d) for d in e[1]) for e in v)
+
+
+def _is_strs(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(e, str) for e in v)
+
+
+def _check_meta(meta: dict, path: str) -> None:
+    """Check the saved metadata's form, field by field, before anything uses it: a damaged or
+    crafted entry is refused here, typed, with the engine untouched, instead of failing midway as
+    a KeyError or setting the engine's step counter to a string.
+
+    Raises:
+        ManifestCorruptError: naming the first field that is missing or of the wrong form.
+    """
+    checks = {  # field: (required, test, what it must be)
+        "stage": (True, lambda v: _is_int(v) and v <= 3, "a ZeRO stage 0-3"),
+        "dp_size": (True, lambda v: _is_int(v, 1), "a positive int"),
+        "optimizer": (True, lambda v: isinstance(v, str), "a class name"),
+        "params": (True, _is_shapes, "a list of [name, shape]"),
+        "state_keys": (True, _is_strs, "a list of str"),
+        "scalar_keys": (True, _is_strs, "a list of str"),
+        "param_groups": (True, lambda v: isinstance(v, list) and all(isinstance(g, dict) for g in v),
+                         "a list of objects"),
+        "engine": (True, lambda v: isinstance(v, dict) and all(
+            _is_int(v.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")),
+            "an object of three counts (global_steps, global_samples, skipped_steps)"),
+        "master_dtype": (False, lambda v: isinstance(v, str), "a dtype name"),
+        "state_dtypes": (False, lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                         "an object of dtype names"),
+        "adam_w_mode": (False, lambda v: v is None or isinstance(v, bool), "a bool"),
+        "group_of": (False, lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
+                     "an object of group indexes"),
+        "frozen": (False, _is_shapes, "a list of [name, shape]"),
+        "frozen_excluded": (False, lambda v: isinstance(v, bool), "a bool"),
+        "client_saved": (False, lambda v: isinstance(v, bool), "a bool"),
+        "loss_scaler": (False, lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class"), str)
+                                                       and isinstance(v.get("state"), dict)),
+                        "null or an object of a class name and a state object"),
+        "lr_scheduler": (False, lambda v: v is None or isinstance(v, dict) and (
+            meta["format"] == "distckpt.deepspeed/1"
+            or ((v.get("key") is None or isinstance(v.get("key"), str)) and "containers" in v
+                and (v.get("key") is not None or isinstance(v.get("json"), dict)))),
+            "null or an object naming where the scheduler's state is"),
+    }
+    for field, (required, test, what) in checks.items():
+        if field not in meta:
+            if required:
+                raise ManifestCorruptError(f"the '{_META}' metadata has no {field!r}", path=path,
+                                           key=f"{_META}.{field}")
+            continue
+        if not test(meta[field]):
+            raise ManifestCorruptError(f"the '{_META}' metadata's {field!r} is not {what}: "
+                                       f"{str(meta[field])[:200]}", path=path, key=f"{_META}.{field}")
 
 
 def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, frozen_now: dict | None = None,
@@ -825,6 +900,9 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
             scaler, another ZeRO stage without ``allow_stage_change`` (1 <-> 2 always loads),
             scalar state such as Adam's step that differs between parameters that now share one
             flat group). Raised on every rank before the engine changes.
+        ManifestCorruptError: the ``deepspeed`` metadata, a hyper-parameter, a loss-scaler
+            attribute or a scalar state of the wrong form (a damaged or crafted checkpoint), before
+            the engine changes.
         UnsupportedValueError: as :func:`save`. The errors of :func:`distckpt.load`.
     """
     from ...source import pinned
@@ -852,7 +930,10 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
     if load_optimizer_states and load_lr_scheduler_states and sched is not None \
             and meta.get("lr_scheduler") is not None:
         sched_state = _scheduler_state(path, meta)  # read before anything in the engine changes
+    # the client state, read and rebuilt before anything in the engine changes
+    client = _client_state(path, meta)
     if load_optimizer_states:
+        _check_restorable(lay, meta, path)
         # scalar state (step) first: checked before anything in the engine changes
         scalars = _owner_scalars(lay, meta, path)
         try:
@@ -893,6 +974,11 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
         if sched_state is not None:
             sched.load_state_dict(sched_state)
     lay.refresh(weights=not keep_module_weights)
+    return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
+
+
+def _client_state(path: str, meta: dict) -> Any:
+    """The saved ``client_state`` with its containers and tensor records rebuilt, or None."""
     client = None
     if _has_key(path, "client"):
         from ...restore import read
@@ -906,7 +992,7 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
         if meta.get("client_tensors"):
             client = tensorrecords.restore({"client": client}, meta["client_tensors"],
                                            where=f"{_META}.client_tensors", path=path)["client"]
-    return ZeroLoadResult(res, client, meta["dp_size"], meta["stage"])
+    return client
 
 
 def _scheduler_state(path: str, meta: dict) -> dict:
@@ -932,6 +1018,7 @@ def _owner_scalars(lay: _Layout, meta: dict, path: str) -> list[tuple[_Owner, di
 
     Raises:
         ReshardError: parameters of one owner saved different values.
+        ManifestCorruptError: a saved value that is not a number.
     """
     from ...restore import read
     keys = meta["scalar_keys"]
@@ -943,6 +1030,11 @@ def _owner_scalars(lay: _Layout, meta: dict, path: str) -> list[tuple[_Owner, di
         values = {}
         for k in keys:
             per_param = {name: saved[name][k] for name in owner.names}
+            for name, v in per_param.items():
+                if not (torch.is_tensor(v) and v.dim() == 0 and not v.dtype.is_complex
+                        or isinstance(v, (int, float)) and not isinstance(v, bool)):
+                    raise ManifestCorruptError(f"saved optimizer state {k!r} of {name} is {str(v)[:100]}, not a "
+                                               f"number", path=path, key=f"optim.{name}.{k}")
             distinct = {(v.item() if torch.is_tensor(v) else v) for v in per_param.values()}
             if len(distinct) > 1:
                 raise ReshardError(f"optimizer state {k!r} differs between parameters that share one flat "
@@ -955,10 +1047,59 @@ def _owner_scalars(lay: _Layout, meta: dict, path: str) -> list[tuple[_Owner, di
     return out
 
 
+def _fits(saved: Any, cur: Any) -> bool:
+    """Whether a saved JSON value can stand where ``cur`` (a hyper-parameter or a loss-scaler
+    attribute of this engine) is: a number for a number or a 1-element tensor, a bool for a bool, a
+    list of as many fitting values for a tuple or list (betas), a str for a str; None only for None
+    (and None takes any plain value: options such as ``foreach``)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if cur is None:
+        return saved is None or isinstance(saved, (bool, int, float, str))
+    if saved is None:
+        return False
+    if torch.is_tensor(cur):
+        return cur.numel() == 1 and number(saved)
+    if isinstance(cur, bool):
+        return isinstance(saved, bool)
+    if number(cur):
+        return number(saved)
+    if isinstance(cur, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(cur) and all(map(_fits, saved, cur))
+    if isinstance(cur, str):
+        return isinstance(saved, str)
+    return False
+
+
+def _check_restorable(lay: _Layout, meta: dict, path: str) -> None:
+    """Check, before the engine changes, that every saved hyper-parameter and loss-scaler value
+    :func:`_set_groups` and :func:`_set_scaler` will set has the form of the value it replaces.
+
+    Raises:
+        ManifestCorruptError: naming the first that does not (a learning rate that is a string,
+            betas of three values).
+    """
+    for g, (group, saved) in enumerate(zip(lay.base.param_groups, meta["param_groups"])):
+        for k, v in saved.items():
+            if k in group and k != "params" and not _fits(v, group[k]):
+                raise ManifestCorruptError(f"saved hyper-parameter {k!r} of param group {g} is {str(v)[:100]}, "
+                                           f"which cannot stand for this optimizer's {group[k]!r}", path=path,
+                                           key=f"{_META}.param_groups")
+    scaler = getattr(lay.wrapper, "loss_scaler", None)
+    saved = meta.get("loss_scaler")
+    if scaler is not None and saved is not None:
+        now = vars(scaler)
+        for k, v in saved["state"].items():
+            if k in now and not _fits(v, now[k]):
+                raise ManifestCorruptError(f"saved loss-scaler attribute {k!r} is {str(v)[:100]}, which cannot "
+                                           f"stand for this scaler's {now[k]!r}", path=path,
+                                           key=f"{_META}.loss_scaler")
+
+
 def _set_groups(lay: _Layout, meta: dict) -> None:
     for group, saved in zip(lay.base.param_groups, meta["param_groups"]):
         for k, v in saved.items():
-            if k not in group:
+            if k not in group or k == "params":
                 continue
             cur = group[k]
             if isinstance(cur, tuple):
