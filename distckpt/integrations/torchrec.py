@@ -76,7 +76,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import ReshardError, UnsupportedValueError
+from ..errors import ManifestCorruptError, ReshardError, UnsupportedValueError
+from ..tensorbytes import dtype_from_name
+from . import hyperparams
 
 __all__ = ["state_dict", "save", "load", "read_tables", "hand_plan", "incremental_rows", "FORMAT"]
 
@@ -192,23 +194,6 @@ def _fused_kind(opt: Any) -> str:
 def _dense_kind(opt: Any) -> str:
     inner = getattr(opt, "_optimizer", opt)  # KeyedOptimizerWrapper
     return f"dense:{type(inner).__module__}.{type(inner).__qualname__}"
-
-
-def _plain_value(v: Any) -> Any:
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return v
-    if isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) or x is None for x in v):
-        return list(v)
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    return _SKIP
-
-
-_SKIP = object()
-
-
-def _hyper(group: dict) -> dict:
-    return {k: pv for k, v in group.items() if k != "params" and (pv := _plain_value(v)) is not _SKIP}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,10 +331,11 @@ def _canonical(model: torch.nn.Module, optimizers: Sequence[Any], process_group:
                 extra_names = {id(p): n for n, p in keyed.items()} if isinstance(keyed, dict) else {}
                 pmap = {}
                 hyper_of = {}
-                for group in leaf.param_groups:
+                plain = hyperparams.plain_groups(leaf.param_groups)
+                for group, hyper in zip(leaf.param_groups, plain):
                     for p in group["params"]:
-                        hyper_of[id(p)] = _hyper(group)
-                groups_meta.append([_hyper(g) for g in leaf.param_groups])
+                        hyper_of[id(p)] = hyper
+                groups_meta.append(plain)
                 for p, pstate in leaf.state.items():
                     fqn = names.get(id(p)) or extra_names.get(id(p))
                     if fqn is None:
@@ -584,9 +570,10 @@ def _saved_meta(path: str, process_group: Any) -> dict:
     if not dist_on or dist.get_rank(process_group) == 0:
         try:
             got = read(path, keys=[_META])
+            meta = _checked_meta(got[_META], path)
             # The saved extra values (small by intent) stand in as scratch targets when the caller
             # passes no ``extra`` to fill.
-            extra = read(path, keys=["extra"]).get("extra") if json.loads(got[_META]).get("has_extra") else None
+            extra = read(path, keys=["extra"]).get("extra") if meta.get("has_extra") else None
             payload = [("ok", (got[_META], extra))]
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             payload = [("err", exc)]
@@ -596,10 +583,71 @@ def _saved_meta(path: str, process_group: Any) -> dict:
     status, value = payload[0]
     if status == "err":
         raise value
-    meta = json.loads(value[0])
+    meta = json.loads(value[0])  # checked on rank 0 (_checked_meta): every rank raised its error
     meta["_saved_extra"] = value[1]
+    return meta
+
+
+_LAYOUTS = ("elementwise", "rowwise", "scalar", "plain", "weight")
+
+
+def _checked_meta(raw: Any, path: str) -> dict:
+    """The checkpoint's ``torchrec`` metadata, decoded and checked field by field against the
+    MANIFEST before a load uses it: a damaged or crafted entry is refused here, typed, instead of
+    failing midway (a KeyError, a dtype looked up as any ``torch`` attribute, a scratch tensor
+    allocated at a shape the checkpoint does not hold).
+
+    Raises:
+        ReshardError: not this integration's format.
+        ManifestCorruptError: naming the first field that is missing or of the wrong form.
+    """
+    from ..restore import load_manifest
+
+    def bad(field: str, what: str, value: Any = None) -> ManifestCorruptError:
+        return ManifestCorruptError(f"the '{_META}' metadata's {field} is not {what}: {str(value)[:200]}",
+                                    path=path, key=f"{_META}.{field}")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    try:
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError as exc:
+        raise ManifestCorruptError(f"the '{_META}' entry is not JSON: {exc}", path=path, key=_META) from None
+    if not isinstance(meta, dict):
+        raise bad("entry", "a JSON object", raw)
     if meta.get("format") != FORMAT:
         raise ReshardError(f"checkpoint torchrec format {meta.get('format')!r}, expected {FORMAT!r}", path=path)
+    tables, optim = meta.get("tables"), meta.get("optim")
+    if not isinstance(tables, dict):
+        raise bad("tables", "an object", tables)
+    for fqn, t in tables.items():
+        cols = t.get("cols") if isinstance(t, dict) else None
+        if not (isinstance(cols, list) and len(cols) >= 2 and all(map(count, cols))
+                and cols == sorted(cols)):
+            raise bad(f"tables.{fqn}.cols", "a list of column boundaries", cols)
+    if not isinstance(optim, dict):
+        raise bad("optim", "an object", optim)
+    saved = load_manifest(path).tensors
+    for fqn, om in optim.items():
+        if not (isinstance(om, dict) and isinstance(om.get("kind"), str) and isinstance(om.get("hyper", {}), dict)
+                and isinstance(om.get("states"), dict)):
+            raise bad(f"optim.{fqn}", "an object of kind, hyper and states", om)
+        for name, st in om["states"].items():
+            where = f"optim.{fqn}.states.{name}"
+            if not (isinstance(st, dict) and st.get("layout") in _LAYOUTS and isinstance(st.get("shape"), list)
+                    and all(map(count, st["shape"])) and isinstance(st.get("dtype"), str)):
+                raise bad(where, "an object of layout, shape and dtype", st)
+            dtype_from_name(st["dtype"], path=path)
+            entry = saved.get(f"optim.{fqn}.{name}")
+            if entry is not None and (list(entry.shape) != st["shape"] or entry.dtype != st["dtype"]):
+                raise bad(where, f"the saved tensor's shape and dtype ({list(entry.shape)}, {entry.dtype})", st)
+            if st["layout"] == "rowwise" and fqn in tables and st["shape"][:1] != [len(tables[fqn]["cols"]) - 1]:
+                raise bad(where, "one row per saved column block", st)
+    groups = meta.get("groups", [])
+    if not (isinstance(groups, list) and all(isinstance(g, list) for g in groups)):
+        raise bad("groups", "a list per dense optimizer", groups)
+    if not isinstance(meta.get("has_extra", False), bool):
+        raise bad("has_extra", "a bool", meta.get("has_extra"))
     return meta
 
 
@@ -631,7 +679,11 @@ def _state_map(fqn: str, saved: dict | None, target: dict | None, path: str) -> 
     if {skind, tkind} == {_ADAGRAD_FUSED, _ADAGRAD_DENSE}:
         # The same accumulator (sum of squared gradients) under two names.
         dense_hyper = (target if tkind == _ADAGRAD_DENSE else saved).get("hyper", {})
-        if float(dense_hyper.get("lr_decay", 0.0) or 0.0) != 0.0:
+        lr_decay = dense_hyper.get("lr_decay", 0.0) or 0.0
+        if not isinstance(lr_decay, (int, float)):
+            raise ManifestCorruptError(f"{fqn!r}: the saved lr_decay {str(lr_decay)[:100]} is not a number",
+                                       path=path, key=f"{_META}.optim.{fqn}.hyper")
+        if lr_decay != 0.0:
             raise ReshardError(f"{fqn!r}: converting between fused EXACT_ADAGRAD and torch Adagrad with "
                                f"lr_decay={dense_hyper.get('lr_decay')} needs the per-parameter step count, "
                                f"which the fused optimizer does not keep", path=path, key=fqn)
@@ -694,6 +746,8 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
             column split of per-row state without ``approximate_rowwise``, a different optimizer
             kind, optimizer state with nowhere to go, or missing state the target needs).
         StateDictMismatchError: tables or dense parameters differ (missing/unexpected/shape).
+        ManifestCorruptError: the saved ``torchrec_meta`` is malformed or disagrees with the
+            MANIFEST (a damaged or crafted checkpoint), before the model changes.
         and everything :func:`distckpt.load` raises.
     """
     from ..restore import load as _load
@@ -739,14 +793,17 @@ def load(model: torch.nn.Module, path: str | os.PathLike, *, optimizers: Sequenc
                 if "exact" in rp:
                     load_optim.setdefault(fqn, {})[sname] = _as_tensor(entry, process_group)
                 else:
-                    full = torch.empty(tuple(sst["shape"]), dtype=getattr(torch, sst["dtype"]))
+                    full = torch.empty(tuple(sst["shape"]), dtype=dtype_from_name(sst["dtype"], path=path))
                     load_optim.setdefault(fqn, {})[sname] = full
                     approx_jobs.append((entry, full, rp["approx"]))
             else:
                 load_optim.setdefault(fqn, {})[sname] = _as_tensor(entry, process_group)
         for sname, sst in (smeta or {}).get("states", {}).items():
             if sname not in used:  # deliberately dropped (dense Adagrad step -> fused): read into a scratch
-                load_optim.setdefault(fqn, {})[sname] = torch.empty(tuple(sst["shape"]), dtype=getattr(torch, sst["dtype"]))
+                load_optim.setdefault(fqn, {})[sname] = torch.empty(tuple(sst["shape"]),
+                                                                    dtype=dtype_from_name(sst["dtype"], path=path))
+    for live, sgroups in _group_pairs(canon, saved):  # before anything changes
+        hyperparams.check_groups(live, sgroups, path=path, key=f"{_META}.groups")
     sd = {"model": canon.model_for_io(process_group), "optim": load_optim, _META: ""}
     if extra is not None:
         sd["extra"] = extra
@@ -788,19 +845,21 @@ def _init_lazy_optimizers(model: torch.nn.Module, optimizers: list, saved: dict)
                 _init_optim_state(leaf)
 
 
-def _restore_groups(canon: _Canon, saved: dict) -> None:
-    """Put back dense optimizers' saved hyper-parameters (lr schedules etc.) when the group
-    structure matches."""
+def _group_pairs(canon: _Canon, saved: dict) -> list[tuple[list[dict], list]]:
+    """(live param groups, saved groups) of each dense optimizer whose group structure matches the
+    saved one (the others keep their hyper-parameters)."""
     groups = saved.get("groups", [])
     if len(groups) != len(canon.dense_opts):
-        return
-    for (leaf, _pmap), sgroups in zip(canon.dense_opts, groups):
-        if len(sgroups) != len(leaf.param_groups):
-            continue
-        for group, sg in zip(leaf.param_groups, sgroups):
-            for k, v in sg.items():
-                if k in group and not isinstance(group[k], torch.Tensor):
-                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        return []
+    return [(leaf.param_groups, sgroups) for (leaf, _pmap), sgroups in zip(canon.dense_opts, groups)
+            if len(sgroups) == len(leaf.param_groups)]
+
+
+def _restore_groups(canon: _Canon, saved: dict) -> None:
+    """Put back dense optimizers' saved hyper-parameters (lr schedules etc.) when the group
+    structure matches (checked before the load by :func:`hyperparams.check_groups`)."""
+    for live, sgroups in _group_pairs(canon, saved):
+        hyperparams.set_groups(live, sgroups)
 
 
 def read_tables(path: str | os.PathLike) -> dict:

@@ -549,6 +549,71 @@ def test_a_table_added_or_removed_since_the_save(tmp_path, strict):
             assert any(k.startswith("optim.ec.embeddings.f.weight.") for k in r["unexpected"]), r
 
 
+def _hostile_metadata_body(rank, world, root, src):
+    """Copies of checkpoint c0 whose torchrec metadata was damaged or crafted, each loaded into one
+    model: every load raises a typed error on every rank, and the model, its fused and dense
+    optimizer state and the dense lr are exactly as before (checked by saving them again)."""
+    import json
+
+    import torch.distributed as dist
+
+    import distckpt
+    from distckpt.integrations import torchrec as dtr
+    full = distckpt.read(os.path.join(src, "c0"))
+    meta = json.loads(full["torchrec_meta"])
+    a = "ebc.embedding_bags.a.weight"
+
+    def edit(**fields):
+        return json.dumps({**meta, **fields})
+    st_a = meta["optim"][a]["states"]["momentum1"]
+    dense_group = meta["groups"][0][0]
+    variants = {
+        "not_json": "{x", "a_list": "[1]",
+        "tables_form": edit(tables=[1]),
+        "cols_form": edit(tables={**meta["tables"], a: {**meta["tables"][a], "cols": "x"}}),
+        "states_form": edit(optim={**meta["optim"], a: {**meta["optim"][a], "states": [1]}}),
+        # a dtype named as any torch attribute (it was looked up with getattr(torch, ...))
+        "dtype_name": edit(optim={**meta["optim"], a: {**meta["optim"][a], "states": {
+            "momentum1": {**st_a, "dtype": "manual_seed"}}}}),
+        # a scratch tensor at a shape the checkpoint does not hold (it was allocated first)
+        "shape_huge": edit(optim={**meta["optim"], a: {**meta["optim"][a], "states": {
+            "momentum1": {**st_a, "shape": [1 << 40, 16]}}}}),
+        "lr_form": edit(groups=[[{**dense_group, "lr": "abc"}]]),
+    }
+    dmp, dense = build(rank, world, P_SAVE2)
+    dtr.load(dmp, os.path.join(src, "c0"), optimizers=[dense])
+    lr = dense.param_groups[0]["lr"]
+    raised = {}
+    for name, value in variants.items():
+        path = os.path.join(root, f"hostile_{name}")
+        if rank == 0:
+            distckpt.save({**full, "torchrec_meta": value}, path, no_dist=True, overwrite=True)
+        dist.barrier()
+        try:
+            dtr.load(dmp, path, optimizers=[dense])
+            raised[name] = None
+        except Exception as exc:  # noqa: BLE001 - the class is what is checked
+            raised[name] = f"{type(exc).__module__}.{type(exc).__name__}: {str(exc)[:160]}"
+    again = os.path.join(root, "again")
+    dtr.save(dmp, again, optimizers=[dense])
+    if rank == 0:
+        assert_same_state(read_all(os.path.join(src, "c0")), read_all(again))
+    return {"raised": raised, "lr_kept": dense.param_groups[0]["lr"] == lr}
+
+
+def test_damaged_or_crafted_metadata_is_typed_and_changes_nothing(saved2, tmp_path):
+    """The torchrec metadata is JSON from the checkpoint: a malformed entry failed midway with a
+    KeyError / TypeError, looked a dtype up as any torch attribute, allocated a scratch tensor at
+    the shape it named, or set the dense lr to a string. Now ManifestCorruptError on every rank,
+    checked against the MANIFEST before the load changes anything."""
+    out = run_ranks(_hostile_metadata_body, 2, str(tmp_path), saved2, timeout=300)
+    for r in out:
+        assert r["lr_kept"], r
+        assert len(r["raised"]) == 8
+        for name, raised in r["raised"].items():
+            assert raised and raised.startswith("distckpt.errors.ManifestCorruptError"), (name, raised)
+
+
 def test_lazy_dense_optimizer_loads_and_a_one_rank_failure_fails_every_rank(tmp_path):
     out = run_ranks(_lazy_adam_and_one_rank_failure_body, 2, str(tmp_path), timeout=300)
     assert all("not in the model" in o for o in out), out

@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from ... import containers, tensorrecords
+from .. import hyperparams
 from ...errors import ManifestCorruptError, ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces, flatten
 from ...tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
@@ -396,29 +397,9 @@ def _leaf(shape, dtype, parts, tensor_of) -> LocalPieces:
                                                for owner, seg in parts])
 
 
-def _hyper(value: Any) -> Any:
-    """A param-group hyper-parameter as JSON (tuples as lists; tensors as Python numbers)."""
-    if torch.is_tensor(value) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [_hyper(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(type(value).__name__)
-
-
 def _meta(engine, lay: _Layout, flat_keys, scalar_keys) -> dict:
-    groups = []
-    for group in lay.base.param_groups:
-        hp = {}
-        for k, v in group.items():
-            if k == "params":
-                continue
-            try:
-                hp[k] = _hyper(v)
-            except TypeError:
-                pass  # not a hyper-parameter a restart needs (DeepSpeed bookkeeping objects)
-        groups.append(hp)
+    # (a group's DeepSpeed bookkeeping objects are left out: not hyper-parameters a restart needs)
+    groups = hyperparams.plain_groups(lay.base.param_groups)
     return {
         "format": FORMAT,
         "stage": lay.stage,
@@ -966,7 +947,7 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
                     st[k].copy_(v)
                 else:
                     st[k] = v
-        _set_groups(lay, meta)
+        hyperparams.set_groups(lay.base.param_groups, meta["param_groups"])
         _set_scaler(engine.optimizer, meta.get("loss_scaler"), path)
         engine.global_steps = meta["engine"]["global_steps"]
         engine.global_samples = meta["engine"]["global_samples"]
@@ -1047,64 +1028,21 @@ def _owner_scalars(lay: _Layout, meta: dict, path: str) -> list[tuple[_Owner, di
     return out
 
 
-def _fits(saved: Any, cur: Any) -> bool:
-    """Whether a saved JSON value can stand where ``cur`` (a hyper-parameter or a loss-scaler
-    attribute of this engine) is: a number for a number or a 1-element tensor, a bool for a bool, a
-    list of as many fitting values for a tuple or list (betas), a str for a str; None only for None
-    (and None takes any plain value: options such as ``foreach``)."""
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if cur is None:
-        return saved is None or isinstance(saved, (bool, int, float, str))
-    if saved is None:
-        return False
-    if torch.is_tensor(cur):
-        return cur.numel() == 1 and number(saved)
-    if isinstance(cur, bool):
-        return isinstance(saved, bool)
-    if number(cur):
-        return number(saved)
-    if isinstance(cur, (tuple, list)):
-        return isinstance(saved, list) and len(saved) == len(cur) and all(map(_fits, saved, cur))
-    if isinstance(cur, str):
-        return isinstance(saved, str)
-    return False
-
-
 def _check_restorable(lay: _Layout, meta: dict, path: str) -> None:
     """Check, before the engine changes, that every saved hyper-parameter and loss-scaler value
-    :func:`_set_groups` and :func:`_set_scaler` will set has the form of the value it replaces.
+    the load will set (param groups, :func:`_set_scaler`) has the form of the value it replaces.
 
     Raises:
         ManifestCorruptError: naming the first that does not (a learning rate that is a string,
             betas of three values).
     """
-    for g, (group, saved) in enumerate(zip(lay.base.param_groups, meta["param_groups"])):
-        for k, v in saved.items():
-            if k in group and k != "params" and not _fits(v, group[k]):
-                raise ManifestCorruptError(f"saved hyper-parameter {k!r} of param group {g} is {str(v)[:100]}, "
-                                           f"which cannot stand for this optimizer's {group[k]!r}", path=path,
-                                           key=f"{_META}.param_groups")
+    hyperparams.check_groups(lay.base.param_groups, meta["param_groups"], path=path, key=f"{_META}.param_groups")
     scaler = getattr(lay.wrapper, "loss_scaler", None)
     saved = meta.get("loss_scaler")
     if scaler is not None and saved is not None:
         now = vars(scaler)
         for k, v in saved["state"].items():
-            if k in now and not _fits(v, now[k]):
+            if k in now and not hyperparams.fits(v, now[k]):
                 raise ManifestCorruptError(f"saved loss-scaler attribute {k!r} is {str(v)[:100]}, which cannot "
                                            f"stand for this scaler's {now[k]!r}", path=path,
                                            key=f"{_META}.loss_scaler")
-
-
-def _set_groups(lay: _Layout, meta: dict) -> None:
-    for group, saved in zip(lay.base.param_groups, meta["param_groups"]):
-        for k, v in saved.items():
-            if k not in group or k == "params":
-                continue
-            cur = group[k]
-            if isinstance(cur, tuple):
-                v = tuple(v)
-            elif torch.is_tensor(cur):
-                cur.fill_(v)
-                continue
-            group[k] = v
