@@ -49,14 +49,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
     raise ImportError("distckpt.integrations.torchtitan needs torchtitan 0.3.0 (pip install "
                       "torchtitan==0.3.0 --no-deps, plus tyro, einops, torchdata: launch/env.sh)") from exc
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, StateDictMismatchError
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, ReshardError,
+                      StateDictMismatchError)
 from ..manager import CheckpointManager
-from ..restore import load, load_manifest
+from ..restore import load, load_manifest, read
 from ..storage import is_url
 
 __all__ = ["DistckptCheckpointManager", "AsyncMode", "FORMAT"]
 
 log = logging.getLogger("distckpt")
+
+DATALOADER = "dataloader"  # torchtitan's key for the dataloader's state
+_DP_RANK = re.compile(r"dp_rank_\d+")  # its pickled per-rank entries (ParallelAwareDataloader)
 
 #: ``meta["user"]["torchtitan"]["format"]`` of the checkpoints this manager writes.
 FORMAT = 1
@@ -141,6 +145,12 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         incremental_full_every: int = 8
         """With ``incremental``: a full checkpoint at least every this many saves."""
 
+        allow_pickle: bool = False
+        """torchtitan's dataloader state is ``pickle.dumps`` bytes, which its ``load_state_dict``
+        unpickles. By default a load first decodes them with :mod:`distckpt.safepickle` (plain
+        data and tensors only) and refuses anything else with PickleNotAllowedError before any
+        state changes; True hands them over unchecked, for checkpoints you trust."""
+
         def __post_init__(self) -> None:
             try:
                 BaseCheckpointManager.Config.__post_init__(self)
@@ -198,6 +208,7 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         self.async_mode = config.async_mode
         self.keep_latest_k = config.keep_latest_k
         self.storage_options = config.storage_options
+        self.allow_pickle = bool(config.allow_pickle)
         self.sd_adapter = sd_adapter  # kept for parity; only the HF paths (refused) would use it
         remote = is_url(self.folder)
         if self.storage_options is not None and not remote:
@@ -308,6 +319,8 @@ class DistckptCheckpointManager(BaseCheckpointManager):
                             "loading the model; optimizer, LR scheduler, dataloader and train_state stay "
                             "as they are", path)
         states = self._states_to_load(model_only)
+        if not model_only and DATALOADER in states:
+            self._check_dataloader_state(path)
         log.info("distckpt: loading %s (%s)", path, "model only" if model_only else "full state")
         if kind == "distckpt":  # through the manager: the step it resumed from is protected
             self._mgr.load(states, step)
@@ -315,6 +328,36 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             load(states, path, process_group=self._mgr.process_group, storage_options=self.storage_options)
         self.states[MODEL].load_state_dict(states)
         return True
+
+    def _check_dataloader_state(self, path: str) -> None:
+        """Before anything is loaded: refuse torchtitan's pickled dataloader state unless it is
+        plain data and tensors (Config.allow_pickle lifts that), and a state saved at another
+        data-parallel size (torchtitan's dataloader asserts it after the model has loaded).
+
+        Raises:
+            PickleNotAllowedError: a pickle names a global that is not plain data.
+            CheckpointCorruptError: a ``dp_rank_*`` value is not a readable pickle.
+            ReshardError: saved at another data-parallel size.
+        """
+        from .. import safepickle
+        try:
+            saved = read(path, keys=[DATALOADER], storage_options=self.storage_options)[DATALOADER]
+        except StateDictMismatchError:
+            return  # not in the checkpoint: the load names it missing
+        if not isinstance(saved, dict):
+            return  # not torchtitan's form: the load's own checks name it
+        size = getattr(self.states[DATALOADER], "dp_world_size", None)
+        if size is not None and "world_size" in saved and saved["world_size"] != size:
+            raise ReshardError(
+                f"the dataloader state in {path} was saved at data-parallel size {saved['world_size']!r}, this job "
+                f"runs {size}: torchtitan's dataloader does not reshard its state", path=path,
+                key=f"{DATALOADER}.world_size",
+                remedy="Add 'dataloader' to checkpoint.exclude_from_loading to resume with a fresh dataloader.")
+        if self.allow_pickle:
+            return
+        for key, value in saved.items():
+            if isinstance(key, str) and _DP_RANK.fullmatch(key) and isinstance(value, (bytes, bytearray)):
+                safepickle.check(value, key=f"{DATALOADER}.{key}", path=path)
 
     def _maybe_wait_for_staging(self) -> None:
         """Wait until the pinned-mode save in flight has copied the state into staging memory

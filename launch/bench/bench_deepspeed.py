@@ -1,10 +1,11 @@
 """Benchmark: DeepSpeed's own checkpoint engine (torch.save) vs distckpt's (install()), one run.
 
     DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 launch/bench/bench_deepspeed.py \
-        --dir /var/tmp/bench_ds --layers 12 --width 2048 --stage 2 --repeats 3 [--drop-caches]
+        --dir /var/tmp/bench_ds --layers 12 --width 2048 --stage 2 --repeats 3 [--drop-caches] [--offload]
 
 Same engine, same ranks, same tags: a DeepSpeed engine (an MLP of ``--layers`` Linear(width,
-width) layers, Adam, ZeRO ``--stage``, fp32 or ``--bf16``) trains one step; then per repeat
+width) layers, Adam, ZeRO ``--stage``, fp32 or ``--bf16``; ``--offload``: ZeRO-Offload of the
+optimizer to the CPU, DeepSpeedCPUAdam, and at stage 3 of the parameters too) trains one step; then per repeat
   * DeepSpeed default: ``engine.save_checkpoint(dir_ds, tag)`` with its TorchCheckpointEngine
     (torch.save of every file; it does not fsync), then ``os.sync()`` timed apart so the durable
     cost shows too, then ``engine.load_checkpoint(dir_ds, tag)``;
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--offload", action="store_true")
     args = ap.parse_args()
 
     import deepspeed
@@ -51,6 +53,11 @@ def main() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
            "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},
            "bf16": {"enabled": args.bf16}, "steps_per_print": 10 ** 9}
+    if args.offload:  # DeepSpeedCPUAdam steps the offloaded state (torch_adam would step it on the CPU too)
+        cfg["optimizer"]["params"].pop("torch_adam")
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if args.stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(2, args.width)
     loss = engine(x.bfloat16() if args.bf16 else x).float().pow(2).mean()
@@ -113,6 +120,7 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({
             "ranks": dist.get_world_size(), "stage": args.stage, "dtype": "bf16" if args.bf16 else "fp32",
+            "offload": args.offload,
             "params": params, "repeats": args.repeats, "cold_loads": bool(args.drop_caches and dropped),
             "bytes_written": {"deepspeed": sizes["deepspeed"], "distckpt": sizes["distckpt"]},
             "median_s": {k: round(v, 3) for k, v in med.items()},

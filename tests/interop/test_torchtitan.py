@@ -292,6 +292,65 @@ def test_async_modes_follow_torchtitans_futures(tmp_path, mode, monkeypatch):
     back.close()
 
 
+class _RunsCode:
+    """A pickle that runs code when unpickled: it touches ``self.marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_dataloader_pickle_that_would_run_code_is_refused_before_anything_loads(tmp_path):
+    """torchtitan's dataloader keeps pickle.dumps bytes and unpickles them in load_state_dict: a
+    crafted checkpoint ran its code there (the load returned True). Now each dp_rank pickle is
+    decoded by distckpt.safepickle first: PickleNotAllowedError for a global that is not plain
+    data, CheckpointCorruptError for bytes that are no pickle, ReshardError for another
+    data-parallel size, each before the model, optimizer or train_state change;
+    Config.allow_pickle hands the bytes over unchecked."""
+    import pickle
+
+    from distckpt.errors import CheckpointCorruptError, PickleNotAllowedError, ReshardError
+    from distckpt.integrations.torchtitan import FORMAT
+    mgr, objs = _mine(tmp_path / "run", interval=1)
+    tw.train_step(objs, [mgr])
+    step = objs["train_state"].step
+    mgr.close()
+    saved = distckpt.read(mgr.path(step))
+    assert isinstance(saved["dataloader"]["dp_rank_0"], bytes) and saved["dataloader"]["world_size"] == 1
+    marker = tmp_path / "ran"
+    crafted = {"code": {"dp_rank_0": pickle.dumps({"x": _RunsCode(str(marker))})},
+               "garbage": {"dp_rank_0": b"not a pickle"}, "world": {"world_size": 3}}
+    expect = {"code": (PickleNotAllowedError, "posix.system"), "garbage": (CheckpointCorruptError, "not a readable"),
+              "world": (ReshardError, "data-parallel size 3")}
+    for name, change in crafted.items():
+        folder = tmp_path / name
+        sd = {**saved, "dataloader": {**saved["dataloader"], **change}}
+        distckpt.CheckpointManager(str(folder)).save(step, sd, metadata={"torchtitan": {
+            "format": FORMAT, "step": step, "model_only": False}})
+        fresh, objs2 = _mine(folder, interval=1)
+        before = _weights(objs2), objs2["train_state"].step
+        cls, text = expect[name]
+        with pytest.raises(cls, match=text):
+            fresh.load()
+        assert not marker.exists(), name
+        assert objs2["train_state"].step == before[1] == 0, name
+        assert all(torch.equal(v, before[0][k]) for k, v in _weights(objs2).items()), name
+        fresh.close()
+    # a real dataloader state (plain data) loads; allow_pickle hands a crafted one over unchecked
+    fresh, objs2 = _mine(tmp_path / "run", interval=1)
+    assert fresh.load() and objs2["train_state"].step == step
+    fresh.close()
+    trusting, _ = _mine(tmp_path / "code", interval=1, allow_pickle=True)
+    try:
+        trusting.load()  # (torchtitan's dataloader then gets {"x": 0}: what it makes of it is its own)
+    except Exception:  # noqa: BLE001
+        pass
+    assert marker.exists()  # torchtitan's unpickler ran it: what allow_pickle trusts
+    trusting.close()
+
+
 def test_an_earlier_runs_step_is_refused_with_a_remedy_this_manager_offers(tmp_path):
     """A new run saves a step an earlier run left in the folder without loading first: torchtitan's
     DCP manager overwrites it; this manager refuses (the earlier run's step stays, bit-exact) with
