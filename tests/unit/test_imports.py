@@ -104,7 +104,8 @@ def test_the_walk_finds_a_circle_hidden_in_a_function():
 LAYERS = [
     # 0: leaves: errors, sizes, configuration, the checksum, tensors <-> bytes, staging memory
     {"errors", "sizes", "config", "clijson", "gcpause", "checksum", "tensorbytes", "values", "flatten",
-     "containers", "tensorrecords", "plan", "where", "_dist", "writewatch", "staging", "staging.pool", "staging.ring"},
+     "containers", "tensorrecords", "plan", "where", "_dist", "writewatch", "staging", "staging.pool", "staging.ring",
+     "safepickle"},
     # 1: formats: the MANIFEST, a data file's layout, the foreign formats a load can read
     {"manifest", "datafile", "dcp", "hf"},
     # 2: storage: the Store seam and its back ends
