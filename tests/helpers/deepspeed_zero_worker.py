@@ -330,6 +330,55 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return
+    elif case == "offloaded_states":
+        # engine.offload_states() (RLHF frees accelerator memory between phases): a load is refused
+        # before it changes anything (it wrote masters, then failed on a bare IndexError); after
+        # reload_states() it loads, and a save holds no offload scratch buffers as Adam state
+        engine = engine_for(stage, dtype, seed=1)
+        train(engine, 1, 0)
+        engine.offload_states()
+        before = [t.detach().clone() for t in _masters(engine)]
+        try:
+            dds.load(engine, ckpt)
+            raised = None
+        except DistCkptError as exc:
+            raised = {"class": type(exc).__name__, "message": str(exc)}
+        untouched = all(torch.equal(a, b) for a, b in zip(before, _masters(engine)))
+        engine.reload_states()
+        dds.load(engine, ckpt)
+        ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)["ref"]
+        got = gather(engine)
+        same = all(torch.equal(got[n][k], v) if torch.is_tensor(v) else got[n][k] == v
+                   for n, e in ref.items() for k, v in e.items())
+        again = os.path.join(out, "after_offload_cycle")
+        dds.save(engine, again, overwrite=True)
+        trained = next(n for n, e in ref.items() if "frozen" not in e)
+        keys = sorted(distckpt.read(again, keys=["optim"])["optim"][trained])
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": raised, "untouched": untouched, "same": bool(same), "keys": keys}, f)
+        return
+    elif case == "install_refused":
+        # through install(): DeepSpeed's own load restores the module, counters and scheduler
+        # before the ZeRO load refuses (Adam mode): every refusal now comes first
+        src = engine_for(stage, dtype, seed=1)
+        dds.install(src)
+        train(src, 2, 0)
+        src.save_checkpoint(os.path.join(out, "installed"), tag="t")
+        engine = engine_for(stage, dtype, seed=2, adam_w_mode=False)
+        dds.install(engine)
+        train(engine, 1, 0)
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+        state = (engine.global_steps, json.dumps(engine.lr_scheduler.state_dict(), sort_keys=True))
+        try:
+            engine.load_checkpoint(os.path.join(out, "installed"), tag="t")
+            raised = None
+        except DistCkptError as exc:
+            raised = {"class": type(exc).__name__, "message": str(exc)}
+        untouched = all(torch.equal(a, p.detach()) for a, p in zip(weights, engine.module.parameters())) and \
+            state == (engine.global_steps, json.dumps(engine.lr_scheduler.state_dict(), sort_keys=True))
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": raised, "untouched": bool(untouched)}, f)
+        return
     elif case == "hostile":
         _hostile(stage, dtype, ckpt, out)
         return
@@ -347,6 +396,11 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
     doc["untouched"] = all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(doc, f)
+
+
+def _masters(engine) -> list:
+    opt = engine.optimizer
+    return list(getattr(opt, "fp32_partitioned_groups_flat", None) or opt.single_partition_of_fp32_groups)
 
 
 def _hostile(stage: int, dtype: str, ckpt: str, out: str) -> None:

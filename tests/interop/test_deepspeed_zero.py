@@ -199,7 +199,8 @@ def test_reshard_errors_are_typed(saved):
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
               "2:fp32:client_adamw,client_rank,client_one_rank", "3:bf16+frozen:rollback", "1:fp32:offload_on",
-              "2:bf16+offload:offload_off,adam_l2,hostile", "3:bf16+offload:offload_off,partial,master_bf16",
+              "2:bf16+offload:offload_off,adam_l2,hostile,offloaded_states,install_refused",
+              "3:bf16+offload:offload_off,partial,master_bf16",
               "3:bf16+offload+bf16master:master_fp32")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
               "optimizer": "saved optimizer FusedAdam, now SGD", "not_deepspeed": "not a distckpt DeepSpeed",
@@ -236,6 +237,16 @@ def test_reshard_errors_are_typed(saved):
                 ("3:bf16+offload", "partial", "UnsupportedValueError", "partial optimizer offload (ratio 0.5")):
             d = json.load(open(os.path.join(_dir(saved, cfg), "out", f"err_{case}_rank{rank}.json")))
             assert d["raised"] == cls and text in d["message"] and d["untouched"], (case, d)
+        # a load into an engine whose states offload_states() moved away: typed, nothing changed;
+        # after reload_states() exact, and no offload scratch buffer is saved as Adam state
+        # (stage 2: DeepSpeed 0.19.8's offload_states() refuses ZeRO-3 with offloaded parameters, and
+        # fails on this model's frozen weight at ZeRO-3 without them)
+        d = json.load(open(os.path.join(_dir(saved, "2:bf16+offload"), "out", f"err_offloaded_states_rank{rank}.json")))
+        assert d["raised"]["class"] == "UnsupportedValueError" and "reload_states" in d["raised"]["message"], d
+        assert d["untouched"] and d["same"] and d["keys"] == ["exp_avg", "exp_avg_sq", "step"], d
+        # install(): a refused load leaves the module, step counters and scheduler as they were
+        d = json.load(open(os.path.join(_dir(saved, "2:bf16+offload"), "out", f"err_install_refused_rank{rank}.json")))
+        assert d["raised"]["class"] == "ReshardError" and "adam_w_mode" in d["raised"]["message"] and d["untouched"], d
         # damaged or crafted metadata: typed, on every rank, the engine exactly as it was (it was
         # an AttributeError, KeyError or ValueError midway, or a load that set the step counter to
         # a string, the lr to "abc" and the loss scale to "big")
@@ -314,3 +325,16 @@ def test_reshard_error_is_exported():
     from distckpt.integrations import deepspeed as dds
     assert callable(dds.save) and callable(dds.load)
     assert issubclass(ReshardError, distckpt.DistCkptError)
+
+
+def test_offload_scratch_buffers_are_not_optimizer_state():
+    """DeepSpeed's offload_states() keeps "<key>_offload_buffer" host copies in the Adam state for
+    good (ZeRO-3): they were saved as state keys (the checkpoint 1.7x larger, and refused by an
+    engine without them). A key of that name with no base key is state like any other."""
+    from distckpt.integrations.deepspeed import zero
+    master = torch.zeros(4)
+    owner = zero._Owner(0, master, master, ["w"], [])
+    lay = zero._Layout(3, "zero3", 0, 1, None, [owner], {"w": (4,)}, False, torch.float32, None)
+    state = {"exp_avg": torch.zeros(4), "exp_avg_offload_buffer": torch.zeros(4), "step": 3,
+             "momentum_offload_buffer": torch.zeros(4)}
+    assert zero._flat_keys(lay, state, owner) == (["exp_avg", "momentum_offload_buffer"], ["step"])

@@ -93,7 +93,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from ... import containers, tensorrecords
 from ... import manifest as mf
 from ..._dist import _portable, control_group
-from ...errors import CheckpointNotFoundError, ConfigError, ManifestCorruptError, ReshardError, StateDictMismatchError
+from ...errors import (CheckpointNotFoundError, ConfigError, ManifestCorruptError, ReshardError, StateDictMismatchError,
+                       UnsupportedValueError)
 from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
@@ -573,8 +574,11 @@ def _unsupported_engine_features(engine: Any) -> list[str]:
         found.append("pipeline parallelism (PipelineEngine)")
     if getattr(engine, "has_moe_layers", False):
         found.append("MoE layers")
-    if engine.zero_nvme_offload_optimizer():
-        found.append("ZeRO NVMe optimizer offload")
+    if engine.optimizer is not None:  # NVMe and partial offload, ZenFlow
+        try:
+            zero.check_offload(engine, engine.optimizer)
+        except UnsupportedValueError as exc:
+            found.append(exc.message)
     if engine.load_universal_checkpoint():
         found.append("universal checkpoint loading (checkpoint.load_universal)")
     if engine.use_node_local_storage():
@@ -686,7 +690,7 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
 
     Raises:
         ConfigError: ``keep_last`` is not a positive int, or the engine uses a DeepSpeed feature
-            this engine does not serve (pipeline or model parallelism, MoE, NVMe optimizer offload,
+            this engine does not serve (pipeline or model parallelism, MoE, NVMe or partial offload, ZenFlow,
             universal checkpoints, node-local storage).
     """
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
@@ -750,6 +754,12 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                         # the MANIFEST is decoded once for all of them, and all come from one
                         # checkpoint (CheckpointRemovedError otherwise). Its first read can fail here.
                         pin.enter_context(pinned(planned[1]))
+                        if load_optimizer_states and not load_module_only and planned[4] \
+                                and int(engine.zero_optimization_stage()) > 0:
+                            # What the ZeRO load (last, _load_zero_checkpoint) would refuse is
+                            # refused now: DeepSpeed's own load restores the module weights, step
+                            # counters and lr scheduler before it, and would leave them changed.
+                            zero.check_loadable(engine, planned[1])
                 except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
                     error = exc
                 loaded = _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,

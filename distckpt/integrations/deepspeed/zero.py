@@ -190,7 +190,7 @@ def _layout_of(engine) -> _Layout:
     stage = int(engine.zero_optimization_stage())
     names = _names(engine)
     cls = type(opt).__name__
-    _check_offload(engine, opt)
+    check_offload(engine, opt)
     if cls == "DeepSpeedZeroOptimizer":
         return _layout_zero12(engine, opt, stage, names)
     if cls == "DeepSpeedZeroOptimizer_Stage3":
@@ -211,7 +211,7 @@ def _offload_device(config: Any) -> str:
     return str(getattr(device, "value", device))
 
 
-def _check_offload(engine, opt) -> None:
+def check_offload(engine, opt) -> None:
     """Refuse the offload modes whose state does not sit in this process's memory as ZeRO's
     in-memory layouts describe it. CPU offload (ZeRO-Offload: ``offload_optimizer`` and, at stage
     3, ``offload_param`` on ``cpu``) only moves the same flat masters and optimizer state into
@@ -365,10 +365,17 @@ def _split(seg: _Segment, rank: int, size: int) -> _Segment | None:
     return _Segment(seg.name, a, b, seg.at + a - seg.lo) if a < b else None
 
 
+# DeepSpeed's offload_states() keeps a host copy of each Adam state under "<key>_offload_buffer"
+# (deepspeed.runtime.zero.offload_states) in the optimizer's state, for good: scratch, not state.
+_SCRATCH_SUFFIX = "_offload_buffer"
+
+
 def _flat_keys(lay: _Layout, state: dict, owner: _Owner) -> tuple[list[str], list[str]]:
     """(state keys shaped like the master, scalar state keys) of one owner's optimizer state."""
     flat, scalar = [], []
     for k, v in state.items():
+        if isinstance(k, str) and k.endswith(_SCRATCH_SUFFIX) and k[:-len(_SCRATCH_SUFFIX)] in state:
+            continue
         if torch.is_tensor(v) and v.dim() > 0 and v.shape == owner.key.shape:
             flat.append(k)
         elif (torch.is_tensor(v) and v.dim() == 0) or isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -897,12 +904,50 @@ def load(engine, path: str | os.PathLike, *, load_optimizer_states: bool = True,
                             keep_module_weights=keep_module_weights)
 
 
+def _check_resident(lay: _Layout, path: str) -> None:
+    """Refuse a load into an engine whose states DeepSpeed's ``offload_states()`` moved away: its
+    partitions are not where the layout reads and writes them until ``reload_states()``.
+
+    Raises:
+        UnsupportedValueError: naming the offloaded states, before the engine changes.
+    """
+    away = getattr(lay.wrapper, "offloaded_states", None)
+    if away:
+        names = sorted(str(getattr(s, "value", s)) for s in away)
+        raise UnsupportedValueError(f"the engine's {names} are offloaded (engine.offload_states()): a load would "
+                                    f"write partitions that are not in place", key=_META, path=path,
+                                    remedy="Call engine.reload_states() before loading.")
+
+
+def check_loadable(engine, path: str, *, load_optimizer_states: bool = True, allow_stage_change: bool = False) -> None:
+    """Every check :func:`load` makes before it changes the engine, changing nothing: for a caller
+    (the checkpoint engine of :mod:`.engine`) that restores other state before it calls
+    :func:`load`. ``path`` is absolute, and pinned by the caller.
+
+    Raises:
+        What :func:`load` raises before the engine changes (ReshardError, ManifestCorruptError,
+        UnsupportedValueError).
+    """
+    meta = _saved_meta(path)
+    lay = _layout(engine)
+    _check_resident(lay, path)
+    frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
+    _reconcile(path, meta, lay, allow_stage_change, frozen, check_state=load_optimizer_states)
+    if load_optimizer_states:
+        _check_restorable(lay, meta, path)
+        try:
+            _owner_scalars(lay, meta, path)
+        finally:
+            _saved_tensors_of.cache_clear()
+
+
 def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                  allow_stage_change: bool, verify: bool, keep_module_weights: bool) -> ZeroLoadResult:
     """:func:`load` inside its pin of ``path`` (an absolute path)."""
     from ...restore import load as _load
     meta = _saved_meta(path)
     lay = _layout(engine)
+    _check_resident(lay, path)
     # Frozen parameters left out at save (exclude_frozen_parameters) keep the engine's own values.
     frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
     _reconcile(path, meta, lay, allow_stage_change, frozen, check_state=load_optimizer_states)
