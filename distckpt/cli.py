@@ -257,7 +257,8 @@ def _deepspeed_line(meta: dict) -> str | None:
     if not isinstance(ds, dict) or "stage" not in ds:
         return None
     return (f"ZeRO stage {ds.get('stage')}, saved at data-parallel size {ds.get('dp_size')}, model "
-            f"{ds.get('model_dtype')} with fp32 master weights, {ds.get('params')} parameters, optimizer "
+            f"{ds.get('model_dtype')} with {ds.get('master_dtype', 'float32')} master weights, {ds.get('params')} "
+            f"parameters, optimizer "
             f"{ds.get('optimizer')}; loads at any data-parallel size (distckpt.integrations.deepspeed.load)")
 
 

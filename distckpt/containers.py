@@ -121,13 +121,16 @@ def _container(node: dict, rec: list, where: str, path: Any) -> dict:
         od = collections.OrderedDict(node)
         kind, stored = rec[1], rec[2]
         if kind is not None:
-            od._metadata = collections.OrderedDict(decode_value(kind, stored, fqn=f"{_fqn(tuple(rec[0]))}._metadata",
-                                                                path=path))
+            meta = decode_value(kind, stored, fqn=f"{_fqn(tuple(rec[0]))}._metadata", path=path)
+            if not isinstance(meta, dict):  # (an OrderedDict's _metadata maps keys to their metadata)
+                raise ManifestCorruptError(f"{where}: {rec!r}: the _metadata is a {type(meta).__name__}, not a dict",
+                                           path=path)
+            od._metadata = collections.OrderedDict(meta)
         return od
     kind, arg = rec[3], rec[4]
     if kind == "Counter" and arg is None:
         return collections.Counter(node)
-    if kind == "defaultdict" and (arg is None or arg in FACTORIES):
+    if kind == "defaultdict" and (arg is None or (isinstance(arg, str) and arg in FACTORIES)):
         return collections.defaultdict(FACTORIES[arg] if arg is not None else None, node)
     raise ManifestCorruptError(f"{where}: {rec!r} names no container type this version rebuilds", path=path)
 

@@ -462,6 +462,25 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
                           remedy="Pass the class itself: load_from_checkpoint(MyModule, path).")
     checkpoint = DistCkptCheckpointIO(allow_pickle=allow_pickle, storage_options=storage_options).load_checkpoint(
         checkpoint_path, map_location=map_location, weights_only=weights_only)
+    # What Lightning's steps below index or compare, checked first: a crafted checkpoint failed in
+    # them untyped (a str's .update, packaging's InvalidVersion).
+    where = os.fspath(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+    hp = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY)
+    if hp is not None and not isinstance(hp, dict):
+        raise CheckpointCorruptError(f"the checkpoint's {cls.CHECKPOINT_HYPER_PARAMS_KEY!r} is a {type(hp).__name__}, "
+                                     f"not a dict", path=where, key=cls.CHECKPOINT_HYPER_PARAMS_KEY)
+    version = checkpoint.get("pytorch-lightning_version")
+    if version is not None:
+        from packaging.version import InvalidVersion, Version
+        try:
+            Version(version if isinstance(version, str) else "")
+        except InvalidVersion:
+            raise CheckpointCorruptError(f"the checkpoint's 'pytorch-lightning_version' {str(version)[:50]!r} is not a "
+                                         f"version", path=where, key="pytorch-lightning_version") from None
+    sd = checkpoint.get("state_dict")
+    if sd is not None and not isinstance(sd, dict):
+        raise CheckpointCorruptError(f"the checkpoint's 'state_dict' is a {type(sd).__name__}, not a dict",
+                                     path=where, key="state_dict")
     checkpoint = saving._pl_migrate_checkpoint(
         checkpoint, checkpoint_path=checkpoint_path if isinstance(checkpoint_path, (str, os.PathLike)) else None)
     if hparams_file is not None:

@@ -26,6 +26,7 @@ from ..helpers.distributed import free_port, kill_tree
 if importlib.util.find_spec("lightning") is None:
     pytest.skip("lightning is not installed (pip install lightning==2.6.6)", allow_module_level=True)
 
+import distckpt  # noqa: E402
 from distckpt.errors import (CheckpointIncompleteError, CheckpointNotFoundError,  # noqa: E402
                              ChecksumMismatchError, ConfigError, DataFileTruncatedError, PickleNotAllowedError,
                              StorageError, UnsupportedValueError)
@@ -283,6 +284,15 @@ def test_load_from_checkpoint_reads_this_plugins_checkpoints_as_lightning_reads_
     assert dict(load_from_checkpoint(Tiny, paths["distckpt"], weights_only=True).hparams) == {"width": 5, "lr": 0.05}
     with pytest.raises(ConfigError, match="not a LightningModule"):  # before anything is read
         load_from_checkpoint(torch.nn.Linear, paths["distckpt"])
+    # crafted values Lightning's steps index or compare: typed (a str's .update, packaging's
+    # InvalidVersion before)
+    from distckpt.errors import CheckpointCorruptError
+    tree, user = distckpt.read(paths["distckpt"]), distckpt.read_manifest(paths["distckpt"])["meta"]["user"]
+    for key, value in (("hyper_parameters", "abc"), ("hyper_parameters", [1, 2]), ("pytorch-lightning_version", 5)):
+        crafted = str(tmp_path / f"crafted-{key}-{type(value).__name__}")
+        distckpt.save({**tree, key: value}, crafted, no_dist=True, metadata=user)
+        with pytest.raises(CheckpointCorruptError, match=key):
+            load_from_checkpoint(Tiny, crafted)
 
 
 def test_missing_and_damaged_checkpoints_raise_typed_errors(tmp_path):

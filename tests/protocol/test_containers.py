@@ -103,6 +103,12 @@ def test_what_would_come_back_as_another_type_is_refused_by_key(value, what):
     ([[["d"], None, None, "Deque", None]], "no container type"),
     ([[["d"], None, None, "defaultdict", "eval"]], "no container type"),
     ([["d", None]], "not a container record"),
+    # crafted: an unhashable factory name, a _metadata that is no dict (TypeError / ValueError before)
+    ([[["d"], None, None, "defaultdict", ["int"]]], "no container type"),
+    ([[["d"], None, None, "defaultdict", {"a": 1}]], "no container type"),
+    ([[["d"], "bogus", 5]], "not a dict"),
+    ([[["d"], "bogus", "ab"]], "not a dict"),
+    ([[["d"], "value", {"t": "int", "v": 5}]], "not a dict"),
 ])
 def test_malformed_records_are_a_corrupt_manifest(records, why):
     with pytest.raises(ManifestCorruptError, match=why):

@@ -397,7 +397,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
             # from them).
             out[name] = _encode(sd)
         meta = {"format": zero.FORMAT, "stage": stage, "dp_size": zmeta["dp_size"],
-                "model_dtype": zmeta["model_dtype"], "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
+                "model_dtype": zmeta["model_dtype"], "master_dtype": zmeta["master_dtype"],
+                "optimizer": zmeta["optimizer"], "params": len(zmeta["params"]),
                 "module_from_masters": False,
                 "containers": True, "tensors": True}
         return {_FILES: out, **_records(out), **zsd}, meta

@@ -637,7 +637,8 @@ def save(engine, path: str | os.PathLike, *, client_state: Any = None, overwrite
     control_group(operation="deepspeed.save()").exchange_outcome(error, operation="deepspeed.save")
     md = dict(metadata or {})
     md["deepspeed"] = {"format": FORMAT, "stage": meta["stage"], "dp_size": meta["dp_size"],
-                       "model_dtype": meta["model_dtype"], "optimizer": meta["optimizer"],
+                       "model_dtype": meta["model_dtype"], "master_dtype": meta["master_dtype"],
+                       "optimizer": meta["optimizer"],
                        "params": len(meta["params"])}
     return _save(sd, path, overwrite=overwrite, metadata=md, replicated=replicated)
 
