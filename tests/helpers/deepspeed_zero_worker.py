@@ -60,7 +60,8 @@ class Net(nn.Module):
 
 
 def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr: float = 1e-3,
-               two_groups: bool = False, adam_w_mode: bool | None = None, offload_ratio: float | None = None):
+               two_groups: bool = False, adam_w_mode: bool | None = None, offload_ratio: float | None = None,
+               scheduler: str = "WarmupLR"):
     """A trained-from-scratch engine. ``dtype`` is fp32 or bf16 with flags: +persist, +frozen,
     +offload (ZeRO-Offload to the CPU: DeepSpeedCPUAdam; at stage 3 the parameters too),
     +bf16master (bf16 master weights and bf16 Adam states; needs +offload)."""
@@ -74,8 +75,8 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": lr, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": lr,
-                                                     "warmup_num_steps": 10}},
+        "scheduler": {"type": scheduler, "params": {"warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": 10}
+                      if scheduler == "WarmupLR" else {"total_num_steps": 100, "warmup_num_steps": 10}},
         # "+persist": ZeRO-3's default persistence threshold, so small params (biases) stay whole
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000 if persist else 0,
                               "reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16},
@@ -218,6 +219,8 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         engine = engine_for(stage, dtype, seed=1, adam_w_mode=False)
     elif case == "partial":  # a share of the sub-groups stepped by a second optimizer
         engine = engine_for(stage, dtype, seed=1, offload_ratio=0.5)
+    elif case == "sched_class":  # another lr scheduler: its state would not fit
+        engine = engine_for(stage, dtype, seed=1, scheduler="WarmupCosineLR")
     elif case == "master_bf16":  # saved with fp32 masters, loaded onto bf16 ones: would round them
         engine = engine_for(stage, dtype + "+bf16master", seed=1)
     elif case == "optimizer":

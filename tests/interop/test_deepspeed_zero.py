@@ -199,7 +199,7 @@ def test_reshard_errors_are_typed(saved):
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
               "2:fp32:client_adamw,client_rank,client_one_rank", "3:bf16+frozen:rollback", "1:fp32:offload_on",
-              "2:bf16+offload:offload_off,adam_l2,hostile,offloaded_states,install_refused",
+              "2:bf16+offload:offload_off,adam_l2,hostile,offloaded_states,install_refused,sched_class",
               "3:bf16+offload:offload_off,partial,master_bf16",
               "3:bf16+offload+bf16master:master_fp32")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
@@ -234,7 +234,8 @@ def test_reshard_errors_are_typed(saved):
         for cfg, case, cls, text in (
                 ("2:bf16+offload", "adam_l2", "ReshardError", "saved with AdamW (adam_w_mode=True)"),
                 ("3:bf16+offload", "master_bf16", "ReshardError", "saved master weights in float32, this engine's are bfloat16"),
-                ("3:bf16+offload", "partial", "UnsupportedValueError", "partial optimizer offload (ratio 0.5")):
+                ("3:bf16+offload", "partial", "UnsupportedValueError", "partial optimizer offload (ratio 0.5"),
+                ("2:bf16+offload", "sched_class", "ReshardError", "lr scheduler WarmupLR, this engine's is WarmupCosineLR")):
             d = json.load(open(os.path.join(_dir(saved, cfg), "out", f"err_{case}_rank{rank}.json")))
             assert d["raised"] == cls and text in d["message"] and d["untouched"], (case, d)
         # a load into an engine whose states offload_states() moved away: typed, nothing changed;

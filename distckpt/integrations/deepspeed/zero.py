@@ -571,11 +571,13 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
     sched = getattr(engine, "lr_scheduler", None)
     if lr_scheduler and sched is not None and hasattr(sched, "state_dict"):
         state = sched.state_dict()
-        meta["lr_scheduler"] = {"key": "lr_scheduler", "containers": containers.record(state)}
+        meta["lr_scheduler"] = {"key": "lr_scheduler", "containers": containers.record(state),
+                                "class": type(sched).__name__}
         if flatten(state, check_objects=False)[1]:
             sd["lr_scheduler"] = state
         else:  # nothing but (nested) empty dicts: no key to read back, so kept here as JSON
-            meta["lr_scheduler"] = {"key": None, "json": state, "containers": meta["lr_scheduler"]["containers"]}
+            meta["lr_scheduler"] = {"key": None, "json": state, "containers": meta["lr_scheduler"]["containers"],
+                                    "class": type(sched).__name__}
     if client_state is not None:
         # a client_state with no value in it ({}) has no key to read back: this says it was given
         meta["client_saved"] = True
@@ -956,6 +958,13 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
     sched_state = None
     if load_optimizer_states and load_lr_scheduler_states and sched is not None \
             and meta.get("lr_scheduler") is not None:
+        saved_class = meta["lr_scheduler"].get("class") if isinstance(meta["lr_scheduler"], dict) else None
+        if saved_class is not None and saved_class != type(sched).__name__:
+            # Its state would not fit (a KeyError midway) or would silently lose the position.
+            raise ReshardError(f"saved with lr scheduler {saved_class}, this engine's is {type(sched).__name__}",
+                               path=path, key=f"{_META}.lr_scheduler",
+                               remedy="Build the engine with the saved scheduler, or load with "
+                                      "load_lr_scheduler_states=False.")
         sched_state = _scheduler_state(path, meta)  # read before anything in the engine changes
     # the client state, read and rebuilt before anything in the engine changes
     client = _client_state(path, meta)
