@@ -20,6 +20,7 @@ taken from the shard metadata itself.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 from typing import Any
 
@@ -248,10 +249,20 @@ def _checked_pieces(fqn: str, dtype: torch.dtype, shape: tuple[int, ...], pieces
     Raises:
         UnsupportedValueError: naming the leaf and the first piece that does not fit.
     """
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedValueError(f"{fqn!r}: the declared dtype {dtype!r} is not a torch.dtype", key=fqn,
+                                    remedy="Declare the dtype as torch.float32 (not a string).")
     for i, p in enumerate(pieces):
         t = p.tensor
         problem = None
-        if not isinstance(t, torch.Tensor):
+        try:  # numpy integers and the like as Python ints (the MANIFEST stores plain ints)
+            p.offsets, p.sizes = tuple(operator.index(o) for o in p.offsets), tuple(operator.index(n) for n in p.sizes)
+            ints = True
+        except TypeError:
+            ints = False
+        if not ints:
+            problem = f"has a box whose offsets {p.offsets!r} or sizes {p.sizes!r} are not integers"
+        elif not isinstance(t, torch.Tensor):
             problem = f"is a {type(t).__name__}, not a tensor"
         elif t.dtype != dtype:
             problem = f"is {t.dtype}, the tensor is declared {dtype}"

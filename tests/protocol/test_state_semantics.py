@@ -396,7 +396,7 @@ def test_a_tensor_without_dense_elements_is_refused_by_save_and_load(tmp_path, k
     assert torch.equal(into["b"], torch.zeros(2))
 
 
-@pytest.mark.parametrize("case", ["dtype", "shape", "outside", "dims"])
+@pytest.mark.parametrize("case", ["dtype", "shape", "outside", "dims", "float_box", "dtype_name"])
 def test_local_pieces_that_are_not_their_box_are_refused_by_save_and_load(tmp_path, case):
     """LocalPieces (and a ShardedTensor's local shards) are assembled by the caller: a piece of
     another dtype was written as raw bytes under the declared one (int32 ones read back as float32
@@ -407,18 +407,19 @@ def test_local_pieces_that_are_not_their_box_are_refused_by_save_and_load(tmp_pa
     piece = {"dtype": Piece((0,), (4,), torch.ones(4, dtype=torch.int32)),
              "shape": Piece((0,), (4,), torch.ones(3)),
              "outside": Piece((2,), (4,), torch.ones(4)),
-             "dims": Piece((0, 0), (4, 1), torch.ones(4, 1))}[case]
-    bad = LocalPieces((4,), torch.float32, [piece])
-    with pytest.raises(errors.UnsupportedValueError, match="'w': local piece 0") as info:
+             "dims": Piece((0, 0), (4, 1), torch.ones(4, 1)), "float_box": Piece((0.0,), (4,), torch.ones(4)),
+             "dtype_name": Piece((0,), (4,), torch.ones(4))}[case]
+    bad = LocalPieces((4,), "float32" if case == "dtype_name" else torch.float32, [piece])
+    with pytest.raises(errors.UnsupportedValueError, match="'w': (local piece 0|the declared dtype)") as info:
         distckpt.save({"w": bad, "b": torch.ones(2)}, tmp_path / "new", no_dist=True)
     assert info.value.details.get("key") == "w" and not os.path.exists(tmp_path / "new")
     distckpt.save({"w": torch.arange(4.0), "b": torch.ones(2)}, tmp_path / "c", no_dist=True)
     into = {"w": bad, "b": torch.zeros(2)}
-    with pytest.raises(errors.UnsupportedValueError, match="'w': local piece 0"):
+    with pytest.raises(errors.UnsupportedValueError, match="'w': (local piece 0|the declared dtype)"):
         distckpt.load(into, tmp_path / "c", no_dist=True)
     assert torch.equal(into["b"], torch.zeros(2))
-    good = LocalPieces((4,), torch.float32, [Piece((1,), (3,), torch.zeros(3))])
-    distckpt.load({"w": good}, tmp_path / "c", no_dist=True)
+    good = LocalPieces((4,), torch.float32, [Piece((np.int64(1),), (np.int64(3),), torch.zeros(3))])
+    distckpt.load({"w": good}, tmp_path / "c", no_dist=True)  # numpy ints stand for ints
     assert torch.equal(good.pieces[0].tensor, torch.arange(1.0, 4.0))
 
 
