@@ -334,6 +334,7 @@ class DistCkptStorageReader(StorageReader):
             except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 raise CheckpointCorruptError(f"the MANIFEST's DCP planner data is malformed: {exc!r}",
                                              path=self.path) from exc
+            self._check_planner_data(planner_data)
         # In the saved order (DCP's planner data, else the MANIFEST's tree), as FileSystemReader's
         # metadata is: a planner that builds the state dict from it (_EmptyStateDictLoadPlanner)
         # returns its keys in that order (tensors then values, otherwise).
@@ -342,6 +343,28 @@ class DistCkptStorageReader(StorageReader):
         return Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=storage,
                         storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id or ""),
                         version=version)
+
+    def _check_planner_data(self, planner_data: Any) -> None:
+        """DCP's planner data maps each key to its path in the nested state dict, and DCP's
+        planners nest and flatten by it: each path must be a non-empty sequence of str / int keys
+        that joins back to its key (DCP's own flattening), or keys go missing (a path "xyz" nests
+        as x.y.z) or two keys land on one place and one is silently lost.
+
+        Raises:
+            CheckpointCorruptError: naming the first key whose path is not of that form.
+        """
+        if planner_data is None:
+            return
+        if not isinstance(planner_data, dict):
+            raise CheckpointCorruptError(f"the MANIFEST's DCP planner data is a {type(planner_data).__name__}, not a "
+                                         f"dict", path=self.path)
+        for fqn, obj_path in planner_data.items():
+            if not (isinstance(obj_path, (list, tuple)) and obj_path
+                    and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj_path)
+                    and ".".join(map(str, obj_path)) == fqn):
+                raise CheckpointCorruptError(f"the MANIFEST's DCP planner data gives {fqn!r} the path "
+                                             f"{str(obj_path)[:200]}, which does not lead to it", path=self.path,
+                                             key=fqn)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass

@@ -229,6 +229,25 @@ def test_a_planner_that_rebuilds_the_state_dict_from_the_metadata_gets_its_nesti
         assert [t.item() for t in got["model"]["layers"]] == [0.0, 1.0], name
 
 
+@pytest.mark.parametrize("path_of_a_w", ["xyz", [], 5, [0, "w"], ["b"], ["b", "x"], [["a"], "w"]])
+def test_planner_data_whose_paths_do_not_lead_to_their_keys_is_corrupt(tmp_path, path_of_a_w):
+    """A crafted planner_data path nested "a.w" as x.y.z (DCP: "Missing key"), failed in DCP's
+    planner (IndexError, TypeError), or put "a.w" where "b" is (a.w silently lost). Now the reader's
+    read_metadata refuses it: CheckpointCorruptError naming the key."""
+    from distckpt.errors import CheckpointCorruptError
+    good = tmp_path / "good"
+    dcp.save({"a": {"w": torch.arange(4.0)}, "b": torch.ones(2)}, storage_writer=DistCkptStorageWriter(good),
+             no_dist=True)
+    user = distckpt.read_manifest(good)["meta"]["user"]
+    assert DistCkptStorageReader(good).read_metadata().planner_data == {"a.w": ("a", "w"), "b": ("b",)}
+    crafted = tmp_path / "crafted"
+    planner = {"t": "dict", "k": [["a.w", path_of_a_w], ["b", ["b"]]]}
+    distckpt.save(distckpt.read(good), crafted, no_dist=True,
+                  metadata={**user, "distckpt.dcp": {**user["distckpt.dcp"], "planner_data": ["value", planner]}})
+    with pytest.raises(CheckpointCorruptError, match="'a.w'"):
+        DistCkptStorageReader(crafted).read_metadata()
+
+
 def test_no_path_and_a_dcp_directory_in_the_way_are_typed_errors_saying_so(tmp_path):
     """The writer without a path said "checkpoint path None is a NoneType" (the reader: "no
     checkpoint path"); overwrite=True over a FileSystemWriter directory is refused (distckpt
