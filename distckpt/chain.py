@@ -60,6 +60,35 @@ def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> Ch
     return err
 
 
+def _checked(link: str, meta: dict, manifest: Any) -> dict:
+    """``meta`` once its fields have the form every reader of a chain relies on (a crafted or
+    damaged entry raised KeyError, TypeError or IndexError in them).
+
+    Raises:
+        ChainBrokenError: naming the first field that does not.
+    """
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    kind, seq, tracked = meta.get("kind"), meta.get("seq", 0), meta.get("tracked")
+    problem = None
+    if kind not in ("full", "delta"):
+        problem = f"its kind is {kind!r}, not 'full' or 'delta'"
+    elif not count(seq) or (kind == "delta") != (seq > 0):
+        problem = f"its position (seq) is {seq!r}"
+    elif not (isinstance(tracked, list) and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and count(e[1]) for e in tracked)):
+        problem = f"its tracked tensors are not a list of [name, row dimension]: {str(tracked)[:200]}"
+    else:
+        for fqn, dim in tracked:
+            entry = manifest.tensors.get(fqn) if kind == "full" else None
+            if entry is not None and dim >= len(entry.shape):
+                problem = f"tracked tensor {fqn} has {len(entry.shape)} dimension(s), its row dimension is {dim}"
+                break
+    if problem is not None:
+        raise _broken(link, f"its chain metadata is malformed: {problem}")
+    return meta
+
+
 def chain_of(path: str | os.PathLike, *, chunks: bool = True) -> list[ChainLink]:
     """The links a checkpoint needs, newest (``path`` itself) first, base last.
 
@@ -70,14 +99,15 @@ def chain_of(path: str | os.PathLike, *, chunks: bool = True) -> list[ChainLink]
     Raises:
         ChainBrokenError: a link is missing, not committed, does not decode, was replaced by
             another save (save id differs from what its child recorded), belongs to another chain,
-            or the chain does not end in a full link.
+            has chain metadata of the wrong form, or the chain does not end in a full link.
         The errors of reading ``path``'s own MANIFEST (CheckpointNotFoundError, ...).
     """
     path = os.path.abspath(os.fspath(path))
     load = load_manifest if chunks else load_manifest_header
     m = load(path)
     info = chain_info(m)
-    links = [ChainLink(path, m, info or {"kind": "full", "tracked": [], "seq": 0})]
+    links = [ChainLink(path, m, _checked(path, info, m) if info is not None else {"kind": "full", "tracked": [],
+                                                                                    "seq": 0})]
     seen = {path}
     while links[-1].kind == "delta":
         child = links[-1]
@@ -105,7 +135,7 @@ def chain_of(path: str | os.PathLike, *, chunks: bool = True) -> list[ChainLink]
         if pinfo.get("shapes") != meta.get("shapes"):   # absent from both in chains of older savers
             raise _broken(ppath, f"its tracked tensors' shapes or dtypes ({pinfo.get('shapes')}) are not its "
                                  f"child's ({meta.get('shapes')}): the child's rows cannot be composed into it")
-        links.append(ChainLink(ppath, pm, pinfo))
+        links.append(ChainLink(ppath, pm, _checked(ppath, pinfo, pm)))
     if links[-1].kind != "full":
         raise _broken(links[-1].path, f"the chain ends in a {links[-1].kind!r} link, not a full checkpoint")
     return links

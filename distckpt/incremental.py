@@ -684,8 +684,9 @@ def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
     if entry.kind == "pickle":   # a saver writes boxes as plain values: never unpickled
         raise _broken(link.path, f"delta record {fqn} is a pickle, not a box")
     box = decode_value(entry.kind, entry.value, fqn=fqn, path=link.path)
-    if (not isinstance(box, list) or len(box) != 2 or len(box[0]) != len(box[1])
-            or not all(isinstance(v, int) and v >= 0 for v in box[0] + box[1])):
+    if (not isinstance(box, list) or len(box) != 2 or not all(isinstance(b, list) for b in box)
+            or len(box[0]) != len(box[1])
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in box[0] + box[1])):
         raise _broken(link.path, f"delta record {fqn} is not a box: {box!r}")
     return box[0], box[1]
 
@@ -772,6 +773,12 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
     entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, target rows)
     wanted = []
     for li, link in enumerate(deltas):
+        # A record under a number no tracked tensor has would be skipped: its rows silently lost.
+        stray = sorted({f for f in list(link.manifest.tensors) + list(link.manifest.objects)
+                        if f.startswith(DELTA_ROOT + ".")
+                        and not f[len(DELTA_ROOT) + 1:].split(".", 1)[0] in {str(j) for j in range(len(order))}})
+        if stray:
+            raise _broken(link.path, f"delta record {stray[0]} belongs to no tracked tensor ({len(order)} tracked)")
         pieces = []
         for fqn in targets:
             for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items()):
@@ -782,6 +789,11 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
                        for t in targets[fqn]):
                     pieces.append((fqn, parts, soff, ssz))
         wanted.append(pieces)
+    for link, pieces in zip(deltas, wanted):
+        for _f, parts, _o, _s in pieces:
+            if len(link.manifest.tensors[parts["ids"]].shape) != 1:
+                raise _broken(link.path, f"{parts['ids']}: row ids of shape "
+                                         f"{list(link.manifest.tensors[parts['ids']].shape)}, not 1-D")
     ids_of = [[torch.empty(tuple(link.manifest.tensors[parts["ids"]].shape),
                            dtype=dtype_from_name(link.manifest.tensors[parts["ids"]].dtype, path=link.path))
                for _f, parts, _o, _s in pieces] for link, pieces in zip(deltas, wanted)]
@@ -790,8 +802,18 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
                             for link, pieces, outs in zip(deltas, wanted, ids_of)], verify, "delta row ids")
     for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
-            ids = ids.to(torch.int64)
             d = tracked[fqn]
+            if d >= len(soff):
+                raise _broken(link.path, f"{fqn}: its row dimension {d} is not one of its pieces' {len(soff)}")
+            # Row ids are searched (sorted) and scatter rows: they must be increasing row numbers
+            # inside the piece's box, or rows would land silently in the wrong place.
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise _broken(link.path, f"{parts['ids']}: row ids of shape {list(ids.shape)} and dtype {ids.dtype}")
+            ids = ids.to(torch.int64)
+            if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < soff[d]
+                                or int(ids[-1]) >= soff[d] + ssz[d]):
+                raise _broken(link.path, f"{parts['ids']}: row ids not increasing inside rows "
+                                         f"[{soff[d]}, {soff[d] + ssz[d]})")
             for t in targets[fqn]:
                 region = []
                 for k2 in range(len(soff)):

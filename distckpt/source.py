@@ -27,7 +27,7 @@ from . import dcp, hf
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .chain import ChainLink, chain_info, chain_of
-from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
+from .errors import (ChainBrokenError, CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError,
                      CheckpointRemovedError, ConfigError, StorageError)
 from .plan import Box
 from .storage import Store, is_url, join, open_store
@@ -186,6 +186,11 @@ class Source:
             ConfigError: the delta is on an object store (chains are local).
         """
         info = chain_info(manifest)
+        if info is not None and info.get("kind") not in ("full", "delta"):
+            # (a link of a kind this version does not know is not read as a plain checkpoint)
+            raise ChainBrokenError(f"incremental chain broken at {self.path}: its kind is {info.get('kind')!r}, not "
+                                   f"'full' or 'delta'", path=self.path, link=self.path,
+                                   reason=f"unknown kind {info.get('kind')!r}")
         if info is None or info.get("kind") != "delta":
             return None
         if is_url(self.path):

@@ -178,3 +178,65 @@ def test_ranks_that_disagree_about_the_link_all_write_it_full(tmp_path, how):
     want = torch.arange(800.).reshape(200, 4)
     want[[3, 103]] += 1   # local row 3 of each rank's shard of 100 rows
     assert torch.equal(distckpt.read(str(tmp_path / "s2"))["emb"], want)
+
+
+def _crafted_delta_cases(good):
+    def records(box=([0, 0], [100, 8]), ids=(3, 50), rows=None, index="0"):
+        box = [list(b) for b in box] if isinstance(box[0], (list, tuple)) else list(box)
+        ids_t = ids if torch.is_tensor(ids) else torch.tensor(list(ids), dtype=torch.int32)
+        rows = rows if rows is not None else torch.stack([good["emb"][3], good["emb"][50]])
+        return {index: {"r0p0": {"box": box, "ids": ids_t, "rows": rows}}}
+    return {
+        "box_of_ints": ({"_incr": records(box=(0, 100))}, {}),
+        "ids_2d": ({"_incr": records(ids=torch.tensor([[3, 50]], dtype=torch.int32))}, {}),
+        "ids_unsorted": ({"_incr": records(ids=(50, 3))}, {}),
+        "ids_outside": ({"_incr": records(ids=(3, 150))}, {}),
+        "record_of_no_tracked_tensor": ({"_incr": records(index="5")}, {}),
+        "seq_str": ({"_incr": records()}, {"seq": "1"}),
+        "tracked_missing": ({"_incr": records()}, {"tracked": None}),
+        "tracked_dim_str": ({"_incr": records()}, {"tracked": [["emb", "x"]]}),
+        "kind_other": ({"_incr": records()}, {"kind": "partial"}),
+    }
+
+
+def test_crafted_chain_metadata_and_delta_records_are_chain_broken(tmp_path):
+    """A delta link's chain metadata and its records are data from the checkpoint: crafted ones
+    raised KeyError / TypeError / ValueError in the chain walk and the row planning, and two
+    loaded silently wrong (unsorted row ids scattered rows to the wrong places; a record under a
+    number no tracked tensor has was skipped, its rows lost). Now ChainBrokenError, from load and
+    read alike, before a byte of the delta is copied (read never changes anything)."""
+    import copy
+    import shutil
+
+    from distckpt.errors import ChainBrokenError
+    from distckpt.incremental import IncrementalPolicy, IncrementalSaver
+    torch.manual_seed(0)
+    sd = {"emb": torch.randn(100, 8), "dense": torch.randn(4)}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"emb": 0}, full_every=8, max_delta_fraction=0.9,
+                                               max_chain_fraction=0.9))
+    saver.save(sd, str(tmp_path / "step_1"))
+    sd["emb"][3] += 1
+    sd["emb"][50] += 2
+    saver.save(sd, str(tmp_path / "step_2"))
+    info = distckpt.read_manifest(str(tmp_path / "step_2"))["meta"]["user"]["distckpt.chain"]
+    assert info["kind"] == "delta"
+    good = {k: v.clone() for k, v in sd.items()}
+    for name, (extra, info_change) in _crafted_delta_cases(good).items():
+        meta = copy.deepcopy(info)
+        for k, v in info_change.items():
+            if v is None:
+                meta.pop(k)
+            else:
+                meta[k] = v
+        path = tmp_path / name
+        distckpt.save({"dense": good["dense"].clone(), **extra}, str(path), no_dist=True,
+                      metadata={"distckpt.chain": meta})
+        with pytest.raises(ChainBrokenError):
+            distckpt.read(str(path))
+        with pytest.raises(ChainBrokenError):
+            distckpt.load({"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}, str(path), no_dist=True)
+        shutil.rmtree(path)
+    # the same records, uncrafted, load exactly (the cases above differ from it in one thing each)
+    back = {"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}
+    distckpt.load(back, str(tmp_path / "step_2"), no_dist=True)
+    assert torch.equal(back["emb"], good["emb"]) and torch.equal(back["dense"], good["dense"])
