@@ -22,7 +22,10 @@ from .storage import Leftover, Store, basename, join, normalize_path, open_store
 
 __all__ = ["list_root", "RootListing", "StepInfo", "Leftover", "owned_checkpoints"]
 
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
+# Exactly the names CheckpointManager gives (step_dirname: 8 digits zero-padded, more without a
+# leading zero): step_000000007 beside step_00000007 would list step 7 twice, and the manager's
+# path(7) names only the second.
+_STEP_RE = re.compile(r"^step_(\d{8}|[1-9]\d{8,})$")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -704,3 +704,16 @@ def test_peek_commit_time_matches_the_decoded_manifest(tmp_path):
     assert mf.peek_commit_time(tmp_path / "missing") is None
     os.symlink(tmp_path / "c" / "MANIFEST", tmp_path / "link")
     assert mf.peek_commit_time(tmp_path / "link") is None  # never follows a symlink
+
+
+def test_only_the_managers_own_step_names_are_steps(tmp_path):
+    """step_0000000007 beside step_00000007 listed step 7 twice (the listing took any 8+ digits,
+    the manager's path(7) names only the second): a name the manager never gives is not a step."""
+    for name, value in (("step_00000003", 3.0), ("step_0000000007", 70.0), ("step_00000007", 7.0),
+                        ("step_000000005", 5.0), ("step_123456789", 9.0)):
+        distckpt.save({"w": torch.full((2,), value)}, str(tmp_path / name), no_dist=True)
+    m = distckpt.CheckpointManager(str(tmp_path))
+    assert m.steps() == [3, 7, 123456789] and m.path(123456789).endswith("step_123456789")
+    sd = {"w": torch.zeros(2)}
+    m.load(sd, 7)
+    assert torch.equal(sd["w"], torch.full((2,), 7.0))
