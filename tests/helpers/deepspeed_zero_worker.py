@@ -360,6 +360,22 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": raised, "untouched": untouched, "same": bool(same), "keys": keys}, f)
         return
+    elif case == "rollback_prestep":
+        # a checkpoint saved before the first optimizer step, loaded into an engine that has trained
+        # (it was a ReshardError: "state keys differ"): the state is none again, as it was saved,
+        # and the same next steps follow as from the saved engine
+        fresh = engine_for(stage, dtype, seed=3)
+        path = os.path.join(out, "prestep")
+        dds.save(fresh, path, overwrite=True)
+        want = train(fresh, 2, 50)
+        engine = engine_for(stage, dtype, seed=4)
+        train(engine, 3, 0)
+        dds.load(engine, path)
+        empty = all(not engine.optimizer.optimizer.state.get(o.key) for o in zero_layout(engine).owners)
+        got = train(engine, 2, 50)
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": None, "same": empty and got == want, "untouched": True}, f)
+        return
     elif case == "install_refused":
         # through install(): DeepSpeed's own load restores the module, counters and scheduler
         # before the ZeRO load refuses (Adam mode): every refusal now comes first
@@ -399,6 +415,11 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
     doc["untouched"] = all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(doc, f)
+
+
+def zero_layout(engine):
+    from distckpt.integrations.deepspeed import zero
+    return zero._layout(engine)
 
 
 def _masters(engine) -> list:

@@ -856,6 +856,12 @@ def _ensure_state(lay: _Layout, meta: dict, path: str) -> None:
     """Give every owner the saved state keys (an optimizer that has not stepped has none yet)."""
     flat_keys, scalar_keys = meta["state_keys"], meta["scalar_keys"]
     have_flat, have_scalar = _state_keys(lay)
+    if not flat_keys and not scalar_keys:
+        # Saved before the optimizer's first step: its state is none at all (the next step creates
+        # it afresh, as it did in the saved job), whatever this engine has stepped since.
+        for owner in lay.owners:
+            lay.base.state.pop(owner.key, None)
+        return
     if not have_flat and not have_scalar:
         for owner in lay.owners:
             st = lay.base.state[owner.key]
