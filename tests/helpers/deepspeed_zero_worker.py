@@ -69,6 +69,9 @@ def engine_for(stage: int, dtype: str, seed: int, widths=(256, 512, 300, 11), lr
     persist, frozen, offload = "persist" in flags, "frozen" in flags, "offload" in flags
     torch.manual_seed(seed)
     model = Net(widths)
+    if "tied" in flags:  # "+tied": the first weight under a second name too (tied embeddings)
+        model.alias = nn.Module()
+        model.alias.weight = model.layers[0].weight
     if frozen:  # "+frozen": the first weight is not trained (a frozen base model, as under LoRA)
         model.layers[0].weight.requires_grad_(False)
     cfg = {
@@ -359,6 +362,28 @@ def _expect_error(stage: int, dtype: str, ckpt: str, out: str, case: str) -> Non
         keys = sorted(distckpt.read(again, keys=["optim"])["optim"][trained])
         with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
             json.dump({"raised": raised, "untouched": untouched, "same": bool(same), "keys": keys}, f)
+        return
+    elif case == "tied":
+        # a parameter under two names (tied embeddings) is saved once; dds.consolidated gives it
+        # under both, one tensor, as zero_to_fp32 does, and the model loads it strictly
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        engine = engine_for(stage, dtype + "+tied", seed=1)
+        train(engine, 1, 0)
+        path = os.path.join(out, "tied")
+        dds.save(engine, path, overwrite=True)
+        engine.save_checkpoint(os.path.join(out, "tied_ds"), tag="t")
+        dist.barrier()
+        ours = dds.consolidated(path)
+        theirs = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, "tied_ds"), tag="t")
+        model = Net()
+        model.alias = nn.Module()
+        model.alias.weight = model.layers[0].weight
+        model.load_state_dict(ours, strict=True)
+        same = sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs) \
+            and ours["alias.weight"] is ours["layers.0.weight"] \
+            and "alias.weight" not in distckpt.read(path, keys=["model"])["model"]
+        with open(os.path.join(out, f"err_{case}_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump({"raised": None, "same": bool(same), "untouched": True}, f)
         return
     elif case == "rollback_prestep":
         # a checkpoint saved before the first optimizer step, loaded into an engine that has trained

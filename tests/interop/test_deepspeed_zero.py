@@ -199,7 +199,7 @@ def test_reshard_errors_are_typed(saved):
     os.makedirs(out2)
     _torchrun(2, "error:" + ",".join(cases + ["stage2", "stage3_allowed", "rollback"]), saved, "1:fp32",
               "2:fp32:client_adamw,client_rank,client_one_rank", "3:bf16+frozen:rollback", "1:fp32:offload_on",
-              "2:bf16+offload:offload_off,adam_l2,hostile,offloaded_states,install_refused,sched_class,rollback_prestep",
+              "2:bf16+offload:offload_off,adam_l2,hostile,offloaded_states,install_refused,sched_class,rollback_prestep,tied",
               "3:bf16+offload:offload_off,partial,master_bf16",
               "3:bf16+offload+bf16master:master_fp32")
     expect = {"shape": "changed shape", "params": "not in the checkpoint", "stage": "stage 1, loading at stage 3",
@@ -227,9 +227,11 @@ def test_reshard_errors_are_typed(saved):
         assert json.load(open(os.path.join(_dir(saved, "3:bf16+frozen"), "out", f"err_rollback_rank{rank}.json")))["same"]
         # ZeRO-Offload turned on (FusedAdam -> DeepSpeedCPUAdam) and off again; bf16 masters and
         # Adam states onto fp32 ones (widened); a rollback to a checkpoint saved before the first
-        # step (no optimizer state) into an engine that trained: exact
+        # step (no optimizer state) into an engine that trained; dds.consolidated of a model with
+        # a tied parameter, equal to zero_to_fp32 (both names, one tensor): exact
         for cfg, case in (("1:fp32", "offload_on"), ("2:bf16+offload", "offload_off"), ("3:bf16+offload", "offload_off"),
-                          ("3:bf16+offload+bf16master", "master_fp32"), ("2:bf16+offload", "rollback_prestep")):
+                          ("3:bf16+offload+bf16master", "master_fp32"), ("2:bf16+offload", "rollback_prestep"),
+                          ("2:bf16+offload", "tied")):
             assert json.load(open(os.path.join(_dir(saved, cfg), "out", f"err_{case}_rank{rank}.json")))["same"], cfg
         # what cannot load exactly, or cannot be described, is typed and leaves the engine as it was
         for cfg, case, cls, text in (

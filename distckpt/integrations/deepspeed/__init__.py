@@ -6,16 +6,16 @@ never imports deepspeed.
     dds.install(engine, keep_last=3)      # one line: engine.save_checkpoint/load_checkpoint go through distckpt
     dds.save(engine, "/ckpt/step_100", client_state={"epoch": 3})   # collective, any ZeRO stage
     out = dds.load(engine, "/ckpt/step_100")                        # at any data-parallel size
-    fp32 = distckpt.read("/ckpt/step_100", keys=["model"])["model"]  # consolidated, one process
+    fp32 = dds.consolidated("/ckpt/step_100")     # as zero_to_fp32 gives it (tied names too), one process
 
 :func:`install` (module :mod:`.engine`, which imports deepspeed) is imported on first use.
 """
 
 import importlib as _importlib
 
-from .zero import FORMAT, ZeroLoadResult, load, save, state_dict
+from .zero import FORMAT, ZeroLoadResult, consolidated, load, save, state_dict
 
-__all__ = ["install", "save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
+__all__ = ["install", "save", "load", "state_dict", "consolidated", "ZeroLoadResult", "FORMAT"]
 
 
 def __getattr__(name: str):

@@ -73,7 +73,7 @@ from ...errors import ManifestCorruptError, ReshardError, UnsupportedValueError
 from ...flatten import LocalPieces, flatten
 from ...tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
 
-__all__ = ["save", "load", "state_dict", "ZeroLoadResult", "FORMAT"]
+__all__ = ["save", "load", "state_dict", "consolidated", "ZeroLoadResult", "FORMAT"]
 
 FORMAT = "distckpt.deepspeed/2"
 # Format 1 kept the lr-scheduler state inside the JSON metadata, which turned int dict keys into
@@ -525,6 +525,44 @@ def _frozen(engine, lay: _Layout) -> dict[str, Any]:
     return out
 
 
+def _aliases(engine, saved: set[str]) -> list[list[str]]:
+    """[[alias, name]] of the module's parameters registered under several names (tied
+    embeddings: ``lm_head.weight`` is ``embed_tokens.weight``); each is saved once, under the first
+    name ``named_parameters`` gives. ``zero_to_fp32`` gives both: :func:`consolidated` does too."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = name
+        elif first[id(p)] in saved:
+            out.append([name, first[id(p)]])
+    return out
+
+
+def consolidated(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The consolidated model of a checkpoint written by :func:`save`, as DeepSpeed's
+    ``zero_to_fp32`` gives it: every master weight in its parameter's full shape, the frozen
+    parameters and persistent buffers, and each tied parameter under every name it has (one
+    tensor object, as ``zero_to_fp32`` shares it), so the model loads it with
+    ``load_state_dict(strict=True)``. One process, no DeepSpeed needed. (``distckpt.read(path,
+    keys=["model"])["model"]`` is the same without the aliases.)
+
+    Raises:
+        ReshardError: not such a checkpoint. ManifestCorruptError: its metadata is malformed.
+        The errors of :func:`distckpt.read`.
+    """
+    from ...restore import read
+    path = os.path.abspath(os.fspath(path))
+    meta = _saved_meta(path)
+    model = read(path, keys=["model"])["model"]
+    for alias, name in meta.get("aliases", []):
+        if name not in model:
+            raise ManifestCorruptError(f"the '{_META}' metadata ties {alias!r} to {name!r}, which the checkpoint "
+                                       f"does not hold", path=path, key=f"{_META}.aliases")
+        model[alias] = model[name]
+    return model
+
+
 def _leaf_shape(leaf: Any) -> list[int]:
     return list(leaf.shape)
 
@@ -566,6 +604,7 @@ def state_dict(engine, *, client_state: Any = None, lr_scheduler: bool = True,
         model[name] = buf
     meta = _meta(engine, lay, flat_keys, scalar_keys)
     meta["frozen"] = [[name, _leaf_shape(leaf)] for name, leaf in frozen.items()]
+    meta["aliases"] = _aliases(engine, set(model))
     meta["frozen_excluded"] = bool(exclude_frozen_parameters)
     sd = {"model": model, "optim": optim}
     sched = getattr(engine, "lr_scheduler", None)
@@ -732,6 +771,9 @@ def _check_meta(meta: dict, path: str) -> None:
         "group_of": (False, lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
                      "an object of group indexes"),
         "frozen": (False, _is_shapes, "a list of [name, shape]"),
+        "aliases": (False, lambda v: isinstance(v, list) and all(
+            isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in v),
+            "a list of [alias, name]"),
         "frozen_excluded": (False, lambda v: isinstance(v, bool), "a bool"),
         "client_saved": (False, lambda v: isinstance(v, bool), "a bool"),
         "loss_scaler": (False, lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class"), str)
