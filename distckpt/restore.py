@@ -520,7 +520,14 @@ def _fill_chain(source: Source, links: list[ChainLink], parts: list[Part], track
             finally:
                 th.join()
             if "e" in planned:
-                raise planned["e"]
+                # The deltas' records were refused after the base pass filled its tensors (the
+                # plan runs beside it): the error says which tensors hold the base's bytes now.
+                exc = planned["e"]
+                if isinstance(exc, DistCkptError) and "filled" not in exc.details:
+                    filled = sorted({t.fqn for part in parts for t in part.tasks})
+                    exc.filled, exc.partly_filled = filled, []
+                    exc.details.update(filled=filled, partly_filled=[])
+                raise exc
             reads, id_bytes = planned["v"]
             rows = [Part(source.store, path, manifest, box_tasks(path, manifest, reqs)) for path, manifest, reqs in reads]
             return nbytes + id_bytes + fill_parts(rows, verify=verify)[0], backend

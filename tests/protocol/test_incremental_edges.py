@@ -204,7 +204,8 @@ def test_crafted_chain_metadata_and_delta_records_are_chain_broken(tmp_path):
     raised KeyError / TypeError / ValueError in the chain walk and the row planning, and two
     loaded silently wrong (unsorted row ids scattered rows to the wrong places; a record under a
     number no tracked tensor has was skipped, its rows lost). Now ChainBrokenError, from load and
-    read alike, before a byte of the delta is copied (read never changes anything)."""
+    read alike, before a byte of the delta is copied; a load's error names the tensors the base's
+    pass had filled (filled / partly_filled), as a checksum error does."""
     import copy
     import shutil
 
@@ -233,8 +234,13 @@ def test_crafted_chain_metadata_and_delta_records_are_chain_broken(tmp_path):
                       metadata={"distckpt.chain": meta})
         with pytest.raises(ChainBrokenError):
             distckpt.read(str(path))
-        with pytest.raises(ChainBrokenError):
-            distckpt.load({"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}, str(path), no_dist=True)
+        dest = {"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}
+        with pytest.raises(ChainBrokenError) as raised:
+            distckpt.load(dest, str(path), no_dist=True)
+        if info_change:  # the chain's structure: refused before a byte is read
+            assert not dest["emb"].any() and not dest["dense"].any(), name
+        else:  # its records are planned beside the base's pass: the error names what that filled
+            assert raised.value.filled == ["dense", "emb"] and raised.value.partly_filled == [], (name, raised.value.details)
         shutil.rmtree(path)
     # the same records, uncrafted, load exactly (the cases above differ from it in one thing each)
     back = {"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}
