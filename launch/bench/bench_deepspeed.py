@@ -117,7 +117,7 @@ def main() -> None:
                         shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
     if rank == 0:
         med = {k: statistics.median(v) for k, v in res.items()}
-        params = sum(p.numel() for p in model.parameters())
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # (ZeRO-3: partitioned)
         print(json.dumps({
             "ranks": dist.get_world_size(), "stage": args.stage, "dtype": "bf16" if args.bf16 else "fp32",
             "offload": args.offload,
