@@ -18,6 +18,9 @@ from ..errors import ManifestCorruptError
 __all__ = ["plain", "plain_groups", "fits", "check_groups", "set_groups"]
 
 _SKIP = object()
+# What a param group holds that is not a hyper-parameter: its parameters, and (torch >= 2.6, an
+# optimizer built over named parameters) their names, which follow the live group's parameters.
+_IDENTITY = ("params", "param_names")
 
 
 def plain(value: Any) -> Any:
@@ -36,21 +39,22 @@ def plain(value: Any) -> Any:
 
 def plain_groups(groups: list[dict]) -> list[dict]:
     """The plain hyper-parameters of each param group (``params`` left out)."""
-    return [{k: pv for k, v in group.items() if k != "params" and (pv := plain(v)) is not _SKIP}
+    return [{k: pv for k, v in group.items() if k not in _IDENTITY and (pv := plain(v)) is not _SKIP}
             for group in groups]
 
 
 def fits(saved: Any, cur: Any) -> bool:
     """Whether a saved JSON value can stand where ``cur`` is: a number for a number or a
     one-element tensor, a bool for a bool, a list of as many fitting values for a tuple or list
-    (betas), a str for a str; None only for None (and None takes any plain value: options such as
-    ``foreach`` that default to None)."""
+    (betas), a str for a str. None stands for None and for a bool, and None takes any plain value:
+    torch's implementation flags (``foreach``, ``fused``) default to None and a run may set them,
+    and torch's ``load_state_dict`` puts the saved group's value back either way."""
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
     if cur is None:
         return saved is None or isinstance(saved, (bool, int, float, str))
     if saved is None:
-        return False
+        return isinstance(cur, bool)
     if torch.is_tensor(cur):
         return cur.numel() == 1 and number(saved)
     if isinstance(cur, bool):
@@ -77,7 +81,7 @@ def check_groups(live: list[dict], saved: Any, *, path: str, key: str) -> None:
                                    path=path, key=key)
     for g, (group, values) in enumerate(zip(live, saved)):
         for k, v in values.items():
-            if k in group and k != "params" and not fits(v, group[k]):
+            if k in group and k not in _IDENTITY and not fits(v, group[k]):
                 raise ManifestCorruptError(f"saved hyper-parameter {k!r} of param group {g} is {str(v)[:100]}, "
                                            f"which cannot stand for this optimizer's {group[k]!r}", path=path, key=key)
 
@@ -88,7 +92,7 @@ def set_groups(live: list[dict], saved: list[dict]) -> None:
     does not have is not added (it is not this optimizer's)."""
     for group, values in zip(live, saved):
         for k, v in values.items():
-            if k not in group or k == "params":
+            if k not in group or k in _IDENTITY:
                 continue
             cur = group[k]
             if torch.is_tensor(cur):

@@ -81,6 +81,7 @@ anything not written through this plugin.
 
 from __future__ import annotations
 
+import collections.abc
 import logging
 import os
 import threading
@@ -466,9 +467,9 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
     # them untyped (a str's .update, packaging's InvalidVersion).
     where = os.fspath(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
     hp = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY)
-    if hp is not None and not isinstance(hp, dict):
+    if hp is not None and not isinstance(hp, collections.abc.Mapping):  # (a dict, or OmegaConf's DictConfig)
         raise CheckpointCorruptError(f"the checkpoint's {cls.CHECKPOINT_HYPER_PARAMS_KEY!r} is a {type(hp).__name__}, "
-                                     f"not a dict", path=where, key=cls.CHECKPOINT_HYPER_PARAMS_KEY)
+                                     f"not a mapping", path=where, key=cls.CHECKPOINT_HYPER_PARAMS_KEY)
     version = checkpoint.get("pytorch-lightning_version")
     if version is not None:
         from packaging.version import InvalidVersion, Version

@@ -25,6 +25,7 @@ def test_plain_groups_keep_json_values_and_leave_the_rest():
 
 @pytest.mark.parametrize("saved, cur, ok", [
     (0.1, 0.01, True), (1, 0.5, True), (True, 0.5, False), ("abc", 0.5, False), (None, 0.5, False),
+    (None, True, True), (None, False, True),  # foreach / fused: saved at their None default, set now
     (0.2, torch.tensor(0.1), True), ("x", torch.tensor(0.1), False), (0.2, torch.ones(2), False),
     (False, True, True), (1, True, False),
     ([0.8, 0.9], (0.9, 0.99), True), ([0.8], (0.9, 0.99), False), ([0.8, "x"], (0.9, 0.99), False),
@@ -39,13 +40,16 @@ def test_fits(saved, cur, ok):
 def test_check_then_set_restores_in_place_and_adds_nothing():
     groups = _groups()
     lr = groups[0]["lr"]
-    saved = [{"lr": 0.5, "betas": [0.8, 0.95], "foreach": True, "not_this_optimizers": 3, "params": [7]}]
+    groups[0]["param_names"] = ["w"]
+    saved = [{"lr": 0.5, "betas": [0.8, 0.95], "foreach": True, "not_this_optimizers": 3, "params": [7],
+              "param_names": ["a", "b", "c"]}]
     hyperparams.check_groups(groups, saved, path="p", key="k")
     hyperparams.set_groups(groups, saved)
     assert groups[0]["lr"] is lr and lr.item() == 0.5  # a tensor lr is filled, not replaced
     assert groups[0]["betas"] == (0.8, 0.95) and isinstance(groups[0]["betas"], tuple)
     assert groups[0]["foreach"] is True and "not_this_optimizers" not in groups[0]
-    assert len(groups[0]["params"]) == 1
+    assert len(groups[0]["params"]) == 1 and groups[0]["param_names"] == ["w"]  # the live group's
+    assert "param_names" not in hyperparams.plain_groups(groups)[0]
 
 
 @pytest.mark.parametrize("saved", [{"lr": "abc"}, [{"lr": "abc"}], [{"betas": [0.9, 0.99, 0.5]}], [3]])

@@ -47,6 +47,28 @@ def test_plain_data_and_tensors_round_trip_at_every_protocol(protocol):
     assert type(got["od"]) is collections.OrderedDict
 
 
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_the_plain_types_of_real_dataloader_states_round_trip(protocol):
+    """What datasets and samplers keep in their state: numpy scalars, arrays and a RandomState's
+    state, collections' containers, datetimes, torch sizes, dtypes and Parameters (each was
+    refused, a resume stuck on PickleNotAllowedError)."""
+    import datetime
+
+    import numpy as np
+    value = {"i": np.int64(3), "f": np.float32(1.5), "arr": np.arange(6).reshape(2, 3),
+             "rs": np.random.RandomState(0).get_state(), "npdt": np.dtype("float32"), "size": torch.Size([2, 3]),
+             "dtype": torch.bfloat16, "param": torch.nn.Parameter(torch.ones(2)), "c": collections.Counter(a=2),
+             "dq": collections.deque([1, 2]), "dd": collections.defaultdict(int, a=1), "r": range(3),
+             "sl": slice(1, 2), "when": datetime.datetime(2026, 1, 2), "ba": bytearray(b"xy")}
+    got = safepickle.loads(pickle.dumps(value, protocol=protocol))
+    assert np.array_equal(got.pop("arr"), value["arr"]) and type(got["param"]) is torch.nn.Parameter
+    assert torch.equal(got.pop("param"), value["param"])
+    rs = got.pop("rs")
+    assert rs[0] == value["rs"][0] and np.array_equal(rs[1], value["rs"][1]) and rs[2:] == value["rs"][2:]
+    assert got == {k: v for k, v in value.items() if k not in ("arr", "param", "rs")}
+    assert type(got["dd"]) is collections.defaultdict and got["dd"].default_factory is int
+
+
 @pytest.mark.parametrize("make", [_RunsCode, _StorageRunsCode])
 def test_what_would_run_code_is_refused_and_does_not_run(tmp_path, make):
     marker = tmp_path / "ran"
@@ -54,6 +76,7 @@ def test_what_would_run_code_is_refused_and_does_not_run(tmp_path, make):
     with pytest.raises(PickleNotAllowedError) as info:
         safepickle.check(data, key="dataloader.dp_rank_0", path="p")
     assert info.value.details["keys"] == ["dataloader.dp_rank_0"] and not marker.exists()
+    assert "which is not plain data" in info.value.message
 
 
 @pytest.mark.parametrize("data", [b"", b"not a pickle", pickle.dumps({"a": 1})[:-3]])
