@@ -970,6 +970,18 @@ def _check_resident(lay: _Layout, path: str) -> None:
                                     remedy="Call engine.reload_states() before loading.")
 
 
+def _checked_target(engine, path: str, load_optimizer_states: bool, allow_stage_change: bool):
+    """(saved metadata, the engine's layout, its frozen parameters to load) once the engine's
+    states are in place and the checkpoint loads onto it exactly (:func:`_reconcile`). Frozen
+    parameters left out at save (exclude_frozen_parameters) keep the engine's own values."""
+    meta = _saved_meta(path)
+    lay = _layout(engine)
+    _check_resident(lay, path)
+    frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
+    _reconcile(path, meta, lay, allow_stage_change, frozen, check_state=load_optimizer_states)
+    return meta, lay, frozen
+
+
 def check_loadable(engine, path: str, *, load_optimizer_states: bool = True, allow_stage_change: bool = False) -> None:
     """Every check :func:`load` makes before it changes the engine, changing nothing: for a caller
     (the checkpoint engine of :mod:`.engine`) that restores other state before it calls
@@ -979,11 +991,7 @@ def check_loadable(engine, path: str, *, load_optimizer_states: bool = True, all
         What :func:`load` raises before the engine changes (ReshardError, ManifestCorruptError,
         UnsupportedValueError).
     """
-    meta = _saved_meta(path)
-    lay = _layout(engine)
-    _check_resident(lay, path)
-    frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
-    _reconcile(path, meta, lay, allow_stage_change, frozen, check_state=load_optimizer_states)
+    meta, lay, _frozen_now = _checked_target(engine, path, load_optimizer_states, allow_stage_change)
     if load_optimizer_states:
         _check_restorable(lay, meta, path)
         try:
@@ -996,12 +1004,7 @@ def _load_pinned(engine, path: str, *, load_optimizer_states: bool, load_lr_sche
                  allow_stage_change: bool, verify: bool, keep_module_weights: bool) -> ZeroLoadResult:
     """:func:`load` inside its pin of ``path`` (an absolute path)."""
     from ...restore import load as _load
-    meta = _saved_meta(path)
-    lay = _layout(engine)
-    _check_resident(lay, path)
-    # Frozen parameters left out at save (exclude_frozen_parameters) keep the engine's own values.
-    frozen = {} if meta.get("frozen_excluded") else _frozen(engine, lay)
-    _reconcile(path, meta, lay, allow_stage_change, frozen, check_state=load_optimizer_states)
+    meta, lay, frozen = _checked_target(engine, path, load_optimizer_states, allow_stage_change)
     sched = getattr(engine, "lr_scheduler", None)
     sched_state = None
     if load_optimizer_states and load_lr_scheduler_states and sched is not None \
