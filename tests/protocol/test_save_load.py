@@ -119,6 +119,20 @@ def test_read_selected_keys(tmp_path):
         distckpt.read(tmp_path / "ck", keys=["nope"])
 
 
+def test_read_key_selects_whole_dotted_names_only(tmp_path):
+    # A key selects itself and the names under it at a dot: "model.a" is not a prefix of
+    # "model.ab", and a key that is only part of a name ("mod", "model.a.x") selects nothing.
+    sd = {"model": {"a": torch.arange(4), "ab": torch.ones(2), "a.b": torch.zeros(3)}, "m": 1, "step": 3}
+    distckpt.save(sd, tmp_path / "ck")
+    got = distckpt.read(tmp_path / "ck", keys=["model.a", "model.a", "m"])
+    assert sorted(got["model"]) == ["a", "a.b"] and got["m"] == 1 and "step" not in got
+    assert torch.equal(got["model"]["a"], torch.arange(4)) and torch.equal(got["model"]["a.b"], torch.zeros(3))
+    for bad in (["mod"], ["model.a.x"], ["model.", "step"]):
+        with pytest.raises(errors.StateDictMismatchError) as info:
+            distckpt.read(tmp_path / "ck", keys=bad)
+        assert info.value.missing == [k for k in bad if k != "step"]
+
+
 def test_manifest_is_plain_msgpack_and_described(tmp_path):
     distckpt.save({"w": torch.ones(3, 4, dtype=torch.bfloat16)}, tmp_path / "ck", metadata={"run": "x"})
     m = distckpt.read_manifest(tmp_path / "ck")

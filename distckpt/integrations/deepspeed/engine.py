@@ -589,9 +589,13 @@ def _unsupported_engine_features(engine: Any) -> list[str]:
     return found
 
 
-def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
+def _plan_load(engine: Any, load_dir: str, tag: Any, pin: contextlib.ExitStack) -> tuple | None:
     """What load_checkpoint(load_dir, tag) will read, checked: (tag, path, file names, DeepSpeed
     meta, master names), or None when ``tag`` is None and there is no ``latest`` (nothing saved).
+    The checkpoint is pinned (:func:`distckpt.source.pinned`) on ``pin`` before its MANIFEST is
+    read: DeepSpeed reads its files one by one and the ZeRO load reads more, and pinned the
+    MANIFEST is decoded once for all of them (this plan included), and all come from one
+    checkpoint (CheckpointRemovedError otherwise).
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint there, or one not written by install().
@@ -616,7 +620,7 @@ def _plan_load(engine: Any, load_dir: str, tag: Any) -> tuple | None:
                 remedy="Load it with DeepSpeed's own load_checkpoint before install() (it unpickles those files: "
                        "only if you trust them), then install() and save: the next tags are distckpt's.")
         raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
-    manifest = store.load_manifest(path)
+    manifest = pin.enter_context(pinned(path)).manifest()
     ds = _ds_meta(manifest)
     if ds is None:
         raise CheckpointNotFoundError(
@@ -749,12 +753,8 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         try:
             with contextlib.ExitStack() as pin:
                 try:
-                    planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag)
+                    planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag, pin)
                     if planned is not None:
-                        # DeepSpeed reads its files one by one, and the ZeRO load reads more: pinned,
-                        # the MANIFEST is decoded once for all of them, and all come from one
-                        # checkpoint (CheckpointRemovedError otherwise). Its first read can fail here.
-                        pin.enter_context(pinned(planned[1]))
                         if load_optimizer_states and not load_module_only and planned[4] \
                                 and int(engine.zero_optimization_stage()) > 0:
                             # What the ZeRO load (last, _load_zero_checkpoint) would refuse is
