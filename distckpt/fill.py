@@ -745,9 +745,18 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
     # The C pipeline first (segments without dependencies, in this thread); what it cannot take
     # goes to the workers, after it: a segment ordered after a pipelined task finds it copied.
     plans = [[s for s in segments if s.file_index == fi] for fi in sorted(by_file)]
+    nslots = SIDE_SLOTS if side else PIPELINE_SLOTS
+    if not session.keep_open:
+        # Slots and bounce buffers as large as this fill's largest segment and no more of them
+        # than a file has segments: a read of a few small values (a step counter, a scheduler's
+        # state) mapped, faulted in, registered and unmapped 6 x 4 MiB before, 30-60 ms per read.
+        # (A keep_open session keeps one size for all its fills: remapping closes its readers.)
+        biggest = max((s.end - s.offset for s in segments), default=0)
+        bufsize = min(bufsize, _align_up(max(biggest, 1), max(mmap.PAGESIZE, align)))
+        nslots = max(1, min(nslots, max(map(len, plans), default=1)))
     # The slots are mapped only while no worker buffer is: a session's idle ones are unmapped first.
     rest = _pipeline(paths, plans, open_reader, bufsize, blocks, verify, outcome, before_map=session.drop_idle,
-                     nslots=SIDE_SLOTS if side else PIPELINE_SLOTS, keep=session if session.keep_open else None)
+                     nslots=nslots, keep=session if session.keep_open else None)
     if outcome.error is not None:
         stats.bytes_read, stats.segments = outcome.bytes_read, outcome.segments
         if own:
