@@ -182,6 +182,10 @@ class _Survey:
     local_digest: int | None
     remote_manifest: bytes | None
     error: BaseException | None
+    # A MANIFEST of this rank's node copy (on rank 0 also the remote one) that does not decode: that
+    # copy counts as absent (as in step_availability), named here for the warnings and errors.
+    local_problem: str | None = None
+    remote_problem: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,20 +280,34 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
         if remote_path is not None:
             remote_path = normalize_path(remote_path)
             remote_store = open_store(remote_path, storage_options)
-        copy = None
+        copy = remote = local_problem = remote_problem = None
         if local_store is not None:
-            copy, local_bytes = _local_copy(local_store, local_path)
-        remote = _remote_manifest(remote_store, remote_path) if group.rank == 0 and remote_store is not None else None
-        mine = _Survey(local_path, copy, None if local_bytes is None else crc32c(local_bytes), remote, None)
+            try:
+                copy, local_bytes = _local_copy(local_store, local_path)
+            except ManifestCorruptError as exc:
+                local_problem = _damaged_copy(exc, local_path, "this node's")
+        if group.rank == 0 and remote_store is not None:
+            try:
+                remote = _remote_manifest(remote_store, remote_path)
+            except ManifestCorruptError as exc:
+                remote_problem = _damaged_copy(exc, remote_path, "the remote tier's")
+        mine = _Survey(local_path, copy, None if local_bytes is None else crc32c(local_bytes), remote, None,
+                       local_problem, remote_problem)
     except Exception as exc:  # noqa: BLE001 - every rank raises it after the all-gather
         local_error = exc
         mine = _Survey(None, None, None, None, _portable(exc))
     survey = group.all_gather(mine)
     group.raise_failures([s.error for s in survey], local_error, operation="load")
     step = basename(remote_path if remote_path is not None else local_path)
+    problems = [p for s in survey for p in (s.local_problem, s.remote_problem) if p]
 
     # 2. The reference save (the same on every rank), 3. its manifest.
-    ref = _reference(survey, step, remote_path)
+    try:
+        ref = _reference(survey, step, remote_path)
+    except (CheckpointNotFoundError, TierIncompleteError) as exc:
+        if problems:
+            exc.add_note("distckpt: copies passed over, their MANIFEST damaged: " + "; ".join(problems))
+        raise
     own = survey[group.rank].local if ref.usable[group.rank] else None
     if ref.remote is not None:
         # Guarded once it is known to be committed (a guard around a step that is not there would
@@ -343,7 +361,25 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
     else:
         source = Source(local_path if own is not None else ref.path, local_store, "distckpt")
     result = _load_local(source, manifest, state_dict, strict, verify, allow_pickle, cast, t0, parts_for=parts_for)
-    return dataclasses.replace(result, bytes_by_tier=served, bytes_from_peers=fetched)
+    result = dataclasses.replace(result, bytes_by_tier=served, bytes_from_peers=fetched)
+    remote_damaged = survey[0].remote_problem
+    if remote_damaged is not None:
+        # Loaded from the nodes' copies, which nothing could check against the remote tier's save.
+        result = dataclasses.replace(result, remote_unchecked=f"its MANIFEST does not decode ({remote_damaged})")
+    return result
+
+
+def _damaged_copy(exc: ManifestCorruptError, path: str, whose: str) -> str:
+    """The line naming one tier's copy of a step whose MANIFEST does not decode, logged: a load
+    passes it over as absent (step_availability does too) and reads the step from the copies that
+    decode. Re-raises ``exc`` for a MANIFEST of a format version this reader does not know: a
+    newer release's step is not damaged, and passing it over would load something else."""
+    if exc.details.get("found_version") is not None:
+        raise exc
+    line = f"{join(path, mf.MANIFEST_NAME)}: {exc.message}"
+    log.warning("distckpt: %s copy of %s is passed over, its MANIFEST does not decode (%s)", whose, basename(path),
+                line)
+    return line
 
 
 #: With the remote tier up, a file this node lacks is fetched whole from a peer only when this rank
@@ -392,14 +428,20 @@ def _fetch_from_peers(group: ControlGroup, layout: NodeLayout, survey: list[_Sur
     from .peers import fetch_transfers, run_transfers
 
     wanted, error = set(), None
+    mine = survey[group.rank]
+    # This node's directory holds another save of the step, or a copy whose MANIFEST does not
+    # decode: nothing is installed there (the install would refuse, or replace a committed copy),
+    # so its ranks read what they lack from the remote tier (TierIncompleteError without one).
+    occupied = own is None and (mine.local is not None or mine.local_problem is not None)
     try:
         needs = _needed_files(manifest, state_dict, strict, verify, allow_pickle, cast, t0, local_path, local_store)
         held_here = set(own.files) if own is not None else set()
         # A whole file is worth fetching from a peer when the remote tier cannot serve it, or when
         # this rank reads a good part of it; a few bytes of it (a value another rank wrote) are a
         # ranged read from the remote tier instead of a whole file's copy.
-        wanted = {i for i, nbytes in needs.items() if i not in held_here
-                  and (ref.remote is None or nbytes * _FETCH_FRACTION >= manifest.files[i].size)}
+        wanted = set() if occupied else {
+            i for i, nbytes in needs.items() if i not in held_here
+            and (ref.remote is None or nbytes * _FETCH_FRACTION >= manifest.files[i].size)}
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     asked = group.all_gather(sorted(wanted) if error is None else _portable(error))

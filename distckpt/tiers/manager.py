@@ -462,7 +462,7 @@ class TieredCheckpointManager:
         a lost peer, which stops the thread (raised)."""
         from .. import manifest as mf
         from .load import _local_copy
-        from .peers import replica_transfers, run_transfers
+        from .peers import replica_transfers, run_transfers, unreplicated
         path = self.local_path(step)
         error, mine = None, (None, None)
         try:
@@ -483,7 +483,15 @@ class TieredCheckpointManager:
                     tiers={"local": [c.save_id if c else None for c in copies]})
             data = survey[self._layout.leaders[0]][1]
             header = mf.decode_header(data, path=path)
-            transfers = replica_transfers(self._layout, header, [c.files for c in copies], self.replicas)
+            held = [c.files for c in copies]
+            transfers = replica_transfers(self._layout, header, held, self.replicas)
+            short = unreplicated(self._layout, len(header.files), held, transfers, self.replicas)
+            if short:
+                names = [header.files[i].name for i in short]
+                raise TierIncompleteError(
+                    f"step {step} cannot be replicated: data file(s) {names[:20]} are on no node "
+                    f"(absent, or not the size the MANIFEST gives)", path=path, step=step_dirname(step), files=names,
+                    tiers={"local": [sorted(h) for h in held]})
             run_transfers(self._drain_group, transfers, layout=self._layout, store=self._local_store, step_path=path,
                           header=header, manifest=data, timeout_s=get_config().drain_timeout_s)
         except PeerLostError:

@@ -49,7 +49,7 @@ from ..storage import Store, basename, dirname, join
 from .nodes import NodeLayout
 from .verified import piece_sizes, stream_verified
 
-__all__ = ["Transfer", "schedule", "replica_transfers", "fetch_transfers", "run_transfers", "PeerResult"]
+__all__ = ["Transfer", "schedule", "replica_transfers", "unreplicated", "fetch_transfers", "run_transfers", "PeerResult"]
 
 log = logging.getLogger("distckpt")
 
@@ -97,24 +97,40 @@ def _spread(ranks: list[int], key: int) -> int:
 
 
 def replica_transfers(layout: NodeLayout, header: mf.Manifest, held: list[frozenset], replicas: int) -> list[Transfer]:
-    """The transfers that give each data file ``replicas`` copies on nodes other than its
-    writer's: file i (rank i's, when rank i is in this job) goes to the next ``replicas`` nodes in
-    ring order after its writer's node, to the rank there with the same position in its node
-    (spread), from the rank that wrote it. ``held[n]``: the files node n holds already (skipped).
-    A file whose writer's node does not hold it is sent by no one (the caller's check reports it)."""
+    """The transfers that give each data file ``replicas`` copies on nodes other than its home:
+    its writer's node when its writer (rank i for file i) is in this job and that node holds it,
+    else the first node in ring order (from the writer's node, or node 0) that holds it (ranks
+    placed on other nodes at a restart, or a step saved by more ranks). File i goes to the next
+    ``replicas`` nodes in ring order after its home, to the rank there with the same position in
+    its node as the sender (spread), from its writer or else a rank of its home. ``held[n]``: the
+    files node n holds already (skipped). A file no node holds is sent by no one: see
+    :func:`unreplicated`."""
     nodes = len(layout.leaders)
     out = []
     for i, entry in enumerate(header.files):
         w = entry.rank if entry.rank is not None and entry.rank < len(layout.node_of) else None
-        if w is None or i not in held[layout.node_of[w]]:
+        start = layout.node_of[w] if w is not None else 0
+        home = next((n for n in ((start + k) % nodes for k in range(nodes)) if i in held[n]), None)
+        if home is None:
             continue
-        home = layout.node_of[w]
-        pos = layout.ranks_of(home).index(w)
+        src = w if w is not None and layout.node_of[w] == home else _spread(layout.ranks_of(home), i)
+        pos = layout.ranks_of(home).index(src)
         for j in range(1, min(replicas, nodes - 1) + 1):
             target = (home + j) % nodes
             if i not in held[target]:
-                out.append(Transfer(i, w, _spread(layout.ranks_of(target), pos)))
+                out.append(Transfer(i, src, _spread(layout.ranks_of(target), pos)))
     return out
+
+
+def unreplicated(layout: NodeLayout, nfiles: int, held: list[frozenset], transfers: list[Transfer],
+                 replicas: int) -> list[int]:
+    """The data files that will not have ``replicas`` copies beyond their first (or one on every
+    node, with fewer nodes) once ``transfers`` landed: held by no node, or by too few."""
+    want = min(replicas, len(layout.leaders) - 1) + 1
+    copies = [sum(i in h for h in held) for i in range(nfiles)]
+    for t in transfers:
+        copies[t.file] += 1
+    return [i for i in range(nfiles) if copies[i] < want]
 
 
 def replica_bytes_of_node(layout: NodeLayout, sizes: list[int], replicas: int, node: int) -> int:

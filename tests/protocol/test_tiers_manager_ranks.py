@@ -65,3 +65,114 @@ def test_a_local_file_damaged_on_one_rank_is_loaded_from_the_remote_tier_on_ever
         assert r["error"] is None, (rank, r["error"])
         assert r["exact"] and r["local_bytes"] == 0 < r["remote_bytes"], (rank, r)
         assert any(damaged in m for m in r["warned"]), (rank, r["warned"])
+
+
+def _flip(path: str, at: int = -20) -> bytes:
+    """Flip one bit of ``path`` at byte ``at``; returns the bytes it held."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    bad = bytearray(raw)
+    bad[at] ^= 1
+    with open(path, "wb") as f:
+        f.write(bytes(bad))
+    return raw
+
+
+def _other_copies_body(rank: int, world_size: int, tmp: str) -> dict:
+    import shutil
+
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("distckpt").addHandler(Catch(level=logging.WARNING))
+    barrier = torch.distributed.barrier
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s, rank))
+            assert mgr.wait_durable(s, timeout=120).durable
+    out: dict = {}
+
+    def load(keys: list[int]):
+        from distckpt.errors import NotDurableError
+        sd = {**{f"w{r}": torch.zeros(1 << 14) for r in keys}, "step": -1}
+        mgr = TieredCheckpointManager(local, remote, keep_last_local=3)
+        result = mgr.load(sd)
+        closed = None
+        try:
+            mgr.close()
+        except NotDurableError as exc:  # the drain the manager starts met the damaged remote copy
+            closed = exc.steps
+        exact = all(torch.equal(sd[f"w{r}"], _state(3, r)[f"w{r}"]) for r in keys)
+        return {"step": sd["step"], "exact": exact, "tiers": result.bytes_by_tier,
+                "unchecked": result.remote_unchecked, "not_durable": closed}
+
+    # 1. Node 1's MANIFEST of step 3 damaged: passed over, its rank reads the step remotely.
+    manifest1 = os.path.join(tmp, "node1", "step_00000003", "MANIFEST")
+    if rank == 1:
+        kept = _flip(manifest1)
+    barrier()
+    out["local_damaged"] = load([rank])
+    barrier()
+    if rank == 1:
+        with open(manifest1, "wb") as f:
+            f.write(kept)
+    # 2. The remote MANIFEST damaged: the nodes' complete copies load, said unchecked.
+    remote3 = os.path.join(remote, "step_00000003", "MANIFEST")
+    if rank == 0:
+        kept = _flip(remote3)
+    barrier()
+    out["remote_damaged"] = load([rank])
+    barrier()
+    if rank == 0:
+        with open(remote3, "wb") as f:
+            f.write(kept)
+    # 3. Node 1 holds another save of step 3 (a stale disk), and rank 1 wants rank 0's file too:
+    # no fetch into the stale copy (TierIncompleteError, then an older step before), the remote's.
+    with TieredCheckpointManager(local + "_b", os.path.join(tmp, "remote_b"), keep_last_local=3) as mgr:
+        mgr.save(3, _state(33, rank))
+        assert mgr.wait_durable(3, timeout=120).durable
+    barrier()
+    if rank == 1:
+        shutil.rmtree(os.path.join(local, "step_00000003"))
+        shutil.copytree(os.path.join(local + "_b", "step_00000003"), os.path.join(local, "step_00000003"))
+    barrier()
+    out["stale_node"] = load([0, 1] if rank == 1 else [0])
+    # 4. Ranks placed on each other's node at a restart: an undrained step's replicas come from
+    # the node that holds each file (status "replicated" said so before, with nothing sent).
+    with TieredCheckpointManager(local, os.path.join(tmp, "remote_c"), keep_last_local=3) as mgr:
+        mgr.save(5, _state(5, rank))
+        assert mgr.wait_durable(5, timeout=120).durable
+    barrier()
+    swapped = os.path.join(tmp, f"node{1 - rank}")
+    with TieredCheckpointManager(swapped, remote, keep_last_local=3, replicas=1) as mgr:
+        assert mgr.wait_durable(5, timeout=120).durable
+        status = mgr.status(5)
+    out["swapped"] = {"replicas": status.replicas, "files": sorted(os.listdir(os.path.join(swapped, "step_00000005")))}
+    out["said"] = said
+    return out
+
+
+def test_copies_a_load_or_replication_cannot_use_are_passed_over_by_name(tmp_path):
+    """A step with one tier's MANIFEST damaged loads from the other tier (the damaged copy counts
+    as absent, as in step_availability); a node that holds another save of the step gets no
+    peer fetch (it would be refused there, and load() fell back to an older step) and reads the
+    remote tier; replicas of files held off their writer's node are sent from where they are."""
+    results = run_ranks(_other_copies_body, 2, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        for case in ("local_damaged", "remote_damaged", "stale_node"):
+            assert r[case]["step"] == 3 and r[case]["exact"], (rank, case, r[case])
+        assert r["remote_damaged"]["tiers"]["remote"] == 0 and "does not decode" in r["remote_damaged"]["unchecked"]
+        # nothing replaces a remote copy it cannot read: the drain of step 3 fails, by name
+        assert r["remote_damaged"]["not_durable"] == [3] and r["local_damaged"]["not_durable"] is None
+        assert r["local_damaged"]["unchecked"] is None and r["stale_node"]["unchecked"] is None
+        assert r["swapped"] == {"replicas": "replicated",
+                                "files": ["MANIFEST", "rank00000.bin", "rank00001.bin"]}, (rank, r["swapped"])
+    assert results[1]["local_damaged"]["tiers"]["local"] == 0 < results[1]["local_damaged"]["tiers"]["remote"]
+    assert results[1]["stale_node"]["tiers"]["local"] == 0 < results[1]["stale_node"]["tiers"]["remote"]
+    assert any("is passed over, its MANIFEST does not decode" in m for m in results[1]["said"])
+    assert any("the remote tier's copy of step_00000003 is passed over" in m for m in results[0]["said"])

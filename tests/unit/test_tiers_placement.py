@@ -11,7 +11,7 @@ import types
 from hypothesis import given, settings, strategies as st
 
 from distckpt.tiers.nodes import NodeLayout
-from distckpt.tiers.peers import fetch_transfers, replica_bytes_of_node, replica_transfers, schedule
+from distckpt.tiers.peers import fetch_transfers, replica_bytes_of_node, replica_transfers, schedule, unreplicated
 
 
 def _layout(per_node: list[int]) -> NodeLayout:
@@ -63,3 +63,28 @@ def test_a_fetch_names_a_holder_for_every_file_or_reports_it(per_node, data):
                 assert len(got) == 1 and i in held[layout.node_of[got[0].src]], (r, i, got)
             else:
                 assert i in nowhere and not got
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts, st.integers(0, 5), st.integers(0, 4), st.data())
+def test_replicas_of_files_held_off_their_writers_node(per_node, k, extra, data):
+    # Ranks placed on other nodes at a restart, or a step saved by more ranks than this job has
+    # (files of writers not in it): every file some node holds gets its copies from a node that
+    # holds it; what no node holds is named by unreplicated(), never counted as replicated.
+    layout = _layout(per_node)
+    world, nodes = len(layout.node_of), len(per_node)
+    nfiles = world + extra
+    header = types.SimpleNamespace(files=[types.SimpleNamespace(rank=r) for r in range(nfiles)])
+    held = [frozenset(data.draw(st.sets(st.integers(0, nfiles - 1)))) for _ in range(nodes)]
+    transfers = replica_transfers(layout, header, held, k)
+    want = min(k, nodes - 1) + 1
+    for t in transfers:
+        assert t.file in held[layout.node_of[t.src]] and t.file not in held[layout.node_of[t.dst]]
+    assert len(set(transfers)) == len(transfers)
+    for i in range(nfiles):
+        holders = {n for n in range(nodes) if i in held[n]}
+        after = holders | {layout.node_of[t.dst] for t in transfers if t.file == i}
+        if holders:
+            assert len(after) >= want, (i, holders, after)
+    short = unreplicated(layout, nfiles, held, transfers, k)
+    assert short == [i for i in range(nfiles) if not any(i in h for h in held)]
