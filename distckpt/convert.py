@@ -47,6 +47,7 @@ import time
 import warnings
 from typing import Any, Iterator
 
+from .hf import ST_DTYPES
 from .sizes import size_arg  # argparse type of the size options: the parse error's reason, exit 2
 
 __all__ = ["convert", "ConvertResult", "FORMATS", "add_parser"]
@@ -57,13 +58,9 @@ FORMATS = ("dcp", "torch", "safetensors", "distckpt")
 DEFAULT_MEMORY_LIMIT = 1 << 30
 DEFAULT_SHARD_SIZE = 5 << 30
 
-# safetensors dtype names (the format's spec) for the torch dtypes it can hold.
-_ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
-    "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "complex64": "C64",
-}
+# safetensors dtype names (the format's spec) for the torch dtypes it can hold: what the reader
+# (distckpt.hf) maps, the other way.
+_ST_DTYPES = {torch_name: st_name for st_name, torch_name in ST_DTYPES.items()}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64"}
 
@@ -450,19 +447,27 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
     if not names:
         raise UnsupportedValueError(f"no tensor of {src.path} matches the prefix {prefix!r}", path=src.path)
 
-    def out_dtype(t) -> str:
+    def out_dtype(t, fqn: str) -> str:
         d = t.dtype
         if cast is not None and _dtype(d).is_floating_point:
             d = cast
         if d not in _ST_DTYPES:
-            raise UnsupportedValueError(f"safetensors cannot hold dtype {d}", path=src.path)
+            raise UnsupportedValueError(f"safetensors cannot hold dtype {d} (tensor {fqn!r})", path=src.path,
+                                        key=fqn, remedy="Convert to torch, dcp or distckpt, or cast the "
+                                        "floating-point tensors with --dtype.")
         return d
 
     from . import manifest as mf
     specs = []
     for name, fqn in names:
+        if name == "__metadata__":
+            # The header's own metadata entry: a tensor of that name makes a file the safetensors
+            # library itself refuses to read.
+            raise UnsupportedValueError(f"tensor {fqn!r} would be named '__metadata__' in the safetensors header, "
+                                        f"the name the format reserves for its metadata", path=src.path, key=fqn,
+                                        remedy="Convert with a --prefix that keeps it out, or rename the key.")
         t = src.tensors[fqn]
-        d = out_dtype(t)
+        d = out_dtype(t, fqn)
         specs.append((name, fqn, d, tuple(t.shape), math.prod(t.shape) * mf.DTYPE_ITEMSIZE[d]))
     # Shards in checkpoint order, each closed before it would pass the cap (a tensor larger than
     # the cap gets a shard of its own, as save_pretrained does).

@@ -42,6 +42,7 @@ import math
 import os
 import pickle
 import re
+import reprlib
 import stat
 import struct
 import zipfile
@@ -50,6 +51,7 @@ from typing import Any
 from . import manifest as mf
 from .errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedValueError, from_os_error
 from .plan import Box, find_tiling_defect, is_dense_layout, row_major_strides
+from .values import MAX_DEPTH
 
 __all__ = ["METADATA_NAME", "is_dcp_checkpoint", "read_metadata", "load_manifest", "DcpMetadata",
            "DcpTensor", "DcpValue", "WRITER_META_KEY", "writer_meta", "decode_writer_value"]
@@ -282,14 +284,20 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
             raise _Bad(f"{what}: torch.Size with {len(v.args)} arguments")
         v = v.args[0]
     if not isinstance(v, (list, tuple)) or len(v) > mf.MAX_NDIM or not all(type(x) is int and 0 <= x < 1 << 63 for x in v):
-        raise _Bad(f"{what}: expected a sequence of non-negative integers, found {v!r}")
+        raise _Bad(f"{what}: expected a sequence of non-negative integers, found {_show(v)}")
     return tuple(v)
+
+
+def _show(v: Any) -> str:
+    """``repr(v)`` for a message, bounded in depth and length: a value from a crafted
+    ``.metadata`` may nest a hundred thousand levels deep (repr would raise RecursionError)."""
+    return reprlib.repr(v)
 
 
 def _dtype(rec: Any, what: str) -> str:
     if not isinstance(rec, _Const) or not rec.global_name.startswith("torch.") or \
             rec.global_name.removeprefix("torch.") not in mf.DTYPE_ITEMSIZE:
-        raise _Bad(f"{what}: expected a torch dtype, found {getattr(rec, 'global_name', rec)!r}")
+        raise _Bad(f"{what}: expected a torch dtype, found {_show(getattr(rec, 'global_name', rec))}")
     return rec.global_name.removeprefix("torch.")
 
 
@@ -297,12 +305,12 @@ def _storage_info(rec: Any) -> DcpStorage:
     st = _state(rec, "torch.distributed.checkpoint.filesystem._StorageInfo")
     name, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
     if st.get("transform_descriptors"):
-        raise _Unsupported(f"stored through the storage transforms {st['transform_descriptors']!r} "
+        raise _Unsupported(f"stored through the storage transforms {_show(st['transform_descriptors'])} "
                            f"(for example compression)")
     if not isinstance(name, str) or not _FILE_RE.fullmatch(name) or name in (".", ".."):
-        raise _Bad(f"data file name {name!r} is not a plain file name inside the checkpoint")
+        raise _Bad(f"data file name {_show(name)} is not a plain file name inside the checkpoint")
     if type(off) is not int or type(length) is not int or off < 0 or length < 0:
-        raise _Bad(f"storage range offset={off!r} length={length!r}")
+        raise _Bad(f"storage range offset={_show(off)} length={_show(length)}")
     return DcpStorage(name, off, length)
 
 
@@ -321,14 +329,14 @@ def _convert_metadata(root: Any) -> DcpMetadata:
         s = _state(idx, "torch.distributed.checkpoint.metadata.MetadataIndex")
         fqn, off = s.get("fqn"), s.get("offset")
         if not isinstance(fqn, str):
-            raise _Bad(f"MetadataIndex fqn {fqn!r}")
+            raise _Bad(f"MetadataIndex fqn {_show(fqn)}")
         key = (fqn, None if off is None else _ints(off, f"{fqn} storage offset"))
         by_index[key] = _storage_info(info)
     tensors: dict[str, DcpTensor] = {}
     objects: dict[str, DcpStorage] = {}
     for fqn, entry in sdm.items():
         if not isinstance(fqn, str):
-            raise _Bad(f"key {fqn!r} is not a str")
+            raise _Bad(f"key {_show(fqn)} is not a str")
         if _is(entry, "torch.distributed.checkpoint.metadata.BytesStorageMetadata"):
             if (fqn, None) not in by_index:
                 raise _Bad(f"value {fqn!r} has no storage entry")
@@ -343,8 +351,11 @@ def _convert_metadata(root: Any) -> DcpMetadata:
         dtype = _dtype(dtype_rec, f"tensor {fqn!r} dtype")
         layout = pstate[1] if isinstance(pstate, tuple) and len(pstate) > 1 else None
         if _is(layout, "torch.serialization._get_layout") and layout.args != ("torch.strided",):
-            raise _Unsupported(f"tensor {fqn!r} has layout {layout.args!r}; only dense (strided) tensors are read")
+            raise _Unsupported(f"tensor {fqn!r} has layout {_show(layout.args)}; only dense (strided) tensors are read")
         shape = _ints(t.get("size"), f"tensor {fqn!r} size")
+        too_large = mf.oversized_shape(shape, dtype)
+        if too_large is not None:
+            raise _Bad(f"tensor {fqn!r}: {too_large}")
         chunks = []
         for c in t.get("chunks") or ():
             cs = _state(c, "torch.distributed.checkpoint.metadata.ChunkStorageMetadata")
@@ -365,6 +376,11 @@ def _convert_metadata(root: Any) -> DcpMetadata:
         for fqn, p in planner.items():
             if fqn in sdm and isinstance(p, tuple) and p and all(
                     isinstance(k, str) or type(k) is int for k in p):
+                if len(p) > MAX_DEPTH:
+                    # distckpt's trees nest at most MAX_DEPTH levels (values.MAX_DEPTH): deeper
+                    # is no state dict a model makes, and rebuilding it would recurse that deep.
+                    raise _Unsupported(f"the key path of {fqn!r} is {len(p)} levels deep, more than the "
+                                       f"{MAX_DEPTH} distckpt nests")
                 paths[fqn] = p
     version = st.get("version")
     return DcpMetadata(tensors, objects, paths, version if isinstance(version, str) else None)
@@ -405,6 +421,8 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
     root = _unpickle(data, _METADATA_GLOBALS, what="DCP .metadata", path=mpath)
     try:
         return _convert_metadata(root)
+    except RecursionError:  # a crafted structure no check above foresaw: damage, said as such
+        raise CheckpointCorruptError("DCP .metadata: nested too deeply to read", path=mpath) from None
     except _Bad as exc:
         raise CheckpointCorruptError(f"DCP .metadata: {exc}", path=mpath) from None
     except _Unsupported as exc:
@@ -475,8 +493,13 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
         if infos[pkls[0]].file_size > _MAX_PKL_BYTES:
             raise _Bad("data.pkl too large")
         order = infos.get(prefix + "byteorder")
-        if order is not None and zf.read(order) != b"little":
-            raise _Unsupported("big-endian")
+        if order is not None:
+            # Its declared size bounds what zipfile inflates: a compressed record declaring
+            # gigabytes (a zip bomb in a chunk of a few KiB) is refused before it is read.
+            if order.file_size > 16:
+                raise _Bad(f"byteorder record of {order.file_size} bytes")
+            if zf.read(order) != b"little":
+                raise _Unsupported("big-endian")
         rec = _unpickle(zf.read(pkls[0]), _TENSOR_GLOBALS, what=f"data.pkl of the {where}", path=fpath,
                         persistent=True)
         if not (_is(rec, "torch._utils._rebuild_tensor_v2") or _is(rec, "torch._utils._rebuild_tensor_v3")) \

@@ -53,7 +53,8 @@ ST_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
     "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "C64": "complex64",
 }
 # In the format, not readable as whole-byte elements of a torch dtype (sub-byte packings).
 _ST_SUBBYTE = {"F4", "F6_E2M3", "F6_E3M2"}
@@ -190,15 +191,10 @@ def read_header(fd: int, fpath: str, size: int) -> tuple[dict[str, tuple[str, tu
             raise CheckpointCorruptError(f"{where}: data_offsets {offs!r} is not [begin, end] with begin <= end",
                                          path=fpath, key=key)
         dtype = ST_DTYPES[st_dtype]
-        # As the MANIFEST's rule (docs/FORMAT.md): torch sizes a tensor's strides and storage from
-        # the product of its non-zero dimensions, so [0, 2**62, 2**62] holds no byte and still
-        # cannot be made; refused here, not as torch's RuntimeError (or a converted file that
-        # torch.load cannot open).
-        extent = math.prod(max(x, 1) for x in shape) * mf.DTYPE_ITEMSIZE[dtype]
-        if extent >= 1 << 63:
-            raise CheckpointCorruptError(f"{where}: shape {shape} of {st_dtype} is too large: the product of its "
-                                         f"non-zero dimensions is {extent} bytes, more than a tensor can address "
-                                         f"(2**63 - 1)", path=fpath, key=key)
+        # [0, 2**62, 2**62] holds no byte and still cannot be made (the MANIFEST's rule)
+        too_large = mf.oversized_shape(shape, dtype)
+        if too_large is not None:
+            raise CheckpointCorruptError(f"{where}: {too_large}", path=fpath, key=key)
         nbytes = math.prod(shape) * mf.DTYPE_ITEMSIZE[dtype]
         if offs[1] - offs[0] != nbytes:
             raise CheckpointCorruptError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, its shape "

@@ -416,6 +416,19 @@ class Manifest:
 # Validation.
 
 
+def oversized_shape(shape: tuple[int, ...] | list[int], dtype: str) -> str | None:
+    """Why no tensor of ``shape`` and ``dtype`` can be made, or None when one can. torch
+    computes a contiguous tensor's strides and storage size from the product of its non-zero
+    dimensions (a zero dimension does not stop [2**40, 2**40, 0, 2**40] from overflowing): that
+    product in bytes must fit int64, or no reader can even allocate it (torch's RuntimeError,
+    or a converted file that torch.load cannot open). One rule for every format read."""
+    extent = math.prod(max(s, 1) for s in shape) * DTYPE_ITEMSIZE[dtype]
+    if extent < _I64_LIMIT:
+        return None
+    return (f"shape {list(shape)} of {dtype} is too large: the product of its non-zero dimensions is {extent} "
+            f"bytes, more than a tensor can address (2**63 - 1)")
+
+
 def _corrupt(message: str, path: Any) -> ManifestCorruptError:
     return ManifestCorruptError(f"MANIFEST {message}", path=path)
 
@@ -496,15 +509,9 @@ def _validate_tensor(fqn: str, t: Any, m: Manifest, path: Any, file_spans: list[
     if t.chunks is not None and not isinstance(t.chunks, tuple):
         raise _corrupt(f"{where}: chunks must be a sequence, found {type(t.chunks).__name__}", path)
     itemsize = DTYPE_ITEMSIZE[t.dtype]
-    # torch computes a contiguous tensor's strides and storage size from the product of its
-    # non-zero dimensions (a zero dimension does not stop [2**40, 2**40, 0, 2**40] from
-    # overflowing): that product in bytes must fit int64, or no reader can even allocate it.
-    extent = math.prod(max(s, 1) for s in shape) * itemsize
-    if extent >= _I64_LIMIT:
-        raise _corrupt(
-            f"{where}: shape {list(shape)} of {t.dtype} is too large: the product of its non-zero "
-            f"dimensions is {extent} bytes, more than a tensor can address (2**63 - 1)", path
-        )
+    too_large = oversized_shape(shape, t.dtype)
+    if too_large is not None:
+        raise _corrupt(f"{where}: {too_large}", path)
     if m.format_version >= 4:
         problem = wh.problem(t.where, m.meshes, shape, m.world_size)
         if problem is not None:

@@ -232,6 +232,39 @@ def test_failed_conversion_leaves_nothing(tmp_path):
         assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".tmp"), to
 
 
+def test_safetensors_dtypes_round_trip_and_a_reserved_name_is_refused(tmp_path):
+    """Every dtype the safetensors format and library hold (the fnuz float8s included: a valid
+    file of them was called damaged) reads back bit-exact, and converts back to safetensors as
+    safetensors' own load_file reads it; a tensor named __metadata__ (the header's reserved
+    entry, a file load_file refuses) is an UnsupportedValueError before anything is written."""
+    from safetensors.torch import load_file, save_file
+
+    from distckpt.errors import UnsupportedValueError
+    from distckpt.hf import ST_DTYPES
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    sd = {name: torch.randn(5).to(getattr(torch, dtype)) if getattr(torch, dtype).is_floating_point
+          else torch.arange(5).to(getattr(torch, dtype)) for name, dtype in ST_DTYPES.items()}
+    save_file(sd, str(src / "model.safetensors"))
+    got = distckpt.read(str(src))
+    assert sorted(got) == sorted(sd)
+    for k, v in sd.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    convert(str(src), str(tmp_path / "back"), to="safetensors")
+    back = {}
+    for f in sorted(os.listdir(tmp_path / "back")):
+        if f.endswith(".safetensors"):
+            back.update(load_file(str(tmp_path / "back" / f)))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8))
+                                              for k, v in sd.items())
+    reserved = str(tmp_path / "reserved")
+    distckpt.save({"__metadata__": torch.ones(2), "w": torch.ones(3)}, reserved)
+    with pytest.raises(UnsupportedValueError, match="__metadata__"):
+        convert(reserved, str(tmp_path / "st"), to="safetensors")
+    assert not os.path.exists(tmp_path / "st")
+
+
 @pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
 def test_output_appears_whole_and_a_killed_runs_leftover_is_cleared(src, tmp_path, monkeypatch, to):
     """Directory outputs are written under DST.tmp and renamed into place complete (a conversion

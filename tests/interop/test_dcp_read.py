@@ -331,3 +331,102 @@ def test_dcp_safetensors_serialization_is_refused_not_misread(tmp_path):
     dcp.save({"a": torch.arange(6.0)}, storage_writer=writer, no_dist=True)
     with pytest.raises(UnsupportedValueError):
         distckpt.read(path)
+
+
+def _rewrite_metadata(path: str, change) -> None:
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    change(meta)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_crafted_metadata_shapes_are_typed_without_recursion_or_overflow(tmp_path):
+    """A crafted .metadata (a few KiB) whose key path nests 1000 levels, whose tensor size is a
+    tuple nested 100,000 levels (pickle builds it without recursing; its repr would not), or
+    whose zero-element tensor has dimensions whose product no tensor can address: typed errors
+    from read and load, where they raised RecursionError or torch's RuntimeError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from distckpt.errors import UnsupportedValueError
+
+    deep = str(tmp_path / "deep_path")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=deep, no_dist=True)
+    _rewrite_metadata(deep, lambda m: setattr(m, "planner_data", {"w": ("a",) * 1000}))
+
+    nested = str(tmp_path / "deep_tuple")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=nested, no_dist=True)
+    _rewrite_metadata(nested, lambda m: setattr(m.state_dict_metadata["w"], "size", "PLACEHOLDER_XYZ"))
+    with open(os.path.join(nested, ".metadata"), "rb") as f:
+        raw = pickle.dumps(pickle.load(f), protocol=4)
+    needle = b"\x8c\x0fPLACEHOLDER_XYZ\x94"
+    assert raw.count(needle) == 1
+    with open(os.path.join(nested, ".metadata"), "wb") as f:  # EMPTY_TUPLE, TUPLE1 x 100,000, MEMOIZE
+        f.write(raw.replace(needle, b")" + b"\x85" * 100_000 + b"\x94"))
+
+    huge = str(tmp_path / "zero_huge")
+    dcp.save({"w": torch.empty(0, 3)}, checkpoint_id=huge, no_dist=True)
+
+    def enlarge(m):
+        md = m.state_dict_metadata["w"]
+        md.size = torch.Size([0, 2**62, 2**62])
+        for c in md.chunks:
+            c.sizes, c.offsets = torch.Size([0, 2**62, 2**62]), torch.Size([0, 0, 0])
+        m.storage_data = {(MetadataIndex("w", torch.Size([0, 0, 0])) if k.fqn == "w" else k): v
+                          for k, v in m.storage_data.items()}
+    _rewrite_metadata(huge, enlarge)
+
+    cases = [(deep, UnsupportedValueError, "1000 levels deep"), (nested, CheckpointCorruptError, "size"),
+             (huge, CheckpointCorruptError, "too large: the product of its non-zero dimensions")]
+    for path, error, said in cases:
+        with pytest.raises(error, match=said):
+            distckpt.read(path)
+        with pytest.raises(error, match=said):
+            distckpt.load({"w": torch.zeros(2)}, path)
+
+
+def test_a_compressed_record_in_a_chunk_archive_is_never_inflated(tmp_path):
+    """A chunk archive whose 'byteorder' record is a deflate bomb (1 GiB declared, 1 MiB stored)
+    is refused from its declared size: read and verify raised a typed error only after
+    inflating it (2.3 GB of RSS for a 1 MiB checkpoint)."""
+    import io
+    import resource
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "bomb")
+    t = torch.arange(12.0).reshape(3, 4)
+    dcp.save({"w": t}, checkpoint_id=path, no_dist=True)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    zin = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zout:
+        for info in zin.infolist():
+            if info.filename.endswith("/byteorder"):
+                zi = zipfile.ZipInfo(info.filename)
+                zi.compress_type = zipfile.ZIP_DEFLATED
+                with zout.open(zi, "w", force_zip64=True) as w:
+                    for _ in range(16):
+                        w.write(b"\0" * (64 << 20))
+            else:
+                zout.writestr(zipfile.ZipInfo(info.filename), zin.read(info), zipfile.ZIP_STORED)
+    archive = out.getvalue()
+    assert len(archive) < 2 << 20
+    data = os.path.join(path, "__0_0.distcp")
+    at = os.path.getsize(data)
+    with open(data, "ab") as f:
+        f.write(archive)
+
+    def point(m):
+        for k, v in m.storage_data.items():
+            if k.fqn == "w":
+                v.offset, v.length = at, len(archive)
+    _rewrite_metadata(path, point)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointCorruptError, match="byteorder record of 1073741824 bytes"):
+        distckpt.read(path)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) << 10
+    assert grown < 256 << 20, grown
