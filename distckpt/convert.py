@@ -100,6 +100,17 @@ class _Source:
         self.allow_pickle = allow_pickle
         self.verify = verify
 
+    def order(self, fqn: str) -> tuple[int, ...] | None:
+        """The dimensions of ``fqn`` outermost first as its chunks are stored, when they are not
+        row-major (a DCP chunk of a transposed or channels_last tensor: its strides); None for a
+        row-major tensor. Slices taken in this order are contiguous byte runs of the chunks."""
+        for c in self.tensors[fqn].chunks or ():
+            if c.strides is not None:
+                n = len(c.strides)
+                order = tuple(sorted(range(n), key=lambda d: (-c.strides[d], d)))
+                return None if order == tuple(range(n)) else order
+        return None
+
     @property
     def tensors(self):
         return self.manifest.tensors
@@ -189,10 +200,19 @@ class _Source:
         return _rebuild(node, values, lambda fqn: True)
 
 
-def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[tuple[tuple, tuple]]:
+def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int,
+            order: tuple[int, ...] | None = None) -> Iterator[tuple[tuple, tuple]]:
     """Boxes (offsets, sizes) that cover ``shape`` in row-major order, each C-contiguous inside
     the tensor (leading dims fixed, one dim ranged, trailing dims whole) and at most ``max_bytes``
-    (or one element, if an element is larger)."""
+    (or one element, if an element is larger). With ``order`` (the dimensions outermost first),
+    the same in that order: contiguous in a layout whose strides fall in that order."""
+    if order is not None:
+        for o, s in _slices(tuple(shape[d] for d in order), itemsize, max_bytes):
+            offsets, sizes = [0] * len(shape), [0] * len(shape)
+            for i, d in enumerate(order):
+                offsets[d], sizes[d] = o[i], s[i]
+            yield tuple(offsets), tuple(sizes)
+        return
     if math.prod(shape) == 0:
         return
     if not shape:
@@ -721,7 +741,8 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
         batch, size = [], 0
         with reading(keep_open=True):  # the read buffers go before the save starts
             for fqn, t in src.tensors.items():
-                for o, sz in _slices(tuple(t.shape), _dtype(t.dtype).itemsize, slice_bytes):
+                # in the stored order: a row-major slice of a transposed tensor spans nearly all of it
+                for o, sz in _slices(tuple(t.shape), _dtype(t.dtype).itemsize, slice_bytes, src.order(fqn)):
                     nbytes = math.prod(sz) * _dtype(t.dtype).itemsize
                     if batch and size + nbytes > slice_bytes:
                         src.fill(batch)
@@ -744,7 +765,8 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
 
 
 def _narrow(t, offsets, sizes):
-    """The box (offsets, sizes) of ``t`` as a view (contiguous for the boxes of :func:`_slices`)."""
+    """The box (offsets, sizes) of ``t`` as a view (contiguous for the row-major boxes of
+    :func:`_slices`)."""
     for d, (o, n) in enumerate(zip(offsets, sizes)):
         t = t.narrow(d, o, n)
     return t
