@@ -46,6 +46,7 @@ import reprlib
 import stat
 import struct
 import zipfile
+import zlib
 from typing import Any
 
 from . import manifest as mf
@@ -490,16 +491,19 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
         if len(pkls) != 1:
             raise _Bad("no data.pkl")
         prefix = pkls[0][: -len("data.pkl")]
-        if infos[pkls[0]].file_size > _MAX_PKL_BYTES:
-            raise _Bad("data.pkl too large")
         order = infos.get(prefix + "byteorder")
-        if order is not None:
-            # Its declared size bounds what zipfile inflates: a compressed record declaring
-            # gigabytes (a zip bomb in a chunk of a few KiB) is refused before it is read.
-            if order.file_size > 16:
-                raise _Bad(f"byteorder record of {order.file_size} bytes")
-            if zf.read(order) != b"little":
-                raise _Unsupported("big-endian")
+        for rec_info, limit in ((infos[pkls[0]], _MAX_PKL_BYTES), (order, 16)):
+            # torch.save stores every record uncompressed: anything else (a deflate stream, which
+            # could inflate to gigabytes from a chunk of a few KiB, another method, encryption) is
+            # not its archive, refused before zipfile decodes it; the declared size bounds the rest.
+            if rec_info is None:
+                continue
+            if rec_info.compress_type != zipfile.ZIP_STORED or rec_info.flag_bits & 0x1:
+                raise _Bad(f"record {rec_info.filename} is compressed or encrypted (torch.save stores them plain)")
+            if rec_info.file_size > limit:
+                raise _Bad(f"{rec_info.filename.rsplit('/', 1)[-1]} record of {rec_info.file_size} bytes")
+        if order is not None and zf.read(order) != b"little":
+            raise _Unsupported("big-endian")
         rec = _unpickle(zf.read(pkls[0]), _TENSOR_GLOBALS, what=f"data.pkl of the {where}", path=fpath,
                         persistent=True)
         if not (_is(rec, "torch._utils._rebuild_tensor_v2") or _is(rec, "torch._utils._rebuild_tensor_v3")) \
@@ -560,7 +564,8 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
     except _Unsupported as exc:
         raise UnsupportedValueError(f"DCP {where}: {exc} is not read by distckpt", path=fpath, key=fqn,
                                     remedy="Load it with torch.distributed.checkpoint.load.") from None
-    except (_Bad, zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error) as exc:
+    except (_Bad, zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error, zlib.error,
+            NotImplementedError, RuntimeError) as exc:  # the last three: zipfile's, for what slips past _Bad
         raise CheckpointCorruptError(f"DCP {where} is not a torch.save archive of that chunk: {exc}",
                                      path=fpath, key=fqn) from None
 

@@ -106,9 +106,11 @@ class Store(abc.ABC):
         Durable (POSIX: fsynced) or visible (object stores: the upload completed) when this
         returns, as after :meth:`write_rank`. Returns ``size``.
 
-        On any error, ``feed``'s own included, nothing of the file stays (POSIX: unlinked; object
-        stores: the upload aborted, the object deleted if it may have landed) and the error
-        propagates, typed.
+        On any error, ``feed``'s own included, the error propagates, typed, and no partial file
+        stays (POSIX: unlinked; object stores: the upload aborted). An object whose completing
+        request went unanswered may have landed, whole: it is not deleted, since a drain's retry
+        writes the same key of the same area and a late deletion would remove the retry's
+        committed object (the area's abort or the next reclaim deletes it if nothing commits).
 
         Raises:
             DataFileTruncatedError: ``feed`` appended fewer than ``size`` bytes;

@@ -460,9 +460,12 @@ def _fetch_from_peers(group: ControlGroup, layout: NodeLayout, survey: list[_Sur
     result = run_transfers(group, transfers, layout=layout, store=local_store, step_path=local_path,
                            header=manifest, manifest=data, timeout_s=get_config().timeout_s)
     gained = result.installed.get(layout.node, [])
-    if gained:
-        log.warning("distckpt: %s: fetched data files %s of save %s from other nodes (this node lacked them)",
-                    local_path, [manifest.files[i].name for i in gained][:20], ref.save_id)
+    if not gained:
+        # Nothing installed here (an occupied node among them: its copy, whose MANIFEST may not
+        # even decode, is not surveyed again): this node's copy is as the survey found it.
+        return own, result.received
+    log.warning("distckpt: %s: fetched data files %s of save %s from other nodes (this node lacked them)",
+                local_path, [manifest.files[i].name for i in gained][:20], ref.save_id)
     copy, _ = _local_copy(local_store, local_path)
     return (copy if copy is not None and copy.save_id == ref.save_id else None), result.received
 

@@ -176,3 +176,32 @@ def test_copies_a_load_or_replication_cannot_use_are_passed_over_by_name(tmp_pat
     assert results[1]["stale_node"]["tiers"]["local"] == 0 < results[1]["stale_node"]["tiers"]["remote"]
     assert any("is passed over, its MANIFEST does not decode" in m for m in results[1]["said"])
     assert any("the remote tier's copy of step_00000003 is passed over" in m for m in results[0]["said"])
+
+
+def _damaged_beside_a_fetch_body(rank: int, world_size: int, tmp: str) -> dict:
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        mgr.save(1, _state(1, rank))
+        assert mgr.wait_durable(1, timeout=120).durable
+    torch.distributed.barrier()
+    if rank == 0:
+        _flip(os.path.join(local, "step_00000001", "MANIFEST"))
+    torch.distributed.barrier()
+    keys = [1, 2] if rank == 1 else [rank]  # node 1 fetches rank 2's file from node 2
+    sd = {**{f"w{r}": torch.zeros(1 << 14) for r in keys}, "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        result = mgr.load(sd)
+    return {"exact": sd["step"] == 1 and all(torch.equal(sd[f"w{r}"], _state(1, r)[f"w{r}"]) for r in keys),
+            "tiers": result.bytes_by_tier, "peers": result.bytes_from_peers}
+
+
+def test_a_damaged_copy_is_passed_over_while_another_node_fetches_from_its_peers(tmp_path):
+    """Three nodes: node 0's MANIFEST of the step does not decode, node 1 fetches a file from node
+    2. Every node's copy is surveyed again after the transfers, and node 0's failed there (the
+    first survey had passed it over): ManifestCorruptError on every rank. Now only a node that
+    gained files is surveyed again; node 0 reads the remote tier."""
+    results = run_ranks(_damaged_beside_a_fetch_body, 3, str(tmp_path), timeout=300)
+    assert all(r["exact"] for r in results), results
+    assert results[0]["tiers"]["local"] == 0 < results[0]["tiers"]["remote"]
+    assert results[1]["peers"] > 0 and results[1]["tiers"]["remote"] == 0

@@ -633,3 +633,44 @@ def test_close_on_two_ranks_returns_within_its_timeout_while_a_drain_request_is_
         assert r["state"] != "committed", res
     assert exited - max(r["end"] for r in res) < 30, f"the ranks exited {exited - max(r['end'] for r in res):.1f} s " \
                                                      f"after close returned"
+
+
+def test_a_drain_retry_after_a_lost_answer_is_never_undone_by_a_late_request(s3_bucket, s3_server, tmp_path,
+                                                                             monkeypatch):
+    """The first PUT of a step's data object is applied by the server but its answer never comes;
+    the drain's next try uploads the same key and commits. Any request the failed try sent after
+    it (it used to DELETE the object it could not confirm) is held by the network and lands after
+    the commit: the committed step must stay whole, and the local copy that rotation deletes once
+    the remote tier holds the step must not have been the last one."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    seen = {"lost": 0, "held": []}
+
+    def rule(n, method, path):
+        if "step_00000001" in path and "rank00000.bin" in path:
+            if method == "PUT" and not seen["lost"]:
+                seen["lost"] += 1
+                return "act_then_stall"
+            if seen["lost"] and method in ("DELETE", "POST", "PUT") and not seen["held"]:
+                seen["held"].append(method)  # the failed try's own follow-up, if any: landing late
+                return ("delay", 6)
+        return None
+
+    px.rule = rule
+    url = f"{s3_bucket.url}/run"
+    opts = _via(s3_bucket.storage_options, px.endpoint)
+    try:
+        mgr = TieredCheckpointManager(tmp_path / "local", url, storage_options=opts, keep_last_local=1)
+        mgr.save(1, _state(1))
+        assert mgr.wait_durable(1, timeout=90).durable
+        assert seen["lost"] == 1
+        time.sleep(8)  # whatever was held has landed by now
+        mgr.save(2, _state(2))
+        assert mgr.wait_durable(2, timeout=90).durable
+        mgr.close(timeout=60)
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+    assert not os.path.exists(tmp_path / "local" / "step_00000001")  # rotated: the remote copy is the only one
+    assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)

@@ -368,12 +368,15 @@ class ObjectStore(Store):
         multipart upload as :meth:`write_rank` (parts sized for ``size``; at most ``in_flight``
         parts uploading while one more is filled), visible once it completes. Returns ``size``.
 
-        On error the upload is aborted (the object never appears); when the error came from the
+        On error the upload is aborted (no partial object appears). When the error came from the
         request that completes it (or from the single PUT of a small object), whose answer may
-        have been lost after the server acted, the object is deleted too, best effort (the area's
-        abort, or the next reclaim, deletes what this cannot). The upload's requests carry no
-        rank: the caller's collective records the copying rank on the error (the object's name
-        is in its URL).
+        have been lost after the server acted, the whole object may be there: it is left, never
+        deleted, because a drain's retry uploads the same key of the same area (the area is named
+        by the local save) and a deletion that lands late (a gateway forwarding it after its
+        deadline) would remove the retry's object after the retry committed its MANIFEST. The
+        area's abort, or the next reclaim, deletes it if nothing commits. The upload's requests
+        carry no rank: the caller's collective records the copying rank on the error (the
+        object's name is in its URL).
 
         Raises:
             DataFileTruncatedError, CheckpointCorruptError: ``feed`` appended fewer / more than ``size``
@@ -385,31 +388,17 @@ class ObjectStore(Store):
         cfg = settings()
         up = _Upload(self, url, part_size=_part_size(cfg, size), in_flight=cfg["in_flight"], size_bound=size,
                      rank=None)
-        finishing = False
         try:
             feed(up)
             if up.tell() != size:
                 cls = DataFileTruncatedError if up.tell() < size else CheckpointCorruptError
                 raise cls(f"{_basename(url)}: the copy supplied {up.tell()} bytes, expected {size}", path=url,
                           expected=size, found=up.tell())
-            finishing = True
             up.finish()
         except BaseException:
             up.abort()
-            if finishing:
-                self._delete_quietly(url)
             raise
         return size
-
-    def _delete_quietly(self, url: str) -> None:
-        """Delete the object at ``url`` if it is there (one request under its deadline); a failure
-        is only logged: the save area's abort or the next reclaim deletes it."""
-        try:
-            self._call("delete", url, "rm_file", self._key(url))
-        except NoSuchKey:
-            pass
-        except DistCkptError as exc:
-            log.warning("distckpt: could not delete %s after its copy failed: %s", url, exc)
 
     def publish(self, area: str, final: str, manifest: bytes, overwrite: bool) -> str | None:
         """Write MANIFEST (the commit point). Returns the replaced save's data prefix, or None.
