@@ -44,6 +44,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import chain
+from . import manifest as mf
 from ._dist import control_group, group_members, is_distributed
 from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
@@ -381,10 +382,33 @@ class CheckpointManager:
         distckpt.tiers): point ``latest`` at ``step``, then keep_last rotation (steps numbered
         above ``step`` are kept, with a warning). The caller holds the root's lock or lease.
 
-        Raises the store's typed errors (the step itself stays committed)."""
-        self._after_commit(step, None)
+        A drain may commit a step after newer ones (by commit time) reached the root: the steps
+        whose MANIFEST says they were committed after ``step`` are never rotated away here (a
+        rollback's resumed branch is numbered below the abandoned one), nor is one whose commit
+        time cannot be read.
 
-    def _after_commit(self, step: int, protect: int | None, rotate: bool = True) -> None:
+        Raises the store's typed errors (the step itself stays committed)."""
+        self._after_commit(step, None, drained=True)
+
+    def _committed_after(self, step: int, candidates: list[int]) -> set[int]:
+        """The steps of ``candidates`` committed after ``step`` by their MANIFESTs' commit times,
+        or whose time (or ``step``'s) cannot be read: one MANIFEST read each."""
+        def created(s: int) -> float | None:
+            try:
+                return mf.decode_header(self._store.manifest_bytes(self.path(s))).created_unix
+            except Exception as exc:  # noqa: BLE001 - unknown: counted as newer, kept
+                log.warning("distckpt: keeping %s: its commit time does not read (%s: %s)", self.path(s),
+                            type(exc).__name__, exc)
+                return None
+        mine = created(step)
+        out = set()
+        for s in candidates:
+            t = created(s)
+            if mine is None or t is None or t > mine:
+                out.add(s)
+        return out
+
+    def _after_commit(self, step: int, protect: int | None, rotate: bool = True, drained: bool = False) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         pointer = (step_dirname(step) + "\n").encode()
         self._store.replace_pointer(join(self.root, "latest"), pointer)
@@ -421,6 +445,13 @@ class CheckpointManager:
         # Keep the newest keep_last steps; the one just committed is always among them, and the
         # step the job resumed from survives the first save after the resume.
         doomed = [s for s in branch[:-self.keep_last] if s not in (step, protect)]
+        if doomed and drained:
+            newer = self._committed_after(step, doomed)
+            if newer:
+                log.warning("distckpt: keeping %s under %s beyond keep_last=%d: committed after step %d, whose "
+                            "drain committed it late (a rollback's resumed branch)", [step_dirname(s) for s in
+                            sorted(newer)], self.root, self.keep_last, step)
+            doomed = [s for s in doomed if s not in newer]
         if doomed:
             doomed = self._unneeded(doomed, [s for s in steps if s not in doomed and s not in above_doomed])
         for old in doomed:

@@ -508,7 +508,10 @@ class TieredCheckpointManager:
 
     def _undrained(self, remote_up: bool) -> list[tuple[int, str]]:
         """(step, save id) of the steps every node's copy makes complete locally and the remote tier
-        does not hold, ascending (collective: the same list on every rank). ``remote_up`` False (the
+        does not hold, oldest commit first (collective: the same list on every rank): after a
+        rollback the abandoned branch's higher numbers were committed before the resumed branch's
+        steps, and each drain's rotation of the remote tier (:meth:`CheckpointManager.rotate_after`)
+        treats the step it drained as the newest, as a save does. ``remote_up`` False (the
         pre-flight found the remote tier dark): the remote tier is not listed, which would wait
         for a second request deadline, and every complete local step is queued (each drain asks
         the remote tier first whether it already holds the save)."""
@@ -530,6 +533,8 @@ class TieredCheckpointManager:
                                 "local %s)", step, t.remote_save_id, t.local_save_id)
                     continue
                 out.append((step, t.local_save_id))
+        # by commit time (every node's copy is the same save: one time), then number
+        out.sort(key=lambda item: (avail[item[0]].created_unix or 0.0, item[0]))
         return out
 
     def _own_local_tier(self):

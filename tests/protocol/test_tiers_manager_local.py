@@ -503,3 +503,44 @@ def test_status_of_a_step_this_manager_drained_is_known_without_asking_the_remot
         del mgr._remote_store.committed_save_id
         assert mgr.status(1).remote == "absent" and mgr.status(1).local == "committed"  # it did
     assert _steps(remote) == [2]
+
+
+def test_undrained_steps_of_a_rollback_drain_in_commit_order_and_rotation_keeps_the_resumed_branch(tmp_path):
+    """Steps 450, 480, 500 then, after a rollback to 450, 460 and 470 were committed locally while
+    the remote tier did not hold them (here: saved through a manager draining elsewhere). The next
+    manager drains them. Drained by number, 500 went last and its keep_last_remote rotation (by
+    number, at or below the drained step) deleted 460 and 470 remotely; local rotation then
+    deleted them too (held remotely, then rotated away), and load() returned the abandoned 500.
+    Now they drain oldest commit first, and a late drain never rotates away a step committed
+    after it: load() returns 470, the newest trained state."""
+    local, elsewhere, remote = tmp_path / "local", tmp_path / "elsewhere", tmp_path / "remote"
+    with TieredCheckpointManager(local, elsewhere, keep_last_local=10) as mgr:
+        for s in (450, 480, 500, 460, 470):  # commit order: a rollback to 450 after 500
+            mgr.save(s, _state(s))
+            time.sleep(0.01)
+    with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=2) as mgr:
+        for s in (450, 460, 470, 480, 500):
+            mgr.wait_durable(s, timeout=120)
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=2) as mgr:
+        mgr.load(out)
+    assert out["step"] == 470 and torch.equal(out["w"], _state(470)["w"])
+    held = sorted(n for n in os.listdir(remote) if n.startswith("step_"))
+    assert {"step_00000460", "step_00000470"} <= set(held), held
+
+
+def test_a_late_drain_never_rotates_away_a_step_committed_after_it(tmp_path):
+    """CheckpointManager.rotate_after (what a drain runs on the remote root) for a step committed
+    before newer ones: keep_last counts steps at or below it by number, which after a rollback
+    are the resumed branch's newest steps; those committed after it stay."""
+    import distckpt
+    from distckpt import CheckpointManager
+
+    root = tmp_path / "root"
+    for s in (450, 480, 500, 460, 470):
+        distckpt.save(_state(s), root / f"step_{s:08d}")
+        time.sleep(0.01)
+    mgr = CheckpointManager(root, keep_last=2)
+    mgr.rotate_after(500)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
+        "step_00000460", "step_00000470", "step_00000480", "step_00000500"]
