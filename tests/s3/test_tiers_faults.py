@@ -674,3 +674,21 @@ def test_a_drain_retry_after_a_lost_answer_is_never_undone_by_a_late_request(s3_
         px.close()
     assert not os.path.exists(tmp_path / "local" / "step_00000001")  # rotated: the remote copy is the only one
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"save_id": "ffff", "renewed_unix": 0, "lease_s": Infinity}',
+    b'{"save_id": "ffff", "host": "h", "pid": 1, "renewed_unix": 9e15, "lease_s": 30}',
+    b'{"save_id": ["a"], "renewed_unix": 9e15, "lease_s": 30}',
+    b" " * (70 << 10) + b"{}",
+], ids=["infinite-lease", "renewed-in-the-future", "save-id-a-list", "over-64KiB"])
+def test_a_lease_record_no_writer_makes_is_broken_not_obeyed_for_ever(s3_bucket, s3_server, tmp_path, body):
+    """A crafted or damaged lock object at the remote root (the drains' lease) made every drain
+    retry for ever (SaveInProgressError), or fail for good as a "damaged checkpoint" (a record over
+    64 KiB): it counts as a dead lease now, broken conditionally on its ETag, and the step drains."""
+    url = f"{s3_bucket.url}/run"
+    s3_bucket.fs.pipe(f"{s3_bucket.name}/run/.distckpt.lock", body)
+    with TieredCheckpointManager(tmp_path / "local", url, storage_options=s3_bucket.storage_options) as mgr:
+        mgr.save(1, _state(1))
+        assert mgr.wait_durable(1, timeout=60).durable
+    assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -16,6 +17,9 @@ from ...errors import CheckpointExistsError, DistCkptError, SaveInProgressError
 from . import request as objrequest
 from .errors import NoSuchKey
 from .settings import settings
+
+#: The longest lease a writer can claim: DISTCKPT_OBJECT_LEASE_S's upper bound (settings.py).
+MAX_LEASE_S = 86400.0
 
 log = logging.getLogger("distckpt")
 
@@ -72,21 +76,34 @@ class Lease:
     @staticmethod
     def read(store: Any, url: str) -> dict | None:
         """The record of the lease at ``url`` ({} when unreadable), or None when there is none."""
-        got = store._get_with_etag(url, 1 << 16)
+        got = store._get_with_etag(url, 1 << 16, too_large_empty=True)
         return None if got is None else Lease._parse(got[0])
 
     @staticmethod
     def read_versioned(store: Any, url: str) -> tuple[dict | None, str | None]:
         """(record, ETag) of the lease at ``url`` from one GET, or (None, None)."""
-        got = store._get_with_etag(url, 1 << 16)
+        got = store._get_with_etag(url, 1 << 16, too_large_empty=True)
         return (None, None) if got is None else (Lease._parse(got[0]), got[1])
 
     @staticmethod
     def is_live(rec: dict, now: float | None = None) -> bool:
+        """Whether the lease record ``rec`` names a save that renewed it within its ``lease_s``.
+        A record no distckpt writer makes counts as dead (its lease can be broken): a save id
+        that is not a string, a time or lease that is not a finite number, a lease longer than :data:`MAX_LEASE_S`, or a renewal
+        more than one lease ahead of this clock (a writer's clock that far ahead already breaks
+        the leases' expiry). Such a record, crafted or damaged, would otherwise block every save
+        and drain to the root for ever; a commit stays fenced by its own lease's ETag
+        (:meth:`ensure_held`), so breaking a live one by mistake costs that save, never data."""
+        if not isinstance(rec.get("save_id"), str):
+            return False
         try:
-            return (now or time.time()) - float(rec["renewed_unix"]) < float(rec["lease_s"])
+            renewed, lease = float(rec["renewed_unix"]), float(rec["lease_s"])
         except (KeyError, TypeError, ValueError):
             return False
+        if not (math.isfinite(renewed) and math.isfinite(lease)) or not 0 < lease <= MAX_LEASE_S:
+            return False
+        age = (now or time.time()) - renewed
+        return -lease < age < lease
 
     # -- conditional writes -----------------------------------------------------------------------
 

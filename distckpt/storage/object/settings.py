@@ -39,7 +39,7 @@ def settings() -> dict:
     return {
         "part_size": _part_size(),
         "in_flight": int(objrequest.env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
-        "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),
+        "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),  # lease.MAX_LEASE_S
         "conditional": cond == "1",
         "late_s": objrequest.env_float("DISTCKPT_OBJECT_LATE_S", 900.0, 0.0, 7 * 86400.0),
     }

@@ -153,15 +153,19 @@ class ObjectStore(Store):
         return self._call(operation, url, "call_s3", api, rank=rank, nbytes=nbytes, conditional=conditional,
                           timeout_s=timeout_s, **params)
 
-    def _get_with_etag(self, url: str, limit: int) -> tuple[bytes, str] | None:
+    def _get_with_etag(self, url: str, limit: int, *, too_large_empty: bool = False) -> tuple[bytes, str] | None:
         """The whole object at ``url`` and its ETag from one GET (so the two belong together), or
-        None when it does not exist; an object above ``limit`` bytes is ManifestCorruptError."""
+        None when it does not exist; an object above ``limit`` bytes is ManifestCorruptError, or
+        with ``too_large_empty`` empty bytes and its ETag, its body unread (a lease record no
+        writer makes: unreadable, so dead, and replaceable conditionally on that ETag)."""
         bucket, key, _ = self.fs.split_path(self._key(url))
 
         async def get():
             resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
             body = resp["Body"]
             try:
+                if int(resp.get("ContentLength") or 0) > limit and too_large_empty:
+                    return b"", resp.get("ETag")
                 if int(resp.get("ContentLength") or 0) > limit:
                     raise ManifestCorruptError(f"{url} has {resp.get('ContentLength')} bytes, more than the {limit} "
                                                f"allowed", path=url, expected=f"<= {limit}",
@@ -595,8 +599,8 @@ class ObjectStore(Store):
         ids = set()
         for url in lock_urls:
             rec = Lease.read(self, url)
-            if rec is not None and Lease.is_live(rec):
-                ids.add(rec.get("save_id"))
+            if rec is not None and Lease.is_live(rec) and isinstance(rec.get("save_id"), str):
+                ids.add(rec["save_id"])
         return ids
 
     def leftovers(self, final: str, root_lock: str | None = None) -> list[tuple[str, str]]:

@@ -1,0 +1,49 @@
+"""Which save-lease records count as live (distckpt.storage.object.lease.Lease.is_live): a record a
+distckpt writer makes while its save runs, and nothing else. A crafted or damaged record (a renewal
+time far in the future, a lease of 1e300 s or Infinity, a save id that is not a string) once
+counted as live for ever: every drain to that root retried until someone deleted it by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distckpt.storage.object.lease import MAX_LEASE_S, Lease
+
+NOW = 1_800_000_000.0
+
+
+def _rec(**kw):
+    return {"host": "h", "pid": 1, "save_id": "f" * 32, "what": "x", "started_unix": NOW - 10,
+            "renewed_unix": NOW - 5, "lease_s": 30, "beat": 3, **kw}
+
+
+def test_a_running_saves_record_is_live_and_a_lapsed_one_is_not():
+    assert Lease.is_live(_rec(), NOW)
+    assert Lease.is_live(_rec(renewed_unix=NOW + 5), NOW)  # a writer's clock a little ahead
+    assert not Lease.is_live(_rec(renewed_unix=NOW - 31), NOW)
+    assert Lease.is_live(_rec(lease_s=MAX_LEASE_S, renewed_unix=NOW - MAX_LEASE_S + 1), NOW)
+
+
+@pytest.mark.parametrize("fields", [
+    {"renewed_unix": NOW + 1e9},            # far ahead of any clock: would never lapse
+    {"renewed_unix": NOW + 31},              # ahead by more than its lease
+    {"lease_s": 1e300},
+    {"lease_s": math.inf},
+    {"lease_s": math.nan},
+    {"renewed_unix": math.inf},
+    {"lease_s": MAX_LEASE_S + 1},
+    {"lease_s": 0},
+    {"lease_s": -5},
+    {"save_id": ["a"]},
+    {"save_id": None},
+])
+def test_records_no_writer_makes_are_dead(fields):
+    assert not Lease.is_live(_rec(**fields), NOW)
+
+
+def test_unreadable_records_are_dead():
+    for rec in ({}, {"save_id": "a"}, {"save_id": "a", "renewed_unix": NOW}, {"save_id": "a", "lease_s": 30},
+                {"save_id": "a", "renewed_unix": "soon", "lease_s": 30}):
+        assert not Lease.is_live(rec, NOW)
