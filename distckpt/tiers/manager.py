@@ -798,11 +798,12 @@ class TieredCheckpointManager:
                                                  process_group=self.process_group, layout=self._layout, **kwargs)
                             break
                         except ObjectStoreError as exc:
-                            if not (remote_up and step is not None):
+                            if not remote_up:
                                 raise
-                            # The remote tier is down (the same typed error on every rank): the
-                            # step asked for is restored from the local tier, as load() restores
-                            # the newest, when its copies are complete (else TierIncompleteError).
+                            # The remote tier went down after the listing (the same typed error on
+                            # every rank): this step, and any older one tried next, is restored
+                            # from the local tier, as when it was down at the listing, when its
+                            # copies are complete (else TierIncompleteError).
                             remote_up, self._remote_down = False, f"{type(exc).__name__}: {exc.message}"
                             log.warning("distckpt: step %d: the remote tier %s does not answer (%s): loading the "
                                         "local tier's copy, which cannot be checked against it", s,

@@ -510,6 +510,42 @@ def test_a_dark_remote_loads_the_local_copy_for_a_given_step_too_and_says_it_was
         px.close()
 
 
+def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_listing(
+        s3_bucket, s3_server, tmp_path, monkeypatch):
+    """load() lists the steps (the remote tier answers), then the remote tier goes dark before
+    the load reads the step's MANIFEST: it raised EndpointUnreachableError although this node
+    holds the step complete (load(step=N) fell back already). It restores the local copy now,
+    saying it was not checked."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    try:
+        mgr = TieredCheckpointManager(local, url, storage_options=_via(s3_bucket.storage_options, px.endpoint))
+        try:
+            mgr.save(1, _state(1))
+            assert mgr.wait_durable(1, timeout=60).durable
+            seen = []
+
+            def rule(n, method, path):
+                if "step_00000001/MANIFEST" in path:
+                    seen.append(method)
+                    if len(seen) > 3:  # the listing's looks at the step pass; the load's own read is held
+                        return "stall"
+                return None
+
+            px.rule = rule
+            got = _state(0)
+            res = mgr.load(got)
+            assert _same(got, 1) and len(seen) > 3, seen
+            assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, res
+        finally:
+            px.rule = lambda n, method, path: None
+            mgr.close(timeout=30)
+    finally:
+        px.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # close(timeout) while a request of the drain is held unanswered
 
