@@ -111,26 +111,21 @@ def _other_copies_body(rank: int, world_size: int, tmp: str) -> dict:
         return {"step": sd["step"], "exact": exact, "tiers": result.bytes_by_tier,
                 "unchecked": result.remote_unchecked, "not_durable": closed}
 
+    def load_damaged(manifest: str, by: int) -> dict:
+        """load([rank]) while rank ``by`` has one bit of ``manifest`` flipped, then mended."""
+        kept = _flip(manifest) if rank == by else None
+        barrier()
+        got = load([rank])
+        barrier()
+        if kept is not None:
+            with open(manifest, "wb") as f:
+                f.write(kept)
+        return got
+
     # 1. Node 1's MANIFEST of step 3 damaged: passed over, its rank reads the step remotely.
-    manifest1 = os.path.join(tmp, "node1", "step_00000003", "MANIFEST")
-    if rank == 1:
-        kept = _flip(manifest1)
-    barrier()
-    out["local_damaged"] = load([rank])
-    barrier()
-    if rank == 1:
-        with open(manifest1, "wb") as f:
-            f.write(kept)
+    out["local_damaged"] = load_damaged(os.path.join(tmp, "node1", "step_00000003", "MANIFEST"), 1)
     # 2. The remote MANIFEST damaged: the nodes' complete copies load, said unchecked.
-    remote3 = os.path.join(remote, "step_00000003", "MANIFEST")
-    if rank == 0:
-        kept = _flip(remote3)
-    barrier()
-    out["remote_damaged"] = load([rank])
-    barrier()
-    if rank == 0:
-        with open(remote3, "wb") as f:
-            f.write(kept)
+    out["remote_damaged"] = load_damaged(os.path.join(remote, "step_00000003", "MANIFEST"), 0)
     # 3. Node 1 holds another save of step 3 (a stale disk), and rank 1 wants rank 0's file too:
     # no fetch into the stale copy (TierIncompleteError, then an older step before), the remote's.
     with TieredCheckpointManager(local + "_b", os.path.join(tmp, "remote_b"), keep_last_local=3) as mgr:

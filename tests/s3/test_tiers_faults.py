@@ -18,6 +18,7 @@ credentials, or a private server that is killed or put over quota). Issue #25, i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -444,35 +445,47 @@ def test_a_remote_answering_5xx_at_construction_is_an_outage_not_an_error(s3_buc
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
 
 
+@contextlib.contextmanager
+def _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path):
+    """(manager, proxy, its drained status of step 1, remote URL): a manager whose remote tier is
+    reached through a FaultProxy, step 1 saved and durable; the proxy is cleared and the manager
+    closed afterwards."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url = f"{s3_bucket.url}/run"
+    try:
+        mgr = TieredCheckpointManager(tmp_path / "local", url, storage_options=_via(s3_bucket.storage_options,
+                                                                                     px.endpoint))
+        try:
+            mgr.save(1, _state(1))
+            drained = mgr.wait_durable(1, timeout=60)
+            assert drained.durable
+            yield mgr, px, drained, url
+        finally:
+            px.rule = lambda n, method, path: None
+            mgr.close(timeout=30)
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+
+
 def test_a_step_this_manager_drained_is_durable_without_a_request_once_the_remote_goes_dark(
         s3_bucket, s3_server, tmp_path):
     """status(step) and wait_durable(step) of a step this manager drained answer from what it knows
     (it committed that save there): no request, so a remote tier that goes dark afterwards (every
     request held unanswered) neither slows them nor makes them raise EndpointUnreachableError, as
     they did when they asked the remote tier again."""
-    u = urlsplit(s3_server.endpoint)
-    px = s3proxy.FaultProxy((u.hostname, u.port))
-    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
-    try:
-        mgr = TieredCheckpointManager(local, url, storage_options=_via(s3_bucket.storage_options, px.endpoint))
-        try:
-            mgr.save(1, _state(1))
-            drained = mgr.wait_durable(1, timeout=60)
-            assert drained.durable
-            px.rule = lambda n, method, path: "stall"  # the remote tier goes dark
-            px.reset_log()
-            t0 = time.monotonic()
-            st = mgr.status(1)
-            again = mgr.wait_durable(1, timeout=30)
-            took = time.monotonic() - t0
-            assert st.durable and again.durable and st.save_id == drained.save_id, (st, again)
-            assert took < 1.0, f"status/wait_durable of a drained step took {took:.1f} s"
-            assert px.log == [], f"requests sent for a step this manager drained: {px.log}"
-        finally:
-            mgr.close(timeout=10)
-    finally:
+    with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, drained, url):
+        px.rule = lambda n, method, path: "stall"  # the remote tier goes dark
+        px.reset_log()
+        t0 = time.monotonic()
+        st = mgr.status(1)
+        again = mgr.wait_durable(1, timeout=30)
+        took = time.monotonic() - t0
+        assert st.durable and again.durable and st.save_id == drained.save_id, (st, again)
+        assert took < 1.0, f"status/wait_durable of a drained step took {took:.1f} s"
+        assert px.log == [], f"requests sent for a step this manager drained: {px.log}"
         px.rule = lambda n, method, path: None
-        px.close()
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
 
 
@@ -483,31 +496,19 @@ def test_a_dark_remote_loads_the_local_copy_for_a_given_step_too_and_says_it_was
     said that the local copy could not be checked against the remote tier, the reference when it
     answers (a stale local copy of another save of the step would be loaded silently). Both load
     the local copy now, and the result's remote_unchecked says why."""
-    u = urlsplit(s3_server.endpoint)
-    px = s3proxy.FaultProxy((u.hostname, u.port))
-    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
     caplog.set_level("WARNING", logger="distckpt")
-    try:
-        mgr = TieredCheckpointManager(local, url, storage_options=_via(s3_bucket.storage_options, px.endpoint))
-        try:
-            mgr.save(1, _state(1))
-            assert mgr.wait_durable(1, timeout=60).durable
-            px.rule = lambda n, method, path: "stall"  # the remote tier goes dark
-            for step in (1, None):
-                got = _state(0)
-                res = mgr.load(got, step=step)
-                assert _same(got, 1), step
-                assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, (step, res)
-                assert res.bytes_by_tier.get("remote", 0) == 0, res.bytes_by_tier
-            assert any("cannot be checked against it" in r.getMessage() for r in caplog.records)
-            px.rule = lambda n, method, path: None
-            res = mgr.load(_state(0), step=1)
-            assert res.remote_unchecked is None, res
-        finally:
-            px.rule = lambda n, method, path: None
-            mgr.close(timeout=30)
-    finally:
-        px.close()
+    with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, _drained, _url):
+        px.rule = lambda n, method, path: "stall"  # the remote tier goes dark
+        for step in (1, None):
+            got = _state(0)
+            res = mgr.load(got, step=step)
+            assert _same(got, 1), step
+            assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, (step, res)
+            assert res.bytes_by_tier.get("remote", 0) == 0, res.bytes_by_tier
+        assert any("cannot be checked against it" in r.getMessage() for r in caplog.records)
+        px.rule = lambda n, method, path: None
+        res = mgr.load(_state(0), step=1)
+        assert res.remote_unchecked is None, res
 
 
 def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_listing(
@@ -517,33 +518,21 @@ def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_l
     holds the step complete (load(step=N) fell back already). It restores the local copy now,
     saying it was not checked."""
     monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
-    u = urlsplit(s3_server.endpoint)
-    px = s3proxy.FaultProxy((u.hostname, u.port))
-    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
-    try:
-        mgr = TieredCheckpointManager(local, url, storage_options=_via(s3_bucket.storage_options, px.endpoint))
-        try:
-            mgr.save(1, _state(1))
-            assert mgr.wait_durable(1, timeout=60).durable
-            seen = []
+    with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, _drained, _url):
+        seen = []
 
-            def rule(n, method, path):
-                if "step_00000001/MANIFEST" in path:
-                    seen.append(method)
-                    if len(seen) > 3:  # the listing's looks at the step pass; the load's own read is held
-                        return "stall"
-                return None
+        def rule(n, method, path):
+            if "step_00000001/MANIFEST" in path:
+                seen.append(method)
+                if len(seen) > 3:  # the listing's looks at the step pass; the load's own read is held
+                    return "stall"
+            return None
 
-            px.rule = rule
-            got = _state(0)
-            res = mgr.load(got)
-            assert _same(got, 1) and len(seen) > 3, seen
-            assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, res
-        finally:
-            px.rule = lambda n, method, path: None
-            mgr.close(timeout=30)
-    finally:
-        px.close()
+        px.rule = rule
+        got = _state(0)
+        res = mgr.load(got)
+        assert _same(got, 1) and len(seen) > 3, seen
+        assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, res
 
 
 # ---------------------------------------------------------------------------------------------
