@@ -17,14 +17,22 @@ def _state(step: int, rank: int, n: int = 1 << 14) -> dict:
     return {f"w{rank}": torch.randn(n, generator=g), "step": step}
 
 
-def _damaged_local_body(rank: int, world_size: int, tmp: str) -> dict:
-    from distckpt import errors
+def _step_one_on_every_tier(rank: int, tmp: str, keep_last_local: int) -> tuple[str, str]:
+    """(this rank's node directory, the remote directory) once every rank saved step 1 there and it
+    drained (collective: ends at a barrier)."""
     from distckpt.tiers import TieredCheckpointManager
     local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
-    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+    with TieredCheckpointManager(local, remote, keep_last_local=keep_last_local) as mgr:
         mgr.save(1, _state(1, rank))
         assert mgr.wait_durable(1, timeout=120).durable
     torch.distributed.barrier()
+    return local, remote
+
+
+def _damaged_local_body(rank: int, world_size: int, tmp: str) -> dict:
+    from distckpt import errors
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = _step_one_on_every_tier(rank, tmp, keep_last_local=2)
     if rank == 1:  # one byte of node 1's own data file (a rank's failure, not rank 0's)
         path = os.path.join(local, "step_00000001", "rank00001.bin")
         with open(path, "r+b") as f:
@@ -175,11 +183,7 @@ def test_copies_a_load_or_replication_cannot_use_are_passed_over_by_name(tmp_pat
 
 def _damaged_beside_a_fetch_body(rank: int, world_size: int, tmp: str) -> dict:
     from distckpt.tiers import TieredCheckpointManager
-    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
-    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
-        mgr.save(1, _state(1, rank))
-        assert mgr.wait_durable(1, timeout=120).durable
-    torch.distributed.barrier()
+    local, remote = _step_one_on_every_tier(rank, tmp, keep_last_local=3)
     if rank == 0:
         _flip(os.path.join(local, "step_00000001", "MANIFEST"))
     torch.distributed.barrier()
