@@ -110,7 +110,7 @@ class Store(abc.ABC):
         stays (POSIX: unlinked; object stores: the upload aborted). An object whose completing
         request went unanswered may have landed, whole: it is not deleted, since a drain's retry
         writes the same key of the same area and a late deletion would remove the retry's
-        committed object (the area's abort or the next reclaim deletes it if nothing commits).
+        committed object (if nothing ever commits, a reclaim of the root deletes it).
 
         Raises:
             DataFileTruncatedError: ``feed`` appended fewer than ``size`` bytes;

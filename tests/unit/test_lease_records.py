@@ -22,13 +22,15 @@ def _rec(**kw):
 def test_a_running_saves_record_is_live_and_a_lapsed_one_is_not():
     assert Lease.is_live(_rec(), NOW)
     assert Lease.is_live(_rec(renewed_unix=NOW + 5), NOW)  # a writer's clock a little ahead
+    # more than a lease ahead: still live (a live lease is never judged dead for its writer's clock)
+    assert Lease.is_live(_rec(renewed_unix=NOW + 300), NOW)
     assert not Lease.is_live(_rec(renewed_unix=NOW - 31), NOW)
     assert Lease.is_live(_rec(lease_s=MAX_LEASE_S, renewed_unix=NOW - MAX_LEASE_S + 1), NOW)
 
 
 @pytest.mark.parametrize("fields", [
     {"renewed_unix": NOW + 1e9},            # far ahead of any clock: would never lapse
-    {"renewed_unix": NOW + 31},              # ahead by more than its lease
+    {"renewed_unix": NOW + MAX_LEASE_S + 1},  # ahead by more than any lease lasts
     {"lease_s": 1e300},
     {"lease_s": math.inf},
     {"lease_s": math.nan},

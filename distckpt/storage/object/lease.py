@@ -88,12 +88,12 @@ class Lease:
     @staticmethod
     def is_live(rec: dict, now: float | None = None) -> bool:
         """Whether the lease record ``rec`` names a save that renewed it within its ``lease_s``.
-        A record no distckpt writer makes counts as dead (its lease can be broken): a save id
-        that is not a string, a time or lease that is not a finite number, a lease longer than :data:`MAX_LEASE_S`, or a renewal
-        more than one lease ahead of this clock (a writer's clock that far ahead already breaks
-        the leases' expiry). Such a record, crafted or damaged, would otherwise block every save
-        and drain to the root for ever; a commit stays fenced by its own lease's ETag
-        (:meth:`ensure_held`), so breaking a live one by mistake costs that save, never data."""
+        A record no distckpt writer makes counts as dead (its lease can be broken): a save id that
+        is not a string, a time or lease that is not a finite number, a lease longer than
+        :data:`MAX_LEASE_S`, or a renewal more than :data:`MAX_LEASE_S` ahead of this clock (no
+        skew between hosts is that large; a writer's clock a little ahead only keeps its lease
+        live a little longer, as it always did). Such a record, crafted or damaged, would
+        otherwise block every save and drain to the root for ever."""
         if not isinstance(rec.get("save_id"), str):
             return False
         try:
@@ -103,7 +103,7 @@ class Lease:
         if not (math.isfinite(renewed) and math.isfinite(lease)) or not 0 < lease <= MAX_LEASE_S:
             return False
         age = (now or time.time()) - renewed
-        return -lease < age < lease
+        return -MAX_LEASE_S < age < lease
 
     # -- conditional writes -----------------------------------------------------------------------
 

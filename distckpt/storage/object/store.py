@@ -378,7 +378,8 @@ class ObjectStore(Store):
         deleted, because a drain's retry uploads the same key of the same area (the area is named
         by the local save) and a deletion that lands late (a gateway forwarding it after its
         deadline) would remove the retry's object after the retry committed its MANIFEST. The
-        area's abort, or the next reclaim, deletes it if nothing commits. The upload's requests
+        area stays until a reclaim of the remote root if no try ever commits (``distckpt
+        reclaim``, ``CheckpointManager.reclaim()``). The upload's requests
         carry no rank: the caller's collective records the copying rank on the error (the
         object's name is in its URL).
 
