@@ -392,21 +392,24 @@ class CheckpointManager:
 
     def _committed_after(self, step: int, candidates: list[int]) -> set[int]:
         """The steps of ``candidates`` committed after ``step`` by their MANIFESTs' commit times,
-        or whose time (or ``step``'s) cannot be read: one MANIFEST read each."""
+        or whose time (or ``step``'s) cannot be read: one MANIFEST read each, none after the first
+        that fails (the rest are kept: a remote tier gone dark would make each read wait out its
+        own deadline while the drain holds the root's lease)."""
+        failed = False
+
         def created(s: int) -> float | None:
+            nonlocal failed
+            if failed:
+                return None
             try:
                 return mf.decode_header(self._store.manifest_bytes(self.path(s))).created_unix
             except Exception as exc:  # noqa: BLE001 - unknown: counted as newer, kept
-                log.warning("distckpt: keeping %s: its commit time does not read (%s: %s)", self.path(s),
-                            type(exc).__name__, exc)
+                failed = True
+                log.warning("distckpt: keeping %s and the older steps rotation would delete: the commit time of "
+                            "%s does not read (%s: %s)", self.root, self.path(s), type(exc).__name__, exc)
                 return None
         mine = created(step)
-        out = set()
-        for s in candidates:
-            t = created(s)
-            if mine is None or t is None or t > mine:
-                out.add(s)
-        return out
+        return {s for s in candidates if mine is None or (t := created(s)) is None or t > mine}
 
     def _after_commit(self, step: int, protect: int | None, rotate: bool = True, drained: bool = False) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
