@@ -44,7 +44,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import chain
-from . import manifest as mf
 from ._dist import control_group, group_members, is_distributed
 from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
@@ -391,23 +390,24 @@ class CheckpointManager:
         self._after_commit(step, None, drained=True)
 
     def _committed_after(self, step: int, candidates: list[int]) -> set[int]:
-        """The steps of ``candidates`` committed after ``step`` by their MANIFESTs' commit times,
-        or whose time (or ``step``'s) cannot be read: one MANIFEST read each, none after the first
-        that fails (the rest are kept: a remote tier gone dark would make each read wait out its
-        own deadline while the drain holds the root's lease)."""
+        """The steps of ``candidates`` committed after ``step`` by their MANIFESTs' commit times
+        (:func:`distckpt.listing._step_info`, as ``distckpt ls`` reads them), or whose time (or
+        ``step``'s) is unknown: a damaged MANIFEST is kept, and after the first read that fails
+        (a timeout, a refusal) nothing more is read and the rest are kept: a remote tier gone dark
+        would make each read wait out its own deadline while the drain holds the root's lease."""
         failed = False
 
         def created(s: int) -> float | None:
             nonlocal failed
             if failed:
                 return None
-            try:
-                return mf.decode_header(self._store.manifest_bytes(self.path(s))).created_unix
-            except Exception as exc:  # noqa: BLE001 - unknown: counted as newer, kept
-                failed = True
-                log.warning("distckpt: keeping %s and the older steps rotation would delete: the commit time of "
-                            "%s does not read (%s: %s)", self.root, self.path(s), type(exc).__name__, exc)
+            info = _step_info(self.path(s), step_dirname(s), self._store, strict=False)
+            if info.status != "committed":
+                failed = failed or info.status == "unreadable"
+                log.warning("distckpt: keeping %s%s: its commit time does not read (%s)", self.path(s),
+                            " and the older steps rotation would delete" if failed else "", info.problem)
                 return None
+            return info.created_unix
         mine = created(step)
         return {s for s in candidates if mine is None or (t := created(s)) is None or t > mine}
 
