@@ -710,18 +710,15 @@ def _selects(fqn: str, keys: list[str]) -> bool:
     return any(fqn == k or fqn.startswith(k + ".") for k in keys)
 
 
-def _selected(names: list[str], keys: Iterable[str]) -> set[str]:
-    """The names of the sorted list ``names`` some key of ``keys`` selects: the key itself and
-    every name under it at a dot (:func:`read`). By bisection, so a read of a few hundred keys of
-    a checkpoint of thousands of names costs O(keys x log names), not keys x names: the names
-    under ``k`` are exactly those in ``[k + ".", k + "/")`` ("/" is the code point after ".")."""
-    out: set[str] = set()
-    for k in keys:
-        i = bisect.bisect_left(names, k)
-        if i < len(names) and names[i] == k:
-            out.add(k)
-        lo, hi = bisect.bisect_left(names, k + "."), bisect.bisect_left(names, k + "/")
-        out.update(names[lo:hi])
+def _selected(names: list[str], key: str) -> set[str]:
+    """The names of the sorted list ``names`` that ``key`` selects: itself and every name under it
+    at a dot (:func:`read`). By bisection, so a read of a few hundred keys of a checkpoint of
+    thousands of names costs O(keys x log names), not keys x names: the names under ``key`` are
+    exactly those in ``[key + ".", key + "/")`` ("/" is the code point after ".")."""
+    i = bisect.bisect_left(names, key)
+    out = {key} if i < len(names) and names[i] == key else set()
+    lo, hi = bisect.bisect_left(names, key + "."), bisect.bisect_left(names, key + "/")
+    out.update(names[lo:hi])
     return out
 
 
@@ -754,10 +751,16 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
     if links is not None:   # the delta's own records are no state of its own
         saved = [f for f in saved if not _selects(f, [DELTA_ROOT])]
         tracked = links[0].tracked
-    wanted = None if keys is None else list(dict.fromkeys(keys))
-    if wanted is not None:
+    own, base_own, unknown = set(saved), set(tracked), []
+    if keys is not None:
         by_name, tracked_names = sorted(saved), sorted(tracked)
-        unknown = [k for k in wanted if not _selected(by_name, [k]) and not _selected(tracked_names, [k])]
+        own, base_own = set(), set()
+        for k in dict.fromkeys(keys):
+            mine, theirs = _selected(by_name, k), _selected(tracked_names, k)
+            if not mine and not theirs:
+                unknown.append(k)
+            own |= mine
+            base_own |= theirs
         if unknown:
             names = saved + list(tracked)
             raise StateDictMismatchError(f"keys not in the checkpoint: {unknown}{_close_keys(unknown, names)}",
@@ -765,11 +768,10 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
                                          dtype_mismatch={}, remedy="Pass keys the checkpoint has (a key "
                                          "selects itself and every key under it); `distckpt inspect "
                                          f"{source.path}` lists them, keys=None reads everything.")
-    own = set(saved) if wanted is None else _selected(by_name, wanted)
     plans = [(source.path, manifest, own)]
     if links is not None:
         base = links[-1]
-        plans.append((base.path, base.manifest, set(tracked) if wanted is None else _selected(tracked_names, wanted)))
+        plans.append((base.path, base.manifest, base_own))
     pickled = [f for f in own if f in manifest.objects and manifest.objects[f].kind == "pickle"]
     # Before anything is allocated: every data file the selected tensors read from has the size
     # its MANIFEST claims. A damaged or hostile MANIFEST that describes terabytes in a file of a
