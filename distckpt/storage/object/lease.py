@@ -16,10 +16,7 @@ from typing import Any
 from ...errors import CheckpointExistsError, DistCkptError, SaveInProgressError
 from . import request as objrequest
 from .errors import NoSuchKey
-from .settings import settings
-
-#: The longest lease a writer can claim: DISTCKPT_OBJECT_LEASE_S's upper bound (settings.py).
-MAX_LEASE_S = 86400.0
+from .settings import MAX_LEASE_S, settings
 
 log = logging.getLogger("distckpt")
 

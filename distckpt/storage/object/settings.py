@@ -23,6 +23,11 @@ def _part_size() -> int:
     return v
 
 
+#: The longest save lease a writer can claim (DISTCKPT_OBJECT_LEASE_S's bound); a longer record
+#: is no writer's (lease.Lease.is_live).
+MAX_LEASE_S = 86400.0
+
+
 def settings() -> dict:
     """The object-store knobs (environment, read at each save):
 
@@ -39,7 +44,7 @@ def settings() -> dict:
     return {
         "part_size": _part_size(),
         "in_flight": int(objrequest.env_float("DISTCKPT_OBJECT_PARTS_IN_FLIGHT", 4, 1, 64)),
-        "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, 86400.0),  # lease.MAX_LEASE_S
+        "lease_s": objrequest.env_float("DISTCKPT_OBJECT_LEASE_S", 30.0, 1.0, MAX_LEASE_S),
         "conditional": cond == "1",
         "late_s": objrequest.env_float("DISTCKPT_OBJECT_LATE_S", 900.0, 0.0, 7 * 86400.0),
     }
