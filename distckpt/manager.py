@@ -22,9 +22,11 @@ Invariants:
     number collides with a step of the abandoned branch of a rollback this manager loaded
     replaces it atomically (logged), unless keep_abandoned.
   * Rotation runs on rank 0 inside the commit (after the new checkpoint is durable, before any rank
-    returns), deletes only committed steps of the current branch older than the newest
-    ``keep_last``, never the step just saved and never the step this manager's ``load()`` resumed
-    from at the first save after it; each step is renamed aside before it is deleted, so a
+    returns), deletes only committed steps of the current branch (numbered at or below the step
+    just saved) that are neither among its newest ``keep_last`` by number nor among its newest
+    ``keep_last`` by commit time (distckpt.rotation), never the step just saved and never the step
+    this manager's ``load()`` resumed from at the first save after it; a step whose commit time
+    does not read is kept; each step is renamed aside before it is deleted, so a
     half-deleted step never looks committed. Deleted files are closed, so their blocks are freed.
   * Rotation never deletes a step that a kept step depends on (an earlier link of its incremental
     chain, distckpt.incremental); such a step goes at the first rotation after nothing kept needs it.
@@ -41,13 +43,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import chain
 from ._dist import control_group, group_members, is_distributed
 from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
 from .restore import LoadResult, load
+from .rotation import beyond_keep_last
 from .save_sync import save_in_root
 from .storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
 from .listing import _STEP_RE, RootListing, StepInfo, _newest_by_commit, _step_info, list_root
@@ -98,7 +101,8 @@ class CheckpointManager:
 
     Args:
         root: directory holding the steps (created by the first save if missing).
-        keep_last: how many committed steps of the current branch to keep (None: all).
+        keep_last: how many committed steps of the current branch to keep (None: all): the newest
+            by number and the newest by commit time are kept (after a rollback they differ).
         keep_abandoned: keep steps numbered above a newly saved step instead of deleting them.
         process_group: the group save/load run over (default: the world).
         storage_options: for an fsspec URL root (``s3://bucket/run7``), the fsspec options (as
@@ -381,37 +385,41 @@ class CheckpointManager:
         distckpt.tiers): point ``latest`` at ``step``, then keep_last rotation (steps numbered
         above ``step`` are kept, with a warning). The caller holds the root's lock or lease.
 
-        A drain may commit a step after newer ones (by commit time) reached the root: the steps
-        whose MANIFEST says they were committed after ``step`` are never rotated away here (a
-        rollback's resumed branch is numbered below the abandoned one), nor is one whose commit
-        time cannot be read.
+        A drain may commit a step after newer ones (by commit time) reached the root: rotation
+        keeps the newest keep_last by commit time as well as by number (distckpt.rotation), so
+        the steps committed after ``step`` (a rollback's resumed branch, numbered below the
+        abandoned one) are not rotated away by its late drain, nor is one whose commit time
+        cannot be read.
 
         Raises the store's typed errors (the step itself stays committed)."""
-        self._after_commit(step, None, drained=True)
+        self._after_commit(step, None)
 
-    def _committed_after(self, step: int, candidates: list[int]) -> set[int]:
-        """The steps of ``candidates`` committed after ``step`` by their MANIFESTs' commit times
-        (:func:`distckpt.listing._step_info`, as ``distckpt ls`` reads them), or whose time (or
-        ``step``'s) is unknown: a damaged MANIFEST is kept, and after the first read that fails
-        (a timeout, a refusal) nothing more is read and the rest are kept: a remote tier gone dark
-        would make each read wait out its own deadline while the drain holds the root's lease."""
+    def _commit_time_reader(self) -> Callable[[int], float | None]:
+        """``commit_time`` for :func:`distckpt.rotation.beyond_keep_last`: a step's MANIFEST commit
+        time, peeked where the store can (a local file's first 4 KiB), else decoded
+        (:func:`distckpt.listing._step_info`, as ``distckpt ls`` reads it); None when it does not
+        read. A damaged MANIFEST is warned about and reading goes on; after the first read that
+        fails (a timeout, a refusal) nothing more is read: a root gone dark would make each read
+        wait out its own deadline while rotation holds the root's lock or lease."""
         failed = False
 
         def created(s: int) -> float | None:
             nonlocal failed
             if failed:
                 return None
+            t = self._store.peek_commit_time(self.path(s))
+            if t is not None:
+                return t
             info = _step_info(self.path(s), step_dirname(s), self._store, strict=False)
             if info.status != "committed":
-                failed = failed or info.status == "unreadable"
+                failed = info.status == "unreadable"
                 log.warning("distckpt: keeping %s%s: its commit time does not read (%s)", self.path(s),
-                            " and the older steps rotation would delete" if failed else "", info.problem)
+                            " and every step rotation has not looked at yet" if failed else "", info.problem)
                 return None
             return info.created_unix
-        mine = created(step)
-        return {s for s in candidates if mine is None or (t := created(s)) is None or t > mine}
+        return created
 
-    def _after_commit(self, step: int, protect: int | None, rotate: bool = True, drained: bool = False) -> None:
+    def _after_commit(self, step: int, protect: int | None, rotate: bool = True) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         pointer = (step_dirname(step) + "\n").encode()
         self._store.replace_pointer(join(self.root, "latest"), pointer)
@@ -445,16 +453,15 @@ class CheckpointManager:
         if self.keep_last is None or not rotate:
             return
         branch = [s for s in steps if s <= step]
-        # Keep the newest keep_last steps; the one just committed is always among them, and the
-        # step the job resumed from survives the first save after the resume.
-        doomed = [s for s in branch[:-self.keep_last] if s not in (step, protect)]
-        if doomed and drained:
-            newer = self._committed_after(step, doomed)
-            if newer:
-                log.warning("distckpt: keeping %s under %s beyond keep_last=%d: committed after step %d, whose "
-                            "drain committed it late (a rollback's resumed branch)", [step_dirname(s) for s in
-                            sorted(newer)], self.root, self.keep_last, step)
-            doomed = [s for s in doomed if s not in newer]
+        # Keep the newest keep_last steps by number and by commit time (distckpt.rotation: after a
+        # rollback the resumed branch is numbered below the abandoned one); the one just committed
+        # and the step the job resumed from (for the first save after the resume) are always kept.
+        doomed, by_time = beyond_keep_last(branch, self.keep_last, self._commit_time_reader())
+        if by_time:
+            log.warning("distckpt: keeping %s under %s beyond keep_last=%d by number: among the newest %d by "
+                        "commit time (a rollback's resumed branch, or a step drained late)",
+                        [step_dirname(s) for s in by_time], self.root, self.keep_last, self.keep_last)
+        doomed = [s for s in doomed if s not in (step, protect)]
         if doomed:
             doomed = self._unneeded(doomed, [s for s in steps if s not in doomed and s not in above_doomed])
         for old in doomed:

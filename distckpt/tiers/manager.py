@@ -49,6 +49,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMi
 from ..sizes import format_bytes
 from ..manager import CheckpointManager, check_staging_option, step_dirname
 from ..restore import LoadResult
+from ..rotation import beyond_keep_last
 from ..storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
 from ..storage.posix.guards import check_memory_room, check_save_space
 from .drain import drain_step
@@ -403,7 +404,8 @@ class TieredCheckpointManager:
         self._rotate_local(keep=step)
 
     def _rotate_local(self, keep: int | None) -> list[int]:
-        """Delete this node's local steps beyond keep_last_local whose same save (same save id) the
+        """Delete this node's local steps beyond keep_last_local (neither among the newest by number
+        nor among the newest by commit time: distckpt.rotation) whose same save (same save id) the
         remote tier is known to hold: found there at construction or drained by this manager
         (``_remote_held``; a step drained and then dropped by the remote tier's own
         keep_last_remote rotation counts: neither tier's policy keeps it). Any other step stays,
@@ -414,7 +416,10 @@ class TieredCheckpointManager:
         answer. A step this manager does not know to be remote stays until it does (the next
         manager start finds it)."""
         steps = self._local._steps(strict=False)  # a step it cannot look at is kept (a warning says so)
-        doomed = [s for s in steps[:-self.keep_last_local] if s != keep]
+        # The newest by number and by commit time stay (distckpt.rotation: a rollback's resumed
+        # branch is numbered below the abandoned one; local MANIFESTs are peeked, 4 KiB each).
+        doomed, _ = beyond_keep_last(steps, self.keep_last_local, self._local._commit_time_reader())
+        doomed = [s for s in doomed if s != keep]
         if not doomed:
             return []
         removed = []
@@ -605,7 +610,8 @@ class TieredCheckpointManager:
         since. None when that is not known (then the remote tier is asked, as for any step this
         manager did not drain).
 
-        The rotation keeps the newest keep_last_remote steps at or below the step just drained.
+        The rotation keeps the newest keep_last_remote steps at or below the step just drained (by
+        number; by commit time too, which only keeps more).
         What the manager knows of the remote tier (``_remote_held``: listed at construction,
         drained since) is a subset of what the rotation counts, so fewer than keep_last_remote
         known steps above ``step`` proves it kept only when the remote tier was listed at

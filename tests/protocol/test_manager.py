@@ -264,6 +264,43 @@ def test_lower_step_without_a_rollback_deletes_nothing_newer(tmp_path, caplog):
     assert (root / "latest").read_text() == "step_00000000\n"
 
 
+def test_rotation_keeps_the_newest_commits_of_a_rollback_another_job_made(tmp_path, caplog):
+    """keep_last keeps the newest steps by number *and* by commit time. A job rolled back to 450
+    of 450/480/500 without this manager's load() (so 480 and 500 stay, numbered above) and saved
+    460 and 470; the next job resumed from 470 (newest by commit) and saved 510. Counted by number alone, rotation
+    deleted 460 and 470 and kept the abandoned 480 and 500, so losing 510 fell back to 500, a
+    state the run had abandoned."""
+    root = tmp_path / "root"
+    first = distckpt.CheckpointManager(root)
+    for step in (450, 480, 500):
+        first.save(step, _state(step))
+        time.sleep(0.01)
+    rolled = distckpt.CheckpointManager(root, keep_last=2)
+    distckpt.load(_state(0), rolled.path(450))  # not through the manager: nothing is abandoned
+    for step in (460, 470):
+        rolled.save(step, _state(step))
+        time.sleep(0.01)
+    assert rolled.steps() == [460, 470, 480, 500]
+    resumed = distckpt.CheckpointManager(root, keep_last=2)
+    got = _state(0)
+    distckpt.load(got, resumed.path(resumed.latest_step()))  # (a manager load() would protect it once)
+    assert got["step"] == 470
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        resumed.save(510, _state(510))
+    assert resumed.steps() == [470, 500, 510]  # 500: newest by number; 470: newest by commit
+    assert "step_00000470" in caplog.text and "by commit time" in caplog.text
+    import shutil
+    shutil.rmtree(root / "step_00000510")  # the newest lost: the fallback is the resumed branch
+    got = _state(0)
+    distckpt.CheckpointManager(root).load(got)
+    assert got["step"] == 470
+    time.sleep(0.01)
+    resumed.save(520, _state(520))
+    time.sleep(0.01)
+    resumed.save(530, _state(530))
+    assert resumed.steps() == [520, 530]  # the abandoned 500 goes once it is neither
+
+
 def test_rollback_keep_abandoned_and_resumed_step_protected(tmp_path):
     root = tmp_path / "root"
     first = distckpt.CheckpointManager(root)

@@ -99,7 +99,7 @@ def test_after_a_rollback_a_local_step_the_remote_tier_never_held_is_kept(tmp_pa
     """Job 1 saves 30, 40, 50 (the remote tier keeps 50, the local tier 40 and 50); job 2 rolls back
     to 40 and saves 41 and 42 while the drains lag. Step 41 is on no other tier: 42's local rotation
     must keep it (it used to count the abandoned branch's remote step 50 as "newer remote steps of
-    this branch" and delete it: lost on every tier). Once drained, rotation may take it."""
+    this branch" and delete it: lost on every tier)."""
     local, remote = tmp_path / "local", tmp_path / "remote"
     with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=1) as mgr:
         for s in (30, 40, 50):
@@ -119,8 +119,10 @@ def test_after_a_rollback_a_local_step_the_remote_tier_never_held_is_kept(tmp_pa
         finally:
             gate.set()
         assert mgr.wait_durable(42, timeout=120).durable and mgr.status(41).remote != "failed"
-    # Drained, then dropped by the remote tier's keep_last_remote: neither tier's policy keeps it.
-    assert 42 in _steps(local) and 41 not in _steps(local) and 42 in _steps(remote)
+    # 40: drained, then dropped by the remote tier's keep_last_remote; neither tier's policy keeps
+    # it. 41 too remotely, but locally it is among the newest two by commit time (50 belongs to
+    # the abandoned branch), so keep_last_local keeps it.
+    assert _steps(local) == [41, 42, 50] and _steps(remote) == [42, 50]
 
 
 def test_a_drain_whose_local_copy_vanished_fails_and_the_queue_moves_on(tmp_path):
@@ -511,8 +513,8 @@ def test_undrained_steps_of_a_rollback_drain_in_commit_order_and_rotation_keeps_
     manager drains them. Drained by number, 500 went last and its keep_last_remote rotation (by
     number, at or below the drained step) deleted 460 and 470 remotely; local rotation then
     deleted them too (held remotely, then rotated away), and load() returned the abandoned 500.
-    Now they drain oldest commit first, and a late drain never rotates away a step committed
-    after it: load() returns 470, the newest trained state."""
+    Now they drain oldest commit first, and rotation keeps the newest steps by commit time as well
+    as by number: load() returns 470, the newest trained state, and the next save keeps it."""
     local, elsewhere, remote = tmp_path / "local", tmp_path / "elsewhere", tmp_path / "remote"
     with TieredCheckpointManager(local, elsewhere, keep_last_local=10) as mgr:
         for s in (450, 480, 500, 460, 470):  # commit order: a rollback to 450 after 500
@@ -524,9 +526,16 @@ def test_undrained_steps_of_a_rollback_drain_in_commit_order_and_rotation_keeps_
     out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
     with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=2) as mgr:
         mgr.load(out)
-    assert out["step"] == 470 and torch.equal(out["w"], _state(470)["w"])
-    held = sorted(n for n in os.listdir(remote) if n.startswith("step_"))
-    assert {"step_00000460", "step_00000470"} <= set(held), held
+        assert out["step"] == 470 and torch.equal(out["w"], _state(470)["w"])
+        held = sorted(n for n in os.listdir(remote) if n.startswith("step_"))
+        assert {"step_00000460", "step_00000470"} <= set(held), held
+        # The next save is numbered above the abandoned branch (480 and 500 stay: this manager did
+        # not roll back). Rotation by number alone kept 500 and 510 on both tiers and deleted the
+        # resumed 470; the newest by commit time stay too.
+        mgr.save(510, _state(510))
+        assert mgr.wait_durable(510, timeout=120).durable
+    assert _steps(remote) == [470, 500, 510]
+    assert _steps(local) == [470, 500, 510]
 
 
 def test_a_late_drain_never_rotates_away_a_step_committed_after_it(tmp_path):

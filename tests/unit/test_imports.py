@@ -114,7 +114,7 @@ LAYERS = [
     {"saveplan", "commit", "coordinator", "save_sync", "save_async", "fill", "readonce", "chain", "source", "restore",
      "incremental", "verify", "listing"},
     # 4: the doors: manager, conversion, pre-flight report, CLI, benchmarks, integrations, the package
-    {"", "__main__", "manager", "convert", "bench", "cli", "checks", "checks.*", "integrations", "integrations.*",
+    {"", "__main__", "manager", "rotation", "convert", "bench", "cli", "checks", "checks.*", "integrations", "integrations.*",
      # the tiered checkpoints (issue #25)
      "tiers.drain",
      "tiers.load",
