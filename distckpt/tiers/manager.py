@@ -723,7 +723,7 @@ class TieredCheckpointManager:
         """The step :meth:`load` loads by default: the newest (by commit time) with a complete
         copy on the tiers: the remote tier holds it, or every node's local copy of the same save
         does. Collective. Writes nothing."""
-        candidates, _ = self._candidates()
+        candidates, _, _ = self._candidates()
         return candidates[0] if candidates else None
 
     def _availability(self) -> tuple[dict, bool]:
@@ -744,9 +744,9 @@ class TieredCheckpointManager:
         return step_availability(self._group, local_root=self.local_root, remote_root=None,
                                  layout=self._layout), False
 
-    def _candidates(self) -> tuple[list[int], bool]:
+    def _candidates(self) -> tuple[list[int], bool, dict]:
         """(the steps with a complete copy on a tier, newest first; whether the remote tier
-        answered). Every step with a higher number than the newest of them that is not complete
+        answered; the step_availability they were chosen from). Every step with a higher number than the newest of them that is not complete
         (a lost local data file of a step never drained, copies of different saves) is named in a
         warning with what it lacks: a load that goes back to an older step must say which newer
         one it passed over and why, never return older state silently."""
@@ -761,7 +761,7 @@ class TieredCheckpointManager:
                 log.warning("distckpt: step %d on %s / %s has no complete copy, passed over%s: %s", s,
                             self.local_root, self.remote_root,
                             f" for step {steps[0]}" if steps else "", why)
-        return steps, remote_up
+        return steps, remote_up, avail
 
     @_notes_lost_peer
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
@@ -779,16 +779,18 @@ class TieredCheckpointManager:
         newest complete local one, or the ``step`` asked for) is loaded from the local tier alone,
         with a warning, and the result's ``remote_unchecked`` says why: those copies could not be
         checked against the remote tier, which is the reference when it answers (a local copy of
-        another save of the same step, a stale disk, loses to it then).
+        another save of the same step, a stale disk, loses to it then). A step the listing found
+        held remotely as another save than the nodes' copies is passed over (with no ``step``)
+        when the remote tier stops answering after the listing: its local copy is known stale.
 
         Raises CheckpointNotFoundError when no step has a complete copy; TierIncompleteError for
         a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
         copy's ChecksumMismatchError when the remote tier does not hold the step).
         """
         if step is not None:
-            steps, remote_up = [step], True
+            steps, remote_up, avail = [step], True, {}
         else:
-            steps, remote_up = self._candidates()
+            steps, remote_up, avail = self._candidates()
         if not steps:
             raise CheckpointNotFoundError(f"no step with a complete copy on {self.local_root} or {self.remote_root}",
                                           path=self.remote_root)
@@ -811,6 +813,20 @@ class TieredCheckpointManager:
                             # from the local tier, as when it was down at the listing, when its
                             # copies are complete (else TierIncompleteError).
                             remote_up, self._remote_down = False, f"{type(exc).__name__}: {exc.message}"
+                            seen = avail.get(s)
+                            if seen is not None and seen.remote_save_id is not None and \
+                                    seen.local_save_id not in (None, seen.remote_save_id):
+                                # The listing (the same on every rank) found the nodes holding another
+                                # save of this step than the remote tier's, the reference: the local
+                                # copy is not this step as the tiers know it (a stale disk), so it is
+                                # passed over (by name), never loaded because the reference went dark.
+                                raise TierIncompleteError(
+                                    f"step {s}: the remote tier ({self.remote_root}) holds save "
+                                    f"{seen.remote_save_id} but stopped answering ({self._remote_down}), and "
+                                    f"the nodes' copies are another save ({seen.local_save_id})",
+                                    path=self.remote_path(s), step=step_dirname(s), files=[],
+                                    tiers={"remote": f"save {seen.remote_save_id} (not answering)",
+                                           "local": f"save {seen.local_save_id}"}) from exc
                             log.warning("distckpt: step %d: the remote tier %s does not answer (%s): loading the "
                                         "local tier's copy, which cannot be checked against it", s,
                                         self.remote_root, self._remote_down)
