@@ -50,7 +50,7 @@ from ._dist import control_group, group_members, is_distributed
 from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
 from .restore import LoadResult, load
-from .rotation import beyond_keep_last
+from .rotation import DAMAGED, beyond_keep_last
 from .save_sync import save_in_root
 from .storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
 from .listing import _STEP_RE, RootListing, StepInfo, _newest_by_commit, _step_info, list_root
@@ -398,9 +398,10 @@ class CheckpointManager:
         """``commit_time`` for :func:`distckpt.rotation.beyond_keep_last`: a step's MANIFEST commit
         time, peeked where the store can (a local file's first 4 KiB), else decoded
         (:func:`distckpt.listing._step_info`, as ``distckpt ls`` reads it); None when it does not
-        read. A damaged MANIFEST is warned about and reading goes on; after the first read that
-        fails (a timeout, a refusal) nothing more is read: a root gone dark would make each read
-        wait out its own deadline while rotation holds the root's lock or lease."""
+        read, :data:`distckpt.rotation.DAMAGED` for a MANIFEST known damaged (it never loads). After
+        the first read that fails (a timeout, a refusal) nothing more is read: a root gone dark
+        would make each read wait out its own deadline while rotation holds the root's lock or
+        lease."""
         failed = False
 
         def created(s: int) -> float | None:
@@ -411,10 +412,12 @@ class CheckpointManager:
             if t is not None:
                 return t
             info = _step_info(self.path(s), step_dirname(s), self._store, strict=False)
+            if info.status == "broken":
+                return DAMAGED  # it never loads: its number alone decides, as for any step
             if info.status != "committed":
-                failed = info.status == "unreadable"
-                log.warning("distckpt: keeping %s%s: its commit time does not read (%s)", self.path(s),
-                            " and every step rotation has not looked at yet" if failed else "", info.problem)
+                failed = True
+                log.warning("distckpt: keeping %s and the steps not yet looked at: the commit time of %s does "
+                            "not read (%s)", self.path(s), step_dirname(s), info.problem)
                 return None
             return info.created_unix
         return created

@@ -7,18 +7,26 @@ A step is kept when it is among the newest ``keep_last`` by number *or* among th
 count by number deleted the newest trained states (460, 470) while the abandoned 480 and 500
 stayed, so a later fallback loaded the abandoned branch. Commit time alone would trust clocks
 across jobs (a new job's clock running behind would rotate away its own newest numbers): the
-union keeps both promises and converges (once the abandoned steps fall below the newest numbers,
-they are the oldest commits too, and go).
+union keeps both promises. With the jobs' clocks in step it converges: once the abandoned steps
+fall below the newest numbers they are the oldest commits too, and go. (Commit times are wall
+clocks: a job whose clock runs behind the abandoned one's sees its own steps as older, as
+``latest`` does.)
 
-A step whose commit time is unknown (its MANIFEST does not read) is kept and counts as newer
-than no other step, so an unknown time can only keep more.
+A step whose commit time is unknown (its MANIFEST could not be read: a timeout, a refusal) is
+kept and counts as newer than no other step, so an unknown time can only keep more. A step
+whose MANIFEST is known damaged is no newer than any other (:data:`DAMAGED`): numbers alone
+decide it, as before commit times counted, so a damaged step never stays for good.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Callable, Iterable
 
-__all__ = ["beyond_keep_last"]
+__all__ = ["beyond_keep_last", "DAMAGED"]
+
+#: What ``commit_time`` returns for a step whose MANIFEST is known damaged (it never loads).
+DAMAGED = float("-inf")
 
 
 def beyond_keep_last(steps: Iterable[int], keep_last: int,
@@ -28,9 +36,10 @@ def beyond_keep_last(steps: Iterable[int], keep_last: int,
     Returns ``(doomed, kept_by_time)``, both ascending: ``doomed`` are the steps outside the
     newest ``keep_last`` by number and outside the newest ``keep_last`` by commit time (at least
     ``keep_last`` steps are known to be committed after each); ``kept_by_time`` are those outside
-    the newest by number that commit time keeps (to report). ``commit_time(step)`` is called only
-    when some step lies outside the newest by number, once per step, newest number first; None
-    means unknown. Never raises but what ``commit_time`` raises."""
+    the newest by number that a known commit time keeps (to report; a step of unknown time is
+    kept too, in neither list). ``commit_time(step)`` is called only when some step lies outside
+    the newest by number, once per step, newest number first; None means unknown,
+    :data:`DAMAGED` known damaged. Never raises but what ``commit_time`` raises."""
     ordered = sorted(set(steps))
     beyond = ordered[:-keep_last]
     if not beyond:
@@ -40,6 +49,8 @@ def beyond_keep_last(steps: Iterable[int], keep_last: int,
     doomed, by_time = [], []
     for s in beyond:
         t = times[s]
-        newer = 0 if t is None else sum(1 for other in known if other > (t, s))
+        if t is None:
+            continue
+        newer = len(known) - bisect.bisect_right(known, (t, s))
         (doomed if newer >= keep_last else by_time).append(s)
     return doomed, by_time

@@ -301,6 +301,21 @@ def test_rotation_keeps_the_newest_commits_of_a_rollback_another_job_made(tmp_pa
     assert resumed.steps() == [520, 530]  # the abandoned 500 goes once it is neither
 
 
+def test_a_damaged_manifest_is_rotated_by_its_number_and_never_stops_rotation(tmp_path, caplog):
+    """A step whose MANIFEST is damaged has no commit time to keep it by: it goes by its number,
+    as any step. Kept for good as an unknown time, it also stopped every later deletion (the
+    chain check of a kept step that does not read keeps everything): the disk filled."""
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root, keep_last=2)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    with open(root / "step_00000001" / "MANIFEST", "r+b") as f:
+        f.truncate(10)
+    for step in (3, 4, 5):
+        mgr.save(step, _state(step))
+    assert mgr.steps() == [4, 5]
+
+
 def test_rollback_keep_abandoned_and_resumed_step_protected(tmp_path):
     root = tmp_path / "root"
     first = distckpt.CheckpointManager(root)
