@@ -799,6 +799,8 @@ class TieredCheckpointManager:
             try:
                 try:
                     while True:
+                        if not remote_up:
+                            self._refuse_stale_local(s, avail)
                         try:
                             result = load_tiered(state_dict, local_path=self.local_path(s),
                                                  remote_path=self.remote_path(s) if remote_up else None,
@@ -811,22 +813,9 @@ class TieredCheckpointManager:
                             # The remote tier went down after the listing (the same typed error on
                             # every rank): this step, and any older one tried next, is restored
                             # from the local tier, as when it was down at the listing, when its
-                            # copies are complete (else TierIncompleteError).
+                            # copies are complete (else TierIncompleteError) and not known stale
+                            # (_refuse_stale_local, at the loop's top).
                             remote_up, self._remote_down = False, f"{type(exc).__name__}: {exc.message}"
-                            seen = avail.get(s)
-                            if seen is not None and seen.remote_save_id is not None and \
-                                    seen.local_save_id not in (None, seen.remote_save_id):
-                                # The listing (the same on every rank) found the nodes holding another
-                                # save of this step than the remote tier's, the reference: the local
-                                # copy is not this step as the tiers know it (a stale disk), so it is
-                                # passed over (by name), never loaded because the reference went dark.
-                                raise TierIncompleteError(
-                                    f"step {s}: the remote tier ({self.remote_root}) holds save "
-                                    f"{seen.remote_save_id} but stopped answering ({self._remote_down}), and "
-                                    f"the nodes' copies are another save ({seen.local_save_id})",
-                                    path=self.remote_path(s), step=step_dirname(s), files=[],
-                                    tiers={"remote": f"save {seen.remote_save_id} (not answering)",
-                                           "local": f"save {seen.local_save_id}"}) from exc
                             log.warning("distckpt: step %d: the remote tier %s does not answer (%s): loading the "
                                         "local tier's copy, which cannot be checked against it", s,
                                         self.remote_root, self._remote_down)
@@ -862,6 +851,23 @@ class TieredCheckpointManager:
                 last = exc
         raise CheckpointNotFoundError(f"no step on {self.local_root} or {self.remote_root} has a complete copy this job "
                                       f"can read (the newest failed with: {last})", path=self.remote_root)
+
+    def _refuse_stale_local(self, step: int, avail: dict) -> None:
+        """Raise TierIncompleteError when the listing ``avail`` (the same on every rank: an
+        all-gather) found the remote tier holding another save of ``step`` than the nodes'
+        copies: with the remote tier not answering now, the local copy would be loaded, and it
+        is known not to be the step as the tiers hold it (a stale disk). A listing made while
+        the remote tier was down knows no remote save: nothing is refused then."""
+        seen = avail.get(step)
+        if seen is None or seen.remote_save_id is None or seen.local_save_id in (None, seen.remote_save_id):
+            return
+        raise TierIncompleteError(
+            f"step {step}: the remote tier ({self.remote_root}) holds save {seen.remote_save_id}, the reference, but "
+            f"does not answer ({self._remote_down}), and the nodes' copies are another save ({seen.local_save_id})",
+            path=self.remote_path(step), step=step_dirname(step), files=[],
+            tiers={"remote": f"save {seen.remote_save_id} (not answering)", "local": f"save {seen.local_save_id}"},
+            remedy="Load the step once the remote tier answers, or an older step; the local copy of this one is "
+                   "another save (a stale disk) and is never loaded in its place.")
 
     def _damaged_local_files(self, exc: BaseException) -> list[str] | None:
         """The local data files a failed tiered load found damaged, when every failure of it (on

@@ -538,11 +538,12 @@ def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_l
 
 def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_dark_after_it(
         s3_bucket, s3_server, tmp_path, monkeypatch, caplog):
-    """The listing finds the remote tier holding step 2 as one save and this node's disk holding
-    another save of step 2 (a stale disk); the remote tier then goes dark before the load reads
-    the step. Falling back to the local copy loaded the stale save with only remote_unchecked
-    set, though the listing had shown it is not step 2 as the tiers know it: it is passed over by
-    name and step 1 (the same save on both tiers) loads."""
+    """The listing finds the remote tier holding steps 2 and 3 as one save each and this node's
+    disk holding other saves of them (a stale disk); the remote tier then goes dark before the
+    load reads step 3. Falling back to the local copy loaded the stale save with only
+    remote_unchecked set, though the listing had shown it is not the step the tiers know (and
+    once step 3 was passed over, step 2's stale copy was loaded the same way): both are passed
+    over by name and step 1 (the same save on both tiers) loads."""
     import shutil
 
     monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
@@ -551,18 +552,19 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
     url, local = f"{s3_bucket.url}/run", tmp_path / "local"
     opts = _via(s3_bucket.storage_options, px.endpoint)
     try:
-        with TieredCheckpointManager(local, url, storage_options=opts) as mgr:
-            for s in (1, 2):
+        with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as mgr:
+            for s in (1, 2, 3):
                 mgr.save(s, _state(s))
                 assert mgr.wait_durable(s, timeout=60).durable
-        shutil.rmtree(local / "step_00000002")
-        distckpt.save(_state(99), local / "step_00000002")  # another save of step 2 on this disk
-        mgr = TieredCheckpointManager(local, url, storage_options=opts)
+        for s in (2, 3):  # other saves of steps 2 and 3 on this disk
+            shutil.rmtree(local / f"step_{s:08d}")
+            distckpt.save(_state(100 + s), local / f"step_{s:08d}")
+        mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
         try:
             seen = []
 
             def rule(n, method, path):
-                if "step_00000002/MANIFEST" in path:
+                if "step_00000003/MANIFEST" in path:
                     seen.append(method)
                     if len(seen) > 3:  # the listing's looks at the step pass; the load's own read is held
                         return "stall"
@@ -573,7 +575,8 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
             with caplog.at_level(logging.WARNING, logger="distckpt"):
                 res = mgr.load(got)
             assert len(seen) > 3, seen
-            assert "step 2 has no complete copy" in caplog.text and "another save" in caplog.text
+            assert "step 3 has no complete copy" in caplog.text and "step 2 has no complete copy" in caplog.text
+            assert "another save" in caplog.text
             assert _same(got, 1), got["step"]
             assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, res
         finally:
