@@ -54,7 +54,7 @@ from .errors import CheckpointCorruptError, PickleNotAllowedError, UnsupportedVa
 from .plan import Box, find_tiling_defect, is_dense_layout, row_major_strides
 from .values import MAX_DEPTH
 
-__all__ = ["METADATA_NAME", "is_dcp_checkpoint", "read_metadata", "load_manifest", "DcpMetadata",
+__all__ = ["METADATA_NAME", "is_dcp_checkpoint", "read_metadata", "load_manifest", "resolve_chunks", "DcpMetadata",
            "DcpTensor", "DcpValue", "WRITER_META_KEY", "writer_meta", "decode_writer_value"]
 
 #: Key under the MANIFEST's user metadata where distckpt's DCP StorageWriter
@@ -599,6 +599,118 @@ class DcpValue:
         return f"<DCP value in {self.storage.file} at {self.storage.offset}+{self.storage.length}>"
 
 
+# The slots' own descriptors: a chunk resolved late stores its place in them.
+_OFFSET, _STRIDES = mf.ChunkRecord.offset, mf.ChunkRecord.strides
+
+
+class _ArchiveChunk(mf.ChunkRecord):
+    """A DCP tensor chunk whose raw bytes' place inside its ``torch.save`` archive (``offset``,
+    ``strides``) is found on first use, by parsing that one archive (:func:`_chunk_data`): a load
+    parses only the chunks its rank reads (at 0.1-0.2 ms each, parsing every chunk of a
+    checkpoint on every rank cost more than a small load's reads, and grows with ranks times
+    chunks). Reading ``offset`` or ``strides`` (or comparing, hashing, printing, pickling: they
+    read them) resolves it, so no caller can see the archive's start in place of the bytes';
+    :func:`resolve_chunks` resolves many with one open per data file. Resolving raises what
+    :func:`_chunk_data` raises (CheckpointCorruptError, UnsupportedValueError) or the open's
+    StorageError."""
+
+    __slots__ = ("_where",)  # (data file path, fqn, dtype, DcpStorage) until resolved, then None
+
+    def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...], file: int, nbytes: int, fpath: str,
+                 fqn: str, dtype: str, storage: DcpStorage) -> None:
+        object.__setattr__(self, "_where", (fpath, fqn, dtype, storage))
+        super().__init__(tuple(offsets), tuple(sizes), file, storage.offset, nbytes, (), None)
+
+    def __post_init__(self) -> None:  # the base's reads ``strides``, which would resolve it here
+        pass
+
+    def _resolve(self, fd: int | None = None) -> None:
+        where = self._where
+        if where is None:
+            return
+        fpath, fqn, dtype, storage = where
+        own = fd is None
+        if own:
+            fd = _open_data_file(fpath)
+        try:
+            start, strides = _chunk_data(fd, fpath, fqn, dtype, self.sizes, storage)
+        finally:
+            if own:
+                os.close(fd)
+        # Two threads may resolve at once: both store the same values; the place before the mark.
+        _OFFSET.__set__(self, start)
+        _STRIDES.__set__(self, strides)
+        object.__setattr__(self, "_where", None)
+
+    def _get_offset(self) -> int:
+        self._resolve()
+        return _OFFSET.__get__(self)
+
+    def _get_strides(self) -> tuple[int, ...] | None:
+        self._resolve()
+        return _STRIDES.__get__(self)
+
+    def _set_offset(self, value: int) -> None:  # the dataclass __init__ only
+        _OFFSET.__set__(self, value)
+
+    def _set_strides(self, value: Any) -> None:  # the dataclass __init__ only
+        _STRIDES.__set__(self, value)
+
+    offset = property(_get_offset, _set_offset)
+    strides = property(_get_strides, _set_strides)
+
+    def __reduce__(self):  # resolved first: a copy elsewhere is a plain record
+        return mf.ChunkRecord, (self.offsets, self.sizes, self.file, self.offset, self.nbytes, self.crcs,
+                                self.strides)
+
+
+def resolve_chunks(chunks: "list[mf.ChunkRecord]") -> None:
+    """Resolve every DCP chunk of ``chunks`` that is not yet (others are left alone), opening each
+    data file once: a load calls it for the chunks its rank reads before any byte of the state
+    dict moves, so a malformed archive fails the load with nothing filled.
+
+    Raises what :class:`_ArchiveChunk` resolution raises."""
+    by_file: dict[str, list[_ArchiveChunk]] = {}
+    for c in chunks:
+        if isinstance(c, _ArchiveChunk) and c._where is not None:
+            by_file.setdefault(c._where[0], []).append(c)
+    for fpath, group in by_file.items():
+        fd = _open_data_file(fpath)
+        try:
+            for c in group:
+                c._resolve(fd)
+        finally:
+            os.close(fd)
+
+
+def _open_data_file(fpath: str) -> int:
+    """An fd of the DCP data file ``fpath`` for reading (never through a symlink).
+
+    Raises DataFileMissingError (absent), CheckpointCorruptError (a symlink, not a regular
+    file), StorageError subclasses (the open's other errors)."""
+    from .errors import DataFileMissingError
+
+    name = os.path.basename(fpath)
+    try:
+        fd = os.open(fpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise DataFileMissingError(f"DCP data file {name} named in .metadata is missing", path=fpath) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: refused, not a broken disk
+            raise CheckpointCorruptError(
+                f"DCP data file {name} is a symlink; distckpt reads only regular files inside the "
+                f"checkpoint directory (a link could point anywhere)", path=fpath,
+                remedy="Copy the checkpoint with its links dereferenced (`cp -rL`), then load the copy.") from None
+        raise from_os_error(exc, path=fpath, operation="open") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointCorruptError(f"DCP data file {name} is not a regular file", path=fpath)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _read_range(fpath: str, st: DcpStorage, fqn: str) -> bytes:
     try:
         fd = os.open(fpath, os.O_RDONLY | os.O_NOFOLLOW)
@@ -662,55 +774,49 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
     the raw tensor bytes inside the ``.distcp`` files (``crcs`` empty, ``checksum_algo`` ``"none"``),
     objects are ``kind="dcp"`` entries whose value is a :class:`DcpValue`.
 
+    Each chunk's place inside its ``torch.save`` archive is found when the chunk is first read
+    (:class:`_ArchiveChunk`): a load parses the archives of the chunks its rank reads only, and a
+    malformed archive raises then (CheckpointCorruptError, UnsupportedValueError), before any
+    byte of the load moves (:func:`resolve_chunks`).
+
     Raises:
         the errors of :func:`read_metadata`; DataFileMissingError, DataFileTruncatedError and
-        CheckpointCorruptError for data files that do not hold what the metadata says.
+        CheckpointCorruptError for data files that are missing, shorter than the metadata says,
+        symlinks or not regular files.
     """
-    from .errors import DataFileMissingError, DataFileTruncatedError
+    from .errors import DataFileTruncatedError
 
     path = os.path.abspath(os.fspath(path))
     meta = read_metadata(path)
     names = sorted({c[2].file for t in meta.tensors.values() for c in t.chunks} | {s.file for s in meta.objects.values()})
-    files, index, fds = [], {}, {}
-    try:
-        for name in names:
-            fpath = os.path.join(path, name)
-            try:
-                fd = os.open(fpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except FileNotFoundError:
-                raise DataFileMissingError(f"DCP data file {name} named in .metadata is missing", path=fpath) from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink: refused, not a broken disk
-                    raise CheckpointCorruptError(
-                        f"DCP data file {name} is a symlink; distckpt reads only regular files inside the "
-                        f"checkpoint directory (a link could point anywhere)", path=fpath,
-                        remedy="Copy the checkpoint with its links dereferenced (`cp -rL`), then load the copy.") from None
-                raise from_os_error(exc, path=fpath, operation="open") from exc
-            fds[name] = fd
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointCorruptError(f"DCP data file {name} is not a regular file", path=fpath)
-            m = _RANK_RE.fullmatch(name)
-            index[name] = len(files)
-            files.append(mf.FileEntry(name, st.st_size, int(m.group(1)) if m else 0))
-        for s in [c[2] for t in meta.tensors.values() for c in t.chunks] + list(meta.objects.values()):
-            size = files[index[s.file]].size
-            if s.offset + s.length > size:
-                raise DataFileTruncatedError(
-                    f"DCP data file {s.file} has {size} bytes; .metadata needs bytes up to {s.offset + s.length}",
-                    path=os.path.join(path, s.file), expected=s.offset + s.length, found=size)
-        tensors = {}
-        for fqn, t in meta.tensors.items():
-            chunks = []
-            for offsets, sizes, s in t.chunks:
-                nbytes = math.prod(sizes) * mf.DTYPE_ITEMSIZE[t.dtype]
-                start, strides = (_chunk_data(fds[s.file], os.path.join(path, s.file), fqn, t.dtype, sizes, s)
-                                  if nbytes else (s.offset, None))
-                chunks.append(mf.ChunkRecord(offsets, sizes, index[s.file], start, nbytes, (), strides))
-            tensors[fqn] = mf.TensorEntry(t.dtype, t.shape, tuple(chunks), "tensor")
-    finally:
-        for fd in fds.values():
+    files, index = [], {}
+    for name in names:
+        fpath = os.path.join(path, name)
+        fd = _open_data_file(fpath)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
             os.close(fd)
+        m = _RANK_RE.fullmatch(name)
+        index[name] = len(files)
+        files.append(mf.FileEntry(name, size, int(m.group(1)) if m else 0))
+    for s in [c[2] for t in meta.tensors.values() for c in t.chunks] + list(meta.objects.values()):
+        size = files[index[s.file]].size
+        if s.offset + s.length > size:
+            raise DataFileTruncatedError(
+                f"DCP data file {s.file} has {size} bytes; .metadata needs bytes up to {s.offset + s.length}",
+                path=os.path.join(path, s.file), expected=s.offset + s.length, found=size)
+    tensors = {}
+    for fqn, t in meta.tensors.items():
+        chunks = []
+        for offsets, sizes, s in t.chunks:
+            nbytes = math.prod(sizes) * mf.DTYPE_ITEMSIZE[t.dtype]
+            # Where the bytes lie inside the chunk's archive is found when the chunk is read
+            # (_ArchiveChunk); an empty chunk has no bytes to find.
+            chunks.append(_ArchiveChunk(offsets, sizes, index[s.file], nbytes, os.path.join(path, s.file), fqn,
+                                        t.dtype, s) if nbytes else
+                          mf.ChunkRecord(offsets, sizes, index[s.file], s.offset, 0, (), None))
+        tensors[fqn] = mf.TensorEntry(t.dtype, t.shape, tuple(chunks), "tensor")
     objects = {fqn: mf.ObjectEntry("dcp", DcpValue(path, fqn, s)) for fqn, s in meta.objects.items()}
     ranks = [f.rank for f in files]
     return mf.Manifest(

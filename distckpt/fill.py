@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from .checksum import crc32c
+from .dcp import resolve_chunks
 from .errors import ChecksumMismatchError, DistCkptError
 from .plan import Box, byte_range, expand_to_blocks, is_dense_layout, outermost_dim, plan_reads, row_major_strides
 from .storage import is_url, open_store
@@ -889,6 +890,9 @@ def fill_parts(parts: Sequence[Part], *, verify: bool, exchange: Any = None) -> 
                                                                         piece=READ_PIECE)
         backend = backend or fbackend
         if part.manifest.checksum_algo != "crc32c":
+            # A DCP chunk's place inside its torch.save archive is found for the chunks read only,
+            # now, before any byte moves: a malformed archive fails with every destination as it was.
+            resolve_chunks([t.chunk for ts in own.values() for t in ts])
             unchecked.append((fpaths, own, part.manifest.checksum_block, open_reader, falign))
             continue
         align = max(align, falign)
