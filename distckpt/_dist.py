@@ -14,6 +14,13 @@ Invariants:
     (``save()`` on rank 0 only) raises :class:`RanksMissingError` naming the missing ranks within
     that bound, instead of a raw torch error after DISTCKPT_TIMEOUT_S. Any torch error of group
     creation is typed too (PeerLostError).
+  * Every request to the job's key-value store has a deadline (:class:`_StoreWorker`): torch's
+    store client has none of its own, and a store whose host is stopped (rank 0 hosting it, frozen)
+    accepts the connection and never answers.
+  * A control group whose collective failed (gloo closes its connections then) is never used
+    again: at the next arrival check every rank votes, and if any rank's group was lost they all
+    build a new one together; without that check (or on another channel) the next call raises
+    PeerLostError at once, saying why.
   * Without an initialized process group, :func:`control_group` returns a one-rank group and save /
     load run as plain single-process functions.
 """
@@ -21,16 +28,20 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import logging
 import datetime
 import errno as _errno
 import os
 import pickle
+import queue
 import threading
 import time
 from typing import Any
 
 from .config import get_config
 from .errors import DistCkptError, PeerLostError, RanksMissingError, collective_error, fill_rank
+
+log = logging.getLogger("distckpt")
 
 __all__ = ["ControlGroup", "control_group", "is_distributed", "check_arrival"]
 
@@ -58,6 +69,8 @@ class ControlGroup:
         except DistCkptError:
             raise
         except Exception as exc:  # gloo reports a dead peer or a timeout as RuntimeError/DistError
+            # gloo closes the group's connections on a failure: it is never used again (control_group).
+            _LOST.setdefault(self.pg, f"{what}: {type(exc).__name__}: {exc}")
             behind = progress.behind(self.world_size) if progress is not None else None
             fields: dict[str, Any] = {}
             named = ""
@@ -236,6 +249,59 @@ def _class_name(error: BaseException) -> str:
 # the job's groups; after destroy_process_group a new world is a new key.
 _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 
+# side group -> the failure that lost it (gloo closed its connections): such a group is never
+# used again (control_group builds a new one in lockstep, or raises).
+_LOST: dict[Any, str] = {}
+
+
+class _StoreTimeout(Exception):
+    pass
+
+
+class _StoreWorker:
+    """The one thread that sends distckpt's requests to the job's key-value store, so that each
+    has a deadline: torch's store client has none (a TCPStore whose host process is stopped,
+    rank 0 hosting it and frozen, accepts the connection and never answers; a request then
+    blocks for ever, whatever the store's own timeout). A caller waits at most its deadline
+    (:meth:`call` raises _StoreTimeout); the request itself goes on in the thread, a daemon, and
+    requests run in the order they were made (a late one never overwrites a newer one's key).
+    While one is stuck, later requests queue behind it and their callers time out too."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def call(self, fn, deadline_s: float):
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="distckpt-store", daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+        if not done.wait(deadline_s):
+            raise _StoreTimeout
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_STORE = _StoreWorker()
+
 
 # process group -> how many arrival checks this process has made on it (every rank counts alike;
 # a new world after destroy_process_group is a new key, with a new store).
@@ -265,7 +331,7 @@ class _Progress:
             base = f"distckpt/coll/{c10d._get_process_group_name(pg)}"
             seq = cls._SEQ.get(pg, 0) + 1
             cls._SEQ[pg] = seq
-            store.set(f"{base}/{rank}", str(seq))
+            _STORE.call(lambda: store.set(f"{base}/{rank}", str(seq)), cls.LOOK_S)
             return cls(store, base, seq)
         except Exception:  # noqa: BLE001 - a diagnostic only; the collective itself reports a lost store
             return None
@@ -278,23 +344,18 @@ class _Progress:
         """The group ranks that had not entered this collective when it failed here (the lost
         rank among them, a rank that is only slower possibly too); None when the store cannot
         tell within LOOK_S (the look is left to a daemon thread then)."""
-        box: list = []
+        def look() -> list[int]:
+            keys = [f"{self.base}/{r}" for r in range(world)]
+            if self.store.check(keys):
+                counts = [int(v) for v in self.store.multi_get(keys)]
+            else:  # a rank that never entered any collective of this group has no key yet
+                counts = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
+            return [r for r, n in enumerate(counts) if n < self.seq]
 
-        def look() -> None:
-            try:
-                keys = [f"{self.base}/{r}" for r in range(world)]
-                if self.store.check(keys):
-                    counts = [int(v) for v in self.store.multi_get(keys)]
-                else:  # a rank that never entered any collective of this group has no key yet
-                    counts = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
-                box.append([r for r, n in enumerate(counts) if n < self.seq])
-            except Exception:  # noqa: BLE001 - the store's host (rank 0) may be the lost one
-                box.append(None)
-
-        thread = threading.Thread(target=look, name="distckpt-progress-look", daemon=True)
-        thread.start()
-        thread.join(self.LOOK_S)
-        return box[0] if box else None
+        try:
+            return _STORE.call(look, self.LOOK_S)
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) may be the lost one
+            return None
 
 
 def control_group_fds(world: int) -> int:
@@ -329,20 +390,28 @@ def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None
                "files this process keeps open.")
 
 
-def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseException | None = None) -> None:
+def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseException | None = None,
+                  renew: bool = False) -> bool:
     """Wait until every rank of ``pg`` has entered this same call (its n-th arrival check on
     ``pg``), at most DISTCKPT_ARRIVAL_TIMEOUT_S. Uses the job's key-value store (a few small keys
     per call; the previous call's keys are deleted), not a collective, so a missing rank costs
-    only this bound.
+    only this bound. Every store request has a deadline (:class:`_StoreWorker`): the whole check
+    takes at most DISTCKPT_ARRIVAL_TIMEOUT_S + DISTCKPT_TIMEOUT_S, even when the store's host is
+    stopped.
 
     ``problem``: this rank's own reason not to go on (an error it met before the collective,
     e.g. too few file descriptors to create the control group): it is recorded in the store
     before this rank counts as arrived, and once every rank arrived every rank raises the failing
     ranks' error (:func:`distckpt.errors.collective_error`), at once instead of after a timeout.
 
+    ``renew``: this rank's control group was lost (:data:`_LOST`). Returns True on every rank
+    when any rank said so (the same answer everywhere, read once all arrived): they then build a
+    new group together.
+
     Raises:
         RanksMissingError: on every rank that arrived, naming the group ranks that did not.
-        PeerLostError: the store itself failed (its host, rank 0's, died).
+        PeerLostError: the store failed or did not answer in time (its host, rank 0 or the
+            launcher's agent, died or is stopped).
         The failing ranks' error (above), on every rank.
     """
     import torch.distributed as dist
@@ -358,11 +427,19 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
     _ARRIVALS[pg] = seq
     base = f"distckpt/arrive/{name}"
     done = f"{base}/{seq}/done"
-    try:
+    # Set when this rank gave up waiting: the request that was stuck may still return (the
+    # store's host resumed), and this rank must not then count as arrived for a call it left.
+    abandoned = threading.Event()
+
+    def protocol() -> bool:
         if problem is not None:  # recorded before this rank counts as arrived (see below)
             store.set(f"{base}/{seq}/fail/{rank}", pickle.dumps(_portable(problem)))
             store.add(f"{base}/{seq}/nfail", 1)
+        if renew:  # likewise
+            store.add(f"{base}/{seq}/renew", 1)
         store.set(f"{base}/last/{rank}", str(seq))
+        if abandoned.is_set():
+            raise _StoreTimeout
         if store.add(f"{base}/{seq}/n", 1) == world:
             verdict = store.compare_set(done, "", "ok")
         else:
@@ -384,7 +461,7 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
                 f"DISTCKPT_ARRIVAL_TIMEOUT_S={timeout:g} s: such a rank exited or crashed, is stuck, or did "
                 f"not call it (every rank of the group must call {operation}, in the same order)",
                 rank=rank, missing=missing, operation=operation)
-        # Every rank arrived, so every failing rank's record is in the store already.
+        # Every rank arrived, so every failing (or renewing) rank's record is in the store already.
         if store.add(f"{base}/{seq}/nfail", 0) > 0:
             failures = {}
             for r in range(world):
@@ -392,14 +469,29 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
                 if store.check([key]):
                     failures[r] = fill_rank(pickle.loads(store.get(key)), r)
             raise collective_error(failures, operation=operation, rank=rank)
+        renewed = store.add(f"{base}/{seq}/renew", 0) > 0
         if rank == 0 and seq > 1:  # everyone has passed the previous check: drop its keys
-            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done", f"{base}/{seq - 1}/nfail"):
+            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done", f"{base}/{seq - 1}/nfail",
+                        f"{base}/{seq - 1}/renew"):
                 try:
                     store.delete_key(key)
                 except Exception:  # noqa: BLE001 - housekeeping only
                     pass
+        return renewed
+
+    deadline = timeout + get_config().timeout_s
+    try:
+        return _STORE.call(protocol, deadline)
     except DistCkptError:
         raise
+    except _StoreTimeout:
+        abandoned.set()
+        raise PeerLostError(
+            f"the arrival check of {operation} among {world} ranks got no answer from the job's key-value store "
+            f"within {deadline:g} s (DISTCKPT_ARRIVAL_TIMEOUT_S + DISTCKPT_TIMEOUT_S): the store's host (rank 0's "
+            f"process when it hosts the store, or the launcher's agent) is stopped, hung or unreachable",
+            rank=rank, remedy="Look at rank 0's (or the launcher's) state first; restart the job if it does not "
+                              "recover.") from None
     except Exception as exc:
         raise PeerLostError(f"the arrival check of {operation} among {world} ranks failed: "
                             f"{type(exc).__name__}: {exc}", rank=rank) from exc
@@ -432,6 +524,20 @@ def group_members(process_group: Any | None = None) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(pg)) if dist.get_world_size(pg) > 1 else ()
 
 
+def _drop_side_group(pg: Any, channel: str) -> None:
+    """Forget the side group of (``pg``, ``channel``), lost: it is destroyed where torch can
+    (freeing its sockets); a failure to destroy it changes nothing (it is never used again)."""
+    import torch.distributed as dist
+    side = _SIDE_GROUPS.pop((pg, channel), None)
+    if side is None:
+        return
+    _LOST.pop(side, None)
+    try:
+        dist.destroy_process_group(side)
+    except Exception as exc:  # noqa: BLE001 - it is dropped either way
+        log.info("distckpt: destroying a lost control group: %s: %s", type(exc).__name__, exc)
+
+
 def control_group(process_group: Any | None = None, *, channel: str = "control",
                   operation: str = "save()/load()", timeout_s: float | None = None) -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of
@@ -457,12 +563,31 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
         return ControlGroup(None, 0, 1)
     # DISTCKPT_ARRIVAL_TIMEOUT_S=0 turns the check off: a missing rank is then reported by the
     # first collective, after DISTCKPT_TIMEOUT_S.
+    side = _SIDE_GROUPS.get((pg, channel))
+    lost = _LOST.get(side) if side is not None else None
     if channel == "control" and get_config().arrival_timeout_s > 0:
-        short = _fd_shortfall(world, rank, operation) if (pg, channel) not in _SIDE_GROUPS else None
-        check_arrival(pg, rank, world, operation, problem=short)
+        short = _fd_shortfall(world, rank, operation) if side is None else None
+        if check_arrival(pg, rank, world, operation, problem=short, renew=lost is not None) and side is not None:
+            # Some rank's control group was lost (a collective failed: a peer stalled or died,
+            # and gloo closed its connections): every rank drops its own, and all build a new one
+            # below, together (the vote is the same on every rank).
+            log.warning("distckpt: rebuilding the control group among %d ranks for %s (lost: %s)", world,
+                        operation, lost or "on another rank")
+            _drop_side_group(pg, channel)
+            side = None
+    elif lost is not None:
+        # Only the control channel has a point where every rank agrees (the arrival check, before
+        # anything runs on it); another channel's group may be in use by a save in flight elsewhere.
+        why = ("without the arrival check (DISTCKPT_ARRIVAL_TIMEOUT_S=0) the ranks cannot agree to build a new one"
+               if channel == "control" else "this process builds no other one")
+        raise PeerLostError(
+            f"distckpt's {channel} group among {world} ranks was lost ({lost}): gloo closed its connections, "
+            f"so {operation} cannot run on it, and {why}", rank=rank,
+            remedy="Restart the job" + (" (or keep DISTCKPT_ARRIVAL_TIMEOUT_S > 0: the control group is then "
+                                        "rebuilt at the next call once every rank arrives)." if channel == "control"
+                                        else "."))
     # Always a side group of our own, even over a gloo world: it carries our bounded timeout
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
-    side = _SIDE_GROUPS.get((pg, channel))
     if side is None:
         try:
             side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",

@@ -439,7 +439,7 @@ def _lost_at_verdict(lost: PeerLostError, rank: int, world: int, final_dir: str,
     return PeerLostError(
         f"{lost.message}; lost while rank 0 committed {final_dir}: this rank cannot tell whether the "
         f"checkpoint was committed (if it was, its MANIFEST carries save_id {save_id})",
-        path=final_dir, rank=rank, committed=None, save_id=save_id)
+        path=final_dir, rank=rank, committed=None, save_id=save_id, lost_ranks=getattr(lost, "lost_ranks", None))
 
 
 def _backends(outcomes: list[WriteOutcome]) -> str | None:

@@ -474,3 +474,78 @@ def test_a_collective_raises_the_class_every_failing_rank_raised(tmp_path):
         assert out["missing"] == ("CheckpointNotFoundError", True, [0, 1], ["CheckpointNotFoundError"] * 2, True)
         assert out["mixed"] == ([0, 1], {0: "StateDictMismatchError", 1: "UnsupportedValueError"})
         assert out["one"] == ([1], 1, "StateDictMismatchError")
+
+
+def _store_host_frozen_before_save_body(rank, world, path):
+    import json
+    import signal
+
+    import torch.distributed as dist
+
+    import distckpt
+    from distckpt import errors
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:  # rank 0 hosts the job's TCPStore: frozen before the save, the store answers nothing
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        distckpt.save({"x": torch.ones(10)}, path)
+        out = {"raised": None}
+    except errors.PeerLostError as exc:
+        out = {"raised": type(exc).__name__, "took": time.monotonic() - t0, "message": str(exc)}
+    with open(path + ".rank1.json", "w") as f:
+        json.dump(out, f)
+    os.kill(pids[0], signal.SIGKILL)
+    return out
+
+
+def test_a_store_host_frozen_before_a_save_gives_peer_lost_within_the_arrival_bound(tmp_path):
+    """Rank 0 hosts the job's TCPStore and is frozen (SIGSTOP) before the save: rank 1's arrival
+    check sent its first request to a store that accepts connections and never answers, and
+    waited as long as rank 0 stayed frozen (torch's store client has no deadline of its own; an
+    outside trial waited 122 s with a 5 s arrival bound). Every store request now has one."""
+    import json
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(RankError) as ei:
+        run_ranks(_store_host_frozen_before_save_body, 2, path, timeout=90, preload=_PRELOAD,
+                  env={"DISTCKPT_TIMEOUT_S": "5", "DISTCKPT_ARRIVAL_TIMEOUT_S": "3"})
+    assert set(ei.value.errors) == {0}, ei.value  # rank 0 killed by rank 1; rank 1 returned
+    with open(path + ".rank1.json") as f:
+        got = json.load(f)
+    assert got["raised"] == "PeerLostError" and got["took"] < 20, got
+    assert "key-value store" in got["message"], got
+
+
+def _stall_then_save_again_body(rank, world, root):
+    import distckpt
+    import distckpt.storage.posix.saving as coord
+    from distckpt import errors
+    real = coord.write_rank_file
+    if rank == 1:
+        def stuck(*a, **k):
+            coord.write_rank_file = real  # once: the next save is not stalled
+            time.sleep(10)  # past DISTCKPT_TIMEOUT_S: the survivors give up, gloo closes the group
+            return real(*a, **k)
+        coord.write_rank_file = stuck
+    first = None
+    try:
+        distckpt.save({"x": torch.full((1000,), 1.0)}, os.path.join(root, "a"))
+    except errors.PeerLostError as exc:
+        first = type(exc).__name__
+    distckpt.save({"x": torch.full((1000,), 2.0)}, os.path.join(root, "b"))  # the group is rebuilt
+    got = {"x": torch.zeros(1000)}
+    distckpt.load(got, os.path.join(root, "b"))
+    return first, float(got["x"][0])
+
+
+def test_after_a_stalled_peer_the_next_save_rebuilds_the_control_group(tmp_path):
+    """One rank stalled past DISTCKPT_TIMEOUT_S: that save fails (PeerLostError) on both ranks and
+    gloo closes the control group's connections. Every later save and load of the job then
+    failed at once ("pair closure"), though both ranks were back: the group stayed cached. Now
+    the next call's arrival check finds it lost and every rank builds a new one together."""
+    results = run_ranks(_stall_then_save_again_body, 2, str(tmp_path), timeout=120, preload=_PRELOAD,
+                        env={"DISTCKPT_TIMEOUT_S": "4"})
+    assert [r[0] for r in results] == ["PeerLostError"] * 2, results
+    assert [r[1] for r in results] == [2.0, 2.0], results
+    assert not os.path.exists(tmp_path / "a")
