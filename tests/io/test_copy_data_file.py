@@ -80,6 +80,31 @@ def _flip(path: str, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x10]))
 
 
+def test_a_late_failure_never_unlinks_a_file_another_try_put_at_the_same_path(tmp_path):
+    """A drain's area is named after the local save, so a later try (another job's, after this
+    rank was stopped and given up on) recreates the area and writes the same path. A copy that
+    resumes and then fails unlinked that path: the later try's file, just before it published."""
+    import shutil
+
+    store = open_store(str(tmp_path))
+    area = tmp_path / ".step_00000002.tmp-abc"
+    area.mkdir()
+    theirs = os.urandom(4096)
+
+    def feed(sink):
+        sink.write(b"x" * 4096)
+        # Meanwhile this try was given up on: its area removed, the same name made again by the
+        # next try, which wrote its own file there.
+        shutil.rmtree(area)
+        area.mkdir()
+        (area / "rank00003.bin").write_bytes(theirs)
+        raise _Boom("the source failed after this rank resumed")
+
+    with pytest.raises(_Boom):
+        store.copy_data_file(str(area), 3, 8192, feed)
+    assert (area / "rank00003.bin").read_bytes() == theirs
+
+
 def test_a_drain_between_local_directories_checks_blocks_cut_by_read_pieces(tmp_path, monkeypatch):
     # 16 KiB checksum blocks read in pieces of 12 KiB + 1: most blocks straddle two pieces.
     monkeypatch.setenv("DISTCKPT_CHECKSUM_BLOCK", "16K")

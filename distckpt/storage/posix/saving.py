@@ -148,10 +148,14 @@ def copy_rank_file(path: str, size: int, feed: Callable[[Any], None]) -> int:
             StorageIOError, ...), and whatever ``feed`` raises.
     """
     choice = choose_backend(os.path.dirname(path))
-    created = False
+    created = None
     try:
         with open_writer(path, choice=choice, durable=True, size_hint=size) as w:
-            created = True
+            # The file this call made (O_EXCL), by identity: a drain's area is named after the
+            # local save, so a later try (another job's, after this rank was stopped and given up
+            # on) can recreate the area and this very path; a late failure here must never unlink
+            # that try's file.
+            created = _identity(path)
             feed(w)
             written = w.tell()
             if written < size:
@@ -162,10 +166,19 @@ def copy_rank_file(path: str, size: int, feed: Callable[[Any], None]) -> int:
                                              f"expected {size}", path=path, expected=size, found=written)
             w.close()  # fsync: durable before the save may commit
     except BaseException:
-        if created:
+        if created is not None and _identity(path) == created:
             # Not the caller's abort of the whole area: a drain that fails one file leaves none of
             # it behind even if the area outlives the error (its clean-up failing too).
             with contextlib.suppress(OSError):
                 os.unlink(path)
         raise
     return size
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` (not following a symlink), or None when it cannot be looked at."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
