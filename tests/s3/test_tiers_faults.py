@@ -512,6 +512,20 @@ def test_a_dark_remote_loads_the_local_copy_for_a_given_step_too_and_says_it_was
         assert res.remote_unchecked is None, res
 
 
+def _stall_after_listing(key: str):
+    """A proxy rule that lets the first three requests for ``key`` pass (load()'s listing looks
+    at the step) and stalls the next (the load's own read); and the list of requests seen."""
+    seen: list = []
+
+    def rule(n, method, path):
+        if key in path:
+            seen.append(method)
+            if len(seen) > 3:
+                return "stall"
+        return None
+    return rule, seen
+
+
 def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_listing(
         s3_bucket, s3_server, tmp_path, monkeypatch):
     """load() lists the steps (the remote tier answers), then the remote tier goes dark before
@@ -520,16 +534,7 @@ def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_l
     saying it was not checked."""
     monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
     with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, _drained, _url):
-        seen = []
-
-        def rule(n, method, path):
-            if "step_00000001/MANIFEST" in path:
-                seen.append(method)
-                if len(seen) > 3:  # the listing's looks at the step pass; the load's own read is held
-                    return "stall"
-            return None
-
-        px.rule = rule
+        px.rule, seen = _stall_after_listing("step_00000001/MANIFEST")
         got = _state(0)
         res = mgr.load(got)
         assert _same(got, 1) and len(seen) > 3, seen
@@ -561,16 +566,7 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
             distckpt.save(_state(100 + s), local / f"step_{s:08d}")
         mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
         try:
-            seen = []
-
-            def rule(n, method, path):
-                if "step_00000003/MANIFEST" in path:
-                    seen.append(method)
-                    if len(seen) > 3:  # the listing's looks at the step pass; the load's own read is held
-                        return "stall"
-                return None
-
-            px.rule = rule
+            px.rule, seen = _stall_after_listing("step_00000003/MANIFEST")
             got = _state(0)
             with caplog.at_level(logging.WARNING, logger="distckpt"):
                 res = mgr.load(got)
