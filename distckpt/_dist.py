@@ -438,9 +438,18 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
         if renew:  # likewise
             store.add(f"{base}/{seq}/renew", 1)
         store.set(f"{base}/last/{rank}", str(seq))
+        # A set is sent without waiting for an answer: this request is answered, so once it
+        # returns the store's host is answering, and the guard below is checked after any stall.
+        store.add(f"{base}/{seq}/nfail", 0)
         if abandoned.is_set():
             raise _StoreTimeout
-        if store.add(f"{base}/{seq}/n", 1) == world:
+        arrived = store.add(f"{base}/{seq}/n", 1)
+        if abandoned.is_set():
+            # The host stalled between the guard and the count, and this rank's caller gave up
+            # meanwhile: nobody may go on counting it (the last rank reads "aborted").
+            store.compare_set(done, "", "aborted")
+            raise _StoreTimeout
+        if arrived == world:
             verdict = store.compare_set(done, "", "ok")
         else:
             try:
@@ -454,6 +463,11 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
                 key = f"{base}/last/{r}"
                 if not store.check([key]) or int(store.get(key)) < seq:
                     missing.append(r)
+            if not missing:  # every rank came, but one gave up on a stalled store meanwhile
+                raise PeerLostError(
+                    f"the arrival check of {operation} among {world} ranks was aborted: every rank reached it, but "
+                    f"one gave up waiting for the job's key-value store meanwhile (its host stalled)", rank=rank,
+                    remedy="Look at rank 0's (or the launcher's) state; the next call checks again.")
             global_missing = [dist.get_global_rank(pg, r) if pg is not dist.group.WORLD else r for r in missing]
             raise RanksMissingError(
                 f"{operation} was called on this rank but group rank(s) {missing} (global rank(s) "

@@ -626,7 +626,8 @@ class _ArchiveChunk(mf.ChunkRecord):
     checkpoint on every rank cost more than a small load's reads, and grows with ranks times
     chunks). Reading ``offset`` or ``strides`` (or comparing, hashing, printing, pickling: they
     read them) resolves it, so no caller can see the archive's start in place of the bytes';
-    :func:`resolve_chunks` resolves many with one open per data file. Resolving raises what
+    :func:`resolve_chunks` resolves many with one open per data file. A copy is a plain
+    ChunkRecord (``dataclasses.replace`` does not apply: copy it first). Resolving raises what
     :func:`_chunk_data` raises (CheckpointCorruptError, UnsupportedValueError) or the open's
     StorageError."""
 
@@ -675,9 +676,18 @@ class _ArchiveChunk(mf.ChunkRecord):
     offset = property(_get_offset, _set_offset)
     strides = property(_get_strides, _set_strides)
 
-    def __reduce__(self):  # resolved first: a copy elsewhere is a plain record
-        return mf.ChunkRecord, (self.offsets, self.sizes, self.file, self.offset, self.nbytes, self.crcs,
-                                self.strides)
+    def _plain(self) -> mf.ChunkRecord:
+        return mf.ChunkRecord(self.offsets, self.sizes, self.file, self.offset, self.nbytes, self.crcs, self.strides)
+
+    def __reduce__(self):  # resolved first: a copy (pickle, copy.copy) is a plain record
+        return self._plain().__reduce__()
+
+    # Equal to the plain record of the same values (its copy), either way round.
+    def __eq__(self, other: object) -> bool:
+        return self._plain() == (other._plain() if isinstance(other, _ArchiveChunk) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._plain())
 
 
 def resolve_chunks(chunks: "list[mf.ChunkRecord]") -> None:

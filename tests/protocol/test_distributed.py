@@ -549,3 +549,44 @@ def test_after_a_stalled_peer_the_next_save_rebuilds_the_control_group(tmp_path)
     assert [r[0] for r in results] == ["PeerLostError"] * 2, results
     assert [r[1] for r in results] == [2.0, 2.0], results
     assert not os.path.exists(tmp_path / "a")
+
+
+def _store_host_resumes_body(rank, world, root):
+    import signal
+
+    import torch.distributed as dist
+
+    import distckpt
+    from distckpt import errors
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 0:  # the store's host, frozen before the job's first save (no control group yet)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(1.0)
+    out = []
+    try:
+        distckpt.save({"x": torch.ones(4)}, os.path.join(root, "a"))
+        out.append("saved")
+    except errors.DistCkptError as exc:
+        out.append(type(exc).__name__)
+    if rank == 1:
+        os.kill(pids[0], signal.SIGCONT)  # it gave up; the host comes back
+        time.sleep(6)  # a training step before the next save (rank 0's check of "a" ends meanwhile)
+    distckpt.save({"x": torch.full((4,), 2.0)}, os.path.join(root, "b"))
+    got = {"x": torch.zeros(4)}
+    distckpt.load(got, os.path.join(root, "b"))
+    return out[0], float(got["x"][0])
+
+
+def test_a_rank_that_gave_up_on_a_stalled_store_is_never_counted_as_arrived(tmp_path):
+    """Rank 1 gives up on the arrival check while the store's host (rank 0) is frozen; rank 0
+    then resumes and makes the same call. A store `set` is sent without waiting for an answer,
+    so rank 1's check, abandoned, still counted it once the host answered: rank 0 went on alone
+    into the control group's creation, which shifted torch's group numbering apart on the two
+    ranks, and every later save of the job failed. Now rank 0's check fails too (typed) and the
+    next save works on both."""
+    results = run_ranks(_store_host_resumes_body, 2, str(tmp_path), timeout=120, preload=_PRELOAD,
+                        env={"DISTCKPT_TIMEOUT_S": "5", "DISTCKPT_ARRIVAL_TIMEOUT_S": "3"})
+    assert results == [("PeerLostError", 2.0), ("PeerLostError", 2.0)], results
+    assert not os.path.exists(tmp_path / "a")
