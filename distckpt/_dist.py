@@ -303,6 +303,16 @@ class _StoreWorker:
 _STORE = _StoreWorker()
 
 
+def _forget_store_worker_in_child() -> None:
+    # A forked child (a DataLoader worker) has none of the parent's threads: its requests, if it
+    # ever makes any, start a worker of its own, and the parent's queued ones are not run twice.
+    global _STORE
+    _STORE = _StoreWorker()
+
+
+os.register_at_fork(after_in_child=_forget_store_worker_in_child)
+
+
 # process group -> how many arrival checks this process has made on it (every rank counts alike;
 # a new world after destroy_process_group is a new key, with a new store).
 _ARRIVALS: dict[Any, int] = {}
