@@ -28,9 +28,9 @@ Invariants:
 from __future__ import annotations
 
 import atexit
-import logging
 import datetime
 import errno as _errno
+import logging
 import os
 import pickle
 import queue
