@@ -512,18 +512,28 @@ def test_a_dark_remote_loads_the_local_copy_for_a_given_step_too_and_says_it_was
         assert res.remote_unchecked is None, res
 
 
-def _stall_after_listing(key: str):
-    """A proxy rule that lets the first three requests for ``key`` pass (load()'s listing looks
-    at the step) and stalls the next (the load's own read); and the list of requests seen."""
-    seen: list = []
+def _stall_after_listing(mgr, key: str):
+    """A proxy rule that stalls every request for ``key`` once ``mgr`` has listed the tiers (its
+    load's listing returned), so the remote tier answers the listing and goes dark before the
+    load reads the step; and the list of requests it stalled. (Counting requests instead was
+    fragile: on a busy machine a listing's request outlived its deadline, and its retry counted.)"""
+    dark = threading.Event()
+    stalled: list = []
+    listed = mgr._candidates
+
+    def candidates(*args, **kwargs):
+        out = listed(*args, **kwargs)
+        dark.set()
+        return out
+
+    mgr._candidates = candidates
 
     def rule(n, method, path):
-        if key in path:
-            seen.append(method)
-            if len(seen) > 3:
-                return "stall"
+        if dark.is_set() and key in path:
+            stalled.append(method)
+            return "stall"
         return None
-    return rule, seen
+    return rule, stalled
 
 
 def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_listing(
@@ -532,12 +542,12 @@ def test_load_falls_back_to_the_local_copy_when_the_remote_goes_dark_after_its_l
     the load reads the step's MANIFEST: it raised EndpointUnreachableError although this node
     holds the step complete (load(step=N) fell back already). It restores the local copy now,
     saying it was not checked."""
-    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
     with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, _drained, _url):
-        px.rule, seen = _stall_after_listing("step_00000001/MANIFEST")
+        px.rule, stalled = _stall_after_listing(mgr, "step_00000001/MANIFEST")
         got = _state(0)
         res = mgr.load(got)
-        assert _same(got, 1) and len(seen) > 3, seen
+        assert _same(got, 1) and stalled, stalled
         assert res.remote_unchecked and "EndpointUnreachableError" in res.remote_unchecked, res
 
 
@@ -551,7 +561,7 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
     over by name and step 1 (the same save on both tiers) loads."""
     import shutil
 
-    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "1")
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
     u = urlsplit(s3_server.endpoint)
     px = s3proxy.FaultProxy((u.hostname, u.port))
     url, local = f"{s3_bucket.url}/run", tmp_path / "local"
@@ -566,11 +576,11 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
             distckpt.save(_state(100 + s), local / f"step_{s:08d}")
         mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
         try:
-            px.rule, seen = _stall_after_listing("step_00000003/MANIFEST")
+            px.rule, stalled = _stall_after_listing(mgr, "step_00000003/MANIFEST")
             got = _state(0)
             with caplog.at_level(logging.WARNING, logger="distckpt"):
                 res = mgr.load(got)
-            assert len(seen) > 3, seen
+            assert stalled, stalled
             assert "step 3 has no complete copy" in caplog.text and "step 2 has no complete copy" in caplog.text
             assert "another save" in caplog.text
             assert _same(got, 1), got["step"]
