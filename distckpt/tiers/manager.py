@@ -746,10 +746,11 @@ class TieredCheckpointManager:
 
     def _candidates(self) -> tuple[list[int], bool, dict]:
         """(the steps with a complete copy on a tier, newest first; whether the remote tier
-        answered; the step_availability they were chosen from). Every step with a higher number than the newest of them that is not complete
-        (a lost local data file of a step never drained, copies of different saves) is named in a
-        warning with what it lacks: a load that goes back to an older step must say which newer
-        one it passed over and why, never return older state silently."""
+        answered; the step_availability they were chosen from). Every step with a higher number
+        than the newest of them that is not complete (a lost local data file of a step never
+        drained, copies of different saves) is named in a warning with what it lacks: a load that
+        goes back to an older step must say which newer one it passed over and why, never return
+        older state silently."""
         avail, remote_up = self._availability()
         good = [(t.created_unix or 0.0, s) for s, t in avail.items()
                 if t.remote_save_id is not None or t.local_complete]
