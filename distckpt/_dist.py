@@ -69,8 +69,11 @@ class ControlGroup:
         except DistCkptError:
             raise
         except Exception as exc:  # gloo reports a dead peer or a timeout as RuntimeError/DistError
-            # gloo closes the group's connections on a failure: it is never used again (control_group).
-            _LOST.setdefault(self.pg, f"{what}: {type(exc).__name__}: {exc}")
+            # gloo closes the group's connections when a collective fails (its errors, and torch's
+            # DistError, are RuntimeErrors): the group is never used again (control_group). An
+            # error of this rank's own (a value that does not pickle) leaves the group as it is.
+            if isinstance(exc, RuntimeError):
+                _LOST.setdefault(self.pg, f"{what}: {type(exc).__name__}: {exc}")
             behind = progress.behind(self.world_size) if progress is not None else None
             fields: dict[str, Any] = {}
             named = ""
