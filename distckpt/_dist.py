@@ -256,6 +256,17 @@ _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 # used again (control_group builds a new one in lockstep, or raises).
 _LOST: dict[Any, str] = {}
 
+# The channels whose lost groups the control channel's arrival check renews: those used only by
+# calls the caller's thread serializes with it (an async save's background phases are waited
+# for before the next save; DCP's storage layer runs in the caller's thread), so the check is a
+# point every rank reaches with none of them in use. A tiered manager's drain channels are its
+# own (renewed by its next save).
+_RENEWABLE = ("control", "background", "dcp")
+
+# Lost groups forgotten while a thread of this process may still be inside one of their
+# collectives (a failing async save's): kept referenced, never destroyed under it.
+_RETIRED: list[Any] = []
+
 
 class _StoreTimeout(Exception):
     pass
@@ -404,7 +415,7 @@ def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None
 
 
 def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseException | None = None,
-                  renew: bool = False) -> bool:
+                  renew: tuple[str, ...] = ()) -> frozenset[str]:
     """Wait until every rank of ``pg`` has entered this same call (its n-th arrival check on
     ``pg``), at most DISTCKPT_ARRIVAL_TIMEOUT_S. Uses the job's key-value store (a few small keys
     per call; the previous call's keys are deleted), not a collective, so a missing rank costs
@@ -417,9 +428,10 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
     before this rank counts as arrived, and once every rank arrived every rank raises the failing
     ranks' error (:func:`distckpt.errors.collective_error`), at once instead of after a timeout.
 
-    ``renew``: this rank's control group was lost (:data:`_LOST`). Returns True on every rank
-    when any rank said so (the same answer everywhere, read once all arrived): they then build a
-    new group together.
+    ``renew``: the channels (of :data:`_RENEWABLE`) whose side groups of ``pg`` this rank lost
+    (:data:`_LOST`). Returns the channels any rank said so of (the same set everywhere, read once
+    all arrived): every rank then drops those groups, and builds each anew, together, where it is
+    next used.
 
     Raises:
         RanksMissingError: on every rank that arrived, naming the group ranks that did not.
@@ -448,7 +460,9 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
         if problem is not None:  # recorded before this rank counts as arrived (see below)
             store.set(f"{base}/{seq}/fail/{rank}", pickle.dumps(_portable(problem)))
             store.add(f"{base}/{seq}/nfail", 1)
-        if renew:  # likewise
+        if renew:  # likewise; the total first, so that a check with nothing lost reads one key
+            for channel in renew:
+                store.add(f"{base}/{seq}/renew/{channel}", 1)
             store.add(f"{base}/{seq}/renew", 1)
         store.set(f"{base}/last/{rank}", str(seq))
         # A set is sent without waiting for an answer: this request is answered, so once it
@@ -496,10 +510,12 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
                 if store.check([key]):
                     failures[r] = fill_rank(pickle.loads(store.get(key)), r)
             raise collective_error(failures, operation=operation, rank=rank)
-        renewed = store.add(f"{base}/{seq}/renew", 0) > 0
+        renewed = frozenset()
+        if store.add(f"{base}/{seq}/renew", 0) > 0:
+            renewed = frozenset(c for c in _RENEWABLE if store.add(f"{base}/{seq}/renew/{c}", 0) > 0)
         if rank == 0 and seq > 1:  # everyone has passed the previous check: drop its keys
             for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done", f"{base}/{seq - 1}/nfail",
-                        f"{base}/{seq - 1}/renew"):
+                        f"{base}/{seq - 1}/renew", *(f"{base}/{seq - 1}/renew/{c}" for c in _RENEWABLE)):
                 try:
                     store.delete_key(key)
                 except Exception:  # noqa: BLE001 - housekeeping only
@@ -551,14 +567,21 @@ def group_members(process_group: Any | None = None) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(pg)) if dist.get_world_size(pg) > 1 else ()
 
 
-def _drop_side_group(pg: Any, channel: str) -> None:
-    """Forget the side group of (``pg``, ``channel``), lost: it is destroyed where torch can
-    (freeing its sockets); a failure to destroy it changes nothing (it is never used again)."""
+def _drop_side_group(pg: Any, channel: str, *, destroy: bool = True) -> None:
+    """Forget the side group of (``pg``, ``channel``; ``pg`` None: the world), lost. With
+    ``destroy`` it is destroyed where torch can (freeing its sockets; only when no thread of this
+    process can be inside one of its collectives); a failure to destroy it changes nothing (it is
+    never used again). Without, it is kept referenced (:data:`_RETIRED`)."""
     import torch.distributed as dist
+    if pg is None:
+        pg = dist.group.WORLD
     side = _SIDE_GROUPS.pop((pg, channel), None)
     if side is None:
         return
     _LOST.pop(side, None)
+    if not destroy:
+        _RETIRED.append(side)
+        return
     try:
         dist.destroy_process_group(side)
     except Exception as exc:  # noqa: BLE001 - it is dropped either way
@@ -594,25 +617,32 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     lost = _LOST.get(side) if side is not None else None
     if channel == "control" and get_config().arrival_timeout_s > 0:
         short = _fd_shortfall(world, rank, operation) if side is None else None
-        if check_arrival(pg, rank, world, operation, problem=short, renew=lost is not None) and side is not None:
-            # Some rank's control group was lost (a collective failed: a peer stalled or died,
-            # and gloo closed its connections): every rank drops its own, and all build a new one
-            # below, together (the vote is the same on every rank).
-            log.warning("distckpt: rebuilding the control group among %d ranks for %s (lost: %s)", world,
-                        operation, lost or "on another rank")
-            _drop_side_group(pg, channel)
-            side = None
+        mine = tuple(c for c in _RENEWABLE if _SIDE_GROUPS.get((pg, c)) in _LOST)
+        for renewed in sorted(check_arrival(pg, rank, world, operation, problem=short, renew=mine)):
+            # Some rank's group of that channel was lost (a collective failed: a peer stalled or
+            # died, and gloo closed its connections): every rank drops its own (the vote is the
+            # same on every rank), and all build a new one together: the control group below,
+            # another channel's where it is next used, as its first one was.
+            was = _SIDE_GROUPS.get((pg, renewed))
+            log.warning("distckpt: rebuilding the %s group among %d ranks for %s (lost: %s)", renewed, world,
+                        operation, _LOST.get(was) or "on another rank")
+            # The control channel is this thread's alone; another's lost group may still be
+            # inside a failing collective of an async save's thread: never destroyed under it.
+            _drop_side_group(pg, renewed, destroy=renewed == "control")
+        side = _SIDE_GROUPS.get((pg, channel))
     elif lost is not None:
-        # Only the control channel has a point where every rank agrees (the arrival check, before
-        # anything runs on it); another channel's group may be in use by a save in flight elsewhere.
-        why = ("without the arrival check (DISTCKPT_ARRIVAL_TIMEOUT_S=0) the ranks cannot agree to build a new one"
-               if channel == "control" else "this process builds no other one")
+        # Only the control channel's arrival check is a point where every rank agrees (before
+        # anything runs on any renewable channel); it runs before each use of the others.
+        renewable = channel in _RENEWABLE and get_config().arrival_timeout_s > 0
+        why = ("the next call's arrival check rebuilds it on every rank" if renewable else
+               "without the arrival check (DISTCKPT_ARRIVAL_TIMEOUT_S=0) the ranks cannot agree to build a new one"
+               if channel in _RENEWABLE else "this process builds no other one")
         raise PeerLostError(
             f"distckpt's {channel} group among {world} ranks was lost ({lost}): gloo closed its connections, "
             f"so {operation} cannot run on it, and {why}", rank=rank,
-            remedy="Restart the job" + (" (or keep DISTCKPT_ARRIVAL_TIMEOUT_S > 0: the control group is then "
-                                        "rebuilt at the next call once every rank arrives)." if channel == "control"
-                                        else "."))
+            remedy="Call it again once every rank is back." if renewable else
+            "Restart the job" + (" (or keep DISTCKPT_ARRIVAL_TIMEOUT_S > 0: the group is then rebuilt at the next "
+                                 "call once every rank arrives)." if channel in _RENEWABLE else "."))
     # Always a side group of our own, even over a gloo world: it carries our bounded timeout
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
     if side is None:

@@ -15,7 +15,9 @@ that is closing stops them all at that point. Errors that a retry cannot cure (a
 is damaged, incomplete or gone, another save already committed remotely under the step) are final for
 the step: it is marked failed and the queue moves on. Errors a server outage gives (unreachable,
 throttled, a 5xx, a lease held by another save) are retried with back-off until the drain succeeds
-or the manager closes. A lost peer stops the drainer (nothing can be agreed any more).
+or the manager closes. A lost peer stops the drainer (nothing can be agreed any more on its
+channel); the manager's next save then starts a new one on a new channel (:meth:`Drainer.lost_peer`,
+:meth:`Drainer.left_by_lost_peer`).
 
 Nothing here deletes anything: a failed or abandoned drain leaves no visible remote step (the
 remote MANIFEST is written last) and its data objects are reclaimed by the next drain or save
@@ -95,11 +97,13 @@ class Drainer:
     so that this class holds only the queue, the retries and the states."""
 
     def __init__(self, drain: Callable[[int, str | None, Callable[[int], None], Callable[[int], None]], int],
-                 vote: Callable[[bool], bool], *, name: str) -> None:
+                 vote: Callable[[bool], bool], *, name: str, history: dict[int, DrainState] | None = None) -> None:
         self._drain = drain
         self._vote = vote
         self._queue: queue.Queue = queue.Queue()
-        self._states: dict[int, DrainState] = {}
+        # ``history``: the states of a drainer this one replaces (a lost peer stopped it), so that
+        # status() and wait_durable() still know the steps it finished.
+        self._states: dict[int, DrainState] = dict(history or {})
         self._lock = threading.Lock()
         self._closing = threading.Event()
         # Set (under the lock) once the thread has left its loop: a step queued later would never
@@ -107,6 +111,8 @@ class Drainer:
         # stopped the thread (a lost peer), None when the manager closed it.
         self._stopped = False
         self._stop_cause: BaseException | None = None
+        # The error of the peer lost on this drainer's channel, when that is what stopped it.
+        self._lost: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -119,7 +125,9 @@ class Drainer:
         Once the drain thread has stopped (a peer lost during a drain: nothing can be agreed on
         that channel any more), the step is ``stopped`` at once with that error as its cause, and
         a warning says so: a wait on it returns at once instead of waiting for a thread that is
-        gone. It stays committed locally; the next manager start drains it."""
+        gone. It stays committed locally; the manager's next save restarts the drain on a new
+        channel and queues it again (TieredCheckpointManager._restart_lost_drain), else the next
+        manager start drains it."""
         st = DrainState(step, save_id)
         with self._lock:
             self._states[step] = st
@@ -128,7 +136,8 @@ class Drainer:
                 return st
             cause = self._stop_cause
         log.warning("distckpt: step %d will not be drained by this manager: its drain thread stopped (%s); the "
-                    "step stays committed locally and the next manager start drains it", step,
+                    "step stays committed locally; the next save restarts the drain after a lost peer, or the next "
+                    "manager start drains it", step,
                     f"{type(cause).__name__}: {cause}" if cause is not None else "closed")
         self._finish(st, "stopped", cause)
         return st
@@ -170,6 +179,26 @@ class Drainer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def lost_peer(self) -> BaseException | None:
+        """The error of the peer lost on this drainer's channel once that stopped its thread for
+        good (the thread has left; None while it runs, or when something else stopped it). Its
+        channel's collectives can never run again (gloo closed the connections): only a new
+        drainer on a new channel drains anything more."""
+        with self._lock:
+            if not self._stopped or self._lost is None:
+                return None
+        # Past its loop the thread only marks what was still queued: it ends at once.
+        self._thread.join()
+        return self._lost
+
+    def left_by_lost_peer(self) -> list[tuple[int, str | None]]:
+        """(step, save id) of each step this drainer did not drain because a peer was lost: the
+        step it was draining and every one queued after it (``stopped``). Call it once
+        :meth:`lost_peer` says so."""
+        with self._lock:
+            return sorted((s, st.save_id) for s, st in self._states.items()
+                          if st.state == "stopped" or (st.state == "failed" and isinstance(st.error, PeerLostError)))
+
     # -- the thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -179,6 +208,8 @@ class Drainer:
                 break
             if not self._drain_with_retries(item):
                 self._stop_cause = item.error   # a lost peer (or the error of the try before a vote to stop)
+                if self._lost is None and isinstance(item.error, PeerLostError):
+                    self._lost = item.error
                 break
             if self._stop_after_step(item):
                 break
@@ -207,7 +238,7 @@ class Drainer:
             return self._vote(self._closing.is_set())
         except Exception as exc:  # noqa: BLE001 - a peer lost during the vote
             log.error("distckpt: the drain thread stopped after step %d: %s", st.step, exc)
-            self._stop_cause = exc
+            self._stop_cause = self._lost = exc
             return True
 
     def _drain_with_retries(self, st: DrainState) -> bool:
@@ -230,8 +261,8 @@ class Drainer:
                 self._drain(st.step, st.save_id, progress, assigned)
             except Exception as exc:  # noqa: BLE001 - typed by the drain; classified below
                 if isinstance(exc, PeerLostError):
-                    log.error("distckpt: the drain of step %d stopped: a peer was lost (%s); the next manager "
-                              "start drains it again", st.step, exc)
+                    log.error("distckpt: the drain of step %d stopped: a peer was lost (%s); the next save restarts "
+                              "the drain (or the next manager start drains it again)", st.step, exc)
                     self._finish(st, "failed", exc)
                     return False
                 if not is_retryable(exc):
@@ -249,6 +280,7 @@ class Drainer:
                     stop = self._vote(self._closing.is_set())
                 except Exception as vote_exc:  # noqa: BLE001 - a peer lost during the vote
                     log.error("distckpt: the drain of step %d stopped: %s", st.step, vote_exc)
+                    self._lost = vote_exc
                     self._finish(st, "stopped", exc)
                     return False
                 if stop:

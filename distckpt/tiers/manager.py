@@ -23,7 +23,8 @@ Invariants:
     after each drain, like a CheckpointManager root.
   * A remote step is visible only complete (its MANIFEST is written last, conditionally); a drain
     that fails or is interrupted leaves nothing visible, is retried while the manager runs, and is
-    resumed by the next manager start (every step complete locally and not remote is queued).
+    resumed by the next manager start (every step complete locally and not remote is queued); a
+    drain a lost peer stopped is restarted, on a new channel, by the next save.
   * A load never mixes two saves: every file comes from a copy of the same save id
     (distckpt.tiers.load).
   * Everything here that involves other ranks is collective, in the same order on every rank:
@@ -40,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-from .._dist import _portable, control_group, group_members
+from .._dist import _drop_side_group, _portable, control_group, group_members
 from ..config import get_config
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
@@ -213,8 +214,8 @@ class TieredCheckpointManager:
         # A channel per manager (built collectively, so the count agrees on every rank): a drain
         # thread an earlier manager's close left inside a held request may still run collectives
         # on its own channel, and they must never pair with this manager's.
-        self._drain_group = self._group if self._group.world_size == 1 else control_group(
-            process_group, channel=_drain_channel(process_group), timeout_s=get_config().drain_timeout_s)
+        self._drain_channel: str | None = None
+        self._drain_group = self._new_drain_group()
         self._closed = False
         # The local tier's room is checked once, when the first save tells a step's size.
         self._room_checked: bool | None = None
@@ -225,11 +226,71 @@ class TieredCheckpointManager:
         self._async_saves: dict[int, Any] = {}
         self._async_lock = threading.Lock()
         self._first_async = None  # the handle of a first save made with blocking=False
-        self._drainer = Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}")
+        self._drainer = self._new_drainer()
         for step, save_id in self._undrained(remote_up):
             log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
                         step, self.remote_root)
             self._drainer.enqueue(step, save_id)
+
+    def _new_drain_group(self):
+        """A control group on a new drain channel (collective: every rank builds it at the same
+        point, so the channel numbers agree), remembered in ``_drain_channel``."""
+        if self._group.world_size == 1:
+            return self._group
+        self._drain_channel = _drain_channel(self.process_group)
+        return control_group(self.process_group, channel=self._drain_channel, timeout_s=get_config().drain_timeout_s)
+
+    def _new_drainer(self, history: dict | None = None) -> Drainer:
+        return Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}",
+                       history=history)
+
+    def _control(self, operation: str):
+        """The control group for one collective call, taken anew each call (every rank calls it
+        at the same point): after a peer was lost (a collective of the last call failed, and gloo
+        closed the group's connections), its arrival check makes every rank build a new one
+        together (distckpt._dist.control_group). A cached group would fail every later call of
+        the run at once."""
+        if self._group.world_size > 1:
+            self._group = control_group(self.process_group, operation=operation)
+        return self._group
+
+    def _restart_lost_drain(self, reports: list) -> None:
+        """Start a new drain thread on a new drain channel, on every rank, when a peer lost during
+        a drain stopped the drain threads (``reports``: every rank's :meth:`_drain_report`, as
+        all-gathered, so every rank decides the same): the old channel's collectives can never
+        run again, and without this no step of the run would reach the remote tier (nor leave
+        the local one: only drained steps are rotated away) until the job restarted. The steps
+        the old threads left (every rank's, in step order) are queued first. Nothing happens
+        while some rank's old thread still runs (it is still inside a collective that its
+        deadline, DISTCKPT_DRAIN_TIMEOUT_S, ends): the next save decides again."""
+        if not any(r[0] == "lost" for r in reports):
+            return
+        if any(r[0] == "running" for r in reports):
+            log.warning("distckpt: a peer was lost during a drain, but the drain thread of rank(s) %s still runs "
+                        "(inside a collective its deadline ends): the drain restarts at a later save",
+                        [i for i, r in enumerate(reports) if r[0] == "running"])
+            return
+        left: dict[int, str | None] = {}
+        for _, steps in reports:
+            for step, save_id in steps:
+                if left.get(step) is None:
+                    left[step] = save_id
+        old = self._drainer
+        log.warning("distckpt: restarting the drain on a new channel after a lost peer (%s); draining steps %s "
+                    "first", old.lost_peer(), sorted(left))
+        if self._drain_channel is not None:
+            _drop_side_group(self.process_group, self._drain_channel)
+        self._drain_group = self._new_drain_group()
+        self._drainer = self._new_drainer(history=old.states())
+        for step in sorted(left):
+            self._drainer.enqueue(step, left[step])
+
+    def _drain_report(self) -> tuple[str, list]:
+        """This rank's drain thread for :meth:`_restart_lost_drain`: ("lost", the steps it left)
+        once a lost peer stopped it, ("stopped", []) when it stopped otherwise, else ("running", [])."""
+        if self._drainer.lost_peer() is not None:
+            return "lost", self._drainer.left_by_lost_peer()
+        return ("running" if self._drainer.alive else "stopped"), []
 
     # -- paths ------------------------------------------------------------------------------------
 
@@ -266,6 +327,7 @@ class TieredCheckpointManager:
             if bad in kwargs:
                 raise ConfigError(f"{bad}= is not a save option of a TieredCheckpointManager (give it to the "
                                   f"manager, or not at all: incremental chains are not tiered)")
+        self._control("TieredCheckpointManager.save()")
         self._check_step_free(step)
         after = functools.partial(self._after_local_commit, step)
         lock = join(self.local_root, ROOT_LOCK_NAME)
@@ -331,6 +393,9 @@ class TieredCheckpointManager:
         holds the step (the steps found at construction and those drained since), so a save
         costs no request.
 
+        The same all-gather carries each rank's :meth:`_drain_report`: a drain that a lost peer
+        stopped is restarted here (:meth:`_restart_lost_drain`).
+
         Raises SaveInProgressError (a drain of the step in flight) or CheckpointExistsError."""
         error = None
         if self._group.rank == 0:
@@ -355,7 +420,15 @@ class TieredCheckpointManager:
                                "step), or use another remote root for a new run.")
                 else:
                     self._remote_held.pop(step, None)
-        self._group.exchange_outcome(error, operation="TieredCheckpointManager.save()")
+        report = self._drain_report()
+        if self._group.world_size == 1:
+            self._group.raise_failures([error], error, operation="TieredCheckpointManager.save()")
+            reports = [report]
+        else:
+            gathered = self._group.all_gather((_portable(error), report))
+            self._group.raise_failures([g[0] for g in gathered], error, operation="TieredCheckpointManager.save()")
+            reports = [g[1] for g in gathered]
+        self._restart_lost_drain(reports)
 
     def _check_local_room(self, sizes: list[int]) -> None:
         """The local tier's pre-flight, once, after the first save told the size of a step: each
@@ -723,6 +796,7 @@ class TieredCheckpointManager:
         """The step :meth:`load` loads by default: the newest (by commit time) with a complete
         copy on the tiers: the remote tier holds it, or every node's local copy of the same save
         does. Collective. Writes nothing."""
+        self._control("TieredCheckpointManager.latest_step()")
         candidates, _, _ = self._candidates()
         return candidates[0] if candidates else None
 
@@ -791,6 +865,7 @@ class TieredCheckpointManager:
         if step is not None:
             steps, remote_up, avail = [step], True, {}
         else:
+            self._control("TieredCheckpointManager.load()")
             steps, remote_up, avail = self._candidates()
         if not steps:
             raise CheckpointNotFoundError(f"no step with a complete copy on {self.local_root} or {self.remote_root}",

@@ -590,3 +590,43 @@ def test_a_rank_that_gave_up_on_a_stalled_store_is_never_counted_as_arrived(tmp_
                         env={"DISTCKPT_TIMEOUT_S": "5", "DISTCKPT_ARRIVAL_TIMEOUT_S": "3"})
     assert results == [("PeerLostError", 2.0), ("PeerLostError", 2.0)], results
     assert not os.path.exists(tmp_path / "a")
+
+
+def _stall_in_async_then_save_again_body(rank, world, root):
+    import distckpt
+    import distckpt.storage.posix.saving as coord
+    from distckpt import errors
+    real = coord.write_rank_file
+    if rank == 1:
+        def stuck(*a, **k):
+            coord.write_rank_file = real  # once: the next save is not stalled
+            time.sleep(10)  # past DISTCKPT_TIMEOUT_S, in the async save's background phase
+            return real(*a, **k)
+        coord.write_rank_file = stuck
+    handle = distckpt.async_save({"x": torch.full((1000,), 1.0)}, os.path.join(root, "a"))
+    handle.wait()
+    first = type(handle.exception()).__name__
+    time.sleep(2)  # both background threads have failed (rank 1's after its stall)
+    out = []
+    for name, value in (("b", 2.0), ("c", 3.0)):
+        try:
+            distckpt.async_save({"x": torch.full((1000,), value)}, os.path.join(root, name)).result()
+            out.append("saved")
+        except errors.DistCkptError as exc:
+            out.append(f"{type(exc).__name__}: {exc}"[:300])
+    got = {"x": torch.zeros(1000)}
+    distckpt.load(got, os.path.join(root, "c"))
+    return first, out, float(got["x"][0])
+
+
+def test_after_a_peer_stalled_in_an_async_save_the_next_async_saves_work(tmp_path):
+    """One rank stalled past DISTCKPT_TIMEOUT_S in an async save's background phase: that save
+    fails on both ranks and gloo closes the background channel's connections. Every later async
+    save of the job then failed at once ("this process builds no other one"), though both ranks
+    were back: a training loop that saves asynchronously never checkpointed again. Now the next
+    call's arrival check votes on every renewable channel of the group, and every rank drops the
+    same lost ones; they are built anew, together, where they are next used."""
+    results = run_ranks(_stall_in_async_then_save_again_body, 2, str(tmp_path), timeout=120, preload=_PRELOAD,
+                        env={"DISTCKPT_TIMEOUT_S": "4"})
+    for r in results:
+        assert r == ("PeerLostError", ["saved", "saved"], 3.0), results

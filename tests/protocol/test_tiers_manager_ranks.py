@@ -204,3 +204,75 @@ def test_a_damaged_copy_is_passed_over_while_another_node_fetches_from_its_peers
     assert all(r["exact"] for r in results), results
     assert results[0]["tiers"]["local"] == 0 < results[0]["tiers"]["remote"]
     assert results[1]["peers"] > 0 and results[1]["tiers"]["remote"] == 0
+
+
+def _lost_peer_then_go_on_body(rank: int, world_size: int, tmp: str, where: str) -> dict:
+    """Rank 1 stalls once past the bound of the channel named by ``where`` ("save": the local
+    save's write, past DISTCKPT_TIMEOUT_S; "drain": step 1's drain, past
+    DISTCKPT_DRAIN_TIMEOUT_S); the same manager then saves again and must go on working."""
+    import time
+
+    import distckpt.storage.posix.saving as saving
+    import distckpt.tiers.drain as drain
+    from distckpt import errors
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    module, name = (saving, "write_rank_file") if where == "save" else (drain, "_copy_file")
+    real = getattr(module, name)
+    if rank == 1:
+        def stuck(*a, **k):
+            setattr(module, name, real)  # once
+            time.sleep(10)  # past the channel's bound: the other rank gives up, gloo closes the group
+            return real(*a, **k)
+        setattr(module, name, stuck)
+    out: dict = {}
+    mgr = TieredCheckpointManager(local, remote, keep_last_local=2)
+    try:
+        mgr.save(1, _state(1, rank))
+        if where == "save":
+            out["first"] = "saved"
+    except errors.PeerLostError as exc:
+        out["first"] = type(exc).__name__
+    if where == "drain":
+        try:
+            mgr.wait_durable(1, timeout=60)
+            out["first"] = "durable"
+        except errors.NotDurableError as exc:
+            out["first"] = f"{type(exc).__name__}: {type(exc.cause).__name__}"
+    mgr.save(2, _state(2, rank))  # the same manager: a new control group, a new drain channel
+    out["durable"] = [s for s in (1, 2) if mgr.wait_durable(s, timeout=120).durable] if where == "drain" else \
+        [s for s in (2,) if mgr.wait_durable(s, timeout=120).durable]
+    sd = {f"w{rank}": torch.zeros(1 << 14), "step": -1}
+    mgr.load(sd)
+    out["exact"] = sd["step"] == 2 and torch.equal(sd[f"w{rank}"], _state(2, rank)[f"w{rank}"])
+    mgr.close()
+    out["remote"] = sorted(os.listdir(remote))
+    return out
+
+
+def test_after_a_peer_stalled_in_a_save_the_same_manager_saves_loads_and_drains_again(tmp_path):
+    """One rank stalled past DISTCKPT_TIMEOUT_S in a local save: that save fails on both ranks,
+    and gloo closes the control group's connections. The manager kept that group: every later
+    save, load and listing of the run failed at once ("pair closure") although both ranks were
+    back. Now each collective call takes the control group anew, and the arrival check rebuilds
+    a lost one on every rank together."""
+    results = run_ranks(_lost_peer_then_go_on_body, 2, str(tmp_path), "save", timeout=240,
+                        env={"DISTCKPT_TIMEOUT_S": "4"})
+    for rank, r in enumerate(results):
+        assert r["first"] == "PeerLostError" and r["durable"] == [2] and r["exact"], (rank, r)
+        assert "step_00000002" in r["remote"] and "step_00000001" not in r["remote"], (rank, r)
+
+
+def test_after_a_peer_stalled_in_a_drain_the_next_save_restarts_the_drain_and_drains_what_it_left(tmp_path):
+    """One rank's drain stalled past DISTCKPT_DRAIN_TIMEOUT_S: the drain threads of both ranks
+    stop (a lost peer on the drain's channel), step 1 is not durable. Every later step then
+    stayed on the local tier only, never drained (and never rotated away locally: the disk
+    filled) until the job restarted. Now the next save, once every rank's drain thread has
+    stopped, builds a new drain channel and thread on every rank, queues the steps the old one
+    left (step 1) before the new one, and both reach the remote tier."""
+    results = run_ranks(_lost_peer_then_go_on_body, 2, str(tmp_path), "drain", timeout=240,
+                        env={"DISTCKPT_DRAIN_TIMEOUT_S": "4"})
+    for rank, r in enumerate(results):
+        assert r["first"] == "NotDurableError: PeerLostError", (rank, r)
+        assert r["durable"] == [1, 2] and r["exact"], (rank, r)
+        assert {"step_00000001", "step_00000002"} <= set(r["remote"]), (rank, r)

@@ -86,3 +86,37 @@ def test_every_rank_stops_after_the_same_step(monkeypatch):
     assert drained == {0: [1], 1: [1]}, drained
     assert not collective.broken
     assert [d.state(2).state for d in ds] == ["stopped", "stopped"]
+
+
+def test_a_lost_peer_stops_the_thread_and_names_every_step_it_left():
+    """A drain that loses a peer stops the thread (nothing can be agreed on its channel any more):
+    the step it was draining is failed with the PeerLostError, one queued after it and one queued
+    once the thread is gone are ``stopped`` at once (a wait on them never hangs), and the
+    manager's restart is told all three (left_by_lost_peer) together with the error (lost_peer).
+    A thread stopped by close() reports no lost peer."""
+    from distckpt import errors
+    held = threading.Event()
+
+    def drain(step, save_id, progress, assigned):
+        if step == 1:
+            assert held.wait(30)
+            raise errors.PeerLostError("gather among 2 ranks failed: a peer was paused past the drain timeout")
+        return 0
+
+    d = Drainer(drain, lambda closing: closing, name="test-drain")
+    d.enqueue(1, "s1")
+    d.enqueue(2, "s2")
+    assert d.lost_peer() is None  # still running
+    held.set()
+    d._thread.join(30)
+    late = d.enqueue(3, "s3")
+    assert late.done.is_set() and late.state == "stopped" and isinstance(late.error, errors.PeerLostError)
+    assert isinstance(d.lost_peer(), errors.PeerLostError)
+    assert d.left_by_lost_peer() == [(1, "s1"), (2, "s2"), (3, "s3")]
+    assert d.state(1).state == "failed" and d.state(2).state == "stopped"
+    again = Drainer(lambda *a: 0, lambda closing: closing, name="test-drain-2", history=d.states())
+    assert again.state(1).state == "failed"  # the history a restart keeps until it queues the step again
+    again.close(5)
+    closed = Drainer(lambda *a: 0, lambda closing: closing, name="test-drain-3")
+    closed.close(5)
+    assert closed.lost_peer() is None and closed.left_by_lost_peer() == []
