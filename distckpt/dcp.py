@@ -109,6 +109,13 @@ def _torch_load_value(data: bytes | bytearray, fqn: str, path: str | None, *, al
     import torch
 
     try:
+        # The bytes must be one whole archive: torch.load of a range that runs into the next
+        # value's archive reads one of the two.
+        _whole_archive(io.BytesIO(data))
+    except (_Bad, zipfile.BadZipFile, ValueError, EOFError, struct.error, OSError) as exc:
+        raise CheckpointCorruptError(f"DCP value {fqn!r} is not a torch.save archive of its byte range: {exc}",
+                                     path=path, key=fqn) from None
+    try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         reason = _unpickler_reason(exc)
@@ -480,6 +487,37 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
+def _whole_archive(f: Any) -> zipfile.ZipFile:
+    """The zip archive that is exactly the seekable file ``f`` (a range of a DCP data file).
+
+    zipfile finds the last end-of-directory record and, when its archive starts past 0, takes
+    what precedes it for prepended data: a range that runs into the next chunk's archive would be
+    parsed as that archive, and its bytes loaded silently. torch.save writes its first record at
+    0 and its end record, with no comment, last: anything else raises _Bad (zipfile's own errors
+    pass through)."""
+    zf = zipfile.ZipFile(f)
+    f.seek(-22, 2)
+    end = f.read(22)
+    if end[:4] != b"PK\x05\x06" or end[-2:] != b"\x00\x00" \
+            or min((i.header_offset for i in zf.infolist()), default=-1) != 0:
+        raise _Bad("the archive does not span exactly the metadata's byte range")
+    return zf
+
+
+def _check_local_header(rest: bytes, name: str, name_len: int, extra_len: int) -> None:
+    """Raise _Bad unless the bytes ``rest`` that follow a local zip header's fixed 30 name
+    ``name`` (the central directory's name of the record, as zipfile.open checks) and an extra
+    field of whole records that fill exactly ``extra_len`` bytes: the two lengths place the
+    record's data, and the central directory does not repeat them."""
+    if len(rest) != name_len + extra_len or rest[:name_len] != name.encode("utf-8"):
+        raise _Bad("the local zip header names another record than the directory")
+    extra, pos = rest[name_len:], 0
+    while pos + 4 <= extra_len:
+        pos += 4 + struct.unpack_from("<H", extra, pos + 2)[0]
+    if pos != extra_len:
+        raise _Bad("the local zip header's extra field does not fill its length")
+
+
 def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...],
                 st: DcpStorage) -> tuple[int, tuple[int, ...] | None]:
     """(the file offset of the chunk's raw bytes, their element strides: None when C-contiguous).
@@ -501,14 +539,16 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
             # whose recorded offsets do not point at the bytes (it appends a safetensors blob at
             # the end of the file). Reading them raw would return wrong values: refuse.
             raise _Unsupported("a chunk stored without a torch.save archive (SerializationFormat.SAFETENSORS)")
-        zf = zipfile.ZipFile(_Slice(fd, st.offset, st.length))
+        archive = _Slice(fd, st.offset, st.length)
+        zf = _whole_archive(archive)
         infos = {i.filename: i for i in zf.infolist()}
         pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise _Bad("no data.pkl")
         prefix = pkls[0][: -len("data.pkl")]
         order = infos.get(prefix + "byteorder")
-        for rec_info, limit in ((infos[pkls[0]], _MAX_PKL_BYTES), (order, 16)):
+        aligned = infos.get(prefix + ".storage_alignment")
+        for rec_info, limit in ((infos[pkls[0]], _MAX_PKL_BYTES), (order, 16), (aligned, 16)):
             # torch.save stores every record uncompressed: anything else (a deflate stream, which
             # could inflate to gigabytes from a chunk of a few KiB, another method, encryption) is
             # not its archive, refused before zipfile decodes it; the declared size bounds the rest.
@@ -520,6 +560,10 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
                 raise _Bad(f"{rec_info.filename.rsplit('/', 1)[-1]} record of {rec_info.file_size} bytes")
         if order is not None and zf.read(order) != b"little":
             raise _Unsupported("big-endian")
+        # Where torch.save aligns each storage's bytes in the archive (64 before the record said).
+        alignment = int(zf.read(aligned)) if aligned is not None else 64
+        if alignment < 1 or alignment > 1 << 20:
+            raise _Bad(f"storage alignment {alignment}")
         rec = _unpickle(zf.read(pkls[0]), _TENSOR_GLOBALS, what=f"data.pkl of the {where}", path=fpath,
                         persistent=True)
         if not (_is(rec, "torch._utils._rebuild_tensor_v2") or _is(rec, "torch._utils._rebuild_tensor_v3")) \
@@ -569,11 +613,19 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
         info = infos.get(f"{prefix}data/{key}")
         if info is None or info.compress_type != zipfile.ZIP_STORED or info.file_size != storage_bytes:
             raise _Bad("storage record missing, compressed or of the wrong size")
-        header = os.pread(fd, 30, st.offset + info.header_offset)
+        # Read through the archive's cached first 4 KiB, where torch.save puts this header.
+        archive.seek(info.header_offset)
+        header = archive.read(30)
         if len(header) != 30 or header[:4] != b"PK\x03\x04":
             raise _Bad("bad local zip header")
         name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.header_offset + 30 + name_len + extra_len + storage_offset * itemsize
+        data_at = info.header_offset + 30 + name_len + extra_len
+        _check_local_header(archive.read(name_len + extra_len), info.filename, name_len, extra_len)
+        if data_at % alignment:
+            # torch.save pads each storage record to the alignment with its extra field: a local
+            # header whose lengths put the data elsewhere was altered (a flipped bit).
+            raise _Bad(f"storage record's bytes at {data_at}, not aligned to {alignment} as torch.save writes them")
+        start = data_at + storage_offset * itemsize
         if storage_offset < 0 or start + nbytes > st.length or storage_offset * itemsize + nbytes > storage_bytes:
             raise _Bad("tensor bytes lie outside the archive")
         return st.offset + start, strides

@@ -462,13 +462,17 @@ class _Session:
         return self._slots
 
     def drop_slots(self) -> None:
-        """Close the kept readers (they hold the slots registered), then unmap the slots."""
-        readers, self._readers = self._readers, {}
-        for r in readers.values():
-            r.close()
-        slots, self._slots = self._slots, None
-        if slots is not None:
-            slots.close()
+        """Close the kept readers (they hold the slots registered), then unmap the slots. One
+        thread at a time (the workers' :meth:`take` all call it): a second caller waits until the
+        first has closed every reader, else it would unmap the slots under a reader still
+        holding them (BufferError)."""
+        with self._lock:
+            readers, self._readers = self._readers, {}
+            for r in readers.values():
+                r.close()
+            slots, self._slots = self._slots, None
+            if slots is not None:
+                slots.close()
 
     def submit(self, fn: Callable[[], None], n: int) -> list[concurrent.futures.Future]:
         if self._pool is None:
@@ -478,8 +482,7 @@ class _Session:
     def take(self, size: int) -> _Buffer:
         """An idle buffer of at least ``size`` bytes, or a new one (an idle smaller one is unmapped
         first: at most one buffer per worker exists). Kept slots are unmapped first."""
-        if self._slots is not None:
-            self.drop_slots()
+        self.drop_slots()
         with self._lock:
             for i, b in enumerate(self._idle):
                 if b.size >= size:

@@ -484,3 +484,72 @@ def test_a_chunk_archive_is_parsed_only_when_read_and_a_bad_one_fails_before_any
     assert sd["good"].eq(0).all() and sd["bad"].eq(0).all()  # nothing moved
     r0, r1 = run_ranks(_bad_chunk_ranks_body, 2, path)
     assert r0[0] == r1[0] == "CheckpointCorruptError" and (r0[1] or r0[2]) and r1[1], (r0, r1)
+
+
+def test_a_byte_range_that_runs_into_the_next_archive_is_refused_not_read_as_it(tmp_path):
+    """A .metadata range for 'x' that covers x's archive and the next one: zipfile parsed the last
+    archive in the range (it takes what precedes it for prepended data), so y's values loaded
+    into x silently, while dcp.load read x. For a non-tensor value, torch.load reads one of the
+    two. Each range must be exactly one archive: CheckpointCorruptError, destinations as they were."""
+    import torch.distributed.checkpoint as dcp
+    path = str(tmp_path / "ck")
+    dcp.save({"x": torch.arange(16.0), "y": torch.arange(16.0) + 100, "v": "run one", "w": "run two"},
+             checkpoint_id=path, no_dist=True)
+    spans = {k.fqn: v for k, v in dcp.FileSystemReader(path).read_metadata().storage_data.items()}
+    checked = 0
+    for name, other in (("x", "y"), ("y", "x"), ("v", "w"), ("w", "v")):
+        a, b = spans[name], spans[other]
+        if a.relative_path != b.relative_path or a.offset > b.offset:
+            continue  # the pair the other way round is the one whose next archive this is
+        checked += 1
+        bad = str(tmp_path / f"bad_{name}")
+        _copy_ckpt(path, bad)
+
+        def longer(m, name=name, extra=b.offset + b.length - a.offset - a.length):
+            for k, v in m.storage_data.items():
+                if k.fqn == name:
+                    v.length += extra  # still inside the file
+        _rewrite_metadata(bad, longer)
+        sd = {"x": torch.zeros(16), "y": torch.zeros(16)}
+        with pytest.raises(CheckpointCorruptError, match="span exactly"):
+            if name in ("x", "y"):
+                distckpt.load(sd, bad, no_dist=True)
+            else:
+                distckpt.read(bad, keys=[name])
+        assert torch.equal(sd["x"], torch.zeros(16)) and torch.equal(sd["y"], torch.zeros(16))
+    assert checked == 2
+
+
+def test_a_flipped_length_in_a_local_zip_header_is_refused_not_read_shifted(tmp_path):
+    """One bit of the name or extra-field length in the local header of a chunk's data record
+    moves where the tensor's bytes start: distckpt (and dcp.load) read the values shifted,
+    silently. The local header must name the directory's record, its extra field must fill its
+    length, and the data must sit at the archive's storage alignment."""
+    import io
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=path, no_dist=True)
+    st = next(iter(dcp.FileSystemReader(path).read_metadata().storage_data.values()))
+    fpath = os.path.join(path, st.relative_path)
+    with open(fpath, "rb") as f:
+        f.seek(st.offset)
+        blob = f.read(st.length)
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if "/data/" in i.filename)
+    for at in (26, 28):  # name length, extra-field length (low byte)
+        for bit in (0, 1, 6):
+            bad = str(tmp_path / f"bad_{at}_{bit}")
+            _copy_ckpt(path, bad)
+            with open(os.path.join(bad, st.relative_path), "r+b") as f:
+                f.seek(st.offset + info.header_offset + at)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ (1 << bit)]))
+            sd = {"w": torch.zeros(64)}
+            with pytest.raises(CheckpointCorruptError):
+                distckpt.load(sd, bad, no_dist=True)
+            assert torch.equal(sd["w"], torch.zeros(64)), (at, bit)
+    sd = {"w": torch.zeros(64)}
+    distckpt.load(sd, path, no_dist=True)
+    assert torch.equal(sd["w"], torch.arange(64.0))
