@@ -504,18 +504,37 @@ def _whole_archive(f: Any) -> zipfile.ZipFile:
     return zf
 
 
-def _check_local_header(rest: bytes, name: str, name_len: int, extra_len: int) -> None:
-    """Raise _Bad unless the bytes ``rest`` that follow a local zip header's fixed 30 name
-    ``name`` (the central directory's name of the record, as zipfile.open checks) and an extra
-    field of whole records that fill exactly ``extra_len`` bytes: the two lengths place the
-    record's data, and the central directory does not repeat them."""
-    if len(rest) != name_len + extra_len or rest[:name_len] != name.encode("utf-8"):
+def _record_at(archive: _Slice, info: zipfile.ZipInfo) -> int:
+    """Where the data of record ``info`` starts in ``archive``, from its local zip header (read
+    through the archive's cached first 4 KiB, where torch.save puts its headers). The header must
+    name the central directory's record (as zipfile.open checks) and its extra field must be
+    whole records that fill exactly its length: the two lengths place the data, and the central
+    directory does not repeat them. Raises _Bad."""
+    archive.seek(info.header_offset)
+    header = archive.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise _Bad("bad local zip header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    rest = archive.read(name_len + extra_len)
+    if len(rest) != name_len + extra_len or rest[:name_len] != info.filename.encode("utf-8"):
         raise _Bad("the local zip header names another record than the directory")
-    extra, pos = rest[name_len:], 0
+    pos = 0
     while pos + 4 <= extra_len:
-        pos += 4 + struct.unpack_from("<H", extra, pos + 2)[0]
+        pos += 4 + struct.unpack_from("<H", rest, name_len + pos + 2)[0]
     if pos != extra_len:
         raise _Bad("the local zip header's extra field does not fill its length")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _record_bytes(archive: _Slice, info: zipfile.ZipInfo) -> bytes:
+    """The bytes of stored (uncompressed: checked by the caller) record ``info``, their crc32
+    checked as zipfile's read does, without its per-record file objects (a third of the parse of
+    a chunk went there). Raises _Bad."""
+    archive.seek(_record_at(archive, info))
+    data = archive.read(info.file_size)
+    if len(data) != info.file_size or zlib.crc32(data) != info.CRC:
+        raise _Bad(f"record {info.filename} does not match its size and crc32")
+    return data
 
 
 def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...],
@@ -558,14 +577,14 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
                 raise _Bad(f"record {rec_info.filename} is compressed or encrypted (torch.save stores them plain)")
             if rec_info.file_size > limit:
                 raise _Bad(f"{rec_info.filename.rsplit('/', 1)[-1]} record of {rec_info.file_size} bytes")
-        if order is not None and zf.read(order) != b"little":
+        if order is not None and _record_bytes(archive, order) != b"little":
             raise _Unsupported("big-endian")
         # Where torch.save aligns each storage's bytes in the archive (64 before the record said).
-        alignment = int(zf.read(aligned)) if aligned is not None else 64
+        alignment = int(_record_bytes(archive, aligned)) if aligned is not None else 64
         if alignment < 1 or alignment > 1 << 20:
             raise _Bad(f"storage alignment {alignment}")
-        rec = _unpickle(zf.read(pkls[0]), _TENSOR_GLOBALS, what=f"data.pkl of the {where}", path=fpath,
-                        persistent=True)
+        rec = _unpickle(_record_bytes(archive, infos[pkls[0]]), _TENSOR_GLOBALS, what=f"data.pkl of the {where}",
+                        path=fpath, persistent=True)
         if not (_is(rec, "torch._utils._rebuild_tensor_v2") or _is(rec, "torch._utils._rebuild_tensor_v3")) \
                 or len(rec.args) < 4:
             raise _Bad("data.pkl is not a single tensor")
@@ -613,14 +632,7 @@ def _chunk_data(fd: int, fpath: str, fqn: str, dtype: str, sizes: tuple[int, ...
         info = infos.get(f"{prefix}data/{key}")
         if info is None or info.compress_type != zipfile.ZIP_STORED or info.file_size != storage_bytes:
             raise _Bad("storage record missing, compressed or of the wrong size")
-        # Read through the archive's cached first 4 KiB, where torch.save puts this header.
-        archive.seek(info.header_offset)
-        header = archive.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise _Bad("bad local zip header")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        data_at = info.header_offset + 30 + name_len + extra_len
-        _check_local_header(archive.read(name_len + extra_len), info.filename, name_len, extra_len)
+        data_at = _record_at(archive, info)
         if data_at % alignment:
             # torch.save pads each storage record to the alignment with its extra field: a local
             # header whose lengths put the data elsewhere was altered (a flipped bit).
