@@ -23,6 +23,10 @@ Invariants:
     PeerLostError at once, saying why.
   * Without an initialized process group, :func:`control_group` returns a one-rank group and save /
     load run as plain single-process functions.
+  * A thread that close() may leave inside a collective (a tiered manager's drain) uses an
+    ``exit_safe`` group: it waits for a collective in Python, never inside torch, and stops calling
+    torch once the process exits (:func:`_stop_torch_calls_at_exit`), so the interpreter's
+    finalization never ends it inside torch's C++ (SIGABRT, see :class:`ControlGroup`).
 """
 
 from __future__ import annotations
@@ -55,12 +59,24 @@ def is_distributed() -> bool:
 
 
 class ControlGroup:
-    """rank, world_size and the few collectives the protocol needs, over a gloo group."""
+    """rank, world_size and the few collectives the protocol needs, over a gloo group.
 
-    def __init__(self, pg: Any | None, rank: int, world_size: int) -> None:
+    ``exit_safe``: for a thread that may still be inside a collective when the process exits (a
+    tiered manager's drain thread, which close() leaves behind when a peer holds it up). torch's
+    blocking collectives wait inside C++ with the GIL released; when such a wait ends during the
+    interpreter's finalization (a peer's exit closes the connections), the thread cannot take the
+    GIL back: CPython ends it with pthread_exit, whose unwinding crosses pybind11's
+    ``~gil_scoped_release`` (noexcept) and the process aborts ("terminate called without an active
+    exception", SIGABRT, after everything succeeded). An exit_safe group launches each collective
+    asynchronously and polls for its end in Python (:func:`_await`); its short calls into torch
+    are made under :data:`_TORCH_LOCK` and stop once the process exits (the thread parks: see
+    :func:`_stop_torch_calls_at_exit`). Same messages, same errors."""
+
+    def __init__(self, pg: Any | None, rank: int, world_size: int, *, exit_safe: bool = False) -> None:
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
+        self.exit_safe = exit_safe
 
     def _wrap(self, what: str, fn, *args):
         progress = _Progress.enter(self.pg, self.rank)
@@ -90,6 +106,8 @@ class ControlGroup:
         """Every rank's ``obj`` in rank order (a one-element list in a single process)."""
         if self.world_size == 1:
             return [obj]
+        if self.exit_safe:
+            return self._wrap("all_gather", _safe_all_gather, self.pg, obj, self.world_size)
         import torch.distributed as dist
         out: list[Any] = [None] * self.world_size
 
@@ -103,6 +121,8 @@ class ControlGroup:
         """Rank ``src``'s ``obj`` on every rank."""
         if self.world_size == 1:
             return obj
+        if self.exit_safe:
+            return self._wrap("broadcast", _safe_broadcast, self.pg, obj, self._global(src), self.rank == src)
         import torch.distributed as dist
         box = [obj]
 
@@ -119,6 +139,8 @@ class ControlGroup:
         does not grow with the number of ranks."""
         if self.world_size == 1:
             return [obj]
+        if self.exit_safe:
+            return self._wrap("gather", _safe_gather, self.pg, obj, self.world_size, self._global(dst), self.rank == dst)
         import torch.distributed as dist
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
 
@@ -133,6 +155,9 @@ class ControlGroup:
         receives only its own element."""
         if self.world_size == 1:
             return objs[0]
+        if self.exit_safe:
+            return self._wrap("scatter", _safe_scatter, self.pg, objs if self.rank == src else None,
+                              self._global(src))
         import torch.distributed as dist
         box: list[Any] = [None]
 
@@ -248,6 +273,195 @@ def _class_name(error: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# -- collectives a thread may be left inside at exit (ControlGroup(exit_safe=True)) ---------------
+
+# Set once, at exit, under _TORCH_LOCK (_stop_torch_calls_at_exit): from then on an exit_safe
+# group's thread makes no call into torch (it parks), so none is inside one when the interpreter
+# finalizes. _TORCH_LOCK is held only across short calls (a tensor made, a collective launched,
+# a finished one's result read), never across a wait.
+_EXITING = False
+_TORCH_LOCK = threading.Lock()
+_POLL_FIRST_S = 0.0001
+_POLL_MAX_S = 0.01
+# How long the exit hook waits for a short call in flight (a bound, never reached in practice).
+_EXIT_LOCK_S = 1.0
+
+
+def _park():
+    """The end of a thread that met the process's exit: it sleeps until the process is gone
+    (a daemon: the interpreter's finalization ends it inside ``time.sleep``, harmlessly)."""
+    while True:
+        time.sleep(3600)
+
+
+def _in_torch(fn, *args):
+    """``fn(*args)`` (a short call into torch), unless the process is exiting: the thread parks."""
+    with _TORCH_LOCK:
+        if not _EXITING:
+            return fn(*args)
+    _park()
+
+
+def _await(work: Any) -> None:
+    """Wait for an async collective in Python (never blocked inside torch with the GIL released),
+    then raise its error if it failed. ``Work.is_completed`` keeps the GIL; ``Work.wait`` on a
+    finished work returns at once. The collective's own timeout (the group's) ends a stuck one."""
+    delay = _POLL_FIRST_S
+    while not _in_torch(work.is_completed):
+        time.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+    _in_torch(work.wait)
+
+
+def _encode(obj: Any):
+    """``obj`` pickled into a uint8 tensor whose memory torch owns (a tensor over a Python buffer
+    would need the GIL to be freed, maybe by a gloo thread)."""
+    import torch
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).clone()
+
+
+def _decode(tensor: Any, size: int) -> Any:
+    return pickle.loads(tensor[:size].numpy().tobytes())
+
+
+def _sizes(pg: Any, n: int, world: int) -> list[int]:
+    """Every rank's ``n`` (all-gathered)."""
+    import torch
+    import torch.distributed as dist
+
+    def launch():
+        got = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        return got, dist.all_gather(got, torch.tensor([n], dtype=torch.int64), group=pg, async_op=True)
+
+    got, work = _in_torch(launch)
+    _await(work)
+    return _in_torch(lambda: [int(t.item()) for t in got])
+
+
+def _padded(data: Any, size: int):
+    out = data.new_zeros(size)
+    out[:data.numel()] = data
+    return out
+
+
+def _safe_all_gather(pg: Any, obj: Any, world: int) -> list[Any]:
+    import torch
+    import torch.distributed as dist
+    mine = _in_torch(_encode, obj)
+    sizes = _sizes(pg, mine.numel(), world)
+
+    def launch():
+        got = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)]
+        return got, dist.all_gather(got, _padded(mine, max(sizes)), group=pg, async_op=True)
+
+    got, work = _in_torch(launch)
+    _await(work)
+    return _in_torch(lambda: [_decode(t, k) for t, k in zip(got, sizes)])
+
+
+def _safe_gather(pg: Any, obj: Any, world: int, dst: int, is_dst: bool) -> list[Any] | None:
+    import torch
+    import torch.distributed as dist
+    mine = _in_torch(_encode, obj)
+    sizes = _sizes(pg, mine.numel(), world)
+
+    def launch():
+        got = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(world)] if is_dst else None
+        return got, dist.gather(_padded(mine, max(sizes)), got, dst=dst, group=pg, async_op=True)
+
+    got, work = _in_torch(launch)
+    _await(work)
+    return _in_torch(lambda: [_decode(t, k) for t, k in zip(got, sizes)]) if is_dst else None
+
+
+def _safe_broadcast(pg: Any, obj: Any, src: int, is_src: bool) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    def launch_size():
+        data = _encode(obj) if is_src else None
+        size = torch.tensor([data.numel() if is_src else 0], dtype=torch.int64)
+        return data, size, dist.broadcast(size, src=src, group=pg, async_op=True)
+
+    data, size, work = _in_torch(launch_size)
+    _await(work)
+
+    def launch_data():
+        n = int(size.item())
+        buf = data if is_src else torch.empty(n, dtype=torch.uint8)
+        return n, buf, dist.broadcast(buf, src=src, group=pg, async_op=True)
+
+    n, buf, work = _in_torch(launch_data)
+    _await(work)
+    return obj if is_src else _in_torch(_decode, buf, n)
+
+
+def _safe_scatter(pg: Any, objs: list[Any] | None, src: int) -> Any:
+    import torch
+    import torch.distributed as dist
+    is_src = objs is not None
+
+    def launch_max():
+        data = [_encode(o) for o in objs] if is_src else None
+        top = torch.tensor([max(t.numel() for t in data) if is_src else 0], dtype=torch.int64)
+        return data, top, dist.broadcast(top, src=src, group=pg, async_op=True)
+
+    data, top, work = _in_torch(launch_max)
+    _await(work)
+
+    def launch_size():
+        size = torch.zeros(1, dtype=torch.int64)
+        sizes = [torch.tensor([t.numel()], dtype=torch.int64) for t in data] if is_src else None
+        return size, dist.scatter(size, sizes, src=src, group=pg, async_op=True)
+
+    size, work = _in_torch(launch_size)
+    _await(work)
+
+    def launch_data():
+        m = int(top.item())
+        buf = torch.empty(m, dtype=torch.uint8)
+        padded = None
+        if is_src:
+            padded = [_padded(t, m) for t in data]
+        return buf, dist.scatter(buf, padded, src=src, group=pg, async_op=True)
+
+    buf, work = _in_torch(launch_data)
+    _await(work)
+    return _in_torch(lambda: _decode(buf, int(size.item())))
+
+
+def _stop_torch_calls_at_exit() -> None:
+    """At exit, before the interpreter finalizes (the last atexit hook in practice: registered at
+    import), while daemon threads still run: no exit_safe group's thread, nor the store worker,
+    calls into torch any more. One that is waiting for a
+    collective (a drain thread close() left waiting for a peer held up in a request) parks when
+    the collective ends, instead of being ended by the finalization inside torch's C++ (SIGABRT).
+    Takes the lock only to wait out a short call in flight: microseconds."""
+    global _EXITING
+    took = _TORCH_LOCK.acquire(timeout=_EXIT_LOCK_S)
+    try:
+        _EXITING = True
+    finally:
+        if took:
+            _TORCH_LOCK.release()
+
+
+# Registered when this module is imported, so that it runs after every exit hook registered
+# later (atexit is last in, first out): those of the program itself, which may still save or load
+# a checkpoint (a final save in an exit hook) through the store and the drain.
+atexit.register(_stop_torch_calls_at_exit)
+
+_EXIT_HOOKS_REGISTERED = False
+
+
+def _register_exit_hooks() -> None:
+    """Once the process has a side group: :func:`_let_gloo_workers_finish`."""
+    global _EXIT_HOOKS_REGISTERED
+    if not _EXIT_HOOKS_REGISTERED:
+        _EXIT_HOOKS_REGISTERED = True
+        atexit.register(_let_gloo_workers_finish)
+
+
 # (process group, channel) -> our gloo side group. Strong references: side groups live as long as
 # the job's groups; after destroy_process_group a new world is a new key.
 _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
@@ -311,7 +525,10 @@ class _StoreWorker:
 
     def _run(self) -> None:
         while True:
-            self._jobs.get()()
+            job = self._jobs.get()
+            if _EXITING:  # no store request starts inside torch once the process exits
+                _park()
+            job()
 
 
 _STORE = _StoreWorker()
@@ -320,8 +537,10 @@ _STORE = _StoreWorker()
 def _forget_store_worker_in_child() -> None:
     # A forked child (a DataLoader worker) has none of the parent's threads: its requests, if it
     # ever makes any, start a worker of its own, and the parent's queued ones are not run twice.
-    global _STORE
+    # The lock of the exit-safe collectives may have been held by a thread the child lacks.
+    global _STORE, _TORCH_LOCK
     _STORE = _StoreWorker()
+    _TORCH_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_store_worker_in_child)
@@ -589,7 +808,8 @@ def _drop_side_group(pg: Any, channel: str, *, destroy: bool = True) -> None:
 
 
 def control_group(process_group: Any | None = None, *, channel: str = "control",
-                  operation: str = "save()/load()", timeout_s: float | None = None) -> ControlGroup:
+                  operation: str = "save()/load()", timeout_s: float | None = None,
+                  exit_safe: bool = False) -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of
     distckpt's own, created once per (group, channel). Must be called by every rank of the group
     (it runs a collective the first time).
@@ -601,7 +821,10 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     ``timeout_s``: the bound on each collective of the side group (default DISTCKPT_TIMEOUT_S),
     fixed when the group of (group, channel) is created: a later call with another value gets
     the existing group. A tiered manager's "drain" channel takes DISTCKPT_DRAIN_TIMEOUT_S, since
-    its ranks wait at a gather for the slowest rank's upload."""
+    its ranks wait at a gather for the slowest rank's upload.
+
+    ``exit_safe``: the group's collectives may be left running at exit (see :class:`ControlGroup`):
+    for a thread that close() may leave behind."""
     if not is_distributed():
         return ControlGroup(None, 0, 1)
     import torch.distributed as dist
@@ -655,7 +878,6 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
                 f"creating distckpt's gloo control group among {world} ranks for {operation} failed: "
                 f"{type(exc).__name__}: {exc}", rank=rank,
                 remedy="Every rank of the group must call it; check the other ranks' logs.") from exc
-        if not _SIDE_GROUPS:
-            atexit.register(_let_gloo_workers_finish)
+        _register_exit_hooks()
         _SIDE_GROUPS[(pg, channel)] = side
-    return ControlGroup(side, rank, world)
+    return ControlGroup(side, rank, world, exit_safe=exit_safe)

@@ -213,7 +213,8 @@ class TieredCheckpointManager:
         # waits at the drain's gather for the slowest rank's upload, which is no lost peer.
         # A channel per manager (built collectively, so the count agrees on every rank): a drain
         # thread an earlier manager's close left inside a held request may still run collectives
-        # on its own channel, and they must never pair with this manager's.
+        # on its own channel, and they must never pair with this manager's. exit_safe: such a
+        # thread may still wait in a collective when the process exits (distckpt._dist).
         self._drain_channel: str | None = None
         self._drain_group = self._new_drain_group()
         self._closed = False
@@ -238,7 +239,8 @@ class TieredCheckpointManager:
         if self._group.world_size == 1:
             return self._group
         self._drain_channel = _drain_channel(self.process_group)
-        return control_group(self.process_group, channel=self._drain_channel, timeout_s=get_config().drain_timeout_s)
+        return control_group(self.process_group, channel=self._drain_channel, timeout_s=get_config().drain_timeout_s,
+                             exit_safe=True)
 
     def _new_drainer(self, history: dict | None = None) -> Drainer:
         return Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}",

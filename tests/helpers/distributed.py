@@ -72,13 +72,17 @@ def _entry(fn, rank, world_size, port, args, kwargs, env, queue, init_pg):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
               env: dict[str, str] | None = None, init_process_group: bool = True,
-              preload: list[str] | None = None, **kwargs: Any) -> list[Any]:
+              preload: list[str] | None = None, check_exit: bool = False, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo ranks.
 
     ``preload``: modules to import once in a fork server; the ranks are then forked from it
     instead of spawned (each spawned rank imports torch and the like anew: seconds per rank on
     this 2-core machine). The fork server is this process's (multiprocessing's "forkserver"
     context): the first call that starts it fixes its preload.
+
+    ``check_exit``: a rank whose process then exits with a non-zero code (SIGABRT at interpreter
+    finalization, after it reported its result) counts as failed too. Spawned ranks only: a rank
+    forked from the fork server leaves through os._exit, without finalization.
 
     Returns the per-rank results in rank order. Raises RankError if any rank raised (with all
     tracebacks, or the exit code of a rank that died without reporting), TimeoutError if the
@@ -123,6 +127,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
                 p.join()
+    if check_exit:
+        for r, p in enumerate(procs):
+            if p.exitcode != 0 and r not in errors:
+                errors[r] = (None, f"process exited with code {p.exitcode} after reporting its result")
     if errors:
         raise RankError(errors, results)
     return [results[r] for r in range(world_size)]
