@@ -209,7 +209,8 @@ class CheckpointManager:
         branch."""
         timed, untimed = [], []
         for step in self.steps():
-            # Where the store can peek cheaply (a local file's first 4 KiB); else the decode below.
+            # The first 4 KiB of each MANIFEST (a local file's, or one ranged GET); when they do not
+            # tell, the decode below.
             t = self._store.peek_commit_time(self.path(step))
             (untimed if t is None else timed).append((t, step))
         # A MANIFEST whose first bytes do not tell its time: decode it whole now (damaged, usually).
@@ -408,7 +409,13 @@ class CheckpointManager:
             nonlocal failed
             if failed:
                 return None
-            t = self._store.peek_commit_time(self.path(s))
+            try:
+                t = self._store.peek_commit_time(self.path(s))
+            except Exception as exc:  # noqa: BLE001 - a failed request: keep it, look no further
+                failed = True
+                log.warning("distckpt: keeping %s and the steps not yet looked at: the commit time of %s does "
+                            "not read (%s: %s)", self.path(s), step_dirname(s), type(exc).__name__, exc)
+                return None
             if t is not None:
                 return t
             info = _step_info(self.path(s), step_dirname(s), self._store, strict=False)

@@ -206,8 +206,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def peek_commit_time(self, path: str) -> float | None:
-        """The commit time the MANIFEST at ``path`` claims, when the back end can tell it cheaply
-        (a few KiB, unchecked: only for ordering candidates), else None. Never raises."""
+        """The commit time the MANIFEST at ``path`` claims, from its first few KiB (unchecked:
+        only for ordering candidates); None when those bytes do not tell (absent, damaged, not
+        a plain file). Never raises for what the bytes hold; raises the store's typed error for
+        a request that fails (a timeout, a refusal): the caller cannot tell the step's state."""
 
     @abc.abstractmethod
     def data_readers(self, path: str, manifest: Any, file_indexes: list[int], *,

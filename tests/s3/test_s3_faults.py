@@ -505,3 +505,36 @@ def test_verify_through_a_silent_endpoint_says_not_verified_never_damaged(s3_buc
     proxy.rule = lambda i, method, path: None
     out = cli("verify", url, "--no-progress")
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_latest_step_orders_an_object_store_root_by_one_ranged_get_per_step(s3_bucket, proxy, monkeypatch):
+    """latest_step (and rotation) order a root's steps by MANIFEST commit time. On an object
+    store every MANIFEST was decoded whole for it (a HEAD and a GET of the whole object each:
+    megabytes per step for a large state); now one ranged GET of its first 4 KiB, and a decode of
+    the newest only. An empty MANIFEST (HTTP 416 to a ranged GET) does not tell, and is decoded
+    (damaged: passed over); a root gone silent raises the typed error after one deadline, not one
+    per step."""
+    opts = s3_bucket.storage_options
+    root = s3_bucket.url + "/order"
+    with distckpt.CheckpointManager(root, storage_options=opts) as m:
+        for step in range(1, 7):
+            m.save(step, {"w": torch.full((100,), float(step))})
+    s3_bucket.fs.pipe_file(f"{s3_bucket.name}/order/step_00000007/MANIFEST", b"")  # damaged
+    popts = _proxied(opts, proxy)
+    m = distckpt.CheckpointManager(root, storage_options=popts)
+    proxy.reset_log()
+    assert m.latest_step() == 6
+    seen = "\n".join(map(str, proxy.log))
+    for step in range(1, 8):
+        got = [method for _, method, path in proxy.log if path.endswith(f"/step_{step:08d}/MANIFEST")]
+        if step <= 5:  # listed (a HEAD: committed?) and peeked (one GET), never decoded
+            assert sorted(got) == ["GET", "HEAD"], (step, seen)
+        else:  # the newest and the damaged one decoded too (a GET after HEADs)
+            assert got.count("GET") == 2, (step, seen)
+    # Silent: the first peek waits out its deadline and raises, typed.
+    proxy.rule = lambda n, method, path: "stall" if path.split("?")[0].endswith("/MANIFEST") else None
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", str(REQUEST_TIMEOUT_S))
+    t0 = time.monotonic()
+    with pytest.raises(EndpointUnreachableError):
+        distckpt.CheckpointManager(root, storage_options=popts).latest_step()
+    assert time.monotonic() - t0 < 3 * REQUEST_TIMEOUT_S + 5

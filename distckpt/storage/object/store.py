@@ -74,6 +74,7 @@ LOCK_NAME = ".lock"
 PUBLISHING_NAME = ".publishing"
 _MAX_PARTS = 10000           # S3's most parts per upload
 _SAVE_ID_LEN = 32
+_PEEK_BYTES = 4096           # a MANIFEST's first bytes, where its commit time is (peek_commit_time)
 #: How many answers in a row may hold fewer bytes than the object is known to have before a read
 #: fails with ResponseIncompleteError. Such an answer is the network's doing (a connection closed
 #: before the end of a body sent without Content-Length), not a damaged object: asked again.
@@ -297,7 +298,19 @@ class ObjectStore(Store):
         return urls, (lambda u: _RangeReader(self, u, sizes[u])), 1, f"fsspec:{self.protocol}"
 
     def peek_commit_time(self, path: str) -> float | None:
-        return None  # one GET reads a whole MANIFEST anyway: a peek would cost as much as the decode
+        # One ranged GET of the first few KiB, where a whole decode takes a HEAD and a GET of the
+        # whole MANIFEST (megabytes for a state of thousands of tensors): latest_step and
+        # rotation order every step of a root this way.
+        url = join(path, mf.MANIFEST_NAME)
+        try:
+            data = self._call("get", url, "cat_file", self._key(url), start=0, end=_PEEK_BYTES, nbytes=_PEEK_BYTES)
+        except NoSuchKey:
+            return None
+        except DistCkptError as exc:
+            if _empty_range(exc):  # an empty object has no first byte (HTTP 416): it does not tell
+                return None
+            raise
+        return mf.commit_time_of_prefix(data)
 
     def data_file_stat(self, path: str, manifest: "mf.Manifest", i: int) -> tuple[str, int | None, str | None]:
         url = self.data_url(path, manifest, i)
@@ -781,6 +794,11 @@ def _short_answer(url: str, got: int, expected: int, offset: int, endpoint: str 
         f"get {url} failed: {said} held {got} of the {expected} bytes asked for at offset {offset}, which the "
         f"object holds (the connection closed before the end of the body)",
         path=url, url=url, operation="get", code="ShortAnswer", endpoint=endpoint, errno=errno.EIO)
+
+
+def _empty_range(exc: DistCkptError) -> bool:
+    """Whether ``exc`` is the answer to a ranged GET of an empty object (HTTP 416)."""
+    return getattr(exc, "details", {}).get("status") == 416
 
 
 def _get_whole(get: Callable[[], bytes], url: str, nbytes: int, offset: int, endpoint: str | None) -> bytes:
