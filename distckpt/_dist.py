@@ -470,12 +470,13 @@ _SIDE_GROUPS: dict[tuple[Any, str], Any] = {}
 # used again (control_group builds a new one in lockstep, or raises).
 _LOST: dict[Any, str] = {}
 
-# The channels whose lost groups the control channel's arrival check renews: those used only by
-# calls the caller's thread serializes with it (an async save's background phases are waited
-# for before the next save; DCP's storage layer runs in the caller's thread), so the check is a
-# point every rank reaches with none of them in use. A tiered manager's drain channels are its
-# own (renewed by its next save).
-_RENEWABLE = ("control", "background", "dcp")
+# The channels whose lost groups the control channel's arrival check renews: those whose groups
+# only the caller's thread fetches (an async save's background thread runs on the group its
+# caller fetched for it, and the next async save fetches the next), so the check is a point every
+# rank reaches in the same order, and no other thread fetches the group meanwhile. Not "dcp":
+# dcp.async_save fetches it in DCP's own thread. A tiered manager's drain channels are its own
+# (renewed by its next save).
+_RENEWABLE = ("control", "background")
 
 # Lost groups forgotten while a thread of this process may still be inside one of their
 # collectives (a failing async save's): kept referenced, never destroyed under it.
@@ -500,7 +501,11 @@ class _StoreWorker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def call(self, fn, deadline_s: float):
+    def call(self, fn, deadline_s: float, *, committed: threading.Event | None = None,
+             committed_extra_s: float = 0.0):
+        """``fn()`` run on the worker thread; raises _StoreTimeout when it has not returned within
+        ``deadline_s``, or, when the request set ``committed`` by then (it passed a point after
+        which the other ranks count on its outcome), within ``committed_extra_s`` more."""
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -517,7 +522,8 @@ class _StoreWorker:
                 self._thread = threading.Thread(target=self._run, name="distckpt-store", daemon=True)
                 self._thread.start()
         self._jobs.put(job)
-        if not done.wait(deadline_s):
+        if not done.wait(deadline_s) and not (committed is not None and committed.is_set()
+                                              and done.wait(committed_extra_s)):
             raise _StoreTimeout
         if "error" in box:
             raise box["error"]
@@ -633,6 +639,27 @@ def _fd_shortfall(world: int, rank: int, operation: str) -> BaseException | None
                "files this process keeps open.")
 
 
+# Past the arrival bound, how long a rank already counted waits for the verdict it is owed.
+_VERDICT_MARGIN_S = 5.0
+
+
+def _poll_key(store: Any, key: str, timeout: float) -> bool:
+    """Whether ``key`` exists in ``store`` within ``timeout`` seconds, asked in short requests.
+    Not ``store.wait``: torch's store client holds its one connection for the whole of a wait,
+    so another thread's requests (DCP's thread creating its gloo group through the same store, as
+    ``dcp.async_save`` does beside a load in the caller's thread) would wait behind it, and the
+    ranks for each other, until the timeout."""
+    end = time.monotonic() + timeout
+    delay = 0.0005
+    while not store.check([key]):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.05)
+    return True
+
+
 def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseException | None = None,
                   renew: tuple[str, ...] = ()) -> frozenset[str]:
     """Wait until every rank of ``pg`` has entered this same call (its n-th arrival check on
@@ -640,7 +667,8 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
     per call; the previous call's keys are deleted), not a collective, so a missing rank costs
     only this bound. Every store request has a deadline (:class:`_StoreWorker`): the whole check
     takes at most DISTCKPT_ARRIVAL_TIMEOUT_S + DISTCKPT_TIMEOUT_S, even when the store's host is
-    stopped.
+    stopped; a rank already counted as arrived waits DISTCKPT_ARRIVAL_TIMEOUT_S + 5 s more for
+    the verdict the others act on.
 
     ``problem``: this rank's own reason not to go on (an error it met before the collective,
     e.g. too few file descriptors to create the control group): it is recorded in the store
@@ -674,6 +702,11 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
     # Set when this rank gave up waiting: the request that was stuck may still return (the
     # store's host resumed), and this rank must not then count as arrived for a call it left.
     abandoned = threading.Event()
+    # Set once this rank is counted as arrived: the other ranks then act on the check's verdict
+    # (a group rebuilt together), so this rank waits for it too, past its first deadline (a
+    # whole process stopped and resumed finds that deadline passed: giving up then would leave
+    # it out of a rebuild the others made, and torch's group numbering apart for good).
+    counted = threading.Event()
 
     def protocol() -> bool:
         if problem is not None:  # recorded before this rank counts as arrived (see below)
@@ -690,6 +723,7 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
         if abandoned.is_set():
             raise _StoreTimeout
         arrived = store.add(f"{base}/{seq}/n", 1)
+        counted.set()
         if abandoned.is_set():
             # The host stalled between the guard and the count, and this rank's caller gave up
             # meanwhile: nobody may go on counting it (the last rank reads "aborted").
@@ -698,10 +732,8 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
         if arrived == world:
             verdict = store.compare_set(done, "", "ok")
         else:
-            try:
-                store.wait([done], datetime.timedelta(seconds=timeout))
-            except Exception:  # timed out: give up for everyone, unless the last rank just came
-                store.compare_set(done, "", "aborted")
+            if not _poll_key(store, done, timeout):
+                store.compare_set(done, "", "aborted")  # give up for everyone, unless the last rank just came
             verdict = store.get(done)
         if verdict != b"ok":
             missing = []
@@ -743,7 +775,7 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
 
     deadline = timeout + get_config().timeout_s
     try:
-        return _STORE.call(protocol, deadline)
+        return _STORE.call(protocol, deadline, committed=counted, committed_extra_s=timeout + _VERDICT_MARGIN_S)
     except DistCkptError:
         raise
     except _StoreTimeout:

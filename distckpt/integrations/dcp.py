@@ -196,10 +196,8 @@ class DistCkptStorageWriter(StorageWriter):
     def _group(self) -> ControlGroup:
         if not self._use_collectives or self._alone:
             return ControlGroup(None, 0, 1)
-        # The control channel's arrival check first: it finds a missing rank within
-        # DISTCKPT_ARRIVAL_TIMEOUT_S, and it is where every rank agrees to rebuild a "dcp" group an
-        # earlier save lost to a stalled peer (distckpt._dist.control_group).
-        control_group(self.process_group, operation="dcp.save()")
+        # The "dcp" channel only, never the control channel's arrival check: dcp.async_save runs
+        # this in DCP's thread, beside the caller's own saves and loads on the control channel.
         group = control_group(self.process_group, channel="dcp", operation="dcp.save()")
         if (group.rank == 0) != self._is_coordinator:
             raise ConfigError(f"DCP's coordinator must be rank 0 of the process group (this is rank {group.rank}, "

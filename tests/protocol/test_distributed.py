@@ -630,3 +630,59 @@ def test_after_a_peer_stalled_in_an_async_save_the_next_async_saves_work(tmp_pat
                         env={"DISTCKPT_TIMEOUT_S": "4"})
     for r in results:
         assert r == ("PeerLostError", ["saved", "saved"], 3.0), results
+
+
+def _frozen_in_the_rebuilding_check_body(rank, world, root):
+    import signal
+    import subprocess
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    import distckpt
+    import distckpt.storage.posix.saving as saving
+    from distckpt import errors
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    real = saving.write_rank_file
+
+    def frozen(*a, **k):  # rank 0, once: the save's collective fails and the control group is lost
+        saving.write_rank_file = real
+        subprocess.Popen(["bash", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return real(*a, **k)
+    if rank == 0:
+        saving.write_rank_file = frozen
+    out = []
+    for name, freeze_peer in (("a", False), ("b", True)):
+        dist.barrier()
+        if freeze_peer and rank == 0:  # rank 1 frozen while it waits in the check that rebuilds the group
+            time.sleep(1)
+            subprocess.Popen(["bash", "-c", f"sleep 9; kill -CONT {pids[1]}"])
+            os.kill(pids[1], signal.SIGSTOP)
+        try:
+            distckpt.save({"x": torch.ones(4)}, os.path.join(root, name))
+            out.append("saved")
+        except errors.DistCkptError as exc:
+            out.append(type(exc).__name__)
+    dist.barrier()
+    for value in (3.0, 4.0):  # every rank healthy from here on
+        distckpt.save({"x": torch.full((4,), value)}, os.path.join(root, f"v{value:g}"))
+        got = {"x": torch.zeros(4)}
+        distckpt.load(got, os.path.join(root, f"v{value:g}"))
+        out.append(float(got["x"][0]))
+    return out, c10d._world.group_count
+
+
+def test_a_rank_frozen_inside_the_check_that_rebuilds_the_group_is_not_left_out_of_the_rebuild(tmp_path):
+    """After a lost control group, rank 1 is frozen (SIGSTOP) while it waits in the next arrival
+    check, past its deadline, after it was counted. Rank 0 read the verdict and rebuilt the group
+    (torch's new_group numbers groups with a per-process counter); rank 1, resumed, gave up
+    (its deadline had passed) and never called new_group. The counters stayed apart, and every
+    later save and load of the job failed. Now a rank counted as arrived waits for the verdict it
+    is owed and takes part; the job goes on (an outside trial's repro)."""
+    results = run_ranks(_frozen_in_the_rebuilding_check_body, 2, str(tmp_path), timeout=240, preload=_PRELOAD,
+                        env={"DISTCKPT_TIMEOUT_S": "4", "DISTCKPT_ARRIVAL_TIMEOUT_S": "3"})
+    (out0, count0), (out1, count1) = results
+    assert out0[:2] == ["PeerLostError", "PeerLostError"] and out1[:2] == out0[:2], results
+    assert out0[2:] == out1[2:] == [3.0, 4.0] and count0 == count1, results
