@@ -656,7 +656,7 @@ def _poll_key(store: Any, key: str, timeout: float) -> bool:
         if left <= 0:
             return False
         time.sleep(min(delay, left))
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 2, 0.01)  # a late rank is seen within 10 ms of its arrival
     return True
 
 
