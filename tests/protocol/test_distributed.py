@@ -619,6 +619,7 @@ def _stall_in_async_then_save_again_body(rank, world, root):
     return first, out, float(got["x"][0])
 
 
+@pytest.mark.slow  # a peer stalled past the collective timeout, then the job goes on
 def test_after_a_peer_stalled_in_an_async_save_the_next_async_saves_work(tmp_path):
     """One rank stalled past DISTCKPT_TIMEOUT_S in an async save's background phase: that save
     fails on both ranks and gloo closes the background channel's connections. Every later async
@@ -674,6 +675,7 @@ def _frozen_in_the_rebuilding_check_body(rank, world, root):
     return out, c10d._world.group_count
 
 
+@pytest.mark.slow  # a peer stalled past the collective timeout, then the job goes on
 def test_a_rank_frozen_inside_the_check_that_rebuilds_the_group_is_not_left_out_of_the_rebuild(tmp_path):
     """After a lost control group, rank 1 is frozen (SIGSTOP) while it waits in the next arrival
     check, past its deadline, after it was counted. Rank 0 read the verdict and rebuilt the group

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
 import torch
 
 from ..helpers.distributed import run_ranks
@@ -250,6 +251,7 @@ def _lost_peer_then_go_on_body(rank: int, world_size: int, tmp: str, where: str)
     return out
 
 
+@pytest.mark.slow  # a peer stalled past the collective timeout, then the job goes on
 def test_after_a_peer_stalled_in_a_save_the_same_manager_saves_loads_and_drains_again(tmp_path):
     """One rank stalled past DISTCKPT_TIMEOUT_S in a local save: that save fails on both ranks,
     and gloo closes the control group's connections. The manager kept that group: every later
@@ -263,6 +265,7 @@ def test_after_a_peer_stalled_in_a_save_the_same_manager_saves_loads_and_drains_
         assert "step_00000002" in r["remote"] and "step_00000001" not in r["remote"], (rank, r)
 
 
+@pytest.mark.slow  # a peer stalled past the collective timeout, then the job goes on
 def test_after_a_peer_stalled_in_a_drain_the_next_save_restarts_the_drain_and_drains_what_it_left(tmp_path):
     """One rank's drain stalled past DISTCKPT_DRAIN_TIMEOUT_S: the drain threads of both ranks
     stop (a lost peer on the drain's channel), step 1 is not durable. Every later step then
