@@ -187,9 +187,10 @@ class Drainer:
         with self._lock:
             if not self._stopped or self._lost is None:
                 return None
-        # Past its loop the thread only marks what was still queued: it ends at once.
-        self._thread.join()
-        return self._lost
+        # Past its loop the thread only marks what was still queued: it ends at once (bounded all
+        # the same; still alive, it counts as running and the restart waits for a later save).
+        self._thread.join(_CLOSE_GRACE_S)
+        return None if self._thread.is_alive() else self._lost
 
     def left_by_lost_peer(self) -> list[tuple[int, str | None]]:
         """(step, save id) of each step this drainer did not drain because a peer was lost: the
