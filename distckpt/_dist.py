@@ -180,9 +180,10 @@ class ControlGroup:
         import torch.distributed as dist
         return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank
 
-    def exchange_outcome(self, error: BaseException | None, *, operation: str) -> None:
+    def exchange_outcome(self, error: BaseException | None, *, operation: str, extra: Any = None) -> list[Any]:
         """All-gather every rank's error (or None); raise the same typed error on every rank when
-        any rank failed (see :meth:`raise_failures`).
+        any rank failed (see :meth:`raise_failures`). ``extra``: a value of this rank's that rides
+        on the same all-gather; returns every rank's, in rank order, when none failed.
 
         When the exchange itself fails (a peer died: PeerLostError) on a rank that had failed
         already, the PeerLostError raised there keeps what that rank knows: its own error in the
@@ -190,15 +191,16 @@ class ControlGroup:
         ``partly_filled`` (a load's tensors already filled with verified bytes) copied, and the
         error as ``__cause__``."""
         if self.world_size == 1:
-            errors = [error]
+            gathered = [(error, extra)]
         else:
             try:
-                errors = self.all_gather(_portable(error))
+                gathered = self.all_gather((_portable(error), extra))
             except PeerLostError as lost:
                 if error is None:
                     raise
                 raise _lost_after(lost, error, self.rank, operation) from error
-        self.raise_failures(errors, error, operation=operation)
+        self.raise_failures([e for e, _ in gathered], error, operation=operation)
+        return [x for _, x in gathered]
 
     def raise_failures(self, errors: list, local_error: BaseException | None, *, operation: str) -> None:
         """Raise when any entry of ``errors`` (``errors[r]`` from rank r, as all-gathered) is set.

@@ -422,14 +422,8 @@ class TieredCheckpointManager:
                                "step), or use another remote root for a new run.")
                 else:
                     self._remote_held.pop(step, None)
-        report = self._drain_report()
-        if self._group.world_size == 1:
-            self._group.raise_failures([error], error, operation="TieredCheckpointManager.save()")
-            reports = [report]
-        else:
-            gathered = self._group.all_gather((_portable(error), report))
-            self._group.raise_failures([g[0] for g in gathered], error, operation="TieredCheckpointManager.save()")
-            reports = [g[1] for g in gathered]
+        reports = self._group.exchange_outcome(error, operation="TieredCheckpointManager.save()",
+                                               extra=self._drain_report())
         self._restart_lost_drain(reports)
 
     def _check_local_room(self, sizes: list[int]) -> None:
