@@ -40,7 +40,7 @@ import pickle
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .config import get_config
 from .errors import DistCkptError, PeerLostError, RanksMissingError, collective_error, fill_rank
@@ -79,7 +79,10 @@ class ControlGroup:
         self.exit_safe = exit_safe
 
     def _wrap(self, what: str, fn, *args):
-        progress = _Progress.enter(self.pg, self.rank)
+        return self._typed(what, _Progress.enter(self.pg, self.rank), fn, *args)
+
+    def _typed(self, what: str, progress: "_Progress | None", fn, *args):
+        """``fn(*args)``, a step of the collective ``progress`` counted, its failure typed."""
         try:
             return fn(*args)
         except DistCkptError:
@@ -167,6 +170,42 @@ class ControlGroup:
             return box[0]
 
         return self._wrap("scatter", run)
+
+    def exchange(self, what: str, send: Any | None, dst: int | None, recv: Any | None,
+                 src: int | None) -> Callable[[], None]:
+        """Start moving ``send`` (a uint8 tensor whose memory torch owns, or None) to group rank
+        ``dst`` while ``recv`` (the same, or None) fills from group rank ``src``. Returns the wait
+        for both, bounded by the group's timeout: PeerLostError (typed as every collective's) when
+        a peer died or did not answer in time.
+
+        Collective: every rank of the group calls it as many times, one with nothing to move with
+        None: an all-to-all in which each rank moves at most one buffer each way. Not
+        point-to-point sends: gloo completes those only inside a blocking ``wait()``, which an
+        exit_safe group never makes (a thread left inside one at exit aborts the process), and
+        all ranks' counts of the group's collectives stay equal, which a failure's message
+        needs to name the rank behind (:class:`_Progress`)."""
+        import torch
+        import torch.distributed as dist
+        world = self.world_size
+
+        def launch():
+            empty = torch.empty(0, dtype=torch.uint8)
+            into, out = [0] * world, [0] * world
+            if send is not None:
+                out[dst] = send.numel()
+            if recv is not None:
+                into[src] = recv.numel()
+            return dist.all_to_all_single(empty if recv is None else recv, empty if send is None else send,
+                                          into, out, group=self.pg, async_op=True)
+
+        progress = _Progress.enter(self.pg, self.rank)
+        work = self._typed(what, progress, _in_torch if self.exit_safe else (lambda fn: fn()), launch)
+        return lambda: self._typed(what, progress, _await if self.exit_safe else _wait, work)
+
+    def call(self, fn, *args):
+        """``fn(*args)``: a short call into torch (a buffer of this group's collectives made or
+        filled). On an exit_safe group none starts once the process exits: the thread parks."""
+        return _in_torch(fn, *args) if self.exit_safe else fn(*args)
 
     def members(self) -> tuple[int, ...]:
         """The global ranks of this group in group-rank order; ``()`` for a one-rank group. The
@@ -313,6 +352,11 @@ def _await(work: Any) -> None:
         time.sleep(delay)
         delay = min(delay * 2, _POLL_MAX_S)
     _in_torch(work.wait)
+
+
+def _wait(work: Any) -> None:
+    """Wait for an async collective inside torch (a group that is not exit_safe)."""
+    work.wait()
 
 
 def _encode(obj: Any):

@@ -458,7 +458,7 @@ def _fetch_from_peers(group: ControlGroup, layout: NodeLayout, survey: list[_Sur
     if not transfers:
         return own, 0
     result = run_transfers(group, transfers, layout=layout, store=local_store, step_path=local_path,
-                           header=manifest, manifest=data, timeout_s=get_config().timeout_s)
+                           header=manifest, manifest=data)
     gained = result.installed.get(layout.node, [])
     if not gained:
         # Nothing installed here (an occupied node among them: its copy, whose MANIFEST may not

@@ -567,7 +567,7 @@ class TieredCheckpointManager:
                     f"(absent, or not the size the MANIFEST gives)", path=path, step=step_dirname(step), files=names,
                     tiers={"local": [sorted(h) for h in held]})
             run_transfers(self._drain_group, transfers, layout=self._layout, store=self._local_store, step_path=path,
-                          header=header, manifest=data, timeout_s=get_config().drain_timeout_s)
+                          header=header, manifest=data)
         except PeerLostError:
             self._replication[step] = ("failed", None)
             raise

@@ -10,11 +10,14 @@ replaced node, :func:`distckpt.tiers.load.load_tiered`).
               receives at most one (:func:`schedule`), the same list on every rank.
   2. MOVE     in a round, a sender streams its file through distckpt.tiers.verified (every block
               and the index checked as read: a damaged local byte is never sent as good) in pieces
-              of READ_PIECE bytes; its receiver, which knows the file's size and so the pieces,
-              posts the receive of each piece before the send of its own is waited for, so two
-              ranks that send to each other in the same round never block each other. A sender
-              that fails mid-file still sends the remaining pieces (zeros), so that its receiver
-              never waits for bytes that will not come; the file then fails the receiver's check.
+              of READ_PIECE bytes. Each piece moves in one exchange of the whole group
+              (:meth:`distckpt._dist.ControlGroup.exchange`, an all-to-all in which a rank sends
+              at most one piece and receives at most one), as many exchanges as the round's
+              longest file has pieces, on every rank: no point-to-point send, which gloo completes
+              only inside a blocking wait that a drain thread left at exit would abort in. A rank
+              whose own read, create or write fails goes on exchanging (zeros sent, bytes received
+              dropped) to the last round, so that no partner waits for bytes that will not come;
+              a sender's zeros then fail its receiver's check.
               The receiver writes into a private area of its node's local root
               (``.step_N.tmp-<32 hex>/``: a leftover the next save reclaims if this dies), fsyncs,
               then reads the file back through the same verified reader.
@@ -27,9 +30,9 @@ replaced node, :func:`distckpt.tiers.load.load_tiered`).
   5. VERDICT  one all-gather: every rank returns the files its node gained, or every rank raises
               the same typed error.
 
-Every wait has the group's deadline: a peer that dies mid-transfer is a PeerLostError on its
-partners within DISTCKPT_TIMEOUT_S (the pieces are bounded, so a live peer always progresses).
-Memory per rank: two pieces being sent (read ahead by one) and one being received.
+Every wait has the group's deadline: a peer that dies mid-transfer is a PeerLostError on every
+rank within the group's timeout (the pieces are bounded, so a live peer always progresses).
+Memory per rank: two pieces each way in flight, two read ahead.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Callable
 
 from .. import manifest as mf
 from .._dist import ControlGroup, _portable
-from ..errors import DistCkptError, TierIncompleteError, from_os_error
+from ..errors import DistCkptError, PeerLostError, TierIncompleteError, from_os_error
 from ..storage import Store, basename, dirname, join
 from .nodes import NodeLayout
 from .verified import piece_sizes, stream_verified
@@ -177,18 +180,18 @@ class _Outcome:
 
 
 def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: NodeLayout, store: Store,
-                  step_path: str, header: mf.Manifest, manifest: bytes, timeout_s: float,
+                  step_path: str, header: mf.Manifest, manifest: bytes,
                   progress: Callable[[int], None] | None = None) -> PeerResult:
     """Move ``transfers`` (module docstring), collective over ``group`` (every rank passes the same
     list, and its own node's ``step_path``). ``store``: the local tier's store; ``header``/
     ``manifest``: the step's MANIFEST (decoded, and its bytes for a node that has no copy).
-    ``progress(n)``: called with each piece this rank sends. ``timeout_s``: the bound on each
-    piece's send and receive (a peer that stops answering is a PeerLostError after it).
+    ``progress(n)``: called with each piece this rank sent. Each piece's exchange is bounded by
+    the group's timeout (a peer that stops answering is a PeerLostError after it).
 
     Returns the same PeerResult on every rank. Raises on every rank (the failing ranks' common
     class, distckpt.errors.collective_error): ChecksumMismatchError (a sender's local byte, or a
     received file that does not match), TierIncompleteError (a node holds another save of the
-    step), PeerLostError (a peer died or did not answer within DISTCKPT_TIMEOUT_S), the local
+    step), PeerLostError (a peer died or did not answer within the group's timeout), the local
     store's typed errors (a full disk...). Nothing is installed unless verified; a failed rank's
     area is removed.
     """
@@ -198,19 +201,31 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
         for rnd in schedule(transfers):
             out = next((t for t in rnd if t.src == rank), None)
             into = next((t for t in rnd if t.dst == rank), None)
-            if out is None and into is None:
-                continue
-            if into is not None and area is None:
+            # Every rank takes part in each of the round's exchanges (collectives), one with
+            # nothing to move and one that failed already too (it sends zeros and drops what it
+            # receives): no peer waits out a deadline for a rank whose own disk failed.
+            count = max(len(piece_sizes(header.files[t.file].size)) for t in rnd)
+            if into is not None and area is None and error is None:
                 area = join(dirname(step_path), f".{basename(step_path)}.tmp-{uuid.uuid4().hex}")
-                _mkdir(area)
-            s, r = _move(group, out, into, store, step_path, area, header, progress, timeout_s)
-            sent, received = sent + s, received + r
-            if into is not None:
-                got.append(into.file)
-        for i in got:  # read back: what landed on this node's disk is what was saved
-            stream_verified(store, area, header, i, lambda _pos, _piece: None)
+                try:
+                    _mkdir(area)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                    error = exc
+            try:
+                s, r = _move(group, out, into, count, store, step_path, area, header, progress,
+                             drop=error is not None)
+                sent, received = sent + s, received + r
+                if into is not None and error is None:
+                    got.append(into.file)
+            except PeerLostError:
+                raise  # the group is lost: no further exchange can run
+            except Exception as exc:  # noqa: BLE001 - this rank's own: the rounds go on, reported below
+                error = error or exc
+        if error is None:
+            for i in got:  # read back: what landed on this node's disk is what was saved
+                stream_verified(store, area, header, i, lambda _pos, _piece: None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = exc
+        error = error or exc
     try:
         outcomes = group.all_gather(_Outcome(area, tuple(got), _portable(error) if group.world_size > 1 else error))
         installed, install_error = {}, None
@@ -233,22 +248,23 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
     return PeerResult(installed, sent, received)
 
 
-def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, store: Store, step_path: str,
-          area: str | None, header: mf.Manifest, progress: Callable[[int], None] | None,
-          timeout_s: float) -> tuple[int, int]:
-    """One round on this rank: send ``out``'s file, receive ``into``'s, piece by piece. Returns
-    (bytes sent, bytes received). Raises the sender's read error only after every piece was sent."""
-    import datetime
-
+def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, count: int, store: Store,
+          step_path: str, area: str | None, header: mf.Manifest,
+          progress: Callable[[int], None] | None, *, drop: bool = False) -> tuple[int, int]:
+    """One round on this rank: ``count`` exchanges (:meth:`ControlGroup.exchange`), in which it
+    sends the pieces of ``out``'s file and receives those of ``into``'s (None: nothing that way).
+    ``drop``: this rank failed already: it sends zeros and writes nothing. Returns (bytes sent,
+    bytes received). This rank's own errors (its read, its file's create, write or fsync) are
+    raised only after the round's last exchange: its partners never wait for bytes that will not
+    come (a sender's zeros then fail its receiver's check). A failed exchange raises at once
+    (PeerLostError: the group is lost)."""
+    import numpy as np
     import torch
-    import torch.distributed as dist
-
-    bound = datetime.timedelta(seconds=timeout_s)  # a wait without one could outlive a dead peer
 
     send_sizes = piece_sizes(header.files[out.file].size) if out is not None else []
     recv_sizes = piece_sizes(header.files[into.file].size) if into is not None else []
     pieces: queue.Queue = queue.Queue(maxsize=2)
-    read_error: list[BaseException] = []
+    failed: list[BaseException] = []  # this rank's own errors, the reader's included
     stop = threading.Event()
 
     def read() -> None:  # the sender's reads and checks, one piece ahead of the network
@@ -262,65 +278,77 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, stor
         except _Stopped:
             pass
         except Exception as exc:  # noqa: BLE001 - sent as zeros, raised after the round
-            read_error.append(exc)
+            failed.append(exc)
         finally:
             pieces.put(None)
 
     reader = None
-    if out is not None:
+    if out is not None and not drop:
         reader = threading.Thread(target=read, name="distckpt-peer-read", daemon=True)
         reader.start()
     fd = -1
     sent = received = 0
     try:
-        if into is not None:
+        if into is not None and not drop:
             target = join(area, header.files[into.file].name)
             try:
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except OSError as exc:
-                raise from_os_error(exc, path=target, operation="create") from exc
-        # Two receive buffers: piece k+1 arrives (gloo's own thread fills it) while piece k is
-        # written, so the network and the disk overlap instead of taking turns.
-        rbufs = [bytearray(max(recv_sizes, default=0)) for _ in range(2 if len(recv_sizes) > 1 else 1)]
-        pending = None  # (request, buffer, size) of the piece received before this round's
-        done_reading = False
+                failed.append(from_os_error(exc, path=target, operation="create"))
+        # Two buffers each way, memory torch owns (a buffer of Python's would be released by
+        # gloo's thread, which then needs the GIL): piece k+1's exchange runs while piece k is
+        # written and piece k+2 read, so the network and the disks overlap instead of taking turns.
+        # The calls into torch go through group.call: on the drain thread, none starts at exit.
+        ways = 2 if count > 1 else 1
+        sbufs, rbufs = group.call(lambda: tuple(
+            [torch.empty(max(sizes, default=0), dtype=torch.uint8) for _ in range(ways)]
+            for sizes in (send_sizes, recv_sizes)))
+        rviews = group.call(lambda: [memoryview(t.numpy()) for t in rbufs])
+        pending = None  # (wait, piece index) of the exchange launched in the last iteration
+        done_reading = reader is None
 
-        def land(req, buf, size) -> None:
-            nonlocal received
-            group._wrap("peer receive", req.wait, bound)
-            _write_all(fd, memoryview(buf)[:size], target)
-            received += size
+        def finish(wait, k: int) -> None:
+            nonlocal sent, received
+            wait()
+            if k < len(recv_sizes):
+                if fd >= 0 and not failed:
+                    try:
+                        _write_all(fd, rviews[k % ways][:recv_sizes[k]], target)
+                    except Exception as exc:  # noqa: BLE001 - raised after the round
+                        failed.append(exc)
+                received += recv_sizes[k]
+            if k < len(send_sizes):
+                sent += send_sizes[k]
+                if progress is not None:
+                    progress(send_sizes[k])
 
-        for k in range(max(len(send_sizes), len(recv_sizes))):
-            rreq = sreq = None
-            if k < len(recv_sizes) and recv_sizes[k]:
-                buf = rbufs[k % len(rbufs)]  # its last piece (k - 2) was written in the last round
-                rview = torch.frombuffer(buf, dtype=torch.uint8, count=recv_sizes[k])
-                rreq = (group._wrap("peer receive", dist.irecv, rview, group._global(into.src), group.pg),
-                        buf, recv_sizes[k])
+        def staged(k: int, data) -> "torch.Tensor":
+            piece = sbufs[k % ways][:send_sizes[k]]
+            piece.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            return piece
+
+        for k in range(count):
+            send = recv = None
             if k < len(send_sizes):
                 data = None if done_reading else pieces.get()
                 if data is None:  # the read failed or ended early: zeros keep the receiver in step
                     done_reading = True
-                    data = bytearray(send_sizes[k])
-                payload = torch.frombuffer(data, dtype=torch.uint8) if send_sizes[k] else None
-                if payload is not None:
-                    sreq = group._wrap("peer send", dist.isend, payload, group._global(out.dst), group.pg)
+                    data = bytes(send_sizes[k])
+                send = group.call(staged, k, data)
+            if k < len(recv_sizes):
+                recv = group.call(lambda: rbufs[k % ways][:recv_sizes[k]])
+            wait = group.exchange("peer transfer", send, out.dst if out is not None else None, recv,
+                                  into.src if into is not None else None)
             if pending is not None:
-                land(*pending)
-            pending = rreq
-            if sreq is not None:
-                group._wrap("peer send", sreq.wait, bound)
-                sent += send_sizes[k]
-                if progress is not None:
-                    progress(send_sizes[k])
+                finish(*pending)
+            pending = (wait, k)
         if pending is not None:
-            land(*pending)
-        if fd >= 0:
+            finish(*pending)
+        if fd >= 0 and not failed:
             try:
                 os.fsync(fd)
             except OSError as exc:
-                raise from_os_error(exc, path=target, operation="fsync") from exc
+                failed.append(from_os_error(exc, path=target, operation="fsync"))
     finally:
         stop.set()
         if fd >= 0:
@@ -331,8 +359,8 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, stor
                     pieces.get_nowait()
                 except queue.Empty:
                     reader.join(0.05)
-    if read_error:
-        raise read_error[0]
+    if failed:
+        raise failed[0]
     return sent, received
 
 

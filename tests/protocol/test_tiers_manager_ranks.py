@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ..helpers.distributed import run_ranks
+from ..helpers.faults import mounts  # noqa: F401  (pytest fixture)
 
 
 def _state(step: int, rank: int, n: int = 1 << 14) -> dict:
@@ -281,22 +282,24 @@ def test_after_a_peer_stalled_in_a_drain_the_next_save_restarts_the_drain_and_dr
         assert {"step_00000001", "step_00000002"} <= set(r["remote"]), (rank, r)
 
 
-def _left_in_a_collective_body(rank: int, world_size: int, tmp: str) -> dict:
+def _left_in_a_collective_body(rank: int, world_size: int, tmp: str, where: str) -> dict:
     import atexit
     import time
 
     from distckpt.errors import NotDurableError
-    from distckpt.tiers import TieredCheckpointManager, drain, drainer
+    from distckpt.tiers import TieredCheckpointManager, drain, drainer, peers
     finalizing = os.path.join(tmp, "rank0-finalizing")
     if rank == 0:
         # Registered before distckpt's exit hooks (the manager registers them), so it runs after
         # them, as the last thing before the interpreter finalizes: rank 1 exits then.
         atexit.register(lambda: open(finalizing, "w").close())
     drainer._CLOSE_GRACE_S = 0.5
-    if rank == 1:  # its upload held by the remote tier, unanswered: rank 0 waits at the drain's gather
+    if rank == 1 and where == "upload":  # its upload held by the remote tier, unanswered: rank 0 waits at the drain's gather
         drain._copy_file = lambda *args, **kwargs: time.sleep(600)
+    if rank == 1 and where == "replica":  # its read for the replica held: rank 0 waits for the piece
+        peers.stream_verified = lambda *args, **kwargs: time.sleep(600)
     local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
-    mgr = TieredCheckpointManager(local, remote)
+    mgr = TieredCheckpointManager(local, remote, replicas=1 if where == "replica" else 0)
     mgr.save(1, _state(1, rank))
     try:
         mgr.close(timeout=0.5)
@@ -313,11 +316,68 @@ def _left_in_a_collective_body(rank: int, world_size: int, tmp: str) -> dict:
     return {"not_durable": not_durable, "left_behind": mgr._drainer.alive}
 
 
-def test_a_drain_thread_left_inside_a_collective_does_not_abort_the_exit(tmp_path):
-    """close() leaves a drain thread inside a collective (its peer's upload is held); when the peer
-    exits while this process finalizes, the collective ends then. Such a thread used to be ended
-    inside torch's C++ (pthread_exit through pybind11's ~gil_scoped_release): "terminate called
-    without an active exception", SIGABRT, a job that had succeeded exiting -6. Both ranks now
-    exit 0 (run_ranks checks exit codes), and close still names the step not durable."""
-    results = run_ranks(_left_in_a_collective_body, 2, str(tmp_path), timeout=120, check_exit=True)
+@pytest.mark.parametrize("where", ["upload", "replica"])
+def test_a_drain_thread_left_inside_a_collective_does_not_abort_the_exit(tmp_path, where):
+    """close() leaves a drain thread inside a collective (its peer's upload is held, or its
+    peer's read of the file it sends this node for a replica); when the peer exits while this
+    process finalizes, the collective ends then. Such a thread used to be ended inside torch's C++
+    (pthread_exit through pybind11's ~gil_scoped_release): "terminate called without an active
+    exception", SIGABRT, a job that had succeeded exiting -6 (for the replica, a point-to-point
+    receive, which gloo completes only inside a blocking wait). Both ranks now exit 0 (run_ranks
+    checks exit codes), and close still names the step not durable."""
+    results = run_ranks(_left_in_a_collective_body, 2, str(tmp_path), where, timeout=120, check_exit=True)
     assert results == [{"not_durable": [1], "left_behind": True}] * 2, results
+
+
+def _receiver_disk_full_body(rank: int, world_size: int, tmp: str) -> dict:
+    import time
+
+    from distckpt import manifest as mf
+    from distckpt._dist import control_group
+    from distckpt.errors import DiskFullError
+    from distckpt.storage import open_store
+    from distckpt.tiers import TieredCheckpointManager
+    from distckpt.tiers.load import _local_copy
+    from distckpt.tiers.nodes import node_layout
+    from distckpt.tiers.peers import replica_transfers, run_transfers
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    with TieredCheckpointManager(local, remote) as mgr:
+        mgr.save(1, _state(1, rank, n=1 << 23))  # 32 MiB per rank: four pieces
+        assert mgr.wait_durable(1, timeout=120).durable
+    if rank == 1:  # node 1's disk fills after the save: room for 1 MiB of the 32 it is sent
+        with open(os.path.join(local, "filler"), "wb") as f:
+            f.write(b"\0" * (os.statvfs(local).f_bavail * os.statvfs(local).f_frsize - (1 << 20)))
+    group = control_group()
+    layout, store = node_layout(group, local), open_store(local)
+    path = os.path.join(local, "step_00000001")
+    copy, data = _local_copy(store, path)
+    held = group.all_gather(copy.files)
+    header = mf.decode_header(data, path=path)
+    t0 = time.monotonic()
+    try:
+        run_transfers(group, replica_transfers(layout, header, held, 1), layout=layout, store=store,
+                      step_path=path, header=header, manifest=data)
+        error = None
+    except DiskFullError as exc:
+        error = f"{type(exc).__name__} failures={sorted(getattr(exc, 'failures', {}) or {})}"
+    except Exception as exc:  # noqa: BLE001 - reported
+        error = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    return {"error": error, "seconds": seconds, "left": sorted(os.listdir(local)),
+            "files": sorted(os.listdir(path))}
+
+
+def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(tmp_path, mounts):
+    """A replica's receiver whose disk fills mid-file (a real ENOSPC: node 1's local tier is a small
+    tmpfs) used to leave the round at its failed write, while its sender waited for that rank to
+    take the next piece: PeerLostError on every rank after the group's deadline, and the group
+    lost. The failed rank now goes on taking pieces (dropped) to the round's end: every rank raises
+    the DiskFullError at once, nothing is installed, no receiving area is left behind."""
+    mounts.tmpfs(tmp_path / "node1", size="104m")
+    results = run_ranks(_receiver_disk_full_body, 2, str(tmp_path), timeout=180,
+                        env={"DISTCKPT_TIMEOUT_S": "60"})
+    for rank, r in enumerate(results):
+        assert r["error"] == "DiskFullError failures=[1]", (rank, r)
+        assert r["seconds"] < 30, (rank, r)  # not the group's deadline (60 s)
+        assert r["files"] == ["MANIFEST", f"rank{rank:05d}.bin"], (rank, r)  # nothing installed
+        assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
