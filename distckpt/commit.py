@@ -41,11 +41,12 @@ import time
 import uuid
 from typing import Callable
 
+from . import commitclock
 from . import manifest as mf
 from ._dist import ControlGroup, _portable
 from .errors import CommittedButPeerLostError, ConfigError, DistCkptError, PeerLostError, fill_rank
 from .saveplan import GlobalPlan, PlannedSave
-from .storage import Store, is_url, open_store
+from .storage import Store, dirname, is_url, open_store
 
 __all__ = ["SaveResult", "finish_save", "discard_replaced", "Prepared", "WriteOutcome", "Verdict", "WrittenSave",
            "write_uncommitted"]
@@ -270,7 +271,7 @@ def _publish(store: Store, plan: GlobalPlan, outcomes: list[WriteOutcome], save_
     """COMMIT on rank 0: MANIFEST built and published (the commit point), then a replaced old
     checkpoint discarded. Raises the store's publish errors (nothing committed unless the error
     says ``published``)."""
-    data = manifest_bytes(plan, outcomes, save_id, len(outcomes), plan.checksum_block, metadata)
+    data = manifest_bytes(plan, outcomes, save_id, len(outcomes), plan.checksum_block, metadata, final_dir)
     replaced = store.publish(tmp_dir, final_dir, data, overwrite)  # the commit point
     discard_replaced(store, replaced)
 
@@ -468,7 +469,7 @@ def _per_save(plan: GlobalPlan, outcomes: list[WriteOutcome], metadata: dict | N
 
 
 def _build_manifest(plan: GlobalPlan, outcomes: list[WriteOutcome], save_id: str, world: int, checksum_block: int,
-                    metadata: dict | None) -> "mf.Manifest":
+                    metadata: dict | None, created: float) -> "mf.Manifest":
     """The version-4 MANIFEST of a save: tensors, objects, tree, each data file's index reference,
     and where each tensor's chunks are (the plan's grid descriptions, or the ranks that wrote its
     pieces). No chunk record: each rank wrote its own into its data file's index, so what rank 0
@@ -477,7 +478,7 @@ def _build_manifest(plan: GlobalPlan, outcomes: list[WriteOutcome], save_id: str
     tensors = {fqn: mf.TensorEntry(dtype=dtype, shape=tuple(shape), kind=kind, chunks=None, where=plan.where[fqn])
                for fqn, (kind, dtype, shape) in plan.tensors.items()}
     return mf.Manifest(format_version=mf.FORMAT_VERSION, save_id=save_id, world_size=world,
-                       created_unix=time.time(), checksum_algo="crc32c", checksum_block=checksum_block,
+                       created_unix=created, checksum_algo="crc32c", checksum_block=checksum_block,
                        files=tuple(files), tensors=tensors, objects=objects, tree=plan.tree, meta=meta,
                        meshes=plan.meshes)
 
@@ -491,21 +492,25 @@ _last: "tuple[tuple, mf.Encoded] | None" = None
 
 
 def manifest_bytes(plan: GlobalPlan, outcomes: list[WriteOutcome], save_id: str, world: int, checksum_block: int,
-                   metadata: dict | None) -> bytes:
-    """The MANIFEST bytes of a save (:func:`_build_manifest`, then ``mf.encode``), reusing the
-    previous save's encoded layout when ``plan`` carries the same layout objects.
+                   metadata: dict | None, final_dir: str) -> bytes:
+    """The MANIFEST bytes of a save into ``final_dir`` (:func:`_build_manifest`, then ``mf.encode``),
+    reusing the previous save's encoded layout when ``plan`` carries the same layout objects. Its
+    commit time: :func:`distckpt.commitclock.stamp` of ``final_dir``'s parent (the root of a
+    manager's steps).
 
     Raises: what ``mf.encode`` raises (ValueError for an invalid manifest, UnsupportedValueError
     for one too large to read)."""
     global _last
+    created = commitclock.stamp(dirname(final_dir))
     layout = (plan.tensors, plan.where, plan.tree, plan.meshes)
     last = _last  # one read: another thread's commit may replace it meanwhile
     if (last is not None and all(a is b for a, b in zip(last[0], layout)) and last[1].manifest.world_size == world
             and last[1].manifest.checksum_block == checksum_block):
         files, objects, meta = _per_save(plan, outcomes, metadata)
-        encoded = mf.encode_next(last[1], save_id=save_id, created_unix=time.time(), files=tuple(files),
+        encoded = mf.encode_next(last[1], save_id=save_id, created_unix=created, files=tuple(files),
                                  objects=objects, meta=meta)
     else:
-        encoded = mf.encode_manifest(_build_manifest(plan, outcomes, save_id, world, checksum_block, metadata))
+        encoded = mf.encode_manifest(_build_manifest(plan, outcomes, save_id, world, checksum_block, metadata,
+                                                     created))
     _last = (layout, encoded)
     return encoded.data

@@ -45,7 +45,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import chain
+from . import chain, commitclock
 from ._dist import control_group, group_members, is_distributed
 from .commit import SaveResult
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
@@ -135,6 +135,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._resumed_from: int | None = None
         self._resume_gen = 0
+        self._clock_read = False  # rank 0: the root's commit times made known (commitclock), before a save
         self._saver = None
         # Whether close() decides unread background failures with every rank, as save()/load() do
         # (collective unless ``no_dist``): True until this manager's only calls were no_dist ones
@@ -312,6 +313,8 @@ class CheckpointManager:
                 else:
                     log.warning("distckpt: could not reclaim leftovers under %s before saving step %d: %s",
                                 self.root, step, exc)
+        if self._rank() == 0 and not self._clock_read:
+            self._clock_read = self._learn_commit_times()
         if (self._rank() == 0 and self._resumed_from is not None and step > self._resumed_from
                 and not self.keep_abandoned and not kwargs.get("overwrite") and self._committed_quietly(step)):
             log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
@@ -394,6 +397,24 @@ class CheckpointManager:
 
         Raises the store's typed errors (the step itself stays committed)."""
         self._after_commit(step, None)
+
+    def _learn_commit_times(self) -> bool:
+        """Rank 0, before this manager's first save: make the newest commit time under the root
+        known (:mod:`distckpt.commitclock`), so that this job's steps sort after every step already
+        there although this host's clock may run behind the one that committed them (a restart
+        on another host). One peek (4 KiB) per step, once per manager. Returns False when the root
+        could not be listed (the next save tries again; this one is stamped by the clock alone,
+        as the root's own save would fail the same way). Never raises."""
+        try:
+            names = self._store.list_children(self.root)
+            for m in map(_STEP_RE.match, names):
+                if m:
+                    commitclock.observe(self.root, self._store.peek_commit_time(self.path(int(m.group(1)))))
+        except Exception as exc:  # noqa: BLE001 - rank 0 alone: it must not raise before the collective
+            log.warning("distckpt: could not read the commit times under %s before saving (%s: %s): this save's "
+                        "commit time is this host's clock alone", self.root, type(exc).__name__, exc)
+            return False
+        return True
 
     def _commit_time_reader(self) -> Callable[[int], float | None]:
         """``commit_time`` for :func:`distckpt.rotation.beyond_keep_last`: a step's MANIFEST commit

@@ -361,7 +361,7 @@ def _write_and_commit(group: ControlGroup, planned: PlannedSave, *, final_dir: s
             stop = PublishOrder(None, failures=[o.error for o in outcomes])
         else:
             try:
-                manifest = manifest_bytes(plan, outcomes, save_id, world, plan.checksum_block, metadata)
+                manifest = manifest_bytes(plan, outcomes, save_id, world, plan.checksum_block, metadata, final_dir)
                 sizes = [o.size for o in outcomes]
             except Exception as exc:
                 stop = PublishOrder(None, error=portable(fill_rank(exc, 0)))

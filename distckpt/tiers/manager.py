@@ -43,6 +43,7 @@ from typing import Any
 
 from .._dist import _drop_side_group, _portable, control_group, group_members
 from ..config import get_config
+from .. import commitclock
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
                       DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
@@ -594,6 +595,8 @@ class TieredCheckpointManager:
         else:
             avail = step_availability(self._group, local_root=self.local_root, remote_root=None, layout=self._layout)
         self._remote_held.update({s: t.remote_save_id for s, t in avail.items() if t.remote_save_id is not None})
+        for t in avail.values():  # this job's local commits (rank 0 stamps them) sort after every step known
+            commitclock.observe(self.local_root, t.created_unix)
         out = []
         for step in sorted(avail):
             t = avail[step]

@@ -769,3 +769,27 @@ def test_only_the_managers_own_step_names_are_steps(tmp_path):
     sd = {"w": torch.zeros(2)}
     m.load(sd, 7)
     assert torch.equal(sd["w"], torch.full((2,), 7.0))
+
+
+@pytest.mark.parametrize("kind", ["manager", "tiered"])
+@pytest.mark.parametrize("skew", [120, -120])
+def test_a_restart_on_a_host_whose_clock_is_off_still_resumes_from_the_newest_step(tmp_path, kind, skew):
+    """The newest step is the newest by commit time (a rollback's resumed branch, numbered below the
+    abandoned one, must win), which rank 0 takes from its clock. A run on a host whose clock ran
+    2 minutes behind the previous run's committed steps 6-8 before step 5 (in commit time): the
+    next run, on a right clock, loaded step 5, silently. With a clock ahead, the run after it did
+    the same to its own steps. Now each commit into a root is stamped after the newest commit time
+    known there (distckpt.commitclock): every run resumes from the step the last one saved."""
+    from ..helpers.faults import REPO_ROOT
+
+    def run(phase: str, clock_skew: float) -> dict:
+        env = os.environ | {"SKEW": str(clock_skew), "PYTHONPATH": str(REPO_ROOT)}
+        p = subprocess.run([sys.executable, "-m", "tests.helpers.skewed_clock_worker", kind, str(tmp_path), phase],
+                           capture_output=True, text=True, env=env, timeout=240, cwd=str(REPO_ROOT))
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    run("save:1-5", 0)
+    assert run("save:6-8", skew) == {"resumed_from": 5}
+    assert run("save:9-9", 0) == {"resumed_from": 8}
+    assert run("load", skew) == {"latest": 9, "loaded": 9, "exact": True}

@@ -105,7 +105,7 @@ LAYERS = [
     # 0: leaves: errors, sizes, configuration, the checksum, tensors <-> bytes, staging memory
     {"errors", "sizes", "config", "clijson", "gcpause", "checksum", "tensorbytes", "values", "flatten",
      "containers", "tensorrecords", "plan", "where", "_dist", "writewatch", "staging", "staging.pool", "staging.ring",
-     "safepickle"},
+     "safepickle", "commitclock"},
     # 1: formats: the MANIFEST, a data file's layout, the foreign formats a load can read
     {"manifest", "datafile", "dcp", "hf"},
     # 2: storage: the Store seam and its back ends
