@@ -120,6 +120,11 @@ def _node(value: Any, where: str, depth: int) -> Any:
     if t is torch.device:
         return {"t": "device", "v": str(value)}
     if isinstance(value, enum.Enum):
+        if not isinstance(value.name, str) or t._member_map_.get(value.name) is not value:
+            # A Flag's combination (Perm.R | Perm.W, named 'R|W') or unnamed value (Perm(0)) is no
+            # member Enum[name] returns: a load could not rebuild it without calling the class.
+            raise _NeedsPickle(f"{where}: {value!r} is not a named member of {t.__name__} (a combination or "
+                               f"unnamed value of a Flag): store its int value ({t.__name__}(v) rebuilds it)")
         return {"t": "enum", "c": _qualname(t), "v": value.name}
     if t in (list, tuple):
         return {"t": t.__name__, "v": [_node(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]}
@@ -134,6 +139,14 @@ def _node(value: Any, where: str, depth: int) -> Any:
         return {"t": "dict", "k": [[_node(k, f"{where} key", depth + 1), _node(v, f"{where}[{k!r}]", depth + 1)]
                                    for k, v in value.items()]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name for f in dataclasses.fields(value)}
+        extra = sorted(k for k in getattr(value, "__dict__", {}) if k not in fields)
+        if extra:
+            # A load rebuilds the instance from its fields without __init__/__post_init__: an
+            # attribute that is no field (set in __post_init__ or later) would be gone, silently.
+            raise _NeedsPickle(f"{where}: {t.__name__} instance has attributes that are not fields {extra}: a load "
+                               f"rebuilds it from its fields only; declare them as fields "
+                               f"(dataclasses.field(init=False)) to save them")
         return {"t": "dataclass", "c": _qualname(t),
                 "f": [[f.name, _node(getattr(value, f.name), f"{where}.{f.name}", depth + 1)]
                       for f in dataclasses.fields(value)]}

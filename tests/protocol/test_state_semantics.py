@@ -569,3 +569,52 @@ def test_a_dict_with_keys_other_than_str_or_int_is_one_value_kept_exactly(tmp_pa
     distckpt.save({"cfg": {"a": 1, "b": 2}}, tmp_path / "walked")
     with pytest.raises(errors.StateDictMismatchError, match="missing"):
         distckpt.load({"cfg": {None: 0}}, tmp_path / "walked")
+
+
+class Perm(enum.Flag):
+    R = 4
+    W = 2
+    X = 1
+
+
+@dataclasses.dataclass
+class Derived:
+    lr: float
+
+    def __post_init__(self):
+        self.scaled = self.lr * 10
+
+
+@dataclasses.dataclass
+class DerivedField:
+    lr: float
+    scaled: float = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.scaled = self.lr * 10
+
+
+@pytest.mark.parametrize("value", [Perm.R | Perm.W, Perm(0), Derived(0.5), {1 << 70: torch.ones(1)}],
+                         ids=["flag_combination", "flag_unnamed", "dataclass_attribute_not_a_field",
+                              "key_beyond_64_bits"])
+def test_a_value_a_load_could_not_rebuild_is_refused_at_save_typed_and_nothing_written(tmp_path, value):
+    """Found by an outside trial against Lightning's TorchCheckpointIO: a Flag's combination
+    (Perm.R | Perm.W, named 'R|W') was saved by name and committed, and every load of that
+    checkpoint failed (Enum['R|W'] is no member); an unnamed Flag value (Perm(0)) failed the save
+    with a bare ValueError after the data file was written; a dataclass instance with an attribute
+    that is not a field (set in __post_init__) came back without it, silently (equal by its
+    fields); a dict key beyond 64 bits failed with the root error class. Each is now an
+    UnsupportedValueError at save naming the value, before anything is written (pickle, when
+    allowed, stores the first three exactly); a derived attribute declared as a field is saved."""
+    with pytest.raises(errors.UnsupportedValueError) as info:
+        distckpt.save({"hp": value, "w": torch.ones(2)}, tmp_path / "ck")
+    assert "'hp'" in str(info.value) and not os.path.exists(tmp_path / "ck")
+    if not isinstance(value, dict):
+        distckpt.save({"hp": value, "w": torch.ones(2)}, tmp_path / "p", allow_pickle=True)
+        back = distckpt.read(tmp_path / "p", allow_pickle=True)["hp"]
+        assert back == value and type(back) is type(value) and vars(back) == vars(value)
+    distckpt.save({"hp": DerivedField(0.5), "flags": Perm.W}, tmp_path / "ok")
+    back = distckpt.read(tmp_path / "ok")
+    assert back["hp"] == DerivedField(0.5) and back["hp"].scaled == 5.0 and back["flags"] is Perm.W
+    distckpt.save({"hp": {1 << 70: "x"}}, tmp_path / "big")  # a dict of plain values: one value, exact
+    assert distckpt.read(tmp_path / "big")["hp"] == {1 << 70: "x"}
