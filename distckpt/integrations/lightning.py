@@ -262,6 +262,10 @@ class DistCkptCheckpointIO(CheckpointIO):
                 kwargs.update(after_commit=lambda: self._rotate(store, parent, final, protect),
                               lock_path=join(parent, ROOT_LOCK_NAME))
             if self.async_save:
+                # The folder exists when this returns, as after a sync save: Lightning links
+                # last.ckpt to the checkpoint at once (save_last="link"), and the link (or its
+                # fallback copy) in a folder the save's thread has not created yet failed.
+                open_store(final, options).make_root(dirname(final))
                 handle = async_save_in_root(checkpoint, final, **kwargs)
                 self._pending = handle
                 if handle.done():  # failed while planning (an unsupported value): say so now

@@ -433,3 +433,40 @@ def test_a_torch_save_file_from_torch_checkpoint_io_is_read_without_running_code
     assert not marker.exists()
     DistCkptCheckpointIO(allow_pickle=True).load_checkpoint(str(tmp_path / "evil.ckpt"))
     assert marker.exists()
+
+
+def test_an_async_save_with_save_last_link_into_a_new_folder_does_not_stop_the_fit(tmp_path):
+    """ModelCheckpoint(save_last="link") links last.ckpt to the checkpoint as soon as
+    save_checkpoint returns. With async_save the checkpoint's folder was created only later, on
+    the save's thread, so the link (and Lightning's fallback copy) met a folder that did not exist:
+    FileNotFoundError, fit() stopped at its first checkpoint (an outside trial: 8 of 8 fits; the
+    sync plugin and TorchCheckpointIO 0 of 8). The folder is now created before save_checkpoint
+    returns; the link names the checkpoint, which resumes exactly once committed."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(5, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 5)), batch_size=4)
+    folder = tmp_path / "not" / "yet"
+    plugin = DistCkptCheckpointIO(async_save=True)
+    torch.manual_seed(0)
+    model = Tiny()
+    trainer = pl.Trainer(max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", plugins=[plugin],
+                         callbacks=[ModelCheckpoint(dirpath=str(folder), save_last="link", every_n_train_steps=2)])
+    trainer.fit(model, data)
+    last = folder / "last.ckpt"
+    assert os.path.islink(last) and _is_checkpoint(str(last)), sorted(os.listdir(folder))
+    back = DistCkptCheckpointIO().load_checkpoint(str(last))
+    _equal(dict(back["state_dict"]), dict(model.state_dict()))
+    assert back["global_step"] == 4
