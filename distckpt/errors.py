@@ -67,6 +67,7 @@ __all__ = [
     "RanksMissingError",
     "ProcessGroupDestroyedError",
     "ConfigError",
+    "TierMismatchError",
     "from_os_error",
     "typed_memory_error",
     "fill_rank",
@@ -324,6 +325,18 @@ class ConfigError(DistCkptError, ValueError):
     """A DISTCKPT_* variable or an option holds an invalid value."""
 
     default_remedy = "Fix the value named above (allowed values: the Configuration section of README.md)."
+
+
+class TierMismatchError(ConfigError):
+    """The remote tier a TieredCheckpointManager was given is not the one a node's local tier
+    drained to before (distckpt.tiers): its root holds another tier's identity, or none at all (a
+    file system that is not mounted reads as an empty directory). Nothing was read or written.
+    Fields: ``recorded`` ({node: the tier id its local tier drained to}), ``found`` (the remote
+    root's tier id, or None)."""
+
+    default_remedy = ("Mount the file system that holds the remote tier (or pass its right path / URL); if the "
+                      "remote tier was moved or replaced on purpose, delete the LOCAL/.distckpt-tier-remote file of "
+                      "each node named.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -92,14 +92,21 @@ class Drainer:
 
     ``drain(step, save_id, progress, assigned)`` runs one collective drain of ``step`` (calling
     ``assigned(total)`` with this rank's bytes to send, ``progress(n)`` as they go) and returns
-    the number of bytes this rank sent, or raises its typed error (every rank the same); ``vote(closing)``
-    runs one collective vote and returns True when any rank is closing. Both are the manager's,
-    so that this class holds only the queue, the retries and the states."""
+    the number of bytes this rank sent, or raises its typed error (every rank the same);
+    ``vote(closing, queued)`` runs one collective vote and returns (whether any rank is closing,
+    the steps of ``queued`` that every rank has queued, in this order); ``ahead(steps)`` (optional,
+    collective) is the work on steps still queued that must not wait for the drain before them
+    (the replicas of a step: a remote tier down holds every drain, and the replicas are what a
+    lost node then restores from): run after each failed try, on the steps every rank queued.
+    All three are the manager's, so that this class holds only the queue, the retries and the
+    states."""
 
     def __init__(self, drain: Callable[[int, str | None, Callable[[int], None], Callable[[int], None]], int],
-                 vote: Callable[[bool], bool], *, name: str, history: dict[int, DrainState] | None = None) -> None:
+                 vote: Callable[[bool, tuple], tuple], *, name: str, history: dict[int, DrainState] | None = None,
+                 ahead: Callable[[list[int]], None] | None = None) -> None:
         self._drain = drain
         self._vote = vote
+        self._ahead = ahead
         self._queue: queue.Queue = queue.Queue()
         # ``history``: the states of a drainer this one replaces (a lost peer stopped it), so that
         # status() and wait_durable() still know the steps it finished.
@@ -236,7 +243,7 @@ class Drainer:
         in step after the drain's collectives): whether more is queued differs between ranks
         whose training threads enqueue at slightly different times."""
         try:
-            return self._vote(self._closing.is_set())
+            return self._vote(self._closing.is_set(), ())[0]
         except Exception as exc:  # noqa: BLE001 - a peer lost during the vote
             log.error("distckpt: the drain thread stopped after step %d: %s", st.step, exc)
             self._stop_cause = self._lost = exc
@@ -278,8 +285,10 @@ class Drainer:
                 self._closing.wait(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
                 try:
-                    stop = self._vote(self._closing.is_set())
-                except Exception as vote_exc:  # noqa: BLE001 - a peer lost during the vote
+                    stop, queued = self._vote(self._closing.is_set(), self._queued())
+                    if not stop and queued and self._ahead is not None:
+                        self._ahead(list(queued))
+                except Exception as vote_exc:  # noqa: BLE001 - a peer lost during the vote or the work ahead
                     log.error("distckpt: the drain of step %d stopped: %s", st.step, vote_exc)
                     self._lost = vote_exc
                     self._finish(st, "stopped", exc)
@@ -290,6 +299,11 @@ class Drainer:
                 continue
             self._finish(st, "committed", None)
             return True
+
+    def _queued(self) -> tuple[int, ...]:
+        """The steps waiting in this rank's queue, in order."""
+        with self._queue.mutex:
+            return tuple(item.step for item in self._queue.queue if item is not _STOP)
 
     def _finish(self, st: DrainState, state: str, error: BaseException | None) -> None:
         st.state, st.error = state, error

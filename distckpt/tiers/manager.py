@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 from .._dist import _drop_side_group, _portable, control_group, group_members
@@ -47,7 +48,8 @@ from .. import commitclock
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
                       DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
-                      ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError)
+                      ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError,
+                      TierMismatchError)
 from ..sizes import format_bytes
 from ..manager import CheckpointManager, check_staging_option, step_dirname
 from ..restore import LoadResult
@@ -65,6 +67,10 @@ __all__ = ["TieredCheckpointManager", "TierStatus"]
 #: The local tier's owner lock (a flock held by each node's leader while a manager is open). Not
 #: named like a save's lock (``.NAME.lock``), so listings and reclaims never take it for one.
 OWNER_NAME = ".distckpt-tiers.owner"
+# The remote tier's identity (its root) and the one each node's local tier drains to (its root):
+# TieredCheckpointManager._pair_tiers.
+TIER_ID_NAME = ".distckpt-tier"
+TIER_RECORD_NAME = ".distckpt-tier-remote"
 
 log = logging.getLogger("distckpt")
 
@@ -126,6 +132,11 @@ def _drain_channel(process_group: Any) -> str:
     with _DRAIN_CHANNELS_LOCK:
         n = _DRAIN_CHANNELS[key] = _DRAIN_CHANNELS.get(key, -1) + 1
     return f"drain:{n}"
+
+
+def _tier_id(text: str | None) -> str | None:
+    """The tier id a marker or record holds (its first line), or None."""
+    return text.split()[0] if text and text.split() else None
 
 
 class TieredCheckpointManager:
@@ -206,6 +217,8 @@ class TieredCheckpointManager:
         self._remote_down: str | None = None  # the remote tier's error when it last did not answer
         try:
             remote_up = self._check_remote()
+            if remote_up:
+                self._pair_tiers()
         except BaseException:
             self._release_owner()
             raise
@@ -245,7 +258,7 @@ class TieredCheckpointManager:
 
     def _new_drainer(self, history: dict | None = None) -> Drainer:
         return Drainer(self._drain_one, self._vote, name=f"distckpt-drain:{os.path.basename(self.local_root)}",
-                       history=history)
+                       history=history, ahead=self._replicate_ahead)
 
     def _control(self, operation: str):
         """The control group for one collective call, taken anew each call (every rank calls it
@@ -578,8 +591,21 @@ class TieredCheckpointManager:
             return
         self._replication[step] = ("replicated", None)
 
-    def _vote(self, closing: bool) -> bool:
-        return any(self._drain_group.all_gather(closing))
+    def _vote(self, closing: bool, queued: tuple) -> tuple[bool, tuple]:
+        votes = self._drain_group.all_gather((closing, queued))
+        everywhere = set.intersection(*(set(q) for _, q in votes))
+        return any(c for c, _ in votes), tuple(s for s in votes[0][1] if s in everywhere)
+
+    def _replicate_ahead(self, steps: list[int]) -> None:
+        """The replicas of queued ``steps`` (every rank the same list), made while an earlier
+        step's drain waits to retry: with the remote tier down every drain waits, and a node lost
+        meanwhile restores from the replicas only. Collective, on the drain thread. Raises
+        PeerLostError (which stops the thread), as :meth:`_replicate`."""
+        if not self.replicas:
+            return
+        for step in steps:
+            if step not in self._replication:
+                self._replicate(step)
 
     def _undrained(self, remote_up: bool) -> list[tuple[int, str]]:
         """(step, save id) of the steps every node's copy makes complete locally and the remote tier
@@ -672,6 +698,63 @@ class TieredCheckpointManager:
                     error = exc
         self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
         return up if self._group.world_size == 1 else bool(self._group.broadcast(up))
+
+    def _pair_tiers(self) -> None:
+        """Check that the remote root is the remote tier each node's local tier drained to.
+
+        A directory remote on a file system that is not mounted reads as an empty directory (or
+        an absent one, which the first drain created on this machine's own disk): drains
+        succeeded into it, steps were reported durable and rotated away locally, and the restart
+        after the mount came back resumed from an older step, silently. So the remote tier
+        carries an identity (``REMOTE/.distckpt-tier``: a random id written by the first manager
+        that uses it) and each node's local tier records the one it drains to
+        (``LOCAL/.distckpt-tier-remote``). Collective (two all-gathers). A node with no record
+        (a new or replaced node) takes the remote tier's; a remote root with no identity gets one
+        when no node recorded any (a new tier, or one written by a distckpt before this check).
+
+        Raises TierMismatchError on every rank when a node recorded another tier than the remote
+        root holds, or any tier while it holds none; the store's typed errors."""
+        error, mine = None, None
+        record = join(self.local_root, TIER_RECORD_NAME)
+        try:
+            if self._layout.is_leader:
+                mine = _tier_id(self._local_store.read_pointer(record))
+            found = _tier_id(self._remote_store.read_pointer(join(self.remote_root, TIER_ID_NAME))) \
+                if self._group.rank == 0 else None
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        got = self._group.all_gather(_portable(error) if error is not None else (mine, None if self._group.rank else found))
+        self._group.raise_failures([g if isinstance(g, BaseException) else None for g in got], error,
+                                   operation="TieredCheckpointManager()")
+        found = got[0][1]
+        recorded = {self._layout.node_of[r]: g[0] for r, g in enumerate(got) if g[0] is not None}
+        other = {n: t for n, t in recorded.items() if t != found}
+        if other:
+            where = (f"holds tier {found}" if found is not None else
+                     "holds no tier at all (is the file system that holds it mounted?)")
+            raise TierMismatchError(
+                f"the remote root {self.remote_root} {where}, but the local tier of node(s) {sorted(other)} "
+                f"({self.local_root} there) drained to tier {sorted(set(other.values()))}: draining into it would "
+                f"report steps durable that are not on the remote tier this job resumes from",
+                path=self.remote_root, recorded=recorded, found=found)
+        error, tier = None, found
+        try:
+            if self._group.rank == 0 and found is None:
+                tier = uuid.uuid4().hex
+                self._remote_store.make_root(self.remote_root)
+                self._remote_store.replace_pointer(join(self.remote_root, TIER_ID_NAME), f"{tier}\n".encode())
+                log.info("distckpt: the remote tier %s is new to distckpt's tier check: its identity is %s",
+                         self.remote_root, tier)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        tier = self._group.exchange_outcome(error, operation="TieredCheckpointManager()", extra=tier)[0]
+        error = None
+        try:
+            if self._layout.is_leader and mine is None:
+                self._local_store.replace_pointer(record, f"{tier}\n{self.remote_root}\n".encode())
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
 
     # -- state ------------------------------------------------------------------------------------
 

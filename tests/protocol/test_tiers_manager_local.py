@@ -515,6 +515,7 @@ def test_undrained_steps_of_a_rollback_drain_in_commit_order_and_rotation_keeps_
         for s in (450, 480, 500, 460, 470):  # commit order: a rollback to 450 after 500
             mgr.save(s, _state(s))
             time.sleep(0.01)
+    os.remove(local / ".distckpt-tier-remote")  # the remote tier changed on purpose (TierMismatchError's remedy)
     with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=2) as mgr:
         for s in (450, 460, 470, 480, 500):
             mgr.wait_durable(s, timeout=120)
@@ -548,3 +549,58 @@ def test_a_late_drain_never_rotates_away_a_step_committed_after_it(tmp_path):
     mgr.rotate_after(500)
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [
         "step_00000460", "step_00000470", "step_00000480", "step_00000500"]
+
+
+@pytest.mark.parametrize("below", ["run7", ""])
+def test_a_remote_tier_whose_file_system_is_not_mounted_is_refused_not_drained_into(tmp_path, below):
+    """A directory remote tier on a file system that is not mounted (a bind mount here) reads as an
+    empty directory, or an absent one below the mount point. The manager used to take it as an
+    empty remote tier: the drain created it on this machine's own disk, reported the new steps
+    durable, rotated them away locally, and the restart after the mount came back resumed from an
+    older step, silently. The remote tier now has an identity that each node's local tier
+    records: the unmounted root is a TierMismatchError, before anything is written; mounted again,
+    the same local tier drains on, and a replaced node (an empty local tier) takes the identity."""
+    import subprocess
+
+    store, mnt, local = tmp_path / "store", tmp_path / "mnt", tmp_path / "local"
+    store.mkdir()
+    mnt.mkdir()
+    remote = mnt / below if below else mnt
+
+    def bind() -> None:
+        subprocess.run(["mount", "--bind", str(store), str(mnt)], check=True, capture_output=True, timeout=60)
+
+    def unbind() -> None:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=60)
+
+    bind()
+    try:
+        with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+            for s in (1, 2):
+                mgr.save(s, _state(s))
+            assert mgr.wait_durable(2, timeout=120).durable
+        unbind()
+        with pytest.raises(errors.TierMismatchError) as info:
+            TieredCheckpointManager(local, remote, keep_last_local=1)
+        assert info.value.found is None and list(info.value.recorded) == [0], info.value
+        assert "mounted" in str(info.value)
+        assert os.listdir(mnt) == []  # nothing created where the remote tier should be
+        bind()
+        with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+            mgr.save(3, _state(3))
+            assert mgr.wait_durable(3, timeout=120).durable
+        import shutil
+        shutil.rmtree(local)  # a replaced node: it takes the remote tier's identity
+        out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+        with TieredCheckpointManager(local, remote, keep_last_local=1) as mgr:
+            mgr.load(out)
+        assert out["step"] == 3 and torch.equal(out["w"], _state(3)["w"])
+        # Another remote tier (a changed path) is refused too, naming both identities.
+        other = tmp_path / "other"
+        with TieredCheckpointManager(tmp_path / "local2", other) as mgr:
+            pass
+        with pytest.raises(errors.TierMismatchError) as info:
+            TieredCheckpointManager(local, other)
+        assert info.value.found is not None and info.value.found != info.value.recorded[0]
+    finally:
+        unbind()

@@ -149,9 +149,14 @@ def _other_copies_body(rank: int, world_size: int, tmp: str) -> dict:
     out["stale_node"] = load([0, 1] if rank == 1 else [0])
     # 4. Ranks placed on each other's node at a restart: an undrained step's replicas come from
     # the node that holds each file (status "replicated" said so before, with nothing sent).
+    # Step 5 is kept off `remote` by saving it through a manager that drains elsewhere: each
+    # switch of the remote tier is on purpose (TierMismatchError's remedy: the record removed).
+    record = os.path.join(local, ".distckpt-tier-remote")
+    os.remove(record)
     with TieredCheckpointManager(local, os.path.join(tmp, "remote_c"), keep_last_local=3) as mgr:
         mgr.save(5, _state(5, rank))
         assert mgr.wait_durable(5, timeout=120).durable
+    os.remove(record)
     barrier()
     swapped = os.path.join(tmp, f"node{1 - rank}")
     with TieredCheckpointManager(swapped, remote, keep_last_local=3, replicas=1) as mgr:
@@ -381,3 +386,48 @@ def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(t
         assert r["seconds"] < 30, (rank, r)  # not the group's deadline (60 s)
         assert r["files"] == ["MANIFEST", f"rank{rank:05d}.bin"], (rank, r)  # nothing installed
         assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
+
+
+def _replicas_while_the_remote_is_down_body(rank: int, world_size: int, tmp: str) -> dict:
+    import subprocess
+    import time
+
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    mgr = TieredCheckpointManager(local, remote, replicas=1)
+    torch.distributed.barrier()
+    if rank == 0:  # the remote tier goes read-only: every drain fails and retries (EROFS)
+        subprocess.run(["mount", "--bind", remote, remote], check=True, capture_output=True, timeout=60)
+        subprocess.run(["mount", "-o", "remount,bind,ro", remote], check=True, capture_output=True, timeout=60)
+    torch.distributed.barrier()
+    try:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step, rank))
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and mgr.status(3).replicas != "replicated":
+            time.sleep(0.2)
+        seen = {s: (mgr.status(s).remote, mgr.status(s).replicas) for s in (1, 2, 3)}
+        held = sorted(os.listdir(os.path.join(local, "step_00000003")))
+        torch.distributed.barrier()
+    finally:
+        if rank == 0:
+            subprocess.run(["umount", "-l", remote], capture_output=True, timeout=60)
+    torch.distributed.barrier()
+    durable = mgr.wait_durable(3, timeout=120).durable
+    mgr.close()
+    return {"seen": seen, "held": held, "durable": durable}
+
+
+def test_replicas_are_made_while_the_remote_tier_is_down(tmp_path):
+    """Each step was replicated right before its drain, on the drain thread: with the remote tier
+    down, the first step's drain retried and no later step got a replica, so a node lost during
+    the outage (when the replicas are all there is) restored from the step before it, several
+    steps back. The replicas of the steps queued behind now are made at each retry's vote: with
+    the remote tier read-only, step 3 is replicated on both nodes while step 1 still retries, and
+    every step drains once it is writable again."""
+    results = run_ranks(_replicas_while_the_remote_is_down_body, 2, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        assert r["seen"][3][1] == "replicated" and r["seen"][2][1] == "replicated", (rank, r)
+        assert r["seen"][1][0] in ("retrying", "draining"), (rank, r)  # the outage was still on
+        assert r["held"] == ["MANIFEST", "rank00000.bin", "rank00001.bin"], (rank, r)
+        assert r["durable"], (rank, r)

@@ -23,7 +23,7 @@ def test_a_thread_close_gave_up_on_drains_no_further_step(monkeypatch):
         drained.append(step)
         return 0
 
-    d = Drainer(drain, lambda closing: closing, name="test-drain")
+    d = Drainer(drain, lambda closing, queued: (closing, ()), name="test-drain")
     d.enqueue(1, "s1")
     d.enqueue(2, "s2")
     assert d.close(0.2) == [1, 2]
@@ -72,7 +72,7 @@ def test_every_rank_stops_after_the_same_step(monkeypatch):
             return 0
         return drain
 
-    ds = [Drainer(drain_of(r), lambda closing, r=r: any(votes(r, closing)), name=f"test-drain-{r}")
+    ds = [Drainer(drain_of(r), lambda closing, queued, r=r: (any(votes(r, closing)), ()), name=f"test-drain-{r}")
           for r in (0, 1)]
     for d in ds:
         d.enqueue(1, "s1")
@@ -103,7 +103,7 @@ def test_a_lost_peer_stops_the_thread_and_names_every_step_it_left():
             raise errors.PeerLostError("gather among 2 ranks failed: a peer was paused past the drain timeout")
         return 0
 
-    d = Drainer(drain, lambda closing: closing, name="test-drain")
+    d = Drainer(drain, lambda closing, queued: (closing, ()), name="test-drain")
     d.enqueue(1, "s1")
     d.enqueue(2, "s2")
     assert d.lost_peer() is None  # still running
@@ -114,9 +114,9 @@ def test_a_lost_peer_stops_the_thread_and_names_every_step_it_left():
     assert isinstance(d.lost_peer(), errors.PeerLostError)
     assert d.left_by_lost_peer() == [(1, "s1"), (2, "s2"), (3, "s3")]
     assert d.state(1).state == "failed" and d.state(2).state == "stopped"
-    again = Drainer(lambda *a: 0, lambda closing: closing, name="test-drain-2", history=d.states())
+    again = Drainer(lambda *a: 0, lambda closing, queued: (closing, ()), name="test-drain-2", history=d.states())
     assert again.state(1).state == "failed"  # the history a restart keeps until it queues the step again
     again.close(5)
-    closed = Drainer(lambda *a: 0, lambda closing: closing, name="test-drain-3")
+    closed = Drainer(lambda *a: 0, lambda closing, queued: (closing, ()), name="test-drain-3")
     closed.close(5)
     assert closed.lost_peer() is None and closed.left_by_lost_peer() == []
