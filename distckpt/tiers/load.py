@@ -309,6 +309,14 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
             exc.add_note("distckpt: copies passed over, their MANIFEST damaged: " + "; ".join(problems))
         raise
     own = survey[group.rank].local if ref.usable[group.rank] else None
+    stale = sorted({(s.local_path, s.local.save_id) for s, ok in zip(survey, ref.usable) if s.local is not None and not ok})
+    if stale and group.rank == 0:
+        # The remote tier's save is the reference; a node copy of another save of the step is
+        # never read, but never passed over in silence either: it is the state this node saved.
+        log.warning("distckpt: step %s: loading save %s (%s); node copies of other saves of the step are passed over: %s "
+                    "(a stale disk, or another job saving into the same remote tier %s)", step, ref.save_id,
+                    "the remote tier's" if ref.remote is not None else "the nodes'",
+                    "; ".join(f"{p}: save {sid}" for p, sid in stale), remote_path)
     if ref.remote is not None:
         # Guarded once it is known to be committed (a guard around a step that is not there would
         # call any error of this load its removal), before any of its data is read.

@@ -604,3 +604,27 @@ def test_a_remote_tier_whose_file_system_is_not_mounted_is_refused_not_drained_i
         assert info.value.found is not None and info.value.found != info.value.recorded[0]
     finally:
         unbind()
+
+
+def test_a_local_copy_of_another_save_of_the_loaded_step_is_named(tmp_path, caplog):
+    """Two jobs saving into one remote tier (a misconfiguration an outside trial made): job B's
+    step 10 cannot drain (job A's step 10 got there first), and B's load of step 10 reads A's
+    save, the remote tier's being the reference. It did so without a word; now the load names
+    B's own copy it passes over."""
+    remote = tmp_path / "remote"
+    b = TieredCheckpointManager(tmp_path / "b", remote)
+    with TieredCheckpointManager(tmp_path / "a", remote) as a:
+        a.save(10, _state(10))
+        assert a.wait_durable(10, timeout=120).durable
+    b.save(10, _state(11))
+    with pytest.raises(errors.NotDurableError):
+        b.wait_durable(10, timeout=120)
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distckpt"):
+        b.load(out, step=10)
+    assert out["step"] == 10 and torch.equal(out["w"], _state(10)["w"])  # the remote tier's save: job A's
+    said = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
+    assert said and str(tmp_path / "b" / "step_00000010") in said[0], caplog.text
+    with pytest.raises(errors.NotDurableError):
+        b.close()
