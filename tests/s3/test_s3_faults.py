@@ -397,6 +397,16 @@ def test_a_late_manifest_create_finds_its_data(s3_bucket, proxy, monkeypatch):
     assert err is not None and err.commit_unknown is True and err.data_kept is True, err
     again = distckpt.CheckpointManager(root, storage_options=direct)
     assert again.reclaim() == []  # settling, not dead
+    # Also for a reclaimer whose clock runs 30 minutes ahead of the server's: the request's age is
+    # taken by the server's clock (before, this host's clock judged it late and deleted the data).
+    import types
+
+    from distckpt.storage.object import store as object_store
+    skewed = types.SimpleNamespace(monotonic=time.monotonic, sleep=time.sleep, perf_counter=time.perf_counter,
+                                   time=lambda: time.time() + 1800)
+    monkeypatch.setattr(object_store, "time", skewed)
+    assert again.reclaim() == []
+    monkeypatch.setattr(object_store, "time", time)
     time.sleep(max(0.0, LATE_S + 2 - (time.monotonic() - t0)))
     assert again.steps() == [4, 5]
     assert _equal(distckpt.read(again.path(5), storage_options=direct), _state(5.0))

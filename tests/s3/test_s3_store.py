@@ -243,7 +243,17 @@ def test_commit_race_loser_gets_exists_error(s3_bucket, request, monkeypatch, co
                                            f"race/step_00000001/{save_id}/rank00000.bin"}
 
 
-def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
+@pytest.mark.parametrize("skew", [0, 1800])
+def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket, monkeypatch, skew):
+    """A live save's lease blocks another save and keeps its data from any reclaim, also for a
+    host whose clock runs 30 minutes ahead of the writer's (``skew``): the lease's age is read by
+    the server's clock. Before, that host judged the live lease lapsed, took it over and
+    reclaimed the running save's data."""
+    import time
+    import types
+
+    from distckpt.storage.object import lease as lease_module
+    from distckpt.storage.object import store as store_module
     from distckpt.storage.object.lease import Lease
     opts = s3_bucket.storage_options
     url = s3_bucket.url + "/lease/step_00000001"
@@ -251,10 +261,16 @@ def test_live_lease_blocks_and_is_never_reclaimed(s3_bucket):
     lease = Lease.acquire(store, url + "/.lock", save_id="a" * 32, what=url, rank=0)
     try:
         s3_bucket.fs.pipe_file(f"{s3_bucket.name}/lease/step_00000001/{'a' * 32}/rank00000.bin", b"x" * 10)
+        ahead = types.SimpleNamespace(monotonic=time.monotonic, sleep=time.sleep, perf_counter=time.perf_counter,
+                                      time=lambda: time.time() + skew)
+        monkeypatch.setattr(lease_module, "time", ahead)
+        monkeypatch.setattr(store_module, "time", ahead)
         with pytest.raises(SaveInProgressError):
             distckpt.save({"w": torch.ones(3)}, url, storage_options=opts)
         assert store.reclaim_checkpoint(url) == []
         assert f"lease/step_00000001/{'a' * 32}/rank00000.bin" in s3_bucket.keys("lease")
+        monkeypatch.setattr(lease_module, "time", time)
+        monkeypatch.setattr(store_module, "time", time)
     finally:
         lease.release()
     distckpt.save({"w": torch.ones(3)}, url, storage_options=opts)  # the lease is gone: its data is dead

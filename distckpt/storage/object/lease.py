@@ -73,18 +73,29 @@ class Lease:
     @staticmethod
     def read(store: Any, url: str) -> dict | None:
         """The record of the lease at ``url`` ({} when unreadable), or None when there is none."""
-        got = store._get_with_etag(url, 1 << 16, too_large_empty=True)
-        return None if got is None else Lease._parse(got[0])
+        return Lease.read_aged(store, url)[0]
 
     @staticmethod
     def read_versioned(store: Any, url: str) -> tuple[dict | None, str | None]:
         """(record, ETag) of the lease at ``url`` from one GET, or (None, None)."""
-        got = store._get_with_etag(url, 1 << 16, too_large_empty=True)
-        return (None, None) if got is None else (Lease._parse(got[0]), got[1])
+        return Lease.read_aged(store, url)[:2]
 
     @staticmethod
-    def is_live(rec: dict, now: float | None = None) -> bool:
-        """Whether the lease record ``rec`` names a save that renewed it within its ``lease_s``.
+    def read_aged(store: Any, url: str) -> tuple[dict | None, str | None, float | None, float | None]:
+        """(record, ETag, seconds since its last write by the server's clock, the server's time;
+        the last two None when the server does not say) of the lease at ``url`` from one GET, or
+        (None, None, None, None). Each renewal rewrites the object, so that age is the time since
+        the last renewal, whatever the clocks of the writer and of this host say (:meth:`is_live`)."""
+        got = store._get_with_etag(url, 1 << 16, too_large_empty=True)
+        return (None, None, None, None) if got is None else (Lease._parse(got[0]), got[1], got[2], got[3])
+
+    @staticmethod
+    def is_live(rec: dict, now: float | None = None, *, age_s: float | None = None) -> bool:
+        """Whether the lease record ``rec`` names a save that renewed it within its ``lease_s``:
+        ``age_s`` (the object's age by the server's clock, :meth:`read_aged`, with ``now`` the
+        server's time) when given, else this clock (``now``, default the time) less the record's
+        ``renewed_unix``, by which a host whose clock ran more than a lease ahead of the writer's
+        judged a renewed lease dead (and took it over, or reclaimed the live save's data).
         A record no distckpt writer makes counts as dead (its lease can be broken): a save id that
         is not a string, a time or lease that is not a finite number, a lease longer than
         :data:`MAX_LEASE_S`, or a renewal more than :data:`MAX_LEASE_S` ahead of this clock (no
@@ -99,6 +110,10 @@ class Lease:
             return False
         if not (math.isfinite(renewed) and math.isfinite(lease)) or not 0 < lease <= MAX_LEASE_S:
             return False
+        if age_s is not None and math.isfinite(age_s):
+            # The record's own time counts only as a bound: a writer's clock a day off the
+            # server's is no writer's (a forged or damaged record).
+            return -MAX_LEASE_S < age_s < lease and (now is None or abs(now - renewed) < MAX_LEASE_S)
         age = (now or time.time()) - renewed
         return -MAX_LEASE_S < age < lease
 
@@ -146,16 +161,17 @@ class Lease:
                 return cls(store, url, record, etag)._started(sent)
             except CheckpointExistsError:
                 pass
-            other, other_etag = cls.read_versioned(store, url)
+            other, other_etag, age, clock = cls.read_aged(store, url)
             if other is not None and other.get("save_id") == save_id:  # our create landed; its answer was lost
                 return cls(store, url, record, other_etag)._started(sent)
             if other is None:
                 continue  # released in between: create again
-            if cls.is_live(other):
+            if cls.is_live(other, clock, age_s=age):
+                ago = age if age is not None else time.time() - float(other['renewed_unix'])
                 raise SaveInProgressError(
                     f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
-                    f"{other.get('host')} pid {other.get('pid')}, renewed "
-                    f"{time.time() - float(other['renewed_unix']):.0f} s ago)", path=what, rank=rank, owner=other)
+                    f"{other.get('host')} pid {other.get('pid')}, renewed {ago:.0f} s ago)", path=what, rank=rank,
+                    owner=other)
             log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
             sent = time.monotonic()
             try:

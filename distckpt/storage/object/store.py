@@ -154,19 +154,26 @@ class ObjectStore(Store):
         return self._call(operation, url, "call_s3", api, rank=rank, nbytes=nbytes, conditional=conditional,
                           timeout_s=timeout_s, **params)
 
-    def _get_with_etag(self, url: str, limit: int, *, too_large_empty: bool = False) -> tuple[bytes, str] | None:
-        """The whole object at ``url`` and its ETag from one GET (so the two belong together), or
-        None when it does not exist; an object above ``limit`` bytes is ManifestCorruptError, or
-        with ``too_large_empty`` empty bytes and its ETag, its body unread (a lease record no
-        writer makes: unreadable, so dead, and replaceable conditionally on that ETag)."""
+    def _get_with_etag(self, url: str, limit: int, *,
+                       too_large_empty: bool = False) -> tuple[bytes, str, float | None, float | None] | None:
+        """The whole object at ``url``, its ETag, its age in seconds by the server's clock (the
+        answer's ``Date`` less its ``LastModified``) and the server's time (``Date``, seconds since
+        the epoch; both None when the server sends no date) from one GET (so they belong
+        together), or None when it does not exist; an object above ``limit``
+        bytes is ManifestCorruptError, or with ``too_large_empty`` empty bytes and its ETag, its
+        body unread (a lease record no writer makes: unreadable, so dead, and replaceable
+        conditionally on that ETag)."""
         bucket, key, _ = self.fs.split_path(self._key(url))
 
         async def get():
             resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
             body = resp["Body"]
+            now, modified = _server_time(resp), resp.get("LastModified")
+            age = (now - modified).total_seconds() if now is not None and modified is not None else None
+            clock = now.timestamp() if now is not None and age is not None else None
             try:
                 if int(resp.get("ContentLength") or 0) > limit and too_large_empty:
-                    return b"", resp.get("ETag")
+                    return b"", resp.get("ETag"), age, clock
                 if int(resp.get("ContentLength") or 0) > limit:
                     raise ManifestCorruptError(f"{url} has {resp.get('ContentLength')} bytes, more than the {limit} "
                                                f"allowed", path=url, expected=f"<= {limit}",
@@ -179,7 +186,7 @@ class ObjectStore(Store):
                 # aiohttp checks a declared length itself; this is the last guard before a cut
                 # MANIFEST would be decoded (and called damaged).
                 raise _short_answer(url, len(data), int(length), 0, self.endpoint, answers=1)
-            return data, resp.get("ETag")
+            return data, resp.get("ETag"), age, clock
         try:
             return objrequest.run(self.fs.loop, get, url=url, operation="get", endpoint=self.endpoint, nbytes=limit)
         except DistCkptError as exc:
@@ -612,8 +619,8 @@ class ObjectStore(Store):
     def _live_ids(self, lock_urls: list[str]) -> set[str]:
         ids = set()
         for url in lock_urls:
-            rec = Lease.read(self, url)
-            if rec is not None and Lease.is_live(rec) and isinstance(rec.get("save_id"), str):
+            rec, _, age, clock = Lease.read_aged(self, url)
+            if rec is not None and Lease.is_live(rec, clock, age_s=age) and isinstance(rec.get("save_id"), str):
                 ids.add(rec["save_id"])
         return ids
 
@@ -641,7 +648,10 @@ class ObjectStore(Store):
     def _settling(self, prefix: str) -> bool:
         """Whether the save of ``prefix`` sent its MANIFEST's request less than
         DISTCKPT_OBJECT_LATE_S ago (its ``.publishing``, by the server's clock): the request may
-        still land, so its data must stay."""
+        still land, so its data must stay. Its age is the server's time (the answer's ``Date``)
+        minus its ``LastModified``: this host's clock, which may be far from the server's, is not
+        used (a clock 15 minutes ahead judged a request sent a moment ago late, and its data was
+        deleted before its MANIFEST landed)."""
         url = join(prefix, PUBLISHING_NAME)
         bucket, key, _ = self.fs.split_path(self._key(url))
         try:
@@ -649,9 +659,11 @@ class ObjectStore(Store):
         except NoSuchKey:
             return False
         when = head.get("LastModified")
+        now = _server_time(head)
         if when is None:
             return True  # cannot tell: keep it
-        return time.time() - when.timestamp() < settings()["late_s"]
+        age = (now - when).total_seconds() if now is not None else time.time() - when.timestamp()
+        return age < settings()["late_s"]
 
     def reclaim_checkpoint(self, final: str, root_lock: str | None = None, own_id: str | None = None) -> list[str]:
         """Delete the dead leftovers of ``final`` (:meth:`leftovers`); returns their prefixes.
@@ -755,6 +767,16 @@ class ObjectStore(Store):
         except NoSuchKey:
             pass
         self.delete_prefix(path)
+
+
+def _server_time(response: dict) -> "datetime.datetime | None":
+    """The server's clock when it answered (the HTTP ``Date`` header), or None without one."""
+    import email.utils
+    date = (response.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date) if date else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _outcome_unknown(exc: BaseException, final: str, save_id: str, why: str) -> BaseException:
