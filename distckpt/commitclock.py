@@ -26,6 +26,10 @@ __all__ = ["observe", "stamp", "TICK"]
 
 #: How far after the newest known commit time a commit is stamped at least (seconds).
 TICK = 0.001
+#: A commit time further ahead of this host's clock than this is not followed (:func:`observe`):
+#: no clock is a year off, and a MANIFEST whose first bytes claim such a time (damaged, or forged)
+#: would push every later commit there (up to the year 10000, where a MANIFEST's time ends).
+MAX_AHEAD_S = 366 * 86400.0
 
 _FLOOR: dict[str, float] = {}
 _LOCK = threading.Lock()
@@ -37,8 +41,9 @@ def _key(root: str) -> str:
 
 def observe(root: str, t: float | None) -> None:
     """Make ``t`` (a commit time read under ``root``; None: unknown, ignored) known: later
-    commits into ``root`` are stamped after it."""
-    if t is None:
+    commits into ``root`` are stamped after it. A time more than :data:`MAX_AHEAD_S` ahead of
+    this host's clock is ignored."""
+    if t is None or t > time.time() + MAX_AHEAD_S:
         return
     with _LOCK:
         k = _key(root)

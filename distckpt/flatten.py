@@ -429,10 +429,11 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
 
 
 def odd_keys(obj: Any, path: tuple) -> list:
-    """The keys of the dict ``obj`` that are not str or int (bool excluded, and an int beyond the
-    64 bits an entry's key is stored in): such a dict of plain values is one value, stored with its
-    keys exactly; [] for a dict walked key by key (or not a dict). Save and load's destination
-    alike (:func:`flatten`, :func:`expand_statefuls`).
+    """The keys of the dict ``obj`` that are not exactly str or int (a bool, an IntEnum or another
+    subclass, whose type an entry's key would not keep, and an int beyond the 64 bits an entry's
+    key is stored in): such a dict of plain values is one value, stored with its keys exactly; []
+    for a dict walked key by key (or not a dict). Save and load's destination alike
+    (:func:`flatten`, :func:`expand_statefuls`).
 
     Raises:
         UnsupportedValueError: such keys in the root dict or in one holding tensors or Stateful
@@ -440,13 +441,12 @@ def odd_keys(obj: Any, path: tuple) -> list:
             or bool key cannot do."""
     if not isinstance(obj, dict):
         return []
-    odd = [k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool)
-           or (isinstance(k, int) and not _I64_MIN <= k < _U64)]
+    odd = [k for k in obj if type(k) not in (str, int) or (type(k) is int and not _I64_MIN <= k < _U64)]
     if odd and (not path or holds_tensor(obj)):
         what = "at the root" if not path else "holding tensors or Stateful objects"
         raise UnsupportedValueError(
             f"dict key {odd[0]!r} under {_fqn(path) or '<root>'!r} is a {type(odd[0]).__name__}"
-            f"{' beyond 64 bits' if isinstance(odd[0], int) and not isinstance(odd[0], bool) else ''}; a dict {what} "
+            f"{' beyond 64 bits' if type(odd[0]) is int else ''}; a dict {what} "
             f"takes only str and 64-bit int keys (they name the checkpoint's entries)", key=_fqn(path),
             remedy=("Use str or int keys at the root (str(key))" if not path else
                     "Use str or int keys (str(key)), or keep the tensors and Stateful objects apart from that dict "

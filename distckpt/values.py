@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
 import math
 import pickle
@@ -140,7 +141,9 @@ def _node(value: Any, where: str, depth: int) -> Any:
                                    for k, v in value.items()]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name for f in dataclasses.fields(value)}
-        extra = sorted(k for k in getattr(value, "__dict__", {}) if k not in fields)
+        # A functools.cached_property keeps its value in __dict__ too: a cache, rebuilt on first use.
+        extra = sorted(k for k in getattr(value, "__dict__", {}) if k not in fields
+                       and not isinstance(inspect.getattr_static(t, k, None), functools.cached_property))
         if extra:
             # A load rebuilds the instance from its fields without __init__/__post_init__: an
             # attribute that is no field (set in __post_init__ or later) would be gone, silently.

@@ -95,9 +95,9 @@ except ImportError as _exc:  # pragma: no cover - exercised only without lightni
     raise ImportError("distckpt.integrations.lightning needs PyTorch Lightning "
                       "(pip install lightning==2.6.6)") from _exc
 
-from .. import containers, tensorrecords
+from .. import commitclock, containers, tensorrecords
 from ..commit import SaveResult
-from ..errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError,
+from ..errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, DistCkptError,
                       PickleNotAllowedError)
 from ..listing import owned_checkpoints
 from ..restore import read
@@ -226,6 +226,8 @@ class DistCkptCheckpointIO(CheckpointIO):
         self._resumed_from: str | None = None
         # The partial views already logged by a save of this plugin: logged once, not every epoch.
         self._views_warned: set[tuple[tuple, tuple]] = set()
+        # The folders whose checkpoints' commit times were made known before a first save there.
+        self._clock_read: set[str] = set()
 
     # -- save ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -258,6 +260,15 @@ class DistCkptCheckpointIO(CheckpointIO):
                 # one directory never rotate each other's saves half-way.
                 parent = dirname(final)
                 store = open_store(final, options)
+                if parent not in self._clock_read:
+                    # Rotation keeps the newest by commit time: this run's saves are stamped after
+                    # the folder's (distckpt.commitclock), whatever this host's clock says.
+                    try:
+                        for _, created in _our_checkpoints(store, parent):
+                            commitclock.observe(parent, created)
+                        self._clock_read.add(parent)
+                    except DistCkptError as exc:  # the save says what is wrong with the folder
+                        log.warning("distckpt: could not read the commit times in %s before saving: %s", parent, exc)
                 protect = self._resumed_from
                 kwargs.update(after_commit=lambda: self._rotate(store, parent, final, protect),
                               lock_path=join(parent, ROOT_LOCK_NAME))

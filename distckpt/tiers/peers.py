@@ -15,9 +15,10 @@ replaced node, :func:`distckpt.tiers.load.load_tiered`).
               at most one piece and receives at most one), as many exchanges as the round's
               longest file has pieces, on every rank: no point-to-point send, which gloo completes
               only inside a blocking wait that a drain thread left at exit would abort in. A rank
-              whose own read, create or write fails goes on exchanging (zeros sent, bytes received
-              dropped) to the last round, so that no partner waits for bytes that will not come;
-              a sender's zeros then fail its receiver's check.
+              whose own create or write fails goes on exchanging to the last round (sending its
+              files, dropping what it receives), so that no partner waits for bytes that will not
+              come; a sender whose read fails sends zeros for the rest of that file, which then
+              fail its receiver's check.
               The receiver writes into a private area of its node's local root
               (``.step_N.tmp-<32 hex>/``: a leftover the next save reclaims if this dies), fsyncs,
               then reads the file back through the same verified reader.
@@ -202,8 +203,8 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
             out = next((t for t in rnd if t.src == rank), None)
             into = next((t for t in rnd if t.dst == rank), None)
             # Every rank takes part in each of the round's exchanges (collectives), one with
-            # nothing to move and one that failed already too (it sends zeros and drops what it
-            # receives): no peer waits out a deadline for a rank whose own disk failed.
+            # nothing to move and one that failed already too (it still sends its file, and drops
+            # what it receives): no peer waits out a deadline for a rank whose own disk failed.
             count = max(len(piece_sizes(header.files[t.file].size)) for t in rnd)
             if into is not None and area is None and error is None:
                 area = join(dirname(step_path), f".{basename(step_path)}.tmp-{uuid.uuid4().hex}")
@@ -253,7 +254,8 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
           progress: Callable[[int], None] | None, *, drop: bool = False) -> tuple[int, int]:
     """One round on this rank: ``count`` exchanges (:meth:`ControlGroup.exchange`), in which it
     sends the pieces of ``out``'s file and receives those of ``into``'s (None: nothing that way).
-    ``drop``: this rank failed already: it sends zeros and writes nothing. Returns (bytes sent,
+    ``drop``: this rank failed already: it writes nothing it receives (its own file it still sends:
+    its receiver's copy is good, and its error is the one the rounds report). Returns (bytes sent,
     bytes received). This rank's own errors (its read, its file's create, write or fsync) are
     raised only after the round's last exchange: its partners never wait for bytes that will not
     come (a sender's zeros then fail its receiver's check). A failed exchange raises at once
@@ -283,7 +285,7 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
             pieces.put(None)
 
     reader = None
-    if out is not None and not drop:
+    if out is not None:
         reader = threading.Thread(target=read, name="distckpt-peer-read", daemon=True)
         reader.start()
     fd = -1

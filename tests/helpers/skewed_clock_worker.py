@@ -2,7 +2,9 @@
 
 ``python -m tests.helpers.skewed_clock_worker KIND DIR PHASE`` with ``SKEW`` seconds (the host's
 clock that far behind; negative: ahead) in the environment; KIND ``manager`` (a CheckpointManager on
-DIR/root) or ``tiered`` (a TieredCheckpointManager, DIR/local and DIR/remote). PHASE ``save:A-B``
+DIR/root), ``tiered`` (a TieredCheckpointManager, DIR/local and DIR/remote) or ``lightning``
+(Lightning's CheckpointIO of distckpt with keep_last=2 in DIR/ckpt: PHASE ``save:A-B`` only, prints
+the folder's checkpoints). PHASE ``save:A-B``
 resumes from the newest step (if any) and saves steps A..B; ``load`` prints the step load() restores
 and whether its tensor is the one saved at that step. One process per run, as a restart is."""
 
@@ -28,6 +30,15 @@ def main() -> None:
         time.time = lambda: real() - skew  # the host's wall clock; monotonic clocks are untouched
     import distckpt
     from distckpt.tiers import TieredCheckpointManager
+    if kind == "lightning":  # DistCkptCheckpointIO(keep_last=2) saving steps A..B into DIR/ckpt
+        from distckpt.integrations.lightning import DistCkptCheckpointIO
+        first, last = map(int, phase[5:].split("-"))
+        io = DistCkptCheckpointIO(keep_last=2)
+        for step in range(first, last + 1):
+            io.save_checkpoint(_state(step), os.path.join(root, "ckpt", f"step={step}.ckpt"))
+        io.teardown()
+        print(json.dumps(sorted(n for n in os.listdir(os.path.join(root, "ckpt")) if not n.startswith("."))))
+        return
     if kind == "manager":
         mgr = distckpt.CheckpointManager(os.path.join(root, "root"), keep_last=10)
     else:

@@ -470,3 +470,23 @@ def test_an_async_save_with_save_last_link_into_a_new_folder_does_not_stop_the_f
     back = DistCkptCheckpointIO().load_checkpoint(str(last))
     _equal(dict(back["state_dict"]), dict(model.state_dict()))
     assert back["global_step"] == 4
+
+
+def test_keep_last_keeps_the_newest_run_s_checkpoints_after_a_restart_on_a_host_whose_clock_is_behind(tmp_path):
+    """keep_last rotates by commit time. A run on a host whose clock was 5 minutes ahead saved
+    steps 1-2; the next run, on a right clock, saved 3-5 and its rotation deleted 3 and 4 (older by
+    the clocks) and kept the previous run's 1 and 2 (an outside review). The plugin now makes the
+    folder's commit times known before its first save there (distckpt.commitclock)."""
+    import json
+
+    from ..helpers.faults import REPO_ROOT
+
+    def run(phase: str, skew: float) -> list:
+        env = os.environ | {"SKEW": str(skew), "PYTHONPATH": str(REPO_ROOT)}
+        p = subprocess.run([sys.executable, "-m", "tests.helpers.skewed_clock_worker", "lightning", str(tmp_path),
+                            phase], capture_output=True, text=True, env=env, timeout=240, cwd=str(REPO_ROOT))
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert run("save:1-2", -300) == ["step=1.ckpt", "step=2.ckpt"]
+    assert run("save:3-5", 0) == ["step=4.ckpt", "step=5.ckpt"]

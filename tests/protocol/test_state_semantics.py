@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import os
 import subprocess
 import sys
@@ -594,9 +595,23 @@ class DerivedField:
         self.scaled = self.lr * 10
 
 
-@pytest.mark.parametrize("value", [Perm.R | Perm.W, Perm(0), Derived(0.5), {1 << 70: torch.ones(1)}],
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+@dataclasses.dataclass
+class Cached:
+    a: int
+
+    @functools.cached_property
+    def doubled(self):
+        return self.a * 2
+
+
+@pytest.mark.parametrize("value", [Perm.R | Perm.W, Perm(0), Derived(0.5), {1 << 70: torch.ones(1)},
+                                   {Level.LOW: torch.ones(1)}],
                          ids=["flag_combination", "flag_unnamed", "dataclass_attribute_not_a_field",
-                              "key_beyond_64_bits"])
+                              "key_beyond_64_bits", "int_subclass_key_beside_tensors"])
 def test_a_value_a_load_could_not_rebuild_is_refused_at_save_typed_and_nothing_written(tmp_path, value):
     """Found by an outside trial against Lightning's TorchCheckpointIO: a Flag's combination
     (Perm.R | Perm.W, named 'R|W') was saved by name and committed, and every load of that
@@ -616,5 +631,10 @@ def test_a_value_a_load_could_not_rebuild_is_refused_at_save_typed_and_nothing_w
     distckpt.save({"hp": DerivedField(0.5), "flags": Perm.W}, tmp_path / "ok")
     back = distckpt.read(tmp_path / "ok")
     assert back["hp"] == DerivedField(0.5) and back["hp"].scaled == 5.0 and back["flags"] is Perm.W
-    distckpt.save({"hp": {1 << 70: "x"}}, tmp_path / "big")  # a dict of plain values: one value, exact
-    assert distckpt.read(tmp_path / "big")["hp"] == {1 << 70: "x"}
+    distckpt.save({"hp": {1 << 70: "x"}, "lv": {Level.LOW: "x"}}, tmp_path / "big")  # plain values: one value, exact
+    back = distckpt.read(tmp_path / "big")
+    assert back["hp"] == {1 << 70: "x"} and type(next(iter(back["lv"]))) is Level
+    cached = Cached(3)
+    assert cached.doubled == 6  # its cache is in __dict__: no attribute of the instance's own
+    distckpt.save({"c": cached}, tmp_path / "cached")
+    assert distckpt.read(tmp_path / "cached")["c"].doubled == 6

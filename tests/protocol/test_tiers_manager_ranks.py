@@ -360,7 +360,7 @@ def _receiver_disk_full_body(rank: int, world_size: int, tmp: str) -> dict:
     header = mf.decode_header(data, path=path)
     t0 = time.monotonic()
     try:
-        run_transfers(group, replica_transfers(layout, header, held, 1), layout=layout, store=store,
+        run_transfers(group, replica_transfers(layout, header, held, world_size - 1), layout=layout, store=store,
                       step_path=path, header=header, manifest=data)
         error = None
     except DiskFullError as exc:
@@ -372,14 +372,16 @@ def _receiver_disk_full_body(rank: int, world_size: int, tmp: str) -> dict:
             "files": sorted(os.listdir(path))}
 
 
-def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(tmp_path, mounts):
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(tmp_path, mounts, world):
     """A replica's receiver whose disk fills mid-file (a real ENOSPC: node 1's local tier is a small
     tmpfs) used to leave the round at its failed write, while its sender waited for that rank to
     take the next piece: PeerLostError on every rank after the group's deadline, and the group
-    lost. The failed rank now goes on taking pieces (dropped) to the round's end: every rank raises
-    the DiskFullError at once, nothing is installed, no receiving area is left behind."""
+    lost. The failed rank now goes on to the last round (with 3 nodes and 2 replicas, two rounds:
+    it still sends its own file, so no other rank's copy fails its check) and every rank raises
+    that DiskFullError alone at once; nothing is installed, no receiving area is left behind."""
     mounts.tmpfs(tmp_path / "node1", size="104m")
-    results = run_ranks(_receiver_disk_full_body, 2, str(tmp_path), timeout=180,
+    results = run_ranks(_receiver_disk_full_body, world, str(tmp_path), timeout=240,
                         env={"DISTCKPT_TIMEOUT_S": "60"})
     for rank, r in enumerate(results):
         assert r["error"] == "DiskFullError failures=[1]", (rank, r)
