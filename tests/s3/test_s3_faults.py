@@ -248,7 +248,16 @@ def test_stalled_holder_never_overwrites_the_lease_of_the_save_that_took_over(s3
     # From now on every write of the lease by A reaches the server 2 s late (after A gave up on it).
     proxy.rule = lambda i, method, path: ("delay", 2.0) if method == "PUT" and path.endswith("/.lock") else None
     time.sleep(1.5)  # A's lease lapses (its renewals are stuck in the network)
-    b = Lease.acquire(b_store, url, save_id="b" * 32, what=url, rank=0)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            b = Lease.acquire(b_store, url, save_id="b" * 32, what=url, rank=0)
+            break
+        except SaveInProgressError:
+            # A renewal of A that the network held has just landed (on a loaded machine B looks
+            # later): live by the server's clock for one more lease, then B finds it lapsed.
+            assert time.monotonic() < deadline, "A's lease never lapsed"
+            time.sleep(0.2)
     b._stop.set()  # B's own renewals would write over a damage: leave the lease as B took it
     b._thread.join()
     try:

@@ -49,3 +49,17 @@ def test_unreadable_records_are_dead():
     for rec in ({}, {"save_id": "a"}, {"save_id": "a", "renewed_unix": NOW}, {"save_id": "a", "lease_s": 30},
                 {"save_id": "a", "renewed_unix": "soon", "lease_s": 30}):
         assert not Lease.is_live(rec, NOW)
+
+
+def test_live_by_this_clock_or_by_the_servers():
+    """A reader whose clock runs 30 minutes ahead of the writer's: live by the server's clock (the
+    object's age, 2 s), which this clock alone judged dead, letting a save take over a live lease
+    and reclaim its data. A one-second lease renewed 0.3 s ago whose whole-second server dates say
+    1 s: live by this clock. Lapsed by both: dead. A record written just now but claiming a
+    renewal at the epoch: no writer's (a day off the server's time)."""
+    ahead = NOW + 1800
+    assert not Lease.is_live(_rec(), ahead)
+    assert Lease.is_live(_rec(), ahead, age_s=2.0, server_now=NOW - 3)
+    assert Lease.is_live(_rec(lease_s=1, renewed_unix=NOW - 0.3), NOW, age_s=1.0, server_now=NOW)
+    assert not Lease.is_live(_rec(renewed_unix=NOW - 40), NOW, age_s=40.0, server_now=NOW)
+    assert not Lease.is_live(_rec(renewed_unix=0.0), NOW, age_s=0.0, server_now=NOW)

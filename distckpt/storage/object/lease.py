@@ -90,18 +90,22 @@ class Lease:
         return (None, None, None, None) if got is None else (Lease._parse(got[0]), got[1], got[2], got[3])
 
     @staticmethod
-    def is_live(rec: dict, now: float | None = None, *, age_s: float | None = None) -> bool:
-        """Whether the lease record ``rec`` names a save that renewed it within its ``lease_s``:
-        ``age_s`` (the object's age by the server's clock, :meth:`read_aged`, with ``now`` the
-        server's time) when given, else this clock (``now``, default the time) less the record's
-        ``renewed_unix``, by which a host whose clock ran more than a lease ahead of the writer's
-        judged a renewed lease dead (and took it over, or reclaimed the live save's data).
+    def is_live(rec: dict, now: float | None = None, *, age_s: float | None = None,
+                server_now: float | None = None) -> bool:
+        """Whether the lease record ``rec`` names a save that renewed it within its ``lease_s``,
+        by this clock (``now``, default the time, less the record's ``renewed_unix``) or by the
+        server's (``age_s``: the object's age by the server's clock, :meth:`read_aged`, whose
+        dates have whole seconds; ``server_now``: the server's time). Live when either says so:
+        a host whose clock ran more than a lease ahead of the writer's judged a renewed lease dead
+        by its own clock (and took it over, or reclaimed the live save's data), and the server's
+        whole seconds can make a one-second lease look lapsed right after a renewal.
+
         A record no distckpt writer makes counts as dead (its lease can be broken): a save id that
         is not a string, a time or lease that is not a finite number, a lease longer than
-        :data:`MAX_LEASE_S`, or a renewal more than :data:`MAX_LEASE_S` ahead of this clock (no
-        skew between hosts is that large; a writer's clock a little ahead only keeps its lease
-        live a little longer, as it always did). Such a record, crafted or damaged, would
-        otherwise block every save and drain to the root for ever."""
+        :data:`MAX_LEASE_S`, or a renewal more than :data:`MAX_LEASE_S` from this clock (ahead)
+        or from the server's (either way: no skew between hosts is that large; a writer's clock a
+        little ahead only keeps its lease live a little longer, as it always did). Such a record,
+        crafted or damaged, would otherwise block every save and drain to the root for ever."""
         if not isinstance(rec.get("save_id"), str):
             return False
         try:
@@ -110,12 +114,11 @@ class Lease:
             return False
         if not (math.isfinite(renewed) and math.isfinite(lease)) or not 0 < lease <= MAX_LEASE_S:
             return False
-        if age_s is not None and math.isfinite(age_s):
-            # The record's own time counts only as a bound: a writer's clock a day off the
-            # server's is no writer's (a forged or damaged record).
-            return -MAX_LEASE_S < age_s < lease and (now is None or abs(now - renewed) < MAX_LEASE_S)
         age = (now or time.time()) - renewed
-        return -MAX_LEASE_S < age < lease
+        if -MAX_LEASE_S < age < lease:
+            return True
+        return (age_s is not None and math.isfinite(age_s) and -MAX_LEASE_S < age_s < lease
+                and server_now is not None and abs(server_now - renewed) < MAX_LEASE_S)
 
     # -- conditional writes -----------------------------------------------------------------------
 
@@ -166,7 +169,7 @@ class Lease:
                 return cls(store, url, record, other_etag)._started(sent)
             if other is None:
                 continue  # released in between: create again
-            if cls.is_live(other, clock, age_s=age):
+            if cls.is_live(other, age_s=age, server_now=clock):
                 ago = age if age is not None else time.time() - float(other['renewed_unix'])
                 raise SaveInProgressError(
                     f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "

@@ -620,7 +620,7 @@ class ObjectStore(Store):
         ids = set()
         for url in lock_urls:
             rec, _, age, clock = Lease.read_aged(self, url)
-            if rec is not None and Lease.is_live(rec, clock, age_s=age) and isinstance(rec.get("save_id"), str):
+            if rec is not None and Lease.is_live(rec, age_s=age, server_now=clock) and isinstance(rec.get("save_id"), str):
                 ids.add(rec["save_id"])
         return ids
 
@@ -648,10 +648,10 @@ class ObjectStore(Store):
     def _settling(self, prefix: str) -> bool:
         """Whether the save of ``prefix`` sent its MANIFEST's request less than
         DISTCKPT_OBJECT_LATE_S ago (its ``.publishing``, by the server's clock): the request may
-        still land, so its data must stay. Its age is the server's time (the answer's ``Date``)
-        minus its ``LastModified``: this host's clock, which may be far from the server's, is not
-        used (a clock 15 minutes ahead judged a request sent a moment ago late, and its data was
-        deleted before its MANIFEST landed)."""
+        still land, so its data must stay. Settling while its age is below the window by this
+        host's clock or by the server's (the answer's ``Date`` less its ``LastModified``): by this
+        host's clock alone, a clock 15 minutes ahead judged a request sent a moment ago late, and
+        its data was deleted before its MANIFEST landed."""
         url = join(prefix, PUBLISHING_NAME)
         bucket, key, _ = self.fs.split_path(self._key(url))
         try:
@@ -662,8 +662,9 @@ class ObjectStore(Store):
         now = _server_time(head)
         if when is None:
             return True  # cannot tell: keep it
-        age = (now - when).total_seconds() if now is not None else time.time() - when.timestamp()
-        return age < settings()["late_s"]
+        # Settling by either clock: the server's dates have whole seconds, this host's may be off.
+        late = settings()["late_s"]
+        return time.time() - when.timestamp() < late or (now is not None and (now - when).total_seconds() < late)
 
     def reclaim_checkpoint(self, final: str, root_lock: str | None = None, own_id: str | None = None) -> list[str]:
         """Delete the dead leftovers of ``final`` (:meth:`leftovers`); returns their prefixes.
