@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["observe", "stamp", "TICK"]
+__all__ = ["observe", "stamp", "TICK", "MAX_AHEAD_S"]
 
 #: How far after the newest known commit time a commit is stamped at least (seconds).
 TICK = 0.001
