@@ -18,7 +18,7 @@ replaced node, :func:`distckpt.tiers.load.load_tiered`).
               whose own create or write fails goes on exchanging to the last round (sending its
               files, dropping what it receives), so that no partner waits for bytes that will not
               come; a sender whose read fails sends zeros for the rest of that file, which then
-              fail its receiver's check.
+              fail its receiver's check (the sender's error alone is reported: OUTCOME).
               The receiver writes into a private area of its node's local root
               (``.step_N.tmp-<32 hex>/``: a leftover the next save reclaims if this dies), fsyncs,
               then reads the file back through the same verified reader.
@@ -39,6 +39,7 @@ Memory per rank: two pieces each way in flight, two read ahead.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import queue
@@ -48,7 +49,8 @@ from typing import Callable
 
 from .. import manifest as mf
 from .._dist import ControlGroup, _portable
-from ..errors import DistCkptError, PeerLostError, TierIncompleteError, from_os_error
+from ..errors import (CheckpointCorruptError, DistCkptError, HostMemoryError, PeerLostError, TierIncompleteError,
+                      from_os_error, typed_memory_error)
 from ..storage import Store, basename, dirname, join
 from .nodes import NodeLayout
 from .verified import piece_sizes, stream_verified
@@ -173,11 +175,15 @@ def fetch_transfers(layout: NodeLayout, wanted: list[set], held: list[frozenset]
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
     """One rank's report after the rounds: the files it received and verified, in ``area``
-    (None when it received none), or its error."""
+    (None when it received none), or its error; ``unsent``: (file, receiving rank) of each file
+    whose read failed on this rank as its sender; ``bad``: the received file whose copy failed its
+    check (``error``)."""
 
     area: str | None
     files: tuple[int, ...]
     error: BaseException | None
+    unsent: tuple[tuple[int, int], ...] = ()
+    bad: int | None = None
 
 
 def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: NodeLayout, store: Store,
@@ -198,8 +204,20 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
     """
     rank = group.rank
     area, got, sent, received, error = None, [], 0, 0, None
+    unsent: list[tuple[int, int]] = []  # (file, receiver) of this rank's reads that failed (zeros sent)
+    bad = None  # the received file whose copy failed its check
+    rounds = schedule(transfers)
+    # Every buffer is made before the first exchange, and a rank that cannot have them (out of
+    # memory) says so to all: one that failed inside a round would leave its partners waiting
+    # out the group's deadline in that round's exchanges.
+    buffers, alloc_error = None, None
     try:
-        for rnd in schedule(transfers):
+        buffers = _buffers(group, rounds, rank, header)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        alloc_error = exc
+    group.exchange_outcome(alloc_error, operation="peer transfer")
+    try:
+        for rnd in rounds:
             out = next((t for t in rnd if t.src == rank), None)
             into = next((t for t in rnd if t.dst == rank), None)
             # Every rank takes part in each of the round's exchanges (collectives), one with
@@ -213,7 +231,7 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
                 except Exception as exc:  # noqa: BLE001 - reported to every rank below
                     error = exc
             try:
-                s, r = _move(group, out, into, count, store, step_path, area, header, progress,
+                s, r = _move(group, out, into, count, store, step_path, area, header, buffers, progress, unsent,
                              drop=error is not None)
                 sent, received = sent + s, received + r
                 if into is not None and error is None:
@@ -224,11 +242,22 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
                 error = error or exc
         if error is None:
             for i in got:  # read back: what landed on this node's disk is what was saved
+                bad = i
                 stream_verified(store, area, header, i, lambda _pos, _piece: None)
+            bad = None
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = error or exc
     try:
-        outcomes = group.all_gather(_Outcome(area, tuple(got), _portable(error) if group.world_size > 1 else error))
+        outcomes = group.all_gather(_Outcome(area, tuple(got), _portable(error) if group.world_size > 1 else error,
+                                             tuple(unsent), bad))
+        # A copy that failed its check because its sender's read failed (zeros were sent) is that
+        # read's consequence, not a second fault: the sender's error alone is reported.
+        zeros = {sent for o in outcomes for sent in o.unsent}
+        errors = [None if (o.bad, r) in zeros and isinstance(o.error, CheckpointCorruptError) else o.error
+                  for r, o in enumerate(outcomes)]
+        if errors[rank] is None and error is not None:
+            log.warning("distckpt: peer transfer: the copy of %s received on this rank failed its check because "
+                        "its sender could not read it (%s)", header.files[bad].name, error)
         installed, install_error = {}, None
         try:
             if not any(o.error is not None for o in outcomes):
@@ -241,7 +270,7 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
                              [(outcomes[r].area, outcomes[r].files) for r in layout.ranks_of(layout.node)])
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             install_error = exc
-        group.raise_failures([o.error for o in outcomes], error, operation="peer transfer")
+        group.raise_failures(errors, error if errors[rank] is not None else None, operation="peer transfer")
         group.exchange_outcome(install_error, operation="peer transfer")
     finally:
         if area is not None:
@@ -250,10 +279,12 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
 
 
 def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, count: int, store: Store,
-          step_path: str, area: str | None, header: mf.Manifest,
-          progress: Callable[[int], None] | None, *, drop: bool = False) -> tuple[int, int]:
+          step_path: str, area: str | None, header: mf.Manifest, buffers: tuple[list, list],
+          progress: Callable[[int], None] | None, unsent: list[int], *, drop: bool = False) -> tuple[int, int]:
     """One round on this rank: ``count`` exchanges (:meth:`ControlGroup.exchange`), in which it
     sends the pieces of ``out``'s file and receives those of ``into``'s (None: nothing that way).
+    ``buffers``: (send, receive) lists of :func:`_buffers`, each buffer as large as a piece.
+    ``unsent``: (``out``'s file, its receiver) is appended when its read failed (zeros were sent).
     ``drop``: this rank failed already: it writes nothing it receives (its own file it still sends:
     its receiver's copy is good, and its error is the one the rounds report). Returns (bytes sent,
     bytes received). This rank's own errors (its read, its file's create, write or fsync) are
@@ -261,7 +292,6 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
     come (a sender's zeros then fail its receiver's check). A failed exchange raises at once
     (PeerLostError: the group is lost)."""
     import numpy as np
-    import torch
 
     send_sizes = piece_sizes(header.files[out.file].size) if out is not None else []
     recv_sizes = piece_sizes(header.files[into.file].size) if into is not None else []
@@ -280,14 +310,22 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
         except _Stopped:
             pass
         except Exception as exc:  # noqa: BLE001 - sent as zeros, raised after the round
-            failed.append(exc)
+            failed.append(typed_memory_error(exc))
+            unsent.append((out.file, out.dst))
         finally:
             pieces.put(None)
 
     reader = None
     if out is not None:
         reader = threading.Thread(target=read, name="distckpt-peer-read", daemon=True)
-        reader.start()
+        try:
+            reader.start()
+        except RuntimeError as exc:  # "can't start new thread" (no memory for its stack): zeros are sent
+            failed.append(HostMemoryError(f"peer transfer: the reader of {header.files[out.file].name} could not "
+                                          f"start: {exc}", errno=errno.ENOMEM))
+            unsent.append((out.file, out.dst))
+            reader = None
+            pieces.put(None)
     fd = -1
     sent = received = 0
     try:
@@ -297,14 +335,12 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except OSError as exc:
                 failed.append(from_os_error(exc, path=target, operation="create"))
-        # Two buffers each way, memory torch owns (a buffer of Python's would be released by
-        # gloo's thread, which then needs the GIL): piece k+1's exchange runs while piece k is
-        # written and piece k+2 read, so the network and the disks overlap instead of taking turns.
-        # The calls into torch go through group.call: on the drain thread, none starts at exit.
-        ways = 2 if count > 1 else 1
-        sbufs, rbufs = group.call(lambda: tuple(
-            [torch.empty(max(sizes, default=0), dtype=torch.uint8) for _ in range(ways)]
-            for sizes in (send_sizes, recv_sizes)))
+        # Two buffers each way (run_transfers made them): piece k+1's exchange runs while piece k
+        # is written and piece k+2 read, so the network and the disks overlap instead of taking
+        # turns. The calls into torch go through group.call: on the drain thread, none starts at
+        # exit.
+        sbufs, rbufs = buffers
+        ways = len(sbufs)
         rviews = group.call(lambda: [memoryview(t.numpy()) for t in rbufs])
         pending = None  # (wait, piece index) of the exchange launched in the last iteration
         done_reading = reader is None
@@ -364,6 +400,31 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
     if failed:
         raise failed[0]
     return sent, received
+
+
+def _buffers(group: ControlGroup, rounds: list, rank: int, header: mf.Manifest) -> tuple[list, list]:
+    """(send, receive) buffers of this rank for every round of ``rounds``: two each way (one when
+    no file of its has more than one piece), as large as its largest piece that way. Memory torch
+    owns: gloo's thread releases the buffers of an exchange, and a Python buffer's release would
+    need the GIL. Raises HostMemoryError when the memory cannot be had."""
+    import torch
+
+    def largest(pick) -> tuple[int, int]:
+        sizes = [piece_sizes(header.files[t.file].size) for rnd in rounds for t in rnd if pick(t)]
+        return max((max(p, default=0) for p in sizes), default=0), max((len(p) for p in sizes), default=0)
+
+    (send, send_n), (recv, recv_n) = largest(lambda t: t.src == rank), largest(lambda t: t.dst == rank)
+    ways = 2 if max(send_n, recv_n) > 1 else 1
+    try:
+        return group.call(lambda: tuple([torch.empty(n, dtype=torch.uint8) for _ in range(ways)]
+                                        for n in (send, recv)))
+    except MemoryError as exc:
+        raise typed_memory_error(exc) from None
+    except RuntimeError as exc:  # torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory"
+        if "allocate" not in str(exc):
+            raise
+        raise HostMemoryError(f"peer transfer buffers ({ways} x {send} + {ways} x {recv} bytes): {exc}",
+                              errno=errno.ENOMEM, needed=ways * (send + recv)) from exc
 
 
 class _Stopped(Exception):

@@ -390,6 +390,81 @@ def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(t
         assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
 
 
+def _sender_out_of_memory_body(rank: int, world_size: int, tmp: str, where: str) -> dict:
+    import resource
+    import time
+
+    from distckpt import manifest as mf
+    from distckpt._dist import control_group
+    from distckpt.errors import HostMemoryError
+    from distckpt.storage import open_store
+    from distckpt.tiers import TieredCheckpointManager
+    from distckpt.tiers.load import _local_copy
+    from distckpt.tiers.nodes import node_layout
+    from distckpt.tiers.peers import replica_transfers, run_transfers
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    with TieredCheckpointManager(local, remote) as mgr:
+        mgr.save(1, _state(1, rank, n=1 << 23))  # 32 MiB per rank: four pieces, 8 MiB buffers
+        assert mgr.wait_durable(1, timeout=120).durable
+    group = control_group()
+    layout, store = node_layout(group, local), open_store(local)
+    path = os.path.join(local, "step_00000001")
+    copy, data = _local_copy(store, path)
+    held = group.all_gather(copy.files)
+    header = mf.decode_header(data, path=path)
+    transfers = replica_transfers(layout, header, held, world_size - 1)
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    held_back: list = []
+    if rank == 1:  # a real out-of-memory: 1 MiB of address space left (the transfer's buffers are 8 MiB)
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 20), limit[1]))
+        if where == "buffers":
+            # glibc serves an 8 MiB request from heap space that earlier allocations left mapped
+            # when it can: take every such space first, so that the buffers need new memory.
+            while True:
+                try:
+                    held_back.append(bytearray(8 << 20))
+                except MemoryError:
+                    break
+    t0 = time.monotonic()
+    try:
+        run_transfers(group, transfers, layout=layout, store=store, step_path=path, header=header, manifest=data)
+        error = None
+    except HostMemoryError as exc:
+        error = f"{type(exc).__name__} failures={sorted(getattr(exc, 'failures', {}) or {})}"
+        if rank == 1:
+            print("rank 1:", where, exc.failures[1], flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+        held_back.clear()
+    seconds = time.monotonic() - t0
+    group.all_gather(rank)  # the group still works: no rank left inside an exchange
+    return {"error": error, "seconds": seconds, "left": sorted(os.listdir(local)), "files": sorted(os.listdir(path))}
+
+
+@pytest.mark.parametrize("where", ["buffers", "pieces"])
+def test_a_rank_out_of_memory_in_a_peer_transfer_fails_every_rank_typed_at_once(tmp_path, where):
+    """A rank out of memory in a peer transfer (a real RLIMIT_AS: 1 MiB of address space left).
+    ``buffers``: its transfer buffers could not be made, which happened inside the round, before
+    its first exchange, while its partner waited in that exchange: PeerLostError after the group's
+    deadline, and the group lost. The buffers are now made before the first round and the
+    outcome exchanged. ``pieces``: glibc serves the buffers from freed heap space and its reader
+    fails instead: a bare MemoryError, beside its receiver's ChecksumMismatchError for the zeros
+    it was sent (a RankFailureError naming two faults). The reader's error is typed now, and a
+    receiver's failed check of zeros is reported as its sender's error alone. Either way every
+    rank raises rank 1's HostMemoryError at once, and the group goes on."""
+    results = run_ranks(_sender_out_of_memory_body, 2, str(tmp_path), where, timeout=240,
+                        env={"DISTCKPT_TIMEOUT_S": "60"})
+    for rank, r in enumerate(results):
+        assert r["error"] == "HostMemoryError failures=[1]", (rank, r)
+        assert r["seconds"] < 30, (rank, r)  # not the group's deadline (60 s)
+        assert r["files"] == ["MANIFEST", f"rank{rank:05d}.bin"], (rank, r)  # nothing installed
+        assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
+
+
 def _replicas_while_the_remote_is_down_body(rank: int, world_size: int, tmp: str) -> dict:
     import subprocess
     import time
