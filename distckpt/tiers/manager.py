@@ -215,10 +215,14 @@ class TieredCheckpointManager:
         # lack steps it holds, which its keep_last_remote rotation counts): see _known_remote_id.
         self._remote_listed = False
         self._remote_down: str | None = None  # the remote tier's error when it last did not answer
+        # Whether this manager checked the tiers' pairing (_pair_tiers): at construction when the
+        # remote tier answers, else on the drain thread before its first drain.
+        self._paired = False
         try:
             remote_up = self._check_remote()
             if remote_up:
-                self._pair_tiers()
+                self._pair_tiers(self._group)
+                self._paired = True
         except BaseException:
             self._release_owner()
             raise
@@ -530,6 +534,12 @@ class TieredCheckpointManager:
     def _drain_one(self, step: int, save_id: str | None, progress, assigned) -> int:
         if self.replicas and step not in self._replication:
             self._replicate(step)
+        if not self._paired:
+            # The remote tier did not answer at construction: nothing may drain into it before
+            # it is known to be the tier this node's local tier drains to. A mismatch is a
+            # ConfigError: this drain, and each later one, fails for good naming it.
+            self._pair_tiers(self._drain_group)
+            self._paired = True
         after = functools.partial(self._remote.rotate_after, step)
         result = drain_step(self._drain_group, local_path=self.local_path(step), remote_path=self.remote_path(step),
                             remote_store=self._remote_store, lock_path=join(self.remote_root, ROOT_LOCK_NAME),
@@ -699,7 +709,7 @@ class TieredCheckpointManager:
         self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
         return up if self._group.world_size == 1 else bool(self._group.broadcast(up))
 
-    def _pair_tiers(self) -> None:
+    def _pair_tiers(self, group) -> None:
         """Check that the remote root is the remote tier each node's local tier drained to.
 
         A directory remote on a file system that is not mounted reads as an empty directory (or
@@ -708,24 +718,25 @@ class TieredCheckpointManager:
         after the mount came back resumed from an older step, silently. So the remote tier
         carries an identity (``REMOTE/.distckpt-tier``: a random id written by the first manager
         that uses it) and each node's local tier records the one it drains to
-        (``LOCAL/.distckpt-tier-remote``). Collective (two all-gathers). A node with no record
+        (``LOCAL/.distckpt-tier-remote``). Collective on ``group`` (the manager's group at
+        construction, the drain channel on the drain thread). A node with no record
         (a new or replaced node) takes the remote tier's; a remote root with no identity gets one
         when no node recorded any (a new tier, or one written by a distckpt before this check).
 
         Raises TierMismatchError on every rank when a node recorded another tier than the remote
         root holds, or any tier while it holds none; the store's typed errors."""
+        operation = "TieredCheckpointManager()" if group is self._group else "the tier check before a drain"
         error, mine = None, None
         record = join(self.local_root, TIER_RECORD_NAME)
         try:
             if self._layout.is_leader:
                 mine = _tier_id(self._local_store.read_pointer(record))
             found = _tier_id(self._remote_store.read_pointer(join(self.remote_root, TIER_ID_NAME))) \
-                if self._group.rank == 0 else None
+                if group.rank == 0 else None
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-        got = self._group.all_gather(_portable(error) if error is not None else (mine, None if self._group.rank else found))
-        self._group.raise_failures([g if isinstance(g, BaseException) else None for g in got], error,
-                                   operation="TieredCheckpointManager()")
+        got = group.all_gather(_portable(error) if error is not None else (mine, None if group.rank else found))
+        group.raise_failures([g if isinstance(g, BaseException) else None for g in got], error, operation=operation)
         found = got[0][1]
         recorded = {self._layout.node_of[r]: g[0] for r, g in enumerate(got) if g[0] is not None}
         other = {n: t for n, t in recorded.items() if t != found}
@@ -739,7 +750,7 @@ class TieredCheckpointManager:
                 path=self.remote_root, recorded=recorded, found=found)
         error, tier = None, found
         try:
-            if self._group.rank == 0 and found is None:
+            if group.rank == 0 and found is None:
                 tier = uuid.uuid4().hex
                 self._remote_store.make_root(self.remote_root)
                 self._remote_store.replace_pointer(join(self.remote_root, TIER_ID_NAME), f"{tier}\n".encode())
@@ -747,14 +758,14 @@ class TieredCheckpointManager:
                          self.remote_root, tier)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-        tier = self._group.exchange_outcome(error, operation="TieredCheckpointManager()", extra=tier)[0]
+        tier = group.exchange_outcome(error, operation=operation, extra=tier)[0]
         error = None
         try:
             if self._layout.is_leader and mine is None:
                 self._local_store.replace_pointer(record, f"{tier}\n{self.remote_root}\n".encode())
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
-        self._group.exchange_outcome(error, operation="TieredCheckpointManager()")
+        group.exchange_outcome(error, operation=operation)
 
     # -- state ------------------------------------------------------------------------------------
 

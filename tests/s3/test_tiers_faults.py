@@ -447,6 +447,43 @@ def test_a_remote_answering_5xx_at_construction_is_an_outage_not_an_error(s3_buc
     assert _same(distckpt.read(f"{url}/step_{1:08d}", storage_options=s3_bucket.storage_options), 1)
 
 
+def test_a_remote_down_at_construction_is_paired_before_the_first_drain(s3_bucket, cred_proxy, tmp_path,
+                                                                       monkeypatch):
+    """The tiers' pairing (TierMismatchError: a remote root that is not the tier this node's local
+    tier drained to) was checked only at construction when the remote tier answered: a manager
+    built while it was down drained, once it answered, into whatever the root now was, and
+    reported the steps durable there. Here the local tier drained to ``run``; a manager built on
+    ``other`` (another job's prefix, a mistyped one, an endpoint now serving another bucket)
+    while the server answers 500 must not drain into it when it answers again."""
+    from distckpt.errors import TierMismatchError
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "30")
+    local = tmp_path / "local"
+    opts = _via(s3_bucket.storage_options, cred_proxy.endpoint)
+    with TieredCheckpointManager(local, f"{s3_bucket.url}/run", storage_options=opts) as mgr:
+        mgr.save(1, _state(1))
+        assert mgr.wait_durable(1, timeout=90).durable
+    other = f"{s3_bucket.url}/other"
+    cred_proxy.answer = (500, "Internal Server Error", b"InternalError")
+    cred_proxy.revoked.set()
+    mgr = TieredCheckpointManager(local, other, storage_options=opts)
+    try:
+        mgr.save(2, _state(2))
+        assert mgr.status(2).local == "committed"
+        cred_proxy.revoked.clear()
+        with pytest.raises(NotDurableError) as info:
+            mgr.wait_durable(2, timeout=90)
+        assert isinstance(info.value.cause, TierMismatchError), repr(info.value)
+        assert mgr.status(2).remote == "failed" and mgr.status(2).local == "committed"
+    finally:
+        cred_proxy.revoked.clear()
+        with contextlib.suppress(NotDurableError):
+            mgr.close(timeout=60)
+    assert s3_bucket.keys("other/") == [], "nothing may be drained into a remote root that is not this tier's"
+    # The tier it was paired with still takes its drains.
+    with TieredCheckpointManager(local, f"{s3_bucket.url}/run", storage_options=opts) as mgr:
+        assert mgr.wait_durable(2, timeout=90).durable
+
+
 @contextlib.contextmanager
 def _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path):
     """(manager, proxy, its drained status of step 1, remote URL): a manager whose remote tier is
