@@ -132,7 +132,7 @@ MAX_METADATA_BYTES = 1 << 30
 _MAX_PKL_BYTES = 1 << 20
 # A data file name as DCP's FileSystemWriter makes it: a plain basename, never a path.
 _FILE_RE = re.compile(r"[A-Za-z0-9_.\-]+")
-_RANK_RE = re.compile(r"__(\d+)_\d+\.distcp")
+_RANK_RE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:

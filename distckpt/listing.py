@@ -16,7 +16,7 @@ from typing import Callable
 
 from . import chain
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, DistCkptError,
-                     ObjectNotFoundError)
+                     ObjectNotFoundError, StorageError)
 from .manifest import MANIFEST_NAME as MANIFEST
 from .storage import Leftover, Store, basename, join, normalize_path, open_store
 
@@ -24,8 +24,10 @@ __all__ = ["list_root", "RootListing", "StepInfo", "Leftover", "owned_checkpoint
 
 # Exactly the names CheckpointManager gives (step_dirname: 8 digits zero-padded, more without a
 # leading zero): step_000000007 beside step_00000007 would list step 7 twice, and the manager's
-# path(7) names only the second.
-_STEP_RE = re.compile(r"^step_(\d{8}|[1-9]\d{8,})$")
+# path(7) names only the second. [0-9], not \d (which takes any Unicode digit), and \Z, not $
+# (which also matches before a trailing newline): "step_0000000\u0663" and "step_00000003\n" are
+# other directories than step_00000003.
+_STEP_RE = re.compile(r"step_([0-9]{8}|[1-9][0-9]{8,})\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +119,13 @@ def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
     return max(committed, key=lambda i: (i.created_unix, i.step), default=None)
 
 
-def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: list) -> RootListing:
+def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: list,
+             problem: str | None = None) -> RootListing:
     newest = _newest_by_commit(infos)
     # With a step whose MANIFEST cannot be read, no step is what load() would take: it raises
     # (a checkpoint directory not named step_N is no candidate of load()).
     unknown = any(i.status == "unreadable" and i.step is not None for i in infos)
     latest = newest.step if newest is not None and not unknown else None
-    problem = None
     if pointer is not None and (newest is None or pointer != newest.name):
         target = next((i for i in infos if i.name == pointer), None)
         if target is None:
@@ -161,8 +163,11 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
     # something (an empty "directory" an object store keeps after a deletion is nothing).
     infos = [_step_info(join(root, n), n, store, strict=False) for n in names
              if store.has_manifest(join(root, n)) or (_STEP_RE.match(n) and store.exists(join(root, n)))]
-    return _listing(root, infos, store.read_pointer(join(root, "latest")),
-                    store.scan_leftovers(root, other_hosts=other_hosts))
+    try:
+        pointer, problem = store.read_pointer(join(root, "latest")), None
+    except StorageError as exc:  # a FIFO, a symlink, a directory named latest: said, not fatal to a listing
+        pointer, problem = None, f"the latest file cannot be read: {exc.message}"
+    return _listing(root, infos, pointer, store.scan_leftovers(root, other_hosts=other_hosts), problem)
 
 
 def owned_checkpoints(store: Store, parent: str, owned: Callable[[dict], bool]) -> list[tuple[str, float]]:

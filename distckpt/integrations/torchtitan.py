@@ -60,14 +60,14 @@ __all__ = ["DistckptCheckpointManager", "AsyncMode", "FORMAT"]
 log = logging.getLogger("distckpt")
 
 DATALOADER = "dataloader"  # torchtitan's key for the dataloader's state
-_DP_RANK = re.compile(r"dp_rank_\d+")  # its pickled per-rank entries (ParallelAwareDataloader)
+_DP_RANK = re.compile(r"dp_rank_[0-9]+")  # its pickled per-rank entries (ParallelAwareDataloader)
 
 #: ``meta["user"]["torchtitan"]["format"]`` of the checkpoints this manager writes.
 FORMAT = 1
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 # torchtitan's own pattern for its DCP step folders (dcp.py, _find_load_step).
-_DCP_STEP_RE = re.compile(r"^step-(\d+)$")
+_DCP_STEP_RE = re.compile(r"step-([0-9]+)\Z")
 
 
 @contextlib.contextmanager

@@ -173,6 +173,53 @@ def test_ls_paths(tmp_path, capsys):
     assert listing["latest"] == 3 and listing["latest_pointer"] == "step_00000003"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["fifo", "symlink", "directory"])
+def test_a_latest_that_is_not_a_regular_file_is_named_and_never_blocks(tmp_path, capsys, what):
+    """``latest`` as a FIFO made `distckpt ls ROOT` and describe() block forever in open(), and a
+    symlinked one was followed (ls quoted its target's first bytes). Now the listing says the
+    pointer cannot be read, lists the steps, and the manager saves and loads on (a save replaces
+    the pointer)."""
+    root = tmp_path / "r"
+    mgr = distckpt.CheckpointManager(root)
+    mgr.save(1, {"w": torch.ones(4)})
+    latest = root / "latest"
+    os.unlink(latest)
+    secret = tmp_path / "secret"
+    secret.write_text("do-not-quote-me\n")
+    {"fifo": os.mkfifo, "symlink": lambda p: os.symlink(secret, p), "directory": os.mkdir}[what](latest)
+    listing = distckpt.CheckpointManager(root).describe()
+    assert [e.step for e in listing.entries] == [1] and listing.latest == 1, listing
+    assert listing.latest_pointer is None and "latest file cannot be read" in listing.pointer_problem, listing
+    rc, out, _err = _ls(capsys, str(root))
+    assert rc == 0 and "committed" in out and "latest file cannot be read" in out, out
+    assert "do-not-quote-me" not in out, out
+    out = {"w": torch.zeros(4)}
+    got = distckpt.CheckpointManager(root).load(out)
+    assert got.path.endswith("step_00000001") and torch.equal(out["w"], torch.ones(4))
+    if what != "directory":  # a save replaces a FIFO or a symlink by a rename (never through it)
+        mgr.save(2, {"w": torch.ones(4) * 2})
+        assert os.path.isfile(latest) and not os.path.islink(latest) and secret.read_text() == "do-not-quote-me\n"
+
+
+def test_only_the_exact_step_names_are_steps(tmp_path):
+    """Step names were matched with \\d and $: a directory "step_0000000\u0663" (an Arabic-Indic
+    digit) or "step_00000003\\n" (a trailing newline) counted as step 3 beside the real one:
+    steps() listed 3 three times, and rotation counted them."""
+    root = tmp_path / "r"
+    mgr = distckpt.CheckpointManager(root, keep_last=3)
+    for s in (1, 2, 3):
+        mgr.save(s, {"w": torch.ones(4) * s})
+    for name in ("step_0000000\u0663", "step_00000003\n"):
+        distckpt.save({"w": torch.ones(4)}, root / name)
+    assert mgr.steps() == [1, 2, 3]
+    mgr.save(4, {"w": torch.ones(4) * 4})
+    assert mgr.steps() == [2, 3, 4]
+    assert (root / "step_0000000\u0663").is_dir() and (root / "step_00000003\n").is_dir()  # not ours: left alone
+    listing = mgr.describe()
+    assert [e.step for e in listing.entries if e.step is not None] == [2, 3, 4], listing
+
+
 def test_dead_saves_are_still_reclaimed(tmp_path):
     root = str(tmp_path / "root")
     os.makedirs(root)

@@ -122,7 +122,7 @@ _CONTAINERS = "containers"
 # torch.save keeps both (a Parameter in client_state, tied weights of the module's state dict).
 _TENSORS = "tensors"
 # A tag becomes a directory name beside `latest` and distckpt's hidden tmp/lock entries.
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}\Z")
 
 
 def _export_file(state_dict: Any, path: str) -> None:

@@ -25,10 +25,10 @@ __all__ = ["TMP_RE", "LOCK_RE", "lock_file", "scan_leftovers", "saves_of", "tree
 log = logging.getLogger("distckpt")
 
 # Hidden siblings: ".NAME.tmp-<hex>" (a save in progress or crashed), ".NAME.del-<hex>" (a deletion).
-TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}$")
+TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<what>tmp|del)-[0-9a-f]{32}\Z")
 # ".NAME.lock": the liveness lock of a save of NAME in flight (storage.savelock); the root lock
 # (storage.base.ROOT_LOCK_NAME) is held by whichever manager save is in flight in the root.
-LOCK_RE = re.compile(r"^\.(?P<name>.+)\.lock$")
+LOCK_RE = re.compile(r"^\.(?P<name>.+)\.lock\Z")
 
 
 def lock_file(parent: str, name: str) -> str:

@@ -26,8 +26,8 @@ from .leftovers import TMP_RE, saves_of
 
 __all__ = ["check_checkpoint_dir", "checkpoint_path"]
 
-_DATA_RE = re.compile(r"^rank[0-9]{5}\.bin$")
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_DATA_RE = re.compile(r"rank[0-9]{5}\.bin\Z")
+_STEP_RE = re.compile(r"step_([0-9]+)\Z")
 # torch.save writes a zip archive (PyTorch >= 1.6) or, with _use_new_zipfile_serialization=False,
 # a bare pickle stream (protocol 2..5 start with 0x80 and the protocol number).
 _ZIP_MAGIC = b"PK\x03\x04"

@@ -16,12 +16,13 @@ crash tests enumerate. Where the work is done:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from typing import Any, Callable, Mapping
 
 from ... import manifest as mf
-from ...errors import CheckpointIncompleteError, CheckpointNotFoundError, from_os_error
+from ...errors import CheckpointIncompleteError, CheckpointNotFoundError, StorageError, from_os_error
 from ..base import Leftover, Store
 from . import commit as local
 from . import leftovers, loading, manifests
@@ -149,13 +150,33 @@ class PosixStore(Store):
                 and not os.path.islink(os.path.join(root, n))]
 
     def read_pointer(self, path: str) -> str | None:
+        # O_NONBLOCK: a FIFO planted as ``latest`` must not block the open (it hung `distckpt ls`
+        # and describe()); O_NOFOLLOW: a symlink could point anywhere, and a reader quotes no
+        # byte of a file distckpt did not write. Both are refused below, typed.
         try:
-            with open(path, "rb") as f:
-                return f.read(4096).decode("utf-8", "replace").strip()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StorageError(f"{path} is a symbolic link, not a file distckpt wrote (it is not followed)",
+                                   path=path, errno=exc.errno,
+                                   remedy="Remove it; the next save writes it again.") from None
             raise from_os_error(exc, path=path, operation="read") from exc
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                        "a socket" if stat.S_ISSOCK(mode) else "a device")
+                raise StorageError(f"{path} is {kind}, not a file distckpt wrote", path=path, errno=errno.EINVAL,
+                                   remedy="Remove it; the next save writes it again.")
+            return os.read(fd, 4096).decode("utf-8", "replace").strip()
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise from_os_error(exc, path=path, operation="read") from exc
+        finally:
+            os.close(fd)
 
     def replace_pointer(self, path: str, data: bytes) -> None:
         local.replace_file_atomic(path, data)
