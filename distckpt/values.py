@@ -52,7 +52,8 @@ from .errors import DistCkptError, ManifestCorruptError, UnsupportedValueError
 __all__ = ["SCALAR_KINDS", "VALUE_KIND", "encode_value", "decode_value", "check_node", "holds_tensor",
            "value_digest", "describe"]
 
-_I64_MIN, _U64 = -(1 << 63), 1 << 64
+_I64_MIN, _I64_END, _U64 = -(1 << 63), 1 << 63, 1 << 64
+_DECIMAL = re.compile(r"-?(0|[1-9][0-9]*)\Z")
 #: Object kinds of format 1: the scalar itself is the stored value.
 SCALAR_KINDS = ("none", "bool", "int", "float", "str", "bytes")
 #: The object kind of a value node (format 2).
@@ -424,12 +425,17 @@ def check_node(node: Any, where: str) -> str | None:
         if t in ("int", "dtype", "device", "enum") and not isinstance(v, str):
             return f"{where}: a {t!r} value node needs a str 'v'"
         if t == "int":
+            # Exactly what the encoder writes (str(int)): int() alone takes " 1_000 " too.
+            if not _DECIMAL.fullmatch(v):
+                return f"{where}: {v[:40]!r} is not a decimal integer"
             try:
                 int(v)
-            except ValueError:
-                return f"{where}: {v!r} is not a decimal integer"
-        if t == "size" and not (isinstance(v, list) and all(type(x) is int and 0 <= x < _U64 for x in v)):
-            return f"{where}: a 'size' value node needs a list of non-negative ints"
+            except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+                return f"{where}: an integer of {len(v)} digits"
+        # A torch.Size and a numpy shape hold int64 dimensions: 2**63 and above cannot be one (a
+        # torch.Size of one loaded, then failed in repr() and everywhere it was used).
+        if t == "size" and not (isinstance(v, list) and all(type(x) is int and 0 <= x < _I64_END for x in v)):
+            return f"{where}: a 'size' value node needs a list of non-negative ints below 2**63"
         if t in ("namedtuple", "enum", "dataclass") and not (isinstance(n["c"], str) and ":" in n["c"]):
             return f"{where}: a {t!r} value node needs a class name 'module:qualname'"
         if t == "namedtuple" and not (isinstance(n["f"], list) and all(isinstance(x, str) for x in n["f"])
@@ -444,6 +450,6 @@ def check_node(node: Any, where: str) -> str | None:
             if not isinstance(n["d"], str) or not isinstance(v, bytes):
                 return f"{where}: a 'numpy' value node needs a str dtype 'd' and bytes 'v'"
             s = n["s"]
-            if s is not None and not (isinstance(s, list) and all(type(x) is int and 0 <= x < _U64 for x in s)):
-                return f"{where}: a 'numpy' value node needs a shape 's' of non-negative ints or nil"
+            if s is not None and not (isinstance(s, list) and all(type(x) is int and 0 <= x < _I64_END for x in s)):
+                return f"{where}: a 'numpy' value node needs a shape 's' of non-negative ints below 2**63, or nil"
     return None

@@ -266,6 +266,11 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
                                  "kind 'value' needs format version 2"),
         "bad_value_node.bin": (_v2_case(_set(["objects", "v.size", "value", "v"], ["x"])),
                                "a 'size' value node needs a list of non-negative ints"),
+        # A torch.Size holds int64: a dimension of 2**63 is no size (it loaded, then failed in use).
+        "size_dim_2_63.bin": (_v2_case(_set(["objects", "v.size", "value", "v"], [2**63])),
+                              "a 'size' value node needs a list of non-negative ints below 2**63"),
+        "int_not_decimal.bin": (_v2_case(_set(["objects", "v.size", "value"], {"t": "int", "v": " 1_000 "})),
+                                "' 1_000 ' is not a decimal integer"),
         "flags.bin": (wrap(body, flags=1), "flags are 0x00000001"),
         "flipped_body_byte.bin": (_flip_body_byte(good), "checksum mismatch"),
         "truncated.bin": (good[:-10], "truncated"),
