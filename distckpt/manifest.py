@@ -117,6 +117,7 @@ MAX_MANIFEST_FILE_BYTES = MAX_MANIFEST_BYTES + _OVERHEAD
 MAX_NDIM = 64
 MAX_DEPTH = _VALUE_MAX_DEPTH  # value nodes and the tree nest alike
 
+_SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # used with fullmatch; writers use uuid4().hex
 _FILE_NAME_RE = re.compile(r"rank[0-9]{5}\.bin")  # ASCII digits only (\d would accept any Unicode digit)
 _U64 = 1 << 64
 # created_unix: a commit time, 1970-01-01 to 9999-12-31 UTC (what a date can be printed as; a
@@ -669,6 +670,11 @@ def _validate_files(m: Manifest, path: Any) -> None:
         )
     if not isinstance(m.save_id, str):
         raise _corrupt(f"save_id: expected a str, found {type(m.save_id).__name__}", path)
+    if not _SAVE_ID_RE.fullmatch(m.save_id):
+        # On an object store the save id is part of every data object's name (C/<save_id>/...):
+        # "..", "/" or "" there would have a hostile MANIFEST choose what a load reads.
+        raise _corrupt(f"save_id: {m.save_id[:80]!r} is not a plain id (1 to 128 ASCII letters, digits, '_' "
+                       f"or '-'; a writer uses 32 hex digits)", path)
     _check_uint(m.world_size, "world_size", path, lo=1)
     if not _is_commit_time(m.created_unix):
         raise _corrupt(f"created_unix: expected seconds since 1970 before the year 10000 (0 <= t < "

@@ -271,6 +271,9 @@ def corrupt_corpus() -> dict[str, tuple[bytes, str]]:
                               "a 'size' value node needs a list of non-negative ints below 2**63"),
         "int_not_decimal.bin": (_v2_case(_set(["objects", "v.size", "value"], {"t": "int", "v": " 1_000 "})),
                                 "' 1_000 ' is not a decimal integer"),
+        # On an object store the save id names the data objects' prefix: never a path.
+        "save_id_traversal.bin": (_schema_case(_set(["save_id"], "../step_2/x")), "save_id: '../step_2/x' is not a plain id"),
+        "save_id_empty.bin": (_schema_case(_set(["save_id"], "")), "save_id: '' is not a plain id"),
         "flags.bin": (wrap(body, flags=1), "flags are 0x00000001"),
         "flipped_body_byte.bin": (_flip_body_byte(good), "checksum mismatch"),
         "truncated.bin": (good[:-10], "truncated"),
