@@ -16,7 +16,9 @@ Invariants:
     step 200 of 100/200/300, save 250) the newest commit is 250, never 300.
   * Saving step S after this manager's load() of an older step makes every committed step
     numbered above S an *abandoned branch* (the run rolled back); without such a load they are
-    kept, with a warning. Default: they are deleted right after S is committed, each deletion logged as a
+    kept, with a warning. A load() that named no step chose no rollback: of the steps above, only
+    those committed before the step it took are the abandoned branch (an earlier rollback's),
+    never one it passed over because it does not load (_kept_above). Default: they are deleted right after S is committed, each deletion logged as a
     warning with the reason; ``keep_abandoned=True`` keeps them (never rotated, never loaded by
     default; a later save of one of their numbers then raises CheckpointExistsError). A save whose
     number collides with a step of the abandoned branch of a rollback this manager loaded
@@ -89,7 +91,8 @@ class CheckpointManager:
     completed save committed (also after a rollback: load 200 of 100/200/300 and save 250, and
     250 is what load() gives and what ``latest`` names). Saving step S after a load() of an older step
     treats committed steps numbered above S as an abandoned branch (without such a load they are
-    kept, with a warning): deleted right after S commits, each deletion logged
+    kept, with a warning, as are those a load() without a step number passed over because they do
+    not load): deleted right after S commits, each deletion logged
     as a warning with its reason (``keep_abandoned=True`` keeps them). The step ``load()`` resumed
     from is never rotated away by the first save after it. One manager save at a time per root
     (across processes: SaveInProgressError for the second). Leftovers of dead saves are reclaimed by
@@ -134,6 +137,7 @@ class CheckpointManager:
         # clear that newer load's protection. Guarded by _lock (async saves settle on their thread).
         self._lock = threading.Lock()
         self._resumed_from: int | None = None
+        self._resume_chosen = False  # whether the caller named the step it resumed from
         self._resume_gen = 0
         self._clock_read = False  # rank 0: the root's commit times made known (commitclock), before a save
         self._saver = None
@@ -322,13 +326,13 @@ class CheckpointManager:
                         self.path(step), self._resumed_from, step)
             kwargs["overwrite"] = True
         with self._lock:
-            protect, gen = self._resumed_from, self._resume_gen
+            protect, chosen, gen = self._resumed_from, self._resume_chosen, self._resume_gen
 
         def after() -> None:
             if reclaim_error is not None:  # the save went through: the reclaim's error was its own
                 log.warning("distckpt: could not reclaim leftovers under %s before saving step %d: %s",
                             self.root, step, reclaim_error)
-            self._after_commit(step, protect, rotate)
+            self._after_commit(step, protect, rotate, chosen=chosen)
 
         lock = join(self.root, ROOT_LOCK_NAME)
         if self._saver is not None:
@@ -416,6 +420,25 @@ class CheckpointManager:
             return False
         return True
 
+    def _kept_above(self, above: list[int], resumed: int) -> list[int]:
+        """Of ``above`` (steps numbered above the one just saved, after a load that took the newest
+        loadable step, not one the caller chose), those that are an abandoned branch: committed
+        before the step resumed from (a rollback of an earlier run whose deletion did not happen).
+        The others are kept with a warning: a step load() passed over because its MANIFEST is
+        damaged or unreadable (or committed later, by another writer) is no branch the caller
+        abandoned, and may be all there is of that step."""
+        created = self._commit_time_reader()
+        base = created(resumed)
+        older = [s for s in above if base is not None and base != DAMAGED
+                 and (t := created(s)) is not None and t != DAMAGED and t < base]
+        kept = [s for s in above if s not in older]
+        if kept:
+            log.warning("distckpt: keeping %s under %s: numbered above the step just saved, but not known to "
+                        "be an abandoned branch (load() took step %d as the newest loadable step, not a step the "
+                        "caller chose; these do not load, or were committed after it). Load one by number to "
+                        "resume from it, or remove it", [step_dirname(s) for s in kept], self.root, resumed)
+        return older
+
     def _commit_time_reader(self) -> Callable[[int], float | None]:
         """``commit_time`` for :func:`distckpt.rotation.beyond_keep_last`: a step's MANIFEST commit
         time, peeked where the store can (a local file's first 4 KiB), else decoded
@@ -450,12 +473,16 @@ class CheckpointManager:
             return info.created_unix
         return created
 
-    def _after_commit(self, step: int, protect: int | None, rotate: bool = True) -> None:
+    def _after_commit(self, step: int, protect: int | None, rotate: bool = True, *, chosen: bool = True) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
+        # ``chosen``: the caller named the step it resumed from (load(step=N)); else the manager
+        # took the newest loadable one.
         pointer = (step_dirname(step) + "\n").encode()
         self._store.replace_pointer(join(self.root, "latest"), pointer)
         steps = self._steps(strict=False)
         above = [s for s in steps if s > step]
+        if above and protect is not None and not chosen and not self.keep_abandoned:
+            above = self._kept_above(above, protect)
         if above and protect is None:
             # Steps above this one are an abandoned branch only after a rollback through this
             # manager's load(); otherwise (a fresh job, another manager, a plain load) nothing
@@ -534,6 +561,7 @@ class CheckpointManager:
         from .save_async import raise_background_failure
         raise_background_failure(None if kwargs.get("no_dist") else
                                  control_group(self.process_group, operation="CheckpointManager.load()"))
+        chosen = step is not None
         if step is None:
             step = self._agreed_latest_step()
         if self.storage_options is not None:
@@ -543,6 +571,7 @@ class CheckpointManager:
             self._saver.resume(state_dict, self.path(step), process_group=self.process_group)
         with self._lock:
             self._resumed_from = step
+            self._resume_chosen = chosen
             self._resume_gen += 1
         return result
 

@@ -363,6 +363,33 @@ def test_a_damaged_manifest_is_rotated_by_its_number_and_never_stops_rotation(tm
     assert mgr.steps() == [4, 5]
 
 
+def test_a_damaged_higher_step_that_load_passed_over_is_not_deleted_as_an_abandoned_branch(tmp_path, caplog):
+    """Steps 10, 20, 30; one byte of step 30's MANIFEST flipped. A new job's load() without a step
+    number takes 20 (30 does not load) and saves 25: step 30, data files and all, was deleted as
+    "abandoned branch -- step 25 was just saved after a rollback", though nobody rolled back
+    (its data may be all there is of it). It is kept now, with a warning; a load of 20 by number
+    (a rollback the caller chose) still makes 30 the abandoned branch."""
+    root = tmp_path / "r"
+    mgr = distckpt.CheckpointManager(root, keep_last=5)
+    for s in (10, 20, 30):
+        mgr.save(s, {"w": torch.ones(4) * s})
+    manifest = root / "step_00000030" / "MANIFEST"
+    data = bytearray(manifest.read_bytes())
+    data[60] ^= 1
+    manifest.write_bytes(bytes(data))
+    mgr = distckpt.CheckpointManager(root, keep_last=5)
+    out = {"w": torch.zeros(4)}
+    assert mgr.load(out).path.endswith("step_00000020") and torch.equal(out["w"], torch.ones(4) * 20)
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        mgr.save(25, {"w": torch.ones(4) * 25})
+    assert (root / "step_00000030" / "rank00000.bin").exists() and manifest.read_bytes() == bytes(data)
+    assert "not known to be an abandoned branch" in caplog.text and "deleting" not in caplog.text, caplog.text
+    mgr = distckpt.CheckpointManager(root, keep_last=5)
+    mgr.load(out, step=20)  # chosen: a rollback
+    mgr.save(21, {"w": torch.ones(4) * 21})
+    assert mgr.steps() == [10, 20, 21] and not (root / "step_00000030").exists()  # 25 and 30: abandoned
+
+
 def test_rollback_keep_abandoned_and_resumed_step_protected(tmp_path):
     root = tmp_path / "root"
     first = distckpt.CheckpointManager(root)
