@@ -49,6 +49,7 @@ import contextlib
 import contextvars
 import ctypes
 import dataclasses
+import logging
 import mmap
 import os
 import struct
@@ -64,6 +65,8 @@ from .errors import ChecksumMismatchError, DistCkptError
 from .plan import Box, byte_range, expand_to_blocks, is_dense_layout, outermost_dim, plan_reads, row_major_strides
 from .storage import is_url, open_store
 from .tensorbytes import dtype_from_name
+
+log = logging.getLogger("distckpt")
 
 __all__ = ["fill", "reading", "side_reads", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE", "Task", "Part",
            "fill_parts", "box_tasks", "fill_boxes_of"]
@@ -788,7 +791,18 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
                 n = min(seg.end, reader.size) - seg.offset
                 reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
                 if verify:
-                    _verify(paths[seg.file_index], seg, view, blocks[seg.file_index])
+                    try:
+                        _verify(paths[seg.file_index], seg, view, blocks[seg.file_index])
+                    except _Bad as bad:
+                        if not getattr(reader, "reread_on_mismatch", False):
+                            raise
+                        # A remote answer can change in transit where a disk's cannot: read the
+                        # range once more. A second mismatch is the stored bytes (raised).
+                        log.warning("distckpt: checksum mismatch in %s at byte %d (key %r): reading the range "
+                                    "again, the first answer may have changed in transit", bad.fpath, bad.offset,
+                                    bad.fqn)
+                        reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
+                        _verify(paths[seg.file_index], seg, view, blocks[seg.file_index])
                 if outcome.failed():  # another worker failed: copy nothing more
                     break
                 with torch.no_grad():

@@ -18,6 +18,8 @@ chosen one. Every request gets a number in arrival order (``proxy.log``: (number
     Content-Length (``Connection: close``) and only its first ``nbytes`` of body, and the
     connection is closed cleanly: a body cut short that the client cannot tell from a whole one
     by its framing (a proxy or gateway that closes early).
+  * ``("flip", offset)``: forwarded, the answer returned with one bit of its body flipped at
+    ``offset`` (or its last byte): bytes changed in transit, the stored object intact.
 
 Real sockets, a real server: the client stack (s3fs / aiobotocore / aiohttp) sees exactly what it
 would see from a real faulty network.
@@ -203,6 +205,12 @@ class FaultProxy:
                     client.sendall(b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n" + body[:action[1]])
                     client.shutdown(socket.SHUT_WR)
                     return
+                if isinstance(action, tuple) and action[0] == "flip":
+                    head, _, body = resp.partition(b"\r\n\r\n")
+                    if body:
+                        body = bytearray(body)
+                        body[min(action[1], len(body) - 1)] ^= 0x01
+                        resp = head + b"\r\n\r\n" + bytes(body)
                 client.sendall(resp)
         except (EOFError, OSError):
             return

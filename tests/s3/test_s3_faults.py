@@ -495,6 +495,43 @@ def test_a_body_cut_short_on_the_wire_is_asked_again_never_called_damage(s3_buck
     assert "is damaged" not in str(info.value) and "not known to be damaged" in info.value.remedy, info.value
 
 
+@pytest.mark.parametrize("which", ["index", "data"])
+def test_a_bit_flipped_in_transit_is_read_again_never_called_damage(s3_bucket, proxy, which):
+    """One bit of one ranged GET's answer flipped on the way (the stored object intact): the load
+    raised ChecksumMismatchError, "restore from an older checkpoint; this one is damaged", where a
+    direct load right after was exact (an outside trial). A range or index that fails its checksum
+    on an object store is read once more; a second mismatch (every answer flipped: what the store
+    serves) is still ChecksumMismatchError."""
+    url = f"{s3_bucket.url}/flip"
+    distckpt.save(_state(7.0), url, storage_options=s3_bucket.storage_options, no_dist=True)
+    skip = {"index": 0, "data": 1}[which]  # the first GET of the data object reads its index
+    seen = {"n": 0, "flipped": 0}
+
+    def once(i, method, path):
+        if method == "GET" and path.split("?")[0].endswith("rank00000.bin"):
+            seen["n"] += 1
+            if seen["n"] == skip + 1:
+                seen["flipped"] += 1
+                return ("flip", 100)
+        return None
+
+    proxy.rule = once
+    got = _state(0.0)
+    distckpt.load(got, url, storage_options=_proxied(s3_bucket.storage_options, proxy))
+    assert seen["flipped"] == 1 and _equal(got, _state(7.0))
+    seen["n"] = 0
+
+    def always(i, method, path):  # every answer of the index (or of the data ranges after it)
+        if method == "GET" and path.split("?")[0].endswith("rank00000.bin"):
+            seen["n"] += 1
+            return ("flip", 100) if seen["n"] > skip else None
+        return None
+
+    proxy.rule = always
+    with pytest.raises(distckpt.errors.CheckpointCorruptError):
+        distckpt.load(_state(0.0), url, storage_options=_proxied(s3_bucket.storage_options, proxy))
+
+
 def test_verify_through_a_silent_endpoint_says_not_verified_never_damaged(s3_bucket, proxy):
     """`distckpt verify` of an intact checkpoint whose data GETs go unanswered said `DAMAGED`
     (exit 1, `ok: false`, the request error listed as a file problem; an outside trial): a

@@ -250,8 +250,17 @@ class ObjectStore(Store):
         urls, open_reader, _, _ = self.data_readers(path, header, [i])
         off, length, _ = header.files[i].index
         buf = bytearray(length)
-        open_reader(urls[i]).read_into([(off, length, memoryview(buf))])
-        mf.check_index_bytes(header, i, buf, urls[i])
+        reader = open_reader(urls[i])
+        reader.read_into([(off, length, memoryview(buf))])
+        try:
+            mf.check_index_bytes(header, i, buf, urls[i])
+        except CheckpointCorruptError as exc:
+            # As for a data range (distckpt.fill): the answer may have changed in transit; read
+            # it once more, and a second mismatch is the stored bytes.
+            log.warning("distckpt: the index of %s does not match its checksum (%s): reading it again, the first "
+                        "answer may have changed in transit", urls[i], exc.message)
+            reader.read_into([(off, length, memoryview(buf))])
+            mf.check_index_bytes(header, i, buf, urls[i])
         return bytes(buf)
 
     @contextlib.contextmanager
@@ -843,6 +852,10 @@ def _get_whole(get: Callable[[], bytes], url: str, nbytes: int, offset: int, end
 class _RangeReader:
     """What :func:`distckpt.fill.fill` needs of a reader: ``size`` and ``read_into`` (one ranged
     GET per request); nothing to close."""
+
+    #: A range whose bytes fail their checksum is read once more before the checkpoint is called
+    #: damaged (distckpt.fill): an answer can change in transit, a stored object did not.
+    reread_on_mismatch = True
 
     def __init__(self, store: ObjectStore, url: str, size: int) -> None:
         self.store, self.url, self.size = store, url, size
