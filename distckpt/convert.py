@@ -79,6 +79,9 @@ class ConvertResult:
     seconds: float
 
 
+_OPTIONS = "See `distckpt convert --help` (or distckpt.convert.convert's docstring) for the options."
+
+
 def parse_size(text: str) -> int:
     """``"5GiB"``, ``"5G"``, ``"1048576"`` -> bytes: binary units, the package's one convention
     (distckpt.sizes; decimal ``500MB`` is refused as ambiguous). ValueError otherwise."""
@@ -465,7 +468,9 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
     for fqn in src.manifest.objects:
         result["skipped"][fqn] = "not a tensor (safetensors holds tensors only)"
     if not names:
-        raise UnsupportedValueError(f"no tensor of {src.path} matches the prefix {prefix!r}", path=src.path)
+        raise UnsupportedValueError(f"no tensor of {src.path} matches the prefix {prefix!r}", path=src.path,
+                                    remedy="Pass a prefix that the tensors' keys start with (`distckpt inspect` "
+                                    "lists them), or none.")
 
     def out_dtype(t, fqn: str) -> str:
         d = t.dtype
@@ -473,8 +478,9 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
             d = cast
         if d not in _ST_DTYPES:
             raise UnsupportedValueError(f"safetensors cannot hold dtype {d} (tensor {fqn!r})", path=src.path,
-                                        key=fqn, remedy="Convert to torch, dcp or distckpt, or cast the "
-                                        "floating-point tensors with --dtype.")
+                                        key=fqn, remedy="Convert to torch, dcp or distckpt" + (
+                                            ", or cast the floating-point tensors with --dtype." if
+                                            _dtype(d).is_floating_point else "."))
         return d
 
     from . import manifest as mf
@@ -548,16 +554,20 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
 
 
 def _check_shard(path: str, shard: list) -> None:
-    """Open the written shard with the safetensors library: names, dtypes and shapes as meant."""
+    """Open the written shard with the safetensors library: names, dtypes and shapes as meant.
+    Raises StorageIOError when it reads back otherwise (the file system returned other bytes)."""
     from safetensors import safe_open
+
+    from .errors import StorageIOError
 
     with safe_open(path, framework="pt") as f:
         keys = set(f.keys())
         if keys != {s[0] for s in shard}:
-            raise AssertionError(f"{path}: safetensors sees keys {sorted(keys)[:5]}...")
+            raise StorageIOError(f"{path}: the shard just written reads back with keys {sorted(keys)[:5]}..., "
+                                 f"not the {len(shard)} written", path=path)
         for name, _fqn, _d, shape, _nb in shard:
             if tuple(f.get_slice(name).get_shape()) != shape:
-                raise AssertionError(f"{path}: {name} has the wrong shape")
+                raise StorageIOError(f"{path}: {name} reads back with another shape than written", path=path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -803,21 +813,22 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             StorageError (StoragePermissionError for a read-only one). The errors of
             :func:`distckpt.read` for the source;
         UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
-        non-tensor value torch.load(weights_only=True) would refuse); ValueError for bad options.
+        non-tensor value torch.load(weights_only=True) would refuse); ConfigError (a ValueError) for
+        bad options.
     """
-    from .errors import CheckpointExistsError
+    from .errors import CheckpointExistsError, ConfigError
 
     t0 = time.monotonic()
     if to not in FORMATS:
-        raise ValueError(f"unknown target format {to!r} (one of {', '.join(FORMATS)})")
+        raise ConfigError(f"unknown target format {to!r} (one of {', '.join(FORMATS)})", remedy=_OPTIONS)
     if (prefix is not None or dtype is not None) and to != "safetensors":
-        raise ValueError("prefix and dtype apply to --to safetensors only")
+        raise ConfigError("prefix and dtype apply to --to safetensors only", remedy=_OPTIONS)
     if dtype is not None:
         dtype = _DTYPE_ALIASES.get(dtype, dtype)
         if not _dtype(dtype).is_floating_point:
-            raise ValueError(f"dtype {dtype!r} is not a floating-point dtype")
+            raise ConfigError(f"dtype {dtype!r} is not a floating-point dtype", remedy=_OPTIONS)
     if memory_limit < 1 << 20:
-        raise ValueError("memory_limit must be at least 1 MiB")
+        raise ConfigError("memory_limit must be at least 1 MiB", remedy=_OPTIONS)
     from .storage.posix.locate import checkpoint_path
     # A MANIFEST file stands for its directory, as in load, read, inspect and verify.
     src_s, dst_s = os.path.abspath(checkpoint_path(src)), os.path.abspath(os.fspath(dst))
@@ -957,15 +968,13 @@ def _cmd_convert(args) -> int:
         except Exception as exc:  # noqa: BLE001 - any failure of the user's module is reported as such
             print(f"distckpt convert: --import {module}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
+    from .errors import ConfigError
     try:
         res = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, prefix=args.prefix,
                       dtype=args.dtype, memory_limit=args.memory_limit, allow_pickle=args.allow_pickle,
                       progress=False if args.no_progress else None)
-    except ValueError as exc:
-        from .errors import DistCkptError
-        if isinstance(exc, DistCkptError):
-            raise
-        print(f"distckpt convert: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # a bad option: a usage error, as argparse's own
+        print(f"distckpt convert: {exc.message}", file=sys.stderr)
         return 2
     from .errors import format_bytes
     print(f"{res.src} -> {res.dst} ({res.to}): {res.tensors} tensors, {format_bytes(res.bytes)} in "

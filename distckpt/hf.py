@@ -234,7 +234,8 @@ def _read_index(path: str, name: str) -> list[tuple[str, str]]:
         os.close(fd)
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not wm:
-        raise CheckpointCorruptError(f"{name} has no weight_map object", path=ipath)
+        raise CheckpointCorruptError(f"{name} has " + ("an empty weight_map" if isinstance(wm, dict) else
+                                                       "no weight_map object"), path=ipath)
     for key, fname in wm.items():
         if not isinstance(fname, str) or not _FILE_RE.fullmatch(fname) or fname in (".", ".."):
             raise CheckpointCorruptError(f"{name}: {key!r} names {fname!r}, which is not a plain file name inside "

@@ -226,6 +226,15 @@ def test_cli_convert(src, tmp_path, capsys):
         main(["convert", src, str(tmp_path / "x"), "--to", "nope"])
     assert main(["convert", src, str(tmp_path / "x"), "--to", "dcp", "--prefix", "model."]) == 2
     assert "safetensors only" in capsys.readouterr().err and not os.path.exists(tmp_path / "x")
+    # Through the API a bad option is a ConfigError (a ValueError, and one of distckpt's typed
+    # errors: it was a bare ValueError).
+    from distckpt.convert import convert
+    from distckpt.errors import ConfigError
+    for bad in ({"to": "onnx"}, {"to": "torch", "dtype": "bf16"}, {"to": "safetensors", "dtype": "int8"},
+                {"to": "torch", "memory_limit": 1}):
+        with pytest.raises(ConfigError):
+            convert(src, str(tmp_path / "x"), **bad)
+    assert not os.path.exists(tmp_path / "x")
     # A MANIFEST file stands for its directory, as in inspect and verify (it used to be refused
     # with a misleading "cannot be created there" StorageError).
     dst = str(tmp_path / "from_manifest.pt")

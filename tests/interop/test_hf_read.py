@@ -293,13 +293,19 @@ def test_hostile_index_is_a_typed_error(tmp_path):
     check({"a": "/etc/passwd"}, CheckpointCorruptError, "plain file name")
     check({"a": "missing.safetensors"}, DataFileMissingError, "missing")
     check({"a": "part-1.safetensors", "c": "part-1.safetensors"}, CheckpointCorruptError, "no file has it")
-    check({}, CheckpointCorruptError, "weight_map", raw="[]")
+    check({}, CheckpointCorruptError, "no weight_map object", raw="[]")
+    check({}, CheckpointCorruptError, "an empty weight_map")
     # a symlinked shard (the hub cache's layout) is refused, not followed
     os.symlink("part-1.safetensors", str(tmp_path / "link.safetensors"))
     check({"a": "link.safetensors"}, UnsupportedValueError, "symlink")
     index.write_text(json.dumps({"weight_map": {"a": "part-1.safetensors", "b": "part-1.safetensors"}}))
     got = distckpt.read(str(tmp_path))
     assert torch.equal(got["a"], torch.ones(2)) and torch.equal(got["b"], torch.zeros(3))
+    # A tensor of a named file that the index omits is read too, as transformers' loader does
+    # (docs/INTEROP.md): the index says which files to open.
+    index.write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    got = distckpt.read(str(tmp_path))
+    assert sorted(got) == ["a", "b"] and torch.equal(got["b"], torch.zeros(3))
 
 
 def test_dcp_sharded_safetensors_are_refused(tmp_path):
