@@ -350,6 +350,24 @@ def _chain(store, path: str) -> list[str]:
     return [path] + [link.path for link in chain_of(path, chunks=False)[1:]]  # ChainBrokenError
 
 
+def _check_values(manifest: "mf.Manifest", report: VerifyReport) -> None:
+    """Build every non-tensor value as a load would (distckpt.values: no code runs, nothing is
+    imported): one that no save writes (a dict key twice, a device string torch cannot parse,
+    numpy bytes that are not its shape) is a problem of the MANIFEST, so that verify fails what
+    load refuses. A value whose class is not imported in this process (UnsupportedValueError) is
+    no damage and is not reported; pickled values are not unpickled."""
+    from .errors import ManifestCorruptError, UnsupportedValueError
+    from .values import decode_value
+
+    for fqn, entry in manifest.objects.items():
+        try:
+            decode_value(entry.kind, entry.value, fqn=fqn)
+        except UnsupportedValueError:
+            continue
+        except ManifestCorruptError as exc:
+            report.file_problems.append(FileProblem(mf.MANIFEST_NAME, exc.message))
+
+
 def _stat_files(store, path: str, manifest: "mf.Manifest", report: VerifyReport) -> list:
     """[(file index, entry, (location, bytes to read))] of the data files that can be read at
     all; every missing, non-regular, truncated or oversized file is recorded in ``report``."""
@@ -380,6 +398,7 @@ def _verify_one(store, path: str, window: int, progress, on_start, chain: list[s
     manifest = mf.decode_header(data, path=mpath)
     report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
                           checksum_block=manifest.checksum_block, chain=list(chain))
+    _check_values(manifest, report)
     readable = _stat_files(store, path, manifest, report)
     opener, report.backend = store.whole_file_readers({loc: size for _, _, (loc, size) in readable})
     if manifest.format_version >= 3:

@@ -98,6 +98,28 @@ def test_huge_checksum_block_is_refused_alike_by_load_read_and_verify(good, tmp_
     assert main(["verify", p, "--no-progress"]) == 1
 
 
+@pytest.mark.parametrize("case", ["set twice", "device"])
+def test_a_value_load_refuses_fails_verify_too(tmp_path, case):
+    """A value node that passes the MANIFEST's structural checks but that no save writes (a set
+    holding one element twice, a device string torch cannot parse): load refused it with
+    ManifestCorruptError while `distckpt verify` said OK (an outside trial). verify now builds the
+    values as a load does (no code runs) and reports it against the MANIFEST."""
+    p = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(2), "s": {1, 2}, "d": torch.device("cpu")}, p, no_dist=True)
+    body = _body(p)
+    if case == "set twice":
+        body["objects"]["s"]["value"]["v"] = [1, 1]
+    else:
+        body["objects"]["d"]["value"]["v"] = "cpu:x"
+    _write_manifest(p, body)
+    out = _outcomes(p)
+    assert isinstance(out["read"], ManifestCorruptError), out  # as a load of it
+    report = out["verify"]
+    assert not report.ok and [f.file for f in report.file_problems] == ["MANIFEST"], report
+    from distckpt.cli import main
+    assert main(["verify", p, "--no-progress"]) == 1
+
+
 def test_checksum_block_at_the_bound_reads_with_buffers_sized_by_the_chunks(good, tmp_path, monkeypatch):
     """2**30 is a block a writer may use (DISTCKPT_CHECKSUM_BLOCK=1G): every chunk here is one
     partial block, whose crc32c is the one a small block gave (each chunk fits one), so the
