@@ -170,7 +170,9 @@ class CheckpointManager:
         return join(self.root, step_dirname(step))
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending by number. Never writes. Raises the store's typed error
+        """Committed steps, ascending by number: those whose MANIFEST is there (not decoded: one
+        whose MANIFEST is damaged is listed too; load() skips it with a warning, and
+        :meth:`describe` shows it ``broken``). Never writes. Raises the store's typed error
         (StoragePermissionError, StorageIOError, ...) when a step's directory cannot be looked
         at: a step it cannot see may be the newest (a save after a load without it would delete
         it as an abandoned branch)."""
