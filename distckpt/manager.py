@@ -200,6 +200,11 @@ class CheckpointManager:
                 out.append(step)
         return sorted(out)
 
+    def _numbered_above(self, step: int) -> bool:
+        """Whether a name in the root is a step directory numbered above ``step`` (committed or
+        not: one listing, no request per step)."""
+        return any(int(m.group(1)) > step for m in map(_STEP_RE.match, self._store.list_children(self.root)) if m)
+
     def latest_step(self) -> int | None:
         """The step ``load()`` loads: the newest committed step by commit order (MANIFEST commit
         time, then number), or None. A step whose MANIFEST does not decode is skipped with a
@@ -481,6 +486,11 @@ class CheckpointManager:
         # took the newest loadable one.
         pointer = (step_dirname(step) + "\n").encode()
         self._store.replace_pointer(join(self.root, "latest"), pointer)
+        if (self.keep_last is None or not rotate) and not self._numbered_above(step):
+            # Nothing to rotate and no step above: the committed steps below need not be looked
+            # at (on an object store, a HEAD each, on rank 0 inside every commit of a run that
+            # keeps all its steps: thousands of requests per save after thousands of saves).
+            return
         steps = self._steps(strict=False)
         above = [s for s in steps if s > step]
         if above and protect is not None and not chosen and not self.keep_abandoned:

@@ -563,6 +563,25 @@ def test_verify_through_a_silent_endpoint_says_not_verified_never_damaged(s3_buc
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_save_into_a_root_that_keeps_every_step_looks_at_no_older_step(s3_bucket, proxy):
+    """After each commit rank 0 listed the root's steps, one HEAD per step (is it committed?),
+    to find steps above the new one and to rotate: in a run that keeps every step (no keep_last)
+    the n-th save sent n HEADs inside its commit (thousands after thousands of saves). With no
+    keep_last and no step numbered above, none is sent; with keep_last, the steps are looked at as
+    before and rotated."""
+    root = s3_bucket.url + "/keepall"
+    m = distckpt.CheckpointManager(root, storage_options=_proxied(s3_bucket.storage_options, proxy))
+    for step in range(1, 9):
+        proxy.reset_log()
+        m.save(step, {"w": torch.full((100,), float(step))})
+    heads = [path for _, method, path in proxy.log if method == "HEAD" and path.endswith("/MANIFEST")]
+    assert not [p for p in heads if "step_0000000" in p and not p.endswith("step_00000008/MANIFEST")], heads
+    assert m.steps() == list(range(1, 9))
+    m = distckpt.CheckpointManager(root, storage_options=_proxied(s3_bucket.storage_options, proxy), keep_last=3)
+    m.save(9, {"w": torch.full((100,), 9.0)})
+    assert m.steps() == [7, 8, 9]
+
+
 def test_latest_step_orders_an_object_store_root_by_one_ranged_get_per_step(s3_bucket, proxy, monkeypatch):
     """latest_step (and rotation) order a root's steps by MANIFEST commit time. On an object
     store every MANIFEST was decoded whole for it (a HEAD and a GET of the whole object each:
