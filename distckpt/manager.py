@@ -22,7 +22,8 @@ Invariants:
     warning with the reason; ``keep_abandoned=True`` keeps them (never rotated, never loaded by
     default; a later save of one of their numbers then raises CheckpointExistsError). A save whose
     number collides with a step of the abandoned branch of a rollback this manager loaded
-    replaces it atomically (logged), unless keep_abandoned.
+    replaces it atomically (logged), unless keep_abandoned; so does one whose number holds a step
+    with a damaged MANIFEST (it never loads: refusing would stop the run at that number).
   * Rotation runs on rank 0 inside the commit (after the new checkpoint is durable, before any rank
     returns), deletes only committed steps of the current branch (numbered at or below the step
     just saved) that are neither among its newest ``keep_last`` by number nor among its newest
@@ -326,14 +327,15 @@ class CheckpointManager:
                                 self.root, step, exc)
         if self._rank() == 0 and not self._clock_read:
             self._clock_read = self._learn_commit_times()
-        if (self._rank() == 0 and self._resumed_from is not None and step > self._resumed_from
-                and not self.keep_abandoned and not kwargs.get("overwrite") and self._committed_quietly(step)):
-            log.warning("distckpt: replacing %s: it belongs to the abandoned branch (this manager resumed from "
-                        "step %d and saves step %d again); pass keep_abandoned=True to refuse instead",
-                        self.path(step), self._resumed_from, step)
-            kwargs["overwrite"] = True
         with self._lock:
             protect, chosen, gen = self._resumed_from, self._resume_chosen, self._resume_gen
+        if (self._rank() == 0 and not self.keep_abandoned and not kwargs.get("overwrite")
+                and self._committed_quietly(step)):
+            why = self._replaceable(step, protect, chosen)
+            if why is not None:
+                log.warning("distckpt: replacing %s: %s; pass keep_abandoned=True to refuse instead",
+                            self.path(step), why)
+                kwargs["overwrite"] = True
 
         def after() -> None:
             if reclaim_error is not None:  # the save went through: the reclaim's error was its own
@@ -369,6 +371,22 @@ class CheckpointManager:
             raise
         self._settle(gen, result, None)
         return result
+
+    def _replaceable(self, step: int, resumed: int | None, chosen: bool) -> str | None:
+        """Why a save of ``step`` may replace the committed step of that number (rank 0, before
+        the save), or None (the save then raises CheckpointExistsError): it belongs to the
+        abandoned branch of the rollback this manager loaded (``resumed``: a step the caller
+        chose, or the newest loadable one when ``step`` was committed before it), or its MANIFEST
+        is damaged (it never loads; load() passed over it: blocking every later save of its
+        number would stop the run there). A MANIFEST that cannot be read (no permission, a
+        timeout) is no damage: that step is not replaced."""
+        if resumed is not None and step > resumed and (chosen or self._kept_above([step], resumed, quiet=True)):
+            return f"it belongs to the abandoned branch (this manager resumed from step {resumed} and saves step " \
+                   f"{step} again)"
+        info = _step_info(self.path(step), step_dirname(step), self._store, strict=False)
+        if info.status == "broken":
+            return f"its MANIFEST is damaged, so it never loads ({info.problem})"
+        return None
 
     def _committed_quietly(self, step: int) -> bool:
         """Whether ``step`` is committed; False (with a warning) when the store cannot tell: the
@@ -427,7 +445,7 @@ class CheckpointManager:
             return False
         return True
 
-    def _kept_above(self, above: list[int], resumed: int) -> list[int]:
+    def _kept_above(self, above: list[int], resumed: int, *, quiet: bool = False) -> list[int]:
         """Of ``above`` (steps numbered above the one just saved, after a load that took the newest
         loadable step, not one the caller chose), those that are an abandoned branch: committed
         before the step resumed from (a rollback of an earlier run whose deletion did not happen).
@@ -439,7 +457,7 @@ class CheckpointManager:
         older = [s for s in above if base is not None and base != DAMAGED
                  and (t := created(s)) is not None and t != DAMAGED and t < base]
         kept = [s for s in above if s not in older]
-        if kept:
+        if kept and not quiet:
             log.warning("distckpt: keeping %s under %s: numbered above the step just saved, but not known to "
                         "be an abandoned branch (load() took step %d as the newest loadable step, not a step the "
                         "caller chose; these do not load, or were committed after it). Load one by number to "

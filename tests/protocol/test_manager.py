@@ -384,6 +384,23 @@ def test_a_damaged_higher_step_that_load_passed_over_is_not_deleted_as_an_abando
         mgr.save(25, {"w": torch.ones(4) * 25})
     assert (root / "step_00000030" / "rank00000.bin").exists() and manifest.read_bytes() == bytes(data)
     assert "not known to be an abandoned branch" in caplog.text and "deleting" not in caplog.text, caplog.text
+    # The run goes on: its save of step 30 replaces the damaged one (which never loads), named in
+    # the log; before, a save of a number load() had passed over was refused (CheckpointExistsError)
+    # unless it came first after the load, so whether the run stopped there depended on that.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        mgr.save(30, {"w": torch.ones(4) * 31})
+    assert "its MANIFEST is damaged" in caplog.text, caplog.text
+    assert mgr.load(out).path.endswith("step_00000030") and torch.equal(out["w"], torch.ones(4) * 31)
+    manifest.write_bytes(bytes(data))  # damaged again; a job whose first save after load() is step 30
+    mgr = distckpt.CheckpointManager(root, keep_last=5)
+    assert mgr.load(out).path.endswith("step_00000025")
+    mgr.save(30, {"w": torch.ones(4) * 32})
+    assert mgr.load(out).path.endswith("step_00000030") and torch.equal(out["w"], torch.ones(4) * 32)
+    # keep_abandoned=True refuses to replace it.
+    manifest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointExistsError):
+        distckpt.CheckpointManager(root, keep_abandoned=True).save(30, {"w": torch.ones(4)})
     mgr = distckpt.CheckpointManager(root, keep_last=5)
     mgr.load(out, step=20)  # chosen: a rollback
     mgr.save(21, {"w": torch.ones(4) * 21})
