@@ -139,6 +139,13 @@ def _tier_id(text: str | None) -> str | None:
     return text.split()[0] if text and text.split() else None
 
 
+def _outage(exc: BaseException) -> bool:
+    """Whether ``exc`` says the remote tier does not answer (its endpoint, throttling, a server
+    error), as opposed to refusing (configuration, credentials, a missing bucket)."""
+    return isinstance(exc, (EndpointUnreachableError, ThrottledError)) or (
+        isinstance(exc, ObjectStoreError) and (getattr(exc, "status", None) or 0) >= 500)
+
+
 class TieredCheckpointManager:
     """Numbered checkpoints on two tiers: node-local first, then drained to ``remote``.
 
@@ -699,8 +706,7 @@ class TieredCheckpointManager:
             try:
                 check_object_store(self.remote_root, storage_options=self.storage_options, rank=0)
             except Exception as exc:  # noqa: BLE001 - an outage warns; anything else is raised on every rank below
-                if isinstance(exc, (EndpointUnreachableError, ThrottledError)) or (
-                        isinstance(exc, ObjectStoreError) and (getattr(exc, "status", None) or 0) >= 500):
+                if _outage(exc):
                     log.warning("distckpt: the remote tier %s does not answer (%s: %s): saving to the local tier "
                                 "only until it does (drains retry)", self.remote_root, type(exc).__name__, exc)
                     up = False
@@ -726,28 +732,7 @@ class TieredCheckpointManager:
         Raises TierMismatchError on every rank when a node recorded another tier than the remote
         root holds, or any tier while it holds none; the store's typed errors."""
         operation = "TieredCheckpointManager()" if group is self._group else "the tier check before a drain"
-        error, mine = None, None
-        record = join(self.local_root, TIER_RECORD_NAME)
-        try:
-            if self._layout.is_leader:
-                mine = _tier_id(self._local_store.read_pointer(record))
-            found = _tier_id(self._remote_store.read_pointer(join(self.remote_root, TIER_ID_NAME))) \
-                if group.rank == 0 else None
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = exc
-        got = group.all_gather(_portable(error) if error is not None else (mine, None if group.rank else found))
-        group.raise_failures([g if isinstance(g, BaseException) else None for g in got], error, operation=operation)
-        found = got[0][1]
-        recorded = {self._layout.node_of[r]: g[0] for r, g in enumerate(got) if g[0] is not None}
-        other = {n: t for n, t in recorded.items() if t != found}
-        if other:
-            where = (f"holds tier {found}" if found is not None else
-                     "holds no tier at all (is the file system that holds it mounted?)")
-            raise TierMismatchError(
-                f"the remote root {self.remote_root} {where}, but the local tier of node(s) {sorted(other)} "
-                f"({self.local_root} there) drained to tier {sorted(set(other.values()))}: draining into it would "
-                f"report steps durable that are not on the remote tier this job resumes from",
-                path=self.remote_root, recorded=recorded, found=found)
+        mine, found = self._check_pairing(group, operation)
         error, tier = None, found
         try:
             if group.rank == 0 and found is None:
@@ -762,10 +747,66 @@ class TieredCheckpointManager:
         error = None
         try:
             if self._layout.is_leader and mine is None:
-                self._local_store.replace_pointer(record, f"{tier}\n{self.remote_root}\n".encode())
+                self._local_store.replace_pointer(join(self.local_root, TIER_RECORD_NAME),
+                                                  f"{tier}\n{self.remote_root}\n".encode())
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
         group.exchange_outcome(error, operation=operation)
+
+    def _check_unpaired_remote(self) -> None:
+        """Before a load by a manager whose remote tier did not answer at construction (its
+        pairing waits for the first drain): the read-only pairing check, so that a remote root
+        that is another tier than this job's (another job's, one not mounted) is never read as
+        the reference tier. Collective. When the remote tier still does not answer, the load goes
+        on as for any outage (local copies, ``remote_unchecked``).
+
+        Raises TierMismatchError on every rank."""
+        try:
+            self._check_pairing(self._group, "TieredCheckpointManager.load()")
+        except TierMismatchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an outage: the load's own handling of it follows
+            if not _outage(exc):
+                raise
+            log.warning("distckpt: the remote tier %s still does not answer (%s: %s): its identity is checked "
+                        "once it does", self.remote_root, type(exc).__name__, exc)
+
+    def _check_pairing(self, group, operation: str) -> tuple[str | None, str | None]:
+        """The read-only half of :meth:`_pair_tiers` (collective on ``group``): (this node's
+        recorded tier id, or None on a rank that is not its node's leader or when there is none;
+        the remote root's id, or None). Writes nothing, so it may run while the drain thread
+        pairs (it sees the ids before or after that writes them, either consistent).
+
+        Raises TierMismatchError on every rank when a node recorded another tier than the remote
+        root holds, or any tier while it holds none; the stores' typed errors."""
+        error, mine, found = None, None, None
+        try:
+            if self._layout.is_leader:
+                mine = _tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        got = group.all_gather(_portable(error) if error is not None else mine)
+        group.raise_failures([g if isinstance(g, BaseException) else None for g in got], error, operation=operation)
+        # The remote id is read after every record was (the all-gather between): a pairing writes
+        # the id before any record, so a record seen here means its id is seen too.
+        error = None
+        try:
+            if group.rank == 0:
+                found = _tier_id(self._remote_store.read_pointer(join(self.remote_root, TIER_ID_NAME)))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        found = group.exchange_outcome(error, operation=operation, extra=found)[0]
+        recorded = {self._layout.node_of[r]: g for r, g in enumerate(got) if g is not None}
+        other = {n: t for n, t in recorded.items() if t != found}
+        if other:
+            where = (f"holds tier {found}" if found is not None else
+                     "holds no tier at all (is the file system that holds it mounted?)")
+            raise TierMismatchError(
+                f"the remote root {self.remote_root} {where}, but the local tier of node(s) {sorted(other)} "
+                f"({self.local_root} there) drained to tier {sorted(set(other.values()))}: draining into it would "
+                f"report steps durable that are not on the remote tier this job resumes from",
+                path=self.remote_root, recorded=recorded, found=found)
+        return mine, found
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -955,6 +996,8 @@ class TieredCheckpointManager:
         a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
         copy's ChecksumMismatchError when the remote tier does not hold the step).
         """
+        if not self._paired:
+            self._check_unpaired_remote()
         if step is not None:
             steps, remote_up, avail = [step], True, {}
         else:

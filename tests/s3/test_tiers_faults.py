@@ -454,7 +454,7 @@ def test_a_remote_down_at_construction_is_paired_before_the_first_drain(s3_bucke
     built while it was down drained, once it answered, into whatever the root now was, and
     reported the steps durable there. Here the local tier drained to ``run``; a manager built on
     ``other`` (another job's prefix, a mistyped one, an endpoint now serving another bucket)
-    while the server answers 500 must not drain into it when it answers again."""
+    while the server answers 500 must not drain into it, nor load from it, when it answers again."""
     from distckpt.errors import TierMismatchError
     monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "30")
     local = tmp_path / "local"
@@ -470,6 +470,10 @@ def test_a_remote_down_at_construction_is_paired_before_the_first_drain(s3_bucke
         mgr.save(2, _state(2))
         assert mgr.status(2).local == "committed"
         cred_proxy.revoked.clear()
+        # A load is checked too: the remote root is no tier this node drained to (a review found
+        # a load read another job's steps from it as the reference tier).
+        with pytest.raises(TierMismatchError):
+            mgr.load({"w": torch.zeros(1 << 18), "b": torch.zeros(7, dtype=torch.int64), "step": 0})
         with pytest.raises(NotDurableError) as info:
             mgr.wait_durable(2, timeout=90)
         assert isinstance(info.value.cause, TierMismatchError), repr(info.value)
