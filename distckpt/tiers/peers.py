@@ -204,7 +204,7 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
     """
     rank = group.rank
     area, got, sent, received, error = None, [], 0, 0, None
-    unsent: list[tuple[int, int]] = []  # (file, receiver) of this rank's reads that failed (zeros sent)
+    unsent: list[tuple] = []  # (file, receiver, error) of this rank's reads that failed (zeros sent)
     bad = None  # the received file whose copy failed its check
     rounds = schedule(transfers)
     # Every buffer is made before the first exchange, and a rank that cannot have them (out of
@@ -248,8 +248,12 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         error = error or exc
     try:
+        # The zeros a failed read sent are named only when that read's error is the one this rank
+        # reports: its receiver's failed check is then that error's consequence. Behind another
+        # error of this rank (a full disk first), the receiver's check is what reports the read.
+        zeros_sent = tuple((f, d) for f, d, e in unsent if e is error)
         outcomes = group.all_gather(_Outcome(area, tuple(got), _portable(error) if group.world_size > 1 else error,
-                                             tuple(unsent), bad))
+                                             zeros_sent, bad))
         # A copy that failed its check because its sender's read failed (zeros were sent) is that
         # read's consequence, not a second fault: the sender's error alone is reported.
         zeros = {sent for o in outcomes for sent in o.unsent}
@@ -284,7 +288,8 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
     """One round on this rank: ``count`` exchanges (:meth:`ControlGroup.exchange`), in which it
     sends the pieces of ``out``'s file and receives those of ``into``'s (None: nothing that way).
     ``buffers``: (send, receive) lists of :func:`_buffers`, each buffer as large as a piece.
-    ``unsent``: (``out``'s file, its receiver) is appended when its read failed (zeros were sent).
+    ``unsent``: (``out``'s file, its receiver, the read's error) is appended when its read failed
+    (zeros were sent).
     ``drop``: this rank failed already: it writes nothing it receives (its own file it still sends:
     its receiver's copy is good, and its error is the one the rounds report). Returns (bytes sent,
     bytes received). This rank's own errors (its read, its file's create, write or fsync) are
@@ -310,8 +315,9 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
         except _Stopped:
             pass
         except Exception as exc:  # noqa: BLE001 - sent as zeros, raised after the round
-            failed.append(typed_memory_error(exc))
-            unsent.append((out.file, out.dst))
+            typed = typed_memory_error(exc)
+            failed.append(typed)
+            unsent.append((out.file, out.dst, typed))
         finally:
             pieces.put(None)
 
@@ -321,9 +327,10 @@ def _move(group: ControlGroup, out: Transfer | None, into: Transfer | None, coun
         try:
             reader.start()
         except RuntimeError as exc:  # "can't start new thread" (no memory for its stack): zeros are sent
-            failed.append(HostMemoryError(f"peer transfer: the reader of {header.files[out.file].name} could not "
-                                          f"start: {exc}", errno=errno.ENOMEM))
-            unsent.append((out.file, out.dst))
+            typed = HostMemoryError(f"peer transfer: the reader of {header.files[out.file].name} could not start: "
+                                    f"{exc}", errno=errno.ENOMEM)
+            failed.append(typed)
+            unsent.append((out.file, out.dst, typed))
             reader = None
             pieces.put(None)
     fd = -1

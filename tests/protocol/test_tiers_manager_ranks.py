@@ -390,6 +390,59 @@ def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(t
         assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
 
 
+def _damaged_sender_with_a_full_disk_body(rank: int, world_size: int, tmp: str) -> dict:
+    from distckpt import manifest as mf
+    from distckpt._dist import control_group
+    from distckpt.storage import open_store
+    from distckpt.tiers import TieredCheckpointManager
+    from distckpt.tiers.load import _local_copy
+    from distckpt.tiers.nodes import node_layout
+    from distckpt.tiers.peers import replica_transfers, run_transfers
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    with TieredCheckpointManager(local, remote) as mgr:
+        mgr.save(1, _state(1, rank, n=1 << 20))
+        assert mgr.wait_durable(1, timeout=120).durable
+    group = control_group()
+    layout, store = node_layout(group, local), open_store(local)
+    path = os.path.join(local, "step_00000001")
+    copy, data = _local_copy(store, path)
+    held = group.all_gather(copy.files)
+    header = mf.decode_header(data, path=path)
+    if rank == 1:
+        with open(os.path.join(path, "rank00001.bin"), "r+b") as f:  # one byte of its own copy rots
+            f.seek(1000)
+            b = f.read(1)
+            f.seek(1000)
+            f.write(bytes([b[0] ^ 1]))
+        os.mkdir(os.path.join(local, "inodes"))
+        try:  # and its file system has no inode left: its receiving area cannot be made (ENOSPC)
+            for i in range(100000):
+                open(os.path.join(local, "inodes", str(i)), "w").close()
+        except OSError:
+            pass
+    try:
+        run_transfers(group, replica_transfers(layout, header, held, world_size - 1), layout=layout, store=store,
+                      step_path=path, header=header, manifest=data)
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001 - reported
+        return {"error": type(exc).__name__, "failures": {r: type(e).__name__ for r, e in exc.failures.items()}}
+
+
+def test_a_damaged_sender_whose_disk_is_full_is_reported_by_its_receiver(tmp_path, mounts):
+    """Rank 1's own copy has a damaged byte and its disk has no inode left. Its first error is its
+    receiving area's (DiskFullError), and its read of the damaged file fails after (zeros are
+    sent). Its receiver's failed check of those zeros was dropped as "the sender's error
+    reported already" although the sender reported only its full disk: nothing named the damaged
+    copy. The receiver's ChecksumMismatchError is kept unless the read's error is the one the
+    sender reports."""
+    mounts.tmpfs(tmp_path / "node1", size="64m", options=["nr_inodes=400"])
+    results = run_ranks(_damaged_sender_with_a_full_disk_body, 2, str(tmp_path), timeout=240,
+                        env={"DISTCKPT_TIMEOUT_S": "60"})
+    for r in results:
+        assert r == {"error": "RankFailureError",
+                     "failures": {0: "ChecksumMismatchError", 1: "DiskFullError"}}, results
+
+
 def _sender_out_of_memory_body(rank: int, world_size: int, tmp: str, where: str) -> dict:
     import resource
     import time
