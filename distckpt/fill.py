@@ -68,7 +68,7 @@ from .tensorbytes import dtype_from_name
 
 log = logging.getLogger("distckpt")
 
-__all__ = ["fill", "reading", "side_reads", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE", "Task", "Part",
+__all__ = ["fill", "verify_read", "reading", "side_reads", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE", "Task", "Part",
            "fill_parts", "box_tasks", "fill_boxes_of"]
 
 # One bounce buffer per worker; a segment is one read request of at most this many bytes. Four
@@ -347,6 +347,22 @@ def _verify(fpath: str, seg: _Segment, view: memoryview, block: int) -> None:
             got = crc32c(view[a:a + min(block, u.hi - b * block)])
             if got != t.chunk.crcs[b]:
                 raise _Bad(fpath, t, b, block, got)
+
+
+def verify_read(reader: Any, fpath: str, seg: _Segment, n: int, view: memoryview, block: int) -> None:
+    """Check the ``n`` bytes of ``seg`` that ``reader`` read into ``view``. A reader whose
+    answers can change in transit (``reread_on_mismatch``: an object store's ranged GETs; a
+    disk's bytes cannot) reads the segment once more after a mismatch, logged; a second mismatch
+    is the stored bytes. Raises _Bad."""
+    try:
+        _verify(fpath, seg, view, block)
+    except _Bad as bad:
+        if not getattr(reader, "reread_on_mismatch", False):
+            raise
+        log.warning("distckpt: checksum mismatch in %s at byte %d (key %r): reading the range again, the first "
+                    "answer may have changed in transit", bad.fpath, bad.offset, bad.fqn)
+        reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
+        _verify(fpath, seg, view, block)
 
 
 class _Bad(Exception):
@@ -791,18 +807,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
                 n = min(seg.end, reader.size) - seg.offset
                 reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
                 if verify:
-                    try:
-                        _verify(paths[seg.file_index], seg, view, blocks[seg.file_index])
-                    except _Bad as bad:
-                        if not getattr(reader, "reread_on_mismatch", False):
-                            raise
-                        # A remote answer can change in transit where a disk's cannot: read the
-                        # range once more. A second mismatch is the stored bytes (raised).
-                        log.warning("distckpt: checksum mismatch in %s at byte %d (key %r): reading the range "
-                                    "again, the first answer may have changed in transit", bad.fpath, bad.offset,
-                                    bad.fqn)
-                        reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
-                        _verify(paths[seg.file_index], seg, view, blocks[seg.file_index])
+                    verify_read(reader, paths[seg.file_index], seg, n, view, blocks[seg.file_index])
                 if outcome.failed():  # another worker failed: copy nothing more
                     break
                 with torch.no_grad():

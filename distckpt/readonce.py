@@ -214,7 +214,7 @@ class Exchange:
                open_reader: Callable[[str], Any], blocks: Mapping[int, int], verify: bool, bufs: list) -> None:
         """Step 2 (module docstring) on this rank: ``moves`` in their global order, the reads
         of the ones it sends on a thread one segment ahead."""
-        from .fill import _verify
+        from .fill import verify_read
 
         group = self.group
         bound = datetime.timedelta(seconds=get_config().timeout_s)
@@ -250,7 +250,7 @@ class Exchange:
                             n = min(seg.end, r.size) - seg.offset
                             r.read_into([(seg.offset, n, buf.view[:seg.end - seg.offset])])
                             if verify:
-                                _verify(paths[seg.file_index], seg, buf.view, blocks[seg.file_index])
+                                verify_read(r, paths[seg.file_index], seg, n, buf.view, blocks[seg.file_index])
                         except BaseException as exc:  # noqa: BLE001 - sent as a status, raised by the fill
                             err = failed = exc
                     ready.put((m, buf, err, n))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import mmap
 import os
 import time
@@ -30,6 +31,8 @@ from typing import Any, Callable, Iterator
 from . import manifest as mf
 from .checksum import crc32c
 from .errors import DataFileTruncatedError
+
+log = logging.getLogger("distckpt")
 
 __all__ = ["BadBlock", "FileProblem", "VerifyReport", "verify", "verify_chain", "DEFAULT_WINDOW"]
 
@@ -166,11 +169,13 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
         else:
             buf = mmap.mmap(-1, max(4096, -(-length // 4096) * 4096))  # page-aligned, for O_DIRECT
             view = memoryview(buf)[:length]
-            raw = None
+            raw = again = None
             try:
                 with opener(fpath) as reader:
                     reader.read_into([(off, length, view)])
-                raw = bytes(view)
+                    raw = bytes(view)
+                    if getattr(reader, "reread_on_mismatch", False):  # an answer may change in transit
+                        again = lambda: _read_bytes(reader, off, length)  # noqa: E731
             except StorageError as exc:  # EIO...: this file is a problem, the others are checked
                 if not_damage(exc):
                     raise
@@ -180,7 +185,14 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
                 buf.close()
             if raw is not None:
                 try:
-                    recs = mf.parse_index(header, i, raw, mpath)
+                    try:
+                        recs = mf.parse_index(header, i, raw, mpath)
+                    except CheckpointCorruptError as exc:
+                        if again is None:
+                            raise
+                        log.warning("distckpt: verify: the index of %s does not match (%s): reading it again, the "
+                                    "first answer may have changed in transit", fpath, exc.message)
+                        recs = mf.parse_index(header, i, again(), mpath)
                     unknown = sorted({fqn for fqn, _ in recs} - set(header.tensors))
                     if unknown:
                         problem = f"its index names tensors the MANIFEST does not list: {unknown[:5]}"
@@ -193,6 +205,14 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
         kept.append((i, entry, (fpath, size)))
     complete = len(records) == len(header.files)
     return mf.with_chunks(header, records, mpath, check=complete), kept
+
+
+def _read_bytes(reader: Any, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` through ``reader`` (a re-read of a range whose first answer
+    did not match its checksum)."""
+    buf = bytearray(length)
+    reader.read_into([(offset, length, memoryview(buf))])
+    return bytes(buf)
 
 
 def _blocks_of_file(manifest: "mf.Manifest", file_index: int) -> list[tuple[int, str, "mf.ChunkRecord"]]:
@@ -259,6 +279,12 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
                         if cur.start + cur.length > end:
                             break  # the block continues in the next window
                         report.blocks_checked += 1
+                        if running != cur.crc and getattr(reader, "reread_on_mismatch", False):
+                            # An object store's answer may have changed in transit: the block is
+                            # read once more, and only a second mismatch is damage.
+                            log.warning("distckpt: verify: block %d of %r in %s does not match: reading it again, "
+                                        "the first answer may have changed in transit", cur.index, cur.key, name)
+                            running = crc32c(_read_bytes(reader, cur.start, cur.length))
                         if running != cur.crc:
                             report.bad_blocks.append(BadBlock(name, cur.start, cur.length, cur.key, cur.index,
                                                               cur.crc, running))

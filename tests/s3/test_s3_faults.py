@@ -519,6 +519,11 @@ def test_a_bit_flipped_in_transit_is_read_again_never_called_damage(s3_bucket, p
     got = _state(0.0)
     distckpt.load(got, url, storage_options=_proxied(s3_bucket.storage_options, proxy))
     assert seen["flipped"] == 1 and _equal(got, _state(7.0))
+    # `distckpt verify` likewise (it said DAMAGED: a review).
+    from distckpt.verify import verify
+    seen["n"] = seen["flipped"] = 0
+    report = verify(url, storage_options=_proxied(s3_bucket.storage_options, proxy))
+    assert seen["flipped"] == 1 and report.ok, report
     seen["n"] = 0
 
     def always(i, method, path):  # every answer of the index (or of the data ranges after it)
@@ -530,6 +535,48 @@ def test_a_bit_flipped_in_transit_is_read_again_never_called_damage(s3_bucket, p
     proxy.rule = always
     with pytest.raises(distckpt.errors.CheckpointCorruptError):
         distckpt.load(_state(0.0), url, storage_options=_proxied(s3_bucket.storage_options, proxy))
+    seen["n"] = 0
+    assert not verify(url, storage_options=_proxied(s3_bucket.storage_options, proxy)).ok
+
+
+def _save_model(rank, world, url, opts):
+    from tests.protocol.test_read_once import _model
+    distckpt.save(_model(), url, storage_options=opts)
+
+
+def _load_model(rank, world, url, opts):
+    from tests.protocol.test_read_once import _model, _zeros
+    sd = _zeros()
+    try:
+        res = distckpt.load(sd, url, storage_options=opts)
+    except Exception as exc:  # noqa: BLE001 - reported
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+    assert all(torch.equal(sd[k], v) for k, v in _model().items())
+    return f"ok {res.bytes_from_peers > 0}"
+
+
+@pytest.mark.parametrize("nth", [5, 7])
+def test_a_bit_flipped_in_transit_on_a_read_once_load_is_read_again(s3_bucket, proxy, nth):
+    """The same flip on a 2-rank load of replicated state (read-once: one rank reads a range and
+    sends it to the other, DISTCKPT_READ_ONCE=auto, on for an object store): the reading rank did
+    not read again, and both ranks raised ChecksumMismatchError (a review)."""
+    from tests.protocol.test_read_once import _PRELOAD
+    url, opts = s3_bucket.url + "/ro", s3_bucket.storage_options
+    run_ranks(_save_model, 2, url, opts, env={"DISTCKPT_TIMEOUT_S": "60"}, preload=_PRELOAD)
+    seen = {"n": 0, "flipped": 0}
+
+    def once(i, method, path):  # the nth GET of a data object (the first ones read the indexes)
+        if method == "GET" and ".bin" in path.split("?")[0]:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                seen["flipped"] += 1
+                return ("flip", 1000)
+        return None
+
+    proxy.rule = once
+    got = run_ranks(_load_model, 2, url, _proxied(opts, proxy), env={"DISTCKPT_TIMEOUT_S": "60"}, preload=_PRELOAD)
+    assert seen["flipped"] == 1, seen
+    assert all(g.startswith("ok") for g in got) and "ok True" in got, got  # exact, and read once
 
 
 def test_verify_through_a_silent_endpoint_says_not_verified_never_damaged(s3_bucket, proxy):
