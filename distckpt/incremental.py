@@ -547,7 +547,12 @@ class IncrementalSaver:
             # The whole chain, not only the parent: a delta on a chain whose older link was
             # deleted or replaced would be committed, listed, and never load.
             try:
-                parent_ok = chain_of(link["path"], chunks=False)[0].manifest.save_id == link["save_id"]
+                links = chain_of(link["path"], chunks=False)
+                # A save that replaces a link of the chain it would extend (overwrite=True of the
+                # step it resumed from or of an older link) would leave a delta on a chain
+                # missing that link, or naming itself as its parent: it is written full.
+                parent_ok = (links[0].manifest.save_id == link["save_id"]
+                             and os.path.abspath(path) not in {os.path.abspath(c.path) for c in links})
             except DistCkptError:
                 parent_ok = False
         pol = self.policy
@@ -576,7 +581,8 @@ class IncrementalSaver:
         elif len({s.parent for s in stats}) > 1:
             why = "the ranks' previous links differ (a saver rebuilt or resumed on some ranks only)"
         elif not stats[0].parent_ok:
-            why = f"the previous link {link['path']} or a link it depends on is gone, replaced or in another directory"
+            why = (f"the previous link {link['path']} or a link it depends on is gone, replaced, in another directory, "
+                   f"or replaced by this very save")
         elif any(s.unknown for s in stats):
             why = "tracked tensors or their sharding changed since the previous link"
         elif c_bytes > pol.max_delta_fraction * t_bytes:

@@ -327,6 +327,8 @@ class CheckpointManager:
                                 self.root, step, exc)
         if self._rank() == 0 and not self._clock_read:
             self._clock_read = self._learn_commit_times()
+        if kwargs.get("overwrite") and self._saver is not None:
+            self._refuse_replacing_a_needed_link(step, kwargs)
         with self._lock:
             protect, chosen, gen = self._resumed_from, self._resume_chosen, self._resume_gen
         if (self._rank() == 0 and not self.keep_abandoned and not kwargs.get("overwrite")
@@ -371,6 +373,29 @@ class CheckpointManager:
             raise
         self._settle(gen, result, None)
         return result
+
+    def _refuse_replacing_a_needed_link(self, step: int, kwargs: dict) -> None:
+        """An incremental manager's ``save(step, overwrite=True)`` of a step that another
+        committed step's chain depends on (a link of it) would leave that step unloadable for
+        good: CheckpointExistsError on every rank, before anything is written (rank 0 looks;
+        collective unless ``no_dist``)."""
+        from .errors import CheckpointExistsError
+        error = None
+        if self._rank() == 0 and not is_url(self.root) and self._committed_quietly(step):
+            name = step_dirname(step)
+            needing = [s for s in self._steps(strict=False)
+                       if s != step and name in (chain.dependencies(self.path(s)) or ())]
+            if needing:
+                error = CheckpointExistsError(
+                    f"{self.path(step)} is a link of the incremental chain of {[step_dirname(s) for s in needing]}: "
+                    f"replacing it (overwrite=True) would leave them unloadable", path=self.path(step),
+                    remedy="Save under a new step number, or delete the steps that depend on it first.")
+        if kwargs.get("no_dist"):
+            if error is not None:
+                raise error
+            return
+        control_group(self.process_group, operation="CheckpointManager.save()").exchange_outcome(
+            error, operation="CheckpointManager.save()")
 
     def _replaceable(self, step: int, resumed: int | None, chosen: bool) -> str | None:
         """Why a save of ``step`` may replace the committed step of that number (rank 0, before

@@ -246,3 +246,41 @@ def test_crafted_chain_metadata_and_delta_records_are_chain_broken(tmp_path):
     back = {"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}
     distckpt.load(back, str(tmp_path / "step_2"), no_dist=True)
     assert torch.equal(back["emb"], good["emb"]) and torch.equal(back["dense"], good["dense"])
+
+
+def test_a_save_that_replaces_a_link_of_its_own_chain_is_full_or_refused(tmp_path):
+    """An incremental save with overwrite=True into a link of the chain it extends was written as
+    a delta of that very link: it returned, the good checkpoint was gone, and the new one named
+    itself as its parent (ChainBrokenError, "a cycle", on every load; an outside trial). Such a
+    save is now written full. An incremental manager's overwrite of a step that other kept steps
+    depend on (they would never load again) is refused with CheckpointExistsError, before
+    anything is written."""
+    from distckpt.errors import CheckpointExistsError
+    policy = IncrementalPolicy(**POLICY)
+    # A fixed path, saved again.
+    saver = IncrementalSaver(policy)
+    sd = _emb()
+    saver.save(sd, tmp_path / "latest")
+    sd["emb"][3] += 1
+    saver.save(sd, tmp_path / "latest", overwrite=True)
+    assert saver.last_kind == "full" and _kinds(str(tmp_path / "latest")) == ["full"]
+    out = {"emb": torch.zeros(200, 8, dtype=torch.float16), "step": -1}
+    distckpt.load(out, tmp_path / "latest", no_dist=True)
+    assert torch.equal(out["emb"], sd["emb"])
+    # A manager: the newest step saved again; then an older link others depend on.
+    mgr = distckpt.CheckpointManager(tmp_path / "root", incremental=policy)
+    for s in (100, 200, 300):
+        sd["emb"][s // 100] += 1
+        mgr.save(s, sd, no_dist=True)
+    assert _kinds(mgr.path(300)) == ["delta", "delta", "full"]
+    sd["emb"][7] += 1
+    mgr.save(300, sd, overwrite=True, no_dist=True)
+    assert _kinds(mgr.path(300)) == ["full"]
+    assert mgr.load(out, no_dist=True).path.endswith("step_00000300") and torch.equal(out["emb"], sd["emb"])
+    sd["emb"][8] += 1
+    mgr.save(400, sd, no_dist=True)  # a delta of 300
+    before = open(f"{mgr.path(300)}/MANIFEST", "rb").read()
+    with pytest.raises(CheckpointExistsError, match="incremental chain of"):
+        mgr.save(300, sd, overwrite=True, no_dist=True)
+    assert open(f"{mgr.path(300)}/MANIFEST", "rb").read() == before
+    assert mgr.load(out, step=400, no_dist=True) is not None and torch.equal(out["emb"], sd["emb"])
