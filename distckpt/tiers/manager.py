@@ -921,7 +921,18 @@ class TieredCheckpointManager:
             raise NotDurableError(f"step {step} did not reach the remote tier: its drain {st.state}"
                                   f"{f' ({type(st.error).__name__}: {st.error})' if st.error else ''}",
                                   path=self.remote_path(step), steps=[step], cause=st.error, remedy=remedy)
-        return self.status(step)
+        status = self.status(step)
+        if status.remote != "committed":
+            # Drained, then dropped by the remote tier's rotation (keep_last_remote): it is not
+            # there now, which a caller reads "no exception" as (a fresh manager raises here too).
+            where = f"drained, then rotated away from the remote tier (keep_last_remote={self._remote.keep_last})"
+            if status.local == "absent":
+                raise CheckpointNotFoundError(f"step {step} is on neither tier ({self.local_root}, "
+                                              f"{self.remote_root}): {where}", path=self.local_path(step))
+            raise NotDurableError(f"step {step} is not on the remote tier: {where}; the local tier still holds it",
+                                  path=self.remote_path(step), steps=[step],
+                                  remedy="Raise keep_last_remote to keep more steps on the remote tier.")
+        return status
 
     # -- loading ----------------------------------------------------------------------------------
 

@@ -125,6 +125,21 @@ def test_after_a_rollback_a_local_step_the_remote_tier_never_held_is_kept(tmp_pa
     assert _steps(local) == [41, 42, 50] and _steps(remote) == [42, 50]
 
 
+def test_wait_durable_of_a_step_rotated_away_from_both_tiers_raises(tmp_path):
+    """wait_durable() of a step this manager drained that keep_last_remote (and keep_last_local)
+    then dropped returned a status (durable False, on neither tier) without raising, where a new
+    manager raised CheckpointNotFoundError (an outside trial): a caller that reads "no exception"
+    as durable was misled."""
+    with TieredCheckpointManager(tmp_path / "local", tmp_path / "remote", keep_last_local=1,
+                                 keep_last_remote=1) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s))
+            assert mgr.wait_durable(s, timeout=120).durable
+        with pytest.raises(errors.CheckpointNotFoundError, match="rotated away"):
+            mgr.wait_durable(1, timeout=5)
+        assert mgr.wait_durable(3, timeout=5).durable
+
+
 def test_a_drain_whose_local_copy_vanished_fails_and_the_queue_moves_on(tmp_path):
     """A queued step whose local copy is gone before its drain (deleted by hand, a lost disk)
     cannot be drained by any retry: it fails for good (CheckpointNotFoundError as the cause) and the
