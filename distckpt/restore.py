@@ -640,18 +640,24 @@ def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result:
     exc.args = (exc.message,)
 
 
-def _rebuild(node: dict, values: dict[str, Any], keep) -> Any:
+def _rebuild(node: dict, values: dict[str, Any], keep, empty=None, fqn: str = "") -> Any:
+    """The container tree ``node`` with the values of the leaves ``keep(fqn)`` accepts; a
+    container with none of them left out. An empty dict of the tree (saved empty, or a delta's
+    container whose tracked tensors live in its base) is kept when ``empty(fqn)`` says so, or
+    always when ``empty`` is None (every key read)."""
     kind = node["t"]
     if kind == "ref":
         return values[node["fqn"]] if keep(node["fqn"]) else _SKIP
     if kind == "dict":
         out = {}
         for key, child in node["k"]:
-            v = _rebuild(child, values, keep)
+            v = _rebuild(child, values, keep, empty, f"{fqn}.{key}" if fqn else str(key))
             if v is not _SKIP:
                 out[key] = v
-        return out if out or not node["k"] else _SKIP
-    children = [_rebuild(c, values, keep) for c in node["v"]]
+        if out:
+            return out
+        return out if not node["k"] and (empty is None or empty(fqn)) else _SKIP
+    children = [_rebuild(c, values, keep, empty, f"{fqn}.{i}" if fqn else str(i)) for i, c in enumerate(node["v"])]
     if any(c is _SKIP for c in children):
         kept = [c for c in children if c is not _SKIP]
         if not kept:
@@ -808,7 +814,10 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
     for (path, m, keep), vals in zip(plans, values):
         vals.update({fqn: _object_value(entry, m, fqn, path, allow_pickle) for fqn, entry in m.objects.items()
                      if fqn in keep})
-        tree = _rebuild(m.tree, vals, keep.__contains__)
+        # With keys, an empty container is part of the result only when a key selects it (a
+        # delta's containers of tracked tensors are empty in its own tree).
+        empty = None if keys is None else (lambda f, ks=list(dict.fromkeys(keys)): _selects(f, ks))
+        tree = _rebuild(m.tree, vals, keep.__contains__, empty)
         trees.append({} if tree is _SKIP else tree)
     for tree in trees[1:]:   # a chain's base tensors into its newest link's state (a dict: a saver's rule)
         _merge(trees[0], tree)

@@ -284,3 +284,26 @@ def test_a_save_that_replaces_a_link_of_its_own_chain_is_full_or_refused(tmp_pat
         mgr.save(300, sd, overwrite=True, no_dist=True)
     assert open(f"{mgr.path(300)}/MANIFEST", "rb").read() == before
     assert mgr.load(out, step=400, no_dist=True) is not None and torch.equal(out["emb"], sd["emb"])
+
+
+def test_read_with_keys_returns_only_what_they_select_from_a_delta_too(tmp_path):
+    """read(delta, keys=["step"]) returned {'model': {}, 'optim': {}, 'step': 1}: the delta's own
+    tree holds the containers of its tracked tensors empty (their rows live in the chain), and an
+    empty container was always kept (an outside trial). So was a saved empty dict that no key
+    selects, from any checkpoint. An empty container is now in the result only when a key
+    selects it; keys=None reads everything, empty dicts included."""
+    sd = {"model": {"emb": torch.randn(100, 4), "sub": {}}, "optim": {"mom": torch.zeros(100, 4)}, "extra": {},
+          "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"model.emb": 0, "optim.mom": 0}))
+    saver.save(sd, tmp_path / "s0")
+    sd["model"]["emb"][3] += 1
+    sd["step"] = 1
+    saver.save(sd, tmp_path / "s1")
+    assert saver.last_kind == "delta"
+    for path, step in ((tmp_path / "s0", 0), (tmp_path / "s1", 1)):
+        assert distckpt.read(path, keys=["step"]) == {"step": step}
+        got = distckpt.read(path, keys=["model"])  # its empty dict "model.sub" is under the key
+        assert list(got) == ["model"] and sorted(got["model"]) == ["emb", "sub"] and got["model"]["sub"] == {}
+        everything = distckpt.read(path)
+        assert everything["extra"] == {} and sorted(everything) == ["extra", "model", "optim", "step"]
+    assert torch.equal(distckpt.read(tmp_path / "s1", keys=["model"])["model"]["emb"], sd["model"]["emb"])
