@@ -803,8 +803,9 @@ class TieredCheckpointManager:
                      "holds no tier at all (is the file system that holds it mounted?)")
             raise TierMismatchError(
                 f"the remote root {self.remote_root} {where}, but the local tier of node(s) {sorted(other)} "
-                f"({self.local_root} there) drained to tier {sorted(set(other.values()))}: draining into it would "
-                f"report steps durable that are not on the remote tier this job resumes from",
+                f"drained to tier {sorted(set(other.values()))} (this rank's node is node {self._layout.node}, its "
+                f"local tier {self.local_root}): draining into it would report steps durable that are not on the "
+                f"remote tier this job resumes from",
                 path=self.remote_root, recorded=recorded, found=found)
         return mine, found
 
