@@ -334,40 +334,64 @@ def test_a_drain_thread_left_inside_a_collective_does_not_abort_the_exit(tmp_pat
     assert results == [{"not_durable": [1], "left_behind": True}] * 2, results
 
 
-def _receiver_disk_full_body(rank: int, world_size: int, tmp: str) -> dict:
-    import time
-
+def _step_for_transfers(rank: int, world_size: int, tmp: str, n: int):
+    """Step 1 saved by a tiered manager (node r's local tier ``tmp/node{r}``, ``n`` float32 per
+    rank), drained, and its replica transfers planned (one copy on every other node): (group,
+    store, local root, step path, decoded MANIFEST, its bytes, transfers)."""
     from distckpt import manifest as mf
     from distckpt._dist import control_group
-    from distckpt.errors import DiskFullError
     from distckpt.storage import open_store
     from distckpt.tiers import TieredCheckpointManager
     from distckpt.tiers.load import _local_copy
     from distckpt.tiers.nodes import node_layout
-    from distckpt.tiers.peers import replica_transfers, run_transfers
+    from distckpt.tiers.peers import replica_transfers
     local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
     with TieredCheckpointManager(local, remote) as mgr:
-        mgr.save(1, _state(1, rank, n=1 << 23))  # 32 MiB per rank: four pieces
+        mgr.save(1, _state(1, rank, n=n))
         assert mgr.wait_durable(1, timeout=120).durable
-    if rank == 1:  # node 1's disk fills after the save: room for 1 MiB of the 32 it is sent
-        with open(os.path.join(local, "filler"), "wb") as f:
-            f.write(b"\0" * (os.statvfs(local).f_bavail * os.statvfs(local).f_frsize - (1 << 20)))
     group = control_group()
     layout, store = node_layout(group, local), open_store(local)
     path = os.path.join(local, "step_00000001")
     copy, data = _local_copy(store, path)
-    held = group.all_gather(copy.files)
     header = mf.decode_header(data, path=path)
+    transfers = replica_transfers(layout, header, group.all_gather(copy.files), world_size - 1)
+    return group, layout, store, local, path, header, data, transfers
+
+
+def _timed_transfers(expected: type, group, layout, store, path, header, data, transfers) -> tuple[str | None, float]:
+    """run_transfers of ``transfers``: (None, or "Class failures=[ranks]" for an ``expected``
+    error, or "Class: message" for another; its seconds)."""
+    import time
+
+    from distckpt.tiers.peers import run_transfers
     t0 = time.monotonic()
     try:
-        run_transfers(group, replica_transfers(layout, header, held, world_size - 1), layout=layout, store=store,
-                      step_path=path, header=header, manifest=data)
+        run_transfers(group, transfers, layout=layout, store=store, step_path=path, header=header, manifest=data)
         error = None
-    except DiskFullError as exc:
+    except expected as exc:
         error = f"{type(exc).__name__} failures={sorted(getattr(exc, 'failures', {}) or {})}"
     except Exception as exc:  # noqa: BLE001 - reported
         error = f"{type(exc).__name__}: {exc}"
-    seconds = time.monotonic() - t0
+    return error, time.monotonic() - t0
+
+
+def _failed_at_once_installing_nothing(results: list, error: str) -> None:
+    """Every rank raised ``error`` (as _timed_transfers words it) well before the group's
+    deadline (60 s), with nothing installed and no receiving area left behind."""
+    for rank, r in enumerate(results):
+        assert r["error"] == error, (rank, r)
+        assert r["seconds"] < 30, (rank, r)
+        assert r["files"] == ["MANIFEST", f"rank{rank:05d}.bin"], (rank, r)
+        assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
+
+
+def _receiver_disk_full_body(rank: int, world_size: int, tmp: str) -> dict:
+    from distckpt.errors import DiskFullError
+    group, layout, store, local, path, header, data, transfers = _step_for_transfers(rank, world_size, tmp, 1 << 23)
+    if rank == 1:  # node 1's disk fills after the save (32 MiB per rank): room for 1 MiB of the 32 it is sent
+        with open(os.path.join(local, "filler"), "wb") as f:
+            f.write(b"\0" * (os.statvfs(local).f_bavail * os.statvfs(local).f_frsize - (1 << 20)))
+    error, seconds = _timed_transfers(DiskFullError, group, layout, store, path, header, data, transfers)
     return {"error": error, "seconds": seconds, "left": sorted(os.listdir(local)),
             "files": sorted(os.listdir(path))}
 
@@ -383,31 +407,12 @@ def test_a_receiver_whose_disk_fills_mid_file_fails_the_transfer_typed_at_once(t
     mounts.tmpfs(tmp_path / "node1", size="104m")
     results = run_ranks(_receiver_disk_full_body, world, str(tmp_path), timeout=240,
                         env={"DISTCKPT_TIMEOUT_S": "60"})
-    for rank, r in enumerate(results):
-        assert r["error"] == "DiskFullError failures=[1]", (rank, r)
-        assert r["seconds"] < 30, (rank, r)  # not the group's deadline (60 s)
-        assert r["files"] == ["MANIFEST", f"rank{rank:05d}.bin"], (rank, r)  # nothing installed
-        assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
+    _failed_at_once_installing_nothing(results, "DiskFullError failures=[1]")
 
 
 def _damaged_sender_with_a_full_disk_body(rank: int, world_size: int, tmp: str) -> dict:
-    from distckpt import manifest as mf
-    from distckpt._dist import control_group
-    from distckpt.storage import open_store
-    from distckpt.tiers import TieredCheckpointManager
-    from distckpt.tiers.load import _local_copy
-    from distckpt.tiers.nodes import node_layout
-    from distckpt.tiers.peers import replica_transfers, run_transfers
-    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
-    with TieredCheckpointManager(local, remote) as mgr:
-        mgr.save(1, _state(1, rank, n=1 << 20))
-        assert mgr.wait_durable(1, timeout=120).durable
-    group = control_group()
-    layout, store = node_layout(group, local), open_store(local)
-    path = os.path.join(local, "step_00000001")
-    copy, data = _local_copy(store, path)
-    held = group.all_gather(copy.files)
-    header = mf.decode_header(data, path=path)
+    from distckpt.tiers.peers import run_transfers
+    group, layout, store, local, path, header, data, transfers = _step_for_transfers(rank, world_size, tmp, 1 << 20)
     if rank == 1:
         with open(os.path.join(path, "rank00001.bin"), "r+b") as f:  # one byte of its own copy rots
             f.seek(1000)
@@ -421,8 +426,7 @@ def _damaged_sender_with_a_full_disk_body(rank: int, world_size: int, tmp: str) 
         except OSError:
             pass
     try:
-        run_transfers(group, replica_transfers(layout, header, held, world_size - 1), layout=layout, store=store,
-                      step_path=path, header=header, manifest=data)
+        run_transfers(group, transfers, layout=layout, store=store, step_path=path, header=header, manifest=data)
         return {"error": None}
     except Exception as exc:  # noqa: BLE001 - reported
         return {"error": type(exc).__name__, "failures": {r: type(e).__name__ for r, e in exc.failures.items()}}
@@ -445,27 +449,10 @@ def test_a_damaged_sender_whose_disk_is_full_is_reported_by_its_receiver(tmp_pat
 
 def _sender_out_of_memory_body(rank: int, world_size: int, tmp: str, where: str) -> dict:
     import resource
-    import time
 
-    from distckpt import manifest as mf
-    from distckpt._dist import control_group
     from distckpt.errors import HostMemoryError
-    from distckpt.storage import open_store
-    from distckpt.tiers import TieredCheckpointManager
-    from distckpt.tiers.load import _local_copy
-    from distckpt.tiers.nodes import node_layout
-    from distckpt.tiers.peers import replica_transfers, run_transfers
-    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
-    with TieredCheckpointManager(local, remote) as mgr:
-        mgr.save(1, _state(1, rank, n=1 << 23))  # 32 MiB per rank: four pieces, 8 MiB buffers
-        assert mgr.wait_durable(1, timeout=120).durable
-    group = control_group()
-    layout, store = node_layout(group, local), open_store(local)
-    path = os.path.join(local, "step_00000001")
-    copy, data = _local_copy(store, path)
-    held = group.all_gather(copy.files)
-    header = mf.decode_header(data, path=path)
-    transfers = replica_transfers(layout, header, held, world_size - 1)
+    # 32 MiB per rank: four pieces, 8 MiB buffers
+    group, layout, store, local, path, header, data, transfers = _step_for_transfers(rank, world_size, tmp, 1 << 23)
     limit = resource.getrlimit(resource.RLIMIT_AS)
     held_back: list = []
     if rank == 1:  # a real out-of-memory: 1 MiB of address space left (the transfer's buffers are 8 MiB)
@@ -480,20 +467,11 @@ def _sender_out_of_memory_body(rank: int, world_size: int, tmp: str, where: str)
                     held_back.append(bytearray(8 << 20))
                 except MemoryError:
                     break
-    t0 = time.monotonic()
     try:
-        run_transfers(group, transfers, layout=layout, store=store, step_path=path, header=header, manifest=data)
-        error = None
-    except HostMemoryError as exc:
-        error = f"{type(exc).__name__} failures={sorted(getattr(exc, 'failures', {}) or {})}"
-        if rank == 1:
-            print("rank 1:", where, exc.failures[1], flush=True)
-    except Exception as exc:  # noqa: BLE001 - reported
-        error = f"{type(exc).__name__}: {exc}"
+        error, seconds = _timed_transfers(HostMemoryError, group, layout, store, path, header, data, transfers)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, limit)
         held_back.clear()
-    seconds = time.monotonic() - t0
     group.all_gather(rank)  # the group still works: no rank left inside an exchange
     return {"error": error, "seconds": seconds, "left": sorted(os.listdir(local)), "files": sorted(os.listdir(path))}
 
@@ -511,11 +489,7 @@ def test_a_rank_out_of_memory_in_a_peer_transfer_fails_every_rank_typed_at_once(
     rank raises rank 1's HostMemoryError at once, and the group goes on."""
     results = run_ranks(_sender_out_of_memory_body, 2, str(tmp_path), where, timeout=240,
                         env={"DISTCKPT_TIMEOUT_S": "60"})
-    for rank, r in enumerate(results):
-        assert r["error"] == "HostMemoryError failures=[1]", (rank, r)
-        assert r["seconds"] < 30, (rank, r)  # not the group's deadline (60 s)
-        assert r["files"] == ["MANIFEST", f"rank{rank:05d}.bin"], (rank, r)  # nothing installed
-        assert not [n for n in r["left"] if ".tmp-" in n], (rank, r)
+    _failed_at_once_installing_nothing(results, "HostMemoryError failures=[1]")
 
 
 def _replicas_while_the_remote_is_down_body(rank: int, world_size: int, tmp: str) -> dict:
