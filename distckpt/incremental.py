@@ -452,7 +452,8 @@ class IncrementalSaver:
         """
         from .save_sync import save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
-                                                          "IncrementalSaver.save()", save_kwargs.get("replicated", "check"))
+                                                          "IncrementalSaver.save()", save_kwargs.get("replicated", "check"),
+                                                          bool(save_kwargs.get("no_dist")))
         try:
             result = save_in_root(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)
         except DistCkptError as exc:
@@ -483,7 +484,8 @@ class IncrementalSaver:
         from .save_async import async_save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
                                                           "IncrementalSaver.async_save()",
-                                                          save_kwargs.get("replicated", "check"))
+                                                          save_kwargs.get("replicated", "check"),
+                                                          bool(save_kwargs.get("no_dist")))
 
         def outcome(result, error) -> None:   # on the save's thread, before its handle reports done
             if result is not None or getattr(error, "committed", False) is True:
@@ -503,21 +505,25 @@ class IncrementalSaver:
             pending.wait()
 
     def _prepare(self, state_dict: Any, path: str | os.PathLike, process_group: Any, metadata: dict | None,
-                 force_full: bool, operation: str, replicated: Any) -> tuple[str, dict, dict, list, dict]:
-        """The full/delta decision (collective) and what to save: (the link's absolute path, state
-        dict to save, chain metadata, this rank's pieces with their digests, the MANIFEST's user
-        metadata). ``replicated``: save's option of that name (which plain tensors must be equal on
-        every rank holding them).
+                 force_full: bool, operation: str, replicated: Any,
+                 no_dist: bool = False) -> tuple[str, dict, dict, list, dict]:
+        """The full/delta decision (collective, unless ``no_dist``: this process alone, as the
+        save's own ``no_dist``) and what to save: (the link's absolute path, state dict to save,
+        chain metadata, this rank's pieces with their digests, the MANIFEST's user metadata).
+        ``replicated``: save's option of that name (which plain tensors must be equal on every
+        rank holding them).
 
         Raises ConfigError for an object store URL before any collective; StateDictMismatchError
         (on every rank) when a delta's plain tracked tensor differs between ranks, as a full save
         would."""
-        from ._dist import control_group
+        from ._dist import ControlGroup, control_group
         from .saveplan import check_replicated_option, inconsistent_ranks, replica_problems, tensor_digests
         checked = check_replicated_option(replicated)
         self._wait_pending()
         path = _link_path(path, operation)
-        group = control_group(process_group, operation=operation)
+        # no_dist: the save runs without a collective (save_in_root), so must the decision: a
+        # control group would wait at its arrival check for ranks that are not saving.
+        group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation=operation)
         items, rows, pieces = self._local(state_dict, group)
         tracked = [[f, rows[f]] for f in sorted(rows)]
         shapes = _shapes(items, rows)

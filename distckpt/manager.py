@@ -327,7 +327,7 @@ class CheckpointManager:
                                 self.root, step, exc)
         if self._rank() == 0 and not self._clock_read:
             self._clock_read = self._learn_commit_times()
-        if kwargs.get("overwrite") and self._saver is not None:
+        if self._saver is not None:
             self._refuse_replacing_a_needed_link(step, kwargs)
         with self._lock:
             protect, chosen, gen = self._resumed_from, self._resume_chosen, self._resume_gen
@@ -377,19 +377,35 @@ class CheckpointManager:
     def _refuse_replacing_a_needed_link(self, step: int, kwargs: dict) -> None:
         """An incremental manager's ``save(step, overwrite=True)`` of a step that another
         committed step's chain depends on (a link of it) would leave that step unloadable for
-        good: CheckpointExistsError on every rank, before anything is written (rank 0 looks;
-        collective unless ``no_dist``)."""
+        good: CheckpointExistsError on every rank, before anything is written. Rank 0 decides
+        (from its own ``overwrite``, as its prepare alone acts on it), and every rank learns the
+        outcome in one exchange on every incremental save (unless ``no_dist``), so that ranks
+        passing different ``overwrite`` never pair this exchange with another collective. A chain
+        that cannot be read to its base, or a step that cannot be looked at, refuses too: it may
+        depend on the step (as rotation assumes), and its error is raised."""
         from .errors import CheckpointExistsError
         error = None
-        if self._rank() == 0 and not is_url(self.root) and self._committed_quietly(step):
-            name = step_dirname(step)
-            needing = [s for s in self._steps(strict=False)
-                       if s != step and name in (chain.dependencies(self.path(s)) or ())]
-            if needing:
-                error = CheckpointExistsError(
-                    f"{self.path(step)} is a link of the incremental chain of {[step_dirname(s) for s in needing]}: "
-                    f"replacing it (overwrite=True) would leave them unloadable", path=self.path(step),
-                    remedy="Save under a new step number, or delete the steps that depend on it first.")
+        if (self._rank() == 0 or kwargs.get("no_dist")) and kwargs.get("overwrite") and not is_url(self.root):
+            try:
+                if self._store.is_committed(self.path(step)):
+                    name, needing, unknown = step_dirname(step), [], []
+                    for s in self._steps(strict=True):
+                        deps = chain.dependencies(self.path(s)) if s != step else []
+                        if deps is None:
+                            unknown.append(s)
+                        elif name in deps:
+                            needing.append(s)
+                    if needing or unknown:
+                        error = CheckpointExistsError(
+                            f"{self.path(step)} is a link of the incremental chain of "
+                            f"{[step_dirname(s) for s in needing]}" + (
+                                f", and the chains of {[step_dirname(s) for s in unknown]} cannot be read to their "
+                                f"base (they may depend on it)" if unknown else "") +
+                            ": replacing it (overwrite=True) would leave them unloadable", path=self.path(step),
+                            remedy="Save under a new step number, or delete the steps that depend on it first "
+                                   "(`distckpt verify` names a chain that does not read).")
+            except DistCkptError as exc:  # the look failed: nothing is replaced on a guess
+                error = exc
         if kwargs.get("no_dist"):
             if error is not None:
                 raise error

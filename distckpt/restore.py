@@ -640,24 +640,25 @@ def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result:
     exc.args = (exc.message,)
 
 
-def _rebuild(node: dict, values: dict[str, Any], keep, empty=None, fqn: str = "") -> Any:
+def _rebuild(node: dict, values: dict[str, Any], keep, empty=None, path: tuple = ()) -> Any:
     """The container tree ``node`` with the values of the leaves ``keep(fqn)`` accepts; a
     container with none of them left out. An empty dict of the tree (saved empty, or a delta's
     container whose tracked tensors live in its base) is kept when ``empty(fqn)`` says so, or
-    always when ``empty`` is None (every key read)."""
+    always when ``empty`` is None (every key read); its fqn is named as flatten names it (its
+    path's keys joined with ".": a "" key counts)."""
     kind = node["t"]
     if kind == "ref":
         return values[node["fqn"]] if keep(node["fqn"]) else _SKIP
     if kind == "dict":
         out = {}
         for key, child in node["k"]:
-            v = _rebuild(child, values, keep, empty, f"{fqn}.{key}" if fqn else str(key))
+            v = _rebuild(child, values, keep, empty, (*path, key))
             if v is not _SKIP:
                 out[key] = v
         if out:
             return out
-        return out if not node["k"] and (empty is None or empty(fqn)) else _SKIP
-    children = [_rebuild(c, values, keep, empty, f"{fqn}.{i}" if fqn else str(i)) for i, c in enumerate(node["v"])]
+        return out if not node["k"] and (empty is None or empty(".".join(str(p) for p in path))) else _SKIP
+    children = [_rebuild(c, values, keep, empty, (*path, i)) for i, c in enumerate(node["v"])]
     if any(c is _SKIP for c in children):
         kept = [c for c in children if c is not _SKIP]
         if not kept:

@@ -225,11 +225,17 @@ class TieredCheckpointManager:
         # Whether this manager checked the tiers' pairing (_pair_tiers): at construction when the
         # remote tier answers, else on the drain thread before its first drain.
         self._paired = False
+        # Whether a load checks the pairing first (_check_unpaired_remote): the remote tier did not
+        # answer at construction. Set and cleared on every rank alike (from collective outcomes),
+        # never from _paired, which each rank's drain thread sets on its own: ranks deciding apart
+        # would leave some in the check's collectives.
+        self._check_before_load = False
         try:
             remote_up = self._check_remote()
             if remote_up:
                 self._pair_tiers(self._group)
                 self._paired = True
+            self._check_before_load = not remote_up
         except BaseException:
             self._release_owner()
             raise
@@ -732,7 +738,7 @@ class TieredCheckpointManager:
         Raises TierMismatchError on every rank when a node recorded another tier than the remote
         root holds, or any tier while it holds none; the store's typed errors."""
         operation = "TieredCheckpointManager()" if group is self._group else "the tier check before a drain"
-        mine, found = self._check_pairing(group, operation)
+        mine, found, _recorded = self._check_pairing(group, operation)
         error, tier = None, found
         try:
             if group.rank == 0 and found is None:
@@ -762,7 +768,7 @@ class TieredCheckpointManager:
 
         Raises TierMismatchError on every rank."""
         try:
-            self._check_pairing(self._group, "TieredCheckpointManager.load()")
+            _mine, found, recorded = self._check_pairing(self._group, "TieredCheckpointManager.load()")
         except TierMismatchError:
             raise
         except Exception as exc:  # noqa: BLE001 - an outage: the load's own handling of it follows
@@ -770,11 +776,17 @@ class TieredCheckpointManager:
                 raise
             log.warning("distckpt: the remote tier %s still does not answer (%s: %s): its identity is checked "
                         "once it does", self.remote_root, type(exc).__name__, exc)
+            return
+        if found is not None and len(recorded) == len(self._layout.leaders):
+            # Every node records the remote root's identity (the drain paired them): later loads
+            # need not look. Decided from the check's gathered outcome: the same on every rank.
+            self._check_before_load = False
 
-    def _check_pairing(self, group, operation: str) -> tuple[str | None, str | None]:
+    def _check_pairing(self, group, operation: str) -> tuple[str | None, str | None, dict]:
         """The read-only half of :meth:`_pair_tiers` (collective on ``group``): (this node's
         recorded tier id, or None on a rank that is not its node's leader or when there is none;
-        the remote root's id, or None). Writes nothing, so it may run while the drain thread
+        the remote root's id, or None; {node: the id its local tier records}, the same on every
+        rank). Writes nothing, so it may run while the drain thread
         pairs (it sees the ids before or after that writes them, either consistent).
 
         Raises TierMismatchError on every rank when a node recorded another tier than the remote
@@ -807,7 +819,7 @@ class TieredCheckpointManager:
                 f"local tier {self.local_root}): draining into it would report steps durable that are not on the "
                 f"remote tier this job resumes from",
                 path=self.remote_root, recorded=recorded, found=found)
-        return mine, found
+        return mine, found, recorded
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -1008,7 +1020,7 @@ class TieredCheckpointManager:
         a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
         copy's ChecksumMismatchError when the remote tier does not hold the step).
         """
-        if not self._paired:
+        if self._check_before_load:
             self._check_unpaired_remote()
         if step is not None:
             steps, remote_up, avail = [step], True, {}

@@ -17,6 +17,7 @@ written only against a chain it can be composed into exactly.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -307,3 +308,42 @@ def test_read_with_keys_returns_only_what_they_select_from_a_delta_too(tmp_path)
         everything = distckpt.read(path)
         assert everything["extra"] == {} and sorted(everything) == ["extra", "model", "optim", "step"]
     assert torch.equal(distckpt.read(tmp_path / "s1", keys=["model"])["model"]["emb"], sd["model"]["emb"])
+    # Empty containers are named as flatten names them: under a "" key, ".x" (a review).
+    t = torch.ones(1)
+    distckpt.save({"": {"x": {}, "t": t}, "x": {"z": t}}, tmp_path / "e", no_dist=True)
+    assert distckpt.read(tmp_path / "e", keys=["x"]) == {"x": {"z": t}}
+    assert distckpt.read(tmp_path / "e", keys=[""]) == {"": {"x": {}, "t": t}}
+
+
+def _overwrite_on_rank0_only_body(rank: int, world_size: int, root: str) -> dict:
+    from distckpt.errors import CheckpointExistsError
+    mgr = distckpt.CheckpointManager(root, incremental=IncrementalPolicy(**POLICY))
+    sd = _emb()
+    mgr.save(1, sd)
+    sd["emb"][3] += 1
+    mgr.save(2, sd)  # a delta of step 1
+    out = {}
+    try:  # overwrite=True on rank 0 only: it alone acts on it (its prepare), as before
+        mgr.save(1, sd, overwrite=rank == 0)
+        out["overwrite"] = "saved"
+    except CheckpointExistsError as exc:
+        out["overwrite"] = "refused" if "incremental chain of" in exc.message else exc.message
+    if rank == 1:  # one rank saves alone into its own directory: no collective, nothing waits
+        saver = distckpt.CheckpointManager(os.path.join(root, "..", "alone"), incremental=IncrementalPolicy(**POLICY))
+        saver.save(7, sd, no_dist=True)
+        out["alone"] = saver.steps()
+    out["steps"] = mgr.steps()
+    return out
+
+
+def test_incremental_saves_with_overwrite_on_one_rank_or_no_dist_neither_hang_nor_garble(tmp_path):
+    """A review: the refusal of an overwrite that breaks a chain ran its exchange only on ranks
+    that passed overwrite=True (with rank 0 alone passing it, the exchange paired with the
+    incremental decision's all-gather: a TypeError on one rank, an AttributeError on the other);
+    and an incremental manager's no_dist save waited at the arrival check for ranks that were not
+    saving. Every incremental save now exchanges the refusal's outcome, and no_dist decides
+    alone."""
+    results = run_ranks(_overwrite_on_rank0_only_body, 2, str(tmp_path / "root"), timeout=240,
+                        env={"DISTCKPT_TIMEOUT_S": "60", "DISTCKPT_ARRIVAL_TIMEOUT_S": "30"})
+    assert [r["overwrite"] for r in results] == ["refused", "refused"], results
+    assert results[1]["alone"] == [7] and all(r["steps"] == [1, 2] for r in results), results
