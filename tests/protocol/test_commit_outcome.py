@@ -197,9 +197,9 @@ def _resume_body(rank, world, root):
     gate = threading.Event()
     real_after = mgr._after_commit
 
-    def slow_after(step, protect, rotate=True):
+    def slow_after(step, protect, rotate=True, **kw):
         assert gate.wait(60), "the load never finished"
-        real_after(step, protect, rotate)
+        real_after(step, protect, rotate, **kw)
 
     mgr._after_commit = slow_after
     h = mgr.save(4, {"x": torch.ones(4)}, blocking=False)
@@ -208,8 +208,8 @@ def _resume_body(rank, world, root):
     h.result()
     seen["load_during_async"] = mgr._resumed_from
     # 3. A blocking save whose hook fails after the commit (committed = True on every rank).
-    def failing_after(step, protect, rotate=True):
-        real_after(step, protect, rotate)
+    def failing_after(step, protect, rotate=True, **kw):
+        real_after(step, protect, rotate, **kw)
         raise errors.StoragePermissionError("rotation failed: [Errno 13] Permission denied", errno=13, path=root)
 
     mgr._after_commit = failing_after
