@@ -68,7 +68,8 @@ from .tensorbytes import dtype_from_name
 
 log = logging.getLogger("distckpt")
 
-__all__ = ["fill", "verify_read", "reading", "side_reads", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE", "Task", "Part",
+__all__ = ["fill", "verify_read", "reading", "side_reads", "FillStats", "SEGMENT", "WORKERS", "READ_PIECE", "Task",
+           "Part",
            "fill_parts", "box_tasks", "fill_boxes_of"]
 
 # One bounce buffer per worker; a segment is one read request of at most this many bytes. Four

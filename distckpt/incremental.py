@@ -452,7 +452,8 @@ class IncrementalSaver:
         """
         from .save_sync import save_in_root
         path, to_save, info, pieces, meta = self._prepare(state_dict, path, process_group, metadata, force_full,
-                                                          "IncrementalSaver.save()", save_kwargs.get("replicated", "check"),
+                                                          "IncrementalSaver.save()",
+                                                          save_kwargs.get("replicated", "check"),
                                                           bool(save_kwargs.get("no_dist")))
         try:
             result = save_in_root(to_save, path, process_group=process_group, metadata=meta, **save_kwargs)

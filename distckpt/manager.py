@@ -19,7 +19,8 @@ Invariants:
     kept, with a warning. A load() that named no step chose no rollback: of the steps above, only
     those committed before the step it took are the abandoned branch (an earlier rollback's),
     never one it passed over because it does not load (_kept_above). Default: they are deleted
-    right after S is committed, each deletion logged as a warning with the reason; ``keep_abandoned=True`` keeps them (never rotated, never loaded by
+    right after S is committed, each deletion logged as a warning with the reason;
+    ``keep_abandoned=True`` keeps them (never rotated, never loaded by
     default; a later save of one of their numbers then raises CheckpointExistsError). A save whose
     number collides with a step of the abandoned branch of a rollback this manager loaded
     replaces it atomically (logged), unless keep_abandoned; so does one whose number holds a step
