@@ -40,8 +40,11 @@ class StepInfo:
     network error, a format version newer than this reader; ``problem`` says which). ``step`` is
     None for a checkpoint directory not named ``step_N``. ``size_bytes``: data files + MANIFEST,
     from the manifest. ``ranks``: the world size that saved it. ``chain``: for a link of an incremental
-    chain (distckpt.incremental), ``{"kind": "full"|"delta", "seq", "parent", "base", "chain",
-    "link_bytes", "tracked_bytes"}`` (the parent and base by directory name), else None."""
+    chain (distckpt.incremental), ``{"kind": "full"|"delta", "seq", "parent", "parent_save_id", "base",
+    "chain", "link_bytes", "tracked_bytes"}`` (the parent and base by directory name), else None. A
+    committed delta whose chain does not reach its full base among its siblings (a link deleted,
+    damaged or replaced) has a ``problem`` saying where: loading or verifying it raises
+    ChainBrokenError."""
 
     name: str
     path: str
@@ -108,10 +111,46 @@ def _step_info(path: str, name: str, store: Store, *, strict: bool = True) -> St
         return StepInfo(name, path, step, "unreadable", f"{type(exc).__name__}: {exc.message} (not known to be "
                         "damaged; CheckpointManager.load() raises this until the step can be read)")
     info = chain.chain_info(man)
-    link = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "base", "chain",
-                                                                "link_bytes", "tracked_bytes")}
+    link = None if info is None else {k: info.get(k) for k in ("kind", "seq", "parent", "parent_save_id", "base",
+                                                                "chain", "link_bytes", "tracked_bytes")}
     return StepInfo(name, path, step, "committed", None, sum(f.size for f in man.files) + len(data),
                     man.created_unix, man.world_size, man.save_id, chain=link)
+
+
+def _chain_problem(info: StepInfo, by_name: dict[str, StepInfo]) -> str | None:
+    """Why the incremental chain of the committed link ``info`` does not reach its full base
+    among the entries of its root (``by_name``), from their MANIFESTs as listed; None when it
+    does, or when ``info`` is no delta. What :func:`distckpt.chain.chain_of` checks of the chain's
+    structure, so that ``distckpt ls`` does not call committed a step that every load of it
+    refuses (its data is not read: verify checks that)."""
+    child, seen = info, {info.name}
+    while child.chain is not None and child.chain.get("kind") == "delta":
+        meta, parent = child.chain, child.chain.get("parent")
+        target = by_name.get(parent) if isinstance(parent, str) else None
+        if target is None or parent in seen:
+            return f"its incremental chain is broken: {child.name}'s parent {parent!r} is not in this root"
+        seen.add(parent)
+        if target.status != "committed":
+            return f"its incremental chain is broken: {child.name}'s parent {parent} is {target.status}"
+        pmeta = target.chain or {}
+        if (target.save_id != meta.get("parent_save_id") or pmeta.get("chain") != meta.get("chain")
+                or pmeta.get("seq") != (meta.get("seq") or 0) - 1):
+            return (f"its incremental chain is broken: {parent} is not the checkpoint {child.name} was saved "
+                    "against (replaced, or another chain's)")
+        child = target
+    if info.chain is not None and child.chain is not None and child.chain.get("kind") != "full":
+        return f"its incremental chain is broken: it ends in {child.name}, which is no full checkpoint"
+    return None
+
+
+def _with_chain_problems(infos: list[StepInfo]) -> list[StepInfo]:
+    by_name = {i.name: i for i in infos}
+    out = []
+    for i in infos:
+        problem = _chain_problem(i, by_name) if i.status == "committed" and i.chain is not None else None
+        out.append(i if problem is None else dataclasses.replace(
+            i, problem=f"{problem} (loading or verifying it raises ChainBrokenError)"))
+    return out
 
 
 def _newest_by_commit(infos: list[StepInfo]) -> StepInfo | None:
@@ -136,7 +175,8 @@ def _listing(root: str, infos: list[StepInfo], pointer: str | None, leftovers: l
             problem = (f"the latest file names {pointer!r} but {newest.name} was committed after it "
                        "(a crash between that commit and the pointer update): load() loads "
                        f"{newest.name}")
-    infos = [dataclasses.replace(i, is_latest=(latest is not None and i.name == newest.name)) for i in infos]
+    infos = [dataclasses.replace(i, is_latest=(latest is not None and i.name == newest.name))
+             for i in _with_chain_problems(infos)]
     infos.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
     return RootListing(root, "root", infos, latest, pointer, problem, leftovers)
 

@@ -384,6 +384,20 @@ def test_manager_chain_rotation_verify_ls(tmp_path, capsys):
     assert cli(["verify", mgr.path(8), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "chain OK: 4 link(s)" in out, out
+    # A link deleted by hand: `ls` no longer calls its dependents plainly committed (each load of
+    # them raises ChainBrokenError); the others are untouched.
+    assert all(e.problem is None for e in mgr.describe().entries)
+    hidden = mgr.path(6) + ".away"
+    os.rename(mgr.path(6), hidden)
+    entries = {e.step: e for e in mgr.describe().entries}
+    assert entries[5].problem is None and entries[9].problem is None
+    for step in (7, 8):
+        assert entries[step].status == "committed" and "'step_00000006' is not in this root" in entries[step].problem
+    assert cli(["ls", root]) == 0
+    out = capsys.readouterr().out
+    assert "committed: its incremental chain is broken" in out and "ChainBrokenError" in out, out
+    os.rename(hidden, mgr.path(6))
+    assert all(e.problem is None for e in mgr.describe().entries)
     # Resume in a new manager (a restarted job): the next save is a delta against the step loaded.
     mgr2 = distckpt.CheckpointManager(root, keep_last=2, incremental=pol)
     target = _state(5)
