@@ -90,7 +90,9 @@ class TierStatus:
     step is on the remote tier only once ``remote`` is ``committed``). ``save_id``: the save this rank's node holds (else the remote's).
     ``replicas`` (with ``replicas=k``): ``pending``, ``replicated`` (every data file has its k
     copies on other nodes, each verified on arrival) or ``failed`` (``replica_error``); ``off``
-    without replicas. Known to the manager that saved the step (a new manager says ``pending``)."""
+    without replicas. Known to the manager that saved or drained the step: ``unknown`` for a step
+    this manager never queued (a new manager's view of steps an earlier one drained; their replicas,
+    if any, are still used by a restore)."""
 
     step: int
     local: str
@@ -369,21 +371,25 @@ class TieredCheckpointManager:
         outcome: dict[str, bool] = {}  # "ok": how the local save ended, once it has
 
         def settled(result: SaveResult | None, error: BaseException | None) -> None:
-            self._saving.discard(step)
-            if isinstance(error, PeerLostError):  # an async save's (the blocking one's: the decorator)
-                self._local._note_group_lost()
-            if result is not None:
-                # Queued before the handle is dropped: a wait_durable that finds no handle finds
-                # the drain's state.
-                self._drainer.enqueue(step, result.save_id)
-            elif getattr(error, "committed", None) is True and getattr(error, "save_id", None):
-                # Committed locally, then an error after the commit (the `latest` pointer, the
-                # local rotation): the step is on this node's disk only until it is drained.
-                self._drainer.enqueue(step, error.save_id)
-            with self._async_lock:
-                outcome["ok"] = result is not None
+            try:
+                if isinstance(error, PeerLostError):  # an async save's (the blocking one's: the decorator)
+                    self._local._note_group_lost()
                 if result is not None:
-                    self._async_saves.pop(step, None)  # a failed earlier save of the step, too
+                    # Queued before the handle is dropped: a wait_durable that finds no handle finds
+                    # the drain's state.
+                    self._drainer.enqueue(step, result.save_id)
+                elif getattr(error, "committed", None) is True and getattr(error, "save_id", None):
+                    # Committed locally, then an error after the commit (the `latest` pointer, the
+                    # local rotation): the step is on this node's disk only until it is drained.
+                    self._drainer.enqueue(step, error.save_id)
+                with self._async_lock:
+                    outcome["ok"] = result is not None
+                    if result is not None:
+                        self._async_saves.pop(step, None)  # a failed earlier save of the step, too
+            finally:
+                # Only now: a status() in between finds the step saving or queued, never neither
+                # (its replicas "pending", not "unknown").
+                self._saving.discard(step)
 
         if self._room_checked is None and self._first_async is not None:
             # The first save was async: its outcome is known on every rank once its handle is done
@@ -411,9 +417,10 @@ class TieredCheckpointManager:
         except BaseException as exc:
             settled(None, exc)
             raise
+        else:
+            settled(result, None)
         finally:
             self._saving.discard(step)
-        settled(result, None)
         if self._room_checked is None:
             self._check_local_room(result.bytes_per_rank)
         return result
@@ -866,8 +873,13 @@ class TieredCheckpointManager:
         st = self._drainer.state(step)
         if not self.replicas:
             replicas, replica_error = "off", None
+        elif step in self._replication:
+            replicas, replica_error = self._replication[step]
         else:
-            replicas, replica_error = self._replication.get(step, ("pending", None))
+            # Replicated before its drain: pending while this manager saves or drains it; a step
+            # it never queued (drained by an earlier manager, found at construction) may or may
+            # not have replicas from the manager that saved it, which nothing here recorded.
+            replicas, replica_error = ("pending" if st is not None or step in self._saving else "unknown"), None
         if st is not None and st.state != "committed":
             return TierStatus(step, "committed" if local_id else "absent", st.state, st.save_id or local_id,
                               st.sent, st.total, st.tries, st.error, replicas, replica_error)
