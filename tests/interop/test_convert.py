@@ -468,7 +468,7 @@ def test_conversion_sets_up_its_readers_once_not_per_tensor(tmp_path):
         if choose_backend(src, read_only=True).name != "uring":
             pytest.skip("io_uring reads are not available here: nothing to count")
         log = str(tmp_path / f"strace{n}.log")
-        proc = subprocess.run(["strace", "-f", "-qq", "-o", log, "-e", "trace=io_uring_setup,io_uring_register",
+        proc = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-o", log, "-e", "trace=io_uring_setup,io_uring_register",
                                sys.executable, "-c", _CONVERT_ALL, src, out], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0 and "ptrace" in proc.stderr and "Operation not permitted" in proc.stderr:

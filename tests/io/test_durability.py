@@ -63,7 +63,7 @@ def _index(events, pred, start=0, what=""):
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 def test_every_visible_name_depends_only_on_synced_data(tmp_path):
     root = str(tmp_path / "new" / "root")  # two directories the manager must create
-    out = subprocess.run(["strace", "-f", "-y", "-qq", "-e",
+    out = subprocess.run(["strace", "-f", "--seccomp-bpf", "-y", "-qq", "-e",
                           "trace=openat,fsync,fdatasync,rename,renameat2,mkdir",
                           "-o", str(tmp_path / "trace"), sys.executable, "-c", CHILD, root],
                          capture_output=True, text=True, timeout=300)
