@@ -96,10 +96,14 @@ def parse_size(text: str) -> int:
 
 class _Source:
     def __init__(self, path: str, *, allow_pickle: bool, verify: bool):
+        from .chain import refuse_delta
         from .restore import load_manifest
 
         self.path = os.path.abspath(path)
         self.manifest = load_manifest(self.path)
+        refuse_delta(self.manifest, self.path, "convert",
+                     "Convert a full checkpoint: save the delta's state whole first "
+                     "(distckpt.save(distckpt.read(DELTA), FULL)), then convert FULL.")
         self.allow_pickle = allow_pickle
         self.verify = verify
 
@@ -814,7 +818,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             :func:`distckpt.read` for the source;
         UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
         non-tensor value torch.load(weights_only=True) would refuse); ConfigError (a ValueError) for
-        bad options.
+        bad options, and for a source that is a delta of an incremental chain (it holds only changed
+        rows: convert a full checkpoint).
     """
     from .errors import CheckpointExistsError, ConfigError
 

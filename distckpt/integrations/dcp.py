@@ -10,8 +10,9 @@ StorageReader.
 DCP's planner decides the layout (which rank writes which chunk, deduplicated replicas, resharding
 on load); distckpt stores it. What the writer produces is an ordinary distckpt checkpoint (a
 MANIFEST and one data file per rank, block checksums, ``distckpt verify`` / ``inspect`` / ``read``
-/ ``load`` understand it), and the reader reads any checkpoint distckpt reads (one written by this
-writer, by ``distckpt.save``, or a DCP ``FileSystemWriter`` directory).
+/ ``load`` understand it), and the reader reads any whole checkpoint distckpt reads (one written by
+this writer, by ``distckpt.save``, or a DCP ``FileSystemWriter`` directory; not a delta of an
+incremental chain, which only distckpt.load composes: ConfigError).
 
 How DCP's calls map onto a distckpt save (docs/INTEROP.md):
 
@@ -262,7 +263,7 @@ class DistCkptStorageWriter(StorageWriter):
 
 
 class DistCkptStorageReader(StorageReader):
-    """A DCP StorageReader over any checkpoint distckpt reads (module docstring).
+    """A DCP StorageReader over any whole checkpoint distckpt reads (module docstring).
 
     Args:
         path: the checkpoint (local or fsspec URL); ``dcp.load(..., checkpoint_id=...)`` overrides it.
@@ -298,14 +299,21 @@ class DistCkptStorageReader(StorageReader):
 
     def _loaded(self) -> "mf.Manifest":
         if self._manifest is None:
-            self._manifest = load_manifest(_checkpoint_path(None, self.path), self.storage_options)
+            from ..chain import refuse_delta
+            path = _checkpoint_path(None, self.path)
+            manifest = load_manifest(path, self.storage_options)
+            refuse_delta(manifest, path, "DCP's StorageReader",
+                         "Load it with distckpt.load (or CheckpointManager.load), which composes the chain, or "
+                         "give the reader a full checkpoint: distckpt.save(distckpt.read(DELTA), FULL).")
+            self._manifest = manifest
         return self._manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's Metadata of the checkpoint, from its MANIFEST and data file indexes.
 
         Raises: what :func:`distckpt.load` raises before reading data (CheckpointNotFoundError,
-        CheckpointIncompleteError, ManifestCorruptError, DataFileMissingError, ...)."""
+        CheckpointIncompleteError, ManifestCorruptError, DataFileMissingError, ...); ConfigError
+        for a delta of an incremental chain (only distckpt.load composes it with its links)."""
         manifest = self._loaded()
         md: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}

@@ -347,3 +347,53 @@ def test_incremental_saves_with_overwrite_on_one_rank_or_no_dist_neither_hang_no
                         env={"DISTCKPT_TIMEOUT_S": "60", "DISTCKPT_ARRIVAL_TIMEOUT_S": "30"})
     assert [r["overwrite"] for r in results] == ["refused", "refused"], results
     assert results[1]["alone"] == [7] and all(r["steps"] == [1, 2] for r in results), results
+
+
+def test_readers_of_one_checkpoint_refuse_a_delta_instead_of_returning_its_records(tmp_path):
+    """DCP's StorageReader (DistCkptStorageReader) and convert read one checkpoint's own MANIFEST
+    and data. Given a delta, they returned its internal records (``_incr.*``) in place of the
+    tracked tensor, with no error: DCP's load-everything helper gave no ``emb`` at all,
+    ``dcp.load(allow_partial_load=True)`` left it untouched and reported success, and every
+    convert target wrote the records. Both now raise ConfigError naming the chain, and convert
+    writes nothing; the full base still reads and converts, and distckpt.read composes the delta."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from distckpt.convert import convert
+    from distckpt.errors import ConfigError
+    from distckpt.integrations.dcp import DistCkptStorageReader
+
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    sd = _emb(torch.float32)
+    saver.save(sd, tmp_path / "s1")
+    sd["emb"][5] = -1.0
+    saver.save(sd, tmp_path / "s2")
+    assert saver.last_kind == "delta"
+    delta = str(tmp_path / "s2")
+    assert torch.equal(distckpt.read(delta)["emb"], sd["emb"])
+
+    def refused(call):
+        try:
+            call()
+        except ConfigError as exc:
+            assert "a delta of an incremental chain" in str(exc), exc
+        except BaseException as exc:  # noqa: BLE001 - DCP reports a reader's error as its own (a BaseException), in text
+            assert type(exc).__name__ == "CheckpointException" and "is a delta of an incremental chain" in str(exc), exc
+        else:
+            raise AssertionError("a delta was read as a whole checkpoint")
+
+    dst = {"emb": torch.zeros(200, 8), "step": 0}
+    refused(lambda: dcp.load(dst, storage_reader=DistCkptStorageReader(delta),
+                             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True))
+    assert not dst["emb"].any()
+    refused(lambda: _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(delta)))
+    for to in ("torch", "safetensors", "dcp", "distckpt"):
+        out = tmp_path / f"out_{to}"
+        refused(lambda: convert(delta, out, to=to))
+        assert not out.exists(), to
+    # The full base is a whole checkpoint: read and converted as before.
+    dst = {"emb": torch.zeros(200, 8), "step": 0}
+    dcp.load(dst, storage_reader=DistCkptStorageReader(str(tmp_path / "s1")), no_dist=True)
+    assert torch.equal(dst["emb"], _emb(torch.float32)["emb"])
+    convert(str(tmp_path / "s1"), tmp_path / "base.safetensors", to="safetensors")
