@@ -641,11 +641,18 @@ class CheckpointManager:
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
         if self._saver is not None:  # the next save may be a delta against the step just loaded
             self._saver.resume(state_dict, self.path(step), process_group=self.process_group)
+        self._note_resumed(step, chosen)
+        return result
+
+    def _note_resumed(self, step: int, chosen: bool) -> None:
+        """Record that the job resumed from ``step`` (``chosen``: the caller named it): the next
+        save protects it from rotation, and steps numbered above it are the abandoned branch.
+        Also for a step an integration loaded from another format beside this root (torchtitan's
+        DCP ``step-N`` folders), which this manager's own load() never sees."""
         with self._lock:
             self._resumed_from = step
             self._resume_chosen = chosen
             self._resume_gen += 1
-        return result
 
     def _agreed_latest_step(self) -> int:
         """:meth:`latest_step` as rank 0 finds it, on every rank (one listing, not one per rank:

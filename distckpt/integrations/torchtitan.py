@@ -326,6 +326,12 @@ class DistckptCheckpointManager(BaseCheckpointManager):
             self._mgr.load(states, step)
         else:
             load(states, path, process_group=self._mgr.process_group, storage_options=self.storage_options)
+            if step != -1:
+                # A DCP step of this folder (torchtitan's manager wrote it): the run resumes from it
+                # as from one of the manager's own, so distckpt steps numbered above it are the
+                # abandoned branch the next saves replace (they raised CheckpointExistsError,
+                # whose remedy was the very load just done).
+                self._mgr._note_resumed(step, chosen=not newest)
         self.states[MODEL].load_state_dict(states)
         return True
 

@@ -176,6 +176,18 @@ def test_keep_latest_k_load_step_and_both_formats_in_one_folder(tmp_path):
     assert os.path.isdir(tmp_path / "step-6") and sorted(fresh._mgr.steps()) == [5, 7]
     fresh.close()
     mgr.close()
+    # A rollback to torchtitan's DCP step-6 (load_step=6): distckpt's step 7 above it is the
+    # abandoned branch, replaced by the next save as after a rollback to one of distckpt's own
+    # steps, and as torchtitan's manager overwrites it (CheckpointExistsError before, whose remedy
+    # named the very load just done).
+    before = distckpt.read_manifest(fresh.path(7))["save_id"]
+    back, objs3 = _mine(tmp_path, interval=1, keep_latest_k=2, load_step=6)
+    assert back.load(step=6) and objs3["train_state"].step == 6
+    tw.train_step(objs3, [back])
+    assert objs3["train_state"].step == 7 and distckpt.read_manifest(back.path(7))["save_id"] != before
+    saved = distckpt.read(back.path(7))
+    assert all(torch.equal(v, saved[k]) for k, v in _weights(objs3).items())
+    back.close()
 
 
 def test_last_save_model_only_export_dtype_initial_load_and_exclude(tmp_path):
