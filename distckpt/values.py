@@ -113,7 +113,14 @@ def _node(value: Any, where: str, depth: int) -> Any:
     if value is None or t in (bool, float, str, bytes):
         return value
     if t is int:
-        return value if _I64_MIN <= value < _U64 else {"t": "int", "v": str(value)}
+        if _I64_MIN <= value < _U64:
+            return value
+        try:
+            return {"t": "int", "v": str(value)}
+        except ValueError:  # more digits than sys.get_int_max_str_digits() converts (4300 by default)
+            raise _NeedsPickle(f"{where}: an int of {value.bit_length()} bits has more decimal digits than this "
+                               f"interpreter converts (sys.get_int_max_str_digits() = "
+                               f"{sys.get_int_max_str_digits()}), which a load could not read back") from None
     import torch
     if t is torch.Size:
         return {"t": "size", "v": [int(x) for x in value]}

@@ -608,6 +608,21 @@ class Cached:
         return self.a * 2
 
 
+def test_an_int_with_more_digits_than_python_converts_is_refused_typed(tmp_path):
+    """An int of more than sys.get_int_max_str_digits() (4300) decimal digits failed the save with
+    a bare ValueError from str(); it is an UnsupportedValueError naming the key now, before
+    anything is written (a load could not read it back either), and pickle stores it when allowed.
+    One below the limit is stored as a value, exactly."""
+    huge = 10 ** 5000
+    with pytest.raises(errors.UnsupportedValueError, match="get_int_max_str_digits") as info:
+        distckpt.save({"hp": [1, huge], "w": torch.ones(2)}, tmp_path / "ck")
+    assert "'hp'" in str(info.value) and not os.path.exists(tmp_path / "ck")
+    distckpt.save({"hp": [1, huge]}, tmp_path / "p", allow_pickle=True)
+    assert distckpt.read(tmp_path / "p", allow_pickle=True)["hp"] == [1, huge]
+    distckpt.save({"hp": [1, 10 ** 4000]}, tmp_path / "ok")
+    assert distckpt.read(tmp_path / "ok")["hp"] == [1, 10 ** 4000]
+
+
 @pytest.mark.parametrize("value", [Perm.R | Perm.W, Perm(0), Derived(0.5), {1 << 70: torch.ones(1)},
                                    {Level.LOW: torch.ones(1)}],
                          ids=["flag_combination", "flag_unnamed", "dataclass_attribute_not_a_field",
