@@ -152,6 +152,23 @@ class DistckptCheckpointManager(BaseCheckpointManager):
         state changes; True hands them over unchecked, for checkpoints you trust."""
 
         def __post_init__(self) -> None:
+            # The fields' types first: torchtitan's own checks compare them, and a str or None
+            # there was a bare TypeError (and an unknown export_dtype a KeyError at build).
+            def whole(v: Any, least: int) -> bool:
+                return isinstance(v, int) and not isinstance(v, bool) and v >= least
+            problems = {"interval": None if whole(self.interval, 1) else "an int >= 1",
+                        "keep_latest_k": None if whole(self.keep_latest_k, 0) else "an int >= 0",
+                        "folder": None if isinstance(self.folder, str) else "a str",
+                        "initial_load_path": None if self.initial_load_path is None
+                        or isinstance(self.initial_load_path, str) else "a str or None",
+                        "export_dtype": None if self.export_dtype in TORCH_DTYPE_MAP
+                        else f"one of {sorted(TORCH_DTYPE_MAP)}",
+                        "load_step": None if whole(self.load_step, -1) else "an int >= -1",
+                        "exclude_from_loading": None if isinstance(self.exclude_from_loading, (list, tuple))
+                        and all(isinstance(k, str) for k in self.exclude_from_loading) else "a list of state names"}
+            for name, expected in problems.items():
+                if expected is not None:
+                    raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r}: expected {expected}")
             try:
                 BaseCheckpointManager.Config.__post_init__(self)
             except ValueError as exc:  # torchtitan's own checks, typed

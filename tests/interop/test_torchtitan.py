@@ -117,10 +117,15 @@ def test_config_is_torchtitans_contract_and_inapplicable_fields_raise_at_build(t
         {"interval": 0},
         {"exclude_from_loading": ["model"]},
         {"incremental": True, "incremental_full_every": 0},
+        # Wrong types: bare TypeError, AttributeError or KeyError (at build) before (helper trial).
+        {"interval": "5"}, {"interval": None}, {"keep_latest_k": "3"}, {"export_dtype": "int8"},
+        {"initial_load_path": 5}, {"load_step": "x"}, {"exclude_from_loading": "dataloader"},
     ]
     for fields in bad_fields:
         with pytest.raises(ConfigError):
             Config(enable=True, folder=str(tmp_path / "c"), **fields)
+    with pytest.raises(ConfigError, match="checkpoint.folder"):
+        Config(enable=True, folder=None)
     # Known only once the trainer's objects and the folder are: raised by build().
     for fields in [{"exclude_from_loading": ["no_such_state"]}, {"storage_options": {"anon": True}}]:
         with pytest.raises(ConfigError):
