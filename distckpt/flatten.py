@@ -396,6 +396,8 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
                 remedy=f"Store at most {MAX_DEPTH} levels of dicts and lists, and no container inside itself.")
         odd = odd_keys(obj, path)
         if isinstance(obj, dict) and not odd:
+            for key in obj:
+                _check_utf8_key(key, path)
             entries = [[key, walk(value, path + (key,))] for key, value in obj.items()]
             return {"t": "dict", "k": entries}
         if _is_stateful(obj):
@@ -426,6 +428,23 @@ def flatten(state_dict: Any, *, allow_pickle: bool = False, check_objects: bool 
         # of convert held its disk space until then), after an error as after a return.
         walk = None  # noqa: F841 - breaks the cycle (see above)
     return tree, items
+
+
+def _check_utf8_key(key: Any, path: tuple) -> None:
+    """A str key names an entry in the MANIFEST, stored as UTF-8: one holding a lone surrogate (a
+    file name decoded with surrogateescape) failed the save later with an error naming no key.
+
+    Raises:
+        UnsupportedValueError: naming the key and where it is."""
+    if type(key) is str and not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnsupportedValueError(
+                f"dict key {key!r} under {_fqn(path) or '<root>'!r} holds a character UTF-8 cannot encode (a lone "
+                f"surrogate, such as a file name decoded with surrogateescape); entries are named by their keys, "
+                f"stored as UTF-8", key=_fqn(path),
+                remedy="Use a key UTF-8 encodes (os.fsencode(name).decode('utf-8', 'backslashreplace')).") from None
 
 
 def odd_keys(obj: Any, path: tuple) -> list:

@@ -110,7 +110,15 @@ def _node(value: Any, where: str, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise _NeedsPickle(f"{where}: nested deeper than {MAX_DEPTH} levels")
     t = type(value)
-    if value is None or t in (bool, float, str, bytes):
+    if value is None or t in (bool, float, bytes):
+        return value
+    if t is str:
+        try:
+            value.encode("utf-8")  # what msgpack stores; it failed later, naming no key
+        except UnicodeEncodeError as exc:
+            raise _NeedsPickle(f"{where}: a str holding a character UTF-8 cannot encode "
+                               f"({value[max(0, exc.start - 20):exc.end + 20]!r}: a lone surrogate, such as a file "
+                               f"name decoded with surrogateescape); store it as bytes (os.fsencode)") from None
         return value
     if t is int:
         if _I64_MIN <= value < _U64:
@@ -185,10 +193,11 @@ def encode_value(fqn: str, value: Any, *, allow_pickle: bool) -> tuple[str, Any]
         return "bool", value
     if t is int and _I64_MIN <= value < _U64:
         return "int", value
-    if t in (float, str, bytes):
+    if t in (float, bytes) or (t is str and value.isascii()):
         return t.__name__, value
     try:
-        return VALUE_KIND, _node(value, fqn, 0)
+        node = _node(value, fqn, 0)
+        return (t.__name__, value) if t is str else (VALUE_KIND, node)
     except _NeedsPickle as exc:
         if not allow_pickle:
             raise UnsupportedValueError(

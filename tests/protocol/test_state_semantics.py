@@ -623,6 +623,22 @@ def test_an_int_with_more_digits_than_python_converts_is_refused_typed(tmp_path)
     assert distckpt.read(tmp_path / "ok")["hp"] == [1, 10 ** 4000]
 
 
+def test_a_str_utf8_cannot_encode_is_refused_naming_its_key(tmp_path):
+    """A str holding a lone surrogate (a file name decoded with surrogateescape), as a value or as
+    a key, failed the save with a DistCkptError wrapping msgpack's UnicodeEncodeError, naming no
+    key. It is an UnsupportedValueError naming it now, before anything is written; other
+    non-ASCII strs are stored as before."""
+    bad = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+    for i, sd in enumerate([{"path": bad}, {"paths": [bad, "ok"]}, {"h": {"path": bad}}, {bad: torch.ones(2)},
+                            {"h": {bad: 1}}]):
+        with pytest.raises(errors.UnsupportedValueError, match="surrogate") as info:
+            distckpt.save(sd, tmp_path / f"ck{i}")
+        assert info.value.key in ("path", "paths", "h.path", "", "h"), info.value
+        assert not os.path.exists(tmp_path / f"ck{i}")
+    distckpt.save({"path": "café ü", "h": {"é": 1}}, tmp_path / "ok")
+    assert distckpt.read(tmp_path / "ok") == {"path": "café ü", "h": {"é": 1}}
+
+
 @pytest.mark.parametrize("value", [Perm.R | Perm.W, Perm(0), Derived(0.5), {1 << 70: torch.ones(1)},
                                    {Level.LOW: torch.ones(1)}],
                          ids=["flag_combination", "flag_unnamed", "dataclass_attribute_not_a_field",
