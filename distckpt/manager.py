@@ -328,8 +328,6 @@ class CheckpointManager:
                                 self.root, step, exc)
         if self._rank() == 0 and not self._clock_read:
             self._clock_read = self._learn_commit_times()
-        if self._saver is not None:
-            self._refuse_replacing_a_needed_link(step, kwargs)
         with self._lock:
             protect, chosen, gen = self._resumed_from, self._resume_chosen, self._resume_gen
         if (self._rank() == 0 and not self.keep_abandoned and not kwargs.get("overwrite")
@@ -339,6 +337,11 @@ class CheckpointManager:
                 log.warning("distckpt: replacing %s: %s; pass keep_abandoned=True to refuse instead",
                             self.path(step), why)
                 kwargs["overwrite"] = True
+        if self._saver is not None:
+            # After the abandoned-branch decision: replacing an abandoned step that a kept step's
+            # chain depends on (a delta saved against it) would leave that step unloadable, as an
+            # explicit overwrite=True would.
+            self._refuse_replacing_a_needed_link(step, kwargs)
 
         def after() -> None:
             if reclaim_error is not None:  # the save went through: the reclaim's error was its own

@@ -285,6 +285,20 @@ def test_a_save_that_replaces_a_link_of_its_own_chain_is_full_or_refused(tmp_pat
         mgr.save(300, sd, overwrite=True, no_dist=True)
     assert open(f"{mgr.path(300)}/MANIFEST", "rb").read() == before
     assert mgr.load(out, step=400, no_dist=True) is not None and torch.equal(out["emb"], sd["emb"])
+    # The manager's own replacement of an abandoned step is refused alike (an outside trial: it
+    # was not checked, and step 350, saved against 400 and kept, never loaded again).
+    fresh = distckpt.CheckpointManager(tmp_path / "root", incremental=policy)
+    fresh.load(out, step=400, no_dist=True)
+    out["emb"][9] += 1
+    fresh.save(350, out, no_dist=True)                       # a delta of 400
+    want = out["emb"].clone()
+    back = distckpt.CheckpointManager(tmp_path / "root", incremental=policy)
+    back.load(out, step=200, no_dist=True)                   # 300-400 are the abandoned branch
+    before = open(f"{back.path(400)}/MANIFEST", "rb").read()
+    with pytest.raises(CheckpointExistsError, match="incremental chain of"):
+        back.save(400, out, no_dist=True)
+    assert open(f"{back.path(400)}/MANIFEST", "rb").read() == before
+    assert back.load(out, step=350, no_dist=True) is not None and torch.equal(out["emb"], want)
 
 
 def test_read_with_keys_returns_only_what_they_select_from_a_delta_too(tmp_path):
