@@ -66,8 +66,27 @@ log = logging.getLogger("distckpt")
 
 __all__ = ["CheckpointManager"]
 
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` when it is a step number (an int >= 0, not a bool). Raises ConfigError otherwise
+    (a str, a float or None raised a bare ValueError or TypeError from the directory name)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{what}={step!r} must be a non-negative int")
+    return step
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
+    """``timeout`` when it is None or a number of seconds (one at or below 0 waits for nothing, as
+    ``threading.Event.wait`` has it: a deadline computed as ``end - now`` may come out negative).
+    Raises ConfigError otherwise (a str, a bool, NaN)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout != timeout):
+        raise ConfigError(f"{what}={timeout!r} must be None or a number of seconds")
+    return timeout
+
+
 def step_dirname(step: int) -> str:
-    return f"step_{step:08d}"
+    """The directory name of step ``step``. Raises ConfigError for anything but a step number."""
+    return f"step_{check_step(step):08d}"
 
 
 
@@ -283,8 +302,7 @@ class CheckpointManager:
         error of an earlier async save of this process that nobody waited for. Rotation errors are
         raised too, after the new step is committed.
         """
-        if not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step={step!r} must be a non-negative int")
+        check_step(step)
         check_staging_option(blocking, kwargs)
         self._count_call(kwargs)
         try:
@@ -624,7 +642,9 @@ class CheckpointManager:
 
         Raises CheckpointNotFoundError when there is no committed step, plus what
         :func:`distckpt.load` raises, and first the error of an earlier async save of this process
-        that nobody waited for."""
+        that nobody waited for; ConfigError for a ``step`` that is neither None nor a step number."""
+        if step is not None:
+            check_step(step)
         self._count_call(kwargs)
         try:
             return self._load(state_dict, step, kwargs)

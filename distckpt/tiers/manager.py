@@ -51,7 +51,7 @@ from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMi
                       ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError,
                       TierMismatchError)
 from ..sizes import format_bytes
-from ..manager import CheckpointManager, check_staging_option, step_dirname
+from ..manager import CheckpointManager, check_staging_option, check_step, check_timeout, step_dirname
 from ..restore import LoadResult
 from ..rotation import beyond_keep_last
 from ..storage import ROOT_LOCK_NAME, is_url, join, normalize_path, open_store
@@ -869,7 +869,7 @@ class TieredCheckpointManager:
         the last case; writes nothing.
 
         Raises StorageError subclasses / object-store request errors for a failed look."""
-        local_id = self._local_store.committed_save_id(self.local_path(step))
+        local_id = self._local_store.committed_save_id(self.local_path(check_step(step)))
         st = self._drainer.state(step)
         if not self.replicas:
             replicas, replica_error = "off", None
@@ -910,6 +910,8 @@ class TieredCheckpointManager:
             The local save's own error (its class, as ``handle.result()`` raises it; it then
             counts as seen) when the async local save of ``step`` failed: nothing was queued.
         """
+        check_step(step)
+        check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._async_lock:
             handle = self._async_saves.get(step)
@@ -1032,6 +1034,8 @@ class TieredCheckpointManager:
         a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
         copy's ChecksumMismatchError when the remote tier does not hold the step).
         """
+        if step is not None:
+            check_step(step)
         if self._check_before_load:
             self._check_unpaired_remote()
         if step is not None:
@@ -1160,6 +1164,7 @@ class TieredCheckpointManager:
     def _close(self, timeout: float | None, *, collective: bool) -> None:
         if self._closed:
             return
+        check_timeout(timeout)  # before anything is closed: a bad value leaves the manager open
         self._closed = True
         # collective=False: a ``with`` block left by an exception (maybe on this rank only), which
         # the local manager's close decides alone.

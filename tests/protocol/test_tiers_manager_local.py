@@ -380,6 +380,17 @@ def test_bad_arguments_are_typed_and_write_nothing(tmp_path):
             mgr.load(_state(0))
         with pytest.raises(errors.CheckpointNotFoundError):
             mgr.wait_durable(9)
+        # Steps and timeouts of the wrong type (bare ValueError or TypeError before, an outside
+        # trial; close() had already marked the manager closed when it raised).
+        for call in (lambda: mgr.load(_state(0), step="1"), lambda: mgr.load(_state(0), step=-1),
+                     lambda: mgr.status("1"), lambda: mgr.status(None), lambda: mgr.wait_durable("1"),
+                     lambda: mgr.wait_durable(9, timeout="5"), lambda: mgr.close(timeout="x"),
+                     lambda: mgr.local_path(1.0), lambda: mgr._local.load(_state(0), step="1"),
+                     lambda: mgr._local.save(True, _state(0)), lambda: mgr._local.path("1")):
+            with pytest.raises(errors.ConfigError):
+                call()
+        mgr.save(1, _state(1))  # still open
+        assert mgr.wait_durable(1, timeout=60).durable
     with pytest.raises(errors.ConfigError):
         mgr.save(1, _state(1))  # closed
     mgr.close()  # idempotent
