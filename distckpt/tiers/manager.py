@@ -363,7 +363,8 @@ class TieredCheckpointManager:
                 raise ConfigError(f"{bad}= is not a save option of a TieredCheckpointManager (give it to the "
                                   f"manager, or not at all: incremental chains are not tiered)")
         self._control("TieredCheckpointManager.save()")
-        self._check_step_free(step)
+        if self._check_step_free(step) and not kwargs.get("overwrite"):
+            kwargs["overwrite"] = True  # an incomplete copy that no load takes (the same on every rank)
         after = functools.partial(self._after_local_commit, step)
         lock = join(self.local_root, ROOT_LOCK_NAME)
         self._saving.add(step)
@@ -425,7 +426,7 @@ class TieredCheckpointManager:
             self._check_local_room(result.bytes_per_rank)
         return result
 
-    def _check_step_free(self, step: int) -> None:
+    def _check_step_free(self, step: int) -> bool:
         """Refuse, on every rank (rank 0 decides; one all-gather), a step number whose drain is
         still queued or running here (its local files would change under the drain's reads) or
         that the remote tier already holds (a drain never replaces a remote step: another run's,
@@ -436,9 +437,20 @@ class TieredCheckpointManager:
         The same all-gather carries each rank's :meth:`_drain_report`: a drain that a lost peer
         stopped is restarted here (:meth:`_restart_lost_drain`).
 
+        Returns True when some nodes hold a local copy of the step and others none, or another
+        save (a save killed between the nodes' publishes): no load takes such a step (it is passed
+        over), so this save replaces it, with a warning, where it raised CheckpointExistsError on
+        the nodes that hold a copy and stopped the resumed run at the step its load() said was
+        free. Decided from the same all-gather: the same on every rank.
+
         Raises SaveInProgressError (a drain of the step in flight) or CheckpointExistsError."""
-        error = None
-        if self._group.rank == 0:
+        error, mine = None, None
+        if self._layout.is_leader:
+            try:
+                mine = self._local_store.committed_save_id(self.local_path(step))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+        if self._group.rank == 0 and error is None:
             st = self._drainer.state(step)
             if st is not None and not st.done.is_set():
                 error = SaveInProgressError(
@@ -461,8 +473,15 @@ class TieredCheckpointManager:
                 else:
                     self._remote_held.pop(step, None)
         reports = self._group.exchange_outcome(error, operation="TieredCheckpointManager.save()",
-                                               extra=self._drain_report())
-        self._restart_lost_drain(reports)
+                                               extra=(self._drain_report(), mine))
+        self._restart_lost_drain([r[0] for r in reports])
+        held = [reports[leader][1] for leader in self._layout.leaders]
+        if any(h is not None for h in held) and (None in held or len(set(held)) > 1):
+            log.warning("distckpt: replacing step %d on the local tier: only node(s) %s hold a copy of it (saves %s), "
+                        "so no load takes it (a save interrupted between the nodes' publishes)", step,
+                        [n for n, h in enumerate(held) if h is not None], held)
+            return True
+        return False
 
     def _check_local_room(self, sizes: list[int]) -> None:
         """The local tier's pre-flight, once, after the first save told the size of a step: each

@@ -539,3 +539,39 @@ def test_replicas_are_made_while_the_remote_tier_is_down(tmp_path):
         assert r["seen"][1][0] in ("retrying", "draining"), (rank, r)  # the outage was still on
         assert r["held"] == ["MANIFEST", "rank00000.bin", "rank00001.bin"], (rank, r)
         assert r["durable"] and r["later"] == "unknown", (rank, r)
+
+
+def _partial_publish_body(rank: int, world_size: int, tmp: str) -> dict:
+    import shutil
+
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step, rank))
+        mgr.wait_durable(2, timeout=120)
+    torch.distributed.barrier()
+    if rank == 0:  # a save killed after node 0 published step 3 and before node 1 did
+        shutil.copytree(os.path.join(local, "step_00000002"), os.path.join(local, "step_00000003"))
+    torch.distributed.barrier()
+    out = {}
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        target = _state(0, rank)
+        out["loaded"] = os.path.basename(mgr.load(target).path)   # step 3 is passed over
+        mgr.save(3, _state(3, rank))                               # the resumed run's next save
+        mgr.wait_durable(3, timeout=120)
+        target = _state(0, rank)
+        out["again"] = os.path.basename(mgr.load(target).path)
+        out["exact"] = all(torch.equal(target[k], v) for k, v in _state(3, rank).items() if torch.is_tensor(v))
+    return out
+
+
+def test_a_step_some_nodes_published_before_a_kill_is_replaced_by_the_resumed_runs_save(tmp_path):
+    """A save killed between the nodes' local publishes leaves a copy of the step on some nodes
+    only: load() passes it over (no complete copy) and resumes from the step before, but the
+    resumed run's save of that step raised CheckpointExistsError on the nodes holding a copy (an
+    outside trial), stopping a loop that saves the step after the one it loaded. The save
+    replaces such a copy now, decided with every node, and the step loads bit-exact."""
+    results = run_ranks(_partial_publish_body, 2, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        assert r == {"loaded": "step_00000002", "again": "step_00000003", "exact": True}, (rank, r)
