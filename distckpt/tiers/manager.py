@@ -477,6 +477,12 @@ class TieredCheckpointManager:
         self._restart_lost_drain([r[0] for r in reports])
         held = [reports[leader][1] for leader in self._layout.leaders]
         if any(h is not None for h in held) and (None in held or len(set(held)) > 1):
+            # Not a copy on every node: still loadable when the copies (replicas included) hold
+            # every file of one save between them, or when the remote tier holds it (collective:
+            # every rank got here from the same all-gather).
+            tiers = self._availability()[0].get(step)
+            if tiers is not None and (tiers.local_complete or tiers.remote_save_id is not None):
+                return False
             log.warning("distckpt: replacing step %d on the local tier: only node(s) %s hold a copy of it (saves %s), "
                         "so no load takes it (a save interrupted between the nodes' publishes)", step,
                         [n for n, h in enumerate(held) if h is not None], held)
