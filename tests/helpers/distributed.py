@@ -37,13 +37,22 @@ class RankError(AssertionError):
         super().__init__(f"rank(s) {sorted(errors)} failed:\n{text}")
 
 
+#: What the ranks of run_ranks are forked with by default: torch imported once in the fork server.
+DEFAULT_PRELOAD = ["torch", "torch.distributed"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, kwargs, env, queue, init_pg):
+def _entry(fn, rank, world_size, port, args, kwargs, env, queue, init_pg, parent_env):
+    # The caller's environment as it is now (a test's monkeypatch.setenv included), as a spawned
+    # rank would inherit it: a rank forked from the fork server would otherwise have the
+    # environment the server started with, the first caller's.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -77,24 +86,29 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     ``preload``: modules to import once in a fork server; the ranks are then forked from it
     instead of spawned (each spawned rank imports torch and the like anew: seconds per rank on
-    this 2-core machine). The fork server is this process's (multiprocessing's "forkserver"
-    context): the first call that starts it fixes its preload.
+    this 2-core machine, most of a short multi-rank test's time). The fork server is this
+    process's (multiprocessing's "forkserver" context): the first call that starts it fixes its
+    preload. Default (None): torch and torch.distributed (:data:`DEFAULT_PRELOAD`); ``[]``: every
+    rank spawned, a fresh interpreter (for what must run before torch is imported).
 
     ``check_exit``: a rank whose process then exits with a non-zero code (SIGABRT at interpreter
-    finalization, after it reported its result) counts as failed too. Spawned ranks only: a rank
+    finalization, after it reported its result) counts as failed too. Its ranks are spawned: a rank
     forked from the fork server leaves through os._exit, without finalization.
 
     Returns the per-rank results in rank order. Raises RankError if any rank raised (with all
     tracebacks, or the exit code of a rank that died without reporting), TimeoutError if the
     ranks did not all finish within ``timeout`` seconds (the stragglers are killed first).
     """
+    if preload is None and not check_exit:
+        preload = DEFAULT_PRELOAD
     ctx = mp.get_context("forkserver" if preload else "spawn")
     if preload:
         ctx.set_forkserver_preload(preload)  # effective when this process starts its fork server
     queue = ctx.Queue()
     port = free_port()
+    parent_env = dict(os.environ)
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, kwargs, env or {}, queue,
-                                              init_process_group), daemon=True)
+                                              init_process_group, parent_env), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
