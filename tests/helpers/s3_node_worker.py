@@ -38,9 +38,11 @@ def main() -> None:
           "per_rank": {f"rank{rank}": torch.full((5,), rank, dtype=torch.int64)},
           "step": 42}
     result = distckpt.save(sd, url)
-    print(json.dumps({"rank": rank, "world": world, "node_rank": int(os.environ.get("GROUP_RANK", -1)),
-                      "home": os.environ["HOME"], "tmpdir": os.environ["TMPDIR"], "cwd": os.getcwd(),
-                      "bytes": result.bytes_per_rank}), flush=True)
+    # One write per line (print writes the newline apart): ranks share torchrun's stdout.
+    sys.stdout.write(json.dumps({"rank": rank, "world": world, "node_rank": int(os.environ.get("GROUP_RANK", -1)),
+                                 "home": os.environ["HOME"], "tmpdir": os.environ["TMPDIR"], "cwd": os.getcwd(),
+                                 "bytes": result.bytes_per_rank}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -24,6 +24,14 @@ import torch
 import torch.distributed as dist
 
 
+
+def _emit(rec: dict) -> None:
+    """One record per line, in one write: the ranks share torchrun's stdout, and print() (unbuffered
+    under torchrun) writes the text and its newline apart, so two ranks' records could land on one
+    line. A single write of a line under PIPE_BUF bytes is atomic on a pipe."""
+    sys.stdout.write(json.dumps(rec) + "\n")
+    sys.stdout.flush()
+
 def expected(step: int) -> dict:
     """The full (unsharded) values of ``step``."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -115,7 +123,7 @@ def main() -> None:
         mgr.wait_durable(10, timeout=180)
         mgr.save(20, sharded(20, mesh))
         if node == 1:
-            print(json.dumps(rec | {"exiting": True}), flush=True)
+            _emit(rec | {"exiting": True})
             os._exit(9)  # a node lost while the drain of step 20 is in flight
         try:
             mgr.wait_durable(20, timeout=240)
@@ -132,7 +140,7 @@ def main() -> None:
         rec["replicas10"] = mgr.status(10).replicas
         mgr.save(20, sharded(20, mesh))
         if node == 1:
-            print(json.dumps(rec | {"exiting": True}), flush=True)
+            _emit(rec | {"exiting": True})
             os._exit(9)  # a node lost while the replication of step 20 is in flight
         t0 = time.monotonic()
         try:
@@ -163,7 +171,7 @@ def main() -> None:
         mgr.wait_durable(30, timeout=240)
         mgr.close()
         rec.update(local=mgr._local.steps(), remote=mgr._remote.steps(), status=statuses([10, 20, 30]))
-    print(json.dumps(rec), flush=True)
+    _emit(rec)
     dist.destroy_process_group()
 
 
