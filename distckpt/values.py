@@ -114,7 +114,8 @@ def _node(value: Any, where: str, depth: int) -> Any:
         return value
     if t is str:
         try:
-            value.encode("utf-8")  # what msgpack stores; it failed later, naming no key
+            if not value.isascii():
+                value.encode("utf-8")  # what msgpack stores; it failed later, naming no key
         except UnicodeEncodeError as exc:
             raise _NeedsPickle(f"{where}: a str holding a character UTF-8 cannot encode "
                                f"({value[max(0, exc.start - 20):exc.end + 20]!r}: a lone surrogate, such as a file "

@@ -894,7 +894,7 @@ class TieredCheckpointManager:
         the last case; writes nothing.
 
         Raises StorageError subclasses / object-store request errors for a failed look."""
-        local_id = self._local_store.committed_save_id(self.local_path(check_step(step)))
+        local_id = self._local_store.committed_save_id(self.local_path(step))  # ConfigError for a bad step
         st = self._drainer.state(step)
         if not self.replicas:
             replicas, replica_error = "off", None
