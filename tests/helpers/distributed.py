@@ -99,7 +99,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     tracebacks, or the exit code of a rank that died without reporting), TimeoutError if the
     ranks did not all finish within ``timeout`` seconds (the stragglers are killed first).
     """
-    if preload is None and not check_exit:
+    if check_exit:
+        preload = []  # a forked rank leaves through os._exit: its exit code would say nothing
+    elif preload is None:
         preload = DEFAULT_PRELOAD
     ctx = mp.get_context("forkserver" if preload else "spawn")
     if preload:
