@@ -21,9 +21,9 @@ import os
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from .base import ROOT_LOCK_NAME, Leftover, Store
+from .base import ROOT_LOCK_NAME, Leftover, Ownership, Store
 
-__all__ = ["Store", "Leftover", "ROOT_LOCK_NAME", "open_store", "is_url", "path_text", "normalize_path", "join", "basename",
+__all__ = ["Store", "Leftover", "Ownership", "ROOT_LOCK_NAME", "open_store", "is_url", "path_text", "normalize_path", "join", "basename",
            "dirname"]
 
 

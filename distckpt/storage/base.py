@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Mapping
 
-__all__ = ["Store", "Leftover", "ROOT_LOCK_NAME"]
+__all__ = ["Store", "Leftover", "Ownership", "ROOT_LOCK_NAME"]
 
 # The one save lock (POSIX) or lease (object stores) of a CheckpointManager root, held by whichever
 # manager save is in flight there, from its PREPARE to the end of its rotation.
@@ -36,6 +36,32 @@ class Leftover:
     path: str
     state: str
     owner: dict | None
+
+
+class Ownership(abc.ABC):
+    """A root's exclusive owner, held by one live process at a time (:meth:`Store.take_ownership`):
+    a flock on POSIX, a renewed lease on object stores. ``record``: what it says of its holder
+    (host, pid, save_id: the owner's id, what, and the caller's extra fields)."""
+
+    record: dict
+
+    @abc.abstractmethod
+    def check(self, operation: str) -> None:
+        """Prove that this process still holds it, before ``operation`` changes what it guards.
+
+        Raises:
+            SaveInProgressError: it was released, taken over by another holder (``owner``), or
+                could not be proven held (an object store that does not answer within the lease).
+        """
+
+    @abc.abstractmethod
+    def gone(self) -> bool:
+        """True once it can never be proven held again (released, taken over, its lock file
+        replaced): a new one must be taken."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Give it up (a no-op when already released or taken over). Never raises."""
 
 
 class Store(abc.ABC):
@@ -292,6 +318,22 @@ class Store(abc.ABC):
         """Delete the committed checkpoint at ``path`` (rotation): it stops being a checkpoint in
         one step, before any of its data goes, so a half-deleted one never looks committed; its
         space is freed at once. Raises StorageError subclasses / request errors."""
+
+    @abc.abstractmethod
+    def take_ownership(self, path: str, *, owner_id: str, what: str, extra: Mapping[str, Any],
+                       holder_dead: Callable[[dict], bool]) -> Ownership:
+        """Take the owner lock or lease at ``path`` for as long as this process lives and does
+        not release it. A holder that lives keeps it; one that died loses it: on POSIX at once
+        (the kernel drops a dead process's flock), on an object store once its lease lapses
+        (waited out here, up to twice DISTCKPT_OBJECT_LEASE_S), or at once when
+        ``holder_dead(record)`` says the caller can prove the holder gone. ``owner_id`` and
+        ``extra`` go into the new holder's record.
+
+        Raises:
+            SaveInProgressError: a live holder has it (its record is ``owner``), or a holder's
+                lease neither renewed nor lapsed within the wait.
+            StorageError subclasses / request errors.
+        """
 
     @abc.abstractmethod
     def scan_leftovers(self, root: str, *, other_hosts: bool = False) -> list[Leftover]:

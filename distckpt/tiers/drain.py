@@ -181,7 +181,8 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
                lock_path: str | None = None, after_commit: Callable[[], None] | None = None,
                progress: Callable[[int], None] | None = None,
                storage_options: dict | None = None,
-               on_assigned: Callable[[int], None] | None = None) -> DrainResult:
+               on_assigned: Callable[[int], None] | None = None,
+               hold: Callable[[str], None] | None = None) -> DrainResult:
     """Copy the step committed at ``local_path`` (this rank's node-local step directory) to
     ``remote_path`` and commit it there; collective over ``group`` (see the module docstring).
 
@@ -192,6 +193,8 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
     remote. ``progress(n)``: called on this rank with each ``n`` bytes handed to the upload (an
     increment; the upload holds at most its part buffers before they are sent).
     ``on_assigned(total)``: called on this rank once the files it copies are known, with their bytes.
+    ``hold(operation)``: called by rank 0 before the drain prepares and before it publishes; what
+    it raises stops the drain there (the tiered manager's proof that it owns the remote root).
 
     Returns the same DrainResult on every rank (``bytes_uploaded`` and ``seconds`` are this rank's).
 
@@ -203,7 +206,7 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
         TierIncompleteError: a data file of the MANIFEST is on no node (``files``), or the nodes
             hold different saves of the step.
         CheckpointExistsError: the remote step is committed with another save id.
-        SaveInProgressError: another save or drain holds the remote lease or lock.
+        SaveInProgressError: another save or drain holds the remote lease or lock, or ``hold`` refused.
         ChecksumMismatchError: a local file's block or index differs from its checksum.
         ManifestCorruptError: a local MANIFEST or index does not decode, or the nodes' MANIFEST
             bytes differ.
@@ -220,7 +223,7 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
     held: list = []  # rank 0's remote lease or lock, released on every path
     try:
         return _drain(group, local_store, local_path, remote_store, remote_path, lock_path, after_commit, progress,
-                      held, t0, on_assigned)
+                      held, t0, on_assigned, hold)
     finally:
         for lock in held:
             lock.release()
@@ -228,7 +231,8 @@ def drain_step(group: ControlGroup, *, local_path: str, remote_path: str, remote
 
 def _drain(group: ControlGroup, local_store: Store, local_path: str, remote_store: Store, remote_path: str,
            lock_path: str | None, after_commit: Callable[[], None] | None, progress: Callable[[int], None] | None,
-           held: list, t0: float, on_assigned: Callable[[int], None] | None = None) -> DrainResult:
+           held: list, t0: float, on_assigned: Callable[[int], None] | None = None,
+           hold: Callable[[str], None] | None = None) -> DrainResult:
     """The body of :func:`drain_step` (same promises and errors); the lock rank 0 takes goes into
     ``held``, which the caller releases."""
     rank, world = group.rank, group.world_size
@@ -254,6 +258,8 @@ def _drain(group: ControlGroup, local_store: Store, local_path: str, remote_stor
     plan = None
     if rank == 0:
         try:
+            if hold is not None:
+                hold("prepare a drain")
             plan = _plan(reports, manifest, local_path, remote_store, remote_path, lock_path, world, held)
         except Exception as exc:
             plan = _Plan(error=exc if world == 1 else _portable(exc))
@@ -287,6 +293,8 @@ def _drain(group: ControlGroup, local_store: Store, local_path: str, remote_stor
             _abort_area(remote_store, plan.area, remote_path, plan.save_id, n_files)
         else:
             try:
+                if hold is not None:
+                    hold("publish a drain")
                 remote_store.publish(plan.area, remote_path, manifest, False)  # the commit point
                 committed = True
                 if after_commit is not None:

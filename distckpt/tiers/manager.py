@@ -61,12 +61,10 @@ from .drainer import Drainer, wait_for
 from .load import load_tiered, step_availability
 from .localcommit import save_node_local
 from .nodes import node_layout
+from .owner import OWNER_NAME, RemoteOwner
 
 __all__ = ["TieredCheckpointManager", "TierStatus"]
 
-#: The local tier's owner lock (a flock held by each node's leader while a manager is open). Not
-#: named like a save's lock (``.NAME.lock``), so listings and reclaims never take it for one.
-OWNER_NAME = ".distckpt-tiers.owner"
 # The remote tier's identity (its root) and the one each node's local tier drains to (its root):
 # TieredCheckpointManager._pair_tiers.
 TIER_ID_NAME = ".distckpt-tier"
@@ -174,6 +172,8 @@ class TieredCheckpointManager:
 
     Raises:
         ConfigError: a bad argument (local is a URL, remote equals local, keep_last_local < 1).
+        SaveInProgressError: another live manager uses the local tier, or owns the remote tier
+            (another job's: distckpt.tiers.owner), on any node.
         The typed errors of the remote check (EndpointUnreachableError, ObjectStoreAccessError,
         BucketNotFoundError...), raised on every rank.
     """
@@ -232,8 +232,13 @@ class TieredCheckpointManager:
         # never from _paired, which each rank's drain thread sets on its own: ranks deciding apart
         # would leave some in the check's collectives.
         self._check_before_load = False
+        self._remote_owner: RemoteOwner | None = None
         try:
             remote_up = self._check_remote()
+            # One live manager per remote root (distckpt.tiers.owner): taken now when the remote
+            # tier answers, else by the first drain (before it writes anything there).
+            self._remote_owner = RemoteOwner(self._group, self._layout, self._local_store, self.local_root,
+                                             self._remote_store, self.remote_root)
             if remote_up:
                 self._pair_tiers(self._group)
                 self._paired = True
@@ -585,11 +590,16 @@ class TieredCheckpointManager:
             # ConfigError: this drain, and each later one, fails for good naming it.
             self._pair_tiers(self._drain_group)
             self._paired = True
-        after = functools.partial(self._remote.rotate_after, step)
+        hold = self._remote_owner.hold
+
+        def after() -> None:
+            hold("rotate the remote tier")  # a rotation deletes steps: only while this job owns the root
+            self._remote.rotate_after(step)
+
         result = drain_step(self._drain_group, local_path=self.local_path(step), remote_path=self.remote_path(step),
                             remote_store=self._remote_store, lock_path=join(self.remote_root, ROOT_LOCK_NAME),
                             after_commit=after, progress=progress, storage_options=self.storage_options,
-                            on_assigned=assigned)
+                            on_assigned=assigned, hold=hold)
         self._remote_held[step] = result.save_id
         if save_id is not None and result.save_id != save_id:
             # The local directory holds another save than the one queued (saved again since):
@@ -726,7 +736,41 @@ class TieredCheckpointManager:
             raise
         return lock
 
-    def _release_owner(self) -> None:
+    def _take_remote_owner(self, group, operation: str) -> None:
+        """Rank 0 takes the remote tier's owner (:class:`~distckpt.tiers.owner.RemoteOwner`).
+        Collective on ``group``. At construction an outage only warns (the first drain takes it).
+
+        Raises SaveInProgressError on every rank when another live manager owns the remote tier;
+        the stores' other typed errors."""
+        error = None
+        if group.rank == 0:
+            try:
+                self._remote_owner.take()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                if group is self._group and _outage(exc):
+                    log.warning("distckpt: could not take the remote tier %s's owner (%s: %s): the first drain takes it",
+                                self.remote_root, type(exc).__name__, exc)
+                else:
+                    error = exc
+        group.exchange_outcome(error, operation=operation)
+
+    def _release_owner(self, within: float | None = None) -> None:
+        """Release the remote tier's owner, then the local tier's. ``within``: the seconds a
+        close may still take; a release of the remote tier's owner that takes longer (its
+        requests held) goes on in the background, where its lease is no longer renewed: it lapses
+        on its own, and a restart on this node may take it over at once (distckpt.tiers.owner)."""
+        remote = getattr(self, "_remote_owner", None)
+        if remote is not None:
+            if within is None:
+                remote.release()
+            else:
+                releasing = threading.Thread(target=remote.release, name="distckpt-owner-release", daemon=True)
+                releasing.start()
+                releasing.join(max(0.0, within))
+                if releasing.is_alive():
+                    log.warning("distckpt: the remote tier %s's owner is still being released when close's timeout "
+                                "ran out: it goes on in the background (the lease, no longer renewed, lapses on its "
+                                "own)", self.remote_root)
         lock, self._owner = getattr(self, "_owner", None), None
         if lock is not None:
             lock.release()
@@ -767,10 +811,14 @@ class TieredCheckpointManager:
         (a new or replaced node) takes the remote tier's; a remote root with no identity gets one
         when no node recorded any (a new tier, or one written by a distckpt before this check).
 
+        The remote tier's owner is taken between the check and the writes (:meth:`_take_remote_owner`).
+
         Raises TierMismatchError on every rank when a node recorded another tier than the remote
-        root holds, or any tier while it holds none; the store's typed errors."""
+        root holds, or any tier while it holds none; SaveInProgressError when another live
+        manager owns the remote tier; the store's typed errors."""
         operation = "TieredCheckpointManager()" if group is self._group else "the tier check before a drain"
         mine, found, _recorded = self._check_pairing(group, operation)
+        self._take_remote_owner(group, operation)  # before anything is written: a refused manager writes nothing
         error, tier = None, found
         try:
             if group.rank == 0 and found is None:
@@ -1191,6 +1239,7 @@ class TieredCheckpointManager:
             return
         check_timeout(timeout)  # before anything is closed: a bad value leaves the manager open
         self._closed = True
+        started = time.monotonic()
         # collective=False: a ``with`` block left by an exception (maybe on this rank only), which
         # the local manager's close decides alone.
         if any(isinstance(st.error, PeerLostError) for st in self._drainer.states().values()):
@@ -1209,7 +1258,8 @@ class TieredCheckpointManager:
                 except Exception as exc:  # noqa: BLE001 - housekeeping: the next save rotates again
                     log.warning("distckpt: rotating %s at close: %s: %s", self.local_root, type(exc).__name__, exc)
         finally:
-            self._release_owner()  # also when a close raised: the local root is free for the next manager
+            # Also when a close raised: the tiers are free for the next manager.
+            self._release_owner(within=None if timeout is None else timeout - (time.monotonic() - started))
         if pending:
             states = self._drainer.states()
             first = next((states[s].error for s in pending if states[s].error is not None), None)

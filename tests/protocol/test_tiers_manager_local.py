@@ -632,25 +632,32 @@ def test_a_remote_tier_whose_file_system_is_not_mounted_is_refused_not_drained_i
         unbind()
 
 
-def test_a_local_copy_of_another_save_of_the_loaded_step_is_named(tmp_path, caplog):
-    """Two jobs saving into one remote tier (a misconfiguration an outside trial made): job B's
-    step 10 cannot drain (job A's step 10 got there first), and B's load of step 10 reads A's
-    save, the remote tier's being the reference. It did so without a word; now the load names
-    B's own copy it passes over."""
+def test_a_second_job_on_one_remote_tier_is_refused_and_a_local_copy_of_another_save_is_named(tmp_path, caplog):
+    """Two jobs saving into one remote tier (a misconfiguration an outside trial made) rotate
+    away each other's durable steps: the second manager is now refused while the first is open
+    (the remote tier's owner, distckpt.tiers.owner), and takes the tier once the first closed.
+    A node whose local copy of a step is another save than the remote tier's (here: a local tier
+    re-paired on purpose with another remote root) loads the remote tier's save, the reference,
+    and names its own copy it passes over (it did so without a word)."""
     remote = tmp_path / "remote"
-    b = TieredCheckpointManager(tmp_path / "b", remote)
     with TieredCheckpointManager(tmp_path / "a", remote) as a:
+        with pytest.raises(errors.SaveInProgressError) as refused:
+            TieredCheckpointManager(tmp_path / "b", remote, keep_last_remote=1)
+        assert str(tmp_path / "a") in str(refused.value) and "own remote root" in str(refused.value)
         a.save(10, _state(10))
         assert a.wait_durable(10, timeout=120).durable
-    b.save(10, _state(11))
-    with pytest.raises(errors.NotDurableError):
-        b.wait_durable(10, timeout=120)
+    assert not (tmp_path / "b" / ".distckpt-tier-remote").exists()  # the refused manager recorded nothing
+    # B ran on a remote root of its own, then its local tier was pointed at A's on purpose
+    # (the documented remedy of a moved remote tier: delete the record).
+    with TieredCheckpointManager(tmp_path / "b", tmp_path / "other") as b:
+        b.save(10, _state(11))
+        assert b.wait_durable(10, timeout=120).durable
+    os.unlink(tmp_path / "b" / ".distckpt-tier-remote")
     out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="distckpt"):
-        b.load(out, step=10)
+    with TieredCheckpointManager(tmp_path / "b", remote) as b:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="distckpt"):
+            b.load(out, step=10)
     assert out["step"] == 10 and torch.equal(out["w"], _state(10)["w"])  # the remote tier's save: job A's
     said = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
     assert said and str(tmp_path / "b" / "step_00000010") in said[0], caplog.text
-    with pytest.raises(errors.NotDurableError):
-        b.close()

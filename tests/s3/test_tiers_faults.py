@@ -280,11 +280,12 @@ def test_hostile_save_arguments_are_config_errors_and_write_nothing(s3_bucket, t
             with pytest.raises(ConfigError):
                 mgr.save(step, _state(1), **kw)
         assert not [p for p in local.iterdir() if p.name.startswith(("step_", ".tmp"))], list(local.iterdir())
-        paired = s3_bucket.keys()  # the remote tier's identity, written when the manager was built
-        assert [k.rpartition("/")[2] for k in paired] == [".distckpt-tier"], paired
+        # The remote tier's identity, written when the manager was built, and its owner's lease.
+        paired = s3_bucket.keys()
+        assert [k.rpartition("/")[2] for k in paired] == [".distckpt-tier", ".distckpt-tiers.owner"], paired
     with pytest.raises(ConfigError):
         mgr.save(1, _state(1))  # closed
-    assert s3_bucket.keys() == paired
+    assert s3_bucket.keys() == ["run/.distckpt-tier"]  # the owner's lease released at close
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import CheckpointExistsError, DistCkptError, SaveInProgressError
+from ..base import Ownership
 from . import request as objrequest
 from .errors import NoSuchKey
 from .settings import MAX_LEASE_S, settings
@@ -21,8 +22,9 @@ from .settings import MAX_LEASE_S, settings
 log = logging.getLogger("distckpt")
 
 
-class Lease:
-    """The liveness lock of a save on an object store (flock does not exist there).
+class Lease(Ownership):
+    """The liveness lock of a save on an object store (flock does not exist there), and a root's
+    :class:`~distckpt.storage.base.Ownership` there (ObjectStore.take_ownership).
 
     An object holding {host, pid, save_id, what, started_unix, renewed_unix, lease_s, beat}. Every
     write of it is conditional on what the writer last saw, so that ownership changes hands
@@ -55,6 +57,7 @@ class Lease:
     def __init__(self, store: Any, url: str, record: dict, etag: str | None) -> None:
         self.store, self.url, self.record, self.etag = store, url, record, etag
         self.lost: dict | None = None     # the record found when this lease turned out taken over
+        self.missed: BaseException | None = None  # why the last renewal failed (None after a success)
         self.proven = time.monotonic()    # when the last write that proved ownership was sent
         self._lock = threading.Lock()     # one write of the lease at a time (heartbeat vs commit)
         self._stop = threading.Event()
@@ -146,18 +149,24 @@ class Lease:
     # -- taking, renewing, releasing --------------------------------------------------------------
 
     @classmethod
-    def acquire(cls, store: Any, url: str, *, save_id: str, what: str, rank: int) -> "Lease":
-        """Take the lease at ``url``, breaking a dead one.
+    def acquire(cls, store: Any, url: str, *, save_id: str, what: str, rank: int, extra: Any = None,
+                holder_dead: Callable[[dict], bool] | None = None, wait_out: bool = False) -> "Lease":
+        """Take the lease at ``url``, breaking a dead one. ``extra`` fields join the record.
+        ``holder_dead(record)``: True when the caller can prove the holder of a live-looking
+        lease gone (its lease is then broken at once). ``wait_out``: rather than refuse a live
+        lease, watch it: one that lapses is broken, one that is renewed is refused (at most
+        twice this process's DISTCKPT_OBJECT_LEASE_S, whatever lease the record claims).
 
         Raises:
             SaveInProgressError: a live lease of another save is there (or others kept taking it).
             EndpointUnreachableError and the other typed errors of a request.
         """
         lease_s = settings()["lease_s"]
+        waited, seen = False, ""
         for _attempt in range(4):
             now = time.time()
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id, "what": what,
-                      "started_unix": now, "renewed_unix": now, "lease_s": lease_s, "beat": 0}
+            record = {**(extra or {}), "host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id,
+                      "what": what, "started_unix": now, "renewed_unix": now, "lease_s": lease_s, "beat": 0}
             sent = time.monotonic()
             try:
                 etag = cls._put(store, url, record, match=None, operation="create the save lease", rank=rank)
@@ -169,13 +178,30 @@ class Lease:
                 return cls(store, url, record, other_etag)._started(sent)
             if other is None:
                 continue  # released in between: create again
-            if cls.is_live(other, age_s=age, server_now=clock):
-                ago = age if age is not None else time.time() - float(other['renewed_unix'])
+            live = cls.is_live(other, age_s=age, server_now=clock)
+            if live and holder_dead is not None and holder_dead(other):
+                log.warning("distckpt: taking over the lease %s at once: its holder is gone (%s)", url, other)
+            elif live:
+                if wait_out and not waited:
+                    waited = True
+                    seen = cls._watch(store, url, other_etag, 2 * lease_s)
+                    if seen == "lapsed":
+                        continue  # the next read finds it dead and breaks it
+                    other, _, age, _ = cls.read_aged(store, url)
+                    other = other or {}
+                try:
+                    ago = f"{age if age is not None else time.time() - float(other['renewed_unix']):.0f} s ago"
+                except (KeyError, TypeError, ValueError):
+                    ago = "at an unknown time"
+                waited_text = ("" if not waited else
+                               "; it was renewed while this process watched it" if seen == "renewed" else
+                               f"; it did not lapse within the {2 * lease_s:.0f} s this process waited")
                 raise SaveInProgressError(
                     f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
-                    f"{other.get('host')} pid {other.get('pid')}, renewed {ago:.0f} s ago)", path=what, rank=rank,
+                    f"{other.get('host')} pid {other.get('pid')}, renewed {ago}){waited_text}", path=what, rank=rank,
                     owner=other)
-            log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
+            else:
+                log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
             sent = time.monotonic()
             try:
                 etag = cls._put(store, url, record, match=other_etag, operation="take over the dead save lease",
@@ -188,6 +214,39 @@ class Lease:
                 # another saver broke it first (or its owner renewed it): look again
         raise SaveInProgressError(f"could not take the save lease {url}: another save keeps taking it", path=what,
                                   rank=rank, owner=None)
+
+    @classmethod
+    def _watch(cls, store: Any, url: str, etag: str | None, longest_s: float) -> str:
+        """Watch the live lease at ``url`` (ETag ``etag``) for up to ``longest_s``: ``lapsed``
+        once it is dead or gone, ``renewed`` once it changed (its holder lives), ``outlived``
+        when neither happened within the wait (a record that claims a longer lease)."""
+        deadline = time.monotonic() + longest_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.05, longest_s / 64)))
+            rec, now_etag, age, clock = cls.read_aged(store, url)
+            if rec is None or not cls.is_live(rec, age_s=age, server_now=clock):
+                return "lapsed"
+            if now_etag != etag:
+                return "renewed"
+        return "outlived"
+
+    def gone(self) -> bool:
+        return self.lost is not None or self._stop.is_set()
+
+    def check(self, operation: str) -> None:
+        """:meth:`ensure_held`, for an owner lease: raises SaveInProgressError naming ``operation``
+        when it was released or taken over; when the renewal's request failed, that request's
+        typed error (EndpointUnreachableError, ObjectStoreAccessError, ...): the cause to act on."""
+        if self._stop.is_set():
+            raise SaveInProgressError(f"{operation}: the lease {self.url} was released", path=self.url, rank=0,
+                                      owner=None, remedy="Nothing more was changed; start the manager again.")
+        try:
+            self.ensure_held()
+        except SaveInProgressError as exc:
+            if self.lost is None and isinstance(self.missed, DistCkptError):
+                raise self.missed from exc
+            raise SaveInProgressError(f"{operation}: {exc}", path=self.url, rank=0, owner=self.lost,
+                                      remedy="Nothing more was changed.") from None
 
     def _started(self, sent: float) -> "Lease":
         self.proven = sent
@@ -224,8 +283,9 @@ class Lease:
                                           rank=0, timeout_s=timeout_s)
             except (DistCkptError, NoSuchKey) as exc:  # a missed beat; the lease lasts 4 periods
                 log.warning("distckpt: could not renew the save lease %s: %s", self.url, exc)
+                self.missed = exc
                 return False
-            self.record, self.proven = record, sent
+            self.record, self.proven, self.missed = record, sent, None
             return True
 
     def ensure_held(self) -> float:

@@ -60,6 +60,7 @@ from ...errors import (CheckpointCorruptError, CheckpointExistsError, Checkpoint
 from ...config import get_config
 from ...plan import ALIGNMENT
 from .. import ROOT_LOCK_NAME, Leftover, Store, join
+from ..base import Ownership
 from . import request as objrequest
 from .errors import NoSuchKey, client_config, translate
 from .lease import Lease
@@ -706,6 +707,11 @@ class ObjectStore(Store):
 
     def has_manifest(self, path: str) -> bool:
         return self.is_committed(path)
+
+    def take_ownership(self, path: str, *, owner_id: str, what: str, extra: Mapping[str, Any],
+                       holder_dead: Callable[[dict], bool]) -> Ownership:
+        return Lease.acquire(self, path, save_id=owner_id, what=what, rank=0, extra=extra, holder_dead=holder_dead,
+                             wait_out=True)
 
     def scan_leftovers(self, root: str, *, other_hosts: bool = False) -> list[Leftover]:
         """The save-id prefixes under each child of ``root`` that no MANIFEST names, as Leftovers

@@ -40,6 +40,7 @@ import stat
 import time
 
 from ...errors import SaveInProgressError, StorageError, from_os_error
+from ..base import Ownership
 
 __all__ = ["SaveLock", "LockState", "acquire", "probe", "remove_if_dead", "this_host"]
 
@@ -70,13 +71,31 @@ class LockState:
         return self.owner.get("save_id") if self.owner else None
 
 
-class SaveLock:
-    """A held lock. :meth:`release` unlinks the file and closes the fd; idempotent."""
+class SaveLock(Ownership):
+    """A held lock. :meth:`release` unlinks the file and closes the fd; idempotent. Also a root's
+    :class:`~distckpt.storage.base.Ownership` (PosixStore.take_ownership)."""
 
     def __init__(self, path: str, fd: int, owner: dict) -> None:
         self.path = path
         self.owner = owner
         self._fd: int | None = fd
+
+    @property
+    def record(self) -> dict:
+        return self.owner
+
+    def gone(self) -> bool:
+        return self._fd is None or not _same_file(self._fd, self.path)
+
+    def check(self, operation: str) -> None:
+        """Raises SaveInProgressError when this lock was released, or its file is no longer the
+        one at its path (removed or replaced by hand: another process may lock the new one)."""
+        fd = self._fd
+        if fd is None or not _same_file(fd, self.path):
+            why = "was released" if fd is None else "was removed or replaced (by hand?)"
+            raise SaveInProgressError(f"{operation}: the lock {self.path} this process held {why}", path=self.path,
+                                      owner=_read_owner_at(self.path),
+                                      remedy="Nothing more was changed; start the manager again.")
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -123,15 +142,27 @@ def _in_the_way(path: str) -> str | None:
     return "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else None
 
 
-def acquire(path: str, *, save_id: str, what: str) -> SaveLock:
-    """Take the lock at ``path`` for the save ``save_id`` of ``what`` (the final directory).
+def _read_owner_at(path: str) -> dict | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return _read_owner(fd)
+    finally:
+        os.close(fd)
+
+
+def acquire(path: str, *, save_id: str, what: str, extra: dict | None = None) -> SaveLock:
+    """Take the lock at ``path`` for the save ``save_id`` of ``what`` (the final directory);
+    ``extra`` fields join its owner record.
 
     Raises:
         SaveInProgressError: another live save holds it (its owner record is in the message).
         StorageError subclasses: the lock file cannot be created (permissions, disk full, ...).
     """
-    owner = {"host": this_host(), "pid": os.getpid(), "started_unix": time.time(), "save_id": save_id,
-             "what": what}
+    owner = {**(extra or {}), "host": this_host(), "pid": os.getpid(), "started_unix": time.time(),
+             "save_id": save_id, "what": what}
     deadline = time.monotonic() + _BUSY_RETRY_S
     while True:
         try:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Mapping
 
 from ... import manifest as mf
 from ...errors import CheckpointIncompleteError, CheckpointNotFoundError, StorageError, from_os_error
-from ..base import Leftover, Store
+from ..base import Leftover, Ownership, Store
 from . import commit as local
-from . import leftovers, loading, manifests
+from . import leftovers, loading, manifests, savelock
 from .guards import refuse_pseudo_fs
 from .probe import choose_read_backend
 from .reader import open_reader
@@ -183,6 +183,11 @@ class PosixStore(Store):
 
     def remove_checkpoint(self, path: str) -> None:
         local.remove_dir(path)
+
+    def take_ownership(self, path: str, *, owner_id: str, what: str, extra: Mapping[str, Any],
+                       holder_dead: Callable[[dict], bool]) -> Ownership:
+        # A flock: a dead holder's is already free, so holder_dead is never needed here.
+        return savelock.acquire(path, save_id=owner_id, what=what, extra=dict(extra))
 
     def scan_leftovers(self, root: str, *, other_hosts: bool = False) -> list[Leftover]:
         return leftovers.scan_leftovers(root, other_hosts=other_hosts)

@@ -1,0 +1,147 @@
+"""One live TieredCheckpointManager per remote tier on an object store (distckpt.tiers.owner),
+against the suite's SeaweedFS server: the remote tier's owner is a lease there, renewed while its
+manager lives.
+
+* a second manager (another job) is refused while the owner renews, and writes nothing; it takes
+  the tier once the owner closed;
+* a restart on the node whose manager was killed takes the dead manager's lease at once (it can
+  prove it dead); a manager on another node waits the lease out, then takes it;
+* an owner stalled past its lease (SIGSTOP) that another manager took the tier from never drains
+  or rotates there again while the new owner lives: its drain retries with SaveInProgressError
+  naming the new owner, whose durable step stays; once the new owner closed, it drains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distckpt.errors import SaveInProgressError
+from distckpt.tiers import TieredCheckpointManager
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "helpers" / "tiers_owner_worker.py"
+
+
+def _spawn(mode: str, local: Path, remote: str, options: dict, lease_s: float) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TIERS_OPTIONS": json.dumps(options),
+           "DISTCKPT_OBJECT_LEASE_S": str(lease_s), "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S": "5"}
+    return subprocess.Popen([sys.executable, str(WORKER), mode, str(local), remote], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+
+
+def _record(proc: subprocess.Popen, key: str) -> dict:
+    for line in proc.stdout:
+        rec = json.loads(line)
+        if key in rec:
+            return rec
+    raise AssertionError(f"the worker ended (rc {proc.wait()}) before printing {key!r}")
+
+
+def _owner_key(bucket, prefix: str) -> str:
+    return f"{prefix}/.distckpt-tiers.owner"
+
+
+def test_a_second_manager_is_refused_while_the_owner_renews_and_takes_the_tier_after_close(
+        s3_bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "2")
+    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
+    with TieredCheckpointManager(tmp_path / "a", remote, storage_options=opts) as a:
+        a.save(1, {"w": torch.arange(10.0)})
+        assert a.wait_durable(1, timeout=120).durable
+        t0 = time.monotonic()
+        with pytest.raises(SaveInProgressError) as refused:
+            TieredCheckpointManager(tmp_path / "b", remote, storage_options=opts, keep_last_remote=1)
+        # Refused once the owner's heartbeat (every lease_s / 4) renewed the lease, not at its lapse.
+        assert time.monotonic() - t0 < 30
+        message = str(refused.value)
+        assert "owns the remote tier" in message and str(tmp_path / "a") in message and "renewed" in str(
+            refused.value.__cause__), message
+        assert not (tmp_path / "b" / ".distckpt-tier-remote").exists()  # the refused manager wrote nothing
+        assert sorted(k for k in s3_bucket.keys("run") if "MANIFEST" in k) == ["run/step_00000001/MANIFEST"]
+    # Closed: the lease is gone, and the next manager takes the tier at once.
+    assert _owner_key(s3_bucket, "run") not in s3_bucket.keys("run")
+    with TieredCheckpointManager(tmp_path / "b", remote, storage_options=opts) as b:
+        b.save(2, {"w": torch.arange(10.0) * 2})
+        assert b.wait_durable(2, timeout=120).durable
+
+
+def test_a_restart_takes_its_killed_predecessors_lease_at_once_and_another_node_waits_it_out(
+        s3_bucket, tmp_path, monkeypatch, caplog):
+    lease_s = 20.0
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
+    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
+
+    def killed_holder(local: Path) -> None:
+        proc = _spawn("hold", local, remote, opts, lease_s)
+        try:
+            _record(proc, "ready")
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    # The same node restarts (its local tier recorded the dead manager's id): no wait.
+    killed_holder(tmp_path / "a")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        with TieredCheckpointManager(tmp_path / "a", remote, storage_options=opts):
+            took = time.monotonic() - t0
+    assert "at once: its holder is gone" in caplog.text, caplog.text
+    assert took < lease_s, took
+
+    # A manager on another node cannot prove the holder dead: it waits until the lease lapses.
+    killed_holder(tmp_path / "a")
+    killed_at = time.time()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        with TieredCheckpointManager(tmp_path / "c", remote, storage_options=opts):
+            took = time.time() - killed_at
+    assert "at once" not in caplog.text and "breaking the dead save lease" in caplog.text, caplog.text
+    assert took >= lease_s - 2 * lease_s / 4, took  # the last renewal came at most lease_s / 4 before the kill
+
+
+def test_an_owner_that_lost_the_tier_while_stalled_never_drains_or_rotates_there_while_the_new_owner_lives(
+        s3_bucket, tmp_path, monkeypatch):
+    lease_s = 3.0
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
+    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
+    a = _spawn("lose", tmp_path / "a", remote, opts, lease_s)
+    try:
+        _record(a, "ready")  # A owns the tier; its step 1 is durable
+        os.killpg(a.pid, signal.SIGSTOP)  # stalled past its lease (a frozen host, a long GC pause)
+        b = TieredCheckpointManager(tmp_path / "b", remote, storage_options=opts, keep_last_remote=1)
+        try:
+            b.save(100, {"w": torch.arange(5.0)})
+            assert b.wait_durable(100, timeout=120).durable
+            os.killpg(a.pid, signal.SIGCONT)
+            a.stdin.write("go\n")
+            a.stdin.flush()
+            drain = _record(a, "drain")["drain"]
+            # A's drain of step 2 met the new owner: nothing published, nothing rotated.
+            assert drain["remote"] == "retrying" and drain["error"] == "SaveInProgressError", drain
+            assert str(tmp_path / "b") in drain["message"], drain
+            manifests = sorted(k for k in s3_bucket.keys("run") if "MANIFEST" in k)
+            assert "run/step_00000100/MANIFEST" in manifests and "run/step_00000002/MANIFEST" not in manifests
+            out = {"w": torch.zeros(5)}
+            b.load(out, step=100)
+            assert torch.equal(out["w"], torch.arange(5.0))
+        finally:
+            b.close()
+        a.stdin.write("again\n")  # B closed: A's retry takes the tier and drains step 2
+        a.stdin.flush()
+        _record(a, "durable")
+        assert a.wait(timeout=120) == 0
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
