@@ -201,8 +201,18 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
                                       remedy="Check the path: pass a CheckpointManager root or a checkpoint directory.")
     # A name is a checkpoint when it has a MANIFEST, or a broken one when it is a step_N that holds
     # something (an empty "directory" an object store keeps after a deletion is nothing).
-    infos = [_step_info(join(root, n), n, store, strict=False) for n in names
-             if store.has_manifest(join(root, n)) or (_STEP_RE.match(n) and store.exists(join(root, n)))]
+    def info(path: str) -> StepInfo | None:
+        n = basename(path)
+        if store.has_manifest(path) or (_STEP_RE.match(n) and store.exists(path)):
+            return _step_info(path, n, store, strict=False)
+        return None
+
+    infos = []
+    for got in store.for_each(info, [join(root, n) for n in names]):  # concurrent on an object store
+        if isinstance(got, Exception):
+            raise got
+        if got is not None:
+            infos.append(got)
     try:
         pointer, problem = store.read_pointer(join(root, "latest")), None
     except StorageError as exc:  # a FIFO, a symlink, a directory named latest: said, not fatal to a listing

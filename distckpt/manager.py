@@ -205,17 +205,13 @@ class CheckpointManager:
         or not changes no other step's fate but its own (it is kept either way), while raising
         would fail every save after its commit and stop rotation until the disk fills."""
         out = []
-        for m in map(_STEP_RE.match, self._store.list_children(self.root)):
-            if not m:
-                continue
-            step = int(m.group(1))
-            try:
-                committed = self._store.is_committed(self.path(step))
-            except DistCkptError as exc:
-                if strict:
-                    raise
+        steps = [int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root)) if m]
+        for step, committed in zip(steps, self._store.for_each(self._store.is_committed, [self.path(s) for s in steps])):
+            if isinstance(committed, Exception):
+                if strict or not isinstance(committed, DistCkptError):
+                    raise committed
                 log.warning("distckpt: %s cannot be looked at (%s): left out of rotation, never deleted by it",
-                            self.path(step), exc.message)
+                            self.path(step), committed.message)
                 continue
             if committed:
                 out.append(step)
@@ -241,10 +237,12 @@ class CheckpointManager:
         would load an older step, after which the next save would delete it as an abandoned
         branch."""
         timed, untimed = [], []
-        for step in self.steps():
-            # The first 4 KiB of each MANIFEST (a local file's, or one ranged GET); when they do not
-            # tell, the decode below.
-            t = self._store.peek_commit_time(self.path(step))
+        steps = self.steps()
+        # The first 4 KiB of each MANIFEST (a local file's, or one ranged GET); when they do not
+        # tell, the decode below.
+        for step, t in zip(steps, self._store.for_each(self._store.peek_commit_time, [self.path(s) for s in steps])):
+            if isinstance(t, Exception):
+                raise t
             (untimed if t is None else timed).append((t, step))
         # A MANIFEST whose first bytes do not tell its time: decode it whole now (damaged, usually).
         infos = {}
@@ -498,10 +496,11 @@ class CheckpointManager:
         could not be listed (the next save tries again; this one is stamped by the clock alone,
         as the root's own save would fail the same way). Never raises."""
         try:
-            names = self._store.list_children(self.root)
-            for m in map(_STEP_RE.match, names):
-                if m:
-                    commitclock.observe(self.root, self._store.peek_commit_time(self.path(int(m.group(1)))))
+            steps = [int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root)) if m]
+            for t in self._store.for_each(self._store.peek_commit_time, [self.path(s) for s in steps]):
+                if isinstance(t, Exception):
+                    raise t
+                commitclock.observe(self.root, t)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone: it must not raise before the collective
             log.warning("distckpt: could not read the commit times under %s before saving (%s: %s): this save's "
                         "commit time is this host's clock alone", self.root, type(exc).__name__, exc)

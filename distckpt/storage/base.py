@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["Store", "Leftover", "Ownership", "ROOT_LOCK_NAME"]
 
@@ -229,6 +229,19 @@ class Store(abc.ABC):
         from . import join
         return mf.decode(self.manifest_bytes(path), path=join(path, mf.MANIFEST_NAME),
                          read_index=lambda header, i: self.read_index(path, header, i))
+
+    def for_each(self, query: Callable[[str], Any], paths: Sequence[str]) -> list[Any]:
+        """``query(path)`` (read-only calls of this store) for each of ``paths``, in order:
+        its result, or the Exception it raised (returned, not raised). One after the other here;
+        a back end whose every call is a round trip over the network runs them concurrently
+        (listing a root of many steps). Never raises."""
+        out: list[Any] = []
+        for path in paths:
+            try:
+                out.append(query(path))
+            except Exception as exc:  # noqa: BLE001 - returned to the caller, which decides
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     def peek_commit_time(self, path: str) -> float | None:

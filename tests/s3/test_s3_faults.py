@@ -653,6 +653,19 @@ def test_latest_step_orders_an_object_store_root_by_one_ranged_get_per_step(s3_b
             assert sorted(got) == ["GET", "HEAD"], (step, seen)
         else:  # the newest and the damaged one decoded too (a GET after HEADs)
             assert got.count("GET") == 2, (step, seen)
+    # The per-step queries run concurrently (ObjectStore.for_each): with each MANIFEST HEAD held
+    # 0.5 s (a far endpoint), the seven arrive together, not one per 0.5 s.
+    arrived = []
+
+    def held(n, method, path):
+        if method == "HEAD" and path.split("?")[0].endswith("/MANIFEST"):
+            arrived.append(time.monotonic())
+            return ("delay", 0.5)
+        return None
+
+    proxy.rule = held
+    assert m.steps() == list(range(1, 8))
+    assert len(arrived) == 7 and max(arrived) - min(arrived) < 2.0, [t - arrived[0] for t in arrived]
     # Silent: the first peek waits out its deadline and raises, typed.
     proxy.rule = lambda n, method, path: "stall" if path.split("?")[0].endswith("/MANIFEST") else None
     monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", str(REQUEST_TIMEOUT_S))

@@ -49,7 +49,7 @@ import errno
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ... import datafile
 from ... import manifest as mf
@@ -228,6 +228,19 @@ class ObjectStore(Store):
 
     def is_committed(self, path: str) -> bool:
         return self._exists(join(path, mf.MANIFEST_NAME))
+
+    #: The most requests :meth:`for_each` keeps in flight.
+    FOR_EACH_IN_FLIGHT = 16
+
+    def for_each(self, query: Callable[[str], Any], paths: Sequence[str]) -> list[Any]:
+        # Each query is one or two round trips under its own deadline: a root of 1,000 steps
+        # took 1,000 round trips one after the other on every listing (steps(), latest_step()).
+        if len(paths) < 2:
+            return super().for_each(query, paths)
+        one = super().for_each
+        with concurrent.futures.ThreadPoolExecutor(min(self.FOR_EACH_IN_FLIGHT, len(paths)),
+                                                   thread_name_prefix="distckpt-query") as pool:
+            return list(pool.map(lambda path: one(query, [path])[0], paths))
 
     def manifest_bytes(self, path: str) -> bytes:
         """The raw MANIFEST of the checkpoint at ``path``.
@@ -717,10 +730,29 @@ class ObjectStore(Store):
         """The save-id prefixes under each child of ``root`` that no MANIFEST names, as Leftovers
         of kind ``tmp`` (``other_hosts`` is moot: a lease says whether its save lives)."""
         out = []
-        for name in self.list_children(root):
+        for name in self._unclean_children(root):
             for prefix, state in self.leftovers(join(root, name), root_lock=join(root, ROOT_LOCK_NAME)):
                 out.append(Leftover(f"{name}/{_basename(prefix)}", name, "tmp", prefix, state, None))
         return out
+
+    def _unclean_children(self, root: str) -> list[str]:
+        """The children of ``root`` (a manager root) that may hold a leftover, from one flat
+        listing of the root and one of its multipart uploads (not two requests per child): a
+        child holding MANIFEST and a single save-id prefix is clean (the prefix a MANIFEST names
+        always exists), so only the others need a look."""
+        prefixes: dict[str, set[str]] = {}
+        manifests = set()
+        for rel in self.objects(root):
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1] == mf.MANIFEST_NAME:
+                manifests.add(parts[0])
+            elif len(parts) >= 3:
+                prefixes.setdefault(parts[0], set()).add(parts[1])
+        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root) if "/" in u}
+        # a step whose only trace is an incomplete multipart upload (its save crashed before any
+        # object completed) has no object and may list as no directory: found by its uploads
+        return [name for name in sorted(set(prefixes) | set(self.list_children(root)) | uploads)
+                if not (name in manifests and len(prefixes.get(name, ())) == 1 and name not in uploads)]
 
     def bytes_under(self, path: str) -> int | None:
         return None  # the listing that would tell (sizes of every object) is not worth a look
@@ -734,25 +766,11 @@ class ObjectStore(Store):
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
     def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
-        """Reclaim dead leftovers under every child of ``root`` (a manager root). One flat listing
-        of the root first: a child holding MANIFEST and a single save-id prefix is clean (the
-        prefix a MANIFEST names always exists), so only the others are examined. ``other_hosts``
-        is moot: a lease says whether its save lives, from any host."""
-        prefixes: dict[str, set[str]] = {}
-        manifests = set()
-        for rel in self.objects(root):
-            parts = rel.split("/")
-            if len(parts) == 2 and parts[1] == mf.MANIFEST_NAME:
-                manifests.add(parts[0])
-            elif len(parts) >= 3:
-                prefixes.setdefault(parts[0], set()).add(parts[1])
-        uploads = {u.split("/", 1)[0] for u in self._upload_keys(root) if "/" in u}
+        """Reclaim dead leftovers under every child of ``root`` (a manager root) that may hold
+        one (:meth:`_unclean_children`). ``other_hosts`` is moot: a lease says whether its save
+        lives, from any host."""
         removed = []
-        # a step whose only trace is an incomplete multipart upload (its save crashed before any
-        # object completed) has no object and may list as no directory: found by its uploads
-        for name in sorted(set(prefixes) | set(self.list_children(root)) | uploads):
-            if name in manifests and len(prefixes.get(name, ())) == 1 and name not in uploads:
-                continue
+        for name in self._unclean_children(root):
             removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
         return removed
 
