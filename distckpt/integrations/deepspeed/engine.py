@@ -41,7 +41,9 @@ model-states file lookup (a glob on disk) and the ZeRO optimizer load):
     the state (in ``client_state`` too) is an UnsupportedValueError at save, on every rank.
   * ``save_dir/latest`` (the tag as text, the format DeepSpeed reads) is replaced by
     tmp + fsync + rename + directory fsync, inside the commit, before any rank returns; DeepSpeed
-    writes it in place with open().
+    writes it in place with open(). A ``latest`` that exists but names no tag (empty or blank: a
+    crash in DeepSpeed's write leaves it so) is a CheckpointNotFoundError on load, never "nothing
+    saved yet", and ``keep_last`` deletes nothing while it reads so.
   * ``keep_last``: after each commit, rank 0 deletes the oldest checkpoints of this integration in
     ``save_dir`` (by commit order) beyond the newest ``keep_last``; never the one just saved, never
     the one ``latest`` names. Deleted files are closed, so the space is free at once. Other
@@ -93,8 +95,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from ... import containers, tensorrecords
 from ... import manifest as mf
 from ..._dist import _portable, control_group
-from ...errors import (CheckpointNotFoundError, ConfigError, ManifestCorruptError, ReshardError, StateDictMismatchError,
-                       UnsupportedValueError)
+from ...errors import (CheckpointNotFoundError, ConfigError, DistCkptError, ManifestCorruptError, ReshardError,
+                       StateDictMismatchError, UnsupportedValueError)
 from ...listing import owned_checkpoints
 from ...restore import read
 from ...commit import SaveResult
@@ -409,7 +411,13 @@ class DistckptCheckpointEngine(CheckpointEngine):
             store.replace_pointer(join(save_dir, "latest"), tag.encode())
         if self.keep_last is None:
             return
-        pointed = read_latest(save_dir)
+        try:
+            pointed = read_latest(save_dir)
+        except DistCkptError as exc:
+            # Which tag `latest` protects is unknown (save_latest=False left a damaged one as it
+            # was): delete nothing rather than maybe the one it should name.
+            log.warning("distckpt: keep_last=%d: nothing deleted in %s: %s", self.keep_last, save_dir, exc)
+            return
         ours = sorted(_our_checkpoints(store, save_dir), key=lambda e: (e[1], e[0]))
         doomed = [name for name, _ in ours[:max(0, len(ours) - self.keep_last)] if name not in (tag, pointed)]
         for name in doomed:
@@ -542,10 +550,29 @@ def _rank() -> int:
 
 
 def read_latest(save_dir: str) -> str | None:
-    """The tag ``save_dir/latest`` names, or None when there is no such file (or it is empty).
-    Raises StorageError subclasses when it cannot be read."""
-    # A name that does not decode is not a tag here: the load then names it as not found.
-    return open_store(save_dir).read_pointer(join(save_dir, "latest")) or None
+    """The tag ``save_dir/latest`` names, or None when there is no such file.
+
+    Raises:
+        CheckpointNotFoundError: ``latest`` exists but names no tag (empty, whitespace only: what a
+            crash in the middle of DeepSpeed's in-place write of it leaves; or not a plain tag
+            name). Never "nothing saved yet": a job that took it so would start again from step 0
+            (and its ``keep_last`` could then delete the checkpoints of the run before).
+        StorageError subclasses: it cannot be read.
+    """
+    latest = join(save_dir, "latest")
+    tag = open_store(save_dir).read_pointer(latest)
+    if tag is None:
+        return None
+    # read_pointer strips whitespace and decodes with replacement characters: a name that did not
+    # decode fails _TAG_RE, as does one that could be a path (no tag of install() is either).
+    if not _TAG_RE.match(tag) or tag == "latest":
+        what = "holds no tag (it is empty or blank)" if not tag else f"holds {tag[:100]!r}, not a checkpoint tag"
+        raise CheckpointNotFoundError(
+            f"{latest} exists but {what}: it names no checkpoint (a crash while DeepSpeed wrote it in place "
+            "leaves it so); the load does not start from scratch on that", path=latest,
+            remedy=f"Pass the tag to load: load_checkpoint(load_dir, tag=...) (the tags are the checkpoint "
+                   f"directories of {save_dir}: `distckpt ls {save_dir}`), or write the tag to load into {latest}.")
+    return tag
 
 
 def _ds_meta(manifest: "mf.Manifest") -> dict | None:
@@ -601,8 +628,9 @@ def _plan_load(engine: Any, load_dir: str, tag: Any, pin: contextlib.ExitStack) 
         CheckpointNotFoundError: no committed checkpoint there, or one not written by install().
         ReshardError: saved at another ZeRO stage.
     """
+    from_latest = tag is None
     if tag is None:
-        tag = read_latest(load_dir)
+        tag = read_latest(load_dir)  # CheckpointNotFoundError when it exists but names nothing
         if tag is None:
             return None
     path = join(load_dir, str(tag))
@@ -619,7 +647,8 @@ def _plan_load(engine: Any, load_dir: str, tag: Any, pin: contextlib.ExitStack) 
                 "through distckpt's install(), which reads only its own (DeepSpeed's files are pickles)", path=path,
                 remedy="Load it with DeepSpeed's own load_checkpoint before install() (it unpickles those files: "
                        "only if you trust them), then install() and save: the next tags are distckpt's.")
-        raise CheckpointNotFoundError(f"no committed checkpoint at {path}", path=path)
+        named = f" (the tag {os.path.join(load_dir, 'latest')} names)" if from_latest else ""
+        raise CheckpointNotFoundError(f"no committed checkpoint at {path}{named}", path=path)
     manifest = pin.enter_context(pinned(path)).manifest()
     ds = _ds_meta(manifest)
     if ds is None:
