@@ -72,7 +72,14 @@ and a ZeRO-3 load without optimizer states reads the tag asked for (DeepSpeed re
 ``latest`` names). Options this engine does not serve (``custom_load_fn``, universal
 checkpoints, MoE, pipeline or model parallelism, NVMe offload, node-local storage) raise
 ConfigError up front: never a half-served load. Another ZeRO stage than the saved one raises
-ReshardError (the standalone :func:`.zero.load` has ``allow_stage_change``).
+ReshardError (the standalone :func:`.zero.load` has ``allow_stage_change``), and so does a ZeRO
+load with optimizer states into an engine of another precision (fp32 <-> bf16; DeepSpeed raises
+FileNotFoundError there, after its partial load). Before DeepSpeed's own load, each rank checks
+its load and reads and verifies the files DeepSpeed will ask it for, and the ranks exchange the
+outcome and what each is about to load (tag, options): a failure on one rank, or ranks that
+disagree, raise one typed error on every rank with no engine changed. The ZeRO state is read
+after DeepSpeed's module load, collectively: its failures reach every rank at once too, but the
+module weights and step counters are set by then.
 """
 
 from __future__ import annotations
@@ -199,10 +206,13 @@ def _export_file(state_dict: Any, path: str) -> None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _LoadPlanned:
     """Each rank's outcome of planning load_checkpoint(), exchanged before DeepSpeed's own load:
-    its error (None when it planned), and ``nothing`` when it found no ``latest`` to load."""
+    its error (None when it planned), ``nothing`` when it found no ``latest`` to load, and
+    ``call``: what it is about to load and how (the checkpoint's path, the tag, the options),
+    which must be the same on every rank."""
 
     error: BaseException | None
     nothing: bool
+    call: tuple | None = None
 
 def _encode(value: Any) -> Any:
     """DeepSpeed's state dict as distckpt stores it: loss scalers as allow-listed plain records.
@@ -297,8 +307,9 @@ class DistckptCheckpointEngine(CheckpointEngine):
         self.load_meta: dict = {}
         self._masters: set[str] = set()
         self._weights_from_masters = False
-        # (name, state) of the file served last, for DeepSpeed's second request of it (below)
-        self._served: tuple[str, Any] | None = None
+        # {name: state} of the files read for this load (prefetch(), then DeepSpeed's requests)
+        self._cache: dict[str, Any] = {}
+        self._consolidated: dict | None = None  # consolidated_module(), read by prefetch()
         self.in_save_checkpoint = False  # set by the installed save_checkpoint (else: an export)
 
     # -- save ------------------------------------------------------------------------------
@@ -443,7 +454,20 @@ class DistckptCheckpointEngine(CheckpointEngine):
     def end_load(self) -> None:
         self._load_path, self._load_names = None, []
         self._weights_from_masters = False
-        self._served = None
+        self._cache, self._consolidated = {}, None
+        self.model_states_name = None
+
+    def prefetch(self, names: list[str], *, consolidated: bool) -> None:
+        """Read, verify and decode now every file of the checkpoint DeepSpeed's load will ask this
+        rank for (``names``: its model states, its ZeRO ``*_optim_states`` entry) and, with
+        ``consolidated``, the consolidated module (:meth:`consolidated_module`): called while the
+        load is planned, so a failure that only this rank sees (a damaged block of its own ZeRO-3
+        model states, an I/O error) is raised before DeepSpeed's load changes the engine, and is
+        exchanged with the other ranks. :meth:`load` then serves them from memory."""
+        for name in names:
+            self.load(os.path.join(self._load_path, name + ".pt"))
+        if consolidated:
+            self._consolidated = self.consolidated_module()
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state DeepSpeed saved as ``path``, on CPU (every caller in DeepSpeed 0.19.8 maps to
@@ -456,14 +480,12 @@ class DistckptCheckpointEngine(CheckpointEngine):
             name = self.model_states_name
         else:
             name = self._name(path, self._load_path)
-        if self._served is not None and self._served[0] == name:
-            # DeepSpeed 0.19.8 asks for the model-states file twice in a row: SDLoader's
-            # check_ckpt_list reads one key (mp_world_size) of it and drops it, then its load
-            # takes it. The state read and verified for the first is handed to the second, once,
-            # instead of reading and checking the file again.
-            sd, self._served = self._served[1], None
-            return sd
-        self._served = None
+        if name in self._cache:
+            # Read by prefetch() while the load was planned. DeepSpeed 0.19.8 also asks for the
+            # model-states file twice in a row (SDLoader's check_ckpt_list reads one key,
+            # mp_world_size, of it and drops it, then its load takes it): the state read and
+            # verified once is handed to both, instead of reading and checking the file again.
+            return self._cache[name]
         keys = [f"{_FILES}.{name}"]
         if self.load_meta.get("containers"):
             keys.append(f"{_CONTAINERS}.{name}")
@@ -498,7 +520,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
                 # load that follows sets them from the loaded masters, as a step does.
                 for key in wanted:
                     module[key] = current[key]
-        self._served = (name, sd)
+        self._cache[name] = sd
         return sd
 
     def _check_frozen(self, sd: Any) -> None:
@@ -528,6 +550,8 @@ class DistckptCheckpointEngine(CheckpointEngine):
         aliases as ``zero_to_fp32`` gives them (``shared_params`` of rank 0's model states, the
         only rank DeepSpeed records them on: a tied ``lm_head.weight`` is the saved
         ``wte.weight``), so a strict module load finds them."""
+        if self._consolidated is not None:  # read by prefetch()
+            return self._consolidated
         model = read(self._load_path, keys=["model"])["model"]
         first = [n for n in ("zero_pp_rank_0_mp_rank_00_model_states", "mp_rank_00_model_states")
                  if n in self._load_names]
@@ -775,25 +799,25 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
             raise ConfigError(f"load_checkpoint(custom_load_fn={custom_load_fn!r}) is not served by distckpt's "
                               "DeepSpeed engine",
                               remedy="Load without it, or read single values with distckpt.read().")
-        # Every check that can fail on one rank alone runs before DeepSpeed's own load, and the
-        # ranks exchange their outcome: past this point DeepSpeed's collectives (with its own,
-        # 30-minute timeout) would leave the other ranks waiting for a rank that already raised.
+        options = {"load_module_strict": bool(load_module_strict), "load_optimizer_states": bool(load_optimizer_states),
+                   "load_lr_scheduler_states": bool(load_lr_scheduler_states),
+                   "load_module_only": bool(load_module_only)}
+        # Every check and every read that can fail on one rank alone runs before DeepSpeed's own
+        # load (the files DeepSpeed will ask this rank for are read and verified here), and the
+        # ranks exchange their outcome and what each is about to load: past this point
+        # DeepSpeed's collectives (with its own, 30-minute timeout) would leave the other ranks
+        # waiting for a rank that already raised, and its load changes the engine.
         planned, error, returned, loaded = None, None, False, None
         try:
             with contextlib.ExitStack() as pin:
                 try:
                     planned = _plan_load(engine, os.path.abspath(os.fspath(load_dir)), tag, pin)
                     if planned is not None:
-                        if load_optimizer_states and not load_module_only and planned[4] \
-                                and int(engine.zero_optimization_stage()) > 0:
-                            # What the ZeRO load (last, _load_zero_checkpoint) would refuse is
-                            # refused now: DeepSpeed's own load restores the module weights, step
-                            # counters and lr scheduler before it, and would leave them changed.
-                            zero.check_loadable(engine, planned[1])
+                        pin.callback(ce.end_load)
+                        _prepare_load(planned, load_dir, options)
                 except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
                     error = exc
-                loaded = _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
-                                       load_lr_scheduler_states, load_module_only)
+                loaded = _load_planned(planned, error, load_dir, options)
                 returned = True
         except Exception as exc:
             if not returned:
@@ -804,36 +828,90 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         control_group(operation="load_checkpoint()").exchange_outcome(None, operation="load_checkpoint")
         return loaded
 
-    def _load_planned(planned, error, load_dir, load_module_strict, load_optimizer_states,
-                      load_lr_scheduler_states, load_module_only):
+    def _prepare_load(planned, load_dir, options):
+        """This rank's checks of the planned load, and its reads of what DeepSpeed will ask for."""
+        tag, path, names, ds, masters = planned
+        stage = int(engine.zero_optimization_stage())
+        # DeepSpeed runs its ZeRO optimizer load only for load_optimizer_states and not
+        # load_module_only; without it the module weights come from the stored masters.
+        zero_load = stage > 0 and options["load_optimizer_states"] and not options["load_module_only"]
+        weights_only = options["load_module_only"] or not options["load_optimizer_states"]
+        ce.begin_load(path, names, ds, masters, weights_from_masters=weights_only)
+        wanted = [_model_states_name(load_dir, tag)]
+        if zero_load:
+            optim_name = _optim_states_name(load_dir, tag)
+            _check_optim_states(path, ds, optim_name)
+            if masters:
+                # What the ZeRO load (last, _load_zero_checkpoint) would refuse is refused now:
+                # DeepSpeed's own load restores the module weights, step counters and lr
+                # scheduler before it, and would leave them changed.
+                zero.check_loadable(engine, path)
+            wanted.append(optim_name)
+        ce.prefetch(wanted, consolidated=stage == 3 and weights_only)
+
+    def _check_optim_states(path, ds, name):
+        """Refuse, before anything changes, a ZeRO load whose ``*_optim_states`` entry the
+        checkpoint lacks: saved in another precision (DeepSpeed names the entry bf16_... under
+        bf16 only), or not at all."""
+        if name in ce._load_names:
+            return
+        saved_files = [n for n in ce._load_names if n.endswith("_optim_states")]
+        saved_bf16 = bool(ds["bf16"]) if "bf16" in ds else any(n.startswith("bf16_") for n in saved_files)
+        now_bf16 = bool(engine.bfloat16_enabled())
+        if saved_files and saved_bf16 != now_bf16:
+            saved = "bf16" if saved_bf16 else ("fp16" if ds.get("model_dtype") == "float16" else "fp32")
+            now = "bf16" if now_bf16 else ("fp16" if engine.fp16_enabled() else "fp32")
+            raise ReshardError(
+                f"{path} was saved with precision {saved} and this engine uses {now}: its ZeRO optimizer state is "
+                f"DeepSpeed's {saved} form ({saved_files[0]}, ...), not the {now} one this engine's load reads "
+                f"({name}); nothing was loaded", path=path, key=f"{_FILES}.{name}",
+                remedy=f"Resume with the saved precision (bf16.enabled: {str(saved_bf16).lower()}), or load the "
+                       "weights only: load_checkpoint(..., load_optimizer_states=False) keeps the step counters "
+                       "and lr scheduler, load_module_only=True the weights alone.")
+        raise StateDictMismatchError(
+            f"{path} holds no DeepSpeed ZeRO optimizer state {name!r} (it has {saved_files or 'none'})", path=path,
+            missing=[f"{_FILES}.{name}"], unexpected=[], shape_mismatch={}, dtype_mismatch={},
+            remedy="Resume with the ZeRO stage, precision and data-parallel size the checkpoint was saved with, "
+                   "or load with load_optimizer_states=False.")
+
+    def _load_planned(planned, error, load_dir, options):
         group = control_group(operation="load_checkpoint()")
-        outcomes = group.all_gather(_LoadPlanned(_portable(error), planned is None)) if group.world_size > 1 \
-            else [_LoadPlanned(error, planned is None)]
+        call = None if planned is None else (planned[1], str(planned[0]), tuple(sorted(options.items())))
+        mine = _LoadPlanned(_portable(error), planned is None, call)
+        outcomes = group.all_gather(mine) if group.world_size > 1 else [_LoadPlanned(error, planned is None, call)]
         group.raise_failures([o.error for o in outcomes], error, operation="load_checkpoint")
         if len({o.nothing for o in outcomes}) > 1:  # `latest` seen by some ranks only
             raise CheckpointNotFoundError(
                 f"{os.path.join(load_dir, 'latest')} exists for rank(s) "
                 f"{[r for r, o in enumerate(outcomes) if not o.nothing]} only", path=load_dir,
                 remedy="Every rank must see the same save directory (a shared file system).")
+        if len({o.call for o in outcomes}) > 1:
+            # Checked before DeepSpeed's load: its module, lr-scheduler and step restore would run
+            # on every rank from another tag (or with other options) before any later check.
+            def said(c):
+                return f"{c[0]} ({', '.join(f'{k}={v}' for k, v in c[2])})"
+            raise ConfigError(
+                "the ranks called load_checkpoint() with different checkpoints or options: "
+                + "; ".join(f"rank {r}: {said(o.call)}" for r, o in enumerate(outcomes)), path=planned[1],
+                remedy="Pass every rank the same load_dir, tag and options (tag=None: every rank reads the same "
+                       "`latest`, on a shared file system, with no save in between).")
         if planned is None:
             # DeepSpeed's contract: no `latest` means no checkpoint yet (a fresh start).
             log.warning("distckpt: no %s: nothing to load", os.path.join(load_dir, "latest"))
             return None, None
-        tag, path, names, ds, masters = planned
-        # Without the ZeRO optimizer load (DeepSpeed runs it only for load_optimizer_states and
-        # not load_module_only) the module weights come from the stored masters.
+        tag = planned[0]
+        load_optimizer_states, load_module_only = options["load_optimizer_states"], options["load_module_only"]
         weights_only = load_module_only or not load_optimizer_states
         stage3 = int(engine.zero_optimization_stage()) == 3
         # ZeRO-3's model states hold placeholders for the partitioned weights: DeepSpeed 0.19.8
         # reads real ones (zero_to_fp32) only when load_optimizer_states=False, so its
         # load_module_only alone would load no weight. Weights only are asked for here.
         ds_load_optimizer_states = load_optimizer_states and not (stage3 and load_module_only)
-        ce.begin_load(path, names, ds, masters, weights_from_masters=weights_only)
         try:
             with _zero3_fp32_from(ce, load_dir) if stage3 and weights_only else contextlib.nullcontext():
-                loaded, client_state = orig_load(load_dir, tag, load_module_strict=load_module_strict,
+                loaded, client_state = orig_load(load_dir, tag, load_module_strict=options["load_module_strict"],
                                                  load_optimizer_states=ds_load_optimizer_states,
-                                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                                 load_lr_scheduler_states=options["load_lr_scheduler_states"],
                                                  load_module_only=load_module_only)
             served = ce.model_states_name
         finally:
@@ -848,13 +926,10 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
         # holds as its subtree files.<name>; no such file exists on disk.
         return os.path.join(os.fspath(load_dir), str(tag), served + ".pt"), client_state
 
-    def _get_all_ckpt_names(checkpoints_path, tag):
-        # DeepSpeed globs the tag directory for this rank's model-states file and asserts that the
-        # path exists. Here the file is a subtree of the checkpoint: the path handed back is the
-        # checkpoint directory (it exists) and the engine maps it to the one name the same pattern
-        # matches; load_checkpoint returns the file's path, as DeepSpeed does.
-        if ce._load_path is None:
-            return orig_names(checkpoints_path, tag)
+    def _model_states_name(checkpoints_path, tag) -> str:
+        """The name of this rank's model-states file in the checkpoint being loaded: the one
+        DeepSpeed's glob of the tag directory would find. Raises StateDictMismatchError when there
+        is not exactly one."""
         import fnmatch
         pattern = os.path.basename(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*"))[:-3]
         found = [n for n in ce._load_names if fnmatch.fnmatchcase(n, pattern)]
@@ -872,6 +947,25 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                 unexpected=found, shape_mismatch={}, dtype_mismatch={},
                 remedy="Resume with the ZeRO stage and data-parallel size the checkpoint was saved with.")
         ce.model_states_name = found[0]
+        return found[0]
+
+    def _optim_states_name(load_dir, tag) -> str:
+        """This rank's ZeRO ``*_optim_states`` entry (at another data-parallel size, where this
+        rank had none: rank 0's; its plain values are the same on every rank)."""
+        mine = os.path.basename(engine._get_zero_ckpt_name(load_dir, tag))[:-3]
+        return mine if mine in ce._load_names else os.path.basename(engine._get_rank_zero_ckpt_name(
+            load_dir, tag, engine.checkpoint_mp_rank, 0, engine.bfloat16_enabled()))[:-3]
+
+    def _get_all_ckpt_names(checkpoints_path, tag):
+        # DeepSpeed globs the tag directory for this rank's model-states file and asserts that the
+        # path exists. Here the file is a subtree of the checkpoint: the path handed back is the
+        # checkpoint directory (it exists) and the engine maps it to the one name the same pattern
+        # matches (found when the load was planned); load_checkpoint returns the file's path, as
+        # DeepSpeed does.
+        if ce._load_path is None:
+            return orig_names(checkpoints_path, tag)
+        if ce.model_states_name is None:
+            _model_states_name(checkpoints_path, tag)
         return [ce._load_path]
 
     def _load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
@@ -889,9 +983,7 @@ def install(engine: Any, *, keep_last: int | None = None) -> DistckptCheckpointE
                   keep_module_weights=stage12 and not ce.load_meta.get("module_from_masters"))
         if stage12 and not engine.zero_load_from_fp32_weights():
             engine.optimizer.refresh_fp32_params()  # DeepSpeed's option 1: masters from the bit16 weights
-        mine = os.path.basename(engine._get_zero_ckpt_name(load_dir, tag))[:-3]
-        name = mine if mine in ce._load_names else os.path.basename(engine._get_rank_zero_ckpt_name(
-            load_dir, tag, engine.checkpoint_mp_rank, 0, engine.bfloat16_enabled()))[:-3]
+        name = _optim_states_name(load_dir, tag)
         plain = ce.load(os.path.join(ce._load_path, name + ".pt"))["optimizer_state_dict"]
         opt = engine.optimizer
         if hasattr(opt, "_load_global_state"):  # ZeRO 1/2: DeepSpeed's own restore of these values
