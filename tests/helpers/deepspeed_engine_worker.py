@@ -6,6 +6,7 @@ test pays DeepSpeed's import and start-up a few times, not once per check.
 
 Phases (results go to OUT/<phase>.rank<R>.pt, read back with torch.load(weights_only=True)):
     edges            parity with DeepSpeed's own engine at the edges (see edges())
+    refusals         loads refused on every rank with the engine unchanged (see refusals())
     train:<cfg>      train 3 steps, save tag "s3" through the engine, train 2 more: losses + state
     resume:<cfg>     new processes: load "s3" (through `latest`), train the same 2 steps
     rotate           200 saves with keep_last=3 into OUT_ROTATE (a tmpfs): fds and disk use
@@ -721,6 +722,125 @@ def edges(out: str) -> None:
         report["frozen_now"] = f"{type(exc).__name__}: {exc}"
     report["frozen_now_unchanged"] = all(torch.equal(p.ds_tensor, before[n]) for n, p in f.module.named_parameters())
     _dump(out, "edges", report)
+
+
+def _raised(call) -> str:
+    """"loaded" when ``call()`` returned ("returned (None, None)" for DeepSpeed's "no checkpoint
+    yet"), else "<class>: <message>" of what it raised."""
+    try:
+        got = call()
+        return "returned (None, None)" if got == (None, None) else "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test checks which
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _local_state(engine) -> dict:
+    """This rank's own tensors, without a collective: its ZeRO-3 partitions (or the parameters),
+    the master partitions, the optimizer state, the step counters and the lr scheduler's state."""
+    out = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+           "sched": json.dumps(engine.lr_scheduler.state_dict(), default=str)}
+    for n, p in engine.module.named_parameters():
+        out[f"param.{n}"] = getattr(p, "ds_tensor", p).detach().clone()
+    base = engine.optimizer
+    while hasattr(base, "optimizer"):
+        base = base.optimizer
+    groups = [group["params"] for group in base.param_groups]
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
+        groups = [[flat] for flat in engine.optimizer.fp32_partitioned_groups_flat]
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group):
+            out[f"master.{g}.{i}"] = p.detach().clone()
+            for k, v in base.state.get(p, {}).items():
+                out[f"optim.{g}.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def refusals(out: str) -> None:
+    """Loads distckpt refuses, each on every rank at once with one typed error, the engine left as
+    it was (every parameter, master, optimizer state, step counter and the lr compared before and
+    after): an empty or blank `latest` (DeepSpeed asserts; it was "no checkpoint yet", a restart
+    from step 0) and keep_last deleting nothing while `latest` names nothing; ranks passing
+    different tags or options; a ZeRO checkpoint saved in another precision (fp32 <-> bf16:
+    DeepSpeed raises FileNotFoundError after a partial load); and, last, a failure only rank 1
+    sees in the files DeepSpeed's own load reads (a flipped byte of its ZeRO-3 frozen partition:
+    rank 0 went through DeepSpeed's load and waited for rank 1 until the arrival timeout)."""
+    import distckpt
+    import distckpt.integrations.deepspeed as dsd
+    rank = torch.distributed.get_rank()
+    root = os.path.join(out, "refusals")
+    report = {}
+
+    def refused(name, engine, call):
+        before = _state(engine)
+        report[name] = _raised(call)
+        report[f"{name} unchanged"] = _differences(before, _state(engine))
+
+    # 1. `latest` empty or blank, and rotation while it is so.
+    e = _engine("1-fp32")
+    ce = dsd.install(e, keep_last=1)
+    _step(e, 1)
+    ckpt = os.path.join(root, "latest")
+    e.save_checkpoint(ckpt, "t1")
+    for text in ("", " \n"):
+        torch.distributed.barrier()
+        if rank == 0:
+            with open(os.path.join(ckpt, "latest"), "w") as f:
+                f.write(text)
+        torch.distributed.barrier()
+        f = _engine("1-fp32")
+        dsd.install(f)
+        refused(f"latest {text!r}", f, lambda: f.load_checkpoint(ckpt))
+    _step(e, 2)
+    e.save_checkpoint(ckpt, "t2", save_latest=False)  # keep_last=1, `latest` blank: t1 must stay
+    report["listing after rotation"] = sorted(os.listdir(ckpt))
+    # 2. Different tags on the ranks, then the same tag with different options.
+    ce.keep_last = None
+    e.save_checkpoint(ckpt, "t3")
+    f = _engine("1-fp32")
+    dsd.install(f)
+    refused("tags", f, lambda: f.load_checkpoint(ckpt, "t2" if rank == 0 else "t3"))
+    refused("options", f, lambda: f.load_checkpoint(ckpt, "t3", load_module_strict=rank == 0))
+    # 3. A precision switch: fp32 -> bf16 at ZeRO-1, bf16 -> fp32 at ZeRO-3.
+    for saved, now in (("1-fp32", "1-bf16"), ("3-bf16", "3-fp32")):
+        e = _engine(saved)
+        dsd.install(e)
+        _step(e, 1)
+        e.save_checkpoint(os.path.join(root, f"prec_{saved}"), "t")
+        f = _engine(now)
+        dsd.install(f)
+        refused(f"precision {saved} -> {now}", f, lambda: f.load_checkpoint(os.path.join(root, f"prec_{saved}")))
+        if saved == "1-fp32":  # the remedy the error gives: the weights alone load
+            report["precision weights only"] = _raised(lambda: f.load_checkpoint(
+                os.path.join(root, f"prec_{saved}"), load_optimizer_states=False))
+    _dump(out, "refusals", report)
+    # 4. Last (before the fix it left the ranks out of step): ZeRO-3 with a frozen layer, one
+    #    byte of rank 1's frozen partition flipped. Nothing collective between the load and the
+    #    dump below: rank 1 failed at once while rank 0 waited inside the load.
+    e = _engine("3-fp32", freeze="l1")
+    dsd.install(e)
+    _step(e, 1)
+    ckpt = os.path.join(root, "rank1")
+    e.save_checkpoint(ckpt, "t")
+    torch.distributed.barrier()
+    if rank == 0:
+        man = distckpt.read_manifest(os.path.join(ckpt, "t"))
+        key = next(k for k in man["tensors"] if "zero_pp_rank_1" in k and "frozen_param_fragments" in k)
+        chunk = man["tensors"][key]["chunks"][0]
+        entry = man["files"][chunk["file"]]
+        with open(os.path.join(ckpt, "t", entry["name"] if isinstance(entry, dict) else entry), "r+b") as fh:
+            fh.seek(chunk["offset"] + 8)
+            byte = fh.read(1)
+            fh.seek(chunk["offset"] + 8)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    torch.distributed.barrier()
+    f = _engine("3-fp32", freeze="l1")
+    dsd.install(f)
+    before = _local_state(f)
+    t0 = time.monotonic()
+    report["rank 1 damage"] = _raised(lambda: f.load_checkpoint(ckpt, "t"))
+    report["rank 1 damage seconds"] = time.monotonic() - t0
+    report["rank 1 damage unchanged"] = _differences(before, _local_state(f))
+    _dump(out, "refusals", report)
 
 
 def _without_shm_op() -> None:

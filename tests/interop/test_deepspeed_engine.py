@@ -273,7 +273,16 @@ def test_load_checkpoint_returns_and_restores_what_deepspeeds_own_engine_does(tm
                 _assert_same({k: fresh[k] for k in params}, r["module_only_zero3"], f"{cfg}: DeepSpeed's module-only")
 
 
-def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
+@pytest.fixture(scope="module")
+def edges(tmp_path_factory):
+    """One launch, 2 ranks: the worker's edges and refusals phases; the output directory."""
+    out = str(tmp_path_factory.mktemp("deepspeed_edges"))
+    proc = _torchrun(2, out, ["edges", "refusals"])
+    assert proc.returncode == 0, _tail(proc)
+    return out
+
+
+def test_parity_with_deepspeeds_own_engine_at_the_edges(edges):
     """Where the side-by-side test above does not look (tests/helpers/deepspeed_engine_worker.py
     edges; every comparison against DeepSpeed's own engine in the same launch, 2 ranks):
       * a torch MultiStepLR (milestones: a Counter) and client_state holding an OrderedDict, a
@@ -298,9 +307,7 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
       * the tag overwritten by another save between DeepSpeed's reads of its files: a
         CheckpointRemovedError on every rank (each file was read alone, the later ones from the
         other save: a silent mix of two checkpoints)."""
-    out = str(tmp_path)
-    proc = _torchrun(2, out, ["edges"])
-    assert proc.returncode == 0, _tail(proc)
+    out = edges
     for rank in (0, 1):
         r = _load(out, "edges", rank)
         assert r["scheduler_and_client"] == [] and r["zero_scheduler"] == [], r
@@ -322,6 +329,40 @@ def test_parity_with_deepspeeds_own_engine_at_the_edges(tmp_path):
         assert r["frozen_now_unchanged"] is True
         files = r["engine_reads"]  # every file read once: the model states, this rank's optimizer file
         assert len(files) == len(set(files)) == 2, files
+
+
+def test_refused_loads_raise_on_every_rank_and_leave_the_engine_unchanged(edges):
+    """tests/helpers/deepspeed_engine_worker.py refusals: each load below raises the same typed
+    error on both ranks before DeepSpeed's own load runs, and every parameter, master, optimizer
+    state, step counter and the lr are as they were before the call."""
+    for rank in (0, 1):
+        r = _load(edges, "refusals", rank)
+        unchanged = {k[:-len(" unchanged")]: v for k, v in r.items() if k.endswith(" unchanged")}
+        assert len(unchanged) == 7 and all(d == [] for d in unchanged.values()), (rank, unchanged)
+        # An empty or blank `latest` (what a crash in DeepSpeed's in-place write leaves) names no
+        # checkpoint: not "nothing saved yet" (a restart from step 0); the remedy says what to do.
+        for text in ("''", "' \\n'"):
+            got = r[f"latest {text}"]
+            assert got.startswith("CheckpointNotFoundError") and "names no checkpoint" in got \
+                and "tag=" in got, (rank, text, got)
+        # keep_last=1 deleted nothing while `latest` named nothing (t1 may be what it meant)
+        assert r["listing after rotation"] == ["latest", "t1", "t2"], r["listing after rotation"]
+        # different tags (or options) on the ranks: refused before DeepSpeed's module load
+        assert r["tags"].startswith("ConfigError") and "different" in r["tags"], r["tags"]
+        assert "/t2 " in r["tags"] and "/t3 " in r["tags"], r["tags"]
+        assert r["options"].startswith("ConfigError") and "load_module_strict" in r["options"], r["options"]
+        # a precision switch: a typed error naming both precisions (it was a StateDictMismatchError
+        # naming files.bf16_zero_pp_rank_0_mp_rank_00_optim_states, after a partial load)
+        for case, (saved, now) in (("1-fp32 -> 1-bf16", ("fp32", "bf16")), ("3-bf16 -> 3-fp32", ("bf16", "fp32"))):
+            got = r[f"precision {case}"]
+            assert got.startswith("ReshardError") and f"saved with precision {saved}" in got \
+                and f"engine uses {now}" in got, (case, got)
+        assert r["precision weights only"] == "loaded", r["precision weights only"]
+        # a flipped byte only rank 1 reads: the same ChecksumMismatchError on both ranks, at once
+        # (rank 0 had gone through DeepSpeed's load and waited for rank 1 until the arrival timeout)
+        got = r["rank 1 damage"]
+        assert got.startswith("ChecksumMismatchError") and "rank(s) [1]" in got, (rank, got)
+        assert r["rank 1 damage seconds"] < 30, r["rank 1 damage seconds"]
 
 
 def test_importing_the_integration_does_not_import_deepspeed():
