@@ -55,10 +55,10 @@ def chain_info(manifest: Any) -> dict | None:
 
 def refuse_delta(manifest: Any, path: str, reader: str, remedy: str) -> None:
     """Raise ConfigError when ``manifest`` is a delta of an incremental chain, for a ``reader``
-    that reads one checkpoint's own MANIFEST and data (DCP's StorageReader, convert): a delta
-    holds only the rows that changed, as records under ``_incr.*``, so such a reader returned
-    those records in place of the tracked tensors, without an error. Only distckpt.load and
-    distckpt.read compose a delta with the links before it."""
+    that reads one checkpoint's own MANIFEST and data (DCP's StorageReader): a delta holds only
+    the rows that changed, as records under ``_incr.*``, so such a reader returned those records
+    in place of the tracked tensors, without an error. distckpt.load, distckpt.read and convert
+    compose a delta with the links before it."""
     info = chain_info(manifest)
     if info is not None and info.get("kind") == "delta":
         tracked = [e[0] for e in info.get("tracked") or () if isinstance(e, list) and e]

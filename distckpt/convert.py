@@ -94,16 +94,26 @@ def parse_size(text: str) -> int:
 # The source: any checkpoint distckpt reads.
 
 
+def _open_source(path: str, *, allow_pickle: bool, verify: bool) -> "_Source":
+    """The source of a conversion: the checkpoint at ``path``, or, for a delta of an incremental
+    chain, the state it stands for (:class:`_ChainSource`). Raises the errors of
+    :func:`distckpt.restore.load_manifest` and :func:`distckpt.chain.chain_of`."""
+    from .chain import chain_info, chain_of
+    from .restore import load_manifest
+
+    manifest = load_manifest(os.path.abspath(path))
+    info = chain_info(manifest)
+    if info is not None and info.get("kind") == "delta":
+        return _ChainSource(path, chain_of(path), allow_pickle=allow_pickle, verify=verify)
+    return _Source(path, allow_pickle=allow_pickle, verify=verify, manifest=manifest)
+
+
 class _Source:
-    def __init__(self, path: str, *, allow_pickle: bool, verify: bool):
-        from .chain import refuse_delta
+    def __init__(self, path: str, *, allow_pickle: bool, verify: bool, manifest: Any = None):
         from .restore import load_manifest
 
         self.path = os.path.abspath(path)
-        self.manifest = load_manifest(self.path)
-        refuse_delta(self.manifest, self.path, "convert",
-                     "Convert a full checkpoint: save the delta's state whole first "
-                     "(distckpt.save(distckpt.read(DELTA), FULL)), then convert FULL.")
+        self.manifest = manifest if manifest is not None else load_manifest(self.path)
         self.allow_pickle = allow_pickle
         self.verify = verify
 
@@ -134,8 +144,12 @@ class _Source:
         return _object_value(entry, self.manifest, fqn, self.path, self.allow_pickle)
 
     def read(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
-        from .restore import read_box
-        return read_box(self.path, self.manifest, fqn, offsets, sizes, verify=self.verify)
+        return self.read_boxes([(fqn, offsets, sizes)])[0]
+
+    def read_boxes(self, requests) -> list:
+        """The boxes ``(fqn, offsets, sizes)``, read into new CPU tensors in one pass."""
+        from .restore import read_boxes
+        return read_boxes(self.path, self.manifest, requests, verify=self.verify)
 
     def fill(self, requests) -> None:
         """Read the boxes ``(fqn, offsets, sizes, destination)`` into their destinations (one
@@ -152,10 +166,9 @@ class _Source:
         by this generator once it was handed out. Raises the read errors of :func:`distckpt.read`.
         """
         from . import manifest as mf
-        from .restore import read_boxes
 
         def read(batch):
-            out = read_boxes(self.path, self.manifest, [r[1:] for r in batch], verify=self.verify)
+            out = self.read_boxes([r[1:] for r in batch])
             out.reverse()
             for req in batch:
                 yield req[0], out.pop()
@@ -205,6 +218,101 @@ class _Source:
         collect(node)
         values = {fqn: self.subtree({"t": "ref", "fqn": fqn}) for fqn in refs}
         return _rebuild(node, values, lambda fqn: True)
+
+
+class _ChainSource(_Source):
+    """A delta of an incremental chain as the one checkpoint it stands for, as
+    :func:`distckpt.read` composes it: the delta's own tensors and values, and each tracked
+    tensor from the chain's full base with every delta's newest rows written over it (each box
+    read from the base, then only the rows of the deltas that fall inside it). ``links``:
+    :func:`distckpt.chain.chain_of` of the delta (newest first)."""
+
+    def __init__(self, path: str, links: list, *, allow_pickle: bool, verify: bool):
+        from .incremental import DELTA_ROOT
+        from .restore import _selects
+
+        newest, base = links[0], links[-1]
+        self.links, self.tracked = links, newest.tracked
+
+        def own(fqn: str) -> bool:  # the delta's records are no state of its own
+            return not _selects(fqn, [DELTA_ROOT])
+
+        tensors = {f: e for f, e in newest.manifest.tensors.items() if own(f)}
+        tensors.update({f: base.manifest.tensors[f] for f in self.tracked})  # chain_of checked they are there
+        tree = newest.manifest.tree
+        if tree["t"] == "dict":
+            tree = {"t": "dict", "k": [[k, c] for k, c in tree["k"] if k != DELTA_ROOT]}
+        tree = _merged_tree(tree, _pruned_tree(base.manifest.tree, set(self.tracked)))
+        merged = dataclasses.replace(newest.manifest, tensors=tensors, tree=tree,
+                                     objects={f: e for f, e in newest.manifest.objects.items() if own(f)})
+        super().__init__(path, allow_pickle=allow_pickle, verify=verify, manifest=merged)
+
+    def read_boxes(self, requests) -> list:
+        import torch
+
+        from .tensorbytes import dtype_from_name
+
+        out = [torch.empty(tuple(sz), dtype=dtype_from_name(self.tensors[fqn].dtype, path=self.path))
+               for fqn, _off, sz in requests]
+        self.fill([(fqn, off, sz, t) for (fqn, off, sz), t in zip(requests, out)])
+        return out
+
+    def fill(self, requests) -> None:
+        """:meth:`_Source.fill` of the composed state. Raises ChainBrokenError for a damaged or
+        missing file of an older link, and the read errors of :func:`distckpt.read`."""
+        from .errors import CheckpointCorruptError, CheckpointNotFoundError
+        from .fill import Part, box_tasks, fill_parts, reading
+        from .incremental import Target, plan_deltas
+        from .restore import _chain_error, fill_boxes
+        from .storage import open_store
+
+        newest, base = self.links[0], self.links[-1]
+        own = [r for r in requests if r[0] not in self.tracked]
+        tracked = [r for r in requests if r[0] in self.tracked]
+        try:
+            with reading():
+                if own:
+                    fill_boxes(newest.path, newest.manifest, own, verify=self.verify)
+                if tracked:
+                    fill_boxes(base.path, base.manifest, tracked, verify=self.verify)
+                    targets: dict[str, list] = {}
+                    for fqn, off, sz, dst in tracked:
+                        targets.setdefault(fqn, []).append(Target(tuple(off), tuple(sz), dst))
+                    reads, _ids = plan_deltas(list(reversed(self.links[:-1])), targets, self.tracked, self.verify)
+                    fill_parts([Part(open_store(base.path), path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
+                               verify=self.verify)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            broken = _chain_error(exc, self.links)
+            if broken is exc:
+                raise
+            raise broken from exc
+
+
+def _pruned_tree(node: dict, keep: set) -> dict | None:
+    """The part of a MANIFEST tree that leads to the refs in ``keep`` (None when none does)."""
+    if node["t"] == "ref":
+        return node if node["fqn"] in keep else None
+    if node["t"] == "dict":
+        kids = [[k, p] for k, c in node["k"] if (p := _pruned_tree(c, keep)) is not None]
+        return {"t": "dict", "k": kids} if kids else None
+    return node if any(_pruned_tree(c, keep) is not None for c in node["v"]) else None
+
+
+def _merged_tree(newest: dict, base: dict | None) -> dict:
+    """A delta's tree with its base's tracked tensors placed in it, as distckpt.read merges the
+    two states (dicts key by key; anything else: the base's)."""
+    if base is None:
+        return newest
+    if newest["t"] == "dict" and base["t"] == "dict":
+        out = [[k, c] for k, c in newest["k"]]
+        at = {k: i for i, (k, _c) in enumerate(out)}
+        for k, c in base["k"]:
+            if k in at:
+                out[at[k]][1] = _merged_tree(out[at[k]][1], c)
+            else:
+                out.append([k, c])
+        return {"t": "dict", "k": out}
+    return base
 
 
 def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int,
@@ -841,7 +949,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
         raise CheckpointExistsError(f"{dst_s} already exists", path=dst_s,
                                     remedy="Choose a new destination or remove the old one first.")
     _pin_mmap_threshold()
-    source = _Source(src_s, allow_pickle=allow_pickle, verify=verify)
+    source = _open_source(src_s, allow_pickle=allow_pickle, verify=verify)
     _check_room(source, dst_s, to, prefix, dtype)
     try:
         return _convert(source, src_s, dst_s, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,

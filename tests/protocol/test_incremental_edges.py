@@ -363,13 +363,76 @@ def test_incremental_saves_with_overwrite_on_one_rank_or_no_dist_neither_hang_no
     assert results[1]["alone"] == [7] and all(r["steps"] == [1, 2] for r in results), results
 
 
-def test_readers_of_one_checkpoint_refuse_a_delta_instead_of_returning_its_records(tmp_path):
-    """DCP's StorageReader (DistCkptStorageReader) and convert read one checkpoint's own MANIFEST
-    and data. Given a delta, they returned its internal records (``_incr.*``) in place of the
-    tracked tensor, with no error: DCP's load-everything helper gave no ``emb`` at all,
-    ``dcp.load(allow_partial_load=True)`` left it untouched and reported success, and every
-    convert target wrote the records. Both now raise ConfigError naming the chain, and convert
-    writes nothing; the full base still reads and converts, and distckpt.read composes the delta."""
+def test_convert_of_a_delta_writes_the_state_its_chain_composes(tmp_path):
+    """convert of a delta writes the state distckpt.read composes from its chain (the full base's
+    tracked tensor, every delta's newest rows over it, the delta's own values), for every target,
+    bit for bit, with slices smaller than the table (rows changed on both sides of a slice's
+    edge). Before, every target wrote the delta's internal records (``_incr.*``) instead of the
+    table; then convert refused a delta."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from distckpt.convert import convert
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"tables": {"emb": torch.randn(4096, 128, generator=g)}, "dense": {"w": torch.randn(3, 5, generator=g)},
+          "step": 0, "cfg": {}}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"tables.emb": 0}, full_every=10, max_delta_fraction=0.9,
+                                               max_chain_fraction=5.0))
+    saver.save(sd, tmp_path / "s1")
+    for step, rows in ((1, [5, 511, 512, 4095]), (2, [512, 513, 2000])):
+        sd["tables"]["emb"][rows] = float(step) * 100 + torch.arange(len(rows), dtype=torch.float32)[:, None]
+        sd["dense"]["w"] += 1
+        sd["step"] = step
+        saver.save(sd, tmp_path / f"s{step + 1}")
+        assert saver.last_kind == "delta"
+    delta = str(tmp_path / "s3")
+    want = distckpt.read(delta)
+    assert torch.equal(want["tables"]["emb"], sd["tables"]["emb"]) and want["step"] == 2 and want["cfg"] == {}
+    flat = {"tables.emb": sd["tables"]["emb"], "dense.w": sd["dense"]["w"]}
+    for to in ("torch", "safetensors", "dcp", "distckpt"):
+        out = str(tmp_path / f"out_{to}")
+        res = convert(delta, out, to=to, memory_limit=1 << 20, progress=False)  # 256 KiB slices: 512 rows
+        assert res.tensors == 2, (to, res)
+        if to == "torch":
+            got = torch.load(out, weights_only=True)
+        elif to == "distckpt":
+            got = distckpt.read(out)
+        elif to == "dcp":
+            got = {"tables": {"emb": torch.zeros(4096, 128)}, "dense": {"w": torch.zeros(3, 5)}, "step": -1}
+            dcp.load(got, checkpoint_id=out, no_dist=True)
+        else:
+            got = {}
+            for f in sorted(os.listdir(out)):
+                if f.endswith(".safetensors"):
+                    got.update(load_file(os.path.join(out, f)))
+            assert sorted(got) == sorted(flat), to
+            assert all(torch.equal(got[k], v) for k, v in flat.items()), to
+            continue
+        assert not any(str(k).startswith("_incr") for k in got), (to, list(got))
+        assert torch.equal(got["tables"]["emb"], sd["tables"]["emb"]), to
+        assert torch.equal(got["dense"]["w"], sd["dense"]["w"]) and got["step"] == 2, to
+        if to != "dcp":
+            assert got["cfg"] == {}, to
+    # A damaged older link: ChainBrokenError naming it, nothing written.
+    data = tmp_path / "s2" / "rank00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[4096] ^= 0xFF  # the first chunk's first byte: the delta's row ids
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChainBrokenError) as broken:
+        convert(delta, tmp_path / "out_broken", to="torch", progress=False)
+    assert str(tmp_path / "s2") in str(broken.value)
+    assert not (tmp_path / "out_broken").exists()
+
+
+def test_dcps_reader_refuses_a_delta_instead_of_returning_its_records(tmp_path):
+    """DCP's StorageReader (DistCkptStorageReader) reads one checkpoint's own MANIFEST and data.
+    Given a delta, it returned its internal records (``_incr.*``) in place of the tracked tensor,
+    with no error: DCP's load-everything helper gave no ``emb`` at all, and
+    ``dcp.load(allow_partial_load=True)`` left it untouched and reported success. It now raises
+    ConfigError naming the chain; the full base still reads and converts, and distckpt.read
+    composes the delta (so does convert:
+    test_convert_of_a_delta_writes_the_state_its_chain_composes)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -402,10 +465,6 @@ def test_readers_of_one_checkpoint_refuse_a_delta_instead_of_returning_its_recor
                              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True))
     assert not dst["emb"].any()
     refused(lambda: _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(delta)))
-    for to in ("torch", "safetensors", "dcp", "distckpt"):
-        out = tmp_path / f"out_{to}"
-        refused(lambda: convert(delta, out, to=to))
-        assert not out.exists(), to
     # The full base is a whole checkpoint: read and converted as before.
     dst = {"emb": torch.zeros(200, 8), "step": 0}
     dcp.load(dst, storage_reader=DistCkptStorageReader(str(tmp_path / "s1")), no_dist=True)
