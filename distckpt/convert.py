@@ -233,6 +233,7 @@ class _ChainSource(_Source):
 
         newest, base = links[0], links[-1]
         self.links, self.tracked = links, newest.tracked
+        self._ids: dict = {}  # the deltas' row ids, read at the first slice that needs them
 
         def own(fqn: str) -> bool:  # the delta's records are no state of its own
             return not _selects(fqn, [DELTA_ROOT])
@@ -278,7 +279,8 @@ class _ChainSource(_Source):
                     targets: dict[str, list] = {}
                     for fqn, off, sz, dst in tracked:
                         targets.setdefault(fqn, []).append(Target(tuple(off), tuple(sz), dst))
-                    reads, _ids = plan_deltas(list(reversed(self.links[:-1])), targets, self.tracked, self.verify)
+                    reads, _ids = plan_deltas(list(reversed(self.links[:-1])), targets, self.tracked, self.verify,
+                                              ids_cache=self._ids)
                     fill_parts([Part(open_store(base.path), path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
                                verify=self.verify)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:

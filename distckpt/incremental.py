@@ -765,7 +765,7 @@ def _index_dtype(n: int) -> torch.dtype:
 
 
 def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], tracked: dict[str, int],
-                verify: bool) -> tuple[list, int]:
+                verify: bool, ids_cache: dict | None = None) -> tuple[list, int]:
     """What to read from ``deltas`` (oldest first) so that every (row, column) of ``targets`` that
     some delta holds is written exactly once, from the newest delta holding it.
 
@@ -778,6 +778,8 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
     Since no (row, column) is written twice, the requests may be filled in any order; the tracked
     fqn, as ``after``, also lets a caller fill them in the base's own pass, after its tensor
     (distckpt.restore reads them in a pass after the base's).
+    ``ids_cache``: the row ids read by earlier calls (a caller planning one tensor slice by slice
+    reads each piece's ids once; filled here).
     Raises ChainBrokenError when a link's records are malformed or cannot be read."""
     order = sorted(tracked)
 
@@ -807,12 +809,26 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
             if len(link.manifest.tensors[parts["ids"]].shape) != 1:
                 raise _broken(link.path, f"{parts['ids']}: row ids of shape "
                                          f"{list(link.manifest.tensors[parts['ids']].shape)}, not 1-D")
-    ids_of = [[torch.empty(tuple(link.manifest.tensors[parts["ids"]].shape),
-                           dtype=dtype_from_name(link.manifest.tensors[parts["ids"]].dtype, path=link.path))
-               for _f, parts, _o, _s in pieces] for link, pieces in zip(deltas, wanted)]
-    id_bytes = _read_links([(link.path, link.manifest, [(parts["ids"], (0,), tuple(out.shape), out)
-                                                        for (_f, parts, _o, _s), out in zip(pieces, outs)])
-                            for link, pieces, outs in zip(deltas, wanted, ids_of)], verify, "delta row ids")
+    cached = ids_cache if ids_cache is not None else {}
+    new: dict[tuple, torch.Tensor] = {}   # cached only once read
+    ids_of, reads = [], []
+    for link, pieces in zip(deltas, wanted):
+        outs, reqs = [], []
+        for _f, parts, _o, _s in pieces:
+            key = (link.path, parts["ids"])
+            out = cached.get(key)
+            if out is None:
+                out = new[key] = torch.empty(tuple(link.manifest.tensors[parts["ids"]].shape),
+                                             dtype=dtype_from_name(link.manifest.tensors[parts["ids"]].dtype,
+                                                                   path=link.path))
+                reqs.append((parts["ids"], (0,), tuple(out.shape), out))
+            outs.append(out)
+        ids_of.append(outs)
+        if reqs:
+            reads.append((link.path, link.manifest, reqs))
+    id_bytes = _read_links(reads, verify, "delta row ids") if reads else 0
+    if ids_cache is not None:
+        ids_cache.update(new)
     for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
             d = tracked[fqn]
