@@ -22,7 +22,7 @@ from typing import Any
 from .errors import ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
 from .storage.posix.manifests import load_manifest, load_manifest_header
 
-__all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "refuse_delta", "META_KEY", "FORMAT"]
+__all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "META_KEY", "FORMAT"]
 
 META_KEY = "distckpt.chain"
 FORMAT = "distckpt.chain/1"
@@ -51,21 +51,6 @@ def chain_info(manifest: Any) -> dict | None:
     user = manifest.meta.get("user") if isinstance(manifest.meta, dict) else None
     info = user.get(META_KEY) if isinstance(user, dict) else None
     return info if isinstance(info, dict) else None
-
-
-def refuse_delta(manifest: Any, path: str, reader: str, remedy: str) -> None:
-    """Raise ConfigError when ``manifest`` is a delta of an incremental chain, for a ``reader``
-    that reads one checkpoint's own MANIFEST and data (DCP's StorageReader): a delta holds only
-    the rows that changed, as records under ``_incr.*``, so such a reader returned those records
-    in place of the tracked tensors, without an error. distckpt.load, distckpt.read and convert
-    compose a delta with the links before it."""
-    info = chain_info(manifest)
-    if info is not None and info.get("kind") == "delta":
-        tracked = [e[0] for e in info.get("tracked") or () if isinstance(e, list) and e]
-        raise ConfigError(
-            f"{path} is a delta of an incremental chain (link {info.get('seq')} after its full base "
-            f"{info.get('base')}): it holds only the rows of {tracked[:5]}{' ...' if len(tracked) > 5 else ''} "
-            f"that changed, which {reader} cannot compose with the links before it", path=path, remedy=remedy)
 
 
 def _broken(link: str, reason: str, *, cause: BaseException | None = None) -> ChainBrokenError:

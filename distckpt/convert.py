@@ -221,32 +221,14 @@ class _Source:
 
 
 class _ChainSource(_Source):
-    """A delta of an incremental chain as the one checkpoint it stands for, as
-    :func:`distckpt.read` composes it: the delta's own tensors and values, and each tracked
-    tensor from the chain's full base with every delta's newest rows written over it (each box
-    read from the base, then only the rows of the deltas that fall inside it). ``links``:
-    :func:`distckpt.chain.chain_of` of the delta (newest first)."""
+    """A delta of an incremental chain as the one checkpoint it stands for
+    (:class:`distckpt.chainview.ChainView`)."""
 
     def __init__(self, path: str, links: list, *, allow_pickle: bool, verify: bool):
-        from .incremental import DELTA_ROOT
-        from .restore import _selects
+        from .chainview import ChainView
 
-        newest, base = links[0], links[-1]
-        self.links, self.tracked = links, newest.tracked
-        self._ids: dict = {}  # the deltas' row ids, read at the first slice that needs them
-
-        def own(fqn: str) -> bool:  # the delta's records are no state of its own
-            return not _selects(fqn, [DELTA_ROOT])
-
-        tensors = {f: e for f, e in newest.manifest.tensors.items() if own(f)}
-        tensors.update({f: base.manifest.tensors[f] for f in self.tracked})  # chain_of checked they are there
-        tree = newest.manifest.tree
-        if tree["t"] == "dict":
-            tree = {"t": "dict", "k": [[k, c] for k, c in tree["k"] if k != DELTA_ROOT]}
-        tree = _merged_tree(tree, _pruned_tree(base.manifest.tree, set(self.tracked)))
-        merged = dataclasses.replace(newest.manifest, tensors=tensors, tree=tree,
-                                     objects={f: e for f, e in newest.manifest.objects.items() if own(f)})
-        super().__init__(path, allow_pickle=allow_pickle, verify=verify, manifest=merged)
+        self.view = ChainView(links, verify=verify)
+        super().__init__(path, allow_pickle=allow_pickle, verify=verify, manifest=self.view.manifest)
 
     def read_boxes(self, requests) -> list:
         import torch
@@ -259,62 +241,7 @@ class _ChainSource(_Source):
         return out
 
     def fill(self, requests) -> None:
-        """:meth:`_Source.fill` of the composed state. Raises ChainBrokenError for a damaged or
-        missing file of an older link, and the read errors of :func:`distckpt.read`."""
-        from .errors import CheckpointCorruptError, CheckpointNotFoundError
-        from .fill import Part, box_tasks, fill_parts, reading
-        from .incremental import Target, plan_deltas
-        from .restore import _chain_error, fill_boxes
-        from .storage import open_store
-
-        newest, base = self.links[0], self.links[-1]
-        own = [r for r in requests if r[0] not in self.tracked]
-        tracked = [r for r in requests if r[0] in self.tracked]
-        try:
-            with reading():
-                if own:
-                    fill_boxes(newest.path, newest.manifest, own, verify=self.verify)
-                if tracked:
-                    fill_boxes(base.path, base.manifest, tracked, verify=self.verify)
-                    targets: dict[str, list] = {}
-                    for fqn, off, sz, dst in tracked:
-                        targets.setdefault(fqn, []).append(Target(tuple(off), tuple(sz), dst))
-                    reads, _ids = plan_deltas(list(reversed(self.links[:-1])), targets, self.tracked, self.verify,
-                                              ids_cache=self._ids)
-                    fill_parts([Part(open_store(base.path), path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
-                               verify=self.verify)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            broken = _chain_error(exc, self.links)
-            if broken is exc:
-                raise
-            raise broken from exc
-
-
-def _pruned_tree(node: dict, keep: set) -> dict | None:
-    """The part of a MANIFEST tree that leads to the refs in ``keep`` (None when none does)."""
-    if node["t"] == "ref":
-        return node if node["fqn"] in keep else None
-    if node["t"] == "dict":
-        kids = [[k, p] for k, c in node["k"] if (p := _pruned_tree(c, keep)) is not None]
-        return {"t": "dict", "k": kids} if kids else None
-    return node if any(_pruned_tree(c, keep) is not None for c in node["v"]) else None
-
-
-def _merged_tree(newest: dict, base: dict | None) -> dict:
-    """A delta's tree with its base's tracked tensors placed in it, as distckpt.read merges the
-    two states (dicts key by key; anything else: the base's)."""
-    if base is None:
-        return newest
-    if newest["t"] == "dict" and base["t"] == "dict":
-        out = [[k, c] for k, c in newest["k"]]
-        at = {k: i for i, (k, _c) in enumerate(out)}
-        for k, c in base["k"]:
-            if k in at:
-                out[at[k]][1] = _merged_tree(out[at[k]][1], c)
-            else:
-                out.append([k, c])
-        return {"t": "dict", "k": out}
-    return base
+        self.view.fill(requests)
 
 
 def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int,

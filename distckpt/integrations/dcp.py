@@ -281,11 +281,12 @@ class DistCkptStorageReader(StorageReader):
         self.verify = verify
         self.allow_pickle = allow_pickle
         self._manifest: mf.Manifest | None = None
+        self._chain = None  # a delta's ChainView (_loaded)
         self.load_id: str | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_manifest"] = None
+        state["_manifest"], state["_chain"] = None, None
         return state
 
     @classmethod
@@ -294,17 +295,21 @@ class DistCkptStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.path = _checkpoint_path(checkpoint_id, self.path)
-        self._manifest = None
+        self._manifest, self._chain = None, None
         self.load_id = uuid.uuid4().hex
 
     def _loaded(self) -> "mf.Manifest":
         if self._manifest is None:
-            from ..chain import refuse_delta
+            from ..chain import chain_info, chain_of
             path = _checkpoint_path(None, self.path)
             manifest = load_manifest(path, self.storage_options)
-            refuse_delta(manifest, path, "DCP's StorageReader",
-                         "Load it with distckpt.load (or CheckpointManager.load), which composes the chain, or "
-                         "give the reader a full checkpoint: distckpt.save(distckpt.read(DELTA), FULL).")
+            info = chain_info(manifest)
+            if info is not None and info.get("kind") == "delta":
+                # A delta holds only the rows that changed: DCP is shown the state its chain
+                # composes, as distckpt.read gives it (it used to get the delta's own records).
+                from ..chainview import ChainView
+                self._chain = ChainView(chain_of(path), verify=self.verify)
+                manifest = self._chain.manifest
             self._manifest = manifest
         return self._manifest
 
@@ -312,8 +317,8 @@ class DistCkptStorageReader(StorageReader):
         """DCP's Metadata of the checkpoint, from its MANIFEST and data file indexes.
 
         Raises: what :func:`distckpt.load` raises before reading data (CheckpointNotFoundError,
-        CheckpointIncompleteError, ManifestCorruptError, DataFileMissingError, ...); ConfigError
-        for a delta of an incremental chain (only distckpt.load composes it with its links)."""
+        CheckpointIncompleteError, ManifestCorruptError, DataFileMissingError, ...), and for a
+        delta of an incremental chain (shown as the state its chain composes) ChainBrokenError."""
         manifest = self._loaded()
         md: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
@@ -427,8 +432,11 @@ class DistCkptStorageReader(StorageReader):
             targets.append((item, target))
         if requests:
             with gc_paused():
-                fill_parts([Part(open_store(self.path, self.storage_options), self.path, manifest,
-                                 box_tasks(self.path, manifest, requests))], verify=self.verify)
+                if self._chain is not None:
+                    self._chain.fill(requests)
+                else:
+                    fill_parts([Part(open_store(self.path, self.storage_options), self.path, manifest,
+                                     box_tasks(self.path, manifest, requests))], verify=self.verify)
         with torch.no_grad():
             for tmp, target in casts:
                 target.copy_(tmp)

@@ -425,48 +425,64 @@ def test_convert_of_a_delta_writes_the_state_its_chain_composes(tmp_path):
     assert not (tmp_path / "out_broken").exists()
 
 
-def test_dcps_reader_refuses_a_delta_instead_of_returning_its_records(tmp_path):
-    """DCP's StorageReader (DistCkptStorageReader) reads one checkpoint's own MANIFEST and data.
-    Given a delta, it returned its internal records (``_incr.*``) in place of the tracked tensor,
-    with no error: DCP's load-everything helper gave no ``emb`` at all, and
-    ``dcp.load(allow_partial_load=True)`` left it untouched and reported success. It now raises
-    ConfigError naming the chain; the full base still reads and converts, and distckpt.read
-    composes the delta (so does convert:
-    test_convert_of_a_delta_writes_the_state_its_chain_composes)."""
+def test_dcps_reader_gives_a_delta_the_state_its_chain_composes(tmp_path):
+    """DCP's StorageReader (DistCkptStorageReader) was given a delta's own MANIFEST and data:
+    it returned the delta's internal records (``_incr.*``) in place of the tracked tensor, with no
+    error (DCP's load-everything helper gave no ``emb`` at all, and
+    ``dcp.load(allow_partial_load=True)`` left it untouched and reported success); then it refused
+    a delta. It now shows DCP the state the chain composes, as distckpt.read gives it, with the
+    chunks of the tracked tensor split across DCP's reads (a 2-rank-like resharded destination),
+    and a damaged older link is ChainBrokenError."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from distckpt.convert import convert
-    from distckpt.errors import ConfigError
     from distckpt.integrations.dcp import DistCkptStorageReader
 
     saver = IncrementalSaver(IncrementalPolicy(**POLICY))
     sd = _emb(torch.float32)
     saver.save(sd, tmp_path / "s1")
     sd["emb"][5] = -1.0
+    sd["emb"][150] = -2.0
+    sd["step"] = 1
     saver.save(sd, tmp_path / "s2")
+    sd["emb"][150] = -3.0
+    sd["emb"][199] = -4.0
+    sd["step"] = 2
+    saver.save(sd, tmp_path / "s3")
     assert saver.last_kind == "delta"
-    delta = str(tmp_path / "s2")
+    delta = str(tmp_path / "s3")
     assert torch.equal(distckpt.read(delta)["emb"], sd["emb"])
 
-    def refused(call):
-        try:
-            call()
-        except ConfigError as exc:
-            assert "a delta of an incremental chain" in str(exc), exc
-        except BaseException as exc:  # noqa: BLE001 - DCP reports a reader's error as its own (a BaseException), in text
-            assert type(exc).__name__ == "CheckpointException" and "is a delta of an incremental chain" in str(exc), exc
-        else:
-            raise AssertionError("a delta was read as a whole checkpoint")
+    dst = {"emb": torch.zeros(200, 8), "step": 0}
+    dcp.load(dst, storage_reader=DistCkptStorageReader(delta), no_dist=True)
+    assert torch.equal(dst["emb"], sd["emb"]) and dst["step"] == 2
+    got = _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(delta))
+    assert sorted(got) == ["emb", "step"] and torch.equal(got["emb"], sd["emb"]) and got["step"] == 2
+    # Boxes that cut the table where the deltas' rows are: each filled from the base and the rows.
+    for lo, hi in ((0, 100), (100, 151), (151, 200)):
+        part = torch.zeros(hi - lo, 8)
+        reader = DistCkptStorageReader(delta)
+        md = reader.read_metadata()
+        assert md.state_dict_metadata["emb"].size == torch.Size([200, 8])
+        class _Planner:
+            def resolve_tensor(self, item):
+                return part
 
-    dst = {"emb": torch.zeros(200, 8), "step": 0}
-    refused(lambda: dcp.load(dst, storage_reader=DistCkptStorageReader(delta),
-                             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True))
-    assert not dst["emb"].any()
-    refused(lambda: _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(delta)))
-    # The full base is a whole checkpoint: read and converted as before.
-    dst = {"emb": torch.zeros(200, 8), "step": 0}
-    dcp.load(dst, storage_reader=DistCkptStorageReader(str(tmp_path / "s1")), no_dist=True)
-    assert torch.equal(dst["emb"], _emb(torch.float32)["emb"])
-    convert(str(tmp_path / "s1"), tmp_path / "base.safetensors", to="safetensors")
+            def commit_tensor(self, item, tensor):
+                pass
+
+        item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("emb", torch.Size([lo, 0])),
+                        dest_offsets=torch.Size([0, 0]), storage_index=MetadataIndex("emb", torch.Size([0, 0])),
+                        storage_offsets=torch.Size([lo, 0]), lengths=torch.Size([hi - lo, 8]))
+        reader.read_data(type("Plan", (), {"items": [item]})(), _Planner()).wait()
+        assert torch.equal(part, sd["emb"][lo:hi]), (lo, hi)
+    # A damaged older link: ChainBrokenError (DCP reports it as its CheckpointException).
+    data = tmp_path / "s2" / "rank00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[4096] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(BaseException) as broken:  # noqa: PT011 - DCP wraps the reader's error in its own
+        dcp.load({"emb": torch.zeros(200, 8), "step": 0}, storage_reader=DistCkptStorageReader(delta), no_dist=True)
+    assert "ChainBrokenError" in str(broken.value) and str(tmp_path / "s2") in str(broken.value), broken.value
