@@ -473,7 +473,7 @@ class CheckpointManager:
             if self._resume_gen == gen:
                 self._resumed_from = None
 
-    def rotate_after(self, step: int) -> None:
+    def rotate_after(self, step: int, *, guard: Callable[[str], None] | None = None) -> None:
         """What a manager save of ``step`` runs on rank 0 once it is committed, for a caller that
         commits steps into this root by other means (a tiered manager's drain,
         distckpt.tiers): point ``latest`` at ``step``, then keep_last rotation (steps numbered
@@ -485,8 +485,12 @@ class CheckpointManager:
         abandoned one) are not rotated away by its late drain, nor is one whose commit time
         cannot be read.
 
+        ``guard(operation)``: called right before each write (the ``latest`` pointer, each
+        deletion); what it raises stops the rotation there (a tiered manager's proof, renewed
+        before each, that it still owns the root).
+
         Raises the store's typed errors (the step itself stays committed)."""
-        self._after_commit(step, None)
+        self._after_commit(step, None, guard=guard)
 
     def _learn_commit_times(self) -> bool:
         """Rank 0, before this manager's first save: make the newest commit time under the root
@@ -560,11 +564,14 @@ class CheckpointManager:
             return info.created_unix
         return created
 
-    def _after_commit(self, step: int, protect: int | None, rotate: bool = True, *, chosen: bool = True) -> None:
+    def _after_commit(self, step: int, protect: int | None, rotate: bool = True, *, chosen: bool = True,
+                      guard: Callable[[str], None] | None = None) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         # ``chosen``: the caller named the step it resumed from (load(step=N)); else the manager
-        # took the newest loadable one.
+        # took the newest loadable one. ``guard``: rotate_after's.
+        guard = guard or (lambda operation: None)
         pointer = (step_dirname(step) + "\n").encode()
+        guard(f"point {self.root}/latest at {step_dirname(step)}")
         self._store.replace_pointer(join(self.root, "latest"), pointer)
         if (self.keep_last is None or not rotate) and not self._numbered_above(step):
             # Nothing to rotate and no step above: the committed steps below need not be looked
@@ -598,6 +605,7 @@ class CheckpointManager:
             log.warning("distckpt: deleting %s: abandoned branch -- step %d was just saved after a rollback, and "
                         "%s holds a later step of the run that was rolled back (keep_abandoned=True keeps such "
                         "steps)", self.path(old), step, step_dirname(old))
+            guard(f"delete {self.path(old)}")
             self._store.remove_checkpoint(self.path(old))
         # The protection of the resumed-from step lasts one save: _settle ends it on every rank.
         if self.keep_last is None or not rotate:
@@ -615,6 +623,7 @@ class CheckpointManager:
         if doomed:
             doomed = self._unneeded(doomed, [s for s in steps if s not in doomed and s not in above_doomed])
         for old in doomed:
+            guard(f"delete {self.path(old)}")
             self._store.remove_checkpoint(self.path(old))
 
     def _unneeded(self, doomed: list[int], kept: list[int]) -> list[int]:

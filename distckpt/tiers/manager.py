@@ -593,8 +593,9 @@ class TieredCheckpointManager:
         hold = self._remote_owner.hold
 
         def after() -> None:
-            hold("rotate the remote tier")  # a rotation deletes steps: only while this job owns the root
-            self._remote.rotate_after(step)
+            # A rotation deletes steps: only while this job owns the root, proven (renewed) right
+            # before each write, so an owner frozen mid-rotation past its lease stops there.
+            self._remote.rotate_after(step, guard=hold)
 
         result = drain_step(self._drain_group, local_path=self.local_path(step), remote_path=self.remote_path(step),
                             remote_store=self._remote_store, lock_path=join(self.remote_root, ROOT_LOCK_NAME),

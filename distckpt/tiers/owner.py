@@ -21,6 +21,7 @@ watched: taken over once it lapses, refused once it is renewed.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from .._dist import ControlGroup
 from ..errors import SaveInProgressError
@@ -54,6 +55,8 @@ class RemoteOwner:
         self._remote_store, self._remote_root = remote_store, remote_root
         self.owner_id = uuid.uuid4().hex  # one per manager: a lost answer to its own create is recognised
         self._held: Ownership | None = None
+        self._closed = False  # released for good (the manager closed): never taken again
+        self._lock = threading.Lock()  # _held and _closed: the drain thread takes, close releases
         self._nodes: list[dict] = []
         self._gather(group, layout)
 
@@ -86,6 +89,10 @@ class RemoteOwner:
         """
         if self._held is not None:
             return
+        if self._closed:
+            # A drain thread a close left behind (inside a held request) must not take the tier
+            # after close released it: nothing would ever release it again.
+            raise self._closed_error()
         path = join(self._remote_root, OWNER_NAME)
         self._remote_store.make_root(self._remote_root)  # a new tier (the pairing check passed before)
         try:
@@ -99,12 +106,19 @@ class RemoteOwner:
                 f"(host {other.get('host', '?')}, pid {other.get('pid', '?')}); two jobs draining into one remote "
                 f"root would rotate away each other's steps", path=self._remote_root, owner=other,
                 remedy="Give each job its own remote root, or close the other manager first.") from exc
-        try:
-            self._local_store.replace_pointer(join(self._local_root, OWNER_RECORD_NAME), f"{self.owner_id}\n".encode())
-        except BaseException:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                try:
+                    self._local_store.replace_pointer(join(self._local_root, OWNER_RECORD_NAME),
+                                                      f"{self.owner_id}\n".encode())
+                except BaseException:
+                    held.release()
+                    raise
+                self._held = held
+        if closed:  # closed while this thread waited for the tier
             held.release()
-            raise
-        self._held = held
+            raise self._closed_error()
 
     def hold(self, operation: str) -> None:
         """Rank 0, before ``operation`` changes the remote tier: prove this manager owns it,
@@ -117,19 +131,32 @@ class RemoteOwner:
             The stores' typed errors.
         """
         self.take()
-        held = self._held
+        with self._lock:
+            held = self._held
+        if held is None:  # released by close meanwhile
+            raise self._closed_error()
         try:
             held.check(operation)
         except SaveInProgressError as exc:
             if held.gone():
                 log.error("distckpt: this manager no longer owns the remote tier %s (%s): its drains wait until it "
                           "owns it again", self._remote_root, exc)
+                with self._lock:
+                    if self._held is held:
+                        self._held = None
                 held.release()
-                self._held = None
             raise
 
+    def _closed_error(self) -> SaveInProgressError:
+        return SaveInProgressError(f"this TieredCheckpointManager was closed: it no longer takes or holds the "
+                                   f"remote tier {self._remote_root}", path=self._remote_root, owner=None,
+                                   remedy="Nothing more was changed.")
+
     def release(self) -> None:
-        """Give the owner up (a no-op on other ranks and when not held). Never raises."""
-        held, self._held = self._held, None
+        """Give the owner up for good (a no-op on other ranks and when not held): :meth:`take`
+        and :meth:`hold` refuse from then on. Never raises."""
+        with self._lock:
+            self._closed = True
+            held, self._held = self._held, None
         if held is not None:
             held.release()

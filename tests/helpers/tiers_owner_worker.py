@@ -8,6 +8,9 @@ Prints one JSON line per event. Modes:
          on the stdin line "go": save step 2 and print {"drain": status(2)} once its drain has
          tried (retrying, failed or committed); on "again": wait until step 2 is durable, print
          {"durable"}, close
+  freeze as lose, with steps 10 and 20, and on "go" the process stops itself (SIGSTOP) when the
+         drain of step 20, published, starts to rotate the remote tier: an owner frozen between
+         its publish and its rotation
 """
 
 import json
@@ -39,18 +42,32 @@ def main() -> None:
         _emit({"ready": True})
         while True:
             time.sleep(60)
+    first, second = (10, 20) if mode == "freeze" else (1, 2)
     mgr = TieredCheckpointManager(local, remote, storage_options=options, keep_last_remote=1)
-    mgr.save(1, {"w": torch.arange(1000.0), "step": 1})
-    mgr.wait_durable(1, timeout=120)
+    mgr.save(first, {"w": torch.arange(1000.0), "step": first})
+    mgr.wait_durable(first, timeout=120)
     _emit({"ready": True})
     assert sys.stdin.readline().strip() == "go"
-    mgr.save(2, {"w": torch.arange(1000.0) * 2, "step": 2})
+    if mode == "freeze":
+        import os
+        import signal
+
+        from distckpt import CheckpointManager
+        rotate_after = CheckpointManager.rotate_after
+
+        def frozen_once(self, step, **kwargs):
+            CheckpointManager.rotate_after = rotate_after
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return rotate_after(self, step, **kwargs)
+
+        CheckpointManager.rotate_after = frozen_once
+    mgr.save(second, {"w": torch.arange(1000.0) * 2, "step": second})
     deadline = time.monotonic() + 120
-    while _status(mgr, 2)["remote"] in ("queued", "draining") and time.monotonic() < deadline:
+    while _status(mgr, second)["remote"] in ("queued", "draining") and time.monotonic() < deadline:
         time.sleep(0.05)
-    _emit({"drain": _status(mgr, 2)})
+    _emit({"drain": _status(mgr, second)})
     assert sys.stdin.readline().strip() == "again"
-    mgr.wait_durable(2, timeout=120)
+    mgr.wait_durable(second, timeout=120)
     _emit({"durable": True})
     mgr.close()
 

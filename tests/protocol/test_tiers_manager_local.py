@@ -661,3 +661,22 @@ def test_a_second_job_on_one_remote_tier_is_refused_and_a_local_copy_of_another_
     assert out["step"] == 10 and torch.equal(out["w"], _state(10)["w"])  # the remote tier's save: job A's
     said = [r.getMessage() for r in caplog.records if "passed over" in r.getMessage()]
     assert said and str(tmp_path / "b" / "step_00000010") in said[0], caplog.text
+
+
+def test_a_closed_managers_drain_thread_never_takes_the_remote_tier_again(tmp_path):
+    """An outside trial: a manager whose drain thread was still watching another owner's lease
+    when close() returned took the remote tier once that lease lapsed, after close had released
+    it, and kept it (renewed) for as long as its process lived: every later job was refused. A
+    closed manager's owner now refuses to take or hold the tier (here asked directly, as that
+    thread's next drain step would)."""
+    remote = tmp_path / "remote"
+    mgr = TieredCheckpointManager(tmp_path / "a", remote)
+    mgr.close()
+    assert not (remote / ".distckpt-tiers.owner").exists()
+    for call in (lambda: mgr._remote_owner.take(), lambda: mgr._remote_owner.hold("prepare a drain")):
+        with pytest.raises(errors.SaveInProgressError, match="was closed"):
+            call()
+    assert not (remote / ".distckpt-tiers.owner").exists()
+    with TieredCheckpointManager(tmp_path / "b", remote) as other:  # another job takes the tier at once
+        other.save(1, _state(1))
+        assert other.wait_durable(1, timeout=120).durable

@@ -106,7 +106,7 @@ def test_a_restart_takes_its_killed_predecessors_lease_at_once_and_another_node_
     with caplog.at_level(logging.WARNING, logger="distckpt"):
         with TieredCheckpointManager(tmp_path / "c", remote, storage_options=opts):
             took = time.time() - killed_at
-    assert "at once" not in caplog.text and "breaking the dead save lease" in caplog.text, caplog.text
+    assert "at once" not in caplog.text and "breaking the" in caplog.text, caplog.text
     assert took >= lease_s - 2 * lease_s / 4, took  # the last renewal came at most lease_s / 4 before the kill
 
 
@@ -145,3 +145,71 @@ def test_an_owner_that_lost_the_tier_while_stalled_never_drains_or_rotates_there
         if a.poll() is None:
             os.killpg(a.pid, signal.SIGKILL)
             a.wait()
+
+
+def _stopped(pid: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never stopped")
+
+
+def test_an_owner_frozen_between_its_publish_and_its_rotation_deletes_nothing_of_the_new_owner(
+        s3_bucket, tmp_path, monkeypatch):
+    """An outside trial froze the owner right after its drain's ownership check and before its
+    rotation: once resumed, its rotation deleted a durable step of the manager that had taken the
+    tier meanwhile. The rotation now proves the owner (a renewal) right before each write."""
+    lease_s = 3.0
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
+    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
+    a = _spawn("freeze", tmp_path / "a", remote, opts, lease_s)
+    try:
+        _record(a, "ready")  # A owns the tier; its step 10 is durable
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        _stopped(a.pid)  # step 20 published, its rotation not begun
+        with TieredCheckpointManager(tmp_path / "b", remote, storage_options=opts, keep_last_remote=5) as b:
+            for step in (1, 2):
+                b.save(step, {"w": torch.full((5,), float(step))})
+                assert b.wait_durable(step, timeout=120).durable
+            os.killpg(a.pid, signal.SIGCONT)
+            drain = _record(a, "drain")["drain"]
+            assert drain["error"] == "SaveInProgressError", drain
+            # A's rotation (keep_last_remote=1) would have deleted B's step 1 and its own step 10.
+            manifests = sorted(k for k in s3_bucket.keys("run") if k.endswith("/MANIFEST"))
+            assert manifests == [f"run/step_{s:08d}/MANIFEST" for s in (1, 2, 10, 20)], manifests
+            assert b.status(1).durable
+        a.stdin.write("again\n")
+        a.stdin.flush()
+        _record(a, "durable")
+        assert a.wait(timeout=120) == 0
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+
+
+@pytest.mark.parametrize("record", ["renewed_an_hour_ahead", "a_longer_lease_than_this_process"])
+def test_a_dead_owners_lease_is_taken_once_unchanged_for_its_lease_whatever_it_claims(
+        s3_bucket, tmp_path, monkeypatch, record):
+    """A dead owner's lease whose renewal lies an hour in this host's future (its host's clock ran
+    ahead), or whose lease (20 s) is longer than this process's (3 s), was refused for as long
+    as it claimed (up to a day). It is taken once the lease has stayed unchanged for the lease it
+    states, as this process's own clock counts it."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "3")
+    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
+    now = time.time()
+    lease = 3.0 if record == "renewed_an_hour_ahead" else 20.0
+    rec = {"host": "gone-host", "pid": 1, "save_id": "f" * 32, "what": "TieredCheckpointManager(dead)",
+           "started_unix": now, "renewed_unix": now + (3600 if record == "renewed_an_hour_ahead" else 0),
+           "lease_s": lease, "beat": 7, "local_root": "/nowhere"}
+    s3_bucket.fs.pipe_file(f"{s3_bucket.name}/run/.distckpt-tiers.owner", json.dumps(rec).encode())
+    t0 = time.monotonic()
+    with TieredCheckpointManager(tmp_path / "a", remote, storage_options=opts) as mgr:
+        took = time.monotonic() - t0
+        mgr.save(1, {"w": torch.arange(3.0)})
+        assert mgr.wait_durable(1, timeout=120).durable
+    assert lease - 0.5 <= took < lease + 60, took

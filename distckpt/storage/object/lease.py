@@ -22,6 +22,14 @@ from .settings import MAX_LEASE_S, settings
 log = logging.getLogger("distckpt")
 
 
+def _longest_wait(lease_s: float) -> float:
+    """How long :meth:`Lease.acquire` watches a live-looking lease for it to lapse: twice this
+    process's lease, at least a minute, and within 0.8 DISTCKPT_TIMEOUT_S (the other ranks wait
+    for the outcome in a collective bounded by it)."""
+    from ...config import get_config
+    return min(max(2 * lease_s, 60.0), 0.8 * get_config().timeout_s)
+
+
 class Lease(Ownership):
     """The liveness lock of a save on an object store (flock does not exist there), and a root's
     :class:`~distckpt.storage.base.Ownership` there (ObjectStore.take_ownership).
@@ -154,15 +162,15 @@ class Lease(Ownership):
         """Take the lease at ``url``, breaking a dead one. ``extra`` fields join the record.
         ``holder_dead(record)``: True when the caller can prove the holder of a live-looking
         lease gone (its lease is then broken at once). ``wait_out``: rather than refuse a live
-        lease, watch it: one that lapses is broken, one that is renewed is refused (at most
-        twice this process's DISTCKPT_OBJECT_LEASE_S, whatever lease the record claims).
+        lease, watch it (:meth:`_watch`, at most :func:`_longest_wait`): one that lapses is
+        broken, one that is renewed is refused, as is one whose lease is longer than the wait.
 
         Raises:
             SaveInProgressError: a live lease of another save is there (or others kept taking it).
             EndpointUnreachableError and the other typed errors of a request.
         """
         lease_s = settings()["lease_s"]
-        waited, seen = False, ""
+        waited = False
         for _attempt in range(4):
             now = time.time()
             record = {**(extra or {}), "host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id,
@@ -182,24 +190,31 @@ class Lease(Ownership):
             if live and holder_dead is not None and holder_dead(other):
                 log.warning("distckpt: taking over the lease %s at once: its holder is gone (%s)", url, other)
             elif live:
+                seen = ""  # what _watch saw of this very record ("" when it did not watch it)
                 if wait_out and not waited:
                     waited = True
-                    seen = cls._watch(store, url, other_etag, 2 * lease_s)
-                    if seen == "lapsed":
-                        continue  # the next read finds it dead and breaks it
-                    other, _, age, _ = cls.read_aged(store, url)
-                    other = other or {}
-                try:
-                    ago = f"{age if age is not None else time.time() - float(other['renewed_unix']):.0f} s ago"
-                except (KeyError, TypeError, ValueError):
-                    ago = "at an unknown time"
-                waited_text = ("" if not waited else
-                               "; it was renewed while this process watched it" if seen == "renewed" else
-                               f"; it did not lapse within the {2 * lease_s:.0f} s this process waited")
-                raise SaveInProgressError(
-                    f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
-                    f"{other.get('host')} pid {other.get('pid')}, renewed {ago}){waited_text}", path=what, rank=rank,
-                    owner=other)
+                    seen = cls._watch(store, url, other_etag, other, _longest_wait(lease_s))
+                    if seen == "gone":
+                        continue  # released meanwhile: create again
+                if seen != "lapsed":
+                    if seen:
+                        other, _, age, _ = cls.read_aged(store, url)
+                        other = other or {}
+                    try:
+                        ago = f"{age if age is not None else time.time() - float(other['renewed_unix']):.0f} s ago"
+                    except (KeyError, TypeError, ValueError):
+                        ago = "at an unknown time"
+                    waited_text = ("" if not seen else
+                                   "; it was renewed while this process watched it" if seen == "renewed" else
+                                   f"; its lease ({other.get('lease_s')} s) is longer than the "
+                                   f"{_longest_wait(lease_s):.0f} s this process waits for one to lapse (if its "
+                                   f"holder is dead, delete {url})")
+                    raise SaveInProgressError(
+                        f"another save holds {url} (save {other.get('save_id')} of {other.get('what')}, host "
+                        f"{other.get('host')} pid {other.get('pid')}, renewed {ago}){waited_text}", path=what,
+                        rank=rank, owner=other)
+                log.warning("distckpt: breaking the save lease %s: not renewed within its lease while this process "
+                            "watched it (%s)", url, other)
             else:
                 log.warning("distckpt: breaking the dead save lease %s (%s)", url, other)
             sent = time.monotonic()
@@ -216,19 +231,28 @@ class Lease(Ownership):
                                   rank=rank, owner=None)
 
     @classmethod
-    def _watch(cls, store: Any, url: str, etag: str | None, longest_s: float) -> str:
-        """Watch the live lease at ``url`` (ETag ``etag``) for up to ``longest_s``: ``lapsed``
-        once it is dead or gone, ``renewed`` once it changed (its holder lives), ``outlived``
-        when neither happened within the wait (a record that claims a longer lease)."""
-        deadline = time.monotonic() + longest_s
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, max(0.05, longest_s / 64)))
+    def _watch(cls, store: Any, url: str, etag: str | None, record: dict, longest_s: float) -> str:
+        """Watch the live-looking lease at ``url`` (read as ``record`` with ETag ``etag``) for at
+        most ``longest_s``: ``gone`` (deleted), ``renewed`` (rewritten: its holder lives),
+        ``lapsed`` (judged dead by :meth:`is_live`, or left unchanged for its whole ``lease_s``
+        as this process's own clock counts it: a holder that renewed within its lease would
+        have rewritten it, whatever the clocks of its host and of the server say), ``outlived``
+        (its lease is longer than the wait)."""
+        lease = float(record["lease_s"])  # is_live checked it: a finite number, at most MAX_LEASE_S
+        limit = min(lease, longest_s)
+        start = time.monotonic()
+        while True:
+            watched = time.monotonic() - start  # before the read: unchanged at least this long
             rec, now_etag, age, clock = cls.read_aged(store, url)
-            if rec is None or not cls.is_live(rec, age_s=age, server_now=clock):
-                return "lapsed"
+            if rec is None:
+                return "gone"
             if now_etag != etag:
                 return "renewed"
-        return "outlived"
+            if not cls.is_live(rec, age_s=age, server_now=clock):
+                return "lapsed"
+            if watched >= limit:
+                return "lapsed" if lease <= longest_s else "outlived"
+            time.sleep(max(0.0, min(1.0, max(0.05, lease / 16), limit - watched)))
 
     def gone(self) -> bool:
         return self.lost is not None or self._stop.is_set()

@@ -134,12 +134,16 @@ def _read_owner(fd: int) -> dict | None:
 
 
 def _in_the_way(path: str) -> str | None:
-    """"a symbolic link" / "a directory" when that is what stands at ``path`` itself, else None."""
+    """What stands at ``path`` itself when it is not a regular file ("a symbolic link", "a
+    directory", "a FIFO", ...), else None (a regular file, or nothing)."""
     try:
         mode = os.lstat(path).st_mode
     except OSError:
         return None
-    return "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else None
+    if stat.S_ISREG(mode):
+        return None
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
 
 
 def _read_owner_at(path: str) -> dict | None:
@@ -166,11 +170,16 @@ def acquire(path: str, *, save_id: str, what: str, extra: dict | None = None) ->
     deadline = time.monotonic() + _BUSY_RETRY_S
     while True:
         try:
+            # A FIFO or a device planted at the lock's name is never opened (the open of a FIFO
+            # for writing, or of a device, acts on what is behind it).
+            planted = _in_the_way(path)
+            if planted in ("a FIFO", "a socket", "a device"):
+                raise OSError(errno.EINVAL, f"{path} is {planted}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             # ELOOP is also a symlink loop in a parent directory: name the lock only when lstat
             # says the lock itself is what is in the way
-            in_the_way = _in_the_way(path) if exc.errno in (errno.ELOOP, errno.EISDIR) else None
+            in_the_way = _in_the_way(path) if exc.errno in (errno.ELOOP, errno.EISDIR, errno.EINVAL) else None
             if in_the_way is not None:
                 # O_NOFOLLOW: a symlink planted at the lock's name is never followed (it could
                 # point anywhere). Say what is in the way, not "check the file system's health".
