@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.errors import CheckpointExistsError, DataFileMissingError, SaveInProgressError
+from distckpt.errors import CheckpointExistsError, CheckpointNotFoundError, DataFileMissingError, SaveInProgressError
 from distckpt.storage import open_store
 from tests.helpers.distributed import RankError, run_ranks
 
@@ -133,6 +133,11 @@ def test_manager_rotation_async_and_overwrite(s3_bucket):
     assert set(s3_bucket.keys("mgr/step_00000004")) == {"mgr/step_00000004/MANIFEST",
                                                         f"mgr/step_00000004/{new_id}/rank00000.bin"}
     assert torch.equal(distckpt.read(path, storage_options=opts)["w"], torch.full((5,), 9.0))
+    # The root itself is no checkpoint: said as of a local root (it said "objects but no
+    # MANIFEST: a save in progress, or one that crashed; never loadable").
+    with pytest.raises(CheckpointNotFoundError) as root_read:
+        distckpt.read(root, storage_options=opts)
+    assert root_read.value.details.get("found") == "manager root" and "step_00000004" in str(root_read.value)
 
 
 def test_damaged_index_object_is_named_by_load_and_verify(s3_bucket):

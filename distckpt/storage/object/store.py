@@ -61,6 +61,7 @@ from ...config import get_config
 from ...plan import ALIGNMENT
 from .. import ROOT_LOCK_NAME, Leftover, Store, join
 from ..base import Ownership
+from ..roots import holder_error
 from . import request as objrequest
 from .errors import NoSuchKey, client_config, translate
 from .lease import Lease
@@ -252,7 +253,13 @@ class ObjectStore(Store):
         data = self._read_small(join(path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_FILE_BYTES)
         if data is not None:
             return data
-        if self.objects(path):
+        found = self.objects(path)
+        if found:
+            # A manager root (or any parent of checkpoints) holds objects too: say what it is.
+            held = holder_error(path, sorted({rel.split("/")[0] for rel in found
+                                              if rel.count("/") == 1 and rel.endswith("/" + mf.MANIFEST_NAME)}), join)
+            if held is not None:
+                raise held
             raise CheckpointIncompleteError(
                 f"{path} holds objects but no MANIFEST: a save in progress, or one that crashed; never loadable",
                 path=path)

@@ -22,12 +22,12 @@ from ...hf import hf_files
 from ...manifest import MAGIC, MANIFEST_NAME
 from ...sizes import format_bytes
 from .. import is_url, normalize_path
+from ..roots import holder_error
 from .leftovers import TMP_RE, saves_of
 
 __all__ = ["check_checkpoint_dir", "checkpoint_path"]
 
 _DATA_RE = re.compile(r"rank[0-9]{5}\.bin\Z")
-_STEP_RE = re.compile(r"step_([0-9]+)\Z")
 # torch.save writes a zip archive (PyTorch >= 1.6) or, with _use_new_zipfile_serialization=False,
 # a bare pickle stream (protocol 2..5 start with 0x80 and the protocol number).
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -167,22 +167,9 @@ def _describe_dir(path: str) -> Exception | None:
             f"{path} is an empty directory: no checkpoint was ever saved here (or its files were deleted)", path=path, found="empty",
             remedy="Pass the directory that distckpt.save() wrote, or the step directory of a "
                    "CheckpointManager root (`distckpt ls ROOT` lists them).")
-    children = _committed_children(path, names)
-    steps = sorted((int(m.group(1)), n) for n in children if (m := _STEP_RE.match(n)))
-    if steps:
-        newest = os.path.join(path, steps[-1][1])
-        listed = ", ".join(n for _, n in steps[-5:])
-        more = f" ({len(steps)} in all)" if len(steps) > 5 else ""
-        return CheckpointNotFoundError(
-            f"{path} is a CheckpointManager root, not a checkpoint: it holds the committed steps "
-            f"{listed}{more}", path=path, found="manager root", steps=[s for s, _ in steps],
-            remedy=f"Pass one step directory, e.g. the newest: {newest}; or use "
-                   f"distckpt.CheckpointManager({path!r}).load(state), which loads the newest step.")
-    if children:
-        return CheckpointNotFoundError(
-            f"{path} is not a checkpoint but holds checkpoints in subdirectories: "
-            f"{', '.join(children[:5])}{' ...' if len(children) > 5 else ''}", path=path,
-            found="parent of checkpoints", remedy=f"Pass one of them, e.g. {os.path.join(path, children[0])}.")
+    held = holder_error(path, _committed_children(path, names), os.path.join)
+    if held is not None:
+        return held
     if any(_DATA_RE.match(n) for n in names):
         return CheckpointIncompleteError(
             f"{path} holds data files but no {MANIFEST_NAME}: the save that wrote them never "
