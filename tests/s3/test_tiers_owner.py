@@ -213,3 +213,16 @@ def test_a_dead_owners_lease_is_taken_once_unchanged_for_its_lease_whatever_it_c
         mgr.save(1, {"w": torch.arange(3.0)})
         assert mgr.wait_durable(1, timeout=120).durable
     assert lease - 0.5 <= took < lease + 60, took
+
+
+def test_something_else_at_the_owners_name_is_named(s3_bucket, tmp_path, monkeypatch):
+    """Objects under REMOTE/.distckpt-tiers.owner/ (SeaweedFS then refuses the lease's create as
+    if it existed, with nothing to read there) gave 'another save keeps taking it' naming no one."""
+    from distckpt.errors import CheckpointExistsError
+
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "2")
+    s3_bucket.fs.pipe_file(f"{s3_bucket.name}/run/.distckpt-tiers.owner/x", b"junk")
+    with pytest.raises(CheckpointExistsError) as refused:
+        TieredCheckpointManager(tmp_path / "a", f"{s3_bucket.url}/run", storage_options=s3_bucket.storage_options)
+    assert not isinstance(refused.value, SaveInProgressError)
+    assert "something else stands at that name" in str(refused.value), refused.value

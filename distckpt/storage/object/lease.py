@@ -170,7 +170,7 @@ class Lease(Ownership):
             EndpointUnreachableError and the other typed errors of a request.
         """
         lease_s = settings()["lease_s"]
-        waited = False
+        waited, unreadable = False, 0   # unreadable: creates refused with no record to read there
         for _attempt in range(4):
             now = time.time()
             record = {**(extra or {}), "host": socket.gethostname(), "pid": os.getpid(), "save_id": save_id,
@@ -185,6 +185,7 @@ class Lease(Ownership):
             if other is not None and other.get("save_id") == save_id:  # our create landed; its answer was lost
                 return cls(store, url, record, other_etag)._started(sent)
             if other is None:
+                unreadable += 1
                 continue  # released in between: create again
             live = cls.is_live(other, age_s=age, server_now=clock)
             if live and holder_dead is not None and holder_dead(other):
@@ -227,6 +228,13 @@ class Lease(Ownership):
                 if mine is not None and mine.get("save_id") == save_id:
                     return cls(store, url, record, mine_etag)._started(sent)
                 # another saver broke it first (or its owner renewed it): look again
+        if unreadable == 4:
+            # Never a lease: each create was refused, yet no record could be read there.
+            raise CheckpointExistsError(
+                f"could not take the lease {url}: its conditional create is refused, but no lease record is there "
+                f"to read: something else stands at that name (objects under {url}/, on a server that keeps "
+                f"directories?)", path=url, rank=rank,
+                remedy=f"Remove what is at {url} (distckpt writes only a small JSON object there).")
         raise SaveInProgressError(f"could not take the save lease {url}: another save keeps taking it", path=what,
                                   rank=rank, owner=None)
 
