@@ -855,8 +855,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             :func:`distckpt.read` for the source;
         UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
         non-tensor value torch.load(weights_only=True) would refuse); ConfigError (a ValueError) for
-        bad options, and for a source that is a delta of an incremental chain (it holds only changed
-        rows: convert a full checkpoint).
+        bad options; for a source that is a delta of an incremental chain (converted as the state
+        its chain composes), ChainBrokenError for a damaged or missing older link.
     """
     from .errors import CheckpointExistsError, ConfigError
 

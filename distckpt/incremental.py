@@ -687,7 +687,22 @@ class _ScatterRows:
         if self.mask is not None and not bool(self.mask.all()):
             idx, src = idx[self.mask], src[self.mask.to(src.device)]
         if idx.numel():
-            self.target.index_copy_(0, idx, src.to(dtype=self.target.dtype, device=self.target.device))
+            target, src = self.target, src.to(dtype=self.target.dtype, device=self.target.device)
+            bits = _SAME_SIZE_INT.get(target.element_size())
+            if bits is not None and target.dtype not in _INDEX_COPY_DTYPES:
+                # index_copy_ has no kernel for float8 and uint16/32/64 (a bare NotImplementedError
+                # made every delta of such a table unloadable): the rows' bits are copied instead,
+                # through an integer view of the same width, which is exact.
+                target, src = target.view(bits), src.view(bits)
+            target.index_copy_(0, idx, src)
+
+
+#: Integer dtypes of each element width: a bit-exact view for a row copy of any dtype of that width.
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The dtypes whose index_copy_ works on every device distckpt restores to (the rest go through _SAME_SIZE_INT).
+_INDEX_COPY_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                                torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+                                torch.complex128})
 
 
 def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:

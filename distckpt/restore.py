@@ -818,7 +818,12 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
         # With keys, an empty container is part of the result only when a key selects it (a
         # delta's containers of tracked tensors are empty in its own tree).
         empty = None if keys is None else (lambda f, ks=list(dict.fromkeys(keys)): _selects(f, ks))
-        tree = _rebuild(m.tree, vals, keep.__contains__, empty)
+        node = m.tree
+        if links is not None and path == source.path and node["t"] == "dict":
+            # A delta's records are no state of its own, not even as an empty container (a delta
+            # with no changed row left an empty "_incr" in the result).
+            node = {"t": "dict", "k": [[k, c] for k, c in node["k"] if k != DELTA_ROOT]}
+        tree = _rebuild(node, vals, keep.__contains__, empty)
         trees.append({} if tree is _SKIP else tree)
     for tree in trees[1:]:   # a chain's base tensors into its newest link's state (a dict: a saver's rule)
         _merge(trees[0], tree)

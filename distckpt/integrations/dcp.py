@@ -11,8 +11,8 @@ DCP's planner decides the layout (which rank writes which chunk, deduplicated re
 on load); distckpt stores it. What the writer produces is an ordinary distckpt checkpoint (a
 MANIFEST and one data file per rank, block checksums, ``distckpt verify`` / ``inspect`` / ``read``
 / ``load`` understand it), and the reader reads any whole checkpoint distckpt reads (one written by
-this writer, by ``distckpt.save``, or a DCP ``FileSystemWriter`` directory; not a delta of an
-incremental chain, which only distckpt.load composes: ConfigError).
+this writer, by ``distckpt.save``, or a DCP ``FileSystemWriter`` directory; a delta of an
+incremental chain is read as the state its chain composes, distckpt.chainview).
 
 How DCP's calls map onto a distckpt save (docs/INTEROP.md):
 
