@@ -137,16 +137,9 @@ def _step(engine, step: int) -> float:
     return loss.item()
 
 
-def _state(engine) -> dict:
-    """Every parameter (full), this rank's fp32 master partitions and Adam state as the base
-    optimizer holds them, buffers, the lr and the step counters. Collective (ZeRO-3 gathers)."""
-    import deepspeed
-    out = {"lr": float(engine.get_lr()[0]), "global_steps": engine.global_steps,
-           "global_samples": engine.global_samples}
-    params = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
-        for n, p in params:
-            out[f"param.{n}"] = p.detach().clone()
+def _masters_and_optim(engine) -> dict:
+    """This rank's fp32 master partitions and the base optimizer's state of each (no collective)."""
+    out = {}
     base = engine.optimizer
     while hasattr(base, "optimizer"):  # ZeRO / bf16 wrappers hold the torch optimizer that steps
         base = base.optimizer
@@ -159,6 +152,20 @@ def _state(engine) -> dict:
             out[f"master.{g}.{i}"] = p.detach().clone()
             for k, v in base.state.get(p, {}).items():
                 out[f"optim.{g}.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _state(engine) -> dict:
+    """Every parameter (full), this rank's fp32 master partitions and Adam state as the base
+    optimizer holds them, buffers, the lr and the step counters. Collective (ZeRO-3 gathers)."""
+    import deepspeed
+    out = {"lr": float(engine.get_lr()[0]), "global_steps": engine.global_steps,
+           "global_samples": engine.global_samples}
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
+        for n, p in params:
+            out[f"param.{n}"] = p.detach().clone()
+    out.update(_masters_and_optim(engine))
     for n, b in engine.module.named_buffers():
         out[f"buffer.{n}"] = b.detach().clone()
     return out
@@ -741,17 +748,7 @@ def _local_state(engine) -> dict:
            "sched": json.dumps(engine.lr_scheduler.state_dict(), default=str)}
     for n, p in engine.module.named_parameters():
         out[f"param.{n}"] = getattr(p, "ds_tensor", p).detach().clone()
-    base = engine.optimizer
-    while hasattr(base, "optimizer"):
-        base = base.optimizer
-    groups = [group["params"] for group in base.param_groups]
-    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):
-        groups = [[flat] for flat in engine.optimizer.fp32_partitioned_groups_flat]
-    for g, group in enumerate(groups):
-        for i, p in enumerate(group):
-            out[f"master.{g}.{i}"] = p.detach().clone()
-            for k, v in base.state.get(p, {}).items():
-                out[f"optim.{g}.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    out.update(_masters_and_optim(engine))
     return out
 
 

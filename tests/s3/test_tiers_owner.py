@@ -48,6 +48,34 @@ def _record(proc: subprocess.Popen, key: str) -> dict:
     raise AssertionError(f"the worker ended (rc {proc.wait()}) before printing {key!r}")
 
 
+def _ready_owner(mode: str, s3_bucket, tmp_path: Path, monkeypatch, lease_s: float = 3.0):
+    """A worker in ``mode`` that owns the tier on ``s3_bucket``/run (local tier tmp_path/a), its
+    first step durable, under a lease of ``lease_s`` (this process's too): (proc, remote, options)."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
+    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
+    proc = _spawn(mode, tmp_path / "a", remote, opts, lease_s)
+    try:
+        _record(proc, "ready")
+    except BaseException:
+        _reap(proc)
+        raise
+    return proc, remote, opts
+
+
+def _again_durable(proc: subprocess.Popen) -> None:
+    """Tell a ``lose``/``freeze`` worker to finish: its step drains once it owns the tier again."""
+    proc.stdin.write("again\n")
+    proc.stdin.flush()
+    _record(proc, "durable")
+    assert proc.wait(timeout=120) == 0
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _owner_key(bucket, prefix: str) -> str:
     return f"{prefix}/.distckpt-tiers.owner"
 
@@ -87,8 +115,7 @@ def test_a_restart_takes_its_killed_predecessors_lease_at_once_and_another_node_
         try:
             _record(proc, "ready")
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _reap(proc)
 
     # The same node restarts (its local tier recorded the dead manager's id): no wait.
     killed_holder(tmp_path / "a")
@@ -112,12 +139,8 @@ def test_a_restart_takes_its_killed_predecessors_lease_at_once_and_another_node_
 
 def test_an_owner_that_lost_the_tier_while_stalled_never_drains_or_rotates_there_while_the_new_owner_lives(
         s3_bucket, tmp_path, monkeypatch):
-    lease_s = 3.0
-    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
-    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
-    a = _spawn("lose", tmp_path / "a", remote, opts, lease_s)
+    a, remote, opts = _ready_owner("lose", s3_bucket, tmp_path, monkeypatch)  # A's step 1 is durable
     try:
-        _record(a, "ready")  # A owns the tier; its step 1 is durable
         os.killpg(a.pid, signal.SIGSTOP)  # stalled past its lease (a frozen host, a long GC pause)
         b = TieredCheckpointManager(tmp_path / "b", remote, storage_options=opts, keep_last_remote=1)
         try:
@@ -137,14 +160,9 @@ def test_an_owner_that_lost_the_tier_while_stalled_never_drains_or_rotates_there
             assert torch.equal(out["w"], torch.arange(5.0))
         finally:
             b.close()
-        a.stdin.write("again\n")  # B closed: A's retry takes the tier and drains step 2
-        a.stdin.flush()
-        _record(a, "durable")
-        assert a.wait(timeout=120) == 0
+        _again_durable(a)  # B closed: A's retry takes the tier and drains step 2
     finally:
-        if a.poll() is None:
-            os.killpg(a.pid, signal.SIGKILL)
-            a.wait()
+        _reap(a)
 
 
 def _stopped(pid: int, timeout: float = 120) -> None:
@@ -162,12 +180,8 @@ def test_an_owner_frozen_between_its_publish_and_its_rotation_deletes_nothing_of
     """An outside trial froze the owner right after its drain's ownership check and before its
     rotation: once resumed, its rotation deleted a durable step of the manager that had taken the
     tier meanwhile. The rotation now proves the owner (a renewal) right before each write."""
-    lease_s = 3.0
-    monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
-    remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
-    a = _spawn("freeze", tmp_path / "a", remote, opts, lease_s)
+    a, remote, opts = _ready_owner("freeze", s3_bucket, tmp_path, monkeypatch)  # A's step 10 is durable
     try:
-        _record(a, "ready")  # A owns the tier; its step 10 is durable
         a.stdin.write("go\n")
         a.stdin.flush()
         _stopped(a.pid)  # step 20 published, its rotation not begun
@@ -182,14 +196,9 @@ def test_an_owner_frozen_between_its_publish_and_its_rotation_deletes_nothing_of
             manifests = sorted(k for k in s3_bucket.keys("run") if k.endswith("/MANIFEST"))
             assert manifests == [f"run/step_{s:08d}/MANIFEST" for s in (1, 2, 10, 20)], manifests
             assert b.status(1).durable
-        a.stdin.write("again\n")
-        a.stdin.flush()
-        _record(a, "durable")
-        assert a.wait(timeout=120) == 0
+        _again_durable(a)
     finally:
-        if a.poll() is None:
-            os.killpg(a.pid, signal.SIGKILL)
-            a.wait()
+        _reap(a)
 
 
 @pytest.mark.parametrize("record", ["renewed_an_hour_ahead", "a_longer_lease_than_this_process"])
