@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any
 
-from .errors import ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
+from .errors import ChainBrokenError, CheckpointCorruptError, CheckpointNotFoundError, DistCkptError
 from .storage.posix.manifests import load_manifest, load_manifest_header
 
 __all__ = ["ChainLink", "chain_info", "chain_of", "dependencies", "META_KEY", "FORMAT"]

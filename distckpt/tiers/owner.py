@@ -5,7 +5,8 @@ rotation counts the other's, and deletes durable steps of a job that already rot
 copies away. So rank 0 of a manager holds the remote root's owner (``REMOTE/.distckpt-tiers.owner``,
 :meth:`distckpt.storage.base.Store.take_ownership`: a flock on a directory, a renewed lease on an
 object store) from construction to ``close()``, and proves it still holds it before each drain
-prepares, publishes, and rotates the remote root (:meth:`RemoteOwner.hold`).
+prepares, before it publishes, and before each write of the rotation that follows
+(:meth:`RemoteOwner.hold`). A closed manager never takes it again.
 
 A second job is refused (SaveInProgressError) while the owner lives. A restarted job must not
 wait for its own dead predecessor: a flock is free at once, but an object-store lease lives on
@@ -15,7 +16,8 @@ tier (``LOCAL/.distckpt-tiers.remote-owner``), and a lease whose holder ran on a
 (same host and local root) that recorded that very id is dead, because that node's leader holds
 the node's local owner flock now (``LOCAL/.distckpt-tiers.owner``), which the holder held for as
 long as it held the lease. Any other live lease (a job moved to new hosts, or another job) is
-watched: taken over once it lapses, refused once it is renewed.
+watched: taken over once it stays unchanged for its whole lease, refused once it is renewed
+(:meth:`distckpt.storage.object.lease.Lease.acquire`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+
 from .._dist import ControlGroup
 from ..errors import SaveInProgressError
 from ..storage import Ownership, Store, join
@@ -50,7 +53,6 @@ class RemoteOwner:
 
     def __init__(self, group: ControlGroup, layout: NodeLayout, local_store: Store, local_root: str,
                  remote_store: Store, remote_root: str) -> None:
-        self._rank = group.rank
         self._local_store, self._local_root = local_store, local_root
         self._remote_store, self._remote_root = remote_store, remote_root
         self.owner_id = uuid.uuid4().hex  # one per manager: a lost answer to its own create is recognised
