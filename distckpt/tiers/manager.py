@@ -243,33 +243,41 @@ class TieredCheckpointManager:
                 self._pair_tiers(self._group)
                 self._paired = True
             self._check_before_load = not remote_up
+            # The drain's own channel: its collectives never interleave with the training thread's.
+            # Bounded by DISTCKPT_DRAIN_TIMEOUT_S, not DISTCKPT_TIMEOUT_S: a rank with less to upload
+            # waits at the drain's gather for the slowest rank's upload, which is no lost peer.
+            # A channel per manager (built collectively, so the count agrees on every rank): a drain
+            # thread an earlier manager's close left inside a held request may still run collectives
+            # on its own channel, and they must never pair with this manager's. exit_safe: such a
+            # thread may still wait in a collective when the process exits (distckpt._dist).
+            self._drain_channel: str | None = None
+            self._drain_group = self._new_drain_group()
+            self._closed = False
+            # The local tier's room is checked once, when the first save tells a step's size.
+            self._room_checked: bool | None = None
+            self._saving: set[int] = set()  # steps whose local save is in flight on this rank
+            # step -> the AsyncSaveHandle of its async local save, from save() until it commits (its
+            # drain is then queued and the drain's state says the rest); a failed one stays, so that
+            # wait_durable raises its error. Written by the caller's and the save's threads.
+            self._async_saves: dict[int, Any] = {}
+            self._async_lock = threading.Lock()
+            self._first_async = None  # the handle of a first save made with blocking=False
+            self._drainer = self._new_drainer()
+            for step, save_id in self._undrained(remote_up):
+                log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
+                            step, self.remote_root)
+                self._drainer.enqueue(step, save_id)
         except BaseException:
+            # Nothing of a manager that failed to build stays behind: its drain thread, and the
+            # tiers' owners (a retry in this process would find its own leaked locks held).
+            drainer = getattr(self, "_drainer", None)
+            if drainer is not None:
+                try:
+                    drainer.close(0)
+                except Exception:  # noqa: BLE001 - the construction's own error is what is raised
+                    pass
             self._release_owner()
             raise
-        # The drain's own channel: its collectives never interleave with the training thread's.
-        # Bounded by DISTCKPT_DRAIN_TIMEOUT_S, not DISTCKPT_TIMEOUT_S: a rank with less to upload
-        # waits at the drain's gather for the slowest rank's upload, which is no lost peer.
-        # A channel per manager (built collectively, so the count agrees on every rank): a drain
-        # thread an earlier manager's close left inside a held request may still run collectives
-        # on its own channel, and they must never pair with this manager's. exit_safe: such a
-        # thread may still wait in a collective when the process exits (distckpt._dist).
-        self._drain_channel: str | None = None
-        self._drain_group = self._new_drain_group()
-        self._closed = False
-        # The local tier's room is checked once, when the first save tells a step's size.
-        self._room_checked: bool | None = None
-        self._saving: set[int] = set()  # steps whose local save is in flight on this rank
-        # step -> the AsyncSaveHandle of its async local save, from save() until it commits (its
-        # drain is then queued and the drain's state says the rest); a failed one stays, so that
-        # wait_durable raises its error. Written by the caller's and the save's threads.
-        self._async_saves: dict[int, Any] = {}
-        self._async_lock = threading.Lock()
-        self._first_async = None  # the handle of a first save made with blocking=False
-        self._drainer = self._new_drainer()
-        for step, save_id in self._undrained(remote_up):
-            log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
-                        step, self.remote_root)
-            self._drainer.enqueue(step, save_id)
 
     def _new_drain_group(self):
         """A control group on a new drain channel (collective: every rank builds it at the same
