@@ -106,7 +106,7 @@ def test_a_second_manager_is_refused_while_the_owner_renews_and_takes_the_tier_a
 
 def test_a_restart_takes_its_killed_predecessors_lease_at_once_and_another_node_waits_it_out(
         s3_bucket, tmp_path, monkeypatch, caplog):
-    lease_s = 20.0
+    lease_s = 12.0
     monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", str(lease_s))
     remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
 
@@ -205,13 +205,13 @@ def test_an_owner_frozen_between_its_publish_and_its_rotation_deletes_nothing_of
 def test_a_dead_owners_lease_is_taken_once_unchanged_for_its_lease_whatever_it_claims(
         s3_bucket, tmp_path, monkeypatch, record):
     """A dead owner's lease whose renewal lies an hour in this host's future (its host's clock ran
-    ahead), or whose lease (20 s) is longer than this process's (3 s), was refused for as long
+    ahead), or whose lease (10 s) is longer than this process's (3 s), was refused for as long
     as it claimed (up to a day). It is taken once the lease has stayed unchanged for the lease it
     states, as this process's own clock counts it."""
     monkeypatch.setenv("DISTCKPT_OBJECT_LEASE_S", "3")
     remote, opts = f"{s3_bucket.url}/run", s3_bucket.storage_options
     now = time.time()
-    lease = 3.0 if record == "renewed_an_hour_ahead" else 20.0
+    lease = 3.0 if record == "renewed_an_hour_ahead" else 10.0
     rec = {"host": "gone-host", "pid": 1, "save_id": "f" * 32, "what": "TieredCheckpointManager(dead)",
            "started_unix": now, "renewed_unix": now + (3600 if record == "renewed_an_hour_ahead" else 0),
            "lease_s": lease, "beat": 7, "local_root": "/nowhere"}
