@@ -41,3 +41,14 @@ def mount(args: list[str], target: str) -> None:
 
 def umount(target: str) -> None:
     subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+
+
+def open_paths() -> list[str]:
+    """What each of this process's open fds points to (a path, or "pipe:[...]" and the like)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:  # closed between the listing and the readlink (the listing's own fd)
+            pass
+    return out

@@ -516,13 +516,10 @@ def test_to_distckpt_leaves_no_descriptor_or_mapping_of_its_scratch_file(src, tm
     space per conversion). Checked with the collector off."""
     import gc
 
+    from tests.helpers.io_helpers import open_paths
+
     def held():
-        fds = []
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                fds.append(os.readlink(f"/proc/self/fd/{name}"))
-            except OSError:
-                pass
+        fds = open_paths()
         with open("/proc/self/maps") as f:
             maps = f.read()
         return sum(".distckpt-convert-" in t for t in fds), maps.count(".distckpt-convert-")

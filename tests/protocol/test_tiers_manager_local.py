@@ -15,6 +15,7 @@ from distckpt import errors
 from distckpt.tiers import TieredCheckpointManager
 
 from ..helpers.faults import mounts  # noqa: F401  (pytest fixture)
+from ..helpers.io_helpers import open_paths
 
 
 def _state(step: int, n: int = 1 << 16) -> dict:
@@ -243,19 +244,9 @@ def test_a_step_of_a_newer_format_version_is_not_passed_over(tmp_path, caplog):
     # Nothing of the manager that failed to build stays held: its owner locks leaked (an fd each),
     # and a second try in this process was refused by them (SaveInProgressError) instead of
     # raising the same error again.
-    assert not [p for p in _open_paths() if ".distckpt-tiers.owner" in p], _open_paths()
+    assert not [p for p in open_paths() if ".distckpt-tiers.owner" in p], open_paths()
     with pytest.raises(errors.ManifestCorruptError, match="format version 99"):
         TieredCheckpointManager(local, remote, keep_last_local=5)
-
-
-def _open_paths() -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return out
 
 
 def test_a_step_committed_before_an_error_after_its_commit_is_drained(tmp_path, monkeypatch):
