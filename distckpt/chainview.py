@@ -15,7 +15,7 @@ from typing import Any
 from .chain import ChainLink
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .fill import Part, box_tasks, fill_parts, reading
-from .incremental import DELTA_ROOT, Target, plan_deltas
+from .incremental import DELTA_ROOT, Target, plan_deltas, without_records
 from .restore import _chain_error, _selects, fill_boxes
 from .storage import open_store
 
@@ -38,10 +38,7 @@ class ChainView:
 
         tensors = {f: e for f, e in newest.manifest.tensors.items() if own(f)}
         tensors.update({f: base.manifest.tensors[f] for f in self.tracked})  # chain_of checked they are there
-        tree = newest.manifest.tree
-        if tree["t"] == "dict":
-            tree = {"t": "dict", "k": [[k, c] for k, c in tree["k"] if k != DELTA_ROOT]}
-        tree = _merged_tree(tree, _pruned_tree(base.manifest.tree, set(self.tracked)))
+        tree = _merged_tree(without_records(newest.manifest.tree), _pruned_tree(base.manifest.tree, set(self.tracked)))
         self.manifest = dataclasses.replace(newest.manifest, tensors=tensors, tree=tree,
                                             objects={f: e for f, e in newest.manifest.objects.items() if own(f)})
 

@@ -56,6 +56,14 @@ __all__ = ["IncrementalPolicy", "IncrementalSaver", "ChainLink", "chain_of", "ch
 DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 
 
+def without_records(tree: dict) -> dict:
+    """A delta's MANIFEST tree without its records' container (``DELTA_ROOT``): they are no state
+    of its own, not even as an empty container (a delta with no changed row has one)."""
+    if tree["t"] != "dict":
+        return tree
+    return {"t": "dict", "k": [[k, c] for k, c in tree["k"] if k != DELTA_ROOT]}
+
+
 # ------------------------------------------------------------------------------------------------
 # Row digests
 

@@ -240,9 +240,7 @@ class CheckpointManager:
         steps = self.steps()
         # The first 4 KiB of each MANIFEST (a local file's, or one ranged GET); when they do not
         # tell, the decode below.
-        for step, t in zip(steps, self._store.for_each(self._store.peek_commit_time, [self.path(s) for s in steps])):
-            if isinstance(t, Exception):
-                raise t
+        for step, t in zip(steps, self._peeked_commit_times(steps)):
             (untimed if t is None else timed).append((t, step))
         # A MANIFEST whose first bytes do not tell its time: decode it whole now (damaged, usually).
         infos = {}
@@ -262,6 +260,16 @@ class CheckpointManager:
             newest = _newest_by_commit([i for i in every if i.status == "committed"])
             return newest.step if newest is not None else None
         return None
+
+    def _peeked_commit_times(self, steps: list[int]) -> list[float | None]:
+        """The commit time each step's MANIFEST claims in its first bytes (None when they do not
+        tell), asked concurrently on an object store (Store.for_each). Raises the first step's
+        error, in order."""
+        out = self._store.for_each(self._store.peek_commit_time, [self.path(s) for s in steps])
+        for t in out:
+            if isinstance(t, Exception):
+                raise t
+        return out
 
     def _checked_info(self, step: int) -> StepInfo:
         info = _step_info(self.path(step), step_dirname(step), self._store)
@@ -501,9 +509,7 @@ class CheckpointManager:
         as the root's own save would fail the same way). Never raises."""
         try:
             steps = [int(m.group(1)) for m in map(_STEP_RE.match, self._store.list_children(self.root)) if m]
-            for t in self._store.for_each(self._store.peek_commit_time, [self.path(s) for s in steps]):
-                if isinstance(t, Exception):
-                    raise t
+            for t in self._peeked_commit_times(steps):
                 commitclock.observe(self.root, t)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone: it must not raise before the collective
             log.warning("distckpt: could not read the commit times under %s before saving (%s: %s): this save's "

@@ -45,7 +45,7 @@ from .errors import (typed_memory_error, ChainBrokenError, CheckpointCorruptErro
 from .fill import Part, Task, box_tasks, fill_boxes_of, fill_parts, reading, side_reads
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
 from .gcpause import gc_paused
-from .incremental import DELTA_ROOT, Target, link_error, plan_deltas
+from .incremental import DELTA_ROOT, Target, link_error, plan_deltas, without_records
 from .plan import Box, plan_reads
 from .source import Source, open_source
 from .staging.pool import wait_for_staging
@@ -818,11 +818,7 @@ def _read(source: Source, keys: Iterable[str] | None, verify: bool, allow_pickle
         # With keys, an empty container is part of the result only when a key selects it (a
         # delta's containers of tracked tensors are empty in its own tree).
         empty = None if keys is None else (lambda f, ks=list(dict.fromkeys(keys)): _selects(f, ks))
-        node = m.tree
-        if links is not None and path == source.path and node["t"] == "dict":
-            # A delta's records are no state of its own, not even as an empty container (a delta
-            # with no changed row left an empty "_incr" in the result).
-            node = {"t": "dict", "k": [[k, c] for k, c in node["k"] if k != DELTA_ROOT]}
+        node = without_records(m.tree) if links is not None and path == source.path else m.tree
         tree = _rebuild(node, vals, keep.__contains__, empty)
         trees.append({} if tree is _SKIP else tree)
     for tree in trees[1:]:   # a chain's base tensors into its newest link's state (a dict: a saver's rule)
