@@ -30,6 +30,16 @@ static PyObject *mod_probe_uring(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a))
     return PyLong_FromUnsignedLong(p.features);
 }
 
+/* Tests only: make ring_wait() use its poll(2) fallback (the path of kernels before 5.11). */
+static PyObject *mod_test_poll_wait(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    ring_force_poll_wait = on;
+    Py_RETURN_NONE;
+}
+
 /* Below this many bytes crc32c keeps the GIL: releasing and retaking it costs about as much as
    the checksum of 4 KiB (~0.1 us), and other threads gain nothing from so short a pause. */
 #define CRC32C_KEEP_GIL_BELOW (32 << 10)
@@ -118,6 +128,9 @@ static PyMethodDef module_methods[] = {
     {"probe_uring", mod_probe_uring, METH_NOARGS,
      "probe_uring() -> int: io_uring_setup + close; returns the feature bits. Raises OSError "
      "(EPERM under a seccomp filter or kernel.io_uring_disabled, ENOSYS without io_uring)."},
+    {"_test_poll_wait", mod_test_poll_wait, METH_O,
+     "_test_poll_wait(on): tests only; True makes every ring wait poll(2) the ring fd (the deadline "
+     "path of kernels without IORING_FEAT_EXT_ARG) instead of io_uring_enter's own timeout."},
     {"statx_dioalign", mod_statx_dioalign, METH_O,
      "statx_dioalign(path) -> (mem_align, offset_align, source): O_DIRECT alignment from statx "
      "STATX_DIOALIGN (source 'statx'; 0, 0 means O_DIRECT unsupported), else BLKSSZGET on the "

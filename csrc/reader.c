@@ -38,6 +38,8 @@ typedef struct {
     int closed;
     int busy;
     int use_uring;
+    int wedged;          /* a read outlived its deadline and its cancel: see reader_wait() */
+    unsigned timeout_ms; /* deadline of the wait for any one completion (0: none) */
     struct ring ring;
     size_t block_size;
     unsigned queue_depth;
@@ -72,14 +74,17 @@ static void reader_release(ReaderObject *r)
     if (r->closed)
         return;
     r->closed = 1;
+    if (r->fd >= 0)
+        close(r->fd); /* safe even when wedged: a request holds its own file reference */
+    r->fd = -1;
+    if (r->wedged)
+        return; /* reads may still land in staging or the registered buffer: keep both for ever */
     /* With the GIL (every caller but Reader_init's failure path, which has no registration):
      * closing the ring below drops the registration, so the held buffer can go now. */
     if (r->reg_view.obj)
         PyBuffer_Release(&r->reg_view);
-    /* read_into never returns with requests in flight, so nothing references staging here. */
-    if (r->fd >= 0)
-        close(r->fd);
-    r->fd = -1;
+    /* read_into and fill never return with requests in flight (unless wedged), so nothing
+     * references staging here. */
     ring_free(&r->ring);
     if (r->stage)
         munmap(r->stage, r->stage_sz);
@@ -100,19 +105,20 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObj
 static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"path", "block_size", "queue_depth", "offset_align", "mem_align",
-                             "uring", NULL};
+                             "uring", "timeout_ms", NULL};
     PyObject *path = NULL;
     Py_ssize_t block_size = 4 << 20, queue_depth = 8, offset_align = 4096, mem_align = 4096;
     int use_uring = 1, e = 0;
+    unsigned int timeout_ms = 0; /* 0: no deadline */
     long page = sysconf(_SC_PAGESIZE);
 
     if (r->path) {
         PyErr_SetString(PyExc_RuntimeError, "Reader already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnnp:Reader", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnnpI:Reader", kwlist, PyUnicode_FSConverter,
                                      &path, &block_size, &queue_depth, &offset_align, &mem_align,
-                                     &use_uring))
+                                     &use_uring, &timeout_ms))
         return -1;
     r->path = path;
     if (offset_align <= 0 || !is_pow2((size_t)offset_align) || mem_align <= 0 ||
@@ -126,6 +132,7 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
     r->offset_align = (size_t)offset_align;
     r->mem_align = (size_t)mem_align;
     r->use_uring = use_uring;
+    r->timeout_ms = timeout_ms;
     r->queue_depth = use_uring ? (unsigned)queue_depth : 1;
     r->stage_sz = r->queue_depth * r->block_size;
     r->closed = 0;
@@ -140,6 +147,26 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
         return -1;
     }
     return 0;
+}
+
+/* Wait for the next completion of a read loop (GIL released). Returns 0 when one is ready. When
+ * none came within the reader's deadline: cancels every read in flight and returns ETIMEDOUT once
+ * (*cancelled set); the caller stops submitting and goes on reaping, each wait now bounded by
+ * RING_CANCEL_GRACE_MS. When that grace passes too, or io_uring_enter itself fails, the reads
+ * still in flight may land at any time: the reader is wedged (its staging, its ring and the
+ * buffers of the call are never released) and the caller returns at once. */
+static int reader_wait(ReaderObject *r, int *cancelled)
+{
+    int e = ring_wait(&r->ring, *cancelled ? RING_CANCEL_GRACE_MS : r->timeout_ms);
+    if (!e)
+        return 0;
+    if (e == ETIME && !*cancelled) {
+        *cancelled = 1;
+        if (ring_cancel_all(&r->ring) == 0)
+            return ETIMEDOUT;
+    }
+    r->wedged = 1;
+    return e == ETIME ? ETIMEDOUT : e;
 }
 
 /* Completion of piece p with result res. Returns 0, a positive errno, or -1 for a short read. */
@@ -186,7 +213,7 @@ static int reader_run(ReaderObject *r, struct piece *ps, size_t np, size_t *bad)
     }
     {
         unsigned nslots = r->queue_depth, nfree = nslots, ninflight = 0;
-        int free_slots[4096];
+        int free_slots[4096], cancelled = 0;
         size_t next = 0;
         for (unsigned i = 0; i < nslots; i++)
             free_slots[i] = (int)i;
@@ -219,11 +246,18 @@ static int reader_run(ReaderObject *r, struct piece *ps, size_t np, size_t *bad)
             if (!ninflight)
                 break;
             {
-                int e = ring_wait(&r->ring);
+                int e = reader_wait(r, &cancelled);
                 uint64_t ud;
                 int32_t res;
-                if (e) /* the ring itself failed: nothing sane left to wait for */
-                    return e;
+                if (e) {
+                    if (!err || r->wedged) {
+                        err = e;
+                        *bad = next;
+                    }
+                    if (r->wedged)
+                        return err; /* reads still in flight: see reader_wait() */
+                    continue;       /* reap the cancelled reads; submit nothing more */
+                }
                 while (ring_pop(&r->ring, &ud, &res)) {
                     struct piece *p = &ps[ud];
                     int pe = piece_done(r, p, res);
@@ -351,9 +385,12 @@ static PyObject *Reader_read_into(ReaderObject *r, PyObject *arg)
         result = Py_NewRef(Py_None);
     }
 out:
-    for (Py_ssize_t i = 0; i < nviews; i++)
+    /* Wedged: direct reads may still land in the callers' buffers; keep them exported (and their
+     * objects alive) for ever rather than let that memory be freed and reused. */
+    for (Py_ssize_t i = 0; i < nviews && !r->wedged; i++)
         PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
+    if (!r->wedged)
+        PyMem_Free(views);
     PyMem_Free(ps);
     Py_XDECREF(seq);
     return result;
@@ -491,7 +528,7 @@ static int fill_loop(struct fill_job *j, size_t *bad)
     uint32_t slot_got[FILL_MAX_SLOTS];
     unsigned char slot_buffered[FILL_MAX_SLOTS];
     size_t next = 0;
-    int err = 0, stop = 0;
+    int err = 0, stop = 0, cancelled = 0;
 
     for (unsigned i = 0; i < j->nslots; i++)
         free_slots[i] = j->nslots - 1 - i;
@@ -547,9 +584,17 @@ static int fill_loop(struct fill_job *j, size_t *bad)
         {
             uint64_t ud;
             int32_t res;
-            int e = ring_wait(&r->ring);
-            if (e) /* the ring itself failed: nothing sane left to wait for */
-                return e;
+            int e = reader_wait(r, &cancelled);
+            if (e) {
+                if (!err || r->wedged) {
+                    err = e;
+                    *bad = next;
+                }
+                stop = 1;
+                if (r->wedged)
+                    return err; /* reads still in flight: see reader_wait() */
+                continue;       /* reap the cancelled reads */
+            }
             while (ring_pop(&r->ring, &ud, &res)) {
                 unsigned sl = (unsigned)ud;
                 size_t si = slot_seg[sl];
@@ -732,7 +777,7 @@ static PyObject *Reader_fill(ReaderObject *r, PyObject *args)
                                (unsigned long long)j.direct_bytes, (unsigned long long)j.buffered_bytes, Py_None);
     }
 out:
-    if (vb.obj)
+    if (vb.obj && !r->wedged) /* wedged: reads may still land in the slots (reader_wait) */
         PyBuffer_Release(&vb);
     if (vdone.obj)
         PyBuffer_Release(&vdone);
@@ -771,6 +816,7 @@ static PyObject *Reader_close(ReaderObject *r, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Reader_get_closed(ReaderObject *r, void *Py_UNUSED(c)) { return PyBool_FromLong(r->closed); }
 static PyObject *Reader_get_fileno(ReaderObject *r, void *Py_UNUSED(c)) { return PyLong_FromLong(r->fd); }
+static PyObject *Reader_get_wedged(ReaderObject *r, void *Py_UNUSED(c)) { return PyBool_FromLong(r->wedged); }
 
 static void Reader_dealloc(ReaderObject *r)
 {
@@ -800,6 +846,10 @@ static PyMethodDef Reader_methods[] = {
 static PyGetSetDef Reader_getset[] = {
     {"closed", (getter)Reader_get_closed, NULL, "True once close() ran.", NULL},
     {"fileno", (getter)Reader_get_fileno, NULL, "The O_DIRECT file descriptor (-1 once closed).", NULL},
+    {"wedged", (getter)Reader_get_wedged, NULL,
+     "True once a read outlived the deadline (timeout_ms) and its cancel: the call failed with "
+     "ETIMEDOUT and the reader keeps its staging, ring and the call's buffers for ever (the kernel "
+     "may still write into them).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

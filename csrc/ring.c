@@ -16,10 +16,17 @@
 #include "ring.h"
 
 #include <errno.h>
+#include <poll.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
+
+/* Tests only (_uring._test_poll_wait): wait through poll(2) even where the kernel has
+ * IORING_FEAT_EXT_ARG, so the fallback of kernels older than 5.11 runs here too. */
+int ring_force_poll_wait;
 
 int sys_io_uring_setup(unsigned entries, struct io_uring_params *p)
 {
@@ -29,6 +36,18 @@ int sys_io_uring_setup(unsigned entries, struct io_uring_params *p)
 static int sys_io_uring_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned flags)
 {
     return (int)syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, NULL, 0);
+}
+
+/* io_uring_enter(GETEVENTS) that returns -1/ETIME once `ts` passes with fewer than min_complete
+ * completions (IORING_ENTER_EXT_ARG, kernel 5.11+). */
+static int sys_io_uring_wait_until(int fd, unsigned min_complete, const struct __kernel_timespec *ts)
+{
+    struct io_uring_getevents_arg arg;
+    memset(&arg, 0, sizeof(arg));
+    arg.sigmask_sz = _NSIG / 8;
+    arg.ts = (uint64_t)(uintptr_t)ts;
+    return (int)syscall(__NR_io_uring_enter, fd, 0, min_complete,
+                        IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG, &arg, sizeof(arg));
 }
 
 int sys_io_uring_register(int fd, unsigned opcode, const void *arg, unsigned nr_args)
@@ -72,6 +91,7 @@ int ring_setup(struct ring *r, unsigned entries)
         return errno;
     }
     r->entries = p.sq_entries;
+    r->ext_arg = (p.features & IORING_FEAT_EXT_ARG) != 0;
     r->sq_sz = p.sq_off.array + p.sq_entries * sizeof(unsigned);
     r->cq_sz = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
     if (p.features & IORING_FEAT_SINGLE_MMAP) {
@@ -142,14 +162,86 @@ int ring_submit(struct ring *r, uint8_t opcode, int fd, void *addr, unsigned len
     }
 }
 
-/* Block until at least one completion is available. Returns 0 or a positive errno. */
-int ring_wait(struct ring *r)
+static int64_t now_ms(void)
 {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static int cq_ready(struct ring *r)
+{
+    return __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) != *r->cq_head;
+}
+
+/* Block until at least one completion is available, or until timeout_ms milliseconds have passed
+ * without one (timeout_ms 0: no deadline). Returns 0, ETIME at the deadline, or another positive
+ * errno. A signal (EINTR) does not end the wait early: the deadline bounds it.
+ *
+ * Why a deadline at all: a request the kernel consumed may never complete (seen once: an O_DIRECT
+ * write on ext4 whose completion never reached the ring, nothing in flight on the device, no
+ * io-wq worker), and a wait without one hangs its process for ever, where a checkpoint library
+ * must fail with a typed error. The caller decides what a missed deadline means (ring_cancel_all).
+ *
+ * Kernels with IORING_FEAT_EXT_ARG (5.11+) bound io_uring_enter itself; older ones poll(2) the
+ * ring fd (POLLIN once a completion is posted) and then enter to run pending completion work. */
+int ring_wait(struct ring *r, unsigned timeout_ms)
+{
+    int64_t deadline = timeout_ms ? now_ms() + timeout_ms : 0;
     for (;;) {
-        if (__atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) != *r->cq_head)
+        int64_t left;
+        if (cq_ready(r))
             return 0;
-        if (sys_io_uring_enter(r->fd, 0, 1, IORING_ENTER_GETEVENTS) >= 0)
-            continue;
+        if (!timeout_ms) {
+            if (sys_io_uring_enter(r->fd, 0, 1, IORING_ENTER_GETEVENTS) >= 0 || errno == EINTR)
+                continue;
+            return errno;
+        }
+        left = deadline - now_ms();
+        if (left <= 0)
+            return cq_ready(r) ? 0 : ETIME;
+        if (r->ext_arg && !ring_force_poll_wait) {
+            struct __kernel_timespec ts = {.tv_sec = left / 1000, .tv_nsec = (left % 1000) * 1000000};
+            if (sys_io_uring_wait_until(r->fd, 1, &ts) >= 0 || errno == EINTR || errno == ETIME)
+                continue; /* the loop's head looks at the ring and at the clock */
+            return errno;
+        } else {
+            struct pollfd pfd = {.fd = r->fd, .events = POLLIN};
+            int n = poll(&pfd, 1, left > 0x7fffffff ? 0x7fffffff : (int)left);
+            if (n < 0 && errno != EINTR)
+                return errno;
+            /* Completions may wait for this task to run their work: a GETEVENTS enter that asks for
+             * none runs it without blocking. */
+            if (sys_io_uring_enter(r->fd, 0, 0, IORING_ENTER_GETEVENTS) < 0 && errno != EINTR)
+                return errno;
+        }
+    }
+}
+
+/* Ask the kernel to cancel every request in flight on the ring (IORING_OP_ASYNC_CANCEL with
+ * IORING_ASYNC_CANCEL_ANY, kernel 5.19+). Returns 0 or a positive errno of the submission. The
+ * cancel's own completion carries RING_CANCEL_UD and is skipped by ring_pop(); each request it
+ * cancelled completes with -ECANCELED, and one already running on the device completes as it
+ * would have. A kernel without CANCEL_ANY fails the cancel itself (-EINVAL): nothing is
+ * cancelled, and the caller's grace wait decides as it would for a request that cannot be. */
+int ring_cancel_all(struct ring *r)
+{
+    unsigned tail = *r->sq_tail;
+    unsigned idx = tail & *r->sq_mask;
+    struct io_uring_sqe *sqe = &r->sqes[idx];
+    int ret;
+
+    memset(sqe, 0, sizeof(*sqe));
+    sqe->opcode = IORING_OP_ASYNC_CANCEL;
+    sqe->fd = -1;
+    sqe->cancel_flags = IORING_ASYNC_CANCEL_ANY;
+    sqe->user_data = RING_CANCEL_UD;
+    r->sq_array[idx] = idx;
+    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+    for (;;) {
+        ret = sys_io_uring_enter(r->fd, 1, 0, 0);
+        if (ret >= 0)
+            return 0;
         if (errno != EINTR)
             return errno;
     }

@@ -28,6 +28,7 @@
 struct ring {
     int fd;
     unsigned entries;
+    int ext_arg; /* IORING_FEAT_EXT_ARG: io_uring_enter takes a timeout (kernel 5.11+) */
     void *sq_ptr, *cq_ptr;
     size_t sq_sz, cq_sz;
     struct io_uring_sqe *sqes;
@@ -52,22 +53,39 @@ int ring_setup(struct ring *r, unsigned entries);
  * errno. The caller guarantees that fewer than `entries` requests are in flight. */
 int ring_submit(struct ring *r, uint8_t opcode, int fd, void *addr, unsigned len, uint64_t off,
                 uint64_t user_data, int buf_index);
-/* Block until at least one completion is available. Returns 0 or a positive errno. */
-int ring_wait(struct ring *r);
+/* Block until at least one completion is available, or for at most timeout_ms milliseconds
+ * (0: no deadline). Returns 0, ETIME when the deadline passed with none, or a positive errno. */
+int ring_wait(struct ring *r, unsigned timeout_ms);
+/* Ask the kernel to cancel every request in flight (their completions still come, as
+ * -ECANCELED or as done). Returns 0 or a positive errno. */
+int ring_cancel_all(struct ring *r);
+/* Tests only: 1 makes ring_wait() use its poll(2) fallback (module.c's _test_poll_wait). */
+extern int ring_force_poll_wait;
 
-/* Pop one available completion; returns 0 if none. Inline here: it runs once per completion
- * in the writer's and the reader's loops. */
+/* How long a caller waits, after ring_cancel_all(), for the cancelled requests to complete;
+ * those that still do not are in flight for good (the caller's object is then wedged). */
+#define RING_CANCEL_GRACE_MS 2000
+
+/* The user_data of ring_cancel_all()'s own request; ring_pop() consumes its completion. */
+#define RING_CANCEL_UD UINT64_MAX
+
+/* Pop one available completion of the caller's requests; returns 0 if none. The completion of
+ * ring_cancel_all()'s request is consumed here, never returned. Inline here: it runs once per
+ * completion in the writer's and the reader's loops. */
 static inline int ring_pop(struct ring *r, uint64_t *user_data, int32_t *res)
 {
-    unsigned head = *r->cq_head;
-    struct io_uring_cqe *cqe;
-    if (__atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) == head)
-        return 0;
-    cqe = &r->cqes[head & *r->cq_mask];
-    *user_data = cqe->user_data;
-    *res = cqe->res;
-    __atomic_store_n(r->cq_head, head + 1, __ATOMIC_RELEASE);
-    return 1;
+    for (;;) {
+        unsigned head = *r->cq_head;
+        struct io_uring_cqe *cqe;
+        if (__atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) == head)
+            return 0;
+        cqe = &r->cqes[head & *r->cq_mask];
+        *user_data = cqe->user_data;
+        *res = cqe->res;
+        __atomic_store_n(r->cq_head, head + 1, __ATOMIC_RELEASE);
+        if (*user_data != RING_CANCEL_UD)
+            return 1;
+    }
 }
 
 #endif

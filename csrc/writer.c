@@ -76,6 +76,8 @@ typedef struct {
     int fixed;               /* staging registered with IORING_REGISTER_BUFFERS */
     int want_fixed;          /* fixed_buffers=True: register at the first full staging block */
     int prealloc;            /* fallocate ahead still enabled */
+    int wedged;              /* a write outlived its deadline and its cancel: see writer_abandon */
+    unsigned timeout_ms;     /* deadline of the wait for any one completion (0: none) */
     struct ring ring;
     size_t block_size;       /* largest zero-copy request; sources >= it may skip staging */
     size_t stage_block;      /* bytes per staging block (one staged request), <= block_size */
@@ -189,10 +191,34 @@ static void writer_reap(WriterObject *w)
     }
 }
 
-/* Wait for one completion. Returns 0 or a positive errno of io_uring_enter itself. */
+/* No completion came within the deadline: fail the writer with ETIMEDOUT (sticky) and try to
+ * end what is in flight. The cancelled writes complete with -ECANCELED (or as done) within the
+ * grace; if some still do not, the writer is wedged: its staging, its ring and the held source
+ * are never released (writer_release(), writer_keep()), so the kernel can never touch memory
+ * that was freed or reused. A leak of one writer's few MiB, never a use after free. */
+static void writer_abandon(WriterObject *w)
+{
+    w->err = ETIMEDOUT; /* before reaping, so the cancelled writes' -ECANCELED is not the error */
+    if (ring_cancel_all(&w->ring) == 0) {
+        while (w->ninflight && ring_wait(&w->ring, RING_CANCEL_GRACE_MS) == 0)
+            writer_reap(w);
+    }
+    if (w->ninflight)
+        w->wedged = 1;
+}
+
+/* Wait for one completion. Returns 0, ETIMEDOUT when none came within the writer's deadline (the
+ * writer is then failed: writer_abandon), or a positive errno of io_uring_enter itself. */
 static int writer_wait_one(WriterObject *w)
 {
-    int e = ring_wait(&w->ring);
+    int e;
+    if (w->wedged)
+        return ETIMEDOUT;
+    e = ring_wait(&w->ring, w->timeout_ms);
+    if (e == ETIME) {
+        writer_abandon(w);
+        return ETIMEDOUT;
+    }
     if (e)
         return e;
     writer_reap(w);
@@ -505,9 +531,16 @@ static int writer_release(WriterObject *w)
     if (w->ring.fd >= 0)
         (void)writer_drain(w);
     if (w->fd >= 0) {
+        /* Closing the file is safe even when wedged: a request holds its own file reference. */
         if (close(w->fd) != 0)
             err = errno;
         w->fd = -1;
+    }
+    if (w->wedged || (w->use_uring && w->ninflight)) {
+        /* A write is still in flight (its deadline and its cancel passed, or io_uring_enter
+         * itself failed): the ring, staging and the bookkeeping stay allocated for ever. */
+        w->wedged = 1;
+        return err;
     }
     ring_free(&w->ring);
     if (w->stage) {
@@ -536,7 +569,7 @@ static int writer_release(WriterObject *w)
 /* After writer_release() (GIL held): nothing is in flight any more; let the held source go. */
 static void writer_drop_held(WriterObject *w)
 {
-    if (w->held) {
+    if (w->held && !w->wedged) { /* wedged: the kernel may still read it (writer_abandon) */
         PyBuffer_Release(&w->held_view);
         Py_CLEAR(w->held);
     }
@@ -582,11 +615,12 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"path", "block_size", "queue_depth", "offset_align", "uring",
                              "fixed_buffers", "prealloc_max", "mem_align", "stage_block", "stage_blocks",
-                             "zero_copy_min", NULL};
+                             "zero_copy_min", "timeout_ms", NULL};
     PyObject *path = NULL;
     Py_ssize_t block_size = 4 << 20, queue_depth = 8, offset_align = 4096;
     Py_ssize_t stage_block = 0, stage_blocks = 0; /* 0: block_size, queue_depth + 1 */
     Py_ssize_t zero_copy_min = 0;                 /* 0: block_size */
+    unsigned int timeout_ms = 0;                  /* 0: no deadline */
     long long prealloc_max = (long long)PREALLOC_MAX;
     Py_ssize_t mem_align = 0;
     int use_uring = 1, fixed = 0, e = 0;
@@ -596,10 +630,10 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "Writer already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnppLnnnn:Writer", kwlist, PyUnicode_FSConverter,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|nnnppLnnnnI:Writer", kwlist, PyUnicode_FSConverter,
                                      &path, &block_size, &queue_depth, &offset_align, &use_uring,
                                      &fixed, &prealloc_max, &mem_align, &stage_block, &stage_blocks,
-                                     &zero_copy_min))
+                                     &zero_copy_min, &timeout_ms))
         return -1;
     w->path = path; /* owned; bytes */
     if (offset_align <= 0 || !is_pow2((size_t)offset_align) || block_size <= 0 ||
@@ -631,6 +665,7 @@ static int Writer_init(WriterObject *w, PyObject *args, PyObject *kwds)
     }
     w->block_size = (size_t)block_size;
     w->zc_min = (size_t)zero_copy_min;
+    w->timeout_ms = timeout_ms;
     w->stage_block = (size_t)stage_block;
     w->offset_align = (size_t)offset_align;
     w->mem_align = (size_t)mem_align;
@@ -890,6 +925,7 @@ static PyObject *Writer_close(WriterObject *w, PyObject *Py_UNUSED(ignored))
 static PyObject *Writer_get_closed(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->closed); }
 static PyObject *Writer_get_fileno(WriterObject *w, void *Py_UNUSED(c)) { return PyLong_FromLong(w->fd); }
 static PyObject *Writer_get_fixed(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->fixed); }
+static PyObject *Writer_get_wedged(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->wedged); }
 static PyObject *Writer_get_holding(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->held != NULL); }
 static PyObject *Writer_get_direct_sources(WriterObject *w, void *Py_UNUSED(c))
 {
@@ -938,6 +974,10 @@ static PyGetSetDef Writer_getset[] = {
     {"direct_sources", (getter)Writer_get_direct_sources, NULL,
      "How many sources (0, 1, or 2 meaning more) have zero-copy writes in flight now: for tests of "
      "the rule that only the held source may.", NULL},
+    {"wedged", (getter)Writer_get_wedged, NULL,
+     "True once a write outlived the deadline (timeout_ms) and its cancel: the writer failed with "
+     "ETIMEDOUT and keeps its staging, ring and held source for ever (the kernel may still read "
+     "them).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

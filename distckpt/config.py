@@ -25,6 +25,9 @@ about once per process, naming the closest known variable: a silently ignored se
 | DISTCKPT_CHECKSUM_BLOCK     | 1M       | largest checksummed block; a save picks a smaller one (>= |
 |                             |          | 16 KiB) when its chunks are small (plan.choose_checksum_block)|
 | DISTCKPT_TIMEOUT_S          | 300      | bound on any control-plane collective (dead peer detection)|
+| DISTCKPT_IO_TIMEOUT_S       | 300      | bound on the wait for any one O_DIRECT read or write of    |
+|                             |          | the C core: a request the kernel never completes fails as  |
+|                             |          | StorageIOError (ETIMEDOUT) instead of hanging the rank     |
 | DISTCKPT_DRAIN_TIMEOUT_S    | 3600     | bound on a collective of a tiered manager's drain (its     |
 |                             |          | "drain" channel: a rank with less to upload waits there    |
 |                             |          | for the slowest rank's upload; docs/TIERS.md)              |
@@ -70,7 +73,7 @@ READ_ONCE_MODES = ("auto", "on", "off")
 KNOWN_VARIABLES = (
     # the library (this module)
     "DISTCKPT_IO_BACKEND", "DISTCKPT_READ_CACHE", "DISTCKPT_READ_ONCE", "DISTCKPT_QUEUE_DEPTH", "DISTCKPT_BLOCK_SIZE", "DISTCKPT_CHECKSUM_BLOCK",
-    "DISTCKPT_TIMEOUT_S", "DISTCKPT_DRAIN_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
+    "DISTCKPT_TIMEOUT_S", "DISTCKPT_IO_TIMEOUT_S", "DISTCKPT_DRAIN_TIMEOUT_S", "DISTCKPT_PREFLIGHT", "DISTCKPT_ARRIVAL_TIMEOUT_S", "DISTCKPT_STAGING_POOL_BYTES",
     "DISTCKPT_STAGE_BLOCK", "DISTCKPT_STAGE_BLOCKS", "DISTCKPT_DEVICE_STAGING", "DISTCKPT_ZERO_COPY_MIN",
     # object stores (distckpt.storage.object.settings)
     "DISTCKPT_OBJECT_PART_SIZE", "DISTCKPT_OBJECT_PARTS_IN_FLIGHT", "DISTCKPT_OBJECT_LEASE_S",
@@ -94,6 +97,7 @@ class Config:
     zero_copy_min: int = 8 << 20
     checksum_block: int = 1 << 20
     timeout_s: float = 300.0
+    io_timeout_s: float = 300.0
     drain_timeout_s: float = 3600.0
     preflight: bool = True
     arrival_timeout_s: float = 60.0
@@ -182,6 +186,15 @@ def load_config(env: dict | None = None) -> Config:
         raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout_raw!r} is not a number", variable="DISTCKPT_TIMEOUT_S") from None
     if not 1 <= timeout <= 86400:
         raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout} must be between 1 and 86400", variable="DISTCKPT_TIMEOUT_S")
+    io_timeout_raw = env.get("DISTCKPT_IO_TIMEOUT_S", "") or "300"
+    try:
+        io_timeout = float(io_timeout_raw)
+    except ValueError:
+        raise ConfigError(f"DISTCKPT_IO_TIMEOUT_S={io_timeout_raw!r} is not a number",
+                          variable="DISTCKPT_IO_TIMEOUT_S") from None
+    if not 0.1 <= io_timeout <= 86400:
+        raise ConfigError(f"DISTCKPT_IO_TIMEOUT_S={io_timeout} must be between 0.1 and 86400",
+                          variable="DISTCKPT_IO_TIMEOUT_S")
     drain_raw = env.get("DISTCKPT_DRAIN_TIMEOUT_S", "") or "3600"
     try:
         drain_timeout = float(drain_raw)
@@ -223,6 +236,7 @@ def load_config(env: dict | None = None) -> Config:
         zero_copy_min=zero_copy_min,
         checksum_block=_size(env, "DISTCKPT_CHECKSUM_BLOCK", 1 << 20, lo=4 << 10, hi=1 << 30),
         timeout_s=timeout,
+        io_timeout_s=io_timeout,
         drain_timeout_s=drain_timeout,
         preflight=preflight_raw == "1",
         arrival_timeout_s=arrival,

@@ -654,6 +654,9 @@ _ERRNO_CLASS: dict[int, type[StorageError]] = {
     _errno.EMFILE: TooManyOpenFilesError,
     _errno.ENFILE: TooManyOpenFilesError,
     _errno.EIO: StorageIOError,
+    # distckpt's own deadline on one O_DIRECT request (DISTCKPT_IO_TIMEOUT_S), or a soft network
+    # mount's: the storage stopped answering.
+    _errno.ETIMEDOUT: StorageIOError,
     _errno.ENOMEM: HostMemoryError,
 }
 
@@ -777,6 +780,14 @@ def from_os_error(
     elif code == _errno.EIO and operation == "fsync":
         remedy = ("fsync reported an I/O error: the data may be lost from the page cache, so the save "
                   "was failed, not retried; check dmesg and the disk.")
+    elif code == _errno.ETIMEDOUT:
+        message = (f"{operation} failed: [Errno {code}] the storage did not complete a request within the "
+                   f"deadline")
+        remedy = ("A read or write of this file got no answer in time: within DISTCKPT_IO_TIMEOUT_S (distckpt's "
+                  "bound on any one O_DIRECT request, default 300 s) or a soft network mount's own timeout. "
+                  "The device or the file system is stuck: check dmesg, the disk and the mount. A save that "
+                  "raised it was not committed; a read that raised it left the checkpoint as it was. "
+                  "Raise DISTCKPT_IO_TIMEOUT_S only for storage known to stall that long and recover.")
     elif cls is StoragePermissionError and _is_read(operation):
         # the class's remedy is a writer's ("make it writable"): a read needs read permission
         remedy = ("Make the checkpoint readable by this user: read permission on its files and search (x) "

@@ -84,7 +84,13 @@ class BackendChoice:
         """The arguments the C Writer and Reader share for this choice (uring or pwrite)."""
         cfg = get_config()
         return {"block_size": max(cfg.block_size, self.offset_align), "queue_depth": cfg.queue_depth,
-                "offset_align": self.offset_align, "mem_align": self.mem_align, "uring": self.name == "uring"}
+                "offset_align": self.offset_align, "mem_align": self.mem_align, "uring": self.name == "uring",
+                "timeout_ms": io_timeout_ms()}
+
+
+def io_timeout_ms() -> int:
+    """DISTCKPT_IO_TIMEOUT_S in milliseconds: the C core's bound on the wait for any one request."""
+    return max(1, round(get_config().io_timeout_s * 1000))
 
 
 _lock = threading.Lock()
@@ -217,7 +223,8 @@ def _probe_direct_read(sample: str, use_uring: bool, mem_align: int, offset_alig
     how = "io_uring" if use_uring else "pread"
     try:
         r = _uring.Reader(sample, block_size=max(offset_align, os.sysconf("SC_PAGESIZE"), 65536),
-                          queue_depth=1, offset_align=offset_align, mem_align=mem_align, uring=use_uring)
+                          queue_depth=1, offset_align=offset_align, mem_align=mem_align, uring=use_uring,
+                          timeout_ms=io_timeout_ms())
         try:
             if r.size() > 0:
                 r.read_into([(0, 1, bytearray(1))])
@@ -238,7 +245,7 @@ def _probe_direct(directory: str, use_uring: bool, offset_align: int) -> tuple[s
     how = "io_uring" if use_uring else "pwrite"
     try:
         w = _uring.Writer(path, block_size=max(offset_align, os.sysconf("SC_PAGESIZE"), 65536),
-                          queue_depth=1, offset_align=offset_align, uring=use_uring)
+                          queue_depth=1, offset_align=offset_align, uring=use_uring, timeout_ms=io_timeout_ms())
         try:
             w.write(b"\0")
             w.flush()

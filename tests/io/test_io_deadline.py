@@ -1,0 +1,202 @@
+"""The C core's completion deadline: an O_DIRECT request that the kernel never completes fails as a
+typed error within DISTCKPT_IO_TIMEOUT_S instead of hanging its rank for ever.
+
+The storage that stops answering is real: a FUSE file system (tests/helpers/stallfs.py) whose
+read() and write() handlers wait while a flag file exists, so the kernel's request stays in flight
+as it would on a stuck device. Without the deadline every test here would wait until its watchdog
+removed the flag (20 s) and then see the write or read succeed, and fail.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from distckpt import _uring
+from tests.helpers.io_helpers import REPO, open_paths
+
+DEADLINE_MS = 700
+GRACE_S = 2.0  # csrc/ring.h RING_CANCEL_GRACE_MS
+WATCHDOG_S = 20.0  # far past deadline + grace: a test that reaches it has seen no deadline
+
+
+@pytest.fixture
+def stallfs(tmp_path):
+    """(mountpoint, stall): a FUSE mount whose reads and writes wait while ``stall`` is set.
+    ``stall(True, only=TEXT)`` arms it for the files whose path contains TEXT (every file by
+    default), with a watchdog that releases it after WATCHDOG_S; ``stall(False)`` releases it (and
+    so does the teardown, before unmounting)."""
+    if shutil.which("fusermount3") is None or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs FUSE (fusermount3, /dev/fuse)")
+    pytest.importorskip("mfusepy")
+    mnt, flag = tmp_path / "mnt", tmp_path / "stall.flag"
+    mnt.mkdir()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.stallfs", str(mnt), str(flag)], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    timers: list[threading.Timer] = []
+
+    def stall(on: bool, release_after: float = WATCHDOG_S, only: str = "") -> None:
+        if on:
+            tmp = flag.with_suffix(".tmp")
+            tmp.write_text(only)
+            tmp.rename(flag)
+            t = threading.Timer(release_after, lambda: flag.unlink(missing_ok=True))
+            t.daemon = True
+            t.start()
+            timers.append(t)
+        else:
+            flag.unlink(missing_ok=True)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the FUSE daemon did not mount: {proc.stderr.read().decode(errors='replace')}")
+            time.sleep(0.05)
+        yield str(mnt), stall
+    finally:
+        for t in timers:
+            t.cancel()
+        flag.unlink(missing_ok=True)
+        time.sleep(0.2)  # the released requests reach the daemon and complete
+        r = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _open_under(path: str) -> list[str]:
+    return [p for p in open_paths() if p.startswith(path)]
+
+
+@pytest.mark.parametrize("wait", ["ext_arg", "poll"])
+def test_a_write_that_never_completes_fails_with_etimedout_and_the_writer_keeps_its_memory(stallfs, wait):
+    """The write is stuck for good (its cancel cannot end a FUSE request in progress): the call
+    fails with ETIMEDOUT after the deadline plus the cancel's grace, the writer is wedged (staging
+    and ring kept for ever, the held source too), close() returns at once and closes the file."""
+    mnt, stall = stallfs
+    _uring._test_poll_wait(wait == "poll")
+    try:
+        path = os.path.join(mnt, "stuck.bin")
+        w = _uring.Writer(path, block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+        src = bytearray(b"x" * (4 << 20))
+        stall(True)
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as info:
+            w.write(src)
+            w.flush()
+        took = time.monotonic() - t0
+        assert info.value.errno == errno.ETIMEDOUT, info.value
+        assert DEADLINE_MS / 1000 - 0.05 <= took < DEADLINE_MS / 1000 + GRACE_S + 3, took
+        assert w.wedged
+        t0 = time.monotonic()
+        w.close()
+        assert time.monotonic() - t0 < 1.0
+        assert w.closed and w.fileno == -1 and not _open_under(path)
+        stall(False)
+    finally:
+        _uring._test_poll_wait(False)
+
+
+def test_a_write_that_completes_during_the_grace_leaves_nothing_behind(stallfs):
+    """The device answers late, after the deadline but within the cancel's grace: the call still
+    fails with ETIMEDOUT (the save is not trusted), but every request completed, so the writer is
+    not wedged and close() releases all it holds; a new writer on the same mount works."""
+    mnt, stall = stallfs
+    w = _uring.Writer(os.path.join(mnt, "late.bin"), block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+    stall(True, release_after=DEADLINE_MS / 1000 + 0.8)
+    with pytest.raises(OSError) as info:
+        w.write(b"y" * (3 << 20))
+        w.flush()
+    assert info.value.errno == errno.ETIMEDOUT
+    assert not w.wedged
+    w.close()
+    assert not _open_under(mnt)
+    w = _uring.Writer(os.path.join(mnt, "after.bin"), block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+    w.write(b"z" * (3 << 20))
+    w.flush()
+    w.close()
+    with open(os.path.join(mnt, "after.bin"), "rb") as f:
+        assert f.read() == b"z" * (3 << 20)
+
+
+def test_a_read_that_never_completes_fails_with_etimedout_and_keeps_the_destination_exported(stallfs):
+    """read_into straight into the caller's buffer (aligned, so O_DIRECT lands in it): the stuck
+    read fails with ETIMEDOUT and the reader is wedged; the destination stays exported for ever (a
+    bytearray with an export cannot be resized, so its memory cannot move or be freed under a read
+    that may still land)."""
+    mnt, stall = stallfs
+    path = os.path.join(mnt, "data.bin")
+    w = _uring.Writer(path, block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+    w.write(b"d" * (2 << 20))
+    w.flush()
+    w.close()
+    r = _uring.Reader(path, block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+    staging = bytearray(2 << 20)  # unaligned: read through the reader's staging
+    stall(True)
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as info:
+        r.read_into([(0, 2 << 20, staging)])
+    assert info.value.errno == errno.ETIMEDOUT
+    assert time.monotonic() - t0 < DEADLINE_MS / 1000 + GRACE_S + 3
+    assert r.wedged
+    mem = torch.empty(2 << 20, dtype=torch.uint8)  # page-aligned memory: a direct read
+    direct = bytearray(2 << 20)
+    r.close()
+    assert r.closed and not _open_under(path)
+    stall(False)
+    r2 = _uring.Reader(path, block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+    stall(True)
+    with pytest.raises(OSError) as info:
+        r2.read_into([(0, 2 << 20, direct)])
+    assert info.value.errno == errno.ETIMEDOUT and r2.wedged
+    with pytest.raises(BufferError):
+        direct.extend(b"more")  # still exported by the wedged reader
+    r2.close()
+    stall(False)
+    del mem
+
+
+def test_a_save_onto_storage_that_stops_answering_raises_storage_io_error_and_commits_nothing(stallfs, monkeypatch):
+    """distckpt.save on the stalled mount: StorageIOError (ETIMEDOUT), the previous checkpoint
+    intact and loadable, no half-written checkpoint that looks complete, no fd left open on the
+    mount. The stall ends after STALL_S: without the deadline the save would then succeed. (The
+    error reaches the caller only then: the save's abort unlinks the data file, and this FUSE
+    daemon's path locks make an unlink wait for the file's stalled write; on a block device an
+    unlink does not wait for the I/O in flight.)"""
+    import distckpt
+    from distckpt.errors import StorageIOError
+
+    mnt, stall = stallfs
+    monkeypatch.setenv("DISTCKPT_IO_TIMEOUT_S", str(DEADLINE_MS / 1000))
+    state = {"w": torch.arange(6 << 20, dtype=torch.float32), "b": torch.ones(7)}
+    distckpt.save(state, os.path.join(mnt, "step_1"))
+    # The data files' writes stall (the C core's O_DIRECT io_uring writes, which have the
+    # deadline); the save lock's and the MANIFEST's small buffered writes do not (docs/ERRORS.md:
+    # synchronous calls block as long as the kernel blocks them).
+    stall_s = DEADLINE_MS / 1000 + GRACE_S + 1.5
+    stall(True, release_after=stall_s, only="/rank")
+    t0 = time.monotonic()
+    with pytest.raises(StorageIOError) as info:
+        distckpt.save({"w": state["w"] + 1, "b": state["b"]}, os.path.join(mnt, "step_2"))
+    took = time.monotonic() - t0
+    assert info.value.errno == errno.ETIMEDOUT and "DISTCKPT_IO_TIMEOUT_S" in str(info.value), info.value
+    assert took < stall_s + 5, took
+    assert not _open_under(mnt)
+    assert not os.path.exists(os.path.join(mnt, "step_2", "MANIFEST"))
+    out = {"w": torch.zeros(6 << 20), "b": torch.zeros(7)}
+    distckpt.load(out, os.path.join(mnt, "step_1"))
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
