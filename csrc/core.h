@@ -18,6 +18,12 @@
  *     returns, so no caller memory is referenced after a method returns.
  *   - No request is ever in flight when a staging buffer is unmapped or the ring fd closed: close()
  *     (and dealloc, which calls it) first waits for every outstanding completion.
+ *   - Every wait for a completion has a deadline (the objects' timeout_ms, DISTCKPT_IO_TIMEOUT_S):
+ *     past it the requests in flight are cancelled and the call raises OSError(ETIMEDOUT). A
+ *     request that outlives its cancel's grace too leaves the object *wedged* (its `wedged`
+ *     attribute): it then never unmaps its staging, never closes its ring and never releases the
+ *     caller buffers of that call, so the kernel cannot write into memory that was freed or reused
+ *     (a leak, by design). Its file fd is still closed by close().
  *   - close() is idempotent and releases everything the object owns (file fd, ring fd, ring
  *     mappings, staging memory). After close() the object holds no fd.
  *   - Staging buffers are mmap()ed (page aligned, so aligned for any DIO memory alignment up to the

@@ -13,7 +13,8 @@
  * a load fills the cache; -1 for none) is the caller's: borrowed for the call, never closed here. `fileno` is a view for fstat callers.
  *
  * Invariants: read_into() and fill() never return with a request in flight, so release never
- * waits. The buffer fill() registered with the ring stays exported (reg_view) until the reader
+ * waits; the one exception is a wedged reader (reader_wait()), which then keeps its staging, its
+ * ring and the call's buffers for ever. The buffer fill() registered with the ring stays exported (reg_view) until the reader
  * closes or a call passes another buffer, so its pages stay mapped while the kernel holds them;
  * reader_release() drops that export and then closes the ring (which drops the registration).
  * A short read that ends before the requested bytes raises EOFError. See core.h for the

@@ -11,7 +11,8 @@
  *     ring_setup() leaves nothing open or mapped. ring_free() is safe on a ring that was only
  *     ring_init_empty()ed, that failed to set up, or that was already freed.
  *   - The caller never calls ring_free() with a request in flight (the kernel could still write
- *     into memory about to be released: the objects drain first), and never submits with
+ *     into memory about to be released: the objects drain first; one whose request outlived
+ *     ring_wait()'s deadline and ring_cancel_all()'s grace never frees it), and never submits with
  *     `entries` requests in flight (so the SQ always has room). The CQ is twice the SQ, so
  *     completions never overflow.
  *   - Every function returns 0 or a positive errno (ring_pop: 1 or 0); nothing raises, prints

@@ -11,7 +11,8 @@
  * fd and the ring fd are closed only by writer_release(): from close() (which raises OSError if
  * close(2) of the file fails; the fd is gone either way), from dealloc, or from Writer_init's
  * failure path. writer_release() first waits for every write in flight, then closes the file,
- * then frees the ring, then unmaps staging. `fileno` is a view for fstat/fsync callers: the
+ * then frees the ring, then unmaps staging (a wedged writer, whose write outlived its deadline
+ * and its cancel, closes the file and keeps the rest for ever: writer_abandon()). `fileno` is a view for fstat/fsync callers: the
  * caller never closes it.
  *
  * Invariants: zero-copy writes are complete before write() returns (the caller's memory is never
@@ -414,8 +415,9 @@ static void writer_keep(WriterObject *w, PyObject *hold, Py_buffer *view)
     if (w->use_uring && w->d_inflight)
         writer_direct_gens(w, &cur, &old);
     if (cur && (!hold || old)) {
-        /* Only after io_uring_enter itself failed, so writer_settle() could not wait: the kernel
-         * may still read this buffer. It is never released: a leak, never a use after free. */
+        /* Only after io_uring_enter itself failed or a write outlived its deadline and its cancel
+         * (wedged), so writer_settle() could not wait: the kernel may still read this buffer. It
+         * is never released: a leak, never a use after free. */
         if (hold)
             Py_INCREF(hold);
         return;
