@@ -426,6 +426,17 @@ def _malloc_trim() -> None:
         pass
 
 
+def _unmap(mm: mmap.mmap) -> None:
+    """Unmap ``mm`` unless a buffer of it is still exported: then it is unmapped when the last
+    export goes. A C reader keeps its call's buffer exported for ever once a read outlived its
+    deadline and its cancel (csrc/reader.c, wedged), so that the kernel never writes into memory
+    that was unmapped and reused; the load's own typed error is what the caller must see."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
 class _Buffer:
     """One page-aligned anonymous mapping, as a uint8 tensor and a memoryview."""
 
@@ -438,10 +449,7 @@ class _Buffer:
     def close(self) -> None:
         self.tensor = None
         self.view.release()
-        try:
-            self.mm.close()
-        except BufferError:  # a view still exported somewhere: unmapped when it is collected
-            pass
+        _unmap(self.mm)
 
 
 class _Session:
@@ -492,7 +500,7 @@ class _Session:
                 r.close()
             slots, self._slots = self._slots, None
             if slots is not None:
-                slots.close()
+                _unmap(slots)
 
     def submit(self, fn: Callable[[], None], n: int) -> list[concurrent.futures.Future]:
         if self._pool is None:
@@ -670,7 +678,7 @@ def _pipeline(paths: Mapping[int, str], plans: list[list[_Segment]], open_reader
                 break
     finally:
         if mm is not None:
-            mm.close()
+            _unmap(mm)
     return rest
 
 

@@ -3,7 +3,8 @@
 Run as a daemon process (``python -m tests.helpers.stallfs MOUNTPOINT FLAG``): an in-memory file
 system (the operations of tests/helpers/powercut_fs.py, never cut) served by several threads. While
 the file ``FLAG`` exists (outside the mount), every read() and write() of a file whose path
-contains FLAG's text (all files when it is empty) waits in this process, as a stuck device or an
+contains FLAG's text (all files when it is empty; ``TEXT@N``: only at offsets below N) waits in
+this process, as a stuck device or an
 unanswering server would: the kernel's request stays in flight and the caller's I/O does not
 complete. Removing ``FLAG`` lets them all finish. Metadata, flush
 and release are served at once, so a caller that gives up on a stalled request can still close its
@@ -34,23 +35,23 @@ class StallFS(PowerCutFS):
             conn.max_background = 4096
             conn.congestion_threshold = 4096
 
-    def _stall(self, path: str) -> None:
+    def _stall(self, path: str, offset: int) -> None:
         while True:
             try:
                 with open(self.flag) as f:
-                    part = f.read()
+                    part, _, below = f.read().partition("@")
             except FileNotFoundError:
                 return
-            if part not in path:
+            if part not in path or (below and offset >= int(below)):
                 return
             time.sleep(0.02)
 
     def read(self, path, size, offset, fh):
-        self._stall(path)
+        self._stall(path, offset)
         return super().read(path, size, offset, fh)
 
     def write(self, path, data, offset, fh):
-        self._stall(path)
+        self._stall(path, offset)
         return super().write(path, data, offset, fh)
 
 

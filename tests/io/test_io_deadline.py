@@ -200,3 +200,33 @@ def test_a_save_onto_storage_that_stops_answering_raises_storage_io_error_and_co
     out = {"w": torch.zeros(6 << 20), "b": torch.zeros(7)}
     distckpt.load(out, os.path.join(mnt, "step_1"))
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+
+
+@pytest.mark.parametrize("read_cache", ["direct", "auto"])
+def test_a_load_from_storage_that_stops_answering_raises_storage_io_error(stallfs, monkeypatch, read_cache):
+    """distckpt.load on the stalled mount, through the C read pipeline (O_DIRECT, "direct") or
+    the default choice: StorageIOError (ETIMEDOUT), not a hang and not the BufferError of
+    unmapping bounce slots that a wedged reader keeps exported; the checkpoint loads afterwards.
+    Only the tensor bytes stall (the file's first 24 MiB): the index at its end is read with a
+    plain pread, which has no deadline of distckpt's (docs/ERRORS.md, StorageIOError)."""
+    import distckpt
+    from distckpt.errors import StorageIOError
+
+    mnt, stall = stallfs
+    monkeypatch.setenv("DISTCKPT_IO_TIMEOUT_S", str(DEADLINE_MS / 1000))
+    monkeypatch.setenv("DISTCKPT_READ_CACHE", read_cache)
+    state = {"w": torch.arange(6 << 20, dtype=torch.float32), "b": torch.ones(7)}
+    path = os.path.join(mnt, "step_1")
+    distckpt.save(state, path)
+    with open(os.path.join(path, "rank00000.bin"), "rb") as f:  # drop it from the page cache
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    stall_s = DEADLINE_MS / 1000 + GRACE_S + 1.5
+    stall(True, release_after=stall_s, only=f"/rank@{24 << 20}")
+    out = {"w": torch.zeros(6 << 20), "b": torch.zeros(7)}
+    with pytest.raises(StorageIOError) as info:
+        distckpt.load(out, path)
+    assert info.value.errno == errno.ETIMEDOUT, info.value
+    stall(False)
+    time.sleep(0.3)
+    distckpt.load(out, path)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
