@@ -14,7 +14,7 @@ from typing import Any
 
 from .chain import ChainLink
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
-from .fill import Part, box_tasks, fill_parts, reading
+from .fill import Part, box_tasks, fill_parts, reading, side_reads
 from .incremental import DELTA_ROOT, Target, plan_deltas, without_records
 from .restore import _chain_error, _selects, fill_boxes
 from .storage import open_store
@@ -61,8 +61,12 @@ class ChainView:
                     reads, _ids = plan_deltas(list(reversed(self.links[:-1])), targets, self.tracked, self.verify,
                                               ids_cache=self._ids)
                     store = open_store(base.path)
-                    fill_parts([Part(store, path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
-                               verify=self.verify)
+                    # The deltas' rows of a box are a small share of it: read beside the base's
+                    # pipeline slots (side_reads), which a caller reading slice by slice
+                    # (convert's keep_open session) then keeps mapped and registered.
+                    with side_reads():
+                        fill_parts([Part(store, path, m, box_tasks(path, m, reqs)) for path, m, reqs in reads],
+                                   verify=self.verify)
         except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
             broken = _chain_error(exc, self.links)
             if broken is exc:

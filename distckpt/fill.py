@@ -7,7 +7,8 @@ What it promises (restore.load / restore.read rely on it):
     checksum therefore leaves each byte of the caller's tensors either as it was or equal to the
     checkpoint's; the error names the tensors that were filled completely and those filled in part.
   * Bounded memory: ``PIPELINE_SLOTS`` bounce slots, then ``WORKERS`` bounce buffers (never both
-    at once), of ``SEGMENT`` bytes each (more only when the checkpoint's checksum block, and a
+    at once, but for the one worker of a :func:`side_reads` fill, whose buffer of about
+    ``SIDE_SEGMENT`` may sit beside the slots), of ``SEGMENT`` bytes each (more only when the checkpoint's checksum block, and a
     chunk read, are larger),
     mmapped for the call and unmapped before returning or raising (inside :func:`reading`: the
     workers' buffers when the block exits; idle ones are unmapped before the slots are mapped);
@@ -507,10 +508,15 @@ class _Session:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="distckpt-read")
         return [self._pool.submit(fn) for _ in range(n)]
 
-    def take(self, size: int) -> _Buffer:
+    def take(self, size: int, keep_slots: bool = False) -> _Buffer:
         """An idle buffer of at least ``size`` bytes, or a new one (an idle smaller one is unmapped
-        first: at most one buffer per worker exists). Kept slots are unmapped first."""
-        self.drop_slots()
+        first: at most one buffer per worker exists). Kept slots are unmapped first, unless
+        ``keep_slots`` (the one worker of a :func:`side_reads` fill, whose buffer of about
+        ``SIDE_SEGMENT`` fits the budget beside them: a conversion of an incremental chain reads
+        each slice's delta rows that way, and unmapping the slots there cost their mapping and
+        registration again at every slice)."""
+        if not keep_slots:
+            self.drop_slots()
         with self._lock:
             for i, b in enumerate(self._idle):
                 if b.size >= size:
@@ -799,7 +805,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
     nworkers = 1 if side else max(1, min(_workers(paths), len(rest)))
 
     def work() -> None:
-        bounce = session.take(bufsize)
+        bounce = session.take(bufsize, keep_slots=side)
         buf, view = bounce.tensor, bounce.view
         readers: dict[int, Any] = {}
         try:

@@ -425,6 +425,40 @@ def test_convert_of_a_delta_writes_the_state_its_chain_composes(tmp_path):
     assert not (tmp_path / "out_broken").exists()
 
 
+def test_convert_of_a_delta_slice_by_slice_keeps_its_read_slots_mapped(tmp_path, monkeypatch):
+    """convert of a delta reads each slice from the base through the C pipeline's slots and the
+    deltas' rows inside it through a worker. The worker's buffer used to unmap the slots (and
+    close the readers holding them registered) at every slice, so the next slice mapped,
+    faulted in and registered them again: 9.65 s against 0.35 s for the full checkpoint at 256
+    slices (docs/BENCHMARKS.md). Now the rows are read beside the slots (side_reads): the slots
+    are unmapped once, when the conversion ends."""
+    from distckpt import fill as fillmod
+    from distckpt.convert import convert
+
+    g = torch.Generator().manual_seed(5)
+    sd = {"emb": torch.randn(8192, 64, generator=g), "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"emb": 0}, full_every=10, max_delta_fraction=0.9,
+                                               max_chain_fraction=5.0))
+    saver.save(sd, tmp_path / "s1")
+    for step in (1, 2):
+        sd["emb"][torch.randperm(8192, generator=g)[:400]] += 1
+        sd["step"] = step
+        saver.save(sd, tmp_path / f"s{step + 1}")
+        assert saver.last_kind == "delta"
+    unmaps = []
+    drop = fillmod._Session.drop_slots
+
+    def counting(self):
+        unmaps.append(self._slots is not None)
+        return drop(self)
+
+    monkeypatch.setattr(fillmod._Session, "drop_slots", counting)
+    out = tmp_path / "out.pt"
+    convert(str(tmp_path / "s3"), str(out), to="torch", memory_limit=1 << 20, progress=False)  # 8 slices
+    assert torch.equal(torch.load(out, weights_only=True)["emb"], sd["emb"])
+    assert sum(unmaps) == 1, f"the slots were unmapped {sum(unmaps)} times"
+
+
 def test_dcps_reader_gives_a_delta_the_state_its_chain_composes(tmp_path):
     """DCP's StorageReader (DistCkptStorageReader) was given a delta's own MANIFEST and data:
     it returned the delta's internal records (``_incr.*``) in place of the tracked tensor, with no
