@@ -801,8 +801,8 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
     Since no (row, column) is written twice, the requests may be filled in any order; the tracked
     fqn, as ``after``, also lets a caller fill them in the base's own pass, after its tensor
     (distckpt.restore reads them in a pass after the base's).
-    ``ids_cache``: the row ids read by earlier calls (a caller planning one tensor slice by slice
-    reads each piece's ids once; filled here).
+    ``ids_cache``: the row ids read and checked by earlier calls (a caller planning one tensor
+    slice by slice reads and checks each piece's ids once; filled here).
     Raises ChainBrokenError when a link's records are malformed or cannot be read."""
     order = sorted(tracked)
 
@@ -832,8 +832,10 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
             if len(link.manifest.tensors[parts["ids"]].shape) != 1:
                 raise _broken(link.path, f"{parts['ids']}: row ids of shape "
                                          f"{list(link.manifest.tensors[parts['ids']].shape)}, not 1-D")
+    # ids_cache holds only ids that passed the checks below (as int64): a caller planning one
+    # tensor slice by slice neither reads nor checks a piece's ids again.
     cached = ids_cache if ids_cache is not None else {}
-    new: dict[tuple, torch.Tensor] = {}   # cached only once read
+    new: dict[tuple, torch.Tensor] = {}
     ids_of, reads = [], []
     for link, pieces in zip(deltas, wanted):
         outs, reqs = [], []
@@ -850,22 +852,24 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
         if reqs:
             reads.append((link.path, link.manifest, reqs))
     id_bytes = _read_links(reads, verify, "delta row ids") if reads else 0
-    if ids_cache is not None:
-        ids_cache.update(new)
     for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
             d = tracked[fqn]
             if d >= len(soff):
                 raise _broken(link.path, f"{fqn}: its row dimension {d} is not one of its pieces' {len(soff)}")
-            # Row ids are searched (sorted) and scatter rows: they must be increasing row numbers
-            # inside the piece's box, or rows would land silently in the wrong place.
-            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                raise _broken(link.path, f"{parts['ids']}: row ids of shape {list(ids.shape)} and dtype {ids.dtype}")
-            ids = ids.to(torch.int64)
-            if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < soff[d]
-                                or int(ids[-1]) >= soff[d] + ssz[d]):
-                raise _broken(link.path, f"{parts['ids']}: row ids not increasing inside rows "
-                                         f"[{soff[d]}, {soff[d] + ssz[d]})")
+            key = (link.path, parts["ids"])
+            if key in new:
+                # Row ids are searched (sorted) and scatter rows: they must be increasing row
+                # numbers inside the piece's box, or rows would land silently in the wrong place.
+                if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                    raise _broken(link.path, f"{parts['ids']}: row ids of shape {list(ids.shape)} and dtype {ids.dtype}")
+                ids = ids.to(torch.int64)
+                if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < soff[d]
+                                    or int(ids[-1]) >= soff[d] + ssz[d]):
+                    raise _broken(link.path, f"{parts['ids']}: row ids not increasing inside rows "
+                                             f"[{soff[d]}, {soff[d] + ssz[d]})")
+                if ids_cache is not None:
+                    ids_cache[key] = ids
             for t in targets[fqn]:
                 region = []
                 for k2 in range(len(soff)):
