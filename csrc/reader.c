@@ -288,6 +288,13 @@ static int reader_usable(ReaderObject *r)
         PyErr_SetString(PyExc_RuntimeError, "reader is in use by another thread");
         return 0;
     }
+    if (r->wedged) {
+        /* A read of an earlier call may still complete into this ring: its completion would be
+         * taken for one of the new call's (a wrong index into its pieces or slots). */
+        errno = ETIMEDOUT;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
+        return 0;
+    }
     return 1;
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import logging
 import mmap
 import os
@@ -181,8 +182,12 @@ def _read_indexes(header: "mf.Manifest", mpath: str, readable: list, opener, rep
                     raise
                 problem = f"its index (bytes [{off}, {off + length})) cannot be read ({exc.message})"
             finally:
-                view.release()
-                buf.close()
+                try:
+                    view.release()
+                    buf.close()
+                except BufferError:  # a reader wedged by a read past its deadline keeps the view
+                    pass             # exported for ever (csrc/reader.c): the error above is the one
+                    # to raise; the mapping goes when its last export does
             if raw is not None:
                 try:
                     try:
@@ -231,11 +236,13 @@ def _iter_blocks(chunks: list, block: int) -> Iterator[_Block]:
 
 def not_damage(exc: BaseException) -> bool:
     """True for a read failure that says nothing about the checkpoint's data: an object-store
-    request that failed (no answer, an answer cut short, throttled, refused), no permission, no
+    request that failed (no answer, an answer cut short, throttled, refused), a local read that got
+    no answer within DISTCKPT_IO_TIMEOUT_S (ETIMEDOUT: the storage stalled), no permission, no
     file descriptor or memory left. verify then raises it (the checkpoint could not be verified) instead of
     reporting the file as damaged; an I/O error of the device (EIO) is reported as a file problem."""
     from .errors import HostMemoryError, ObjectStoreError, StoragePermissionError, TooManyOpenFilesError
-    return isinstance(exc, (ObjectStoreError, StoragePermissionError, TooManyOpenFilesError, HostMemoryError))
+    return (isinstance(exc, (ObjectStoreError, StoragePermissionError, TooManyOpenFilesError, HostMemoryError))
+            or getattr(exc, "errno", None) == errno.ETIMEDOUT)
 
 
 def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, window: int, opener,

@@ -3,8 +3,8 @@
 Run as a daemon process (``python -m tests.helpers.stallfs MOUNTPOINT FLAG``): an in-memory file
 system (the operations of tests/helpers/powercut_fs.py, never cut) served by several threads. While
 the file ``FLAG`` exists (outside the mount), every read() and write() of a file whose path
-contains FLAG's text (all files when it is empty; ``TEXT@N``: only at offsets below N) waits in
-this process, as a stuck device or an
+contains FLAG's text (all files when it is empty; ``TEXT@N``: only at offsets below N,
+``TEXT@>N``: only at offsets from N on) waits in this process, as a stuck device or an
 unanswering server would: the kernel's request stays in flight and the caller's I/O does not
 complete. Removing ``FLAG`` lets them all finish. Metadata, flush
 and release are served at once, so a caller that gives up on a stalled request can still close its
@@ -42,7 +42,11 @@ class StallFS(PowerCutFS):
                     part, _, below = f.read().partition("@")
             except FileNotFoundError:
                 return
-            if part not in path or (below and offset >= int(below)):
+            if part not in path:
+                return
+            if below.startswith(">") and offset < int(below[1:]):
+                return
+            if below and not below.startswith(">") and offset >= int(below):
                 return
             time.sleep(0.02)
 

@@ -153,11 +153,18 @@ def test_a_read_that_never_completes_fails_with_etimedout_and_keeps_the_destinat
     assert info.value.errno == errno.ETIMEDOUT
     assert time.monotonic() - t0 < DEADLINE_MS / 1000 + GRACE_S + 3
     assert r.wedged
-    mem = torch.empty(2 << 20, dtype=torch.uint8)  # page-aligned memory: a direct read
+    # A wedged reader refuses new calls: the stuck read's completion may still come, and would be
+    # taken for one of the new call's (its data copied into the new destination, no error).
+    stall(False)
+    time.sleep(0.3)
+    again = bytearray(1 << 20)
+    with pytest.raises(OSError) as info:
+        r.read_into([(1 << 20, 1 << 20, again)])
+    assert info.value.errno == errno.ETIMEDOUT
+    assert again == bytearray(1 << 20)
     direct = bytearray(2 << 20)
     r.close()
     assert r.closed and not _open_under(path)
-    stall(False)
     r2 = _uring.Reader(path, block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
     stall(True)
     with pytest.raises(OSError) as info:
@@ -167,7 +174,6 @@ def test_a_read_that_never_completes_fails_with_etimedout_and_keeps_the_destinat
         direct.extend(b"more")  # still exported by the wedged reader
     r2.close()
     stall(False)
-    del mem
 
 
 def test_a_save_onto_storage_that_stops_answering_raises_storage_io_error_and_commits_nothing(stallfs, monkeypatch):
@@ -230,3 +236,29 @@ def test_a_load_from_storage_that_stops_answering_raises_storage_io_error(stallf
     time.sleep(0.3)
     distckpt.load(out, path)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+
+
+def test_a_verify_whose_index_read_stops_answering_raises_storage_io_error(stallfs, monkeypatch):
+    """distckpt.verify reads each data file's index (at its end) into a view it releases after:
+    a reader wedged by that read keeps the view exported, and the release raised BufferError in
+    place of the read's StorageIOError. The timeout is raised (the checkpoint could not be
+    verified), not reported as damage of the file: a stalled device says nothing of its bytes. (DISTCKPT_READ_CACHE=direct: a small file is otherwise
+    read through the page cache, a plain pread without distckpt's deadline.)"""
+    import distckpt
+    from distckpt.errors import StorageIOError
+    from distckpt.verify import verify
+
+    mnt, stall = stallfs
+    monkeypatch.setenv("DISTCKPT_IO_TIMEOUT_S", str(DEADLINE_MS / 1000))
+    monkeypatch.setenv("DISTCKPT_READ_CACHE", "direct")
+    path = os.path.join(mnt, "step_1")
+    distckpt.save({"w": torch.arange(6 << 20, dtype=torch.float32)}, path)
+    with open(os.path.join(path, "rank00000.bin"), "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    stall(True, release_after=DEADLINE_MS / 1000 + GRACE_S + 1.5, only=f"/rank@>{24 << 20}")
+    with pytest.raises(StorageIOError) as info:
+        verify(path)
+    assert info.value.errno == errno.ETIMEDOUT, info.value
+    stall(False)
+    time.sleep(0.3)
+    assert verify(path).ok
