@@ -26,6 +26,9 @@ from tests.helpers.io_helpers import REPO, open_paths
 DEADLINE_MS = 700
 GRACE_S = 2.0  # csrc/ring.h RING_CANCEL_GRACE_MS
 WATCHDOG_S = 20.0  # far past deadline + grace: a test that reaches it has seen no deadline
+# A save's, load's or verify's stalled request may start seconds after the stall does (its set-up
+# on a loaded machine): stalls that must outlast its deadline and grace last this much longer.
+STALL_MARGIN_S = 4.0
 
 
 @pytest.fixture
@@ -116,8 +119,10 @@ def test_a_write_that_completes_during_the_grace_leaves_nothing_behind(stallfs):
     fails with ETIMEDOUT (the save is not trusted), but every request completed, so the writer is
     not wedged and close() releases all it holds; a new writer on the same mount works."""
     mnt, stall = stallfs
-    w = _uring.Writer(os.path.join(mnt, "late.bin"), block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
-    stall(True, release_after=DEADLINE_MS / 1000 + 0.8)
+    # A deadline of 1.5 s and the stall released 1 s after it: a second of margin on either side
+    # (before the deadline, the write would just succeed; after the grace, it would be wedged).
+    w = _uring.Writer(os.path.join(mnt, "late.bin"), block_size=1 << 20, queue_depth=4, timeout_ms=1500)
+    stall(True, release_after=2.5)
     with pytest.raises(OSError) as info:
         w.write(b"y" * (3 << 20))
         w.flush()
@@ -193,7 +198,7 @@ def test_a_save_onto_storage_that_stops_answering_raises_storage_io_error_and_co
     # The data files' writes stall (the C core's O_DIRECT io_uring writes, which have the
     # deadline); the save lock's and the MANIFEST's small buffered writes do not (docs/ERRORS.md:
     # synchronous calls block as long as the kernel blocks them).
-    stall_s = DEADLINE_MS / 1000 + GRACE_S + 1.5
+    stall_s = DEADLINE_MS / 1000 + GRACE_S + STALL_MARGIN_S
     stall(True, release_after=stall_s, only="/rank")
     t0 = time.monotonic()
     with pytest.raises(StorageIOError) as info:
@@ -226,7 +231,7 @@ def test_a_load_from_storage_that_stops_answering_raises_storage_io_error(stallf
     distckpt.save(state, path)
     with open(os.path.join(path, "rank00000.bin"), "rb") as f:  # drop it from the page cache
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    stall_s = DEADLINE_MS / 1000 + GRACE_S + 1.5
+    stall_s = DEADLINE_MS / 1000 + GRACE_S + STALL_MARGIN_S
     stall(True, release_after=stall_s, only=f"/rank@{24 << 20}")
     out = {"w": torch.zeros(6 << 20), "b": torch.zeros(7)}
     with pytest.raises(StorageIOError) as info:
@@ -255,7 +260,7 @@ def test_a_verify_whose_index_read_stops_answering_raises_storage_io_error(stall
     distckpt.save({"w": torch.arange(6 << 20, dtype=torch.float32)}, path)
     with open(os.path.join(path, "rank00000.bin"), "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    stall(True, release_after=DEADLINE_MS / 1000 + GRACE_S + 1.5, only=f"/rank@>{24 << 20}")
+    stall(True, release_after=DEADLINE_MS / 1000 + GRACE_S + STALL_MARGIN_S, only=f"/rank@>{24 << 20}")
     with pytest.raises(StorageIOError) as info:
         verify(path)
     assert info.value.errno == errno.ETIMEDOUT, info.value
