@@ -18,6 +18,11 @@
 
 PyObject *raise_errno_path(int err, PyObject *path)
 {
+    /* An exception already set: a signal's handler raised during a wait of this call (ring.h,
+     * ring_signal_hook), which ended it (EINTR, or ETIMEDOUT once the cancelled requests outlived
+     * their grace); that exception (KeyboardInterrupt...) is the one to raise. */
+    if (PyErr_Occurred())
+        return NULL;
     errno = err;
     if (path)
         return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
@@ -51,4 +56,16 @@ int io_setup(const char *path, int flags, size_t stage_sz, int use_uring, unsign
         return errno;
     *fdp = fd;
     return 0;
+}
+
+/* ring_signal_hook (ring.h): run Python's signal handlers from inside a wait that released the
+ * GIL. Only the main thread runs handlers (PyErr_CheckSignals does nothing elsewhere); a handler
+ * that raised leaves its exception set in this thread, which the call raises once it holds the
+ * GIL again (raise_errno_path with EINTR). Returns 1 when a handler raised. */
+int run_signal_handlers(void)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    int raised = PyErr_CheckSignals() != 0;
+    PyGILState_Release(g);
+    return raised;
 }

@@ -23,7 +23,9 @@
  *     request that outlives its cancel's grace too leaves the object *wedged* (its `wedged`
  *     attribute): it then never unmaps its staging, never closes its ring and never releases the
  *     caller buffers of that call, so the kernel cannot write into memory that was freed or reused
- *     (a leak, by design). Its file fd is still closed by close().
+ *     (a leak, by design). Its file fd is still closed by close(). A signal whose Python handler
+ *     raises (Ctrl-C's KeyboardInterrupt) ends a wait the same way, and the call raises the
+ *     handler's exception (run_signal_handlers); close() and dealloc wait on regardless.
  *   - close() is idempotent and releases everything the object owns (file fd, ring fd, ring
  *     mappings, staging memory). After close() the object holds no fd.
  *   - Staging buffers are mmap()ed (page aligned, so aligned for any DIO memory alignment up to the
@@ -52,6 +54,10 @@
 /* Set OSError from errno `err` (positive), with the file name when path is not NULL; returns
  * NULL so a binding can `return raise_errno_path(e, path);`. Needs the GIL. (core.c) */
 PyObject *raise_errno_path(int err, PyObject *path);
+
+/* ring_signal_hook (ring.h), set by the module init: runs Python's signal handlers (GIL taken
+ * and given back); 1 when one raised, its exception left set. (core.c) */
+int run_signal_handlers(void);
 
 static inline int is_pow2(size_t v) { return v && !(v & (v - 1)); }
 

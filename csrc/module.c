@@ -154,6 +154,7 @@ PyMODINIT_FUNC PyInit__uring(void)
     if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0)
         return NULL;
     crc32c_init();
+    ring_signal_hook = run_signal_handlers;
     m = PyModule_Create(&uring_module);
     if (!m)
         return NULL;

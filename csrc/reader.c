@@ -151,20 +151,21 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
 }
 
 /* Wait for the next completion of a read loop (GIL released). Returns 0 when one is ready. When
- * none came within the reader's deadline: cancels every read in flight and returns ETIMEDOUT once
- * (*cancelled set); the caller stops submitting and goes on reaping, each wait now bounded by
- * RING_CANCEL_GRACE_MS. When that grace passes too, or io_uring_enter itself fails, the reads
- * still in flight may land at any time: the reader is wedged (its staging, its ring and the
- * buffers of the call are never released) and the caller returns at once. */
+ * none came within the reader's deadline (or a signal's handler raised meanwhile): cancels every
+ * read in flight and returns ETIMEDOUT (EINTR) once (*cancelled set); the caller stops
+ * submitting and goes on reaping, each wait now bounded by RING_CANCEL_GRACE_MS. When that grace
+ * passes too, or io_uring_enter itself fails, the reads still in flight may land at any time: the
+ * reader is wedged (its staging, its ring and the buffers of the call are never released) and
+ * the caller returns at once. */
 static int reader_wait(ReaderObject *r, int *cancelled)
 {
-    int e = ring_wait(&r->ring, *cancelled ? RING_CANCEL_GRACE_MS : r->timeout_ms);
+    int e = ring_wait(&r->ring, *cancelled ? RING_CANCEL_GRACE_MS : r->timeout_ms, !*cancelled);
     if (!e)
         return 0;
-    if (e == ETIME && !*cancelled) {
+    if ((e == ETIME || e == EINTR) && !*cancelled) {
         *cancelled = 1;
         if (ring_cancel_all(&r->ring) == 0)
-            return ETIMEDOUT;
+            return e == ETIME ? ETIMEDOUT : EINTR;
     }
     r->wedged = 1;
     return e == ETIME ? ETIMEDOUT : e;

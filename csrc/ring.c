@@ -28,6 +28,9 @@
  * IORING_FEAT_EXT_ARG, so the fallback of kernels older than 5.11 runs here too. */
 int ring_force_poll_wait;
 
+/* Set by module.c: see ring.h. NULL: signals never end a wait. */
+int (*ring_signal_hook)(void);
+
 int sys_io_uring_setup(unsigned entries, struct io_uring_params *p)
 {
     return (int)syscall(__NR_io_uring_setup, entries, p);
@@ -174,18 +177,27 @@ static int cq_ready(struct ring *r)
     return __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) != *r->cq_head;
 }
 
+/* A signal interrupted the wait: 1 when it must end (an interruptible wait whose signal hook says
+ * a handler raised), 0 to wait on. */
+static int stop_on_signal(int interruptible)
+{
+    return interruptible && ring_signal_hook && ring_signal_hook();
+}
+
 /* Block until at least one completion is available, or until timeout_ms milliseconds have passed
- * without one (timeout_ms 0: no deadline). Returns 0, ETIME at the deadline, or another positive
- * errno. A signal (EINTR) does not end the wait early: the deadline bounds it.
+ * without one (timeout_ms 0: no deadline). Returns 0, ETIME at the deadline, EINTR when a signal
+ * arrived and the signal hook says its handler raised (interruptible waits only), or another
+ * positive errno. Any other signal (EINTR) does not end the wait: the deadline bounds it.
  *
  * Why a deadline at all: a request the kernel consumed may never complete (seen once: an O_DIRECT
  * write on ext4 whose completion never reached the ring, nothing in flight on the device, no
  * io-wq worker), and a wait without one hangs its process for ever, where a checkpoint library
  * must fail with a typed error. The caller decides what a missed deadline means (ring_cancel_all).
+ * Why the signal hook: a Ctrl-C (or pytest-timeout's alarm) would otherwise wait for the deadline.
  *
  * Kernels with IORING_FEAT_EXT_ARG (5.11+) bound io_uring_enter itself; older ones poll(2) the
  * ring fd (POLLIN once a completion is posted) and then enter to run pending completion work. */
-int ring_wait(struct ring *r, unsigned timeout_ms)
+int ring_wait(struct ring *r, unsigned timeout_ms, int interruptible)
 {
     int64_t deadline = timeout_ms ? now_ms() + timeout_ms : 0;
     for (;;) {
@@ -193,23 +205,32 @@ int ring_wait(struct ring *r, unsigned timeout_ms)
         if (cq_ready(r))
             return 0;
         if (!timeout_ms) {
-            if (sys_io_uring_enter(r->fd, 0, 1, IORING_ENTER_GETEVENTS) >= 0 || errno == EINTR)
+            if (sys_io_uring_enter(r->fd, 0, 1, IORING_ENTER_GETEVENTS) >= 0)
                 continue;
-            return errno;
+            if (errno != EINTR)
+                return errno;
+            if (stop_on_signal(interruptible))
+                return EINTR;
+            continue;
         }
         left = deadline - now_ms();
         if (left <= 0)
             return cq_ready(r) ? 0 : ETIME;
         if (r->ext_arg && !ring_force_poll_wait) {
             struct __kernel_timespec ts = {.tv_sec = left / 1000, .tv_nsec = (left % 1000) * 1000000};
-            if (sys_io_uring_wait_until(r->fd, 1, &ts) >= 0 || errno == EINTR || errno == ETIME)
+            if (sys_io_uring_wait_until(r->fd, 1, &ts) >= 0 || errno == ETIME)
                 continue; /* the loop's head looks at the ring and at the clock */
-            return errno;
+            if (errno != EINTR)
+                return errno;
+            if (stop_on_signal(interruptible))
+                return EINTR;
         } else {
             struct pollfd pfd = {.fd = r->fd, .events = POLLIN};
             int n = poll(&pfd, 1, left > 0x7fffffff ? 0x7fffffff : (int)left);
             if (n < 0 && errno != EINTR)
                 return errno;
+            if (n < 0 && stop_on_signal(interruptible))
+                return EINTR;
             /* Completions may wait for this task to run their work: a GETEVENTS enter that asks for
              * none runs it without blocking. */
             if (sys_io_uring_enter(r->fd, 0, 0, IORING_ENTER_GETEVENTS) < 0 && errno != EINTR)

@@ -16,7 +16,8 @@
  *     `entries` requests in flight (so the SQ always has room). The CQ is twice the SQ, so
  *     completions never overflow.
  *   - Every function returns 0 or a positive errno (ring_pop: 1 or 0); nothing raises, prints
- *     or needs the GIL: all of it runs with the GIL released.
+ *     or needs the GIL: all of it runs with the GIL released (ring_signal_hook, module.c's, takes
+ *     the GIL itself when a signal interrupts an interruptible wait).
  *   - A ring is used by one thread at a time (its owner's busy flag guarantees it).
  */
 #ifndef DISTCKPT_RING_H
@@ -55,8 +56,13 @@ int ring_setup(struct ring *r, unsigned entries);
 int ring_submit(struct ring *r, uint8_t opcode, int fd, void *addr, unsigned len, uint64_t off,
                 uint64_t user_data, int buf_index);
 /* Block until at least one completion is available, or for at most timeout_ms milliseconds
- * (0: no deadline). Returns 0, ETIME when the deadline passed with none, or a positive errno. */
-int ring_wait(struct ring *r, unsigned timeout_ms);
+ * (0: no deadline). Returns 0, ETIME when the deadline passed with none, EINTR when
+ * `interruptible` and a signal's handler raised (ring_signal_hook), or a positive errno. */
+int ring_wait(struct ring *r, unsigned timeout_ms, int interruptible);
+/* Called without the GIL when a signal interrupts an interruptible wait: nonzero ends the wait
+ * with EINTR. module.c sets it to run Python's signal handlers (main thread only), returning
+ * nonzero when one raised, its exception left set for the call to raise. */
+extern int (*ring_signal_hook)(void);
 /* Ask the kernel to cancel every request in flight (their completions still come, as
  * -ECANCELED or as done). Returns 0 or a positive errno. */
 int ring_cancel_all(struct ring *r);

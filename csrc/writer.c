@@ -78,6 +78,7 @@ typedef struct {
     int want_fixed;          /* fixed_buffers=True: register at the first full staging block */
     int prealloc;            /* fallocate ahead still enabled */
     int wedged;              /* a write outlived its deadline and its cancel: see writer_abandon */
+    int releasing;           /* writer_release() drains: waits no signal may end (dealloc raises nothing) */
     unsigned timeout_ms;     /* deadline of the wait for any one completion (0: none) */
     struct ring ring;
     size_t block_size;       /* largest zero-copy request; sources >= it may skip staging */
@@ -192,33 +193,36 @@ static void writer_reap(WriterObject *w)
     }
 }
 
-/* No completion came within the deadline: fail the writer with ETIMEDOUT (sticky) and try to
- * end what is in flight. The cancelled writes complete with -ECANCELED (or as done) within the
- * grace; if some still do not, the writer is wedged: its staging, its ring and the held source
- * are never released (writer_release(), writer_keep()), so the kernel can never touch memory
- * that was freed or reused. A leak of one writer's few MiB, never a use after free. */
-static void writer_abandon(WriterObject *w)
+/* No completion came within the deadline (err ETIMEDOUT), or a signal's handler raised during
+ * the wait (err EINTR): fail the writer with err (sticky) and try to end what is in flight. The
+ * cancelled writes complete with -ECANCELED (or as done) within the grace; if some still do not,
+ * the writer is wedged: its staging, its ring and the held source are never released
+ * (writer_release(), writer_keep()), so the kernel can never touch memory that was freed or
+ * reused. A leak of one writer's few MiB, never a use after free. */
+static void writer_abandon(WriterObject *w, int err)
 {
-    w->err = ETIMEDOUT; /* before reaping, so the cancelled writes' -ECANCELED is not the error */
+    w->err = err; /* before reaping, so the cancelled writes' -ECANCELED is not the error */
     if (ring_cancel_all(&w->ring) == 0) {
-        while (w->ninflight && ring_wait(&w->ring, RING_CANCEL_GRACE_MS) == 0)
+        while (w->ninflight && ring_wait(&w->ring, RING_CANCEL_GRACE_MS, 0) == 0)
             writer_reap(w);
     }
     if (w->ninflight)
         w->wedged = 1;
 }
 
-/* Wait for one completion. Returns 0, ETIMEDOUT when none came within the writer's deadline (the
- * writer is then failed: writer_abandon), or a positive errno of io_uring_enter itself. */
+/* Wait for one completion. Returns 0, ETIMEDOUT when none came within the writer's deadline,
+ * EINTR when a signal's handler raised meanwhile (the writer is failed either way:
+ * writer_abandon), or a positive errno of io_uring_enter itself. */
 static int writer_wait_one(WriterObject *w)
 {
     int e;
     if (w->wedged)
-        return ETIMEDOUT;
-    e = ring_wait(&w->ring, w->timeout_ms);
-    if (e == ETIME) {
-        writer_abandon(w);
-        return ETIMEDOUT;
+        return w->err ? w->err : ETIMEDOUT;
+    e = ring_wait(&w->ring, w->timeout_ms, !w->releasing);
+    if (e == ETIME || e == EINTR) {
+        e = e == ETIME ? ETIMEDOUT : EINTR;
+        writer_abandon(w, e);
+        return e;
     }
     if (e)
         return e;
@@ -529,6 +533,7 @@ static int writer_release(WriterObject *w)
     if (w->closed)
         return 0;
     w->closed = 1;
+    w->releasing = 1;
     /* Never unmap staging or close the ring with requests in flight. */
     if (w->ring.fd >= 0)
         (void)writer_drain(w);

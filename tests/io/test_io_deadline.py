@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -267,3 +268,49 @@ def test_a_verify_whose_index_read_stops_answering_raises_storage_io_error(stall
     stall(False)
     time.sleep(0.3)
     assert verify(path).ok
+
+
+class _Alarm(Exception):
+    pass
+
+
+@pytest.mark.parametrize("what", ["write", "read"])
+def test_a_signal_handler_that_raises_ends_a_stalled_wait_long_before_the_deadline(stallfs, what):
+    """Ctrl-C, or pytest-timeout's alarm, during a wait on a stalled request: the handler's
+    exception ends the wait (after the cancel's grace) instead of waiting for the deadline (here
+    60 s), and that exception is what the call raises, not an OSError. Before, the wait retried
+    EINTR without going back to Python: the handler ran only once the deadline had passed."""
+    mnt, stall = stallfs
+    path = os.path.join(mnt, "sig.bin")
+    if what == "read":
+        w = _uring.Writer(path, block_size=1 << 20, queue_depth=4, timeout_ms=DEADLINE_MS)
+        w.write(b"s" * (2 << 20))
+        w.flush()
+        w.close()
+        obj = _uring.Reader(path, block_size=1 << 20, queue_depth=4, timeout_ms=60_000)
+        call = lambda: obj.read_into([(0, 2 << 20, bytearray(2 << 20))])  # noqa: E731
+    else:
+        obj = _uring.Writer(path, block_size=1 << 20, queue_depth=4, timeout_ms=60_000)
+
+        def call():
+            obj.write(b"x" * (4 << 20))
+            obj.flush()
+
+    def alarm(signum, frame):
+        raise _Alarm()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    stall(True)
+    try:
+        t0 = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(_Alarm):
+            call()
+        took = time.monotonic() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert took < 0.5 + GRACE_S + 3, took
+    assert obj.wedged  # the stall outlasts the grace: the memory is kept, as after a deadline
+    obj.close()
+    stall(False)
