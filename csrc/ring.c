@@ -134,17 +134,40 @@ fail:
     return err;
 }
 
+/* The next SQE of the ring, zeroed, for the caller to fill; sqe_submit() publishes it. */
+static struct io_uring_sqe *sqe_get(struct ring *r)
+{
+    struct io_uring_sqe *sqe = &r->sqes[*r->sq_tail & *r->sq_mask];
+    memset(sqe, 0, sizeof(*sqe));
+    return sqe;
+}
+
+/* Publish the SQE sqe_get() returned and submit it. Returns io_uring_enter's count of submitted
+ * SQEs (>= 0) or a negative errno. */
+static int sqe_submit(struct ring *r)
+{
+    unsigned tail = *r->sq_tail;
+    unsigned idx = tail & *r->sq_mask;
+    r->sq_array[idx] = idx;
+    /* Release: the kernel must see the SQE contents before the new tail. */
+    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
+    for (;;) {
+        int ret = sys_io_uring_enter(r->fd, 1, 0, 0);
+        if (ret >= 0)
+            return ret;
+        if (errno != EINTR)
+            return -errno;
+    }
+}
+
 /* Queue one SQE and submit it. Returns 0 or a positive errno. The caller guarantees that fewer
  * than `entries` requests are in flight, so the SQ always has room. */
 int ring_submit(struct ring *r, uint8_t opcode, int fd, void *addr, unsigned len,
                 uint64_t off, uint64_t user_data, int buf_index)
 {
-    unsigned tail = *r->sq_tail;
-    unsigned idx = tail & *r->sq_mask;
-    struct io_uring_sqe *sqe = &r->sqes[idx];
+    struct io_uring_sqe *sqe = sqe_get(r);
     int ret;
 
-    memset(sqe, 0, sizeof(*sqe));
     sqe->opcode = opcode;
     sqe->fd = fd;
     sqe->addr = (uint64_t)(uintptr_t)addr;
@@ -153,16 +176,10 @@ int ring_submit(struct ring *r, uint8_t opcode, int fd, void *addr, unsigned len
     sqe->user_data = user_data;
     if (buf_index >= 0)
         sqe->buf_index = (uint16_t)buf_index;
-    r->sq_array[idx] = idx;
-    /* Release: the kernel must see the SQE contents before the new tail. */
-    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
-    for (;;) {
-        ret = sys_io_uring_enter(r->fd, 1, 0, 0);
-        if (ret >= 0)
-            return ret == 1 ? 0 : EAGAIN;
-        if (errno != EINTR)
-            return errno;
-    }
+    ret = sqe_submit(r);
+    if (ret < 0)
+        return -ret;
+    return ret == 1 ? 0 : EAGAIN;
 }
 
 static int64_t now_ms(void)
@@ -247,23 +264,13 @@ int ring_wait(struct ring *r, unsigned timeout_ms, int interruptible)
  * cancelled, and the caller's grace wait decides as it would for a request that cannot be. */
 int ring_cancel_all(struct ring *r)
 {
-    unsigned tail = *r->sq_tail;
-    unsigned idx = tail & *r->sq_mask;
-    struct io_uring_sqe *sqe = &r->sqes[idx];
+    struct io_uring_sqe *sqe = sqe_get(r);
     int ret;
 
-    memset(sqe, 0, sizeof(*sqe));
     sqe->opcode = IORING_OP_ASYNC_CANCEL;
     sqe->fd = -1;
     sqe->cancel_flags = IORING_ASYNC_CANCEL_ANY;
     sqe->user_data = RING_CANCEL_UD;
-    r->sq_array[idx] = idx;
-    __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
-    for (;;) {
-        ret = sys_io_uring_enter(r->fd, 1, 0, 0);
-        if (ret >= 0)
-            return 0;
-        if (errno != EINTR)
-            return errno;
-    }
+    ret = sqe_submit(r);
+    return ret < 0 ? -ret : 0;
 }

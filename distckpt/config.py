@@ -119,6 +119,25 @@ def _int(env: dict, name: str, default: int, *, lo: int, hi: int, power_of_two: 
     return value
 
 
+def _seconds(env: dict, name: str, default: float, *, lo: float, hi: float = 86400,
+             zero: str | None = None) -> float:
+    """A duration variable in seconds, between lo and hi (NaN and infinities refused); ``zero``:
+    what 0 means when 0 is allowed too (None: it is not)."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number", variable=name) from None
+    if zero is not None and value == 0:
+        return value
+    if not lo <= value <= hi:
+        allowed = f"0 ({zero}) or between {lo:g} and {hi:g}" if zero is not None else f"between {lo:g} and {hi:g}"
+        raise ConfigError(f"{name}={value} must be {allowed}", variable=name)
+    return value
+
+
 def _size(env: dict, name: str, default: int, *, lo: int, hi: int) -> int:
     """A size variable: ``4M``, ``4MiB`` or ``4194304`` (binary units), a power of two in [lo, hi]."""
     raw = env.get(name)
@@ -179,40 +198,10 @@ def load_config(env: dict | None = None) -> Config:
     preflight_raw = env.get("DISTCKPT_PREFLIGHT", "1")
     if preflight_raw not in ("0", "1"):
         raise ConfigError(f"DISTCKPT_PREFLIGHT={preflight_raw!r} must be 0 or 1", variable="DISTCKPT_PREFLIGHT")
-    timeout_raw = env.get("DISTCKPT_TIMEOUT_S", "300")
-    try:
-        timeout = float(timeout_raw)
-    except ValueError:
-        raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout_raw!r} is not a number", variable="DISTCKPT_TIMEOUT_S") from None
-    if not 1 <= timeout <= 86400:
-        raise ConfigError(f"DISTCKPT_TIMEOUT_S={timeout} must be between 1 and 86400", variable="DISTCKPT_TIMEOUT_S")
-    io_timeout_raw = env.get("DISTCKPT_IO_TIMEOUT_S", "") or "300"
-    try:
-        io_timeout = float(io_timeout_raw)
-    except ValueError:
-        raise ConfigError(f"DISTCKPT_IO_TIMEOUT_S={io_timeout_raw!r} is not a number",
-                          variable="DISTCKPT_IO_TIMEOUT_S") from None
-    if not 0.1 <= io_timeout <= 86400:
-        raise ConfigError(f"DISTCKPT_IO_TIMEOUT_S={io_timeout} must be between 0.1 and 86400",
-                          variable="DISTCKPT_IO_TIMEOUT_S")
-    drain_raw = env.get("DISTCKPT_DRAIN_TIMEOUT_S", "") or "3600"
-    try:
-        drain_timeout = float(drain_raw)
-    except ValueError:
-        raise ConfigError(f"DISTCKPT_DRAIN_TIMEOUT_S={drain_raw!r} is not a number",
-                          variable="DISTCKPT_DRAIN_TIMEOUT_S") from None
-    if not 1 <= drain_timeout <= 86400:
-        raise ConfigError(f"DISTCKPT_DRAIN_TIMEOUT_S={drain_timeout} must be between 1 and 86400",
-                          variable="DISTCKPT_DRAIN_TIMEOUT_S")
-    arrival_raw = env.get("DISTCKPT_ARRIVAL_TIMEOUT_S", "") or "60"
-    try:
-        arrival = float(arrival_raw)
-    except ValueError:
-        raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival_raw!r} is not a number",
-                          variable="DISTCKPT_ARRIVAL_TIMEOUT_S") from None
-    if arrival != 0 and not 0.1 <= arrival <= 86400:
-        raise ConfigError(f"DISTCKPT_ARRIVAL_TIMEOUT_S={arrival} must be 0 (no arrival check) or between 0.1 and 86400",
-                          variable="DISTCKPT_ARRIVAL_TIMEOUT_S")
+    timeout = _seconds(env, "DISTCKPT_TIMEOUT_S", 300.0, lo=1)
+    io_timeout = _seconds(env, "DISTCKPT_IO_TIMEOUT_S", 300.0, lo=0.1)
+    drain_timeout = _seconds(env, "DISTCKPT_DRAIN_TIMEOUT_S", 3600.0, lo=1)
+    arrival = _seconds(env, "DISTCKPT_ARRIVAL_TIMEOUT_S", 60.0, lo=0.1, zero="no arrival check")
     pool_raw = env.get("DISTCKPT_STAGING_POOL_BYTES", "")
     pool = None if pool_raw == "" else _int(env, "DISTCKPT_STAGING_POOL_BYTES", 0, lo=0, hi=1 << 50)
     queue_depth = _int(env, "DISTCKPT_QUEUE_DEPTH", 8, lo=1, hi=256)
