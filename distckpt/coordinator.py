@@ -17,9 +17,10 @@ its staging, then phases 2-4 on a thread of its own, holding :data:`SAVE_GATE` t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ._dist import ControlGroup
 from .commit import SaveResult, finish_save
@@ -39,8 +40,21 @@ class _SaveGate:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._here = threading.local()  # .inside: this thread runs a save's gated part now
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take the gate (waiting for a save of another thread, or an async save's background
+        part). Raises SaveInProgressError at once when this thread is itself inside a save's
+        gated part: a save started from a signal handler (a "save on preemption" handler that
+        runs while the main thread saves) would otherwise wait for ever for the save it
+        interrupted, which cannot go on until the handler returns."""
+        if getattr(self._here, "inside", False):
+            from .errors import SaveInProgressError
+            raise SaveInProgressError(
+                "a save was started on a thread that is itself inside a save (a signal handler that saves "
+                "while the save it interrupted runs?): it would wait for ever for that save; nothing was written",
+                owner=None, remedy="In the handler, set a flag and save from the training loop once the running "
+                                   "save returned (or call the save after it, not inside it).")
         return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
@@ -49,15 +63,28 @@ class _SaveGate:
     def locked(self) -> bool:
         return self._lock.locked()
 
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Mark this thread as inside a save's gated part for the block (``with SAVE_GATE`` does;
+        an async save's caller marks its own part, before the background thread takes over)."""
+        self._here.inside = True
+        try:
+            yield
+        finally:
+            self._here.inside = False
+
     def __enter__(self) -> "_SaveGate":
-        self._lock.acquire()
+        self.acquire()
+        self._here.inside = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._here.inside = False
         self._lock.release()
 
     def _reset_in_child(self) -> None:
         self._lock = threading.Lock()
+        self._here = threading.local()
 
 
 # One save at a time per process: a save issues collectives on the control group, and every rank

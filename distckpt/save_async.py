@@ -618,146 +618,149 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
     SAVE_GATE.acquire()  # released by the worker thread, or below if no worker starts
     started = False
     try:
-        try:
-            fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()")
-        except Exception as exc:
-            handle._finish(None, exc)
-            handle.blocked_seconds = time.perf_counter() - t_call
-            return handle
-        # The previous save has finished (the gate is ours): its failure, if unseen, is raised
-        # here, decided with every rank of fg (they all raise, or none does).
-        raise_background_failure(fg)
-        if fg.world_size > 1:
-            key = fg.members()
-            _COLLECTIVE_SEQ[key] = _COLLECTIVE_SEQ.get(key, 0) + 1
-            handle._collective = (key, _COLLECTIVE_SEQ[key])
-        try:
-            bg = _background_group(process_group, fg)
-            metadata = copy.deepcopy(metadata)
-            # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
-            ensure_sigxfsz_ignored()
-            planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
-                                path=final_dir, replicated=replicated, shared_path=shared_path)
-        except Exception as exc:
-            handle._finish(None, exc)
-            handle.blocked_seconds = time.perf_counter() - t_call
-            return handle
-        arena, stage_error, interrupted, guard = None, None, None, None
-        t_stage = time.perf_counter()
-        try:
-            guard = _StagingGuard.capture(planned.mine, final_dir) if stage_in_background else None
-            if guard is None:
-                arena, handle.staged_bytes = stage(planned.mine, staging_pool())
-        except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
-            stage_error = exc
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: re-raised below
-            # This rank stops here, but its peers are already in this save: the background save
-            # still runs to report it at WRITE (they fail at once, naming this rank, instead of
-            # waiting DISTCKPT_TIMEOUT_S for a rank that left), then the caller gets ``exc``.
-            interrupted, stage_error, guard = exc, _interruption(exc, final_dir), None
-            # This rank's caller is told (``exc``), so the failure counts as seen: no rank raises
-            # it again at the next checkpoint call.
-            handle._observed = True
-        if guard is None:
-            handle.staging_seconds = time.perf_counter() - t_stage
-            handle._set_staged()
-
-        def work() -> None:
-            nonlocal arena, stage_error, interrupted
-            result, error = None, None
-            if guard is not None:
-                t0 = time.perf_counter()
-                try:
-                    arena, handle.staged_bytes = stage(planned.mine, staging_pool(), after=guard.events)
-                    stage_error = guard.changed_error()
-                except Exception as exc:  # noqa: BLE001 - reported at WRITE, with every rank
-                    stage_error = exc
-                except BaseException as exc:  # noqa: BLE001 - an interrupt: only where work() runs in the caller's thread
-                    if threading.current_thread() is caller:
-                        interrupted, stage_error = exc, _interruption(exc, final_dir)
-                        handle._observed = True
-                    else:  # the caller's thread returns the handle, which reports it
-                        stage_error = DistCkptError(f"staging the async save to {final_dir} raised "
-                                                    f"{type(exc).__name__} on the save's thread: {exc}; nothing is "
-                                                    f"committed")
-                        stage_error.__cause__ = exc
-                finally:
-                    guard.close()
-                    handle.staging_seconds = time.perf_counter() - t0
-                    handle._set_staged()
-                    staging_ended(handle._staged)
+        # This call's part of the save, on the caller's thread: a save started here meanwhile (a
+        # signal handler's) is refused instead of waiting for this one (coordinator._SaveGate).
+        with SAVE_GATE.inside():
             try:
-                result = finish(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
-                                after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
-                                storage_options=storage_options)
-            except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
-                error = _destroyed_group_error(exc, bg, final_dir)
-            finally:
-                # Drop the views into the arena before it is reused or freed: the pieces may sit in
-                # reference cycles of the flattened state (freed only by a later gc pass), and a
-                # view would keep the whole arena's memory alive until then.
-                for _fqn, piece in planned.mine:
-                    piece.tensor = None
-                planned.mine.clear()
-                staging_pool().release(arena)
-                if on_outcome is not None:
-                    try:
-                        on_outcome(result, error)
-                    except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the outcome
-                        log.error("distckpt: after the async save to %s: %s: %s", final_dir, type(exc).__name__, exc)
-                # Recorded before the gate opens: the next save (which takes the gate) finds the
-                # failure on every rank, whichever thread runs first.
-                handle._finish(result, error)
-                SAVE_GATE.release()
-
-        # work() runs once: on the save's thread, or in this one when that thread cannot start
-        # (whoever takes ``claim`` first). Why a claim and not thread.ident: an interrupt can land
-        # after the OS thread exists but before start() returns, and the thread then runs work()
-        # too (two WRITE and COMMIT rounds on one group, the gate released twice).
-        claim = threading.Lock()
-
-        def run() -> None:
-            if claim.acquire(blocking=False):
-                work()
-
-        caller = threading.current_thread()
-        thread = None
-        try:
-            thread = threading.Thread(target=run, name=f"distckpt-async-save:{os.path.basename(final_dir)}",
-                                      daemon=False)
-            handle._thread = thread
-            _INFLIGHT.add(handle)
-            if guard is not None:
-                staging_started(handle._staged)  # ended by work(), wherever it runs
-            thread.start()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below unless the thread runs
-            if not claim.acquire(blocking=False):  # the thread took the save: it finishes it
-                started = True
-                raise
-            # "can't start new thread" (out of memory, threads or address space), or an interrupt
-            # before the thread could take the save. Raising here would leave this handle in
-            # flight forever (every later save, load and the exit would wait for it) and the other
-            # ranks' background phases waiting for this rank's until DISTCKPT_TIMEOUT_S. The
-            # save's remaining phases run in this thread instead, paired with the other ranks;
-            # its outcome is the handle's, as always (an interrupt: this rank's error, then raised).
-            if isinstance(exc, Exception):
-                log.warning("distckpt: async save to %s: cannot start its background thread (%s); its write and "
-                            "commit run in the caller's thread, which blocks until they end", final_dir, exc)
-            elif interrupted is None:
-                interrupted, stage_error = exc, _interruption(exc, final_dir)
+                fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()")
+            except Exception as exc:
+                handle._finish(None, exc)
+                handle.blocked_seconds = time.perf_counter() - t_call
+                return handle
+            # The previous save has finished (the gate is ours): its failure, if unseen, is raised
+            # here, decided with every rank of fg (they all raise, or none does).
+            raise_background_failure(fg)
+            if fg.world_size > 1:
+                key = fg.members()
+                _COLLECTIVE_SEQ[key] = _COLLECTIVE_SEQ.get(key, 0) + 1
+                handle._collective = (key, _COLLECTIVE_SEQ[key])
+            try:
+                bg = _background_group(process_group, fg)
+                metadata = copy.deepcopy(metadata)
+                # The writers run on the worker thread, where SIGXFSZ cannot be set: do it here.
+                ensure_sigxfsz_ignored()
+                planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
+                                    path=final_dir, replicated=replicated, shared_path=shared_path)
+            except Exception as exc:
+                handle._finish(None, exc)
+                handle.blocked_seconds = time.perf_counter() - t_call
+                return handle
+            arena, stage_error, interrupted, guard = None, None, None, None
+            t_stage = time.perf_counter()
+            try:
+                guard = _StagingGuard.capture(planned.mine, final_dir) if stage_in_background else None
+                if guard is None:
+                    arena, handle.staged_bytes = stage(planned.mine, staging_pool())
+            except Exception as exc:  # e.g. out of memory: report it at WRITE, with every rank
+                stage_error = exc
+            except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: re-raised below
+                # This rank stops here, but its peers are already in this save: the background save
+                # still runs to report it at WRITE (they fail at once, naming this rank, instead of
+                # waiting DISTCKPT_TIMEOUT_S for a rank that left), then the caller gets ``exc``.
+                interrupted, stage_error, guard = exc, _interruption(exc, final_dir), None
+                # This rank's caller is told (``exc``), so the failure counts as seen: no rank raises
+                # it again at the next checkpoint call.
                 handle._observed = True
-                if guard is not None:  # nothing of it is staged: the save fails at WRITE
-                    guard.close()
-                    handle._set_staged()
-                    staging_ended(handle._staged)
-                    guard = None
-            _INFLIGHT.add(handle)
-            handle._thread = None
+            if guard is None:
+                handle.staging_seconds = time.perf_counter() - t_stage
+                handle._set_staged()
+
+            def work() -> None:
+                nonlocal arena, stage_error, interrupted
+                result, error = None, None
+                if guard is not None:
+                    t0 = time.perf_counter()
+                    try:
+                        arena, handle.staged_bytes = stage(planned.mine, staging_pool(), after=guard.events)
+                        stage_error = guard.changed_error()
+                    except Exception as exc:  # noqa: BLE001 - reported at WRITE, with every rank
+                        stage_error = exc
+                    except BaseException as exc:  # noqa: BLE001 - an interrupt: only where work() runs in the caller's thread
+                        if threading.current_thread() is caller:
+                            interrupted, stage_error = exc, _interruption(exc, final_dir)
+                            handle._observed = True
+                        else:  # the caller's thread returns the handle, which reports it
+                            stage_error = DistCkptError(f"staging the async save to {final_dir} raised "
+                                                        f"{type(exc).__name__} on the save's thread: {exc}; nothing is "
+                                                        f"committed")
+                            stage_error.__cause__ = exc
+                    finally:
+                        guard.close()
+                        handle.staging_seconds = time.perf_counter() - t0
+                        handle._set_staged()
+                        staging_ended(handle._staged)
+                try:
+                    result = finish(bg, planned, final_dir=final_dir, overwrite=overwrite, metadata=metadata,
+                                    after_commit=after_commit, local_error=stage_error, lock_path=lock_path,
+                                    storage_options=storage_options)
+                except BaseException as exc:  # noqa: BLE001 - every error goes to the handle
+                    error = _destroyed_group_error(exc, bg, final_dir)
+                finally:
+                    # Drop the views into the arena before it is reused or freed: the pieces may sit in
+                    # reference cycles of the flattened state (freed only by a later gc pass), and a
+                    # view would keep the whole arena's memory alive until then.
+                    for _fqn, piece in planned.mine:
+                        piece.tensor = None
+                    planned.mine.clear()
+                    staging_pool().release(arena)
+                    if on_outcome is not None:
+                        try:
+                            on_outcome(result, error)
+                        except Exception as exc:  # noqa: BLE001 - bookkeeping must not hide the outcome
+                            log.error("distckpt: after the async save to %s: %s: %s", final_dir, type(exc).__name__, exc)
+                    # Recorded before the gate opens: the next save (which takes the gate) finds the
+                    # failure on every rank, whichever thread runs first.
+                    handle._finish(result, error)
+                    SAVE_GATE.release()
+
+            # work() runs once: on the save's thread, or in this one when that thread cannot start
+            # (whoever takes ``claim`` first). Why a claim and not thread.ident: an interrupt can land
+            # after the OS thread exists but before start() returns, and the thread then runs work()
+            # too (two WRITE and COMMIT rounds on one group, the gate released twice).
+            claim = threading.Lock()
+
+            def run() -> None:
+                if claim.acquire(blocking=False):
+                    work()
+
+            caller = threading.current_thread()
+            thread = None
+            try:
+                thread = threading.Thread(target=run, name=f"distckpt-async-save:{os.path.basename(final_dir)}",
+                                          daemon=False)
+                handle._thread = thread
+                _INFLIGHT.add(handle)
+                if guard is not None:
+                    staging_started(handle._staged)  # ended by work(), wherever it runs
+                thread.start()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below unless the thread runs
+                if not claim.acquire(blocking=False):  # the thread took the save: it finishes it
+                    started = True
+                    raise
+                # "can't start new thread" (out of memory, threads or address space), or an interrupt
+                # before the thread could take the save. Raising here would leave this handle in
+                # flight forever (every later save, load and the exit would wait for it) and the other
+                # ranks' background phases waiting for this rank's until DISTCKPT_TIMEOUT_S. The
+                # save's remaining phases run in this thread instead, paired with the other ranks;
+                # its outcome is the handle's, as always (an interrupt: this rank's error, then raised).
+                if isinstance(exc, Exception):
+                    log.warning("distckpt: async save to %s: cannot start its background thread (%s); its write and "
+                                "commit run in the caller's thread, which blocks until they end", final_dir, exc)
+                elif interrupted is None:
+                    interrupted, stage_error = exc, _interruption(exc, final_dir)
+                    handle._observed = True
+                    if guard is not None:  # nothing of it is staged: the save fails at WRITE
+                        guard.close()
+                        handle._set_staged()
+                        staging_ended(handle._staged)
+                        guard = None
+                _INFLIGHT.add(handle)
+                handle._thread = None
+                started = True
+                work()
             started = True
-            work()
-        started = True
-        if interrupted is not None:
-            raise interrupted
+            if interrupted is not None:
+                raise interrupted
     finally:
         if not started:
             SAVE_GATE.release()

@@ -646,3 +646,55 @@ def test_every_rank_failing_with_one_class_raises_that_class(tmp_path):
         assert o["one"] == {"type": "RankFailureError", "failed_ranks": [1], "is_rank_failure": True}
         assert o["mixed"] == {"type": "RankFailureError", "failed_ranks": [0, 1], "is_rank_failure": True}
     assert not [n for n in ("sync", "async", "one", "mixed") if os.path.exists(tmp_path / n)]
+
+
+_REENTRANT_CHILD = r"""
+import os, signal
+import torch
+import distckpt
+from distckpt.errors import SaveInProgressError
+
+root = {root!r}
+# distckpt's functions import their modules on first use: a handler running inside that import
+# would find it half done (Python's own rule for any module), so they are imported first.
+distckpt.save, distckpt.async_save, distckpt.read
+state = {{f"t{{i}}": torch.full((8 << 20,), float(i)) for i in range(8)}}  # 256 MiB
+seen = []
+
+def handler(signum, frame):
+    if "refused" in seen:
+        return
+    try:
+        distckpt.save({{"x": torch.ones(3)}}, os.path.join(root, "inner"), overwrite=True)
+        seen.append("saved")
+    except SaveInProgressError:
+        seen.append("refused")
+
+signal.signal(signal.SIGALRM, handler)
+for mode in ("sync", "async"):
+    seen.clear()
+    signal.setitimer(signal.ITIMER_REAL, 0.005, 0.005)
+    if mode == "sync":
+        distckpt.save(state, os.path.join(root, mode))
+    else:
+        h = distckpt.async_save(state, os.path.join(root, mode))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        h.result()
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    got = distckpt.read(os.path.join(root, mode))
+    emit({{"mode": mode, "seen": seen, "exact": all(torch.equal(got[k], v) for k, v in state.items())}})
+"""
+
+
+def test_a_signal_handler_that_saves_during_a_save_is_refused_not_deadlocked(tmp_path):
+    """The "save on preemption" pattern: a signal handler calls distckpt.save while the main
+    thread is inside a save (sync, or an async save's staging on the caller's thread). The handler
+    ran on the thread that holds the process's save gate and waited for it for ever (the outer
+    save cannot go on until the handler returns): the process hung. Now the inner save raises
+    SaveInProgressError at once, and the outer save completes bit-exact."""
+    r = run_python(_REENTRANT_CHILD.format(root=str(tmp_path)), timeout=120).check()
+    by_mode = {e["mode"]: e for e in r.emitted}
+    assert set(by_mode) == {"sync", "async"}, r.emitted
+    for mode, e in by_mode.items():
+        assert e["exact"], (mode, e)
+    assert "refused" in by_mode["sync"]["seen"], by_mode["sync"]
