@@ -41,11 +41,35 @@ static int sys_io_uring_enter(int fd, unsigned to_submit, unsigned min_complete,
     return (int)syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, NULL, 0);
 }
 
+/* The kernel ABI of the wait's timeout, spelled here so that older <linux/io_uring.h> headers
+ * (before 5.11, 5.19) still build: struct io_uring_getevents_arg, struct __kernel_timespec and
+ * the flags. The running kernel says what it supports (IORING_FEAT_EXT_ARG; a cancel it does not
+ * know fails alone). */
+#ifndef IORING_FEAT_EXT_ARG
+#define IORING_FEAT_EXT_ARG (1U << 8)
+#endif
+#ifndef IORING_ENTER_EXT_ARG
+#define IORING_ENTER_EXT_ARG (1U << 3)
+#endif
+#ifndef IORING_ASYNC_CANCEL_ANY
+#define IORING_ASYNC_CANCEL_ANY (1U << 2)
+#endif
+struct ring_getevents_arg {
+    uint64_t sigmask;
+    uint32_t sigmask_sz;
+    uint32_t pad;
+    uint64_t ts;
+};
+struct ring_timespec {
+    int64_t tv_sec;
+    long long tv_nsec;
+};
+
 /* io_uring_enter(GETEVENTS) that returns -1/ETIME once `ts` passes with fewer than min_complete
  * completions (IORING_ENTER_EXT_ARG, kernel 5.11+). */
-static int sys_io_uring_wait_until(int fd, unsigned min_complete, const struct __kernel_timespec *ts)
+static int sys_io_uring_wait_until(int fd, unsigned min_complete, const struct ring_timespec *ts)
 {
-    struct io_uring_getevents_arg arg;
+    struct ring_getevents_arg arg;
     memset(&arg, 0, sizeof(arg));
     arg.sigmask_sz = _NSIG / 8;
     arg.ts = (uint64_t)(uintptr_t)ts;
@@ -234,7 +258,7 @@ int ring_wait(struct ring *r, unsigned timeout_ms, int interruptible)
         if (left <= 0)
             return cq_ready(r) ? 0 : ETIME;
         if (r->ext_arg && !ring_force_poll_wait) {
-            struct __kernel_timespec ts = {.tv_sec = left / 1000, .tv_nsec = (left % 1000) * 1000000};
+            struct ring_timespec ts = {.tv_sec = left / 1000, .tv_nsec = (left % 1000) * 1000000};
             if (sys_io_uring_wait_until(r->fd, 1, &ts) >= 0 || errno == ETIME)
                 continue; /* the loop's head looks at the ring and at the clock */
             if (errno != EINTR)
