@@ -152,18 +152,18 @@ static int Reader_init(ReaderObject *r, PyObject *args, PyObject *kwds)
 
 /* Wait for the next completion of a read loop (GIL released). Returns 0 when one is ready. When
  * none came within the reader's deadline (or a signal's handler raised meanwhile): cancels every
- * read in flight and returns ETIMEDOUT (EINTR) once (*cancelled set); the caller stops
- * submitting and goes on reaping, each wait now bounded by RING_CANCEL_GRACE_MS. When that grace
- * passes too, or io_uring_enter itself fails, the reads still in flight may land at any time: the
- * reader is wedged (its staging, its ring and the buffers of the call are never released) and
- * the caller returns at once. */
-static int reader_wait(ReaderObject *r, int *cancelled)
+ * read in flight and returns ETIMEDOUT (EINTR) once (*grace_until set: 0 before); the caller
+ * stops submitting and goes on reaping until that one grace deadline (RING_CANCEL_GRACE_MS).
+ * When it passes too, or io_uring_enter itself fails, the reads still in flight may land at any
+ * time: the reader is wedged (its staging, its ring and the buffers of the call are never
+ * released) and the caller returns at once. */
+static int reader_wait(ReaderObject *r, int64_t *grace_until)
 {
-    int e = ring_wait(&r->ring, *cancelled ? RING_CANCEL_GRACE_MS : r->timeout_ms, !*cancelled);
+    int e = ring_wait(&r->ring, *grace_until ? ring_ms_until(*grace_until) : r->timeout_ms, !*grace_until);
     if (!e)
         return 0;
-    if ((e == ETIME || e == EINTR) && !*cancelled) {
-        *cancelled = 1;
+    if ((e == ETIME || e == EINTR) && !*grace_until) {
+        *grace_until = ring_deadline(RING_CANCEL_GRACE_MS);
         if (ring_cancel_all(&r->ring) == 0)
             return e == ETIME ? ETIMEDOUT : EINTR;
     }
@@ -215,7 +215,8 @@ static int reader_run(ReaderObject *r, struct piece *ps, size_t np, size_t *bad)
     }
     {
         unsigned nslots = r->queue_depth, nfree = nslots, ninflight = 0;
-        int free_slots[4096], cancelled = 0;
+        int free_slots[4096];
+        int64_t grace_until = 0;
         size_t next = 0;
         for (unsigned i = 0; i < nslots; i++)
             free_slots[i] = (int)i;
@@ -248,7 +249,7 @@ static int reader_run(ReaderObject *r, struct piece *ps, size_t np, size_t *bad)
             if (!ninflight)
                 break;
             {
-                int e = reader_wait(r, &cancelled);
+                int e = reader_wait(r, &grace_until);
                 uint64_t ud;
                 int32_t res;
                 if (e) {
@@ -537,7 +538,8 @@ static int fill_loop(struct fill_job *j, size_t *bad)
     uint32_t slot_got[FILL_MAX_SLOTS];
     unsigned char slot_buffered[FILL_MAX_SLOTS];
     size_t next = 0;
-    int err = 0, stop = 0, cancelled = 0;
+    int err = 0, stop = 0;
+    int64_t grace_until = 0;
 
     for (unsigned i = 0; i < j->nslots; i++)
         free_slots[i] = j->nslots - 1 - i;
@@ -593,7 +595,7 @@ static int fill_loop(struct fill_job *j, size_t *bad)
         {
             uint64_t ud;
             int32_t res;
-            int e = reader_wait(r, &cancelled);
+            int e = reader_wait(r, &grace_until);
             if (e) {
                 if (!err || r->wedged) {
                     err = e;

@@ -213,6 +213,17 @@ static int64_t now_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+int64_t ring_deadline(unsigned ms)
+{
+    return now_ms() + ms;
+}
+
+unsigned ring_ms_until(int64_t until)
+{
+    int64_t left = until - now_ms();
+    return left < 1 ? 1 : left > 0x7fffffff ? 0x7fffffff : (unsigned)left;
+}
+
 static int cq_ready(struct ring *r)
 {
     return __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE) != *r->cq_head;

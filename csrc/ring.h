@@ -69,9 +69,14 @@ int ring_cancel_all(struct ring *r);
 /* Tests only: 1 makes ring_wait() use its poll(2) fallback (module.c's _test_poll_wait). */
 extern int ring_force_poll_wait;
 
-/* How long a caller waits, after ring_cancel_all(), for the cancelled requests to complete;
- * those that still do not are in flight for good (the caller's object is then wedged). */
+/* How long a caller waits, after ring_cancel_all(), for the cancelled requests to complete
+ * (one deadline for all of them: ring_deadline, then ring_ms_until per wait); those that still
+ * do not are in flight for good (the caller's object is then wedged). */
 #define RING_CANCEL_GRACE_MS 2000
+/* The monotonic time (ms) `ms` from now, and the ms left until such a time, at least 1 (a wait
+ * given it ends at that deadline: ring_wait's 0 would mean none). */
+int64_t ring_deadline(unsigned ms);
+unsigned ring_ms_until(int64_t until);
 
 /* The user_data of ring_cancel_all()'s own request; ring_pop() consumes its completion. */
 #define RING_CANCEL_UD UINT64_MAX

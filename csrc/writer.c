@@ -203,7 +203,8 @@ static void writer_abandon(WriterObject *w, int err)
 {
     w->err = err; /* before reaping, so the cancelled writes' -ECANCELED is not the error */
     if (ring_cancel_all(&w->ring) == 0) {
-        while (w->ninflight && ring_wait(&w->ring, RING_CANCEL_GRACE_MS, 0) == 0)
+        int64_t until = ring_deadline(RING_CANCEL_GRACE_MS);
+        while (w->ninflight && ring_wait(&w->ring, ring_ms_until(until), 0) == 0)
             writer_reap(w);
     }
     if (w->ninflight)
