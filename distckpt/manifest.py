@@ -1379,11 +1379,12 @@ def _sibling(path: Any, name: str) -> Any:
     return path
 
 
-def tree_paths(tree: Any) -> dict[str, tuple]:
+def tree_paths(tree: Any, dict_key: Any = None) -> dict[str, tuple]:
     """{fqn: its key path} for every leaf of a validated MANIFEST ``tree``, in the saved order: dict keys as they
-    are, list and tuple positions as ints (what DCP's planner_data maps each flat key to, so a
-    checkpoint DCP did not write can be rebuilt with its nesting by DCP's load planners). Empty
-    for a manifest without a tree."""
+    are (or ``dict_key(key)``: ``str`` gives DCP's planner_data, whose dict keys are always str and
+    whose ints are list positions, so a checkpoint DCP did not write can be rebuilt with its
+    nesting by DCP's load planners), list and tuple positions as ints. Empty for a manifest
+    without a tree."""
     out: dict[str, tuple] = {}
     stack = [(tree, ())] if isinstance(tree, dict) else []
     while stack:
@@ -1391,7 +1392,8 @@ def tree_paths(tree: Any) -> dict[str, tuple]:
         if node["t"] == "ref":
             out[node["fqn"]] = path
         elif node["t"] == "dict":  # pushed last first: the leaves come out in the saved order
-            stack.extend(reversed([(child, path + (key,)) for key, child in node["k"]]))
+            stack.extend(reversed([(child, path + (key if dict_key is None else dict_key(key),))
+                                   for key, child in node["k"]]))
         else:  # list, tuple
             stack.extend(reversed([(child, path + (i,)) for i, child in enumerate(node["v"])]))
     return out

@@ -262,6 +262,11 @@ class DistCkptStorageWriter(StorageWriter):
             pass
 
 
+# How far past its number of keys a list position in DCP's planner data may be (see
+# DistCkptStorageReader._check_planner_data).
+_LIST_SLACK = 1024
+
+
 class DistCkptStorageReader(StorageReader):
     """A DCP StorageReader over any whole checkpoint distckpt reads (module docstring).
 
@@ -336,8 +341,11 @@ class DistCkptStorageReader(StorageReader):
         # A checkpoint DCP did not write (distckpt.save's, a FileSystemWriter directory's, whose
         # .metadata paths are the MANIFEST's tree): DCP's planner_data from the tree, so a load
         # planner that rebuilds the state dict from the metadata (_EmptyStateDictLoadPlanner,
-        # behind dcp's load-everything helpers) nests it as FileSystemReader does, not flat.
-        planner_data = {f: p for f, p in mf.tree_paths(manifest.tree).items() if f in md} or None
+        # behind dcp's load-everything helpers) nests it as FileSystemReader does, not flat. DCP
+        # names every dict key by str(key) (its traversal's rule); an int key kept as an int would
+        # make set_element build a list (a dict {0: .., 1: ..} silently became a list, and
+        # {1: .., 3: ..} or {0: .., "a": ..} failed untyped).
+        planner_data = {f: p for f, p in mf.tree_paths(manifest.tree, dict_key=str).items() if f in md} or None
         version = None
         if dcp_meta is not None:
             try:
@@ -349,7 +357,7 @@ class DistCkptStorageReader(StorageReader):
             except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 raise CheckpointCorruptError(f"the MANIFEST's DCP planner data is malformed: {exc!r}",
                                              path=self.path) from exc
-            self._check_planner_data(planner_data)
+        self._check_planner_data(planner_data)
         # In the saved order (DCP's planner data, else the MANIFEST's tree), as FileSystemReader's
         # metadata is: a planner that builds the state dict from it (_EmptyStateDictLoadPlanner)
         # returns its keys in that order (tensors then values, otherwise).
@@ -361,9 +369,15 @@ class DistCkptStorageReader(StorageReader):
 
     def _check_planner_data(self, planner_data: Any) -> None:
         """DCP's planner data maps each key to its path in the nested state dict, and DCP's
-        planners nest and flatten by it: each path must be a non-empty sequence of str / int keys
-        that joins back to its key (DCP's own flattening), or keys go missing (a path "xyz" nests
-        as x.y.z) or two keys land on one place and one is silently lost.
+        planners nest and flatten by it (``set_element``): each path must be a non-empty sequence
+        of str / int keys, a str first, that joins back to its key (DCP's own flattening), or keys
+        go missing (a path "xyz" nests as x.y.z) or two keys land on one place and one is silently
+        lost. The paths together must also form one tree that ``set_element`` can build: no key
+        both a value and a container, no container reached by str keys (a dict) and by int ones (a
+        list), and every int a list position of at most _LIST_SLACK past the number of keys in
+        that list (``set_element`` pads a list with None up to its position: a hostile 10**12
+        would exhaust memory, a negative one fail untyped; a list's empty dicts have no keys, so
+        a little slack).
 
         Raises:
             CheckpointCorruptError: naming the first key whose path is not of that form.
@@ -373,13 +387,36 @@ class DistCkptStorageReader(StorageReader):
         if not isinstance(planner_data, dict):
             raise CheckpointCorruptError(f"the MANIFEST's DCP planner data is a {type(planner_data).__name__}, not a "
                                          f"dict", path=self.path)
+        leaves: set[tuple] = set()
+        kinds: dict[tuple, type] = {}  # a container's prefix -> the type of its keys (str: dict, int: list)
+        lists: dict[tuple, list] = {}  # a list's prefix -> [keys within it, its largest position, that key]
+
+        def bad(fqn: str, obj_path: Any) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"the MANIFEST's DCP planner data gives {fqn!r} the path {str(obj_path)[:200]}, "
+                                          f"which does not lead to it (or collides with another key's)",
+                                          path=self.path, key=fqn)
+
         for fqn, obj_path in planner_data.items():
-            if not (isinstance(obj_path, (list, tuple)) and obj_path
-                    and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj_path)
+            if not (isinstance(obj_path, (list, tuple)) and obj_path and isinstance(obj_path[0], str)
+                    and all(type(k) is str or (type(k) is int and k >= 0) for k in obj_path)
                     and ".".join(map(str, obj_path)) == fqn):
-                raise CheckpointCorruptError(f"the MANIFEST's DCP planner data gives {fqn!r} the path "
-                                             f"{str(obj_path)[:200]}, which does not lead to it", path=self.path,
-                                             key=fqn)
+                raise bad(fqn, obj_path)
+            obj_path = tuple(obj_path)
+            if obj_path in kinds or any(obj_path[:i] in leaves for i in range(1, len(obj_path))):
+                raise bad(fqn, obj_path)
+            for i in range(1, len(obj_path)):
+                key, prefix = obj_path[i], obj_path[:i]
+                if kinds.setdefault(prefix, type(key)) is not type(key):
+                    raise bad(fqn, obj_path)
+                if type(key) is int:
+                    seen = lists.setdefault(prefix, [0, -1, fqn])
+                    seen[0] += 1
+                    if key > seen[1]:
+                        seen[1:] = [key, fqn]
+            leaves.add(obj_path)
+        for prefix, (count, largest, fqn) in lists.items():
+            if largest >= count + _LIST_SLACK:
+                raise bad(fqn, planner_data[fqn])
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass

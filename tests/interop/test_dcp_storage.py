@@ -248,6 +248,57 @@ def test_planner_data_whose_paths_do_not_lead_to_their_keys_is_corrupt(tmp_path,
         DistCkptStorageReader(crafted).read_metadata()
 
 
+@pytest.mark.parametrize("state", [
+    {"optim": {"state": {0: {"exp_avg": torch.ones(2)}, 1: {"exp_avg": torch.full((2,), 3.0)}}}},
+    {"optim": {"state": {1: {"exp_avg": torch.ones(2)}, 3: {"exp_avg": torch.full((2,), 3.0)}}}},
+    {"d": {0: torch.zeros(1), "a": torch.ones(1)}, "l": [torch.ones(1), {5: torch.zeros(2)}]},
+], ids=["dense-int-keys", "sparse-int-keys", "mixed-keys-and-a-list"])
+def test_int_dict_keys_of_a_distckpt_save_nest_as_dcp_names_them(tmp_path, state):
+    """DCP names every dict key by str(key) and reads an int in a planner_data path as a list
+    position. The reader gave a distckpt.save checkpoint's int dict keys as ints: a raw optimizer
+    state {0: .., 1: ..} came back as a list through DCP's load-everything helpers (silently), and
+    {1: .., 3: ..} or {0: .., "a": ..} failed untyped in DCP's set_element. Now it nests as
+    FileSystemReader nests the same state saved by dcp.save."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    distckpt.save(state, tmp_path / "native", no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fsw")), no_dist=True)
+    want = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(str(tmp_path / "fsw")))
+    got = _load_state_dict_from_keys(storage_reader=DistCkptStorageReader(tmp_path / "native"))
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+
+    assert same(want, got), (want, got)
+
+
+@pytest.mark.parametrize("state, paths", [
+    ({"x": {"0": torch.zeros(1), "1000000000000": torch.ones(1)}}, {"x.0": ["x", 0], "x.1000000000000": ["x", 10**12]}),
+    ({"x": {"-1": torch.zeros(1)}}, {"x.-1": ["x", -1]}),
+    ({"x": {"0": torch.zeros(1), "a": torch.ones(1)}}, {"x.0": ["x", 0], "x.a": ["x", "a"]}),
+    ({"x": torch.zeros(1), "x.y": torch.ones(1)}, {"x": ["x"], "x.y": ["x", "y"]}),
+    ({"x.y": torch.ones(1), "x": torch.zeros(1)}, {"x.y": ["x", "y"], "x": ["x"]}),
+], ids=["huge-list-position", "negative-position", "a-list-and-a-dict-at-once", "a-value-then-a-container",
+        "a-container-then-a-value"])
+def test_planner_data_paths_that_build_no_tree_are_corrupt(tmp_path, state, paths):
+    """Paths that each join back to their key but together build no state dict: a list position
+    of 10**12 (DCP's set_element pads the list with None up to it: memory exhausted), a negative
+    one (IndexError), one container reached by an int and a str key, one key both a value and a
+    container (TypeError in set_element, or a value silently replaced). CheckpointCorruptError."""
+    from distckpt.errors import CheckpointCorruptError
+    crafted = tmp_path / "crafted"
+    planner = {"t": "dict", "k": [[k, v] for k, v in paths.items()]}
+    distckpt.save(state, crafted, no_dist=True,
+                  metadata={"distckpt.dcp": {"version": "1.0.0", "planner_data": ["value", planner]}})
+    with pytest.raises(CheckpointCorruptError, match="planner data gives"):
+        DistCkptStorageReader(crafted).read_metadata()
+
+
 def test_no_path_and_a_dcp_directory_in_the_way_are_typed_errors_saying_so(tmp_path):
     """The writer without a path said "checkpoint path None is a NoneType" (the reader: "no
     checkpoint path"); overwrite=True over a FileSystemWriter directory is refused (distckpt
