@@ -76,6 +76,7 @@ typedef struct {
     int flushed;             /* flush() ran: the file is complete, no more appends */
     int fixed;               /* staging registered with IORING_REGISTER_BUFFERS */
     int want_fixed;          /* fixed_buffers=True: register at the first full staging block */
+    int fixed_errno;         /* why the kernel refused the registration (0: not refused) */
     int prealloc;            /* fallocate ahead still enabled */
     int wedged;              /* a write outlived its deadline and its cancel: see writer_abandon */
     int releasing;           /* writer_release() drains: waits no signal may end (dealloc raises nothing) */
@@ -278,6 +279,7 @@ static void writer_register(WriterObject *w)
         iov[i].iov_len = w->stage_block;
     }
     w->fixed = sys_io_uring_register(w->ring.fd, IORING_REGISTER_BUFFERS, iov, w->nblocks) == 0;
+    w->fixed_errno = w->fixed ? 0 : errno;
     PyMem_RawFree(iov);
 }
 
@@ -933,6 +935,7 @@ static PyObject *Writer_close(WriterObject *w, PyObject *Py_UNUSED(ignored))
 static PyObject *Writer_get_closed(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->closed); }
 static PyObject *Writer_get_fileno(WriterObject *w, void *Py_UNUSED(c)) { return PyLong_FromLong(w->fd); }
 static PyObject *Writer_get_fixed(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->fixed); }
+static PyObject *Writer_get_fixed_errno(WriterObject *w, void *Py_UNUSED(c)) { return PyLong_FromLong(w->fixed_errno); }
 static PyObject *Writer_get_wedged(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->wedged); }
 static PyObject *Writer_get_holding(WriterObject *w, void *Py_UNUSED(c)) { return PyBool_FromLong(w->held != NULL); }
 static PyObject *Writer_get_direct_sources(WriterObject *w, void *Py_UNUSED(c))
@@ -976,6 +979,8 @@ static PyGetSetDef Writer_getset[] = {
     {"closed", (getter)Writer_get_closed, NULL, "True once close() ran.", NULL},
     {"fileno", (getter)Writer_get_fileno, NULL, "The file fd, -1 when closed.", NULL},
     {"fixed_buffers", (getter)Writer_get_fixed, NULL, "Staging registered with the ring.", NULL},
+    {"fixed_buffers_errno", (getter)Writer_get_fixed_errno, NULL,
+     "The errno with which the kernel refused to register the staging (0: not refused).", NULL},
     {"holding", (getter)Writer_get_holding, NULL,
      "True while the writer references a held source (write_checksummed's hold): set when a call "
      "returns with its writes in flight, cleared by a later call once they are done.", NULL},
