@@ -565,7 +565,8 @@ def _reference(survey: list[_Survey], step: str, remote_path: str | None) -> _Re
         names = [mf.data_file_name(i) for i in missing]   # file i is rank i's (distckpt.commit's order)
         raise TierIncompleteError(
             f"step {step} (save {save_id}) has no complete copy: data file(s) {names[:20]} are in no node's local "
-            f"directory and the remote tier ({remote_path}) has not committed the step", path=where, step=step,
+            f"directory and " + (f"the remote tier ({remote_path}) has not committed the step" if remote_path else
+                                 "the remote tier was not read"), path=where, step=step,
             files=names, tiers=ref.describe(survey))
     return ref
 

@@ -224,6 +224,10 @@ class TieredCheckpointManager:
         # lack steps it holds, which its keep_last_remote rotation counts): see _known_remote_id.
         self._remote_listed = False
         self._remote_down: str | None = None  # the remote tier's error when it last did not answer
+        self._remote_down_error: BaseException | None = None  # that error itself
+        # Local steps not drained at construction because keep_last_remote would rotate them away
+        # at once (_not_rotated_away): what wait_durable says of them.
+        self._not_sent: set[int] = set()
         # Whether this manager checked the tiers' pairing (_pair_tiers): at construction when the
         # remote tier answers, else on the drain thread before its first drain.
         self._paired = False
@@ -450,17 +454,20 @@ class TieredCheckpointManager:
         The same all-gather carries each rank's :meth:`_drain_report`: a drain that a lost peer
         stopped is restarted here (:meth:`_restart_lost_drain`).
 
-        Returns True when some nodes hold a local copy of the step and others none, or another
-        save (a save killed between the nodes' publishes): no load takes such a step (it is passed
-        over), so this save replaces it, with a warning, where it raised CheckpointExistsError on
-        the nodes that hold a copy and stopped the resumed run at the step its load() said was
-        free. Decided from the same all-gather: the same on every rank.
+        Returns True when the nodes' local copies of the step do not make one whole save (some
+        nodes hold none, or another save: a save killed between the nodes' publishes; or every
+        node the same save with files missing: a node lost since, the job resumed on the others)
+        and the remote tier does not hold it: no load takes such a step (it is passed over), so
+        this save replaces it, with a warning, where it raised CheckpointExistsError on the nodes
+        that hold a copy and stopped the resumed run at the step its load() said was free.
+        Decided from the same all-gather: the same on every rank.
 
         Raises SaveInProgressError (a drain of the step in flight) or CheckpointExistsError."""
+        from .load import _local_copy
         error, mine = None, None
         if self._layout.is_leader:
             try:
-                mine = self._local_store.committed_save_id(self.local_path(step))
+                mine = _local_copy(self._local_store, self.local_path(step))[0]
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc
         if self._group.rank == 0 and error is None:
@@ -488,17 +495,22 @@ class TieredCheckpointManager:
         reports = self._group.exchange_outcome(error, operation="TieredCheckpointManager.save()",
                                                extra=(self._drain_report(), mine))
         self._restart_lost_drain([r[0] for r in reports])
-        held = [reports[leader][1] for leader in self._layout.leaders]
-        if any(h is not None for h in held) and (None in held or len(set(held)) > 1):
-            # Not a copy on every node: still loadable when the copies (replicas included) hold
-            # every file of one save between them, or when the remote tier holds it (collective:
-            # every rank got here from the same all-gather).
+        copies = [reports[leader][1] for leader in self._layout.leaders]
+        held = [c.save_id if c is not None else None for c in copies]
+        present = [c for c in copies if c is not None]
+        whole = (present and None not in held and len(set(held)) == 1
+                 and len(frozenset().union(*(c.files for c in present))) == present[0].nfiles)
+        if present and not whole:
+            # Not one whole save on the nodes: still loadable when the copies (replicas included)
+            # hold every file of one save between them, or when the remote tier holds it
+            # (collective: every rank got here from the same all-gather).
             tiers = self._availability()[0].get(step)
             if tiers is not None and (tiers.local_complete or tiers.remote_save_id is not None):
                 return False
-            log.warning("distckpt: replacing step %d on the local tier: only node(s) %s hold a copy of it (saves %s), "
-                        "so no load takes it (a save interrupted between the nodes' publishes)", step,
-                        [n for n, h in enumerate(held) if h is not None], held)
+            log.warning("distckpt: replacing step %d on the local tier: the nodes' copies (saves %s, %s of its data "
+                        "files) are no whole save and the remote tier does not hold it, so no load takes it (a save "
+                        "interrupted between the nodes' publishes, or a node lost since)", step, held,
+                        [len(c.files) if c is not None else 0 for c in copies])
             return True
         return False
 
@@ -712,7 +724,33 @@ class TieredCheckpointManager:
                 out.append((step, t.local_save_id))
         # by commit time (every node's copy is the same save: one time), then number
         out.sort(key=lambda item: (avail[item[0]].created_unix or 0.0, item[0]))
-        return out
+        return self._not_rotated_away(out, avail) if remote_up else out
+
+    def _not_rotated_away(self, queued: list[tuple[int, str]], avail: dict) -> list[tuple[int, str]]:
+        """Of the local steps ``queued`` to drain at construction, those the remote tier's
+        keep_last_remote rotation would keep once they and the steps it holds are there (the
+        newest by number or by commit time: distckpt.rotation). The others were drained and then
+        rotated away by an earlier manager (which knew it, this one does not), or were overtaken
+        there by keep_last_remote newer saves: draining them would upload them only for the
+        rotation to delete them, and point the remote ``latest`` back at an old step (every
+        restart of a job with keep_last_local > keep_last_remote did both). They count as
+        drained and dropped (``_remote_held``): neither tier's policy keeps them, and the local
+        rotation deletes them once they are beyond keep_last_local."""
+        keep = self._remote.keep_last
+        if keep is None or not queued:
+            return queued
+        times = {s: t.remote_created_unix for s, t in avail.items() if t.remote_save_id is not None}
+        times.update({s: avail[s].created_unix for s, _ in queued})
+        doomed = set(beyond_keep_last(times, keep, times.get)[0])
+        skipped = [(s, sid) for s, sid in queued if s in doomed]
+        if skipped:
+            log.warning("distckpt: not draining %s to %s: its keep_last_remote=%d rotation would delete them at "
+                        "once (it holds or is sent %d newer steps, by number and by commit time); they count as "
+                        "drained and rotated away, and the local rotation (keep_last_local=%d) deletes them in turn",
+                        [step_dirname(s) for s, _ in skipped], self.remote_root, keep, keep, self.keep_last_local)
+            self._remote_held.update(skipped)
+            self._not_sent.update(s for s, _ in skipped)
+        return [item for item in queued if item[0] not in doomed]
 
     def _own_local_tier(self):
         """Each node's leader takes the local tier's owner lock (``LOCAL/.distckpt-tiers.owner``,
@@ -1016,6 +1054,12 @@ class TieredCheckpointManager:
             if status.local == "absent":
                 raise CheckpointNotFoundError(f"step {step} is on neither tier ({self.local_root}, {self.remote_root})",
                                               path=self.local_path(step))
+            if step in self._not_sent:
+                raise NotDurableError(f"step {step} is not on the remote tier: its keep_last_remote="
+                                      f"{self._remote.keep_last} rotation would delete it at once (newer steps are "
+                                      f"there), so it was not drained again; the local tier still holds it",
+                                      path=self.remote_path(step), steps=[step],
+                                      remedy="Raise keep_last_remote to keep more steps on the remote tier.")
             raise NotDurableError(f"step {step} is committed locally but was never queued for draining by this "
                                   f"manager", path=self.remote_path(step), steps=[step],
                                   remedy="A new TieredCheckpointManager drains it at construction.")
@@ -1049,9 +1093,12 @@ class TieredCheckpointManager:
     def latest_step(self) -> int | None:
         """The step :meth:`load` loads by default: the newest (by commit time) with a complete
         copy on the tiers: the remote tier holds it, or every node's local copy of the same save
-        does. Collective. Writes nothing."""
+        does. Collective. Writes nothing. None when no tier holds one; when no local copy is
+        complete and the remote tier did not answer, its typed error (it may hold steps)."""
         self._control("TieredCheckpointManager.latest_step()")
-        candidates, _, _ = self._candidates()
+        candidates, remote_up, _ = self._candidates()
+        if not candidates and not remote_up:
+            self._raise_if_remote_down(None)  # None would say "no checkpoint" of a remote tier that may hold them
         return candidates[0] if candidates else None
 
     def _availability(self) -> tuple[dict, bool]:
@@ -1061,10 +1108,10 @@ class TieredCheckpointManager:
         try:
             avail = step_availability(self._group, local_root=self.local_root, remote_root=self.remote_root,
                                       storage_options=self.storage_options, layout=self._layout)
-            self._remote_down = None
+            self._remote_down, self._remote_down_error = None, None
             return avail, True
         except ObjectStoreError as exc:
-            self._remote_down = f"{type(exc).__name__}: {exc.message}"
+            self._remote_down, self._remote_down_error = f"{type(exc).__name__}: {exc.message}", exc
             log.warning("distckpt: the remote tier %s cannot be listed (%s): choosing among the local tier's "
                         "complete copies only, which cannot be checked against it (should it hold another save "
                         "of the same step, that one would be loaded when it answers)", self.remote_root,
@@ -1112,8 +1159,10 @@ class TieredCheckpointManager:
         held remotely as another save than the nodes' copies is passed over (with no ``step``)
         when the remote tier stops answering after the listing: its local copy is known stale.
 
-        Raises CheckpointNotFoundError when no step has a complete copy; TierIncompleteError for
-        a given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
+        Raises CheckpointNotFoundError when no step has a complete copy; the remote tier's own
+        typed error (an ObjectStoreError, never a FileNotFoundError for a stall) instead when no
+        local copy is complete and the remote tier did not answer; TierIncompleteError for a
+        given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
         copy's ChecksumMismatchError when the remote tier does not hold the step).
         """
         if step is not None:
@@ -1126,6 +1175,7 @@ class TieredCheckpointManager:
             self._control("TieredCheckpointManager.load()")
             steps, remote_up, avail = self._candidates()
         if not steps:
+            self._raise_if_remote_down(None)
             raise CheckpointNotFoundError(f"no step with a complete copy on {self.local_root} or {self.remote_root}",
                                           path=self.remote_root)
         last = None
@@ -1150,11 +1200,15 @@ class TieredCheckpointManager:
                             # copies are complete (else TierIncompleteError) and not known stale
                             # (_refuse_stale_local, at the loop's top).
                             remote_up, self._remote_down = False, f"{type(exc).__name__}: {exc.message}"
+                            self._remote_down_error = exc
                             log.warning("distckpt: step %d: the remote tier %s does not answer (%s): loading the "
                                         "local tier's copy, which cannot be checked against it", s,
                                         self.remote_root, self._remote_down)
                         except DistCkptError as exc:
                             if not remote_up:
+                                if isinstance(exc, CheckpointNotFoundError):
+                                    # No copy on the local tier says nothing of the remote one.
+                                    self._raise_if_remote_down(exc)
                                 exc.add_note(f"distckpt: the remote tier {self.remote_root} did not answer "
                                              f"({self._remote_down}): only the local tier was read")
                             raise
@@ -1183,8 +1237,24 @@ class TieredCheckpointManager:
                 log.warning("distckpt: step %d has no complete copy this job can read (%s); trying an older one",
                             s, exc)
                 last = exc
+        if not remote_up:
+            self._raise_if_remote_down(last)
         raise CheckpointNotFoundError(f"no step on {self.local_root} or {self.remote_root} has a complete copy this job "
                                       f"can read (the newest failed with: {last})", path=self.remote_root)
+
+    def _raise_if_remote_down(self, last: BaseException | None) -> None:
+        """When the remote tier did not answer this call (the listing's, or a read's, typed error
+        on every rank), raise that error, noted: no complete copy on the local tier says nothing
+        of the remote tier, which may hold every step. A CheckpointNotFoundError (a
+        FileNotFoundError) there would read as "no checkpoint" to a resume loop that then starts
+        from scratch, and threw the run's progress away while a single request stalled."""
+        exc = self._remote_down_error
+        if exc is None:
+            return
+        exc.add_note(f"distckpt: no step has a complete copy on the local tier {self.local_root} alone, and the "
+                     f"remote tier {self.remote_root} did not answer: it may hold the steps to load. Load again "
+                     f"once it answers; this is not an empty checkpoint root.")
+        raise exc from last
 
     def _refuse_stale_local(self, step: int, avail: dict) -> None:
         """Raise TierIncompleteError when the listing ``avail`` (the same on every rank: an

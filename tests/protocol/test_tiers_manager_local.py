@@ -109,7 +109,6 @@ def test_after_a_rollback_a_local_step_the_remote_tier_never_held_is_kept(tmp_pa
     assert _steps(local) == [40, 50] and _steps(remote) == [50]
     out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
     with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=1) as mgr:
-        mgr.wait_durable(40, timeout=120)  # queued at construction: local, not (any more) remote
         mgr.load(out, step=40)
         assert out["step"] == 40
         gate = _lag_drains(mgr)
@@ -124,6 +123,32 @@ def test_after_a_rollback_a_local_step_the_remote_tier_never_held_is_kept(tmp_pa
     # it. 41 too remotely, but locally it is among the newest two by commit time (50 belongs to
     # the abandoned branch), so keep_last_local keeps it.
     assert _steps(local) == [41, 42, 50] and _steps(remote) == [42, 50]
+
+
+def test_a_restart_does_not_drain_again_what_keep_last_remote_rotated_away(tmp_path, caplog):
+    """keep_last_local=5 > keep_last_remote=2: the remote tier holds 40 and 50, the local tier 10
+    to 50. Every restart drained 10, 20 and 30 again (not on the remote tier: its own rotation
+    had dropped them), and each of those drains pointed the remote `latest` back at the old step
+    and left the remote tier above keep_last_remote (an outside trial: after two restarts it held
+    10 to 50 with `latest` at 10). They count as drained and rotated away now: nothing is sent,
+    `latest` stays, and the local rotation deletes them in turn."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    for restart in range(3):
+        with TieredCheckpointManager(local, remote, keep_last_local=5, keep_last_remote=2) as mgr:
+            if restart == 0:
+                for s in (10, 20, 30, 40, 50):
+                    mgr.save(s, _state(s))
+                    mgr.wait_durable(s, timeout=120)
+        assert _steps(remote) == [40, 50] and (remote / "latest").read_text() == "step_00000050\n", restart
+        assert _steps(local) == [10, 20, 30, 40, 50], restart
+    caplog.set_level("WARNING", logger="distckpt")
+    with TieredCheckpointManager(local, remote, keep_last_local=5, keep_last_remote=2) as mgr:
+        assert "not draining ['step_00000010', 'step_00000020', 'step_00000030']" in caplog.text, caplog.text
+        for s in (60, 70):
+            mgr.save(s, _state(s))
+            mgr.wait_durable(s, timeout=120)
+    assert _steps(local) == [30, 40, 50, 60, 70] and _steps(remote) == [60, 70]
+    assert (remote / "latest").read_text() == "step_00000070\n"
 
 
 def test_wait_durable_of_a_step_rotated_away_from_both_tiers_raises(tmp_path):
@@ -550,8 +575,12 @@ def test_undrained_steps_of_a_rollback_drain_in_commit_order_and_rotation_keeps_
             time.sleep(0.01)
     os.remove(local / ".distckpt-tier-remote")  # the remote tier changed on purpose (TierMismatchError's remedy)
     with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=2) as mgr:
-        for s in (450, 460, 470, 480, 500):
+        for s in (460, 470, 480, 500):
             mgr.wait_durable(s, timeout=120)
+        # 450 (committed first, numbered lowest) is among neither the newest two by number nor
+        # by commit time: the remote tier's rotation would delete it at once, so it is not sent.
+        with pytest.raises(errors.NotDurableError, match="keep_last_remote=2 rotation would delete it"):
+            mgr.wait_durable(450, timeout=10)
     out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
     with TieredCheckpointManager(local, remote, keep_last_local=2, keep_last_remote=2) as mgr:
         mgr.load(out)

@@ -635,6 +635,39 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
         px.close()
 
 
+@pytest.mark.parametrize("dark", ["every-request", "the-data-after-the-listing"])
+def test_no_complete_local_copy_and_a_dark_remote_is_the_remotes_error_not_no_checkpoint(
+        s3_bucket, s3_server, tmp_path, monkeypatch, dark):
+    """The node's local copy is gone (a replaced node, replicas off) and the remote tier, which
+    holds the step, does not answer: every request, or only the GET of the step's data file once
+    the listing answered. load() raised CheckpointNotFoundError, a FileNotFoundError ("no step with
+    a complete copy"), which a resume loop reads as an empty run and starts from scratch (an
+    outside trial); latest_step() returned None. Both raise the remote tier's own typed error
+    now, noted, and load the step once the remote tier answers again."""
+    import shutil
+
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, _drained, _url):
+        shutil.rmtree(tmp_path / "local" / "step_00000001")
+        if dark == "every-request":
+            px.rule = lambda n, method, path: "stall"
+            with pytest.raises(EndpointUnreachableError) as info:
+                mgr.latest_step()
+            assert not isinstance(info.value, FileNotFoundError)
+        else:
+            px.rule, stalled = _stall_after_listing(mgr, "rank00000.bin")
+        with pytest.raises(EndpointUnreachableError) as info:
+            mgr.load(_state(0))
+        assert not isinstance(info.value, FileNotFoundError)
+        assert "this is not an empty checkpoint root" in "\n".join(getattr(info.value, "__notes__", [])), info.value
+        if dark != "every-request":
+            assert stalled, stalled
+        px.rule = lambda n, method, path: None
+        got = _state(0)
+        mgr.load(got)
+        assert _same(got, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # close(timeout) while a request of the drain is held unanswered
 
