@@ -481,7 +481,7 @@ class CheckpointManager:
             if self._resume_gen == gen:
                 self._resumed_from = None
 
-    def rotate_after(self, step: int, *, guard: Callable[[str], None] | None = None) -> None:
+    def rotate_after(self, step: int, *, guard: Callable[[str], None] | None = None, point: bool = True) -> None:
         """What a manager save of ``step`` runs on rank 0 once it is committed, for a caller that
         commits steps into this root by other means (a tiered manager's drain,
         distckpt.tiers): point ``latest`` at ``step``, then keep_last rotation (steps numbered
@@ -495,10 +495,12 @@ class CheckpointManager:
 
         ``guard(operation)``: called right before each write (the ``latest`` pointer, each
         deletion); what it raises stops the rotation there (a tiered manager's proof, renewed
-        before each, that it still owns the root).
+        before each, that it still owns the root). ``point=False``: ``latest`` is left as it is
+        (a caller that knows a step committed after ``step`` is there: ``latest`` names the
+        newest by commit order, and a late drain must not point it back).
 
         Raises the store's typed errors (the step itself stays committed)."""
-        self._after_commit(step, None, guard=guard)
+        self._after_commit(step, None, guard=guard, point=point)
 
     def _learn_commit_times(self) -> bool:
         """Rank 0, before this manager's first save: make the newest commit time under the root
@@ -571,14 +573,15 @@ class CheckpointManager:
         return created
 
     def _after_commit(self, step: int, protect: int | None, rotate: bool = True, *, chosen: bool = True,
-                      guard: Callable[[str], None] | None = None) -> None:
+                      guard: Callable[[str], None] | None = None, point: bool = True) -> None:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         # ``chosen``: the caller named the step it resumed from (load(step=N)); else the manager
         # took the newest loadable one. ``guard``: rotate_after's.
         guard = guard or (lambda operation: None)
-        pointer = (step_dirname(step) + "\n").encode()
-        guard(f"point {self.root}/latest at {step_dirname(step)}")
-        self._store.replace_pointer(join(self.root, "latest"), pointer)
+        if point:
+            pointer = (step_dirname(step) + "\n").encode()
+            guard(f"point {self.root}/latest at {step_dirname(step)}")
+            self._store.replace_pointer(join(self.root, "latest"), pointer)
         if (self.keep_last is None or not rotate) and not self._numbered_above(step):
             # Nothing to rotate and no step above: the committed steps below need not be looked
             # at (on an object store, a HEAD each, on rank 0 inside every commit of a run that
@@ -592,10 +595,12 @@ class CheckpointManager:
             # Steps above this one are an abandoned branch only after a rollback through this
             # manager's load(); otherwise (a fresh job, another manager, a plain load) nothing
             # says they are abandoned, and deleting them could destroy the newest work: keep them.
-            log.warning("distckpt: keeping %s under %s: numbered above the step just saved (%d), but this "
-                        "manager did not resume from an older step, so they are not treated as an abandoned "
-                        "branch; `latest` and load() now name step %d (newest by commit order)",
-                        [step_dirname(s) for s in above], self.root, step, step)
+            # (A late drain, point=False, keeps them quietly: they were committed after it.)
+            if point:
+                log.warning("distckpt: keeping %s under %s: numbered above the step just saved (%d), but this "
+                            "manager did not resume from an older step, so they are not treated as an abandoned "
+                            "branch; `latest` and load() now name step %d (newest by commit order)",
+                            [step_dirname(s) for s in above], self.root, step, step)
             above_doomed: list[int] = []
         else:
             above_doomed = [] if self.keep_abandoned else above

@@ -228,6 +228,9 @@ class TieredCheckpointManager:
         # Local steps not drained at construction because keep_last_remote would rotate them away
         # at once (_not_rotated_away): what wait_durable says of them.
         self._not_sent: set[int] = set()
+        # Local steps queued at construction that the remote tier holds a later commit than: their
+        # drain must not point the remote `latest` back at them (_not_rotated_away).
+        self._late: set[int] = set()
         # Whether this manager checked the tiers' pairing (_pair_tiers): at construction when the
         # remote tier answers, else on the drain thread before its first drain.
         self._paired = False
@@ -614,8 +617,10 @@ class TieredCheckpointManager:
 
         def after() -> None:
             # A rotation deletes steps: only while this job owns the root, proven (renewed) right
-            # before each write, so an owner frozen mid-rotation past its lease stops there.
-            self._remote.rotate_after(step, guard=hold)
+            # before each write, so an owner frozen mid-rotation past its lease stops there. A
+            # late step (the remote tier holds one committed after it) leaves `latest` alone.
+            self._remote.rotate_after(step, guard=hold, point=step not in self._late)
+            self._late.discard(step)
 
         result = drain_step(self._drain_group, local_path=self.local_path(step), remote_path=self.remote_path(step),
                             remote_store=self._remote_store, lock_path=join(self.remote_root, ROOT_LOCK_NAME),
@@ -735,7 +740,12 @@ class TieredCheckpointManager:
         rotation to delete them, and point the remote ``latest`` back at an old step (every
         restart of a job with keep_last_local > keep_last_remote did both). They count as
         drained and dropped (``_remote_held``): neither tier's policy keeps them, and the local
-        rotation deletes them once they are beyond keep_last_local."""
+        rotation deletes them once they are beyond keep_last_local. Also records the queued steps
+        the remote tier holds a later commit than (``_late``): their drains leave ``latest``."""
+        remote_times = [t.remote_created_unix for t in avail.values()
+                        if t.remote_save_id is not None and t.remote_created_unix is not None]
+        newest = max(remote_times, default=None)
+        self._late = {s for s, _ in queued if newest is not None and (avail[s].created_unix or 0.0) < newest}
         keep = self._remote.keep_last
         if keep is None or not queued:
             return queued

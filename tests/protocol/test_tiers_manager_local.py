@@ -151,6 +151,25 @@ def test_a_restart_does_not_drain_again_what_keep_last_remote_rotated_away(tmp_p
     assert (remote / "latest").read_text() == "step_00000070\n"
 
 
+def test_a_late_drain_leaves_the_remote_latest_at_the_newest_commit(tmp_path):
+    """A local step found undrained at construction, committed before a step the remote tier holds:
+    its drain pointed the remote `latest` at it, the older save, where `latest` names the newest
+    by commit order (what load() loads). It stays at the newer step now."""
+    import distckpt
+    local, elsewhere, remote = tmp_path / "local", tmp_path / "elsewhere", tmp_path / "remote"
+    with TieredCheckpointManager(local, elsewhere, keep_last_local=10) as mgr:
+        mgr.save(40, _state(40))
+    time.sleep(0.01)
+    distckpt.CheckpointManager(remote, keep_last=3).save(50, _state(50))
+    os.remove(local / ".distckpt-tier-remote")  # the remote tier changed on purpose (TierMismatchError's remedy)
+    with TieredCheckpointManager(local, remote, keep_last_local=10, keep_last_remote=3) as mgr:
+        assert mgr.wait_durable(40, timeout=120).durable
+        out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+        mgr.load(out)
+        assert out["step"] == 50
+    assert _steps(remote) == [40, 50] and (remote / "latest").read_text() == "step_00000050\n"
+
+
 def test_wait_durable_of_a_step_rotated_away_from_both_tiers_raises(tmp_path):
     """wait_durable() of a step this manager drained that keep_last_remote (and keep_last_local)
     then dropped returned a status (durable False, on neither tier) without raising, where a new
