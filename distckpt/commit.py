@@ -34,6 +34,7 @@ PREPARE until its area is gone or published (:mod:`distckpt.storage.posix.savelo
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import os
@@ -113,6 +114,24 @@ class Verdict:
     sizes: list[int] | None
 
 
+# The guard of the save whose ``after_commit`` runs in this context (:func:`commit_guard`).
+_GUARD: contextvars.ContextVar = contextvars.ContextVar("distckpt_commit_guard", default=None)
+
+
+def _no_guard(operation: str) -> None:
+    pass
+
+
+def commit_guard() -> Callable[[str], None]:
+    """For an ``after_commit`` callback (a manager's rotation, `latest`): ``guard(operation)`` proves
+    that the save running it still holds its lock or lease (on an object store, one conditional
+    renewal) and raises SaveInProgressError when it was taken over; call it right before each
+    change. A save frozen between its commit and its rotation past its lease (a stopped process,
+    a paused VM) used to delete, on waking, the steps of the job that had taken the root over.
+    Outside an ``after_commit``: a guard that checks nothing."""
+    return _GUARD.get() or _no_guard
+
+
 def finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, overwrite: bool,
                 metadata: dict | None, after_commit: Callable[[], None] | None = None,
                 local_error: BaseException | None = None, lock_path: str | None = None,
@@ -186,7 +205,11 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
                 _publish(store, plan, outcomes, save_id, tmp_dir, final_dir, overwrite, metadata)  # the commit point
                 published = True
                 if after_commit is not None:
-                    after_commit()
+                    token = _GUARD.set(lambda operation: [lock.check(operation) for lock in held])
+                    try:
+                        after_commit()
+                    finally:
+                        _GUARD.reset(token)
         except Exception as exc:
             # Before the rename nothing is visible: drop the tmp dir. After it, the checkpoint is
             # committed and durable; the error (the manager's rotation) is still reported to every

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import chain, commitclock
 from ._dist import control_group, group_members, is_distributed
-from .commit import SaveResult
+from .commit import SaveResult, commit_guard
 from .errors import CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError
 from .restore import LoadResult, load
 from .rotation import DAMAGED, beyond_keep_last
@@ -577,7 +577,9 @@ class CheckpointManager:
         # Runs on rank 0 inside the commit, holding the root lock, after `step` is durable.
         # ``chosen``: the caller named the step it resumed from (load(step=N)); else the manager
         # took the newest loadable one. ``guard``: rotate_after's.
-        guard = guard or (lambda operation: None)
+        # Without the caller's guard (a save's own rotation): the save's lock or lease, proven
+        # before each change (distckpt.commit.commit_guard).
+        guard = guard or commit_guard()
         if point:
             pointer = (step_dirname(step) + "\n").encode()
             guard(f"point {self.root}/latest at {step_dirname(step)}")

@@ -96,7 +96,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without lightni
                       "(pip install lightning==2.6.6)") from _exc
 
 from .. import commitclock, containers, tensorrecords
-from ..commit import SaveResult
+from ..commit import SaveResult, commit_guard
 from ..errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, DistCkptError,
                       PickleNotAllowedError)
 from ..listing import owned_checkpoints
@@ -301,6 +301,7 @@ class DistCkptCheckpointIO(CheckpointIO):
 
     def _rotate(self, store: Store, parent: str, just_saved: str, resumed_from: str | None) -> None:
         # Rank 0, inside the commit of ``just_saved``, holding the directory's lock.
+        guard = commit_guard()
         ours = sorted(_our_checkpoints(store, parent), key=lambda e: (e[1], e[0]))
         keep = {_real(just_saved), _real(resumed_from)} | _link_targets(parent)
         excess = ours[:max(0, len(ours) - self.keep_last)]
@@ -309,6 +310,7 @@ class DistCkptCheckpointIO(CheckpointIO):
             if _real(path) in keep:
                 continue
             log.info("distckpt: keep_last=%d: removing %s", self.keep_last, path)
+            guard(f"delete {path}")  # the save's lock or lease still held (not taken over while frozen)
             store.remove_checkpoint(path)
 
     # -- load ------------------------------------------------------------------------------

@@ -379,3 +379,60 @@ def test_file_url_is_the_local_fast_path(tmp_path):
     with pytest.raises(ConfigError):  # fsspec options make no sense for a local path: said, not ignored
         distckpt.save(sd, str(tmp_path / "step_00000002"), storage_options={"key": "k"})
     assert not (tmp_path / "step_00000002").exists()
+
+
+def test_a_rotation_whose_lease_was_taken_over_deletes_nothing(s3_bucket, monkeypatch):
+    """A manager save frozen between its commit and its rotation past its lease (a stopped
+    process, a paused VM) resumed its rotation after another job had broken the lease and taken
+    the root over, and deleted that job's steps (an outside trial: every step gone). Each deletion
+    and the `latest` write now first prove the lease (one conditional renewal): the takeover is
+    SaveInProgressError (the step it saved stays committed) and nothing of the root is deleted."""
+    from distckpt.storage.object.lease import Lease
+
+    opts = s3_bucket.storage_options
+    root = s3_bucket.url + "/mgr"
+    m = distckpt.CheckpointManager(root, keep_last=1, storage_options=opts)
+    for step in (1, 2):
+        m.save(step, {"w": torch.full((300,), float(step))})
+    reader = m._commit_time_reader
+
+    def taken_over_meanwhile():
+        # Another job's save breaks the lease (If-Match on the ETag it read) while this save waits.
+        store = open_store(root, opts)
+        url = root + "/.distckpt.lock"
+        record, etag = Lease.read_versioned(store, url)
+        Lease._put(store, url, {**record, "save_id": "f" * 32, "pid": 1, "renewed_unix": record["renewed_unix"] + 1},
+                   match=etag, operation="take over", rank=0)
+        return reader()
+
+    monkeypatch.setattr(m, "_commit_time_reader", taken_over_meanwhile)
+    with pytest.raises(SaveInProgressError) as info:
+        m.save(3, {"w": torch.full((300,), 3.0)})
+    assert info.value.committed is True, info.value
+    monkeypatch.undo()
+    assert sorted({k.split("/")[1] for k in s3_bucket.keys("mgr") if k.startswith("mgr/step_")}) == [
+        "step_00000002", "step_00000003"]  # keep_last=1 would have deleted 2
+    assert torch.equal(distckpt.read(root + "/step_00000002", storage_options=opts)["w"], torch.full((300,), 2.0))
+
+
+def test_removing_a_checkpoint_deletes_its_own_save_and_only_an_unchanged_manifest(s3_bucket, monkeypatch):
+    """remove_checkpoint deleted the MANIFEST unconditionally and then every object under the
+    step: a remover that woke after another job had saved the step again deleted that save's
+    data under its committed MANIFEST (a checkpoint that looks complete and does not load). Now
+    it deletes the MANIFEST it read (If-Match on its ETag) and that save's data prefix only."""
+    opts = s3_bucket.storage_options
+    path = s3_bucket.url + "/ck"
+    distckpt.save({"w": torch.full((300,), 1.0)}, path, storage_options=opts)
+    first = distckpt.read_manifest(path, storage_options=opts)["save_id"]
+    other = "e" * 32  # another save's data in flight under the same step
+    s3_bucket.fs.pipe_file(f"{s3_bucket.name}/ck/{other}/rank00000.bin", b"x" * 100)
+    store = open_store(path, opts)
+    # The MANIFEST changed between the remover's read and its DELETE: nothing is deleted.
+    stale = store._get_with_etag
+    monkeypatch.setattr(store, "_get_with_etag", lambda url, limit, **kw: (stale(url, limit, **kw)[0], '"0000"',
+                                                                            None, None))
+    store.remove_checkpoint(path)
+    assert distckpt.read_manifest(path, storage_options=opts)["save_id"] == first
+    monkeypatch.undo()
+    store.remove_checkpoint(path)
+    assert set(s3_bucket.keys("ck")) == {f"ck/{other}/rank00000.bin"}, s3_bucket.keys("ck")

@@ -106,7 +106,7 @@ from ...errors import (CheckpointNotFoundError, ConfigError, DistCkptError, Mani
                        StateDictMismatchError, UnsupportedValueError)
 from ...listing import owned_checkpoints
 from ...restore import read
-from ...commit import SaveResult
+from ...commit import SaveResult, commit_guard
 from ...save_sync import save_in_root
 from ...source import pinned
 from ...storage import ROOT_LOCK_NAME, Store, is_url, join, open_store
@@ -417,8 +417,11 @@ class DistckptCheckpointEngine(CheckpointEngine):
         return {_FILES: out, **_records(out), **zsd}, meta
 
     def _after_commit(self, store: Store, save_dir: str, tag: str, save_latest: bool) -> None:
-        # Rank 0, inside the commit, holding the root lock, after the new tag is durable.
+        # Rank 0, inside the commit, holding the root lock, after the new tag is durable; its
+        # lock or lease proven before each change (a save frozen past its lease stops there).
+        guard = commit_guard()
         if save_latest:
+            guard(f"point {save_dir}/latest at {tag}")
             store.replace_pointer(join(save_dir, "latest"), tag.encode())
         if self.keep_last is None:
             return
@@ -432,6 +435,7 @@ class DistckptCheckpointEngine(CheckpointEngine):
         ours = sorted(_our_checkpoints(store, save_dir), key=lambda e: (e[1], e[0]))
         doomed = [name for name, _ in ours[:max(0, len(ours) - self.keep_last)] if name not in (tag, pointed)]
         for name in doomed:
+            guard(f"delete {join(save_dir, name)}")
             store.remove_checkpoint(join(save_dir, name))
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:

@@ -801,13 +801,40 @@ class ObjectStore(Store):
 
     def remove_checkpoint(self, path: str) -> None:
         """Delete a committed checkpoint: MANIFEST first (it stops being a checkpoint in that one
-        DELETE), then its data; a crash in between leaves a prefix the next reclaim removes."""
+        DELETE), conditional on the ETag read with it, then that save's data prefix
+        (``path/<save_id>/``) only; a crash in between leaves a prefix the next reclaim removes.
+
+        Why not everything under ``path``: a remover frozen past its lease (a stopped process, a
+        paused VM) wakes after another job took the root over and saved the same step again;
+        deleting the whole prefix removed that save's data under its committed MANIFEST (a
+        checkpoint that looks complete and does not load), and an unconditional DELETE removed
+        its MANIFEST. A MANIFEST that changed since it was read is left (logged), with its data.
+        Another save's data under ``path`` is a leftover for :meth:`reclaim` (which spares live
+        saves'). Raises the store's typed errors."""
         url = join(path, mf.MANIFEST_NAME)
+        got = self._get_with_etag(url, mf.MAX_MANIFEST_FILE_BYTES)
+        if got is None:
+            return  # nothing committed here: leftovers are reclaim's (it knows live saves)
+        data, etag = got[0], got[1]
         try:
-            self._call("delete", url, "rm_file", self._key(url))
+            save_id = mf.decode_header(data, path=url).save_id
+        except DistCkptError as exc:  # a damaged MANIFEST: removed; its data is a dead leftover now
+            log.warning("distckpt: removing %s whose MANIFEST does not decode (%s): its data is left to reclaim",
+                        path, exc)
+            save_id = None
+        bucket, key, _ = self.fs.split_path(self._key(url))
+        cond = {"IfMatch": etag} if settings()["conditional"] and etag else {}
+        try:
+            self._s3("delete", url, "delete_object", Bucket=bucket, Key=key, conditional=True, **cond)
+        except CheckpointExistsError:
+            log.warning("distckpt: not removing %s: its MANIFEST changed since it was read (another save committed "
+                        "the step)", path)
+            return
         except NoSuchKey:
             pass
-        self.delete_prefix(path)
+        if save_id is not None:
+            self.delete_prefix(join(path, save_id))
+        self.fs.invalidate_cache(self._key(path))
 
 
 def _server_time(response: dict) -> "datetime.datetime | None":
