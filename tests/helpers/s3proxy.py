@@ -20,6 +20,9 @@ chosen one. Every request gets a number in arrival order (``proxy.log``: (number
     by its framing (a proxy or gateway that closes early).
   * ``("flip", offset)``: forwarded, the answer returned with one bit of its body flipped at
     ``offset`` (or its last byte): bytes changed in transit, the stored object intact.
+  * ``("long", nbytes)``: forwarded, the answer returned as ``200 OK`` with ``nbytes`` more bytes
+    of body than the server sent (Content-Length matching, no Content-Range): a gateway or cache
+    that ignored a ranged GET's Range header.
 
 Real sockets, a real server: the client stack (s3fs / aiobotocore / aiohttp) sees exactly what it
 would see from a real faulty network.
@@ -205,6 +208,13 @@ class FaultProxy:
                     client.sendall(b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n" + body[:action[1]])
                     client.shutdown(socket.SHUT_WR)
                     return
+                if isinstance(action, tuple) and action[0] == "long":
+                    head, _, body = resp.partition(b"\r\n\r\n")
+                    lines = head.split(b"\r\n")
+                    status = lines[0].replace(b" 206 Partial Content", b" 200 OK")
+                    rest = [ln for ln in lines[1:] if not ln.lower().startswith((b"content-length:", b"content-range:"))]
+                    body += b"\x00" * action[1]
+                    resp = b"\r\n".join([status, *rest, b"Content-Length: %d" % len(body)]) + b"\r\n\r\n" + body
                 if isinstance(action, tuple) and action[0] == "flip":
                     head, _, body = resp.partition(b"\r\n\r\n")
                     if body:

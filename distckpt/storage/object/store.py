@@ -213,17 +213,27 @@ class ObjectStore(Store):
         above ``limit`` bytes. Two requests, each under the deadline of its own size. Should the
         object change between them, a write conditional on that ETag fails, as it should."""
         try:
-            info = self._call("head", url, "info", self._key(url))
-            if info.get("type") == "directory":
-                return None
-            if info["size"] > limit:
-                raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
-                                              path=url, expected=f"<= {limit}", found=info["size"])
-            data = _get_whole(lambda: self._call("get", url, "cat_file", self._key(url), nbytes=info["size"]),
-                              url, info["size"], 0, self.endpoint)
-            return data, info.get("ETag")
+            for attempt in range(1, SHORT_ANSWER_TRIES + 1):
+                info = self._call("head", url, "info", self._key(url))
+                if info.get("type") == "directory":
+                    return None
+                if info["size"] > limit:
+                    raise ManifestCorruptError(f"{url} has {info['size']} bytes, more than the {limit} allowed",
+                                               path=url, expected=f"<= {limit}", found=info["size"])
+                try:
+                    data = _get_whole(lambda: self._call("get", url, "cat_file", self._key(url), nbytes=info["size"]),
+                                      url, info["size"], 0, self.endpoint, tries=1)
+                except ResponseIncompleteError:
+                    # Cut short, or the object was replaced between the HEAD and the GET (an
+                    # overwrite: the GET held the new one's bytes, the retries asked for the old
+                    # size and blamed the network): its size is asked again.
+                    if attempt == SHORT_ANSWER_TRIES:
+                        raise
+                    continue
+                return data, info.get("ETag")
         except NoSuchKey:
             return None
+        raise AssertionError("unreachable")
 
     # -- read side ------------------------------------------------------------------------------
 
@@ -880,6 +890,11 @@ def _parent(url: str) -> str:
 def _short_answer(url: str, got: int, expected: int, offset: int, endpoint: str | None,
                   answers: int = SHORT_ANSWER_TRIES) -> ResponseIncompleteError:
     said = "an answer" if answers == 1 else f"{answers} answers in a row"
+    if got > expected:  # not a cut: a gateway that ignored the Range, or an object that changed
+        return ResponseIncompleteError(
+            f"get {url} failed: {said} held {got} bytes where {expected} were asked for at offset {offset} (something "
+            f"between this node and the store ignored the Range header, or the object changed under the read)",
+            path=url, url=url, operation="get", code="LongAnswer", endpoint=endpoint, errno=errno.EIO)
     return ResponseIncompleteError(
         f"get {url} failed: {said} held {got} of the {expected} bytes asked for at offset {offset}, which the "
         f"object holds (the connection closed before the end of the body)",
@@ -891,20 +906,23 @@ def _empty_range(exc: DistCkptError) -> bool:
     return getattr(exc, "details", {}).get("status") == 416
 
 
-def _get_whole(get: Callable[[], bytes], url: str, nbytes: int, offset: int, endpoint: str | None) -> bytes:
-    """``get()`` (a GET of ``nbytes`` the object is known to hold), asked again while the answer
-    is cut short or garbled on the wire, at most SHORT_ANSWER_TRIES answers; then
+def _get_whole(get: Callable[[], bytes], url: str, nbytes: int, offset: int, endpoint: str | None,
+               tries: int = SHORT_ANSWER_TRIES) -> bytes:
+    """``get()`` (a GET of ``nbytes`` the object is known to hold): exactly ``nbytes``, asked again
+    while the answer is cut short, longer than asked (a gateway that ignores the Range header
+    sends more: which of its bytes are the range is unknown; it was copied in and failed with a
+    raw ValueError) or garbled on the wire, at most ``tries`` answers; then
     ResponseIncompleteError. Other errors (NoSuchKey, the request's typed errors) pass through."""
-    for attempt in range(1, SHORT_ANSWER_TRIES + 1):
+    for attempt in range(1, tries + 1):
         try:
             data = get()
         except ResponseIncompleteError:
-            if attempt == SHORT_ANSWER_TRIES:
+            if attempt == tries:
                 raise
             continue
-        if len(data) >= nbytes:
+        if len(data) == nbytes:
             return data
-    raise _short_answer(url, len(data), nbytes, offset, endpoint)
+    raise _short_answer(url, len(data), nbytes, offset, endpoint, answers=tries)
 
 
 class _RangeReader:
