@@ -855,7 +855,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             :func:`distckpt.read` for the source;
         UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
         non-tensor value torch.load(weights_only=True) would refuse); ConfigError (a ValueError) for
-        bad options; for a source that is a delta of an incremental chain (converted as the state
+        bad options and for a URL as ``src`` or ``dst`` (local paths only); for a source that is a delta of an incremental chain (converted as the state
         its chain composes), ChainBrokenError for a damaged or missing older link.
     """
     from .errors import CheckpointExistsError, ConfigError
@@ -871,9 +871,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             raise ConfigError(f"dtype {dtype!r} is not a floating-point dtype", remedy=_OPTIONS)
     if memory_limit < 1 << 20:
         raise ConfigError("memory_limit must be at least 1 MiB", remedy=_OPTIONS)
+    from .storage import is_url, normalize_path
+    for what, p in (("source", src), ("destination", dst)):
+        if isinstance(p, str) and is_url(p):
+            # A URL made abspath() a local path "./s3:/bucket/..." (written there, exit 0).
+            raise ConfigError(f"convert reads and writes local paths only: the {what} {p} is a URL",
+                              remedy="Convert on local disk (copy the checkpoint down first: `distckpt convert` "
+                                     "streams from and to a file system), then upload the result.")
     from .storage.posix.locate import checkpoint_path
     # A MANIFEST file stands for its directory, as in load, read, inspect and verify.
-    src_s, dst_s = os.path.abspath(checkpoint_path(src)), os.path.abspath(os.fspath(dst))
+    # (file:// URLs are local paths: normalize_path strips the scheme.)
+    src_s, dst_s = checkpoint_path(src), normalize_path(dst)
     if os.path.lexists(dst_s):
         raise CheckpointExistsError(f"{dst_s} already exists", path=dst_s,
                                     remedy="Choose a new destination or remove the old one first.")

@@ -615,3 +615,20 @@ def test_cli_convert_rebuilds_user_classes_only_with_import(tmp_path):
     assert not (tmp_path / "out.pt").exists()
     r = run("-m", "distckpt", "convert", "ck", "out2", "--to", "distckpt", "--import", "no_such_mod_x")
     assert r.returncode == 2 and "--import no_such_mod_x: ModuleNotFoundError" in r.stderr, r.stderr
+
+
+def test_a_url_source_or_destination_is_refused_and_a_file_url_is_a_local_path(tmp_path, monkeypatch):
+    """convert made an s3:// destination a local path (abspath: "./s3:/bucket/x"), wrote the
+    safetensors there and exited 0 (an outside trial). A URL is a ConfigError now, before anything
+    is read or written; a file:// URL is the local path it names."""
+    from distckpt.convert import convert
+    from distckpt.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "src"
+    distckpt.save({"w": torch.arange(6.0)}, src)
+    for s, d in ((str(src), "s3://bucket/x"), ("s3://bucket/src", str(tmp_path / "out"))):
+        with pytest.raises(ConfigError, match="is a URL"):
+            convert(s, d, to="safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+    convert(f"file://{src}", f"file://{tmp_path}/out", to="safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]

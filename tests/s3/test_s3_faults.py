@@ -495,6 +495,52 @@ def test_a_body_cut_short_on_the_wire_is_asked_again_never_called_damage(s3_buck
     assert "is damaged" not in str(info.value) and "not known to be damaged" in info.value.remedy, info.value
 
 
+@pytest.mark.parametrize("fault", ["lose_answer", "act_then_stall"])
+def test_a_lost_answer_to_the_probe_create_neither_fails_the_save_nor_leaves_the_probe(s3_bucket, proxy,
+                                                                                      monkeypatch, fault):
+    """The pre-flight's probe create landed and its answer was lost: the client's retry of the
+    conditional create got 412, the save failed with PreconditionFailed and the probe stayed for
+    good (no listing or reclaim counts it; an outside trial). The probe's name is the call's own,
+    so a 412 there is its own create: the save goes on. A create whose answer never comes fails
+    the save typed, and the probe it may have left is deleted."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", str(REQUEST_TIMEOUT_S * 2))
+    url = f"{s3_bucket.url}/probe/ck"
+    hit = {"n": 0}
+
+    def rule(i, method, path):
+        if method == "PUT" and ".distckpt-probe-" in path and hit["n"] == 0:
+            hit["n"] += 1
+            return fault
+        return None
+
+    proxy.rule = rule
+    opts = _proxied(s3_bucket.storage_options, proxy)
+    if fault == "lose_answer":
+        distckpt.save(_state(1.0), url, storage_options=opts, no_dist=True)
+        got = _state(0.0)
+        distckpt.load(got, url, storage_options=s3_bucket.storage_options)
+        assert _equal(got, _state(1.0))
+    else:
+        with pytest.raises(distckpt.errors.EndpointUnreachableError):
+            distckpt.save(_state(1.0), url, storage_options=opts, no_dist=True)
+    assert hit["n"] == 1
+    assert not [k for k in s3_bucket.keys("probe") if ".distckpt-probe-" in k], s3_bucket.keys("probe")
+
+
+def test_a_bucket_is_no_checkpoint_path_but_may_be_a_manager_root(s3_bucket):
+    """distckpt.save("s3://BUCKET") failed in its pre-flight with a raw ValueError (the parent of a
+    bucket); it is a ConfigError now, before anything is written. A CheckpointManager root may be
+    the bucket itself."""
+    opts = s3_bucket.storage_options
+    for path in (s3_bucket.url, s3_bucket.url + "/"):
+        with pytest.raises(distckpt.errors.ConfigError, match="is a bucket"):
+            distckpt.save(_state(1.0), path, storage_options=opts, no_dist=True)
+    assert s3_bucket.keys() == []
+    with distckpt.CheckpointManager(s3_bucket.url, storage_options=opts) as m:
+        m.save(1, _state(1.0))
+        assert m.steps() == [1]
+
+
 def test_a_ranged_answer_longer_than_asked_is_asked_again_then_typed(s3_bucket, proxy):
     """A gateway that ignores a ranged GET's Range answers 200 with more bytes than asked: which of
     them are the range is unknown. They were accepted and copied into the destination, which

@@ -167,14 +167,21 @@ def _probe(fs, url: str, protocol: str, bucket: str, prefix: str, rank: int | No
     key = f"{prefix}/{name}" if prefix else name
     probe_url = f"{protocol}://{bucket}/{key}"
     endpoint = _endpoint_of(fs)
-    created = False
+    # From the first create on, the probe may exist (a request whose answer was lost may have
+    # landed): the finally below deletes it on every path. A leftover probe was never removed.
+    created = True
     try:
         if is_s3:
             def put(body):
                 return lambda: fs._call_s3("put_object", Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
-            run(fs.loop, put(b"distckpt probe"), url=probe_url, operation="create probe object", rank=rank,
-                endpoint=endpoint)
-            created = True
+            try:
+                run(fs.loop, put(b"distckpt probe"), url=probe_url, operation="create probe object", rank=rank,
+                    endpoint=endpoint, conditional=True)
+            except FileExistsError:
+                # The name is this call's own (host, pid, random): a refused create is the client's
+                # retry of one whose answer was lost after it landed (the save used to fail with
+                # PreconditionFailed). It is there, as created.
+                pass
             try:  # again: a server that honours If-None-Match must refuse
                 run(fs.loop, put(b"distckpt probe 2"), url=probe_url, operation="create probe object again",
                     rank=rank, endpoint=endpoint, conditional=True)
@@ -186,7 +193,6 @@ def _probe(fs, url: str, protocol: str, bucket: str, prefix: str, rank: int | No
         else:
             run(fs.loop, lambda: fs._pipe_file(f"{bucket}/{key}", b"distckpt probe"), url=probe_url,
                 operation="create probe object", rank=rank)
-            created = True
             conditional = None
             run(fs.loop, lambda: fs._rm_file(f"{bucket}/{key}"), url=probe_url, operation="delete probe object",
                 rank=rank)

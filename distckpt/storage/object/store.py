@@ -373,6 +373,12 @@ class ObjectStore(Store):
 
     def prepare(self, final: str, save_id: str, overwrite: bool, needed: int, rank: int,
                 lock_path: str | None) -> tuple[str, Any]:
+        if "/" not in final.split("://", 1)[-1].strip("/"):
+            # A checkpoint is a key prefix with a parent: its probe, its root lock and its
+            # listing as a step live there (the pre-flight failed with a raw ValueError).
+            raise ConfigError(f"{final} is a bucket, not a checkpoint path in one", path=final, rank=rank,
+                              remedy=f"Save under a prefix of it, e.g. {final.rstrip('/')}/ckpt; a CheckpointManager "
+                                     f"root may be the bucket itself.")
         if get_config().preflight:
             self._preflight(final, rank)
         lock_url = lock_path or join(final, LOCK_NAME)
