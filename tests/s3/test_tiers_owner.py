@@ -191,7 +191,10 @@ def test_an_owner_frozen_between_its_publish_and_its_rotation_deletes_nothing_of
                 assert b.wait_durable(step, timeout=120).durable
             os.killpg(a.pid, signal.SIGCONT)
             drain = _record(a, "drain")["drain"]
-            assert drain["error"] == "SaveInProgressError", drain
+            # The renewal before the rotation's first write finds B's owner record; on a loaded
+            # machine that renewal may outlive this test's short request deadline instead: either
+            # way it is not proven, and the rotation writes nothing (what the manifests show).
+            assert drain["error"] in ("SaveInProgressError", "EndpointUnreachableError"), drain
             # A's rotation (keep_last_remote=1) would have deleted B's step 1 and its own step 10.
             manifests = sorted(k for k in s3_bucket.keys("run") if k.endswith("/MANIFEST"))
             assert manifests == [f"run/step_{s:08d}/MANIFEST" for s in (1, 2, 10, 20)], manifests
