@@ -307,7 +307,8 @@ class Lease(Ownership):
                     there, etag = self.read_versioned(self.store, self.url)
                     if there is None or there.get("save_id") != self.record["save_id"]:
                         self.lost = there or {}
-                        log.error("distckpt: the save lease %s was taken over by %s; this save will not commit",
+                        log.error("distckpt: the save lease %s was taken over by %s; this save changes nothing more "
+                                  "there (no commit; no rotation, if it already committed)",
                                   self.url, there)
                         return False
                     # Our previous write landed but its answer was lost: adopt it and write again.
