@@ -229,7 +229,10 @@ class CheckpointManager:
 
         Cost: one directory listing, the first 4 KiB of each step's MANIFEST (its commit time, for
         the order) and a full decode (checksum and validation) of the newest candidates only, newest
-        first, until one is valid: usually one. The ``latest`` file cannot replace the listing: it
+        first, until one is valid, and of the steps numbered above it (a rollback's abandoned
+        branch): usually one. A peek that disagrees with its MANIFEST (an overwrite since, or bytes
+        changed in transit: nothing checks the first 4 KiB alone) decodes every step. Not covered:
+        a peek read wrong of a step numbered below the one chosen (a rollback's resumed branch). The ``latest`` file cannot replace the listing: it
         lags after a crash between a commit and its update, so it is not consulted here.
 
         Raises the store's typed error when a MANIFEST cannot be read for a reason other than its
@@ -252,10 +255,21 @@ class CheckpointManager:
             info = infos.get(step) or self._checked_info(step)
             if info.status != "committed":
                 continue
-            if info.created_unix == t:
+            # The steps numbered above it are older by their peeks (a rollback's abandoned branch;
+            # none in a run that only moves forward): decoded whole too, since a peek is not
+            # checksummed, and a bit flipped in transit in one's commit time passed over the
+            # newest step for an older one, silently.
+            peeked = {s: pt for pt, s in timed}
+            above_ok = True
+            for higher in sorted(s for s in peeked if s > step):
+                infos[higher] = infos.get(higher) or self._checked_info(higher)
+                if infos[higher].status == "committed" and infos[higher].created_unix != peeked[higher]:
+                    above_ok = False
+                    break
+            if info.created_unix == t and above_ok:
                 return step
-            # Its MANIFEST was replaced between the peek and the decode (an overwrite): the order
-            # is stale, so decode every candidate (rare).
+            # Its MANIFEST was replaced between the peek and the decode (an overwrite), or a peek
+            # read wrong: the order is stale, so decode every candidate (rare).
             every = [infos.get(s) or self._checked_info(s) for _, s in timed]
             newest = _newest_by_commit([i for i in every if i.status == "committed"])
             return newest.step if newest is not None else None

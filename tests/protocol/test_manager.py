@@ -814,7 +814,8 @@ def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatc
     real_decode = mf.decode_header  # a listing decodes MANIFESTs only, never the data files' indexes
     monkeypatch.setattr(mf, "decode_header", lambda data, path=None: decodes.append(path) or real_decode(data, path=path))
     assert mgr.latest_step() == 200
-    assert len(decodes) == 1 and "step_00000200" in decodes[0], decodes
+    # The newest by commit, and the step numbered above it (older by its unchecked peek) too.
+    assert [os.path.basename(os.path.dirname(p)) for p in decodes] == ["step_00000200", "step_00000300"], decodes
     # Newest MANIFEST damaged after its first 4 KiB (the peek cannot see it): skipped, next newest.
     man = root / "step_00000200" / "MANIFEST"
     data = bytearray(man.read_bytes())
@@ -837,6 +838,29 @@ def test_latest_step_decodes_only_the_newest_valid_manifest(tmp_path, monkeypatc
     assert mgr.latest_step() is None
     with pytest.raises(distckpt.errors.CheckpointNotFoundError):
         mgr.load(_state(0))
+
+
+def test_a_peek_read_wrong_never_passes_over_the_newest_step(tmp_path, monkeypatch):
+    """latest_step() orders steps by the commit time in each MANIFEST's first 4 KiB, which no
+    checksum covers (one ranged GET each on an object store): one bit flipped in transit in the
+    newest step's time made it look older and load() took the step before, silently (an outside
+    trial). The steps numbered above the newest by peek are decoded whole too: a peek that
+    disagrees with its MANIFEST sends latest_step() to the full decode of every step."""
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    real = mgr._store.peek_commit_time
+
+    def flipped(path):
+        t = real(path)
+        return t - 262144.0 if t is not None and path.endswith("step_00000002") else t
+
+    monkeypatch.setattr(mgr._store, "peek_commit_time", flipped)
+    assert mgr.latest_step() == 2
+    got = _state(0)
+    mgr.load(got)
+    assert torch.equal(got["w"], _state(2)["w"])
 
 
 def test_peek_commit_time_matches_the_decoded_manifest(tmp_path):
