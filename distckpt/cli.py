@@ -55,10 +55,12 @@ def _cmd_ls(args) -> int:
         held = f" (it holds {', '.join(names[:5])}{' ...' if len(names) > 5 else ''})" if names else " (it is empty)"
         print(f"distckpt ls: {listing.path} holds no checkpoints{held}", file=sys.stderr)
         return 2
+    # A step whose MANIFEST could not be read (a timeout, a refusal: not known to be damaged) makes
+    # the listing incomplete: exit 3, as verify's NOT VERIFIED (it exited 0).
+    incomplete = 3 if any(e.status == "unreadable" and e.step is not None for e in listing.entries) else 0
     if args.json:
         print(json.dumps({"json_format": JSON_FORMAT, **listing.to_dict()}, indent=1, sort_keys=True))
-        return 0
-
+        return incomplete
 
     def chain(e):  # an incremental chain's link: "full", or "delta 2 <- step_00000150"
         c = e.chain
@@ -107,7 +109,7 @@ def _cmd_ls(args) -> int:
         if any(lo.state == "dead" for lo in saves):
             print(f"  reclaim the dead ones: the next save of the same name does, or "
                   f"python -c \"import distckpt; distckpt.CheckpointManager({listing.path!r}).reclaim()\"")
-    return 0
+    return incomplete
 
 
 def _ls_tiers(args) -> int:

@@ -382,3 +382,30 @@ def test_staging_ring_config():
                 {"DISTCKPT_STAGE_BLOCKS": "10"}):
         with pytest.raises(distckpt.errors.ConfigError):
             config.load_config(env)
+
+
+def test_ls_of_a_root_with_a_step_it_cannot_read_exits_3(tmp_path, monkeypatch, capsys):
+    """A step whose MANIFEST read failed for a reason other than its content (a request that timed
+    out, a refusal) is listed `unreadable`: the listing is incomplete, and ls exited 0 all the
+    same (an outside trial, on an object store). It exits 3 now, as verify does for NOT
+    VERIFIED; 0 once every step reads."""
+    import torch
+
+    from distckpt import cli, errors
+    from distckpt.storage.posix.store import PosixStore
+    root = tmp_path / "root"
+    for step in (1, 2):
+        distckpt.save({"w": torch.ones(2) * step}, root / f"step_{step:08d}")
+    real = PosixStore.manifest_bytes
+
+    def stalled(self, path):
+        if path.endswith("step_00000002"):
+            raise errors.StorageIOError("read of the MANIFEST timed out", path=path)
+        return real(self, path)
+
+    monkeypatch.setattr(PosixStore, "manifest_bytes", stalled)
+    assert cli.main(["ls", str(root)]) == 3
+    assert "unreadable" in capsys.readouterr().out
+    assert cli.main(["ls", "--json", str(root)]) == 3
+    monkeypatch.undo()
+    assert cli.main(["ls", str(root)]) == 0
