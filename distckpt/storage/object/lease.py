@@ -335,7 +335,7 @@ class Lease(Ownership):
             why = (f"it is now held by {owner}" if owner is not None
                    else "it could not be renewed (see the warning above)")
             raise SaveInProgressError(
-                f"this save cannot prove it still holds its lease {self.url} before its commit: {why}", path=self.url,
+                f"this save cannot prove it still holds its lease {self.url}: {why}", path=self.url,
                 rank=0, owner=owner,
                 remedy="Nothing was committed. Raise DISTCKPT_OBJECT_LEASE_S if saves stall that long, or check "
                        "the endpoint.")
