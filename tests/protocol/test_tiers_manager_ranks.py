@@ -541,7 +541,12 @@ def test_replicas_are_made_while_the_remote_tier_is_down(tmp_path):
         assert r["durable"] and r["later"] == "unknown", (rank, r)
 
 
-def _partial_publish_body(rank: int, world_size: int, tmp: str) -> dict:
+def _partial_step_body(rank: int, world_size: int, tmp: str, lost_node: bool) -> dict:
+    """Steps 1 and 2 durable, then a step 3 that no load takes: node 0's copy alone. Without
+    ``lost_node``: a save killed after node 0 published step 3 and before node 1 did. With it:
+    step 3 committed on both nodes and node 1 lost before it drained (node 0's copy, its own
+    rank's file and the MANIFEST, is all there is of it), the job resumed on node 0 alone. Then
+    the resumed run loads (step 3 passed over), saves step 3 and loads it again."""
     import shutil
 
     from distckpt.tiers import TieredCheckpointManager
@@ -551,9 +556,13 @@ def _partial_publish_body(rank: int, world_size: int, tmp: str) -> dict:
             mgr.save(step, _state(step, rank))
         mgr.wait_durable(2, timeout=120)
     torch.distributed.barrier()
-    if rank == 0:  # a save killed after node 0 published step 3 and before node 1 did
+    if rank == 0:
         shutil.copytree(os.path.join(local, "step_00000002"), os.path.join(local, "step_00000003"))
+        if lost_node:
+            shutil.rmtree(os.path.join(tmp, "node1"))
     torch.distributed.barrier()
+    if lost_node:
+        local = os.path.join(tmp, "node0")  # both ranks on the surviving node
     out = {}
     with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
         target = _state(0, rank)
@@ -572,39 +581,9 @@ def test_a_step_some_nodes_published_before_a_kill_is_replaced_by_the_resumed_ru
     resumed run's save of that step raised CheckpointExistsError on the nodes holding a copy (an
     outside trial), stopping a loop that saves the step after the one it loaded. The save
     replaces such a copy now, decided with every node, and the step loads bit-exact."""
-    results = run_ranks(_partial_publish_body, 2, str(tmp_path), timeout=300)
+    results = run_ranks(_partial_step_body, 2, str(tmp_path), False, timeout=300)
     for rank, r in enumerate(results):
         assert r == {"loaded": "step_00000002", "again": "step_00000003", "exact": True}, (rank, r)
-
-
-def _lost_node_body(rank: int, world_size: int, tmp: str) -> dict:
-    import shutil
-
-    from distckpt.tiers import TieredCheckpointManager
-    remote = os.path.join(tmp, "remote")
-    local = os.path.join(tmp, f"node{rank}")
-    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
-        for step in (1, 2):
-            mgr.save(step, _state(step, rank))
-        mgr.wait_durable(2, timeout=120)
-    torch.distributed.barrier()
-    if rank == 0:
-        # Step 3 committed on both nodes, and node 1 lost before it drained: node 0's copy (its own
-        # rank's file and the MANIFEST) is all there is of it. The job resumes on node 0 alone.
-        shutil.copytree(os.path.join(local, "step_00000002"), os.path.join(local, "step_00000003"))
-        shutil.rmtree(os.path.join(tmp, "node1"))
-    torch.distributed.barrier()
-    local = os.path.join(tmp, "node0")  # both ranks on the surviving node
-    out = {}
-    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
-        target = _state(0, rank)
-        out["loaded"] = os.path.basename(mgr.load(target).path)   # step 3 is passed over
-        mgr.save(3, _state(3, rank))                               # the resumed run's next save
-        mgr.wait_durable(3, timeout=120)
-        target = _state(0, rank)
-        out["again"] = os.path.basename(mgr.load(target).path)
-        out["exact"] = all(torch.equal(target[k], v) for k, v in _state(3, rank).items() if torch.is_tensor(v))
-    return out
 
 
 def test_a_step_a_lost_node_held_half_of_is_replaced_by_the_resumed_runs_save(tmp_path):
@@ -613,6 +592,6 @@ def test_a_step_a_lost_node_held_half_of_is_replaced_by_the_resumed_runs_save(tm
     it over and resumed from the step before, but the save of that step raised
     CheckpointExistsError (the copies agreed on one save, so the step counted as present; an
     outside trial). The save replaces it now, and the step loads bit-exact."""
-    results = run_ranks(_lost_node_body, 2, str(tmp_path), timeout=300)
+    results = run_ranks(_partial_step_body, 2, str(tmp_path), True, timeout=300)
     for rank, r in enumerate(results):
         assert r == {"loaded": "step_00000002", "again": "step_00000003", "exact": True}, (rank, r)

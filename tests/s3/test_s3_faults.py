@@ -462,6 +462,19 @@ def test_an_unanswered_manifest_read_at_resume_never_rolls_the_manager_back(s3_b
     assert mgr.load(back).path.endswith("step_00000300") and _equal(back, _state(300.0))
 
 
+def _first_get(suffix: str, action) -> tuple:
+    """A proxy rule that answers the first GET of a key ending in ``suffix`` with ``action``,
+    and a dict whose ``left`` is 0 once it has."""
+    left = {"left": 1}
+
+    def once(i, method, path):
+        if method == "GET" and path.split("?")[0].endswith(suffix) and left["left"] > 0:
+            left["left"] -= 1
+            return action
+        return None
+    return once, left
+
+
 @pytest.mark.parametrize("what", ["data", "MANIFEST"])
 def test_a_body_cut_short_on_the_wire_is_asked_again_never_called_damage(s3_bucket, proxy, what):
     """A proxy drops an answer's Content-Length and closes after part of its body: the client
@@ -473,15 +486,7 @@ def test_a_body_cut_short_on_the_wire_is_asked_again_never_called_damage(s3_buck
     url = f"{s3_bucket.url}/cut"
     distckpt.save(_state(7.0), url, storage_options=s3_bucket.storage_options, no_dist=True)
     suffix = "rank00000.bin" if what == "data" else "MANIFEST"
-    cut = {"left": 1}
-
-    def once(i, method, path):
-        if method == "GET" and path.split("?")[0].endswith(suffix) and cut["left"] > 0:
-            cut["left"] -= 1
-            return ("cut", 100)
-        return None
-
-    proxy.rule = once
+    proxy.rule, cut = _first_get(suffix, ("cut", 100))
     opts = _proxied(s3_bucket.storage_options, proxy)
     got = _state(0.0)
     distckpt.load(got, url, storage_options=opts)
@@ -549,18 +554,10 @@ def test_a_ranged_answer_longer_than_asked_is_asked_again_then_typed(s3_bucket, 
     answer is long, ResponseIncompleteError (typed, "not known to be damaged")."""
     url = f"{s3_bucket.url}/long"
     distckpt.save(_state(7.0), url, storage_options=s3_bucket.storage_options, no_dist=True)
-    left = {"n": 1}
-
-    def once(i, method, path):
-        if method == "GET" and path.split("?")[0].endswith("rank00000.bin") and left["n"] > 0:
-            left["n"] -= 1
-            return ("long", 8)
-        return None
-
-    proxy.rule = once
+    proxy.rule, left = _first_get("rank00000.bin", ("long", 8))
     got = _state(0.0)
     distckpt.load(got, url, storage_options=_proxied(s3_bucket.storage_options, proxy))
-    assert left["n"] == 0 and _equal(got, _state(7.0))
+    assert left["left"] == 0 and _equal(got, _state(7.0))
     proxy.rule = lambda i, method, path: ("long", 8) if method == "GET" and "rank00000.bin" in path else None
     with pytest.raises(distckpt.errors.ResponseIncompleteError) as info:
         distckpt.load(_state(0.0), url, storage_options=_proxied(s3_bucket.storage_options, proxy))
