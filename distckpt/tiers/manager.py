@@ -231,6 +231,10 @@ class TieredCheckpointManager:
         # Local steps queued at construction that the remote tier holds a later commit than: their
         # drain must not point the remote `latest` back at them (_not_rotated_away).
         self._late: set[int] = set()
+        # The steps queued at construction while the remote tier did not answer: which of them to
+        # skip (and which are late) is decided at the first drain, once it answers (_drain_one).
+        self._dark_queue: list[tuple[int, str]] | None = None
+        self._skip_drain: set[int] = set()
         # Whether this manager checked the tiers' pairing (_pair_tiers): at construction when the
         # remote tier answers, else on the drain thread before its first drain.
         self._paired = False
@@ -613,6 +617,18 @@ class TieredCheckpointManager:
             # ConfigError: this drain, and each later one, fails for good naming it.
             self._pair_tiers(self._drain_group)
             self._paired = True
+        if self._dark_queue is not None:
+            # Queued at construction while the remote tier did not answer: the listing that says
+            # which of them its keep_last_remote rotation would drop at once, and which are late,
+            # made now that it answers (once; collective on the drain channel, where every rank's
+            # thread is at this drain). It re-drained them all, and pointed `latest` back.
+            avail = step_availability(self._drain_group, local_root=self.local_root, remote_root=self.remote_root,
+                                      storage_options=self.storage_options, layout=self._layout)
+            queued, self._dark_queue = [q for q in self._dark_queue if q[0] in avail], None
+            kept = {s for s, _ in self._not_rotated_away(queued, avail)}
+            self._skip_drain.update(s for s, _ in queued if s not in kept)
+        if step in self._skip_drain:
+            return 0  # counted as drained and rotated away (_not_rotated_away); wait_durable says so
         hold = self._remote_owner.hold
 
         def after() -> None:
@@ -729,7 +745,10 @@ class TieredCheckpointManager:
                 out.append((step, t.local_save_id))
         # by commit time (every node's copy is the same save: one time), then number
         out.sort(key=lambda item: (avail[item[0]].created_unix or 0.0, item[0]))
-        return self._not_rotated_away(out, avail) if remote_up else out
+        if remote_up:
+            return self._not_rotated_away(out, avail)
+        self._dark_queue = list(out)
+        return out
 
     def _not_rotated_away(self, queued: list[tuple[int, str]], avail: dict) -> list[tuple[int, str]]:
         """Of the local steps ``queued`` to drain at construction, those the remote tier's

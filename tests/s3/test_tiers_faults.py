@@ -423,6 +423,37 @@ def test_a_manager_started_on_a_dark_remote_waits_one_request_deadline_then_drai
     assert s3_bucket.multipart_uploads() == []
 
 
+def test_a_restart_on_a_dark_remote_does_not_drain_again_what_keep_last_remote_rotated_away(s3_bucket, s3_server,
+                                                                                         tmp_path):
+    """keep_last_local=5 > keep_last_remote=2, and the remote tier dark while the restarted manager
+    is built: it queues every complete local step (it cannot list the remote tier), and once the
+    remote tier answered, steps 10, 20 and 30 (rotated away there long ago) were uploaded again and
+    the remote `latest` pointed back at 30 (an outside trial). The first drain now lists the remote
+    tier and skips what its rotation would delete at once; `latest` stays at 50."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    opts = _via(s3_bucket.storage_options, px.endpoint)
+    try:
+        with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5, keep_last_remote=2) as mgr:
+            for s in (10, 20, 30, 40, 50):
+                mgr.save(s, _state(s))
+                assert mgr.wait_durable(s, timeout=60).durable
+        px.rule = lambda n, method, path: "stall"
+        again = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5, keep_last_remote=2)
+        px.rule = lambda n, method, path: None  # the remote tier answers again
+        px.reset_log()
+        again.close(timeout=60)
+        sent = [p for _, m, p in px.log if m == "PUT" and "step_000000" in p]
+        assert not any(f"step_000000{s}" in p for p in sent for s in (10, 20, 30)), sent
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+    steps = sorted({k.split("/")[1] for k in s3_bucket.keys("run") if k.startswith("run/step_")})
+    assert steps == ["step_00000040", "step_00000050"], steps
+    assert s3_bucket.fs.cat_file(f"{s3_bucket.name}/run/latest") == b"step_00000050\n"
+
+
 def test_a_remote_answering_5xx_at_construction_is_an_outage_not_an_error(s3_bucket, cred_proxy, tmp_path,
                                                                           monkeypatch, caplog):
     """A server error (HTTP 500 to every request) at the pre-flight warns, as the docstring says of

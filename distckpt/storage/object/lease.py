@@ -277,7 +277,7 @@ class Lease(Ownership):
         except SaveInProgressError as exc:
             if self.lost is None and isinstance(self.missed, DistCkptError):
                 raise self.missed from exc
-            raise SaveInProgressError(f"{operation}: {exc}", path=self.url, rank=0, owner=self.lost,
+            raise SaveInProgressError(f"{operation}: {exc.message}", path=self.url, rank=0, owner=self.lost,
                                       remedy="Nothing more was changed.") from None
 
     def _started(self, sent: float) -> "Lease":
