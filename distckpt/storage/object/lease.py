@@ -309,7 +309,7 @@ class Lease(Ownership):
                         self.lost = there or {}
                         log.error("distckpt: the save lease %s was taken over by %s; this save changes nothing more "
                                   "there (no commit; no rotation, if it already committed)",
-                                  self.url, there)
+                                  self.url, there or "nobody (the lease object was deleted)")
                         return False
                     # Our previous write landed but its answer was lost: adopt it and write again.
                     self.etag = self._put(self.store, self.url, record, match=etag, operation="renew the save lease",
@@ -332,7 +332,7 @@ class Lease(Ownership):
         lease_s = float(self.record["lease_s"])
         if not self.renew(timeout_s=lease_s / 4):
             owner = self.lost
-            why = (f"it is now held by {owner}" if owner is not None
+            why = ((f"it is now held by {owner}" if owner else "its object was deleted") if owner is not None
                    else "it could not be renewed (see the warning above)")
             raise SaveInProgressError(
                 f"this save cannot prove it still holds its lease {self.url}: {why}", path=self.url,
