@@ -138,6 +138,15 @@ def chain_of(path: str | os.PathLike, *, chunks: bool = True) -> list[ChainLink]
         links.append(ChainLink(ppath, pm, _checked(ppath, pinfo, pm)))
     if links[-1].kind != "full":
         raise _broken(links[-1].path, f"the chain ends in a {links[-1].kind!r} link, not a full checkpoint")
+    base = links[-1]
+    for fqn, recorded in (base.meta.get("shapes") or {}).items():
+        # The deltas' boxes are checked against these shapes (distckpt.incremental.plan_deltas):
+        # they must be the base's own tensors'.
+        entry = base.manifest.tensors.get(fqn)
+        if entry is None or not isinstance(recorded, list) or not recorded or list(entry.shape) != recorded[0]:
+            raise _broken(base.path, f"its chain metadata gives {fqn} the shape "
+                                     f"{recorded[0] if isinstance(recorded, list) and recorded else recorded!r}, "
+                                     f"its tensor has {None if entry is None else list(entry.shape)}")
     return links
 
 

@@ -8,7 +8,8 @@
     distckpt bench DIR          I/O and save/load benchmarks (distckpt.bench)
 
 Exit status: 0 on success, 1 when a check or verification failed (or a distckpt error), 2 on bad
-usage, 130 when interrupted (Ctrl-C).
+usage, 3 when a request failed and the answer is incomplete (verify: NOT VERIFIED; ls: a step it
+could not read), 130 when interrupted (Ctrl-C).
 
 Parsing the command line imports no torch and runs no probe: this module and what it imports at
 start-up stay light, and each command imports what it needs when it runs (``--help`` and
@@ -480,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="distckpt", description="distckpt: distributed sharded checkpoints for PyTorch.",
         epilog=f"Exit status: 0 success, 1 a check or verification failed (or a distckpt error), 2 bad usage, "
+               f"3 a request failed, the answer incomplete (verify: NOT VERIFIED; ls: a step it could not read), "
                f"130 interrupted (Ctrl-C). "
                f"Sizes use {CONVENTION}: 60G = 60 GiB. Run `distckpt COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"distckpt {__version__}")

@@ -818,11 +818,18 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
         if stray:
             raise _broken(link.path, f"delta record {stray[0]} belongs to no tracked tensor ({len(order)} tracked)")
         pieces = []
+        shapes = link.meta.get("shapes") or {}   # absent in chains of older savers
         for fqn in targets:
             for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items()):
                 soff, ssz = _box_value(link, parts["box"])
                 if any(len(soff) != len(t.offsets) for t in targets[fqn]):
                     raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
+                # A box beyond the tensor's shape held rows that no target covers: they were
+                # dropped without a word (and a rows record of another width, cut).
+                shape = shapes.get(fqn, [None])[0]
+                if shape is not None and (len(shape) != len(soff)
+                                          or any(o + n > m for o, n, m in zip(soff, ssz, shape))):
+                    raise _broken(link.path, f"{parts['box']}: box {[soff, ssz]} is not inside {fqn}'s shape {shape}")
                 if any(all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(soff, ssz, t.offsets, t.sizes))
                        for t in targets[fqn]):
                     pieces.append((fqn, parts, soff, ssz))
@@ -868,6 +875,14 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
                                     or int(ids[-1]) >= soff[d] + ssz[d]):
                     raise _broken(link.path, f"{parts['ids']}: row ids not increasing inside rows "
                                              f"[{soff[d]}, {soff[d] + ssz[d]})")
+                # One row per id (the row dimension first), of the box's other sizes: a rows
+                # record of another shape was cut to the box (or failed as an unnamed ReshardError).
+                rows_shape = list(link.manifest.tensors[parts["rows"]].shape) \
+                    if parts.get("rows") in link.manifest.tensors else None
+                expected = [ids.numel()] + [ssz[k] for k in range(len(ssz)) if k != d]
+                if rows_shape is not None and rows_shape != expected:
+                    raise _broken(link.path, f"{parts['rows']}: rows of shape {rows_shape}, not {expected} "
+                                             f"({ids.numel()} row ids in box {[soff, ssz]})")
                 if ids_cache is not None:
                     ids_cache[key] = ids
             for t in targets[fqn]:

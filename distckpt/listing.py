@@ -18,7 +18,7 @@ from . import chain
 from .errors import (CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError, DistCkptError,
                      ObjectNotFoundError, StorageError)
 from .manifest import MANIFEST_NAME as MANIFEST
-from .storage import Leftover, Store, basename, join, normalize_path, open_store
+from .storage import Leftover, Store, basename, dirname, join, normalize_path, open_store
 
 __all__ = ["list_root", "RootListing", "StepInfo", "Leftover", "owned_checkpoints"]
 
@@ -143,6 +143,19 @@ def _chain_problem(info: StepInfo, by_name: dict[str, StepInfo]) -> str | None:
     return None
 
 
+def _ancestors(info: StepInfo, parent_dir: str, store) -> dict[str, StepInfo]:
+    """{name: StepInfo} of ``info`` and the links its chain names, read from ``parent_dir`` as
+    far as they go (for :func:`_chain_problem`, which names the first one missing or wrong)."""
+    by_name, child = {info.name: info}, info
+    while child.chain is not None and child.chain.get("kind") == "delta":
+        parent = child.chain.get("parent")
+        if not isinstance(parent, str) or not parent or "/" in parent or parent in by_name \
+                or not store.exists(join(parent_dir, parent)):
+            break
+        child = by_name[parent] = _step_info(join(parent_dir, parent), parent, store, strict=False)
+    return by_name
+
+
 def _with_chain_problems(infos: list[StepInfo]) -> list[StepInfo]:
     by_name = {i.name: i for i in infos}
     out = []
@@ -194,6 +207,12 @@ def list_root(path: str | os.PathLike, *, other_hosts: bool = False, storage_opt
     store = open_store(root, storage_options)
     if store.has_manifest(root):  # one checkpoint, not a root
         info = _step_info(root, basename(root), store, strict=False)
+        if info.status == "committed" and info.chain is not None:
+            # A delta's chain runs through its siblings: one broken there was listed `committed`
+            # here, while the listing of its root named the break (and load raises).
+            problem = _chain_problem(info, _ancestors(info, dirname(root), store))
+            if problem is not None:
+                info = dataclasses.replace(info, problem=f"{problem} (loading or verifying it raises ChainBrokenError)")
         return RootListing(root, "checkpoint", [info], None, None, None, [])
     names = store.list_children(root)
     if not names and not store.exists(root):

@@ -573,3 +573,46 @@ def test_a_delta_with_no_changed_row_reads_as_its_saved_keys(tmp_path):
     assert sorted(got) == ["emb", "step"] and got["step"] == 1 and torch.equal(got["emb"], sd["emb"])
     convert(str(tmp_path / "s2"), tmp_path / "t.pt", to="torch", progress=False)
     assert sorted(torch.load(tmp_path / "t.pt", weights_only=True)) == ["emb", "step"]
+
+
+@pytest.mark.parametrize("box, ids, rows", [
+    ([[10, 0], [100, 4]], [99, 105, 109], (3, 4)),   # taller than the table: 105 and 109 were dropped
+    ([[0, 0], [200, 4]], [150], (1, 4)),             # the same, every row dropped
+    ([[0, 2], [100, 4]], [4], (1, 4)),               # columns past the table: half of the row written
+    ([[0, 0], [100, 4]], [4, 5], (2, 5)),            # rows wider than the box: the 5th column dropped
+    ([[0, 0], [100, 4]], [4, 5], (1, 4)),            # fewer rows than ids: an unnamed ReshardError
+], ids=["box-past-the-rows", "box-twice-the-table", "box-past-the-columns", "rows-too-wide", "rows-too-few"])
+def test_a_delta_whose_box_or_rows_do_not_fit_its_table_is_chain_broken(tmp_path, box, ids, rows):
+    """A delta link with valid checksums whose records disagree with the table (crafted: an outside
+    trial): rows outside the table, or a rows record of another shape than its ids and box, loaded
+    with rows silently dropped or cut. ChainBrokenError naming the link now, from load and read."""
+    R, C = 100, 4
+    sd = {"emb": {"w": torch.randn(R, C, generator=torch.Generator().manual_seed(0))}, "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"emb.w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
+    saver.save(sd, tmp_path / "step_00000000")
+    sd["emb"]["w"][3] += 1
+    saver.save(sd, tmp_path / "step_00000001")
+    parent = chain_of(str(tmp_path / "step_00000001"))[0]
+    meta = {**parent.meta, "seq": 2, "parent": "step_00000001", "parent_save_id": parent.manifest.save_id}
+    crafted = tmp_path / "step_00000002"
+    distckpt.save({"_incr": {"0": {"r0p0": {"box": box, "ids": torch.tensor(ids, dtype=torch.int32),
+                                            "rows": torch.ones(rows)}}}, "step": 2},
+                  crafted, metadata={"distckpt.chain": meta})
+    with pytest.raises(ChainBrokenError) as info:
+        distckpt.load({"emb": {"w": torch.zeros(R, C)}, "step": -1}, crafted)
+    assert "step_00000002" in str(info.value) and "_incr.0.r0p0" in str(info.value), info.value
+    with pytest.raises(ChainBrokenError):
+        distckpt.read(crafted)
+
+
+def test_a_base_whose_chain_metadata_misstates_a_tensors_shape_is_chain_broken(tmp_path):
+    """The deltas' boxes are checked against the shapes the chain records: a base whose record
+    disagrees with its own tensor is ChainBrokenError, before any row is read."""
+    sd = {"w": torch.randn(10, 4)}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
+    saver.save(sd, tmp_path / "step_00000000")
+    base = chain_of(str(tmp_path / "step_00000000"))[0]
+    lying = tmp_path / "lying"
+    distckpt.save({"w": sd["w"]}, lying, metadata={"distckpt.chain": {**base.meta, "shapes": {"w": [[20, 4], "float32"]}}})
+    with pytest.raises(ChainBrokenError, match="gives w the shape"):
+        chain_of(str(lying))

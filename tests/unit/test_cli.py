@@ -409,3 +409,26 @@ def test_ls_of_a_root_with_a_step_it_cannot_read_exits_3(tmp_path, monkeypatch, 
     assert cli.main(["ls", "--json", str(root)]) == 3
     monkeypatch.undo()
     assert cli.main(["ls", str(root)]) == 0
+
+
+def test_ls_of_one_delta_link_names_a_broken_chain(tmp_path, capsys):
+    """`distckpt ls ROOT/step_N` of a delta whose parent was deleted by hand said `committed`
+    (exit 0, problem null in --json) while `ls ROOT` named the break and load raised
+    ChainBrokenError (an outside trial). The one-checkpoint listing walks its chain too."""
+    import shutil
+
+    import torch
+
+    from distckpt import cli
+    from distckpt.incremental import IncrementalPolicy, IncrementalSaver
+    sd = {"w": torch.randn(64, 4, generator=torch.Generator().manual_seed(0))}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
+    for step in range(3):
+        sd["w"][step] += 1
+        saver.save(sd, tmp_path / f"step_{step:08d}")
+    assert cli.main(["ls", str(tmp_path / "step_00000002")]) == 0
+    assert "broken" not in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "step_00000001")
+    cli.main(["ls", "--json", str(tmp_path / "step_00000002")])
+    listed = json.loads(capsys.readouterr().out)
+    assert "chain is broken" in listed["entries"][0]["problem"], listed
