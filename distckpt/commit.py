@@ -205,7 +205,11 @@ def _finish_save(group: ControlGroup, planned: PlannedSave, *, final_dir: str, o
                 _publish(store, plan, outcomes, save_id, tmp_dir, final_dir, overwrite, metadata)  # the commit point
                 published = True
                 if after_commit is not None:
-                    token = _GUARD.set(lambda operation: [lock.check(operation) for lock in held])
+                    def guard(operation: str) -> None:  # commit_guard's: every lock this save holds
+                        for lock in held:
+                            lock.check(operation)
+
+                    token = _GUARD.set(guard)
                     try:
                         after_commit()
                     finally:

@@ -855,8 +855,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
             :func:`distckpt.read` for the source;
         UnsupportedValueError for what the target cannot hold (a dtype safetensors lacks, a
         non-tensor value torch.load(weights_only=True) would refuse); ConfigError (a ValueError) for
-        bad options and for a URL as ``src`` or ``dst`` (local paths only); for a source that is a delta of an incremental chain (converted as the state
-        its chain composes), ChainBrokenError for a damaged or missing older link.
+        bad options and for a URL as ``src`` or ``dst`` (local paths only); for a source that is a
+        delta of an incremental chain (converted as the state its chain composes), ChainBrokenError
+        for a damaged or missing older link.
     """
     from .errors import CheckpointExistsError, ConfigError
 
