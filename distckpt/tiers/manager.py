@@ -225,16 +225,16 @@ class TieredCheckpointManager:
         self._remote_listed = False
         self._remote_down: str | None = None  # the remote tier's error when it last did not answer
         self._remote_down_error: BaseException | None = None  # that error itself
-        # Local steps not drained at construction because keep_last_remote would rotate them away
-        # at once (_not_rotated_away): what wait_durable says of them.
-        self._not_sent: set[int] = set()
+        # step -> save id of the local steps not drained because keep_last_remote would rotate
+        # them away at once (_not_rotated_away): what wait_durable says of them; a save of the
+        # same number since (another save id) drains as any other.
+        self._not_sent: dict[int, str] = {}
         # Local steps queued at construction that the remote tier holds a later commit than: their
         # drain must not point the remote `latest` back at them (_not_rotated_away).
         self._late: set[int] = set()
         # The steps queued at construction while the remote tier did not answer: which of them to
         # skip (and which are late) is decided at the first drain, once it answers (_drain_one).
         self._dark_queue: list[tuple[int, str]] | None = None
-        self._skip_drain: set[int] = set()
         # Whether this manager checked the tiers' pairing (_pair_tiers): at construction when the
         # remote tier answers, else on the drain thread before its first drain.
         self._paired = False
@@ -625,9 +625,8 @@ class TieredCheckpointManager:
             avail = step_availability(self._drain_group, local_root=self.local_root, remote_root=self.remote_root,
                                       storage_options=self.storage_options, layout=self._layout)
             queued, self._dark_queue = [q for q in self._dark_queue if q[0] in avail], None
-            kept = {s for s, _ in self._not_rotated_away(queued, avail)}
-            self._skip_drain.update(s for s, _ in queued if s not in kept)
-        if step in self._skip_drain:
+            self._not_rotated_away(queued, avail)
+        if save_id is not None and self._not_sent.get(step) == save_id:
             return 0  # counted as drained and rotated away (_not_rotated_away); wait_durable says so
         hold = self._remote_owner.hold
 
@@ -778,7 +777,7 @@ class TieredCheckpointManager:
                         "drained and rotated away, and the local rotation (keep_last_local=%d) deletes them in turn",
                         [step_dirname(s) for s, _ in skipped], self.remote_root, keep, keep, self.keep_last_local)
             self._remote_held.update(skipped)
-            self._not_sent.update(s for s, _ in skipped)
+            self._not_sent.update(skipped)
         return [item for item in queued if item[0] not in doomed]
 
     def _own_local_tier(self):

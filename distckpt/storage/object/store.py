@@ -210,10 +210,13 @@ class ObjectStore(Store):
 
     def _read_small_tagged(self, url: str, limit: int) -> tuple[bytes, str | None] | None:
         """(the whole object at ``url``, the ETag its HEAD gave) or None when absent, refusing one
-        above ``limit`` bytes. Two requests, each under the deadline of its own size. Should the
+        above ``limit`` bytes. Two requests, each under the deadline of its own size (both again,
+        at most SHORT_ANSWER_TRIES times, while the GET does not hold the HEAD's size). Should the
         object change between them, a write conditional on that ETag fails, as it should."""
+        attempt = 0
         try:
-            for attempt in range(1, SHORT_ANSWER_TRIES + 1):
+            while True:
+                attempt += 1
                 info = self._call("head", url, "info", self._key(url))
                 if info.get("type") == "directory":
                     return None
@@ -233,7 +236,6 @@ class ObjectStore(Store):
                 return data, info.get("ETag")
         except NoSuchKey:
             return None
-        raise AssertionError("unreachable")
 
     # -- read side ------------------------------------------------------------------------------
 
