@@ -251,6 +251,7 @@ class CheckpointManager:
             info = infos[step] = self._checked_info(step)
             if info.status == "committed":
                 timed.append((info.created_unix, step))
+        peeked = {s: pt for pt, s in timed}
         for t, step in sorted(timed, reverse=True):
             info = infos.get(step) or self._checked_info(step)
             if info.status != "committed":
@@ -259,7 +260,6 @@ class CheckpointManager:
             # none in a run that only moves forward): decoded whole too, since a peek is not
             # checksummed, and a bit flipped in transit in one's commit time passed over the
             # newest step for an older one, silently.
-            peeked = {s: pt for pt, s in timed}
             above_ok = True
             for higher in sorted(s for s in peeked if s > step):
                 infos[higher] = infos.get(higher) or self._checked_info(higher)
