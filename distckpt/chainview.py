@@ -15,7 +15,8 @@ from typing import Any
 from .chain import ChainLink
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .fill import Part, box_tasks, fill_parts, reading, side_reads
-from .incremental import DELTA_ROOT, Target, plan_deltas, without_records
+from .deltarecords import DELTA_ROOT
+from .incremental import Target, plan_deltas, without_records
 from .restore import _chain_error, _selects, fill_boxes
 from .storage import open_store
 

@@ -42,19 +42,16 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies
+from .deltarecords import (DELTA_ROOT, box_of, check_box, check_ids_form, check_no_stray, checked_ids, pieces_of,
+                           read_records)
 from .verify import verify_chain
-from .errors import CheckpointCorruptError, CheckpointNotFoundError, ConfigError, DistCkptError
-from .fill import fill_boxes_of
+from .errors import ConfigError, DistCkptError
 from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
-from .values import decode_value
 
 log = logging.getLogger("distckpt")
 
 __all__ = ["IncrementalPolicy", "IncrementalSaver", "ChainLink", "chain_of", "chain_info", "dependencies",
-           "verify_chain", "row_digests", "META_KEY", "DELTA_ROOT", "Target", "plan_deltas", "link_error"]
-
-DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
-
+           "verify_chain", "row_digests", "META_KEY", "DELTA_ROOT", "Target", "plan_deltas"]
 
 def without_records(tree: dict) -> dict:
     """A delta's MANIFEST tree without its records' container (``DELTA_ROOT``): they are no state
@@ -713,52 +710,6 @@ _INDEX_COPY_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, to
                                 torch.complex128})
 
 
-def _box_value(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
-    """The (offsets, sizes) a delta record's piece covers, checked to be plain ints. Raises
-    ChainBrokenError for a record that is no plain value or no box."""
-    entry = link.manifest.objects[fqn]
-    if entry.kind == "pickle":   # a saver writes boxes as plain values: never unpickled
-        raise _broken(link.path, f"delta record {fqn} is a pickle, not a box")
-    box = decode_value(entry.kind, entry.value, fqn=fqn, path=link.path)
-    if (not isinstance(box, list) or len(box) != 2 or not all(isinstance(b, list) for b in box)
-            or len(box[0]) != len(box[1])
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in box[0] + box[1])):
-        raise _broken(link.path, f"delta record {fqn} is not a box: {box!r}")
-    return box[0], box[1]
-
-
-def _delta_pieces(link: ChainLink, j: int) -> dict[str, dict[str, str]]:
-    """{piece name: {"box"|"ids"|"rows": fqn}} of tracked tensor number ``j`` in a delta link."""
-    prefix = f"{DELTA_ROOT}.{j}."
-    out: dict[str, dict[str, str]] = {}
-    for fqn in list(link.manifest.tensors) + list(link.manifest.objects):
-        if fqn.startswith(prefix):
-            piece, _, what = fqn[len(prefix):].rpartition(".")
-            out.setdefault(piece, {})[what] = fqn
-    for piece, parts in out.items():
-        if set(parts) != {"box", "ids", "rows"}:
-            missing = sorted({"box", "ids", "rows"} - set(parts))
-            raise _broken(link.path, f"delta record {prefix}{piece} lacks {missing}")
-    return out
-
-
-def _read_links(reads: list, verify: bool, what: str) -> int:
-    """distckpt.fill.fill_boxes_of; a damaged or missing data file is a ChainBrokenError naming its
-    link. Returns the bytes read."""
-    try:
-        return fill_boxes_of(reads, verify=verify)
-    except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-        raise link_error(exc, [p for p, _m, _r in reads], what) from exc
-
-
-def link_error(exc: BaseException, links: list[str], what: str) -> BaseException:
-    """ChainBrokenError naming the link (of ``links``) whose file ``exc`` is about."""
-    where = os.fspath(getattr(exc, "path", None) or "")
-    link = next((p for p in links if where == p or where.startswith(p + os.sep)), links[0])
-    return _broken(link, f"its {what} cannot be read ({type(exc).__name__}: "
-                         f"{getattr(exc, 'message', exc)})", cause=exc)
-
-
 def _cells(regions: set) -> list[tuple]:
     """The coarsest boxes (over the non-row dimensions) that tile every region of ``regions``:
     the products of the intervals between consecutive region bounds, per dimension, that lie in
@@ -810,35 +761,21 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
     # rank (the pieces' boxes are values in the MANIFEST), one read for every link at once.
     entries = []   # (link index, fqn, target, piece fqns, saved offsets, region, lo, target rows)
     wanted = []
-    for li, link in enumerate(deltas):
-        # A record under a number no tracked tensor has would be skipped: its rows silently lost.
-        stray = sorted({f for f in list(link.manifest.tensors) + list(link.manifest.objects)
-                        if f.startswith(DELTA_ROOT + ".")
-                        and not f[len(DELTA_ROOT) + 1:].split(".", 1)[0] in {str(j) for j in range(len(order))}})
-        if stray:
-            raise _broken(link.path, f"delta record {stray[0]} belongs to no tracked tensor ({len(order)} tracked)")
+    for link in deltas:
+        check_no_stray(link, len(order))
         pieces = []
         shapes = link.meta.get("shapes") or {}   # absent in chains of older savers
         for fqn in targets:
-            for _n, parts in sorted(_delta_pieces(link, order.index(fqn)).items()):
-                soff, ssz = _box_value(link, parts["box"])
+            for _n, parts in sorted(pieces_of(link, order.index(fqn)).items()):
+                soff, ssz = box_of(link, parts["box"])
                 if any(len(soff) != len(t.offsets) for t in targets[fqn]):
                     raise _broken(link.path, f"{fqn}: a delta piece of {len(soff)} dims")
-                # A box beyond the tensor's shape held rows that no target covers: they were
-                # dropped without a word (and a rows record of another width, cut).
-                shape = shapes.get(fqn, [None])[0]
-                if shape is not None and (len(shape) != len(soff)
-                                          or any(o + n > m for o, n, m in zip(soff, ssz, shape))):
-                    raise _broken(link.path, f"{parts['box']}: box {[soff, ssz]} is not inside {fqn}'s shape {shape}")
+                check_box(link, fqn, parts["box"], soff, ssz, shapes.get(fqn, [None])[0])
                 if any(all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(soff, ssz, t.offsets, t.sizes))
                        for t in targets[fqn]):
+                    check_ids_form(link, parts["ids"])
                     pieces.append((fqn, parts, soff, ssz))
         wanted.append(pieces)
-    for link, pieces in zip(deltas, wanted):
-        for _f, parts, _o, _s in pieces:
-            if len(link.manifest.tensors[parts["ids"]].shape) != 1:
-                raise _broken(link.path, f"{parts['ids']}: row ids of shape "
-                                         f"{list(link.manifest.tensors[parts['ids']].shape)}, not 1-D")
     # ids_cache holds only ids that passed the checks below (as int64): a caller planning one
     # tensor slice by slice neither reads nor checks a piece's ids again.
     cached = ids_cache if ids_cache is not None else {}
@@ -858,31 +795,13 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
         ids_of.append(outs)
         if reqs:
             reads.append((link.path, link.manifest, reqs))
-    id_bytes = _read_links(reads, verify, "delta row ids") if reads else 0
+    id_bytes = read_records(reads, verify, "delta row ids") if reads else 0
     for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
             d = tracked[fqn]
-            if d >= len(soff):
-                raise _broken(link.path, f"{fqn}: its row dimension {d} is not one of its pieces' {len(soff)}")
             key = (link.path, parts["ids"])
             if key in new:
-                # Row ids are searched (sorted) and scatter rows: they must be increasing row
-                # numbers inside the piece's box, or rows would land silently in the wrong place.
-                if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-                    raise _broken(link.path, f"{parts['ids']}: row ids of shape {list(ids.shape)} and dtype {ids.dtype}")
-                ids = ids.to(torch.int64)
-                if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < soff[d]
-                                    or int(ids[-1]) >= soff[d] + ssz[d]):
-                    raise _broken(link.path, f"{parts['ids']}: row ids not increasing inside rows "
-                                             f"[{soff[d]}, {soff[d] + ssz[d]})")
-                # One row per id (the row dimension first), of the box's other sizes: a rows
-                # record of another shape was cut to the box (or failed as an unnamed ReshardError).
-                rows_shape = list(link.manifest.tensors[parts["rows"]].shape) \
-                    if parts.get("rows") in link.manifest.tensors else None
-                expected = [ids.numel()] + [ssz[k] for k in range(len(ssz)) if k != d]
-                if rows_shape is not None and rows_shape != expected:
-                    raise _broken(link.path, f"{parts['rows']}: rows of shape {rows_shape}, not {expected} "
-                                             f"({ids.numel()} row ids in box {[soff, ssz]})")
+                ids = checked_ids(link, parts, ids, soff, ssz, d, fqn)
                 if ids_cache is not None:
                     ids_cache[key] = ids
             for t in targets[fqn]:

@@ -45,7 +45,8 @@ from .errors import (typed_memory_error, ChainBrokenError, CheckpointCorruptErro
 from .fill import Part, Task, box_tasks, fill_boxes_of, fill_parts, reading, side_reads
 from .flatten import ObjectItem, TensorItem, expand_statefuls, flatten, restore_statefuls, set_leaf
 from .gcpause import gc_paused
-from .incremental import DELTA_ROOT, Target, link_error, plan_deltas, without_records
+from .deltarecords import DELTA_ROOT, link_error
+from .incremental import Target, plan_deltas, without_records
 from .plan import Box, plan_reads
 from .source import Source, open_source
 from .staging.pool import wait_for_staging

@@ -371,16 +371,20 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
 
 def _chain(store, path: str) -> list[str]:
     """The paths of the links a delta at ``path`` needs, itself first ([] for any other
-    checkpoint, and for a MANIFEST that cannot be read: :func:`_verify_one` says why)."""
+    checkpoint, and for a MANIFEST that cannot be read: :func:`_verify_one` says why). Raises
+    ChainBrokenError for a broken chain or chain metadata a load refuses."""
     from .chain import chain_info, chain_of
     from .errors import DistCkptError
     try:
         info = chain_info(mf.decode_header(store.manifest_bytes(path)))
     except DistCkptError:
         return []
-    if info is None or info.get("kind") != "delta":
+    if info is None:
         return []
-    return [path] + [link.path for link in chain_of(path, chunks=False)[1:]]  # ChainBrokenError
+    # Any chain metadata is checked as a load checks it (a kind other than full or delta, a
+    # malformed field: ChainBrokenError), a full link's too.
+    links = chain_of(path, chunks=False)
+    return [] if len(links) == 1 else [link.path for link in links]
 
 
 def _check_values(manifest: "mf.Manifest", report: VerifyReport) -> None:
@@ -447,8 +451,28 @@ def _verify_one(store, path: str, window: int, progress, on_start, chain: list[s
                             report, progress, pool)
             except DataFileTruncatedError as exc:  # shrank while being read
                 report.file_problems.append(FileProblem(entry.name, f"changed while being verified: {exc.message}"))
+    if report.own_ok:
+        _check_delta_records(path, manifest, report)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _check_delta_records(path: str, manifest: "mf.Manifest", report: VerifyReport) -> None:
+    """For a delta link whose blocks all matched: check its records as a load composes them
+    (distckpt.deltarecords.check_link: boxes inside the recorded shapes, row ids increasing inside
+    their boxes, one row per id), so that verify fails a crafted or mis-saved record a load
+    refuses. A record that breaks a rule is a problem of the MANIFEST (where the records are)."""
+    from .chain import ChainLink, chain_info
+    from .errors import ChainBrokenError
+
+    info = chain_info(manifest)
+    if info is None or info.get("kind") != "delta":
+        return
+    from .deltarecords import check_link
+    try:
+        check_link(ChainLink(path, manifest, info))
+    except ChainBrokenError as exc:
+        report.file_problems.append(FileProblem(mf.MANIFEST_NAME, f"delta record: {exc.reason}"))
 
 
 def verify_chain(path: str | os.PathLike, **verify_kwargs: Any) -> list[tuple[str, Any]]:

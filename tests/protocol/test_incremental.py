@@ -32,6 +32,7 @@ import distckpt
 import distckpt.errors
 import distckpt.incremental as inc
 from distckpt.cli import main as cli
+from distckpt.deltarecords import box_of, pieces_of
 from distckpt.errors import ChainBrokenError
 from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of, row_digests
 from tests.helpers.distributed import RankError, run_ranks
@@ -592,8 +593,8 @@ def test_dtensor_rows_any_sharding(tmp_path, monkeypatch):
     assert torch.equal(distckpt.read(str(tmp_path / "d2"))["model"]["emb"], emb2)
     assert [link.meta["kind"] for link in chain_of(str(tmp_path / "d3"))] == ["delta", "delta", "delta", "full"]
     # The chain mixes column splits: d1 and d2 hold whole rows, d3 half rows.
-    widths = {os.path.basename(link.path): sorted({inc._box_value(link, parts["box"])[1][1]
-                                                   for parts in inc._delta_pieces(link, 0).values()})
+    widths = {os.path.basename(link.path): sorted({box_of(link, parts["box"])[1][1]
+                                                   for parts in pieces_of(link, 0).values()})
               for link in chain_of(str(tmp_path / "d3"))[:-1]}
     assert widths == {"d1": [16], "d2": [16], "d3": [8]}, widths
     # Composing it in one process writes every (row, column) at most once, from its newest link:

@@ -25,8 +25,10 @@ import torch
 
 import distckpt
 import distckpt.incremental as inc
+from distckpt.cli import main as cli
 from distckpt.errors import ChainBrokenError, StateDictMismatchError
 from distckpt.incremental import IncrementalPolicy, IncrementalSaver, chain_of
+from distckpt.verify import verify
 from tests.helpers.distributed import RankError, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -238,12 +240,18 @@ def test_crafted_chain_metadata_and_delta_records_are_chain_broken(tmp_path):
         dest = {"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}
         with pytest.raises(ChainBrokenError) as raised:
             distckpt.load(dest, str(path), no_dist=True)
-        if info_change:  # the chain's structure: refused before a byte is read
+        if info_change:  # the chain's structure: refused before a byte is read, and by verify
             assert not dest["emb"].any() and not dest["dense"].any(), name
+            with pytest.raises(ChainBrokenError):
+                verify(str(path))
         else:  # its records are planned beside the base's pass: the error names what that filled
             assert raised.value.filled == ["dense", "emb"] and raised.value.partly_filled == [], (name, raised.value.details)
+            # verify fails what load refuses (its checksums all match): a problem of the MANIFEST
+            report = verify(str(path))
+            assert not report.ok and [p.file for p in report.file_problems] == ["MANIFEST"], (name, report)
         shutil.rmtree(path)
     # the same records, uncrafted, load exactly (the cases above differ from it in one thing each)
+    assert verify(str(tmp_path / "step_2")).ok
     back = {"emb": torch.zeros(100, 8), "dense": torch.zeros(4)}
     distckpt.load(back, str(tmp_path / "step_2"), no_dist=True)
     assert torch.equal(back["emb"], good["emb"]) and torch.equal(back["dense"], good["dense"])
@@ -603,6 +611,11 @@ def test_a_delta_whose_box_or_rows_do_not_fit_its_table_is_chain_broken(tmp_path
     assert "step_00000002" in str(info.value) and "_incr.0.r0p0" in str(info.value), info.value
     with pytest.raises(ChainBrokenError):
         distckpt.read(crafted)
+    # verify fails what load refuses (every checksum matches): the record, by name; exit status 1
+    report = verify(crafted)
+    assert not report.ok and len(report.file_problems) == 1 and "_incr.0.r0p0" in str(report.file_problems[0])
+    assert [link.ok for link in report.links] == [True, True]
+    assert cli(["verify", str(crafted)]) == 1
 
 
 def test_a_base_whose_chain_metadata_misstates_a_tensors_shape_is_chain_broken(tmp_path):

@@ -112,7 +112,7 @@ LAYERS = [
     {"storage", "storage.*"},
     # 3: the engine: the save protocol, the load path, chains, verification, listing
     {"saveplan", "commit", "coordinator", "save_sync", "save_async", "fill", "readonce", "chain", "source", "restore",
-     "incremental", "verify", "listing", "chainview"},
+     "incremental", "deltarecords", "verify", "listing", "chainview"},
     # 4: the doors: manager, conversion, pre-flight report, CLI, benchmarks, integrations, the package
     {"", "__main__", "manager", "rotation", "convert", "bench", "cli", "checks", "checks.*", "integrations", "integrations.*",
      # the tiered checkpoints (issue #25)
