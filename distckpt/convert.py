@@ -417,8 +417,7 @@ def _to_torch(src: _Source, dst: str, slice_bytes: int, progress: _Progress, res
         return refs[-1]
 
     obj = src.nested(leaf)
-    tmp = dst + ".tmp"
-    with open(tmp, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with open(dst, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         def record(name: str, data: bytes) -> None:
             info, zip64 = _aligned_info(zf, name, len(data))
             with zf.open(info, "w", force_zip64=zip64) as out:
@@ -447,9 +446,7 @@ def _to_torch(src: _Source, dst: str, slice_bytes: int, progress: _Progress, res
         f.flush()
         os.fsync(f.fileno())
     if not _plain(obj):  # what else the structure holds: let torch's own weights-only load judge
-        _check_weights_only(tmp, src.path)
-    os.replace(tmp, dst)
-    result["files"] = [dst]
+        _check_weights_only(dst, src.path)
 
 
 def _plain(obj: Any) -> bool:
@@ -548,7 +545,6 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
         size += spec[4]
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    os.makedirs(dst, exist_ok=True)
     weight_map = {}
     pieces = src.stream(((spec, spec[1], o, s) for shard in shards for spec in shard
                          for o, s in _slices(spec[3], _dtype(src.tensors[spec[1]].dtype).itemsize, slice_bytes)),
@@ -712,7 +708,7 @@ def _to_dcp(src: _Source, dst: str, slice_bytes: int, progress: _Progress, resul
         if failures and isinstance(failures[0], Exception):
             raise failures[0] from None
         raise
-    result["files"] = sorted(os.path.join(dst, f) for f in os.listdir(dst))
+    result["files"] = sorted(os.path.join(dst, f) for f in os.listdir(dst) if f != _WORK_MARK)
 
 
 def _dcp_leaves(src: _Source) -> tuple[list, list]:
@@ -889,17 +885,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
     _pin_mmap_threshold()
     source = _open_source(src_s, allow_pickle=allow_pickle, verify=verify)
     _check_room(source, dst_s, to, prefix, dtype)
+    # The work directory (DST.tmp) is claimed before any output is written: a killed conversion's
+    # is removed, anything else there is refused (it was deleted whatever it was: the source
+    # itself when named DST.tmp, an unrelated directory of the user's).
+    work = None
     try:
-        return _convert(source, src_s, dst_s, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
+        if to != "distckpt":
+            work = _claim_work(dst_s + ".tmp", src_s)
+        return _convert(source, src_s, dst_s, work, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
                         dtype=dtype, memory_limit=memory_limit, progress=progress)
     except BaseException as exc:
-        # DST did not exist: whatever is there now is this conversion's unfinished output.
-        import shutil
-        for leftover in (dst_s, dst_s + ".tmp"):
-            if os.path.isdir(leftover) and not os.path.islink(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
-            elif os.path.lexists(leftover):
-                os.unlink(leftover)
+        # Only what this conversion created goes: its work directory (DST appears only by the
+        # last rename, complete; a distckpt save commits nothing when it fails).
+        if work is not None and os.path.isdir(work) and not os.path.islink(work):
+            import shutil
+            shutil.rmtree(work, ignore_errors=True)
         if isinstance(exc, OSError):  # the destination's file system: typed (ENOSPC, EROFS, EACCES...)
             from .errors import from_os_error
             raise from_os_error(exc, path=os.path.dirname(dst_s), operation=f"convert --to {to}") from exc
@@ -926,19 +926,18 @@ def _check_room(source: _Source, dst_s: str, to: str, prefix: str | None, dtype:
     check_save_space(os.path.dirname(dst_s), needed * (2 if to == "distckpt" else 1))
 
 
-def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max_shard_size: int,
-             prefix: str | None, dtype: str | None, memory_limit: int, progress: bool | None) -> ConvertResult:
+def _convert(source: _Source, src_s: str, dst_s: str, work: str | None, t0: float, *, to: str,
+             max_shard_size: int, prefix: str | None, dtype: str | None, memory_limit: int,
+             progress: bool | None) -> ConvertResult:
     from .fill import reading
 
     slice_bytes = memory_limit // 4
     result: dict[str, Any] = {"files": [], "skipped": {}, "tensors": len(source.tensors)}
     total = _tensor_bytes(source, source.tensors)
     bar = _Progress(total, f"{os.path.basename(src_s)} -> {to}", progress)
-    # A directory output is written under DST.tmp and renamed into place once complete, so a
-    # conversion killed half-way never leaves a partial directory under DST (a torch file is
-    # written as DST.tmp and renamed the same way). What a killed run left there goes first.
-    work = dst_s + ".tmp"
-    _remove_stale(work)
+    # Output is written in the work directory (DST.tmp) and renamed into place once complete, so
+    # a conversion killed half-way never leaves a partial output under DST: a directory (dcp,
+    # safetensors) is the work directory itself, a torch file is written inside it.
     try:
         if to == "distckpt":  # keeps its read buffers open only while it reads (not during the save)
             _to_distckpt(source, dst_s, slice_bytes, bar, result)
@@ -947,14 +946,19 @@ def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max
             # not one per slice: a slice of a small tensor cost 30-70 ms of set-up before.
             with reading(keep_open=True):
                 if to == "torch":
-                    _to_torch(source, dst_s, slice_bytes, bar, result)
+                    _to_torch(source, os.path.join(work, _TORCH_WORK_FILE), slice_bytes, bar, result)
                 elif to == "safetensors":
                     _to_safetensors(source, work, slice_bytes, bar, result, max_shard_size=max_shard_size,
                                     prefix=prefix, cast=dtype)
                 else:
                     _to_dcp(source, work, slice_bytes, bar, result)
-            if to in ("safetensors", "dcp"):
-                _publish_dir(work, dst_s)
+            if to == "torch":
+                _publish(os.path.join(work, _TORCH_WORK_FILE), dst_s)
+                _release_work(work)
+                result["files"] = [dst_s]
+            else:
+                os.unlink(os.path.join(work, _WORK_MARK))
+                _publish(work, dst_s)
                 result["files"] = [os.path.join(dst_s, os.path.relpath(f, work)) for f in result["files"]]
     finally:
         bar.close()
@@ -963,24 +967,57 @@ def _convert(source: _Source, src_s: str, dst_s: str, t0: float, *, to: str, max
                          time.monotonic() - t0)
 
 
-def _remove_stale(work: str) -> None:
-    """Delete what a killed conversion to the same destination left under its work name."""
+#: The file that makes a directory a conversion's work directory: only such a one is ever removed.
+_WORK_MARK = ".distckpt-convert"
+#: A torch file's name inside the work directory, until it is renamed to DST.
+_TORCH_WORK_FILE = "output.pt"
+
+
+def _claim_work(work: str, src: str) -> str:
+    """Create the work directory ``work`` (DST.tmp) with its marker (:data:`_WORK_MARK`), first
+    removing one a killed conversion left there. Returns ``work``.
+
+    Raises:
+        ConfigError: ``work`` is the source, or holds it.
+        CheckpointExistsError: something else is at ``work`` (no marker: not a conversion's):
+            nothing is removed.
+    """
     import shutil
-    if os.path.isdir(work) and not os.path.islink(work):
+
+    from .errors import CheckpointExistsError, ConfigError
+    w, s = os.path.realpath(work), os.path.realpath(src)
+    if s == w or s.startswith(w + os.sep):
+        raise ConfigError(f"the source {src} is the destination's work path {work}: convert writes its output "
+                          f"there first", path=src, remedy="Choose another destination (or rename the source).")
+    if os.path.lexists(work):
+        if not (os.path.isdir(work) and not os.path.islink(work) and os.path.isfile(os.path.join(work, _WORK_MARK))):
+            raise CheckpointExistsError(
+                f"{work} exists and is no unfinished conversion's (it lacks {_WORK_MARK}); convert writes its "
+                f"output there first, and leaves it alone", path=work,
+                remedy="Move or remove it, or choose another destination.")
         log.warning("distckpt: removing %s, left by a conversion that did not finish", work)
         shutil.rmtree(work)
-    elif os.path.lexists(work):
-        log.warning("distckpt: removing %s, left by a conversion that did not finish", work)
-        os.unlink(work)
+    os.mkdir(work)
+    with open(os.path.join(work, _WORK_MARK), "w") as f:
+        f.write("the work directory of a `distckpt convert`: removed by the next conversion to the same destination\n")
+    return work
 
 
-def _publish_dir(work: str, dst: str) -> None:
-    """Rename the finished directory ``work`` (its files already fsynced) to ``dst``, durably."""
-    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _release_work(work: str) -> None:
+    """Remove the (emptied) work directory of a torch file's conversion."""
+    os.unlink(os.path.join(work, _WORK_MARK))
+    os.rmdir(work)
+
+
+def _publish(work: str, dst: str) -> None:
+    """Rename the finished ``work`` (a directory or a file, its data already fsynced) to ``dst``,
+    durably."""
+    if os.path.isdir(work):
+        fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     os.rename(work, dst)
     fd = os.open(os.path.dirname(dst), os.O_RDONLY | os.O_DIRECTORY)
     try:

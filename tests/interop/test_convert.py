@@ -314,24 +314,57 @@ def test_safetensors_dtypes_round_trip_and_a_reserved_name_is_refused(tmp_path):
 
 @pytest.mark.parametrize("to", ["torch", "safetensors", "dcp"])
 def test_output_appears_whole_and_a_killed_runs_leftover_is_cleared(src, tmp_path, monkeypatch, to):
-    """Directory outputs are written under DST.tmp and renamed into place complete (a conversion
-    killed half-way left a partial DST that a rerun refused as existing); what a killed run left
-    under DST.tmp is removed by the next conversion to DST."""
+    """Output is written in the work directory DST.tmp and renamed into place complete (a
+    conversion killed half-way left a partial DST that a rerun refused as existing); what a killed
+    run left there (its marker file says so) is removed by the next conversion to DST."""
     import distckpt.convert as conv
     dst = str(tmp_path / "out")
-    os.makedirs(dst + ".tmp") if to != "torch" else open(dst + ".tmp", "wb").close()
+    os.makedirs(dst + ".tmp")
+    open(os.path.join(dst + ".tmp", conv._WORK_MARK), "w").close()
+    open(os.path.join(dst + ".tmp", "model-00001-of-00002.safetensors"), "wb").close()  # half-written
     seen = {}
-    real = conv._publish_dir
+    real = conv._publish
 
     def publish(work, final):
         seen["before"] = os.path.exists(final)
         real(work, final)
 
-    monkeypatch.setattr(conv, "_publish_dir", publish)
-    convert(src, dst, to=to)
+    monkeypatch.setattr(conv, "_publish", publish)
+    res = convert(src, dst, to=to)
     assert os.path.exists(dst) and not os.path.exists(dst + ".tmp")
+    assert seen == {"before": False}  # nothing under DST until the output was complete
     if to != "torch":
-        assert seen == {"before": False}  # nothing under DST until the output was complete
+        assert conv._WORK_MARK not in os.listdir(dst) and sorted(res.files) == sorted(
+            os.path.join(dst, f) for f in os.listdir(dst))
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors"])
+def test_what_is_at_the_work_path_and_is_no_conversions_is_never_removed(tmp_path, to):
+    """An outside trial: convert removed whatever was at DST.tmp as "left by a conversion that did
+    not finish": a user's directory there, and the source itself when named DST.tmp (`distckpt
+    convert /x/llama.tmp /x/llama`), which then failed blaming the checkpoint it had deleted. Only a
+    work directory carrying a conversion's marker is removed now; anything else is
+    CheckpointExistsError (the source: ConfigError), and nothing is touched."""
+    from distckpt.errors import CheckpointExistsError, ConfigError
+    import safetensors.torch as st
+    user = tmp_path / "export.tmp"
+    user.mkdir()
+    (user / "notes.txt").write_text("precious")
+    ck = str(tmp_path / "ck")
+    distckpt.save({"w": torch.ones(2)}, ck, no_dist=True)
+    with pytest.raises(CheckpointExistsError, match="lacks"):
+        convert(ck, str(tmp_path / "export"), to=to)
+    assert (user / "notes.txt").read_text() == "precious" and not (tmp_path / "export").exists()
+    (tmp_path / "file.tmp").write_text("a file")
+    with pytest.raises(CheckpointExistsError):
+        convert(ck, str(tmp_path / "file"), to=to)
+    assert (tmp_path / "file.tmp").read_text() == "a file"
+    source = tmp_path / "llama.tmp"
+    source.mkdir()
+    st.save_file({"w": torch.ones(3)}, str(source / "model.safetensors"))
+    with pytest.raises(ConfigError, match="work path"):
+        convert(str(source), str(tmp_path / "llama"), to=to)
+    assert torch.equal(st.load_file(str(source / "model.safetensors"))["w"], torch.ones(3))
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors", "dcp", "distckpt"])
