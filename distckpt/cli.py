@@ -265,6 +265,13 @@ def _deepspeed_line(meta: dict) -> str | None:
             f"{ds.get('optimizer')}; loads at any data-parallel size (distckpt.integrations.deepspeed.load)")
 
 
+def _shown(text: str) -> str:
+    """``text`` (a key from a checkpoint) with every unprintable character escaped as Python
+    escapes it: a downloaded file's escape sequences or newlines in a key must not reach the
+    terminal (retitle it, clear it, fake rows of the table)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _print_inspect(doc: dict) -> None:
     t = doc["totals"]
     ws = doc["world_size"]
@@ -305,10 +312,10 @@ def _print_inspect(doc: dict) -> None:
                 shown = v["text"]
             else:
                 shown = _short(v["value"])
-            print(f"  {fqn}: {shown}")
+            print(f"  {_shown(fqn)}: {shown}")
     if doc["tensors"]:
         print("\ntensors")
-        rows = [(fqn, e["dtype"], str(e["shape"]), format_bytes(e["bytes"]), str(e["chunks"]))
+        rows = [(_shown(fqn), e["dtype"], str(e["shape"]), format_bytes(e["bytes"]), str(e["chunks"]))
                 for fqn, e in doc["tensors"].items()]
         head = ("key", "dtype", "shape", "bytes", "chunks")
         widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
@@ -316,7 +323,7 @@ def _print_inspect(doc: dict) -> None:
         for r in rows:
             print("  " + "  ".join((c.rjust(w) if i >= 3 else c.ljust(w)) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     if doc["meta"]:
-        print(f"\nmetadata    {_short(doc['meta'], 200)}")
+        print(f"\nmetadata    {_shown(_short(doc['meta'], 200))}")
 
 
 def _cmd_inspect(args) -> int:

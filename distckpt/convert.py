@@ -132,6 +132,21 @@ class _Source:
     def tensors(self):
         return self.manifest.tensors
 
+    def metadata(self) -> dict[str, Any]:
+        """The checkpoint's own metadata, which a conversion carries or lists as skipped: a
+        distckpt checkpoint's user metadata (``save(..., metadata=)``), a Hugging Face
+        directory's safetensors ``__metadata__`` (under ``"safetensors_metadata"``); a DCP
+        checkpoint has none of its own. distckpt's own records of how the source stores its state
+        (``"distckpt.chain"``: a chain link's; ``"distckpt.dcp"``: values as DCP's bytes) are left
+        out: the output holds the state decoded, and the records would misdescribe it."""
+        meta = self.manifest.meta or {}
+        if meta.get("format") == "safetensors":
+            st = meta.get("safetensors_metadata") or {}
+            return {"safetensors_metadata": dict(st)} if st else {}
+        user = meta.get("user")
+        return ({k: v for k, v in user.items() if not (isinstance(k, str) and k.startswith("distckpt."))}
+                if isinstance(user, dict) else {})
+
     def value(self, fqn: str) -> Any:
         from .errors import PickleNotAllowedError
         from .restore import _object_value
@@ -493,6 +508,41 @@ def _check_weights_only(path: str, src: str) -> None:
 # Hugging Face safetensors shards.
 
 
+def _safetensors_metadata(meta: dict[str, Any], result: dict) -> dict[str, str]:
+    """The ``__metadata__`` of every output file: ``{"format": "pt"}`` (what transformers loads by)
+    with a Hugging Face source's own entries, and a distckpt source's user metadata entries that
+    are strings; the rest (not strings: safetensors metadata maps strings to strings) is listed in
+    ``result["skipped"]``."""
+    out = {"format": "pt"}
+    for key, value in meta.items():
+        if key == "safetensors_metadata" and isinstance(value, dict):   # a safetensors source's own
+            for k, v in value.items():
+                if k != "format" and isinstance(k, str) and isinstance(v, str):
+                    out[k] = v
+                elif k != "format":
+                    result["skipped"][f"(metadata) safetensors_metadata.{k}"] = "not a string"
+        elif isinstance(key, str) and isinstance(value, str) and key != "format":
+            out[key] = value
+        else:
+            result["skipped"][f"(metadata) {key}"] = ("safetensors metadata holds strings only" if key != "format"
+                                                      else "the output's format entry is 'pt'")
+    return out
+
+
+def _name_conflicts(src: _Source, result: dict) -> None:
+    """List as skipped the safetensors metadata entries a Hugging Face source's files disagree on
+    (the first file's value is the one carried)."""
+    for key, per_file in ((src.manifest.meta or {}).get("safetensors_metadata_conflicts") or {}).items():
+        result["skipped"][f"(metadata) safetensors_metadata.{key}"] = (
+            f"the source's files disagree ({per_file}); the first file's value is kept")
+
+
+def _skip_metadata(meta: dict[str, Any], to: str, result: dict) -> None:
+    """List every entry of the source's metadata as skipped: ``to`` has no place for it."""
+    for key in meta:
+        result["skipped"][f"(metadata) {key}"] = f"a {to} file has no place for checkpoint metadata"
+
+
 def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict, *,
                     max_shard_size: int, prefix: str | None, cast: str | None) -> None:
     from .errors import UnsupportedValueError
@@ -549,8 +599,9 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
     pieces = src.stream(((spec, spec[1], o, s) for shard in shards for spec in shard
                          for o, s in _slices(spec[3], _dtype(src.tensors[spec[1]].dtype).itemsize, slice_bytes)),
                         slice_bytes)
+    st_meta = _safetensors_metadata(src.metadata(), result)
     for fname, shard in zip(files, shards):
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, Any] = {"__metadata__": st_meta}
         off = 0
         for name, _fqn, d, shape, nbytes in shard:
             header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [off, off + nbytes]}
@@ -802,7 +853,7 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
                 progress.update(size)
 
         state = src.nested(tensors.__getitem__)
-        save(state, dst, allow_pickle=src.allow_pickle)
+        save(state, dst, allow_pickle=src.allow_pickle, metadata=src.metadata() or None)
         del flat, tensors, state, batch
     finally:
         os.close(fd)
@@ -864,8 +915,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
         raise ConfigError("prefix and dtype apply to --to safetensors only", remedy=_OPTIONS)
     if dtype is not None:
         dtype = _DTYPE_ALIASES.get(dtype, dtype)
+        from . import manifest as mf
+        if dtype not in mf.DTYPE_ITEMSIZE:   # (dtype_from_name blamed a MANIFEST for a typo)
+            raise ConfigError(f"dtype {dtype!r} is not a dtype name (bf16, float16, float32, ...)", remedy=_OPTIONS)
         if not _dtype(dtype).is_floating_point:
             raise ConfigError(f"dtype {dtype!r} is not a floating-point dtype", remedy=_OPTIONS)
+    if not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ConfigError(f"max_shard_size must be a positive number of bytes, not {max_shard_size!r}", remedy=_OPTIONS)
     if memory_limit < 1 << 20:
         raise ConfigError("memory_limit must be at least 1 MiB", remedy=_OPTIONS)
     from .storage import is_url, normalize_path
@@ -940,11 +996,16 @@ def _convert(source: _Source, src_s: str, dst_s: str, work: str | None, t0: floa
     # safetensors) is the work directory itself, a torch file is written inside it.
     try:
         if to == "distckpt":  # keeps its read buffers open only while it reads (not during the save)
+            _name_conflicts(source, result)
             _to_distckpt(source, dst_s, slice_bytes, bar, result)
         else:
             # One reader (fd, io_uring, registered slots) per source file for the whole conversion,
             # not one per slice: a slice of a small tensor cost 30-70 ms of set-up before.
             with reading(keep_open=True):
+                if to in ("torch", "dcp"):
+                    _skip_metadata(source.metadata(), to, result)
+                else:
+                    _name_conflicts(source, result)
                 if to == "torch":
                     _to_torch(source, os.path.join(work, _TORCH_WORK_FILE), slice_bytes, bar, result)
                 elif to == "safetensors":

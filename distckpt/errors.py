@@ -722,11 +722,13 @@ def _free_space(path: str) -> tuple[int, int | None] | None:
 
 
 def typed_memory_error(exc: BaseException) -> BaseException:
-    """``exc`` itself, unless it is Python's bare MemoryError: then a :class:`HostMemoryError`
+    """``exc`` itself, unless it is Python's bare MemoryError or torch's failed host allocation
+    (a RuntimeError, "DefaultCPUAllocator: can't allocate memory"): then a :class:`HostMemoryError`
     (also a MemoryError) saying so, with ``exc`` as its cause."""
-    if not isinstance(exc, MemoryError) or isinstance(exc, DistCkptError):
+    torch_cpu = type(exc) is RuntimeError and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+    if not (isinstance(exc, MemoryError) or torch_cpu) or isinstance(exc, DistCkptError):
         return exc
-    out = HostMemoryError(f"out of host memory: MemoryError{': ' + str(exc) if str(exc) else ''}",
+    out = HostMemoryError(f"out of host memory: {type(exc).__name__}{': ' + str(exc) if str(exc) else ''}",
                           errno=_errno.ENOMEM)
     out.__cause__ = exc
     return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import stat
 import struct
 from typing import Any
@@ -58,8 +57,6 @@ ST_DTYPES = {
 }
 # In the format, not readable as whole-byte elements of a torch dtype (sub-byte packings).
 _ST_SUBBYTE = {"F4", "F6_E2M3", "F6_E3M2"}
-# A data file name: a plain basename inside the directory, never a path.
-_FILE_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 def hf_files(path: str | os.PathLike) -> tuple[str, list[str]] | None:
@@ -109,7 +106,10 @@ def _symlink(fpath: str, what: str) -> UnsupportedValueError:
 def _pread_exact(fd: int, n: int, offset: int, fpath: str) -> bytes:
     data = b""
     while len(data) < n:
-        got = os.pread(fd, n - len(data), offset + len(data))
+        try:
+            got = os.pread(fd, n - len(data), offset + len(data))
+        except OSError as exc:   # EIO and the like: the storage's typed error, not a bare OSError
+            raise from_os_error(exc, path=fpath, operation="read") from exc
         if not got:
             break
         data += got
@@ -124,6 +124,14 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     for k, v in pairs:
         if k in out:
             raise ValueError(f"key {k!r} appears twice")
+        for text in (k, v) if isinstance(v, str) else (k,):
+            # JSON's \ud800 escapes decode to lone surrogates, which are no Unicode text: the
+            # safetensors library refuses them, and they failed later as raw UnicodeEncodeErrors
+            # (printing the name, writing it to another file).
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{text!r} holds a lone surrogate (\\ud800-\\udfff): not Unicode text") from None
         out[k] = v
     return out
 
@@ -159,12 +167,12 @@ def read_header(fd: int, fpath: str, size: int) -> tuple[dict[str, tuple[str, tu
         raise DataFileTruncatedError(f"{name}: header of {n} bytes, but the file has {size}", path=fpath,
                                      expected=8 + n, found=size)
     raw = _pread_exact(fd, n, 8, fpath)
-    if not raw.startswith(b"{"):
+    if not raw.lstrip(b" \t\r\n").startswith(b"{"):  # JSON's whitespace first: the safetensors library reads it
         raise CheckpointCorruptError(f"{name}: the header is not a JSON object", path=fpath)
     header = _json(raw, f"{name}'s header", fpath)
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{name}: the header is not a JSON object", path=fpath)
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", {})   # absent: none; anything but an object of strings is refused
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointCorruptError(f"{name}: __metadata__ must map strings to strings", path=fpath)
     data_start = 8 + n
@@ -182,8 +190,10 @@ def read_header(fd: int, fpath: str, size: int) -> tuple[dict[str, tuple[str, tu
                                         path=fpath, key=key, remedy="Load it with the safetensors library.")
         if st_dtype not in ST_DTYPES:
             raise CheckpointCorruptError(f"{where}: dtype {st_dtype!r} is not a safetensors dtype", path=fpath, key=key)
-        if not isinstance(shape, list) or len(shape) > mf.MAX_NDIM or not all(
-                type(x) is int and 0 <= x < 1 << 63 for x in shape):
+        if isinstance(shape, list) and len(shape) > mf.MAX_NDIM:
+            raise UnsupportedValueError(f"{where} has {len(shape)} dimensions, more than the {mf.MAX_NDIM} distckpt "
+                                        f"reads", path=fpath, key=key, remedy="Load it with the safetensors library.")
+        if not isinstance(shape, list) or not all(type(x) is int and 0 <= x < 1 << 63 for x in shape):
             raise CheckpointCorruptError(f"{where}: shape {shape!r} is not a list of non-negative integers",
                                          path=fpath, key=key)
         if not isinstance(offs, list) or len(offs) != 2 or not all(type(x) is int and x >= 0 for x in offs) \
@@ -237,7 +247,9 @@ def _read_index(path: str, name: str) -> list[tuple[str, str]]:
         raise CheckpointCorruptError(f"{name} has " + ("an empty weight_map" if isinstance(wm, dict) else
                                                        "no weight_map object"), path=ipath)
     for key, fname in wm.items():
-        if not isinstance(fname, str) or not _FILE_RE.fullmatch(fname) or fname in (".", ".."):
+        # A plain basename inside the directory, never a path (any other character is a legal
+        # name the safetensors library reads: spaces, '+', '@', non-ASCII letters).
+        if not isinstance(fname, str) or not fname or "/" in fname or "\0" in fname or fname in (".", ".."):
             raise CheckpointCorruptError(f"{name}: {key!r} names {fname!r}, which is not a plain file name inside "
                                          f"the directory", path=ipath, key=key)
     return list(wm.items())
@@ -271,6 +283,7 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
     tensors: dict[str, mf.TensorEntry] = {}
     where: dict[str, str] = {}
     meta: dict = {}
+    conflicts: dict[str, dict[str, str]] = {}
     for i, fname in enumerate(names):
         fpath = os.path.join(path, fname)
         fd = _open_regular(fpath, "safetensors file")
@@ -287,8 +300,13 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
                 f"HuggingFaceStorageWriter without consolidation)", path=fpath,
                 remedy="Consolidate it (torch.distributed.checkpoint's consolidate_safetensors_files) or load "
                        "it with torch.distributed.checkpoint.HuggingFaceStorageReader.")
-        if i == 0:
-            meta = fmeta
+        for k, v in fmeta.items():
+            # Every file's entries (save_pretrained writes the same in each shard); an entry
+            # whose files disagree is kept as the first file's, the others named beside it.
+            if k not in meta:
+                meta[k] = v
+            elif meta[k] != v:
+                conflicts.setdefault(k, {names[0]: meta[k]})[fname] = v
         files.append(mf.FileEntry(fname, size, 0))
         for key, (dtype, shape, offset, nbytes) in header.items():
             if key in where:
@@ -305,4 +323,5 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
     return mf.Manifest(
         format_version=1, save_id="", world_size=1, created_unix=0.0, checksum_algo="none",
         checksum_block=1 << 20, files=tuple(files), tensors=tensors, objects={}, tree=tree,
-        meta={"format": "safetensors", "safetensors_metadata": meta})
+        meta={"format": "safetensors", "safetensors_metadata": meta,
+              **({"safetensors_metadata_conflicts": conflicts} if conflicts else {})})

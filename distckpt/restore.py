@@ -690,7 +690,13 @@ def read(path: str | os.PathLike, keys: Iterable[str] | None = None, *, verify: 
             keys = _key_list(keys)
         source = open_source(path, storage_options)
         with source.guard():
-            return _read(source, keys, verify, allow_pickle)
+            try:
+                return _read(source, keys, verify, allow_pickle)
+            except (MemoryError, RuntimeError) as exc:  # a tensor larger than the host's memory
+                typed = typed_memory_error(exc)
+                if typed is exc:
+                    raise
+                raise typed from exc
     except DistCkptError as exc:
         # read() runs in one process without a group: its rank is the process's rank, if any.
         if is_distributed():

@@ -665,3 +665,59 @@ def test_a_url_source_or_destination_is_refused_and_a_file_url_is_a_local_path(t
     assert sorted(os.listdir(tmp_path)) == ["src"]
     convert(f"file://{src}", f"file://{tmp_path}/out", to="safetensors")
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+def test_the_sources_metadata_is_carried_or_listed_as_skipped(tmp_path):
+    """A safetensors source's ``__metadata__`` (a quantization note, say) and a distckpt source's
+    user metadata were dropped by every target, and listed nowhere (an outside trial). Now a
+    safetensors output carries the string entries (its "format" is "pt"), a distckpt output the
+    whole, and torch / dcp outputs, which have no place for it, list each entry as skipped; so
+    does a safetensors output for an entry that is no string, and for one the source's shards
+    disagree on."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(2)}, str(hf / "s1.safetensors"), metadata={"format": "pt", "quant": "awq-4bit"})
+    save_file({"b": torch.zeros(2)}, str(hf / "s2.safetensors"), metadata={"format": "pt", "quant": "gptq",
+                                                                          "note": "keep"})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors",
+                                                                                "b": "s2.safetensors"}}))
+    res = convert(str(hf), str(tmp_path / "st"), to="safetensors", progress=False)
+    with safe_open(str(tmp_path / "st" / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "quant": "awq-4bit", "note": "keep"}
+    assert list(res.skipped) == ["(metadata) safetensors_metadata.quant"] and "disagree" in res.skipped[
+        "(metadata) safetensors_metadata.quant"]
+    res = convert(str(hf), str(tmp_path / "dc"), to="distckpt", progress=False)
+    assert distckpt.read_manifest(str(tmp_path / "dc"))["meta"]["user"] == {
+        "safetensors_metadata": {"format": "pt", "quant": "awq-4bit", "note": "keep"}}
+    # ... and back: the distckpt copy's record becomes the safetensors output's metadata again
+    convert(str(tmp_path / "dc"), str(tmp_path / "st2"), to="safetensors", progress=False)
+    with safe_open(str(tmp_path / "st2" / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "quant": "awq-4bit", "note": "keep"}
+    for to in ("torch", "dcp"):
+        res = convert(str(hf), str(tmp_path / to), to=to, progress=False)
+        assert list(res.skipped) == ["(metadata) safetensors_metadata"], res.skipped
+    mine = tmp_path / "mine"
+    distckpt.save({"w": torch.ones(2)}, str(mine), metadata={"run": "r7", "step": 5}, no_dist=True)
+    res = convert(str(mine), str(tmp_path / "mine_st"), to="safetensors", progress=False)
+    with safe_open(str(tmp_path / "mine_st" / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt", "run": "r7"}
+    assert list(res.skipped) == ["(metadata) step"]
+    convert(str(mine), str(tmp_path / "mine_dc"), to="distckpt", progress=False)
+    assert distckpt.read_manifest(str(tmp_path / "mine_dc"))["meta"]["user"] == {"run": "r7", "step": 5}
+    res = convert(str(mine), str(tmp_path / "mine.pt"), to="torch", progress=False)
+    assert sorted(res.skipped) == ["(metadata) run", "(metadata) step"]
+
+
+def test_bad_dtype_and_shard_size_options_are_config_errors(src, tmp_path):
+    """--dtype bogus said "unknown dtype in MANIFEST ... restore from an older checkpoint" (exit 1);
+    --max-shard-size 0 wrote a shard per tensor. Both are ConfigError now, before anything is written."""
+    from distckpt.errors import ConfigError
+    with pytest.raises(ConfigError, match="not a dtype name"):
+        convert(src, str(tmp_path / "a"), to="safetensors", dtype="bogus")
+    for bad in (0, -5):
+        with pytest.raises(ConfigError, match="max_shard_size"):
+            convert(src, str(tmp_path / "b"), to="safetensors", max_shard_size=bad)
+    assert os.listdir(tmp_path) == []

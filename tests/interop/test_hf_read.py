@@ -223,6 +223,10 @@ def _entry(dtype="F32", shape=(2, 2), offs=(0, 16)):
     ("duplicate key", CheckpointCorruptError, "twice"),
     ("extra field", CheckpointCorruptError, "exactly"),
     ("bad metadata", CheckpointCorruptError, "__metadata__"),
+    ("metadata a list", CheckpointCorruptError, "__metadata__"),
+    ("metadata false", CheckpointCorruptError, "__metadata__"),
+    ("lone surrogate name", CheckpointCorruptError, "surrogate"),
+    ("65 dimensions", UnsupportedValueError, "65 dimensions, more than the 64"),
     ("short file", DataFileTruncatedError, "too short"),
 ])
 def test_hostile_header_is_a_typed_error(tmp_path, case, error, match):
@@ -269,6 +273,14 @@ def test_hostile_header_is_a_typed_error(tmp_path, case, error, match):
         _write(p, {"a": dict(_entry(), code="import os")}, data)
     elif case == "bad metadata":
         _write(p, {"__metadata__": {"format": 1}, "a": _entry()}, data)
+    elif case == "metadata a list":  # falsy values were taken for none (an outside trial)
+        _write(p, {"__metadata__": [], "a": _entry()}, data)
+    elif case == "metadata false":
+        _write(p, {"__metadata__": False, "a": _entry()}, data)
+    elif case == "lone surrogate name":  # JSON's escape of no Unicode character: raw errors later
+        _write(p, b'{"a\\ud800": ' + json.dumps(_entry()).encode() + b"}", data)
+    elif case == "65 dimensions":  # said "not a list of non-negative integers", which it is
+        _write(p, {"a": _entry(shape=(1,) * 61 + (2, 2, 2, 2), offs=(0, 64))}, data + bytes(48))
     elif case == "short file":
         with open(p, "wb") as f:
             f.write(b"\x01\x02")
@@ -326,3 +338,88 @@ def test_same_name_in_two_shards_is_corrupt(tmp_path):
         json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
     with pytest.raises(CheckpointCorruptError, match="in both"):
         distckpt.read(str(tmp_path))
+
+
+def test_reference_parity_of_headers_and_shard_names(tmp_path):
+    """What the safetensors library reads, distckpt reads (outside trial): JSON whitespace before
+    the header's opening brace, and shard names with spaces, '+', '@', '~' or non-ASCII letters
+    (refused as "not a plain file name" before). Paths stay refused (test above)."""
+    from safetensors.torch import load_file, save_file
+
+    p = tmp_path / "ws"
+    p.mkdir()
+    _write(str(p / "model.safetensors"), b"  \n" + json.dumps({"a": _entry()}).encode(),
+           torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    assert torch.equal(distckpt.read(str(p))["a"], load_file(str(p / "model.safetensors"))["a"])
+    names = ["model 1.safetensors", "model+2.safetensors", "w@v3~.safetensors", "modèle-4.safetensors"]
+    shards = tmp_path / "names"
+    shards.mkdir()
+    weight_map = {}
+    for i, name in enumerate(names):
+        save_file({f"t{i}": torch.full((3,), float(i))}, str(shards / name))
+        weight_map[f"t{i}"] = name
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    got = distckpt.read(str(shards))
+    assert sorted(got) == ["t0", "t1", "t2", "t3"] and all(torch.equal(got[f"t{i}"], torch.full((3,), float(i)))
+                                                         for i in range(4))
+
+
+def test_an_io_error_reading_a_header_is_the_storages_typed_error(tmp_path, monkeypatch):
+    """EIO while a header is read was a bare OSError (an outside trial)."""
+    import errno
+
+    import distckpt.hf as hf
+    from distckpt.errors import StorageIOError
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+
+    def eio(*_a):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(hf.os, "pread", eio)
+    fd = os.open(str(tmp_path / "model.safetensors"), os.O_RDONLY)
+    try:
+        with pytest.raises(StorageIOError):
+            hf.read_header(fd, str(tmp_path / "model.safetensors"), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_replaced_between_its_header_and_its_data_is_never_read_at_the_old_offsets(tmp_path, monkeypatch):
+    """A safetensors file replaced (renamed over) by another valid file of the same size, its
+    tensors in the other order, after its header was read: the data were read at the old offsets,
+    q's values returned as k's, silently (an outside trial; a foreign checkpoint has no checksums).
+    The directory's files are now part of the identity the load's guard compares at its end:
+    CheckpointRemovedError, "changed"."""
+    import distckpt.hf as hf
+    from distckpt.errors import CheckpointRemovedError
+
+    def write(path, order):
+        vals = {"q": torch.full((4,), 1.0), "k": torch.full((4,), 2.0)}
+        header, data, off = {}, b"", 0
+        for n in order:
+            header[n] = {"dtype": "F32", "shape": [4], "data_offsets": [off, off + 16]}
+            data += vals[n].numpy().tobytes()
+            off += 16
+        _write(path, header, data)
+
+    p = str(tmp_path / "model.safetensors")
+    write(p, ["q", "k"])
+    real = hf.load_manifest
+
+    def swap_after_listing(path):
+        m = real(path)
+        write(p + ".new", ["k", "q"])
+        os.replace(p + ".new", p)
+        return m
+
+    monkeypatch.setattr(hf, "load_manifest", swap_after_listing)
+    with pytest.raises(CheckpointRemovedError, match="changed while it was being read"):
+        distckpt.read(str(tmp_path))
+    out = {"q": torch.zeros(4), "k": torch.zeros(4)}
+    with pytest.raises(CheckpointRemovedError):
+        distckpt.load(out, str(tmp_path), no_dist=True)
+    monkeypatch.setattr(hf, "load_manifest", real)
+    got = distckpt.read(str(tmp_path))  # unchanged during the read: read as it is
+    assert torch.equal(got["q"], torch.full((4,), 1.0)) and torch.equal(got["k"], torch.full((4,), 2.0))

@@ -176,3 +176,27 @@ def test_every_json_output_carries_json_format(tmp_path, capsys):
 def test_help_lists_exit_status_130():
     proc = _run("--help")
     assert proc.returncode == 0 and "130 interrupted" in " ".join(proc.stdout.split()), proc.stdout
+
+
+def test_inspect_escapes_unprintable_characters_of_keys(tmp_path, capsys):
+    """Keys come from the checkpoint: a downloaded file's ESC / BEL sequences and newlines in a
+    tensor name reached the terminal raw through `distckpt inspect` (retitle it, clear it, fake a
+    row of the table: an outside trial). They are printed escaped."""
+    from safetensors.torch import save_file
+    save_file({"w\x1b]0;PWNED\x07\x1b[2J\nfake_row  uint8": torch.ones(1), "plain": torch.zeros(1)},
+              str(tmp_path / "model.safetensors"))
+    assert cli(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\nfake_row" not in out
+    assert "w\\x1b]0;PWNED\\x07\\x1b[2J\\nfake_row  uint8" in out and "  plain " in out
+
+
+def test_a_failed_host_allocation_of_torch_is_host_memory_error():
+    """torch reports a host allocation it cannot make as a RuntimeError ("DefaultCPUAllocator:
+    can't allocate memory"): read() of a tensor larger than the host's memory raised it raw."""
+    raw = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 42949672960 bytes. Error code 12 (Cannot allocate memory)")
+    typed = errors.typed_memory_error(raw)
+    assert isinstance(typed, errors.HostMemoryError) and isinstance(typed, MemoryError) and typed.__cause__ is raw
+    other = RuntimeError("something else")
+    assert errors.typed_memory_error(other) is other

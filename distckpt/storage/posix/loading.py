@@ -97,17 +97,38 @@ def data_readers(path: str, manifest: "mf.Manifest", file_indexes: list[int], *,
 
 def _dir_identity(path: str) -> tuple | None:
     """What tells one checkpoint directory at ``path`` from another that took its name: the
-    directory's (st_dev, st_ino), then its MANIFEST's inode, size and trailing crc32c (None when it
-    has none). None when nothing is at ``path``.
+    directory's (st_dev, st_ino), then ``"manifest"`` and its MANIFEST's inode, size and trailing
+    crc32c, or for a directory without a MANIFEST (a DCP or Hugging Face checkpoint) ``"files"``
+    and every file's name, inode, size and modification time. None when nothing is at ``path``.
 
     The directory's inode alone is not enough: a file system reuses a freed inode number at once
     (ext4 does), so a directory deleted by an overwrite and the one the next save publishes can
-    share it; their MANIFESTs' checksums differ (every save's body has its own save id)."""
+    share it; their MANIFESTs' checksums differ (every save's body has its own save id). A
+    foreign checkpoint has no such record of its files, and no checksums: a file replaced by
+    another of the same size between its header's read and its data's was read at the old
+    offsets, silently (an outside trial swapped two tensors that way)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino, _manifest_identity(os.path.join(path, mf.MANIFEST_NAME))
+    manifest = _manifest_identity(os.path.join(path, mf.MANIFEST_NAME))
+    if manifest is not None:
+        return st.st_dev, st.st_ino, "manifest", manifest
+    return st.st_dev, st.st_ino, "files", _files_identity(path)
+
+
+def _files_identity(path: str) -> tuple | None:
+    """(name, inode, size, mtime_ns) of every entry of the directory ``path``, sorted; None when it
+    cannot be listed."""
+    try:
+        with os.scandir(path) as it:
+            out = []
+            for entry in it:
+                st = entry.stat(follow_symlinks=False)
+                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    except OSError:
+        return None
+    return tuple(sorted(out))
 
 
 def _manifest_identity(path: str) -> tuple[int, int, bytes] | None:
@@ -153,7 +174,10 @@ def _removed_while_reading(path: str, identity: tuple | None,
                             break
         except OSError:
             pass
-    if now is not None:
+    changed = now is not None and identity is not None and now[:3] == identity[:3] and now[2] == "files"
+    if changed:
+        how = "its files were replaced or changed (a DCP or Hugging Face checkpoint: no MANIFEST records them)"
+    elif now is not None:
         how = "another directory now has its name (it was overwritten, or rotated away and saved again)"
     elif renamed_to is not None:
         how = f"it was renamed to {os.path.basename(renamed_to)} to be deleted (rotation by a manager's keep_last, or an overwrite)"
@@ -165,7 +189,7 @@ def _removed_while_reading(path: str, identity: tuple | None,
     else:
         failed = f"the read failed with {type(exc).__name__}: {getattr(exc, 'message', exc)}"
     removed = CheckpointRemovedError(
-        f"the checkpoint at {path} was removed while it was being read: {how}; {failed}",
+        f"the checkpoint at {path} {'changed' if changed else 'was removed'} while it was being read: {how}; {failed}",
         path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
     removed.__cause__ = exc
     return removed
