@@ -453,19 +453,24 @@ class _StagingGuard:
       copies start after the work queued before the call, on a side stream
       (:func:`distckpt.staging.pool.stage`).
 
+    * Each staged tensor's shape, strides, offset and storage (address and size), compared before
+      and after the copies (:meth:`moved_error`).
+
     What no counter sees (``torch._foreach_*`` in-place operations on DTensors outside an
     optimizer, writes through ``.data``, numpy or DLPack views, in-place collectives such as DDP's
-    buffer broadcast, extension kernels outside torch.optim) is ruled out only by the contract:
-    nothing changes the state before ``wait_staged()``. A state holding TorchRec's
+    buffer broadcast, extension kernels outside torch.optim, a storage freed with
+    ``untyped_storage().resize_(0)`` while its copy runs: a crash, not only a mix) is ruled out
+    only by the contract: nothing changes the state before ``wait_staged()``. A state holding TorchRec's
     sharded tables (updated inside the backward by fused kernels) or an inference-mode tensor (no
     counter) is staged on the caller's thread instead. On CUDA the counter check is exact (an
     operation queued after it runs behind copies already finished); on the CPU an operation still
     running on another thread when the copies end moves the counter only when it returns."""
 
-    def __init__(self, path: str, watched: list, events: dict) -> None:
+    def __init__(self, path: str, watched: list, events: dict, shapes: list | None = None) -> None:
         self.path = path
         self._watched = watched      # [(fqn, tensor, version at the call)]
         self.events = events         # {CUDA device: event on the caller's stream at the call}
+        self._shapes = shapes or []  # [(fqn, tensor, its geometry at the call)]
 
     @classmethod
     def capture(cls, mine: list, path: str) -> "_StagingGuard | None":
@@ -473,7 +478,7 @@ class _StagingGuard:
         guarded (see the class docstring): such a state is staged on the caller's thread."""
         global _GUARD_WARNED
         import torch
-        watched, devices = [], set()
+        watched, devices, shapes = [], set(), []
         for fqn, piece in mine:
             t = piece.tensor
             why = ("a TorchRec sharded table (its fused optimizer updates it inside the backward, which no "
@@ -486,6 +491,7 @@ class _StagingGuard:
                                 "(stage_in_background is not used for such states)", path, fqn, why)
                 return None
             watched.append((fqn, t, t._version))
+            shapes.append((fqn, t, _geometry(t)))
             if piece.owner is not None:
                 watched.append((fqn, piece.owner, piece.owner._version))
             if t.device.type == "cuda":
@@ -495,23 +501,42 @@ class _StagingGuard:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             events[dev] = ev
-        return cls(path, watched, events)
+        return cls(path, watched, events, shapes)
+
+    def moved_error(self) -> StateChangedError | None:
+        """Before and after the copies: a StateChangedError naming the tensors whose shape,
+        strides, offset or storage changed since the call (``resize_``, ``set_``, ``as_strided_``:
+        a copy of such a tensor failed as a bare RuntimeError, an outside trial; a storage emptied
+        with ``untyped_storage().resize_(0)``, which moves no version counter), or None. A storage
+        freed *while* its copy runs cannot be caught: the copy reads freed memory (the contract
+        rules it out, as it does for DCP's background staging)."""
+        moved = list(dict.fromkeys(fqn for fqn, t, g in self._shapes if _geometry(t) != g))
+        return None if not moved else self._error(moved, "resized, re-pointed or freed")
 
     def changed_error(self) -> StateChangedError | None:
         """A StateChangedError naming the tensors whose counter moved since the call, or None."""
         changed = list(dict.fromkeys(fqn for fqn, t, v in self._watched if t._version != v))
-        if not changed:
-            return None
-        shown = ", ".join(repr(k) for k in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        return None if not changed else self._error(changed, "changed in place")
+
+    def _error(self, keys: list[str], how: str) -> StateChangedError:
+        shown = ", ".join(repr(k) for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
         return StateChangedError(
-            f"async save to {self.path} (stage_in_background): {len(changed)} tensor(s) of the state were changed "
-            f"in place before their copy into staging memory ended: {shown}; the copy may hold a mix of two "
-            f"values, so nothing is committed", path=self.path, keys=changed)
+            f"async save to {self.path} (stage_in_background): {len(keys)} tensor(s) of the state were {how} "
+            f"before their copy into staging memory ended: {shown}; the copy may hold a mix of two "
+            f"values, so nothing is committed", path=self.path, keys=keys)
 
     def close(self) -> None:
         """Drop the references to the caller's tensors (the staging is over)."""
         self._watched = []
+        self._shapes = []
         self.events = {}
+
+
+def _geometry(t: Any) -> tuple:
+    """What a copy of ``t`` relies on: its shape, strides, storage offset, and its storage's address
+    and size."""
+    storage = t.untyped_storage()
+    return tuple(t.shape), t.stride(), t.storage_offset(), storage.data_ptr(), storage.nbytes()
 
 
 def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
@@ -671,10 +696,13 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                 if guard is not None:
                     t0 = time.perf_counter()
                     try:
-                        arena, handle.staged_bytes = stage(planned.mine, staging_pool(), after=guard.events)
-                        stage_error = guard.changed_error()
+                        stage_error = guard.moved_error()
+                        if stage_error is None:
+                            arena, handle.staged_bytes = stage(planned.mine, staging_pool(), after=guard.events)
+                            stage_error = guard.moved_error() or guard.changed_error()
                     except Exception as exc:  # noqa: BLE001 - reported at WRITE, with every rank
-                        stage_error = exc
+                        # A tensor changed under the copy fails it in torch's own words: say so.
+                        stage_error = guard.moved_error() or guard.changed_error() or exc
                     except BaseException as exc:  # noqa: BLE001 - an interrupt: only where work() runs in the caller's thread
                         if threading.current_thread() is caller:
                             interrupted, stage_error = exc, _interruption(exc, final_dir)

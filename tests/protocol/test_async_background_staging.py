@@ -122,6 +122,67 @@ def test_a_tensor_changed_before_its_copy_ended_fails_the_save_and_commits_nothi
     assert _same(distckpt.read(tmp_path / "c"), sd)
 
 
+_MOVES = {
+    "resize": lambda t: t.resize_(0),
+    "set": lambda t: t.set_(torch.zeros(7, dtype=t.dtype)),
+    "as_strided": lambda t: t.as_strided_((2,), (1,)),
+    # FSDP's way of freeing a parameter: no version counter moves
+    "storage_freed": lambda t: t.untyped_storage().resize_(0),
+}
+
+
+@pytest.mark.parametrize("move", sorted(_MOVES))
+def test_a_tensor_resized_or_freed_before_its_copy_is_state_changed_not_a_crash(tmp_path, monkeypatch, move):
+    """A staged tensor resized, re-pointed or freed after the call: a copy of it failed as a bare
+    RuntimeError ("shape '[0]' is invalid for input of size ...") or, for a freed storage, read
+    freed memory and killed the process (exit 139; an outside trial). Its geometry is compared
+    before the copies: StateChangedError naming it, nothing committed."""
+    gate, entered = threading.Event(), threading.Event()
+    real = sa._StagingGuard.moved_error
+    calls = []
+
+    def held(self):
+        if not calls:
+            entered.set()
+            assert gate.wait(60), "the test never released the staging"
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(sa._StagingGuard, "moved_error", held)
+    sd = _state()
+    h = distckpt.async_save(sd, tmp_path / "c", stage_in_background=True)
+    assert entered.wait(30)
+    _MOVES[move](sd["big"])
+    gate.set()
+    with pytest.raises(StateChangedError, match="resized, re-pointed or freed") as ei:
+        h.result(timeout=120)
+    assert ei.value.keys == ["big"] and not os.path.exists(tmp_path / "c")
+
+
+def test_a_tensor_resized_during_its_copy_is_state_changed(tmp_path, monkeypatch):
+    """The same change once the copy has begun (held after its sizes were taken, before the
+    copies): torch's own error of the copy ("shape '[3]' is invalid for input of size 2112") was
+    the save's error; it is reported as the StateChangedError it is."""
+    from distckpt.staging import pool as staging_pool
+    gate, entered = threading.Event(), threading.Event()
+    real = staging_pool.StagingPool.take
+
+    def held(self, specs):
+        entered.set()
+        assert gate.wait(60), "the test never released the staging"
+        return real(self, specs)
+
+    monkeypatch.setattr(staging_pool.StagingPool, "take", held)
+    sd = _state()
+    h = distckpt.async_save(sd, tmp_path / "c", stage_in_background=True)
+    assert entered.wait(30)
+    sd["w"].resize_(3)
+    gate.set()
+    with pytest.raises(StateChangedError) as ei:
+        h.result(timeout=120)
+    assert ei.value.keys == ["w"] and not os.path.exists(tmp_path / "c")
+
+
 def test_a_load_waits_for_a_staging_in_flight(tmp_path, monkeypatch):
     sd = _state()
     distckpt.save(_clone(sd), tmp_path / "old")
