@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -539,6 +540,28 @@ def _geometry(t: Any) -> tuple:
     return tuple(t.shape), t.stride(), t.storage_offset(), storage.data_ptr(), storage.nbytes()
 
 
+#: What a save's thread imports the first time it runs (its modules import these inside
+#: functions, where they are needed). Imported by the caller's thread before the first save thread
+#: starts: a process that forks while a thread is inside an import leaves the child that module's
+#: lock, held by a thread the child does not have, and the child's first save hangs on it for ever
+#: (an outside trial: a DataLoader starting its workers right after the job's first async save, its
+#: workers saving). tests/protocol/test_async_save.py checks that a save's thread imports nothing.
+_THREAD_MODULES = ("distckpt.datafile", "distckpt.hf", "distckpt.staging.ring", "distckpt.storage.roots",
+                   "distckpt.storage.posix.store", "distckpt.storage.posix.commit", "distckpt.storage.posix.leftovers",
+                   "distckpt.storage.posix.loading", "distckpt.storage.posix.locate", "distckpt.storage.posix.manifests",
+                   "distckpt.storage.posix.savelock", "distckpt.storage.posix.saving")
+_OBJECT_THREAD_MODULES = ("distckpt.storage.object.store",)
+
+
+def _import_thread_modules(url: bool) -> None:
+    """Import :data:`_THREAD_MODULES` (and, for a save to an object store, the object store's) in
+    this thread: a no-op once they are imported."""
+    import importlib
+    for name in _THREAD_MODULES + (_OBJECT_THREAD_MODULES if url else ()):
+        if name not in sys.modules:
+            importlib.import_module(name)
+
+
 def _background_group(process_group: Any, fg: ControlGroup) -> ControlGroup:
     """The channel for the background phases (created once per process group; a collective the
     first time, run by every rank in the caller's thread)."""
@@ -636,8 +659,9 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
     t_call = time.perf_counter()
     if not isinstance(stage_in_background, bool):
         raise ConfigError(f"stage_in_background={stage_in_background!r} must be True or False")
-    from .storage import normalize_path
+    from .storage import is_url, normalize_path
     final_dir = normalize_path(path)
+    _import_thread_modules(is_url(final_dir))
     handle = AsyncSaveHandle(final_dir)
     _register_exit_hook()
     SAVE_GATE.acquire()  # released by the worker thread, or below if no worker starts

@@ -698,3 +698,35 @@ def test_a_signal_handler_that_saves_during_a_save_is_refused_not_deadlocked(tmp
     for mode, e in by_mode.items():
         assert e["exact"], (mode, e)
     assert "refused" in by_mode["sync"]["seen"], by_mode["sync"]
+
+
+_NO_THREAD_IMPORTS = r"""
+import sys, threading, tempfile, shutil
+import torch
+import distckpt
+seen = []
+
+def hook(event, args):
+    if event == "import" and threading.current_thread() is not threading.main_thread():
+        seen.append((threading.current_thread().name, args[0]))
+
+sys.addaudithook(hook)
+d = tempfile.mkdtemp(dir=sys.argv[1])
+state = {"w": torch.ones(1000), "s": 3}
+distckpt.async_save(state, d + "/a", no_dist=True).result()
+distckpt.async_save(state, d + "/b", no_dist=True, stage_in_background=True).result()
+distckpt.CheckpointManager(d + "/root").save(1, state, blocking=False).result()
+print("THREAD_IMPORTS", sorted(set(seen)))
+"""
+
+
+def test_a_save_thread_imports_nothing(tmp_path):
+    """A save's thread imported modules on its first use (the store's, the data file layout's...):
+    a DataLoader forking its workers right after a job's first async save could fork while that
+    thread held a module's import lock, and a worker's own save then hung on it for ever (an
+    outside trial, seen with gdb). The caller's thread imports them first (a fresh interpreter
+    here: nothing of distckpt's save path imported before the first call)."""
+    proc = subprocess.run([sys.executable, "-c", _NO_THREAD_IMPORTS, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "THREAD_IMPORTS []" in proc.stdout, proc.stdout
