@@ -662,18 +662,19 @@ class DcpValue:
     fqn: str
     storage: DcpStorage
 
-    def load(self) -> Any:
-        """The value, decoded with ``torch.load(weights_only=True)``.
+    def load(self, allow_pickle: bool = False) -> Any:
+        """The value, decoded with ``torch.load(weights_only=True)``; with ``allow_pickle`` (a
+        checkpoint the caller trusts: unpickling runs code) with the full unpickler, as DCP does.
 
         Raises:
             PickleNotAllowedError: the value needs more than torch's weights-only unpickler allows.
             DataFileTruncatedError / CheckpointCorruptError: its bytes are missing or unreadable.
         """
         fpath = os.path.join(self.ckpt, self.storage.file)
-        return _torch_load_value(_read_range(fpath, self.storage, self.fqn), self.fqn, fpath, allow_pickle=False,
-                                 remedy="If you trust this checkpoint, allow the type with "
-                                        "torch.serialization.add_safe_globals, or load it with "
-                                        "torch.distributed.checkpoint.load.")
+        return _torch_load_value(_read_range(fpath, self.storage, self.fqn), self.fqn, fpath,
+                                 allow_pickle=allow_pickle,
+                                 remedy="If you trust this checkpoint, pass allow_pickle=True, or allow the type "
+                                        "with torch.serialization.add_safe_globals.")
 
     def __str__(self) -> str:
         return f"<DCP value in {self.storage.file} at {self.storage.offset}+{self.storage.length}>"

@@ -384,7 +384,7 @@ def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None, 
     if entry.kind == "pickle":
         return pickle.loads(entry.value)  # only reached with allow_pickle=True
     if entry.kind == "dcp":  # a DCP value: torch.load(weights_only=True) or PickleNotAllowedError
-        return entry.value.load()
+        return entry.value.load(allow_pickle=allow_pickle)
     value = decode_value(entry.kind, entry.value, fqn=fqn, path=path)
     if manifest is not None and dcp.writer_meta(manifest) is not None:
         return dcp.decode_writer_value(value, fqn=fqn, path=path, allow_pickle=allow_pickle)

@@ -553,3 +553,26 @@ def test_a_flipped_length_in_a_local_zip_header_is_refused_not_read_shifted(tmp_
     sd = {"w": torch.zeros(64)}
     distckpt.load(sd, path, no_dist=True)
     assert torch.equal(sd["w"], torch.arange(64.0))
+
+
+def test_allow_pickle_lifts_the_refusal_of_a_dcp_directorys_value(tmp_path):
+    """A value of a FileSystemWriter directory beyond torch's weights-only unpickler (a numpy
+    array) stayed PickleNotAllowedError with allow_pickle=True, through read, load and the DCP
+    StorageReader alike, and the remedy said to load it with dcp.load, which the caller was doing
+    (an outside trial). allow_pickle=True now decodes it as DCP does."""
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrations.dcp import DistCkptStorageReader
+    path = str(tmp_path / "fs")
+    dcp.save({"w": torch.ones(3), "arr": np.arange(4)}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(PickleNotAllowedError, match="allow_pickle=True"):
+        distckpt.read(path)
+    got = distckpt.read(path, allow_pickle=True)
+    assert np.array_equal(got["arr"], np.arange(4)) and torch.equal(got["w"], torch.ones(3))
+    out = {"w": torch.zeros(3), "arr": None}
+    distckpt.load(out, path, allow_pickle=True, no_dist=True)
+    assert np.array_equal(out["arr"], np.arange(4))
+    out = {"w": torch.zeros(3), "arr": np.zeros(4, dtype=np.int64)}
+    dcp.load(out, storage_reader=DistCkptStorageReader(path, allow_pickle=True), no_dist=True)
+    assert np.array_equal(out["arr"], np.arange(4)) and torch.equal(out["w"], torch.ones(3))
