@@ -29,7 +29,9 @@ Lightning's call paths (2.6.6) this follows:
     checkpoint directory (and ``shutil.rmtree``s a previous ``last.ckpt`` directory itself, outside
     this plugin). Loading through the link reads the checkpoint it points to; ``remove_checkpoint``
     of a link removes the link only; rotation never deletes a checkpoint a link in its directory
-    points to (so ``ckpt_path="last"`` never finds a dangling ``last.ckpt``).
+    points to. With ``async_save=True`` the link is made while its save is in flight: a job killed
+    before the commit leaves it dangling, and ``ckpt_path="last"`` trains from scratch (as with
+    Lightning's AsyncCheckpointIO); :func:`last_checkpoint` finds the newest committed one.
   * ``ckpt_path="last"`` picks the newest ``last*.ckpt`` entry of the ModelCheckpoint directory by
     modification time; a checkpoint directory qualifies like a file (distckpt's own entries there
     are hidden: ``.NAME.tmp-*``, ``.NAME.lock``, ``.distckpt.lock``).
@@ -106,7 +108,7 @@ from ..save_sync import save_in_root
 from ..source import open_source
 from ..storage import ROOT_LOCK_NAME, Store, dirname, is_url, join, normalize_path, open_store
 
-__all__ = ["DistCkptCheckpointIO", "FORMAT", "load_from_checkpoint"]
+__all__ = ["DistCkptCheckpointIO", "FORMAT", "load_from_checkpoint", "last_checkpoint"]
 
 log = logging.getLogger("distckpt")
 
@@ -422,6 +424,31 @@ def _our_checkpoints(store: Store, parent: str) -> list[tuple[str, float]]:
         meta = user.get(_META) if user is not None else None
         return isinstance(meta, dict) and meta.get("format") == FORMAT
     return owned_checkpoints(store, parent, ours)
+
+
+def last_checkpoint(dirpath: str | os.PathLike, storage_options: dict | None = None) -> str | None:
+    """The path of the newest committed checkpoint this plugin wrote directly in ``dirpath`` (a
+    ModelCheckpoint's ``dirpath``), by commit time, or None when it holds none: a resume point that
+    needs no ``last.ckpt``. Pass it as ``Trainer.fit(ckpt_path=...)``.
+
+    Why: with ``save_last="link"`` and ``async_save=True``, Lightning links ``last.ckpt`` to a
+    checkpoint whose save is still in flight; a job killed before that save commits leaves the
+    link dangling, and ``ckpt_path="last"`` then finds no checkpoint and trains from scratch (as
+    with Lightning's own AsyncCheckpointIO), while the committed checkpoint before it sits beside
+    it. Symlinks are not followed; a checkpoint whose MANIFEST does not decode is skipped. Never
+    writes.
+
+    Raises the store's listing errors (a directory that cannot be read); CheckpointNotFoundError
+    when ``dirpath`` does not exist."""
+    parent = normalize_path(dirpath)
+    store = open_store(parent, storage_options)
+    if not store.exists(parent):
+        raise CheckpointNotFoundError(f"{parent} does not exist", path=parent)
+    found = _our_checkpoints(store, parent)
+    if not found:
+        return None
+    name, _created = max(found, key=lambda e: (e[1], e[0]))
+    return join(parent, name)
 
 
 def _real(path: str | None) -> str | None:

@@ -490,3 +490,26 @@ def test_keep_last_keeps_the_newest_run_s_checkpoints_after_a_restart_on_a_host_
 
     assert run("save:1-2", -300) == ["step=1.ckpt", "step=2.ckpt"]
     assert run("save:3-5", 0) == ["step=4.ckpt", "step=5.ckpt"]
+
+
+def test_last_checkpoint_finds_the_newest_committed_one_when_last_ckpt_dangles(tmp_path):
+    """save_last="link" with async_save: a job killed before its save commits leaves last.ckpt a
+    dangling link, and fit(ckpt_path="last") trained from scratch beside a committed checkpoint (an
+    outside trial; Lightning's AsyncCheckpointIO does the same). last_checkpoint(dirpath) names the
+    newest committed checkpoint of this plugin, by commit time, whatever the links say."""
+    from distckpt.integrations.lightning import last_checkpoint
+    folder = tmp_path / "ckpt"
+    assert not os.path.exists(folder)
+    with pytest.raises(CheckpointNotFoundError):
+        last_checkpoint(folder)
+    folder.mkdir()
+    assert last_checkpoint(folder) is None
+    io = DistCkptCheckpointIO()
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(2)}, str(folder / "epoch=0-step=4.ckpt"))
+    io.save_checkpoint({"global_step": 8, "w": torch.full((2,), 2.0)}, str(folder / "epoch=1-step=8.ckpt"))
+    distckpt.save({"w": torch.zeros(2)}, str(folder / "other"), no_dist=True)   # not the plugin's: not a candidate
+    os.symlink("epoch=2-step=12.ckpt", str(folder / "last.ckpt"))                # its save never committed
+    assert not os.path.exists(folder / "last.ckpt")
+    got = last_checkpoint(folder)
+    assert got == str(folder / "epoch=1-step=8.ckpt")
+    assert io.load_checkpoint(got)["global_step"] == 8
