@@ -48,7 +48,6 @@ from typing import Any, Iterable, Mapping
 from .. import manifest as mf
 from .._dist import ControlGroup, _portable, control_group
 from ..chain import chain_info
-from ..config import get_config
 from ..checksum import crc32c
 from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, ManifestCorruptError,
                       TierIncompleteError)
@@ -353,6 +352,21 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
                 missing.add(t.chunk.file)
         if missing:
             names = [manifest.files[i].name for i in sorted(missing)]
+            mine = survey[group.rank]
+            holders = sorted({r for r, s in enumerate(survey) if ref.usable[r]
+                              and any(i in s.local.files for i in missing)})
+            if mine.local_problem is not None or (mine.local is not None and mine.local.save_id != ref.save_id):
+                # Its node holds a copy it cannot use: a load never overwrites a copy (it may be
+                # the only evidence of what went wrong), so the peers' files are not installed.
+                why = (f"its MANIFEST does not decode ({mine.local_problem})" if mine.local_problem is not None else
+                       f"it is another save of the step ({mine.local.save_id})")
+                raise TierIncompleteError(
+                    f"step {step} (save {ref.save_id}): rank {group.rank} needs data file(s) {names[:20]}; its node's "
+                    f"copy at {local_path} cannot be used ({why}), the remote tier ({remote_path}) has not committed "
+                    f"the step" + (f", and the nodes of ranks {holders} hold verified copies of them" if holders else ""),
+                    path=local_path or remote_path, step=step, files=names, tiers=ref.describe(survey),
+                    remedy=f"Move {local_path} aside (or delete it) on that node and load again: a node without a copy "
+                           f"fetches the files from its peers." if holders else None)
             raise TierIncompleteError(
                 f"step {step} (save {ref.save_id}): rank {group.rank} needs data file(s) {names[:20]}, which its "
                 f"node's directory ({local_path}) does not hold, and the remote tier ({remote_path}) has not committed "

@@ -843,9 +843,11 @@ class TieredCheckpointManager:
                 releasing.start()
                 releasing.join(max(0.0, within))
                 if releasing.is_alive():
+                    # An object store's owner is a lease; a directory's, a flock (docs/TIERS.md).
+                    how = ("the lease, no longer renewed, lapses on its own" if is_url(self.remote_root) else
+                           "the owner file's flock goes at the latest when this process exits")
                     log.warning("distckpt: the remote tier %s's owner is still being released when close's timeout "
-                                "ran out: it goes on in the background (the lease, no longer renewed, lapses on its "
-                                "own)", self.remote_root)
+                                "ran out: it goes on in the background (%s)", self.remote_root, how)
         lock, self._owner = getattr(self, "_owner", None), None
         if lock is not None:
             lock.release()

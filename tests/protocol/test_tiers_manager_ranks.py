@@ -595,3 +595,46 @@ def test_a_step_a_lost_node_held_half_of_is_replaced_by_the_resumed_runs_save(tm
     results = run_ranks(_partial_step_body, 2, str(tmp_path), True, timeout=300)
     for rank, r in enumerate(results):
         assert r == {"loaded": "step_00000002", "again": "step_00000003", "exact": True}, (rank, r)
+
+
+def _damaged_manifest_no_remote_body(rank: int, world_size: int, tmp: str) -> dict:
+    import shutil
+
+    from distckpt import errors
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    with TieredCheckpointManager(local, remote, keep_last_local=3, replicas=1) as mgr:
+        mgr.save(1, _state(1, rank))
+        assert mgr.wait_durable(1, timeout=120).durable
+    torch.distributed.barrier()
+    if rank == 0:  # only the nodes hold step 1 now; node 1's MANIFEST of it does not decode
+        shutil.rmtree(os.path.join(remote, "step_00000001"))
+    if rank == 1:
+        _flip(os.path.join(local, "step_00000001", "MANIFEST"))
+    torch.distributed.barrier()
+    sd = {f"w{rank}": torch.zeros(1 << 14), "step": -1}
+    mgr = TieredCheckpointManager(local, remote, keep_last_local=3, replicas=1)
+    try:
+        mgr.load(sd, step=1)
+        out = {"error": None}
+    except errors.TierIncompleteError as exc:
+        out = {"error": str(exc), "remedy": exc.remedy}
+    finally:
+        try:
+            mgr.close(timeout=30)
+        except errors.NotDurableError:
+            pass   # its drain meets the damaged copy too
+    return out
+
+
+def test_a_node_copy_whose_manifest_is_damaged_names_it_and_the_peers_holding_its_files(tmp_path):
+    """A step only the nodes hold, node 1's MANIFEST damaged, node 0 holding a verified replica of
+    node 1's file: load(step=) said node 1's directory "does not hold rank00001.bin" (it does;
+    only the MANIFEST is damaged) and nothing about the replica (an outside trial). It names the
+    damaged copy, the nodes that hold the files, and the way out: move the copy aside, and the
+    node fetches the files from its peers."""
+    results = run_ranks(_damaged_manifest_no_remote_body, 2, str(tmp_path), timeout=300)
+    damaged = str(tmp_path / "node1" / "step_00000001")
+    msg, remedy = results[1]["error"], results[1]["remedy"]
+    assert msg is not None and "cannot be used (its MANIFEST does not decode" in msg and damaged in msg, results
+    assert "the nodes of ranks [0] hold verified copies" in msg and f"Move {damaged} aside" in remedy, results
