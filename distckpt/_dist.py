@@ -707,7 +707,7 @@ def _poll_key(store: Any, key: str, timeout: float) -> bool:
 
 
 def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseException | None = None,
-                  renew: tuple[str, ...] = ()) -> frozenset[str]:
+                  renew: tuple[str, ...] = (), kind: str | None = None) -> frozenset[str]:
     """Wait until every rank of ``pg`` has entered this same call (its n-th arrival check on
     ``pg``), at most DISTCKPT_ARRIVAL_TIMEOUT_S. Uses the job's key-value store (a few small keys
     per call; the previous call's keys are deleted), not a collective, so a missing rank costs
@@ -720,6 +720,12 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
     e.g. too few file descriptors to create the control group): it is recorded in the store
     before this rank counts as arrived, and once every rank arrived every rank raises the failing
     ranks' error (:func:`distckpt.errors.collective_error`), at once instead of after a timeout.
+
+    ``kind``: what this rank's call is, for calls that other ranks could make differently at the
+    same point (a save: ``"save"`` or ``"async_save"``): a rank whose kind differs from the first
+    rank's to arrive records a ConfigError as its problem, so every rank raises it at once. Their
+    collectives differ after the check: ranks mixing a blocking and an async save each waited at
+    its own for DISTCKPT_TIMEOUT_S, then blamed a lost peer (an outside trial).
 
     ``renew``: the channels (of :data:`_RENEWABLE`) whose side groups of ``pg`` this rank lost
     (:data:`_LOST`). Returns the channels any rank said so of (the same set everywhere, read once
@@ -755,8 +761,19 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
     counted = threading.Event()
 
     def protocol() -> bool:
-        if problem is not None:  # recorded before this rank counts as arrived (see below)
-            store.set(f"{base}/{seq}/fail/{rank}", pickle.dumps(_portable(problem)))
+        mine = problem
+        if kind is not None and mine is None:
+            first = store.compare_set(f"{base}/{seq}/kind", "", kind).decode()
+            if first != kind:
+                from .errors import ConfigError
+                mine = ConfigError(
+                    f"{operation} on this rank is a call of kind {kind!r} where another rank of the group made one of "
+                    f"kind {first!r} at the same point: every rank must make the same kind of save, in the same order",
+                    rank=rank,
+                    remedy="Make every rank's save blocking, or every rank's async (async_save, "
+                           "CheckpointManager.save(blocking=False)).")
+        if mine is not None:  # recorded before this rank counts as arrived (see below)
+            store.set(f"{base}/{seq}/fail/{rank}", pickle.dumps(_portable(mine)))
             store.add(f"{base}/{seq}/nfail", 1)
         if renew:  # likewise; the total first, so that a check with nothing lost reads one key
             for channel in renew:
@@ -811,7 +828,7 @@ def check_arrival(pg: Any, rank: int, world: int, operation: str, problem: BaseE
         if store.add(f"{base}/{seq}/renew", 0) > 0:
             renewed = frozenset(c for c in _RENEWABLE if store.add(f"{base}/{seq}/renew/{c}", 0) > 0)
         if rank == 0 and seq > 1:  # everyone has passed the previous check: drop its keys
-            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done", f"{base}/{seq - 1}/nfail",
+            for key in (f"{base}/{seq - 1}/n", f"{base}/{seq - 1}/done", f"{base}/{seq - 1}/nfail", f"{base}/{seq - 1}/kind",
                         f"{base}/{seq - 1}/renew", *(f"{base}/{seq - 1}/renew/{c}" for c in _RENEWABLE)):
                 try:
                     store.delete_key(key)
@@ -887,7 +904,7 @@ def _drop_side_group(pg: Any, channel: str, *, destroy: bool = True) -> None:
 
 def control_group(process_group: Any | None = None, *, channel: str = "control",
                   operation: str = "save()/load()", timeout_s: float | None = None,
-                  exit_safe: bool = False) -> ControlGroup:
+                  exit_safe: bool = False, kind: str | None = None) -> ControlGroup:
     """The control group for ``process_group`` (default: the world): a gloo side group of
     distckpt's own, created once per (group, channel). Must be called by every rank of the group
     (it runs a collective the first time).
@@ -902,7 +919,10 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     its ranks wait at a gather for the slowest rank's upload.
 
     ``exit_safe``: the group's collectives may be left running at exit (see :class:`ControlGroup`):
-    for a thread that close() may leave behind."""
+    for a thread that close() may leave behind.
+
+    ``kind``: as :func:`check_arrival` (ranks making different kinds of call at this point raise
+    ConfigError together)."""
     if not is_distributed():
         return ControlGroup(None, 0, 1)
     import torch.distributed as dist
@@ -919,7 +939,7 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     if channel == "control" and get_config().arrival_timeout_s > 0:
         short = _fd_shortfall(world, rank, operation) if side is None else None
         mine = tuple(c for c in _RENEWABLE if _SIDE_GROUPS.get((pg, c)) in _LOST)
-        for renewed in sorted(check_arrival(pg, rank, world, operation, problem=short, renew=mine)):
+        for renewed in sorted(check_arrival(pg, rank, world, operation, problem=short, renew=mine, kind=kind)):
             # Some rank's group of that channel was lost (a collective failed: a peer stalled or
             # died, and gloo closed its connections): every rank drops its own (the vote is the
             # same on every rank), and all build a new one together: the control group below,

@@ -671,7 +671,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
         # signal handler's) is refused instead of waiting for this one (coordinator._SaveGate).
         with SAVE_GATE.inside():
             try:
-                fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()")
+                fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()", kind="async_save")
             except Exception as exc:
                 handle._finish(None, exc)
                 handle.blocked_seconds = time.perf_counter() - t_call

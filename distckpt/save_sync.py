@@ -104,7 +104,7 @@ def save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit: Call
     """
     from .save_async import raise_background_failure, wait_for_saves
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
-    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="save()")
+    group = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="save()", kind="save")
     raise_background_failure(group)  # with every rank of the group: all raise, or none does
     return save_collective(group, state_dict=state_dict,
                            final_dir=normalize_path(path), overwrite=overwrite,

@@ -185,7 +185,7 @@ def save_node_local(state_dict: Any, final_dir: str | os.PathLike, *, layout: No
                                   finish=functools.partial(finish_node_save, layout=layout), shared_path=False,
                                   stage_in_background=stage_in_background)
     wait_for_saves()  # an async save still in flight may yet fail: its error comes first
-    group = control_group(process_group, operation="save()")
+    group = control_group(process_group, operation="save()", kind="save")
     # With every rank of the group, as distckpt.save does: decided on this rank alone, a failure of
     # one rank's own save made that rank raise here while its peers went on into the save's
     # collectives and waited for it (RanksMissingError / PeerLostError after a timeout), and an

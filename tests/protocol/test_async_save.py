@@ -730,3 +730,39 @@ def test_a_save_thread_imports_nothing(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "THREAD_IMPORTS []" in proc.stdout, proc.stdout
+
+
+def _mixed_kinds(rank: int, world: int, root: str, how: str) -> tuple:
+    import torch
+
+    import distckpt
+    state = {"w": torch.full((4,), float(rank))}
+    t0 = time.monotonic()
+    try:
+        if how == "save_vs_async":
+            if rank == 0:
+                distckpt.save(state, root + "/c")
+            else:
+                distckpt.async_save(state, root + "/c").result()
+        else:  # a manager whose ranks disagree on blocking
+            out = distckpt.CheckpointManager(root + "/m").save(1, state, blocking=rank == 0)
+            if rank == 1:
+                out.result()   # blocking=False: the handle holds the error
+    except Exception as exc:  # noqa: BLE001 - the test looks at the class
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("how", ["save_vs_async", "manager_blocking"])
+def test_ranks_mixing_a_blocking_and_an_async_save_fail_together_at_once(tmp_path, how):
+    """One rank's blocking save met another's async save of the same checkpoint: each waited at its
+    own collective for DISTCKPT_TIMEOUT_S (300 s by default), then raised PeerLostError saying a
+    peer had not called it, though every rank had (an outside trial; DCP lets the two mix). The
+    arrival check compares the kind of save: ConfigError on every rank, within seconds, nothing
+    committed."""
+    from tests.helpers.distributed import run_ranks
+    out = run_ranks(_mixed_kinds, 2, str(tmp_path), how, timeout=240, env={"DISTCKPT_TIMEOUT_S": "120"})
+    for kind, message, seconds in out:
+        assert kind in ("ConfigError", "RankFailureError") and seconds < 60, out
+    assert any("same kind of save" in m for _k, m, _s in out), out
+    assert not os.path.exists(tmp_path / "c" / "MANIFEST") and not os.path.exists(tmp_path / "m" / "step_00000001")
