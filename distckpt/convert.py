@@ -45,7 +45,7 @@ import struct
 import sys
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .hf import ST_DTYPES
 from .sizes import size_arg  # argparse type of the size options: the parse error's reason, exit 2
@@ -807,7 +807,8 @@ def _dcp_leaves(src: _Source) -> tuple[list, list]:
 # distckpt, through distckpt.save.
 
 
-def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict) -> None:
+def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, result: dict, *,
+                 before_save: Callable[[], None]) -> None:
     import tempfile
 
     import torch
@@ -853,6 +854,7 @@ def _to_distckpt(src: _Source, dst: str, slice_bytes: int, progress: _Progress, 
                 progress.update(size)
 
         state = src.nested(tensors.__getitem__)
+        before_save()
         save(state, dst, allow_pickle=src.allow_pickle, metadata=src.metadata() or None)
         del flat, tensors, state, batch
     finally:
@@ -939,23 +941,30 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, max_shar
         raise CheckpointExistsError(f"{dst_s} already exists", path=dst_s,
                                     remedy="Choose a new destination or remove the old one first.")
     _pin_mmap_threshold()
+    from .storage.posix.loading import identity, raise_if_changed
+    # What the source is before its manifest is read: compared again before the output is
+    # published, so that a source replaced or rewritten meanwhile (a new download over a Hugging
+    # Face directory) is CheckpointRemovedError, never an output mixing its two versions.
+    before = identity(src_s)
     source = _open_source(src_s, allow_pickle=allow_pickle, verify=verify)
     _check_room(source, dst_s, to, prefix, dtype)
     # The work directory (DST.tmp) is claimed before any output is written: a killed conversion's
-    # is removed, anything else there is refused (it was deleted whatever it was: the source
-    # itself when named DST.tmp, an unrelated directory of the user's).
+    # is removed, a live one's refused, anything else there refused (it was deleted whatever it
+    # was: the source itself when named DST.tmp, an unrelated directory of the user's).
     work = None
     try:
+        os.makedirs(os.path.dirname(dst_s), exist_ok=True)
         if to != "distckpt":
-            work = _claim_work(dst_s + ".tmp", src_s)
+            work = _Work.claim(dst_s + ".tmp", src_s)
         return _convert(source, src_s, dst_s, work, t0, to=to, max_shard_size=max_shard_size, prefix=prefix,
-                        dtype=dtype, memory_limit=memory_limit, progress=progress)
+                        dtype=dtype, memory_limit=memory_limit, progress=progress,
+                        unchanged=lambda: raise_if_changed(src_s, before))
     except BaseException as exc:
-        # Only what this conversion created goes: its work directory (DST appears only by the
-        # last rename, complete; a distckpt save commits nothing when it fails).
-        if work is not None and os.path.isdir(work) and not os.path.islink(work):
-            import shutil
-            shutil.rmtree(work, ignore_errors=True)
+        # Only what this conversion created goes: its work directory, while it is still its own
+        # (DST appears only by the last rename, complete; a distckpt save commits nothing when it
+        # fails).
+        if work is not None:
+            work.remove()
         if isinstance(exc, OSError):  # the destination's file system: typed (ENOSPC, EROFS, EACCES...)
             from .errors import from_os_error
             raise from_os_error(exc, path=os.path.dirname(dst_s), operation=f"convert --to {to}") from exc
@@ -982,9 +991,9 @@ def _check_room(source: _Source, dst_s: str, to: str, prefix: str | None, dtype:
     check_save_space(os.path.dirname(dst_s), needed * (2 if to == "distckpt" else 1))
 
 
-def _convert(source: _Source, src_s: str, dst_s: str, work: str | None, t0: float, *, to: str,
+def _convert(source: _Source, src_s: str, dst_s: str, work: "_Work | None", t0: float, *, to: str,
              max_shard_size: int, prefix: str | None, dtype: str | None, memory_limit: int,
-             progress: bool | None) -> ConvertResult:
+             progress: bool | None, unchanged: Callable[[], None]) -> ConvertResult:
     from .fill import reading
 
     slice_bytes = memory_limit // 4
@@ -997,8 +1006,9 @@ def _convert(source: _Source, src_s: str, dst_s: str, work: str | None, t0: floa
     try:
         if to == "distckpt":  # keeps its read buffers open only while it reads (not during the save)
             _name_conflicts(source, result)
-            _to_distckpt(source, dst_s, slice_bytes, bar, result)
+            _to_distckpt(source, dst_s, slice_bytes, bar, result, before_save=unchanged)
         else:
+            wpath = work.path
             # One reader (fd, io_uring, registered slots) per source file for the whole conversion,
             # not one per slice: a slice of a small tensor cost 30-70 ms of set-up before.
             with reading(keep_open=True):
@@ -1007,20 +1017,16 @@ def _convert(source: _Source, src_s: str, dst_s: str, work: str | None, t0: floa
                 else:
                     _name_conflicts(source, result)
                 if to == "torch":
-                    _to_torch(source, os.path.join(work, _TORCH_WORK_FILE), slice_bytes, bar, result)
+                    _to_torch(source, os.path.join(wpath, _TORCH_WORK_FILE), slice_bytes, bar, result)
                 elif to == "safetensors":
-                    _to_safetensors(source, work, slice_bytes, bar, result, max_shard_size=max_shard_size,
+                    _to_safetensors(source, wpath, slice_bytes, bar, result, max_shard_size=max_shard_size,
                                     prefix=prefix, cast=dtype)
                 else:
-                    _to_dcp(source, work, slice_bytes, bar, result)
-            if to == "torch":
-                _publish(os.path.join(work, _TORCH_WORK_FILE), dst_s)
-                _release_work(work)
-                result["files"] = [dst_s]
-            else:
-                os.unlink(os.path.join(work, _WORK_MARK))
-                _publish(work, dst_s)
-                result["files"] = [os.path.join(dst_s, os.path.relpath(f, work)) for f in result["files"]]
+                    _to_dcp(source, wpath, slice_bytes, bar, result)
+            unchanged()
+            work.publish(dst_s, inner=_TORCH_WORK_FILE if to == "torch" else None)
+            result["files"] = ([dst_s] if to == "torch" else
+                               [os.path.join(dst_s, os.path.relpath(f, wpath)) for f in result["files"]])
     finally:
         bar.close()
     written = sum(_size_of(f) for f in result["files"])
@@ -1034,40 +1040,99 @@ _WORK_MARK = ".distckpt-convert"
 _TORCH_WORK_FILE = "output.pt"
 
 
-def _claim_work(work: str, src: str) -> str:
-    """Create the work directory ``work`` (DST.tmp) with its marker (:data:`_WORK_MARK`), first
-    removing one a killed conversion left there. Returns ``work``.
+class _Work:
+    """The work directory DST.tmp of one conversion, proven its own by an exclusive flock on its
+    marker file (:data:`_WORK_MARK`) held from its creation to its publication: a second
+    conversion to the same DST finds the lock taken and stops, where it deleted the first one's
+    work as a killed run's and left DST partial (an outside trial)."""
 
-    Raises:
-        ConfigError: ``work`` is the source, or holds it.
-        CheckpointExistsError: something else is at ``work`` (no marker: not a conversion's):
-            nothing is removed.
-    """
-    import shutil
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self._fd = path, fd
 
-    from .errors import CheckpointExistsError, ConfigError
-    w, s = os.path.realpath(work), os.path.realpath(src)
-    if s == w or s.startswith(w + os.sep):
-        raise ConfigError(f"the source {src} is the destination's work path {work}: convert writes its output "
-                          f"there first", path=src, remedy="Choose another destination (or rename the source).")
-    if os.path.lexists(work):
-        if not (os.path.isdir(work) and not os.path.islink(work) and os.path.isfile(os.path.join(work, _WORK_MARK))):
-            raise CheckpointExistsError(
-                f"{work} exists and is no unfinished conversion's (it lacks {_WORK_MARK}); convert writes its "
-                f"output there first, and leaves it alone", path=work,
-                remedy="Move or remove it, or choose another destination.")
-        log.warning("distckpt: removing %s, left by a conversion that did not finish", work)
-        shutil.rmtree(work)
-    os.mkdir(work)
-    with open(os.path.join(work, _WORK_MARK), "w") as f:
-        f.write("the work directory of a `distckpt convert`: removed by the next conversion to the same destination\n")
-    return work
+    @classmethod
+    def claim(cls, work: str, src: str) -> "_Work":
+        """Create ``work`` with its locked marker, first removing one a killed conversion left.
 
+        Raises:
+            ConfigError: ``work`` is the source, or holds it.
+            SaveInProgressError: another conversion to the same destination is running.
+            CheckpointExistsError: something else is at ``work`` (no marker: not a conversion's):
+                nothing is removed.
+        """
+        import fcntl
+        import shutil
 
-def _release_work(work: str) -> None:
-    """Remove the (emptied) work directory of a torch file's conversion."""
-    os.unlink(os.path.join(work, _WORK_MARK))
-    os.rmdir(work)
+        from .errors import CheckpointExistsError, ConfigError, SaveInProgressError
+        w, s = os.path.realpath(work), os.path.realpath(src)
+        if s == w or s.startswith(w + os.sep):
+            raise ConfigError(f"the source {src} is the destination's work path {work}: convert writes its output "
+                              f"there first", path=src, remedy="Choose another destination (or rename the source).")
+        mark = os.path.join(work, _WORK_MARK)
+        if os.path.lexists(work):
+            if not (os.path.isdir(work) and not os.path.islink(work) and os.path.isfile(mark)
+                    and not os.path.islink(mark)):
+                raise CheckpointExistsError(
+                    f"{work} exists and is no unfinished conversion's (it lacks {_WORK_MARK}); convert writes its "
+                    f"output there first, and leaves it alone", path=work,
+                    remedy="Move or remove it, or choose another destination.")
+            fd = os.open(mark, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SaveInProgressError(f"another conversion to {work[:-len('.tmp')]} is writing {work}", path=work,
+                                          remedy="Wait for it to finish, or convert to another destination.") from None
+            finally:
+                os.close(fd)   # (a lock taken here goes with it: the directory is removed next)
+            log.warning("distckpt: removing %s, left by a conversion that did not finish", work)
+            shutil.rmtree(work)
+        try:
+            os.mkdir(work)
+        except FileExistsError:
+            raise SaveInProgressError(f"another conversion to {work[:-len('.tmp')]} created {work} just now",
+                                      path=work, remedy="Wait for it to finish, or convert to another "
+                                                        "destination.") from None
+        fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b"the work directory of a `distckpt convert`: removed by the next conversion to the same "
+                     b"destination once this one is gone\n")
+        return cls(work, fd)
+
+    def _mine(self) -> bool:
+        """Whether the marker at the work path is still the one this conversion locked."""
+        try:
+            st = os.lstat(os.path.join(self.path, _WORK_MARK))
+        except OSError:
+            return False
+        own = os.fstat(self._fd)
+        return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+    def publish(self, dst: str, inner: str | None) -> None:
+        """Rename the finished work (the directory itself, or the file ``inner`` inside it) to
+        ``dst``, durably, once the marker shows it is still this conversion's; release it.
+
+        Raises SaveInProgressError when the work directory is no longer this conversion's."""
+        from .errors import SaveInProgressError
+        if not self._mine():
+            raise SaveInProgressError(f"{self.path} is no longer this conversion's work directory (removed or "
+                                      f"replaced meanwhile): nothing is published", path=self.path)
+        os.unlink(os.path.join(self.path, _WORK_MARK))
+        _publish(os.path.join(self.path, inner) if inner is not None else self.path, dst)
+        if inner is not None:
+            os.rmdir(self.path)
+        os.close(self._fd)
+        self._fd = -1
+
+    def remove(self) -> None:
+        """Remove the work directory if it is still this conversion's; release it. Never raises."""
+        import shutil
+        if self._fd < 0:
+            return
+        try:
+            if self._mine():
+                shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _publish(work: str, dst: str) -> None:

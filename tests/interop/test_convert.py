@@ -721,3 +721,73 @@ def test_bad_dtype_and_shard_size_options_are_config_errors(src, tmp_path):
         with pytest.raises(ConfigError, match="max_shard_size"):
             convert(src, str(tmp_path / "b"), to="safetensors", max_shard_size=bad)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_second_conversion_to_the_same_destination_never_takes_the_first_ones_work(tmp_path, src):
+    """Two conversions to one DST: the second found the first's live DST.tmp, deleted it as a
+    killed run's and wrote its own there; the first then published the second's half-written work
+    as DST, reported success, and left DST partial once the second was stopped (an outside trial).
+    The work directory's marker is flocked by its conversion while it lives: a second one is
+    SaveInProgressError and touches nothing; a dead one's is removed; a work directory replaced
+    under a conversion is never published."""
+    import subprocess as sp
+
+    import distckpt.convert as conv
+    from distckpt.errors import SaveInProgressError
+    dst = str(tmp_path / "out")
+    first = conv._Work.claim(dst + ".tmp", src)
+    open(os.path.join(first.path, "model.safetensors"), "wb").close()   # its output so far
+    with pytest.raises(SaveInProgressError, match="another conversion"):
+        convert(src, dst, to="safetensors", progress=False)
+    assert sorted(os.listdir(first.path)) == [conv._WORK_MARK, "model.safetensors"] and not os.path.exists(dst)
+    first.remove()
+    assert not os.path.exists(dst + ".tmp")
+    # A conversion killed mid-way (its process gone, its lock with it): the next one goes on.
+    code = ("import sys, os; import distckpt.convert as c; w = c._Work.claim(sys.argv[1], sys.argv[2]); "
+            "open(os.path.join(w.path, 'half'), 'wb').close(); os._exit(9)")
+    assert sp.run([sys.executable, "-c", code, dst + ".tmp", src], timeout=120).returncode == 9
+    assert os.path.exists(os.path.join(dst + ".tmp", "half"))
+    res = convert(src, dst, to="safetensors", progress=False)
+    assert os.path.isfile(os.path.join(dst, "model.safetensors")) and not os.path.exists(dst + ".tmp") and res.files
+    # Replaced under a live conversion (removed by hand, recreated): not published, not removed.
+    w = conv._Work.claim(str(tmp_path / "x.tmp"), src)
+    import shutil
+    shutil.rmtree(w.path)
+    os.makedirs(w.path)
+    open(os.path.join(w.path, conv._WORK_MARK), "w").close()
+    with pytest.raises(SaveInProgressError, match="no longer this conversion's"):
+        w.publish(str(tmp_path / "x"), None)
+    w.remove()
+    assert os.path.isdir(w.path) and not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("to", ["safetensors", "distckpt"])
+def test_a_source_rewritten_during_the_conversion_publishes_nothing(tmp_path, monkeypatch, to):
+    """A Hugging Face source replaced after its first tensor was converted: the output held one
+    tensor of each version and convert reported success (an outside trial; read() of the same
+    directory raised). The source's identity is compared before the output is published:
+    CheckpointRemovedError, nothing under DST."""
+    from safetensors.torch import save_file
+
+    import distckpt.convert as conv
+    from distckpt.errors import CheckpointRemovedError
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.full((4,), 1.0), "b": torch.full((4,), 1.0)}, str(hf / "model.safetensors"))
+    done = []
+
+    def then_replace(real):
+        def read(self, batch):
+            out = real(self, batch)
+            if not done:
+                done.append(1)
+                save_file({"a": torch.full((4,), 2.0), "b": torch.full((4,), 2.0)}, str(hf / "model.new"))
+                os.replace(str(hf / "model.new"), str(hf / "model.safetensors"))
+            return out
+        return read
+
+    for name in ("fill", "read_boxes"):   # (the targets read through one or the other)
+        monkeypatch.setattr(conv._Source, name, then_replace(getattr(conv._Source, name)))
+    with pytest.raises(CheckpointRemovedError, match="changed while it was being read"):
+        convert(str(hf), str(tmp_path / "out"), to=to, progress=False, memory_limit=1 << 20)
+    assert done and not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.tmp")

@@ -423,3 +423,41 @@ def test_a_file_replaced_between_its_header_and_its_data_is_never_read_at_the_ol
     monkeypatch.setattr(hf, "load_manifest", real)
     got = distckpt.read(str(tmp_path))  # unchanged during the read: read as it is
     assert torch.equal(got["q"], torch.full((4,), 1.0)) and torch.equal(got["k"], torch.full((4,), 2.0))
+
+
+def test_the_read_guard_watches_the_checkpoints_files_only_and_their_change_time(tmp_path, monkeypatch):
+    """A trainer writing beside an HF output directory (a trainer_state.json, a later checkpoint's
+    subdirectory) made every load of it fail as "changed" (an outside trial): only the metadata and
+    data files are compared now. A same-size rewrite that restored the modification time (cp -p,
+    rsync -t) was missed: the change time is compared too."""
+    import distckpt.hf as hf
+    from distckpt.errors import CheckpointRemovedError
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.full((4,), 1.0)}, str(tmp_path / "model.safetensors"))
+    real = hf.load_manifest
+
+    def beside(path):
+        m = real(path)
+        (tmp_path / "trainer_state.json").write_text("{}")
+        (tmp_path / "checkpoint-500").mkdir(exist_ok=True)
+        (tmp_path / "checkpoint-500" / "optimizer.pt").write_bytes(b"x")
+        return m
+
+    monkeypatch.setattr(hf, "load_manifest", beside)
+    assert torch.equal(distckpt.read(str(tmp_path))["a"], torch.full((4,), 1.0))
+
+    def rewrite_keeping_mtime(path):
+        m = real(path)
+        p = str(tmp_path / "model.safetensors")
+        st = os.stat(p)
+        raw = bytearray(open(p, "rb").read())
+        raw[-1] ^= 0x40   # one bit of the last value, the same size
+        with open(p, "r+b") as f:
+            f.write(bytes(raw))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return m
+
+    monkeypatch.setattr(hf, "load_manifest", rewrite_keeping_mtime)
+    with pytest.raises(CheckpointRemovedError, match="changed while it was being read"):
+        distckpt.read(str(tmp_path))

@@ -32,7 +32,7 @@ from .manifests import check_data_file_stat, read_manifest_bytes
 from .probe import choose_backend
 from .reader import open_reader
 
-__all__ = ["check_committed", "manifest_bytes", "check_data_file", "data_readers", "guard_reads"]
+__all__ = ["check_committed", "manifest_bytes", "check_data_file", "data_readers", "guard_reads", "identity", "raise_if_changed"]
 
 
 def check_committed(path: str) -> None:
@@ -99,7 +99,8 @@ def _dir_identity(path: str) -> tuple | None:
     """What tells one checkpoint directory at ``path`` from another that took its name: the
     directory's (st_dev, st_ino), then ``"manifest"`` and its MANIFEST's inode, size and trailing
     crc32c, or for a directory without a MANIFEST (a DCP or Hugging Face checkpoint) ``"files"``
-    and every file's name, inode, size and modification time. None when nothing is at ``path``.
+    and its files' names, inodes, sizes and times (:func:`_files_identity`). None when nothing is
+    at ``path``.
 
     The directory's inode alone is not enough: a file system reuses a freed inode number at once
     (ext4 does), so a directory deleted by an overwrite and the one the next save publishes can
@@ -117,15 +118,25 @@ def _dir_identity(path: str) -> tuple | None:
     return st.st_dev, st.st_ino, "files", _files_identity(path)
 
 
+#: The files of a DCP or Hugging Face checkpoint directory that a load reads: its metadata and
+#: data files. Others beside them (a trainer's state, a config, a subdirectory of a later
+#: checkpoint) may change during a load without a false alarm (an outside trial).
+_FOREIGN_SUFFIXES = (".safetensors", ".distcp", ".safetensors.index.json")
+
+
 def _files_identity(path: str) -> tuple | None:
-    """(name, inode, size, mtime_ns) of every entry of the directory ``path``, sorted; None when it
-    cannot be listed."""
+    """(name, inode, size, mtime_ns, ctime_ns) of every data or metadata file of the foreign
+    checkpoint directory ``path`` (:data:`_FOREIGN_SUFFIXES`, ``.metadata``), sorted; None when it
+    cannot be listed. The change time catches a rewrite that kept the modification time (``cp
+    -p``, ``rsync -t``, tar extraction)."""
     try:
         with os.scandir(path) as it:
             out = []
             for entry in it:
+                if entry.name != ".metadata" and not entry.name.endswith(_FOREIGN_SUFFIXES):
+                    continue
                 st = entry.stat(follow_symlinks=False)
-                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     except OSError:
         return None
     return tuple(sorted(out))
@@ -193,6 +204,22 @@ def _removed_while_reading(path: str, identity: tuple | None,
         path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
     removed.__cause__ = exc
     return removed
+
+
+def identity(path: str) -> tuple | None:
+    """What tells the checkpoint directory at ``path`` from another that took its name, or from
+    itself with its files replaced (:func:`_dir_identity`), for :func:`raise_if_changed`."""
+    return _dir_identity(path)
+
+
+def raise_if_changed(path: str, before: tuple | None) -> None:
+    """Raise CheckpointRemovedError when the directory at ``path`` is no longer what
+    :func:`identity` found (``before``): removed, replaced, or its files changed (a DCP or
+    Hugging Face directory). For a reader that must not act on a mix (convert, before it
+    publishes)."""
+    error = _removed_while_reading(path, before, None)
+    if error is not None:
+        raise error
 
 
 @contextlib.contextmanager
