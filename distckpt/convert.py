@@ -136,15 +136,17 @@ class _Source:
         """The checkpoint's own metadata, which a conversion carries or lists as skipped: a
         distckpt checkpoint's user metadata (``save(..., metadata=)``), a Hugging Face
         directory's safetensors ``__metadata__`` (under ``"safetensors_metadata"``); a DCP
-        checkpoint has none of its own. distckpt's own records of how the source stores its state
+        checkpoint has none of its own. distckpt's two records of how the source stores its state
         (``"distckpt.chain"``: a chain link's; ``"distckpt.dcp"``: values as DCP's bytes) are left
-        out: the output holds the state decoded, and the records would misdescribe it."""
+        out: the output holds the state decoded, and they would misdescribe it."""
         meta = self.manifest.meta or {}
         if meta.get("format") == "safetensors":
             st = meta.get("safetensors_metadata") or {}
             return {"safetensors_metadata": dict(st)} if st else {}
+        from .chain import META_KEY
+        from .dcp import WRITER_META_KEY
         user = meta.get("user")
-        return ({k: v for k, v in user.items() if not (isinstance(k, str) and k.startswith("distckpt."))}
+        return ({k: v for k, v in user.items() if k not in (META_KEY, WRITER_META_KEY)}
                 if isinstance(user, dict) else {})
 
     def value(self, fqn: str) -> Any:
@@ -521,6 +523,9 @@ def _safetensors_metadata(meta: dict[str, Any], result: dict) -> dict[str, str]:
                     out[k] = v
                 elif k != "format":
                     result["skipped"][f"(metadata) safetensors_metadata.{k}"] = "not a string"
+                elif v != "pt":   # the output's tensors are torch's: its format entry says so
+                    result["skipped"][f"(metadata) safetensors_metadata.{k}"] = (
+                        f"the source's format entry is {v!r}; the output's is 'pt'")
         elif isinstance(key, str) and isinstance(value, str) and key != "format":
             out[key] = value
         else:
@@ -534,7 +539,7 @@ def _name_conflicts(src: _Source, result: dict) -> None:
     (the first file's value is the one carried)."""
     for key, per_file in ((src.manifest.meta or {}).get("safetensors_metadata_conflicts") or {}).items():
         result["skipped"][f"(metadata) safetensors_metadata.{key}"] = (
-            f"the source's files disagree ({per_file}); the first file's value is kept")
+            f"the source's files disagree ({per_file}; None: a file without it); the first holder's value is kept")
 
 
 def _skip_metadata(meta: dict[str, Any], to: str, result: dict) -> None:

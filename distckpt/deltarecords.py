@@ -24,11 +24,11 @@ import torch
 from .chain import ChainLink, _broken
 from .errors import CheckpointCorruptError, CheckpointNotFoundError
 from .fill import fill_boxes_of
-from .tensorbytes import dtype_from_name
+from .tensorbytes import EXACT_CASTS, dtype_from_name
 from .values import decode_value
 
 __all__ = ["DELTA_ROOT", "box_of", "pieces_of", "check_no_stray", "check_box", "check_ids_form", "checked_ids",
-           "check_link", "read_records", "link_error"]
+           "check_rows_dtype", "check_link", "read_records", "link_error"]
 
 DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 
@@ -36,7 +36,9 @@ DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 def box_of(link: ChainLink, fqn: str) -> tuple[list[int], list[int]]:
     """The (offsets, sizes) the box entry ``fqn`` of ``link`` gives, checked to be plain ints.
     Raises ChainBrokenError for an entry that is a pickle (never unpickled) or no box."""
-    entry = link.manifest.objects[fqn]
+    entry = link.manifest.objects.get(fqn)
+    if entry is None:   # a tensor of that name (a bare KeyError before)
+        raise _broken(link.path, f"delta record {fqn} is a tensor, not a box (a plain value)")
     if entry.kind == "pickle":   # a saver writes boxes as plain values: never unpickled
         raise _broken(link.path, f"delta record {fqn} is a pickle, not a box")
     box = decode_value(entry.kind, entry.value, fqn=fqn, path=link.path)
@@ -115,6 +117,18 @@ def checked_ids(link: ChainLink, parts: dict[str, str], ids: torch.Tensor, offse
     return ids
 
 
+def check_rows_dtype(link: ChainLink, fqn: str, rows_fqn: str, into: str) -> None:
+    """Raise ChainBrokenError when the rows entry ``rows_fqn`` of tracked tensor ``fqn`` holds a
+    dtype that cannot be composed into ``into`` (a dtype name) without rounding: the same dtype,
+    or an exact cast (bf16 rows into fp32), is composed; wider rows over a narrower base (a
+    chain whose tensors changed dtype mid-way, written before links recorded their dtypes) are
+    not."""
+    rows = link.manifest.tensors[rows_fqn].dtype
+    if rows != into and into not in EXACT_CASTS.get(rows, ()):
+        raise _broken(link.path, f"{rows_fqn}: its rows are {rows}, the chain's base holds {fqn} as {into}: they "
+                                 f"cannot be composed without rounding")
+
+
 def check_link(link: ChainLink, *, verify: bool = True) -> int:
     """Check every record of the delta ``link`` (its manifest with its chunk records) as a load of
     its whole tracked tensors would: no stray record, every box inside its tensor's recorded shape
@@ -131,11 +145,14 @@ def check_link(link: ChainLink, *, verify: bool = True) -> int:
     found = []   # (fqn, parts, offsets, sizes, ids buffer)
     requests = []
     for j, fqn in enumerate(order):
-        shape = shapes.get(fqn, [None])[0]
+        recorded = shapes.get(fqn) or [None, None]   # [shape, dtype name]; absent from older savers'
+        shape, dtype = recorded[0], recorded[1] if len(recorded) > 1 else None
         for _name, parts in sorted(pieces_of(link, j).items()):
             offsets, sizes = box_of(link, parts["box"])
             check_box(link, fqn, parts["box"], offsets, sizes, shape)
             check_ids_form(link, parts["ids"])
+            if parts["rows"] in link.manifest.tensors and isinstance(dtype, str):
+                check_rows_dtype(link, fqn, parts["rows"], dtype)
             entry = link.manifest.tensors[parts["ids"]]
             buf = torch.empty(tuple(entry.shape), dtype=dtype_from_name(entry.dtype, path=link.path))
             requests.append((parts["ids"], (0,), tuple(buf.shape), buf))

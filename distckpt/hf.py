@@ -172,7 +172,8 @@ def read_header(fd: int, fpath: str, size: int) -> tuple[dict[str, tuple[str, tu
     header = _json(raw, f"{name}'s header", fpath)
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{name}: the header is not a JSON object", path=fpath)
-    meta = header.pop("__metadata__", {})   # absent: none; anything but an object of strings is refused
+    meta = header.pop("__metadata__", None)   # absent or null: none (as the safetensors library reads it)
+    meta = {} if meta is None else meta       # anything but an object of strings is refused
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointCorruptError(f"{name}: __metadata__ must map strings to strings", path=fpath)
     data_start = 8 + n
@@ -283,7 +284,8 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
     tensors: dict[str, mf.TensorEntry] = {}
     where: dict[str, str] = {}
     meta: dict = {}
-    conflicts: dict[str, dict[str, str]] = {}
+    conflicts: dict[str, dict[str, str | None]] = {}
+    per_file: list[tuple[str, dict]] = []
     for i, fname in enumerate(names):
         fpath = os.path.join(path, fname)
         fd = _open_regular(fpath, "safetensors file")
@@ -300,13 +302,7 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
                 f"HuggingFaceStorageWriter without consolidation)", path=fpath,
                 remedy="Consolidate it (torch.distributed.checkpoint's consolidate_safetensors_files) or load "
                        "it with torch.distributed.checkpoint.HuggingFaceStorageReader.")
-        for k, v in fmeta.items():
-            # Every file's entries (save_pretrained writes the same in each shard); an entry
-            # whose files disagree is kept as the first file's, the others named beside it.
-            if k not in meta:
-                meta[k] = v
-            elif meta[k] != v:
-                conflicts.setdefault(k, {names[0]: meta[k]})[fname] = v
+        per_file.append((fname, fmeta))
         files.append(mf.FileEntry(fname, size, 0))
         for key, (dtype, shape, offset, nbytes) in header.items():
             if key in where:
@@ -319,6 +315,16 @@ def load_manifest(path: str | os.PathLike) -> "mf.Manifest":
             raise CheckpointCorruptError(
                 f"{name} puts {key!r} in {fname}, but " + (f"it is in {where[key]}" if key in where else "no file has it"),
                 path=os.path.join(path, name), key=key)
+    # Every file's entries (save_pretrained writes the same in each shard); an entry the files
+    # disagree on, or that some files lack (None), is kept as the first holder's value, and the
+    # files' values are named beside it.
+    for fname, fmeta in per_file:
+        for k, v in fmeta.items():
+            meta.setdefault(k, v)
+    for k in meta:
+        values = {fname: fmeta.get(k) for fname, fmeta in per_file}
+        if len(set(values.values())) > 1:
+            conflicts[k] = values
     tree = {"t": "dict", "k": [[key, {"t": "ref", "fqn": key}] for key in tensors]}
     return mf.Manifest(
         format_version=1, save_id="", world_size=1, created_unix=0.0, checksum_algo="none",

@@ -42,11 +42,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies
-from .deltarecords import (DELTA_ROOT, box_of, check_box, check_ids_form, check_no_stray, checked_ids, pieces_of,
-                           read_records)
+from .deltarecords import (DELTA_ROOT, box_of, check_box, check_ids_form, check_no_stray, check_rows_dtype,
+                           checked_ids, pieces_of, read_records)
 from .verify import verify_chain
 from .errors import ConfigError, DistCkptError
-from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
+from .tensorbytes import dtype_from_name, dtype_name
 
 log = logging.getLogger("distckpt")
 
@@ -872,12 +872,9 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
                 mask = torch.zeros(szs[0], dtype=torch.bool)
                 mask[keep - first] = True
             dtype = dtype_from_name(link.manifest.tensors[parts["rows"]].dtype, path=link.path)
-            if dtype != tv.dtype and dtype_name(tv.dtype) not in EXACT_CASTS.get(dtype_name(dtype), ()):
-                # Rows composed into the base's tensor would be rounded to its dtype: a chain whose
-                # tensors changed dtype mid-way, written before links recorded their dtypes (a
-                # saver now starts a full link instead).
-                raise _broken(link.path, f"{fqn}: its rows are {dtype_name(dtype)}, the chain's base holds "
-                                         f"{dtype_name(tv.dtype)}: they cannot be composed without rounding")
+            # Rows composed into the base's tensor would be rounded to its dtype (a saver now
+            # starts a full link when a dtype changes).
+            check_rows_dtype(link, fqn, parts["rows"], dtype_name(tv.dtype))
             reqs.append((parts["rows"], tuple(offs), tuple(szs),
                          _ScatterRows(tv, rows[first:lastk + 1].to(tv.device), dtype, mask), fqn))
         reads.append((link.path, link.manifest, reqs))

@@ -550,7 +550,8 @@ _THREAD_MODULES = ("distckpt.datafile", "distckpt.hf", "distckpt.staging.ring", 
                    "distckpt.storage.posix.store", "distckpt.storage.posix.commit", "distckpt.storage.posix.leftovers",
                    "distckpt.storage.posix.loading", "distckpt.storage.posix.locate", "distckpt.storage.posix.manifests",
                    "distckpt.storage.posix.savelock", "distckpt.storage.posix.saving")
-_OBJECT_THREAD_MODULES = ("distckpt.storage.object.store",)
+_OBJECT_THREAD_MODULES = ("distckpt.storage.object.store", "distckpt.storage.object.check",
+                          "fsspec.implementations.chained")
 
 
 def _import_thread_modules(url: bool) -> None:

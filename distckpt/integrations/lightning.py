@@ -442,8 +442,9 @@ def last_checkpoint(dirpath: str | os.PathLike, storage_options: dict | None = N
     when ``dirpath`` does not exist."""
     parent = normalize_path(dirpath)
     store = open_store(parent, storage_options)
-    if not store.exists(parent):
-        raise CheckpointNotFoundError(f"{parent} does not exist", path=parent)
+    # (a dangling symlink exists as a name, not as a directory: "no checkpoint" would start over)
+    if not store.exists(parent) or (not is_url(parent) and not os.path.isdir(parent)):
+        raise CheckpointNotFoundError(f"{parent} does not exist (or is no directory)", path=parent)
     found = _our_checkpoints(store, parent)
     if not found:
         return None

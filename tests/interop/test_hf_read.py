@@ -225,6 +225,7 @@ def _entry(dtype="F32", shape=(2, 2), offs=(0, 16)):
     ("bad metadata", CheckpointCorruptError, "__metadata__"),
     ("metadata a list", CheckpointCorruptError, "__metadata__"),
     ("metadata false", CheckpointCorruptError, "__metadata__"),
+    ("metadata null", None, None),   # the safetensors library reads it as none: so does distckpt
     ("lone surrogate name", CheckpointCorruptError, "surrogate"),
     ("65 dimensions", UnsupportedValueError, "65 dimensions, more than the 64"),
     ("short file", DataFileTruncatedError, "too short"),
@@ -277,6 +278,8 @@ def test_hostile_header_is_a_typed_error(tmp_path, case, error, match):
         _write(p, {"__metadata__": [], "a": _entry()}, data)
     elif case == "metadata false":
         _write(p, {"__metadata__": False, "a": _entry()}, data)
+    elif case == "metadata null":
+        _write(p, {"__metadata__": None, "a": _entry()}, data)
     elif case == "lone surrogate name":  # JSON's escape of no Unicode character: raw errors later
         _write(p, b'{"a\\ud800": ' + json.dumps(_entry()).encode() + b"}", data)
     elif case == "65 dimensions":  # said "not a list of non-negative integers", which it is
@@ -284,6 +287,9 @@ def test_hostile_header_is_a_typed_error(tmp_path, case, error, match):
     elif case == "short file":
         with open(p, "wb") as f:
             f.write(b"\x01\x02")
+    if error is None:
+        assert torch.equal(distckpt.read(str(tmp_path))["a"], torch.frombuffer(bytearray(data), dtype=torch.float32).view(2, 2))
+        return
     with pytest.raises(error, match=match):
         distckpt.read(str(tmp_path))
     with pytest.raises(error, match=match):  # load goes through the same checks, before any read

@@ -502,6 +502,9 @@ def test_last_checkpoint_finds_the_newest_committed_one_when_last_ckpt_dangles(t
     assert not os.path.exists(folder)
     with pytest.raises(CheckpointNotFoundError):
         last_checkpoint(folder)
+    os.symlink("nowhere", str(tmp_path / "dangling"))   # returned None: "start from scratch"
+    with pytest.raises(CheckpointNotFoundError):
+        last_checkpoint(tmp_path / "dangling")
     folder.mkdir()
     assert last_checkpoint(folder) is None
     io = DistCkptCheckpointIO()

@@ -589,7 +589,10 @@ def test_a_delta_with_no_changed_row_reads_as_its_saved_keys(tmp_path):
     ([[0, 2], [100, 4]], [4], (1, 4)),               # columns past the table: half of the row written
     ([[0, 0], [100, 4]], [4, 5], (2, 5)),            # rows wider than the box: the 5th column dropped
     ([[0, 0], [100, 4]], [4, 5], (1, 4)),            # fewer rows than ids: an unnamed ReshardError
-], ids=["box-past-the-rows", "box-twice-the-table", "box-past-the-columns", "rows-too-wide", "rows-too-few"])
+    ([[0, 0], [100, 4]], [4, 5], (2, 4, "float64")),  # rows wider than the table: verify passed it
+    ("tensor", [4, 5], (2, 4)),                       # a box saved as a tensor: a bare KeyError
+], ids=["box-past-the-rows", "box-twice-the-table", "box-past-the-columns", "rows-too-wide", "rows-too-few",
+        "rows-of-another-dtype", "box-a-tensor"])
 def test_a_delta_whose_box_or_rows_do_not_fit_its_table_is_chain_broken(tmp_path, box, ids, rows):
     """A delta link with valid checksums whose records disagree with the table (crafted: an outside
     trial): rows outside the table, or a rows record of another shape than its ids and box, loaded
@@ -603,8 +606,10 @@ def test_a_delta_whose_box_or_rows_do_not_fit_its_table_is_chain_broken(tmp_path
     parent = chain_of(str(tmp_path / "step_00000001"))[0]
     meta = {**parent.meta, "seq": 2, "parent": "step_00000001", "parent_save_id": parent.manifest.save_id}
     crafted = tmp_path / "step_00000002"
-    distckpt.save({"_incr": {"0": {"r0p0": {"box": box, "ids": torch.tensor(ids, dtype=torch.int32),
-                                            "rows": torch.ones(rows)}}}, "step": 2},
+    rows_t = torch.ones(rows[:2], dtype=getattr(torch, rows[2])) if len(rows) == 3 else torch.ones(rows)
+    box_v = torch.tensor([[0, 0], [100, 4]]) if box == "tensor" else box
+    distckpt.save({"_incr": {"0": {"r0p0": {"box": box_v, "ids": torch.tensor(ids, dtype=torch.int32),
+                                            "rows": rows_t}}}, "step": 2},
                   crafted, metadata={"distckpt.chain": meta})
     with pytest.raises(ChainBrokenError) as info:
         distckpt.load({"emb": {"w": torch.zeros(R, C)}, "step": -1}, crafted)
