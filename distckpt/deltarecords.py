@@ -85,9 +85,12 @@ def check_box(link: ChainLink, fqn: str, box_fqn: str, offsets: list[int], sizes
 
 
 def check_ids_form(link: ChainLink, ids_fqn: str) -> None:
-    """Raise ChainBrokenError when the ids entry ``ids_fqn`` is recorded with another shape than 1-D
-    (before any of it is read)."""
-    shape = list(link.manifest.tensors[ids_fqn].shape)
+    """Raise ChainBrokenError when the ids entry ``ids_fqn`` is no tensor, or one of another shape
+    than 1-D (before any of it is read)."""
+    entry = link.manifest.tensors.get(ids_fqn)
+    if entry is None:   # a plain value of that name (a bare KeyError before)
+        raise _broken(link.path, f"{ids_fqn}: row ids saved as a value, not a tensor")
+    shape = list(entry.shape)
     if len(shape) != 1:
         raise _broken(link.path, f"{ids_fqn}: row ids of shape {shape}, not 1-D")
 

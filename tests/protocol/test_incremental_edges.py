@@ -186,7 +186,7 @@ def test_ranks_that_disagree_about_the_link_all_write_it_full(tmp_path, how):
 def _crafted_delta_cases(good):
     def records(box=([0, 0], [100, 8]), ids=(3, 50), rows=None, index="0"):
         box = [list(b) for b in box] if isinstance(box[0], (list, tuple)) else list(box)
-        ids_t = ids if torch.is_tensor(ids) else torch.tensor(list(ids), dtype=torch.int32)
+        ids_t = ids if torch.is_tensor(ids) or isinstance(ids, list) else torch.tensor(list(ids), dtype=torch.int32)
         rows = rows if rows is not None else torch.stack([good["emb"][3], good["emb"][50]])
         return {index: {"r0p0": {"box": box, "ids": ids_t, "rows": rows}}}
     return {
@@ -194,6 +194,7 @@ def _crafted_delta_cases(good):
         "ids_2d": ({"_incr": records(ids=torch.tensor([[3, 50]], dtype=torch.int32))}, {}),
         "ids_unsorted": ({"_incr": records(ids=(50, 3))}, {}),
         "ids_outside": ({"_incr": records(ids=(3, 150))}, {}),
+        "ids_a_value": ({"_incr": records(ids=[3, 50])}, {}),   # a bare KeyError before
         "record_of_no_tracked_tensor": ({"_incr": records(index="5")}, {}),
         "seq_str": ({"_incr": records()}, {"seq": "1"}),
         "tracked_missing": ({"_incr": records()}, {"tracked": None}),
