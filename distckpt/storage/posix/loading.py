@@ -95,7 +95,7 @@ def data_readers(path: str, manifest: "mf.Manifest", file_indexes: list[int], *,
             choice.name)
 
 
-def _dir_identity(path: str) -> tuple | None:
+def identity(path: str) -> tuple | None:
     """What tells one checkpoint directory at ``path`` from another that took its name: the
     directory's (st_dev, st_ino), then ``"manifest"`` and its MANIFEST's inode, size and trailing
     crc32c, or for a directory without a MANIFEST (a DCP or Hugging Face checkpoint) ``"files"``
@@ -156,36 +156,36 @@ def _manifest_identity(path: str) -> tuple[int, int, bytes] | None:
         os.close(fd)
 
 
-def _removed_while_reading(path: str, identity: tuple | None,
+def _removed_while_reading(path: str, before: tuple | None,
                            exc: BaseException | None) -> BaseException | None:
     """``exc``, or a CheckpointRemovedError when ``exc`` is what a step vanishing mid-load looks like
     (``exc`` None: a load that succeeded, failed only if another directory took the name).
-    ``identity`` is the directory's :func:`_dir_identity` when the load began. ESTALE: a data
+    ``before`` is the directory's :func:`identity` when the load began. ESTALE: a data
     file replaced between the two opens of its reader (:mod:`distckpt.storage.posix.reader`)."""
     suspect = exc is None or isinstance(exc, (CheckpointIncompleteError, CheckpointCorruptError)) or (
         isinstance(exc, StorageError) and exc.errno in (errno.ENOENT, errno.ESTALE))
     if not suspect or isinstance(exc, CheckpointNotFoundError):
         return exc
-    now = _dir_identity(path)
-    if now is not None and (identity is None or now == identity):
+    now = identity(path)
+    if now is not None and (before is None or now == before):
         return exc  # still the same directory: the error (or success) stands as it is
     if exc is None and now is None:
         return None  # read in full, then removed: every byte came from the one checkpoint
     parent, name = os.path.split(path)
     renamed_to = None
-    if identity is not None:
+    if before is not None:
         try:
             with os.scandir(parent) as it:
                 for entry in it:
                     m = TMP_RE.match(entry.name)
                     if m and m.group("name") == name:
                         st = entry.stat(follow_symlinks=False)
-                        if (st.st_dev, st.st_ino) == identity[:2]:
+                        if (st.st_dev, st.st_ino) == before[:2]:
                             renamed_to = entry.path
                             break
         except OSError:
             pass
-    changed = now is not None and identity is not None and now[:3] == identity[:3] and now[2] == "files"
+    changed = now is not None and before is not None and now[:3] == before[:3] and now[2] == "files"
     if changed:
         how = "its files were replaced or changed (a DCP or Hugging Face checkpoint: no MANIFEST records them)"
     elif now is not None:
@@ -204,12 +204,6 @@ def _removed_while_reading(path: str, identity: tuple | None,
         path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
     removed.__cause__ = exc
     return removed
-
-
-def identity(path: str) -> tuple | None:
-    """What tells the checkpoint directory at ``path`` from another that took its name, or from
-    itself with its files replaced (:func:`_dir_identity`), for :func:`raise_if_changed`."""
-    return _dir_identity(path)
 
 
 def raise_if_changed(path: str, before: tuple | None) -> None:
@@ -233,14 +227,14 @@ def guard_reads(path: str) -> Iterator[None]:
     the load does not verify. So a block that succeeded raises CheckpointRemovedError too when
     another directory has the name at its end (one removed after every read is fine: each byte
     came from the one checkpoint)."""
-    identity = _dir_identity(path)
+    before = identity(path)
     try:
         yield
     except Exception as exc:
-        removed = _removed_while_reading(path, identity, exc)
+        removed = _removed_while_reading(path, before, exc)
         if removed is exc:
             raise
         raise removed from exc
-    error = _removed_while_reading(path, identity, None)
+    error = _removed_while_reading(path, before, None)
     if error is not None:
         raise error
