@@ -10,6 +10,12 @@ entries per saved piece of tracked tensor number ``j`` (the tracked tensors sort
   the box's rows (the tracked row dimension);
 * ``_incr.<j>.<piece>.rows``: those rows, one per id, each of the box's other sizes.
 
+Pieces of one tensor in one link are disjoint, except replicas: the same box held by several
+ranks (a Replicate DTensor, a plain tensor on every rank) written by each of them by savers before
+replicas were written once. Where two pieces overlap, they must hold the same row ids there and the
+same bytes in those rows (:func:`check_overlaps`): a load writes both, and pieces that differ there
+would make the result depend on which is copied last, and ``read`` and ``load`` disagree.
+
 A load (:func:`distckpt.incremental.plan_deltas`) and ``distckpt verify`` (:func:`check_link`)
 apply the same rules, from here: a record that ``verify`` passes is one a load composes, and one
 a load would refuse is reported by ``verify``. Every break is a ChainBrokenError naming the record.
@@ -28,7 +34,7 @@ from .tensorbytes import EXACT_CASTS, dtype_from_name
 from .values import decode_value
 
 __all__ = ["DELTA_ROOT", "box_of", "pieces_of", "check_no_stray", "check_box", "check_ids_form", "checked_ids",
-           "check_rows_dtype", "check_link", "read_records", "link_error"]
+           "check_rows_dtype", "overlapping_pairs", "check_overlaps", "check_link", "read_records", "link_error"]
 
 DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 
@@ -132,11 +138,82 @@ def check_rows_dtype(link: ChainLink, fqn: str, rows_fqn: str, into: str) -> Non
                                  f"cannot be composed without rounding")
 
 
+def overlapping_pairs(boxes: list[tuple[list[int], list[int]]]) -> list[tuple[int, int]]:
+    """The pairs ``(a, b)``, ``a < b``, of ``boxes`` (offsets, sizes) that share an element. A sweep
+    along the dimension whose offsets take the most distinct values: pieces sharded along it are
+    compared with their neighbours only, not with every other piece."""
+    if len(boxes) < 2:
+        return []
+    ndim = len(boxes[0][0])
+    k = max(range(ndim), key=lambda d: len({o[d] for o, _s in boxes}))
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][k])
+    active: list[int] = []
+    out = []
+    for i in order:
+        oi, si = boxes[i]
+        if any(n <= 0 for n in si):
+            continue   # an empty box shares nothing
+        active = [a for a in active if boxes[a][0][k] + boxes[a][1][k] > oi[k]]
+        for a in active:
+            oa, sa = boxes[a]
+            if all(max(x, y) < min(x + m, y + n) for x, m, y, n in zip(oa, sa, oi, si)):
+                out.append((min(a, i), max(a, i)))
+        active.append(i)
+    return sorted(out)
+
+
+def check_overlaps(link: ChainLink, fqn: str, dim: int, pieces: list[tuple[dict, list, list, torch.Tensor]],
+                   verify: bool) -> int:
+    """Raise ChainBrokenError unless every two of ``pieces`` (parts, offsets, sizes, checked int64
+    ids) of tracked tensor ``fqn`` in ``link`` that overlap hold the same row ids inside their
+    common box and the same bytes in those rows there (the overlapping rows are read, checksums
+    checked with ``verify``). Returns the bytes read: none where no pieces overlap."""
+    pairs = overlapping_pairs([(o, s) for _p, o, s, _i in pieces])
+    reads, compare = [], []
+    for a, b in pairs:
+        (pa, oa, sa, ia), (pb, ob, sb, ib) = pieces[a], pieces[b]
+        lo = [max(x, y) for x, y in zip(oa, ob)]
+        hi = [min(x + m, y + n) for x, m, y, n in zip(oa, sa, ob, sb)]
+        spans = []
+        for parts, off, ids in ((pa, oa, ia), (pb, ob, ib)):
+            first, last = int(torch.searchsorted(ids, lo[dim])), int(torch.searchsorted(ids, hi[dim]))
+            spans.append((parts, off, ids[first:last], first, last))
+        (_, _, ids_a, fa, la), (_, _, ids_b, fb, lb) = spans
+        if not torch.equal(ids_a, ids_b):
+            raise _broken(link.path, f"{pa['ids']} and {pb['ids']} overlap in box {[lo, [h - l for l, h in zip(lo, hi)]]} "
+                                     f"of {fqn} but changed different rows there: replicas that differ")
+        if la == fa:
+            continue
+        dtypes = sorted({link.manifest.tensors[p["rows"]].dtype for p in (pa, pb)})
+        if len(dtypes) > 1:
+            raise _broken(link.path, f"{pa['rows']} and {pb['rows']} overlap in {fqn} but hold rows of dtypes "
+                                     f"{dtypes}")
+        dtype = dtype_from_name(dtypes[0], path=link.path)
+        bufs = []
+        for parts, off, _ids, first, last in spans:
+            offs = [first] + [lo[k] - off[k] for k in range(len(off)) if k != dim]
+            szs = [last - first] + [hi[k] - lo[k] for k in range(len(off)) if k != dim]
+            buf = torch.empty(szs, dtype=dtype)
+            reads.append((parts["rows"], tuple(offs), tuple(szs), buf))
+            bufs.append(buf)
+        compare.append((pa["rows"], pb["rows"], bufs))
+    if not reads:
+        return 0
+    nbytes = read_records([(link.path, link.manifest, reads)], verify, "overlapping delta rows")
+    for name_a, name_b, (x, y) in compare:
+        # bytes, not values: NaN rows that are the same bits are equal, -0.0 and 0.0 are not
+        if x.numel() and not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+            raise _broken(link.path, f"{name_a} and {name_b} overlap in {fqn} and hold different values for the "
+                                     f"same rows: replicas that differ (a load would keep whichever it copies last)")
+    return nbytes
+
+
 def check_link(link: ChainLink, *, verify: bool = True) -> int:
     """Check every record of the delta ``link`` (its manifest with its chunk records) as a load of
     its whole tracked tensors would: no stray record, every box inside its tensor's recorded shape
     and of its dimensions, every ids entry read (checksums checked with ``verify``) and increasing
-    inside its box, every rows entry one row per id. Returns the bytes read (the ids).
+    inside its box, every rows entry one row per id, overlapping pieces equal where they overlap
+    (:func:`check_overlaps`). Returns the bytes read (the ids, and the rows of overlapping pieces).
 
     Raises:
         ChainBrokenError: naming the first record that breaks a rule, or whose ids cannot be read.
@@ -163,8 +240,12 @@ def check_link(link: ChainLink, *, verify: bool = True) -> int:
     nbytes = 0
     if requests:
         nbytes = read_records([(link.path, link.manifest, requests)], verify, "delta row ids")
+    by_fqn: dict[str, list] = {}
     for fqn, parts, offsets, sizes, ids in found:
-        checked_ids(link, parts, ids, offsets, sizes, tracked[fqn], fqn)
+        ids = checked_ids(link, parts, ids, offsets, sizes, tracked[fqn], fqn)
+        by_fqn.setdefault(fqn, []).append((parts, offsets, sizes, ids))
+    for fqn, pieces in by_fqn.items():
+        nbytes += check_overlaps(link, fqn, tracked[fqn], pieces, verify)
     return nbytes
 
 

@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -42,8 +43,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies
-from .deltarecords import (DELTA_ROOT, box_of, check_box, check_ids_form, check_no_stray, check_rows_dtype,
-                           checked_ids, pieces_of, read_records)
+from .deltarecords import (DELTA_ROOT, box_of, check_box, check_ids_form, check_no_stray, check_overlaps,
+                           check_rows_dtype, checked_ids, pieces_of, read_records)
 from .verify import verify_chain
 from .errors import ConfigError, DistCkptError
 from .tensorbytes import dtype_from_name, dtype_name
@@ -157,7 +158,10 @@ class _DeltaStats:
     state, and each would wait for the other in a different collective. ``plain``: whether this
     rank has plain tracked tensors whose replicas a delta must check (it leaves them out of the
     save); their digests are exchanged only once a delta is decided, so a full link never
-    digests them twice."""
+    digests them twice. ``replicas``: this rank's pieces that other ranks hold too (a Replicate
+    DTensor's), each with a digest of its row digests: one rank writes a
+    replicated piece's rows, and replicas that differ make the link full (a delta would compose
+    one rank's rows onto a base written by another)."""
 
     changed_bytes: int
     total_bytes: int
@@ -168,6 +172,7 @@ class _DeltaStats:
     why: str | None
     parent: str | None
     plain: bool
+    replicas: tuple = ()   # (fqn, offsets, sizes, digest of its row digests) of pieces other ranks may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +259,32 @@ def _without(tree: dict, paths: list[tuple]) -> dict:
 
 def _piece_key(fqn: str, offsets: tuple, sizes: tuple) -> tuple:
     return (fqn, tuple(offsets), tuple(sizes))
+
+
+def _replicated(piece: Any) -> bool:
+    """Whether other ranks hold the same box as ``piece``: a piece of a DTensor with a Replicate
+    placement (a plain tensor's replicas are left to rank 0 in :meth:`IncrementalSaver._local`)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    return isinstance(piece.owner, DTensor) and any(isinstance(pl, Replicate) for pl in piece.owner.placements)
+
+
+def _digest_of(digests: torch.Tensor) -> bytes:
+    """A digest of a piece's row digests, the same on every rank holding the same rows."""
+    return hashlib.blake2b(digests.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+def _replica_writers(stats: list) -> tuple[dict[tuple, int], list[str]]:
+    """From every rank's :class:`_DeltaStats`: ``({piece key: the lowest rank holding it}, [fqns whose
+    holders' digests differ])`` for the pieces that were sent as possibly replicated. One rank
+    writes a replica's rows (each holder writing its own made overlapping records, and a
+    load compose them in any order)."""
+    holders: dict[tuple, list] = {}
+    for r, st in enumerate(stats):
+        for fqn, offsets, sizes, digest in st.replicas:
+            holders.setdefault(_piece_key(fqn, offsets, sizes), []).append((r, digest))
+    writer = {key: min(r for r, _d in held) for key, held in holders.items()}
+    differ = sorted({key[0] for key, held in holders.items() if len({d for _r, d in held}) > 1})
+    return writer, differ
 
 
 def _signature(t: torch.Tensor, row_dim: int) -> tuple:
@@ -581,8 +612,12 @@ class IncrementalSaver:
         elif link["seq"] + 1 >= pol.full_every:
             why = f"full_every={pol.full_every}"
         plain = [f for f in sorted(rows) if items[f].kind == "tensor" and checked(f)] if group.world_size > 1 else []
+        replicas = tuple((fqn, tuple(p.offsets), tuple(p.sizes), _digest_of(dg))
+                         for fqn, _j, _i, p, dg, _r in pieces if _replicated(p)) if group.world_size > 1 else ()
         stats = group.all_gather(_DeltaStats(changed_bytes, total_bytes, changed_rows, total_rows, bool(unknown),
-                                             parent_ok, why, None if link is None else link["save_id"], bool(plain)))
+                                             parent_ok, why, None if link is None else link["save_id"], bool(plain),
+                                             replicas))
+        writer, differ = _replica_writers(stats)
         c_bytes, t_bytes = sum(s.changed_bytes for s in stats), sum(s.total_bytes for s in stats)
         # From here on every input is the same on every rank, and so is the decision.
         reasons = [(r, s.why) for r, s in enumerate(stats) if s.why is not None]
@@ -597,6 +632,9 @@ class IncrementalSaver:
                    f"or replaced by this very save")
         elif any(s.unknown for s in stats):
             why = "tracked tensors or their sharding changed since the previous link"
+        elif differ:
+            why = (f"the replicas of tracked tensor {differ[0]!r} differ between ranks: a delta would compose one "
+                   f"rank's rows onto another's")
         elif c_bytes > pol.max_delta_fraction * t_bytes:
             why = f"{c_bytes} changed bytes > max_delta_fraction={pol.max_delta_fraction} of {t_bytes}"
         elif link.get("chain_bytes", 0) + c_bytes > pol.max_chain_fraction * t_bytes:
@@ -618,8 +656,8 @@ class IncrementalSaver:
                     "rows_total": sum(s.total_rows for s in stats)}
             records: dict[str, dict] = {}
             for (fqn, j, i, p, _dg, _ref), sel in zip(pieces, selections):
-                if sel.numel() == 0:
-                    continue
+                if sel.numel() == 0 or writer.get(_piece_key(fqn, p.offsets, p.sizes), group.rank) != group.rank:
+                    continue   # nothing changed, or a replica another rank writes
                 d = rows[fqn]
                 t = p.tensor
                 vals = t.detach().index_select(d, sel.to(t.device)).movedim(d, 0).contiguous()
@@ -738,6 +776,24 @@ def _index_dtype(n: int) -> torch.dtype:
     return next(d for d in (torch.int8, torch.int16, torch.int32, torch.int64) if n <= torch.iinfo(d).max)
 
 
+def _check_overlaps_once(link: ChainLink, pieces: list, tracked: dict[str, int], verify: bool, cache: dict) -> int:
+    """:func:`distckpt.deltarecords.check_overlaps` of ``pieces`` (fqn, parts, offsets, sizes, ids) of
+    ``link``, per tracked tensor, once per set of pieces (``cache``: a caller planning one tensor
+    slice by slice compares them once). Pieces of one link that overlap (replicas each rank
+    wrote) are filled in any order: they must agree where they overlap, or the result would
+    depend on that order. Returns the bytes read."""
+    by_fqn: dict[str, list] = {}
+    for fqn, parts, soff, ssz, ids in pieces:
+        by_fqn.setdefault(fqn, []).append((parts, soff, ssz, ids))
+    nbytes = 0
+    for fqn, found in by_fqn.items():
+        key = (link.path, "overlaps", fqn, tuple(p["ids"] for p, _o, _s, _i in found))
+        if len(found) > 1 and key not in cache:
+            nbytes += check_overlaps(link, fqn, tracked[fqn], found, verify)
+            cache[key] = True
+    return nbytes
+
+
 def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], tracked: dict[str, int],
                 verify: bool, ids_cache: dict | None = None) -> tuple[list, int]:
     """What to read from ``deltas`` (oldest first) so that every (row, column) of ``targets`` that
@@ -797,13 +853,17 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
             reads.append((link.path, link.manifest, reqs))
     id_bytes = read_records(reads, verify, "delta row ids") if reads else 0
     for li, (link, pieces, got) in enumerate(zip(deltas, wanted, ids_of)):
+        checked = []
         for (fqn, parts, soff, ssz), ids in zip(pieces, got):
-            d = tracked[fqn]
             key = (link.path, parts["ids"])
             if key in new:
-                ids = checked_ids(link, parts, ids, soff, ssz, d, fqn)
+                ids = checked_ids(link, parts, ids, soff, ssz, tracked[fqn], fqn)
                 if ids_cache is not None:
                     ids_cache[key] = ids
+            checked.append((fqn, parts, soff, ssz, ids))
+        id_bytes += _check_overlaps_once(link, checked, tracked, verify, cached)
+        for fqn, parts, soff, ssz, ids in checked:
+            d = tracked[fqn]
             for t in targets[fqn]:
                 region = []
                 for k2 in range(len(soff)):

@@ -635,3 +635,105 @@ def test_a_base_whose_chain_metadata_misstates_a_tensors_shape_is_chain_broken(t
     distckpt.save({"w": sd["w"]}, lying, metadata={"distckpt.chain": {**base.meta, "shapes": {"w": [[20, 4], "float32"]}}})
     with pytest.raises(ChainBrokenError, match="gives w the shape"):
         chain_of(str(lying))
+
+
+def _replicated_table(rank: int, world: int, root: str, diverge: bool) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"emb": distribute_tensor(torch.arange(800.).reshape(200, 4), mesh, [Replicate()]), "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(**POLICY))
+    saver.save(sd, f"{root}/s1")
+    sd["emb"].to_local()[[3, 7]] += 1
+    if diverge and rank == 1:
+        sd["emb"].to_local()[9] += 1   # rank 1's copy is no replica any more
+    saver.save(sd, f"{root}/s2")
+    return saver.last_kind, chain_of(f"{root}/s2")[0].meta.get("why")
+
+
+def test_a_replicated_dtensors_delta_is_written_once_and_diverged_replicas_make_it_full(tmp_path):
+    """Every rank holding a Replicate DTensor wrote its own copy of the changed rows into a delta:
+    records of the same box that a load composes in any order, so replicas that had diverged loaded
+    as whichever copy came last (and read and load could disagree). One rank writes them now; and
+    replicas whose row digests differ make the link full, which keeps one rank's whole copy as a
+    full save does, instead of composing one rank's rows onto another's."""
+    out = run_ranks(_replicated_table, 2, str(tmp_path / "same"), False, timeout=240)
+    assert [k for k, _w in out] == ["delta", "delta"], out
+    keys = sorted(distckpt.read_manifest(str(tmp_path / "same" / "s2"))["tensors"])
+    assert keys == ["_incr.0.r0p0.ids", "_incr.0.r0p0.rows"], keys
+    want = torch.arange(800.).reshape(200, 4)
+    want[[3, 7]] += 1
+    assert torch.equal(distckpt.read(str(tmp_path / "same" / "s2"))["emb"], want)
+    assert verify(str(tmp_path / "same" / "s2")).ok
+    out = run_ranks(_replicated_table, 2, str(tmp_path / "diverged"), True, timeout=240)
+    assert [k for k, _w in out] == ["full", "full"] and "replicas of tracked tensor 'emb' differ" in out[0][1], out
+    got = distckpt.read(str(tmp_path / "diverged" / "s2"))["emb"]
+    other = want.clone()
+    other[9] += 1
+    assert torch.equal(got, want) or torch.equal(got, other)   # one rank's whole copy, never a mix
+
+
+FULL = [[0, 0], [100, 4]]
+
+
+@pytest.mark.parametrize("first, second, why", [
+    ((FULL, [4, 5], 1.0), (FULL, [5, 6], 1.0), "changed different rows"),            # replicas that diverged
+    ((FULL, [4, 5], 1.0), (FULL, [4, 5], 2.0), "different values"),                  # the same rows, other values
+    ((FULL, [4, 5], 1.0), ([[3, 0], [50, 4]], [4, 5], 2.0), "different values"),     # partly overlapping boxes
+    ((FULL, [4, 5], 1.0), ([[40, 0], [60, 4]], [44, 45], 2.0), "changed different rows"),  # rows one box says unchanged
+    (([[0, 0], [50, 4]], [4, 5], 1.0), ([[50, 0], [50, 4]], [54, 55], 2.0), None),  # disjoint rows: composed
+    (([[0, 0], [100, 2]], [4, 5], 1.0), ([[0, 2], [100, 2]], [4, 5], 2.0), None),   # disjoint columns: composed
+    ((FULL, [4, 5], 1.0), (FULL, [4, 5], 1.0), None),                                # equal replicas (older savers)
+], ids=["other-rows", "other-values", "partial-box", "unchanged-in-one", "disjoint-rows", "disjoint-columns",
+        "equal-replicas"])
+def test_overlapping_pieces_of_one_link_must_agree_where_they_overlap(tmp_path, first, second, why):
+    """Two pieces of one delta link that overlap (replicas each rank wrote, or a crafted link) were
+    both copied, in whichever order the fill took: a load kept one of them, or a mix of both, without
+    a word. Where they overlap they must hold the same row ids and the same bytes now, else
+    ChainBrokenError from load, read and verify, naming both records; disjoint pieces and equal
+    replicas compose as before."""
+    R, C = 100, 4
+    sd = {"emb": {"w": torch.randn(R, C, generator=torch.Generator().manual_seed(0))}, "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"emb.w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
+    saver.save(sd, tmp_path / "step_00000000")
+    sd["emb"]["w"][3] += 1
+    saver.save(sd, tmp_path / "step_00000001")
+    parent = chain_of(str(tmp_path / "step_00000001"))[0]
+    meta = {**parent.meta, "seq": 2, "parent": "step_00000001", "parent_save_id": parent.manifest.save_id}
+    crafted = tmp_path / "step_00000002"
+    records = {f"r{r}p0": {"box": box, "ids": torch.tensor(ids, dtype=torch.int32),
+                           "rows": torch.full((len(ids), box[1][1]), value)}
+               for r, (box, ids, value) in enumerate((first, second))}
+    distckpt.save({"_incr": {"0": records}, "step": 2}, crafted, metadata={"distckpt.chain": meta})
+    if why is None:
+        want = sd["emb"]["w"].clone()
+        for box, ids, value in (first, second):
+            want[ids, box[0][1]:box[0][1] + box[1][1]] = value
+        back = {"emb": {"w": torch.zeros(R, C)}, "step": -1}
+        distckpt.load(back, crafted)
+        assert torch.equal(back["emb"]["w"], want)
+        assert torch.equal(distckpt.read(crafted)["emb"]["w"], want)
+        assert verify(crafted).ok
+        return
+    with pytest.raises(ChainBrokenError, match=why) as info:
+        distckpt.load({"emb": {"w": torch.zeros(R, C)}, "step": -1}, crafted)
+    assert "_incr.0.r0p0" in str(info.value) and "_incr.0.r1p0" in str(info.value), info.value
+    with pytest.raises(ChainBrokenError, match=why):
+        distckpt.read(crafted)
+    report = verify(crafted)
+    assert not report.ok and len(report.file_problems) == 1 and why in str(report.file_problems[0]), report
+
+
+def test_overlapping_pairs_finds_every_pair_a_brute_force_finds():
+    """The sweep of distckpt.deltarecords.overlapping_pairs against every pair compared."""
+    import random
+
+    from distckpt.deltarecords import overlapping_pairs
+    rng = random.Random(0)
+    for _ in range(300):
+        ndim = rng.randint(1, 3)
+        boxes = [([rng.randint(0, 9) for _ in range(ndim)], [rng.randint(0, 4) for _ in range(ndim)])
+                 for _ in range(rng.randint(0, 9))]
+        brute = [(a, b) for a in range(len(boxes)) for b in range(a + 1, len(boxes))
+                 if all(max(x, y) < min(x + m, y + n) for x, m, y, n in zip(*boxes[a], *boxes[b]))]
+        assert overlapping_pairs(boxes) == brute, boxes
