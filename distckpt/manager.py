@@ -44,6 +44,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -239,6 +240,16 @@ class CheckpointManager:
         content (a timeout, a reset, no permission): that step's state is unknown, and skipping it
         would load an older step, after which the next save would delete it as an abandoned
         branch."""
+        return self._latest()[0]
+
+    def _latest(self) -> tuple[int | None, dict[int, str]]:
+        """(:meth:`latest_step`, {step: why} of the steps found not to decode on the way)."""
+        infos: dict[int, StepInfo] = {}
+        step = self._latest_of(infos)
+        return step, {s: info.problem or info.status for s, info in sorted(infos.items()) if info.status != "committed"}
+
+    def _latest_of(self, infos: dict) -> int | None:
+        """:meth:`latest_step`, filling ``infos`` with the full decode of every step it decoded."""
         timed, untimed = [], []
         steps = self.steps()
         # The first 4 KiB of each MANIFEST (a local file's, or one ranged GET); when they do not
@@ -246,7 +257,6 @@ class CheckpointManager:
         for step, t in zip(steps, self._peeked_commit_times(steps)):
             (untimed if t is None else timed).append((t, step))
         # A MANIFEST whose first bytes do not tell its time: decode it whole now (damaged, usually).
-        infos = {}
         for _, step in untimed:
             info = infos[step] = self._checked_info(step)
             if info.status == "committed":
@@ -270,8 +280,9 @@ class CheckpointManager:
                 return step
             # Its MANIFEST was replaced between the peek and the decode (an overwrite), or a peek
             # read wrong: the order is stale, so decode every candidate (rare).
-            every = [infos.get(s) or self._checked_info(s) for _, s in timed]
-            newest = _newest_by_commit([i for i in every if i.status == "committed"])
+            for _, s in timed:
+                infos[s] = infos.get(s) or self._checked_info(s)
+            newest = _newest_by_commit([infos[s] for _, s in timed if infos[s].status == "committed"])
             return newest.step if newest is not None else None
         return None
 
@@ -692,11 +703,14 @@ class CheckpointManager:
         raise_background_failure(None if kwargs.get("no_dist") else
                                  control_group(self.process_group, operation="CheckpointManager.load()"))
         chosen = step is not None
+        passed: dict[int, str] = {}
         if step is None:
-            step = self._agreed_latest_step()
+            step, passed = self._agreed_latest_step()
         if self.storage_options is not None:
             kwargs["storage_options"] = self.storage_options
         result = load(state_dict, self.path(step), process_group=self.process_group, **kwargs)
+        if passed:
+            result = dataclasses.replace(result, passed_over=passed)
         if self._saver is not None:  # the next save may be a delta against the step just loaded
             self._saver.resume(state_dict, self.path(step), process_group=self.process_group)
         self._note_resumed(step, chosen)
@@ -712,18 +726,18 @@ class CheckpointManager:
             self._resume_chosen = chosen
             self._resume_gen += 1
 
-    def _agreed_latest_step(self) -> int:
-        """:meth:`latest_step` as rank 0 finds it, on every rank (one listing, not one per rank:
-        ranks listing on their own could see a save commit in between, or fail alone and leave the
-        others waiting at the load's collective). Collective.
+    def _agreed_latest_step(self) -> tuple[int, dict[int, str]]:
+        """:meth:`latest_step` as rank 0 finds it, with the steps it found not to decode, on every
+        rank (one listing, not one per rank: ranks listing on their own could see a save commit in
+        between, or fail alone and leave the others waiting at the load's collective). Collective.
 
         Raises CheckpointNotFoundError (no committed step) or the listing's error, on every rank."""
         group = control_group(self.process_group, operation="CheckpointManager.load()")
         found, error = None, None
         if group.rank == 0:
             try:
-                found = self.latest_step()
-                if found is None:
+                found = self._latest()
+                if found[0] is None:
                     raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}", path=self.root)
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc

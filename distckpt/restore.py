@@ -87,6 +87,12 @@ class LoadResult:
         remote_unchecked: for a TieredCheckpointManager load made while the remote tier did not
             answer, its error: the local copies loaded could not be checked against the remote
             tier (the reference when it answers). None otherwise.
+        passed_over: for a manager's ``load()`` that named no step, {step: why} of the steps it
+            did not take because they do not load: a step whose MANIFEST does not decode (its
+            commit time unknown, so whatever its number), and on the tiers a step numbered above
+            the one loaded with no complete copy, or one whose load found it incomplete. Each is
+            also logged as a warning; here a resume loop can tell that it went back past them.
+            Empty for a load of a named step or path (which raises instead).
     """
 
     path: str
@@ -102,6 +108,7 @@ class LoadResult:
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_from_peers: int = 0
     remote_unchecked: str | None = None
+    passed_over: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def load_manifest(path: str | os.PathLike, storage_options: dict | None = None) -> "mf.Manifest":

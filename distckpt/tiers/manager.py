@@ -146,6 +146,11 @@ def _outage(exc: BaseException) -> bool:
         isinstance(exc, ObjectStoreError) and (getattr(exc, "status", None) or 0) >= 500)
 
 
+def _passed_over(result: LoadResult, passed: dict[int, str]) -> LoadResult:
+    """``result`` with the steps a load passed over (LoadResult.passed_over)."""
+    return dataclasses.replace(result, passed_over=dict(sorted(passed.items()))) if passed else result
+
+
 class TieredCheckpointManager:
     """Numbered checkpoints on two tiers: node-local first, then drained to ``remote``.
 
@@ -1126,7 +1131,7 @@ class TieredCheckpointManager:
         does. Collective. Writes nothing. None when no tier holds one; when no local copy is
         complete and the remote tier did not answer, its typed error (it may hold steps)."""
         self._control("TieredCheckpointManager.latest_step()")
-        candidates, remote_up, _ = self._candidates()
+        candidates, remote_up, _, _ = self._candidates()
         if not candidates and not remote_up:
             self._raise_if_remote_down(None)  # None would say "no checkpoint" of a remote tier that may hold them
         return candidates[0] if candidates else None
@@ -1149,25 +1154,27 @@ class TieredCheckpointManager:
         return step_availability(self._group, local_root=self.local_root, remote_root=None,
                                  layout=self._layout), False
 
-    def _candidates(self) -> tuple[list[int], bool, dict]:
+    def _candidates(self) -> tuple[list[int], bool, dict, dict[int, str]]:
         """(the steps with a complete copy on a tier, newest first; whether the remote tier
-        answered; the step_availability they were chosen from). Every step with a higher number
-        than the newest of them that is not complete (a lost local data file of a step never
-        drained, copies of different saves) is named in a warning with what it lacks: a load that
-        goes back to an older step must say which newer one it passed over and why, never return
-        older state silently."""
+        answered; the step_availability they were chosen from; {step: why} of the steps passed
+        over). Every step with a higher number than the newest of them that is not complete (a
+        lost local data file of a step never drained, copies of different saves) is passed over,
+        named in a warning with what it lacks: a load that goes back to an older step must say
+        which newer one it passed over and why, never return older state silently."""
         avail, remote_up = self._availability()
         good = [(t.created_unix or 0.0, s) for s, t in avail.items()
                 if t.remote_save_id is not None or t.local_complete]
         steps = [s for _, s in sorted(good, reverse=True)]
         newest = max(steps, default=-1)
+        passed = {}
         for s in sorted((s for s in avail if s > newest), reverse=True):
             why = avail[s].why_incomplete()
             if why is not None:
+                passed[s] = why
                 log.warning("distckpt: step %d on %s / %s has no complete copy, passed over%s: %s", s,
                             self.local_root, self.remote_root,
                             f" for step {steps[0]}" if steps else "", why)
-        return steps, remote_up, avail
+        return steps, remote_up, avail, passed
 
     @_notes_lost_peer
     def load(self, state_dict: Any, step: int | None = None, **kwargs: Any) -> LoadResult:
@@ -1200,10 +1207,10 @@ class TieredCheckpointManager:
         if self._check_before_load:
             self._check_unpaired_remote()
         if step is not None:
-            steps, remote_up, avail = [step], True, {}
+            steps, remote_up, avail, passed = [step], True, {}, {}
         else:
             self._control("TieredCheckpointManager.load()")
-            steps, remote_up, avail = self._candidates()
+            steps, remote_up, avail, passed = self._candidates()
         if not steps:
             self._raise_if_remote_down(None)
             raise CheckpointNotFoundError(f"no step with a complete copy on {self.local_root} or {self.remote_root}",
@@ -1244,7 +1251,7 @@ class TieredCheckpointManager:
                             raise
                     if not remote_up:
                         result = dataclasses.replace(result, remote_unchecked=self._remote_down)
-                    return result
+                    return _passed_over(result, passed)
                 except (ChecksumMismatchError, DataFileTruncatedError) as exc:
                     damaged = self._damaged_local_files(exc) if remote_up else None
                     if not damaged:
@@ -1256,9 +1263,10 @@ class TieredCheckpointManager:
                                 "from the remote tier %s", s, damaged, type(exc).__name__, exc.message,
                                 self.remote_path(s))
                     try:
-                        return load_tiered(state_dict, local_path=None, remote_path=self.remote_path(s),
-                                           storage_options=self.storage_options, process_group=self.process_group,
-                                           **kwargs)
+                        result = load_tiered(state_dict, local_path=None, remote_path=self.remote_path(s),
+                                             storage_options=self.storage_options, process_group=self.process_group,
+                                             **kwargs)
+                        return _passed_over(result, passed)
                     except (TierIncompleteError, CheckpointNotFoundError):
                         raise exc from None  # the remote tier does not hold the step: the damage stands
             except TierIncompleteError as exc:
@@ -1266,6 +1274,7 @@ class TieredCheckpointManager:
                     raise
                 log.warning("distckpt: step %d has no complete copy this job can read (%s); trying an older one",
                             s, exc)
+                passed[s] = f"{type(exc).__name__}: {exc.message}"
                 last = exc
         if not remote_up:
             self._raise_if_remote_down(last)

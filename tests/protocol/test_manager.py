@@ -379,7 +379,12 @@ def test_a_damaged_higher_step_that_load_passed_over_is_not_deleted_as_an_abando
     manifest.write_bytes(bytes(data))
     mgr = distckpt.CheckpointManager(root, keep_last=5)
     out = {"w": torch.zeros(4)}
-    assert mgr.load(out).path.endswith("step_00000020") and torch.equal(out["w"], torch.ones(4) * 20)
+    result = mgr.load(out)
+    assert result.path.endswith("step_00000020") and torch.equal(out["w"], torch.ones(4) * 20)
+    # the step it went back past is in the result, by number and why (a warning alone before)
+    assert list(result.passed_over) == [30] and "MANIFEST" in result.passed_over[30], result.passed_over
+    # a step by number passes over nothing (another manager: a load by number is a rollback)
+    assert distckpt.CheckpointManager(root, keep_last=5).load(out, step=20).passed_over == {}
     with caplog.at_level(logging.WARNING, logger="distckpt"):
         mgr.save(25, {"w": torch.ones(4) * 25})
     assert (root / "step_00000030" / "rank00000.bin").exists() and manifest.read_bytes() == bytes(data)
@@ -523,12 +528,12 @@ def _one_rank_store_fails_before_the_collective(rank, world_size, root):
         mgr._store.reclaim = lambda *a, **k: (_ for _ in ()).throw(boom)
     mgr.save(3, {"w": torch.arange(4.0)})   # reclaim is housekeeping: the save goes on
     if rank == 1:
-        mgr.latest_step = lambda: (_ for _ in ()).throw(boom)  # rank 0 alone lists for a load
+        mgr._latest = lambda: (_ for _ in ()).throw(boom)  # rank 0 alone lists for a load
     out = {"w": torch.zeros(4)}
     mgr.load(out)
     loaded = out["w"].tolist()
     if rank == 0:
-        mgr.latest_step = lambda: (_ for _ in ()).throw(boom)
+        mgr._latest = lambda: (_ for _ in ()).throw(boom)
     try:
         mgr.load({"w": torch.zeros(4)})
         error = None

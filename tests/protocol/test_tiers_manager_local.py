@@ -253,8 +253,10 @@ def test_a_newer_step_with_no_complete_copy_is_named_when_the_load_goes_back(tmp
                    for m in start), start
         caplog.clear()
         assert mgr.latest_step() == 2
-        mgr.load(out)
+        result = mgr.load(out)
     assert out["step"] == 2 and torch.equal(out["w"], _state(2)["w"])
+    # ... and the result names it too (LoadResult.passed_over), for a resume loop to see
+    assert list(result.passed_over) == [3] and "rank00000.bin" in result.passed_over[3], result.passed_over
     # The load went back a step: it names the step it passed over and the file it lacks.
     said = [r.getMessage() for r in caplog.records]
     assert any("step 3" in m and "passed over for step 2" in m and "rank00000.bin" in m for m in said), said

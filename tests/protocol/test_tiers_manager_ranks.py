@@ -566,11 +566,14 @@ def _partial_step_body(rank: int, world_size: int, tmp: str, lost_node: bool) ->
     out = {}
     with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
         target = _state(0, rank)
-        out["loaded"] = os.path.basename(mgr.load(target).path)   # step 3 is passed over
+        result = mgr.load(target)
+        out["loaded"] = os.path.basename(result.path)   # step 3 is passed over, and said so
+        out["passed"] = sorted(result.passed_over)
         mgr.save(3, _state(3, rank))                               # the resumed run's next save
         mgr.wait_durable(3, timeout=120)
         target = _state(0, rank)
-        out["again"] = os.path.basename(mgr.load(target).path)
+        result = mgr.load(target)
+        out["again"], out["passed_again"] = os.path.basename(result.path), sorted(result.passed_over)
         out["exact"] = all(torch.equal(target[k], v) for k, v in _state(3, rank).items() if torch.is_tensor(v))
     return out
 
@@ -583,7 +586,8 @@ def test_a_step_some_nodes_published_before_a_kill_is_replaced_by_the_resumed_ru
     replaces such a copy now, decided with every node, and the step loads bit-exact."""
     results = run_ranks(_partial_step_body, 2, str(tmp_path), False, timeout=300)
     for rank, r in enumerate(results):
-        assert r == {"loaded": "step_00000002", "again": "step_00000003", "exact": True}, (rank, r)
+        assert r == {"loaded": "step_00000002", "passed": [3], "again": "step_00000003", "passed_again": [],
+                     "exact": True}, (rank, r)
 
 
 def test_a_step_a_lost_node_held_half_of_is_replaced_by_the_resumed_runs_save(tmp_path):
@@ -594,7 +598,8 @@ def test_a_step_a_lost_node_held_half_of_is_replaced_by_the_resumed_runs_save(tm
     outside trial). The save replaces it now, and the step loads bit-exact."""
     results = run_ranks(_partial_step_body, 2, str(tmp_path), True, timeout=300)
     for rank, r in enumerate(results):
-        assert r == {"loaded": "step_00000002", "again": "step_00000003", "exact": True}, (rank, r)
+        assert r == {"loaded": "step_00000002", "passed": [3], "again": "step_00000003", "passed_again": [],
+                     "exact": True}, (rank, r)
 
 
 def _damaged_manifest_no_remote_body(rank: int, world_size: int, tmp: str) -> dict:
