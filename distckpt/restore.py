@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import re
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -399,8 +400,25 @@ def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None, 
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Whether the caller's value ``a`` already is the saved value ``b`` exactly, so that it may be
+    left in place: the same type at every level of a container, floats by their bits. Plain ``==``
+    left the caller's ``0.0`` for a saved ``-0.0``, and ``[1.0, 2.0]`` for a saved ``[1, 2]``
+    (``1.0 == 1``, ``True == 1``) without a word, where DCP replaces them."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, complex):
+        return _same(a.real, b.real) and _same(a.imag, b.imag)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(_same(ka, kb) and _same(va, vb)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    if isinstance(a, (set, frozenset)):
+        return False   # equal sets may hold 1 and 1.0: replaced, never compared
     try:
-        return type(a) is type(b) and bool(a == b)
+        return bool(a == b)
     except Exception:  # e.g. numpy arrays compare elementwise
         return False
 

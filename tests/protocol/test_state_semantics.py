@@ -143,6 +143,49 @@ def test_class_that_is_not_the_saved_sort_is_refused(tmp_path):
         decode_value("value", node, fqn="m")
 
 
+def _bits(v):
+    """A value with its type at every level and floats as their bits: what "restored exactly" means."""
+    import struct
+    if isinstance(v, float):
+        return ("float", struct.pack("<d", v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, [_bits(x) for x in v])
+    if isinstance(v, dict):
+        return ("dict", [(_bits(k), _bits(x)) for k, x in v.items()])
+    return (type(v).__name__, v)
+
+
+def test_a_value_equal_to_the_saved_one_but_not_the_same_is_replaced_as_dcp_does(tmp_path):
+    """An outside trial: load left the caller's value in place whenever it compared equal to the
+    saved one, so a saved -0.0 came back as the caller's 0.0 and a saved [1, 2] as [1.0, 2.0]
+    (1.0 == 1, True == 1), silently; dcp.load restores what was saved. The values are now kept only
+    when they are the same exactly (type at every level, floats by bits), from distckpt's own
+    checkpoint and from a DCP directory alike, as dcp.load restores them in the same run."""
+    import torch.distributed.checkpoint as dcp
+    saved = {"neg0": -0.0, "ints": [1, 2], "tup": (1, 2), "bools": [True, False], "d": {"a": 1, "b": [0.0]},
+             "nan": float("nan"), "w": torch.ones(2)}
+    def stale():
+        return {"neg0": 0.0, "ints": [1.0, 2.0], "tup": (1.0, 2.0), "bools": [1, 0], "d": {"a": 1.0, "b": [-0.0]},
+                "nan": float("nan"), "w": torch.zeros(2)}
+    distckpt.save(saved, tmp_path / "mine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(saved, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+        reference = stale()
+        dcp.load(reference, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    want = {k: _bits(v) for k, v in saved.items() if k != "w"}
+    assert {k: _bits(v) for k, v in reference.items() if k != "w"} == want   # DCP's own answer
+    for source in ("mine", "dcp"):
+        got = stale()
+        distckpt.load(got, tmp_path / source)
+        assert {k: _bits(v) for k, v in got.items() if k != "w"} == want, source
+        assert torch.equal(got["w"], saved["w"])
+    # a value that is the same exactly is left in place: a root tuple holding one loads under strict
+    same = (-0.0, [1, 2])
+    distckpt.save(same, tmp_path / "tuple")
+    assert distckpt.load((-0.0, [1, 2]), tmp_path / "tuple").not_replaced == []
+
+
 def test_adamw_betas_in_tuple_are_restored(tmp_path):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
