@@ -262,9 +262,9 @@ class DistCkptStorageWriter(StorageWriter):
             pass
 
 
-# How far past its number of keys a list position in DCP's planner data may be (see
-# DistCkptStorageReader._check_planner_data).
-_LIST_SLACK = 1024
+# How many list places DCP's planner data may leave without a key, all lists together (see
+# DistCkptStorageReader._check_planner_data): set_element pads them with None, 8 bytes each.
+_LIST_PADDING = 1 << 22
 
 
 class DistCkptStorageReader(StorageReader):
@@ -374,10 +374,11 @@ class DistCkptStorageReader(StorageReader):
         go missing (a path "xyz" nests as x.y.z) or two keys land on one place and one is silently
         lost. The paths together must also form one tree that ``set_element`` can build: no key
         both a value and a container, no container reached by str keys (a dict) and by int ones (a
-        list), and every int a list position of at most _LIST_SLACK past the number of keys in
-        that list (``set_element`` pads a list with None up to its position: a hostile 10**12
-        would exhaust memory, a negative one fail untyped; a list's empty dicts have no keys, so
-        a little slack).
+        list), and every int a non-negative list position, the places left without a key in all
+        lists together at most _LIST_PADDING (``set_element`` pads a list with None up to its
+        position: a hostile 10**12 would exhaust memory, a negative one fail untyped). Places
+        without a key are legitimate: a list's empty dicts have none (a DCP save of 1,100 empty
+        dicts before an entry was refused with 1,024 places per list).
 
         Raises:
             CheckpointCorruptError: naming the first key whose path is not of that form.
@@ -414,8 +415,10 @@ class DistCkptStorageReader(StorageReader):
                     if key > seen[1]:
                         seen[1:] = [key, fqn]
             leaves.add(obj_path)
+        padding = 0
         for prefix, (count, largest, fqn) in lists.items():
-            if largest >= count + _LIST_SLACK:
+            padding += max(0, largest + 1 - count)
+            if padding > _LIST_PADDING:
                 raise bad(fqn, planner_data[fqn])
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

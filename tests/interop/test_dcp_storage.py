@@ -299,6 +299,23 @@ def test_planner_data_paths_that_build_no_tree_are_corrupt(tmp_path, state, path
         DistCkptStorageReader(crafted).read_metadata()
 
 
+def test_a_list_of_many_empty_dicts_saved_through_the_writer_loads_through_the_reader(tmp_path):
+    """A list whose entry 1100 holds a tensor after 1,100 empty dicts (which have no keys in DCP's
+    planner data): the writer saved it and the reader refused it as damaged (a list position more
+    than 1,024 past its keys; an outside trial), though FileSystemReader loads it. The reader
+    bounds the places left without a key over all lists (memory), not per list."""
+    from distckpt.integrations.dcp import DistCkptStorageWriter
+    state = {"experts": [{} for _ in range(1100)] + [{"w": torch.arange(4.0)}]}
+    dcp.save(state, storage_writer=DistCkptStorageWriter(tmp_path / "mine"), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fsw")), no_dist=True)
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    for reader in (dcp.FileSystemReader(str(tmp_path / "fsw")), DistCkptStorageReader(tmp_path / "mine")):
+        dest = {"experts": [{} for _ in range(1100)] + [{"w": torch.zeros(4)}]}
+        # allow_partial_load: DCP itself does not ask for the empty dicts' keys
+        dcp.load(dest, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        assert torch.equal(dest["experts"][1100]["w"], torch.arange(4.0)), reader
+
+
 def test_no_path_and_a_dcp_directory_in_the_way_are_typed_errors_saying_so(tmp_path):
     """The writer without a path said "checkpoint path None is a NoneType" (the reader: "no
     checkpoint path"); overwrite=True over a FileSystemWriter directory is refused (distckpt
