@@ -191,7 +191,15 @@ class DistCkptStorageWriter(StorageWriter):
         # place the writer can tell. It must then save alone: a collective over the group would
         # wait for ranks that are not saving until DISTCKPT_TIMEOUT_S (or, on a rank other than
         # 0, refuse it as a misplaced coordinator).
-        self._alone = len(plans) == 1 and _group_size(self.process_group) > 1
+        size = _group_size(self.process_group)
+        self._alone = len(plans) == 1 and size > 1
+        if len(plans) > 1 and len(plans) != size:
+            # dcp.save runs on a group other than the writer's: its collectives would wait for
+            # ranks that are not saving until DISTCKPT_TIMEOUT_S, then blame a lost peer. Raised
+            # here, on DCP's coordinator, DCP hands it to every rank of its group at once.
+            raise ConfigError(f"dcp.save runs on {len(plans)} ranks, but DistCkptStorageWriter's process group has "
+                              f"{size}", remedy="Pass the group dcp.save runs on to the writer too: "
+                              "DistCkptStorageWriter(path, process_group=group).")
         return plans
 
     def _group(self) -> ControlGroup:

@@ -316,6 +316,41 @@ def test_a_list_of_many_empty_dicts_saved_through_the_writer_loads_through_the_r
         assert torch.equal(dest["experts"][1100]["w"], torch.arange(4.0)), reader
 
 
+def _subgroup_body(rank: int, world: int, root: str) -> tuple:
+    import time
+
+    import torch.distributed as dist
+    group = dist.new_group([0, 1])
+    out = ()
+    if rank in (0, 1):
+        t0 = time.monotonic()
+        try:
+            dcp.save({f"r{rank}": torch.ones(2), "w": torch.arange(4.0)}, process_group=group,
+                     storage_writer=DistCkptStorageWriter(os.path.join(root, "untold")))
+            out = ("saved", 0.0)
+        except CheckpointException as exc:
+            out = (type(_failure(exc)).__name__, time.monotonic() - t0)
+        # told the group, it saves
+        dcp.save({f"r{rank}": torch.ones(2), "w": torch.arange(4.0)}, process_group=group,
+                 storage_writer=DistCkptStorageWriter(os.path.join(root, "told"), process_group=group))
+    dist.barrier()
+    return out
+
+
+def test_dcp_save_on_a_subgroup_the_writer_was_not_told_of_fails_at_once(tmp_path):
+    """dcp.save(process_group=G) through a writer made without process_group=G: the writer's
+    collectives ran over the world and waited for ranks that were not saving until
+    DISTCKPT_TIMEOUT_S, then blamed a lost peer (an outside trial), where FileSystemWriter saves.
+    The coordinator sees fewer plans than its group has ranks: ConfigError on every saving rank at
+    once, saying to pass the group; told the group, the same save succeeds."""
+    results = run_ranks(_subgroup_body, 3, str(tmp_path), env={"DISTCKPT_TIMEOUT_S": "120"}, timeout=240)
+    for rank in (0, 1):
+        what, seconds = results[rank]
+        assert what == "ConfigError" and seconds < 60, results
+    assert not (tmp_path / "untold").exists()
+    assert sorted(distckpt.read(tmp_path / "told")) == ["r0", "r1", "w"]
+
+
 def test_no_path_and_a_dcp_directory_in_the_way_are_typed_errors_saying_so(tmp_path):
     """The writer without a path said "checkpoint path None is a NoneType" (the reader: "no
     checkpoint path"); overwrite=True over a FileSystemWriter directory is refused (distckpt
