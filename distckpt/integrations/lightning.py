@@ -141,15 +141,22 @@ def _device(map_location: Any) -> torch.device | None:
 
     Raises:
         ConfigError: a dict or a function (torch.load's remapping by saved location: the saved
-            devices are not recorded, every tensor is read into CPU memory).
+            devices are not recorded, every tensor is read into CPU memory), or a CUDA device on a
+            host without one.
     """
     if map_location is None:
         return None
     if isinstance(map_location, (str, torch.device)):
         try:
-            return torch.device(map_location)
+            device = torch.device(map_location)
         except (RuntimeError, TypeError) as exc:
             raise ConfigError(f"map_location={map_location!r} is not a device: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            # checked before anything is read (torch's own check is a bare AssertionError, raised
+            # at the first tensor's copy)
+            raise ConfigError(f"map_location={map_location!r}: no CUDA device here (torch {torch.__version__}, "
+                              f"cuda available: False)", remedy="Load with map_location=None or 'cpu'.")
+        return device
     raise ConfigError(f"map_location={map_location!r}: only a device (str or torch.device) or None is supported",
                       remedy="Pass a device such as 'cpu' or 'cuda:0' (or None: the tensors stay on CPU); "
                              "the saved devices are not recorded, so a remapping by location has nothing to map.")
