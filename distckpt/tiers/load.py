@@ -129,15 +129,17 @@ class StepTiers:
         sid = self.local_save_id
         return next((c.created_unix for c in self.local if c is not None and c.save_id == sid), None)
 
-    def why_incomplete(self) -> str | None:
+    def why_incomplete(self, remote_listed: bool = True) -> str | None:
         """None when a tier holds a complete copy of the step (the remote tier committed it, or
         the nodes' copies of one save hold every data file between them); else one line saying
-        what is missing, by name, for a warning."""
+        what is missing, by name, for a warning. ``remote_listed`` False: the remote tier did not
+        answer its listing, so whether it holds the step is not known (said so: "has not
+        committed it" read as a lost step while the remote tier held it)."""
         if self.remote_save_id is not None or self.local_complete:
             return None
         copies = [c for c in self.local if c is not None]
         if not copies:
-            why = "no tier holds a MANIFEST of it that decodes"
+            why = "no node's local directory holds a MANIFEST of it that decodes"
         elif self.local_save_id is None:
             why = f"the nodes hold different saves of it ({sorted({c.save_id for c in copies})})"
         else:
@@ -146,7 +148,9 @@ class StepTiers:
             why = (f"data file(s) {names[:20]}{' ...' if len(names) > 20 else ''} are in no node's local "
                    f"directory (absent, or not the size the MANIFEST gives)")
         problems = f"; {'; '.join(self.problems)}" if self.problems else ""
-        return f"{why}, and the remote tier has not committed it{problems}"
+        remote = ("the remote tier has not committed it" if remote_listed else
+                  "the remote tier, which did not answer, is not known to hold it")
+        return f"{why}, and {remote}{problems}"
 
     def missing(self, rank: int, files: Iterable[int]) -> list[int]:
         """The data files among ``files`` that ``rank`` cannot read from any tier: not in its

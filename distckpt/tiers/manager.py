@@ -474,11 +474,18 @@ class TieredCheckpointManager:
         that hold a copy and stopped the resumed run at the step its load() said was free.
         Decided from the same all-gather: the same on every rank.
 
-        Raises SaveInProgressError (a drain of the step in flight) or CheckpointExistsError."""
+        Raises SaveInProgressError (a drain of the step in flight, or the local tier's owner lock
+        removed or replaced: the directory wiped under this manager) or CheckpointExistsError."""
         from .load import _local_copy
         error, mine = None, None
         if self._layout.is_leader:
             try:
+                if self._owner is not None:
+                    # The local directory wiped or replaced under this manager (a node's disk
+                    # cleaned by hand): its owner lock and its pairing record went with it, so a
+                    # second manager could take the directory and pair it with another remote
+                    # tier while this one goes on saving into it.
+                    self._owner.check(f"TieredCheckpointManager.save() on the local tier {self.local_root}")
                 mine = _local_copy(self._local_store, self.local_path(step))[0]
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc
@@ -739,7 +746,8 @@ class TieredCheckpointManager:
             t = avail[step]
             if t.remote_save_id is None and any(c is not None for c in t.local) and not t.local_complete:
                 log.warning("distckpt: step %d is committed on the local tier but cannot be drained to %s or "
-                            "loaded: %s", step, self.remote_root, t.why_incomplete())
+                            "loaded: %s", step, self.remote_root,
+                            t.why_incomplete(remote_listed=remote_up and self._remote_listed))
                 continue
             if t.local_complete and t.remote_save_id != t.local_save_id:
                 if t.remote_save_id is not None:
@@ -1168,7 +1176,7 @@ class TieredCheckpointManager:
         newest = max(steps, default=-1)
         passed = {}
         for s in sorted((s for s in avail if s > newest), reverse=True):
-            why = avail[s].why_incomplete()
+            why = avail[s].why_incomplete(remote_listed=remote_up)
             if why is not None:
                 passed[s] = why
                 log.warning("distckpt: step %d on %s / %s has no complete copy, passed over%s: %s", s,

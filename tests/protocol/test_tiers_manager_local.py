@@ -737,3 +737,32 @@ def test_a_closed_managers_drain_thread_never_takes_the_remote_tier_again(tmp_pa
     with TieredCheckpointManager(tmp_path / "b", remote) as other:  # another job takes the tier at once
         other.save(1, _state(1))
         assert other.wait_durable(1, timeout=120).durable
+
+
+def test_a_local_tier_wiped_under_its_manager_is_never_shared_with_a_second_one(tmp_path):
+    """An outside trial: the local directory removed under a live manager (a disk cleaned by hand)
+    took its owner lock and its pairing record with it; the manager's next save recreated the
+    directory, and a second manager built on it (paired with another remote tier) drained the
+    first one's step into its own remote, each manager unaware of the other. The manager checks
+    its owner lock at each save now: the save is SaveInProgressError, nothing is written, and the
+    directory is the second manager's alone."""
+    import shutil
+    local, r1, r2 = tmp_path / "local", tmp_path / "r1", tmp_path / "r2"
+    first = TieredCheckpointManager(local, r1)
+    try:
+        first.save(10, _state(10))
+        assert first.wait_durable(10, timeout=120).durable
+        shutil.rmtree(local)
+        with pytest.raises(errors.SaveInProgressError, match="removed or replaced"):
+            first.save(20, _state(20))
+        assert not (local / "step_00000020").exists()
+        with TieredCheckpointManager(local, r2) as second:   # the directory is free for a new manager
+            second.save(40, _state(40))
+            assert second.wait_durable(40, timeout=120).durable
+            with pytest.raises(errors.SaveInProgressError):
+                first.save(30, _state(30))   # never into the second manager's directory
+        assert (r1 / "step_00000010").exists()
+        assert not (r1 / "step_00000040").exists() and not (r2 / "step_00000010").exists()
+        assert not (local / "step_00000030").exists()
+    finally:
+        first.close()

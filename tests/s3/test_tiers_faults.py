@@ -699,6 +699,28 @@ def test_no_complete_local_copy_and_a_dark_remote_is_the_remotes_error_not_no_ch
         assert _same(got, 1)
 
 
+def test_a_step_passed_over_while_the_remote_is_dark_is_not_said_to_be_missing_there(
+        s3_bucket, s3_server, tmp_path, monkeypatch, caplog):
+    """An outside trial: with the remote tier dark, the warning passing over a step whose local
+    copy lacks a file said "the remote tier has not committed it", though the remote tier held
+    it and only did not answer: an operator reads a lost step. It says the remote tier, which did
+    not answer, is not known to hold it now."""
+    monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
+    with _step_one_drained_through_a_proxy(s3_bucket, s3_server, tmp_path) as (mgr, px, _drained, _url):
+        os.unlink(tmp_path / "local" / "step_00000001" / "rank00000.bin")
+        px.rule = lambda n, method, path: "stall"
+        with caplog.at_level("WARNING", logger="distckpt"):
+            with pytest.raises(EndpointUnreachableError):
+                mgr.latest_step()
+        said = [r.getMessage() for r in caplog.records if "step 1 " in r.getMessage()]
+        assert any("did not answer, is not known to hold it" in m and "rank00000.bin" in m for m in said), said
+        assert not any("has not committed it" in m for m in said), said
+        px.rule = lambda n, method, path: None
+        got = _state(0)
+        mgr.load(got)
+        assert _same(got, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # close(timeout) while a request of the drain is held unanswered
 
