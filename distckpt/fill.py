@@ -334,6 +334,11 @@ class _Outcome:
             if self.waiting:
                 self.cond.notify_all()
 
+    def touch(self, fqns: list[str]) -> None:
+        """Some bytes of ``fqns`` changed, but not a whole segment's: they count as partly filled."""
+        with self.cond:
+            self.touched.update(fqns)
+
     def filled(self) -> tuple[list[str], list[str]]:
         full = sorted(f for f in self.touched if self.left[f] == 0)
         part = sorted(f for f in self.touched if self.left[f] != 0)
@@ -638,8 +643,10 @@ def _run_pipeline(path: str, segs: list[_Segment], reader, buf, slot: int, block
         outcome.fail(exc)
         bad = None
     for s, ok in zip(segs, done):
-        if ok:
+        if ok == 1:
             outcome.copied([u.task.fqn for u in s.units], min(s.end, reader.size) - s.offset)
+        elif ok == 2:   # read straight into its destinations (no checks), then failed: partly
+            outcome.touch([u.task.fqn for u in s.units])
     if bad is not None:
         _, k, got = bad
         t, b = meta[k]

@@ -16,7 +16,11 @@ file was read just before):
   torch (DCP) ``convert(dcp_src, dst, to="torch")``                 torch's ``dcp_to_torch_save(dcp_src, dst)``
   dcp         ``convert(src, dst, to="dcp")``                       ``distckpt.read`` + ``dcp.save(no_dist=True)``
   distckpt    ``convert(src, dst, to="distckpt")``                  ``distckpt.read`` + ``distckpt.save``
+  st (HF)     ``convert(hf_src, dst, to="safetensors")``            per shard: safetensors ``load_file`` + ``save_file``
   =========== ==================================================== =================================
+
+``hf_src`` is the same state as a Hugging Face directory: two safetensors shards and their index
+(``model.safetensors.index.json``), as ``save_pretrained`` writes them.
 
 ``convert`` makes its output durable (fsync), as ``dcp.save`` and ``distckpt.save`` do, while
 ``save_file`` and ``torch.save`` do not: their routes are timed both as they are and followed by
@@ -69,11 +73,28 @@ def _warm(path: str) -> None:
                     pass
 
 
-def routes(src: str, dcp_src: str, out: str, limit: int) -> dict:
+def write_hf(model: dict, path: str) -> None:
+    """``model`` as a Hugging Face directory of two safetensors shards and their index."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    keys = list(model)
+    index = {"metadata": {}, "weight_map": {}}
+    for i, part in enumerate((keys[:len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: model[k] for k in part}, os.path.join(path, name), metadata={"format": "pt"})
+        index["weight_map"].update({k: name for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+
+
+def routes(src: str, dcp_src: str, hf_src: str, out: str, limit: int) -> dict:
     """{target: (convert route, [(name, reference route), ...])}; each route writes ``out``."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     import distckpt
@@ -88,6 +109,16 @@ def routes(src: str, dcp_src: str, out: str, limit: int) -> dict:
             save_file(distckpt.read(src)["model"], os.path.join(out, "model.safetensors"))
             if sync:
                 _fsync(os.path.join(out, "model.safetensors"))
+        return run
+
+    def hf(sync):
+        def run():
+            os.makedirs(out)
+            for name in sorted(os.listdir(hf_src)):
+                if name.endswith(".safetensors"):
+                    save_file(load_file(os.path.join(hf_src, name)), os.path.join(out, name))
+                    if sync:
+                        _fsync(os.path.join(out, name))
         return run
 
     def ts(sync):
@@ -107,6 +138,8 @@ def routes(src: str, dcp_src: str, out: str, limit: int) -> dict:
                                                                        no_dist=True))]),
         "distckpt": (conv(src, "distckpt"), [("read+distckpt.save",
                                               lambda: distckpt.save(distckpt.read(src), out, no_dist=True))]),
+        "st (HF src)": (conv(hf_src, "safetensors"), [("load_file+save_file", hf(False)),
+                                                       ("load_file+save_file+fsync", hf(True))]),
     }
 
 
@@ -116,6 +149,7 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=150)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--memory-limit", default="1G", help="convert's --memory-limit (binary units)")
+    ap.add_argument("--only", help="run these targets only (comma-separated names as printed)")
     args = ap.parse_args()
 
     import torch
@@ -131,21 +165,24 @@ def main() -> int:
     try:
         state = make_state(args.tensors)
         nbytes = sum(t.nbytes for t in state["model"].values())
-        src, dcp_src, out = (os.path.join(work, n) for n in ("src", "dcp_src", "out"))
+        src, dcp_src, hf_src, out = (os.path.join(work, n) for n in ("src", "dcp_src", "hf_src", "out"))
         distckpt.save(state, src, no_dist=True)
         dcp.save(state, checkpoint_id=dcp_src, no_dist=True)
+        write_hf(state["model"], hf_src)
         del state
         print(f"state: {args.tensors} float32 tensors, {format_bytes(nbytes)}; convert --memory-limit "
               f"{format_bytes(limit)}; median of {args.repeat} (min..max), page cache warm; torch "
               f"{torch.__version__}, {os.cpu_count()} CPUs")
         print(f"{'target':<16} {'convert s':>18}  {'reference':<24} {'reference s':>18}  {'ratio':>6}")
-        for target, (mine, refs) in routes(src, dcp_src, out, limit).items():
+        for target, (mine, refs) in routes(src, dcp_src, hf_src, out, limit).items():
+            if args.only and target not in args.only.split(","):
+                continue
             times: dict[str, list[float]] = {"convert": [], **{name: [] for name, _ in refs}}
             order = [("convert", mine), *refs]
             for r in range(args.repeat):
                 for name, fn in (order if r % 2 == 0 else order[::-1]):
-                    _warm(src)
-                    _warm(dcp_src)
+                    for warm in (src, dcp_src, hf_src):
+                        _warm(warm)
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)

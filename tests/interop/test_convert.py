@@ -792,3 +792,37 @@ def test_a_source_rewritten_during_the_conversion_publishes_nothing(tmp_path, mo
     with pytest.raises(CheckpointRemovedError, match="changed while it was being read"):
         convert(str(hf), str(tmp_path / "out"), to=to, progress=False, memory_limit=1 << 20)
     assert done and not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.tmp")
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_many_batches_through_the_reused_read_buffers_convert_exactly(tmp_path, to, monkeypatch):
+    """A conversion to a torch or safetensors file reads batches into two reused buffers, the next
+    on a thread while this one is written (_Source.stream(reuse=True)): a view overwritten before
+    it was written would put one tensor's bytes under another's name. A Hugging Face directory of
+    tensors of many sizes (unaligned offsets in the file, runs above and below the size a cached
+    run is read straight into its destination), a 4 MiB memory limit (batches of 512 KiB, a
+    tensor cut into slices across batches): every tensor exactly as safetensors reads it."""
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(3)
+    sizes = [(7,), (1000, 33), (64, 1024), (3, 5, 7), (300, 700), (17,), (2048, 513)]
+    tensors = {f"t{i:02d}": torch.randn(sizes[i % len(sizes)], generator=g).to(
+        [torch.float32, torch.bfloat16, torch.float16][i % 3]) for i in range(21)}
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"))
+    want = load_file(str(src / "model.safetensors"))
+    out = tmp_path / ("out.safetensors" if to == "safetensors" else "out.pt")
+    import distckpt.convert as conv
+    real = conv._bytes_of
+
+    def slow_writer(t):   # the reader thread runs ahead of every write: a buffer reused too early shows
+        time.sleep(0.003)
+        return real(t)
+    monkeypatch.setattr(conv, "_bytes_of", slow_writer)
+    convert(str(src), str(out), to=to, memory_limit=4 << 20, progress=False)
+    got = load_file(str(out / "model.safetensors")) if to == "safetensors" else torch.load(str(out), weights_only=True)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    back = distckpt.read(str(src))   # the read path alone, from the page cache
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
