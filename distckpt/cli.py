@@ -417,7 +417,8 @@ def _verify_and_print(args, path: str) -> int:
                    desc="verify")
 
     try:
-        report = verify(path, progress=lambda n: bar.update(n), on_start=start, window=args.window)
+        report = verify(path, progress=lambda n: bar.update(n), on_start=start, window=args.window,
+                        node_copy=_is_tier_node_copy(path))
     except DistCkptError as exc:
         if not not_damage(exc):
             raise
@@ -451,16 +452,34 @@ def _verify_and_print(args, path: str) -> int:
     return rc
 
 
+def _is_tier_node_copy(path: str) -> bool:
+    """Whether ``path`` is a step of a tiered manager's local root (its tier pairing record
+    beside it): one node's copy, holding its own ranks' data files only (docs/TIERS.md)."""
+    from .storage import is_url
+    from .storage.posix.locate import checkpoint_path
+    from .tiers.manager import TIER_RECORD_NAME
+    if is_url(path):
+        return False
+    return os.path.isfile(os.path.join(os.path.dirname(checkpoint_path(path)), TIER_RECORD_NAME))
+
+
 def _print_report(report) -> int:
     for problem in report.file_problems:
         print(f"BAD FILE   {problem}")
     for bad in report.bad_blocks:
         print(f"BAD BLOCK  {bad}")
+    if report.not_here:
+        print(f"NOT HERE   {len(report.not_here)} of {report.files} data file(s), held by the other nodes of this tiered "
+              f"step (a node's copy holds its own ranks' files): {', '.join(report.not_here[:10])}"
+              f"{' ...' if len(report.not_here) > 10 else ''}; not checked here (`distckpt verify` of the remote "
+              f"tier's copy checks the whole step)")
     rate = f"{format_bytes(report.bytes_per_second)}/s"
     summary = (f"{format_bytes(report.bytes_read)} read in {report.seconds:.2f} s ({rate}), "
                f"{report.blocks_checked} of {report.blocks_expected} blocks checked")
     if report.own_ok:
-        print(f"{report.path}: OK, every checksum matches; {summary}")
+        what = (f"OK, every checksum of this node's {report.files - len(report.not_here)} data file(s) matches"
+                if report.not_here else "OK, every checksum matches")
+        print(f"{report.path}: {what}; {summary}")
         return 0
     files = sorted({b.file for b in report.bad_blocks} | {p.file for p in report.file_problems})
     print(f"{report.path}: DAMAGED: {len(report.bad_blocks)} bad block(s), {len(report.file_problems)} "

@@ -100,6 +100,9 @@ class VerifyReport:
     chain: list[str] = dataclasses.field(default_factory=list)
     #: For a delta: the reports of the links it needs (``chain[1:]``), newest first.
     links: list["VerifyReport"] = dataclasses.field(default_factory=list)
+    #: For a node's copy of a tiered step (``verify(..., node_copy=True)``): the data files absent
+    #: from it, which other nodes hold (not checked, not problems).
+    not_here: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def own_ok(self) -> bool:
@@ -140,6 +143,8 @@ class VerifyReport:
             "bad_blocks": [dataclasses.asdict(b) for b in self.bad_blocks],
             "file_problems": [dataclasses.asdict(p) for p in self.file_problems],
         }
+        if self.not_here:
+            out["not_here"] = list(self.not_here)
         if links and self.chain:
             out["chain"] = list(self.chain)
             out["links"] = [r.to_dict(links=False) for r in self.links]
@@ -319,7 +324,7 @@ def _check_file(fpath: str, name: str, size: int, chunks: list, block: int, wind
 def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
            progress: Callable[[int], None] | None = None,
            on_start: Callable[[VerifyReport], None] | None = None,
-           storage_options: dict | None = None) -> VerifyReport:
+           storage_options: dict | None = None, node_copy: bool = False) -> VerifyReport:
     """Read every data file of the checkpoint at ``path`` and check every checksum block.
 
     A delta of an incremental chain (docs/INCREMENTAL.md) is only as sound as the links it needs:
@@ -337,6 +342,13 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
         on_start: Called with the (empty) report after the MANIFEST was read, before any data
             (``files``, ``bytes_expected``, ``blocks_expected`` and ``backend`` are filled in);
             once per link for a delta, the delta's first (its ``chain`` is filled in).
+        node_copy: ``path`` is one node's copy of a tiered step (distckpt.tiers), which holds its
+            own ranks' data files (and the replicas it keeps), not the others': an absent data
+            file is listed in ``report.not_here``, not as a problem, and the files present are
+            checked. Whether the node holds all of its own ranks' files is not known here (the
+            nodes' ranks are not recorded in the step): ``TieredCheckpointManager.load()`` and
+            ``status()`` tell, and ``distckpt verify`` of the remote tier's copy checks the whole
+            step. ``distckpt verify`` sets it for a step whose root holds a tier pairing record.
 
     Returns:
         A :class:`VerifyReport` listing every bad block and file problem (``report.ok``).
@@ -363,7 +375,7 @@ def verify(path: str | os.PathLike, *, window: int = DEFAULT_WINDOW,
     store = open_store(path, storage_options)
     # Chains are local only (distckpt.incremental): an object store's checkpoint is never a delta.
     chain = [] if is_url(path) else _chain(store, path)
-    report = _verify_one(store, path, window, progress, on_start, chain)
+    report = _verify_one(store, path, window, progress, on_start, chain, node_copy)
     for link in chain[1:]:
         report.links.append(_verify_one(store, link, window, progress, on_start, []))
     return report
@@ -405,12 +417,16 @@ def _check_values(manifest: "mf.Manifest", report: VerifyReport) -> None:
             report.file_problems.append(FileProblem(mf.MANIFEST_NAME, exc.message))
 
 
-def _stat_files(store, path: str, manifest: "mf.Manifest", report: VerifyReport) -> list:
+def _stat_files(store, path: str, manifest: "mf.Manifest", report: VerifyReport, node_copy: bool = False) -> list:
     """[(file index, entry, (location, bytes to read))] of the data files that can be read at
-    all; every missing, non-regular, truncated or oversized file is recorded in ``report``."""
+    all; every missing, non-regular, truncated or oversized file is recorded in ``report`` (with
+    ``node_copy``, an absent one in ``report.not_here``)."""
     readable = []
     for i, entry in enumerate(manifest.files):
         location, size, problem = store.data_file_stat(path, manifest, i)
+        if size is None and node_copy and not store.exists(location):
+            report.not_here.append(entry.name)
+            continue
         if size is None:
             report.file_problems.append(FileProblem(entry.name, problem))
             continue
@@ -423,7 +439,8 @@ def _stat_files(store, path: str, manifest: "mf.Manifest", report: VerifyReport)
     return readable
 
 
-def _verify_one(store, path: str, window: int, progress, on_start, chain: list[str]) -> VerifyReport:
+def _verify_one(store, path: str, window: int, progress, on_start, chain: list[str],
+                node_copy: bool = False) -> VerifyReport:
     """:func:`verify` of one checkpoint, its chain's links not included."""
     from .storage import join
 
@@ -436,11 +453,15 @@ def _verify_one(store, path: str, window: int, progress, on_start, chain: list[s
     report = VerifyReport(path=path, files=len(manifest.files), bytes_expected=sum(f.size for f in manifest.files),
                           checksum_block=manifest.checksum_block, chain=list(chain))
     _check_values(manifest, report)
-    readable = _stat_files(store, path, manifest, report)
+    readable = _stat_files(store, path, manifest, report, node_copy)
     opener, report.backend = store.whole_file_readers({loc: size for _, _, (loc, size) in readable})
     if manifest.format_version >= 3:
         manifest, readable = _read_indexes(manifest, mpath, readable, opener, report)
-    report.blocks_expected = sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks)
+    absent = {i for i, entry in enumerate(manifest.files) if entry.name in set(report.not_here)}
+    report.blocks_expected = sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks
+                                 if c.file not in absent)
+    if absent:
+        report.bytes_expected -= sum(manifest.files[i].size for i in absent)
     if on_start is not None:
         on_start(report)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-verify") as pool:

@@ -643,3 +643,39 @@ def test_a_node_copy_whose_manifest_is_damaged_names_it_and_the_peers_holding_it
     msg, remedy = results[1]["error"], results[1]["remedy"]
     assert msg is not None and "cannot be used (its MANIFEST does not decode" in msg and damaged in msg, results
     assert "the nodes of ranks [0] hold verified copies" in msg and f"Move {damaged} aside" in remedy, results
+
+
+def _one_step_body(rank: int, world_size: int, tmp: str) -> None:
+    _step_one_on_every_tier(rank, tmp, 2)
+
+
+def test_verify_of_a_nodes_copy_checks_its_files_and_names_the_others_not_damage(tmp_path, capsys):
+    """An outside trial: `distckpt verify` of a healthy node's copy of a tiered step said DAMAGED
+    (exit 1), every other node's data file "missing (listed in MANIFEST)": by design a node holds
+    its own ranks' files. verify knows a tiered local root by its pairing record now: the files
+    present are checked, the absent ones listed as held by other nodes (NOT HERE), exit 0; damage
+    in a file present is still DAMAGED, and a missing file of a plain checkpoint still a problem."""
+    import shutil
+
+    from distckpt.cli import main as cli
+    from distckpt.verify import verify
+    run_ranks(_one_step_body, 2, str(tmp_path), timeout=240)
+    node0 = tmp_path / "node0" / "step_00000001"
+    present = sorted(n for n in os.listdir(node0) if n.endswith(".bin"))
+    assert present and len(present) < 2, present   # this layout: each node holds its own rank's file
+    capsys.readouterr()
+    assert cli(["verify", str(node0)]) == 0
+    out = capsys.readouterr().out
+    assert "NOT HERE" in out and "rank00001.bin" in out and "OK, every checksum of this node's 1" in out, out
+    assert cli(["verify", str(tmp_path / "remote" / "step_00000001")]) == 0   # the whole step
+    assert "NOT HERE" not in capsys.readouterr().out
+    # a file present and damaged is damage, as ever
+    _flip(str(node0 / present[0]))
+    assert cli(["verify", str(node0)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+    # outside a tiered local root, a missing data file is a problem
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "remote" / "step_00000001", plain)
+    os.unlink(plain / "rank00001.bin")
+    report = verify(str(plain))
+    assert not report.ok and report.not_here == [] and "missing" in str(report.file_problems[0]), report
