@@ -246,7 +246,8 @@ class CheckpointManager:
         """(:meth:`latest_step`, {step: why} of the steps found not to decode on the way)."""
         infos: dict[int, StepInfo] = {}
         step = self._latest_of(infos)
-        return step, {s: info.problem or info.status for s, info in sorted(infos.items()) if info.status != "committed"}
+        return step, {s: info.problem or info.status for s, info in sorted(infos.items())
+                      if info.status not in ("committed", "gone")}
 
     def _latest_of(self, infos: dict) -> int | None:
         """:meth:`latest_step`, filling ``infos`` with the full decode of every step it decoded."""
@@ -298,6 +299,12 @@ class CheckpointManager:
 
     def _checked_info(self, step: int) -> StepInfo:
         info = _step_info(self.path(step), step_dirname(step), self._store)
+        if info.status != "committed" and not self._store.is_committed(self.path(step)):
+            # Gone since the listing (another process's rotation deleted it): no damage, and no
+            # step passed over (an outside trial saw a warning of a damaged MANIFEST at every
+            # rotation while readers listed).
+            log.debug("distckpt: %s was removed since the listing", info.path)
+            return dataclasses.replace(info, status="gone", problem="removed since the listing")
         if info.status != "committed":
             log.warning("distckpt: %s looks committed but its MANIFEST is damaged (%s); not a candidate "
                         "for latest", info.path, info.problem)

@@ -912,3 +912,27 @@ def test_a_restart_on_a_host_whose_clock_is_off_still_resumes_from_the_newest_st
     assert run("save:6-8", skew) == {"resumed_from": 5}
     assert run("save:9-9", 0) == {"resumed_from": 8}
     assert run("load", skew) == {"latest": 9, "loaded": 9, "exact": True}
+
+
+def test_a_step_rotated_away_while_listing_is_neither_damaged_nor_passed_over(tmp_path, caplog):
+    """An outside trial: readers looping latest_step() + load() beside a writer whose rotation
+    deleted steps logged "looks committed but its MANIFEST is damaged (no MANIFEST...)" at every
+    rotation: a step deleted between the listing and its decode. It is gone, not damaged: no
+    warning, and the load's passed_over does not name it."""
+    import shutil
+    root = tmp_path / "root"
+    mgr = distckpt.CheckpointManager(root, keep_last=5)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+    real = mgr._store.peek_commit_time
+
+    def peek_then_rotate(path):
+        t = real(path)
+        if path.endswith("step_00000003"):
+            shutil.rmtree(path)   # another process's rotation, right after this one peeked it
+        return t
+    mgr._store.peek_commit_time = peek_then_rotate
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        result = mgr.load(_state(0))
+    assert result.path.endswith("step_00000002") and result.passed_over == {}, result
+    assert "damaged" not in caplog.text, caplog.text
