@@ -10,11 +10,11 @@ entries per saved piece of tracked tensor number ``j`` (the tracked tensors sort
   the box's rows (the tracked row dimension);
 * ``_incr.<j>.<piece>.rows``: those rows, one per id, each of the box's other sizes.
 
-Pieces of one tensor in one link are disjoint, except replicas: the same box held by several
-ranks (a Replicate DTensor, a plain tensor on every rank) written by each of them by savers before
-replicas were written once. Where two pieces overlap, they must hold the same row ids there and the
-same bytes in those rows (:func:`check_overlaps`): a load writes both, and pieces that differ there
-would make the result depend on which is copied last, and ``read`` and ``load`` disagree.
+Pieces of one tensor in one link are disjoint, except replicas: a Replicate DTensor's box, held
+by several ranks, which savers before replicas were written once wrote once per rank. Where two
+pieces overlap, they must hold the same row ids there and the same bytes in those rows
+(:func:`check_overlaps`): a load writes both, and pieces that differ there would make the result
+depend on which is copied last, and ``read`` and ``load`` disagree.
 
 A load (:func:`distckpt.incremental.plan_deltas`) and ``distckpt verify`` (:func:`check_link`)
 apply the same rules, from here: a record that ``verify`` passes is one a load composes, and one

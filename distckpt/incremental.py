@@ -275,9 +275,9 @@ def _digest_of(digests: torch.Tensor) -> bytes:
 
 def _replica_writers(stats: list) -> tuple[dict[tuple, int], list[str]]:
     """From every rank's :class:`_DeltaStats`: ``({piece key: the lowest rank holding it}, [fqns whose
-    holders' digests differ])`` for the pieces that were sent as possibly replicated. One rank
-    writes a replica's rows (each holder writing its own made overlapping records, and a
-    load compose them in any order)."""
+    holders' digests differ])`` for the pieces sent as replicated. One rank writes a replica's
+    rows: each holder writing its own made overlapping records, which a load composed in any
+    order."""
     holders: dict[tuple, list] = {}
     for r, st in enumerate(stats):
         for fqn, offsets, sizes, digest in st.replicas:
