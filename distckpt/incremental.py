@@ -159,9 +159,11 @@ class _DeltaStats:
     rank has plain tracked tensors whose replicas a delta must check (it leaves them out of the
     save); their digests are exchanged only once a delta is decided, so a full link never
     digests them twice. ``replicas``: this rank's pieces that other ranks hold too (a Replicate
-    DTensor's), each with a digest of its row digests: one rank writes a
-    replicated piece's rows, and replicas that differ make the link full (a delta would compose
-    one rank's rows onto a base written by another)."""
+    DTensor's), each with a digest of its row digests now and of those of the previous link: one
+    rank writes a replicated piece's rows, measured against its own previous copy, so the link is
+    full unless every holder's copy agrees now and agreed at the previous link (the base holds
+    the copy of whichever rank the full save's plan chose: replicas that differed then, even
+    resynced since, would compose one rank's rows onto another's base)."""
 
     changed_bytes: int
     total_bytes: int
@@ -268,8 +270,11 @@ def _replicated(piece: Any) -> bool:
     return isinstance(piece.owner, DTensor) and any(isinstance(pl, Replicate) for pl in piece.owner.placements)
 
 
-def _digest_of(digests: torch.Tensor) -> bytes:
-    """A digest of a piece's row digests, the same on every rank holding the same rows."""
+def _digest_of(digests: torch.Tensor | None) -> bytes:
+    """A digest of a piece's row digests, the same on every rank holding the same rows (None: no
+    previous digests)."""
+    if digests is None:
+        return b"\0" * 16
     return hashlib.blake2b(digests.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).digest()
 
 
@@ -612,7 +617,9 @@ class IncrementalSaver:
         elif link["seq"] + 1 >= pol.full_every:
             why = f"full_every={pol.full_every}"
         plain = [f for f in sorted(rows) if items[f].kind == "tensor" and checked(f)] if group.world_size > 1 else []
-        replicas = tuple((fqn, tuple(p.offsets), tuple(p.sizes), _digest_of(dg))
+        # A replica's digests now and at the previous link: both must agree between its holders.
+        replicas = tuple((fqn, tuple(p.offsets), tuple(p.sizes),
+                          _digest_of(dg) + _digest_of(self._digests.get(_piece_key(fqn, p.offsets, p.sizes))))
                          for fqn, _j, _i, p, dg, _r in pieces if _replicated(p)) if group.world_size > 1 else ()
         stats = group.all_gather(_DeltaStats(changed_bytes, total_bytes, changed_rows, total_rows, bool(unknown),
                                              parent_ok, why, None if link is None else link["save_id"], bool(plain),
@@ -633,8 +640,8 @@ class IncrementalSaver:
         elif any(s.unknown for s in stats):
             why = "tracked tensors or their sharding changed since the previous link"
         elif differ:
-            why = (f"the replicas of tracked tensor {differ[0]!r} differ between ranks: a delta would compose one "
-                   f"rank's rows onto another's")
+            why = (f"the replicas of tracked tensor {differ[0]!r} differ between ranks, now or at the previous link: a "
+                   f"delta would compose one rank's rows onto another's")
         elif c_bytes > pol.max_delta_fraction * t_bytes:
             why = f"{c_bytes} changed bytes > max_delta_fraction={pol.max_delta_fraction} of {t_bytes}"
         elif link.get("chain_bytes", 0) + c_bytes > pol.max_chain_fraction * t_bytes:

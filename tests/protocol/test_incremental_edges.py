@@ -737,3 +737,50 @@ def test_overlapping_pairs_finds_every_pair_a_brute_force_finds():
         brute = [(a, b) for a in range(len(boxes)) for b in range(a + 1, len(boxes))
                  if all(max(x, y) < min(x + m, y + n) for x, m, y, n in zip(*boxes[a], *boxes[b]))]
         assert overlapping_pairs(boxes) == brute, boxes
+
+
+def _resynced_replicas(rank: int, world: int, root: str) -> tuple:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    # tables above plan.assign_owners' group size: the full saves spread their owners over the ranks
+    sd = {"m": {f"e{i}": distribute_tensor(torch.arange(4096 * 64.0).reshape(4096, 64) + i, mesh, [Replicate()])
+                for i in range(4)}, "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(rows={f"m.e{i}": 0 for i in range(4)}, max_delta_fraction=1.0,
+                                               max_chain_fraction=100.0))
+    kinds, states = [], []
+
+    def save(name):
+        saver.save(sd, f"{root}/{name}")
+        kinds.append(saver.last_kind)
+        states.append({k: v.to_local().clone() for k, v in sd["m"].items()})
+    save("s1")
+    for t in sd["m"].values():   # a bad step: rank 1's replicas drift
+        t.to_local()[9] += 1 + rank
+    save("s2")
+    for t in sd["m"].values():   # resynced from rank 0, then trained on
+        dist.broadcast(t.to_local(), src=0)
+        t.to_local()[3] += 1
+    save("s3")
+    for t in sd["m"].values():
+        t.to_local()[5] += 1
+    save("s4")
+    return kinds, states
+
+
+def test_replicas_resynced_after_they_differed_never_compose_one_ranks_rows_onto_anothers_base(tmp_path):
+    """An outside re-trial: Replicate DTensors that differed at a full link (written by the ranks
+    the plan chose as owners), then were resynced from rank 0: the next link was a delta of rank
+    0's changed rows against rank 0's own previous copy, composed onto bases rank 1 had written,
+    so the row rank 1 had drifted kept its old value, and verify said OK. A delta is written now
+    only when the holders' copies agree now and agreed at the previous link."""
+    out = run_ranks(_resynced_replicas, 2, str(tmp_path), timeout=240)
+    assert [k for k, _s in out] == [["full", "full", "full", "delta"]] * 2, [k for k, _s in out]
+    for i, name in enumerate(("s1", "s2", "s3", "s4")):
+        got = distckpt.read(str(tmp_path / name))["m"]
+        if i == 1:   # the replicas differed: one rank's whole copy per table, never a mix
+            assert all(any(torch.equal(got[k], states[1][k]) for _k, states in out) for k in got), name
+            continue
+        assert all(torch.equal(got[k], out[0][1][i][k]) for k in got), name
+        assert verify(str(tmp_path / name)).ok
