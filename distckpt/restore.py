@@ -30,7 +30,6 @@ import logging
 import os
 import pickle
 import re
-import struct
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -53,7 +52,7 @@ from .source import Source, open_source
 from .staging.pool import wait_for_staging
 from .storage import path_text
 from .tensorbytes import EXACT_CASTS, dtype_from_name, dtype_name
-from .values import decode_value
+from .values import decode_value, encode_value, value_digest
 
 __all__ = ["LoadResult", "load", "read", "read_manifest", "load_manifest", "read_box", "read_boxes", "fill_boxes",
            "EXACT_CASTS"]
@@ -401,25 +400,17 @@ def _object_value(entry, manifest=None, fqn: str = "", path: str | None = None, 
 
 def _same(a: Any, b: Any) -> bool:
     """Whether the caller's value ``a`` already is the saved value ``b`` exactly, so that it may be
-    left in place: the same type at every level of a container, floats by their bits. Plain ``==``
-    left the caller's ``0.0`` for a saved ``-0.0``, and ``[1.0, 2.0]`` for a saved ``[1, 2]``
-    (``1.0 == 1``, ``True == 1``) without a word, where DCP replaces them."""
+    left in place: both encode to the same canonical bytes (distckpt.values: the type at every
+    level, floats by their bits, a dataclass or a numpy scalar by its fields or bytes). ``==``
+    left the caller's ``0.0`` for a saved ``-0.0``, ``[1.0, 2.0]`` for ``[1, 2]`` and
+    ``Cfg(lr=0.0)`` for ``Cfg(lr=-0.0)`` without a word, where DCP replaces them. A value that
+    only pickle could store is never the same (replaced)."""
     if type(a) is not type(b):
         return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, complex):
-        return _same(a.real, b.real) and _same(a.imag, b.imag)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return len(a) == len(b) and all(_same(ka, kb) and _same(va, vb)
-                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
-    if isinstance(a, (set, frozenset)):
-        return False   # equal sets may hold 1 and 1.0: replaced, never compared
     try:
-        return bool(a == b)
-    except Exception:  # e.g. numpy arrays compare elementwise
+        return (value_digest(*encode_value("", a, allow_pickle=False))
+                == value_digest(*encode_value("", b, allow_pickle=False)))
+    except Exception:  # noqa: BLE001 - a value the encoding refuses: replaced, never compared
         return False
 
 

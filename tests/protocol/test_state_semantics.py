@@ -148,6 +148,10 @@ def _bits(v):
     import struct
     if isinstance(v, float):
         return ("float", struct.pack("<d", v))
+    if isinstance(v, np.generic):
+        return (type(v).__name__, v.tobytes())
+    if dataclasses.is_dataclass(v):
+        return (type(v).__name__, [_bits(getattr(v, f.name)) for f in dataclasses.fields(v)])
     if isinstance(v, (list, tuple)):
         return (type(v).__name__, [_bits(x) for x in v])
     if isinstance(v, dict):
@@ -160,13 +164,14 @@ def test_a_value_equal_to_the_saved_one_but_not_the_same_is_replaced_as_dcp_does
     saved one, so a saved -0.0 came back as the caller's 0.0 and a saved [1, 2] as [1.0, 2.0]
     (1.0 == 1, True == 1), silently; dcp.load restores what was saved. The values are now kept only
     when they are the same exactly (type at every level, floats by bits), from distckpt's own
-    checkpoint and from a DCP directory alike, as dcp.load restores them in the same run."""
+    checkpoint and from a DCP directory alike, as dcp.load restores them in the same run. Also
+    inside a dataclass and for a numpy scalar, whose own == says equal (a re-trial found them)."""
     import torch.distributed.checkpoint as dcp
     saved = {"neg0": -0.0, "ints": [1, 2], "tup": (1, 2), "bools": [True, False], "d": {"a": 1, "b": [0.0]},
-             "nan": float("nan"), "w": torch.ones(2)}
+             "nan": float("nan"), "w": torch.ones(2), "cfg": Sched(1, -0.0, (1, 2)), "np": np.float32(-0.0)}
     def stale():
         return {"neg0": 0.0, "ints": [1.0, 2.0], "tup": (1.0, 2.0), "bools": [1, 0], "d": {"a": 1.0, "b": [-0.0]},
-                "nan": float("nan"), "w": torch.zeros(2)}
+                "nan": float("nan"), "w": torch.zeros(2), "cfg": Sched(1, 0.0, (1.0, 2.0)), "np": np.float32(0.0)}
     distckpt.save(saved, tmp_path / "mine")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -177,7 +182,7 @@ def test_a_value_equal_to_the_saved_one_but_not_the_same_is_replaced_as_dcp_does
     assert {k: _bits(v) for k, v in reference.items() if k != "w"} == want   # DCP's own answer
     for source in ("mine", "dcp"):
         got = stale()
-        distckpt.load(got, tmp_path / source)
+        distckpt.load(got, tmp_path / source, allow_pickle=source == "dcp")   # DCP pickles a dataclass
         assert {k: _bits(v) for k, v in got.items() if k != "w"} == want, source
         assert torch.equal(got["w"], saved["w"])
     # a value that is the same exactly is left in place: a root tuple holding one loads under strict
