@@ -455,6 +455,20 @@ class TieredCheckpointManager:
             self._check_local_room(result.bytes_per_rank)
         return result
 
+    def _check_owner(self, operation: str) -> None:
+        """Raise SaveInProgressError on every rank when a node's leader no longer holds the local
+        tier's owner lock: the directory was removed or replaced under this manager (its pairing
+        record went with it), and another manager may have taken the new one, whose steps this
+        one must not list or load as its own. Collective. (A save checks it in
+        :meth:`_check_step_free`'s exchange.)"""
+        error = None
+        if self._owner is not None:
+            try:
+                self._owner.check(f"{operation} on the local tier {self.local_root}")
+            except SaveInProgressError as exc:
+                error = exc
+        self._group.exchange_outcome(error, operation=operation)
+
     def _check_step_free(self, step: int) -> bool:
         """Refuse, on every rank (rank 0 decides; one all-gather), a step number whose drain is
         still queued or running here (its local files would change under the drain's reads) or
@@ -1139,6 +1153,7 @@ class TieredCheckpointManager:
         does. Collective. Writes nothing. None when no tier holds one; when no local copy is
         complete and the remote tier did not answer, its typed error (it may hold steps)."""
         self._control("TieredCheckpointManager.latest_step()")
+        self._check_owner("TieredCheckpointManager.latest_step()")
         candidates, remote_up, _, _ = self._candidates()
         if not candidates and not remote_up:
             self._raise_if_remote_down(None)  # None would say "no checkpoint" of a remote tier that may hold them
@@ -1214,10 +1229,11 @@ class TieredCheckpointManager:
             check_step(step)
         if self._check_before_load:
             self._check_unpaired_remote()
+        self._control("TieredCheckpointManager.load()")
+        self._check_owner("TieredCheckpointManager.load()")
         if step is not None:
             steps, remote_up, avail, passed = [step], True, {}, {}
         else:
-            self._control("TieredCheckpointManager.load()")
             steps, remote_up, avail, passed = self._candidates()
         if not steps:
             self._raise_if_remote_down(None)

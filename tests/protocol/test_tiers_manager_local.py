@@ -744,8 +744,8 @@ def test_a_local_tier_wiped_under_its_manager_is_never_shared_with_a_second_one(
     took its owner lock and its pairing record with it; the manager's next save recreated the
     directory, and a second manager built on it (paired with another remote tier) drained the
     first one's step into its own remote, each manager unaware of the other. The manager checks
-    its owner lock at each save now: the save is SaveInProgressError, nothing is written, and the
-    directory is the second manager's alone."""
+    its owner lock at each save, listing and load now: SaveInProgressError, nothing is written or
+    read, and the directory is the second manager's alone."""
     import shutil
     local, r1, r2 = tmp_path / "local", tmp_path / "r1", tmp_path / "r2"
     first = TieredCheckpointManager(local, r1)
@@ -761,6 +761,12 @@ def test_a_local_tier_wiped_under_its_manager_is_never_shared_with_a_second_one(
             assert second.wait_durable(40, timeout=120).durable
             with pytest.raises(errors.SaveInProgressError):
                 first.save(30, _state(30))   # never into the second manager's directory
+            # nor does it list or load the second manager's steps as its own (a re-trial: step 40)
+            with pytest.raises(errors.SaveInProgressError):
+                first.latest_step()
+            for step in (None, 40):
+                with pytest.raises(errors.SaveInProgressError):
+                    first.load(_state(0), step=step)
         assert (r1 / "step_00000010").exists()
         assert not (r1 / "step_00000040").exists() and not (r2 / "step_00000010").exists()
         assert not (local / "step_00000030").exists()
