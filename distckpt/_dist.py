@@ -968,9 +968,16 @@ def control_group(process_group: Any | None = None, *, channel: str = "control",
     # (DISTCKPT_TIMEOUT_S) instead of the training group's (30 minutes by default).
     if side is None:
         try:
+            # A subgroup's side group is made by its own ranks only (use_local_synchronization):
+            # otherwise torch names a group by a per-process count of the groups created, which
+            # the ranks outside the subgroup did not advance, so the job's next dist.new_group
+            # (any group) waited for ever on names that no longer matched, and two disjoint
+            # subgroups saving at once drew the same name and cross-wired their ranks. The
+            # world's keeps torch's default (every rank creates it: the counts stay equal).
             side = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo",
                                   timeout=datetime.timedelta(
-                                      seconds=get_config().timeout_s if timeout_s is None else timeout_s))
+                                      seconds=get_config().timeout_s if timeout_s is None else timeout_s),
+                                  use_local_synchronization=world < dist.get_world_size())
         except Exception as exc:  # DistStoreError / DistBackendError: a peer missing or dead
             raise PeerLostError(
                 f"creating distckpt's gloo control group among {world} ranks for {operation} failed: "
