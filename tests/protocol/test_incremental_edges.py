@@ -584,6 +584,19 @@ def test_a_delta_with_no_changed_row_reads_as_its_saved_keys(tmp_path):
     assert sorted(torch.load(tmp_path / "t.pt", weights_only=True)) == ["emb", "step"]
 
 
+def _chain_to_craft_on(tmp_path) -> tuple[dict, dict, object]:
+    """A chain of a full link and a delta of one 100 x 4 table, for a crafted third link: (the
+    state as saved, the chain metadata the third link needs, its path)."""
+    sd = {"emb": {"w": torch.randn(100, 4, generator=torch.Generator().manual_seed(0))}, "step": 0}
+    saver = IncrementalSaver(IncrementalPolicy(rows={"emb.w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
+    saver.save(sd, tmp_path / "step_00000000")
+    sd["emb"]["w"][3] += 1
+    saver.save(sd, tmp_path / "step_00000001")
+    parent = chain_of(str(tmp_path / "step_00000001"))[0]
+    meta = {**parent.meta, "seq": 2, "parent": "step_00000001", "parent_save_id": parent.manifest.save_id}
+    return sd, meta, tmp_path / "step_00000002"
+
+
 @pytest.mark.parametrize("box, ids, rows", [
     ([[10, 0], [100, 4]], [99, 105, 109], (3, 4)),   # taller than the table: 105 and 109 were dropped
     ([[0, 0], [200, 4]], [150], (1, 4)),             # the same, every row dropped
@@ -599,14 +612,7 @@ def test_a_delta_whose_box_or_rows_do_not_fit_its_table_is_chain_broken(tmp_path
     trial): rows outside the table, or a rows record of another shape than its ids and box, loaded
     with rows silently dropped or cut. ChainBrokenError naming the link now, from load and read."""
     R, C = 100, 4
-    sd = {"emb": {"w": torch.randn(R, C, generator=torch.Generator().manual_seed(0))}, "step": 0}
-    saver = IncrementalSaver(IncrementalPolicy(rows={"emb.w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
-    saver.save(sd, tmp_path / "step_00000000")
-    sd["emb"]["w"][3] += 1
-    saver.save(sd, tmp_path / "step_00000001")
-    parent = chain_of(str(tmp_path / "step_00000001"))[0]
-    meta = {**parent.meta, "seq": 2, "parent": "step_00000001", "parent_save_id": parent.manifest.save_id}
-    crafted = tmp_path / "step_00000002"
+    sd, meta, crafted = _chain_to_craft_on(tmp_path)
     rows_t = torch.ones(rows[:2], dtype=getattr(torch, rows[2])) if len(rows) == 3 else torch.ones(rows)
     box_v = torch.tensor([[0, 0], [100, 4]]) if box == "tensor" else box
     distckpt.save({"_incr": {"0": {"r0p0": {"box": box_v, "ids": torch.tensor(ids, dtype=torch.int32),
@@ -693,14 +699,7 @@ def test_overlapping_pieces_of_one_link_must_agree_where_they_overlap(tmp_path, 
     ChainBrokenError from load, read and verify, naming both records; disjoint pieces and equal
     replicas compose as before."""
     R, C = 100, 4
-    sd = {"emb": {"w": torch.randn(R, C, generator=torch.Generator().manual_seed(0))}, "step": 0}
-    saver = IncrementalSaver(IncrementalPolicy(rows={"emb.w": 0}, max_delta_fraction=1.0, max_chain_fraction=100.0))
-    saver.save(sd, tmp_path / "step_00000000")
-    sd["emb"]["w"][3] += 1
-    saver.save(sd, tmp_path / "step_00000001")
-    parent = chain_of(str(tmp_path / "step_00000001"))[0]
-    meta = {**parent.meta, "seq": 2, "parent": "step_00000001", "parent_save_id": parent.manifest.save_id}
-    crafted = tmp_path / "step_00000002"
+    sd, meta, crafted = _chain_to_craft_on(tmp_path)
     records = {f"r{r}p0": {"box": box, "ids": torch.tensor(ids, dtype=torch.int32),
                            "rows": torch.full((len(ids), box[1][1]), value)}
                for r, (box, ids, value) in enumerate((first, second))}
