@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import re
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -407,6 +408,10 @@ def _same(a: Any, b: Any) -> bool:
     only pickle could store is never the same (replaced)."""
     if type(a) is not type(b):
         return False
+    if type(a) in (str, bytes, int, bool, type(None)):
+        return a == b   # exact for these (and no copy of a large bytes value)
+    if type(a) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)   # by its bits: -0.0 is not 0.0
     try:
         return (value_digest(*encode_value("", a, allow_pickle=False))
                 == value_digest(*encode_value("", b, allow_pickle=False)))
