@@ -457,7 +457,8 @@ def _verify_one(store, path: str, window: int, progress, on_start, chain: list[s
     opener, report.backend = store.whole_file_readers({loc: size for _, _, (loc, size) in readable})
     if manifest.format_version >= 3:
         manifest, readable = _read_indexes(manifest, mpath, readable, opener, report)
-    absent = {i for i, entry in enumerate(manifest.files) if entry.name in set(report.not_here)}
+    not_here = set(report.not_here)
+    absent = {i for i, entry in enumerate(manifest.files) if entry.name in not_here}
     report.blocks_expected = sum(len(c.crcs) for t in manifest.tensors.values() for c in t.chunks
                                  if c.file not in absent)
     if absent:
