@@ -316,20 +316,17 @@ def test_a_list_of_many_empty_dicts_saved_through_the_writer_loads_through_the_r
         assert torch.equal(dest["experts"][1100]["w"], torch.arange(4.0)), reader
 
 
-def _subgroup_body(rank: int, world: int, root: str) -> tuple:
-    import time
-
+def _subgroup_body(rank: int, world: int, root: str) -> str | None:
     import torch.distributed as dist
     group = dist.new_group([0, 1])
-    out = ()
+    out = None
     if rank in (0, 1):
-        t0 = time.monotonic()
         try:
             dcp.save({f"r{rank}": torch.ones(2), "w": torch.arange(4.0)}, process_group=group,
                      storage_writer=DistCkptStorageWriter(os.path.join(root, "untold")))
-            out = ("saved", 0.0)
+            out = "saved"
         except CheckpointException as exc:
-            out = (type(_failure(exc)).__name__, time.monotonic() - t0)
+            out = type(_failure(exc)).__name__
         # told the group, it saves
         dcp.save({f"r{rank}": torch.ones(2), "w": torch.arange(4.0)}, process_group=group,
                  storage_writer=DistCkptStorageWriter(os.path.join(root, "told"), process_group=group))
@@ -344,9 +341,8 @@ def test_dcp_save_on_a_subgroup_the_writer_was_not_told_of_fails_at_once(tmp_pat
     The coordinator sees fewer plans than its group has ranks: ConfigError on every saving rank at
     once, saying to pass the group; told the group, the same save succeeds."""
     results = run_ranks(_subgroup_body, 3, str(tmp_path), env={"DISTCKPT_TIMEOUT_S": "120"}, timeout=240)
-    for rank in (0, 1):
-        what, seconds = results[rank]
-        assert what == "ConfigError" and seconds < 60, results
+    # the class says it: the old code's wait ended in PeerLostError after DISTCKPT_TIMEOUT_S
+    assert results[0] == results[1] == "ConfigError", results
     assert not (tmp_path / "untold").exists()
     assert sorted(distckpt.read(tmp_path / "told")) == ["r0", "r1", "w"]
 

@@ -690,7 +690,7 @@ def test_a_rank_frozen_inside_the_check_that_rebuilds_the_group_is_not_left_out_
     assert out0[2:] == out1[2:] == [3.0, 4.0] and count0 == count1, results
 
 
-def _subgroup_saves_body(rank: int, world: int, root: str) -> tuple:
+def _subgroup_saves_body(rank: int, world: int, root: str) -> list:
     import datetime
 
     import torch.distributed as dist
@@ -698,23 +698,25 @@ def _subgroup_saves_body(rank: int, world: int, root: str) -> tuple:
     import distckpt
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
-    t0 = time.monotonic()
-    distckpt.save({f"r{rank}": torch.full((2,), float(rank))}, os.path.join(root, f"g{rank // 2}"), process_group=mine)
-    saved = time.monotonic() - t0
-    back = {f"r{rank}": torch.zeros(2)}
-    distckpt.load(back, os.path.join(root, f"g{rank // 2}"), process_group=mine)
-    # the job's own next group, over every rank, works as before the saves
+    # 1. one subgroup saves, the other ranks do not: the job's next group over every rank still forms
+    if rank < 2:
+        distckpt.save({f"r{rank}": torch.ones(2)}, os.path.join(root, "first"), process_group=mine)
     later = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=30))
     dist.barrier(group=later)
-    return saved, back[f"r{rank}"].tolist()
+    # 2. both subgroups save at once, each its own checkpoint
+    distckpt.save({f"r{rank}": torch.full((2,), float(rank))}, os.path.join(root, f"g{rank // 2}"), process_group=mine)
+    back = {f"r{rank}": torch.zeros(2)}
+    distckpt.load(back, os.path.join(root, f"g{rank // 2}"), process_group=mine)
+    return back[f"r{rank}"].tolist()
 
 
 def test_disjoint_subgroups_save_at_once_and_the_jobs_next_group_still_forms(tmp_path):
-    """An outside re-trial: subgroups [0, 1] and [2, 3] saving at once cross-wired distckpt's side
-    groups (a rank of one met the ranks of the other: a ConfigError about paths, or a gloo connect
-    timeout after 150 s); and after any subgroup's save, the job's next dist.new_group over every
-    rank waited for ever (torch names groups by a per-process count, which the ranks outside the
-    subgroup had not advanced). A subgroup's side group is made by its own ranks only now."""
+    """An outside re-trial: after a subgroup's save, the job's next dist.new_group over every rank
+    waited until its timeout (torch names groups by a per-process count, which the ranks outside
+    the subgroup had not advanced: a DistStoreError here, every time); and subgroups [0, 1] and
+    [2, 3] saving at once could cross-wire distckpt's side groups (a rank of one met the ranks of
+    the other: a ConfigError about paths, or a gloo connect timeout; a race, not every run). A
+    subgroup's side group is made by its own ranks only now."""
     results = run_ranks(_subgroup_saves_body, 4, str(tmp_path), env={"DISTCKPT_TIMEOUT_S": "30"}, timeout=240)
-    for rank, (saved, back) in enumerate(results):
-        assert saved < 20 and back == [float(rank)] * 2, results
+    # a cross-wired or hung rank raises (ConfigError, PeerLostError): run_ranks reports it
+    assert results == [[float(rank)] * 2 for rank in range(4)], results
