@@ -34,7 +34,8 @@ from .tensorbytes import EXACT_CASTS, dtype_from_name
 from .values import decode_value
 
 __all__ = ["DELTA_ROOT", "box_of", "pieces_of", "check_no_stray", "check_box", "check_ids_form", "checked_ids",
-           "check_rows_dtype", "overlapping_pairs", "check_overlaps", "check_link", "read_records", "link_error"]
+           "check_rows_dtype", "overlapping_pairs", "check_overlaps", "check_all_overlaps", "check_link",
+           "read_records", "link_error"]
 
 DELTA_ROOT = "_incr"   # root key of the delta records inside a delta checkpoint
 
@@ -208,6 +209,24 @@ def check_overlaps(link: ChainLink, fqn: str, dim: int, pieces: list[tuple[dict,
     return nbytes
 
 
+def check_all_overlaps(link: ChainLink, pieces: list, tracked: dict[str, int], verify: bool,
+                       cache: dict | None = None) -> int:
+    """:func:`check_overlaps` of ``pieces`` ((fqn, parts, offsets, sizes, checked ids) of ``link``),
+    per tracked tensor. ``cache``: the sets of pieces already compared (a caller planning one
+    tensor slice by slice compares them once; filled here). Returns the bytes read."""
+    by_fqn: dict[str, list] = {}
+    for fqn, parts, offsets, sizes, ids in pieces:
+        by_fqn.setdefault(fqn, []).append((parts, offsets, sizes, ids))
+    nbytes = 0
+    for fqn, found in by_fqn.items():
+        key = (link.path, "overlaps", fqn, tuple(p["ids"] for p, _o, _s, _i in found))
+        if len(found) > 1 and (cache is None or key not in cache):
+            nbytes += check_overlaps(link, fqn, tracked[fqn], found, verify)
+            if cache is not None:
+                cache[key] = True
+    return nbytes
+
+
 def check_link(link: ChainLink, *, verify: bool = True) -> int:
     """Check every record of the delta ``link`` (its manifest with its chunk records) as a load of
     its whole tracked tensors would: no stray record, every box inside its tensor's recorded shape
@@ -240,13 +259,9 @@ def check_link(link: ChainLink, *, verify: bool = True) -> int:
     nbytes = 0
     if requests:
         nbytes = read_records([(link.path, link.manifest, requests)], verify, "delta row ids")
-    by_fqn: dict[str, list] = {}
-    for fqn, parts, offsets, sizes, ids in found:
-        ids = checked_ids(link, parts, ids, offsets, sizes, tracked[fqn], fqn)
-        by_fqn.setdefault(fqn, []).append((parts, offsets, sizes, ids))
-    for fqn, pieces in by_fqn.items():
-        nbytes += check_overlaps(link, fqn, tracked[fqn], pieces, verify)
-    return nbytes
+    checked = [(fqn, parts, offsets, sizes, checked_ids(link, parts, ids, offsets, sizes, tracked[fqn], fqn))
+               for fqn, parts, offsets, sizes, ids in found]
+    return nbytes + check_all_overlaps(link, checked, tracked, verify)
 
 
 def read_records(reads: list, verify: bool, what: str) -> int:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .chain import FORMAT, META_KEY, ChainLink, _broken, chain_info, chain_of, dependencies
-from .deltarecords import (DELTA_ROOT, box_of, check_box, check_ids_form, check_no_stray, check_overlaps,
+from .deltarecords import (DELTA_ROOT, box_of, check_all_overlaps, check_box, check_ids_form, check_no_stray,
                            check_rows_dtype, checked_ids, pieces_of, read_records)
 from .verify import verify_chain
 from .errors import ConfigError, DistCkptError
@@ -783,24 +783,6 @@ def _index_dtype(n: int) -> torch.dtype:
     return next(d for d in (torch.int8, torch.int16, torch.int32, torch.int64) if n <= torch.iinfo(d).max)
 
 
-def _check_overlaps_once(link: ChainLink, pieces: list, tracked: dict[str, int], verify: bool, cache: dict) -> int:
-    """:func:`distckpt.deltarecords.check_overlaps` of ``pieces`` (fqn, parts, offsets, sizes, ids) of
-    ``link``, per tracked tensor, once per set of pieces (``cache``: a caller planning one tensor
-    slice by slice compares them once). Pieces of one link that overlap (replicas each rank
-    wrote) are filled in any order: they must agree where they overlap, or the result would
-    depend on that order. Returns the bytes read."""
-    by_fqn: dict[str, list] = {}
-    for fqn, parts, soff, ssz, ids in pieces:
-        by_fqn.setdefault(fqn, []).append((parts, soff, ssz, ids))
-    nbytes = 0
-    for fqn, found in by_fqn.items():
-        key = (link.path, "overlaps", fqn, tuple(p["ids"] for p, _o, _s, _i in found))
-        if len(found) > 1 and key not in cache:
-            nbytes += check_overlaps(link, fqn, tracked[fqn], found, verify)
-            cache[key] = True
-    return nbytes
-
-
 def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], tracked: dict[str, int],
                 verify: bool, ids_cache: dict | None = None) -> tuple[list, int]:
     """What to read from ``deltas`` (oldest first) so that every (row, column) of ``targets`` that
@@ -868,7 +850,7 @@ def plan_deltas(deltas: list[ChainLink], targets: dict[str, list[Target]], track
                 if ids_cache is not None:
                     ids_cache[key] = ids
             checked.append((fqn, parts, soff, ssz, ids))
-        id_bytes += _check_overlaps_once(link, checked, tracked, verify, cached)
+        id_bytes += check_all_overlaps(link, checked, tracked, verify, cached)
         for fqn, parts, soff, ssz, ids in checked:
             d = tracked[fqn]
             for t in targets[fqn]:
