@@ -117,15 +117,23 @@ def _ls_tiers(args) -> int:
     """``distckpt ls LOCAL --remote URL``: :func:`distckpt.tiers.listing.list_tiers`, one row per
     step, a column per tier. Never writes; imports no torch."""
     from .tiers.listing import list_tiers
-    rows, loc, rem = list_tiers(args.root, args.remote)
+    rows, loc, rem, remote_error = list_tiers(args.root, args.remote)
     if loc is None and rem is None:
+        if remote_error is not None:
+            raise remote_error
         print(f"distckpt ls: neither {args.root} nor {args.remote} exists", file=sys.stderr)
         return 2
+    # The local tier is shown even when the remote tier could not be listed; the exit status
+    # still says the listing is not whole.
+    status = 0 if remote_error is None else 1
     if args.json:
         import dataclasses
-        print(json.dumps({"json_format": JSON_FORMAT, "local": args.root, "remote": args.remote,
-                          "steps": [dataclasses.asdict(r) for r in rows]}, indent=1, sort_keys=True))
-        return 0
+        doc = {"json_format": JSON_FORMAT, "local": args.root, "remote": args.remote,
+               "steps": [dataclasses.asdict(r) for r in rows]}
+        if remote_error is not None:
+            doc["remote_error"] = {"type": type(remote_error).__name__, "message": str(remote_error)}
+        print(json.dumps(doc, indent=1, sort_keys=True))
+        return status
 
 
     def local(r):
@@ -133,11 +141,16 @@ def _ls_tiers(args) -> int:
             return "-"
         return r.local if r.local != "committed" else f"committed ({r.local_files}/{r.files} files here)"
 
+    def remote(r):
+        if r.remote == "unknown":
+            return "unknown (recorded drained)" if r.drained else "unknown"
+        return r.remote or "-"
+
     table = [("STEP", "SIZE", "SAVED (UTC)", "RANKS", "LOCAL (this node)", "REMOTE", "LATEST", "NOTE")]
     for r in rows:
         table.append((str(r.step), format_bytes(r.size_bytes) if r.size_bytes is not None else "-",
                       _when(r.created_unix), str(r.ranks) if r.ranks is not None else "-", local(r),
-                      r.remote or "-", "latest" if r.latest else "", r.problem or ""))
+                      remote(r), "latest" if r.latest else "", r.problem or ""))
     print(f"{args.root} (local tier) -> {args.remote} (remote tier)")
     if len(table) == 1:
         print("  no checkpoints")
@@ -145,7 +158,10 @@ def _ls_tiers(args) -> int:
         widths = [max(len(t[i]) for t in table) for i in range(len(table[0]) - 1)]
         for t in table:
             print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[-1])
-    return 0
+    if remote_error is not None:
+        print(f"distckpt ls: the remote tier {args.remote} could not be listed ({type(remote_error).__name__}: "
+              f"{remote_error}); REMOTE says what this node's drained record tells", file=sys.stderr)
+    return status
 
 
 # --------------------------------------------------------------------------------------------
@@ -457,7 +473,7 @@ def _is_tier_node_copy(path: str) -> bool:
     beside it): one node's copy, holding its own ranks' data files only (docs/TIERS.md)."""
     from .storage import is_url
     from .storage.posix.locate import checkpoint_path
-    from .tiers.manager import TIER_RECORD_NAME
+    from .tiers.records import TIER_RECORD_NAME
     if is_url(path):
         return False
     return os.path.isfile(os.path.join(os.path.dirname(checkpoint_path(path)), TIER_RECORD_NAME))

@@ -11,6 +11,10 @@ One concept per module:
   drainer      the background thread: the queue of steps to drain, retries, states
   load         a load that takes each file from the nearest tier; where each step is
   listing      what each tier holds (``distckpt ls LOCAL --remote URL``; torch-free)
+  records      what a local tier records of its remote tier: which tier it drains to, which saves reached it
+  owner        one live manager per local and per remote tier (the owner lock and lease)
+  peers        data files copied between nodes (replicas, a replaced node's restore), checked on both ends
+  verified     a committed data file read front to back with every checksum checked as it passes
   manager      TieredCheckpointManager, which puts them together
 
 The manager is imported on first use (PEP 562), so ``distckpt ls`` (tiers.listing) stays torch-free.

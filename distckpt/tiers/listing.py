@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..errors import DistCkptError
 from ..listing import RootListing, StepInfo, list_root
-from ..storage import normalize_path, open_store
+from ..storage import join, normalize_path, open_store
+from .records import TIER_RECORD_NAME, read_drained, tier_id
 
 __all__ = ["TierRow", "list_tiers"]
 
@@ -24,7 +26,9 @@ class TierRow:
     ``local``: this node's copy: ``committed`` or ``broken`` (distckpt.listing's status), or None
     when absent; ``local_files``/``files``: data files of the step this node's directory holds,
     of how many the MANIFEST names (a node holds its own ranks' files). ``remote``: the remote
-    copy's status, or None; ``same_save``: both copies are one save (same save id), None when
+    copy's status, or None; ``unknown`` when the remote tier could not be listed (then
+    ``drained`` says whether this node's drained record, distckpt.tiers.records, names this very
+    save as having reached it). ``same_save``: both copies are one save (same save id), None when
     either is missing. ``latest``: the newest step committed on either tier."""
 
     step: int
@@ -38,6 +42,7 @@ class TierRow:
     ranks: int | None
     latest: bool = False
     problem: str | None = None
+    drained: bool | None = None
 
     @property
     def durable(self) -> bool:
@@ -56,12 +61,14 @@ def _files_here(info: StepInfo) -> tuple[int, int]:
     return present, len(man.files)
 
 
-def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *,
-               storage_options: dict | None = None) -> tuple[list[TierRow], RootListing | None, RootListing | None]:
+def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *, storage_options: dict | None = None
+               ) -> tuple[list[TierRow], RootListing | None, RootListing | None, DistCkptError | None]:
     """The rows of a tiered root (ascending by step), with each tier's own listing (None for a
-    tier whose root does not exist yet).
+    tier whose root does not exist yet, or could not be listed) and the remote tier's error when
+    it could not be listed (else None): the local tier is still listed then, each row's remote
+    status ``unknown``.
 
-    Raises StorageError subclasses and the object-store request errors for a failed look."""
+    Raises StorageError subclasses for a local root that cannot be listed."""
     from ..errors import CheckpointNotFoundError
 
     def listing(path, options):
@@ -71,7 +78,13 @@ def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *,
             return None
 
     loc = listing(normalize_path(local), None)
-    rem = listing(normalize_path(remote), storage_options)
+    try:
+        rem, remote_error = listing(normalize_path(remote), storage_options), None
+    except DistCkptError as exc:
+        # A dark or refusing remote tier: what this node holds is still worth showing (the
+        # local copies are what a load would use now).
+        rem, remote_error = None, exc
+    drained = _drained_here(normalize_path(local)) if remote_error is not None else {}
     by_step: dict[int, dict[str, StepInfo]] = {}
     for tier, lst in (("local", loc), ("remote", rem)):
         for e in (lst.entries if lst is not None else []):
@@ -96,10 +109,25 @@ def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *,
             if not same:
                 problem = f"the tiers hold two saves of this step (local {lo.save_id}, remote {re_.save_id})"
         ref = re_ if re_ is not None and re_.status == "committed" else lo
-        rows.append(TierRow(step, lo.status if lo else None, re_.status if re_ else None, here, named or
-                            (ref.ranks or 0), same, ref.size_bytes, ref.created_unix, ref.ranks, problem=problem))
+        remote_status = re_.status if re_ else "unknown" if remote_error is not None else None
+        recorded = (lo is not None and lo.save_id is not None and drained.get(step) == lo.save_id
+                    if remote_error is not None else None)
+        rows.append(TierRow(step, lo.status if lo else None, remote_status, here, named or
+                            (ref.ranks or 0), same, ref.size_bytes, ref.created_unix, ref.ranks, problem=problem,
+                            drained=recorded))
     committed = [r for r in rows if "committed" in (r.local, r.remote)]
     if committed:
         newest = max(committed, key=lambda r: (r.created_unix or 0.0, r.step))
         rows = [dataclasses.replace(r, latest=r.step == newest.step) for r in rows]
-    return rows, loc, rem
+    return rows, loc, rem, remote_error
+
+
+def _drained_here(local_root: str) -> dict[int, str]:
+    """{step: save id} this node's drained record names for the remote tier its local tier is
+    paired with ({} without either record)."""
+    store = open_store(local_root)
+    try:
+        tier = tier_id(store.read_pointer(join(local_root, TIER_RECORD_NAME)))
+    except DistCkptError:
+        return {}
+    return read_drained(store, local_root, tier)

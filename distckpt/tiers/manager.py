@@ -44,6 +44,7 @@ from typing import Any
 
 from .._dist import _drop_side_group, _portable, control_group, group_members
 from ..config import get_config
+from ..listing import _STEP_RE
 from .. import commitclock
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
@@ -62,13 +63,10 @@ from .load import load_tiered, step_availability
 from .localcommit import save_node_local
 from .nodes import node_layout
 from .owner import OWNER_NAME, RemoteOwner
+from .records import TIER_ID_NAME, TIER_RECORD_NAME, read_drained, record_drained, tier_id
 
 __all__ = ["TieredCheckpointManager", "TierStatus"]
 
-# The remote tier's identity (its root) and the one each node's local tier drains to (its root):
-# TieredCheckpointManager._pair_tiers.
-TIER_ID_NAME = ".distckpt-tier"
-TIER_RECORD_NAME = ".distckpt-tier-remote"
 
 log = logging.getLogger("distckpt")
 
@@ -132,11 +130,6 @@ def _drain_channel(process_group: Any) -> str:
     with _DRAIN_CHANNELS_LOCK:
         n = _DRAIN_CHANNELS[key] = _DRAIN_CHANNELS.get(key, -1) + 1
     return f"drain:{n}"
-
-
-def _tier_id(text: str | None) -> str | None:
-    """The tier id a marker or record holds (its first line), or None."""
-    return text.split()[0] if text and text.split() else None
 
 
 def _outage(exc: BaseException) -> bool:
@@ -668,12 +661,30 @@ class TieredCheckpointManager:
                             after_commit=after, progress=progress, storage_options=self.storage_options,
                             on_assigned=assigned, hold=hold)
         self._remote_held[step] = result.save_id
+        if self._layout.is_leader:
+            self._record_drained(step, result.save_id)
         if save_id is not None and result.save_id != save_id:
             # The local directory holds another save than the one queued (saved again since):
             # the drained one is what the remote tier now holds, and status says so.
             log.warning("distckpt: step %d drained save %s, not %s (the step was saved again)", step,
                         result.save_id, save_id)
         return result.bytes_uploaded
+
+    def _record_drained(self, step: int, save_id: str) -> None:
+        """Add ``step`` to this node's drained record (distckpt.tiers.records), so that a manager
+        started while the remote tier does not answer does not queue it again. A record that
+        cannot be written is logged: the step is then drained again by such a manager (which
+        finds it there), nothing is lost."""
+        try:
+            tier = tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
+            present = {int(m.group(1)) for m in map(_STEP_RE.match, self._local_store.list_children(self.local_root))
+                       if m}
+            if tier is not None:
+                record_drained(self._local_store, self.local_root, tier, step, save_id, present)
+        except Exception as exc:  # noqa: BLE001 - the record only spares a later drain
+            log.warning("distckpt: step %d drained, but the drained record under %s was not written (%s: %s): a "
+                        "manager started while the remote tier does not answer drains it again", step,
+                        self.local_root, type(exc).__name__, exc)
 
     def _replicate(self, step: int) -> None:
         """Give each data file of ``step`` ``replicas`` copies on other nodes (collective, on the
@@ -747,7 +758,8 @@ class TieredCheckpointManager:
         treats the step it drained as the newest, as a save does. ``remote_up`` False (the
         pre-flight found the remote tier dark): the remote tier is not listed, which would wait
         for a second request deadline, and every complete local step is queued (each drain asks
-        the remote tier first whether it already holds the save)."""
+        the remote tier first whether it already holds the save) except those the nodes' drained
+        records name (:meth:`_not_recorded_drained`)."""
         if remote_up:
             avail, self._remote_listed = self._availability()  # listing fails too: every complete local step
         else:
@@ -773,8 +785,37 @@ class TieredCheckpointManager:
         out.sort(key=lambda item: (avail[item[0]].created_unix or 0.0, item[0]))
         if remote_up:
             return self._not_rotated_away(out, avail)
+        out = self._not_recorded_drained(out)
         self._dark_queue = list(out)
         return out
+
+    def _not_recorded_drained(self, queued: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """Of the local steps ``queued`` at a construction that found the remote tier dark, those
+        no node's drained record (distckpt.tiers.records) names with the same save id for the
+        remote tier its local tier is paired with. The others reached the remote tier under an
+        earlier manager (a drain commits the whole step, so one node's record is enough): not
+        queued, so that a restore-only job's close does not report them as not durable. They do
+        not count as held there for the local rotation (``_remote_held``), which deletes only
+        what a listing or this manager's own drain showed on the remote tier: a record is not
+        proof that the remote tier still holds the step. Collective (one all-gather): the same
+        list on every rank."""
+        recorded: dict[int, str] | BaseException = {}
+        if self._layout.is_leader:
+            try:
+                tier = tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
+                recorded = read_drained(self._local_store, self.local_root, tier)
+            except Exception as exc:  # noqa: BLE001 - a record that does not read spares nothing
+                log.warning("distckpt: the tier record under %s does not read (%s: %s): its steps are drained "
+                            "again", self.local_root, type(exc).__name__, exc)
+        drained: set[tuple[int, str]] = set()
+        for node_record in self._group.all_gather(recorded):
+            drained.update(node_record.items())
+        spared = [(s, sid) for s, sid in queued if (s, sid) in drained]
+        if spared:
+            log.info("distckpt: the remote tier %s does not answer; steps %s are not drained again: this node's "
+                     "record says an earlier manager drained these saves of them", self.remote_root,
+                     [s for s, _ in spared])
+        return [q for q in queued if q not in spared]
 
     def _not_rotated_away(self, queued: list[tuple[int, str]], avail: dict) -> list[tuple[int, str]]:
         """Of the local steps ``queued`` to drain at construction, those the remote tier's
@@ -978,7 +1019,7 @@ class TieredCheckpointManager:
         error, mine, found = None, None, None
         try:
             if self._layout.is_leader:
-                mine = _tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
+                mine = tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
         got = group.all_gather(_portable(error) if error is not None else mine)
@@ -988,7 +1029,7 @@ class TieredCheckpointManager:
         error = None
         try:
             if group.rank == 0:
-                found = _tier_id(self._remote_store.read_pointer(join(self.remote_root, TIER_ID_NAME)))
+                found = tier_id(self._remote_store.read_pointer(join(self.remote_root, TIER_ID_NAME)))
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
         found = group.exchange_outcome(error, operation=operation, extra=found)[0]

@@ -19,9 +19,12 @@ credentials, or a private server that is killed or put over quota). Issue #25, i
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from urllib.parse import urlsplit
@@ -452,6 +455,81 @@ def test_a_restart_on_a_dark_remote_does_not_drain_again_what_keep_last_remote_r
     steps = sorted({k.split("/")[1] for k in s3_bucket.keys("run") if k.startswith("run/step_")})
     assert steps == ["step_00000040", "step_00000050"], steps
     assert s3_bucket.fs.cat_file(f"{s3_bucket.name}/run/latest") == b"step_00000050\n"
+
+
+def test_a_restore_only_job_on_a_dark_remote_does_not_report_steps_an_earlier_job_drained(s3_bucket, s3_server,
+                                                                                          tmp_path):
+    """A job that only loads, started while the remote tier does not answer: its close() raised
+    NotDurableError naming steps an earlier job had drained (it cannot list the remote tier, so
+    it queued every complete local step). Each node's local tier now records the saves it saw
+    reach the remote tier (distckpt.tiers.records): those are not queued again; a step the
+    earlier job never drained still is, and close names it alone. A record for another tier
+    (the tiers paired anew) spares nothing."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
+    opts = _via(s3_bucket.storage_options, px.endpoint)
+    try:
+        with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as mgr:
+            for s in (1, 2):
+                mgr.save(s, _state(s))
+                assert mgr.wait_durable(s, timeout=60).durable
+        record = (local / ".distckpt-tier-drained").read_text().split("\n")
+        assert [line.split()[0] for line in record[1:] if line] == ["1", "2"], record
+        px.rule = lambda n, method, path: "stall"
+        mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+        got = _state(0)
+        res = mgr.load(got)
+        assert _same(got, 2) and res.remote_unchecked, res
+        mgr.close(timeout=1.0)  # nothing to drain: both steps reached the remote tier before
+
+        # `distckpt ls LOCAL --remote URL` on the dark remote tier shows the local tier (it printed
+        # nothing but the error), each step's remote column from the record, and exits 1.
+        env = {**os.environ, **s3_bucket.env, "AWS_ENDPOINT_URL": px.endpoint,
+               "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S": "1"}
+        ls = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(local), "--remote", url], env=env,
+                            capture_output=True, text=True, timeout=120)
+        assert ls.returncode == 1 and "could not be listed" in ls.stderr, (ls.returncode, ls.stderr)
+        rows = {line.split()[0]: line for line in ls.stdout.splitlines()[2:]}
+        assert sorted(rows) == ["1", "2"] and all("unknown (recorded drained)" in r for r in rows.values()), ls.stdout
+        ls = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(local), "--remote", url, "--json"], env=env,
+                            capture_output=True, text=True, timeout=120)
+        doc = json.loads(ls.stdout)
+        assert ls.returncode == 1 and doc["remote_error"]["type"] == "EndpointUnreachableError", ls.stdout
+        assert [(r["step"], r["remote"], r["drained"]) for r in doc["steps"]] == [(1, "unknown", True),
+                                                                                  (2, "unknown", True)]
+
+        # A step saved while the remote tier is dark is not in any record: the next dark start
+        # queues it, and its close names it alone.
+        mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+        mgr.save(3, _state(3))
+        with pytest.raises(NotDurableError) as info:
+            mgr.close(timeout=1.0)
+        assert info.value.steps == [3]
+        again = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+        assert again.status(3).remote in ("queued", "draining", "retrying")
+        with pytest.raises(NotDurableError) as info:
+            again.close(timeout=1.0)
+        assert info.value.steps == [3]
+
+        # A record of another tier spares nothing.
+        lines = (local / ".distckpt-tier-drained").read_text().split("\n")
+        (local / ".distckpt-tier-drained").write_text("\n".join(["0" * 32] + lines[1:]))
+        again = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
+        with pytest.raises(NotDurableError) as info:
+            again.close(timeout=1.0)
+        assert info.value.steps == [1, 2, 3]
+
+        px.rule = lambda n, method, path: None  # the remote tier answers: every step drains, or is there
+        with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as mgr:
+            assert mgr.wait_durable(3, timeout=60).durable
+        record = (local / ".distckpt-tier-drained").read_text().split("\n")
+        assert "3" in [line.split()[0] for line in record[1:] if line], record
+    finally:
+        px.rule = lambda n, method, path: None
+        px.close()
+    for s in (1, 2, 3):
+        assert _same(distckpt.read(f"{url}/step_{s:08d}", storage_options=s3_bucket.storage_options), s)
 
 
 def test_a_remote_answering_5xx_at_construction_is_an_outage_not_an_error(s3_bucket, cred_proxy, tmp_path,

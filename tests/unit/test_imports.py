@@ -119,7 +119,7 @@ LAYERS = [
      "tiers.drain",
      "tiers.load",
      "tiers", "tiers.nodes", "tiers.localcommit", "tiers.drainer", "tiers.listing", "tiers.manager",
-     "tiers.verified", "tiers.peers", "tiers.owner"},
+     "tiers.verified", "tiers.peers", "tiers.owner", "tiers.records"},
 ]
 
 
