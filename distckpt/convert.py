@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import io
 import json
 import logging
@@ -164,6 +165,19 @@ class _Source:
         # the manifest, so a value written through distckpt's DCP StorageWriter (DCP's torch.save
         # bytes) is decoded as load() decodes it, not copied out as those bytes
         return _object_value(entry, self.manifest, fqn, self.path, self.allow_pickle)
+
+    def raw_range(self, fqn: str) -> tuple[str, int, int] | None:
+        """(data file path, byte offset, byte count) of ``fqn``'s bytes, when a plain copy of that
+        range is the tensor exactly: the source keeps no checksums to check (a Hugging Face
+        directory, DCP's files) and the tensor is one row-major chunk of its whole extent. None
+        otherwise (distckpt's own files are checked as they are read, never copied blind)."""
+        t = self.tensors[fqn]
+        if self.manifest.checksum_algo != "none" or len(t.chunks or ()) != 1:
+            return None
+        c = t.chunks[0]
+        if c.strides is not None or tuple(c.sizes) != tuple(t.shape) or any(c.offsets) or c.crcs:
+            return None
+        return os.path.join(self.path, self.manifest.files[c.file].name), c.offset, c.nbytes
 
     def read(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
         return self.read_boxes([(fqn, offsets, sizes)])[0]
@@ -329,6 +343,9 @@ class _ChainSource(_Source):
 
     def fill(self, requests) -> None:
         self.view.fill(requests)
+
+    def raw_range(self, fqn: str) -> None:
+        return None  # a chain's state is composed from several links, each checked as it is read
 
 
 def _slices(shape: tuple[int, ...], itemsize: int, max_bytes: int,
@@ -672,39 +689,59 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map = {}
-    pieces = src.stream(((spec, spec[1], o, s) for shard in shards for spec in shard
+    # A tensor kept in its dtype whose source bytes are a plain range (a Hugging Face directory's
+    # safetensors): copied file to file in the kernel (copy_file_range), never through memory.
+    # The same bytes as a read and write, one copy fewer (HF -> safetensors took 1.27x a plain
+    # load_file + save_file with both copies; docs/BENCHMARKS.md).
+    direct = {}
+    for spec in specs:
+        where = src.raw_range(spec[1]) if spec[2] == src.tensors[spec[1]].dtype else None
+        if where is not None and where[2] == spec[4]:
+            direct[spec[1]] = where
+    pieces = src.stream(((spec, spec[1], o, s) for shard in shards for spec in shard if spec[1] not in direct
                          for o, s in _slices(spec[3], _dtype(src.tensors[spec[1]].dtype).itemsize, slice_bytes)),
                         slice_bytes, reuse=True)
+    copier = _RangeCopier()
     st_meta = _safetensors_metadata(src.metadata(), result)
-    for fname, shard in zip(files, shards):
-        header: dict[str, Any] = {"__metadata__": st_meta}
-        off = 0
-        for name, _fqn, d, shape, nbytes in shard:
-            header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [off, off + nbytes]}
-            off += nbytes
-            weight_map[name] = fname
-        hdr = json.dumps(header, separators=(",", ":")).encode()
-        hdr += b" " * ((-len(hdr)) % 8)  # the spec allows trailing spaces; 8-byte aligned data
-        path = os.path.join(dst, fname)
-        with open(path + ".tmp", "wb") as f:
-            f.write(struct.pack("<Q", len(hdr)) + hdr)
-            for spec in shard:
-                target = _dtype(spec[2])
-                left = spec[4]
-                while left:
-                    key, piece = next(pieces)
-                    assert key is spec, "pieces arrive in the order of the shards' tensors"
-                    if piece.dtype != target:
-                        piece = piece.to(target)
-                    view, keep = _bytes_of(piece)
-                    f.write(view)
-                    left -= len(view)
-                    progress.update(len(view))
-                    del view, keep, piece
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        _check_shard(path, shard)
+    try:
+        for fname, shard in zip(files, shards):
+            header: dict[str, Any] = {"__metadata__": st_meta}
+            off = 0
+            for name, _fqn, d, shape, nbytes in shard:
+                header[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+                off += nbytes
+                weight_map[name] = fname
+            hdr = json.dumps(header, separators=(",", ":")).encode()
+            hdr += b" " * ((-len(hdr)) % 8)  # the spec allows trailing spaces; 8-byte aligned data
+            path = os.path.join(dst, fname)
+            with open(path + ".tmp", "wb") as f:
+                f.write(struct.pack("<Q", len(hdr)) + hdr)
+                for spec in shard:
+                    if spec[1] in direct:
+                        f.flush()
+                        at = f.tell()
+                        copier.copy(*direct[spec[1]], f.fileno(), at, path + ".tmp")
+                        f.seek(at + spec[4])
+                        progress.update(spec[4])
+                        continue
+                    target = _dtype(spec[2])
+                    left = spec[4]
+                    while left:
+                        key, piece = next(pieces)
+                        assert key is spec, "pieces arrive in the order of the shards' tensors"
+                        if piece.dtype != target:
+                            piece = piece.to(target)
+                        view, keep = _bytes_of(piece)
+                        f.write(view)
+                        left -= len(view)
+                        progress.update(len(view))
+                        del view, keep, piece
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+            _check_shard(path, shard)
+    finally:
+        copier.close()
     if n > 1:
         index = {"metadata": {"total_size": sum(s[4] for s in specs)}, "weight_map": weight_map}
         with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
@@ -715,6 +752,68 @@ def _to_safetensors(src: _Source, dst: str, slice_bytes: int, progress: _Progres
         files = files + ["model.safetensors.index.json"]
     result["files"] = [os.path.join(dst, f) for f in files]
     result["tensors"] = len(specs)
+
+
+class _RangeCopier:
+    """Byte ranges of source files copied into an output file by the kernel (copy_file_range),
+    the source files opened once each (regular files only, no symlink followed)."""
+
+    # Where the kernel cannot copy between the two files (another file system on an older
+    # kernel, a file system without the call): the same bytes by pread and pwrite, in pieces.
+    _NOT_HERE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def copy(self, src: str, offset: int, nbytes: int, dst_fd: int, dst_offset: int, dst: str) -> None:
+        """Copy ``nbytes`` of ``src`` from ``offset`` to ``dst_fd`` (the file ``dst``) at
+        ``dst_offset``. Raises DataFileTruncatedError when ``src`` ends first (it shrank since
+        its header was read), DiskFullError and the storage's other typed errors."""
+        from .errors import DataFileTruncatedError, from_os_error
+        from .hf import _open_regular
+
+        fd = self._fds.get(src)
+        if fd is None:
+            fd = self._fds[src] = _open_regular(src, "data file")
+        done = 0
+        while done < nbytes:
+            want = min(nbytes - done, 1 << 30)
+            try:
+                got = os.copy_file_range(fd, dst_fd, want, offset + done, dst_offset + done)
+            except OSError as exc:
+                if exc.errno not in self._NOT_HERE:
+                    # ENOSPC and EDQUOT are the output's; any other error is the source's read
+                    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    raise from_os_error(exc, path=dst if full else src,
+                                        operation="write" if full else "read") from exc
+                got = self._plain(fd, dst_fd, min(want, 8 << 20), offset + done, dst_offset + done, src, dst)
+            if got == 0:
+                raise DataFileTruncatedError(f"{os.path.basename(src)} ended after {offset + done} bytes, "
+                                             f"{offset + nbytes} needed", path=src, expected=offset + nbytes,
+                                             found=offset + done)
+            done += got
+
+    @staticmethod
+    def _plain(fd: int, dst_fd: int, n: int, offset: int, dst_offset: int, src: str, dst: str) -> int:
+        from .errors import from_os_error
+
+        try:
+            data = os.pread(fd, n, offset)
+        except OSError as exc:
+            raise from_os_error(exc, path=src, operation="read") from exc
+        view = memoryview(data)
+        while view:
+            try:
+                wrote = os.pwrite(dst_fd, view, dst_offset + len(data) - len(view))
+            except OSError as exc:
+                raise from_os_error(exc, path=dst, operation="write") from exc
+            view = view[wrote:]
+        return len(data)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _check_shard(path: str, shard: list) -> None:

@@ -3,6 +3,7 @@ Hugging Face safetensors (transformers from_pretrained), DCP -> distckpt; bounde
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -789,6 +790,13 @@ def test_a_source_rewritten_during_the_conversion_publishes_nothing(tmp_path, mo
 
     for name in ("fill", "read_boxes"):   # (the targets read through one or the other)
         monkeypatch.setattr(conv._Source, name, then_replace(getattr(conv._Source, name)))
+    real_copy = conv._RangeCopier.copy   # (or copy the Hugging Face source's ranges file to file)
+
+    def copy_then_replace(self, *args):
+        real_copy(self, *args)
+        if not done:
+            then_replace(lambda _self, _batch: None)(None, None)
+    monkeypatch.setattr(conv._RangeCopier, "copy", copy_then_replace)
     with pytest.raises(CheckpointRemovedError, match="changed while it was being read"):
         convert(str(hf), str(tmp_path / "out"), to=to, progress=False, memory_limit=1 << 20)
     assert done and not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.tmp")
@@ -814,6 +822,9 @@ def test_many_batches_through_the_reused_read_buffers_convert_exactly(tmp_path, 
     out = tmp_path / ("out.safetensors" if to == "safetensors" else "out.pt")
     import distckpt.convert as conv
     real = conv._bytes_of
+    # Through the read buffers: not the file-to-file copy that a safetensors target takes of a
+    # Hugging Face source's tensors (test_a_hugging_face_source_is_copied_range_by_range_...).
+    monkeypatch.setattr(conv._Source, "raw_range", lambda self, fqn: None)
 
     def slow_writer(t):   # the reader thread runs ahead of every write: a buffer reused too early shows
         time.sleep(0.003)
@@ -826,3 +837,100 @@ def test_many_batches_through_the_reused_read_buffers_convert_exactly(tmp_path, 
         assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
     back = distckpt.read(str(src))   # the read path alone, from the page cache
     assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items())
+
+
+def _hf_two_shards(path) -> dict:
+    """A Hugging Face directory of two safetensors files and an index; its tensors."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"layer.{i}.w": torch.randn((37 * (i + 1), 129), generator=g).to(
+        [torch.float32, torch.bfloat16, torch.float16][i % 3]) for i in range(6)}
+    tensors["empty"] = torch.zeros((0, 4))
+    path.mkdir()
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[:4], "b.safetensors": names[4:]}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(path / fname))
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    return tensors
+
+
+def _open_fds() -> set:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "pread-pwrite"])
+def test_a_hugging_face_source_is_copied_range_by_range_exactly(tmp_path, monkeypatch, kernel):
+    """HF -> safetensors copies each tensor kept in its dtype file to file in the kernel
+    (copy_file_range): one copy fewer than a read and a write. Where the kernel cannot copy
+    between the two files (EXDEV: another file system on an older kernel), the same ranges by
+    pread and pwrite. Every tensor bit-exact, across shard boundaries of both sides; a cast
+    tensor still goes through memory."""
+    from safetensors.torch import load_file
+
+    import distckpt.convert as conv
+    want = _hf_two_shards(tmp_path / "hf")
+    calls = []
+    real = os.copy_file_range
+
+    def spy(*args):
+        calls.append(args[2])
+        if kernel == "pread-pwrite":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(*args)
+    monkeypatch.setattr(conv.os, "copy_file_range", spy)
+    before = _open_fds()
+    res = convert(str(tmp_path / "hf"), str(tmp_path / "out"), to="safetensors", max_shard_size=100_000,
+                  memory_limit=1 << 20, progress=False)
+    assert _open_fds() == before
+    got = {}
+    for f in res.files:
+        if f.endswith(".safetensors"):
+            got.update(load_file(f))
+    assert len([f for f in res.files if f.endswith(".safetensors")]) > 2
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert len(calls) >= len([v for v in want.values() if v.numel()]), calls
+    calls.clear()
+    res = convert(str(tmp_path / "hf"), str(tmp_path / "cast"), to="safetensors", dtype="bf16", progress=False)
+    got = load_file(res.files[0])
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items())
+    assert len(calls) == len([v for v in want.values() if v.dtype == torch.bfloat16 and v.numel()]), calls
+
+
+def test_a_hugging_face_source_that_shrinks_or_a_full_disk_mid_copy_is_typed_and_publishes_nothing(
+        tmp_path, mounts, monkeypatch):
+    """The source file cut short after its header was read: DataFileTruncatedError naming it
+    (copy_file_range returns 0 at its end), not a short tensor in a published file. The
+    destination filling up mid-copy (the pre-flight room check bypassed, so the real tmpfs
+    fills): DiskFullError. Nothing under DST, no descriptor left open either way."""
+    import distckpt.convert as conv
+    from distckpt.errors import DataFileTruncatedError, DiskFullError
+    _hf_two_shards(tmp_path / "hf")
+    real = conv._RangeCopier.copy
+    cut = []
+
+    def cut_then_copy(self, src, offset, nbytes, *rest):
+        if not cut:
+            cut.append(src)
+            os.truncate(src, offset + nbytes // 2)
+        return real(self, src, offset, nbytes, *rest)
+    monkeypatch.setattr(conv._RangeCopier, "copy", cut_then_copy)
+    before = _open_fds()
+    with pytest.raises(DataFileTruncatedError) as ei:
+        convert(str(tmp_path / "hf"), str(tmp_path / "out"), to="safetensors", progress=False)
+    assert ei.value.path == cut[0] and _open_fds() == before
+    assert not os.path.exists(tmp_path / "out")
+    monkeypatch.setattr(conv._RangeCopier, "copy", real)
+
+    big = tmp_path / "big"
+    big.mkdir()
+    from safetensors.torch import save_file
+    save_file({"w": torch.randn(1 << 20)}, str(big / "model.safetensors"))  # 4 MiB
+    small = mounts.tmpfs(tmp_path / "small", size="2m")
+    monkeypatch.setattr(conv, "_check_room", lambda *a, **k: None)
+    with pytest.raises(DiskFullError):
+        convert(str(big), str(small / "out"), to="safetensors", progress=False)
+    assert os.listdir(small) == [] and _open_fds() == before
