@@ -204,7 +204,7 @@ class _Reads:
 def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | None,
                 storage_options: dict | None = None, process_group: Any = None, strict: bool = True,
                 verify: bool = True, allow_pickle: bool = False, cast: str = "exact",
-                layout: NodeLayout | None = None) -> LoadResult:
+                layout: NodeLayout | None = None, damaged: Mapping[int, Iterable[str]] | None = None) -> LoadResult:
     """Fill ``state_dict`` from one step of a tiered checkpoint, each rank reading every data file
     it needs from its node's local copy when that copy belongs to the reference save, else from
     the remote tier (module docstring). Collective over ``process_group`` (every rank calls it,
@@ -223,6 +223,10 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
             group (distckpt.tiers.peers: verified on both ends, installed in this node's local
             tier), and read from the remote tier only when no node holds it: a replaced node
             restores from its peers' replicas without reading the remote tier.
+        damaged: {node: data file names} that an earlier load of the step found damaged in that
+            node's local copy (node numbers as in ``layout``; the same on every rank): counted as
+            absent there, so they come from another node's copy (installed over the damaged file,
+            as for a file the node lacks) or from the remote tier.
 
     Returns:
         The :class:`distckpt.LoadResult` of :func:`distckpt.load` (``path``: the reference copy's,
@@ -249,7 +253,7 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
     try:
         with contextlib.ExitStack() as guards, gc_paused():
             result = _load_tiered(group, guards, state_dict, local_path, remote_path, storage_options,
-                                  strict, verify, allow_pickle, cast, t0, layout)
+                                  strict, verify, allow_pickle, cast, t0, layout, damaged or {})
     except Exception as exc:  # noqa: BLE001 - every rank raises the same, below
         error = exc
     group.exchange_outcome(error, operation="load")
@@ -258,7 +262,8 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
 
 def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: Any, local_path: str | None,
                  remote_path: str | None, storage_options: dict | None, strict: bool, verify: bool,
-                 allow_pickle: bool, cast: str, t0: float, layout: NodeLayout | None = None) -> LoadResult:
+                 allow_pickle: bool, cast: str, t0: float, layout: NodeLayout | None,
+                 damaged: Mapping[int, Iterable[str]]) -> LoadResult:
     """:func:`load_tiered` inside its read guards. Every rank runs the same two all-gathers
     whatever fails where, and a failure any rank meets there is raised on every rank."""
     # 1. Survey: this rank's node copy; rank 0 also the remote MANIFEST.
@@ -286,7 +291,8 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
         copy = remote = local_problem = remote_problem = None
         if local_store is not None:
             try:
-                copy, local_bytes = _local_copy(local_store, local_path)
+                here = frozenset(damaged.get(layout.node if layout is not None else 0, ()))
+                copy, local_bytes = _local_copy(local_store, local_path, here)
             except ManifestCorruptError as exc:
                 local_problem = _damaged_copy(exc, local_path, "this node's")
         if group.rank == 0 and remote_store is not None:
@@ -615,11 +621,13 @@ def _read_reference(rank: int, ref: _Reference, own: LocalCopy | None, local_byt
         return _Reads(None, {}, _portable(exc))
 
 
-def _local_copy(store: Store, path: str) -> tuple[LocalCopy | None, bytes | None]:
+def _local_copy(store: Store, path: str, damaged: frozenset[str] = frozenset()
+                ) -> tuple[LocalCopy | None, bytes | None]:
     """(what the local step directory ``path`` holds, its MANIFEST's bytes); (None, None) when it
     holds no committed copy (absent, empty, a save's leftovers). Reads the MANIFEST and one
     ``lstat`` per data file; a data file there with another size than the MANIFEST's is not
-    counted (it is read from the remote tier) and logged.
+    counted (it is read from the remote tier) and logged, nor is one named in ``damaged`` (data
+    file names a load found damaged here: read from a peer's replica or the remote tier).
 
     Raises ManifestCorruptError (a MANIFEST that does not decode) and StorageError subclasses."""
     try:
@@ -629,6 +637,8 @@ def _local_copy(store: Store, path: str) -> tuple[LocalCopy | None, bytes | None
     header = mf.decode_header(data, path=join(path, mf.MANIFEST_NAME))
     held = []
     for i, entry in enumerate(header.files):
+        if entry.name in damaged:
+            continue
         where, size, _problem = store.data_file_stat(path, header, i)
         if size == entry.size:
             held.append(i)

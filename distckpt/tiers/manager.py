@@ -1249,8 +1249,9 @@ class TieredCheckpointManager:
         for this job (a file on no tier a rank can reach) is skipped with a warning naming it,
         before any byte is read, and the next one is loaded. A load that finds local data files
         damaged (a checksum or truncation error in a file outside the remote tier, on any rank)
-        loads the step again from the remote tier alone when it holds the step, with a warning
-        naming the damaged files (only verified bytes reach the state dict either way).
+        loads the step again, each damaged file from another node's replica of it (installed
+        over the damaged one) or else from the remote tier, with a warning naming the damaged
+        files (only verified bytes reach the state dict either way): :meth:`_load_around_damage`.
 
         When the remote tier does not answer (its typed error, on every rank), the step (the
         newest complete local one, or the ``step`` asked for) is loaded from the local tier alone,
@@ -1264,7 +1265,7 @@ class TieredCheckpointManager:
         typed error (an ObjectStoreError, never a FileNotFoundError for a stall) instead when no
         local copy is complete and the remote tier did not answer; TierIncompleteError for a
         given ``step`` without one; and what :func:`distckpt.load` raises (a damaged local
-        copy's ChecksumMismatchError when the remote tier does not hold the step).
+        copy's ChecksumMismatchError when no replica and no remote copy of the file is there).
         """
         if step is not None:
             check_step(step)
@@ -1318,22 +1319,11 @@ class TieredCheckpointManager:
                         result = dataclasses.replace(result, remote_unchecked=self._remote_down)
                     return _passed_over(result, passed)
                 except (ChecksumMismatchError, DataFileTruncatedError) as exc:
-                    damaged = self._damaged_local_files(exc) if remote_up else None
+                    damaged = self._damaged_local_files(exc)
                     if not damaged:
                         raise
-                    # Verified bytes only ever reached the state dict, and the remote tier holds the
-                    # step: read it all from there (the same save: a tiered load's reference is the
-                    # remote's when it committed the step). Said by name, never silent.
-                    log.warning("distckpt: step %d: the local copy of %s is damaged (%s: %s); loading the step "
-                                "from the remote tier %s", s, damaged, type(exc).__name__, exc.message,
-                                self.remote_path(s))
-                    try:
-                        result = load_tiered(state_dict, local_path=None, remote_path=self.remote_path(s),
-                                             storage_options=self.storage_options, process_group=self.process_group,
-                                             **kwargs)
-                        return _passed_over(result, passed)
-                    except (TierIncompleteError, CheckpointNotFoundError):
-                        raise exc from None  # the remote tier does not hold the step: the damage stands
+                    return _passed_over(self._load_around_damage(state_dict, s, exc, damaged, remote_up, kwargs),
+                                        passed)
             except TierIncompleteError as exc:
                 if step is not None:
                     raise
@@ -1377,23 +1367,64 @@ class TieredCheckpointManager:
             remedy="Load the step once the remote tier answers, or an older step; the local copy of this one is "
                    "another save (a stale disk) and is never loaded in its place.")
 
-    def _damaged_local_files(self, exc: BaseException) -> list[str] | None:
-        """The local data files a failed tiered load found damaged, when every failure of it (on
-        every rank: a collective error carries them all, the same on each) is a checksum or
-        truncation error of a file outside the remote tier; else None. The same answer on every
-        rank, so every rank retries from the remote tier together or none does."""
-        # A collective error carries {rank: error}; its values are the failures (its keys are ranks).
-        by_rank = getattr(exc, "failures", None)
-        failures = list(by_rank.values()) if by_rank else [exc]
+    def _load_around_damage(self, state_dict: Any, step: int, exc: BaseException, damaged: dict[int, set[str]],
+                            remote_up: bool, kwargs: dict) -> LoadResult:
+        """Load ``step`` again after a load found the local data files ``damaged`` ({node: file
+        names}, the same on every rank) failing their checksums or cut short: each such file
+        from another node's copy of it (a replica, verified on both ends and installed over the
+        damaged file: the node's copy is whole again) or, where no node holds one, from the
+        remote tier; the rest from the local copies as before. When that fails too and the
+        remote tier answers, the whole step from the remote tier alone. Collective. Verified
+        bytes only ever reach the state dict; the damage is logged by name either way.
+
+        Raises ``exc`` (the damage stands) when neither a replica nor the remote tier can serve
+        the damaged files, with the retry's error noted."""
+        by_rank = getattr(exc, "failures", None) or {self._group.rank: exc}
+        paths = sorted({f"node {self._layout.node_of[r]}: {e.path}" for r, e in by_rank.items()})
+        log.warning("distckpt: step %d: local data files are damaged (%s: %s): %s; loading them from the nodes "
+                    "that hold replicas of them, else from the remote tier %s", step, type(exc).__name__,
+                    exc.message, paths, self.remote_path(step) if remote_up else "(which does not answer)")
+        try:
+            result = load_tiered(state_dict, local_path=self.local_path(step),
+                                 remote_path=self.remote_path(step) if remote_up else None,
+                                 storage_options=self.storage_options, process_group=self.process_group,
+                                 layout=self._layout, damaged=damaged, **kwargs)
+        except (ChecksumMismatchError, DataFileTruncatedError, TierIncompleteError, CheckpointNotFoundError) as again:
+            if not remote_up:
+                exc.add_note(f"distckpt: no other node holds a verified copy of the damaged files ({type(again).__name__}: "
+                             f"{getattr(again, 'message', again)}), and the remote tier did not answer")
+                raise exc from None
+            # Verified bytes only ever reached the state dict, and the remote tier holds the
+            # step: read it all from there (the same save: a tiered load's reference is the
+            # remote's when it committed the step).
+            log.warning("distckpt: step %d: loading it from the remote tier %s alone (%s: %s)", step,
+                        self.remote_path(step), type(again).__name__, getattr(again, "message", again))
+            try:
+                return load_tiered(state_dict, local_path=None, remote_path=self.remote_path(step),
+                                   storage_options=self.storage_options, process_group=self.process_group, **kwargs)
+            except (TierIncompleteError, CheckpointNotFoundError):
+                raise exc from None  # the remote tier does not hold the step: the damage stands
+        if not remote_up:
+            result = dataclasses.replace(result, remote_unchecked=self._remote_down)
+        return result
+
+    def _damaged_local_files(self, exc: BaseException) -> dict[int, set[str]] | None:
+        """{node: names of the local data files} a failed tiered load found damaged, when every
+        failure of it (on every rank: a collective error carries them all, the same on each) is
+        a checksum or truncation error of a file outside the remote tier, in its rank's node's
+        copy; else None. The same answer on every rank, so every rank retries together or none
+        does. By node: the nodes' local directories often have the same path."""
+        # A collective error carries {rank: error}; a single rank's (a group of one) is its own.
+        by_rank = getattr(exc, "failures", None) or {self._group.rank: exc}
         remote = normalize_path(self.remote_root).rstrip("/") + "/"
-        paths = []
-        for e in failures:
+        out: dict[int, set[str]] = {}
+        for rank, e in by_rank.items():
             path = getattr(e, "path", None)
             if not isinstance(e, (ChecksumMismatchError, DataFileTruncatedError)) or not isinstance(path, str) \
-                    or path.startswith(remote):
+                    or path.startswith(remote) or not isinstance(rank, int) or not 0 <= rank < len(self._layout.node_of):
                 return None
-            paths.append(path)
-        return sorted(set(paths))
+            out.setdefault(self._layout.node_of[rank], set()).add(os.path.basename(path))
+        return out
 
     # -- closing ----------------------------------------------------------------------------------
 

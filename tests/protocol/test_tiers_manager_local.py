@@ -361,7 +361,7 @@ def test_a_damaged_local_data_file_is_named_and_the_step_loaded_from_the_remote_
     assert result.bytes_by_tier["local"] == 0 < result.bytes_by_tier["remote"]
     said = [r.getMessage() for r in caplog.records]
     damaged = str(local / "step_00000001" / "rank00000.bin")
-    assert any("is damaged" in m and damaged in m and "from the remote tier" in m for m in said), said
+    assert any("are damaged" in m and damaged in m and "from the remote tier" in m for m in said), said
     # Both copies damaged: the remote copy's error, by its path; nothing unverified was copied.
     flip(remote / "step_00000001" / "rank00000.bin")
     out = {"w": torch.full((1 << 16,), 7.0), "b": torch.zeros(7, dtype=torch.int64), "step": -1}

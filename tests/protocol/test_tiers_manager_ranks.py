@@ -19,29 +19,35 @@ def _state(step: int, rank: int, n: int = 1 << 14) -> dict:
     return {f"w{rank}": torch.randn(n, generator=g), "step": step}
 
 
-def _step_one_on_every_tier(rank: int, tmp: str, keep_last_local: int) -> tuple[str, str]:
+def _step_one_on_every_tier(rank: int, tmp: str, keep_last_local: int, replicas: int = 0) -> tuple[str, str]:
     """(this rank's node directory, the remote directory) once every rank saved step 1 there and it
     drained (collective: ends at a barrier)."""
     from distckpt.tiers import TieredCheckpointManager
     local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
-    with TieredCheckpointManager(local, remote, keep_last_local=keep_last_local) as mgr:
+    with TieredCheckpointManager(local, remote, keep_last_local=keep_last_local, replicas=replicas) as mgr:
         mgr.save(1, _state(1, rank))
         assert mgr.wait_durable(1, timeout=120).durable
+        if replicas:
+            assert mgr.status(1).replicas == "replicated"
     torch.distributed.barrier()
     return local, remote
 
 
-def _damaged_local_body(rank: int, world_size: int, tmp: str) -> dict:
+def _damaged_local_body(rank: int, world_size: int, tmp: str, replicas: int, remote_step: bool) -> dict:
+    import shutil
+
     from distckpt import errors
     from distckpt.tiers import TieredCheckpointManager
-    local, remote = _step_one_on_every_tier(rank, tmp, keep_last_local=2)
+    local, remote = _step_one_on_every_tier(rank, tmp, keep_last_local=2, replicas=replicas)
+    path = os.path.join(local, "step_00000001", "rank00001.bin")
     if rank == 1:  # one byte of node 1's own data file (a rank's failure, not rank 0's)
-        path = os.path.join(local, "step_00000001", "rank00001.bin")
         with open(path, "r+b") as f:
             f.seek(100)
             b = f.read(1)
             f.seek(100)
             f.write(bytes([b[0] ^ 1]))
+    if rank == 0 and not remote_step:
+        shutil.rmtree(os.path.join(remote, "step_00000001"))
     torch.distributed.barrier()
     said: list[str] = []
 
@@ -52,29 +58,53 @@ def _damaged_local_body(rank: int, world_size: int, tmp: str) -> dict:
     catch = Catch(level=logging.WARNING)
     logging.getLogger("distckpt").addHandler(catch)
     out = {f"w{rank}": torch.zeros(1 << 14), "step": -1}
+    mgr = TieredCheckpointManager(local, remote, keep_last_local=2, replicas=replicas)
     try:
-        with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
-            try:
-                result = mgr.load(out)
-            except errors.ChecksumMismatchError as exc:
-                return {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            result = mgr.load(out)
+        except errors.ChecksumMismatchError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         logging.getLogger("distckpt").removeHandler(catch)
+        try:
+            mgr.close()
+        except errors.NotDurableError as exc:
+            # With its remote copy gone, the step was queued to drain again at construction, and
+            # the drain met the damaged file first (checked as read: failed, nothing uploaded).
+            assert not remote_step and exc.steps == [1], exc
+    again = good = None
+    if rank == 1 and replicas:  # node 1's file now, and node 0's replica of it
+        with open(path, "rb") as f:
+            again = f.read()
+        with open(os.path.join(tmp, "node0", "step_00000001", "rank00001.bin"), "rb") as f:
+            good = f.read()
     return {"error": None, "exact": out["step"] == 1 and torch.equal(out[f"w{rank}"], _state(1, rank)[f"w{rank}"]),
             "local_bytes": result.bytes_by_tier["local"], "remote_bytes": result.bytes_by_tier["remote"],
-            "warned": [m for m in said if "is damaged" in m and "from the remote tier" in m]}
+            "from_peers": result.bytes_from_peers, "repaired": good is not None and again == good,
+            "warned": [m for m in said if "are damaged" in m and "replicas" in m]}
 
 
-def test_a_local_file_damaged_on_one_rank_is_loaded_from_the_remote_tier_on_every_rank(tmp_path):
+@pytest.mark.parametrize("replicas, remote_step", [(0, True), (1, True), (1, False)],
+                         ids=["remote-tier", "replica", "replica-only"])
+def test_a_local_file_damaged_on_one_rank_is_loaded_from_a_replica_or_the_remote_tier_on_every_rank(
+        tmp_path, replicas, remote_step):
     """A checksum error on rank 1 reaches every rank as a collective error whose ``failures`` is
-    {rank: error}: the manager must read its errors (not its rank numbers) to see that only a
-    local file is damaged, then load the step from the remote tier, bit-exact, with a warning."""
-    results = run_ranks(_damaged_local_body, 2, str(tmp_path), timeout=240)
-    damaged = str(tmp_path / "node1" / "step_00000001" / "rank00001.bin")
+    {rank: error}: the manager reads its errors to see that only a local file of node 1 is
+    damaged, then loads the step again, bit-exact, with a warning naming it: that file from the
+    node that holds a replica of it (verified on both ends, installed over the damaged file, so
+    node 1's copy is whole again), else from the remote tier; every other file from its node's
+    own copy as before. The whole step used to be read from the remote tier, and with no remote
+    copy (replica-only: the remote step is gone) the load failed although node 0 held a verified
+    replica."""
+    results = run_ranks(_damaged_local_body, 2, str(tmp_path), replicas, remote_step, timeout=240)
     for rank, r in enumerate(results):
         assert r["error"] is None, (rank, r["error"])
-        assert r["exact"] and r["local_bytes"] == 0 < r["remote_bytes"], (rank, r)
-        assert any(damaged in m for m in r["warned"]), (rank, r["warned"])
+        assert r["exact"] and any("rank00001.bin" in m for m in r["warned"]), (rank, r)
+    assert results[0]["remote_bytes"] == 0 < results[0]["local_bytes"], results[0]
+    if replicas:
+        assert results[1]["remote_bytes"] == 0 < results[1]["from_peers"] and results[1]["repaired"], results[1]
+    else:
+        assert results[1]["local_bytes"] == 0 < results[1]["remote_bytes"], results[1]
 
 
 def _flip(path: str, at: int = -20) -> bytes:
