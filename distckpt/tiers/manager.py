@@ -686,35 +686,43 @@ class TieredCheckpointManager:
                         "manager started while the remote tier does not answer drains it again", step,
                         self.local_root, type(exc).__name__, exc)
 
-    def _replicate(self, step: int) -> None:
+    def _replicate(self, step: int, *, rebuild: bool = False, damaged: frozenset[str] = frozenset()) -> None:
         """Give each data file of ``step`` ``replicas`` copies on other nodes (collective, on the
-        drain thread). Records "replicated" only when every copy arrived and was verified; a
-        failure is recorded and logged (the step still drains; its replicas are incomplete), except
-        a lost peer, which stops the thread (raised)."""
+        drain thread; ``rebuild``: on the training thread after a load, see
+        :meth:`_rebuild_replicas`). Records "replicated" only when every copy arrived and was
+        verified; a failure is recorded and logged (the step still drains; its replicas are
+        incomplete), except a lost peer, which stops the thread (raised).
+
+        Every node must hold a copy of the one save, except with ``rebuild``, where a node that
+        holds none (a replaced node) gets one made around the replicas it receives (MANIFEST
+        last, as a save's); a node holding another save of the step is never written to.
+        ``damaged``: data file names of this rank's node found damaged, counted as absent (a
+        replica is installed over them)."""
         from .. import manifest as mf
         from .load import _local_copy
         from .peers import replica_transfers, run_transfers, unreplicated
+        group = self._group if rebuild else self._drain_group
         path = self.local_path(step)
         error, mine = None, (None, None)
         try:
-            copy, data = _local_copy(self._local_store, path)
+            copy, data = _local_copy(self._local_store, path, damaged)
             mine = (copy, data if self._layout.is_leader else None)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
-        survey = self._drain_group.all_gather(mine if error is None else _portable(error))
+        survey = group.all_gather(mine if error is None else _portable(error))
         try:
-            self._drain_group.raise_failures([x if isinstance(x, BaseException) else None for x in survey], error,
-                                             operation="replication")
+            group.raise_failures([x if isinstance(x, BaseException) else None for x in survey], error,
+                                 operation="replication")
             copies = [survey[leader][0] for leader in self._layout.leaders]
             ids = {c.save_id for c in copies if c is not None}
-            if any(c is None for c in copies) or len(ids) != 1:
+            if (any(c is None for c in copies) and not rebuild) or len(ids) != 1:
                 raise TierIncompleteError(
                     f"step {step} cannot be replicated: not every node holds the same save of it "
                     f"({[c.save_id if c else None for c in copies]})", path=path, step=step_dirname(step), files=[],
                     tiers={"local": [c.save_id if c else None for c in copies]})
-            data = survey[self._layout.leaders[0]][1]
+            data = next(survey[leader][1] for leader, c in zip(self._layout.leaders, copies) if c is not None)
             header = mf.decode_header(data, path=path)
-            held = [c.files for c in copies]
+            held = [c.files if c is not None else frozenset() for c in copies]
             transfers = replica_transfers(self._layout, header, held, self.replicas)
             short = unreplicated(self._layout, len(header.files), held, transfers, self.replicas)
             if short:
@@ -723,7 +731,11 @@ class TieredCheckpointManager:
                     f"step {step} cannot be replicated: data file(s) {names[:20]} are on no node "
                     f"(absent, or not the size the MANIFEST gives)", path=path, step=step_dirname(step), files=names,
                     tiers={"local": [sorted(h) for h in held]})
-            run_transfers(self._drain_group, transfers, layout=self._layout, store=self._local_store, step_path=path,
+            if rebuild and transfers:
+                log.warning("distckpt: step %d: %d data file cop%s missing from the nodes' local tiers (a replaced "
+                            "node, a damaged file): replicated again from the nodes that hold them", step,
+                            len(transfers), "y is" if len(transfers) == 1 else "ies are")
+            run_transfers(group, transfers, layout=self._layout, store=self._local_store, step_path=path,
                           header=header, manifest=data)
         except PeerLostError:
             self._replication[step] = ("failed", None)
@@ -733,6 +745,21 @@ class TieredCheckpointManager:
             self._replication[step] = ("failed", exc)
             return
         self._replication[step] = ("replicated", None)
+
+    def _rebuild_replicas(self, step: int, damaged: dict[int, set[str]]) -> None:
+        """After a load of ``step`` (collective, on the training thread), with ``replicas=k``:
+        each of its data files gets its k copies on other nodes again where nodes lost them: a
+        node replaced since (its local tier empty: the load fetched only what its ranks read) or
+        a damaged file read around. Without this a step saved before a node loss kept fewer
+        copies until it was rotated away, and a second loss in that window lost what only the
+        remote tier (or nothing, before its drain) still held. Costs one all-gather and a stat
+        per data file when nothing is missing. A step this manager queued to drain is left to
+        its drain, which replicates it first (the same on every rank: steps are queued on every
+        rank at the same point). Failures are logged (``status(step).replicas``), never raised:
+        the load succeeded; a lost peer is raised."""
+        if not self.replicas or self._drainer.state(step) is not None:
+            return
+        self._replicate(step, rebuild=True, damaged=frozenset(damaged.get(self._layout.node, ())))
 
     def _vote(self, closing: bool, queued: tuple) -> tuple[bool, tuple]:
         votes = self._drain_group.all_gather((closing, queued))
@@ -1252,6 +1279,8 @@ class TieredCheckpointManager:
         loads the step again, each damaged file from another node's replica of it (installed
         over the damaged one) or else from the remote tier, with a warning naming the damaged
         files (only verified bytes reach the state dict either way): :meth:`_load_around_damage`.
+        With ``replicas=k``, the loaded step's files then get their k copies on other nodes again
+        where nodes lack them (a replaced node, a damaged file): :meth:`_rebuild_replicas`.
 
         When the remote tier does not answer (its typed error, on every rank), the step (the
         newest complete local one, or the ``step`` asked for) is loaded from the local tier alone,
@@ -1317,13 +1346,13 @@ class TieredCheckpointManager:
                             raise
                     if not remote_up:
                         result = dataclasses.replace(result, remote_unchecked=self._remote_down)
-                    return _passed_over(result, passed)
+                    return self._loaded(s, result, passed)
                 except (ChecksumMismatchError, DataFileTruncatedError) as exc:
                     damaged = self._damaged_local_files(exc)
                     if not damaged:
                         raise
-                    return _passed_over(self._load_around_damage(state_dict, s, exc, damaged, remote_up, kwargs),
-                                        passed)
+                    return self._loaded(s, self._load_around_damage(state_dict, s, exc, damaged, remote_up, kwargs),
+                                        passed, damaged)
             except TierIncompleteError as exc:
                 if step is not None:
                     raise
@@ -1366,6 +1395,13 @@ class TieredCheckpointManager:
             tiers={"remote": f"save {seen.remote_save_id} (not answering)", "local": f"save {seen.local_save_id}"},
             remedy="Load the step once the remote tier answers, or an older step; the local copy of this one is "
                    "another save (a stale disk) and is never loaded in its place.")
+
+    def _loaded(self, step: int, result: LoadResult, passed: dict[int, str],
+                damaged: dict[int, set[str]] | None = None) -> LoadResult:
+        """What load() returns for ``step``, once its replicas are whole again
+        (:meth:`_rebuild_replicas`; ``damaged``: {node: data file names} found damaged there)."""
+        self._rebuild_replicas(step, damaged or {})
+        return _passed_over(result, passed)
 
     def _load_around_damage(self, state_dict: Any, step: int, exc: BaseException, damaged: dict[int, set[str]],
                             remote_up: bool, kwargs: dict) -> LoadResult:

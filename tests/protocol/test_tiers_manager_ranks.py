@@ -709,3 +709,39 @@ def test_verify_of_a_nodes_copy_checks_its_files_and_names_the_others_not_damage
     os.unlink(plain / "rank00001.bin")
     report = verify(str(plain))
     assert not report.ok and report.not_here == [] and "missing" in str(report.file_problems[0]), report
+
+
+def _replaced_node_body(rank: int, world_size: int, tmp: str) -> dict:
+    import shutil
+
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = _step_one_on_every_tier(rank, tmp, keep_last_local=2, replicas=1)
+    step_dir = os.path.join(local, "step_00000001")
+    before = sorted(os.listdir(step_dir))
+    if rank == 1:  # node 1 replaced: its local disk is empty
+        shutil.rmtree(local)
+    torch.distributed.barrier()
+    out = {f"w{rank}": torch.zeros(1 << 14), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2, replicas=1) as mgr:
+        result = mgr.load(out)
+        replicas = mgr.status(1).replicas
+    torch.distributed.barrier()
+    return {"exact": out["step"] == 1 and torch.equal(out[f"w{rank}"], _state(1, rank)[f"w{rank}"]),
+            "from_peers": result.bytes_from_peers, "remote_bytes": result.bytes_by_tier["remote"],
+            "before": before, "after": sorted(os.listdir(step_dir)), "replicas": replicas}
+
+
+def test_a_load_onto_a_replaced_node_gives_the_step_its_replicas_again(tmp_path):
+    """Two nodes, replicas=1: each holds both data files of step 1. Node 1 is replaced (its local
+    tier empty). The load fetched what node 1's rank reads from node 0 (verified), but node 0's
+    file had then no replica left until the step was rotated away: a second node loss in that
+    window had only the remote tier. After the load the step has its replicas again: node 1
+    holds both files, and status says replicated."""
+    results = run_ranks(_replaced_node_body, 2, str(tmp_path), timeout=240)
+    for rank, r in enumerate(results):
+        assert r["exact"] and r["before"] == ["MANIFEST", "rank00000.bin", "rank00001.bin"], (rank, r)
+        assert r["after"] == r["before"] and r["replicas"] == "replicated", (rank, r)
+    assert results[1]["from_peers"] > 0 and results[1]["remote_bytes"] == 0, results[1]
+    for name in ("rank00000.bin", "rank00001.bin"):
+        a, b = (open(tmp_path / f"node{n}" / "step_00000001" / name, "rb").read() for n in (0, 1))
+        assert a == b, name
