@@ -118,22 +118,22 @@ def _ls_tiers(args) -> int:
     step, a column per tier. Never writes; imports no torch."""
     from .tiers.listing import list_tiers
     rows, loc, rem, remote_error = list_tiers(args.root, args.remote)
-    if loc is None and rem is None:
-        if remote_error is not None:
-            raise remote_error
+    if loc is None and rem is None and remote_error is None:
         print(f"distckpt ls: neither {args.root} nor {args.remote} exists", file=sys.stderr)
         return 2
     # The local tier is shown even when the remote tier could not be listed; the exit status
-    # still says the listing is not whole.
-    status = 0 if remote_error is None else 1
+    # says the listing is incomplete (3: a request failed, as for a step `ls` could not read).
+    status = 0 if remote_error is None else 3
     if args.json:
         import dataclasses
         doc = {"json_format": JSON_FORMAT, "local": args.root, "remote": args.remote,
-               "steps": [dataclasses.asdict(r) for r in rows]}
+               "local_exists": loc is not None, "steps": [dataclasses.asdict(r) for r in rows]}
         if remote_error is not None:
             doc["remote_error"] = {"type": type(remote_error).__name__, "message": str(remote_error)}
         print(json.dumps(doc, indent=1, sort_keys=True))
         return status
+    if loc is None and remote_error is not None:
+        raise remote_error  # nothing to show: the local tier does not exist either
 
 
     def local(r):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..errors import DistCkptError
+from ..errors import ConfigError, DistCkptError
 from ..listing import RootListing, StepInfo, list_root
 from ..storage import join, normalize_path, open_store
 from .records import TIER_RECORD_NAME, read_drained, tier_id
@@ -80,11 +80,13 @@ def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *, storage_o
     loc = listing(normalize_path(local), None)
     try:
         rem, remote_error = listing(normalize_path(remote), storage_options), None
+    except ConfigError:
+        raise  # a URL that names no store: not a remote tier that could not be listed
     except DistCkptError as exc:
         # A dark or refusing remote tier: what this node holds is still worth showing (the
         # local copies are what a load would use now).
         rem, remote_error = None, exc
-    drained = _drained_here(normalize_path(local)) if remote_error is not None else {}
+    drained = _drained_here(normalize_path(local), normalize_path(remote)) if remote_error is not None else {}
     by_step: dict[int, dict[str, StepInfo]] = {}
     for tier, lst in (("local", loc), ("remote", rem)):
         for e in (lst.entries if lst is not None else []):
@@ -122,12 +124,12 @@ def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *, storage_o
     return rows, loc, rem, remote_error
 
 
-def _drained_here(local_root: str) -> dict[int, str]:
+def _drained_here(local_root: str, remote_root: str) -> dict[int, str]:
     """{step: save id} this node's drained record names for the remote tier its local tier is
-    paired with ({} without either record)."""
+    paired with, at ``remote_root`` ({} without either record, or for another root)."""
     store = open_store(local_root)
     try:
         tier = tier_id(store.read_pointer(join(local_root, TIER_RECORD_NAME)))
     except DistCkptError:
         return {}
-    return read_drained(store, local_root, tier)
+    return read_drained(store, local_root, tier, remote_root)

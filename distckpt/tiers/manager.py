@@ -680,7 +680,7 @@ class TieredCheckpointManager:
             present = {int(m.group(1)) for m in map(_STEP_RE.match, self._local_store.list_children(self.local_root))
                        if m}
             if tier is not None:
-                record_drained(self._local_store, self.local_root, tier, step, save_id, present)
+                record_drained(self._local_store, self.local_root, tier, self.remote_root, step, save_id, present)
         except Exception as exc:  # noqa: BLE001 - the record only spares a later drain
             log.warning("distckpt: step %d drained, but the drained record under %s was not written (%s: %s): a "
                         "manager started while the remote tier does not answer drains it again", step,
@@ -830,7 +830,7 @@ class TieredCheckpointManager:
         if self._layout.is_leader:
             try:
                 tier = tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
-                recorded = read_drained(self._local_store, self.local_root, tier)
+                recorded = read_drained(self._local_store, self.local_root, tier, self.remote_root)
             except Exception as exc:  # noqa: BLE001 - a record that does not read spares nothing
                 log.warning("distckpt: the tier record under %s does not read (%s: %s): its steps are drained "
                             "again", self.local_root, type(exc).__name__, exc)

@@ -5,7 +5,8 @@ Torch-free: ``distckpt ls`` and ``distckpt verify`` read them too.
     first line; the remote root's ``.distckpt-tier`` holds the same id). Written once, by the
     pairing check of distckpt.tiers.manager.
   * ``.distckpt-tier-drained``: the saves this node saw reach that remote tier, one line
-    ``STEP SAVE_ID`` each, under a first line naming the tier id they were drained to. Written
+    ``STEP SAVE_ID`` each, under two lines naming the tier id and the remote root they were
+    drained to (a manager, or ``ls``, given another remote root uses none of it). Written
     by the node's leader after each drain that committed (distckpt.tiers.manager). A manager
     that starts while the remote tier does not answer trusts it for the steps it names with
     the same save id as the local copy: those are not queued again, so a restore-only job on
@@ -13,7 +14,8 @@ Torch-free: ``distckpt ls`` and ``distckpt verify`` read them too.
     The remote tier, once it answers, is still what a listing believes: the record only ever
     spares a drain, never makes a step loadable.
 
-A record that is missing, unreadable or names another tier counts as empty (logged): the cost
+A record that is missing, unreadable or names another tier or remote root counts as empty
+(logged): the cost
 is a drain queued again (which finds the save there and uploads nothing), never a step called
 durable that is not.
 """
@@ -44,11 +46,13 @@ def tier_id(text: str | None) -> str | None:
     return text.split()[0] if text and text.split() else None
 
 
-def read_drained(store: Store, local_root: str, tier: str | None) -> dict[int, str]:
+def read_drained(store: Store, local_root: str, tier: str | None, remote_root: str) -> dict[int, str]:
     """{step: save id} that the drained record of ``local_root`` names for the remote tier
-    ``tier`` (the local tier's pairing id); {} when there is no record, when it names another
-    tier (the tiers were paired anew since), when ``tier`` is None, or when it does not read or
-    parse (a warning says so). Never raises: the record only spares drains."""
+    ``tier`` (the local tier's pairing id) at ``remote_root`` (normalized); {} when there is no
+    record, when it names another tier (the tiers were paired anew since) or another remote root
+    (a manager given a new, maybe empty, root while the paired one holds the steps), when
+    ``tier`` is None, or when it does not read or parse (a warning says so). Never raises: the
+    record only spares drains."""
     if tier is None:
         return {}
     path = join(local_root, DRAINED_RECORD_NAME)
@@ -61,11 +65,12 @@ def read_drained(store: Store, local_root: str, tier: str | None) -> dict[int, s
     if not text:
         return {}
     lines = text.splitlines()
-    if tier_id(lines[0]) != tier:
-        log.info("distckpt: the drained record %s names another remote tier than %s: not used", path, tier)
+    if tier_id(lines[0]) != tier or len(lines) < 2 or lines[1] != remote_root:
+        log.info("distckpt: the drained record %s names another remote tier than %s at %s: not used", path, tier,
+                 remote_root)
         return {}
     out = {}
-    for line in lines[1:]:
+    for line in lines[2:]:
         m = _LINE.match(line.strip())
         if m is None:
             log.warning("distckpt: the drained record %s has a line that is not 'STEP SAVE_ID' (%r): the record "
@@ -75,17 +80,21 @@ def read_drained(store: Store, local_root: str, tier: str | None) -> dict[int, s
     return out
 
 
-def record_drained(store: Store, local_root: str, tier: str, step: int, save_id: str, present: set[int]) -> None:
+def record_drained(store: Store, local_root: str, tier: str, remote_root: str, step: int, save_id: str,
+                   present: set[int]) -> None:
     """Add ``step``'s ``save_id`` to the drained record of ``local_root`` for the remote tier
-    ``tier``, keeping only the steps of ``present`` (those still on the local tier), in one
+    ``tier`` at ``remote_root`` (normalized; a record of another tier or root is replaced),
+    keeping only the steps of ``present`` (those still on the local tier), in one
     atomic replace (the lowest steps left out when they would not fit its 4 KiB). Called by the node's leader alone (the local tier's owner), on the drain
     thread. Raises StorageError subclasses."""
-    held = {s: sid for s, sid in read_drained(store, local_root, tier).items() if s in present}
+    if "\n" in remote_root:
+        raise ValueError(f"a remote root with a line break cannot be recorded: {remote_root!r}")
+    held = {s: sid for s, sid in read_drained(store, local_root, tier, remote_root).items() if s in present}
     held[step] = save_id
     lines = [f"{s} {held[s]}\n" for s in sorted(held)]
     # A pointer file is read 4 KiB at most (distckpt.storage): the lowest steps go first, which
     # costs them no more than a drain queued again.
-    while len(tier) + 1 + sum(map(len, lines)) > _MAX_BYTES:
+    head = f"{tier}\n{remote_root}\n"
+    while len(head.encode()) + sum(map(len, lines)) > _MAX_BYTES and lines:
         lines.pop(0)
-    body = "".join(lines)
-    store.replace_pointer(join(local_root, DRAINED_RECORD_NAME), f"{tier}\n{body}".encode())
+    store.replace_pointer(join(local_root, DRAINED_RECORD_NAME), (head + "".join(lines)).encode())

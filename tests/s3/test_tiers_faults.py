@@ -475,7 +475,7 @@ def test_a_restore_only_job_on_a_dark_remote_does_not_report_steps_an_earlier_jo
                 mgr.save(s, _state(s))
                 assert mgr.wait_durable(s, timeout=60).durable
         record = (local / ".distckpt-tier-drained").read_text().split("\n")
-        assert [line.split()[0] for line in record[1:] if line] == ["1", "2"], record
+        assert [line.split()[0] for line in record[2:] if line] == ["1", "2"], record
         px.rule = lambda n, method, path: "stall"
         mgr = TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5)
         got = _state(0)
@@ -489,15 +489,25 @@ def test_a_restore_only_job_on_a_dark_remote_does_not_report_steps_an_earlier_jo
                "DISTCKPT_OBJECT_REQUEST_TIMEOUT_S": "1"}
         ls = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(local), "--remote", url], env=env,
                             capture_output=True, text=True, timeout=120)
-        assert ls.returncode == 1 and "could not be listed" in ls.stderr, (ls.returncode, ls.stderr)
+        assert ls.returncode == 3 and "could not be listed" in ls.stderr, (ls.returncode, ls.stderr)
         rows = {line.split()[0]: line for line in ls.stdout.splitlines()[2:]}
         assert sorted(rows) == ["1", "2"] and all("unknown (recorded drained)" in r for r in rows.values()), ls.stdout
         ls = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(local), "--remote", url, "--json"], env=env,
                             capture_output=True, text=True, timeout=120)
         doc = json.loads(ls.stdout)
-        assert ls.returncode == 1 and doc["remote_error"]["type"] == "EndpointUnreachableError", ls.stdout
+        assert ls.returncode == 3 and doc["remote_error"]["type"] == "EndpointUnreachableError", ls.stdout
         assert [(r["step"], r["remote"], r["drained"]) for r in doc["steps"]] == [(1, "unknown", True),
                                                                                   (2, "unknown", True)]
+        # The record is of the remote root the steps were drained to: another root (empty, also
+        # dark) is told nothing by it, and a manager built on it spares no step.
+        other = f"{s3_bucket.url}/elsewhere"
+        ls = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(local), "--remote", other, "--json"],
+                            env=env, capture_output=True, text=True, timeout=120)
+        assert ls.returncode == 3 and [r["drained"] for r in json.loads(ls.stdout)["steps"]] == [False, False]
+        elsewhere = TieredCheckpointManager(local, other, storage_options=opts, keep_last_local=5)
+        with pytest.raises(NotDurableError) as info:
+            elsewhere.close(timeout=1.0)
+        assert info.value.steps == [1, 2]
 
         # A step saved while the remote tier is dark is not in any record: the next dark start
         # queues it, and its close names it alone.
@@ -524,7 +534,7 @@ def test_a_restore_only_job_on_a_dark_remote_does_not_report_steps_an_earlier_jo
         with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as mgr:
             assert mgr.wait_durable(3, timeout=60).durable
         record = (local / ".distckpt-tier-drained").read_text().split("\n")
-        assert "3" in [line.split()[0] for line in record[1:] if line], record
+        assert "3" in [line.split()[0] for line in record[2:] if line], record
     finally:
         px.rule = lambda n, method, path: None
         px.close()
