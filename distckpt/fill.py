@@ -631,10 +631,28 @@ def _pack(segs: list[_Segment], size: int, block: int, verify: bool):
     return bytes(seg_rec), bytes(chk_rec), bytes(cpy_rec), bytes(dst_rec), meta
 
 
+def _check_holds(path: str, segs: Sequence[_Segment], size: int) -> None:
+    """Raise DataFileTruncatedError when the file at ``path``, ``size`` bytes as opened, ends
+    before the bytes ``segs`` read: it shrank after its size was checked against the MANIFEST
+    (rewritten, or a download still in progress). The read plan's arithmetic assumes it did
+    not (a negative length packed for the C pipeline was a bare struct.error)."""
+    need = max((u.at + u.hi - u.lo for seg in segs for u in seg.units), default=0)
+    if need > size:
+        from .errors import DataFileTruncatedError
+        raise DataFileTruncatedError(f"{os.path.basename(path)} has {size} bytes, {need} needed: it shrank after "
+                                     f"its size was checked (rewritten or replaced while it was read)", path=path,
+                                     expected=need, found=size)
+
+
 def _run_pipeline(path: str, segs: list[_Segment], reader, buf, slot: int, block: int, verify: bool,
                   outcome: "_Outcome") -> None:
     """Read, verify and copy ``segs`` of one file with the C pipeline; record what was copied and
     the first failure in ``outcome``."""
+    try:
+        _check_holds(path, segs, reader.size)
+    except DistCkptError as exc:
+        outcome.fail(exc)
+        return
     seg_rec, chk_rec, cpy_rec, dst_rec, meta = _pack(segs, reader.size, block, verify)
     done = bytearray(len(segs))
     try:
@@ -826,6 +844,7 @@ def fill(paths: Mapping[int, str], by_file: dict[int, list[Any]], *, block: int 
                         r.close()
                     readers.clear()
                     reader = readers[seg.file_index] = open_reader(paths[seg.file_index])
+                _check_holds(paths[seg.file_index], [seg], reader.size)
                 n = min(seg.end, reader.size) - seg.offset
                 reader.read_into([(seg.offset, n, view[:seg.end - seg.offset])])
                 if verify:

@@ -640,10 +640,36 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
             exchange.finish(error)
         except Exception as exc:  # noqa: BLE001 - a peer lost while joining: reported below
             error = error or exc
-    group.exchange_outcome(error, operation="load")
+    exchange_load_outcome(group, error, result, state_dict)
     if result is not None and exchange is not None:
         result = dataclasses.replace(result, bytes_from_peers=exchange.received)
     return result
+
+
+def exchange_load_outcome(group: Any, error: BaseException | None, result: "LoadResult | None",
+                          state_dict: Any) -> None:
+    """A load's outcome exchange (collective): raises on every rank when any rank failed, the
+    error's ``filled`` / ``partly_filled`` saying what *this rank's* state dict holds. The error
+    every rank raises is a copy of the lowest failing rank's, whose lists name that rank's keys:
+    a rank whose own load succeeded had every tensor filled (its result says which), one that
+    failed has its own error's lists, and one that cannot tell says nothing (None), never
+    another rank's lists."""
+    try:
+        group.exchange_outcome(error, operation="load")
+    except DistCkptError as exc:
+        if result is not None:
+            filled, partly = _filled_keys(state_dict, result), []
+        elif error is not None and getattr(error, "filled", None) is not None:
+            filled, partly = error.filled, getattr(error, "partly_filled", None)
+        elif error is None:
+            filled, partly = [], []   # this rank's load stopped before a byte moved (another rank's failure)
+        elif getattr(exc, "filled", None) is not None:
+            filled = partly = None    # another rank's lists, copied: this rank cannot tell
+        else:
+            raise
+        exc.filled, exc.partly_filled = filled, partly
+        exc.details.update(filled=filled, partly_filled=partly)
+        raise
 
 
 def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result: LoadResult) -> None:
@@ -651,15 +677,20 @@ def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result:
     look): every tensor it was asked for holds verified bytes of the checkpoint as its MANIFEST
     said at the start, and its values are in place. The error says so (``filled``), as a failed
     fill's does, so the caller knows its state dict changed."""
-    skipped = set(result.missing) | set(result.mismatched) | set(result.uninitialized)
-    _, items = flatten(state_dict, check_objects=False)
-    filled = sorted(f for f, item in items.items() if isinstance(item, TensorItem) and f not in skipped)
+    filled = _filled_keys(state_dict, result)
     exc.filled, exc.partly_filled = filled, []
     exc.details.update(filled=filled, partly_filled=[])
     exc.message = (f"{exc.message}; the load had finished before this was seen: {len(filled)} tensor(s) "
                    f"{filled[:10]} hold verified bytes of the checkpoint as it was when the load began, and its "
                    f"non-tensor values were put in place")
     exc.args = (exc.message,)
+
+
+def _filled_keys(state_dict: Any, result: LoadResult) -> list[str]:
+    """The tensor keys of ``state_dict`` a load that returned ``result`` filled."""
+    skipped = set(result.missing) | set(result.mismatched) | set(result.uninitialized)
+    _, items = flatten(state_dict, check_objects=False)
+    return sorted(f for f, item in items.items() if isinstance(item, TensorItem) and f not in skipped)
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep, empty=None, path: tuple = ()) -> Any:

@@ -54,7 +54,7 @@ from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, Config
 from ..fill import Part, Task
 from ..gcpause import gc_paused
 from ..listing import _STEP_RE
-from ..restore import LoadResult, _load_local
+from ..restore import LoadResult, _load_local, exchange_load_outcome
 from ..source import Source
 from ..storage import Store, basename, is_url, join, normalize_path, open_store
 from .nodes import NodeLayout, node_layout
@@ -256,7 +256,7 @@ def load_tiered(state_dict: Any, *, local_path: str | None, remote_path: str | N
                                   strict, verify, allow_pickle, cast, t0, layout, damaged or {})
     except Exception as exc:  # noqa: BLE001 - every rank raises the same, below
         error = exc
-    group.exchange_outcome(error, operation="load")
+    exchange_load_outcome(group, error, result, state_dict)
     return result
 
 

@@ -623,3 +623,88 @@ def test_an_outage_inside_a_pin_is_not_called_a_removal(tmp_path, monkeypatch):
     assert not isinstance(info.value, E.CheckpointRemovedError)
     monkeypatch.undo()
     assert torch.equal(distckpt.read(path)["w"], _state()["w"])
+
+
+def _sources(tmp_path, kind: str) -> tuple[str, str, dict]:
+    """(checkpoint path, its one data file, the tensors) of a checkpoint of ``kind``."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(9)
+    ref = {"x": torch.randn(1 << 20, generator=g), "y": torch.randn(3 << 18, generator=g)}
+    d = tmp_path / kind
+    if kind == "hf":
+        d.mkdir()
+        save_file(ref, str(d / "model.safetensors"))
+        return str(d), str(d / "model.safetensors"), ref
+    if kind == "dcp":
+        dcp.save(ref, checkpoint_id=str(d), no_dist=True)
+        return str(d), str(d / "__0_0.distcp"), ref
+    distckpt.save(ref, str(d), no_dist=True)
+    return str(d), str(d / "rank00000.bin"), ref
+
+
+@pytest.mark.parametrize("kind", ["hf", "dcp", "distckpt"])
+@pytest.mark.parametrize("when", ["before-open", "after-open"])
+def test_a_data_file_that_shrinks_while_it_is_read_is_a_typed_error_naming_what_was_filled(
+        tmp_path, monkeypatch, kind, when):
+    """A data file cut to half after its size was checked against the MANIFEST (a rewrite, a
+    download in progress): before the reader opened it, the read plan packed a negative length
+    (a bare struct.error); after, the short read was reported, but for a Hugging Face or DCP
+    source as a CheckpointRemovedError without the ``filled`` / ``partly_filled`` its cause
+    carried, although tensors had changed (an outside trial). Now a typed error either way, its
+    lists saying what holds verified bytes, the rest untouched."""
+    import distckpt.fill as F
+    path, victim, ref = _sources(tmp_path, kind)
+    real = F.fill
+
+    def cut_then_fill(*args, **kwargs):
+        opener = kwargs["open_reader"]
+        if when == "before-open":
+            os.truncate(victim, os.path.getsize(victim) // 2)
+        else:
+            def opened_then_cut(p):
+                r = opener(p)
+                os.truncate(victim, os.path.getsize(victim) // 2)
+                return r
+            kwargs["open_reader"] = opened_then_cut
+        return real(*args, **kwargs)
+    monkeypatch.setattr(F, "fill", cut_then_fill)
+    state = {k: torch.zeros_like(v) for k, v in ref.items()}
+    with pytest.raises((E.DataFileTruncatedError, E.CheckpointRemovedError)) as info:
+        distckpt.load(state, path)
+    filled, partly = info.value.filled, info.value.partly_filled
+    assert isinstance(filled, list) and isinstance(partly, list), info.value
+    for k, v in ref.items():
+        if k in filled:
+            assert torch.equal(state[k], v), k
+        elif k not in partly:
+            assert not state[k].any(), k   # untouched
+
+
+def _asymmetric_damage_body(rank: int, world_size: int, path: str) -> dict:
+    from distckpt import errors
+    state = {"a": torch.zeros(1 << 16)} if rank == 0 else {"b": torch.zeros(1 << 16)}
+    try:
+        distckpt.load(state, path)
+    except errors.ChecksumMismatchError as exc:
+        return {"filled": exc.filled, "partly": exc.partly_filled, "changed": bool(next(iter(state.values())).any())}
+    return {"filled": None}
+
+
+def test_each_rank_of_a_failed_load_says_what_its_own_state_dict_holds(tmp_path):
+    """Rank 1 reads a damaged block, rank 0 loads its own key whole: every rank raises the same
+    ChecksumMismatchError (a copy of rank 1's), and rank 0's said filled=[] (rank 1's lists)
+    although its tensor had been filled with verified bytes (an outside trial). Each rank's error
+    now names its own keys."""
+    from ..helpers.distributed import run_ranks
+    path = str(tmp_path / "ck")
+    distckpt.save({"a": torch.randn(1 << 16), "b": torch.randn(1 << 16)}, path, no_dist=True)
+    data = tmp_path / "ck" / "rank00000.bin"
+    raw = bytearray(data.read_bytes())
+    man = load_manifest(path)
+    at = man.tensors["b"].chunks[0].offset + 100
+    raw[at] ^= 1
+    data.write_bytes(bytes(raw))
+    results = run_ranks(_asymmetric_damage_body, 2, path, timeout=180)
+    assert results[0] == {"filled": ["a"], "partly": [], "changed": True}, results[0]
+    assert results[1]["filled"] == [] and results[1]["partly"] == [] and not results[1]["changed"], results[1]

@@ -312,9 +312,10 @@ class ObjectStore(Store):
                 now = seen
             if now == seen:
                 raise  # the same save's object is missing: damage, not a replacement
+            fields = {k: getattr(exc, k) for k in ("filled", "partly_filled") if getattr(exc, k, None) is not None}
             raise CheckpointRemovedError(
                 f"{path} was {'replaced by another save' if now else 'deleted'} while it was read ({exc.message})",
-                path=path, renamed_to=None, replaced=now is not None) from exc
+                path=path, renamed_to=None, replaced=now is not None, **fields) from exc
 
     def data_url(self, path: str, manifest: "mf.Manifest", index: int) -> str:
         return join(path, manifest.save_id, manifest.files[index].name)

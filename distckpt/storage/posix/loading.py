@@ -199,9 +199,11 @@ def _removed_while_reading(path: str, before: tuple | None,
                   "failed rather than mixing two checkpoints")
     else:
         failed = f"the read failed with {type(exc).__name__}: {getattr(exc, 'message', exc)}"
+    # A load's failed fill says which tensors hold verified bytes already: so does this error.
+    fields = {k: getattr(exc, k) for k in ("filled", "partly_filled") if getattr(exc, k, None) is not None}
     removed = CheckpointRemovedError(
         f"the checkpoint at {path} {'changed' if changed else 'was removed'} while it was being read: {how}; {failed}",
-        path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None)
+        path=path, rank=getattr(exc, "rank", None), renamed_to=renamed_to, replaced=now is not None, **fields)
     removed.__cause__ = exc
     return removed
 
