@@ -832,6 +832,12 @@ def _tree(meta: DcpMetadata) -> dict:
         if p is None:
             flat.append(fqn)
             continue
+        if ".".join(map(str, p)) != fqn:
+            # DCP's flatten names each value by its path joined with dots; a path that does not
+            # join back to its own key would put the value where another key's belongs (and
+            # push that one out to the root): a state rearranged without a word.
+            raise CheckpointCorruptError(f"DCP .metadata: the path {list(p)[:8]!r} of key {fqn!r} does not name it "
+                                         f"(DCP names a value by its path joined with dots)")
         node = root
         ok = True
         for k in p[:-1]:

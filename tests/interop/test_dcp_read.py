@@ -386,6 +386,22 @@ def test_crafted_metadata_shapes_are_typed_without_recursion_or_overflow(tmp_pat
             distckpt.load({"w": torch.zeros(2)}, path)
 
 
+@pytest.mark.parametrize("path", [("b", "c"), ("b",), ("b", "c", "x")], ids=["same-leaf", "prefix", "under-leaf"])
+def test_a_planner_path_that_does_not_name_its_key_is_corrupt_not_a_rearranged_state(tmp_path, path):
+    """DCP names each value by its planner_data path joined with dots. A .metadata whose path for
+    'a' is another key's place: read() put 'a' where 'b.c' belongs and moved 'b.c' out to a flat
+    key, and convert exited 0 with the same mix (an outside trial). CheckpointCorruptError now."""
+    import torch.distributed.checkpoint as dcp
+    ck = str(tmp_path / "ck")
+    dcp.save({"a": torch.arange(6.0), "b": {"c": torch.ones(2, 3), "i": torch.arange(4)}}, checkpoint_id=ck,
+             no_dist=True)
+    _rewrite_metadata(ck, lambda m: m.planner_data.__setitem__("a", path))
+    with pytest.raises(CheckpointCorruptError, match="does not name it"):
+        distckpt.read(ck)
+    with pytest.raises(CheckpointCorruptError, match="does not name it"):
+        distckpt.load({"a": torch.zeros(6)}, ck)
+
+
 def test_a_compressed_record_in_a_chunk_archive_is_never_inflated(tmp_path):
     """A chunk archive whose 'byteorder' record is a deflate bomb (1 GiB declared, 1 MiB stored)
     is refused before zipfile decodes it (torch.save stores every record plain): read and verify
