@@ -255,7 +255,7 @@ def test_reshard_errors_are_typed(saved):
         # an AttributeError, KeyError or ValueError midway, or a load that set the step counter to
         # a string, the lr to "abc" and the loss scale to "big")
         hostile = json.load(open(os.path.join(_dir(saved, "2:bf16+offload"), "out", f"err_hostile_rank{rank}.json")))
-        assert len(hostile) == 14
+        assert len(hostile) == 17
         for name, d in hostile.items():
             assert d["raised"] and d["raised"].startswith("distckpt.errors.ManifestCorruptError"), (name, d)
             assert d["untouched"], (name, d)

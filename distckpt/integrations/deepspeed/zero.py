@@ -770,6 +770,8 @@ def _check_meta(meta: dict, path: str) -> None:
         "adam_w_mode": (False, lambda v: v is None or isinstance(v, bool), "a bool"),
         "group_of": (False, lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
                      "an object of group indexes"),
+        "layout": (False, lambda v: v in ("stage0", "fp16_optimizer", "zero12", "zero3"),
+                   "one of stage0, fp16_optimizer, zero12, zero3"),
         "frozen": (False, _is_shapes, "a list of [name, shape]"),
         "aliases": (False, lambda v: isinstance(v, list) and all(
             isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in v),
@@ -794,6 +796,16 @@ def _check_meta(meta: dict, path: str) -> None:
         if not test(meta[field]):
             raise ManifestCorruptError(f"the '{_META}' metadata's {field!r} is not {what}: "
                                        f"{str(meta[field])[:200]}", path=path, key=f"{_META}.{field}")
+    # group_of names the saved parameters' groups: a name no parameter has, or a group past the
+    # saved ones, is no metadata a save writes.
+    named = ({p[0] for p in meta["params"]} | {p[0] for p in meta.get("frozen") or ()}
+             | {a[0] for a in meta.get("aliases") or ()})
+    for name, group in (meta.get("group_of") or {}).items():
+        if name not in named or group >= len(meta["param_groups"]):
+            raise ManifestCorruptError(f"the '{_META}' metadata's 'group_of' puts {name!r} in group {group}: "
+                                       + ("no saved parameter has that name" if name not in named else
+                                          f"only {len(meta['param_groups'])} param groups were saved"),
+                                       path=path, key=f"{_META}.group_of")
 
 
 def _reconcile(path: str, meta: dict, lay: _Layout, allow_stage_change: bool, frozen_now: dict | None = None,
