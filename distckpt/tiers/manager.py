@@ -63,6 +63,7 @@ from .load import load_tiered, step_availability
 from .localcommit import save_node_local
 from .nodes import node_layout
 from .owner import OWNER_NAME, RemoteOwner
+from .peers import remove_peer_areas
 from .records import TIER_ID_NAME, TIER_RECORD_NAME, read_drained, record_drained, tier_id
 
 __all__ = ["TieredCheckpointManager", "TierStatus"]
@@ -215,6 +216,14 @@ class TieredCheckpointManager:
         # step -> (state, error) of its replication: "replicated" or "failed" (the drain thread's).
         self._replication: dict[int, tuple[str, BaseException | None]] = {}
         self._owner = self._own_local_tier()
+        if self._layout.is_leader:
+            # What peer transfers that died left (replicas, a load's fetch): none can be in
+            # flight now, with the local tier owned and no drain thread started yet.
+            try:
+                remove_peer_areas(self.local_root)
+            except DistCkptError as exc:
+                log.warning("distckpt: could not remove the areas of unfinished peer transfers under %s: %s",
+                            self.local_root, exc)
         # step -> save id of what this manager knows the remote tier holds (found at construction,
         # drained since): the steps a save must not reuse (:meth:`_check_step_free`).
         self._remote_held: dict[int, str] = {}
@@ -389,6 +398,15 @@ class TieredCheckpointManager:
             kwargs["overwrite"] = True  # an incomplete copy that no load takes (the same on every rank)
         after = functools.partial(self._after_local_commit, step)
         lock = join(self.local_root, ROOT_LOCK_NAME)
+        if self._layout.is_leader:
+            # Dead leftovers of any step (a save killed mid-write leaves a .step_N.tmp-* that no
+            # later save of another number would reclaim: steps only go up), never those of a
+            # live save (this process's async save in flight holds the root lock). Housekeeping:
+            # a failure is logged, never raised on one rank.
+            try:
+                self._local_store.reclaim(self.local_root)
+            except DistCkptError as exc:
+                log.warning("distckpt: could not reclaim leftovers of dead saves under %s: %s", self.local_root, exc)
         self._saving.add(step)
 
         outcome: dict[str, bool] = {}  # "ok": how the local save ended, once it has

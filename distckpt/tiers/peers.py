@@ -20,8 +20,10 @@ replaced node, :func:`distckpt.tiers.load.load_tiered`).
               come; a sender whose read fails sends zeros for the rest of that file, which then
               fail its receiver's check (the sender's error alone is reported: OUTCOME).
               The receiver writes into a private area of its node's local root
-              (``.step_N.tmp-<32 hex>/``: a leftover the next save reclaims if this dies), fsyncs,
-              then reads the file back through the same verified reader.
+              (``.step_N.peer-<32 hex>/``, :func:`peer_area`: not a save's ``.tmp-`` name, which a
+              save's reclaim would take for a dead save's and delete mid-transfer; a leftover the
+              next manager's construction removes, :func:`remove_peer_areas`), fsyncs, then reads
+              the file back through the same verified reader.
   3. OUTCOME  one all-gather: which files each rank received and verified, or its error.
   4. INSTALL  each node's leader moves its ranks' verified files into the node's step directory
               (renames, then a directory fsync); a node that holds no copy of the step gets one
@@ -43,6 +45,7 @@ import errno
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from typing import Callable
@@ -100,6 +103,34 @@ def schedule(transfers: list[Transfer]) -> list[list[Transfer]]:
 
 def _spread(ranks: list[int], key: int) -> int:
     return ranks[key % len(ranks)]
+
+
+_PEER_AREA_RE = re.compile(r"^\.step_[0-9]+\.peer-[0-9a-f]{32}\Z")
+
+
+def peer_area(step_path: str) -> str:
+    """A new private area beside ``step_path`` for files received from peers (or a copy of the
+    step made around them), named so that no save's reclaim takes it for its own."""
+    return join(dirname(step_path), f".{basename(step_path)}.peer-{uuid.uuid4().hex}")
+
+
+def remove_peer_areas(root: str) -> list[str]:
+    """Remove the peer areas (:func:`peer_area`) under the local root ``root``: what transfers
+    that died left. Only while no transfer can be in flight into ``root``: a manager's
+    construction, holding the local tier's owner lock, before its drain thread starts. Returns
+    the names removed; raises StorageError subclasses."""
+    try:
+        names = [n for n in os.listdir(root) if _PEER_AREA_RE.match(n)]
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise from_os_error(exc, path=root, operation="list") from exc
+    for name in names:
+        _remove_tree(join(root, name))
+    if names:
+        log.info("distckpt: removed %d areas of peer transfers that did not finish under %s: %s", len(names), root,
+                 names)
+    return names
 
 
 def replica_transfers(layout: NodeLayout, header: mf.Manifest, held: list[frozenset], replicas: int) -> list[Transfer]:
@@ -225,7 +256,7 @@ def run_transfers(group: ControlGroup, transfers: list[Transfer], *, layout: Nod
             # what it receives): no peer waits out a deadline for a rank whose own disk failed.
             count = max(len(piece_sizes(header.files[t.file].size)) for t in rnd)
             if into is not None and area is None and error is None:
-                area = join(dirname(step_path), f".{basename(step_path)}.tmp-{uuid.uuid4().hex}")
+                area = peer_area(step_path)
                 try:
                     _mkdir(area)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -497,7 +528,7 @@ def _install(store: Store, step_path: str, header: mf.Manifest, manifest: bytes,
     if store.exists(step_path):
         # A step directory without a MANIFEST (a crashed install, never a committed copy): replaced.
         _remove_tree(step_path)
-    fresh = join(dirname(step_path), f".{basename(step_path)}.tmp-{uuid.uuid4().hex}")
+    fresh = peer_area(step_path)
     _mkdir(fresh)
     try:
         for src, name in moves:

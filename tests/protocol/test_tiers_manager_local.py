@@ -772,3 +772,32 @@ def test_a_local_tier_wiped_under_its_manager_is_never_shared_with_a_second_one(
         assert not (local / "step_00000030").exists()
     finally:
         first.close()
+
+
+def test_dead_leftovers_of_any_step_are_reclaimed_and_a_peer_transfer_area_is_not_a_saves(tmp_path):
+    """A save killed mid-write leaves ``.step_N.tmp-*`` in the local tier. A tiered save reclaimed
+    only leftovers of its own step number, and steps only go up: each kill leaked up to a step of
+    disk for good, where a CheckpointManager's save reclaims the whole root (an outside trial).
+    Each save now reclaims dead leftovers of every step (never a live save's). Peer transfers'
+    areas are named ``.step_N.peer-*``, which a save's reclaim never takes for a dead save's (it
+    would delete one in flight on the drain thread); a manager's construction removes the ones
+    that died."""
+    import uuid
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        mgr.save(1, _state(1))
+    crashed = local / f".step_00000002.tmp-{uuid.uuid4().hex}"
+    crashed.mkdir()
+    (crashed / "rank00000.bin").write_bytes(b"\0" * (1 << 20))
+    peer = local / f".step_00000001.peer-{uuid.uuid4().hex}"
+    peer.mkdir()
+    (peer / "rank00001.bin").write_bytes(b"\0" * 4096)
+    with TieredCheckpointManager(local, remote, keep_last_local=2) as mgr:
+        assert not peer.exists()          # removed at construction
+        assert crashed.exists()
+        mgr.save(3, _state(3))
+        assert not crashed.exists()       # reclaimed by the save of another step
+        out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+        mgr.load(out)
+    assert out["step"] == 3 and torch.equal(out["w"], _state(3)["w"])
+    assert not [p.name for p in local.iterdir() if ".tmp-" in p.name or ".peer-" in p.name or ".del-" in p.name]

@@ -87,7 +87,7 @@ def test_a_memory_tier_survives_a_restart_and_a_lost_node_resumes_from_its_peers
     # The fresh node holds a copy of the step again, made from its peer's replica, checked.
     assert (n1 / "local" / "step_00000020" / "MANIFEST").read_bytes() == \
         (n0 / "local" / "step_00000020" / "MANIFEST").read_bytes()
-    assert not [p for p in (n1 / "local").iterdir() if ".tmp-" in p.name]
+    assert not [p for p in (n1 / "local").iterdir() if ".tmp-" in p.name or ".peer-" in p.name]
 
 
 def test_three_nodes_onto_two_from_replicas_then_two_wiped_nodes_fall_back_to_the_remote_tier(tiers_private):
