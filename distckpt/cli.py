@@ -116,20 +116,26 @@ def _cmd_ls(args) -> int:
 def _ls_tiers(args) -> int:
     """``distckpt ls LOCAL --remote URL``: :func:`distckpt.tiers.listing.list_tiers`, one row per
     step, a column per tier. Never writes; imports no torch."""
-    from .tiers.listing import list_tiers
+    from .tiers.listing import list_tiers, pairing_problem
     rows, loc, rem, remote_error = list_tiers(args.root, args.remote)
     if loc is None and rem is None and remote_error is None:
         print(f"distckpt ls: neither {args.root} nor {args.remote} exists", file=sys.stderr)
         return 2
+    # The remote root named is the local tier's own remote tier (as TieredCheckpointManager
+    # checks): else the table mixes another run's steps in, or calls every step not remote.
+    mismatch = pairing_problem(args.root, args.remote) if remote_error is None and loc is not None else None
     # The local tier is shown even when the remote tier could not be listed; the exit status
-    # says the listing is incomplete (3: a request failed, as for a step `ls` could not read).
-    status = 0 if remote_error is None else 3
+    # says the listing is incomplete (3: a request failed, as for a step `ls` could not read),
+    # or that the two roots are not one tiered checkpoint (1).
+    status = 3 if remote_error is not None else 1 if mismatch else 0
     if args.json:
         import dataclasses
         doc = {"json_format": JSON_FORMAT, "local": args.root, "remote": args.remote,
                "local_exists": loc is not None, "steps": [dataclasses.asdict(r) for r in rows]}
         if remote_error is not None:
             doc["remote_error"] = {"type": type(remote_error).__name__, "message": str(remote_error)}
+        if mismatch:
+            doc["not_paired"] = mismatch
         print(json.dumps(doc, indent=1, sort_keys=True))
         return status
     if loc is None and remote_error is not None:
@@ -161,6 +167,9 @@ def _ls_tiers(args) -> int:
     if remote_error is not None:
         print(f"distckpt ls: the remote tier {args.remote} could not be listed ({type(remote_error).__name__}: "
               f"{remote_error}); REMOTE says what this node's drained record tells", file=sys.stderr)
+    if mismatch:
+        print(f"distckpt ls: NOT PAIRED: {mismatch} (a TieredCheckpointManager refuses the pair: "
+              f"TierMismatchError); REMOTE above is that root's, not this local tier's remote tier", file=sys.stderr)
     return status
 
 

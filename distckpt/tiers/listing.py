@@ -14,9 +14,9 @@ import os
 from ..errors import ConfigError, DistCkptError
 from ..listing import RootListing, StepInfo, list_root
 from ..storage import join, normalize_path, open_store
-from .records import TIER_RECORD_NAME, read_drained, tier_id
+from .records import TIER_ID_NAME, TIER_RECORD_NAME, read_drained, tier_id
 
-__all__ = ["TierRow", "list_tiers"]
+__all__ = ["TierRow", "list_tiers", "pairing_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,29 @@ def _files_here(info: StepInfo) -> tuple[int, int]:
         _, size, _ = store.data_file_stat(info.path, man, i)
         present += size == man.files[i].size
     return present, len(man.files)
+
+
+def pairing_problem(local: str | os.PathLike, remote: str | os.PathLike, *,
+                    storage_options: dict | None = None) -> str | None:
+    """Why the remote root ``remote`` is not the remote tier the local tier ``local`` drains to,
+    from the local tier's pairing record (distckpt.tiers.records) and the remote root's identity;
+    None when it is, or when the local tier records none (a new one). A TieredCheckpointManager
+    on such a pair raises TierMismatchError; a listing of it would mix two runs' steps, or call
+    steps not durable that are, on another root. Raises the stores' typed errors."""
+    local, remote = normalize_path(local), normalize_path(remote)
+    text = open_store(local).read_pointer(join(local, TIER_RECORD_NAME))
+    mine = tier_id(text)
+    if mine is None:
+        return None
+    lines = text.splitlines()
+    paired_root = lines[1].strip() if len(lines) > 1 else None
+    found = tier_id(open_store(remote, storage_options).read_pointer(join(remote, TIER_ID_NAME)))
+    if found == mine:
+        return None
+    where = (f"holds tier {found}" if found is not None else
+             "holds no tier identity (a new root, or a file system that is not mounted)")
+    return (f"the local tier drains to tier {mine}" + (f" at {paired_root}" if paired_root else "") +
+            f"; {remote} {where}: this is not its remote tier")
 
 
 def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *, storage_options: dict | None = None

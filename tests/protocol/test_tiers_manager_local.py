@@ -801,3 +801,31 @@ def test_dead_leftovers_of_any_step_are_reclaimed_and_a_peer_transfer_area_is_no
         mgr.load(out)
     assert out["step"] == 3 and torch.equal(out["w"], _state(3)["w"])
     assert not [p.name for p in local.iterdir() if ".tmp-" in p.name or ".peer-" in p.name or ".del-" in p.name]
+
+
+def test_ls_of_a_local_tier_with_a_remote_root_that_is_not_its_remote_tier_says_so(tmp_path):
+    """`distckpt ls LOCAL --remote R` with R another run's remote tier printed one merged table
+    (that run's steps as committed and latest), exit 0, and with R a path that is not there every
+    step as not remote, exit 0, while a manager on the same pair raises TierMismatchError (an
+    outside trial). It now checks the pairing as the manager does: NOT PAIRED, exit 1."""
+    import json
+    import subprocess
+    import sys
+    for run, steps in (("a", (1, 2)), ("b", (7, 8))):
+        with TieredCheckpointManager(tmp_path / run / "local", tmp_path / run / "remote") as mgr:
+            for s in steps:
+                mgr.save(s, _state(s))
+                mgr.wait_durable(s, timeout=60)
+
+    def ls(remote, *extra):
+        return subprocess.run([sys.executable, "-m", "distckpt", "ls", str(tmp_path / "a" / "local"), "--remote",
+                               str(remote), *extra], capture_output=True, text=True, timeout=120)
+    ok = ls(tmp_path / "a" / "remote")
+    assert ok.returncode == 0 and "NOT PAIRED" not in ok.stderr, ok.stderr
+    for other, said in ((tmp_path / "b" / "remote", "holds tier"), (tmp_path / "a" / "typo", "no tier identity")):
+        got = ls(other)
+        assert got.returncode == 1 and "NOT PAIRED" in got.stderr and said in got.stderr, (other, got.stderr)
+        doc = json.loads(ls(other, "--json").stdout)
+        assert said in doc["not_paired"], doc
+    with pytest.raises(errors.TierMismatchError):
+        TieredCheckpointManager(tmp_path / "a" / "local", tmp_path / "b" / "remote")
