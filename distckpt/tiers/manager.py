@@ -49,8 +49,8 @@ from .. import commitclock
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
                       DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
-                      ObjectStoreError, PeerLostError, SaveInProgressError, ThrottledError, TierIncompleteError,
-                      TierMismatchError)
+                      ObjectStoreError, PeerLostError, SaveInProgressError, StoragePermissionError, ThrottledError,
+                      TierIncompleteError, TierMismatchError)
 from ..sizes import format_bytes
 from ..manager import CheckpointManager, check_staging_option, check_step, check_timeout, step_dirname
 from ..restore import LoadResult
@@ -285,7 +285,13 @@ class TieredCheckpointManager:
                 log.warning("distckpt: step %d is committed on the local tier but not on %s: draining it now",
                             step, self.remote_root)
                 self._drainer.enqueue(step, save_id)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, StoragePermissionError) and str(exc.path or "").startswith(self.remote_root):
+                exc.add_note(f"distckpt: a TieredCheckpointManager owns its remote tier while it lives (its owner lock "
+                             f"or lease, the tier identity), so it needs {self.remote_root} writable even in a job that "
+                             f"only loads. To load from a read-only copy, use distckpt.load(state_dict, "
+                             f"'{self.remote_root}/step_N') or CheckpointManager('{self.remote_root}').load(...), or "
+                             f"the local tier's step directory the same way.")
             # Nothing of a manager that failed to build stays behind: its drain thread, and the
             # tiers' owners (a retry in this process would find its own leaked locks held).
             drainer = getattr(self, "_drainer", None)

@@ -829,3 +829,33 @@ def test_ls_of_a_local_tier_with_a_remote_root_that_is_not_its_remote_tier_says_
         assert said in doc["not_paired"], doc
     with pytest.raises(errors.TierMismatchError):
         TieredCheckpointManager(tmp_path / "a" / "local", tmp_path / "b" / "remote")
+
+
+def test_a_read_only_remote_tier_is_refused_at_construction_with_the_way_to_load_from_it(tmp_path):
+    """A job that only loads, its remote tier mounted read-only: the manager's construction
+    raised StoragePermissionError about saving ("remount it read-write or save elsewhere"), which
+    left a job that never saves without a way forward (an outside trial). The error now says why
+    the manager needs the remote writable (it owns it while it lives) and how to load from a
+    read-only copy; that way loads the step exactly."""
+    import subprocess
+
+    import distckpt
+    from distckpt import CheckpointManager
+    local, remote, ro = tmp_path / "local", tmp_path / "remote", tmp_path / "ro"
+    with TieredCheckpointManager(local, remote) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_durable(1, timeout=60)
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(remote), str(ro)], check=True, timeout=60)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True, timeout=60)
+        with pytest.raises(errors.StoragePermissionError) as info:
+            TieredCheckpointManager(local, ro)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "needs" in notes and "writable even in a job that only loads" in notes, notes
+        out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+        CheckpointManager(str(ro)).load(out)
+        assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"])
+        distckpt.load(out, str(ro / "step_00000001"))
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], timeout=60)
