@@ -281,6 +281,19 @@ class ControlGroup:
         raise collective from local_error
 
 
+def group_destroyed(group: ControlGroup) -> bool:
+    """Whether ``group``'s gloo group is gone from this process: destroy_process_group() (of the
+    world, or of every group) unregisters it, and the world stops being initialized."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.get_process_group_ranks(group.pg)
+    except (KeyError, ValueError, RuntimeError):  # KeyError in torch 2.x: not registered
+        return True
+    return False
+
+
 def _lost_after(lost: PeerLostError, error: BaseException, rank: int, operation: str) -> PeerLostError:
     """The PeerLostError of an outcome exchange that failed on a rank that had failed already
     (see :meth:`ControlGroup.exchange_outcome`)."""

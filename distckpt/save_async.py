@@ -56,7 +56,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from ._dist import ControlGroup, _portable, control_group
+from ._dist import ControlGroup, _portable, control_group, group_destroyed
 from .commit import SaveResult, finish_save
 from .coordinator import SAVE_GATE
 from .errors import (ConfigError, DistCkptError, PeerLostError, ProcessGroupDestroyedError, StateChangedError,
@@ -383,19 +383,6 @@ def _register_exit_hook() -> None:
         pass
 
 
-def _group_destroyed(group: ControlGroup) -> bool:
-    """Whether ``group``'s gloo group is gone from this process: destroy_process_group() (of the
-    world, or of every group) unregisters it, and the world stops being initialized."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return True
-    try:
-        dist.get_process_group_ranks(group.pg)
-    except (KeyError, ValueError, RuntimeError):  # KeyError in torch 2.x: not registered
-        return True
-    return False
-
-
 def _destroyed_group_error(error: BaseException, group: ControlGroup, final_dir: str) -> BaseException:
     """``error`` of a collective save's background phases, or a ProcessGroupDestroyedError in its
     place when this process destroyed the group under the save.
@@ -409,7 +396,7 @@ def _destroyed_group_error(error: BaseException, group: ControlGroup, final_dir:
     PeerLostError stands). The commit state is the PeerLostError's (``committed`` True on a
     CommittedButPeerLostError, None where this rank cannot tell, else False: a PeerLostError
     before the commit point commits nothing)."""
-    if group.world_size == 1 or not isinstance(error, PeerLostError) or not _group_destroyed(group):
+    if group.world_size == 1 or not isinstance(error, PeerLostError) or not group_destroyed(group):
         return error
     committed = getattr(error, "committed", False)
     save_id = getattr(error, "save_id", None)

@@ -34,7 +34,8 @@ import time
 from typing import Callable
 
 from ..errors import (CheckpointCorruptError, CheckpointExistsError, CheckpointIncompleteError,
-                      CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError, SaveInProgressError)
+                      CheckpointNotFoundError, ConfigError, DistCkptError, PeerLostError, ProcessGroupDestroyedError,
+                      SaveInProgressError)
 
 __all__ = ["Drainer", "DrainState", "is_retryable"]
 
@@ -61,7 +62,7 @@ def is_retryable(error: BaseException) -> bool:
     if isinstance(error, SaveInProgressError):
         return True
     if isinstance(error, (CheckpointCorruptError, CheckpointIncompleteError, CheckpointExistsError,
-                          CheckpointNotFoundError, ConfigError, PeerLostError)):
+                          CheckpointNotFoundError, ConfigError, PeerLostError, ProcessGroupDestroyedError)):
         return False
     return isinstance(error, (DistCkptError, OSError))
 
@@ -271,6 +272,10 @@ class Drainer:
                 if isinstance(exc, PeerLostError):
                     log.error("distckpt: the drain of step %d stopped: a peer was lost (%s); the next save restarts "
                               "the drain (or the next manager start drains it again)", st.step, exc)
+                    self._finish(st, "failed", exc)
+                    return False
+                if isinstance(exc, ProcessGroupDestroyedError):
+                    log.error("distckpt: the drain of step %d stopped: %s", st.step, exc)
                     self._finish(st, "failed", exc)
                     return False
                 if not is_retryable(exc):

@@ -42,14 +42,14 @@ import time
 import uuid
 from typing import Any
 
-from .._dist import _drop_side_group, _portable, control_group, group_members
+from .._dist import _drop_side_group, _portable, control_group, group_destroyed, group_members
 from ..config import get_config
 from ..listing import _STEP_RE
 from .. import commitclock
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
                       DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
-                      ObjectStoreError, PeerLostError, SaveInProgressError, StoragePermissionError, ThrottledError,
+                      ObjectStoreError, PeerLostError, ProcessGroupDestroyedError, SaveInProgressError, StoragePermissionError, ThrottledError,
                       TierIncompleteError, TierMismatchError)
 from ..sizes import format_bytes
 from ..manager import CheckpointManager, check_staging_option, check_step, check_timeout, step_dirname
@@ -652,6 +652,23 @@ class TieredCheckpointManager:
     # -- the drain (the drainer's thread) ---------------------------------------------------------
 
     def _drain_one(self, step: int, save_id: str | None, progress, assigned) -> int:
+        try:
+            return self._drain_one_step(step, save_id, progress, assigned)
+        except Exception as exc:
+            if self._drain_group.world_size > 1 and group_destroyed(self._drain_group):
+                # This process destroyed the process group with the manager open (no close()):
+                # the drain's collectives fail with torch's own error ("Group ... is not
+                # registered"), which said nothing of the cause. The drain thread stops on it.
+                raise ProcessGroupDestroyedError(
+                    f"the process group was destroyed (torch.distributed.destroy_process_group()) while the "
+                    f"TieredCheckpointManager was open: the drain of step {step} cannot run its collectives; the step "
+                    f"stays committed on the local tier {self.local_root}, and the next manager start drains it",
+                    path=self.local_path(step), committed=False,
+                    remedy="Call TieredCheckpointManager.close() (it waits for the drains) before "
+                           "destroy_process_group().") from exc
+            raise
+
+    def _drain_one_step(self, step: int, save_id: str | None, progress, assigned) -> int:
         if self.replicas and step not in self._replication:
             self._replicate(step)
         if not self._paired:

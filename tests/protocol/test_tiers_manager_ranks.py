@@ -745,3 +745,40 @@ def test_a_load_onto_a_replaced_node_gives_the_step_its_replicas_again(tmp_path)
     for name in ("rank00000.bin", "rank00001.bin"):
         a, b = (open(tmp_path / f"node{n}" / "step_00000001" / name, "rb").read() for n in (0, 1))
         assert a == b, name
+
+
+def _destroyed_group_body(rank: int, world_size: int, tmp: str) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from distckpt.tiers import TieredCheckpointManager, manager
+    real = manager.drain_step
+
+    def later(*args, **kwargs):   # the drain runs once the job has destroyed its group
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+    manager.drain_step = later
+    local, remote = os.path.join(tmp, f"node{rank}"), os.path.join(tmp, "remote")
+    mgr = TieredCheckpointManager(local, remote)
+    mgr.save(1, _state(1, rank))
+    dist.destroy_process_group()   # without close(): the drain is still queued
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and mgr._drainer.state(1).state in ("queued", "draining"):
+        time.sleep(0.05)
+    st = mgr._drainer.state(1)
+    return {"state": st.state, "error": type(st.error).__name__, "alive": mgr._drainer.alive,
+            "remedy": getattr(st.error, "remedy", "")}
+
+
+def test_a_drain_after_the_job_destroyed_its_group_fails_as_a_destroyed_group(tmp_path):
+    """A job that calls destroy_process_group() with the manager open (no close()): the queued
+    drain's collectives failed with torch's own ValueError ("Group ... is not registered"), logged
+    as a failure for good that said nothing of the cause (an outside trial). It is now
+    ProcessGroupDestroyedError (as an async save in flight gets), its remedy close() first, and
+    the drain thread stops; the step stays committed locally."""
+    results = run_ranks(_destroyed_group_body, 2, str(tmp_path), timeout=180)
+    for rank, r in enumerate(results):
+        assert r["state"] == "failed" and r["error"] == "ProcessGroupDestroyedError", (rank, r)
+        assert not r["alive"] and "close()" in r["remedy"], (rank, r)
+        assert os.path.exists(tmp_path / f"node{rank}" / "step_00000001" / "MANIFEST")
