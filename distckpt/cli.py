@@ -84,6 +84,13 @@ def _cmd_ls(args) -> int:
             print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     if listing.pointer_problem:
         print(f"  note: {listing.pointer_problem}")
+    if listing.kind == "root" and _is_tier_local_root(listing.path):
+        # One node's local tier of a TieredCheckpointManager: each node holds its own ranks' files,
+        # so "committed" here says nothing of the other nodes' (a save killed between the nodes'
+        # publishes leaves a step that no load takes, marked latest above).
+        print("  note: this is one node's local tier of a tiered checkpoint: a step here is complete only with the "
+              "other nodes' files or its remote copy; `distckpt ls ROOT --remote URL` and the manager's load() "
+              "tell")
     unreadable = [e.name for e in listing.entries if e.status == "unreadable" and e.step is not None]
     if unreadable and listing.kind == "root":
         print(f"  note: {', '.join(unreadable)} cannot be read (above): no step is marked latest, since "
@@ -482,10 +489,14 @@ def _is_tier_node_copy(path: str) -> bool:
     beside it): one node's copy, holding its own ranks' data files only (docs/TIERS.md)."""
     from .storage import is_url
     from .storage.posix.locate import checkpoint_path
+    return not is_url(path) and _is_tier_local_root(os.path.dirname(checkpoint_path(path)))
+
+
+def _is_tier_local_root(root: str) -> bool:
+    """Whether the directory ``root`` is a tiered manager's local tier (its pairing record)."""
+    from .storage import is_url
     from .tiers.records import TIER_RECORD_NAME
-    if is_url(path):
-        return False
-    return os.path.isfile(os.path.join(os.path.dirname(checkpoint_path(path)), TIER_RECORD_NAME))
+    return not is_url(root) and os.path.isfile(os.path.join(root, TIER_RECORD_NAME))
 
 
 def _print_report(report) -> int:

@@ -829,6 +829,14 @@ def test_ls_of_a_local_tier_with_a_remote_root_that_is_not_its_remote_tier_says_
         assert said in doc["not_paired"], doc
     with pytest.raises(errors.TierMismatchError):
         TieredCheckpointManager(tmp_path / "a" / "local", tmp_path / "b" / "remote")
+    # A plain `ls` of a node's local tier says what its "committed" cannot tell: the other nodes'
+    # files (a step killed between the nodes' publishes was listed committed and latest, silently).
+    plain = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(tmp_path / "a" / "local")],
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "one node's local tier of a tiered checkpoint" in plain.stdout, plain.stdout
+    plain = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(tmp_path / "a" / "remote")],
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "one node's local tier" not in plain.stdout, plain.stdout
 
 
 def test_a_read_only_remote_tier_is_refused_at_construction_with_the_way_to_load_from_it(tmp_path):
