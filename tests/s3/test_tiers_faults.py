@@ -137,6 +137,14 @@ def cred_proxy(s3_server):
     px.close()
 
 
+def _tiers_through_a_proxy(s3_bucket, s3_server, tmp_path) -> tuple:
+    """(a FaultProxy in front of the suite's server, the remote root URL, the local root, the
+    storage options that reach the bucket through the proxy)."""
+    u = urlsplit(s3_server.endpoint)
+    px = s3proxy.FaultProxy((u.hostname, u.port))
+    return px, f"{s3_bucket.url}/run", tmp_path / "local", _via(s3_bucket.storage_options, px.endpoint)
+
+
 def _via(options: dict, endpoint: str) -> dict:
     return {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": endpoint},
             "skip_instance_cache": True}
@@ -465,10 +473,7 @@ def test_a_restore_only_job_on_a_dark_remote_does_not_report_steps_an_earlier_jo
     reach the remote tier (distckpt.tiers.records): those are not queued again; a step the
     earlier job never drained still is, and close names it alone. A record for another tier
     (the tiers paired anew) spares nothing."""
-    u = urlsplit(s3_server.endpoint)
-    px = s3proxy.FaultProxy((u.hostname, u.port))
-    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
-    opts = _via(s3_bucket.storage_options, px.endpoint)
+    px, url, local, opts = _tiers_through_a_proxy(s3_bucket, s3_server, tmp_path)
     try:
         with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as mgr:
             for s in (1, 2):
@@ -724,10 +729,7 @@ def test_a_stale_local_copy_the_listing_saw_is_passed_over_when_the_remote_goes_
     import shutil
 
     monkeypatch.setenv("DISTCKPT_OBJECT_REQUEST_TIMEOUT_S", "2")
-    u = urlsplit(s3_server.endpoint)
-    px = s3proxy.FaultProxy((u.hostname, u.port))
-    url, local = f"{s3_bucket.url}/run", tmp_path / "local"
-    opts = _via(s3_bucket.storage_options, px.endpoint)
+    px, url, local, opts = _tiers_through_a_proxy(s3_bucket, s3_server, tmp_path)
     try:
         with TieredCheckpointManager(local, url, storage_options=opts, keep_last_local=5) as mgr:
             for s in (1, 2, 3):
