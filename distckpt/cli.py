@@ -411,9 +411,10 @@ def _cmd_verify(args) -> int:
     args.path = checkpoint_path(args.path)  # a MANIFEST file stands for its directory
     # DCP and Hugging Face directories are local (a URL is neither) and carry no checksums.
     if is_dcp_checkpoint(args.path):  # say what was checked, no more
-        from .restore import read
-        read(args.path)
-        print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)")
+        pickled = _read_dcp_all_but_pickles(args.path)
+        print(f"{args.path}: a torch.distributed.checkpoint; every byte range and value read (it has no checksums)"
+              + (f", but {len(pickled)} value(s) only a pickle rebuilds, read as bytes and not unpickled (verify "
+                 f"never unpickles): {pickled[:20]}" if pickled else ""))
         return 0
     if is_hf_checkpoint(args.path):  # the same, said so
         from .restore import read
@@ -421,6 +422,31 @@ def _cmd_verify(args) -> int:
         print(f"{args.path}: a Hugging Face safetensors directory; every header and tensor read (it has no checksums)")
         return 0
     return _verify_and_print(args, args.path)
+
+
+def _read_dcp_all_but_pickles(path: str) -> list[str]:
+    """Read every tensor and value of the DCP checkpoint at ``path`` as a load would; a value
+    that torch.load(weights_only=True) refuses (an io.BytesIO a dataloader saved) is read as
+    bytes but not unpickled. Returns the keys of those values. Raises what distckpt.read raises
+    otherwise (a damaged .metadata, a short file...)."""
+    from .dcp import load_manifest
+    from .errors import PickleNotAllowedError
+    from .restore import read
+    try:
+        read(path)
+        return []
+    except PickleNotAllowedError:
+        pass
+    manifest = load_manifest(path)
+    if manifest.tensors:
+        read(path, keys=list(manifest.tensors))
+    pickled = []
+    for fqn in manifest.objects:
+        try:
+            read(path, keys=[fqn])
+        except PickleNotAllowedError:
+            pickled.append(fqn)
+    return pickled
 
 
 def _verify_and_print(args, path: str) -> int:

@@ -936,7 +936,33 @@ def fill_parts(parts: Sequence[Part], *, verify: bool, exchange: Any = None) -> 
     on every rank); otherwise the caller joins it afterwards.
 
     Raises the errors of :func:`fill` (their ``path`` names the data file) and of the stores'
-    ``data_readers``."""
+    ``data_readers``, each with ``filled`` / ``partly_filled`` for all the parts together."""
+    passes: list = []   # the keys each fill of _fill_parts writes, in order; then how many completed
+    try:
+        return _fill_parts(parts, verify, exchange, passes)
+    except DistCkptError as exc:
+        _say_what_was_filled(exc, passes)
+        raise
+
+
+def _say_what_was_filled(exc: DistCkptError, passes: list) -> None:
+    """Set ``exc``'s ``filled`` / ``partly_filled`` for the whole of :func:`fill_parts` (a fill
+    names only what it wrote itself): the keys of the fills that completed, with the failing
+    fill's own lists; a key that a fill which never ran also writes is only partly filled. An
+    error before any byte moved (a data file's size check) says so: both lists empty."""
+    keys, ran = (passes[:-1], passes[-1]) if passes else ([], 0)
+    done = set().union(*keys[:ran])
+    failing = keys[ran] if ran < len(keys) else set()
+    pending = set().union(*keys[ran + 1:])
+    own_filled = set(getattr(exc, "filled", None) or ())
+    own_partly = set(getattr(exc, "partly_filled", None) or ())
+    touched = done | own_filled | own_partly
+    filled = {k for k in touched if k not in own_partly and k not in pending and (k in own_filled or k not in failing)}
+    exc.filled, exc.partly_filled = sorted(filled), sorted(touched - filled)
+    exc.details.update(filled=exc.filled, partly_filled=exc.partly_filled)
+
+
+def _fill_parts(parts: Sequence[Part], verify: bool, exchange: Any, passes: list) -> tuple[int, str | None]:
     paths: dict[int, str] = {}
     by_file: dict[int, list[Task]] = {}
     blocks: dict[int, int] = {}
@@ -964,8 +990,13 @@ def fill_parts(parts: Sequence[Part], *, verify: bool, exchange: Any = None) -> 
             paths[key], by_file[key], blocks[key] = fpaths[fi], tasks, part.manifest.checksum_block
             openers[fpaths[fi]] = open_reader
     nbytes = 0
+    passes += [{t.fqn for ts in own.values() for t in ts} for _p, own, _b, _o, _a in unchecked]
+    if by_file:
+        passes.append({t.fqn for ts in by_file.values() for t in ts})
+    passes.append(0)   # how many of them completed
     for fpaths, own, block, open_reader, falign in unchecked:
         nbytes += fill(fpaths, own, block=block, verify=False, align=falign, open_reader=open_reader).bytes_read
+        passes[-1] += 1
     if by_file:
         one_part = len({key >> 32 for key in by_file}) == 1
         nbytes += fill(paths, by_file, block=blocks, verify=verify, align=align,

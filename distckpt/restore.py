@@ -651,8 +651,8 @@ def exchange_load_outcome(group: Any, error: BaseException | None, result: "Load
     """A load's outcome exchange (collective): raises on every rank when any rank failed, the
     error's ``filled`` / ``partly_filled`` saying what *this rank's* state dict holds. The error
     every rank raises is a copy of the lowest failing rank's, whose lists name that rank's keys:
-    a rank whose own load succeeded had every tensor filled (its result says which), one that
-    failed has its own error's lists, and one that cannot tell says nothing (None), never
+    a rank whose own load succeeded filled every key its result does not name as skipped, one
+    that failed has its own error's lists, and one that cannot tell says nothing (None), never
     another rank's lists."""
     try:
         group.exchange_outcome(error, operation="load")
@@ -663,10 +663,10 @@ def exchange_load_outcome(group: Any, error: BaseException | None, result: "Load
             filled, partly = error.filled, getattr(error, "partly_filled", None)
         elif error is None:
             filled, partly = [], []   # this rank's load stopped before a byte moved (another rank's failure)
-        elif getattr(exc, "filled", None) is not None:
-            filled = partly = None    # another rank's lists, copied: this rank cannot tell
+        elif exc is error:
+            raise                     # one rank, its own error: as it was raised
         else:
-            raise
+            filled = partly = None    # this rank cannot tell (never another rank's lists)
         exc.filled, exc.partly_filled = filled, partly
         exc.details.update(filled=filled, partly_filled=partly)
         raise
@@ -687,10 +687,12 @@ def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result:
 
 
 def _filled_keys(state_dict: Any, result: LoadResult) -> list[str]:
-    """The tensor keys of ``state_dict`` a load that returned ``result`` filled."""
-    skipped = set(result.missing) | set(result.mismatched) | set(result.uninitialized)
+    """The keys of ``state_dict`` a load that returned ``result`` filled: its tensors, and its
+    non-tensor values, which it put in place (or found equal to the checkpoint's)."""
+    skipped = (set(result.missing) | set(result.mismatched) | set(result.uninitialized)
+               | set(result.not_replaced))
     _, items = flatten(state_dict, check_objects=False)
-    return sorted(f for f, item in items.items() if isinstance(item, TensorItem) and f not in skipped)
+    return sorted(f for f in items if f not in skipped)
 
 
 def _rebuild(node: dict, values: dict[str, Any], keep, empty=None, path: tuple = ()) -> Any:

@@ -367,7 +367,11 @@ class Store(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
+    def reclaim(self, root: str, *, other_hosts: bool = False,
+                only: Callable[[str], bool] | None = None) -> list[str]:
         """Delete the leftovers of dead saves under ``root``, never one of a live save (whichever
-        process runs it) and never a committed checkpoint. Returns what was removed. Raises
-        StorageError subclasses / request errors."""
+        process runs it) and never a committed checkpoint; ``only``: of the names (a leftover's
+        checkpoint name, ``step_00000002`` for ``.step_00000002.tmp-*``) it accepts, and no
+        other (a root whose other names' temporaries are written without the root lock, a tiered
+        local tier's records, must pass one). Returns what was removed. Raises StorageError
+        subclasses / request errors."""

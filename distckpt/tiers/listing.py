@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..errors import ConfigError, DistCkptError
+from ..errors import ConfigError, DistCkptError, ObjectStoreError, StorageError
 from ..listing import RootListing, StepInfo, list_root
 from ..storage import join, normalize_path, open_store
 from .records import TIER_ID_NAME, TIER_RECORD_NAME, read_drained, tier_id
@@ -75,7 +75,14 @@ def pairing_problem(local: str | os.PathLike, remote: str | os.PathLike, *,
         return None
     lines = text.splitlines()
     paired_root = lines[1].strip() if len(lines) > 1 else None
-    found = tier_id(open_store(remote, storage_options).read_pointer(join(remote, TIER_ID_NAME)))
+    try:
+        found = tier_id(open_store(remote, storage_options).read_pointer(join(remote, TIER_ID_NAME)))
+    except DistCkptError as exc:
+        if not isinstance(exc, StorageError) or isinstance(exc, (ObjectStoreError,)):
+            raise
+        # A local path that is no directory (a regular file): no tier there at all.
+        return (f"the local tier drains to tier {mine}" + (f" at {paired_root}" if paired_root else "") +
+                f"; {remote} cannot hold a tier ({type(exc).__name__}: {exc.message}): this is not its remote tier")
     if found == mine:
         return None
     where = (f"holds tier {found}" if found is not None else
@@ -126,6 +133,8 @@ def list_tiers(local: str | os.PathLike, remote: str | os.PathLike, *, storage_o
                 # fewer here is normal; whether the others hold the rest only a load can tell.
                 problem = (f"this node holds {here} of the {named} data files" +
                            (" (the remote tier holds them all)" if re_ is not None and re_.status == "committed"
+                            else "; the remote tier could not be listed, so it is complete only if other nodes' "
+                                 "local directories or the remote tier hold the rest" if remote_error is not None
                             else "; the remote tier does not hold the step, so it is complete only if other "
                                  "nodes' local directories hold the rest"))
         same = None

@@ -49,8 +49,8 @@ from .. import manifest as mf
 from .._dist import ControlGroup, _portable, control_group
 from ..chain import chain_info
 from ..checksum import crc32c
-from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, ManifestCorruptError,
-                      TierIncompleteError)
+from ..errors import (CheckpointIncompleteError, CheckpointNotFoundError, ConfigError, DistCkptError,
+                      ManifestCorruptError, PeerLostError, TierIncompleteError)
 from ..fill import Part, Task
 from ..gcpause import gc_paused
 from ..listing import _STEP_RE
@@ -489,8 +489,26 @@ def _fetch_from_peers(group: ControlGroup, layout: NodeLayout, survey: list[_Sur
                     local_path, manifest.save_id)
     if not transfers:
         return own, 0
-    result = run_transfers(group, transfers, layout=layout, store=local_store, step_path=local_path,
-                           header=manifest, manifest=data)
+    try:
+        result = run_transfers(group, transfers, layout=layout, store=local_store, step_path=local_path,
+                               header=manifest, manifest=data)
+    except PeerLostError:
+        raise
+    except DistCkptError as exc:
+        if ref.remote is None:
+            raise
+        # The transfers' verdict is the same on every rank, so every rank goes on alike: what
+        # could not be fetched (a node's step path that is no directory, a disk full) is read
+        # from the remote tier, which holds the same save. This node's copy is surveyed again:
+        # an install may have moved some files in before it failed.
+        log.warning("distckpt: %s: the files fetched from other nodes could not all be installed (%s: %s): "
+                    "reading what this node lacks from the remote tier", local_path, type(exc).__name__,
+                    getattr(exc, "message", exc))
+        try:
+            copy, _ = _local_copy(local_store, local_path)
+        except DistCkptError:
+            copy = None
+        return (copy if copy is not None and copy.save_id == ref.save_id else None), 0
     gained = result.installed.get(layout.node, [])
     if not gained:
         # Nothing installed here (an occupied node among them: its copy, whose MANIFEST may not

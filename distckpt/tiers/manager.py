@@ -48,7 +48,8 @@ from ..listing import _STEP_RE
 from .. import commitclock
 from ..commit import SaveResult
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError, ConfigError, DistCkptError,
-                      DataFileTruncatedError, DiskFullError, EndpointUnreachableError, NotDurableError,
+                      DataFileTruncatedError, DiskFullError, EndpointUnreachableError, ManifestCorruptError,
+                      NotDurableError,
                       ObjectStoreError, PeerLostError, ProcessGroupDestroyedError, SaveInProgressError, StoragePermissionError, ThrottledError,
                       TierIncompleteError, TierMismatchError)
 from ..sizes import format_bytes
@@ -77,7 +78,8 @@ class TierStatus:
     """Where one step stands on each tier, as this rank sees it.
 
     ``local``: ``committed`` (this node's directory holds the step), ``saving`` (this rank's save
-    of it is in flight, e.g. an async save not yet committed) or ``absent``.
+    of it is in flight, e.g. an async save not yet committed), ``damaged`` (its MANIFEST there
+    does not decode: a load passes this copy over) or ``absent``.
     ``remote``: ``committed`` (the remote tier holds this save), ``queued``, ``draining``,
     ``retrying`` (the last try failed with ``error``; another follows), ``failed`` (for good:
     ``error``), ``stopped`` (the manager closed first), ``absent``, or ``other`` (the remote tier
@@ -410,7 +412,9 @@ class TieredCheckpointManager:
             # live save (this process's async save in flight holds the root lock). Housekeeping:
             # a failure is logged, never raised on one rank.
             try:
-                self._local_store.reclaim(self.local_root)
+                # Steps' leftovers only: the records beside them (the drained record, written by
+                # the drain thread without the root lock) leave temporaries of the same form.
+                self._local_store.reclaim(self.local_root, only=lambda name: _STEP_RE.match(name) is not None)
             except DistCkptError as exc:
                 log.warning("distckpt: could not reclaim leftovers of dead saves under %s: %s", self.local_root, exc)
         self._saving.add(step)
@@ -1155,7 +1159,13 @@ class TieredCheckpointManager:
         the last case; writes nothing.
 
         Raises StorageError subclasses / object-store request errors for a failed look."""
-        local_id = self._local_store.committed_save_id(self.local_path(step))  # ConfigError for a bad step
+        check_step(step)
+        try:
+            local_id, damaged = self._local_store.committed_save_id(self.local_path(step)), False
+        except ManifestCorruptError as exc:
+            if exc.details.get("found_version") is not None:
+                raise  # a newer release's step is not damaged
+            local_id, damaged = None, True  # a state to report, as a load passes it over
         st = self._drainer.state(step)
         if not self.replicas:
             replicas, replica_error = "off", None
@@ -1167,7 +1177,8 @@ class TieredCheckpointManager:
             # not have replicas from the manager that saved it, which nothing here recorded.
             replicas, replica_error = ("pending" if st is not None or step in self._saving else "unknown"), None
         if st is not None and st.state != "committed":
-            return TierStatus(step, "committed" if local_id else "absent", st.state, st.save_id or local_id,
+            return TierStatus(step, "committed" if local_id else "damaged" if damaged else "absent", st.state,
+                              st.save_id or local_id,
                               st.sent, st.total, st.tries, st.error, replicas, replica_error)
         remote_id = self._known_remote_id(step)
         if remote_id is None:
@@ -1176,7 +1187,7 @@ class TieredCheckpointManager:
             remote = "absent"
         else:
             remote = "committed" if local_id in (None, remote_id) else "other"
-        local = "saving" if step in self._saving else "committed" if local_id else "absent"
+        local = "saving" if step in self._saving else "committed" if local_id else "damaged" if damaged else "absent"
         return TierStatus(step, local, remote, local_id or remote_id,
                           st.sent if st else 0, st.total if st else 0, st.tries if st else 0, None, replicas,
                           replica_error)
@@ -1339,6 +1350,14 @@ class TieredCheckpointManager:
         """
         if step is not None:
             check_step(step)
+            with self._async_lock:
+                in_flight = self._async_saves.get(step)
+            if in_flight is not None:
+                # This manager's async save of the very step: its commit is collective, so every
+                # rank's handle ends with it; loaded before, the step is not there yet (a "no copy"
+                # error that said nothing of the save in flight). Its own error, if any, is the
+                # handle's, and the load below says what it finds.
+                in_flight.wait()
         if self._check_before_load:
             self._check_unpaired_remote()
         self._control("TieredCheckpointManager.load()")

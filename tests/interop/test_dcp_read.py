@@ -592,3 +592,28 @@ def test_allow_pickle_lifts_the_refusal_of_a_dcp_directorys_value(tmp_path):
     out = {"w": torch.zeros(3), "arr": np.zeros(4, dtype=np.int64)}
     dcp.load(out, storage_reader=DistCkptStorageReader(path, allow_pickle=True), no_dist=True)
     assert np.array_equal(out["arr"], np.arange(4)) and torch.equal(out["w"], torch.ones(3))
+
+
+def test_verify_of_a_checkpoint_holding_an_io_bytesio_reads_it_and_never_unpickles(tmp_path):
+    """dcp.save of a state with an io.BytesIO (a dataloader's state, as torchtitan saves it) is a
+    valid checkpoint; `distckpt verify` exited 1 with PickleNotAllowedError (verify never
+    unpickles, and has no --allow-pickle), which reads as damage (an outside trial). It now reads
+    every byte range, names the value only a pickle rebuilds, and exits 0; the same through
+    distckpt's own DCP StorageWriter (a distckpt MANIFEST holding DCP's bytes)."""
+    import io
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrations.dcp import DistCkptStorageWriter
+    state = {"t": torch.arange(4.0), "dl": io.BytesIO(b"state")}
+    plain, through = str(tmp_path / "plain"), str(tmp_path / "through")
+    dcp.save(state, checkpoint_id=plain, no_dist=True)
+    dcp.save(state, storage_writer=DistCkptStorageWriter(through), no_dist=True)
+    for path in (plain, through):
+        got = subprocess.run([sys.executable, "-m", "distckpt", "verify", path], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0, (path, got.stdout, got.stderr)
+    assert "'dl'" in subprocess.run([sys.executable, "-m", "distckpt", "verify", plain], capture_output=True,
+                                    text=True, timeout=120).stdout

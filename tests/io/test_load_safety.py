@@ -440,7 +440,7 @@ def test_a_replacement_seen_after_the_fill_says_what_the_load_filled(tmp_path, m
     mine = {**{k: torch.full_like(v, 7) for k, v in saved.items()}, "step": 0}
     with pytest.raises(E.CheckpointRemovedError) as ei:
         distckpt.load(mine, path)
-    assert ei.value.filled == sorted(saved) and ei.value.partly_filled == []
+    assert ei.value.filled == sorted([*saved, "step"]) and ei.value.partly_filled == []  # the value was put in place
     assert "the load had finished" in str(ei.value)
     assert all(torch.equal(mine[k], v) for k, v in saved.items()) and mine["step"] == 1
 
@@ -683,22 +683,24 @@ def test_a_data_file_that_shrinks_while_it_is_read_is_a_typed_error_naming_what_
 
 def _asymmetric_damage_body(rank: int, world_size: int, path: str) -> dict:
     from distckpt import errors
-    state = {"a": torch.zeros(1 << 16)} if rank == 0 else {"b": torch.zeros(1 << 16)}
+    state = {"a": torch.zeros(1 << 16), "step": 0} if rank == 0 else {"b": torch.zeros(1 << 16)}
     try:
         distckpt.load(state, path)
     except errors.ChecksumMismatchError as exc:
-        return {"filled": exc.filled, "partly": exc.partly_filled, "changed": bool(next(iter(state.values())).any())}
+        return {"filled": exc.filled, "partly": exc.partly_filled, "changed": bool(next(iter(state.values())).any()),
+                "step": state.get("step")}
     return {"filled": None}
 
 
 def test_each_rank_of_a_failed_load_says_what_its_own_state_dict_holds(tmp_path):
     """Rank 1 reads a damaged block, rank 0 loads its own key whole: every rank raises the same
     ChecksumMismatchError (a copy of rank 1's), and rank 0's said filled=[] (rank 1's lists)
-    although its tensor had been filled with verified bytes (an outside trial). Each rank's error
-    now names its own keys."""
+    although its tensor had been filled with verified bytes (an outside trial); then it named
+    its tensor but not the value it had put in place (a re-trial). Each rank's error now names
+    its own keys, values included."""
     from ..helpers.distributed import run_ranks
     path = str(tmp_path / "ck")
-    distckpt.save({"a": torch.randn(1 << 16), "b": torch.randn(1 << 16)}, path, no_dist=True)
+    distckpt.save({"a": torch.randn(1 << 16), "b": torch.randn(1 << 16), "step": 7}, path, no_dist=True)
     data = tmp_path / "ck" / "rank00000.bin"
     raw = bytearray(data.read_bytes())
     man = load_manifest(path)
@@ -706,5 +708,6 @@ def test_each_rank_of_a_failed_load_says_what_its_own_state_dict_holds(tmp_path)
     raw[at] ^= 1
     data.write_bytes(bytes(raw))
     results = run_ranks(_asymmetric_damage_body, 2, path, timeout=180)
-    assert results[0] == {"filled": ["a"], "partly": [], "changed": True}, results[0]
+    # rank 0's load completed: its tensor and its value (put in place) are both named
+    assert results[0] == {"filled": ["a", "step"], "partly": [], "changed": True, "step": 7}, results[0]
     assert results[1]["filled"] == [] and results[1]["partly"] == [] and not results[1]["changed"], results[1]

@@ -822,7 +822,9 @@ def test_ls_of_a_local_tier_with_a_remote_root_that_is_not_its_remote_tier_says_
                                str(remote), *extra], capture_output=True, text=True, timeout=120)
     ok = ls(tmp_path / "a" / "remote")
     assert ok.returncode == 0 and "NOT PAIRED" not in ok.stderr, ok.stderr
-    for other, said in ((tmp_path / "b" / "remote", "holds tier"), (tmp_path / "a" / "typo", "no tier identity")):
+    (tmp_path / "a_file").write_text("x")
+    for other, said in ((tmp_path / "b" / "remote", "holds tier"), (tmp_path / "a" / "typo", "no tier identity"),
+                        (tmp_path / "a_file", "cannot hold a tier")):
         got = ls(other)
         assert got.returncode == 1 and "NOT PAIRED" in got.stderr and said in got.stderr, (other, got.stderr)
         doc = json.loads(ls(other, "--json").stdout)
@@ -867,3 +869,56 @@ def test_a_read_only_remote_tier_is_refused_at_construction_with_the_way_to_load
         distckpt.load(out, str(ro / "step_00000001"))
     finally:
         subprocess.run(["umount", "-l", str(ro)], timeout=60)
+
+
+def test_a_saves_reclaim_never_takes_a_records_temporary_for_a_dead_saves(tmp_path, monkeypatch):
+    """A tiered save reclaims dead leftovers of every step. Its first version reclaimed every
+    name, and the drained record, which the drain thread replaces (a temporary, then a rename)
+    without the root lock, leaves a temporary of the same form (``..distckpt-tier-drained.tmp-*``):
+    a save that ran meanwhile deleted it and the record was lost (an outside trial). Only steps'
+    leftovers are reclaimed now."""
+    import threading
+
+    from distckpt.storage.posix import store as posix_store
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    real = posix_store.PosixStore.replace_pointer
+    held, go = threading.Event(), threading.Event()
+
+    def slow(self, path, data):   # the drained record's temporary stays while a save reclaims
+        if path.endswith(".distckpt-tier-drained"):
+            tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{'0' * 32}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            held.set()
+            go.wait(30)
+            os.replace(tmp, path)
+            return None
+        return real(self, path, data)
+    monkeypatch.setattr(posix_store.PosixStore, "replace_pointer", slow)
+    with TieredCheckpointManager(local, remote, keep_last_local=5) as mgr:
+        mgr.save(1, _state(1))
+        assert held.wait(60)
+        mgr.save(2, _state(2))        # reclaims while the record's temporary is there
+        go.set()
+        mgr.wait_durable(2, timeout=60)
+    lines = (local / ".distckpt-tier-drained").read_text().splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["1", "2"], lines
+
+
+def test_load_of_a_step_whose_async_save_is_in_flight_waits_for_it_and_status_names_a_damaged_copy(tmp_path):
+    """load(step=N) right after save(N, blocking=False) raised CheckpointNotFoundError ("no node's
+    local directory does"), silent about the save in flight; and status(N) of a step whose local
+    MANIFEST does not decode raised ManifestCorruptError where a load passes that copy over (a
+    re-trial). The load now waits for this manager's async save of the step; status says
+    ``damaged``."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote, keep_last_local=5) as mgr:
+        mgr.save(1, _state(1), blocking=False)
+        out = {"w": torch.zeros(1 << 16), "b": torch.zeros(7, dtype=torch.int64), "step": -1}
+        mgr.load(out, step=1)
+        assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"])
+        mgr.wait_durable(1, timeout=60)
+        manifest = local / "step_00000001" / "MANIFEST"
+        manifest.write_bytes(manifest.read_bytes()[:40])
+        st = mgr.status(1)
+        assert st.local == "damaged" and st.remote == "committed", st

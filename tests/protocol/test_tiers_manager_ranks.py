@@ -782,3 +782,30 @@ def test_a_drain_after_the_job_destroyed_its_group_fails_as_a_destroyed_group(tm
         assert r["state"] == "failed" and r["error"] == "ProcessGroupDestroyedError", (rank, r)
         assert not r["alive"] and "close()" in r["remedy"], (rank, r)
         assert os.path.exists(tmp_path / f"node{rank}" / "step_00000001" / "MANIFEST")
+
+
+def _step_path_not_a_directory_body(rank: int, world_size: int, tmp: str) -> dict:
+    import shutil
+
+    from distckpt.tiers import TieredCheckpointManager
+    local, remote = _step_one_on_every_tier(rank, tmp, keep_last_local=2, replicas=1)
+    if rank == 1:   # node 1's step directory replaced by a regular file
+        shutil.rmtree(os.path.join(local, "step_00000001"))
+        with open(os.path.join(local, "step_00000001"), "w") as f:
+            f.write("not a directory")
+    torch.distributed.barrier()
+    out = {f"w{rank}": torch.zeros(1 << 14), "step": -1}
+    with TieredCheckpointManager(local, remote, keep_last_local=2, replicas=1) as mgr:
+        result = mgr.load(out)
+    return {"exact": out["step"] == 1 and torch.equal(out[f"w{rank}"], _state(1, rank)[f"w{rank}"]),
+            "remote_bytes": result.bytes_by_tier["remote"]}
+
+
+def test_a_node_whose_step_path_cannot_take_the_fetched_files_reads_them_from_the_remote_tier(tmp_path):
+    """Node 1's step path is a regular file: the files its rank fetched from node 0's replicas
+    could not be installed (ENOTDIR), and the whole load failed on every rank although the
+    remote tier held the step (an outside trial). Such a failure of the fetch is now logged and
+    what the node lacks is read from the remote tier; the load is exact."""
+    results = run_ranks(_step_path_not_a_directory_body, 2, str(tmp_path), timeout=240)
+    assert all(r["exact"] for r in results), results
+    assert results[1]["remote_bytes"] > 0 and results[0]["remote_bytes"] == 0, results

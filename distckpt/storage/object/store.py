@@ -791,12 +791,15 @@ class ObjectStore(Store):
             return []
         return sorted(_basename(e["name"]) for e in entries if e.get("type") == "directory")
 
-    def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
+    def reclaim(self, root: str, *, other_hosts: bool = False,
+                only: Callable[[str], bool] | None = None) -> list[str]:
         """Reclaim dead leftovers under every child of ``root`` (a manager root) that may hold
-        one (:meth:`_unclean_children`). ``other_hosts`` is moot: a lease says whether its save
-        lives, from any host."""
+        one (:meth:`_unclean_children`; those ``only`` accepts). ``other_hosts`` is moot: a
+        lease says whether its save lives, from any host."""
         removed = []
         for name in self._unclean_children(root):
+            if only is not None and not only(name):
+                continue
             removed += self.reclaim_checkpoint(join(root, name), root_lock=join(root, ROOT_LOCK_NAME))
         return removed
 

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import socket
+from typing import Callable
 
 from ...errors import from_os_error
 from ..base import ROOT_LOCK_NAME, Leftover
@@ -113,9 +114,11 @@ def saves_of(parent: str, name: str) -> list[tuple[Leftover, int]]:
             if lo.kind == "tmp" and lo.name == name and os.path.isdir(lo.path)]
 
 
-def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool = False) -> list[str]:
+def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool = False,
+                     only: Callable[[str], bool] | None = None) -> list[str]:
     """Delete the leftovers of *dead* saves and deletions in ``parent`` (``.NAME.tmp-*`` /
-    ``.NAME.del-*`` and stale ``.NAME.lock`` files; all names when ``name`` is None). A leftover
+    ``.NAME.del-*`` and stale ``.NAME.lock`` files; all names when ``name`` is None, those
+    ``only`` accepts when it is given). A leftover
     whose save is alive (its lock is held, by any process) is never touched; one whose liveness
     cannot be decided (another host's, see :mod:`distckpt.storage.posix.savelock`) is left alone and
     logged as a warning unless ``other_hosts``. Committed directories are never touched.
@@ -125,6 +128,8 @@ def reclaim_tmp_dirs(parent: str, name: str | None = None, *, other_hosts: bool 
     with_dirs = {lo.name for lo in leftovers if lo.kind != "lock"}
     for lo in leftovers:
         if name is not None and lo.name not in (name, ""):
+            continue
+        if only is not None and not only(lo.name):
             continue
         if lo.state != "dead":
             kept.append(lo)

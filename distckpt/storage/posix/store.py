@@ -204,5 +204,6 @@ class PosixStore(Store):
         except Exception:  # noqa: BLE001 - no MANIFEST, or an unreadable one: not a checkpoint
             return False
 
-    def reclaim(self, root: str, *, other_hosts: bool = False) -> list[str]:
-        return leftovers.reclaim_tmp_dirs(root, other_hosts=other_hosts)
+    def reclaim(self, root: str, *, other_hosts: bool = False,
+                only: Callable[[str], bool] | None = None) -> list[str]:
+        return leftovers.reclaim_tmp_dirs(root, other_hosts=other_hosts, only=only)
