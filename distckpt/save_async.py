@@ -615,6 +615,22 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, process_group: Any =
                               storage_options=storage_options, stage_in_background=stage_in_background)
 
 
+def _ended_before_staging(handle: "AsyncSaveHandle", exc: BaseException, on_outcome, t_call: float
+                          ) -> "AsyncSaveHandle":
+    """The handle of an async save that failed before its staging (its group, its plan): done
+    with ``exc``, and ``on_outcome`` told, as the save thread tells it of every other outcome (a
+    tiered manager's status said 'saving' for good otherwise)."""
+    handle._finish(None, exc)
+    handle.blocked_seconds = time.perf_counter() - t_call
+    if on_outcome is not None:
+        try:
+            on_outcome(None, exc)
+        except Exception as bookkeeping:  # noqa: BLE001 - bookkeeping must not hide the outcome
+            log.error("distckpt: after the async save to %s: %s: %s", handle.path, type(bookkeeping).__name__,
+                      bookkeeping)
+    return handle
+
+
 def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit: Callable[[], None] | None = None,
                        lock_path: str | None = None,
                        on_outcome: Callable[[SaveResult | None, BaseException | None], None] | None = None,
@@ -661,9 +677,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
             try:
                 fg = ControlGroup(None, 0, 1) if no_dist else control_group(process_group, operation="async_save()", kind="async_save")
             except Exception as exc:
-                handle._finish(None, exc)
-                handle.blocked_seconds = time.perf_counter() - t_call
-                return handle
+                return _ended_before_staging(handle, exc, on_outcome, t_call)
             # The previous save has finished (the gate is ours): its failure, if unseen, is raised
             # here, decided with every rank of fg (they all raise, or none does).
             raise_background_failure(fg)
@@ -679,9 +693,7 @@ def async_save_in_root(state_dict: Any, path: str | os.PathLike, *, after_commit
                 planned = plan_save(fg, state_dict=state_dict, allow_pickle=allow_pickle, metadata=metadata,
                                     path=final_dir, replicated=replicated, shared_path=shared_path)
             except Exception as exc:
-                handle._finish(None, exc)
-                handle.blocked_seconds = time.perf_counter() - t_call
-                return handle
+                return _ended_before_staging(handle, exc, on_outcome, t_call)
             arena, stage_error, interrupted, guard = None, None, None, None
             t_stage = time.perf_counter()
             try:

@@ -922,3 +922,17 @@ def test_load_of_a_step_whose_async_save_is_in_flight_waits_for_it_and_status_na
         manifest.write_bytes(manifest.read_bytes()[:40])
         st = mgr.status(1)
         assert st.local == "damaged" and st.remote == "committed", st
+
+
+def test_an_async_save_that_fails_at_its_plan_is_not_saving_for_ever(tmp_path):
+    """An async tiered save whose plan fails (a value no save can store): the handle ended with
+    the error, but the manager was never told and status(step).local said 'saving' for good (a
+    re-trial). It says 'absent' now, and the handle has the error."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with TieredCheckpointManager(local, remote) as mgr:
+        handle = mgr.save(2, {"w": torch.ones(4), "bad": object()}, blocking=False)
+        handle.wait()
+        assert isinstance(handle.exception(), errors.DistCkptError), handle.exception()
+        assert mgr.status(2).local == "absent", mgr.status(2)
+        mgr.save(3, _state(3))   # the manager goes on
+        assert mgr.status(3).local == "committed"
