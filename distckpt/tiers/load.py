@@ -282,8 +282,11 @@ def _load_tiered(group: ControlGroup, guards: contextlib.ExitStack, state_dict: 
             local_store = open_store(local_path)
             # Guarded from before its MANIFEST is read, so a copy rotated away or replaced while it
             # is read is named as such; a directory that is not there (a replaced node) is read
-            # from nowhere, and a guard would call whatever error the load raises its removal.
-            if local_store.exists(local_path):
+            # from nowhere, and a guard would call whatever error the load raises its removal. Nor
+            # is one without a MANIFEST (an empty directory, a crashed install): nothing is read
+            # from it, and the install of the files fetched from peers replaces it, which the
+            # guard took for a removal mid-read and failed a load that had filled every tensor.
+            if local_store.is_committed(local_path):
                 guards.enter_context(local_store.guard_reads(local_path))
         if remote_path is not None:
             remote_path = normalize_path(remote_path)
