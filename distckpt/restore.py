@@ -471,11 +471,20 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
         # Decoded before any byte is read: a class that cannot be rebuilt fails the load early.
         values = [(item, _object_value(entry, manifest, item.fqn, source.path, allow_pickle)) for item, entry in objects]
         parts = parts_for(tasks) if parts_for is not None else [Part(source.store, source.path, manifest, tasks)]
-        if tracked:
-            nbytes, backend = _fill_chain(source, links, parts, {f: items[f] for f in tracked}, strict,
-                                          allow_pickle, cast, verify, casts, cast_names, mismatched)
-        else:
-            nbytes, backend = fill_parts(parts, verify=verify, exchange=exchange)
+        try:
+            if tracked:
+                nbytes, backend = _fill_chain(source, links, parts, {f: items[f] for f in tracked}, strict,
+                                              allow_pickle, cast, verify, casts, cast_names, mismatched)
+            else:
+                nbytes, backend = fill_parts(parts, verify=verify, exchange=exchange)
+        except DistCkptError as exc:
+            if cast_names and isinstance(getattr(exc, "filled", None), list):
+                # A converted tensor is filled through a buffer in its saved dtype, copied into the
+                # caller's tensor only after the whole fill (below): none of them changed.
+                exc.filled = [k for k in exc.filled if k not in cast_names]
+                exc.partly_filled = [k for k in exc.partly_filled or () if k not in cast_names]
+                exc.details.update(filled=exc.filled, partly_filled=exc.partly_filled)
+            raise
         with torch.no_grad():
             for tmp, dest in casts:
                 dest.copy_(tmp)
@@ -486,10 +495,13 @@ def _load_local(source: Source, manifest: "mf.Manifest | Callable[[list], mf.Man
             if not set_leaf(state_dict, item.path, value):
                 not_replaced.append(item.fqn)
         if not_replaced and strict:
+            # Found once the tensors were filled: the error says so.
+            filled = sorted({t.fqn for t in tasks} | set(tracked))
             raise StateDictMismatchError(
                 f"{len(not_replaced)} value(s) differ from the checkpoint but sit in a tuple at the root of the "
-                f"state dict, which cannot be replaced in place: {not_replaced[:10]}", path=source.path, missing=[],
-                unexpected=[], shape_mismatch={}, dtype_mismatch={},
+                f"state dict, which cannot be replaced in place: {not_replaced[:10]}; the tensors were filled "
+                f"already: {filled[:10]}", path=source.path, missing=[],
+                unexpected=[], shape_mismatch={}, dtype_mismatch={}, filled=filled, partly_filled=[],
                 remedy="Pass a dict (or a list) as the state dict's root.")
     except BaseException:
         restore_statefuls(statefuls, load=False)
@@ -516,6 +528,35 @@ def _fill_chain(source: Source, links: list[ChainLink], parts: list[Part], track
 
     Raises ChainBrokenError for a damaged or missing file of an older link (the base's error
     first), what :func:`fill_parts` raises for the newest link's."""
+    untracked = {t.fqn for part in parts for t in part.tasks}
+    first_pass_done = [False]
+    try:
+        return _fill_chain_passes(source, links, parts, tracked_items, strict, allow_pickle, cast, verify, casts,
+                                  cast_names, mismatched, first_pass_done)
+    except DistCkptError as exc:
+        # What the caller's state dict holds, in its own keys (a delta's row records are the
+        # load's own): a tracked tensor holds the base's bytes, and maybe some deltas' rows, until
+        # every pass is done: partly filled; an untracked one is whole once the first pass was.
+        tracked = set(tracked_items)
+        cause = exc.__cause__ if isinstance(exc, ChainBrokenError) else None
+        if first_pass_done[0]:
+            filled, partly = untracked, tracked
+        else:
+            said = exc if getattr(exc, "filled", None) is not None else cause   # a link's error wraps the fill's
+            own_f = set(getattr(said, "filled", None) or ())
+            own_p = set(getattr(said, "partly_filled", None) or ())
+            filled, partly = own_f & untracked, (own_p & (untracked | tracked)) | (own_f & tracked)
+        for e in (exc, cause):
+            if isinstance(e, DistCkptError):
+                e.filled, e.partly_filled = sorted(filled), sorted(partly)
+                e.details.update(filled=e.filled, partly_filled=e.partly_filled)
+        raise
+
+
+def _fill_chain_passes(source: Source, links: list[ChainLink], parts: list[Part], tracked_items: dict, strict: bool,
+                       allow_pickle: bool, cast: str, verify: bool, casts: list, cast_names: dict,
+                       mismatched: dict, first_pass_done: list) -> tuple[int, str | None]:
+    """:func:`_fill_chain`'s passes (``first_pass_done[0]`` set once the first one completed)."""
     base = links[-1]
     tasks, _objects, _missing, _unexpected, base_mismatched, base_casts, base_names, _unin = _plan_tasks(
         base.manifest, tracked_items, strict, allow_pickle, base.path, cast)
@@ -542,15 +583,11 @@ def _fill_chain(source: Source, links: list[ChainLink], parts: list[Part], track
                 nbytes, backend = fill_parts(parts, verify=verify)
             finally:
                 th.join()
+            first_pass_done[0] = True
             if "e" in planned:
                 # The deltas' records were refused after the base pass filled its tensors (the
-                # plan runs beside it): the error says which tensors hold the base's bytes now.
-                exc = planned["e"]
-                if isinstance(exc, DistCkptError) and "filled" not in exc.details:
-                    filled = sorted({t.fqn for part in parts for t in part.tasks})
-                    exc.filled, exc.partly_filled = filled, []
-                    exc.details.update(filled=filled, partly_filled=[])
-                raise exc
+                # plan runs beside it): _fill_chain's error says which tensors hold what.
+                raise planned["e"]
             reads, id_bytes = planned["v"]
             rows = [Part(source.store, path, manifest, box_tasks(path, manifest, reqs)) for path, manifest, reqs in reads]
             return nbytes + id_bytes + fill_parts(rows, verify=verify)[0], backend

@@ -711,3 +711,71 @@ def test_each_rank_of_a_failed_load_says_what_its_own_state_dict_holds(tmp_path)
     # rank 0's load completed: its tensor and its value (put in place) are both named
     assert results[0] == {"filled": ["a", "step"], "partly": [], "changed": True, "step": 7}, results[0]
     assert results[1]["filled"] == [] and results[1]["partly"] == [] and not results[1]["changed"], results[1]
+
+
+def test_a_failed_load_never_names_a_tensor_filled_through_a_conversion_buffer_or_a_tuple_roots_fill(tmp_path):
+    """A tensor loaded in another dtype is filled through a buffer in its saved dtype, copied in
+    only after the whole fill: a fill that failed on another tensor listed it as filled while it
+    was untouched. And a tuple root whose value cannot be replaced raised after its tensors were
+    filled, naming none (a re-trial)."""
+    g = torch.Generator().manual_seed(4)
+    src = {"a": torch.randn(1 << 18, generator=g).to(torch.bfloat16), "b": torch.randn(1 << 18, generator=g)}
+    path = str(tmp_path / "cast")
+    distckpt.save(src, path, no_dist=True)
+    chunk = load_manifest(path).tensors["b"].chunks[0]
+    data = tmp_path / "cast" / "rank00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[chunk.offset + chunk.nbytes - 8] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    dst = {"a": torch.full((1 << 18,), -7.0), "b": torch.full((1 << 18,), -7.0)}
+    with pytest.raises(E.ChecksumMismatchError) as info:
+        distckpt.load(dst, path)
+    assert "a" not in info.value.filled + info.value.partly_filled and bool((dst["a"] == -7).all()), info.value
+
+    tup = str(tmp_path / "tuple")
+    distckpt.save((torch.arange(4.0), 5), tup, no_dist=True)
+    mine = (torch.zeros(4), 6)
+    with pytest.raises(E.StateDictMismatchError) as info:
+        distckpt.load(mine, tup)
+    assert info.value.filled == ["0"] and torch.equal(mine[0], torch.arange(4.0)), info.value
+
+
+@pytest.mark.parametrize("damage", ["newest-rows", "older-rows", "base"])
+def test_a_failed_chain_load_names_what_each_tensor_holds(tmp_path, damage):
+    """An incremental chain (full step 1, deltas 2 and 3) whose load fails: a failure in the rows
+    pass said filled=[] while 'dense' held the checkpoint and 'emb' the base's rows (or named a
+    delta's own record as partly filled), and a broken older link said nothing at all (a
+    re-trial). An untracked tensor is filled once the first pass was; a tracked one, holding the
+    base and maybe some rows, is partly filled; nothing else changed."""
+    from distckpt.incremental import IncrementalPolicy
+    root = str(tmp_path / "chain")
+    mgr = distckpt.CheckpointManager(root, keep_last=5, incremental=IncrementalPolicy(
+        rows={"emb": 0}, full_every=8, max_delta_fraction=0.9, max_chain_fraction=0.9))
+    g = torch.Generator().manual_seed(2)
+    sd = {"emb": torch.randn(64, 16, generator=g), "dense": torch.randn(32, generator=g), "step": 1}
+    want = {}
+    for step in (1, 2, 3):
+        sd["emb"][step * 3] += 1.0
+        sd["dense"] += 1.0
+        sd["step"] = step
+        mgr.save(step, sd)
+        want[step] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    victim = mgr.path({"newest-rows": 3, "older-rows": 2, "base": 1}[damage])
+    man = load_manifest(victim)
+    data = os.path.join(victim, "rank00000.bin")
+    raw = bytearray(open(data, "rb").read())
+    for key, entry in man.tensors.items():
+        if (damage == "base" and key == "emb") or (damage != "base" and key.endswith(".rows")):
+            raw[entry.chunks[0].offset] ^= 0xFF
+    open(data, "wb").write(bytes(raw))
+    dst = {"emb": torch.full((64, 16), -7.0), "dense": torch.full((32,), -7.0), "step": -7}
+    with pytest.raises(E.DistCkptError) as info:
+        distckpt.load(dst, mgr.path(3))
+    filled, partly = info.value.filled, info.value.partly_filled
+    assert set(filled) | set(partly) <= {"emb", "dense", "step"}, (filled, partly)
+    for key in ("emb", "dense"):
+        if key in filled:
+            assert torch.equal(dst[key], want[3][key]), key
+        elif key not in partly:
+            assert bool((dst[key] == -7).all()), key
+    assert "dense" in filled and dst["step"] == -7, (filled, partly)
