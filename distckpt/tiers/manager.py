@@ -142,6 +142,24 @@ def _outage(exc: BaseException) -> bool:
         isinstance(exc, ObjectStoreError) and (getattr(exc, "status", None) or 0) >= 500)
 
 
+def _filled_by_every_try(error: BaseException, earlier: list) -> None:
+    """Set ``error``'s ``filled`` / ``partly_filled`` (the last try of a load of one save) to
+    what every try of it left: a key an earlier try filled holds verified bytes of that same save
+    whatever the later tries did (they write only verified bytes of it too), so it is filled; a
+    key only ever partly written is partly filled. Left alone when some try cannot tell (None)."""
+    tries = [e for e in [*earlier, error] if isinstance(e, DistCkptError)]
+    if not tries or any(getattr(e, "filled", None) is None for e in tries):
+        return
+    filled = set().union(*(e.filled for e in tries))
+    partly = set().union(*(e.partly_filled or () for e in tries)) - filled
+    if filled != set(error.filled) or partly != set(error.partly_filled or ()):
+        # Its message speaks of its own try only.
+        error.add_note(f"distckpt: with the earlier tries of this load, filled with verified bytes of the save: "
+                       f"{sorted(filled)[:20]}, partly: {sorted(partly)[:20]}")
+    error.filled, error.partly_filled = sorted(filled), sorted(partly)
+    error.details.update(filled=error.filled, partly_filled=error.partly_filled)
+
+
 def _passed_over(result: LoadResult, passed: dict[int, str]) -> LoadResult:
     """``result`` with the steps a load passed over (LoadResult.passed_over)."""
     return dataclasses.replace(result, passed_over=dict(sorted(passed.items()))) if passed else result
@@ -1486,9 +1504,11 @@ class TieredCheckpointManager:
                                  storage_options=self.storage_options, process_group=self.process_group,
                                  layout=self._layout, damaged=damaged, **kwargs)
         except (ChecksumMismatchError, DataFileTruncatedError, TierIncompleteError, CheckpointNotFoundError) as again:
+            _filled_by_every_try(again, [exc])
             if not remote_up:
                 exc.add_note(f"distckpt: no other node holds a verified copy of the damaged files ({type(again).__name__}: "
                              f"{getattr(again, 'message', again)}), and the remote tier did not answer")
+                _filled_by_every_try(exc, [again])
                 raise exc from None
             # Verified bytes only ever reached the state dict, and the remote tier holds the
             # step: read it all from there (the same save: a tiered load's reference is the
@@ -1499,7 +1519,11 @@ class TieredCheckpointManager:
                 return load_tiered(state_dict, local_path=None, remote_path=self.remote_path(step),
                                    storage_options=self.storage_options, process_group=self.process_group, **kwargs)
             except (TierIncompleteError, CheckpointNotFoundError):
+                _filled_by_every_try(exc, [again])
                 raise exc from None  # the remote tier does not hold the step: the damage stands
+            except DistCkptError as last:
+                _filled_by_every_try(last, [exc, again])
+                raise
         if not remote_up:
             result = dataclasses.replace(result, remote_unchecked=self._remote_down)
         return result

@@ -936,3 +936,33 @@ def test_an_async_save_that_fails_at_its_plan_is_not_saving_for_ever(tmp_path):
         assert mgr.status(2).local == "absent", mgr.status(2)
         mgr.save(3, _state(3))   # the manager goes on
         assert mgr.status(3).local == "committed"
+
+
+def test_a_load_that_fails_on_every_tier_names_what_its_earlier_tries_filled(tmp_path):
+    """The local copy damaged in 'b', the remote copy in 'a': the first (local) try fills 'a',
+    the retries from the remote tier fail on 'a', and the error said filled=[] while 'a' held
+    verified bytes of the save (a re-trial). The error now names what every try left."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    g = torch.Generator().manual_seed(1)
+    sd = {"a": torch.randn(1 << 20, generator=g), "b": torch.randn(1 << 20, generator=g), "step": 1}
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        mgr.save(1, sd)
+        mgr.wait_durable(1, timeout=60)
+    from distckpt.restore import load_manifest
+    for root, key in ((local, "b"), (remote, "a")):
+        chunk = load_manifest(str(root / "step_00000001")).tensors[key].chunks[0]
+        path = root / "step_00000001" / "rank00000.bin"
+        raw = bytearray(path.read_bytes())
+        raw[chunk.offset + chunk.nbytes - 100] ^= 1
+        path.write_bytes(bytes(raw))
+    out = {"a": torch.full((1 << 20,), -7.0), "b": torch.full((1 << 20,), -7.0), "step": -7}
+    with TieredCheckpointManager(local, remote, keep_last_local=3) as mgr:
+        with pytest.raises(errors.ChecksumMismatchError) as info:
+            mgr.load(out, step=1)
+    filled, partly = info.value.filled, info.value.partly_filled
+    for key in ("a", "b"):
+        if key in filled:
+            assert torch.equal(out[key], sd[key]), key
+        elif key not in partly:
+            assert bool((out[key] == -7).all()), (key, filled, partly)
+    assert "a" in filled, (filled, partly)   # the first, local try filled it
