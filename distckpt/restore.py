@@ -671,7 +671,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, process_group: Any = None,
         # its rank is recorded by raise_failures
         error = typed_memory_error(exc)
         if result is not None and isinstance(exc, CheckpointRemovedError):
-            _filled_before_removal(exc, state_dict, result)
+            _filled_before_removal(exc, state_dict, result, checked=source.format == "distckpt")
     if exchange is not None:
         try:
             exchange.finish(error)
@@ -694,10 +694,10 @@ def exchange_load_outcome(group: Any, error: BaseException | None, result: "Load
     try:
         group.exchange_outcome(error, operation="load")
     except DistCkptError as exc:
-        if result is not None:
-            filled, partly = _filled_keys(state_dict, result), []
-        elif error is not None and getattr(error, "filled", None) is not None:
+        if error is not None and getattr(error, "filled", None) is not None:
             filled, partly = error.filled, getattr(error, "partly_filled", None)
+        elif result is not None and error is None:
+            filled, partly = _filled_keys(state_dict, result), []
         elif error is None:
             filled, partly = [], []   # this rank's load stopped before a byte moved (another rank's failure)
         elif exc is error:
@@ -709,17 +709,26 @@ def exchange_load_outcome(group: Any, error: BaseException | None, result: "Load
         raise
 
 
-def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result: LoadResult) -> None:
+def _filled_before_removal(exc: CheckpointRemovedError, state_dict: Any, result: LoadResult, *,
+                           checked: bool) -> None:
     """The load had finished when the checkpoint was found removed or replaced (the guard's last
-    look): every tensor it was asked for holds verified bytes of the checkpoint as its MANIFEST
-    said at the start, and its values are in place. The error says so (``filled``), as a failed
-    fill's does, so the caller knows its state dict changed."""
-    filled = _filled_keys(state_dict, result)
-    exc.filled, exc.partly_filled = filled, []
-    exc.details.update(filled=filled, partly_filled=[])
-    exc.message = (f"{exc.message}; the load had finished before this was seen: {len(filled)} tensor(s) "
-                   f"{filled[:10]} hold verified bytes of the checkpoint as it was when the load began, and its "
-                   f"non-tensor values were put in place")
+    look). ``checked`` (distckpt's own files, every block verified against the MANIFEST read at
+    the start): every key it was asked for holds the checkpoint as it was when the load began:
+    ``filled``. Otherwise (a DCP or Hugging Face checkpoint, no checksums, its files rewritten in
+    place) each key holds bytes read from the files as they were at some point of the load,
+    perhaps some of each version: ``partly_filled``, never called the checkpoint's. Either way
+    the caller learns that its state dict changed."""
+    keys = _filled_keys(state_dict, result)
+    filled, partly = (keys, []) if checked else ([], keys)
+    exc.filled, exc.partly_filled = filled, partly
+    exc.details.update(filled=filled, partly_filled=partly)
+    if checked:
+        said = (f"{len(keys)} key(s) {keys[:10]} hold verified bytes of the checkpoint as it was when the load "
+                f"began (non-tensor values put in place)")
+    else:
+        said = (f"{len(keys)} key(s) {keys[:10]} changed, each holding what its files held when read, which may "
+                f"mix the checkpoint's versions (it has no checksums to tell): partly filled")
+    exc.message = f"{exc.message}; the load had finished before this was seen: {said}"
     exc.args = (exc.message,)
 
 

@@ -467,3 +467,36 @@ def test_the_read_guard_watches_the_checkpoints_files_only_and_their_change_time
     monkeypatch.setattr(hf, "load_manifest", rewrite_keeping_mtime)
     with pytest.raises(CheckpointRemovedError, match="changed while it was being read"):
         distckpt.read(str(tmp_path))
+
+
+def test_a_directory_rewritten_in_place_during_a_load_never_calls_what_it_read_the_checkpoint(tmp_path, monkeypatch):
+    """A Hugging Face directory whose second shard is rewritten in place (same size) while a load
+    reads it: the guard sees the change once the load finished, and the error listed every key as
+    filled with "verified bytes of the checkpoint as it was", while one held the rewritten bytes (a
+    re-trial): a file without checksums cannot tell. Every key is partly filled now."""
+    import distckpt.fill as F
+    from safetensors.torch import save_file
+
+    from distckpt.errors import CheckpointRemovedError
+    g = torch.Generator().manual_seed(0)
+    src = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(4)}
+    save_file({"t0": src["t0"], "t1": src["t1"]}, str(tmp_path / "a.safetensors"))
+    save_file({"t2": src["t2"], "t3": src["t3"]}, str(tmp_path / "b.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "t0": "a.safetensors", "t1": "a.safetensors", "t2": "b.safetensors", "t3": "b.safetensors"}}))
+    real, calls = F._run_pipeline, []
+
+    def rewrite_b_after_a(path, segs, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            b = tmp_path / "b.safetensors"
+            data = bytearray(b.read_bytes())
+            data[-1000] ^= 0xFF
+            b.write_bytes(bytes(data))
+        return real(path, segs, *args, **kwargs)
+    monkeypatch.setattr(F, "_run_pipeline", rewrite_b_after_a)
+    dst = {k: torch.full((1 << 18,), -7.0) for k in src}
+    with pytest.raises(CheckpointRemovedError) as info:
+        distckpt.load(dst, str(tmp_path))
+    assert len(calls) >= 2 and info.value.filled == [] and info.value.partly_filled == sorted(src), info.value
+    assert "partly filled" in str(info.value)
