@@ -696,7 +696,9 @@ def exchange_load_outcome(group: Any, error: BaseException | None, result: "Load
     except DistCkptError as exc:
         if error is not None and getattr(error, "filled", None) is not None:
             filled, partly = error.filled, getattr(error, "partly_filled", None)
-        elif result is not None and error is None:
+        elif result is not None:
+            # This rank's load finished (its error, if any, came after: a peer lost while the
+            # read-once exchange was joined): every key it was asked for is filled.
             filled, partly = _filled_keys(state_dict, result), []
         elif error is None:
             filled, partly = [], []   # this rank's load stopped before a byte moved (another rank's failure)

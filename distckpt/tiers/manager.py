@@ -889,7 +889,7 @@ class TieredCheckpointManager:
         what a listing or this manager's own drain showed on the remote tier: a record is not
         proof that the remote tier still holds the step. Collective (one all-gather): the same
         list on every rank."""
-        recorded: dict[int, str] | BaseException = {}
+        recorded: dict[int, str] = {}
         if self._layout.is_leader:
             try:
                 tier = tier_id(self._local_store.read_pointer(join(self.local_root, TIER_RECORD_NAME)))
