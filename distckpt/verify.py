@@ -404,16 +404,14 @@ def _check_values(manifest: "mf.Manifest", report: VerifyReport) -> None:
     imported): one that no save writes (a dict key twice, a device string torch cannot parse,
     numpy bytes that are not its shape) is a problem of the MANIFEST, so that verify fails what
     load refuses. A value whose class is not imported in this process (UnsupportedValueError) is
-    no damage and is not reported; pickled values are not unpickled, and neither is a DCP value
-    that torch.load(weights_only=True) refuses (PickleNotAllowedError: an io.BytesIO a dataloader
-    saved through dcp.save is a valid checkpoint, which verify refused with exit 1)."""
-    from .errors import ManifestCorruptError, PickleNotAllowedError, UnsupportedValueError
+    no damage and is not reported; pickled values are not unpickled."""
+    from .errors import ManifestCorruptError, UnsupportedValueError
     from .values import decode_value
 
     for fqn, entry in manifest.objects.items():
         try:
             decode_value(entry.kind, entry.value, fqn=fqn)
-        except (UnsupportedValueError, PickleNotAllowedError):
+        except UnsupportedValueError:
             continue
         except ManifestCorruptError as exc:
             report.file_problems.append(FileProblem(mf.MANIFEST_NAME, exc.message))

@@ -78,7 +78,7 @@ def pairing_problem(local: str | os.PathLike, remote: str | os.PathLike, *,
     try:
         found = tier_id(open_store(remote, storage_options).read_pointer(join(remote, TIER_ID_NAME)))
     except DistCkptError as exc:
-        if not isinstance(exc, StorageError) or isinstance(exc, (ObjectStoreError,)):
+        if not isinstance(exc, StorageError) or isinstance(exc, ObjectStoreError):
             raise
         # A local path that is no directory (a regular file): no tier there at all.
         return (f"the local tier drains to tier {mine}" + (f" at {paired_root}" if paired_root else "") +
